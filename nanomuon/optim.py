@@ -1,0 +1,830 @@
+"""
+Fused Muon + AdamW: MuonAdamW on one device, DistMuonAdamW for data parallel training (ZeRO-2).
+
+Muon (https://kellerjordan.github.io/posts/muon/) trains weight matrices with an orthogonalized
+momentum; embeddings, the output head and gains train with AdamW. Param groups say which with
+`kind`, nanochat's convention, so nanochat-style groups work unchanged:
+
+    dict(kind='adamw', params=[...], lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+    dict(kind='muon',  params=[...], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+
+Optional muon keys; their defaults reproduce nanochat:
+    nesterov=True           Nesterov momentum (False: plain heavy-ball momentum).
+    cautious_wd=True        decay only where update and weight agree in sign (False: plain decoupled decay).
+    ns_coefficients='polar_express'   'polar_express', 'jordan' (Keller Jordan's NS5 triple), or a list of (a, b, c).
+    ns_precision='auto'     'bf16' | 'fp32' | 'auto': bf16 on CUDA as nanochat does, fp32 elsewhere, because
+                            CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32.
+Any optional group key may be 'name', a label used in error messages.
+
+The update math is written once, in adamw_update() and muon_update(); both classes call those same
+functions, eagerly or through torch.compile, so the single-device and distributed paths cannot drift.
+Hyperparameters reach the compiled functions as 0-D CPU tensors so LR schedules never recompile.
+"""
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# -----------------------------------------------------------------------------
+# The math. Every function here takes hyperparameters as Python floats (eager) or as 0-D CPU tensors
+# (compiled), and uses only operations that accept both.
+
+# Polar Express (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932): one quintic
+# (a, b, c) per iteration, computed for 5 iterations with safety factor 2e-2 and cushion 2.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+# Keller Jordan's NS5 triple, used for every iteration (torch.optim.Muon's default).
+JORDAN_NS5 = (3.4445, -4.7750, 2.0315)
+
+# name -> (coefficients, norm safety factor, eps). The input is scaled by 1 / (||X||_F * safety + eps)
+# so its spectral norm is below 1 before iterating; Polar Express was tuned with a 1.02 cushion.
+COEFFICIENT_SETS = {
+    "polar_express": (POLAR_EXPRESS, 1.02, 1e-6),
+    "jordan": ((JORDAN_NS5,), 1.0, 1e-7),
+}
+
+
+def ns_coefficients(spec, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float, float]:
+    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps)."""
+    if isinstance(spec, str):
+        triples, safety, eps = COEFFICIENT_SETS[spec]
+    else:
+        triples, safety, eps = tuple(tuple(float(x) for x in t) for t in spec), 1.0, 1e-7
+    if len(triples) == 1:  # a single triple is applied at every iteration
+        triples = triples * ns_steps
+    return tuple(triples[:ns_steps]), safety, eps
+
+
+def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype) -> Tensor:
+    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, computed in `dtype`.
+
+    Each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
+    values. Work on the wide orientation (rows <= cols) so A is the smaller Gram matrix; the two
+    baddbmm calls fold the scale-and-add into the matmuls, so an iteration is exactly three matmuls.
+    """
+    shape = G.shape
+    X = G.to(dtype).reshape(-1, shape[-2], shape[-1])
+    tall = shape[-2] > shape[-1]
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * safety + eps)
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    if tall:
+        X = X.mT
+    return X.reshape(shape)
+
+
+def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) -> Tensor:
+    """Factored second-moment normalization (NorMuon-style), as nanochat does it.
+
+    Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
+    column for wide ones), divides by its square root, then rescales so the update keeps the
+    Frobenius norm it had after orthogonalization.
+    """
+    v_mean = g.float().square().mean(dim=red_dim, keepdim=True)
+    red_size = g.size(red_dim)
+    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * red_size).sqrt()
+    second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
+    step_size = second_moment.clamp_min(1e-10).rsqrt()
+    v_norm_new = ((v_mean * red_size) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
+
+
+def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
+                momentum, lr, wd, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
+                nesterov: bool, cautious_wd: bool) -> None:
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params.
+
+    momentum -> orthogonalize -> variance reduction (if second_moment is given) -> weight decay + update.
+    `lr` already includes the shape multiplier; weight decay is scaled by that same lr (nanochat's
+    convention; torch.optim.Muon scales decay by the unadjusted lr). `grads` is overwritten.
+    """
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    g = grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
+    g = orthogonalize(g, coeffs, safety, eps, ns_dtype).to(params.dtype)
+    if second_moment is not None:
+        red_dim = -1 if params.size(-2) >= params.size(-1) else -2
+        g = variance_reduction(g, second_moment, beta2, red_dim)
+    decay = params * (lr * wd)
+    if cautious_wd:
+        decay = decay * ((g * params) >= 0)
+    params.sub_(g * lr + decay)
+
+
+def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                 step, lr, beta1, beta2, eps, wd) -> None:
+    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p."""
+    p.mul_(1 - lr * wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt() + eps
+    p.sub_(exp_avg / denom * (lr / bias1))
+
+
+def muon_lr_multiplier(shape) -> float:
+    """sqrt(max(1, rows/cols)): keeps the update's RMS per input dim the same for tall matrices."""
+    return max(1.0, shape[-2] / shape[-1]) ** 0.5
+
+
+def ns_flops(shape, ns_steps: int) -> float:
+    """Newton-Schulz FLOPs for one param: 4 m^2 n + 2 m^3 per iteration and matrix, m <= n."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def assign_owners(costs: list[float], world_size: int) -> list[int]:
+    """Longest-processing-time greedy: each item (largest first) goes to the least loaded rank.
+
+    Deterministic (ties break by item index, then rank), so every rank computes the same plan.
+    """
+    loads = [0.0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[i] = r
+        loads[r] += costs[i]
+    return owners
+
+
+_compiled: dict = {}
+
+
+def _kernel(fn, compiled: bool):
+    """fn itself, or its torch.compile'd twin (built once per process)."""
+    if not compiled:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _compiled[fn]
+
+
+# -----------------------------------------------------------------------------
+# Param group checks. Every message names the group, the parameter and the fix.
+
+REQUIRED_KEYS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay"),
+    "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay"),
+}
+OPTIONAL_KEYS = {
+    "adamw": {},
+    "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto"},
+}
+# Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
+PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _group_label(i: int, group: dict) -> str:
+    name = f" '{group['name']}'" if "name" in group else ""
+    return f"param group {i}{name} (kind={group.get('kind')!r})"
+
+
+def _check_number(label, key, value, lo=0.0, hi=math.inf, hi_open=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and lo <= value and (value < hi if hi_open else value <= hi)
+    if not ok:
+        bound = f"in [{lo}, {hi})" if hi_open else (f"in [{lo}, {hi}]" if hi != math.inf else f">= {lo}")
+        raise ValueError(f"{label}: {key}={value!r} must be a finite number {bound}; fix the value you pass "
+                         f"(or your LR schedule, if it sets {key})")
+
+
+def check_group_values(i: int, group: dict) -> None:
+    """Hyperparameter checks; cheap, so they also run at every step (schedules edit groups)."""
+    label = _group_label(i, group)
+    kind = group.get("kind")
+    if kind not in REQUIRED_KEYS:
+        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; add kind='adamw' or kind='muon' to the group")
+    missing = [k for k in REQUIRED_KEYS[kind] if k not in group]
+    if missing:
+        raise ValueError(f"{label}: missing {missing}; a {kind} group needs {list(REQUIRED_KEYS[kind])}")
+    _check_number(label, "lr", group["lr"])
+    _check_number(label, "weight_decay", group["weight_decay"])
+    if kind == "adamw":
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"{label}: betas={betas!r} must be a pair (beta1, beta2), e.g. betas=(0.9, 0.95)")
+        _check_number(label, "betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+        _check_number(label, "betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+        _check_number(label, "eps", group["eps"])
+        return
+    _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
+    if group["beta2"] is not None:
+        _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
+    steps = group["ns_steps"]
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
+    spec = group.get("ns_coefficients", "polar_express")
+    if isinstance(spec, str):
+        if spec not in COEFFICIENT_SETS:
+            raise ValueError(f"{label}: ns_coefficients={spec!r} is unknown; use one of {list(COEFFICIENT_SETS)} "
+                             "or a list of (a, b, c) triples")
+        available = len(COEFFICIENT_SETS[spec][0])
+    else:
+        try:
+            available = len(spec)
+            ok = available >= 1 and all(len(t) == 3 and all(math.isfinite(float(x)) for x in t) for t in spec)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{label}: ns_coefficients must be a name or a non-empty list of finite (a, b, c) "
+                             f"triples, got {spec!r}")
+    if available > 1 and steps > available:
+        raise ValueError(f"{label}: ns_steps={steps} but ns_coefficients={spec if isinstance(spec, str) else 'list'} "
+                         f"has {available} per-iteration triples; use ns_steps <= {available}")
+    if group.get("ns_precision", "auto") not in ("auto", *NS_DTYPES):
+        raise ValueError(f"{label}: ns_precision={group['ns_precision']!r} must be 'auto', 'bf16' or 'fp32'")
+    for key in ("nesterov", "cautious_wd"):
+        if not isinstance(group.get(key, True), bool):
+            raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
+
+
+def check_group(i: int, group: dict) -> None:
+    """Full check of a new group: structure, keys, values and every parameter."""
+    if not isinstance(group, dict):
+        raise TypeError(f"param group {i}: expected a dict with 'kind' and 'params', got {type(group).__name__}")
+    label = _group_label(i, group)
+    if "params" not in group:
+        raise ValueError(f"{label}: missing 'params'; give the list of parameters this group trains")
+    check_group_values(i, group)
+    kind = group["kind"]
+    unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(OPTIONAL_KEYS[kind])
+    if unknown:
+        allowed = sorted(set(REQUIRED_KEYS[kind]) | set(OPTIONAL_KEYS[kind]) | {"name"})
+        raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
+    for j, p in enumerate(group["params"]):
+        where = f"{label}, param {j}"
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{where}: expected a torch.Tensor (nn.Parameter), got {type(p).__name__}")
+        if not p.is_floating_point():
+            raise TypeError(f"{where}: dtype {p.dtype} is not supported; parameters must be real floating point "
+                            "(complex and integer tensors cannot be trained here)")
+        if kind == "muon" and p.ndim < 2:
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs matrices "
+                             "(>= 2 dims; extra leading dims are a batch). Move it to an adamw group.")
+
+
+def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:
+    g = p.grad
+    where = f"{_group_label(i, group)}, param {j}"
+    if g.is_sparse:
+        raise ValueError(f"{where}: sparse gradients are not supported; use a dense nn.Embedding (sparse=False)")
+    if g.is_complex():
+        raise ValueError(f"{where}: complex gradients are not supported")
+    if g.shape != p.shape:
+        raise ValueError(f"{where}: grad shape {tuple(g.shape)} differs from param shape {tuple(p.shape)}")
+
+
+def buckets(params: list[Tensor]) -> list[list[int]]:
+    """Indices of params grouped by (shape, dtype, device), in order of first appearance."""
+    by_key = defaultdict(list)
+    for i, p in enumerate(params):
+        by_key[(tuple(p.shape), p.dtype, p.device)].append(i)
+    return list(by_key.values())
+
+
+# -----------------------------------------------------------------------------
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for matrices, AdamW for the rest, on one device. See the module docstring for the groups.
+
+    Same-shape Muon params are stacked and updated by one fused call; a group may hold any mix of
+    shapes. Params whose .grad is None are skipped (their state does not move). State is created on
+    first use and kept per parameter, so state_dict() is the usual torch format, loadable at any
+    world size by DistMuonAdamW.load_full_state_dict(). Muon buffers are views into one stacked
+    buffer per shape, which is how the fused update avoids re-stacking its state every step.
+
+    compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise.
+    """
+
+    def __init__(self, param_groups, compile: bool | None = None):
+        if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
+            raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' or kind='muon', "
+                            "e.g. [dict(kind='muon', params=..., lr=..., momentum=..., ns_steps=..., beta2=..., "
+                            "weight_decay=...), dict(kind='adamw', ...)]")
+        if len(param_groups) == 0:
+            raise ValueError("MuonAdamW got no param groups; pass at least one group")
+        super().__init__(list(param_groups), defaults={})  # each group goes through add_param_group
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
+        self._scalar_t = {}  # 0-D CPU tensors handed to compiled kernels
+        self._stacks = {}  # tuple of param ids -> (momentum stack, second-moment stack or None)
+
+    def add_param_group(self, group: dict) -> None:
+        """Check the group completely (structure, keys, values, params) before torch sees it."""
+        i = len(self.param_groups)
+        if isinstance(group, dict) and "params" in group:
+            params = group["params"]
+            group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        check_group(i, group)
+        seen = {p: (gi, j) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])}
+        for j, p in enumerate(group["params"]):
+            if p in seen:
+                where = f"param group {seen[p][0]} (param {seen[p][1]})" if seen[p][0] != i else f"param {seen[p][1]}"
+                raise ValueError(f"{_group_label(i, group)}, param {j} is already in {where}; each parameter "
+                                 "must appear exactly once across all groups")
+            seen[p] = (i, j)
+        super().add_param_group(group)
+        for key, default in OPTIONAL_KEYS[group["kind"]].items():  # state_dict() records what actually ran
+            self.param_groups[-1].setdefault(key, default)
+
+    # -- hyperparameters ------------------------------------------------------------------------
+    def _scalars(self, **values):
+        """Floats for eager kernels; refilled 0-D CPU tensors for compiled ones (no recompiles)."""
+        if not self.compiled:
+            return values
+        out = {}
+        for k, v in values.items():
+            t = self._scalar_t.get(k)
+            if t is None:
+                t = self._scalar_t[k] = torch.tensor(0.0, dtype=torch.float32)
+            t.fill_(v)
+            out[k] = t
+        return out
+
+    # -- state ----------------------------------------------------------------------------------
+    def _muon_stacks(self, group: dict, params: list[Tensor]):
+        """Stacked (momentum, second moment) buffers for these same-shape params; per-param state views them."""
+        key = tuple(id(p) for p in params)
+        stacks = self._stacks.get(key)
+        want_second = group["beta2"] is not None
+        if stacks is not None and (stacks[1] is not None or not want_second):
+            return stacks
+        p0 = params[0]
+        rows, cols = p0.shape[-2:]
+        second_shape = (*p0.shape[:-1], 1) if rows >= cols else (*p0.shape[:-2], 1, cols)
+
+        def stacked(name, shape, dtype):
+            parts = [self.state[p].get(name) for p in params]
+            out = torch.zeros((len(params), *shape), dtype=dtype, device=p0.device)
+            for i, t in enumerate(parts):
+                if t is not None:
+                    out[i].copy_(t)
+            for i, p in enumerate(params):
+                self.state[p][name] = out[i]
+            return out
+
+        momentum = stacked("momentum_buffer", p0.shape, p0.dtype)
+        # The second moment is tiny (one value per row or column); keep it in fp32 whatever the param dtype.
+        second = stacked("second_momentum_buffer", second_shape, torch.float32) if want_second else None
+        self._stacks[key] = (momentum, second)
+        return momentum, second
+
+    def _muon_math(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int]) -> Tensor:
+        """Update params[i] for i in idx (grads stacked in that order); return their new values, stacked.
+
+        `params` is every param of one shape bucket that this process keeps state for; the caller writes
+        the returned stack back (single device) or all_gathers it (distributed).
+        """
+        momentum, second = self._muon_stacks(group, params)
+        everyone = len(idx) == len(params)
+        if not everyone:
+            sel = torch.tensor(idx, device=momentum.device)
+            momentum, second = momentum[sel], (second[sel] if second is not None else None)
+        stacked = torch.stack([params[i] for i in idx])
+        coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+        precision = group["ns_precision"]
+        if precision == "auto":
+            precision = "bf16" if stacked.is_cuda else "fp32"
+        beta2 = group["beta2"] if group["beta2"] is not None else 0.0
+        s = self._scalars(momentum=group["momentum"], lr=group["lr"] * muon_lr_multiplier(stacked.shape),
+                          wd=group["weight_decay"], beta2=beta2)
+        _kernel(muon_update, self.compiled)(
+            grads, stacked, momentum, second, s["momentum"], s["lr"], s["wd"], s["beta2"],
+            coeffs, safety, eps, NS_DTYPES[precision], group["nesterov"], group["cautious_wd"])
+        if not everyone:  # index_select made copies: write the moved state back
+            m_all, s_all = self._muon_stacks(group, params)
+            m_all[sel] = momentum
+            if second is not None:
+                s_all[sel] = second
+        return stacked
+
+    def _adamw_math(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+        """AdamW on p (a whole param, or this rank's flat shard of one), creating state on first use."""
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        if p.numel() == 0:
+            return
+        beta1, beta2 = group["betas"]
+        s = self._scalars(step=state["step"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                          eps=group["eps"], wd=group["weight_decay"])
+        _kernel(adamw_update, self.compiled)(p, grad, state["exp_avg"], state["exp_avg_sq"],
+                                             s["step"], s["lr"], s["beta1"], s["beta2"], s["eps"], s["wd"])
+
+    def _check_step(self) -> None:
+        """Every check that can fail, before any math runs, so a bad step changes nothing."""
+        for i, group in enumerate(self.param_groups):
+            check_group_values(i, group)
+            for j, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    check_grad(i, group, j, p)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "nanomuon_shard" in state_dict:
+            shard = state_dict["nanomuon_shard"]
+            raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
+                             f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
+                             "into MuonAdamW or at another world size")
+        _check_state_shapes(self.param_groups, state_dict)
+        super().load_state_dict(state_dict)
+        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_step()
+        for group in self.param_groups:
+            params = group["params"]
+            if group["kind"] == "adamw":
+                for p in params:
+                    if p.grad is not None:
+                        self._adamw_math(group, p, p.grad, self.state[p])
+                continue
+            for bucket in buckets(params):
+                bucket_params = [params[i] for i in bucket]
+                idx = [k for k, p in enumerate(bucket_params) if p.grad is not None]
+                if not idx:
+                    continue
+                grads = torch.stack([bucket_params[k].grad for k in idx])
+                updated = self._muon_math(group, bucket_params, grads, idx)
+                torch._foreach_copy_([bucket_params[k] for k in idx], list(updated.unbind(0)))
+        return loss
+
+
+def _check_state_shapes(param_groups: list[dict], state_dict: dict) -> None:
+    """Refuse a checkpoint whose groups or state shapes do not fit these params, naming the first misfit."""
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("optimizer state_dict must have 'state' and 'param_groups'; the file is not an optimizer "
+                         "checkpoint or is corrupt")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups but this optimizer has "
+                         f"{len(param_groups)}; it was saved from a different model or optimizer setup")
+    params = []
+    for i, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]) or saved.get("kind") != group["kind"]:
+            raise ValueError(f"optimizer checkpoint group {i} has {len(saved['params'])} {saved.get('kind')} params, "
+                             f"this optimizer's has {len(group['params'])} {group['kind']} params; it was saved from a "
+                             "different model or optimizer setup")
+        params += [(i, j, p, group["kind"]) for j, p in enumerate(group["params"])]
+    ids = [pid for g in saved_groups for pid in g["params"]]
+    where = dict(zip(ids, params))
+    for pid, st in state_dict["state"].items():
+        if pid not in where:
+            raise ValueError(f"optimizer checkpoint has state for param id {pid}, which no group lists; corrupt file?")
+        i, j, p, kind = where[pid]
+        names = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
+        for name in names:
+            if name in st and tuple(st[name].shape) != tuple(p.shape):
+                raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape {tuple(st[name].shape)}, "
+                                 f"the param has {tuple(p.shape)}; the checkpoint is from a different model size")
+
+
+# -----------------------------------------------------------------------------
+
+
+class DistMuonAdamW(MuonAdamW):
+    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2.
+
+    Every rank holds the full params and computes full local grads; no DDP wrapper is needed, this
+    optimizer averages the gradients. step() runs in three phases so communication overlaps compute:
+      1. launch every gradient reduction asynchronously: AdamW params of >= 1024 elements are
+         reduce_scattered as flat shards, smaller ones are all_reduced together in one buffer, and each
+         Muon shape bucket is reduce_scattered so each matrix lands whole on its owner rank;
+      2. group by group: wait for its reduction, update what this rank owns, launch the all_gather of
+         the result;
+      3. wait for the gathers and copy the Muon matrices back into the params.
+    Each rank keeps AdamW state only for its flat shard of each large param, and Muon state only for
+    the matrices it owns. Nothing needs to divide by the world size (shards and stacks are padded), and
+    Muon matrices are assigned to owners by Newton-Schulz cost across all groups (LPT greedy).
+
+    state_dict() is this rank's shard; full_state_dict() gathers the world-size-independent form (the
+    same format as MuonAdamW.state_dict()), which load_full_state_dict() loads at any world size.
+    """
+
+    SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
+
+    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: launch with "
+                             "torchrun and call torch.distributed.init_process_group() first, or use MuonAdamW "
+                             "on a single device")
+        super().__init__(param_groups, compile=compile)
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if not p.is_contiguous():
+                    raise ValueError(f"{_group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
+                                     "memory and needs contiguous params; use p.data = p.data.contiguous()")
+        self.pg = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
+        self._use_avg = dist.get_backend(process_group) == "nccl"
+        self._plan = None
+
+    # -- communication helpers -------------------------------------------------------------------
+    def _reduce_scatter(self, out, inp):
+        op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return fn(out, inp, op=op, group=self.pg, async_op=True)
+
+    def _all_gather(self, out, inp):
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return fn(out, inp, group=self.pg, async_op=True)
+
+    def _all_reduce(self, t, op=None):
+        if op is None:
+            op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        return dist.all_reduce(t, op=op, group=self.pg, async_op=True)
+
+    def _finish_mean(self, t: Tensor) -> None:
+        if not self._use_avg:
+            t.mul_(1.0 / self.world_size)
+
+    # -- the static plan: who owns what ----------------------------------------------------------
+    def _get_plan(self) -> dict:
+        """Shard sizes and Muon owners, computed from shapes alone so every rank agrees."""
+        key = tuple(tuple(id(p) for p in g["params"]) for g in self.param_groups)
+        if self._plan is not None and self._plan["key"] == key:
+            return self._plan
+        N = self.world_size
+        muon_buckets, costs = [], []
+        for gi, group in enumerate(self.param_groups):
+            if group["kind"] != "muon":
+                continue
+            for bucket in buckets(group["params"]):
+                params = [group["params"][i] for i in bucket]
+                muon_buckets.append(dict(group=gi, params=params))
+                costs += [ns_flops(p.shape, group["ns_steps"]) for p in params]
+        owners = assign_owners(costs, N)
+        k = 0
+        for b in muon_buckets:
+            slots = [[] for _ in range(N)]  # slots[r]: indices (into b['params']) owned by rank r
+            for i in range(len(b["params"])):
+                slots[owners[k]].append(i)
+                k += 1
+            b["slots"] = slots
+            b["chunk"] = max(len(s) for s in slots)
+            b["mine"] = slots[self.rank]
+        self._plan = dict(key=key, muon=muon_buckets)
+        return self._plan
+
+    def _shard_range(self, numel: int) -> tuple[int, int, int]:
+        shard = -(-numel // self.world_size)
+        lo = min(numel, self.rank * shard)
+        return shard, lo, min(numel, lo + shard)
+
+    def _active(self) -> dict:
+        """Params whose grad exists on any rank (a missing grad elsewhere counts as zeros, as in DDP)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        device = params[0].device
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+        self._all_reduce(flags, op=dist.ReduceOp.MAX).wait()
+        return {p: bool(f) for p, f in zip(params, flags.tolist())}
+
+    # -- step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_step()
+        plan = self._get_plan()
+        active = self._active()
+        N = self.world_size
+
+        def grad_or_zeros(p):
+            return p.grad if p.grad is not None else torch.zeros_like(p)
+
+        # Phase 1: launch every reduction.
+        small_by_dtype = defaultdict(list)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if g["kind"] == "adamw" and active[p] and p.numel() < self.SMALL:
+                    small_by_dtype[p.dtype].append(p)
+        small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
+        for ps in small_by_dtype.values():
+            buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
+            small.append((ps, buf, self._all_reduce(buf)))
+        large = {}  # param -> (work, grad shard, padded flat buffer or None)
+        for g in self.param_groups:
+            if g["kind"] != "adamw":
+                continue
+            for p in g["params"]:
+                if not active[p] or p.numel() < self.SMALL:
+                    continue
+                shard, _, _ = self._shard_range(p.numel())
+                flat = grad_or_zeros(p).reshape(-1)
+                if shard * N != p.numel():
+                    flat = torch.cat([flat, flat.new_zeros(shard * N - p.numel())])
+                out = flat.new_empty(shard)
+                large[p] = (self._reduce_scatter(out, flat), out, flat)
+        muon = {}  # bucket index -> (work, my reduced chunk, send buffer)
+        for bi, b in enumerate(plan["muon"]):
+            if not any(active[p] for p in b["params"]):
+                continue
+            p0 = b["params"][0]
+            zeros = None
+            parts = []
+            for slots in b["slots"]:
+                for i in slots:
+                    p = b["params"][i]
+                    parts.append(p.grad if p.grad is not None else torch.zeros_like(p))
+                if len(slots) < b["chunk"]:
+                    zeros = zeros if zeros is not None else torch.zeros_like(p0)
+                    parts += [zeros] * (b["chunk"] - len(slots))
+            send = torch.stack(parts)
+            chunk = send.new_empty((b["chunk"], *p0.shape))
+            muon[bi] = (self._reduce_scatter(chunk, send), chunk, send)
+
+        # Phase 2: per group, wait, update what this rank owns, launch the gather.
+        gathers = []
+        small_grads = None
+        for gi, group in enumerate(self.param_groups):
+            if group["kind"] == "adamw":
+                for p in group["params"]:
+                    if not active[p]:
+                        continue
+                    if p.numel() < self.SMALL:
+                        if small_grads is None:
+                            small_grads = {}
+                            for ps, buf, work in small:
+                                work.wait()
+                                self._finish_mean(buf)
+                                small_grads.update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
+                        self._adamw_math(group, p, small_grads[p].view_as(p), self.state[p])
+                        continue
+                    work, grad_shard, flat = large[p]
+                    work.wait()
+                    self._finish_mean(grad_shard)
+                    shard, lo, hi = self._shard_range(p.numel())
+                    p_flat = p.view(-1)
+                    self._adamw_math(group, p_flat[lo:hi], grad_shard[:hi - lo], self.state[p])
+                    if shard * N == p.numel():  # gather straight into the param; our shard is already in place
+                        gathers.append((self._all_gather(p_flat, p_flat[lo:hi]), None))
+                    else:
+                        mine = flat[self.rank * shard:(self.rank + 1) * shard]
+                        mine[:hi - lo].copy_(p_flat[lo:hi])
+                        gathers.append((self._all_gather(flat, mine), (p, flat)))
+                continue
+            for bi, b in enumerate(plan["muon"]):
+                if b["group"] != gi or bi not in muon:
+                    continue
+                work, chunk, send = muon[bi]
+                work.wait()
+                mine = [b["params"][i] for i in b["mine"]]
+                idx = [k for k, p in enumerate(mine) if active[p]]
+                if idx:
+                    self._finish_mean(chunk[:len(mine)])
+                    grads = chunk[:len(mine)] if len(idx) == len(mine) else chunk[idx]
+                    # Slots of params without grads (and padding) carry junk; phase 3 never copies them.
+                    chunk[idx] = self._muon_math(group, mine, grads, idx)
+                gathers.append((self._all_gather(send, chunk), (b, send)))
+
+        # Phase 3: wait for the gathers and write results into the params.
+        for work, target in gathers:
+            work.wait()
+            if target is None:
+                continue
+            owner, buf = target
+            if isinstance(owner, Tensor):  # padded AdamW param
+                owner.view(-1).copy_(buf[:owner.numel()])
+                continue
+            b = owner
+            params, views = [], []
+            for r, slots in enumerate(b["slots"]):
+                for j, i in enumerate(slots):
+                    if active[b["params"][i]]:
+                        params.append(b["params"][i])
+                        views.append(buf[r * b["chunk"] + j])
+            if params:
+                torch._foreach_copy_(params, views)
+        return loss
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's own shard, saved by state_dict() at the same rank and world size."""
+        shard = state_dict.get("nanomuon_shard")
+        if shard is None:
+            raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full (world-size-independent) "
+                             "state with load_full_state_dict()")
+        if shard != dict(rank=self.rank, world_size=self.world_size):
+            raise ValueError(f"this shard was saved by rank {shard['rank']} of {shard['world_size']}, but this is rank "
+                             f"{self.rank} of {self.world_size}; to change world size, save with full_state_dict() "
+                             "and load with load_full_state_dict()")
+        state_dict = {k: v for k, v in state_dict.items() if k != "nanomuon_shard"}
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        self._stacks.clear()
+
+    def full_state_dict(self) -> dict:
+        """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format.
+
+        A collective: call it on all ranks (then save from one). Loadable by load_full_state_dict() at
+        any world size, and by MuonAdamW.load_state_dict().
+        """
+        plan = self._get_plan()
+        N = self.world_size
+        params = [p for g in self.param_groups for p in g["params"]]
+        kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
+        device = params[0].device
+        has = torch.tensor([bool(self.state.get(p)) for p in params], dtype=torch.int32, device=device)
+        self._all_reduce(has, op=dist.ReduceOp.MAX).wait()
+        has = dict(zip(params, has.tolist()))
+        full = {p: {} for p in params if has[p]}
+        for p, kind in zip(params, kinds):
+            if kind != "adamw" or not has[p]:
+                continue
+            st = self.state[p]
+            if p.numel() < self.SMALL:
+                full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+                continue
+            shard, lo, hi = self._shard_range(p.numel())
+            full[p]["step"] = st["step"]
+            for name in ("exp_avg", "exp_avg_sq"):
+                mine = p.new_zeros(shard)
+                mine[:hi - lo].copy_(st[name])
+                out = p.new_empty(shard * N)
+                self._all_gather(out, mine).wait()
+                full[p][name] = out[:p.numel()].view_as(p).clone()
+        for b in plan["muon"]:
+            if not any(has[p] for p in b["params"]):
+                continue
+            group = self.param_groups[b["group"]]
+            mine = [b["params"][i] for i in b["mine"]]
+            p0 = b["params"][0]
+            names = ["momentum_buffer"] + (["second_momentum_buffer"] if group["beta2"] is not None else [])
+            for name in names:
+                local = [self.state[p][name] for p in mine if name in self.state[p]]
+                if local:
+                    shape, dtype = local[0].shape, local[0].dtype
+                else:  # this rank holds none of this bucket's state; send zeros of the agreed shape
+                    rows, cols = p0.shape[-2:]
+                    shape = p0.shape if name == "momentum_buffer" else (
+                        (*p0.shape[:-1], 1) if rows >= cols else (*p0.shape[:-2], 1, cols))
+                    dtype = p0.dtype if name == "momentum_buffer" else torch.float32
+                chunk = torch.zeros((b["chunk"], *shape), dtype=dtype, device=device)
+                for k, p in enumerate(mine):
+                    if name in self.state[p]:
+                        chunk[k].copy_(self.state[p][name])
+                out = chunk.new_empty((b["chunk"] * N, *shape))
+                self._all_gather(out, chunk).wait()
+                for r, slots in enumerate(b["slots"]):
+                    for j, i in enumerate(slots):
+                        if has[b["params"][i]]:
+                            full[b["params"][i]][name] = out[r * b["chunk"] + j].clone()
+        sd = torch.optim.Optimizer.state_dict(self)
+        index = {id(p): k for k, p in enumerate(params)}
+        sd["state"] = {index[id(p)]: st for p, st in full.items()}
+        return sd
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state (from full_state_dict() or MuonAdamW.state_dict()) at this world size."""
+        if "nanomuon_shard" in state_dict:
+            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
+        _check_state_shapes(self.param_groups, state_dict)
+        plan = self._get_plan()
+        params = [p for g in self.param_groups for p in g["params"]]
+        kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
+        owned = {p for b in plan["muon"] for i in b["mine"] for p in [b["params"][i]]}
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        mine = {}
+        for pid, st in state_dict["state"].items():
+            p = params[saved_ids.index(pid)]
+            if kinds[p] == "muon":
+                if p in owned:
+                    mine[pid] = dict(st)
+                continue
+            if p.numel() < self.SMALL:
+                mine[pid] = dict(st)
+                continue
+            _, lo, hi = self._shard_range(p.numel())
+            mine[pid] = {k: (v.reshape(-1)[lo:hi].clone() if isinstance(v, Tensor) and v.dim() > 0 else v)
+                         for k, v in st.items()}
+        sharded = {"state": mine, "param_groups": state_dict["param_groups"]}
+        torch.optim.Optimizer.load_state_dict(self, sharded)
+        self._stacks.clear()
