@@ -1,0 +1,338 @@
+"""
+Single-device MuonAdamW against independent references: torch.optim.AdamW, torch.optim.Muon and a
+float64 re-derivation of the full nanochat Muon update written here, plus state, schedules and errors.
+"""
+
+import io
+import math
+
+import pytest
+import torch
+
+from nanomuon.optim import POLAR_EXPRESS, MuonAdamW, ns_coefficients, orthogonalize
+
+
+def make_params(shapes, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def set_grads(param_lists, step, seed=1):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    grads = [torch.randn(p.shape, generator=g) for p in param_lists[0]]
+    for params in param_lists:
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+
+
+def muon_group(params, **kw):
+    return dict(kind="muon", params=params, lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2) | kw
+
+
+def adamw_group(params, **kw):
+    return dict(kind="adamw", params=params, lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1) | kw
+
+
+# -- AdamW ---------------------------------------------------------------------------------------
+
+
+def test_adamw_matches_torch_adamw():
+    ours = make_params([(37, 40), (16,), (8, 3, 5), ()])
+    ref = clone_params(ours)
+    opt = MuonAdamW([adamw_group(ours, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)])
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    for step in range(20):
+        set_grads([ours, ref], step)
+        opt.step()
+        torch_opt.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert max((p - q).abs().max().item() for p, q in zip(ours, make_params([(37, 40), (16,), (8, 3, 5), ()]))) > 0.05
+
+
+# -- Muon ----------------------------------------------------------------------------------------
+
+
+def test_muon_matches_torch_muon():
+    """Variance reduction and cautious decay off, Jordan's NS5 in bf16: torch.optim.Muon's exact algorithm.
+
+    Weight decay runs on square and wide matrices only: for tall ones nanochat (and so we) scale decay by the
+    shape-adjusted lr, torch by the raw lr; the update itself is compared on a tall matrix with decay off.
+    """
+    decayed, tall = make_params([(48, 48), (32, 96), (32, 96)]), make_params([(96, 32), (64, 16)], seed=5)
+    ref_decayed, ref_tall = clone_params(decayed), clone_params(tall)
+    common = dict(beta2=None, cautious_wd=False, ns_coefficients="jordan", ns_precision="bf16", momentum=0.9)
+    opt = MuonAdamW([muon_group(decayed, weight_decay=0.1, **common), muon_group(tall, weight_decay=0.0, **common)])
+    torch_opt = torch.optim.Muon([dict(params=ref_decayed, weight_decay=0.1), dict(params=ref_tall, weight_decay=0.0)],
+                                 lr=0.02, momentum=0.9)
+    for step in range(10):
+        set_grads([decayed + tall, ref_decayed + ref_tall], step)
+        opt.step()
+        torch_opt.step()
+    for p, r in zip(decayed + tall, ref_decayed + ref_tall):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
+
+
+def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2):
+    """nanochat's Muon update re-derived in float64, one matrix at a time, from the published formulas."""
+    params = [p.detach().double().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    second = [None] * len(params)
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.double()
+            bufs[i] = momentum * bufs[i] + (1 - momentum) * g  # EMA momentum
+            u = (1 - momentum) * g + momentum * bufs[i]  # Nesterov look-ahead
+            rows, cols = u.shape
+            X = u.T if rows > cols else u
+            X = X / (torch.linalg.matrix_norm(X) * 1.02 + 1e-6)
+            for a, b, c in POLAR_EXPRESS:
+                A = X @ X.T
+                X = a * X + (b * A + c * A @ A) @ X
+            O = X.T if rows > cols else X
+            # factored variance reduction: per row (rows >= cols) or per column, then restore the Frobenius norm
+            axis = 1 if rows >= cols else 0
+            v = (O ** 2).mean(dim=axis, keepdim=True)
+            second[i] = v * (1 - beta2) if second[i] is None else beta2 * second[i] + (1 - beta2) * v
+            scale = second[i].clamp_min(1e-10) ** -0.5
+            O_scaled = O * scale
+            O = O_scaled * (torch.linalg.matrix_norm(O) / torch.linalg.matrix_norm(O_scaled))
+            eff_lr = lr * math.sqrt(max(1.0, rows / cols))
+            mask = (O * p >= 0).double()  # cautious: decay only where the update agrees with the weight
+            params[i] = p - eff_lr * O - eff_lr * wd * p * mask
+    return params
+
+
+@pytest.mark.parametrize("precision", ["fp32"])
+def test_muon_full_update_matches_float64_rederivation(precision):
+    shapes = [(40, 24), (24, 40), (32, 32), (40, 24)]  # tall, wide, square, and a repeat to stack
+    ours = make_params(shapes)
+    start = clone_params(ours)
+    opt = MuonAdamW([muon_group(ours, ns_precision=precision)])
+    grads_per_step = []
+    for step in range(6):
+        set_grads([ours], step)
+        grads_per_step.append([p.grad.clone() for p in ours])
+        opt.step()
+    ref = reference_muon_f64(start, grads_per_step, lr=0.02, momentum=0.95, wd=0.2, beta2=0.95)
+    for p, r, s in zip(ours, ref, start):
+        moved = (r - s.double()).abs().max().item()
+        assert moved > 0.05  # the update is large compared with the tolerance below
+        torch.testing.assert_close(p.double(), r, rtol=0, atol=2e-4)
+
+
+def spectral_band_input(m, n, seed):
+    """An m x n matrix whose singular values span [1e-2, 1] of its Frobenius norm scale."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, k, generator=g, dtype=torch.float64))
+    sv = torch.logspace(-2, 0, k, dtype=torch.float64) * 5.0
+    return (U * sv) @ V.T
+
+
+@pytest.mark.parametrize("shape", [(96, 48), (48, 96), (64, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_polar_express_singular_value_band(shape, dtype):
+    """Polar Express maps every singular value into a band around 1 (about [0.7, 1.15] after 5 steps).
+
+    Inputs have singular values spread over two decades, the regime Muon's momentum lives in.
+    """
+    G = torch.stack([spectral_band_input(*shape, seed) for seed in range(3)]).float()
+    coeffs, safety, eps = ns_coefficients("polar_express", 5)
+    X = orthogonalize(G, coeffs, safety, eps, dtype)
+    assert X.dtype == dtype and X.shape == G.shape
+    sv = torch.linalg.svdvals(X.double())
+    assert sv.max().item() <= 1.16, sv.max().item()
+    assert sv.min().item() >= 0.68, sv.min().item()
+    # and it is close to the exact polar factor U V^T
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    rel = torch.linalg.matrix_norm(X.double() - U @ Vh) / torch.linalg.matrix_norm(U @ Vh)
+    assert rel.max().item() < 0.2
+
+
+def test_mixed_shape_group_equals_per_shape_groups():
+    shapes = [(24, 16), (16, 24), (24, 16), (8, 4, 6)]  # the 3-D param is a batch of 4 matrices
+    mixed = make_params(shapes)
+    split = clone_params(mixed)
+    opt_mixed = MuonAdamW([muon_group(mixed)])
+    opt_split = MuonAdamW([muon_group([split[0], split[2]]), muon_group([split[1]]), muon_group([split[3]])])
+    for step in range(5):
+        set_grads([mixed, split], step)
+        opt_mixed.step()
+        opt_split.step()
+    for p, q in zip(mixed, split):
+        assert torch.equal(p, q)
+
+
+def test_params_without_grad_are_skipped():
+    params = make_params([(16, 8), (16, 8), (16, 8), (5,)])
+    ref = clone_params(params)
+    opt = MuonAdamW([muon_group(params[:3]), adamw_group(params[3:])])
+    opt_ref = MuonAdamW([muon_group([ref[0], ref[2]]), adamw_group([])])
+    for step in range(4):
+        set_grads([params, ref], step)
+        params[1].grad = None
+        params[3].grad = None
+        opt.step()
+        opt_ref.step()
+    assert torch.equal(params[1], ref[1]) and torch.equal(params[3], ref[3])  # untouched
+    assert torch.equal(params[0], ref[0]) and torch.equal(params[2], ref[2])  # others as if alone
+    assert not opt.state[params[3]]
+    # the skipped muon param's momentum never moved
+    assert torch.count_nonzero(opt.state[params[1]]["momentum_buffer"]) == 0
+
+
+def run_steps(opt, params, steps, start=0):
+    for step in range(start, start + steps):
+        set_grads([params], step)
+        opt.step()
+
+
+def build(params):
+    return MuonAdamW([muon_group(params[:3]), adamw_group(params[3:])])
+
+
+def test_state_dict_round_trip_continues_identically():
+    shapes = [(16, 24), (16, 24), (24, 8), (50, 20), (7,)]
+    a = make_params(shapes)
+    b = clone_params(a)
+    opt_a = build(a)
+    run_steps(opt_a, a, 10)  # uninterrupted
+    opt_b = build(b)
+    run_steps(opt_b, b, 4)
+    buf = io.BytesIO()
+    torch.save({"opt": opt_b.state_dict(), "params": [p.detach() for p in b]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    c = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    opt_c = build(c)
+    opt_c.load_state_dict(saved["opt"])
+    run_steps(opt_c, c, 6, start=4)
+    for p, q in zip(a, c):
+        assert torch.equal(p, q)
+    assert set(opt_c.state[c[0]]) == {"momentum_buffer", "second_momentum_buffer"}
+    assert opt_c.state[c[3]]["step"] == 10
+
+
+def test_lr_scheduler_drives_group_lr():
+    a = make_params([(16, 24), (30,)])
+    b = clone_params(a)
+    opt_a = MuonAdamW([muon_group(a[:1]), adamw_group(a[1:])])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda step: 1.0 / (1 + step))
+    opt_b = MuonAdamW([muon_group(b[:1]), adamw_group(b[1:])])
+    base = [g["lr"] for g in opt_b.param_groups]
+    for step in range(5):
+        set_grads([a, b], step)
+        for g, lr in zip(opt_b.param_groups, base):
+            g["lr"] = lr / (1 + step)
+        opt_a.step()
+        sched.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    assert opt_a.param_groups[0]["lr"] == pytest.approx(0.02 / 6)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+P2 = torch.nn.Parameter(torch.randn(4, 4))
+P1 = torch.nn.Parameter(torch.randn(4))
+
+BAD_GROUPS = [
+    ([dict(params=[P2], lr=0.1)], ValueError, "kind must be 'adamw' or 'muon'"),
+    ([dict(kind="sgd", params=[P2], lr=0.1)], ValueError, "kind must be 'adamw' or 'muon'"),
+    ([dict(kind="adamw", params=[P2], lr=0.1)], ValueError, "missing ['betas', 'eps', 'weight_decay']"),
+    ([muon_group([P2], momentun=0.9)], ValueError, "unknown keys ['momentun']"),
+    ([muon_group([P1])], ValueError, "param group 0 (kind='muon'), param 0: shape (4,) has 1 dim"),
+    ([muon_group([P2], lr=float("nan"))], ValueError, "lr=nan must be a finite number"),
+    ([muon_group([P2], lr=-1.0)], ValueError, "lr=-1.0 must be a finite number >= 0"),
+    ([adamw_group([P2], betas=(0.9, 1.0))], ValueError, "betas[1]=1.0"),
+    ([muon_group([P2], ns_steps=6)], ValueError, "ns_steps=6 but ns_coefficients=polar_express has 5"),
+    ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
+    ([muon_group([P2], ns_precision="fp16")], ValueError, "ns_precision='fp16'"),
+    ([muon_group([P2]), adamw_group([P2])], ValueError, "param group 1 (kind='adamw'), param 0 is already in param group 0"),
+    ([muon_group([P2, P2])], ValueError, "param 1 is already in param 0"),
+    ([adamw_group([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])], TypeError, "complex"),
+    ([dict(kind="adamw")], ValueError, "missing 'params'"),
+    ([], ValueError, "no param groups"),
+    (P2, TypeError, "list of param group dicts"),
+]
+
+
+@pytest.mark.parametrize("groups,exc,message", BAD_GROUPS, ids=[m for _, _, m in BAD_GROUPS])
+def test_bad_param_groups_raise_clear_errors(groups, exc, message):
+    with pytest.raises(exc) as info:
+        MuonAdamW(groups)
+    assert message in str(info.value)
+
+
+def test_bad_values_at_step_time_change_nothing():
+    params = make_params([(8, 8), (8,)])
+    opt = MuonAdamW([muon_group(params[:1]), adamw_group(params[1:], name="gains")])
+    set_grads([params], 0)
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[1]["lr"] = float("inf")  # e.g. a broken schedule
+    with pytest.raises(ValueError, match=r"param group 1 'gains' \(kind='adamw'\): lr=inf"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))  # checked before any math ran
+    opt.param_groups[1]["lr"] = 1e-3
+    params[0].grad = params[0].grad.to_sparse()
+    with pytest.raises(ValueError, match="param group 0 \\(kind='muon'\\), param 0: sparse gradients"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+
+
+def test_mismatched_checkpoint_is_refused():
+    opt = build(make_params([(16, 24), (16, 24), (24, 8), (50, 20), (7,)]))
+    other = make_params([(16, 24), (16, 24), (24, 8), (60, 20), (7,)])
+    opt_other = build(other)
+    run_steps(opt_other, other, 1)
+    with pytest.raises(ValueError, match="group 1 param 0 exp_avg has shape \\(60, 20\\), the param has \\(50, 20\\)"):
+        opt.load_state_dict(opt_other.state_dict())
+    with pytest.raises(ValueError, match="2 param groups but this optimizer has 1"):
+        MuonAdamW([adamw_group(make_params([(3,)]))]).load_state_dict(opt_other.state_dict())
+
+
+def test_distributed_optimizer_without_process_group():
+    from nanomuon.optim import DistMuonAdamW
+
+    with pytest.raises(ValueError, match="DistMuonAdamW needs an initialized torch.distributed process group"):
+        DistMuonAdamW([muon_group(make_params([(8, 8)]))])
+
+
+# -- compile -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compiled_equals_eager_and_schedules_do_not_recompile():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    shapes = [(32, 16), (32, 16), (16, 48), (40, 30), (9,)]
+    eager, compiled = make_params(shapes), make_params(shapes)
+
+    def groups(ps):
+        return [muon_group(ps[:3]), adamw_group(ps[3:])]
+
+    opt_e, opt_c = MuonAdamW(groups(eager), compile=False), MuonAdamW(groups(compiled), compile=True)
+    assert opt_c.compiled and not opt_e.compiled
+    torch._dynamo.utils.counters.clear()
+    for step in range(6):
+        set_grads([eager, compiled], step)
+        for opt in (opt_e, opt_c):  # a schedule: every step changes lr and momentum
+            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 10)
+            opt.param_groups[0]["momentum"] = 0.85 + 0.01 * step
+            opt.param_groups[1]["lr"] = 3e-3 * (1 - step / 10)
+        opt_e.step()
+        opt_c.step()
+    for p, q in zip(eager, compiled):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    # one graph per muon shape (2) and per adamw shape (2); lr changes never recompiled
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames <= 4, frames
