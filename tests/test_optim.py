@@ -93,17 +93,17 @@ def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2):
             for a, b, c in POLAR_EXPRESS:
                 A = X @ X.T
                 X = a * X + (b * A + c * A @ A) @ X
-            O = X.T if rows > cols else X
+            ortho = X.T if rows > cols else X
             # factored variance reduction: per row (rows >= cols) or per column, then restore the Frobenius norm
             axis = 1 if rows >= cols else 0
-            v = (O ** 2).mean(dim=axis, keepdim=True)
+            v = (ortho ** 2).mean(dim=axis, keepdim=True)
             second[i] = v * (1 - beta2) if second[i] is None else beta2 * second[i] + (1 - beta2) * v
             scale = second[i].clamp_min(1e-10) ** -0.5
-            O_scaled = O * scale
-            O = O_scaled * (torch.linalg.matrix_norm(O) / torch.linalg.matrix_norm(O_scaled))
+            scaled = ortho * scale
+            ortho = scaled * (torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(scaled))
             eff_lr = lr * math.sqrt(max(1.0, rows / cols))
-            mask = (O * p >= 0).double()  # cautious: decay only where the update agrees with the weight
-            params[i] = p - eff_lr * O - eff_lr * wd * p * mask
+            mask = (ortho * p >= 0).double()  # cautious: decay only where the update agrees with the weight
+            params[i] = p - eff_lr * ortho - eff_lr * wd * p * mask
     return params
 
 
@@ -255,7 +255,8 @@ BAD_GROUPS = [
     ([muon_group([P2], ns_steps=6)], ValueError, "ns_steps=6 but ns_coefficients=polar_express has 5"),
     ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
     ([muon_group([P2], ns_precision="fp16")], ValueError, "ns_precision='fp16'"),
-    ([muon_group([P2]), adamw_group([P2])], ValueError, "param group 1 (kind='adamw'), param 0 is already in param group 0"),
+    ([muon_group([P2]), adamw_group([P2])], ValueError,
+     "param group 1 (kind='adamw'), param 0 is already in param group 0"),
     ([muon_group([P2, P2])], ValueError, "param 1 is already in param 0"),
     ([adamw_group([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])], TypeError, "complex"),
     ([dict(kind="adamw")], ValueError, "missing 'params'"),

@@ -1,0 +1,249 @@
+"""
+DistMuonAdamW against single-device MuonAdamW, in real gloo process groups of 2, 3, 4 and 8 ranks.
+
+Each rank gets different gradients; the reference is MuonAdamW on one process given their average.
+After every step the replicated params must be bitwise identical across ranks. The model mixes the
+awkward cases: two Muon shapes in one group (5 and 3 matrices), a second Muon group with other
+options, a 1-D param, AdamW params whose sizes do not divide by the world size, a param with no grad
+anywhere and a param with a grad on rank 0 only.
+"""
+
+import io
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
+
+SHAPES = {
+    "muon_a": [(24, 40)] * 5 + [(48, 16)] * 3,
+    "muon_b": [(32, 32)] * 3,  # the last one never gets a grad
+    "adamw": [(37, 41), (40,), (64, 32), (4, 5)],  # (64, 32) has a grad on rank 0 only
+    "head": [(37, 41)],
+}
+NO_GRAD = ("muon_b", 2)
+RANK0_ONLY = ("adamw", 2)
+
+
+def make_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: [torch.nn.Parameter(torch.randn(s, generator=g) * 0.5) for s in shapes] for k, shapes in SHAPES.items()}
+
+
+def groups(model):
+    return [
+        dict(kind="muon", params=model["muon_a"], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2),
+        dict(kind="muon", params=model["muon_b"], lr=0.03, momentum=0.9, ns_steps=5, beta2=None, weight_decay=0.1,
+             cautious_wd=False, ns_coefficients="jordan"),
+        dict(kind="adamw", params=model["adamw"], lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.01),
+        dict(kind="adamw", params=model["head"], lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0),
+    ]
+
+
+def rank_grads(step, rank, world_size):
+    """Rank r's grads: G_t + (r - (N-1)/2) E_t, so the mean over ranks is G_t at any world size.
+
+    The rank-0-only param gets N G_t on rank 0 and nothing elsewhere: its mean is G_t too.
+    """
+    g = torch.Generator().manual_seed(1000 + step)
+    out = {}
+    for k, shapes in SHAPES.items():
+        out[k] = []
+        for i, s in enumerate(shapes):
+            G, E = torch.randn(s, generator=g), torch.randn(s, generator=g)
+            if (k, i) == NO_GRAD or ((k, i) == RANK0_ONLY and rank != 0):
+                out[k].append(None)
+            elif (k, i) == RANK0_ONLY:
+                out[k].append(G * world_size)
+            else:
+                out[k].append(G + (rank - (world_size - 1) / 2) * E)
+    return out
+
+
+def mean_grads(step, world_size):
+    per_rank = [rank_grads(step, r, world_size) for r in range(world_size)]
+    out = {}
+    for k in SHAPES:
+        out[k] = []
+        for i in range(len(SHAPES[k])):
+            gs = [pr[k][i] for pr in per_rank if pr[k][i] is not None]
+            out[k].append(None if not gs else sum(gs) / world_size)  # a missing grad counts as zeros
+    return out
+
+
+def set_grads(model, grads):
+    for k in SHAPES:
+        for p, g in zip(model[k], grads[k]):
+            p.grad = None if g is None else g.clone()
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for k in SHAPES for p in model[k]])
+
+
+def assert_replicated(model):
+    mine = flat(model)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    for r, other in enumerate(everyone):
+        assert torch.equal(other, mine), f"rank {dist.get_rank()} params differ bitwise from rank {r}"
+
+
+def assert_matches(model, ref, atol=2e-5):
+    for k in SHAPES:
+        for i, (p, q) in enumerate(zip(model[k], ref[k])):
+            torch.testing.assert_close(p, q, rtol=0, atol=atol, msg=lambda m, k=k, i=i: f"{k}[{i}]: {m}")
+
+
+def save_bytes(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def load_bytes(data):
+    return torch.load(io.BytesIO(data))
+
+
+# -- process plumbing ----------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args):
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+# -- workers -------------------------------------------------------------------------------------
+
+
+def _equivalence_worker(rank, world_size, steps):
+    model, ref = make_model(), make_model()
+    opt, ref_opt = DistMuonAdamW(groups(model)), MuonAdamW(groups(ref))
+    untouched = model[NO_GRAD[0]][NO_GRAD[1]].detach().clone()
+    for step in range(steps):
+        set_grads(model, rank_grads(step, rank, world_size))
+        set_grads(ref, mean_grads(step, world_size))
+        opt.step()
+        ref_opt.step()
+        assert_replicated(model)
+        assert_matches(model, ref)
+    assert torch.equal(model[NO_GRAD[0]][NO_GRAD[1]], untouched)
+    moved = (flat(model) - flat(make_model())).abs().max().item()
+    assert moved > 0.05, moved
+    # Muon work is balanced: each rank owns some matrices, and state exists only for what it owns.
+    owned = [p for k in ("muon_a", "muon_b") for p in model[k] if opt.state.get(p)]
+    assert 0 < len(owned) < 11
+    # the sharded state_dict round trip at the same world size continues bitwise identically
+    sd = save_bytes(opt.state_dict())
+    saved_params = {k: [p.detach().clone() for p in ps] for k, ps in model.items()}
+    for step in range(steps, steps + 3):
+        set_grads(model, rank_grads(step, rank, world_size))
+        opt.step()
+    resumed = {k: [torch.nn.Parameter(t.clone()) for t in ts] for k, ts in saved_params.items()}
+    opt2 = DistMuonAdamW(groups(resumed))
+    opt2.load_state_dict(load_bytes(sd))
+    for step in range(steps, steps + 3):
+        set_grads(resumed, rank_grads(step, rank, world_size))
+        opt2.step()
+    assert torch.equal(flat(resumed), flat(model))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_dist_equals_single_device(world_size):
+    spawn(_equivalence_worker, world_size, 8)
+
+
+def _checkpoint_worker(rank, world_size, mode, path, steps):
+    """mode 'save': run `steps` steps, save full state. 'resume': load it and run to 2*steps. 'straight': 2*steps."""
+    model = make_model()
+    opt = DistMuonAdamW(groups(model))
+    first = 0
+    if mode == "resume":
+        saved = torch.load(path + ".ckpt")
+        for k in SHAPES:
+            for p, t in zip(model[k], saved["params"][k]):
+                p.data.copy_(t)
+        opt.load_full_state_dict(saved["opt"])
+        # resharding is lossless: gathering right after loading gives back exactly what was saved
+        again = opt.full_state_dict()
+        for pid, st in saved["opt"]["state"].items():
+            for name, v in st.items():
+                assert torch.equal(torch.as_tensor(again["state"][pid][name]), torch.as_tensor(v)), (pid, name)
+        first = steps
+    last = steps if mode == "save" else 2 * steps
+    for step in range(first, last):
+        set_grads(model, rank_grads(step, rank, world_size))
+        opt.step()
+    full = opt.full_state_dict()  # a collective: every rank takes part
+    if rank == 0:
+        params = {k: [p.detach().clone() for p in ps] for k, ps in model.items()}
+        torch.save(dict(params=params, opt=full), path + (".ckpt" if mode == "save" else f".{mode}"))
+
+
+def test_full_state_saved_at_world_2_resumes_at_world_3(tmp_path):
+    path = str(tmp_path / "run")
+    spawn(_checkpoint_worker, 2, "save", path, 4)
+    spawn(_checkpoint_worker, 3, "resume", path, 4)
+    spawn(_checkpoint_worker, 3, "straight", path, 4)
+    resumed, straight = torch.load(path + ".resume"), torch.load(path + ".straight")
+    # The first 4 steps averaged over 2 ranks instead of 3: equal up to fp32 rounding of the mean.
+    for k in SHAPES:
+        for p, q in zip(resumed["params"][k], straight["params"][k]):
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+    # The full state is MuonAdamW's format: a single process continues from it too.
+    saved = torch.load(path + ".ckpt")
+    model = {k: [torch.nn.Parameter(t.clone()) for t in ts] for k, ts in saved["params"].items()}
+    single = MuonAdamW(groups(model))
+    single.load_state_dict(saved["opt"])
+    for step in range(4, 8):
+        set_grads(model, mean_grads(step, 3))
+        single.step()
+    for k in SHAPES:
+        for p, q in zip(model[k], straight["params"][k]):
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+
+
+def _shard_mismatch_worker(rank, world_size, data):
+    opt = DistMuonAdamW(groups(make_model()))
+    with pytest.raises(ValueError, match="saved by rank 0 of 2, but this is rank"):
+        opt.load_state_dict(load_bytes(data))
+    with pytest.raises(ValueError, match="not a DistMuonAdamW shard; load a full"):
+        opt.load_state_dict(MuonAdamW(groups(make_model())).state_dict())
+
+
+def _save_shard_worker(rank, world_size, path):
+    model = make_model()
+    opt = DistMuonAdamW(groups(model))
+    set_grads(model, rank_grads(0, rank, world_size))
+    opt.step()
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+
+
+def test_shard_loaded_at_other_world_size_is_refused(tmp_path):
+    path = str(tmp_path / "shard.pt")
+    spawn(_save_shard_worker, 2, path)
+    with open(path, "rb") as f:
+        data = f.read()
+    with pytest.raises(ValueError, match="one rank's shard \\(rank 0 of 2\\) from DistMuonAdamW"):
+        MuonAdamW(groups(make_model())).load_state_dict(load_bytes(data))
+    spawn(_shard_mismatch_worker, 3, data)
