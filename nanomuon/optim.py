@@ -452,6 +452,11 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_step()
+        self._update()
+        return loss
+
+    def _update(self) -> None:
+        """The single-device update; DistMuonAdamW replaces this with its communicating version."""
         for group in self.param_groups:
             params = group["params"]
             if group["kind"] == "adamw":
@@ -467,7 +472,6 @@ class MuonAdamW(torch.optim.Optimizer):
                 grads = torch.stack([bucket_params[k].grad for k in idx])
                 updated = self._muon_math(group, bucket_params, grads, idx)
                 torch._foreach_copy_([bucket_params[k] for k in idx], list(updated.unbind(0)))
-        return loss
 
 
 def _check_state_shapes(param_groups: list[dict], state_dict: dict) -> None:
@@ -602,13 +606,7 @@ class DistMuonAdamW(MuonAdamW):
         return {p: bool(f) for p, f in zip(params, flags.tolist())}
 
     # -- step -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_step()
+    def _update(self) -> None:
         plan = self._get_plan()
         active = self._active()
         N = self.world_size
@@ -719,7 +717,6 @@ class DistMuonAdamW(MuonAdamW):
                         views.append(buf[r * b["chunk"] + j])
             if params:
                 torch._foreach_copy_(params, views)
-        return loss
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
