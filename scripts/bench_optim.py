@@ -1,0 +1,326 @@
+"""
+Optimizer benchmark: nanomuon's fused MuonAdamW against torch.optim.Muon + torch.optim.AdamW.
+
+Three measurements, on the parameter shapes of the GPT that nanomuon trains:
+  1. median optimizer step time, ours vs the stock torch optimizers on identical params and grads,
+     with Newton-Schulz run in the same precision on both sides;
+  2. Newton-Schulz throughput of orthogonalize() on the stacks the optimizer builds, as a fraction of
+     the batched-matmul rate measured on the same device in the same run (how close to the matmuls);
+  3. Newton-Schulz load imbalance across ranks of DistMuonAdamW's owner plan vs nanochat's chunking
+     (shapes only, no tensors).
+Why: the fused optimizer exists to be faster than running stock Muon and AdamW side by side, and to
+spread Muon work evenly over ranks; this script checks both claims against stated targets.
+
+    python -m scripts.bench_optim                      # d12, default device
+    python -m scripts.bench_optim --depth 20 --device cuda --compile
+"""
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.optim._muon as torch_muon
+
+from nanomuon.optim import MuonAdamW, assign_owners, buckets, ns_coefficients, ns_flops, orthogonalize
+
+HEAD_DIM = 128
+VOCAB = 32768
+ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+MUON_HP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+STEP_TARGET = {"cpu": 0.8, "cuda": 0.3}  # ours / baseline step time, at most
+NS_TARGET = 0.8  # Newton-Schulz FLOP/s / batched-matmul FLOP/s, at least
+IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
+
+
+def gpt_shapes(depth: int):
+    """(width, AdamW shapes, Muon shapes) of a depth-`depth` GPT, params in model order.
+
+    Mirrors the model nanomuon trains: width = 64 * depth rounded up to a multiple of the head dim,
+    vocab 32768, untied token embedding and lm_head (AdamW); per layer the q, k, v, o projections and
+    the 4x MLP's fc and proj (Muon). The few tiny 1-D gains are left out: they cost nothing here.
+    """
+    width = -(-depth * 64 // HEAD_DIM) * HEAD_DIM
+    adamw = [(VOCAB, width), (VOCAB, width)]
+    muon = []
+    for _ in range(depth):
+        muon += [(width, width)] * 4 + [(4 * width, width), (width, 4 * width)]
+    return width, adamw, muon
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def median_time(fn, device: torch.device, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn, device) for _ in range(steps))
+
+
+def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: int, warmup: int) -> float:
+    """FLOP/s of a (K, m, m) @ (K, m, m) batched matmul."""
+    a = torch.randn(K, m, m, device=device).to(dtype)
+    b = torch.randn(K, m, m, device=device).to(dtype)
+    return 2 * K * m ** 3 / median_time(lambda: torch.bmm(a, b), device, steps, warmup)
+
+
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) with float32 where torch uses bfloat16."""
+    a, b, c = ns_coefficients
+    X = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        X = X.T
+    # Out of place: for an fp32 grad, .float() returns the caller's tensor itself (with nesterov=False
+    # that is the momentum buffer), and torch's in-place div_ would overwrite it.
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = X @ X.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        X = torch.addmm(X, update, X, beta=a)
+    return X.T if tall else X
+
+
+def gflops(x: float) -> str:
+    return f"{x / 1e9:.1f} GFLOP/s"
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# -----------------------------------------------------------------------------
+
+
+def bench_step(args, device, compile, precision, rates):
+    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW."""
+    width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
+    n_adamw = sum(math.prod(s) for s in adamw_shapes)
+    n_muon = sum(math.prod(s) for s in muon_shapes)
+    print(f"\n== 1. optimizer step, d{args.depth} (width {width}): {n_muon / 1e6:.1f}M Muon + "
+          f"{n_adamw / 1e6:.1f}M AdamW params ==")
+    gen = torch.Generator().manual_seed(0)
+    shapes = adamw_shapes + muon_shapes
+    init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    stored = [torch.randn(s, generator=gen).to(device) for s in shapes]
+
+    def copies(init):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        for p, g in zip(params, stored):
+            p.grad = g.clone()
+        return params[:len(adamw_shapes)], params[len(adamw_shapes):]
+
+    ours_adamw, ours_muon = copies(init)
+    base_adamw, base_muon = copies(init)
+    del init
+    ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
+                      dict(kind="muon", params=ours_muon, ns_precision=args.ns_precision, **MUON_HP)],
+                     compile=compile)
+    base_muon_opt = torch.optim.Muon(base_muon, lr=MUON_HP["lr"], momentum=MUON_HP["momentum"],
+                                     weight_decay=MUON_HP["weight_decay"], ns_steps=MUON_HP["ns_steps"])
+    base_adamw_opt = torch.optim.AdamW(base_adamw, **ADAMW_HP)
+
+    def base_step():
+        base_muon_opt.step()
+        base_adamw_opt.step()
+
+    def run(opt_step, params):
+        torch._foreach_copy_([p.grad for p in params], stored)  # same grads every step, untimed
+        return timed(opt_step, device)
+
+    ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
+    patched = precision == "fp32"
+    original_ns = torch_muon._zeropower_via_newtonschulz
+    if patched:  # torch.optim.Muon looks the function up by name at every step, so this swaps it in
+        torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
+    try:
+        ours_t, base_t = [], []
+        for i in range(args.warmup + args.steps):  # interleaved, so load drift hits both alike
+            a, b = run(ours.step, ours_params), run(base_step, base_params)
+            if i >= args.warmup:
+                ours_t.append(a)
+                base_t.append(b)
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original_ns
+
+    print(f"Newton-Schulz precision: {precision} for both (--ns-precision {args.ns_precision})")
+    if patched:
+        print(f"  baseline patched: torch.optim.Muon hard-codes bf16 Newton-Schulz; it ran through an fp32 copy of "
+              f"torch's iteration\n  (torch.optim._muon._zeropower_via_newtonschulz replaced for the run), because "
+              f"bf16 matmul here runs at\n  {gflops(rates['bf16'])} vs {gflops(rates['fp32'])} in fp32: unpatched, "
+              f"the baseline would time bf16 emulation, not the optimizer.")
+    else:
+        print("  baseline unpatched: torch.optim.Muon's own bf16 Newton-Schulz")
+    print("  coefficients: torch.optim.Muon uses Keller Jordan's NS5 triple at every iteration, MuonAdamW Polar "
+          "Express\n  (one triple per iteration); both are 5 iterations of 3 matmuls, the same FLOPs, so fair for "
+          "speed.")
+    print(f"MuonAdamW compile: {compile}; baseline: torch.optim.Muon (eager, per-matrix) + torch.optim.AdamW "
+          f"(default foreach)")
+    ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
+    ratio = ours_med / base_med
+    target = STEP_TARGET[device.type]
+    for label, ts in (("MuonAdamW", ours_t), ("torch Muon + AdamW", base_t)):
+        print(f"  {label:20s} median {statistics.median(ts) * 1e3:9.1f} ms   min {min(ts) * 1e3:9.1f} ms   "
+              f"(all, ms: {', '.join(f'{t * 1e3:.0f}' for t in ts)})")
+    print(f"  ratio ours/baseline  {ratio:.3f}   target <= {target}   {verdict(ratio <= target)}")
+    return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, patched=patched)
+
+
+def bench_ns(args, device, compile, precision):
+    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes."""
+    _, _, muon_shapes = gpt_shapes(args.depth)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    steps = MUON_HP["ns_steps"]
+    coeffs, safety, eps = ns_coefficients("polar_express", steps)
+    ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
+    print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
+    # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
+    metas = [torch.empty(s, device="meta") for s in muon_shapes]
+    stacks = [(len(b), *muon_shapes[b[0]]) for b in buckets(metas)]
+    gen = torch.Generator().manual_seed(1)
+    tot_flops = tot_ns = tot_ref_flops = tot_ref = 0.0
+    for shape in stacks:
+        K, rows, cols = shape
+        G = torch.randn(shape, generator=gen).to(device)
+        flops = ns_flops(shape, steps)
+        t_ns = median_time(lambda G=G: ortho(G, coeffs, safety, eps, dtype), device, args.steps, args.warmup)
+        # Reference: one iteration's matmuls as plain bmm, wide orientation: X X^T, A A, A X.
+        m, n = sorted((rows, cols))
+        X = torch.randn(K, m, n, generator=gen).to(device, dtype)
+        A = torch.randn(K, m, m, generator=gen).to(device, dtype)
+
+        def one_iteration(X=X, A=A):
+            torch.bmm(X, X.mT)
+            torch.bmm(A, A)
+            torch.bmm(A, X)
+
+        t_ref = median_time(one_iteration, device, args.steps, args.warmup)
+        ref_flops = ns_flops(shape, 1)
+        print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
+              f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
+        tot_flops += flops
+        tot_ns += t_ns
+        tot_ref_flops += ref_flops
+        tot_ref += t_ref
+        del G, X, A
+    ns_rate, ref_rate = tot_flops / tot_ns, tot_ref_flops / tot_ref
+    ratio = ns_rate / ref_rate
+    print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = {gflops(ns_rate)}; "
+          f"bmm {gflops(ref_rate)}")
+    print(f"  ratio NS/bmm {ratio:.3f}   target >= {NS_TARGET}   {verdict(ratio >= NS_TARGET)}")
+    return dict(rate=ns_rate, ref=ref_rate, ratio=ratio)
+
+
+def bench_imbalance(args):
+    """Section 3: Newton-Schulz load per rank, DistMuonAdamW's LPT plan vs nanochat's chunks (shapes only)."""
+    N = args.world_size
+    _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
+    steps = MUON_HP["ns_steps"]
+    # Order as DistMuonAdamW._get_plan: per group (one muon group here), by shape bucket in order of first
+    # appearance; buckets() is the optimizer's own function, fed meta tensors (no memory).
+    bucket_list = buckets([torch.empty(s, device="meta") for s in muon_shapes])
+    costs_by_bucket = [[ns_flops(muon_shapes[i], steps) for i in b] for b in bucket_list]
+    costs = [c for cs in costs_by_bucket for c in cs]
+    lpt = [0.0] * N
+    for c, r in zip(costs, assign_owners(costs, N)):
+        lpt[r] += c
+    chunks = [0.0] * N  # nanochat: per shape group, rank r owns [r * chunk, (r + 1) * chunk)
+    for cs in costs_by_bucket:
+        chunk = -(-len(cs) // N)
+        for j, c in enumerate(cs):
+            chunks[j // chunk] += c
+    mean = sum(costs) / N
+    res = {}
+    print(f"\n== 3. Newton-Schulz load imbalance, d{args.imbalance_depth}, {N} ranks, {len(costs)} matrices in "
+          f"{len(bucket_list)} shape buckets ==")
+    for name, loads in (("DistMuonAdamW (LPT)", lpt), ("nanochat chunks", chunks)):
+        res[name] = max(loads) / mean
+        per_rank = " ".join(f"{x / 1e9:.0f}" for x in loads)
+        print(f"  {name:20s} max/mean {res[name]:.3f}   per-rank GFLOP: {per_rank}")
+    ok = res["DistMuonAdamW (LPT)"] <= IMBALANCE_TARGET
+    print(f"  target <= {IMBALANCE_TARGET} for DistMuonAdamW   {verdict(ok)}")
+    return dict(lpt=res["DistMuonAdamW (LPT)"], chunks=res["nanochat chunks"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depth", type=int, default=12, help="model depth for the step and NS timings")
+    parser.add_argument("--imbalance-depth", type=int, default=20, help="model depth for the ownership imbalance")
+    parser.add_argument("--world-size", type=int, default=8, help="ranks for the ownership imbalance")
+    parser.add_argument("--steps", type=int, default=5, help="timed repetitions per measurement (medians reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off for CPU)")
+    parser.add_argument("--ns-precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="Newton-Schulz precision, both optimizers (auto: bf16 on CUDA, fp32 elsewhere)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    compile = device.type == "cuda" if args.compile is None else args.compile
+    # Resolved as MuonAdamW resolves 'auto', so the baseline runs the same precision.
+    precision = args.ns_precision if args.ns_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
+    name = device_name(device)
+    threads = torch.get_num_threads()
+    print(f"{command}\ndevice {device} ({name}), torch {torch.__version__}, {threads} threads")
+    load_before = os.getloadavg()[0]  # other processes on the machine skew every timing below
+
+    with torch.no_grad():
+        # Matmul rates first: they explain the precision choice below. Sizes that take ~1 s in bf16 on a CPU.
+        K, m = (16, 4096) if device.type == "cuda" else (4, 512)
+        rates = {p: bmm_rate(K, m, dt, device, args.steps, args.warmup)
+                 for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
+        print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 {gflops(rates['bf16'])}   "
+              f"fp32 {gflops(rates['fp32'])}")
+        step = bench_step(args, device, compile, precision, rates)
+        ns = bench_ns(args, device, compile, precision)
+    imb = bench_imbalance(args)
+
+    print("\n== summary ==")
+    print(f"date        {datetime.date.today().isoformat()}")
+    print(f"load        1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
+          f"(this process alone adds ~{threads})")
+    print(f"device      {name} ({device.type}), {threads} threads, torch {torch.__version__}")
+    print(f"command     {command}")
+    print(f"matmul      bf16 {gflops(rates['bf16'])}, fp32 {gflops(rates['fp32'])}")
+    baseline_ns = f"{precision}, patched" if step["patched"] else precision
+    print(f"step d{args.depth:<4d}  MuonAdamW {step['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
+          f"{step['base'] * 1e3:.0f} ms (NS {baseline_ns}, compile {compile}): ratio {step['ratio']:.3f}, "
+          f"target <= {step['target']} "
+          f"{verdict(step['ratio'] <= step['target'])}")
+    print(f"NS d{args.depth:<6d}  {gflops(ns['rate'])} vs bmm {gflops(ns['ref'])}: ratio {ns['ratio']:.3f}, "
+          f"target >= {NS_TARGET} {verdict(ns['ratio'] >= NS_TARGET)}")
+    print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: LPT {imb['lpt']:.3f}, nanochat chunks "
+          f"{imb['chunks']:.3f}, target <= {IMBALANCE_TARGET} {verdict(imb['lpt'] <= IMBALANCE_TARGET)}")
+
+
+if __name__ == "__main__":
+    main()
