@@ -90,15 +90,16 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) ->
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization.
+    Frobenius norm it had after orthogonalization. Scales g in place and returns it.
     """
-    v_mean = g.float().square().mean(dim=red_dim, keepdim=True)
     red_size = g.size(red_dim)
+    # mean of squares via a norm, so no full-size g**2 is materialized; g is scaled in place at the end
+    v_mean = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square() / red_size
     v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * red_size).sqrt()
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
     v_norm_new = ((v_mean * red_size) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-    return g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
+    return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
 
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
@@ -116,10 +117,14 @@ def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_m
     if second_moment is not None:
         red_dim = -1 if params.size(-2) >= params.size(-1) else -2
         g = variance_reduction(g, second_moment, beta2, red_dim)
-    decay = params * (lr * wd)
+    # g is a fresh buffer from orthogonalize(): scale and combine in place to spare full-size temporaries.
+    g.mul_(lr)
     if cautious_wd:
-        decay = decay * ((g * params) >= 0)
-    params.sub_(g * lr + decay)
+        decay = torch.where((g * params) >= 0, params, 0.0)
+        g.add_(decay.mul_(lr * wd))
+    else:
+        params.mul_(1 - lr * wd)
+    params.sub_(g)
 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -129,9 +134,9 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.lerp_(grad.square(), 1 - beta2)
     bias1 = 1 - beta1 ** step
-    bias2 = 1 - beta2 ** step
-    denom = (exp_avg_sq / bias2).sqrt() + eps
-    p.sub_(exp_avg / denom * (lr / bias1))
+    bias2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    p.sub_(exp_avg.div(denom).mul_(lr / bias1))
 
 
 def muon_lr_multiplier(shape) -> float:
