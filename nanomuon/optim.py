@@ -150,18 +150,28 @@ def ns_flops(shape, ns_steps: int) -> float:
     return math.prod(shape[:-2]) * ns_steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def assign_owners(costs: list[float], world_size: int) -> list[int]:
-    """Longest-processing-time greedy: each item (largest first) goes to the least loaded rank.
+def assign_owners(buckets: list[tuple[int, float]], world_size: int) -> list[list[list[int]]]:
+    """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks.
 
-    Deterministic (ties break by item index, then rank), so every rank computes the same plan.
+    Every rank gets floor(count / N) matrices of every bucket, so a bucket's stacks pad to ceil(count / N)
+    per rank, as little as possible; the remainders go, costliest bucket first, one each to the least
+    loaded ranks (ties to the lower rank). The result, slots[bucket][rank] = matrix indices, depends on
+    the shapes alone, so every rank computes the same plan. The busiest rank exceeds the mean by at most
+    one matrix's cost.
     """
-    loads = [0.0] * world_size
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[i] = r
-        loads[r] += costs[i]
-    return owners
+    loads = [sum(count // world_size * cost for count, cost in buckets)] * world_size
+    extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
+    for b in sorted(range(len(buckets)), key=lambda b: (-buckets[b][1], b)):
+        count, cost = buckets[b]
+        for r in sorted(range(world_size), key=lambda r: (loads[r], r))[:count % world_size]:
+            extra[b].append(r)
+            loads[r] += cost
+    plan = []
+    for (count, _), ranks in zip(buckets, extra):
+        sizes = [count // world_size + (r in ranks) for r in range(world_size)]
+        starts = [sum(sizes[:r]) for r in range(world_size)]
+        plan.append([list(range(starts[r], starts[r] + sizes[r])) for r in range(world_size)])
+    return plan
 
 
 _compiled: dict = {}
@@ -315,6 +325,8 @@ class MuonAdamW(torch.optim.Optimizer):
     compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise.
     """
 
+    CPU_CHUNK = 4 * 1024 * 1024  # elements per fused Muon call on CPU (see _muon_math)
+
     def __init__(self, param_groups, compile: bool | None = None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
             raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' or kind='muon', "
@@ -407,9 +419,15 @@ class MuonAdamW(torch.optim.Optimizer):
         beta2 = group["beta2"] if group["beta2"] is not None else 0.0
         s = self._scalars(momentum=group["momentum"], lr=group["lr"] * muon_lr_multiplier(stacked.shape),
                           wd=group["weight_decay"], beta2=beta2)
-        _kernel(muon_update, self.compiled)(
-            grads, stacked, momentum, second, s["momentum"], s["lr"], s["wd"], s["beta2"],
-            coeffs, safety, eps, NS_DTYPES[precision], group["nesterov"], group["cautious_wd"])
+        # On CPU, run the stack in chunks of <= CPU_CHUNK elements: the update is compute-bound there anyway,
+        # and Newton-Schulz temporaries above glibc's 32 MB mmap threshold would be page-faulted afresh on
+        # every call (13% of a d12 step on a 2-core VM). CUDA's caching allocator has no such cost: one call.
+        per = len(idx) if stacked.is_cuda else max(1, self.CPU_CHUNK // stacked[0].numel())
+        for i in range(0, len(idx), per):
+            _kernel(muon_update, self.compiled)(
+                grads[i:i + per], stacked[i:i + per], momentum[i:i + per],
+                second[i:i + per] if second is not None else None, s["momentum"], s["lr"], s["wd"], s["beta2"],
+                coeffs, safety, eps, NS_DTYPES[precision], group["nesterov"], group["cautious_wd"])
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -524,7 +542,7 @@ class DistMuonAdamW(MuonAdamW):
       3. wait for the gathers and copy the Muon matrices back into the params.
     Each rank keeps AdamW state only for its flat shard of each large param, and Muon state only for
     the matrices it owns. Nothing needs to divide by the world size (shards and stacks are padded), and
-    Muon matrices are assigned to owners by Newton-Schulz cost across all groups (LPT greedy).
+    Muon matrices are assigned to owners by Newton-Schulz cost across all groups (assign_owners).
 
     state_dict() is this rank's shard; full_state_dict() gathers the world-size-independent form (the
     same format as MuonAdamW.state_dict()), which load_full_state_dict() loads at any world size.
@@ -575,23 +593,16 @@ class DistMuonAdamW(MuonAdamW):
         key = tuple(tuple(id(p) for p in g["params"]) for g in self.param_groups)
         if self._plan is not None and self._plan["key"] == key:
             return self._plan
-        N = self.world_size
-        muon_buckets, costs = [], []
+        muon_buckets = []
         for gi, group in enumerate(self.param_groups):
             if group["kind"] != "muon":
                 continue
             for bucket in buckets(group["params"]):
                 params = [group["params"][i] for i in bucket]
-                muon_buckets.append(dict(group=gi, params=params))
-                costs += [ns_flops(p.shape, group["ns_steps"]) for p in params]
-        owners = assign_owners(costs, N)
-        k = 0
-        for b in muon_buckets:
-            slots = [[] for _ in range(N)]  # slots[r]: indices (into b['params']) owned by rank r
-            for i in range(len(b["params"])):
-                slots[owners[k]].append(i)
-                k += 1
-            b["slots"] = slots
+                muon_buckets.append(dict(group=gi, params=params, cost=ns_flops(params[0].shape, group["ns_steps"])))
+        plan = assign_owners([(len(b["params"]), b["cost"]) for b in muon_buckets], self.world_size)
+        for b, slots in zip(muon_buckets, plan):
+            b["slots"] = slots  # slots[r]: indices into b["params"] that rank r owns
             b["chunk"] = max(len(s) for s in slots)
             b["mine"] = slots[self.rank]
         self._plan = dict(key=key, muon=muon_buckets)

@@ -124,6 +124,7 @@ def _entry(rank, world_size, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears down gloo while a peer is still finishing its last collective
     finally:
         dist.destroy_process_group()
 
