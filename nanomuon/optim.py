@@ -325,7 +325,7 @@ class MuonAdamW(torch.optim.Optimizer):
     compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise.
     """
 
-    CPU_CHUNK = 4 * 1024 * 1024  # elements per fused Muon call on CPU (see _muon_math)
+    CPU_CHUNK = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_chunks)
 
     def __init__(self, param_groups, compile: bool | None = None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
@@ -419,15 +419,9 @@ class MuonAdamW(torch.optim.Optimizer):
         beta2 = group["beta2"] if group["beta2"] is not None else 0.0
         s = self._scalars(momentum=group["momentum"], lr=group["lr"] * muon_lr_multiplier(stacked.shape),
                           wd=group["weight_decay"], beta2=beta2)
-        # On CPU, run the stack in chunks of <= CPU_CHUNK elements: the update is compute-bound there anyway,
-        # and Newton-Schulz temporaries above glibc's 32 MB mmap threshold would be page-faulted afresh on
-        # every call (13% of a d12 step on a 2-core VM). CUDA's caching allocator has no such cost: one call.
-        per = len(idx) if stacked.is_cuda else max(1, self.CPU_CHUNK // stacked[0].numel())
-        for i in range(0, len(idx), per):
-            _kernel(muon_update, self.compiled)(
-                grads[i:i + per], stacked[i:i + per], momentum[i:i + per],
-                second[i:i + per] if second is not None else None, s["momentum"], s["lr"], s["wd"], s["beta2"],
-                coeffs, safety, eps, NS_DTYPES[precision], group["nesterov"], group["cautious_wd"])
+        self._in_chunks(_kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
+                        s["momentum"], s["lr"], s["wd"], s["beta2"], coeffs, safety, eps, NS_DTYPES[precision],
+                        group["nesterov"], group["cautious_wd"])
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -447,8 +441,25 @@ class MuonAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         s = self._scalars(step=state["step"], lr=group["lr"], beta1=beta1, beta2=beta2,
                           eps=group["eps"], wd=group["weight_decay"])
-        _kernel(adamw_update, self.compiled)(p, grad, state["exp_avg"], state["exp_avg_sq"],
-                                             s["step"], s["lr"], s["beta1"], s["beta2"], s["eps"], s["wd"])
+        tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
+        if all(t.is_contiguous() for t in tensors):  # elementwise: flat views chunk exactly
+            tensors = tuple(t.view(-1) for t in tensors)
+        self._in_chunks(_kernel(adamw_update, self.compiled), tensors,
+                        s["step"], s["lr"], s["beta1"], s["beta2"], s["eps"], s["wd"])
+
+    def _in_chunks(self, kernel, tensors, *args) -> None:
+        """kernel(*tensors, *args) in dim-0 chunks of <= CPU_CHUNK elements on CPU, in one call on GPUs.
+
+        On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
+        threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small chunks
+        keep them in reusable heap memory. CUDA's caching allocator has no such cost.
+        """
+        lead = tensors[0]
+        if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_CHUNK:
+            return kernel(*tensors, *args)
+        n, per = len(lead), max(1, self.CPU_CHUNK // lead[0].numel())
+        for i in range(0, n, per):
+            kernel(*(t[i:i + per] if t is not None else None for t in tensors), *args)
 
     def _check_step(self) -> None:
         """Every check that can fail, before any math runs, so a bad step changes nothing."""

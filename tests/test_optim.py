@@ -371,3 +371,31 @@ def test_owner_plan_is_balanced_and_pads_like_nanochat(depth, world_size):
         # by 8 matrices, far more costly in communication than the Newton-Schulz imbalance it removes.
         assert max(loads) / mean <= 1.03
     assert plan == assign_owners(bucket_list, world_size)  # deterministic: every rank agrees
+
+
+def test_cpu_chunked_kernels_equal_one_call(monkeypatch):
+    """On CPU the kernels run over chunks of the stacks (allocator-friendly); the result must not change."""
+    shapes = [(24, 16)] * 5 + [(16, 48)] * 3 + [(40, 30), (50,)]
+    whole, chunked = make_params(shapes), make_params(shapes)
+
+    def groups(ps):
+        return [muon_group(ps[:8]), adamw_group(ps[8:])]
+
+    opt_whole = MuonAdamW(groups(whole))
+    opt_chunked = MuonAdamW(groups(chunked))
+    monkeypatch.setattr(opt_chunked, "CPU_CHUNK", 700)  # 1-2 matrices and 700-element slices per call
+    import nanomuon.optim as optim
+
+    calls = {"muon": 0, "adamw": 0}
+    for name in calls:
+        real = getattr(optim, f"{name}_update")
+        monkeypatch.setattr(optim, f"{name}_update", lambda *a, real=real, name=name: (
+            calls.__setitem__(name, calls[name] + 1), real(*a))[1])
+    for step in range(4):
+        set_grads([whole, chunked], step)
+        opt_whole.step()
+        opt_chunked.step()
+    for p, q in zip(whole, chunked):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    # per step, whole: 2 muon + 2 adamw calls; chunked: 5 + 3 muon (one matrix each), 2 + 1 adamw slices
+    assert calls == {"muon": 4 * (2 + 8), "adamw": 4 * (2 + 3)}, calls
