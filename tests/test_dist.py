@@ -8,9 +8,11 @@ options, a 1-D param, AdamW params whose sizes do not divide by the world size, 
 anywhere and a param with a grad on rank 0 only.
 """
 
+import faulthandler
 import io
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -119,14 +121,22 @@ def _free_port():
 
 
 def _entry(rank, world_size, port, fn, args):
+    faulthandler.enable()  # a native abort in a worker prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down gloo while a peer is still finishing its last collective
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # spawn reports the traceback
+    dist.destroy_process_group()
+    # Skip interpreter finalization: gloo objects still alive there can abort in their C++ destructors
+    # ("terminate called without an active exception", seen rarely on 2-core CI). The work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world_size, *args):
