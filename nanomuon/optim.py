@@ -672,9 +672,7 @@ class DistMuonAdamW(MuonAdamW):
             zeros = None
             parts = []
             for slots in b["slots"]:
-                for i in slots:
-                    p = b["params"][i]
-                    parts.append(p.grad if p.grad is not None else torch.zeros_like(p))
+                parts += [grad_or_zeros(b["params"][i]) for i in slots]
                 if len(slots) < b["chunk"]:
                     zeros = zeros if zeros is not None else torch.zeros_like(p0)
                     parts += [zeros] * (b["chunk"] - len(slots))
