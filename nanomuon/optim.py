@@ -139,6 +139,22 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     p.sub_(exp_avg.div(denom).mul_(lr / bias1))
 
 
+def resolve_ns_precision(precision: str, device) -> str:
+    """A group's ns_precision on this device: 'auto' is bf16 on CUDA (as nanochat) and fp32 elsewhere,
+    since CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32."""
+    if precision == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return precision
+
+
+def muon_state_layout(p: Tensor) -> dict:
+    """Per-param Muon state, name -> (shape, dtype). The second moment holds one value per row (rows >= cols)
+    or per column, kept in fp32 whatever the param dtype: it is tiny."""
+    rows, cols = p.shape[-2:]
+    second = (*p.shape[:-1], 1) if rows >= cols else (*p.shape[:-2], 1, cols)
+    return {"momentum_buffer": (tuple(p.shape), p.dtype), "second_momentum_buffer": (second, torch.float32)}
+
+
 def muon_lr_multiplier(shape) -> float:
     """sqrt(max(1, rows/cols)): keeps the update's RMS per input dim the same for tall matrices."""
     return max(1.0, shape[-2] / shape[-1]) ** 0.5
@@ -381,10 +397,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if stacks is not None and (stacks[1] is not None or not want_second):
             return stacks
         p0 = params[0]
-        rows, cols = p0.shape[-2:]
-        second_shape = (*p0.shape[:-1], 1) if rows >= cols else (*p0.shape[:-2], 1, cols)
+        layout = muon_state_layout(p0)
 
-        def stacked(name, shape, dtype):
+        def stacked(name):
+            shape, dtype = layout[name]
             parts = [self.state[p].get(name) for p in params]
             out = torch.zeros((len(params), *shape), dtype=dtype, device=p0.device)
             for i, t in enumerate(parts):
@@ -394,9 +410,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 self.state[p][name] = out[i]
             return out
 
-        momentum = stacked("momentum_buffer", p0.shape, p0.dtype)
-        # The second moment is tiny (one value per row or column); keep it in fp32 whatever the param dtype.
-        second = stacked("second_momentum_buffer", second_shape, torch.float32) if want_second else None
+        momentum = stacked("momentum_buffer")
+        second = stacked("second_momentum_buffer") if want_second else None
         self._stacks[key] = (momentum, second)
         return momentum, second
 
@@ -413,9 +428,7 @@ class MuonAdamW(torch.optim.Optimizer):
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
         stacked = torch.stack([params[i] for i in idx])
         coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-        precision = group["ns_precision"]
-        if precision == "auto":
-            precision = "bf16" if stacked.is_cuda else "fp32"
+        precision = resolve_ns_precision(group["ns_precision"], stacked.device)
         beta2 = group["beta2"] if group["beta2"] is not None else 0.0
         s = self._scalars(momentum=group["momentum"], lr=group["lr"] * muon_lr_multiplier(stacked.shape),
                           wd=group["weight_decay"], beta2=beta2)
@@ -798,17 +811,10 @@ class DistMuonAdamW(MuonAdamW):
                 continue
             group = self.param_groups[b["group"]]
             mine = [b["params"][i] for i in b["mine"]]
-            p0 = b["params"][0]
+            layout = muon_state_layout(b["params"][0])  # every rank agrees on it, owner of state or not
             names = ["momentum_buffer"] + (["second_momentum_buffer"] if group["beta2"] is not None else [])
             for name in names:
-                local = [self.state[p][name] for p in mine if name in self.state[p]]
-                if local:
-                    shape, dtype = local[0].shape, local[0].dtype
-                else:  # this rank holds none of this bucket's state; send zeros of the agreed shape
-                    rows, cols = p0.shape[-2:]
-                    shape = p0.shape if name == "momentum_buffer" else (
-                        (*p0.shape[:-1], 1) if rows >= cols else (*p0.shape[:-2], 1, cols))
-                    dtype = p0.dtype if name == "momentum_buffer" else torch.float32
+                shape, dtype = layout[name]
                 chunk = torch.zeros((b["chunk"], *shape), dtype=dtype, device=device)
                 for k, p in enumerate(mine):
                     if name in self.state[p]:

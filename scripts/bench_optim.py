@@ -27,7 +27,16 @@ import time
 import torch
 import torch.optim._muon as torch_muon
 
-from nanomuon.optim import MuonAdamW, assign_owners, buckets, ns_coefficients, ns_flops, orthogonalize
+from nanomuon.optim import (
+    NS_DTYPES,
+    MuonAdamW,
+    assign_owners,
+    buckets,
+    ns_coefficients,
+    ns_flops,
+    orthogonalize,
+    resolve_ns_precision,
+)
 
 HEAD_DIM = 128
 VOCAB = 32768
@@ -197,7 +206,7 @@ def bench_step(args, device, compile, precision, rates):
 def bench_ns(args, device, compile, precision):
     """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes."""
     _, _, muon_shapes = gpt_shapes(args.depth)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    dtype = NS_DTYPES[precision]
     steps = MUON_HP["ns_steps"]
     coeffs, safety, eps = ns_coefficients("polar_express", steps)
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
@@ -290,8 +299,7 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
-    # Resolved as MuonAdamW resolves 'auto', so the baseline runs the same precision.
-    precision = args.ns_precision if args.ns_precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    precision = resolve_ns_precision(args.ns_precision, device)  # MuonAdamW's rule, so the baseline matches
     command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
     name = device_name(device)
     threads = torch.get_num_threads()
