@@ -1,0 +1,232 @@
+"""
+The GPT that nanomuon trains: small, modern, and written to be read in one sitting.
+
+Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
+biases, a tanh logit softcap, zero-initialized output projections. Attention runs through
+scaled_dot_product_attention (flash kernels on CUDA; the math kernel on CPU). The size follows from one
+number, --depth: width = depth * aspect_ratio, rounded up to a multiple of the head dim.
+
+setup_optimizer() is where the model meets the optimizer: every matrix inside the blocks trains with
+Muon, the embedding, lm_head and anything not 2-D train with AdamW.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+    softcap: float = 15.0
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        elif (self.n_embd // self.n_head) % 2:
+            problems.append(f"head dim {self.n_embd // self.n_head} must be even for rotary embeddings")
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            problems.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        if problems:
+            raise ValueError("bad GPTConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
+                      head_dim: int = 128) -> GPTConfig:
+    """nanochat's sizing: width = depth * aspect_ratio rounded up to head_dim; one head per head_dim."""
+    if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, head_dim={head_dim} "
+                         "(need depth >= 1, aspect_ratio >= 1, an even head_dim >= 2)")
+    n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
+    n_head = n_embd // head_dim
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_head, n_embd=n_embd)
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, T, H, D); rotate the two halves of the head dim against each other.
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        d, kv = config.n_embd, config.n_kv_head * self.head_dim
+        self.c_q = nn.Linear(d, d, bias=False)
+        self.c_k = nn.Linear(d, kv, bias=False)
+        self.c_v = nn.Linear(d, kv, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = self.n_kv_head != self.n_head
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn = CausalSelfAttention(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(norm(x), cos, sin)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        cos, sin = self._rotary_tables(config.sequence_len)
+        self.register_buffer("cos", cos, persistent=False)  # derived from the config, never checkpointed
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rotary_tables(self, seq_len: int, device=None):
+        head_dim = self.config.n_embd // self.config.n_head
+        inv_freq = self.config.rope_base ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+                                              / head_dim)
+        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]  # (1, T, 1, D/2)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Hidden matrices ~ std 1/sqrt(fan_in) (uniform, so no outliers); projections into the residual
+        stream start at zero, so each block starts as the identity; a small lm_head keeps early logits flat."""
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        bound = math.sqrt(3.0 / self.config.n_embd)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+        cos, sin = self._rotary_tables(self.config.sequence_len, device=self.wte.weight.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def forward(self, idx, targets=None, loss_reduction: str = "mean"):
+        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss.
+
+        loss_reduction='none' gives the per-token loss (B, T), which bits-per-byte needs; targets equal
+        to -1 are ignored.
+        """
+        B, T = idx.shape
+        if idx.size(1) > self.cos.size(1):
+            raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
+                             f"{self.config.sequence_len}")
+        cos, sin = self.cos[:, :T], self.sin[:, :T]
+        x = norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(norm(x)).float()
+        logits = self.config.softcap * torch.tanh(logits / self.config.softcap)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 per matmul weight, plus attention's scores and
+        values, 12 * layers * width * sequence_len (causal masking is not discounted, as in PaLM's MFU)."""
+        matmul_params = self.num_params() - self.wte.weight.numel()
+        c = self.config
+        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.sequence_len
+
+    def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
+                        scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
+                        compile: bool | None = None):
+        """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
+
+        AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's lr needs no
+        width scaling because its update is orthogonalized.
+        """
+        scale = (self.config.n_embd / 768) ** -0.5
+        matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
+        scalars = [p for p in self.blocks.parameters() if p.ndim != 2]
+        adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
+        groups = [
+            dict(adam, name="lm_head", params=list(self.lm_head.parameters()), lr=unembedding_lr * scale),
+            dict(adam, name="embedding", params=list(self.wte.parameters()), lr=embedding_lr * scale),
+            dict(kind="muon", name="matrices", params=matrices, lr=matrix_lr, momentum=0.95, ns_steps=5,
+                 beta2=0.95, weight_decay=weight_decay),
+        ]
+        if scalars:
+            groups.append(dict(adam, name="scalars", params=scalars, lr=scalar_lr))
+        for g in groups:
+            g["initial_lr"] = g["lr"]
+        distributed = dist.is_available() and dist.is_initialized()
+        cls = DistMuonAdamW if distributed else MuonAdamW
+        return cls(groups, compile=compile)
+
+    @torch.no_grad()
+    def generate(self, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 seed: int = 42):
+        """Yield sampled token ids one at a time (no KV cache: each step re-runs the last sequence_len tokens)."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        device = self.wte.weight.device
+        rng = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        for _ in range(max_tokens):
+            logits = self(ids[:, -self.config.sequence_len:])[:, -1, :]
+            if top_k is not None and top_k > 0:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1, generator=rng)
+            ids = torch.cat([ids, nxt], dim=1)
+            yield nxt.item()
