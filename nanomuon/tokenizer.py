@@ -1,0 +1,131 @@
+"""
+The tokenizer: a byte-level BPE trained with rustbpe, run with tiktoken.
+
+rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded
+batches). One special token, <|bos|>, opens every document. A trained tokenizer is two text files in
+one directory: tokenizer.bpe (tiktoken's format: base64 token bytes and rank per line) and
+tokenizer.json (split pattern, special tokens, fingerprint). Checkpoints record the fingerprint, so a
+run is never resumed or sampled with a tokenizer it was not trained with.
+
+token_bytes() gives each token's length in UTF-8 bytes (0 for special tokens): the denominator of
+bits per byte, which unlike loss per token is comparable across vocabularies.
+"""
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tiktoken
+import torch
+
+# GPT-4's split pattern with digits in runs of at most 2 (nanochat's choice: fewer number tokens wasted
+# on small vocabularies).
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+BOS = "<|bos|>"
+SPECIAL_TOKENS = (BOS,)
+FILES = ("tokenizer.bpe", "tokenizer.json")
+
+
+class Tokenizer:
+    """A tiktoken Encoding plus the bookkeeping training needs (BOS, token byte lengths, fingerprint)."""
+
+    def __init__(self, mergeable_ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN):
+        n = len(mergeable_ranks)
+        if sorted(mergeable_ranks.values()) != list(range(n)):
+            raise ValueError("mergeable ranks must be exactly 0..N-1")
+        self.mergeable_ranks = mergeable_ranks
+        self.pattern = pattern
+        self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.enc = tiktoken.Encoding(name="nanomuon", pat_str=pattern, mergeable_ranks=mergeable_ranks,
+                                     special_tokens=self.special_tokens)
+        self.bos_id = self.special_tokens[BOS]
+        self.vocab_size = n + len(self.special_tokens)
+        digest = hashlib.sha256(pattern.encode())
+        for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+            digest.update(len(token).to_bytes(2, "little") + token)
+        digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        self.fingerprint = digest.hexdigest()[:16]
+
+    # -- training, saving, loading --------------------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
+        """Learn vocab_size - len(SPECIAL_TOKENS) byte-level BPE tokens from texts with rustbpe."""
+        import rustbpe  # only training needs it; encoding needs tiktoken alone
+
+        min_size = 256 + len(SPECIAL_TOKENS)
+        if vocab_size < min_size:
+            raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
+        bpe = rustbpe.Tokenizer()
+        bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
+        ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
+        return cls(ranks, pattern)
+
+    def save(self, directory: Path) -> None:
+        """Write both files atomically (temp file, then rename), so a reader never sees half a tokenizer."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        bpe = "".join(f"{base64.b64encode(t).decode()} {r}\n"
+                      for t, r in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]))
+        meta = dict(pattern=self.pattern, special_tokens=self.special_tokens, vocab_size=self.vocab_size,
+                    fingerprint=self.fingerprint)
+        for name, text in zip(FILES, (bpe, json.dumps(meta, indent=1) + "\n")):
+            tmp = directory / f".{name}.{os.getpid()}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, directory / name)
+
+    @classmethod
+    def load(cls, directory: Path) -> "Tokenizer":
+        directory = Path(directory)
+        missing = [n for n in FILES if not (directory / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"no tokenizer in {directory} (missing {', '.join(missing)}): train one with "
+                                    "`python -m scripts.tok_train --dataset embedded` (or --dataset fineweb-edu)")
+        try:
+            meta = json.loads((directory / "tokenizer.json").read_text())
+            ranks = {}
+            for line in (directory / "tokenizer.bpe").read_text().splitlines():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+            tok = cls(ranks, meta["pattern"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the tokenizer in {directory} is corrupt ({type(e).__name__}: {e}); retrain it with "
+                             "`python -m scripts.tok_train`") from e
+        if tok.fingerprint != meta.get("fingerprint") or tok.special_tokens != meta.get("special_tokens"):
+            raise ValueError(f"the tokenizer in {directory} does not match its own tokenizer.json (fingerprint "
+                             f"{tok.fingerprint} vs {meta.get('fingerprint')}); retrain it with "
+                             "`python -m scripts.tok_train`")
+        return tok
+
+    # -- use --------------------------------------------------------------------------------------------
+    def encode(self, text: str | Sequence[str], prepend_bos: bool = False, num_threads: int = 8):
+        """Token ids of a string, or a list of id lists for a list of strings (tokenized in parallel).
+        Text that looks like a special token is encoded as plain text, never as the special token."""
+        prefix = [self.bos_id] if prepend_bos else []
+        if isinstance(text, str):
+            return prefix + self.enc.encode_ordinary(text)
+        return [prefix + ids for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.enc.decode(list(ids))
+
+    def token_bytes(self) -> torch.Tensor:
+        """(vocab_size,) int64: UTF-8 bytes of each token; 0 for special tokens, so they drop out of bpb."""
+        lengths = [0] * self.vocab_size
+        for token, rank in self.mergeable_ranks.items():
+            lengths[rank] = len(token)
+        return torch.tensor(lengths, dtype=torch.int64)
+
+
+def tokenizer_dir() -> Path:
+    from nanomuon.dataset import get_base_dir
+
+    return get_base_dir() / "tokenizer"
+
+
+def get_tokenizer() -> Tokenizer:
+    """The tokenizer trained by scripts.tok_train, from $NANOMUON_BASE_DIR/tokenizer."""
+    return Tokenizer.load(tokenizer_dir())

@@ -1,0 +1,58 @@
+"""
+Train the BPE tokenizer on the train split and save it to $NANOMUON_BASE_DIR/tokenizer.
+
+    python -m scripts.tok_train --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
+    python -m scripts.tok_train --dataset embedded --vocab-size 4096 --max-chars 8000000
+
+Prints the compression (UTF-8 bytes per token) on the val split, the number that decides how many
+bytes of text a token budget buys.
+"""
+
+import argparse
+import time
+
+from nanomuon.dataset import DATASETS, iter_texts
+from nanomuon.tokenizer import Tokenizer, tokenizer_dir
+
+
+def capped(texts, doc_cap: int):
+    # A few huge documents (minified code, tables) would otherwise dominate the pair counts.
+    for text in texts:
+        yield text[:doc_cap]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Train nanomuon's BPE tokenizer",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu")
+    p.add_argument("--vocab-size", type=int, default=32768, help="including the special tokens")
+    p.add_argument("--max-chars", type=int, default=2_000_000_000, help="training characters to read")
+    p.add_argument("--doc-cap", type=int, default=10_000, help="characters kept per document")
+    p.add_argument("--eval-chars", type=int, default=2_000_000, help="val characters for the compression check")
+    args = p.parse_args(argv)
+    for name in ("vocab_size", "max_chars", "doc_cap", "eval_chars"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    try:
+        t0 = time.time()
+        tok = Tokenizer.train(capped(iter_texts(args.dataset, "train", args.max_chars), args.doc_cap),
+                              args.vocab_size)
+        train_s = time.time() - t0
+        val = list(iter_texts(args.dataset, "val", args.eval_chars))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if tok.vocab_size < args.vocab_size:
+        print(f"warning: the training text only supports {tok.vocab_size} tokens, not {args.vocab_size}; "
+              "raise --max-chars for a full vocabulary")
+    out = tokenizer_dir()
+    tok.save(out)
+    n_bytes = sum(len(t.encode("utf-8")) for t in val)
+    n_tokens = sum(len(ids) for ids in tok.encode(val))
+    print(f"tokenizer: {tok.vocab_size} tokens (fingerprint {tok.fingerprint}) trained on {args.dataset} in "
+          f"{train_s:.1f} s, saved to {out}")
+    print(f"compression on val: {n_bytes / max(n_tokens, 1):.2f} bytes/token ({n_bytes:,} bytes, {n_tokens:,} tokens)")
+
+
+if __name__ == "__main__":
+    main()
