@@ -45,7 +45,7 @@ class Tokenizer:
         self.bos_id = self.special_tokens[BOS]
         self.vocab_size = n + len(self.special_tokens)
         digest = hashlib.sha256(pattern.encode())
-        for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+        for token in sorted(mergeable_ranks, key=mergeable_ranks.get):
             digest.update(len(token).to_bytes(2, "little") + token)
         digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         self.fingerprint = digest.hexdigest()[:16]
