@@ -1,0 +1,118 @@
+"""
+Plumbing shared by the scripts: process group setup and teardown, device choice, rank-0 printing,
+peak FLOPs for MFU, and the bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
+"""
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def print0(*args, **kwargs):
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def autodetect_device_type() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def compute_init(device_type: str = "auto"):
+    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
+
+    Returns (distributed, rank, local_rank, world_size, device).
+    """
+    if device_type == "auto":
+        device_type = autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; use --device-type cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise SystemExit("error: --device-type mps, but MPS is not available; use --device-type cpu")
+    distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise SystemExit(f"error: local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+                             "lower torchrun --nproc_per_node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (if any) use tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        device = torch.device(device_type)
+    if distributed:
+        if device_type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return distributed, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; fp32 elsewhere (CPU bf16 matmuls are slow without bf16 matrix units)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Dense bf16 tensor-core peak per GPU, from vendor data sheets. Most specific names first.
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12),
+    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12), ("V100", 125e12),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is then omitted, never guessed)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+@torch.no_grad()
+def evaluate_bpb(model, loader, steps: int, token_bytes: torch.Tensor) -> float:
+    """Bits per byte over `steps` batches of `loader`, summed across ranks.
+
+    bpb = total nats over targets that are real text / (ln 2 * their total UTF-8 bytes). Special tokens
+    (0 bytes in token_bytes) are excluded from both sums, so bpb is comparable across tokenizers.
+    """
+    device = token_bytes.device
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    nbytes = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        with autocast(device):
+            loss = model(x, y, loss_reduction="none")
+        b = token_bytes[y]
+        nats += (loss.double() * (b > 0)).sum()
+        nbytes += b.sum()
+    if dist.is_available() and dist.is_initialized():
+        both = torch.stack([nats, nbytes])
+        dist.all_reduce(both)
+        nats, nbytes = both[0], both[1]
+    if nbytes.item() == 0:
+        raise ValueError("evaluation saw no text bytes; is the validation split empty?")
+    return nats.item() / (math.log(2) * nbytes.item())

@@ -1,0 +1,61 @@
+"""
+Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; appends to the run's report.
+
+    python -m scripts.base_eval -- --run d20
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --run d20 --eval-tokens 20971520
+"""
+
+import argparse
+import os
+
+import torch
+
+from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, print0
+from nanomuon.dataloader import DataLoader
+from nanomuon.dataset import DATASETS, get_base_dir
+from scripts.base_train import PROMPTS
+from scripts.sample import add_checkpoint_args, load_for_inference, sample
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint")
+    add_checkpoint_args(p)
+    p.add_argument("--dataset", choices=DATASETS, default=None, help="default: the one the run trained on")
+    p.add_argument("--device-batch-size", type=int, default=32)
+    p.add_argument("--eval-tokens", type=int, default=10 * 524288)
+    p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
+    args = p.parse_args(argv)
+    if args.device_batch_size < 1 or args.eval_tokens < 1 or args.sample_tokens < 0:
+        p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
+    distributed, rank, _, world_size, device = compute_init(args.device_type)
+    model, tokenizer, meta = load_for_inference(args, device)
+    dataset = args.dataset or meta["args"]["dataset"]
+    seq_len = model.config.sequence_len
+    try:
+        loader = DataLoader(tokenizer, dataset, "val", args.device_batch_size, seq_len, rank, world_size, device)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    steps = max(1, args.eval_tokens // (args.device_batch_size * seq_len * world_size))
+    bpb = evaluate_bpb(model, loader, steps, tokenizer.token_bytes().to(device))
+    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} "
+           f"over {steps * args.device_batch_size * seq_len * world_size:,} tokens")
+    lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]
+    if rank == 0 and args.sample_tokens:
+        for prompt in PROMPTS:
+            text = sample(model, tokenizer, prompt, args.sample_tokens, temperature=0.8, top_k=50, seed=0)
+            print0(f"--- {prompt!r}\n{prompt}{text}")
+            lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
+    if rank == 0:
+        report = get_base_dir() / "runs" / args.run / "report.md"
+        with open(report, "a") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        print0(f"appended to {report}")
+    compute_cleanup()
+    return bpb
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

@@ -1,0 +1,360 @@
+"""
+Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo on CPU).
+
+    python -m scripts.base_train --depth 4 --dataset embedded --max-seq-len 256 --device-batch-size 8 ...
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20 --run d20
+
+No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2). Gradients accumulate over
+micro-batches up to --total-batch-size tokens per step. The lr follows warmup / constant / linear
+warmdown, and Muon's momentum warms up from 0.85 to 0.95 over the first 300 steps. Validation bits per
+byte runs every --eval-every steps and at the end. Checkpoints (every --save-every steps and at the
+end) hold everything needed to continue the run exactly: resuming with --resume-from-step gives the
+parameters an uninterrupted run would have had, bit for bit.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanomuon.checkpoint import load_checkpoint, resolve_step, save_checkpoint, step_arg
+from nanomuon.common import autocast, compute_cleanup, compute_init, evaluate_bpb, peak_flops, print0, synchronize
+from nanomuon.dataloader import DataLoader
+from nanomuon.dataset import DATASETS, get_base_dir
+from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.optim import DistMuonAdamW
+from nanomuon.tokenizer import get_tokenizer
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # run
+    p.add_argument("--run", type=str, default="",
+                   help="run name: names the checkpoint directory and the wandb run (default d<depth>)")
+    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log to Weights & Biases")
+    p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
+    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu",
+                   help="training text: fineweb-edu (download with python -m nanomuon.dataset) or the embedded "
+                        "corpus (built on first use, no network)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
+    # model
+    p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
+    p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    # horizon: the first of these that is set wins
+    p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: from the next two)")
+    p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
+    p.add_argument("--target-param-data-ratio", type=float, default=20.0, help="tokens per parameter (Chinchilla)")
+    # batch
+    p.add_argument("--device-batch-size", type=int, default=32, help="rows per micro-batch per process")
+    p.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step, all processes")
+    # optimizer
+    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
+    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
+    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
+    p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
+    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
+    p.add_argument("--warmdown-ratio", type=float, default=0.4, help="fraction of steps with linear lr decay")
+    p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr at the end, as a fraction of the peak")
+    # evaluation and checkpoints
+    p.add_argument("--eval-every", type=int, default=250, help="steps between val bpb evals (-1: only at the end)")
+    p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
+    p.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (-1: only at the end)")
+    p.add_argument("--resume-from-step", type=step_arg, default=-1, help="continue the run from this "
+                   "checkpoint: a step number or 'latest' (-1: start fresh)")
+    p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
+    p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
+    args = p.parse_args(argv)
+
+    positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size",
+                "eval_tokens", "log_every"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.warmup_ratio + args.warmdown_ratio > 1.0:
+        p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} exceed 1")
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if args.num_iterations == 0 or args.num_iterations < -1:
+        p.error(f"--num-iterations must be >= 1 (or -1 to derive it), got {args.num_iterations}")
+    if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
+        p.error("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+    for name in ("eval_every", "save_every"):
+        v = getattr(args, name)
+        if v == 0 or v < -1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, or -1 for only at the end; got {v}")
+    if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
+        p.error(f"--resume-from-step must be a step >= 0, 'latest', or -1; got {args.resume_from_step}")
+    args.run = args.run or f"d{args.depth}"
+    if not args.run.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        p.error(f"--run {args.run!r}: use letters, digits, '-', '_' and '.' only (it names a directory)")
+    return args
+
+
+def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
+                  final_lr_frac: float) -> float:
+    warmup = round(warmup_ratio * num_iterations)
+    warmdown = round(warmdown_ratio * num_iterations)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step <= num_iterations - warmdown:
+        return 1.0
+    progress = (num_iterations - step) / warmdown
+    return progress + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step: int) -> float:
+    frac = min(step / 300, 1.0)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    distributed, rank, local_rank, world_size, device = compute_init(args.device_type)
+    master = rank == 0
+    run_dir = get_base_dir() / "runs" / args.run
+
+    try:  # missing data, tokenizer or checkpoint: one line that says what to do, not a traceback
+        tokenizer = get_tokenizer()
+        token_bytes = tokenizer.token_bytes().to(device)
+        config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
+                                   args.head_dim)
+        tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
+        if args.total_batch_size % tokens_per_fwdbwd:
+            raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
+                             f"--device-batch-size x --max-seq-len x processes = {args.device_batch_size} x "
+                             f"{args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}; pick a total batch that is")
+        grad_accum = args.total_batch_size // tokens_per_fwdbwd
+
+        torch.manual_seed(args.seed)  # the same init on every rank; the optimizer keeps the replicas identical
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device=device)
+        model.init_weights()
+        num_params, flops_per_token = model.num_params(), model.estimate_flops()
+        if args.num_iterations > 0:
+            num_iterations = args.num_iterations
+        elif args.target_flops > 0:
+            num_iterations = max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
+        else:
+            num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
+        compile_model = device.type == "cuda" if args.compile is None else args.compile
+        optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
+                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
+                                          compile=compile_model)
+        train_model = torch.compile(model, dynamic=False) if compile_model else model
+        train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
+                                  rank, world_size, device)
+        eval_steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
+
+        # -- resume -------------------------------------------------------------------------------------
+        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[])
+        if args.resume_from_step != -1:
+            step = resolve_step(run_dir, args.resume_from_step)
+            objs, meta = load_checkpoint(run_dir, step, ("model", "optim"), map_location=device)
+            problems = []
+            if meta["model_config"] != config.to_dict():
+                problems.append(f"the checkpoint is {meta['model_config']}, these flags build {config.to_dict()} "
+                                "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len)")
+            if meta["tokenizer"] != tokenizer.fingerprint:
+                problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
+                                f"{get_base_dir() / 'tokenizer'})")
+            if meta["world_size"] != world_size:
+                problems.append(f"it was saved by {meta['world_size']} processes, this run has {world_size} "
+                                "(the data loader resumes at the same process count)")
+            for key in ("dataset", "device_batch_size", "total_batch_size"):
+                if meta["args"][key] != getattr(args, key):
+                    problems.append(f"--{key.replace('_', '-')} was {meta['args'][key]!r}, now {getattr(args, key)!r}")
+            if problems:
+                raise SystemExit(f"error: cannot resume {run_dir} at step {step}: " + "; ".join(problems))
+            model.load_state_dict(objs["model"])
+            if isinstance(optimizer, DistMuonAdamW):
+                optimizer.load_full_state_dict(objs["optim"])
+            else:
+                optimizer.load_state_dict(objs["optim"])
+            train_loader.load_state_dict(meta["loader"][rank])
+            loop = meta["loop"]
+            num_iterations = meta["num_iterations"]
+            print0(f"resumed {run_dir} at step {step}")
+
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+    peak = peak_flops(device)
+    print0(f"model: depth {config.n_layer}, width {config.n_embd}, {config.n_head} heads, {num_params:,} params, "
+           f"{flops_per_token:.3e} FLOPs/token")
+    print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x {args.max_seq_len} "
+           f"tokens x {world_size} processes x {grad_accum} accumulation steps")
+    print0(f"training: {num_iterations:,} steps, {num_iterations * args.total_batch_size:,} tokens "
+           f"({num_iterations * args.total_batch_size / num_params:.1f} per param), on {args.dataset}, "
+           f"{world_size} x {device.type}{' (compiled)' if compile_model else ''}")
+
+    wandb_run = None
+    if args.wandb != "off" and master:
+        import wandb  # imported only on request: it is slow to import and needs an account for online
+        wandb_run = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
+                               dir=str(run_dir))
+
+    def evaluate():
+        model.eval()
+        loader = DataLoader(tokenizer, args.dataset, "val", args.device_batch_size, args.max_seq_len,
+                            rank, world_size, device)
+        bpb = evaluate_bpb(train_model, loader, eval_steps, token_bytes)
+        model.train()
+        return bpb
+
+    def save(step):
+        optim_state = optimizer.full_state_dict() if isinstance(optimizer, DistMuonAdamW) else optimizer.state_dict()
+        loader_states = [None] * world_size
+        if distributed:
+            dist.all_gather_object(loader_states, train_loader.state_dict())
+        else:
+            loader_states = [train_loader.state_dict()]
+        if master:
+            meta = dict(step=step, num_iterations=num_iterations, model_config=config.to_dict(), args=vars(args),
+                        tokenizer=tokenizer.fingerprint, world_size=world_size, loader=loader_states, loop=loop,
+                        torch=torch.__version__)
+            path = save_checkpoint(run_dir, step, dict(model=model.state_dict(), optim=optim_state), meta)
+            print0(f"saved {path}")
+        if distributed:
+            dist.barrier()
+
+    # -- the loop -------------------------------------------------------------------------------------
+    step_times, optim_times = [], []
+    model.train()
+    start_step, resumed = step, args.resume_from_step != -1
+    while True:
+        last = step == num_iterations
+        # a resumed run already evaluated its checkpoint step before saving it
+        evaluated = resumed and step == start_step and any(s == step for s, _ in loop["val_history"])
+        if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
+            val_bpb = evaluate()
+            loop["val_history"].append((step, val_bpb))
+            print0(f"step {step:05d} | val bpb {val_bpb:.4f}")
+            if wandb_run:
+                wandb_run.log({"step": step, "val/bpb": val_bpb})
+        if last or (args.save_every > 0 and step % args.save_every == 0 and step != start_step):
+            save(step)
+        if last:
+            break
+
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(grad_accum):
+            x, y = train_loader.next_batch()
+            with autocast(device):
+                loss = train_model(x, y)
+            loss_sum += loss.detach()
+            (loss / grad_accum).backward()
+        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if group["kind"] == "muon":
+                group["momentum"] = muon_momentum(step)
+        synchronize(device)
+        t1 = time.perf_counter()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        train_loss = (loss_sum / grad_accum).item()  # this rank's loss; syncs the device
+        t2 = time.perf_counter()
+        step += 1
+
+        dt = t2 - t0
+        if step > start_step + 3:  # the first steps compile and warm up allocators
+            step_times.append(dt)
+            optim_times.append(t2 - t1)
+            loop["train_time"] += dt
+        beta = 0.9
+        loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
+        smooth = loop["smooth_loss"] / (1 - beta ** step)
+        loop["history"].append((step, train_loss))
+        tok_per_s = args.total_batch_size / dt
+        if step % args.log_every == 0 or step == num_iterations:
+            line = (f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:5.1f}%) | loss {smooth:.4f} "
+                    f"| lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
+            if peak:
+                line += f" | mfu {100 * flops_per_token * tok_per_s / (peak * world_size):.1f}%"
+            if step_times:
+                eta = statistics.median(step_times) * (num_iterations - step)
+                line += f" | eta {eta / 60:.1f}m"
+            print0(line)
+        if wandb_run:
+            wandb_run.log({"step": step, "train/loss": smooth, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+
+    # -- summary ----------------------------------------------------------------------------------------
+    summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]))
+    if step_times:
+        med_dt, med_opt = statistics.median(step_times), statistics.median(optim_times)
+        summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
+                       optimizer_share=med_opt / med_dt, tok_per_s=args.total_batch_size / med_dt)
+        if peak:
+            summary["mfu"] = flops_per_token * summary["tok_per_s"] / (peak * world_size)
+        print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
+               f"({100 * med_opt / med_dt:.1f}%), medians over {len(step_times)} steps")
+        print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
+               (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
+    print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
+    samples = []
+    if master and args.sample_tokens > 0:
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt, prepend_bos=True)
+            out = tokenizer.decode(list(model.generate(ids, args.sample_tokens, temperature=0.0)))
+            samples.append((prompt, out))
+            print0(f"sample: {prompt!r} -> {out!r}")
+    if master:
+        write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples)
+    if wandb_run:
+        wandb_run.summary.update(summary)
+        wandb_run.finish()
+    compute_cleanup()
+    return summary
+
+
+def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples):
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    lines = [f"# nanomuon base_train report: {args.run}", "",
+             f"- command: `{' '.join(sys.argv)}`",
+             f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
+             f"{platform.python_version()}",
+             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params",
+             f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in {num_iterations} steps "
+             f"of {args.total_batch_size:,}",
+             f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first steps)"]
+    for key, fmt in (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
+                     ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}")):
+        if key in summary:
+            lines.append(f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}")
+    lines += ["", "## Validation bits per byte", "", "| step | val bpb |", "|---:|---:|"]
+    lines += [f"| {s} | {v:.4f} |" for s, v in loop["val_history"]]
+    if samples:
+        lines += ["", "## Samples (greedy)", ""]
+        lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
+    path = Path(run_dir) / "report.md"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    print0(f"report: {path}")
+
+
+if __name__ == "__main__":
+    main()

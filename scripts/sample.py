@@ -1,0 +1,66 @@
+"""
+Generate text from a trained checkpoint.
+
+    python -m scripts.sample --run d20 --prompt "The meaning of life is" --max-tokens 64
+"""
+
+import argparse
+
+import torch
+
+from nanomuon.checkpoint import load_model, step_arg
+from nanomuon.common import autodetect_device_type
+from nanomuon.dataset import get_base_dir
+from nanomuon.tokenizer import get_tokenizer
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", type=str, required=True, help="run name, as given to base_train --run (e.g. d20)")
+    p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
+    p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
+
+
+def load_for_inference(args, device):
+    """(model, tokenizer, meta) for --run/--step; a one-line error when they do not fit together."""
+    try:
+        tokenizer = get_tokenizer()
+        model, meta = load_model(get_base_dir() / "runs" / args.run, args.step, device)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if meta["tokenizer"] != tokenizer.fingerprint:
+        raise SystemExit(f"error: run {args.run} was trained with a different tokenizer than the one in "
+                         f"{get_base_dir() / 'tokenizer'}; restore that tokenizer or sample a run trained with it")
+    return model, tokenizer, meta
+
+
+def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
+    ids = tokenizer.encode(prompt, prepend_bos=True)
+    return tokenizer.decode(list(model.generate(ids, max_tokens, temperature=temperature, top_k=top_k, seed=seed)))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint")
+    add_checkpoint_args(p)
+    p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for several")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=42)
+    args = p.parse_args(argv)
+    if args.max_tokens < 1 or args.num_samples < 1:
+        p.error("--max-tokens and --num-samples must be >= 1")
+    if args.temperature < 0 or args.top_k < 0:
+        p.error("--temperature and --top-k must be >= 0")
+    device = torch.device(autodetect_device_type() if args.device_type == "auto" else args.device_type)
+    model, tokenizer, meta = load_for_inference(args, device)
+    print(f"run {args.run}, step {meta['step']}, {model.num_params():,} params")
+    for prompt in args.prompt or ["The"]:
+        for i in range(args.num_samples):
+            text = sample(model, tokenizer, prompt, args.max_tokens, args.temperature, args.top_k or None,
+                          args.seed + i)
+            print(f"--- {prompt!r}\n{prompt}{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# speedrun.sh: the whole nanomuon pipeline in one command: data, tokenizer, pretraining, evaluation,
+# samples, report.
+#
+#   bash speedrun.sh                # GPU node: d20 on FineWeb-Edu on every GPU (8xH100: a few hours)
+#                                   # no GPU:   the same pipeline in miniature on the embedded corpus,
+#                                   #           2 processes, a few minutes on 2 cores, no network needed
+#
+# Knobs (environment variables): MODE=gpu|cpu (default: gpu when nvidia-smi sees a GPU), NPROC
+# (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 4 on CPU), RUN (run name),
+# WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
+# Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
+set -euo pipefail
+cd "$(dirname "$0")"
+export NANOMUON_BASE_DIR="${NANOMUON_BASE_DIR:-$HOME/.cache/nanomuon}"
+export PYTHONUNBUFFERED=1
+
+if [ -z "${MODE:-}" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
+fi
+if ! python -c "import nanomuon, torch, tiktoken, rustbpe, pyarrow" 2>/dev/null; then
+    echo "== installing nanomuon and its dependencies"
+    pip install -e .
+fi
+WANDB="${WANDB:-off}"
+start=$(date +%s)
+
+if [ "$MODE" = gpu ]; then
+    NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
+    DEPTH="${DEPTH:-20}"
+    RUN="${RUN:-d$DEPTH}"
+    echo "== speedrun (gpu): d$DEPTH on FineWeb-Edu, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
+    # The first 8 shards (~2B characters) train the tokenizer; the val shard comes with them. The rest
+    # of the ~11B tokens a Chinchilla-sized d20 needs download while the tokenizer trains.
+    python -m nanomuon.dataset -n 8
+    python -m nanomuon.dataset -n 240 > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
+    download=$!
+    python -m scripts.tok_train --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
+    echo "== waiting for the data download (log: $NANOMUON_BASE_DIR/download.log)"
+    wait "$download"
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset fineweb-edu \
+        --depth "$DEPTH" --run "$RUN" --device-batch-size 32 --save-every 2000 --wandb "$WANDB" "$@"
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-batch-size 32
+    python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
+        --max-tokens 64
+else
+    NPROC="${NPROC:-2}"
+    DEPTH="${DEPTH:-4}"
+    RUN="${RUN:-cpu-d$DEPTH}"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process; the processes share the cores
+    echo "== speedrun (cpu miniature): d$DEPTH on the embedded corpus, $NPROC processes, run $RUN"
+    python -m nanomuon.dataset --embedded
+    python -m scripts.tok_train --dataset embedded --vocab-size 4096 --max-chars 8000000
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset embedded --device-type cpu \
+        --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
+        --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \
+        --embedding-lr 0.3 --unembedding-lr 0.008 --matrix-lr 0.04 --sample-tokens 24 --log-every 10 \
+        --wandb "$WANDB" "$@"
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-type cpu \
+        --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24
+    python -m scripts.sample --run "$RUN" --device-type cpu --prompt "def main(" --prompt "import" --max-tokens 32
+fi
+
+echo "== speedrun done in $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s"
+echo "== report: $NANOMUON_BASE_DIR/runs/$RUN/report.md"
+cat "$NANOMUON_BASE_DIR/runs/$RUN/report.md"
