@@ -1,0 +1,106 @@
+"""The tokenizer (round trip, BOS, byte table, save/load, errors) and bits per byte against a hand count."""
+
+import math
+
+import pytest
+import torch
+
+from nanomuon.common import evaluate_bpb
+from nanomuon.gpt import GPT, GPTConfig
+from nanomuon.tokenizer import BOS, Tokenizer
+
+TEXTS = [
+    "def f(x):\n    return x ** 2  # square\n",
+    "The quick brown fox jumps over the lazy dog. 1234567890, 3.14159!",
+    "Ünïcödé: naïve café, 日本語のテキスト, emoji 🚀🔥, math ∑∫√",
+    "    indented\n\ttabbed\r\nwindows line\n\n\nblank lines",
+    "don't I'll we've they're it's HELLO'S",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.train(iter(TEXTS), vocab_size=400)
+
+
+def test_round_trip_and_bos(tok):
+    for text in set(TEXTS) | {"", " ", "<|bos|> is plain text here", "\x00\xff bytes"}:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.bos_id not in ids  # text that spells the special token stays text
+        assert tok.encode(text, prepend_bos=True) == [tok.bos_id] + ids
+    assert tok.decode([tok.bos_id]) == BOS
+    assert tok.vocab_size == len(tok.mergeable_ranks) + 1 and tok.bos_id == tok.vocab_size - 1
+
+
+def test_training_learns_merges(tok):
+    assert 256 < len(tok.mergeable_ranks) <= 399
+    assert len(tok.encode(TEXTS[1])) < len(TEXTS[1].encode()) / 2  # compresses text it was trained on
+
+
+def test_batch_encode_equals_single(tok):
+    batch = tok.encode(TEXTS[:5], prepend_bos=True)
+    assert batch == [tok.encode(t, prepend_bos=True) for t in TEXTS[:5]]
+
+
+def test_token_bytes_table(tok):
+    table = tok.token_bytes()
+    assert table.shape == (tok.vocab_size,) and table[tok.bos_id] == 0
+    for i in range(tok.vocab_size - 1):
+        assert table[i] == len(tok.enc.decode_single_token_bytes(i))
+    for text in set(TEXTS):  # the table's sum over a text's tokens is its UTF-8 length
+        assert int(table[tok.encode(text, prepend_bos=True)].sum()) == len(text.encode("utf-8"))
+
+
+def test_save_load(tok, tmp_path):
+    tok.save(tmp_path / "t")
+    back = Tokenizer.load(tmp_path / "t")
+    assert back.fingerprint == tok.fingerprint and back.mergeable_ranks == tok.mergeable_ranks
+    assert back.encode(TEXTS[2]) == tok.encode(TEXTS[2])
+    other = Tokenizer.train(iter(TEXTS[:2] * 50), vocab_size=300)
+    assert other.fingerprint != tok.fingerprint
+
+
+def test_load_errors(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts.tok_train"):
+        Tokenizer.load(tmp_path / "nothing")
+    tok.save(tmp_path / "t")
+    bpe = tmp_path / "t" / "tokenizer.bpe"
+    lines = bpe.read_text().splitlines()
+    bpe.write_text("\n".join(lines[:-1]) + "\n")  # a truncated merge list
+    with pytest.raises(ValueError, match="does not match|corrupt"):
+        Tokenizer.load(tmp_path / "t")
+    bpe.write_text("garbage\n")
+    with pytest.raises(ValueError, match="corrupt"):
+        Tokenizer.load(tmp_path / "t")
+    with pytest.raises(ValueError, match="vocab_size must be >= 257"):
+        Tokenizer.train(iter(TEXTS), vocab_size=100)
+
+
+class ListLoader:
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def next_batch(self):
+        return next(self.batches)
+
+
+def test_bits_per_byte_of_a_uniform_model(tok):
+    """A GPT whose lm_head is zero predicts the uniform distribution: ln(V) nats per target, so bpb is
+    ln(V) * (text targets) / (ln 2 * their bytes), counted here by hand; BOS targets are excluded."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    torch.nn.init.zeros_(model.lm_head.weight)
+    rows = []
+    for text in TEXTS[:4]:
+        ids = (tok.encode(text, prepend_bos=True) * 8)[:33]  # BOS appears mid-row as a target too
+        rows.append(ids)
+    rows = torch.tensor(rows)
+    x, y = rows[:, :-1], rows[:, 1:]
+    table = tok.token_bytes()
+    text_targets = int((table[y] > 0).sum())
+    assert text_targets < y.numel()  # the BOS targets are really there to exclude
+    expected = math.log(tok.vocab_size) * text_targets / (math.log(2) * int(table[y].sum()))
+    got = evaluate_bpb(model, ListLoader([(x, y)]), 1, table)
+    assert got == pytest.approx(expected, rel=1e-6)

@@ -1,0 +1,191 @@
+"""
+scripts.base_train end to end on the embedded corpus: under torchrun with 2 gloo processes it saves,
+is resumed from a checkpoint by a fresh launch, and ends bitwise equal to the uninterrupted run; bad
+flags and missing inputs stop it with one line that says what to do; base_eval and sample read its
+checkpoints; speedrun.sh's CPU miniature runs end to end (slow).
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanomuon.checkpoint import load_checkpoint, save_checkpoint
+from nanomuon.dataset import iter_texts
+from nanomuon.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+        "--max-seq-len", "64", "--device-batch-size", "4", "--eval-tokens", "1024", "--sample-tokens", "0"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A base dir with the embedded corpus and a small tokenizer trained on it."""
+    base = tmp_path_factory.mktemp("nanomuon")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NANOMUON_BASE_DIR", str(base))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        mp.delenv(key, raising=False)
+    Tokenizer.train(iter_texts("embedded", "train", 1_000_000), vocab_size=512).save(base / "tokenizer")
+    yield base
+    mp.undo()
+
+
+def run(cmd, base, timeout=300, check=True):
+    env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+    return p
+
+
+def torchrun(nproc, module, args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+            "--", *args]
+
+
+def assert_bitwise_equal(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if isinstance(a[k], dict):
+            assert_bitwise_equal(a[k], b[k], f"{what}.{k}")
+        elif isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), f"{what}.{k} differs"
+        else:
+            assert a[k] == b[k], f"{what}.{k}: {a[k]!r} != {b[k]!r}"
+
+
+def test_torchrun_resume_is_bitwise_exact(base):
+    """Run A trains 6 steps with 2 processes, saving at 3 and 6. Run B starts from a copy of A's step-3
+    checkpoint in a fresh torchrun launch and trains to 6: model, optimizer and loader state must equal A's."""
+    flags = [*TINY, "--total-batch-size", "1024", "--num-iterations", "6", "--eval-every", "3", "--save-every", "3"]
+    a = run(torchrun(2, "scripts.base_train", [*flags, "--run", "a"]), base)
+    out = a.stdout
+    assert "2 processes x 2 accumulation steps" in out
+    assert re.search(r"step 00006/00006 .*\| loss \d+\.\d+ .*\| tok/s [\d,]+", out), out
+    assert "optimizer step:" in out and "final val bpb" in out
+    assert (base / "runs" / "a" / "report.md").is_file()
+
+    (base / "runs" / "b").mkdir(parents=True)
+    shutil.copytree(base / "runs" / "a" / "step_000003", base / "runs" / "b" / "step_000003")
+    b = run(torchrun(2, "scripts.base_train", [*flags, "--run", "b", "--resume-from-step", "latest"]), base)
+    assert "resumed" in b.stdout and "step 00003/00006" not in b.stdout  # continued, did not redo step 3
+
+    names = ("model", "optim")
+    (ta, ma), (tb, mb) = (load_checkpoint(base / "runs" / r, 6, names) for r in ("a", "b"))
+    assert_bitwise_equal(ta, tb, "checkpoint")
+    assert ma["loader"] == mb["loader"]
+    assert ma["loop"]["val_history"] == mb["loop"]["val_history"]
+    moved = load_checkpoint(base / "runs" / "a", 3, ("model",))[0]["model"]
+    assert any(not torch.equal(moved[k], ta["model"][k]) for k in moved)  # steps 4-6 really trained
+
+    # base_eval and sample read the checkpoint; base_eval's bpb equals base_train's final eval
+    e = run(torchrun(2, "scripts.base_eval", ["--run", "a", "--device-type", "cpu", "--device-batch-size", "4",
+                                              "--eval-tokens", "1024", "--sample-tokens", "4"]), base)
+    final = re.search(r"final val bpb (\d+\.\d+)", out).group(1)
+    assert f"val bpb {final}" in e.stdout, (out, e.stdout)
+    s = run([sys.executable, "-m", "scripts.sample", "--run", "a", "--device-type", "cpu", "--prompt", "def",
+             "--max-tokens", "5"], base)
+    assert "--- 'def'" in s.stdout
+
+
+def test_single_process_and_gradient_accumulation(base):
+    """A plain `python -m` run (no torchrun) with 2 accumulation steps trains: its loss falls."""
+    flags = [*TINY, "--total-batch-size", "512", "--num-iterations", "12", "--eval-every", "-1", "--run", "single",
+             "--matrix-lr", "0.04"]
+    p = run([sys.executable, "-m", "scripts.base_train", *flags], base)
+    losses = [float(x) for x in re.findall(r"\| loss (\d+\.\d+)", p.stdout)]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    assert "1 processes x 2 accumulation steps" in p.stdout
+
+
+BAD = [
+    (["--depth", "0"], "--depth must be >= 1"),
+    (["--total-batch-size", "1000"], "not a multiple of"),
+    (["--num-iterations", "0"], "--num-iterations must be >= 1"),
+    (["--warmup-ratio", "0.7", "--warmdown-ratio", "0.7"], "exceed 1"),
+    (["--matrix-lr", "nan"], "--matrix-lr must be a finite number"),
+    (["--eval-every", "0"], "--eval-every must be >= 1, or -1"),
+    (["--resume-from-step", "soon"], "expected a step number or 'latest'"),
+    (["--run", "../x"], "--run '../x'"),
+    (["--resume-from-step", "5", "--run", "nothing-here"], "no checkpoints in"),
+    (["--dataset", "fineweb-edu"], "python -m nanomuon.dataset -n 8"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_line(base, capsys, extra, message):
+    from scripts.base_train import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--total-batch-size", "512", "--num-iterations", "2", *extra])
+    err = str(e.value.code) if isinstance(e.value.code, str) else capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert message in last, err
+    assert "Traceback" not in err
+
+
+def test_missing_tokenizer_and_mismatched_checkpoint(base, tmp_path, monkeypatch):
+    from scripts.base_train import main
+
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit, match="scripts.tok_train"):
+        main([*TINY, "--total-batch-size", "512", "--num-iterations", "2"])
+
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(base))
+    (base / "runs" / "mismatch").mkdir(parents=True, exist_ok=True)
+    main([*TINY, "--total-batch-size", "256", "--device-batch-size", "4", "--max-seq-len", "64",
+          "--num-iterations", "1", "--eval-every", "-1", "--run", "mismatch"])
+    with pytest.raises(SystemExit, match=r"cannot resume .*--depth"):
+        main([*TINY, "--depth", "3", "--total-batch-size", "256", "--num-iterations", "2", "--run", "mismatch",
+              "--resume-from-step", "1"])
+    # a checkpoint whose file is truncated (not one we wrote: ours are renamed into place only when whole)
+    model_pt = base / "runs" / "mismatch" / "step_000001" / "model.pt"
+    model_pt.write_bytes(model_pt.read_bytes()[:100])
+    with pytest.raises(SystemExit, match="unreadable or corrupt.*resume from an earlier step"):
+        main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--run", "mismatch",
+              "--resume-from-step", "1"])
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A save that dies midway leaves no step directory; the next save clears the debris."""
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def dying_save(obj, path):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        real_save(obj, path)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError):
+        save_checkpoint(tmp_path, 5, dict(model={"w": torch.ones(2)}, optim={"s": 1}), dict(step=5))
+    assert not (tmp_path / "step_000005").exists()
+    assert list(tmp_path.glob(".tmp_step_*"))
+    monkeypatch.setattr(torch, "save", real_save)
+    save_checkpoint(tmp_path, 5, dict(model={"w": torch.ones(2)}), dict(step=5))
+    assert (tmp_path / "step_000005" / "model.pt").is_file() and not list(tmp_path.glob(".tmp_step_*"))
+
+
+@pytest.mark.slow
+def test_speedrun_cpu_miniature(tmp_path):
+    """The README's main command on a CPU machine: data, tokenizer, 2-process training, eval, samples, report."""
+    env = dict(os.environ, NANOMUON_BASE_DIR=str(tmp_path), MODE="cpu")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS"):
+        env.pop(key, None)
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    bpbs = [float(x) for x in re.findall(r"step \d+ \| val bpb (\d+\.\d+)", p.stdout)]
+    assert len(bpbs) >= 3 and bpbs[-1] < 0.6 * bpbs[0], bpbs  # val bpb visibly falls
+    assert re.search(r"throughput: [\d,]+ tok/s", p.stdout)
+    report = (tmp_path / "runs" / "cpu-d4" / "report.md").read_text()
+    assert "final val bpb" in report and "base_eval" in report
