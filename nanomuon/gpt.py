@@ -67,8 +67,10 @@ def norm(x):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the two halves of the head dim against each other.
+    # x: (B, T, H, D); rotate the two halves of the head dim against each other. The tables follow x's
+    # dtype so that under bf16 autocast q and k stay bf16 instead of being promoted to fp32.
     d = x.size(-1) // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 

@@ -148,3 +148,28 @@ def test_generate_greedy_is_deterministic():
     # greedy equals argmax of a plain forward
     logits = model(torch.tensor([[1, 2, 3]]))[0, -1]
     assert a[0] == logits.argmax().item()
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compiled_model_equals_eager():
+    """base_train --compile trains torch.compile(model): its loss and gradients must match eager's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = small_model()
+    with torch.no_grad():  # non-zero output projections, so every gradient path is exercised
+        for p in model.parameters():
+            p.normal_(std=0.05)
+    compiled = torch.compile(model, dynamic=False)
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    losses, grads = [], []
+    for m in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        loss = m(idx, idx.roll(-1, dims=1))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for g_compiled, g_eager in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-6)
