@@ -24,17 +24,23 @@ def autodetect_device_type() -> str:
     return "cpu"
 
 
+def check_device_type(device_type: str) -> str:
+    """'auto' -> the best device here; an explicit device that is not here -> a one-line error."""
+    if device_type == "auto":
+        return autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; use --device-type cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise SystemExit("error: --device-type mps, but MPS is not available; use --device-type cpu")
+    return device_type
+
+
 def compute_init(device_type: str = "auto"):
     """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
 
     Returns (distributed, rank, local_rank, world_size, device).
     """
-    if device_type == "auto":
-        device_type = autodetect_device_type()
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; use --device-type cpu")
-    if device_type == "mps" and not torch.backends.mps.is_available():
-        raise SystemExit("error: --device-type mps, but MPS is not available; use --device-type cpu")
+    device_type = check_device_type(device_type)
     distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

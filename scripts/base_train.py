@@ -210,7 +210,13 @@ def main(argv=None):
 
     wandb_run = None
     if args.wandb != "off" and master:
-        import wandb  # imported only on request: it is slow to import and needs an account for online
+        try:  # imported only on request: it is slow to import and needs an account for online
+            import wandb
+        except ImportError:
+            raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install wandb`, or drop "
+                             "--wandb") from None
+
+        run_dir.mkdir(parents=True, exist_ok=True)
         wandb_run = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
                                dir=str(run_dir))
 

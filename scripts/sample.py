@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from nanomuon.checkpoint import load_model, step_arg
-from nanomuon.common import autodetect_device_type
+from nanomuon.common import check_device_type
 from nanomuon.dataset import get_base_dir
 from nanomuon.tokenizer import get_tokenizer
 
@@ -52,7 +52,7 @@ def main(argv=None):
         p.error("--max-tokens and --num-samples must be >= 1")
     if args.temperature < 0 or args.top_k < 0:
         p.error("--temperature and --top-k must be >= 0")
-    device = torch.device(autodetect_device_type() if args.device_type == "auto" else args.device_type)
+    device = torch.device(check_device_type(args.device_type))
     model, tokenizer, meta = load_for_inference(args, device)
     print(f"run {args.run}, step {meta['step']}, {model.num_params():,} params")
     for prompt in args.prompt or ["The"]:
