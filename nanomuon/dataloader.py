@@ -9,12 +9,16 @@ Why its own design rather than a torch DataLoader:
   buffered document opens each row, the rest of the row is filled best-fit: the longest buffered piece
   that fits. When nothing fits, the oldest piece is cut to fill the row exactly and its remainder stays
   buffered for a later row, so no token is dropped (nanochat's packer crops and drops it).
+- Prefetch: with prefetch=K a background thread packs up to K batches ahead (tiktoken releases the
+  GIL), so tokenizing overlaps the training step; state_dict() still describes the last batch returned.
 - Exact resume: state_dict() names the buffered pieces by (epoch, document, offset) instead of storing
   their tokens, and the next document to read. load_state_dict() re-reads and re-tokenizes them, so a
   resumed run sees exactly the batches the uninterrupted run would have seen.
 """
 
 import bisect
+import queue
+import threading
 from collections import deque
 
 import pyarrow.parquet as pq
@@ -30,10 +34,11 @@ class DataLoader:
     """
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
-                 world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128):
-        if batch_size < 1 or seq_len < 1 or buffer_size < 1 or tokenize_batch < 1:
-            raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1, got "
-                             f"{batch_size}, {seq_len}, {buffer_size}, {tokenize_batch}")
+                 world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
+                 prefetch: int = 0):
+        if batch_size < 1 or seq_len < 1 or buffer_size < 1 or tokenize_batch < 1 or prefetch < 0:
+            raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1 and prefetch "
+                             f">= 0, got {batch_size}, {seq_len}, {buffer_size}, {tokenize_batch}, {prefetch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer = tokenizer
@@ -42,6 +47,9 @@ class DataLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.buffer_size, self.tokenize_batch = buffer_size, tokenize_batch
+        # prefetch > 0: a thread packs up to that many batches ahead of the training loop
+        self.prefetch = prefetch
+        self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
         self.files = list_shards(dataset, split)
         # Row-group index from the parquet footers: (file, row group, first global doc, rows).
         self.row_groups, self.starts, total = [], [], 0
@@ -125,13 +133,49 @@ class DataLoader:
             pick = best
         return row
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make_batch(self) -> tuple[torch.Tensor, dict]:
+        """The next (batch_size, seq_len + 1) rows on the CPU, and the loader state right after them."""
         rows = torch.tensor([self._next_row() for _ in range(self.batch_size)], dtype=torch.long)
         if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
+            rows = rows.pin_memory()
+        return rows, self._state_now()
+
+    def _produce(self) -> None:
+        # The background thread: tiktoken releases the GIL, so tokenizing overlaps the training step.
+        while not self._stop.is_set():
+            try:
+                item = self._make_batch()
+            except BaseException as e:  # handed to the consumer, which re-raises it where the batch was wanted
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if isinstance(item, BaseException):
+                return
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.prefetch:
+            rows, self._consumed = self._make_batch()
         else:
-            rows = rows.to(self.device)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._produce, name="DataLoader", daemon=True)
+                self._thread.start()
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            rows, self._consumed = item
+        rows = rows.to(self.device, non_blocking=True)
         return rows[:, :-1], rows[:, 1:]
+
+    def close(self) -> None:
+        """Stop the prefetch thread (call before exiting, so no thread is mid-tokenization at shutdown)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
 
     def __iter__(self):
         while True:
@@ -142,18 +186,25 @@ class DataLoader:
         self._buffer = buffer
         self._pending = deque()
         self._read_pos = (epoch, doc)
+        self._consumed = self._state_now()
 
     def _identity(self) -> dict:
         return dict(dataset=self.dataset, split=self.split, rank=self.rank, world_size=self.world_size,
                     batch_size=self.batch_size, seq_len=self.seq_len, buffer_size=self.buffer_size,
                     num_docs=self.num_docs)
 
-    def state_dict(self) -> dict:
-        """Small and exact: where reading continues, and which (epoch, doc, offset) pieces are buffered."""
+    def _state_now(self) -> dict:
         epoch, doc = self._pending[0][0] if self._pending else self._read_pos
         return dict(self._identity(), epoch=epoch, doc=doc, buffer=[tuple(e[:3]) for e in self._buffer])
 
+    def state_dict(self) -> dict:
+        """Small and exact: where reading continues, and which (epoch, doc, offset) pieces are buffered,
+        as of the last batch returned by next_batch (batches prefetched beyond it are not counted)."""
+        return self._consumed
+
     def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must come before the first next_batch of a prefetching loader")
         mine = self._identity()
         diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:

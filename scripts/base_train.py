@@ -163,7 +163,7 @@ def main(argv=None):
                                           compile=compile_model)
         train_model = torch.compile(model, dynamic=False) if compile_model else model
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
-                                  rank, world_size, device)
+                                  rank, world_size, device, prefetch=2)
         eval_steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
 
         # -- resume -------------------------------------------------------------------------------------
@@ -306,6 +306,8 @@ def main(argv=None):
             print0(line)
         if wandb_run:
             wandb_run.log({"step": step, "train/loss": smooth, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+
+    train_loader.close()
 
     # -- summary ----------------------------------------------------------------------------------------
     summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]))

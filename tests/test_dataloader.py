@@ -135,3 +135,44 @@ def test_bad_arguments(corpus):
         loader(tok, rank=2, world=2)
     with pytest.raises(ValueError, match="seq_len"):
         loader(tok, T=0)
+
+
+def test_prefetch_yields_the_same_batches_and_states(corpus):
+    tok, _ = corpus
+    plain = loader(tok, world=2, buffer_size=20)
+    ahead = DataLoader(tok, "fineweb-edu", "train", 4, 64, rank=0, world_size=2, buffer_size=20, tokenize_batch=16,
+                       prefetch=3)
+    try:
+        for _ in range(25):
+            (x1, y1), (x2, y2) = plain.next_batch(), ahead.next_batch()
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
+            # the state describes the batches handed out, not the ones the thread packed ahead
+            assert ahead.state_dict() == plain.state_dict()
+        state = ahead.state_dict()
+        expected = [ahead.next_batch()[0] for _ in range(5)]
+        with pytest.raises(RuntimeError, match="before the first next_batch"):
+            ahead.load_state_dict(state)
+    finally:
+        ahead.close()
+    resumed = DataLoader(tok, "fineweb-edu", "train", 4, 64, rank=0, world_size=2, buffer_size=20,
+                         tokenize_batch=16, prefetch=2)
+    resumed.load_state_dict(state)
+    try:
+        assert all(torch.equal(resumed.next_batch()[0], x) for x in expected)
+    finally:
+        resumed.close()
+
+
+def test_prefetch_thread_errors_reach_the_caller(corpus):
+    tok, _ = corpus
+
+    class Broken:
+        bos_id = tok.bos_id
+
+        def encode(self, texts, prepend_bos=False):
+            raise UnicodeError("tokenizer exploded")
+
+    dl = DataLoader(Broken(), "fineweb-edu", "train", 2, 16, prefetch=2)
+    with pytest.raises(UnicodeError, match="exploded"):
+        dl.next_batch()
+    dl.close()
