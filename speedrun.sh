@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 if [ -z "${MODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
-if ! python -c "import nanomuon, torch, tiktoken, rustbpe, pyarrow" 2>/dev/null; then
+if ! python -c "import nanomuon, torch, tiktoken, rustbpe, pyarrow, matplotlib" 2>/dev/null; then
     echo "== installing nanomuon and its dependencies"
     pip install -e .
 fi

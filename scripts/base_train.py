@@ -31,6 +31,7 @@ from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import DATASETS, get_base_dir
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW
+from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.tokenizer import get_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
@@ -352,6 +353,14 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                      ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}")):
         if key in summary:
             lines.append(f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}")
+    steps, losses = zip(*loop["history"]) if loop["history"] else ((), ())
+    val_steps, bpbs = zip(*loop["val_history"])
+    png = plot_curves(Path(run_dir) / "curves.png", [
+        dict(title="train loss", xlabel="step", ylabel="loss (nats/token)",
+             series={"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}),
+        dict(title="validation", xlabel="step", ylabel="bits per byte", series={"val bpb": (val_steps, bpbs)}),
+    ], title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, {args.dataset}")
+    lines += ["", "## Curves", "", "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
     lines += ["", "## Validation bits per byte", "", "| step | val bpb |", "|---:|---:|"]
     lines += [f"| {s} | {v:.4f} |" for s, v in loop["val_history"]]
     if samples:

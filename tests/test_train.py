@@ -72,7 +72,9 @@ def test_torchrun_resume_is_bitwise_exact(base):
     assert "2 processes x 2 accumulation steps" in out
     assert re.search(r"step 00006/00006 .*\| loss \d+\.\d+ .*\| tok/s [\d,]+", out), out
     assert "optimizer step:" in out and "final val bpb" in out
-    assert (base / "runs" / "a" / "report.md").is_file()
+    report = (base / "runs" / "a" / "report.md").read_text()
+    assert "final val bpb" in report and "![train loss and val bpb](curves.png)" in report
+    assert (base / "runs" / "a" / "curves.png").read_bytes().startswith(b"\x89PNG")
 
     (base / "runs" / "b").mkdir(parents=True)
     shutil.copytree(base / "runs" / "a" / "step_000003", base / "runs" / "b" / "step_000003")

@@ -1,0 +1,61 @@
+"""
+Pictures for reports: line plots of training curves, written as PNG with matplotlib.
+
+One function, plot_curves(), serves every report: base_train's (train loss and val bpb against step)
+and any comparison of runs (one line per run in each panel). matplotlib is imported here only, so the
+optimizer, the model and training itself never need it; without it plot_curves() says so and returns
+None, and the report points at the fix.
+"""
+
+import math
+import os
+from pathlib import Path
+
+MISSING = "loss curves need matplotlib: `pip install matplotlib` (or `pip install -e .`)"
+
+
+def smooth(values: list[float], beta: float = 0.9) -> list[float]:
+    """Bias-corrected exponential moving average, as the step lines print it."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg / (1 - beta ** i))
+    return out
+
+
+def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
+    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
+    title, xlabel, ylabel and series: {label: (xs, ys)}; optional logy. Returns path, or None
+    when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed, none opened
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, (xs, ys) in panel["series"].items():
+            points = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.5)
+        ax.set_title(panel["title"])
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel(panel["ylabel"])
+        if panel.get("logy"):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if len(panel["series"]) > 1:
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
