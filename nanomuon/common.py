@@ -99,6 +99,20 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 @torch.no_grad()
+def all_finite(loss: torch.Tensor, params) -> bool:
+    """True when the loss and every gradient are finite on every rank (a collective under torch.distributed,
+    so all ranks take the same branch). A norm is non-finite exactly when an element is (short of a finite
+    gradient with norm > 3e38, which is broken anyway), and _foreach_norm takes a few kernels, not two per
+    tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    values = [loss.detach().float().reshape(1)] + [n.float().reshape(1) for n in torch._foreach_norm(grads)]
+    ok = torch.cat(values).isfinite().all().to(torch.int32)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+@torch.no_grad()
 def evaluate_bpb(model, loader, steps: int, token_bytes: torch.Tensor) -> float:
     """Bits per byte over `steps` batches of `loader`, summed across ranks.
 

@@ -26,7 +26,16 @@ import torch
 import torch.distributed as dist
 
 from nanomuon.checkpoint import load_checkpoint, resolve_step, save_checkpoint, step_arg
-from nanomuon.common import autocast, compute_cleanup, compute_init, evaluate_bpb, peak_flops, print0, synchronize
+from nanomuon.common import (
+    all_finite,
+    autocast,
+    compute_cleanup,
+    compute_init,
+    evaluate_bpb,
+    peak_flops,
+    print0,
+    synchronize,
+)
 from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import DATASETS, get_base_dir
 from nanomuon.gpt import GPT, config_from_depth
@@ -79,10 +88,12 @@ def parse_args(argv=None):
                    "checkpoint: a step number or 'latest' (-1: start fresh)")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
+    p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a non-finite loss or "
+                   "gradient (each skipped with a warning) before the run stops")
     args = p.parse_args(argv)
 
     positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size",
-                "eval_tokens", "log_every"]
+                "eval_tokens", "log_every", "max_nonfinite_steps"]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -168,7 +179,8 @@ def main(argv=None):
         eval_steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
 
         # -- resume -------------------------------------------------------------------------------------
-        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[])
+        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[], skipped_steps=0,
+                             nonfinite_in_a_row=0)
         if args.resume_from_step != -1:
             step = resolve_step(run_dir, args.resume_from_step)
             objs, meta = load_checkpoint(run_dir, step, ("model", "optim"), map_location=device)
@@ -185,6 +197,9 @@ def main(argv=None):
             for key in ("dataset", "device_batch_size", "total_batch_size"):
                 if meta["args"][key] != getattr(args, key):
                     problems.append(f"--{key.replace('_', '-')} was {meta['args'][key]!r}, now {getattr(args, key)!r}")
+            if meta["num_iterations"] != num_iterations:  # the lr schedule depends on the horizon
+                problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
+                                f"{num_iterations} (pass --num-iterations {meta['num_iterations']})")
             if problems:
                 raise SystemExit(f"error: cannot resume {run_dir} at step {step}: " + "; ".join(problems))
             model.load_state_dict(objs["model"])
@@ -193,8 +208,7 @@ def main(argv=None):
             else:
                 optimizer.load_state_dict(objs["optim"])
             train_loader.load_state_dict(meta["loader"][rank])
-            loop = meta["loop"]
-            num_iterations = meta["num_iterations"]
+            loop = dict(loop, **meta["loop"])
             print0(f"resumed {run_dir} at step {step}")
 
     except (FileNotFoundError, ValueError) as e:
@@ -230,6 +244,10 @@ def main(argv=None):
         return bpb
 
     def save(step):
+        if not all(p.isfinite().all() for p in model.parameters()):  # replicated: every rank agrees
+            compute_cleanup()
+            raise SystemExit(f"error: the model has non-finite parameters at step {step}; not checkpointing it. "
+                             "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
         optim_state = optimizer.full_state_dict() if isinstance(optimizer, DistMuonAdamW) else optimizer.state_dict()
         loader_states = [None] * world_size
         if distributed:
@@ -278,21 +296,39 @@ def main(argv=None):
             group["lr"] = group["initial_lr"] * lrm
             if group["kind"] == "muon":
                 group["momentum"] = muon_momentum(step)
+        # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
+        # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
+        finite = all_finite(loss_sum, model.parameters())
         synchronize(device)
         t1 = time.perf_counter()
-        optimizer.step()
+        if finite:
+            optimizer.step()
+            loop["nonfinite_in_a_row"] = 0
         model.zero_grad(set_to_none=True)
         train_loss = (loss_sum / grad_accum).item()  # this rank's loss; syncs the device
         t2 = time.perf_counter()
         step += 1
+        if not finite:
+            loop["skipped_steps"] += 1
+            loop["nonfinite_in_a_row"] += 1
+            print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
+                   f"in a row, {loop['skipped_steps']} in this run)")
+            if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
+                train_loader.close()
+                compute_cleanup()
+                raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
+                                 "non-finite loss or gradients: the run diverged. Resume from the last checkpoint "
+                                 "(--resume-from-step latest) with lower lrs (--matrix-lr, --embedding-lr, "
+                                 "--unembedding-lr) or a warmup (--warmup-ratio)")
 
         dt = t2 - t0
-        if step > start_step + 3:  # the first steps compile and warm up allocators
+        if finite and step > start_step + 3:  # the first steps compile and warm up allocators
             step_times.append(dt)
             optim_times.append(t2 - t1)
             loop["train_time"] += dt
         beta = 0.9
-        loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
+        if finite:
+            loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
         smooth = loop["smooth_loss"] / (1 - beta ** step)
         loop["history"].append((step, train_loss))
         tok_per_s = args.total_batch_size / dt

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanomuon.checkpoint import load_checkpoint, save_checkpoint
+from nanomuon.checkpoint import list_steps, load_checkpoint, save_checkpoint
 from nanomuon.dataset import iter_texts
 from nanomuon.tokenizer import Tokenizer
 
@@ -146,6 +146,9 @@ def test_missing_tokenizer_and_mismatched_checkpoint(base, tmp_path, monkeypatch
     (base / "runs" / "mismatch").mkdir(parents=True, exist_ok=True)
     main([*TINY, "--total-batch-size", "256", "--device-batch-size", "4", "--max-seq-len", "64",
           "--num-iterations", "1", "--eval-every", "-1", "--run", "mismatch"])
+    with pytest.raises(SystemExit, match=r"cannot resume .*pass --num-iterations 1"):
+        main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--run", "mismatch",
+              "--resume-from-step", "1"])
     with pytest.raises(SystemExit, match=r"cannot resume .*--depth"):
         main([*TINY, "--depth", "3", "--total-batch-size", "256", "--num-iterations", "2", "--run", "mismatch",
               "--resume-from-step", "1"])
@@ -176,6 +179,65 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", real_save)
     save_checkpoint(tmp_path, 5, dict(model={"w": torch.ones(2)}), dict(step=5))
     assert (tmp_path / "step_000005" / "model.pt").is_file() and not list(tmp_path.glob(".tmp_step_*"))
+
+
+def poison_checkpoint(run_dir, step):
+    """Put a NaN into lm_head, as a diverged run would have: every later loss and gradient is NaN."""
+    path = run_dir / f"step_{step:06d}" / "model.pt"
+    state = torch.load(path, weights_only=True)
+    state["lm_head.weight"][0, 0] = float("nan")
+    torch.save(state, path)
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(base, capsys, monkeypatch):
+    from nanomuon.optim import MuonAdamW
+    from scripts.base_train import main
+
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "-1", "--run", "nan"]
+    main([*flags, "--save-every", "2"])
+    poison_checkpoint(base / "runs" / "nan", 2)
+    capsys.readouterr()
+    steps_taken = []
+    real_step = MuonAdamW.step
+    monkeypatch.setattr(MuonAdamW, "step", lambda self: steps_taken.append(1) or real_step(self))
+    with pytest.raises(SystemExit, match=r"3 steps in a row, through step 5, had a non-finite loss.*--resume-from"):
+        main([*flags, "--resume-from-step", "2", "--max-nonfinite-steps", "3"])
+    out = capsys.readouterr().out
+    assert out.count("update skipped") == 3 and "(3 in a row, 3 in this run)" in out
+    assert not steps_taken  # skipped means the optimizer never ran
+
+
+def test_nonfinite_model_is_never_checkpointed(base):
+    from scripts.base_train import main
+
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "-1", "--run", "nan-save"]
+    main([*flags, "--save-every", "2"])
+    poison_checkpoint(base / "runs" / "nan-save", 2)
+    shutil.rmtree(base / "runs" / "nan-save" / "step_000004")
+    with pytest.raises(SystemExit, match="non-finite parameters at step 3; not checkpointing"):
+        main([*flags, "--save-every", "1", "--resume-from-step", "2"])
+    assert list_steps(base / "runs" / "nan-save") == [2]
+
+
+def _all_finite_worker(rank, world_size):
+    from nanomuon.common import all_finite
+
+    params = [torch.nn.Parameter(torch.ones(shape)) for shape in ((3, 4), (5,), (2,))]
+    for p in params[:2]:
+        p.grad = torch.full_like(p, 0.5)  # params[2] has no grad: ignored
+    loss = torch.tensor(2.0)
+    assert all_finite(loss, params)
+    params[1].grad[3] = float("inf") if rank == 1 else 0.5  # one rank's gradient only: every rank must skip
+    assert not all_finite(loss, params)
+    params[1].grad[3] = 0.5
+    assert not all_finite(torch.tensor(float("nan") if rank == 0 else 2.0), params)
+    assert all_finite(loss, params)
+
+
+def test_all_finite_agrees_across_ranks():
+    from test_dist import spawn
+
+    spawn(_all_finite_worker, 2)
 
 
 @pytest.mark.slow
