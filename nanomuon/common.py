@@ -105,7 +105,8 @@ def all_finite(loss: torch.Tensor, params) -> bool:
     gradient with norm > 3e38, which is broken anyway), and _foreach_norm takes a few kernels, not two per
     tensor."""
     grads = [p.grad for p in params if p.grad is not None]
-    values = [loss.detach().float().reshape(1)] + [n.float().reshape(1) for n in torch._foreach_norm(grads)]
+    norms = torch._foreach_norm(grads) if grads else []
+    values = [loss.detach().float().reshape(1)] + [n.float().reshape(1) for n in norms]
     ok = torch.cat(values).isfinite().all().to(torch.int32)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
