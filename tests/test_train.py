@@ -8,8 +8,10 @@ checkpoints; speedrun.sh's CPU miniature runs end to end (slow).
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,35 @@ def test_torchrun_resume_is_bitwise_exact(base):
     s = run([sys.executable, "-m", "scripts.sample", "--run", "a", "--device-type", "cpu", "--prompt", "def",
              "--max-tokens", "5"], base)
     assert "--- 'def'" in s.stdout
+
+
+def test_sigkill_mid_run_then_resume_is_bitwise_exact(base):
+    """Kill every process of a torchrun job with SIGKILL while it trains and checkpoints, then restart it
+    with --resume-from-step latest: it continues from the last complete checkpoint (a half-written one is
+    never picked) and ends bitwise equal to a run that was never interrupted."""
+    flags = [*TINY, "--total-batch-size", "512", "--num-iterations", "10", "--eval-every", "-1", "--save-every", "1"]
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "whole"]), base)
+
+    env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    killed = base / "runs" / "killed"
+    job = subprocess.Popen(torchrun(2, "scripts.base_train", [*flags, "--run", "killed"]), cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while len(list_steps(killed)) < 4 and job.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(job.pid, signal.SIGKILL)  # torchrun and both ranks at once, wherever they are
+    job.wait()
+    saved = list_steps(killed)
+    assert 4 <= saved[-1] < 10, saved  # killed mid-run, with checkpoints behind it
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "killed", "--resume-from-step", "latest"]), base)
+
+    names = ("model", "optim")
+    (ta, ma), (tb, mb) = (load_checkpoint(base / "runs" / r, 10, names) for r in ("whole", "killed"))
+    assert_bitwise_equal(ta, tb, "checkpoint")
+    assert ma["loader"] == mb["loader"]
+    assert not list(killed.glob(".tmp_*"))  # debris of a save the kill interrupted is cleared by the next save
 
 
 def test_single_process_and_gradient_accumulation(base):
