@@ -62,6 +62,19 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
                      n_kv_head=n_head, n_embd=n_embd)
 
 
+# Optimizer variants that base_train --optimizer selects and scripts.ablate compares: extra keyword
+# arguments to GPT.setup_optimizer. To try an idea, add an entry (or a new muon option in optim.py and
+# an entry that turns it on), then `python -m scripts.ablate --variants muon,<yours>`.
+OPTIMIZER_VARIANTS = {
+    "muon": {},  # the default: Muon (Polar Express, variance reduction, cautious wd) + AdamW
+    "adamw": dict(adamw_matrix_lr=0.004),  # the baseline: AdamW everywhere
+    "muon-no-vr": dict(muon_options=dict(beta2=None)),  # without factored variance reduction
+    "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
+    "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
+    "muon-no-cautious-wd": dict(muon_options=dict(cautious_wd=False)),
+}
+
+
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
@@ -187,21 +200,30 @@ class GPT(nn.Module):
 
     def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
                         scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
+                        muon_options: dict | None = None, adamw_matrix_lr: float | None = None,
                         compile: bool | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's lr needs no
-        width scaling because its update is orthogonalized.
+        width scaling because its update is orthogonalized. muon_options go into the Muon group (e.g.
+        beta2=None, ns_coefficients='jordan'); adamw_matrix_lr trains the block matrices with AdamW
+        instead, at that lr (width-scaled like the others). OPTIMIZER_VARIANTS below names such choices.
         """
         scale = (self.config.n_embd / 768) ** -0.5
         matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
         scalars = [p for p in self.blocks.parameters() if p.ndim != 2]
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
+        if adamw_matrix_lr is None:
+            matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5, beta2=0.95,
+                                     weight_decay=weight_decay), **(muon_options or {}))
+        elif muon_options:
+            raise ValueError("muon_options and adamw_matrix_lr exclude each other: the matrices train with one")
+        else:
+            matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
         groups = [
             dict(adam, name="lm_head", params=list(self.lm_head.parameters()), lr=unembedding_lr * scale),
             dict(adam, name="embedding", params=list(self.wte.parameters()), lr=embedding_lr * scale),
-            dict(kind="muon", name="matrices", params=matrices, lr=matrix_lr, momentum=0.95, ns_steps=5,
-                 beta2=0.95, weight_decay=weight_decay),
+            dict(matrix_group, name="matrices", params=matrices),
         ]
         if scalars:
             groups.append(dict(adam, name="scalars", params=scalars, lr=scalar_lr))

@@ -38,7 +38,7 @@ from nanomuon.common import (
 )
 from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import DATASETS, get_base_dir
-from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, config_from_depth
 from nanomuon.optim import DistMuonAdamW
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.tokenizer import get_tokenizer
@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
+                   help="optimizer variant (nanomuon/gpt.py OPTIMIZER_VARIANTS; scripts.ablate compares them)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
     p.add_argument("--warmdown-ratio", type=float, default=0.4, help="fraction of steps with linear lr decay")
     p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr at the end, as a fraction of the peak")
@@ -172,15 +174,16 @@ def main(argv=None):
         compile_model = device.type == "cuda" if args.compile is None else args.compile
         optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                           matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
-                                          compile=compile_model)
+                                          compile=compile_model, **OPTIMIZER_VARIANTS[args.optimizer])
         train_model = torch.compile(model, dynamic=False) if compile_model else model
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
         eval_steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
 
         # -- resume -------------------------------------------------------------------------------------
-        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[], skipped_steps=0,
-                             nonfinite_in_a_row=0)
+        # val_train_time[i]: training seconds (no evals, no warm-up steps) when val_history[i] was measured
+        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[], val_train_time=[],
+                             skipped_steps=0, nonfinite_in_a_row=0)
         if args.resume_from_step != -1:
             step = resolve_step(run_dir, args.resume_from_step)
             objs, meta = load_checkpoint(run_dir, step, ("model", "optim"), map_location=device)
@@ -194,8 +197,8 @@ def main(argv=None):
             if meta["world_size"] != world_size:
                 problems.append(f"it was saved by {meta['world_size']} processes, this run has {world_size} "
                                 "(the data loader resumes at the same process count)")
-            for key in ("dataset", "device_batch_size", "total_batch_size"):
-                if meta["args"][key] != getattr(args, key):
+            for key in ("dataset", "device_batch_size", "total_batch_size", "optimizer"):
+                if meta["args"].get(key, "muon" if key == "optimizer" else None) != getattr(args, key):
                     problems.append(f"--{key.replace('_', '-')} was {meta['args'][key]!r}, now {getattr(args, key)!r}")
             if meta["num_iterations"] != num_iterations:  # the lr schedule depends on the horizon
                 problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
@@ -274,6 +277,7 @@ def main(argv=None):
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
             val_bpb = evaluate()
             loop["val_history"].append((step, val_bpb))
+            loop["val_train_time"].append(loop["train_time"])
             print0(f"step {step:05d} | val bpb {val_bpb:.4f}")
             if wandb_run:
                 wandb_run.log({"step": step, "val/bpb": val_bpb})
@@ -381,7 +385,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}",
-             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params",
+             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in {num_iterations} steps "
              f"of {args.total_batch_size:,}",
              f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first steps)"]
@@ -402,11 +406,19 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     if samples:
         lines += ["", "## Samples (greedy)", ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
-    path = Path(run_dir) / "report.md"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text("\n".join(lines) + "\n")
+    write_atomic(Path(run_dir) / "report.md", "\n".join(lines) + "\n")
+    # the same numbers and curves for programs (scripts.ablate reads them)
+    record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params, world_size=world_size,
+                  tokens_per_step=args.total_batch_size, val_history=loop["val_history"],
+                  val_train_time=loop["val_train_time"], history=loop["history"])
+    write_atomic(Path(run_dir) / "summary.json", json.dumps(record) + "\n")
+    print0(f"report: {Path(run_dir) / 'report.md'}")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
-    print0(f"report: {path}")
 
 
 if __name__ == "__main__":

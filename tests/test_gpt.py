@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
+from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, GPTConfig, apply_rotary, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
 
@@ -173,3 +173,17 @@ def test_compiled_model_equals_eager():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     for g_compiled, g_eager in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", list(OPTIMIZER_VARIANTS))
+def test_every_optimizer_variant_builds_and_steps(variant):
+    model = small_model()
+    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS[variant])
+    matrices = next(g for g in opt.param_groups if g["name"] == "matrices")
+    assert matrices["kind"] == ("adamw" if variant == "adamw" else "muon")
+    for key, value in OPTIMIZER_VARIANTS[variant].get("muon_options", {}).items():
+        assert matrices[key] == value
+    before = [p.detach().clone() for p in matrices["params"]]
+    model(torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))).backward()
+    opt.step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, matrices["params"]))
