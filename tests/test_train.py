@@ -5,6 +5,7 @@ flags and missing inputs stop it with one line that says what to do; base_eval a
 checkpoints; speedrun.sh's CPU miniature runs end to end (slow).
 """
 
+import json
 import os
 import re
 import shutil
@@ -284,3 +285,41 @@ def test_speedrun_cpu_miniature(tmp_path):
     assert re.search(r"throughput: [\d,]+ tok/s", p.stdout)
     report = (tmp_path / "runs" / "cpu-d4" / "report.md").read_text()
     assert "final val bpb" in report and "base_eval" in report
+
+
+def test_ablate_writes_a_table_and_plots(base):
+    """Two variants on identical data: the table's numbers are the runs' own, and 'steps to the baseline's
+    final bpb' is the first eval at or below it, recomputed here from each run's val history."""
+    from scripts.ablate import main
+
+    records = main(["--variants", "muon,adamw", "--name", "abl", *TINY, "--total-batch-size", "256",
+                    "--num-iterations", "16", "--eval-every", "4", "--log-every", "8"])
+    out = base / "ablations" / "abl"
+    table = (out / "ablation.md").read_text()
+    assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG") and "](val_bpb.png)" in table
+    target = records["adamw"]["final_val_bpb"]
+    for variant in ("muon", "adamw"):
+        run = json.loads((base / "runs" / f"abl-{variant}" / "summary.json").read_text())
+        assert run["optimizer"] == variant and [s for s, _ in run["val_history"]] == [0, 4, 8, 12, 16]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {variant}"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == f"{run['final_val_bpb']:.4f}" and cells[2] == f"{run['min_val_bpb']:.4f}"
+        reached = [s for s, b in run["val_history"] if b <= target]
+        assert cells[3] == (str(reached[0]) if reached else "not reached")
+    # same data and seed: both runs start from the same model, so their step-0 evals agree exactly
+    first_evals = [records[v]["val_history"][0] for v in ("muon", "adamw")]
+    assert first_evals[0] == first_evals[1]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--variants", "muon,nope"], "unknown: nope"),
+    (["--variants", "muon"], "two or more distinct"),
+    (["--variants", "muon,adamw", "--baseline", "muon-jordan"], "is not among --variants"),
+    (["--run", "x"], "set per variant by ablate"),
+])
+def test_ablate_bad_flags(base, capsys, flags, message):
+    from scripts.ablate import main
+
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert message in capsys.readouterr().err
