@@ -198,8 +198,9 @@ def main(argv=None):
                 problems.append(f"it was saved by {meta['world_size']} processes, this run has {world_size} "
                                 "(the data loader resumes at the same process count)")
             for key in ("dataset", "device_batch_size", "total_batch_size", "optimizer"):
-                if meta["args"].get(key, "muon" if key == "optimizer" else None) != getattr(args, key):
-                    problems.append(f"--{key.replace('_', '-')} was {meta['args'][key]!r}, now {getattr(args, key)!r}")
+                saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
+                if saved != getattr(args, key):
+                    problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
             if meta["num_iterations"] != num_iterations:  # the lr schedule depends on the horizon
                 problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
                                 f"{num_iterations} (pass --num-iterations {meta['num_iterations']})")
