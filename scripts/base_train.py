@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanomuon.checkpoint import load_checkpoint, resolve_step, save_checkpoint, step_arg
+from nanomuon.checkpoint import list_steps, load_checkpoint, resolve_step, save_checkpoint, step_arg
 from nanomuon.common import (
     all_finite,
     autocast,
@@ -86,8 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250, help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
     p.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--resume-from-step", type=step_arg, default=-1, help="continue the run from this "
-                   "checkpoint: a step number or 'latest' (-1: start fresh)")
+    p.add_argument("--resume-from-step", type=resume_arg, default=-1, help="continue the run from this "
+                   "checkpoint: a step number, 'latest', or 'auto' (latest if there is one, else start fresh: for "
+                   "torchrun --max-restarts); -1: start fresh")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
     p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a non-finite loss or "
@@ -117,11 +118,20 @@ def parse_args(argv=None):
         if v == 0 or v < -1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, or -1 for only at the end; got {v}")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
-        p.error(f"--resume-from-step must be a step >= 0, 'latest', or -1; got {args.resume_from_step}")
+        p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
     args.run = args.run or f"d{args.depth}"
     if not args.run.replace("-", "").replace("_", "").replace(".", "").isalnum():
         p.error(f"--run {args.run!r}: use letters, digits, '-', '_' and '.' only (it names a directory)")
     return args
+
+
+def resume_arg(s: str):
+    if s == "auto":
+        return s
+    try:
+        return step_arg(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a step number, 'latest' or 'auto', got {s!r}") from None
 
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
@@ -146,6 +156,8 @@ def main(argv=None):
     distributed, rank, local_rank, world_size, device = compute_init(args.device_type)
     master = rank == 0
     run_dir = get_base_dir() / "runs" / args.run
+    if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
+        args.resume_from_step = "latest" if list_steps(run_dir) else -1
 
     try:  # missing data, tokenizer or checkpoint: one line that says what to do, not a traceback
         tokenizer = get_tokenizer()

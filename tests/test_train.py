@@ -102,32 +102,72 @@ def test_torchrun_resume_is_bitwise_exact(base):
     assert "--- 'def'" in s.stdout
 
 
+def workers_of(pid: int) -> list[int]:
+    """The training processes torchrun `pid` started (its descendants that run base_train)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), b"scripts.base_train" in cmdline)
+    def descends(p):
+        while p in parents and p != pid:
+            p = parents[p][0]
+        return p == pid
+    return [p for p, (_, trains) in parents.items() if p != pid and trains and descends(p)]
+
+
+def wait_for_checkpoints(run_dir, n, job, timeout=240):
+    deadline = time.time() + timeout
+    while len(list_steps(run_dir)) < n and job.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
 def test_sigkill_mid_run_then_resume_is_bitwise_exact(base):
-    """Kill every process of a torchrun job with SIGKILL while it trains and checkpoints, then restart it
-    with --resume-from-step latest: it continues from the last complete checkpoint (a half-written one is
-    never picked) and ends bitwise equal to a run that was never interrupted."""
+    """SIGKILL lands while a torchrun job trains and checkpoints. (1) One worker dies; torchrun
+    --max-restarts restarts the job, which resumes by itself (--resume-from-step auto). (2) The whole job
+    dies; it is restarted by hand with --resume-from-step latest. Either way it continues from the last
+    complete checkpoint (a half-written one is never picked) and ends bitwise equal to a run that was
+    never interrupted."""
     flags = [*TINY, "--total-batch-size", "512", "--num-iterations", "10", "--eval-every", "-1", "--save-every", "1"]
     run(torchrun(2, "scripts.base_train", [*flags, "--run", "whole"]), base)
+    names = ("model", "optim")
+    whole = load_checkpoint(base / "runs" / "whole", 10, names)
 
     env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    cmd = torchrun(2, "scripts.base_train", [*flags, "--run", "restarted", "--resume-from-step", "auto"])
+    cmd.insert(3, "--max-restarts=1")
+    # torch shares torchrun's rendezvous store with the process group, and a restarted group can read the
+    # previous round's addresses from it (pytorch/pytorch#135712); the README says to set this with restarts
+    restart_env = dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    job = subprocess.Popen(cmd, cwd=REPO, env=restart_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_checkpoints(base / "runs" / "restarted", 4, job)
+    victims = workers_of(job.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out[-5000:]
+    assert "resumed" in out  # the restarted workers picked up the last checkpoint
+    restarted = load_checkpoint(base / "runs" / "restarted", 10, names)
+    assert_bitwise_equal(whole[0], restarted[0], "checkpoint")
+    assert whole[1]["loader"] == restarted[1]["loader"]
+
     killed = base / "runs" / "killed"
     job = subprocess.Popen(torchrun(2, "scripts.base_train", [*flags, "--run", "killed"]), cwd=REPO, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    while len(list_steps(killed)) < 4 and job.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for_checkpoints(killed, 4, job)
     os.killpg(job.pid, signal.SIGKILL)  # torchrun and both ranks at once, wherever they are
     job.wait()
     saved = list_steps(killed)
     assert 4 <= saved[-1] < 10, saved  # killed mid-run, with checkpoints behind it
     run(torchrun(2, "scripts.base_train", [*flags, "--run", "killed", "--resume-from-step", "latest"]), base)
-
-    names = ("model", "optim")
-    (ta, ma), (tb, mb) = (load_checkpoint(base / "runs" / r, 10, names) for r in ("whole", "killed"))
-    assert_bitwise_equal(ta, tb, "checkpoint")
-    assert ma["loader"] == mb["loader"]
+    resumed = load_checkpoint(killed, 10, names)
+    assert_bitwise_equal(whole[0], resumed[0], "checkpoint")
+    assert whole[1]["loader"] == resumed[1]["loader"]
     assert not list(killed.glob(".tmp_*"))  # debris of a save the kill interrupted is cleared by the next save
 
 
@@ -148,7 +188,7 @@ BAD = [
     (["--warmup-ratio", "0.7", "--warmdown-ratio", "0.7"], "exceed 1"),
     (["--matrix-lr", "nan"], "--matrix-lr must be a finite number"),
     (["--eval-every", "0"], "--eval-every must be >= 1, or -1"),
-    (["--resume-from-step", "soon"], "expected a step number or 'latest'"),
+    (["--resume-from-step", "soon"], "expected a step number, 'latest' or 'auto'"),
     (["--run", "../x"], "--run '../x'"),
     (["--resume-from-step", "5", "--run", "nothing-here"], "no checkpoints in"),
     (["--dataset", "fineweb-edu"], "python -m nanomuon.dataset -n 8"),
