@@ -24,7 +24,7 @@ from collections import deque
 import pyarrow.parquet as pq
 import torch
 
-from nanomuon.dataset import list_shards
+from nanomuon.dataset import list_shards, open_shard
 
 
 class DataLoader:
@@ -54,7 +54,7 @@ class DataLoader:
         # Row-group index from the parquet footers: (file, row group, first global doc, rows).
         self.row_groups, self.starts, total = [], [], 0
         for fi, path in enumerate(self.files):
-            meta = pq.ParquetFile(path).metadata
+            meta = open_shard(dataset, path).metadata  # a shard without a text column fails here, not mid-run
             for rg in range(meta.num_row_groups):
                 n = meta.row_group(rg).num_rows
                 if n:

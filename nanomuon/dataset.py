@@ -83,6 +83,15 @@ def list_shards(name: str, split: str) -> list[Path]:
     return shards[:-1] if split == "train" else shards[-1:]
 
 
+def open_shard(name: str, path: Path) -> pq.ParquetFile:
+    """A shard of dataset `name`, checked to have the `text` column every reader needs."""
+    pf = pq.ParquetFile(path)
+    if "text" not in pf.schema_arrow.names:
+        raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}): delete it and "
+                         f"{FIX[name]}")
+    return pf
+
+
 def iter_texts(name: str, split: str, max_chars: int | None = None) -> Iterator[str]:
     """Documents of a split in shard order. With max_chars, stops after exactly that many characters
     (the last document is cut short), so callers get a hard budget, e.g. for tokenizer training."""
@@ -90,10 +99,7 @@ def iter_texts(name: str, split: str, max_chars: int | None = None) -> Iterator[
         raise ValueError(f"max_chars must be >= 0 or None, got {max_chars}")
     left = max_chars
     for path in list_shards(name, split):
-        pf = pq.ParquetFile(path)
-        if "text" not in pf.schema_arrow.names:
-            raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}): delete it and "
-                             f"{FIX[name]}")
+        pf = open_shard(name, path)
         # Row group by row group keeps memory at one group, not one shard (FineWeb shards are ~100 MB).
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():

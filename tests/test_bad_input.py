@@ -1,0 +1,168 @@
+"""
+Bad input across the CLI and the library, in one table. Each case must stop at the earliest point with
+a one-line message, no traceback, that names the problem and the fix (checked by a phrase of each), and
+must leave no file behind: the base dir holds the same files before and after.
+"""
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanomuon.dataloader import DataLoader
+from nanomuon.gpt import GPTConfig
+from nanomuon.optim import MuonAdamW
+from nanomuon.tokenizer import Tokenizer, get_tokenizer
+
+TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+        "--max-seq-len", "64", "--device-batch-size", "4", "--eval-tokens", "1024", "--sample-tokens", "0"]
+GOOD = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1"]
+
+
+def train(*extra, run="bad"):
+    from scripts.base_train import main
+
+    return lambda: main([*GOOD, "--run", run, *extra])
+
+
+def script(module, *argv):
+    def call():
+        mod = __import__(f"scripts.{module}", fromlist=["main"])
+        return mod.main(list(argv))
+
+    return call
+
+
+@pytest.fixture(scope="module")
+def good(base):
+    """A finished 2-step run with checkpoints at steps 1 and 2, copied by the cases that damage one."""
+    from scripts.base_train import main
+
+    main([*GOOD, "--run", "good", "--save-every", "1"])
+    return base / "runs" / "good"
+
+
+def damaged(base, good, name, damage):
+    run = base / "runs" / name
+    if not run.exists():
+        shutil.copytree(good, run)
+        damage(run / "step_000002")
+    return name
+
+
+def other_tokenizer(base, tmp_path, monkeypatch):
+    """A base dir that shares the data and runs but has a different tokenizer."""
+    for sub in ("data", "runs"):
+        (tmp_path / sub).symlink_to(base / sub)
+    Tokenizer.train(iter(["a different corpus entirely"] * 50), vocab_size=300).save(tmp_path / "tokenizer")
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+
+
+def no_text_shard(base):
+    d = base / "data" / "fineweb-edu"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(2):
+        pq.write_table(pa.table({"content": ["x"]}), d / f"shard_{i:05d}.parquet")
+
+
+def corrupt_tokenizer(tmp_path):
+    get_tokenizer().save(tmp_path / "t")
+    (tmp_path / "t" / "tokenizer.bpe").write_text("garbage\n")
+    return lambda: Tokenizer.load(tmp_path / "t")
+
+
+def muon_group_without_kind():
+    return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
+
+
+# id: (setup(base, good, tmp_path, monkeypatch) -> the call that must fail, phrase of its message)
+CASES = {
+    # base_train flags
+    "depth": (lambda *_: train("--depth", "0"), "--depth must be >= 1"),
+    "batch-multiple": (lambda *_: train("--total-batch-size", "1000"), "is not a multiple of --device-batch-size"),
+    "iterations": (lambda *_: train("--num-iterations", "0"), "--num-iterations must be >= 1"),
+    "schedule": (lambda *_: train("--warmup-ratio", "0.7", "--warmdown-ratio", "0.7"), "exceed 1"),
+    "lr-nan": (lambda *_: train("--matrix-lr", "nan"), "--matrix-lr must be a finite number >= 0"),
+    "eval-every": (lambda *_: train("--eval-every", "0"), "--eval-every must be >= 1, or -1"),
+    "resume-word": (lambda *_: train("--resume-from-step", "soon"), "expected a step number, 'latest' or 'auto'"),
+    "run-name": (lambda *_: train(run="../x"), "--run '../x': use letters, digits"),
+    "nonfinite-steps": (lambda *_: train("--max-nonfinite-steps", "0"), "--max-nonfinite-steps must be >= 1"),
+    "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
+    "no-cuda": (lambda *_: train("--device-type", "cuda"), "torch sees no CUDA device; use --device-type cpu"),
+    # base_train inputs: data, tokenizer, checkpoints
+    "no-data": (lambda *_: train("--dataset", "fineweb-edu"), "run `python -m nanomuon.dataset -n 8`"),
+    "no-tokenizer": (lambda b, g, tmp, mp: (mp.setenv("NANOMUON_BASE_DIR", str(tmp)), train())[1],
+                     "python -m scripts.tok_train"),
+    "no-checkpoints": (lambda *_: train("--resume-from-step", "latest", run="never"), "no checkpoints in"),
+    "no-such-step": (lambda *_: train("--resume-from-step", "7", run="good"), "no checkpoint for step 7"),
+    "resume-depth": (lambda *_: train("--depth", "3", "--resume-from-step", "2", run="good"),
+                     "pass the same --depth"),
+    "resume-horizon": (lambda *_: train("--num-iterations", "5", "--resume-from-step", "2", run="good"),
+                       "pass --num-iterations 2"),
+    "resume-batch": (lambda *_: train("--device-batch-size", "2", "--resume-from-step", "2", run="good"),
+                     "--device-batch-size was 4, now 2"),
+    "resume-optimizer": (lambda *_: train("--optimizer", "adamw", "--resume-from-step", "2", run="good"),
+                         "--optimizer was 'muon', now 'adamw'"),
+    "resume-tokenizer": (lambda b, g, tmp, mp: (other_tokenizer(b, tmp, mp), train("--resume-from-step", "2",
+                                                                                   run="good"))[1],
+                         "trained with a different tokenizer (retrain or restore"),
+    "truncated-model": (lambda b, g, *_: train("--resume-from-step", "2", run=damaged(
+        b, g, "trunc", lambda d: (d / "model.pt").write_bytes((d / "model.pt").read_bytes()[:100]))),
+        "unreadable or corrupt"),
+    "corrupt-meta": (lambda b, g, *_: train("--resume-from-step", "2", run=damaged(
+        b, g, "meta", lambda d: (d / "meta.json").write_text('{"step": 2,'))), "unreadable meta.json"),
+    # the other entry points
+    "tok-vocab": (lambda *_: script("tok_train", "--dataset", "embedded", "--vocab-size", "100"),
+                  "vocab_size must be >= 257"),
+    "tok-no-data": (lambda *_: script("tok_train", "--dataset", "fineweb-edu"), "python -m nanomuon.dataset -n 8"),
+    "sample-run": (lambda *_: script("sample", "--run", "never", "--device-type", "cpu"), "no checkpoints in"),
+    "sample-tokens": (lambda *_: script("sample", "--run", "good", "--max-tokens", "0"),
+                      "--max-tokens and --num-samples must be >= 1"),
+    "eval-tokens": (lambda *_: script("base_eval", "--run", "good", "--eval-tokens", "0"),
+                    "--eval-tokens must be >= 1"),
+    "ablate-variant": (lambda *_: script("ablate", "--variants", "muon,nope"), "(unknown: nope)"),
+    "ablate-baseline": (lambda *_: script("ablate", "--variants", "muon,adamw", "--baseline", "muon-jordan"),
+                        "is not among --variants"),
+    "ablate-run": (lambda *_: script("ablate", "--run", "x"), "use --name and --variants"),
+    # the library
+    "tokenizer-corrupt": (lambda b, g, tmp, mp: corrupt_tokenizer(tmp), "is corrupt"),
+    "loader-rank": (lambda *_: lambda: DataLoader(get_tokenizer(), "embedded", "train", 2, 16, rank=2, world_size=2),
+                    "rank 2 is outside world_size 2"),
+    "loader-state": (lambda *_: lambda: DataLoader(get_tokenizer(), "embedded", "train", 2, 16, world_size=1)
+                     .load_state_dict(dict(DataLoader(get_tokenizer(), "embedded", "train", 4, 16).state_dict())),
+                     "resume with the same data, batch size"),
+    "gpt-config": (lambda *_: lambda: GPTConfig(n_embd=100, n_head=3, n_kv_head=3),
+                   "n_embd=100 is not divisible by n_head=3"),
+    "optimizer-group": (lambda *_: muon_group_without_kind, "add kind='adamw' or kind='muon' to the group"),
+    "shard-columns": (lambda b, *_: (no_text_shard(b), lambda: DataLoader(get_tokenizer(), "fineweb-edu", "train", 2,
+                                                                          16).next_batch())[1],
+                      "no 'text' column"),
+}
+
+
+def files(*roots):
+    return {p for r in roots for p in r.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case, base, good, tmp_path, monkeypatch, capsys):
+    setup, phrase = CASES[case]
+    call = setup(base, good, tmp_path, monkeypatch)
+    before = files(base, tmp_path)
+    capsys.readouterr()
+    with pytest.raises((SystemExit, ValueError, TypeError, FileNotFoundError)) as e:
+        call()
+    err = capsys.readouterr().err
+    if isinstance(e.value, SystemExit):
+        message = e.value.code if isinstance(e.value.code, str) else err.strip().splitlines()[-1]
+    else:
+        message = str(e.value)
+    assert "\n" not in message.strip() and "Traceback" not in err, f"not one line:\n{message}\n{err}"
+    assert phrase in message, message
+    assert files(base, tmp_path) == before, "a failed call left files behind"
+
+
+def test_the_table_is_wide():
+    assert len(CASES) >= 25
