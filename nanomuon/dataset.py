@@ -127,8 +127,9 @@ def stdlib_sources() -> list[Path]:
     return sorted(files)
 
 
-def _write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename into place, so readers never see a half-written file."""
+def write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename into place, so readers never see a half-written file. The temporary
+    name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
@@ -168,7 +169,7 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
     for i, group in enumerate(groups):
         table = pa.table({"text": pa.array(group, type=pa.string())})
         path = out_dir / shard_name(i)
-        _write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024,
+        write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024,
                                                                    compression="zstd"))
         paths.append(path)
     for stale in set(out_dir.glob("*.parquet")) - set(paths):  # leftovers of an earlier, larger build
@@ -184,8 +185,8 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
               f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into {len(paths)} parquet "
               f"shards\n(column `text`, one file per row). The last shard, {paths[-1].name}, is the val split.\n"
               f"Built by nanomuon/dataset.py; rebuild with `python -m nanomuon.dataset --embedded`.\n")
-    _write_atomic(out_dir / "README.txt", lambda tmp: tmp.write_text(readme))
-    _write_atomic(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
+    write_atomic(out_dir / "README.txt", lambda tmp: tmp.write_text(readme))
+    write_atomic(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     return paths
 
 

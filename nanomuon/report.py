@@ -8,8 +8,9 @@ None, and the report points at the fix.
 """
 
 import math
-import os
 from pathlib import Path
+
+from nanomuon.dataset import write_atomic
 
 MISSING = "loss curves need matplotlib: `pip install matplotlib` (or `pip install -e .`)"
 
@@ -54,8 +55,6 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -14,12 +14,13 @@ bits per byte, which unlike loss per token is comparable across vocabularies.
 import base64
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import tiktoken
 import torch
+
+from nanomuon.dataset import get_base_dir, write_atomic
 
 # GPT-4's split pattern with digits in runs of at most 2 (nanochat's choice: fewer number tokens wasted
 # on small vocabularies).
@@ -73,9 +74,7 @@ class Tokenizer:
         meta = dict(pattern=self.pattern, special_tokens=self.special_tokens, vocab_size=self.vocab_size,
                     fingerprint=self.fingerprint)
         for name, text in zip(FILES, (bpe, json.dumps(meta, indent=1) + "\n")):
-            tmp = directory / f".{name}.{os.getpid()}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, directory / name)
+            write_atomic(directory / name, lambda tmp, text=text: tmp.write_text(text))
 
     @classmethod
     def load(cls, directory: Path) -> "Tokenizer":
@@ -121,8 +120,6 @@ class Tokenizer:
 
 
 def tokenizer_dir() -> Path:
-    from nanomuon.dataset import get_base_dir
-
     return get_base_dir() / "tokenizer"
 
 

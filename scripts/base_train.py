@@ -15,7 +15,6 @@ parameters an uninterrupted run would have had, bit for bit.
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -37,7 +36,7 @@ from nanomuon.common import (
     synchronize,
 )
 from nanomuon.dataloader import DataLoader
-from nanomuon.dataset import DATASETS, get_base_dir
+from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
 from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, config_from_depth
 from nanomuon.optim import DistMuonAdamW
 from nanomuon.report import MISSING, plot_curves, smooth
@@ -419,19 +418,13 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     if samples:
         lines += ["", "## Samples (greedy)", ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
-    write_atomic(Path(run_dir) / "report.md", "\n".join(lines) + "\n")
+    write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     # the same numbers and curves for programs (scripts.ablate reads them)
     record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params, world_size=world_size,
                   tokens_per_step=args.total_batch_size, val_history=loop["val_history"],
                   val_train_time=loop["val_train_time"], history=loop["history"])
-    write_atomic(Path(run_dir) / "summary.json", json.dumps(record) + "\n")
+    write_atomic(Path(run_dir) / "summary.json", lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
     print0(f"report: {Path(run_dir) / 'report.md'}")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_train import TINY
 
 from nanomuon.dataloader import DataLoader
 from nanomuon.gpt import GPTConfig
 from nanomuon.optim import MuonAdamW
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 
-TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
-        "--max-seq-len", "64", "--device-batch-size", "4", "--eval-tokens", "1024", "--sample-tokens", "0"]
 GOOD = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1"]
 
 

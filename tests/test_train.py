@@ -25,11 +25,16 @@ TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspe
         "--max-seq-len", "64", "--device-batch-size", "4", "--eval-tokens", "1024", "--sample-tokens", "0"]
 
 
-def run(cmd, base, timeout=300, check=True):
-    env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def child_env(base, **extra):
+    """The environment for a training subprocess: our base dir, no torchrun variables inherited."""
+    env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def run(cmd, base, timeout=300, check=True):
+    p = subprocess.run(cmd, cwd=REPO, env=child_env(base), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
@@ -121,9 +126,7 @@ def test_sigkill_mid_run_then_resume_is_bitwise_exact(base):
     names = ("model", "optim")
     whole = load_checkpoint(base / "runs" / "whole", 10, names)
 
-    env = dict(os.environ, NANOMUON_BASE_DIR=str(base), OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = child_env(base)
     cmd = torchrun(2, "scripts.base_train", [*flags, "--run", "restarted", "--resume-from-step", "auto"])
     cmd.insert(3, "--max-restarts=1")
     # torch shares torchrun's rendezvous store with the process group, and a restarted group can read the
