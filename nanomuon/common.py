@@ -114,23 +114,33 @@ def all_finite(loss: torch.Tensor, params) -> bool:
 
 
 @torch.no_grad()
-def evaluate_bpb(model, loader, steps: int, token_bytes: torch.Tensor) -> float:
-    """Bits per byte over `steps` batches of `loader`, summed across ranks.
+def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor) -> float:
+    """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks: rank r takes rows r, r + N, ...
 
-    bpb = total nats over targets that are real text / (ln 2 * their total UTF-8 bytes). Special tokens
-    (0 bytes in token_bytes) are excluded from both sums, so bpb is comparable across tokenizers.
+    The rows, not the process count, define the measurement, so a run's val bpb means the same at any
+    world size (dataloader.val_rows builds them). Short last batches are padded with ignored targets (-1),
+    keeping shapes static for torch.compile. bpb = nats over targets that are real text / (ln 2 * their
+    UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums.
     """
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
+    mine = rows[rank::world_size]
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
+    for i in range(0, len(mine), batch_size):
+        batch = mine[i:i + batch_size].to(device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        if len(batch) < batch_size:
+            pad = batch_size - len(batch)
+            x = torch.cat([x, x.new_zeros(pad, x.size(1))])
+            y = torch.cat([y, y.new_full((pad, y.size(1)), -1)])
         with autocast(device):
             loss = model(x, y, loss_reduction="none")
-        b = token_bytes[y]
+        b = token_bytes[y.clamp(min=0)] * (y >= 0)
         nats += (loss.double() * (b > 0)).sum()
         nbytes += b.sum()
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         both = torch.stack([nats, nbytes])
         dist.all_reduce(both)
         nats, nbytes = both[0], both[1]

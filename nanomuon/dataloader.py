@@ -14,6 +14,9 @@ Why its own design rather than a torch DataLoader:
 - Exact resume: state_dict() names the buffered pieces by (epoch, document, offset) instead of storing
   their tokens, and the next document to read. load_state_dict() re-reads and re-tokenizes them, so a
   resumed run sees exactly the batches the uninterrupted run would have seen.
+- Resume at another process count: reshard_states() turns the N saved states into one for each of M new
+  ranks. Every document is still read exactly once per epoch; the batches differ from an uninterrupted
+  run (other ranks pack other rows), so the run is the same run, not the same bits.
 """
 
 import bisect
@@ -189,9 +192,9 @@ class DataLoader:
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
+        # batch_size is not part of it: the state counts rows, so a resumed run may change its batch size
         return dict(dataset=self.dataset, split=self.split, rank=self.rank, world_size=self.world_size,
-                    batch_size=self.batch_size, seq_len=self.seq_len, buffer_size=self.buffer_size,
-                    num_docs=self.num_docs)
+                    seq_len=self.seq_len, buffer_size=self.buffer_size, num_docs=self.num_docs)
 
     def _state_now(self) -> dict:
         epoch, doc = self._pending[0][0] if self._pending else self._read_pos
@@ -209,7 +212,7 @@ class DataLoader:
         diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
-                             "with the same data, batch size, sequence length and number of processes")
+                             "with the same data and sequence length (reshard_states() changes the process count)")
         buffer = []
         for epoch, doc, offset in state["buffer"]:
             tokens = self.tokenizer.encode(self._doc_text(doc), prepend_bos=True)
@@ -218,3 +221,54 @@ class DataLoader:
                                  f"{len(tokens)} tokens: the data or the tokenizer changed since it was saved")
             buffer.append([epoch, doc, offset, tokens])
         self._reset(state["epoch"], state["doc"], buffer)
+
+
+def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
+    """The validation set: the first num_tokens // seq_len (at least 1) packed rows of the val split,
+    (rows, seq_len + 1) int64 on the CPU. One stream, whatever the process count, so val bpb measures the
+    same tokens at any world size (evaluate_bpb deals the rows out to the ranks)."""
+    num_rows = max(1, num_tokens // seq_len)
+    rows, _ = DataLoader(tokenizer, dataset, "val", num_rows, seq_len)._make_batch()
+    return rows
+
+
+def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
+    """The loader state for `rank` of `world_size` new processes, from the states of all N old ranks.
+
+    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r; documents at
+    or after the frontier F = max P_r are unread by every rank. The carry is what was read but not yet
+    packed (all buffered pieces) plus what lies below F but was not reached (from P_r up to F on each old
+    rank). The new ranks share the carry round-robin, as buffered pieces, and read on from F with the new
+    stride: new rank j reads F + j, F + j + M, ... So nothing is skipped or read twice in any epoch.
+    """
+    old_n = len(states)
+    if sorted(s.get("rank") for s in states) != list(range(old_n)) or any(s["world_size"] != old_n for s in states):
+        sizes = sorted({s["world_size"] for s in states})
+        raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
+                         f"{[s.get('rank') for s in states]} of world sizes {sizes}")
+    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs")
+    for key in shared:
+        if len({repr(s[key]) for s in states}) != 1:
+            raise ValueError(f"the saved loader states disagree on {key}: {[s[key] for s in states]}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    num_docs = states[0]["num_docs"]
+    if num_docs < world_size:
+        raise ValueError(f"{num_docs} documents cannot be shared by {world_size} ranks")
+    states = sorted(states, key=lambda s: s["rank"])
+    frontier = max((s["epoch"], s["doc"]) for s in states)
+    carry = [tuple(piece) for s in states for piece in s["buffer"]]
+    for r, s in enumerate(states):
+        epoch, doc = s["epoch"], s["doc"]
+        while (epoch, doc) < frontier:
+            carry.append((epoch, doc, 0))
+            doc += old_n
+            if doc >= num_docs:
+                epoch, doc = epoch + 1, r
+    carry.sort()  # oldest first: the packer opens rows with the oldest buffered document
+    epoch, doc = frontier[0], frontier[1] + rank
+    if doc >= num_docs:  # past the end of the frontier's epoch: start the next one at our own stride
+        epoch, doc = epoch + 1, rank
+    state = {key: states[0][key] for key in shared}
+    return dict(state, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
+                buffer=[list(piece) for piece in carry[rank::world_size]])

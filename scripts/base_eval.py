@@ -11,7 +11,7 @@ import os
 import torch
 
 from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, print0
-from nanomuon.dataloader import DataLoader
+from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS, get_base_dir
 from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
@@ -32,13 +32,11 @@ def main(argv=None):
     dataset = args.dataset or meta["args"]["dataset"]
     seq_len = model.config.sequence_len
     try:
-        loader = DataLoader(tokenizer, dataset, "val", args.device_batch_size, seq_len, rank, world_size, device)
+        rows = val_rows(tokenizer, dataset, seq_len, args.eval_tokens)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    steps = max(1, args.eval_tokens // (args.device_batch_size * seq_len * world_size))
-    bpb = evaluate_bpb(model, loader, steps, tokenizer.token_bytes().to(device))
-    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} "
-           f"over {steps * args.device_batch_size * seq_len * world_size:,} tokens")
+    bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))
+    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {rows[:, 1:].numel():,} tokens")
     lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]
     if rank == 0 and args.sample_tokens:
         for prompt in PROMPTS:

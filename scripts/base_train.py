@@ -35,7 +35,7 @@ from nanomuon.common import (
     print0,
     synchronize,
 )
-from nanomuon.dataloader import DataLoader
+from nanomuon.dataloader import DataLoader, reshard_states, val_rows
 from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
 from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, config_from_depth
 from nanomuon.optim import DistMuonAdamW
@@ -189,7 +189,7 @@ def main(argv=None):
         train_model = torch.compile(model, dynamic=False) if compile_model else model
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
-        eval_steps = max(1, args.eval_tokens // tokens_per_fwdbwd)
+        val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
 
         # -- resume -------------------------------------------------------------------------------------
         # val_train_time[i]: training seconds (no evals, no warm-up steps) when val_history[i] was measured
@@ -205,10 +205,9 @@ def main(argv=None):
             if meta["tokenizer"] != tokenizer.fingerprint:
                 problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
                                 f"{get_base_dir() / 'tokenizer'})")
-            if meta["world_size"] != world_size:
-                problems.append(f"it was saved by {meta['world_size']} processes, this run has {world_size} "
-                                "(the data loader resumes at the same process count)")
-            for key in ("dataset", "device_batch_size", "total_batch_size", "optimizer"):
+            # the process count and --device-batch-size may change: the optimizer state is saved whole, the
+            # loader states are resharded, and --total-batch-size (checked here) keeps the tokens per step
+            for key in ("dataset", "total_batch_size", "optimizer"):
                 saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
                 if saved != getattr(args, key):
                     problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
@@ -222,7 +221,12 @@ def main(argv=None):
                 optimizer.load_full_state_dict(objs["optim"])
             else:
                 optimizer.load_state_dict(objs["optim"])
-            train_loader.load_state_dict(meta["loader"][rank])
+            if meta["world_size"] == world_size:
+                train_loader.load_state_dict(meta["loader"][rank])
+            else:
+                train_loader.load_state_dict(reshard_states(meta["loader"], rank, world_size))
+                print0(f"resharded the data loader from {meta['world_size']} to {world_size} processes: the same "
+                       "documents, read in a different order from here on")
             loop = dict(loop, **meta["loop"])
             print0(f"resumed {run_dir} at step {step}")
 
@@ -252,9 +256,7 @@ def main(argv=None):
 
     def evaluate():
         model.eval()
-        loader = DataLoader(tokenizer, args.dataset, "val", args.device_batch_size, args.max_seq_len,
-                            rank, world_size, device)
-        bpb = evaluate_bpb(train_model, loader, eval_steps, token_bytes)
+        bpb = evaluate_bpb(train_model, val, args.device_batch_size, token_bytes)
         model.train()
         return bpb
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanomuon.dataloader import DataLoader
+from nanomuon.dataloader import DataLoader, reshard_states
 from nanomuon.dataset import data_dir
 from nanomuon.tokenizer import Tokenizer
 
@@ -125,8 +125,9 @@ def test_resume_refuses_a_different_setup(corpus):
     state = loader(tok, world=2).state_dict()
     with pytest.raises(ValueError, match="world_size"):
         loader(tok, world=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="batch_size"):
-        loader(tok, B=8, world=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="seq_len"):
+        loader(tok, T=32, world=2).load_state_dict(state)
+    loader(tok, B=8, world=2).load_state_dict(state)  # the state counts rows: a new batch size is fine
 
 
 def test_bad_arguments(corpus):
@@ -176,3 +177,92 @@ def test_prefetch_thread_errors_reach_the_caller(corpus):
     with pytest.raises(UnicodeError, match="exploded"):
         dl.next_batch()
     dl.close()
+
+
+class DocPositionTokenizer:
+    """Token = doc index * 100000 + position (position 0 stands for BOS): every emitted token says which
+    document and which position it came from, so the test can count what was read, skipped or repeated."""
+
+    bos_id = 0
+
+    def __init__(self, docs):
+        self.index = {text: k for k, text in enumerate(docs)}
+
+    def _one(self, text):
+        k = self.index[text]
+        return [k * 100000 + i for i in range(1 + len(text.split()))]
+
+    def encode(self, text, prepend_bos=False):
+        return [self._one(t) for t in text] if isinstance(text, list) else self._one(text)
+
+
+def take(dl, n):
+    """n batches as (doc, position) pairs, every row's tokens including the last target."""
+    out = []
+    for _ in range(n):
+        x, y = dl.next_batch()
+        out.extend(divmod(t, 100000) for t in torch.cat([x, y[:, -1:]], dim=1).flatten().tolist())
+    return out
+
+
+@pytest.mark.parametrize("new_world", [1, 3, 4])
+# (batches read by old rank 0, by old rank 1): with these, the frontier lies mid-epoch, at the last
+# document of epoch 0 (so new ranks 2 and 3 start epoch 1), or in epoch 1 while rank 1 is still in epoch 0
+@pytest.mark.parametrize("old_batches", [(6, 9), (66, 65), (75, 60)], ids=["mid-epoch", "epoch-end", "across-epochs"])
+def test_reshard_reads_every_document_once_per_epoch(corpus, new_world, old_batches):
+    """2 ranks read (rank 0 further than rank 1: a ragged frontier, which in the second case straddles the
+    epoch boundary), save, and M new ranks go on from the resharded states. Counting every token emitted
+    plus every token still buffered at the end, each document must be whole (all its positions counted
+    the same number of times n) and n must be the number of epochs it was read in: with the slowest new
+    rank at (e, L), documents below L were read e + 1 times and the others e or e + 1 times."""
+    _, shards = corpus
+    docs = sum(shards[:-1], [])
+    tok = DocPositionTokenizer(docs)
+    lengths = [len(tok.encode(d)) for d in docs]
+
+    def make(rank, world):
+        return DataLoader(tok, "fineweb-edu", "train", 2, 48, rank=rank, world_size=world, buffer_size=12,
+                          tokenize_batch=16)
+
+    emitted, states = [], []
+    for rank, n in enumerate(old_batches):
+        dl = make(rank, 2)
+        emitted += take(dl, n)
+        states.append(json.loads(json.dumps(dl.state_dict())))  # checkpoints keep it as JSON
+    assert states[1]["epoch"] == 0 and states[0]["epoch"] == (old_batches == (75, 60))
+    if old_batches == (66, 65):
+        assert max((s["epoch"], s["doc"]) for s in states) == (0, len(docs) - 2)
+    new = []
+    for rank in range(new_world):
+        dl = make(rank, new_world)
+        dl.load_state_dict(reshard_states(states, rank, new_world))
+        new.append(dl)
+    while True:  # read on until every new rank is past the old frontier's epoch, and then some
+        for dl in new:
+            emitted += take(dl, 3)
+        finals = [dl.state_dict() for dl in new]
+        if min(s["epoch"] for s in finals) > states[0]["epoch"] and min(s["doc"] for s in finals) > 60:
+            break
+    assert max(s["epoch"] for s in finals) == min(s["epoch"] for s in finals)
+    counts = [[0] * n for n in lengths]
+    for doc, pos in emitted:
+        counts[doc][pos] += 1
+    for s in finals:
+        for _, doc, offset in s["buffer"]:
+            for pos in range(offset, lengths[doc]):
+                counts[doc][pos] += 1
+    epoch, low = min((s["epoch"], s["doc"]) for s in finals)
+    for doc, c in enumerate(counts):
+        assert len(set(c)) == 1, f"document {doc} is torn: positions counted {sorted(set(c))} times"
+        expected = {epoch + 1} if doc < low else {epoch, epoch + 1}
+        assert c[0] in expected, f"document {doc} was read {c[0]} times, expected {expected}"
+
+
+def test_reshard_refuses_incomplete_or_mixed_states(corpus):
+    tok, _ = corpus
+    states = [loader(tok, rank=r, world=2).state_dict() for r in range(2)]
+    with pytest.raises(ValueError, match="all ranks"):
+        reshard_states(states[:1] + states[:1], 0, 3)
+    other = loader(tok, rank=1, world=2, T=32).state_dict()
+    with pytest.raises(ValueError, match="seq_len"):
+        reshard_states([states[0], other], 0, 3)

@@ -77,14 +77,6 @@ def test_load_errors(tok, tmp_path):
         Tokenizer.train(iter(TEXTS), vocab_size=100)
 
 
-class ListLoader:
-    def __init__(self, batches):
-        self.batches = iter(batches)
-
-    def next_batch(self):
-        return next(self.batches)
-
-
 def test_bits_per_byte_of_a_uniform_model(tok):
     """A GPT whose lm_head is zero predicts the uniform distribution: ln(V) nats per target, so bpb is
     ln(V) * (text targets) / (ln 2 * their bytes), counted here by hand; BOS targets are excluded."""
@@ -97,10 +89,36 @@ def test_bits_per_byte_of_a_uniform_model(tok):
         ids = (tok.encode(text, prepend_bos=True) * 8)[:33]  # BOS appears mid-row as a target too
         rows.append(ids)
     rows = torch.tensor(rows)
-    x, y = rows[:, :-1], rows[:, 1:]
+    y = rows[:, 1:]
     table = tok.token_bytes()
     text_targets = int((table[y] > 0).sum())
     assert text_targets < y.numel()  # the BOS targets are really there to exclude
     expected = math.log(tok.vocab_size) * text_targets / (math.log(2) * int(table[y].sum()))
-    got = evaluate_bpb(model, ListLoader([(x, y)]), 1, table)
-    assert got == pytest.approx(expected, rel=1e-6)
+    assert evaluate_bpb(model, rows, 4, table) == pytest.approx(expected, rel=1e-6)
+    # a batch size that leaves a short last batch: padded with ignored targets, the same bpb
+    assert evaluate_bpb(model, rows, 3, table) == pytest.approx(expected, rel=1e-6)
+
+
+def _bpb_worker(rank, world_size, rows, table, out_dir):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=len(table), n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    bpb = evaluate_bpb(model, rows, 2, table)
+    (out_dir / f"{world_size}_{rank}").write_text(repr(bpb))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bits_per_byte_is_the_same_at_any_world_size(tok, tmp_path, world_size):
+    """The rows define the measurement: ranks share 7 rows (uneven shares, padded last batches) and every
+    rank reports the single-process bpb."""
+    from test_dist import spawn
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, tok.vocab_size, (7, 17), generator=g)
+    rows[:, 0] = tok.bos_id
+    table = tok.token_bytes()
+    _bpb_worker(0, 1, rows, table, tmp_path)
+    spawn(_bpb_worker, world_size, rows, table, tmp_path)
+    single = float((tmp_path / "1_0").read_text())
+    got = [float((tmp_path / f"{world_size}_{r}").read_text()) for r in range(world_size)]
+    assert got == pytest.approx([single] * world_size, rel=1e-12)
