@@ -14,6 +14,12 @@ Optional muon keys; their defaults reproduce nanochat:
     ns_coefficients='polar_express'   'polar_express', 'jordan' (Keller Jordan's NS5 triple), or a list of (a, b, c).
     ns_precision='auto'     'bf16' | 'fp32' | 'auto': bf16 on CUDA as nanochat does, fp32 elsewhere, because
                             CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32.
+    lr_scale='shape'        the lr factor of a (rows, cols) matrix: 'shape' sqrt(max(1, rows/cols)); 'moonlight'
+                            0.2 sqrt(max(rows, cols)), which matches AdamW's update RMS; 'spectral'
+                            sqrt(max(rows, cols)); 'unit_rms' sqrt(rows/cols).
+    extra_scale=1.0         one more factor on the lr.
+    weight_decay_mode='decoupled'   or 'l2': add weight_decay * param to the gradient before momentum.
+    comm_precision='fp32'   'bf16' halves the traffic of the sharded path (DTensor params, sharded.py).
 Any optional group key may be 'name', a label used in error messages.
 
 The update math is written once, in adamw_update() and muon_update(); both classes call those same
@@ -102,29 +108,50 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) ->
     return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
 
 
+def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, momentum, wd, nesterov: bool,
+                  l2_wd: bool) -> Tensor:
+    """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to orthogonalize.
+
+    l2_wd adds wd * params to the gradient first (L2 regularization) instead of decaying the weights
+    after the update. `grads` may be overwritten."""
+    if l2_wd:
+        grads = grads.add_(params * wd)
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    return grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safety: float, eps: float,
+                   ns_dtype: torch.dtype, out_dtype: torch.dtype) -> Tensor:
+    """Muon stage 2, on whole matrices: orthogonalize, then variance reduction if second_moment is given."""
+    u = orthogonalize(g, coeffs, safety, eps, ns_dtype).to(out_dtype)
+    if second_moment is not None:
+        red_dim = -1 if u.size(-2) >= u.size(-1) else -2
+        u = variance_reduction(u, second_moment, beta2, red_dim)
+    return u
+
+
+def muon_apply(params: Tensor, u: Tensor, lr, wd, cautious_wd: bool, decoupled_wd: bool) -> None:
+    """Muon stage 3, elementwise: weight decay and the update, in place on params; `u` is overwritten.
+
+    `lr` already includes the shape multiplier; decay is scaled by that same lr (nanochat's convention;
+    torch.optim.Muon scales decay by the unadjusted lr)."""
+    u.mul_(lr)  # u is a fresh buffer: scale and combine in place to spare full-size temporaries
+    if decoupled_wd and cautious_wd:  # decay only where the update and the weight agree in sign
+        decay = torch.where((u * params) >= 0, params, 0.0)
+        u.add_(decay.mul_(lr * wd))
+    elif decoupled_wd:
+        params.mul_(1 - lr * wd)
+    params.sub_(u)
+
+
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
                 momentum, lr, wd, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
-                nesterov: bool, cautious_wd: bool) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params.
-
-    momentum -> orthogonalize -> variance reduction (if second_moment is given) -> weight decay + update.
-    `lr` already includes the shape multiplier; weight decay is scaled by that same lr (nanochat's
-    convention; torch.optim.Muon scales decay by the unadjusted lr). `grads` is overwritten.
-    """
-    momentum_buffer.lerp_(grads, 1 - momentum)
-    g = grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
-    g = orthogonalize(g, coeffs, safety, eps, ns_dtype).to(params.dtype)
-    if second_moment is not None:
-        red_dim = -1 if params.size(-2) >= params.size(-1) else -2
-        g = variance_reduction(g, second_moment, beta2, red_dim)
-    # g is a fresh buffer from orthogonalize(): scale and combine in place to spare full-size temporaries.
-    g.mul_(lr)
-    if cautious_wd:
-        decay = torch.where((g * params) >= 0, params, 0.0)
-        g.add_(decay.mul_(lr * wd))
-    else:
-        params.mul_(1 - lr * wd)
-    params.sub_(g)
+                nesterov: bool, cautious_wd: bool, l2_wd: bool = False) -> None:
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params: the three
+    stages in a row. The sharded path (sharded.py) runs the same stages with communication between."""
+    g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
+    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype)
+    muon_apply(params, u, lr, wd, cautious_wd, not l2_wd)
 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -155,9 +182,18 @@ def muon_state_layout(p: Tensor) -> dict:
     return {"momentum_buffer": (tuple(p.shape), p.dtype), "second_momentum_buffer": (second, torch.float32)}
 
 
-def muon_lr_multiplier(shape) -> float:
-    """sqrt(max(1, rows/cols)): keeps the update's RMS per input dim the same for tall matrices."""
-    return max(1.0, shape[-2] / shape[-1]) ** 0.5
+# lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
+LR_SCALES = {
+    "shape": lambda r, c: max(1.0, r / c) ** 0.5,  # Keller Jordan, nanochat, torch.optim.Muon's default
+    "moonlight": lambda r, c: 0.2 * max(r, c) ** 0.5,  # Moonlight/Motif: matches AdamW's update RMS
+    "spectral": lambda r, c: max(r, c) ** 0.5,  # Megatron's 'spectral'
+    "unit_rms": lambda r, c: (r / c) ** 0.5,  # unit RMS-to-RMS operator norm
+}
+
+
+def muon_lr_multiplier(shape, lr_scale: str = "shape", extra_scale: float = 1.0) -> float:
+    """The lr factor of one matrix of `shape`: LR_SCALES[lr_scale] times extra_scale."""
+    return LR_SCALES[lr_scale](shape[-2], shape[-1]) * extra_scale
 
 
 def ns_flops(shape, ns_steps: int) -> float:
@@ -211,7 +247,8 @@ REQUIRED_KEYS = {
 }
 OPTIONAL_KEYS = {
     "adamw": {},
-    "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto"},
+    "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
+             "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled", "comm_precision": "fp32"},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
@@ -280,6 +317,12 @@ def check_group_values(i: int, group: dict) -> None:
     for key in ("nesterov", "cautious_wd"):
         if not isinstance(group.get(key, True), bool):
             raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
+    for key, choices in (("lr_scale", LR_SCALES), ("weight_decay_mode", ("decoupled", "l2")),
+                         ("comm_precision", NS_DTYPES)):
+        if key in group and group[key] not in choices:
+            raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
+    if "extra_scale" in group:
+        _check_number(label, "extra_scale", group["extra_scale"])
 
 
 def check_group(i: int, group: dict) -> None:
@@ -430,11 +473,11 @@ class MuonAdamW(torch.optim.Optimizer):
         coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
         precision = resolve_ns_precision(group["ns_precision"], stacked.device)
         beta2 = group["beta2"] if group["beta2"] is not None else 0.0
-        s = self._scalars(momentum=group["momentum"], lr=group["lr"] * muon_lr_multiplier(stacked.shape),
-                          wd=group["weight_decay"], beta2=beta2)
+        lr = group["lr"] * muon_lr_multiplier(stacked.shape, group["lr_scale"], group["extra_scale"])
+        s = self._scalars(momentum=group["momentum"], lr=lr, wd=group["weight_decay"], beta2=beta2)
         self._in_chunks(_kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
                         s["momentum"], s["lr"], s["wd"], s["beta2"], coeffs, safety, eps, NS_DTYPES[precision],
-                        group["nesterov"], group["cautious_wd"])
+                        group["nesterov"], group["cautious_wd"], group["weight_decay_mode"] == "l2")
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -490,6 +533,13 @@ class MuonAdamW(torch.optim.Optimizer):
                              "into MuonAdamW or at another world size")
         _check_state_shapes(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """After torch's load_state_dict: groups saved before an option existed get its default."""
+        for group in self.param_groups:
+            for key, default in OPTIONAL_KEYS[group["kind"]].items():
+                group.setdefault(key, default)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
     @torch.no_grad()
@@ -774,7 +824,7 @@ class DistMuonAdamW(MuonAdamW):
                              "and load with load_full_state_dict()")
         state_dict = {k: v for k, v in state_dict.items() if k != "nanomuon_shard"}
         torch.optim.Optimizer.load_state_dict(self, state_dict)
-        self._stacks.clear()
+        self._loaded()
 
     def full_state_dict(self) -> dict:
         """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format.
@@ -855,4 +905,4 @@ class DistMuonAdamW(MuonAdamW):
                          for k, v in st.items()}
         sharded = {"state": mine, "param_groups": state_dict["param_groups"]}
         torch.optim.Optimizer.load_state_dict(self, sharded)
-        self._stacks.clear()
+        self._loaded()

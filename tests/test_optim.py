@@ -77,14 +77,16 @@ def test_muon_matches_torch_muon():
         torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
 
 
-def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2):
-    """nanochat's Muon update re-derived in float64, one matrix at a time, from the published formulas."""
+def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2, lr_factor=None, l2=False):
+    """nanochat's Muon update re-derived in float64, one matrix at a time, from the published formulas.
+    lr_factor(rows, cols): the lr factor (default sqrt(max(1, rows/cols))); l2: wd * p joins the gradient
+    instead of decaying the weights."""
     params = [p.detach().double().clone() for p in params]
     bufs = [torch.zeros_like(p) for p in params]
     second = [None] * len(params)
     for grads in grads_per_step:
         for i, (p, g) in enumerate(zip(params, grads)):
-            g = g.double()
+            g = g.double() + (wd * p if l2 else 0.0)
             bufs[i] = momentum * bufs[i] + (1 - momentum) * g  # EMA momentum
             u = (1 - momentum) * g + momentum * bufs[i]  # Nesterov look-ahead
             rows, cols = u.shape
@@ -101,9 +103,9 @@ def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2):
             scale = second[i].clamp_min(1e-10) ** -0.5
             scaled = ortho * scale
             ortho = scaled * (torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(scaled))
-            eff_lr = lr * math.sqrt(max(1.0, rows / cols))
+            eff_lr = lr * (lr_factor(rows, cols) if lr_factor else math.sqrt(max(1.0, rows / cols)))
             mask = (ortho * p >= 0).double()  # cautious: decay only where the update agrees with the weight
-            params[i] = p - eff_lr * ortho - eff_lr * wd * p * mask
+            params[i] = p - eff_lr * ortho - (0.0 if l2 else eff_lr * wd * p * mask)
     return params
 
 
@@ -122,6 +124,30 @@ def test_muon_full_update_matches_float64_rederivation(precision):
     for p, r, s in zip(ours, ref, start):
         moved = (r - s.double()).abs().max().item()
         assert moved > 0.05  # the update is large compared with the tolerance below
+        torch.testing.assert_close(p.double(), r, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("options, scale, l2", [
+    (dict(lr_scale="moonlight"), lambda r, c: 0.2 * math.sqrt(max(r, c)), False),
+    (dict(lr_scale="spectral", extra_scale=0.5), lambda r, c: 0.5 * math.sqrt(max(r, c)), False),
+    (dict(lr_scale="unit_rms"), lambda r, c: math.sqrt(r / c), False),
+    (dict(weight_decay_mode="l2"), None, True),
+], ids=["moonlight", "spectral-x0.5", "unit_rms", "l2"])
+def test_lr_scale_and_weight_decay_modes_match_float64(options, scale, l2):
+    shapes = [(64, 16), (16, 64)]  # default factors 2 and 1; moonlight 1.6, spectral 8, unit_rms 2 and 0.5
+    ours = make_params(shapes)
+    start = clone_params(ours)
+    lr = 0.02
+    opt = MuonAdamW([muon_group(ours, lr=lr, ns_precision="fp32", **options)])
+    grads_per_step = []
+    for step in range(4):
+        set_grads([ours], step)
+        grads_per_step.append([p.grad.clone() for p in ours])
+        opt.step()
+    ref = reference_muon_f64(start, grads_per_step, lr=lr, momentum=0.95, wd=0.2, beta2=0.95, lr_factor=scale, l2=l2)
+    default = reference_muon_f64(start, grads_per_step, lr=lr, momentum=0.95, wd=0.2, beta2=0.95)
+    assert max((r - d).abs().max().item() for r, d in zip(ref, default)) > 1e-2  # the option changes the update
+    for p, r in zip(ours, ref):
         torch.testing.assert_close(p.double(), r, rtol=0, atol=2e-4)
 
 
@@ -255,6 +281,10 @@ BAD_GROUPS = [
     ([muon_group([P2], ns_steps=6)], ValueError, "ns_steps=6 but ns_coefficients=polar_express has 5"),
     ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
     ([muon_group([P2], ns_precision="fp16")], ValueError, "ns_precision='fp16'"),
+    ([muon_group([P2], lr_scale="sqrt")], ValueError, "lr_scale='sqrt' must be one of ['shape', 'moonlight'"),
+    ([muon_group([P2], weight_decay_mode="l1")], ValueError, "weight_decay_mode='l1' must be one of"),
+    ([muon_group([P2], extra_scale=-1.0)], ValueError, "extra_scale=-1.0 must be a finite number >= 0"),
+    ([muon_group([P2], comm_precision="fp8")], ValueError, "comm_precision='fp8' must be one of ['bf16', 'fp32']"),
     ([muon_group([P2]), adamw_group([P2])], ValueError,
      "param group 1 (kind='adamw'), param 0 is already in param group 0"),
     ([muon_group([P2, P2])], ValueError, "param 1 is already in param 0"),
