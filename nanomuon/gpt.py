@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
 
@@ -72,6 +73,7 @@ OPTIMIZER_VARIANTS = {
     "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
     "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
     "muon-no-cautious-wd": dict(muon_options=dict(cautious_wd=False)),
+    "torch-muon": dict(torch_baseline=True),  # stock torch.optim.Muon + torch.optim.AdamW (baselines.py)
 }
 
 
@@ -201,19 +203,25 @@ class GPT(nn.Module):
     def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
                         scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
                         muon_options: dict | None = None, adamw_matrix_lr: float | None = None,
-                        compile: bool | None = None):
+                        torch_baseline: bool = False, compile: bool | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's lr needs no
         width scaling because its update is orthogonalized. muon_options go into the Muon group (e.g.
         beta2=None, ns_coefficients='jordan'); adamw_matrix_lr trains the block matrices with AdamW
-        instead, at that lr (width-scaled like the others). OPTIMIZER_VARIANTS below names such choices.
+        instead, at that lr (width-scaled like the others). torch_baseline runs the same groups and lrs
+        through torch.optim.Muon + torch.optim.AdamW instead. OPTIMIZER_VARIANTS names such choices.
         """
         scale = (self.config.n_embd / 768) ** -0.5
         matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
         scalars = [p for p in self.blocks.parameters() if p.ndim != 2]
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
-        if adamw_matrix_lr is None:
+        if torch_baseline and (muon_options or adamw_matrix_lr is not None):
+            raise ValueError("torch_baseline takes neither muon_options nor adamw_matrix_lr: it is stock "
+                             "torch.optim.Muon")
+        if torch_baseline:
+            matrix_group = dict(kind="muon", lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
+        elif adamw_matrix_lr is None:
             matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5, beta2=0.95,
                                      weight_decay=weight_decay), **(muon_options or {}))
         elif muon_options:
@@ -229,6 +237,8 @@ class GPT(nn.Module):
             groups.append(dict(adam, name="scalars", params=scalars, lr=scalar_lr))
         for g in groups:
             g["initial_lr"] = g["lr"]
+        if torch_baseline:
+            return TorchMuonAdamW(groups)
         distributed = dist.is_available() and dist.is_initialized()
         cls = DistMuonAdamW if distributed else MuonAdamW
         return cls(groups, compile=compile)

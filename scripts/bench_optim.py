@@ -16,6 +16,7 @@ spread Muon work evenly over ranks; this script checks both claims against state
 """
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -25,8 +26,8 @@ import sys
 import time
 
 import torch
-import torch.optim._muon as torch_muon
 
+from nanomuon.baselines import fp32_newton_schulz
 from nanomuon.optim import (
     NS_DTYPES,
     MuonAdamW,
@@ -86,23 +87,6 @@ def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: in
     a = torch.randn(K, m, m, device=device).to(dtype)
     b = torch.randn(K, m, m, device=device).to(dtype)
     return 2 * K * m ** 3 / median_time(lambda: torch.bmm(a, b), device, steps, warmup)
-
-
-def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) with float32 where torch uses bfloat16."""
-    a, b, c = ns_coefficients
-    X = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    if tall:
-        X = X.T
-    # Out of place: for an fp32 grad, .float() returns the caller's tensor itself (with nesterov=False
-    # that is the momentum buffer), and torch's in-place div_ would overwrite it.
-    X = X / X.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = X @ X.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        X = torch.addmm(X, update, X, beta=a)
-    return X.T if tall else X
 
 
 def gflops(x: float) -> str:
@@ -167,18 +151,13 @@ def bench_step(args, device, compile, precision, rates):
 
     ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
     patched = precision == "fp32"
-    original_ns = torch_muon._zeropower_via_newtonschulz
-    if patched:  # torch.optim.Muon looks the function up by name at every step, so this swaps it in
-        torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    try:
+    with fp32_newton_schulz() if patched else contextlib.nullcontext():
         ours_t, base_t = [], []
         for i in range(args.warmup + args.steps):  # interleaved, so load drift hits both alike
             a, b = run(ours.step, ours_params), run(base_step, base_params)
             if i >= args.warmup:
                 ours_t.append(a)
                 base_t.append(b)
-    finally:
-        torch_muon._zeropower_via_newtonschulz = original_ns
 
     print(f"Newton-Schulz precision: {precision} for both (--ns-precision {args.ns_precision})")
     if patched:

@@ -1,0 +1,113 @@
+"""
+Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the
+'adamw' groups, behind the same param-group convention as MuonAdamW.
+
+It exists so ablations and benchmarks can put nanomuon's fused optimizer next to what a user would get
+from PyTorch alone, in the same training loop (`--optimizer torch-muon`). torch.optim.Muon is Keller
+Jordan's algorithm: Nesterov momentum, the NS5 triple at every step, lr * sqrt(max(1, rows/cols)),
+decoupled weight decay; no variance reduction, no cautious decay. It runs one matrix at a time and is
+not distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
+the whole update (replicated, like DDP).
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.optim import _muon as torch_muon
+
+
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) in float32 where torch uses bfloat16.
+
+    On CPUs bf16 matmul is emulated (about 1 GFLOP/s on the 2-core test machine, 20-50x slower than
+    fp32), so there the baseline would time the emulation rather than the algorithm."""
+    a, b, c = ns_coefficients
+    X = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        X = X.T
+    # Out of place: for an fp32 grad, .float() returns the caller's tensor itself (with nesterov=False
+    # that is the momentum buffer), and torch's in-place div_ would overwrite it.
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = X @ X.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        X = torch.addmm(X, update, X, beta=a)
+    return X.T if tall else X
+
+
+@contextlib.contextmanager
+def fp32_newton_schulz():
+    """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks the function up by name
+    at every step, so swapping the module attribute is enough)."""
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
+class TorchMuonAdamW:
+    """torch.optim.Muon + torch.optim.AdamW as one optimizer over kind='muon' / kind='adamw' groups.
+
+    param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
+    group['momentum'] for Muon) reaches them. Muon groups take lr, momentum, weight_decay, nesterov and
+    ns_steps; AdamW groups lr, betas, eps, weight_decay. Other keys (name, initial_lr) ride along.
+    ns_precision 'auto' is torch's bf16 on CUDA and fp32 elsewhere.
+    """
+
+    MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
+    ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+    def __init__(self, param_groups, ns_precision: str = "auto"):
+        muon, adamw = [], []
+        for i, group in enumerate(param_groups):
+            kind = group.get("kind")
+            if kind not in ("muon", "adamw"):
+                raise ValueError(f"param group {i}: kind={kind!r}; set kind='muon' or kind='adamw'")
+            allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
+            dropped = {k for k in group if k not in allowed + ("params", "kind", "name", "initial_lr")}
+            if dropped:
+                raise ValueError(f"param group {i} ({kind}): torch.optim.{'Muon' if kind == 'muon' else 'AdamW'} "
+                                 f"has no option {sorted(dropped)}; remove it for the torch baseline")
+            (muon if kind == "muon" else adamw).append(dict(group))
+        if ns_precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"ns_precision must be 'auto', 'bf16' or 'fp32', got {ns_precision!r}")
+        self.ns_precision = ns_precision
+        self.optimizers = ([torch.optim.Muon(muon)] if muon else []) + ([torch.optim.AdamW(adamw)] if adamw else [])
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self):
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for p in params:  # average the grads, as DDP would; a rank without a grad contributes zeros
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+        fp32 = self.ns_precision == "fp32" or (self.ns_precision == "auto" and params[0].device.type != "cuda")
+        with fp32_newton_schulz() if fp32 else contextlib.nullcontext():
+            for opt in self.optimizers:
+                opt.step()
+
+    def state_dict(self) -> dict:
+        return dict(torch_baseline=[opt.state_dict() for opt in self.optimizers])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("torch_baseline")
+        if saved is None or len(saved) != len(self.optimizers):
+            raise ValueError("this optimizer state was not saved by TorchMuonAdamW with the same groups; resume with "
+                             "the --optimizer the run was started with")
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)
