@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanomuon.baselines import TorchMuonAdamW
-from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.optim import DistMuonAdamW, DTensor, MuonAdamW
 
 
 @dataclass
@@ -239,8 +239,10 @@ class GPT(nn.Module):
             g["initial_lr"] = g["lr"]
         if torch_baseline:
             return TorchMuonAdamW(groups)
-        distributed = dist.is_available() and dist.is_initialized()
-        cls = DistMuonAdamW if distributed else MuonAdamW
+        # Under torch.distributed, replicated params need DistMuonAdamW to average their grads; DTensor
+        # params (FSDP2, tensor parallel) arrive reduced, and MuonAdamW updates them sharded.
+        replicated = not any(isinstance(p, DTensor) for p in self.parameters())
+        cls = DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated else MuonAdamW
         return cls(groups, compile=compile)
 
     @torch.no_grad()

@@ -34,6 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: no DTensor params to meet
+    DTensor = ()
+
 # -----------------------------------------------------------------------------
 # The math. Every function here takes hyperparameters as Python floats (eager) or as 0-D CPU tensors
 # (compiled), and uses only operations that accept both.
@@ -398,6 +403,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
         self._scalar_t = {}  # 0-D CPU tensors handed to compiled kernels
         self._stacks = {}  # tuple of param ids -> (momentum stack, second-moment stack or None)
+        self._sharded_plans = {}  # DTensor Muon params: owners and blocks (sharded.py)
 
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
@@ -489,15 +495,18 @@ class MuonAdamW(torch.optim.Optimizer):
         """AdamW on p (a whole param, or this rank's flat shard of one), creating state on first use."""
         if not state:
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg"] = torch.zeros_like(p)  # a DTensor for a DTensor param: sharded like it
             state["exp_avg_sq"] = torch.zeros_like(p)
         state["step"] += 1
-        if p.numel() == 0:
+        tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
+        if isinstance(p, DTensor):  # elementwise: run on the local shards
+            from nanomuon.sharded import local
+            tensors = tuple(local(t, p) for t in tensors)
+        if tensors[0].numel() == 0:
             return
         beta1, beta2 = group["betas"]
         s = self._scalars(step=state["step"], lr=group["lr"], beta1=beta1, beta2=beta2,
                           eps=group["eps"], wd=group["weight_decay"])
-        tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views chunk exactly
             tensors = tuple(t.view(-1) for t in tensors)
         self._in_chunks(_kernel(adamw_update, self.compiled), tensors,
@@ -561,6 +570,11 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         self._adamw_math(group, p, p.grad, self.state[p])
                 continue
+            sharded = [p for p in params if isinstance(p, DTensor) and p.grad is not None]
+            if sharded:
+                from nanomuon.sharded import muon_step_sharded
+                muon_step_sharded(self, group, sharded)
+            params = [p for p in params if not isinstance(p, DTensor)]
             for bucket in buckets(params):
                 bucket_params = [params[i] for i in bucket]
                 idx = [k for k, p in enumerate(bucket_params) if p.grad is not None]
@@ -632,6 +646,10 @@ class DistMuonAdamW(MuonAdamW):
         super().__init__(param_groups, compile=compile)
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
+                if isinstance(p, DTensor):
+                    raise ValueError(f"{_group_label(i, group)}, param {j} is a DTensor (FSDP2 or tensor parallel): "
+                                     "its grads are already reduced and it is sharded; use MuonAdamW, which "
+                                     "updates DTensor params in place, sharded (nanomuon/sharded.py)")
                 if not p.is_contiguous():
                     raise ValueError(f"{_group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
                                      "memory and needs contiguous params; use p.data = p.data.contiguous()")

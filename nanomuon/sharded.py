@@ -1,0 +1,258 @@
+"""
+Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both on
+a 2-D mesh. MuonAdamW sends its DTensor params here; the update math is optim.py's, run in stages:
+
+    1. momentum, elementwise, on each rank's local shard (the state stays sharded like the param);
+    2. gather: all_to_all sends each shard of the momentum-updated matrix to the matrix's owner rank,
+       which assembles whole matrices and orthogonalizes them (plus variance reduction), stacking
+       same-shape matrices into one batched call;
+    3. scatter: a second all_to_all sends every rank its block of the result; weight decay and the
+       update then run elementwise on the local shard.
+
+So the result is exact Muon, the same as MuonAdamW on unsharded params. Owners are chosen per
+same-shape bucket by Newton-Schulz cost (optim.assign_owners), so the orthogonalization work is
+balanced. Matrices are processed in chunks: the next chunk's gather is launched before the current
+chunk's Newton-Schulz runs, and its scatter completes while the next chunk computes. A group's
+comm_precision='bf16' halves the traffic. Ranks that hold an empty shard (uneven sharding) and ranks
+that hold a replica (a Replicate mesh dim) are handled: one replica sends, every replica receives.
+
+Gradients of DTensor params arrive already reduced (FSDP2 and DTensor's own autograd do it), so
+nothing is reduced again. State: the momentum buffer is a DTensor sharded like its param; the
+variance-reduction second moment (one value per row or column) lives on the owner rank only.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nanomuon.optim import (
+    NS_DTYPES,
+    _kernel,
+    assign_owners,
+    muon_apply,
+    muon_direction,
+    muon_lr_multiplier,
+    muon_momentum,
+    muon_state_layout,
+    ns_coefficients,
+    ns_flops,
+    resolve_ns_precision,
+)
+
+CHUNK_PER_RANK = 4  # matrices each owner orthogonalizes per chunk: enough to stack, small enough to overlap
+
+
+def local(t: Tensor, like: DTensor) -> Tensor:
+    """The local shard of t laid out like `like` (grads with other placements are redistributed first)."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.placements != like.placements:
+        t = t.redistribute(like.device_mesh, like.placements)
+    return t.to_local()
+
+
+def block_of(p: DTensor) -> tuple:
+    """This rank's block of p: (global offset, local shape, whether it sends), the last False for every
+    replica but the first along Replicate mesh dims."""
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    coord = p.device_mesh.get_coordinate()
+    first = all(c == 0 for c, pl in zip(coord, p.placements) if pl.is_replicate())
+    return tuple(offset), tuple(shape), first
+
+
+def _slices(offset, shape):
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def build_plan(params: list[DTensor], ns_steps: int) -> dict:
+    """Who owns which matrix, every rank's block of every matrix, and the chunks; the same on all ranks.
+
+    One collective (all_gather_object of the blocks), run once per set of params."""
+    world = dist.get_world_size()
+    for p in params:
+        ranks = sorted(p.device_mesh.mesh.flatten().tolist())
+        if ranks != list(range(world)):
+            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} lives on a mesh of ranks {ranks}; "
+                             f"the sharded Muon path needs meshes that span all {world} ranks of the default "
+                             "process group (1-D for FSDP2 or TP, 2-D for FSDP2 x TP)")
+        if any(pl.is_partial() for pl in p.placements):
+            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial placement "
+                             f"{p.placements}; params must be Shard or Replicate")
+    mine = [block_of(p) for p in params]
+    blocks = [None] * world
+    dist.all_gather_object(blocks, mine)
+    # blocks[r][i]: rank r's (offset, shape, sends) of params[i]
+    by_shape = {}
+    for i, p in enumerate(params):
+        by_shape.setdefault((tuple(p.shape), p.dtype), []).append(i)
+    bucket_list = list(by_shape.values())
+    slots = assign_owners([(len(b), ns_flops(params[b[0]].shape, ns_steps)) for b in bucket_list], world)
+    owner = {}
+    chunks = []
+    for bucket, bucket_slots in zip(bucket_list, slots):
+        for r, idx in enumerate(bucket_slots):
+            for k in idx:
+                owner[bucket[k]] = r
+        rounds = max(len(s) for s in bucket_slots)
+        for start in range(0, rounds, CHUNK_PER_RANK):  # each rank owns <= CHUNK_PER_RANK of a chunk
+            chunk = [bucket[k] for s in bucket_slots for k in s[start:start + CHUNK_PER_RANK]]
+            chunks.append(sorted(chunk))
+    return dict(blocks=blocks, owner=owner, chunks=chunks, rank=dist.get_rank(), world=world)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _gather(plan, params, chunk, g_local, comm_dtype):
+    """Launch the all_to_all that sends every block of the chunk's matrices to their owners."""
+    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    pieces = [[] for _ in range(world)]
+    for i in chunk:
+        offset, shape, sends = blocks[rank][i]
+        if sends and _numel(shape):
+            pieces[owner[i]].append(g_local[i].reshape(-1))
+    send_counts = [sum(t.numel() for t in ps) for ps in pieces]
+    flat = [t for ps in pieces for t in ps]
+    device = params[chunk[0]].to_local().device
+    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
+    recv_counts = [sum(_numel(blocks[src][i][1]) for i in chunk if owner[i] == rank and blocks[src][i][2])
+                   for src in range(world)]
+    recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
+    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
+    return work, recv, send
+
+
+def _assemble(plan, params, chunk, recv) -> dict:
+    """Whole matrices (in the params' dtype) from the received blocks, for the chunk's matrices I own."""
+    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    mine = [i for i in chunk if owner[i] == rank]
+    full = {i: torch.empty(params[i].shape, dtype=params[i].dtype, device=recv.device) for i in mine}
+    at = 0
+    for src in range(world):
+        for i in mine:
+            offset, shape, sends = blocks[src][i]
+            n = _numel(shape)
+            if sends and n:
+                full[i][_slices(offset, shape)] = recv[at:at + n].view(shape)
+                at += n
+    assert at == recv.numel()
+    return full
+
+
+def _scatter(plan, params, chunk, updates, comm_dtype):
+    """Launch the all_to_all that returns every rank (replicas included) its block of each update."""
+    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    mine = [i for i in chunk if owner[i] == rank]
+    pieces = [[] for _ in range(world)]
+    for dst in range(world):
+        for i in mine:
+            offset, shape, _ = blocks[dst][i]
+            if _numel(shape):
+                pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
+    send_counts = [sum(t.numel() for t in ps) for ps in pieces]
+    flat = [t for ps in pieces for t in ps]
+    device = params[chunk[0]].to_local().device
+    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
+    recv_counts = [sum(_numel(blocks[rank][i][1]) for i in chunk if owner[i] == src) for src in range(world)]
+    recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
+    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
+    return work, recv, send
+
+
+def _split_received(plan, chunk, recv) -> dict:
+    """My block of each of the chunk's updates, as views into the scatter's receive buffer."""
+    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    out, at = {}, 0
+    for src in range(world):
+        for i in chunk:
+            if owner[i] != src:
+                continue
+            shape = blocks[rank][i][1]
+            n = _numel(shape)
+            out[i] = recv[at:at + n].view(shape)
+            at += n
+    return out
+
+
+def muon_step_sharded(opt, group: dict, params: list[DTensor]) -> None:
+    """One Muon step of `group` for its DTensor params (all with grads), called by MuonAdamW.step()."""
+    key = (id(group), tuple(id(p) for p in params))
+    plan = opt._sharded_plans.get(key)
+    if plan is None:
+        plan = opt._sharded_plans[key] = build_plan(params, group["ns_steps"])
+    comm_dtype = NS_DTYPES[group["comm_precision"]]
+    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+    beta2 = group["beta2"]
+    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=beta2 or 0.0)
+    l2 = group["weight_decay_mode"] == "l2"
+    momentum_fn = _kernel(muon_momentum, opt.compiled)
+    direction_fn = _kernel(muon_direction, opt.compiled)
+    apply_fn = _kernel(muon_apply, opt.compiled)
+
+    def momentum_stage(chunk):
+        g = {}
+        for i in chunk:
+            p = params[i]
+            state = opt.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            g[i] = momentum_fn(local(p.grad, p).clone(), local(state["momentum_buffer"], p), p.to_local(),
+                               s["momentum"], s["wd"], group["nesterov"], l2)
+        return g
+
+    def direction_stage(full: dict) -> dict:
+        by_shape = {}
+        for i in full:
+            by_shape.setdefault(tuple(params[i].shape), []).append(i)
+        out = {}
+        for idx in by_shape.values():
+            stacked = torch.stack([full[i] for i in idx])
+            second = None
+            if beta2 is not None:
+                layout = muon_state_layout(params[idx[0]])["second_momentum_buffer"]
+                for i in idx:
+                    opt.state[params[i]].setdefault("second_momentum_buffer",
+                                                    torch.zeros(layout[0], dtype=layout[1], device=stacked.device))
+                second = torch.stack([opt.state[params[i]]["second_momentum_buffer"] for i in idx])
+            precision = resolve_ns_precision(group["ns_precision"], stacked.device)
+            u = direction_fn(stacked, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], stacked.dtype)
+            for k, i in enumerate(idx):
+                out[i] = u[k]
+                if second is not None:
+                    opt.state[params[i]]["second_momentum_buffer"].copy_(second[k])
+        return out
+
+    def apply_stage(chunk, received):
+        for i in chunk:
+            p = params[i]
+            u = received[i].to(p.dtype)  # a view of the receive buffer, or a cast copy: ours to overwrite
+            if not u.numel():  # an empty shard (uneven sharding)
+                continue
+            lr = group["lr"] * muon_lr_multiplier(p.shape, group["lr_scale"], group["extra_scale"])
+            apply_fn(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"], group["cautious_wd"], not l2)
+
+    chunks = plan["chunks"]
+    pending_gather = _gather(plan, params, chunks[0], momentum_stage(chunks[0]), comm_dtype) if chunks else None
+    pending_scatter = None
+    for c, chunk in enumerate(chunks):
+        work, recv, _send = pending_gather
+        if c + 1 < len(chunks):  # the next chunk's gather travels while this chunk computes
+            pending_gather = _gather(plan, params, chunks[c + 1], momentum_stage(chunks[c + 1]), comm_dtype)
+        work.wait()
+        updates = direction_stage(_assemble(plan, params, chunk, recv))
+        scatter = (chunk, _scatter(plan, params, chunk, updates, comm_dtype))
+        if pending_scatter is not None:
+            done_chunk, (w, r, _) = pending_scatter
+            w.wait()
+            apply_stage(done_chunk, _split_received(plan, done_chunk, r))
+        pending_scatter = scatter
+    if pending_scatter is not None:
+        done_chunk, (w, r, _) = pending_scatter
+        w.wait()
+        apply_stage(done_chunk, _split_received(plan, done_chunk, r))
