@@ -10,6 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from nanomuon.optim import DTensor
+
 
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
@@ -99,18 +101,23 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 @torch.no_grad()
-def all_finite(loss: torch.Tensor, params) -> bool:
-    """True when the loss and every gradient are finite on every rank (a collective under torch.distributed,
-    so all ranks take the same branch). A norm is non-finite exactly when an element is (short of a finite
-    gradient with norm > 3e38, which is broken anyway), and _foreach_norm takes a few kernels, not two per
-    tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = torch._foreach_norm(grads) if grads else []
-    values = [loss.detach().float().reshape(1)] + [n.float().reshape(1) for n in norms]
-    ok = torch.cat(values).isfinite().all().to(torch.int32)
+def tensors_finite(tensors) -> bool:
+    """True when every tensor is finite on every rank (a collective under torch.distributed, so all ranks
+    take the same branch; DTensors are checked by their local shards). A norm is non-finite exactly when
+    an element is (short of a finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm
+    takes a few kernels, not two per tensor."""
+    local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
+    local = [t for t in local if t.numel()]
+    ok = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all() if local else torch.tensor(True)
+    ok = ok.to(torch.int32)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+def all_finite(loss: torch.Tensor, params) -> bool:
+    """True when the loss and every gradient are finite on every rank (a collective)."""
+    return tensors_finite([loss.reshape(1)] + [p.grad for p in params if p.grad is not None])
 
 
 @torch.no_grad()
@@ -128,7 +135,9 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     mine = rows[rank::world_size]
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.float64, device=device)
-    for i in range(0, len(mine), batch_size):
+    # every rank runs the same number of batches (a sharded model's forward is a collective)
+    steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
+    for i in range(0, steps * batch_size, batch_size):
         batch = mine[i:i + batch_size].to(device)
         x, y = batch[:, :-1], batch[:, 1:]
         if len(batch) < batch_size:

@@ -551,6 +551,24 @@ class MuonAdamW(torch.optim.Optimizer):
                 group.setdefault(key, default)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
+    def full_state_dict(self) -> dict:
+        """The whole, world-size-independent state: state_dict() for plain params; with DTensor params
+        (FSDP2, tensor parallel) their state is gathered, a collective to call on every rank. The same
+        format as DistMuonAdamW.full_state_dict(), so checkpoints move between the three setups."""
+        sd = self.state_dict()
+        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            return sd
+        from nanomuon.sharded import full_state
+        return full_state(self, sd)
+
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state (full_state_dict() of any of the optimizers, at any world size)."""
+        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            from nanomuon.sharded import shard_state
+            _check_state_shapes(self.param_groups, state_dict)
+            state_dict = shard_state(self, state_dict)
+        self.load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -570,10 +588,9 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         self._adamw_math(group, p, p.grad, self.state[p])
                 continue
-            sharded = [p for p in params if isinstance(p, DTensor) and p.grad is not None]
-            if sharded:
+            if any(isinstance(p, DTensor) for p in params):
                 from nanomuon.sharded import muon_step_sharded
-                muon_step_sharded(self, group, sharded)
+                muon_step_sharded(self, group)
             params = [p for p in params if not isinstance(p, DTensor)]
             for bucket in buckets(params):
                 bucket_params = [params[i] for i in bucket]

@@ -180,12 +180,21 @@ def _split_received(plan, chunk, recv) -> dict:
     return out
 
 
-def muon_step_sharded(opt, group: dict, params: list[DTensor]) -> None:
-    """One Muon step of `group` for its DTensor params (all with grads), called by MuonAdamW.step()."""
+def group_plan(opt, group: dict) -> tuple[list[DTensor], dict]:
+    """The group's DTensor Muon params and their plan, built once (a collective) and kept, so owners (who
+    hold the second moments) stay put whichever params have grads."""
+    params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
-    plan = opt._sharded_plans.get(key)
-    if plan is None:
-        plan = opt._sharded_plans[key] = build_plan(params, group["ns_steps"])
+    if key not in opt._sharded_plans:
+        opt._sharded_plans[key] = build_plan(params, group["ns_steps"])
+    return params, opt._sharded_plans[key]
+
+
+def muon_step_sharded(opt, group: dict) -> None:
+    """One Muon step of `group` for its DTensor params, called by MuonAdamW.step(). Params without a
+    grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
+    params, plan = group_plan(opt, group)
+    active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
     beta2 = group["beta2"]
@@ -237,7 +246,7 @@ def muon_step_sharded(opt, group: dict, params: list[DTensor]) -> None:
             lr = group["lr"] * muon_lr_multiplier(p.shape, group["lr_scale"], group["extra_scale"])
             apply_fn(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"], group["cautious_wd"], not l2)
 
-    chunks = plan["chunks"]
+    chunks = [c for c in ([i for i in chunk if i in active] for chunk in plan["chunks"]) if c]
     pending_gather = _gather(plan, params, chunks[0], momentum_stage(chunks[0]), comm_dtype) if chunks else None
     pending_scatter = None
     for c, chunk in enumerate(chunks):
@@ -256,3 +265,67 @@ def muon_step_sharded(opt, group: dict, params: list[DTensor]) -> None:
         done_chunk, (w, r, _) = pending_scatter
         w.wait()
         apply_stage(done_chunk, _split_received(plan, done_chunk, r))
+
+
+def _second_moment_holders(opt, params: list[DTensor]) -> list[int]:
+    """For each param, the rank holding its second moment (its owner), or -1 where none exists yet."""
+    device = params[0].to_local().device
+    has = torch.tensor([int("second_momentum_buffer" in opt.state.get(p, {})) for p in params], device=device)
+    every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, has)
+    return [next((r for r, h in enumerate(every) if h[i]), -1) for i in range(len(params))]
+
+
+def full_state(opt, sd: dict) -> dict:
+    """opt.state_dict() with every DTensor param's state made whole: sharded tensors gathered, second
+    moments broadcast from their owners. A collective; the result is the same on every rank."""
+    index = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
+    for group in opt.param_groups:
+        dparams = [p for p in group["params"] if isinstance(p, DTensor)]
+        for p in dparams:
+            st = state.get(index[id(p)], {})
+            for name, v in st.items():
+                if isinstance(v, DTensor):
+                    st[name] = v.full_tensor()
+        if group["kind"] != "muon" or not dparams:
+            continue
+        for p, holder in zip(dparams, _second_moment_holders(opt, dparams)):
+            if holder < 0:
+                continue
+            shape, dtype = muon_state_layout(p)["second_momentum_buffer"]
+            st = state.setdefault(index[id(p)], {})
+            t = st.get("second_momentum_buffer")
+            t = t.clone() if t is not None else torch.empty(shape, dtype=dtype, device=p.to_local().device)
+            dist.broadcast(t, src=holder)
+            st["second_momentum_buffer"] = t
+    return dict(sd, state=state)
+
+
+def shard_state(opt, sd: dict) -> dict:
+    """The inverse of full_state: a whole state (MuonAdamW.state_dict() format, any world size) cut down to
+    this rank: param-shaped tensors to its DTensor blocks, second moments kept only on the owner."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    owned = set()
+    for group in opt.param_groups:
+        if group["kind"] == "muon" and any(isinstance(p, DTensor) for p in group["params"]):
+            dparams, plan = group_plan(opt, group)
+            owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
+    state = {}
+    for pid, st in sd["state"].items():
+        p = params[saved_ids.index(pid)]
+        if not isinstance(p, DTensor):
+            state[pid] = st
+            continue
+        offset, shape, _ = block_of(p)
+        mine = {}
+        for name, v in st.items():
+            if name == "second_momentum_buffer" and id(p) not in owned:
+                continue
+            if isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape):
+                v = DTensor.from_local(v[_slices(offset, shape)].to(p.to_local().device).contiguous(),
+                                       p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            mine[name] = v
+        state[pid] = mine
+    return dict(sd, state=state)

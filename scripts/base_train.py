@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from nanomuon.checkpoint import list_steps, load_checkpoint, resolve_step, save_checkpoint, step_arg
 from nanomuon.common import (
@@ -34,11 +36,12 @@ from nanomuon.common import (
     peak_flops,
     print0,
     synchronize,
+    tensors_finite,
 )
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
 from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
 from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, config_from_depth
-from nanomuon.optim import DistMuonAdamW
+from nanomuon.optim import DTensor
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.tokenizer import get_tokenizer
 
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
+    p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
+                   "processes with FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
     # model
     p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
@@ -116,6 +121,8 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v == 0 or v < -1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, or -1 for only at the end; got {v}")
+    if args.fsdp and args.optimizer == "torch-muon":
+        p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
     args.run = args.run or f"d{args.depth}"
@@ -154,6 +161,9 @@ def main(argv=None):
     args = parse_args(argv)
     distributed, rank, local_rank, world_size, device = compute_init(args.device_type)
     master = rank == 0
+    if args.fsdp and not distributed:
+        raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with torchrun (or drop "
+                         "--fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
         args.resume_from_step = "latest" if list_steps(run_dir) else -1
@@ -183,10 +193,6 @@ def main(argv=None):
         else:
             num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
         compile_model = device.type == "cuda" if args.compile is None else args.compile
-        optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
-                                          compile=compile_model, **OPTIMIZER_VARIANTS[args.optimizer])
-        train_model = torch.compile(model, dynamic=False) if compile_model else model
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
         val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
@@ -216,11 +222,19 @@ def main(argv=None):
                                 f"{num_iterations} (pass --num-iterations {meta['num_iterations']})")
             if problems:
                 raise SystemExit(f"error: cannot resume {run_dir} at step {step}: " + "; ".join(problems))
-            model.load_state_dict(objs["model"])
-            if isinstance(optimizer, DistMuonAdamW):
-                optimizer.load_full_state_dict(objs["optim"])
-            else:
-                optimizer.load_state_dict(objs["optim"])
+            model.load_state_dict(objs["model"])  # whole tensors, so before any sharding
+
+        if args.fsdp:
+            mesh = init_device_mesh(device.type, (world_size,))
+            for block in model.blocks:  # each block's params are gathered just before it runs
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
+                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
+                                          compile=compile_model, **OPTIMIZER_VARIANTS[args.optimizer])
+        train_model = torch.compile(model, dynamic=False) if compile_model else model
+        if args.resume_from_step != -1:
+            optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
             if meta["world_size"] == world_size:
                 train_loader.load_state_dict(meta["loader"][rank])
             else:
@@ -261,11 +275,12 @@ def main(argv=None):
         return bpb
 
     def save(step):
-        if not all(p.isfinite().all() for p in model.parameters()):  # replicated: every rank agrees
+        if not tensors_finite(model.parameters()):  # a collective: every rank agrees
             compute_cleanup()
             raise SystemExit(f"error: the model has non-finite parameters at step {step}; not checkpointing it. "
                              "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
-        optim_state = optimizer.full_state_dict() if isinstance(optimizer, DistMuonAdamW) else optimizer.state_dict()
+        optim_state = optimizer.full_state_dict()  # collectives where the state is sharded
+        model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         loader_states = [None] * world_size
         if distributed:
             dist.all_gather_object(loader_states, train_loader.state_dict())
@@ -275,7 +290,7 @@ def main(argv=None):
             meta = dict(step=step, num_iterations=num_iterations, model_config=config.to_dict(), args=vars(args),
                         tokenizer=tokenizer.fingerprint, world_size=world_size, loader=loader_states, loop=loop,
                         torch=torch.__version__)
-            path = save_checkpoint(run_dir, step, dict(model=model.state_dict(), optim=optim_state), meta)
+            path = save_checkpoint(run_dir, step, dict(model=model_state, optim=optim_state), meta)
             print0(f"saved {path}")
         if distributed:
             dist.barrier()
@@ -303,7 +318,9 @@ def main(argv=None):
         synchronize(device)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
-        for _ in range(grad_accum):
+        for micro in range(grad_accum):
+            if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
+                model.set_requires_gradient_sync(micro == grad_accum - 1)
             x, y = train_loader.next_batch()
             with autocast(device):
                 loss = train_model(x, y)
@@ -378,7 +395,7 @@ def main(argv=None):
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
     samples = []
-    if master and args.sample_tokens > 0:
+    if args.sample_tokens > 0 and (master or args.fsdp):  # a sharded model generates on every rank, in step
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt, prepend_bos=True)
             out = tokenizer.decode(list(model.generate(ids, args.sample_tokens, temperature=0.0)))

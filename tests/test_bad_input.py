@@ -90,6 +90,9 @@ CASES = {
     "nonfinite-steps": (lambda *_: train("--max-nonfinite-steps", "0"), "--max-nonfinite-steps must be >= 1"),
     "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
     "no-cuda": (lambda *_: train("--device-type", "cuda"), "torch sees no CUDA device; use --device-type cpu"),
+    "fsdp-alone": (lambda *_: train("--fsdp"), "--fsdp shards the model over torchrun processes; launch with torchrun"),
+    "fsdp-torch-muon": (lambda *_: train("--fsdp", "--optimizer", "torch-muon"),
+                        "--fsdp needs a nanomuon optimizer variant"),
     # base_train inputs: data, tokenizer, checkpoints
     "no-data": (lambda *_: train("--dataset", "fineweb-edu"), "run `python -m nanomuon.dataset -n 8`"),
     "no-tokenizer": (lambda b, g, tmp, mp: (mp.setenv("NANOMUON_BASE_DIR", str(tmp)), train())[1],

@@ -5,6 +5,8 @@ dim, Replicate, uneven shards with empty ones, 3-D MoE expert weights), bf16 com
 FSDP2 (fully_shard) and tensor-parallel models trained from each rank's own data.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -87,6 +89,29 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
     assert holders.tolist() == [1] * n, holders
     for p in sharded[:n]:
         assert opt.state[p]["momentum_buffer"].placements == p.placements
+
+    # full_state_dict() is MuonAdamW.state_dict() of the unsharded run; loaded into a fresh sharded optimizer,
+    # the run continues as the unsharded one does
+    full, ref_state = opt.full_state_dict(), ref.state_dict()
+    assert full["state"].keys() == ref_state["state"].keys()
+    for k, st in ref_state["state"].items():
+        assert full["state"][k].keys() == st.keys()
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(full["state"][k][name], v, rtol=0, atol=atol)
+            else:
+                assert full["state"][k][name] == v
+    again = [torch.nn.Parameter(distribute_tensor(q.detach().clone(), m, pl)) for q, (m, pl) in zip(plain, placements)]
+    resumed = MuonAdamW(groups(again[:n], again[n:], **muon_options))
+    resumed.load_full_state_dict(copy.deepcopy(full))
+    for step in range(3, 5):
+        for p, q, g, (m, pl) in zip(again, plain, full_values(shapes, 100 + step), placements):
+            p.grad = distribute_tensor(g.clone(), m, pl)
+            q.grad = g.clone()
+        resumed.step()
+        ref.step()
+    for (name, *_), p, q in zip(muon_specs + ADAMW_SPECS, again, plain):
+        assert_same(name, p, q, atol)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])

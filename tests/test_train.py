@@ -126,6 +126,38 @@ def test_resume_at_another_process_count(base):
         assert meta["world_size"] == world and [s["rank"] for s in meta["loader"]] == list(range(world))
 
 
+@pytest.mark.slow  # four launches; CI runs it
+def test_fsdp_matches_replicated_and_resumes(base):
+    """--fsdp (FSDP2 params, sharded Muon) with 2 processes trains like the replicated run (DistMuonAdamW) and
+    saves the same world-size-independent checkpoint; a fresh --fsdp launch resumes from it bitwise exactly,
+    and the checkpoint also resumes without --fsdp in one process."""
+    flags = [*TINY, "--total-batch-size", "1024", "--num-iterations", "6", "--eval-every", "3", "--save-every", "3"]
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "rep"]), base)
+    out = run(torchrun(2, "scripts.base_train", [*flags, "--run", "fsdp", "--fsdp", "--sample-tokens", "3"]), base)
+    assert "sample: 'def fibonacci(n):'" in out.stdout  # every rank generated, in step
+    names = ("model", "optim")
+    (rep, _), (fsdp, meta) = (load_checkpoint(base / "runs" / r, 6, names) for r in ("rep", "fsdp"))
+    for k, v in rep["model"].items():
+        torch.testing.assert_close(fsdp["model"][k], v, rtol=0, atol=1e-5, msg=k)
+    assert fsdp["optim"]["state"].keys() == rep["optim"]["state"].keys()
+    for k, st in rep["optim"]["state"].items():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(fsdp["optim"]["state"][k][name], v, rtol=0, atol=1e-5, msg=f"{k}.{name}")
+
+    (base / "runs" / "fsdp-b").mkdir(parents=True)
+    shutil.copytree(base / "runs" / "fsdp" / "step_000003", base / "runs" / "fsdp-b" / "step_000003")
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "fsdp-b", "--fsdp", "--resume-from-step", "latest"]), base)
+    resumed, resumed_meta = load_checkpoint(base / "runs" / "fsdp-b", 6, names)
+    assert_bitwise_equal(fsdp, resumed, "checkpoint")
+    assert meta["loader"] == resumed_meta["loader"]
+
+    (base / "runs" / "fsdp-1").mkdir(parents=True)
+    shutil.copytree(base / "runs" / "fsdp" / "step_000003", base / "runs" / "fsdp-1" / "step_000003")
+    one = run([sys.executable, "-m", "scripts.base_train", *flags, "--run", "fsdp-1", "--resume-from-step", "3"], base)
+    assert "resharded the data loader from 2 to 1 processes" in one.stdout and "step 00006/00006" in one.stdout
+
+
 def workers_of(pid: int) -> list[int]:
     """The training processes torchrun `pid` started (its descendants that run base_train)."""
     parents = {}
