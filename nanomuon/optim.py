@@ -20,6 +20,8 @@ Optional muon keys; their defaults reproduce nanochat:
     extra_scale=1.0         one more factor on the lr.
     weight_decay_mode='decoupled'   or 'l2': add weight_decay * param to the gradient before momentum.
     comm_precision='fp32'   'bf16' halves the traffic of the sharded path (DTensor params, sharded.py).
+    sharded_mode='owner'    how DTensor params are orthogonalized: 'owner' (exact: whole matrices on one rank),
+                            'duplicated', 'distributed' or 'blockwise' (Megatron's TP modes; see sharded.py).
 Any optional group key may be 'name', a label used in error messages.
 
 The update math is written once, in adamw_update() and muon_update(); both classes call those same
@@ -74,21 +76,34 @@ def ns_coefficients(spec, ns_steps: int) -> tuple[tuple[tuple[float, float, floa
     return tuple(triples[:ns_steps]), safety, eps
 
 
-def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype) -> Tensor:
+def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype, shard=None) -> Tensor:
     """Approximate U V^T of G = U S V^T for every matrix in the last two dims, computed in `dtype`.
 
     Each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
     values. Work on the wide orientation (rows <= cols) so A is the smaller Gram matrix; the two
     baddbmm calls fold the scale-and-add into the matmuls, so an iteration is exactly three matmuls.
+
+    shard=(reduce, cut_dim, full_shape): G is this rank's slice of each matrix, cut along cut_dim (-2 or
+    -1), and reduce(t) sums t in place over the ranks holding the other slices. The cut dim is put on the
+    columns, so the Gram matrix is a sum over slices, as is the norm: every rank computes exactly its
+    slice of the whole result (Megatron's 'distributed' mode).
     """
     shape = G.shape
-    X = G.to(dtype).reshape(-1, shape[-2], shape[-1])
-    tall = shape[-2] > shape[-1]
+    X = G.to(dtype).reshape(math.prod(shape[:-2]), shape[-2], shape[-1])  # an empty slice keeps its batch
+    tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
     if tall:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * safety + eps)
+    if shard is None:
+        norm = X.norm(dim=(-2, -1), keepdim=True)
+    else:
+        sq = X.float().square().sum(dim=(-2, -1), keepdim=True)
+        shard[0](sq)
+        norm = sq.sqrt().to(X.dtype)
+    X = X / (norm * safety + eps)
     for a, b, c in coeffs:
         A = X @ X.mT
+        if shard is not None:
+            shard[0](A)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if tall:
@@ -96,21 +111,38 @@ def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dty
     return X.reshape(shape)
 
 
-def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) -> Tensor:
+def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, shard=None) -> Tensor:
     """Factored second-moment normalization (NorMuon-style), as nanochat does it.
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Scales g in place and returns it.
+    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `shard`
+    (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks.
     """
-    red_size = g.size(red_dim)
+    reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
+    red_size = full_shape[red_dim]
     # mean of squares via a norm, so no full-size g**2 is materialized; g is scaled in place at the end
-    v_mean = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square() / red_size
-    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * red_size).sqrt()
+    v_sum = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square()
+    if reduce is not None and cut_dim == red_dim:
+        reduce(v_sum)
+    v_mean = v_sum / red_size
+
+    def total(t):  # the sum over each whole matrix; with the other dim cut, partial sums add up across ranks
+        t = t.sum(dim=(-2, -1), keepdim=True)
+        if reduce is not None and cut_dim != red_dim:
+            reduce(t)
+        return t
+
+    v_norm = total(v_mean * red_size).sqrt()
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
-    v_norm_new = ((v_mean * red_size) * step_size.float().square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    v_norm_new = total((v_mean * red_size) * step_size.float().square()).sqrt()
     return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
+
+
+def muon_red_dim(shape) -> int:
+    """The dim variance reduction averages over: columns (per-row stats) for tall or square matrices."""
+    return -1 if shape[-2] >= shape[-1] else -2
 
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, momentum, wd, nesterov: bool,
@@ -126,12 +158,12 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, moment
 
 
 def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safety: float, eps: float,
-                   ns_dtype: torch.dtype, out_dtype: torch.dtype) -> Tensor:
-    """Muon stage 2, on whole matrices: orthogonalize, then variance reduction if second_moment is given."""
-    u = orthogonalize(g, coeffs, safety, eps, ns_dtype).to(out_dtype)
+                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None) -> Tensor:
+    """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
+    variance reduction if second_moment is given."""
+    u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
     if second_moment is not None:
-        red_dim = -1 if u.size(-2) >= u.size(-1) else -2
-        u = variance_reduction(u, second_moment, beta2, red_dim)
+        u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
     return u
 
 
@@ -182,8 +214,9 @@ def resolve_ns_precision(precision: str, device) -> str:
 def muon_state_layout(p: Tensor) -> dict:
     """Per-param Muon state, name -> (shape, dtype). The second moment holds one value per row (rows >= cols)
     or per column, kept in fp32 whatever the param dtype: it is tiny."""
-    rows, cols = p.shape[-2:]
-    second = (*p.shape[:-1], 1) if rows >= cols else (*p.shape[:-2], 1, cols)
+    second = list(p.shape)
+    second[muon_red_dim(p.shape)] = 1
+    second = tuple(second)
     return {"momentum_buffer": (tuple(p.shape), p.dtype), "second_momentum_buffer": (second, torch.float32)}
 
 
@@ -253,11 +286,13 @@ REQUIRED_KEYS = {
 OPTIONAL_KEYS = {
     "adamw": {},
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
-             "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled", "comm_precision": "fp32"},
+             "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled", "comm_precision": "fp32",
+             "sharded_mode": "owner"},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")  # DTensor params: see sharded.py
 
 
 def _group_label(i: int, group: dict) -> str:
@@ -323,7 +358,7 @@ def check_group_values(i: int, group: dict) -> None:
         if not isinstance(group.get(key, True), bool):
             raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
     for key, choices in (("lr_scale", LR_SCALES), ("weight_decay_mode", ("decoupled", "l2")),
-                         ("comm_precision", NS_DTYPES)):
+                         ("comm_precision", NS_DTYPES), ("sharded_mode", SHARDED_MODES)):
         if key in group and group[key] not in choices:
             raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
     if "extra_scale" in group:

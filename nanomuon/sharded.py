@@ -35,6 +35,7 @@ from nanomuon.optim import (
     muon_direction,
     muon_lr_multiplier,
     muon_momentum,
+    muon_red_dim,
     muon_state_layout,
     ns_coefficients,
     ns_flops,
@@ -190,9 +191,26 @@ def group_plan(opt, group: dict) -> tuple[list[DTensor], dict]:
     return params, opt._sharded_plans[key]
 
 
+def cut_of(p: DTensor):
+    """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process group of the ranks
+    holding its slices), or None when every rank holds whole matrices (experts split along dim 0)."""
+    mesh_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
+    cut = {p.placements[i].dim % p.ndim - p.ndim for i in mesh_dims}
+    if not mesh_dims or cut <= set(range(-p.ndim, -2)):
+        return None
+    if len(cut) != 1 or (len(mesh_dims) > 1 and len(mesh_dims) != p.device_mesh.ndim):
+        raise ValueError(f"sharded_mode='distributed' needs each matrix cut along one of its dims, by one mesh dim or "
+                         f"by all of them; a param of shape {tuple(p.shape)} has placements {p.placements}. Use "
+                         "sharded_mode='owner' (exact for any placement) for it")
+    group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None  # None: the default group
+    return cut.pop(), group
+
+
 def muon_step_sharded(opt, group: dict) -> None:
     """One Muon step of `group` for its DTensor params, called by MuonAdamW.step(). Params without a
     grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
+    if group["sharded_mode"] != "owner":
+        return muon_step_modes(opt, group)
     params, plan = group_plan(opt, group)
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
@@ -267,6 +285,54 @@ def muon_step_sharded(opt, group: dict) -> None:
         apply_stage(done_chunk, _split_received(plan, done_chunk, r))
 
 
+def muon_step_modes(opt, group: dict) -> None:
+    """Megatron's tensor-parallel modes, applied over all the mesh dims a param is split on:
+    'duplicated' all-gathers each matrix on every rank, orthogonalizes it redundantly and keeps its block
+    (exact); 'distributed' leaves the slices in place and sums the Gram matrix and the norms across the
+    ranks at every iteration (exact; each matrix cut along one dim); 'blockwise' orthogonalizes each
+    local block as a matrix of its own (no communication, but the update depends on the sharding: the
+    block's shape sets its lr factor and variance reduction)."""
+    mode = group["sharded_mode"]
+    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+    beta2 = group["beta2"]
+    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=beta2 or 0.0)
+    l2 = group["weight_decay_mode"] == "l2"
+    for p in group["params"]:
+        if not isinstance(p, DTensor) or p.grad is None:
+            continue
+        state = opt.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        g = _kernel(muon_momentum, opt.compiled)(local(p.grad, p).clone(), local(state["momentum_buffer"], p),
+                                                 p.to_local(), s["momentum"], s["wd"], group["nesterov"], l2)
+        shard, matrix_shape = None, p.shape
+        if mode == "duplicated":
+            g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        elif mode == "distributed":
+            cut = cut_of(p)
+            if cut is not None:
+                dim, pg = cut
+                shard = (lambda t, pg=pg: dist.all_reduce(t, group=pg), dim, tuple(p.shape))
+        elif not g.numel():  # blockwise, and this rank's block is empty
+            continue
+        else:
+            matrix_shape = g.shape
+        second = None
+        if beta2 is not None:
+            layout = list(g.shape)
+            layout[muon_red_dim(p.shape if mode == "distributed" else g.shape)] = 1
+            second = state.setdefault("second_momentum_buffer", torch.zeros(layout, device=g.device))
+        precision = resolve_ns_precision(group["ns_precision"], g.device)
+        u = muon_direction(g, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], p.dtype, shard)
+        if mode == "duplicated":
+            offset, shape, _ = block_of(p)
+            u = u[_slices(offset, shape)].clone()
+        if u.numel():
+            lr = group["lr"] * muon_lr_multiplier(matrix_shape, group["lr_scale"], group["extra_scale"])
+            _kernel(muon_apply, opt.compiled)(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"],
+                                              group["cautious_wd"], not l2)
+
+
 def _second_moment_holders(opt, params: list[DTensor]) -> list[int]:
     """For each param, the rank holding its second moment (its owner), or -1 where none exists yet."""
     device = params[0].to_local().device
@@ -282,6 +348,7 @@ def full_state(opt, sd: dict) -> dict:
     index = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
     for group in opt.param_groups:
+        _check_whole_state_mode(group)
         dparams = [p for p in group["params"] if isinstance(p, DTensor)]
         for p in dparams:
             st = state.get(index[id(p)], {})
@@ -302,16 +369,28 @@ def full_state(opt, sd: dict) -> dict:
     return dict(sd, state=state)
 
 
+def _check_whole_state_mode(group: dict) -> None:
+    if group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed") and group["beta2"] is not None:
+        raise ValueError(f"{group.get('name', 'a muon group')}: with sharded_mode={group['sharded_mode']!r} the "
+                         "variance-reduction state is per slice and has no whole form; checkpoint with state_dict() "
+                         "and resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' (or beta2=None)")
+
+
 def shard_state(opt, sd: dict) -> dict:
     """The inverse of full_state: a whole state (MuonAdamW.state_dict() format, any world size) cut down to
     this rank: param-shaped tensors to its DTensor blocks, second moments kept only on the owner."""
     params = [p for g in opt.param_groups for p in g["params"]]
     saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
-    owned = set()
+    owned = set()  # params whose second moment this rank keeps
     for group in opt.param_groups:
-        if group["kind"] == "muon" and any(isinstance(p, DTensor) for p in group["params"]):
-            dparams, plan = group_plan(opt, group)
-            owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
+        if group["kind"] != "muon" or not any(isinstance(p, DTensor) for p in group["params"]):
+            continue
+        _check_whole_state_mode(group)
+        if group["sharded_mode"] == "duplicated":  # every rank orthogonalizes the whole matrix
+            owned |= {id(p) for p in group["params"]}
+            continue
+        dparams, plan = group_plan(opt, group)
+        owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
     state = {}
     for pid, st in sd["state"].items():
         p = params[saved_ids.index(pid)]

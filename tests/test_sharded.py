@@ -52,6 +52,17 @@ def assert_same(name, sharded, plain, atol):
     torch.testing.assert_close(sharded.full_tensor(), plain.detach(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def assert_state_matches(full, ref_state, atol):
+    assert full["state"].keys() == ref_state["state"].keys()
+    for k, st in ref_state["state"].items():
+        assert full["state"][k].keys() == st.keys()
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(full["state"][k][name], v, rtol=0, atol=atol)
+            else:
+                assert full["state"][k][name] == v
+
+
 def groups(muon, adamw, **muon_options):
     return [dict(kind="muon", params=muon, lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2,
                  **muon_options),
@@ -92,15 +103,8 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
 
     # full_state_dict() is MuonAdamW.state_dict() of the unsharded run; loaded into a fresh sharded optimizer,
     # the run continues as the unsharded one does
-    full, ref_state = opt.full_state_dict(), ref.state_dict()
-    assert full["state"].keys() == ref_state["state"].keys()
-    for k, st in ref_state["state"].items():
-        assert full["state"][k].keys() == st.keys()
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor):
-                torch.testing.assert_close(full["state"][k][name], v, rtol=0, atol=atol)
-            else:
-                assert full["state"][k][name] == v
+    full = opt.full_state_dict()
+    assert_state_matches(full, ref.state_dict(), atol)
     again = [torch.nn.Parameter(distribute_tensor(q.detach().clone(), m, pl)) for q, (m, pl) in zip(plain, placements)]
     resumed = MuonAdamW(groups(again[:n], again[n:], **muon_options))
     resumed.load_full_state_dict(copy.deepcopy(full))
@@ -126,6 +130,76 @@ def test_bf16_communication_and_options():
                    nesterov=False)
     spawn(_placements_worker, 4, dict(options, comm_precision="fp32"), 1e-6, 1)
     spawn(_placements_worker, 4, options, 3e-3)
+
+
+def _modes_worker(rank, world_size, mode):
+    """Exact modes against unsharded MuonAdamW; blockwise against MuonAdamW treating every block of every
+    matrix as a param of its own."""
+    mesh1 = init_device_mesh("cpu", (world_size,))
+    mesh2 = init_device_mesh("cpu", (2, world_size // 2)) if world_size % 2 == 0 else None
+    layout = [((24, 40), mesh1, [Shard(0)]), ((40, 24), mesh1, [Shard(0)]), ((24, 40), mesh1, [Shard(1)]),
+              ((5, 16), mesh1, [Shard(0)]), ((4, 16, 24), mesh1, [Shard(0)]), ((4, 16, 24), mesh1, [Shard(2)]),
+              ((24, 40), mesh1, [Replicate()])]
+    if mesh2 is not None:
+        layout += [((24, 40), mesh2, [Replicate(), Shard(1)]), ((32, 16), mesh2, [Shard(0), Shard(0)])]
+    start = full_values([s for s, _, _ in layout], 0)
+    sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (_, m, pl) in zip(start, layout)]
+    opt = MuonAdamW(groups(sharded, [], sharded_mode=mode))
+    if mode == "blockwise":  # the reference: each rank's blocks as separate plain params
+        plain = [torch.nn.Parameter(p.to_local().clone()) for p in sharded]
+        ref = MuonAdamW(groups([q for q in plain if q.numel()], []))
+    else:
+        plain = [torch.nn.Parameter(t.clone()) for t in start]
+        ref = MuonAdamW(groups(plain, []))
+    for step in range(3):
+        for p, q, g, (_, m, pl) in zip(sharded, plain, full_values([s for s, _, _ in layout], 100 + step), layout):
+            p.grad = distribute_tensor(g.clone(), m, pl)
+            q.grad = p.grad.to_local().clone() if mode == "blockwise" else g.clone()
+        opt.step()
+        ref.step()
+    for k, (p, q) in enumerate(zip(sharded, plain)):
+        got = p.to_local() if mode == "blockwise" else p.full_tensor()
+        torch.testing.assert_close(got, q.detach(), rtol=0, atol=2e-5, msg=lambda m, k=k: f"{mode} {layout[k]}: {m}")
+    if mode != "duplicated":  # per-slice variance-reduction state has no whole form
+        with pytest.raises(ValueError, match="has no whole form"):
+            opt.full_state_dict()
+        return
+    full = opt.full_state_dict()
+    assert_state_matches(full, ref.state_dict(), 2e-5)
+    again = [torch.nn.Parameter(distribute_tensor(q.detach().clone(), m, pl)) for q, (_, m, pl) in zip(plain, layout)]
+    resumed = MuonAdamW(groups(again, [], sharded_mode=mode))
+    resumed.load_full_state_dict(copy.deepcopy(full))
+    for step in range(3, 5):
+        for p, q, g, (_, m, pl) in zip(again, plain, full_values([s for s, _, _ in layout], 100 + step), layout):
+            p.grad = distribute_tensor(g.clone(), m, pl)
+            q.grad = g.clone()
+        resumed.step()
+        ref.step()
+    for k, (p, q) in enumerate(zip(again, plain)):
+        assert_same(f"resumed {layout[k]}", p, q, 2e-5)
+
+
+@pytest.mark.parametrize("mode", ["duplicated", "distributed", "blockwise"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_modes(mode, world_size):
+    spawn(_modes_worker, world_size, mode)
+
+
+def test_blockwise_changes_the_math():
+    """Blockwise is not Muon of the whole matrix: with 4 ranks its result differs from the exact modes."""
+    spawn(_blockwise_differs_worker, 4)
+
+
+def _blockwise_differs_worker(rank, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    start, grad = full_values([(24, 40)], 0)[0], full_values([(24, 40)], 1)[0]
+    results = {}
+    for mode in ("owner", "blockwise"):
+        p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        MuonAdamW(groups([p], [], sharded_mode=mode)).step()
+        results[mode] = p.full_tensor()
+    assert (results["owner"] - results["blockwise"]).abs().max() > 1e-3
 
 
 def rank_batch(rank, vocab, seq):
