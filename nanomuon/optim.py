@@ -20,6 +20,8 @@ Optional muon keys; their defaults reproduce nanochat:
     extra_scale=1.0         one more factor on the lr.
     weight_decay_mode='decoupled'   or 'l2': add weight_decay * param to the gradient before momentum.
     comm_precision='fp32'   'bf16' halves the traffic of the sharded path (DTensor params, sharded.py).
+    qkv_split=None          (q, k, v) row counts: the group's params are fused [Q; K; V] weights, each block
+                            orthogonalized on its own (Megatron's split_qkv).
     sharded_mode='owner'    how DTensor params are orthogonalized: 'owner' (exact: whole matrices on one rank),
                             'duplicated', 'distributed' or 'blockwise' (Megatron's TP modes; see sharded.py).
 Any optional group key may be 'name', a label used in error messages.
@@ -158,10 +160,15 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, moment
 
 
 def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safety: float, eps: float,
-                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None) -> Tensor:
+                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None, qkv_split=None) -> Tensor:
     """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
-    variance reduction if second_moment is given."""
-    u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
+    variance reduction if second_moment is given. qkv_split=(q, k, v) row counts: a fused QKV weight is
+    orthogonalized as three matrices; variance reduction and the lr factor still see the fused matrix."""
+    if qkv_split:
+        u = torch.cat([orthogonalize(b, coeffs, safety, eps, ns_dtype) for b in g.split(list(qkv_split), dim=-2)],
+                      dim=-2).to(out_dtype)
+    else:
+        u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
     return u
@@ -183,11 +190,11 @@ def muon_apply(params: Tensor, u: Tensor, lr, wd, cautious_wd: bool, decoupled_w
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
                 momentum, lr, wd, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
-                nesterov: bool, cautious_wd: bool, l2_wd: bool = False) -> None:
+                nesterov: bool, cautious_wd: bool, l2_wd: bool = False, qkv_split=None) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params: the three
     stages in a row. The sharded path (sharded.py) runs the same stages with communication between."""
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype)
+    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype, qkv_split=qkv_split)
     muon_apply(params, u, lr, wd, cautious_wd, not l2_wd)
 
 
@@ -287,7 +294,7 @@ OPTIONAL_KEYS = {
     "adamw": {},
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
              "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled", "comm_precision": "fp32",
-             "sharded_mode": "owner"},
+             "sharded_mode": "owner", "qkv_split": None},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
@@ -363,6 +370,13 @@ def check_group_values(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
     if "extra_scale" in group:
         _check_number(label, "extra_scale", group["extra_scale"])
+    split = group.get("qkv_split")
+    if split is not None:
+        if not (isinstance(split, (tuple, list)) and len(split) == 3
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)):
+            raise ValueError(f"{label}: qkv_split={split!r} must be three positive row counts (q, k, v)")
+        if group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
+            raise ValueError(f"{label}: qkv_split needs whole matrices: use sharded_mode 'owner' or 'duplicated'")
 
 
 def check_group(i: int, group: dict) -> None:
@@ -388,6 +402,10 @@ def check_group(i: int, group: dict) -> None:
         if kind == "muon" and p.ndim < 2:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs matrices "
                              "(>= 2 dims; extra leading dims are a batch). Move it to an adamw group.")
+        split = group.get("qkv_split") if kind == "muon" else None
+        if split is not None and p.shape[-2] != sum(split):
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[-2]} rows, but qkv_split={tuple(split)} "
+                             f"sums to {sum(split)}; put only fused QKV weights of that layout in this group")
 
 
 def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:
@@ -518,7 +536,8 @@ class MuonAdamW(torch.optim.Optimizer):
         s = self._scalars(momentum=group["momentum"], lr=lr, wd=group["weight_decay"], beta2=beta2)
         self._in_chunks(_kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
                         s["momentum"], s["lr"], s["wd"], s["beta2"], coeffs, safety, eps, NS_DTYPES[precision],
-                        group["nesterov"], group["cautious_wd"], group["weight_decay_mode"] == "l2")
+                        group["nesterov"], group["cautious_wd"], group["weight_decay_mode"] == "l2",
+                        group["qkv_split"])
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum

@@ -248,7 +248,8 @@ def muon_step_sharded(opt, group: dict) -> None:
                                                     torch.zeros(layout[0], dtype=layout[1], device=stacked.device))
                 second = torch.stack([opt.state[params[i]]["second_momentum_buffer"] for i in idx])
             precision = resolve_ns_precision(group["ns_precision"], stacked.device)
-            u = direction_fn(stacked, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], stacked.dtype)
+            u = direction_fn(stacked, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], stacked.dtype,
+                             None, group["qkv_split"])
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -323,7 +324,8 @@ def muon_step_modes(opt, group: dict) -> None:
             layout[muon_red_dim(p.shape if mode == "distributed" else g.shape)] = 1
             second = state.setdefault("second_momentum_buffer", torch.zeros(layout, device=g.device))
         precision = resolve_ns_precision(group["ns_precision"], g.device)
-        u = muon_direction(g, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], p.dtype, shard)
+        u = muon_direction(g, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], p.dtype, shard,
+                           group["qkv_split"])
         if mode == "duplicated":
             offset, shape, _ = block_of(p)
             u = u[_slices(offset, shape)].clone()

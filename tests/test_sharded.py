@@ -202,6 +202,27 @@ def _blockwise_differs_worker(rank, world_size):
     assert (results["owner"] - results["blockwise"]).abs().max() > 1e-3
 
 
+def _qkv_worker(rank, world_size, mode):
+    """A fused QKV weight with qkv_split, sharded by rows so shard edges cut through the Q/K/V blocks."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    start = full_values([(40, 16)], 0)[0]
+    p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+    q = torch.nn.Parameter(start.clone())
+    opt = MuonAdamW(groups([p], [], qkv_split=(16, 8, 16), sharded_mode=mode))
+    ref = MuonAdamW(groups([q], [], qkv_split=(16, 8, 16)))
+    for step in range(3):
+        g = full_values([(40, 16)], 100 + step)[0]
+        p.grad, q.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
+        opt.step()
+        ref.step()
+    assert_same(f"qkv {mode}", p, q, 2e-5)
+
+
+@pytest.mark.parametrize("mode", ["owner", "duplicated"])
+def test_qkv_split_sharded(mode):
+    spawn(_qkv_worker, 3, mode)
+
+
 def rank_batch(rank, vocab, seq):
     g = torch.Generator().manual_seed(500 + rank)
     return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(0, vocab, (2, seq), generator=g)
