@@ -19,13 +19,19 @@ that hold a replica (a Replicate mesh dim) are handled: one replica sends, every
 Gradients of DTensor params arrive already reduced (FSDP2 and DTensor's own autograd do it), so
 nothing is reduced again. State: the momentum buffer is a DTensor sharded like its param; the
 variance-reduction second moment (one value per row or column) lives on the owner rank only.
+full_state()/shard_state() convert to and from the unsharded state_dict() format for checkpoints.
+
+That is sharded_mode='owner', the default. muon_step_modes() has Megatron's tensor-parallel
+alternatives: 'duplicated', 'distributed' and 'blockwise'.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, stable since 2.4
 
 from nanomuon.optim import (
     NS_DTYPES,
@@ -103,26 +109,19 @@ def build_plan(params: list[DTensor], ns_steps: int) -> dict:
     return dict(blocks=blocks, owner=owner, chunks=chunks, rank=dist.get_rank(), world=world)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _gather(plan, params, chunk, g_local, comm_dtype):
     """Launch the all_to_all that sends every block of the chunk's matrices to their owners."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     pieces = [[] for _ in range(world)]
     for i in chunk:
         offset, shape, sends = blocks[rank][i]
-        if sends and _numel(shape):
+        if sends and math.prod(shape):
             pieces[owner[i]].append(g_local[i].reshape(-1))
     send_counts = [sum(t.numel() for t in ps) for ps in pieces]
     flat = [t for ps in pieces for t in ps]
     device = params[chunk[0]].to_local().device
     send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
-    recv_counts = [sum(_numel(blocks[src][i][1]) for i in chunk if owner[i] == rank and blocks[src][i][2])
+    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in chunk if owner[i] == rank and blocks[src][i][2])
                    for src in range(world)]
     recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
     work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
@@ -138,7 +137,7 @@ def _assemble(plan, params, chunk, recv) -> dict:
     for src in range(world):
         for i in mine:
             offset, shape, sends = blocks[src][i]
-            n = _numel(shape)
+            n = math.prod(shape)
             if sends and n:
                 full[i][_slices(offset, shape)] = recv[at:at + n].view(shape)
                 at += n
@@ -154,13 +153,13 @@ def _scatter(plan, params, chunk, updates, comm_dtype):
     for dst in range(world):
         for i in mine:
             offset, shape, _ = blocks[dst][i]
-            if _numel(shape):
+            if math.prod(shape):
                 pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
     send_counts = [sum(t.numel() for t in ps) for ps in pieces]
     flat = [t for ps in pieces for t in ps]
     device = params[chunk[0]].to_local().device
     send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
-    recv_counts = [sum(_numel(blocks[rank][i][1]) for i in chunk if owner[i] == src) for src in range(world)]
+    recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in chunk if owner[i] == src) for src in range(world)]
     recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
     work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
     return work, recv, send
@@ -175,7 +174,7 @@ def _split_received(plan, chunk, recv) -> dict:
             if owner[i] != src:
                 continue
             shape = blocks[rank][i][1]
-            n = _numel(shape)
+            n = math.prod(shape)
             out[i] = recv[at:at + n].view(shape)
             at += n
     return out

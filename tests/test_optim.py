@@ -151,6 +151,22 @@ def test_lr_scale_and_weight_decay_modes_match_float64(options, scale, l2):
         torch.testing.assert_close(p.double(), r, rtol=0, atol=2e-4)
 
 
+def test_expert_weights_are_a_batch_of_matrices():
+    """MoE: a 3-D (experts, out, in) param moves exactly like its experts as separate 2-D params (one
+    batched call; the lr factor and variance reduction per expert, from the last two dims)."""
+    experts = make_params([(4, 48, 16)])
+    parts = [torch.nn.Parameter(t.detach().clone()) for t in experts[0].unbind(0)]
+    opt = MuonAdamW([muon_group(experts, ns_precision="fp32")])
+    ref = MuonAdamW([muon_group(parts, ns_precision="fp32")])
+    for step in range(3):
+        set_grads([experts], step)
+        for part, g in zip(parts, experts[0].grad.unbind(0)):
+            part.grad = g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(experts[0].detach(), torch.stack([p.detach() for p in parts]), rtol=0, atol=1e-6)
+
+
 def test_qkv_split_orthogonalizes_each_block():
     """A fused [Q; K; V] weight with qkv_split moves exactly like Q, K and V as separate params whose lr
     carries the fused matrix's factor (variance reduction off, so each block's update is independent)."""
