@@ -321,3 +321,12 @@ def _refuse_worker(rank, world_size):
 
 def test_dist_optimizer_refuses_dtensors():
     spawn(_refuse_worker, 2)
+
+
+def test_bench_sharded_runs_every_mode(capfd):
+    """The benchmark script works end to end (1 step, depth 1, 2 spawned ranks) and prints a row per mode."""
+    from scripts.bench_sharded import MODES, main
+
+    main(["--world-size", "2", "--depth", "1", "--steps", "1", "--warmup", "0"])
+    out = capfd.readouterr().out  # printed by spawned rank 0
+    assert all(any(line.split()[:1] == [mode] for line in out.splitlines()) for mode in MODES), out

@@ -1,0 +1,126 @@
+"""
+Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, every way nanomuon runs
+data-parallel Muon, timed in one run on the same ranks:
+
+    replicated   DistMuonAdamW on full params (reduce-scatters the grads itself: ZeRO-2, nanochat's design)
+    owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners (default)
+    owner-bf16   the same with comm_precision='bf16'
+    duplicated, distributed, blockwise   Megatron's tensor-parallel modes over the same shards
+
+The sharded modes start from grads that FSDP2 already reduced in the backward pass; 'replicated'
+includes its own gradient reduction, so its row is the whole data-parallel optimizer cost. Prints
+each mode's median step time and its ratio to 'owner'.
+
+    python -m scripts.bench_sharded --world-size 4 --depth 4            # CPU: gloo, spawned ranks
+    torchrun --nproc_per_node=8 -m scripts.bench_sharded -- --depth 20   # GPUs: nccl
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
+
+MODES = ["replicated", "owner", "owner-bf16", "duplicated", "distributed", "blockwise"]
+
+
+def block_shapes(depth: int) -> list[tuple[int, ...]]:
+    with torch.device("meta"):
+        model = GPT(config_from_depth(depth, 32768, 2048))
+    return [tuple(p.shape) for p in model.blocks.parameters() if p.ndim == 2]
+
+
+def make_optimizer(mode: str, shapes, device, mesh):
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    group = dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+    if mode == "replicated":
+        params = [torch.nn.Parameter(t.to(device)) for t in full]
+        grads = [t.to(device) for t in grads]
+        return DistMuonAdamW([dict(group, params=params)]), params, grads
+    params = [torch.nn.Parameter(distribute_tensor(t.to(device), mesh, [Shard(0)])) for t in full]
+    grads = [distribute_tensor(t.to(device), mesh, [Shard(0)]) for t in grads]
+    options = dict(comm_precision="bf16") if mode == "owner-bf16" else dict(sharded_mode=mode.split("-")[0])
+    return MuonAdamW([dict(group, params=params, **options)]), params, grads
+
+
+def run(args, device):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    shapes = block_shapes(args.depth)
+    times = {}
+    for mode in MODES:
+        opt, params, grads = make_optimizer(mode, shapes, device, mesh)
+        samples = []
+        for i in range(args.warmup + args.steps):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            if i >= args.warmup:
+                samples.append(time.perf_counter() - t0)
+        times[mode] = statistics.median(samples)
+        del opt, params, grads
+    if rank == 0:
+        n = sum(torch.Size(s).numel() for s in shapes)
+        print(f"d{args.depth}: {len(shapes)} block matrices, {n / 1e6:.1f}M params, {world} x {device.type}, "
+              f"torch {torch.__version__}; medians of {args.steps} steps after {args.warmup} warm-up")
+        print(f"{'mode':<12} {'step ms':>9} {'vs owner':>9}")
+        for mode in MODES:
+            print(f"{mode:<12} {1000 * times[mode]:>9.1f} {times[mode] / times['owner']:>9.2f}")
+
+
+def _spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(args, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.depth < 1 or args.world_size < 1 or args.steps < 1 or args.warmup < 0:
+        p.error("--depth, --world-size and --steps must be >= 1, --warmup >= 0")
+    if "RANK" in os.environ:  # under torchrun
+        cuda = torch.cuda.is_available()
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        try:
+            run(args, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
