@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.optim import DistMuonAdamW, DTensor, MuonAdamW
+from nanomuon.qk_clip import qk_clip_
 
 
 @dataclass
@@ -32,6 +33,7 @@ class GPTConfig:
     n_embd: int = 768
     softcap: float = 15.0
     rope_base: float = 10000.0
+    qk_norm: bool = True  # RMS-normalize q and k; without it, logits can grow (QK-clip: GPT.qk_clip_)
 
     def __post_init__(self):
         problems = []
@@ -52,7 +54,7 @@ class GPTConfig:
 
 
 def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
-                      head_dim: int = 128) -> GPTConfig:
+                      head_dim: int = 128, qk_norm: bool = True) -> GPTConfig:
     """nanochat's sizing: width = depth * aspect_ratio rounded up to head_dim; one head per head_dim."""
     if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
         raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, head_dim={head_dim} "
@@ -60,7 +62,7 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
     n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
     n_head = n_embd // head_dim
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head, n_embd=n_embd)
+                     n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
 
 
 # Optimizer variants that base_train --optimizer selects and scripts.ablate compares: extra keyword
@@ -100,17 +102,40 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(d, kv, bias=False)
         self.c_v = nn.Linear(d, kv, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
+        self.qk_norm = config.qk_norm
+        self.max_logits = None  # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK-norm
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm:
+            q, k = norm(q), norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.max_logits is not None:
+            self._track_max_logits(q, k)
         gqa = self.n_kv_head != self.n_head
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _track_max_logits(self, q, k):
+        """max_logits = max(max_logits, each head's largest causal q.k / sqrt(head_dim) in this batch).
+
+        SDPA never materializes the logits, so they are recomputed here, one batch row at a time to
+        keep the (heads, T, T) scores small; it costs about one more QK^T per layer."""
+        B, H, T, D = q.shape
+        groups = H // self.n_kv_head
+        qg = q.float().reshape(B, self.n_kv_head, groups, T, D)
+        kf = k.float().unsqueeze(2)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        for b in range(B):
+            scores = (qg[b] @ kf[b].mT).masked_fill_(future, float("-inf"))
+            torch.maximum(self.max_logits, scores.amax(dim=(-2, -1)).reshape(H) * D ** -0.5, out=self.max_logits)
 
 
 class MLP(nn.Module):
@@ -244,6 +269,26 @@ class GPT(nn.Module):
         replicated = not any(isinstance(p, DTensor) for p in self.parameters())
         cls = DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated else MuonAdamW
         return cls(groups, compile=compile)
+
+    def track_max_logits(self, on: bool = True) -> None:
+        """Start (afresh) or stop recording each attention head's max pre-softmax logit, for qk_clip_()."""
+        for block in self.blocks:
+            attn = block.attn
+            attn.max_logits = torch.full((attn.n_head,), float("-inf"), device=attn.c_q.weight.device) if on else None
+
+    @torch.no_grad()
+    def qk_clip_(self, tau: float, alpha: float = 0.5) -> int:
+        """QK-clip every layer from the logits tracked since track_max_logits(); returns how many heads
+        were clipped. Meant for models without QK-norm (with it, scaling W_q and W_k changes nothing)."""
+        clipped = 0
+        for block in self.blocks:
+            attn = block.attn
+            if attn.max_logits is None:
+                raise RuntimeError("qk_clip_ needs the logits: call model.track_max_logits() before the forward pass")
+            gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head, attn.n_kv_head, tau,
+                             alpha)
+            clipped += int((gamma < 1).sum())
+        return clipped
 
     @torch.no_grad()
     def generate(self, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -12,7 +12,8 @@ max_logits is reduced with MAX across ranks (each rank saw other data). With gro
 K head serves several Q heads: it is scaled by the strongest factor among them, so every head ends at or
 below tau. W_q and W_k may be DTensors (FSDP2, tensor parallel): each rank scales the rows it holds.
 nanomuon's own GPT normalizes q and k (QK-norm), which already bounds its logits: scaling W_q or W_k
-there changes nothing, so base_train does not use this.
+there changes nothing. Built with --no-qk-norm, it can track its logits and clip them
+(GPT.track_max_logits, GPT.qk_clip_; base_train --no-qk-norm --qk-clip TAU).
 """
 
 import torch
@@ -51,7 +52,8 @@ def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, n_head: int
     s = max_logits.detach().double().clone()  # float64: the factors are tiny vectors
     if reduce and dist.is_available() and dist.is_initialized():
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
-    gamma = (tau / s.clamp_min(1e-30)).clamp(max=1.0)  # <= 1: shrink only
+    # <= 1: shrink only. A tensor numerator: python / tensor is reciprocal-then-multiply, off by an ulp at S = tau
+    gamma = (torch.full_like(s, tau) / s.clamp_min(1e-30)).clamp(max=1.0)
     head_dim = q_weight.shape[0] // n_head
     _scale_rows_(q_weight, gamma.pow(alpha).repeat_interleave(head_dim))
     kv_gamma = gamma.view(n_kv_head, n_head // n_kv_head).amin(dim=1)  # a K head serves a group of Q heads

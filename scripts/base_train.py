@@ -4,7 +4,8 @@ Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (
     python -m scripts.base_train --depth 4 --dataset embedded --max-seq-len 256 --device-batch-size 8 ...
     torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20 --run d20
 
-No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2). Gradients accumulate over
+No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2); with --fsdp, FSDP2 shards the
+model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
 micro-batches up to --total-batch-size tokens per step. The lr follows warmup / constant / linear
 warmdown, and Muon's momentum warms up from 0.85 to 0.95 over the first 300 steps. Validation bits per
 byte runs every --eval-every steps and at the end. Checkpoints (every --save-every steps and at the
@@ -40,7 +41,7 @@ from nanomuon.common import (
 )
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
 from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
-from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, config_from_depth
+from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, GPTConfig, config_from_depth
 from nanomuon.optim import DTensor
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.tokenizer import get_tokenizer
@@ -69,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to try --qk-clip)")
     # horizon: the first of these that is set wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: from the next two)")
     p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
@@ -95,6 +98,8 @@ def parse_args(argv=None):
                    "torchrun --max-restarts); -1: start fresh")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
+    p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each step (Kimi K2's "
+                   "MuonClip; needs --no-qk-norm; 0: off)")
     p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a non-finite loss or "
                    "gradient (each skipped with a warning) before the run stops")
     args = p.parse_args(argv)
@@ -121,6 +126,10 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v == 0 or v < -1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, or -1 for only at the end; got {v}")
+    if not (math.isfinite(args.qk_clip) and args.qk_clip >= 0):
+        p.error(f"--qk-clip must be a finite number >= 0 (0: off), got {args.qk_clip}")
+    if args.qk_clip and args.qk_norm:
+        p.error("--qk-clip has nothing to do with QK-norm on (it already bounds the logits); add --no-qk-norm")
     if args.fsdp and args.optimizer == "torch-muon":
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
@@ -172,7 +181,7 @@ def main(argv=None):
         tokenizer = get_tokenizer()
         token_bytes = tokenizer.token_bytes().to(device)
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
-                                   args.head_dim)
+                                   args.head_dim, qk_norm=args.qk_norm)
         tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
         if args.total_batch_size % tokens_per_fwdbwd:
             raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
@@ -205,9 +214,9 @@ def main(argv=None):
             step = resolve_step(run_dir, args.resume_from_step)
             objs, meta = load_checkpoint(run_dir, step, ("model", "optim"), map_location=device)
             problems = []
-            if meta["model_config"] != config.to_dict():
+            if GPTConfig(**meta["model_config"]).to_dict() != config.to_dict():  # older configs: defaults
                 problems.append(f"the checkpoint is {meta['model_config']}, these flags build {config.to_dict()} "
-                                "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len)")
+                                "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len, --qk-norm)")
             if meta["tokenizer"] != tokenizer.fingerprint:
                 problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
                                 f"{get_base_dir() / 'tokenizer'})")
@@ -318,6 +327,8 @@ def main(argv=None):
         synchronize(device)
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
+        if args.qk_clip:
+            model.track_max_logits()  # this step's logits decide this step's clip
         for micro in range(grad_accum):
             if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
                 model.set_requires_gradient_sync(micro == grad_accum - 1)
@@ -339,6 +350,8 @@ def main(argv=None):
         if finite:
             optimizer.step()
             loop["nonfinite_in_a_row"] = 0
+            if args.qk_clip:
+                loop["qk_clipped"] = loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
         model.zero_grad(set_to_none=True)
         train_loss = (loss_sum / grad_accum).item()  # this rank's loss; syncs the device
         t2 = time.perf_counter()
@@ -372,6 +385,8 @@ def main(argv=None):
                     f"| lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
             if peak:
                 line += f" | mfu {100 * flops_per_token * tok_per_s / (peak * world_size):.1f}%"
+            if args.qk_clip:
+                line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
             if step_times:
                 eta = statistics.median(step_times) * (num_iterations - step)
                 line += f" | eta {eta / 60:.1f}m"

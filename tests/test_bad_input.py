@@ -90,6 +90,8 @@ CASES = {
     "nonfinite-steps": (lambda *_: train("--max-nonfinite-steps", "0"), "--max-nonfinite-steps must be >= 1"),
     "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
     "no-cuda": (lambda *_: train("--device-type", "cuda"), "torch sees no CUDA device; use --device-type cpu"),
+    "qk-clip-norm": (lambda *_: train("--qk-clip", "50"), "--qk-clip has nothing to do with QK-norm on"),
+    "qk-clip-value": (lambda *_: train("--no-qk-norm", "--qk-clip", "-1"), "--qk-clip must be a finite number >= 0"),
     "fsdp-alone": (lambda *_: train("--fsdp"), "--fsdp shards the model over torchrun processes; launch with torchrun"),
     "fsdp-torch-muon": (lambda *_: train("--fsdp", "--optimizer", "torch-muon"),
                         "--fsdp needs a nanomuon optimizer variant"),

@@ -187,3 +187,43 @@ def test_every_optimizer_variant_builds_and_steps(variant):
     model(torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))).backward()
     opt.step()
     assert any(not torch.equal(b, p) for b, p in zip(before, matrices["params"]))
+
+
+def hand_max_logits(model, idx):
+    """Each head's largest causal q.k / sqrt(head_dim), recomputed in float64 from the layer-0 weights."""
+    attn = model.blocks[0].attn
+    B, T = idx.shape
+    x = F.rms_norm(model.wte(idx), (model.config.n_embd,)).double()
+    cos, sin = model.cos[:, :T].double(), model.sin[:, :T].double()
+    q = (x @ attn.c_q.weight.double().T).view(B, T, attn.n_head, attn.head_dim)
+    k = (x @ attn.c_k.weight.double().T).view(B, T, attn.n_kv_head, attn.head_dim)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k = k.repeat_interleave(attn.n_head // attn.n_kv_head, dim=2)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) / attn.head_dim ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_tracked_logits_and_qk_clip(n_kv_head):
+    """Without QK-norm: the tracked per-head max logits match a float64 recomputation, and after
+    model.qk_clip_(tau) the same batch's logits are all at or below tau."""
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=16, vocab_size=50, n_layer=1, n_head=4, n_kv_head=n_kv_head, n_embd=32,
+                       qk_norm=False)
+    model = GPT(config)
+    model.init_weights()
+    with torch.no_grad():
+        model.blocks[0].attn.c_q.weight.mul_(8)  # large logits, as a diverging run would have
+    idx = torch.randint(0, 50, (3, 16))
+    model.track_max_logits()
+    model(idx)
+    tracked = model.blocks[0].attn.max_logits
+    torch.testing.assert_close(tracked.double(), hand_max_logits(model, idx), rtol=1e-4, atol=1e-4)
+    tau = tracked.median().item()
+    assert model.qk_clip_(tau) == int((tracked > tau).sum()) > 0
+    after = hand_max_logits(model, idx)
+    assert torch.all(after <= tau * (1 + 1e-4)), (after, tau)
+    model.track_max_logits(False)
+    with pytest.raises(RuntimeError, match="call model.track_max_logits"):
+        model.qk_clip_(tau)

@@ -235,6 +235,17 @@ def test_single_process_and_gradient_accumulation(base):
     assert "1 processes x 2 accumulation steps" in p.stdout
 
 
+def test_qk_clip_run(base):
+    """--no-qk-norm --qk-clip with a tiny tau: heads get clipped every step, and the run trains and saves."""
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1", "--run", "clip",
+             "--no-qk-norm", "--qk-clip", "0.5"]
+    p = run([sys.executable, "-m", "scripts.base_train", *flags], base)
+    counts = [int(c) for c in re.findall(r"qk-clipped heads (\d+)", p.stdout)]
+    assert len(counts) == 3 and counts[0] > 0 and counts == sorted(counts), p.stdout
+    _, meta = load_checkpoint(base / "runs" / "clip", 3, ())
+    assert meta["model_config"]["qk_norm"] is False
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A save that dies midway leaves no step directory; the next save clears the debris."""
     calls = {"n": 0}
