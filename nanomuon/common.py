@@ -107,9 +107,10 @@ def tensors_finite(tensors) -> bool:
     an element is (short of a finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm
     takes a few kernels, not two per tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
+    device = local[0].device if local else "cpu"
     local = [t for t in local if t.numel()]
-    ok = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all() if local else torch.tensor(True)
-    ok = ok.to(torch.int32)
+    ok = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all() if local else None
+    ok = (ok if ok is not None else torch.tensor(True, device=device)).to(torch.int32)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())

@@ -19,7 +19,7 @@ Optional muon keys; their defaults reproduce nanochat:
                             sqrt(max(rows, cols)); 'unit_rms' sqrt(rows/cols).
     extra_scale=1.0         one more factor on the lr.
     weight_decay_mode='decoupled'   or 'l2': add weight_decay * param to the gradient before momentum.
-    comm_precision='fp32'   'bf16' halves the traffic of the sharded path (DTensor params, sharded.py).
+    comm_precision='fp32'   'bf16' halves the all_to_all traffic of sharded_mode 'owner' (DTensor params).
     qkv_split=None          (q, k, v) row counts: the group's params are fused [Q; K; V] weights, each block
                             orthogonalized on its own (Megatron's split_qkv).
     sharded_mode='owner'    how DTensor params are orthogonalized: 'owner' (exact: whole matrices on one rank),
@@ -104,8 +104,10 @@ def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dty
     X = X / (norm * safety + eps)
     for a, b, c in coeffs:
         A = X @ X.mT
-        if shard is not None:
-            shard[0](A)
+        if shard is not None:  # sum the partial Grams in fp32, whatever the iteration's dtype
+            A32 = A.float()
+            shard[0](A32)
+            A = A32.to(A.dtype)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if tall:
@@ -595,14 +597,28 @@ class MuonAdamW(torch.optim.Optimizer):
                              f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
                              "into MuonAdamW or at another world size")
         _check_state_shapes(self.param_groups, state_dict)
-        super().load_state_dict(state_dict)
-        self._loaded()
+        self._torch_load(state_dict)
 
-    def _loaded(self) -> None:
-        """After torch's load_state_dict: groups saved before an option existed get its default."""
-        for group in self.param_groups:
+    # How params are laid out and sharded is this run's choice, not the checkpoint's.
+    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split")
+
+    def _torch_load(self, state_dict: dict) -> None:
+        """torch's load_state_dict, then: this run's structural options kept (torch restores the saved
+        group values), defaults for options newer than the checkpoint, and second moments back in fp32
+        (torch casts state to the param dtype)."""
+        keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        for group, kept in zip(self.param_groups, keep):
+            group.update(kept)
             for key, default in OPTIONAL_KEYS[group["kind"]].items():
                 group.setdefault(key, default)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        for pid, st in state_dict["state"].items():
+            second = st.get("second_momentum_buffer")
+            if second is not None:  # the saved fp32 values, not torch's copy cast to the param dtype
+                p = params[saved_ids.index(pid)]
+                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
     def full_state_dict(self) -> dict:
@@ -912,8 +928,7 @@ class DistMuonAdamW(MuonAdamW):
                              f"{self.rank} of {self.world_size}; to change world size, save with full_state_dict() "
                              "and load with load_full_state_dict()")
         state_dict = {k: v for k, v in state_dict.items() if k != "nanomuon_shard"}
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
-        self._loaded()
+        self._torch_load(state_dict)
 
     def full_state_dict(self) -> dict:
         """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format.
@@ -993,5 +1008,4 @@ class DistMuonAdamW(MuonAdamW):
             mine[pid] = {k: (v.reshape(-1)[lo:hi].clone() if isinstance(v, Tensor) and v.dim() > 0 else v)
                          for k, v in st.items()}
         sharded = {"state": mine, "param_groups": state_dict["param_groups"]}
-        torch.optim.Optimizer.load_state_dict(self, sharded)
-        self._loaded()
+        self._torch_load(sharded)

@@ -193,14 +193,16 @@ def group_plan(opt, group: dict) -> tuple[list[DTensor], dict]:
 def cut_of(p: DTensor):
     """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process group of the ranks
     holding its slices), or None when every rank holds whole matrices (experts split along dim 0)."""
-    mesh_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
+    # Shard and FSDP2's _StridedShard (which is not a Shard subclass) both cut a dim
+    mesh_dims = [i for i, pl in enumerate(p.placements) if hasattr(pl, "dim") and not pl.is_partial()]
     cut = {p.placements[i].dim % p.ndim - p.ndim for i in mesh_dims}
     if not mesh_dims or cut <= set(range(-p.ndim, -2)):
         return None
-    if len(cut) != 1 or (len(mesh_dims) > 1 and len(mesh_dims) != p.device_mesh.ndim):
+    whole_world = sorted(p.device_mesh.mesh.flatten().tolist()) == list(range(dist.get_world_size()))
+    if len(cut) != 1 or (len(mesh_dims) > 1 and (len(mesh_dims) != p.device_mesh.ndim or not whole_world)):
         raise ValueError(f"sharded_mode='distributed' needs each matrix cut along one of its dims, by one mesh dim or "
-                         f"by all of them; a param of shape {tuple(p.shape)} has placements {p.placements}. Use "
-                         "sharded_mode='owner' (exact for any placement) for it")
+                         f"by all dims of a mesh over every rank; a param of shape {tuple(p.shape)} has placements "
+                         f"{p.placements}. Use sharded_mode='owner' (exact for any placement) for it")
     group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None  # None: the default group
     return cut.pop(), group
 
@@ -334,13 +336,17 @@ def muon_step_modes(opt, group: dict) -> None:
                                               group["cautious_wd"], not l2)
 
 
-def _second_moment_holders(opt, params: list[DTensor]) -> list[int]:
-    """For each param, the rank holding its second moment (its owner), or -1 where none exists yet."""
+def _second_moment_holders(opt, group: dict, params: list[DTensor]) -> list[int]:
+    """For each param, the rank whose second moment counts (the owner, or rank 0 in 'duplicated' mode,
+    where all hold the same), or -1 where it has none yet."""
     device = params[0].to_local().device
     has = torch.tensor([int("second_momentum_buffer" in opt.state.get(p, {})) for p in params], device=device)
     every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
     dist.all_gather(every, has)
-    return [next((r for r, h in enumerate(every) if h[i]), -1) for i in range(len(params))]
+    if group["sharded_mode"] == "owner":
+        owner = group_plan(opt, group)[1]["owner"]
+        return [owner[i] if every[owner[i]][i] else -1 for i in range(len(params))]
+    return [0 if every[0][i] else -1 for i in range(len(params))]
 
 
 def full_state(opt, sd: dict) -> dict:
@@ -358,13 +364,13 @@ def full_state(opt, sd: dict) -> dict:
                     st[name] = v.full_tensor()
         if group["kind"] != "muon" or not dparams:
             continue
-        for p, holder in zip(dparams, _second_moment_holders(opt, dparams)):
+        for p, holder in zip(dparams, _second_moment_holders(opt, group, dparams)):
             if holder < 0:
                 continue
             shape, dtype = muon_state_layout(p)["second_momentum_buffer"]
             st = state.setdefault(index[id(p)], {})
-            t = st.get("second_momentum_buffer")
-            t = t.clone() if t is not None else torch.empty(shape, dtype=dtype, device=p.to_local().device)
+            t = st.get("second_momentum_buffer") if dist.get_rank() == holder else None
+            t = t.to(dtype).clone() if t is not None else torch.empty(shape, dtype=dtype, device=p.to_local().device)
             dist.broadcast(t, src=holder)
             st["second_momentum_buffer"] = t
     return dict(sd, state=state)
@@ -387,7 +393,7 @@ def shard_state(opt, sd: dict) -> dict:
         if group["kind"] != "muon" or not any(isinstance(p, DTensor) for p in group["params"]):
             continue
         _check_whole_state_mode(group)
-        if group["sharded_mode"] == "duplicated":  # every rank orthogonalizes the whole matrix
+        if group["sharded_mode"] != "owner":  # duplicated: every rank orthogonalizes the whole matrix
             owned |= {id(p) for p in group["params"]}
             continue
         dparams, plan = group_plan(opt, group)
@@ -404,7 +410,8 @@ def shard_state(opt, sd: dict) -> dict:
             if name == "second_momentum_buffer" and id(p) not in owned:
                 continue
             if isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape):
-                v = DTensor.from_local(v[_slices(offset, shape)].to(p.to_local().device).contiguous(),
+                # clone: a view would keep the whole checkpoint tensor alive on every rank
+                v = DTensor.from_local(v[_slices(offset, shape)].to(p.to_local().device).clone(),
                                        p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             mine[name] = v
         state[pid] = mine

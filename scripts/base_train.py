@@ -251,6 +251,7 @@ def main(argv=None):
                 print0(f"resharded the data loader from {meta['world_size']} to {world_size} processes: the same "
                        "documents, read in a different order from here on")
             loop = dict(loop, **meta["loop"])
+            del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
             print0(f"resumed {run_dir} at step {step}")
 
     except (FileNotFoundError, ValueError) as e:
@@ -352,6 +353,7 @@ def main(argv=None):
             loop["nonfinite_in_a_row"] = 0
             if args.qk_clip:
                 loop["qk_clipped"] = loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
+                model.track_max_logits(False)  # evals and samples need no logits
         model.zero_grad(set_to_none=True)
         train_loss = (loss_sum / grad_accum).item()  # this rank's loss; syncs the device
         t2 = time.perf_counter()

@@ -285,6 +285,32 @@ def test_state_dict_round_trip_continues_identically():
     assert opt_c.state[c[3]]["step"] == 10
 
 
+def test_load_keeps_fp32_second_moments_and_this_runs_layout_options():
+    """torch's load_state_dict casts state to the param dtype and restores the saved group options; the
+    tiny fp32 second moment must come back exact, and how params are sharded stays this run's choice."""
+    params = make_params([(16, 8), (16, 8)], dtype=torch.bfloat16)
+    opt = MuonAdamW([muon_group(params, sharded_mode="duplicated", comm_precision="bf16")])
+    g = torch.Generator().manual_seed(3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["second_momentum_buffer"].dtype == torch.float32
+    fresh = MuonAdamW([muon_group(clone_params(params))])
+    fresh.load_state_dict(io_round_trip(saved))
+    for p, q in zip(fresh.param_groups[0]["params"], params):
+        got, want = fresh.state[p]["second_momentum_buffer"], opt.state[q]["second_momentum_buffer"]
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert fresh.param_groups[0]["sharded_mode"] == "owner" and fresh.param_groups[0]["comm_precision"] == "fp32"
+
+
+def io_round_trip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
 def test_lr_scheduler_drives_group_lr():
     a = make_params([(16, 24), (30,)])
     b = clone_params(a)

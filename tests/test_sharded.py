@@ -277,7 +277,7 @@ class MLP(torch.nn.Module):
         return self.head(self.down(torch.relu(self.up(self.embed(x)))))
 
 
-def _tp_worker(rank, world_size):
+def _tp_worker(rank, world_size, mode):
     torch.manual_seed(0)
     model, ref = MLP(), MLP()
     ref.load_state_dict(model.state_dict())
@@ -286,10 +286,14 @@ def _tp_worker(rank, world_size):
     fully_shard(model, mesh=mesh["dp"])  # FSDP2 x TP: "up" ends up (_StridedShard, Shard) on the 2-D mesh
     assert model.up.weight.device_mesh.ndim == 2 and len(model.down.weight.placements) == 2
 
-    def make(m):
-        return MuonAdamW(groups([m.up.weight, m.down.weight], [m.embed.weight, m.head.weight]))
+    def make(m, mode="owner"):
+        # "down" is cut along both dims ((Shard(0), Shard(1))), which 'distributed' refuses: it stays 'owner'
+        down_mode = "owner" if mode == "distributed" else mode
+        muon_up, adamw = groups([m.up.weight], [m.embed.weight, m.head.weight], sharded_mode=mode)
+        muon_down, _ = groups([m.down.weight], [], sharded_mode=down_mode)
+        return MuonAdamW([muon_up, muon_down, adamw])
 
-    opt, ref_opt = make(model), make(ref)
+    opt, ref_opt = make(model, mode), make(ref)
     dp = mesh["dp"].get_local_rank()
     for step in range(3):
         g = torch.Generator().manual_seed(step * 10 + dp)
@@ -307,9 +311,12 @@ def _tp_worker(rank, world_size):
         assert_same(name, p, q, 2e-5)
 
 
-@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.slow)])
-def test_fsdp2_x_tensor_parallel_equals_unsharded(world_size):
-    spawn(_tp_worker, world_size)
+@pytest.mark.parametrize("world_size, mode", [(4, "owner"), (4, "distributed"), (4, "duplicated"),
+                                              pytest.param(8, "owner", marks=pytest.mark.slow)])
+def test_fsdp2_x_tensor_parallel_equals_unsharded(world_size, mode):
+    """FSDP2 over TP: "up" is (_StridedShard(0), Shard(0)) on the 2-D mesh, so 'distributed' must sum
+    over both mesh dims."""
+    spawn(_tp_worker, world_size, mode)
 
 
 def _refuse_worker(rank, world_size):
@@ -317,10 +324,16 @@ def _refuse_worker(rank, world_size):
     p = torch.nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)]))
     with pytest.raises(ValueError, match="is a DTensor .* use MuonAdamW"):
         DistMuonAdamW(groups([p], []))
+    mesh2 = init_device_mesh("cpu", (2, world_size // 2))
+    q = torch.nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh2, [Shard(0), Shard(1)]))
+    q.grad = distribute_tensor(torch.ones(8, 8), mesh2, [Shard(0), Shard(1)])
+    with pytest.raises(ValueError, match="needs each matrix cut along one of its dims"):
+        MuonAdamW(groups([q], [], sharded_mode="distributed")).step()
 
 
-def test_dist_optimizer_refuses_dtensors():
-    spawn(_refuse_worker, 2)
+def test_refusals():
+    """DistMuonAdamW refuses DTensors; 'distributed' refuses a matrix cut along both dims."""
+    spawn(_refuse_worker, 4)
 
 
 def test_bench_sharded_runs_every_mode(capfd):
