@@ -264,9 +264,10 @@ class GPT(nn.Module):
             g["initial_lr"] = g["lr"]
         if torch_baseline:
             return TorchMuonAdamW(groups)
-        # Under torch.distributed, replicated params need DistMuonAdamW to average their grads; DTensor
-        # params (FSDP2, tensor parallel) arrive reduced, and MuonAdamW updates them sharded.
-        replicated = not any(isinstance(p, DTensor) for p in self.parameters())
+        # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their grads;
+        # DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model needs no more
+        # than MuonAdamW. Both update DTensor params sharded (sharded.py).
+        replicated = any(not isinstance(p, DTensor) for p in self.parameters())
         cls = DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated else MuonAdamW
         return cls(groups, compile=compile)
 

@@ -721,6 +721,10 @@ class DistMuonAdamW(MuonAdamW):
 
     state_dict() is this rank's shard; full_state_dict() gathers the world-size-independent form (the
     same format as MuonAdamW.state_dict()), which load_full_state_dict() loads at any world size.
+
+    DTensor params (FSDP2, tensor parallel) may sit in the same groups, say FSDP2 blocks next to a
+    replicated embedding: their grads arrive reduced, so they skip the reductions above and are
+    updated sharded, as MuonAdamW does (sharded.py).
     """
 
     SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
@@ -733,11 +737,7 @@ class DistMuonAdamW(MuonAdamW):
         super().__init__(param_groups, compile=compile)
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
-                if isinstance(p, DTensor):
-                    raise ValueError(f"{_group_label(i, group)}, param {j} is a DTensor (FSDP2 or tensor parallel): "
-                                     "its grads are already reduced and it is sharded; use MuonAdamW, which "
-                                     "updates DTensor params in place, sharded (nanomuon/sharded.py)")
-                if not p.is_contiguous():
+                if not isinstance(p, DTensor) and not p.is_contiguous():
                     raise ValueError(f"{_group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
                                      "memory and needs contiguous params; use p.data = p.data.contiguous()")
         self.pg = process_group
@@ -776,8 +776,9 @@ class DistMuonAdamW(MuonAdamW):
         for gi, group in enumerate(self.param_groups):
             if group["kind"] != "muon":
                 continue
-            for bucket in buckets(group["params"]):
-                params = [group["params"][i] for i in bucket]
+            plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+            for bucket in buckets(plain):
+                params = [plain[i] for i in bucket]
                 muon_buckets.append(dict(group=gi, params=params, cost=ns_flops(params[0].shape, group["ns_steps"])))
         plan = assign_owners([(len(b["params"]), b["cost"]) for b in muon_buckets], self.world_size)
         for b, slots in zip(muon_buckets, plan):
@@ -813,7 +814,7 @@ class DistMuonAdamW(MuonAdamW):
         small_by_dtype = defaultdict(list)
         for g in self.param_groups:
             for p in g["params"]:
-                if g["kind"] == "adamw" and active[p] and p.numel() < self.SMALL:
+                if g["kind"] == "adamw" and active[p] and p.numel() < self.SMALL and not isinstance(p, DTensor):
                     small_by_dtype[p.dtype].append(p)
         small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
         for ps in small_by_dtype.values():
@@ -824,7 +825,7 @@ class DistMuonAdamW(MuonAdamW):
             if g["kind"] != "adamw":
                 continue
             for p in g["params"]:
-                if not active[p] or p.numel() < self.SMALL:
+                if not active[p] or p.numel() < self.SMALL or isinstance(p, DTensor):
                     continue
                 shard, _, _ = self._shard_range(p.numel())
                 flat = grad_or_zeros(p).reshape(-1)
@@ -855,6 +856,9 @@ class DistMuonAdamW(MuonAdamW):
             if group["kind"] == "adamw":
                 for p in group["params"]:
                     if not active[p]:
+                        continue
+                    if isinstance(p, DTensor):  # already reduced and sharded: update the local shard
+                        self._adamw_math(group, p, p.grad, self.state[p])
                         continue
                     if p.numel() < self.SMALL:
                         if small_grads is None:
@@ -891,6 +895,9 @@ class DistMuonAdamW(MuonAdamW):
                     # Slots of params without grads (and padding) carry junk; phase 3 never copies them.
                     chunk[idx] = self._muon_math(group, mine, grads, idx)
                 gathers.append((self._all_gather(send, chunk), (b, send)))
+            if any(isinstance(p, DTensor) for p in group["params"]):  # FSDP2 / TP params: sharded.py
+                from nanomuon.sharded import muon_step_sharded
+                muon_step_sharded(self, group)
 
         # Phase 3: wait for the gathers and write results into the params.
         for work, target in gathers:
@@ -946,6 +953,9 @@ class DistMuonAdamW(MuonAdamW):
         has = dict(zip(params, has.tolist()))
         full = {p: {} for p in params if has[p]}
         for p, kind in zip(params, kinds):
+            if isinstance(p, DTensor) and has[p]:  # sharded.full_state gathers these below
+                full[p] = dict(self.state[p])
+                continue
             if kind != "adamw" or not has[p]:
                 continue
             st = self.state[p]
@@ -982,6 +992,9 @@ class DistMuonAdamW(MuonAdamW):
         sd = torch.optim.Optimizer.state_dict(self)
         index = {id(p): k for k, p in enumerate(params)}
         sd["state"] = {index[id(p)]: st for p, st in full.items()}
+        if any(isinstance(p, DTensor) for p in params):
+            from nanomuon.sharded import full_state
+            sd = full_state(self, sd)
         return sd
 
     def load_full_state_dict(self, state_dict: dict) -> None:
@@ -989,14 +1002,20 @@ class DistMuonAdamW(MuonAdamW):
         if "nanomuon_shard" in state_dict:
             raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
         _check_state_shapes(self.param_groups, state_dict)
-        plan = self._get_plan()
         params = [p for g in self.param_groups for p in g["params"]]
+        if any(isinstance(p, DTensor) for p in params):  # their entries become this rank's DTensor shards
+            from nanomuon.sharded import shard_state
+            state_dict = shard_state(self, state_dict)
+        plan = self._get_plan()
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {p for b in plan["muon"] for i in b["mine"] for p in [b["params"][i]]}
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         mine = {}
         for pid, st in state_dict["state"].items():
             p = params[saved_ids.index(pid)]
+            if isinstance(p, DTensor):
+                mine[pid] = st
+                continue
             if kinds[p] == "muon":
                 if p in owned:
                     mine[pid] = dict(st)

@@ -48,8 +48,12 @@ def full_values(shapes, seed):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def assert_same(name, sharded, plain, atol):
-    torch.testing.assert_close(sharded.full_tensor(), plain.detach(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(full(sharded).detach(), plain.detach(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 def assert_state_matches(full, ref_state, atol):
@@ -228,41 +232,75 @@ def rank_batch(rank, vocab, seq):
     return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(0, vocab, (2, seq), generator=g)
 
 
-def _fsdp_gpt_worker(rank, world_size):
+def _fsdp_gpt_worker(rank, world_size, shard_root):
+    """shard_root: every param is a DTensor (MuonAdamW); else the blocks are FSDP2 DTensors next to a
+    replicated embedding and head whose per-rank grads DistMuonAdamW must average."""
     vocab, seq = 64, 16
     config = config_from_depth(2, vocab, seq, aspect_ratio=32, head_dim=16)
     torch.manual_seed(0)
     model, ref = GPT(config), GPT(config)
     model.init_weights()
     ref.load_state_dict(model.state_dict())
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+
+    def shard(m):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        if shard_root:
+            fully_shard(m, mesh=mesh)
+        return m
+
     # the reference's grads are the same on every rank, so its DistMuonAdamW is the single-device update
     # Grads differ from the reference in summation order only. Two things amplify that: AdamW turns near-zero
     # grads into near-sign steps (so keep its lrs small), and cautious decay's mask flips where the update is
     # near zero (so decay is off here; the placement tests above cover it with identical inputs).
-    opt, ref_opt = (m.setup_optimizer(embedding_lr=0.01, unembedding_lr=0.004, weight_decay=0.0) for m in (model, ref))
-    assert type(opt) is MuonAdamW and type(ref_opt) is DistMuonAdamW
-    assert all(isinstance(p, DTensor) for p in model.parameters())
-    for step in range(3):
-        x, y = rank_batch(rank + 10 * step, vocab, seq)
-        model(x, y).backward()  # FSDP2 reduce-scatters the mean grad
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for r in range(world_size):  # the reference sees every rank's batch: the same mean grad
-            x, y = rank_batch(r + 10 * step, vocab, seq)
-            (ref(x, y) / world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    def optimizer(m):
+        return m.setup_optimizer(embedding_lr=0.01, unembedding_lr=0.004, weight_decay=0.0)
+
+    model = shard(model)
+    opt, ref_opt = optimizer(model), optimizer(ref)
+    assert type(opt) is (MuonAdamW if shard_root else DistMuonAdamW) and type(ref_opt) is DistMuonAdamW
+    assert all(isinstance(p, DTensor) for p in model.parameters()) == shard_root
+
+    def train(m, o, steps):
+        for step in steps:
+            x, y = rank_batch(rank + 10 * step, vocab, seq)
+            m(x, y).backward()  # FSDP2 reduce-scatters the mean grad of its params
+            o.step()
+            o.zero_grad(set_to_none=True)
+            for r in range(world_size):  # the reference sees every rank's batch: the same mean grad
+                x, y = rank_batch(r + 10 * step, vocab, seq)
+                (ref(x, y) / world_size).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+
+    train(model, opt, range(3))
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_same(name, p, q, 2e-5)
+    if not shard_root:  # replicated params stay bitwise identical across ranks
+        every = [torch.empty_like(model.wte.weight) for _ in range(world_size)]
+        dist.all_gather(every, model.wte.weight.detach())
+        assert all(torch.equal(e, every[0]) for e in every)
+    # the whole state is the unsharded one; a fresh sharded model resumes from it (and from its weights)
+    saved = opt.full_state_dict()
+    assert_state_matches(saved, ref_opt.full_state_dict(), 2e-5)
+    weights = {k: full(v).clone() for k, v in model.state_dict().items()}
+    again = GPT(config)
+    again.load_state_dict(start)
+    again.load_state_dict(weights)
+    again = shard(again)
+    opt2 = optimizer(again)
+    opt2.load_full_state_dict(copy.deepcopy(saved))
+    train(again, opt2, range(3, 5))
+    for (name, p), q in zip(again.named_parameters(), ref.parameters()):
+        assert_same(f"resumed {name}", p, q, 2e-5)
 
 
+@pytest.mark.parametrize("shard_root", [True, False], ids=["all-fsdp", "fsdp-blocks-replicated-rest"])
 @pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
-def test_fsdp2_gpt_equals_unsharded(world_size):
-    spawn(_fsdp_gpt_worker, world_size)
+def test_fsdp2_gpt_equals_unsharded(world_size, shard_root):
+    spawn(_fsdp_gpt_worker, world_size, shard_root)
 
 
 class MLP(torch.nn.Module):
@@ -320,10 +358,6 @@ def test_fsdp2_x_tensor_parallel_equals_unsharded(world_size, mode):
 
 
 def _refuse_worker(rank, world_size):
-    mesh = init_device_mesh("cpu", (world_size,))
-    p = torch.nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match="is a DTensor .* use MuonAdamW"):
-        DistMuonAdamW(groups([p], []))
     mesh2 = init_device_mesh("cpu", (2, world_size // 2))
     q = torch.nn.Parameter(distribute_tensor(torch.ones(8, 8), mesh2, [Shard(0), Shard(1)]))
     q.grad = distribute_tensor(torch.ones(8, 8), mesh2, [Shard(0), Shard(1)])
@@ -332,7 +366,7 @@ def _refuse_worker(rank, world_size):
 
 
 def test_refusals():
-    """DistMuonAdamW refuses DTensors; 'distributed' refuses a matrix cut along both dims."""
+    """'distributed' refuses a matrix cut along both dims."""
     spawn(_refuse_worker, 4)
 
 
