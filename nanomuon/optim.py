@@ -26,9 +26,13 @@ Optional muon keys; their defaults reproduce nanochat:
                             'duplicated', 'distributed' or 'blockwise' (Megatron's TP modes; see sharded.py).
 Any optional group key may be 'name', a label used in error messages.
 
-The update math is written once, in adamw_update() and muon_update(); both classes call those same
-functions, eagerly or through torch.compile, so the single-device and distributed paths cannot drift.
-Hyperparameters reach the compiled functions as 0-D CPU tensors so LR schedules never recompile.
+The update math is written once, in adamw_update() and muon_update() (itself muon_momentum ->
+muon_direction -> muon_apply); both classes call those same functions, eagerly or through
+torch.compile, so the single-device and distributed paths cannot drift. Hyperparameters reach the
+compiled functions as 0-D CPU tensors so LR schedules never recompile.
+
+DTensor params (FSDP2, tensor parallel) are updated in place, sharded, by either class: sharded.py
+runs the same three Muon stages with all_to_all (or Megatron's modes) between them.
 """
 
 import math
