@@ -263,7 +263,7 @@ def bench_imbalance(args):
     return dict(ours=res["DistMuonAdamW"], chunks=res["nanochat chunks"])
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depth", type=int, default=12, help="model depth for the step and NS timings")
     parser.add_argument("--imbalance-depth", type=int, default=20, help="model depth for the ownership imbalance")
@@ -275,7 +275,7 @@ def main():
                         help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off for CPU)")
     parser.add_argument("--ns-precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="Newton-Schulz precision, both optimizers (auto: bf16 on CUDA, fp32 elsewhere)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
     precision = resolve_ns_precision(args.ns_precision, device)  # MuonAdamW's rule, so the baseline matches

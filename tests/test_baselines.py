@@ -120,3 +120,12 @@ def _dist_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_averages_grads_and_stays_replicated(world_size):
     spawn(_dist_worker, world_size)
+
+
+def test_bench_optim_runs(capsys):
+    """The optimizer benchmark (ours vs this baseline) works end to end on a tiny model."""
+    from scripts.bench_optim import main
+
+    main(["--depth", "1", "--steps", "1", "--warmup", "0", "--imbalance-depth", "2"])
+    out = capsys.readouterr().out
+    assert "step d1" in out and "MuonAdamW" in out and "torch Muon+AdamW" in out, out
