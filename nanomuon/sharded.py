@@ -355,8 +355,9 @@ def full_state(opt, sd: dict) -> dict:
     index = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     state = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
     for group in opt.param_groups:
-        _check_whole_state_mode(group)
         dparams = [p for p in group["params"] if isinstance(p, DTensor)]
+        if dparams:
+            _check_whole_state_mode(group)
         for p in dparams:
             st = state.get(index[id(p)], {})
             for name, v in st.items():
