@@ -425,6 +425,17 @@ def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:
         raise ValueError(f"{where}: grad shape {tuple(g.shape)} differs from param shape {tuple(p.shape)}")
 
 
+def has_dtensors(params) -> bool:
+    """Whether any of these params is a DTensor (FSDP2, tensor parallel): those go through sharded.py."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def saved_params(param_groups: list[dict], state_dict: dict) -> dict:
+    """Saved param id -> this optimizer's param, matched by position across the groups."""
+    saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    return dict(zip(saved_ids, (p for g in param_groups for p in g["params"])))
+
+
 def buckets(params: list[Tensor]) -> list[list[int]]:
     """Indices of params grouped by (shape, dtype, device), in order of first appearance."""
     by_key = defaultdict(list)
@@ -616,12 +627,11 @@ class MuonAdamW(torch.optim.Optimizer):
             group.update(kept)
             for key, default in OPTIONAL_KEYS[group["kind"]].items():
                 group.setdefault(key, default)
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = saved_params(self.param_groups, state_dict)
         for pid, st in state_dict["state"].items():
             second = st.get("second_momentum_buffer")
             if second is not None:  # the saved fp32 values, not torch's copy cast to the param dtype
-                p = params[saved_ids.index(pid)]
+                p = by_id[pid]
                 self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
@@ -630,14 +640,14 @@ class MuonAdamW(torch.optim.Optimizer):
         (FSDP2, tensor parallel) their state is gathered, a collective to call on every rank. The same
         format as DistMuonAdamW.full_state_dict(), so checkpoints move between the three setups."""
         sd = self.state_dict()
-        if not any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+        if not has_dtensors(p for g in self.param_groups for p in g["params"]):
             return sd
         from nanomuon.sharded import full_state
         return full_state(self, sd)
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a full state (full_state_dict() of any of the optimizers, at any world size)."""
-        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+        if has_dtensors(p for g in self.param_groups for p in g["params"]):
             from nanomuon.sharded import shard_state
             _check_state_shapes(self.param_groups, state_dict)
             state_dict = shard_state(self, state_dict)
@@ -662,7 +672,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     if p.grad is not None:
                         self._adamw_math(group, p, p.grad, self.state[p])
                 continue
-            if any(isinstance(p, DTensor) for p in params):
+            if has_dtensors(params):
                 from nanomuon.sharded import muon_step_sharded
                 muon_step_sharded(self, group)
             params = [p for p in params if not isinstance(p, DTensor)]
@@ -899,7 +909,7 @@ class DistMuonAdamW(MuonAdamW):
                     # Slots of params without grads (and padding) carry junk; phase 3 never copies them.
                     chunk[idx] = self._muon_math(group, mine, grads, idx)
                 gathers.append((self._all_gather(send, chunk), (b, send)))
-            if any(isinstance(p, DTensor) for p in group["params"]):  # FSDP2 / TP params: sharded.py
+            if has_dtensors(group["params"]):  # FSDP2 / TP params: sharded.py
                 from nanomuon.sharded import muon_step_sharded
                 muon_step_sharded(self, group)
 
@@ -996,7 +1006,7 @@ class DistMuonAdamW(MuonAdamW):
         sd = torch.optim.Optimizer.state_dict(self)
         index = {id(p): k for k, p in enumerate(params)}
         sd["state"] = {index[id(p)]: st for p, st in full.items()}
-        if any(isinstance(p, DTensor) for p in params):
+        if has_dtensors(params):
             from nanomuon.sharded import full_state
             sd = full_state(self, sd)
         return sd
@@ -1007,16 +1017,16 @@ class DistMuonAdamW(MuonAdamW):
             raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
         _check_state_shapes(self.param_groups, state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        if any(isinstance(p, DTensor) for p in params):  # their entries become this rank's DTensor shards
+        if has_dtensors(params):  # their entries become this rank's DTensor shards
             from nanomuon.sharded import shard_state
             state_dict = shard_state(self, state_dict)
         plan = self._get_plan()
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {p for b in plan["muon"] for i in b["mine"] for p in [b["params"][i]]}
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = saved_params(self.param_groups, state_dict)
         mine = {}
         for pid, st in state_dict["state"].items():
-            p = params[saved_ids.index(pid)]
+            p = by_id[pid]
             if isinstance(p, DTensor):
                 mine[pid] = st
                 continue

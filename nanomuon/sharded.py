@@ -37,6 +37,7 @@ from nanomuon.optim import (
     NS_DTYPES,
     _kernel,
     assign_owners,
+    has_dtensors,
     muon_apply,
     muon_direction,
     muon_lr_multiplier,
@@ -46,6 +47,7 @@ from nanomuon.optim import (
     ns_coefficients,
     ns_flops,
     resolve_ns_precision,
+    saved_params,
 )
 
 CHUNK_PER_RANK = 4  # matrices each owner orthogonalizes per chunk: enough to stack, small enough to overlap
@@ -109,6 +111,17 @@ def build_plan(params: list[DTensor], ns_steps: int) -> dict:
     return dict(blocks=blocks, owner=owner, chunks=chunks, rank=dist.get_rank(), world=world)
 
 
+def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm_dtype):
+    """Launch one async all_to_all: pieces[r] (flat tensors) go to rank r, in comm_dtype.
+    Returns (work, receive buffer, send buffer); the send buffer must live until the work is done."""
+    send_counts = [sum(t.numel() for t in ps) for ps in pieces]
+    flat = [t for ps in pieces for t in ps]
+    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
+    recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
+    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
+    return work, recv, send
+
+
 def _gather(plan, params, chunk, g_local, comm_dtype):
     """Launch the all_to_all that sends every block of the chunk's matrices to their owners."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
@@ -117,15 +130,9 @@ def _gather(plan, params, chunk, g_local, comm_dtype):
         offset, shape, sends = blocks[rank][i]
         if sends and math.prod(shape):
             pieces[owner[i]].append(g_local[i].reshape(-1))
-    send_counts = [sum(t.numel() for t in ps) for ps in pieces]
-    flat = [t for ps in pieces for t in ps]
-    device = params[chunk[0]].to_local().device
-    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
     recv_counts = [sum(math.prod(blocks[src][i][1]) for i in chunk if owner[i] == rank and blocks[src][i][2])
                    for src in range(world)]
-    recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
-    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
-    return work, recv, send
+    return _all_to_all(pieces, recv_counts, params[chunk[0]].to_local().device, comm_dtype)
 
 
 def _assemble(plan, params, chunk, recv) -> dict:
@@ -155,14 +162,8 @@ def _scatter(plan, params, chunk, updates, comm_dtype):
             offset, shape, _ = blocks[dst][i]
             if math.prod(shape):
                 pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
-    send_counts = [sum(t.numel() for t in ps) for ps in pieces]
-    flat = [t for ps in pieces for t in ps]
-    device = params[chunk[0]].to_local().device
-    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
     recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in chunk if owner[i] == src) for src in range(world)]
-    recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
-    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
-    return work, recv, send
+    return _all_to_all(pieces, recv_counts, params[chunk[0]].to_local().device, comm_dtype)
 
 
 def _split_received(plan, chunk, recv) -> dict:
@@ -207,6 +208,30 @@ def cut_of(p: DTensor):
     return cut.pop(), group
 
 
+def _hyperparameters(opt, group: dict):
+    """What every stage takes from the group: (coefficients, safety, eps), the scalars, L2 decay or not."""
+    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=group["beta2"] or 0.0)
+    return ns_coefficients(group["ns_coefficients"], group["ns_steps"]), s, group["weight_decay_mode"] == "l2"
+
+
+def _momentum_local(opt, group: dict, p: DTensor, s: dict, l2: bool) -> Tensor:
+    """Stage 1 on p's local shard; the momentum buffer is a DTensor sharded like p."""
+    state = opt.state[p]
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(p)
+    return _kernel(muon_momentum, opt.compiled)(local(p.grad, p).clone(), local(state["momentum_buffer"], p),
+                                                p.to_local(), s["momentum"], s["wd"], group["nesterov"], l2)
+
+
+def _apply_local(opt, group: dict, p: DTensor, u: Tensor, matrix_shape, s: dict, l2: bool) -> None:
+    """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor."""
+    if not u.numel():
+        return
+    lr = group["lr"] * muon_lr_multiplier(matrix_shape, group["lr_scale"], group["extra_scale"])
+    _kernel(muon_apply, opt.compiled)(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"], group["cautious_wd"],
+                                      not l2)
+
+
 def muon_step_sharded(opt, group: dict) -> None:
     """One Muon step of `group` for its DTensor params, called by MuonAdamW.step(). Params without a
     grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
@@ -215,24 +240,12 @@ def muon_step_sharded(opt, group: dict) -> None:
     params, plan = group_plan(opt, group)
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
-    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+    (coeffs, safety, eps), s, l2 = _hyperparameters(opt, group)
     beta2 = group["beta2"]
-    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=beta2 or 0.0)
-    l2 = group["weight_decay_mode"] == "l2"
-    momentum_fn = _kernel(muon_momentum, opt.compiled)
     direction_fn = _kernel(muon_direction, opt.compiled)
-    apply_fn = _kernel(muon_apply, opt.compiled)
 
     def momentum_stage(chunk):
-        g = {}
-        for i in chunk:
-            p = params[i]
-            state = opt.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            g[i] = momentum_fn(local(p.grad, p).clone(), local(state["momentum_buffer"], p), p.to_local(),
-                               s["momentum"], s["wd"], group["nesterov"], l2)
-        return g
+        return {i: _momentum_local(opt, group, params[i], s, l2) for i in chunk}
 
     def direction_stage(full: dict) -> dict:
         by_shape = {}
@@ -257,14 +270,14 @@ def muon_step_sharded(opt, group: dict) -> None:
                     opt.state[params[i]]["second_momentum_buffer"].copy_(second[k])
         return out
 
-    def apply_stage(chunk, received):
+    def finish(pending):
+        """Wait for a chunk's scatter and apply its updates (views of the receive buffer, or cast copies:
+        ours to overwrite)."""
+        chunk, (work, recv, _send) = pending
+        work.wait()
+        received = _split_received(plan, chunk, recv)
         for i in chunk:
-            p = params[i]
-            u = received[i].to(p.dtype)  # a view of the receive buffer, or a cast copy: ours to overwrite
-            if not u.numel():  # an empty shard (uneven sharding)
-                continue
-            lr = group["lr"] * muon_lr_multiplier(p.shape, group["lr_scale"], group["extra_scale"])
-            apply_fn(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"], group["cautious_wd"], not l2)
+            _apply_local(opt, group, params[i], received[i].to(params[i].dtype), params[i].shape, s, l2)
 
     chunks = [c for c in ([i for i in chunk if i in active] for chunk in plan["chunks"]) if c]
     pending_gather = _gather(plan, params, chunks[0], momentum_stage(chunks[0]), comm_dtype) if chunks else None
@@ -276,15 +289,11 @@ def muon_step_sharded(opt, group: dict) -> None:
         work.wait()
         updates = direction_stage(_assemble(plan, params, chunk, recv))
         scatter = (chunk, _scatter(plan, params, chunk, updates, comm_dtype))
-        if pending_scatter is not None:
-            done_chunk, (w, r, _) = pending_scatter
-            w.wait()
-            apply_stage(done_chunk, _split_received(plan, done_chunk, r))
+        if pending_scatter is not None:  # the previous chunk's scatter finished while this one computed
+            finish(pending_scatter)
         pending_scatter = scatter
     if pending_scatter is not None:
-        done_chunk, (w, r, _) = pending_scatter
-        w.wait()
-        apply_stage(done_chunk, _split_received(plan, done_chunk, r))
+        finish(pending_scatter)
 
 
 def muon_step_modes(opt, group: dict) -> None:
@@ -295,18 +304,13 @@ def muon_step_modes(opt, group: dict) -> None:
     local block as a matrix of its own (no communication, but the update depends on the sharding: the
     block's shape sets its lr factor and variance reduction)."""
     mode = group["sharded_mode"]
-    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
+    (coeffs, safety, eps), s, l2 = _hyperparameters(opt, group)
     beta2 = group["beta2"]
-    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=beta2 or 0.0)
-    l2 = group["weight_decay_mode"] == "l2"
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
         state = opt.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        g = _kernel(muon_momentum, opt.compiled)(local(p.grad, p).clone(), local(state["momentum_buffer"], p),
-                                                 p.to_local(), s["momentum"], s["wd"], group["nesterov"], l2)
+        g = _momentum_local(opt, group, p, s, l2)
         shard, matrix_shape = None, p.shape
         if mode == "duplicated":
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
@@ -330,10 +334,7 @@ def muon_step_modes(opt, group: dict) -> None:
         if mode == "duplicated":
             offset, shape, _ = block_of(p)
             u = u[_slices(offset, shape)].clone()
-        if u.numel():
-            lr = group["lr"] * muon_lr_multiplier(matrix_shape, group["lr_scale"], group["extra_scale"])
-            _kernel(muon_apply, opt.compiled)(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"],
-                                              group["cautious_wd"], not l2)
+        _apply_local(opt, group, p, u, matrix_shape, s, l2)
 
 
 def _second_moment_holders(opt, group: dict, params: list[DTensor]) -> list[int]:
@@ -387,11 +388,10 @@ def _check_whole_state_mode(group: dict) -> None:
 def shard_state(opt, sd: dict) -> dict:
     """The inverse of full_state: a whole state (MuonAdamW.state_dict() format, any world size) cut down to
     this rank: param-shaped tensors to its DTensor blocks, second moments kept only on the owner."""
-    params = [p for g in opt.param_groups for p in g["params"]]
-    saved_ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    by_id = saved_params(opt.param_groups, sd)
     owned = set()  # params whose second moment this rank keeps
     for group in opt.param_groups:
-        if group["kind"] != "muon" or not any(isinstance(p, DTensor) for p in group["params"]):
+        if group["kind"] != "muon" or not has_dtensors(group["params"]):
             continue
         _check_whole_state_mode(group)
         if group["sharded_mode"] != "owner":  # duplicated: every rank orthogonalizes the whole matrix
@@ -401,7 +401,7 @@ def shard_state(opt, sd: dict) -> dict:
         owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
     state = {}
     for pid, st in sd["state"].items():
-        p = params[saved_ids.index(pid)]
+        p = by_id[pid]
         if not isinstance(p, DTensor):
             state[pid] = st
             continue
