@@ -1,147 +1,312 @@
 """
-The training data loader: documents in, (inputs, targets) token batches out, with exact resume.
+The training data loader: documents in, (inputs, targets) token batches out, every token of an epoch
+trained exactly once, in bounded memory, with exact resume.
 
 Why its own design rather than a torch DataLoader:
 - Distributed: global document k belongs to rank k % world_size, so ranks read disjoint documents
   whatever the shard and row-group sizes are.
-- Tokenizes on the fly (tiktoken, threaded), so changing the tokenizer needs no preprocessing pass.
-- Packs without padding or waste. Every row starts with a fresh document (BOS first). The oldest
-  buffered document opens each row, the rest of the row is filled best-fit: the longest buffered piece
-  that fits. When nothing fits, the oldest piece is cut to fill the row exactly and its remainder stays
-  buffered for a later row, so no token is dropped (nanochat's packer crops and drops it).
+- Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
+- Every token once per epoch. Each document's tokens (BOS first) land in exactly one row each. A row
+  is seq_len + 1 tokens and always starts with BOS:
+  - Rows open with the pending continuation if there is one, else with the oldest buffered document,
+    so no piece waits forever (the old packer opened rows with fresh documents only, and the leftovers
+    of long documents were never trained).
+  - A continuation opens its row as BOS, then the document's next tokens. The model always sees BOS
+    at position 0 (training never shows it a row without one), and the continuation's first token is a
+    target, so no token goes untrained. That BOS is the only token the packer inserts: at most one per
+    row, about 1 / seq_len of the tokens.
+  - The rest of the row is filled best-fit (the longest buffered document that fits whole). When none
+    fits, the oldest is cut at the row's end and its remainder becomes the continuation that opens the
+    next row. Continuations open rows only, never sit mid-row, so a document's text is never glued to
+    the middle of another's, and at most one continuation is pending.
+  - Rows never mix epochs: at the end of an epoch the buffer drains, and the last row is padded (targets
+    -1, ignored by the loss). Padding is at most one row per epoch per rank.
+- Bounded memory: at most buffer_size pieces are buffered. Documents longer than chunk_chars characters
+  are tokenized chunk by chunk (cut at line starts), so a 50 MB document never exists as one token list.
 - Prefetch: with prefetch=K a background thread packs up to K batches ahead (tiktoken releases the
   GIL), so tokenizing overlaps the training step; state_dict() still describes the last batch returned.
-- Exact resume: state_dict() names the buffered pieces by (epoch, document, offset) instead of storing
-  their tokens, and the next document to read. load_state_dict() re-reads and re-tokenizes them, so a
-  resumed run sees exactly the batches the uninterrupted run would have seen.
+- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) instead of
+  storing their tokens, plus the next document to read: O(buffer_size) small integers. load_state_dict()
+  re-reads and re-tokenizes them, so a resumed run sees exactly the batches the uninterrupted run would.
 - Resume at another process count: reshard_states() turns the N saved states into one for each of M new
-  ranks. Every document is still read exactly once per epoch; the batches differ from an uninterrupted
+  ranks. Every token is still trained exactly once per epoch; the batches differ from an uninterrupted
   run (other ranks pack other rows), so the run is the same run, not the same bits.
+- Validation (val_rows): the val split's documents in order, packed the same way with a one-document
+  buffer, so val bpb measures a contiguous stream of whole documents, the same at any process count.
 """
 
 import bisect
+import logging
 import queue
 import threading
+from array import array
 from collections import deque
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from nanomuon.dataset import list_shards, open_shard
 
+log = logging.getLogger("nanomuon")
+UNKNOWN = float("inf")  # the length of a document whose later chunks are not tokenized yet
+
+
+def chunk_end(text: str, start: int, chunk_chars: int) -> int:
+    """Where the chunk of `text` that starts at `start` ends. At most chunk_chars characters, cut after a
+    newline that is followed by a non-space (a boundary of the tokenizer's pre-split, so the chunks encode
+    to the same tokens as the whole text), else before a space, else anywhere."""
+    end = start + chunk_chars
+    if end >= len(text):
+        return len(text)
+    lo = start + chunk_chars // 2
+    i = text.rfind("\n", lo, end - 1)
+    while i >= 0 and text[i + 1].isspace():
+        i = text.rfind("\n", lo, i)
+    if i >= 0:
+        return i + 1
+    i = text.rfind(" ", lo, end)
+    return i if i > start else end
+
+
+class _Piece:
+    """What is left of one document: its current chunk's tokens from `pos` on, and, while more chunks
+    follow, the text they come from."""
+    __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos")
+
+    def __init__(self, epoch, doc, tokens, text=None, chunk=0, next_chunk=0, pos=0):
+        self.epoch, self.doc, self.tokens, self.pos = epoch, doc, tokens, pos
+        self.text, self.chunk, self.next = text, chunk, next_chunk  # text is None on the last chunk
+
+    def left(self) -> float:
+        return len(self.tokens) - self.pos if self.text is None else UNKNOWN
+
+    def ref(self) -> tuple:
+        """(epoch, doc) for an untouched document, (epoch, doc, chunk start, token offset) for the rest."""
+        started = self.chunk or self.pos
+        return (self.epoch, self.doc, self.chunk, self.pos) if started else (self.epoch, self.doc)
+
 
 class DataLoader:
     """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around).
 
-    Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len.
+    Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
+    (only in the last row of an epoch) has target -1 and input BOS. After next_batch(), batch_epochs says
+    which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
     """
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
-                 prefetch: int = 0):
-        if batch_size < 1 or seq_len < 1 or buffer_size < 1 or tokenize_batch < 1 or prefetch < 0:
-            raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1 and prefetch "
-                             f">= 0, got {batch_size}, {seq_len}, {buffer_size}, {tokenize_batch}, {prefetch}")
+                 prefetch: int = 0, chunk_chars: int = 1 << 16):
+        if min(batch_size, seq_len, buffer_size, tokenize_batch) < 1 or prefetch < 0 or chunk_chars < 2:
+            raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1, prefetch "
+                             f">= 0 and chunk_chars >= 2, got {batch_size}, {seq_len}, {buffer_size}, "
+                             f"{tokenize_batch}, {prefetch}, {chunk_chars}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.bos = tokenizer, tokenizer.bos_id
         self.dataset, self.split = dataset, split
         self.batch_size, self.seq_len = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
-        self.buffer_size, self.tokenize_batch = buffer_size, tokenize_batch
+        self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
         # prefetch > 0: a thread packs up to that many batches ahead of the training loop
         self.prefetch = prefetch
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
         self.files = list_shards(dataset, split)
         # Row-group index from the parquet footers: (file, row group, first global doc, rows).
-        self.row_groups, self.starts, total = [], [], 0
+        self.row_groups, self.starts, total, nulls = [], [], 0, 0
         for fi, path in enumerate(self.files):
-            meta = open_shard(dataset, path).metadata  # a shard without a text column fails here, not mid-run
-            for rg in range(meta.num_row_groups):
-                n = meta.row_group(rg).num_rows
-                if n:
-                    self.row_groups.append((fi, rg, total, n))
+            pf = open_shard(dataset, path)  # unreadable file, no text column, not strings: fails here, not mid-run
+            col = pf.schema_arrow.get_field_index("text")
+            for rg in range(pf.metadata.num_row_groups):
+                meta = pf.metadata.row_group(rg)
+                if meta.num_rows:
+                    self.row_groups.append((fi, rg, total, meta.num_rows))
                     self.starts.append(total)
-                    total += n
+                    total += meta.num_rows
+                    stats = meta.column(col).statistics if col < meta.num_columns else None
+                    nulls += stats.null_count if stats is not None and stats.has_null_count else 0
         self.num_docs = total
         if self.num_docs < world_size:
             raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer than the "
                              f"{world_size} ranks; use fewer processes or more data")
+        if nulls == total:
+            raise ValueError(f"the {dataset} {split} split has no text: all {total} documents are null; rebuild "
+                             f"or replace its shards ({self.files[0].parent})")
+        if nulls and rank == 0:
+            log.warning(f"nanomuon: {nulls:,} of {total:,} documents in the {dataset} {split} split have null text "
+                        "and are skipped")
+        # _counts: what the packer made; stats: what next_batch handed out (a prefetch thread packs ahead)
+        self._counts = dict(rows=0, inserted=0, padding=0, skipped_docs=0)
+        self.stats = dict(self._counts)
+        self.batch_epochs: list[int] = []
         self._cached = (None, None)  # (row group index, its texts): sequential reads hit one group at a time
-        self._reset(epoch=0, doc=rank, buffer=[])
+        self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
     # -- reading --------------------------------------------------------------------------------
-    def _texts(self, rgi: int) -> list[str]:
+    def _texts(self, rgi: int) -> list:
         if self._cached[0] != rgi:
             fi, rg, _, _ = self.row_groups[rgi]
-            table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
+            try:
+                table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
+                                 "delete it and download or build it again") from None
             self._cached = (rgi, table.column("text").to_pylist())
         return self._cached[1]
 
-    def _doc_text(self, doc: int) -> str:
+    def _doc_text(self, doc: int) -> str | None:
         rgi = bisect.bisect_right(self.starts, doc) - 1
         return self._texts(rgi)[doc - self.starts[rgi]]
 
-    def _advance(self, epoch: int, doc: int) -> tuple[int, int]:
-        doc += self.world_size
-        return (epoch + 1, self.rank) if doc >= self.num_docs else (epoch, doc)
+    def _chunk(self, text: str, start: int) -> tuple[array, int]:
+        """Tokens of the chunk of text at start (BOS first for the first chunk), and where it ends."""
+        end = chunk_end(text, start, self.chunk_chars)
+        piece = text[start:end] if start or end < len(text) else text
+        return array("i", self.tokenizer.encode(piece, prepend_bos=start == 0)), end
+
+    def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0, tokens=None) -> _Piece:
+        if tokens is None:
+            tokens, end = self._chunk(text, chunk)
+        else:
+            end = chunk_end(text, chunk, self.chunk_chars)
+        if not 0 <= pos < len(tokens):
+            raise ValueError(f"data loader state names token {pos} of the chunk at character {chunk} of document "
+                             f"{doc}, which has {len(tokens)} tokens: the data or the tokenizer changed since it "
+                             "was saved")
+        more = end < len(text)
+        return _Piece(epoch, doc, tokens, text if more else None, chunk, end, pos)
+
+    def _next_chunk(self, p: _Piece) -> None:
+        p.tokens, end = self._chunk(p.text, p.next)
+        p.chunk, p.next, p.pos = p.next, end, 0
+        if end >= len(p.text):
+            p.text = None
 
     def _read_ahead(self) -> None:
-        """Tokenize the next tokenize_batch documents of this rank into the pending queue."""
-        keys, texts = [], []
-        epoch, doc = self._read_pos
+        """Tokenize the next tokenize_batch documents (the backlog first, then this rank's stride) into the
+        pending queue. Documents without text are skipped and counted."""
+        fresh, refs = [], []
         for _ in range(self.tokenize_batch):
-            keys.append((epoch, doc))
-            texts.append(self._doc_text(doc))
-            epoch, doc = self._advance(epoch, doc)
-        self._read_pos = (epoch, doc)
-        for key, tokens in zip(keys, self.tokenizer.encode(texts, prepend_bos=True)):
-            self._pending.append((key, tokens))
+            if self._backlog:
+                ref, from_backlog = self._backlog.popleft(), True
+            else:
+                ref, from_backlog = self._stream, False
+                epoch, doc = self._stream
+                doc += self.world_size
+                self._stream = (epoch + 1, self.rank) if doc >= self.num_docs else (epoch, doc)
+            text = self._doc_text(ref[1])
+            if not isinstance(text, str) or not text:
+                self._counts["skipped_docs"] += 1
+                self._empty_run += 1
+                if self._empty_run > self.num_docs:
+                    raise ValueError(f"the {self.dataset} {self.split} split has no text for rank {self.rank} of "
+                                     f"{self.world_size}: a whole epoch of its documents is null or empty")
+                continue
+            self._empty_run = 0
+            if len(ref) == 4:  # a continuation handed over by reshard_states
+                refs.append((ref, from_backlog, self._piece(*ref[:2], text, *ref[2:])))
+            else:
+                end = chunk_end(text, 0, self.chunk_chars)
+                fresh.append(text if end == len(text) else text[:end])
+                refs.append((ref, from_backlog, text))
+        encoded = iter(self.tokenizer.encode(fresh, prepend_bos=True) if fresh else ())
+        for ref, from_backlog, p in refs:
+            if not isinstance(p, _Piece):
+                p = self._piece(ref[0], ref[1], p, tokens=array("i", next(encoded)))
+            self._pending.append((from_backlog, p))
 
-    def _take_fresh(self) -> None:
+    def _next_epoch(self) -> int:
+        """The epoch of the next document to enter the buffer."""
         if not self._pending:
             self._read_ahead()
-        (epoch, doc), tokens = self._pending.popleft()
-        self._buffer.append([epoch, doc, 0, tokens])
+        return self._pending[0][1].epoch
 
     # -- packing --------------------------------------------------------------------------------
-    def _next_row(self) -> list[int]:
-        while len(self._buffer) < self.buffer_size:
-            self._take_fresh()
-        oldest_fresh = next((i for i, e in enumerate(self._buffer) if e[2] == 0), None)
-        if oldest_fresh is None:  # the buffer is all remainders: a row must still open with a document
-            self._take_fresh()
-            oldest_fresh = len(self._buffer) - 1
-        row, space = [], self.seq_len + 1
-        pick = oldest_fresh
-        while space > 0:
-            if not self._buffer:  # only with a tiny buffer_size
-                self._take_fresh()
-            entry = self._buffer[pick]
-            piece = entry[3][entry[2]:entry[2] + space]
-            row.extend(piece)
-            space -= len(piece)
-            entry[2] += len(piece)
-            if entry[2] == len(entry[3]):
-                del self._buffer[pick]
-            if space == 0:
-                break
-            # best fit: the longest piece that fits whole; when none does, cut the oldest piece
-            best, best_len = 0, -1
-            for i, e in enumerate(self._buffer):
-                n = len(e[3]) - e[2]
-                if best_len < n <= space:
-                    best, best_len = i, n
-            pick = best
-        return row
+    def _refill(self) -> None:
+        """Top the buffer up to buffer_size pieces with this epoch's documents (never the next epoch's)."""
+        while len(self._pool) + len(self._open) < self.buffer_size and self._next_epoch() == self.epoch:
+            p = self._pending.popleft()[1]
+            if p.chunk or p.pos:
+                self._open.append(p)
+            else:
+                self._add(p)
 
-    def _make_batch(self) -> tuple[torch.Tensor, dict]:
-        """The next (batch_size, seq_len + 1) rows on the CPU, and the loader state right after them."""
-        rows = torch.tensor([self._next_row() for _ in range(self.batch_size)], dtype=torch.long)
+    def _add(self, p: _Piece) -> None:
+        self._seq += 1
+        self._pool[self._seq] = p
+        if p.left() != UNKNOWN:  # sorted by (length, -age): bisect finds the longest, oldest first
+            bisect.insort(self._fits, (p.left(), -self._seq))
+
+    def _remove(self, seq: int) -> _Piece:
+        p = self._pool.pop(seq)
+        if p.left() != UNKNOWN:
+            del self._fits[bisect.bisect_left(self._fits, (p.left(), -seq))]
+        return p
+
+    def _take(self, p: _Piece, row: array, n: int) -> int:
+        """Move up to n of p's tokens to the row; returns how many moved."""
+        moved = 0
+        while moved < n and p.pos < len(p.tokens):
+            k = min(n - moved, len(p.tokens) - p.pos)
+            row.extend(p.tokens[p.pos:p.pos + k])
+            p.pos += k
+            moved += k
+            if p.pos == len(p.tokens) and p.text is not None:
+                self._next_chunk(p)
+        return moved
+
+    def next_row(self) -> tuple[array, int]:
+        """The next packed row (seq_len + 1 token ids, -1 for padding) and the epoch it belongs to."""
+        size = self.seq_len + 1
+        row = array("i")
+        if not self._open:
+            self._refill()
+            if not self._pool:  # this epoch's documents are all trained
+                self.epoch = self._next_epoch()
+                self._refill()
+        epoch = self.epoch
+        if self._open:
+            p = self._open.popleft()
+            row.append(self.bos)  # a continuation: BOS, then the document's next tokens
+            self._counts["inserted"] += 1
+        else:
+            p = self._remove(next(iter(self._pool)))  # the oldest document
+        self._take(p, row, size - len(row))
+        if p.pos < len(p.tokens):  # it fills the row and opens the next one
+            self._open.appendleft(p)
+        while len(row) < size:
+            self._refill()
+            space = size - len(row)
+            i = bisect.bisect_right(self._fits, (space, 0)) - 1
+            if i >= 0:  # best fit: the longest document that fits whole
+                self._take(self._remove(-self._fits[i][1]), row, space)
+            elif self._pool:  # none fits: cut the oldest; its remainder opens the next row
+                p = self._remove(next(iter(self._pool)))
+                self._take(p, row, space)
+                if p.pos < len(p.tokens):
+                    self._open.append(p)
+            else:  # the epoch is drained (or only continuations are left, after a reshard): pad
+                row.extend([-1] * space)
+                self._counts["padding"] += space
+        self._counts["rows"] += 1
+        return row, epoch
+
+    def _make_batch(self) -> tuple[torch.Tensor, dict, list, dict]:
+        """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them, each row's
+        epoch, and what this batch adds to stats."""
+        before = dict(self._counts)
+        flat, epochs = array("i"), []
+        for _ in range(self.batch_size):
+            row, epoch = self.next_row()
+            flat.extend(row)
+            epochs.append(epoch)
+        rows = torch.frombuffer(flat, dtype=torch.int32).view(self.batch_size, -1).to(torch.long)
         if self.device.type == "cuda":
             rows = rows.pin_memory()
-        return rows, self._state_now()
+        added = {k: v - before[k] for k, v in self._counts.items()}
+        return rows, self._state_now(), epochs, added
 
     def _produce(self) -> None:
         # The background thread: tiktoken releases the GIL, so tokenizing overlaps the training step.
@@ -161,7 +326,7 @@ class DataLoader:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.prefetch:
-            rows, self._consumed = self._make_batch()
+            rows, self._consumed, self.batch_epochs, added = self._make_batch()
         else:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._produce, name="DataLoader", daemon=True)
@@ -169,9 +334,23 @@ class DataLoader:
             item = self._queue.get()
             if isinstance(item, BaseException):
                 raise item
-            rows, self._consumed = item
+            rows, self._consumed, self.batch_epochs, added = item
+        for k, v in added.items():
+            self.stats[k] += v
         rows = rows.to(self.device, non_blocking=True)
-        return rows[:, :-1], rows[:, 1:]
+        x, y = rows[:, :-1], rows[:, 1:]
+        if added["padding"]:
+            x = x.masked_fill(x < 0, self.bos)
+        return x, y
+
+    def packing(self) -> str:
+        """One line on what the rows held so far: inserted BOS and padding as fractions of row tokens."""
+        total = max(1, self.stats["rows"] * (self.seq_len + 1))
+        line = (f"{self.stats['rows']:,} rows of {self.seq_len + 1} tokens: {self.stats['inserted'] / total:.3%} "
+                f"inserted BOS, {self.stats['padding'] / total:.3%} padding")
+        if self.stats["skipped_docs"]:
+            line += f", {self.stats['skipped_docs']:,} documents without text skipped"
+        return line
 
     def close(self) -> None:
         """Stop the prefetch thread (call before exiting, so no thread is mid-tokenization at shutdown)."""
@@ -185,51 +364,69 @@ class DataLoader:
             yield self.next_batch()
 
     # -- exact resume ---------------------------------------------------------------------------
-    def _reset(self, epoch: int, doc: int, buffer: list) -> None:
-        self._buffer = buffer
-        self._pending = deque()
-        self._read_pos = (epoch, doc)
+    def _reset(self, stream: tuple, backlog: list, buffer: list, open_: list) -> None:
+        self._stream = tuple(stream)
+        self._backlog = deque(tuple(r) for r in backlog)
+        self._pending = deque()  # (came from the backlog, piece): tokenized, not yet in the buffer
+        self._pool, self._fits, self._seq = {}, [], 0  # fresh documents, oldest first
+        self._open = deque(open_)  # continuations: each opens a row
+        self._empty_run = 0
+        for p in buffer:
+            self._add(p)
+        epochs = [p.epoch for p in buffer] + [p.epoch for p in self._open] + [r[0] for r in self._backlog]
+        self.epoch = min(epochs + [self._stream[0]])
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
         # batch_size is not part of it: the state counts rows, so a resumed run may change its batch size
         return dict(dataset=self.dataset, split=self.split, rank=self.rank, world_size=self.world_size,
-                    seq_len=self.seq_len, buffer_size=self.buffer_size, num_docs=self.num_docs)
+                    seq_len=self.seq_len, buffer_size=self.buffer_size, num_docs=self.num_docs,
+                    chunk_chars=self.chunk_chars)
 
     def _state_now(self) -> dict:
-        epoch, doc = self._pending[0][0] if self._pending else self._read_pos
-        return dict(self._identity(), epoch=epoch, doc=doc, buffer=[tuple(e[:3]) for e in self._buffer])
+        backlog = [p.ref() for from_backlog, p in self._pending if from_backlog] + list(self._backlog)
+        stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog), self._stream)
+        return dict(self._identity(), epoch=stream[0], doc=stream[1], backlog=[list(r) for r in backlog],
+                    buffer=[list(p.ref()) for p in self._pool.values()], open=[list(p.ref()) for p in self._open])
 
     def state_dict(self) -> dict:
-        """Small and exact: where reading continues, and which (epoch, doc, offset) pieces are buffered,
-        as of the last batch returned by next_batch (batches prefetched beyond it are not counted)."""
+        """Small and exact: where reading continues (epoch, doc), documents queued before that (backlog,
+        after a reshard), the buffered documents and the pending continuations, as of the last batch
+        returned by next_batch (batches prefetched beyond it are not counted)."""
         return self._consumed
 
     def load_state_dict(self, state: dict) -> None:
         if self._thread is not None:
             raise RuntimeError("load_state_dict must come before the first next_batch of a prefetching loader")
+        if "open" not in state:
+            raise ValueError("this data loader state is from a nanomuon older than the loader that trains every "
+                             "token once; it cannot be continued exactly: start the run afresh")
         mine = self._identity()
         diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
                              "with the same data and sequence length (reshard_states() changes the process count)")
-        buffer = []
-        for epoch, doc, offset in state["buffer"]:
-            tokens = self.tokenizer.encode(self._doc_text(doc), prepend_bos=True)
-            if not 0 <= offset < len(tokens):
-                raise ValueError(f"data loader state names offset {offset} in document {doc}, which has "
-                                 f"{len(tokens)} tokens: the data or the tokenizer changed since it was saved")
-            buffer.append([epoch, doc, offset, tokens])
-        self._reset(state["epoch"], state["doc"], buffer)
+
+        def piece(ref):
+            return self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:])
+
+        self._reset((state["epoch"], state["doc"]), state["backlog"], [piece(r) for r in state["buffer"]],
+                    [piece(r) for r in state["open"]])
 
 
 def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
-    """The validation set: the first num_tokens // seq_len (at least 1) packed rows of the val split,
-    (rows, seq_len + 1) int64 on the CPU. One stream, whatever the process count, so val bpb measures the
-    same tokens at any world size (evaluate_bpb deals the rows out to the ranks)."""
-    num_rows = max(1, num_tokens // seq_len)
-    rows, _ = DataLoader(tokenizer, dataset, "val", num_rows, seq_len)._make_batch()
-    return rows
+    """The validation set: the val split's documents in order, packed with a one-document buffer into
+    num_tokens // seq_len rows (at least 1; fewer when the split runs out, never repeating a document),
+    (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream whatever the process count, so val
+    bpb measures the same tokens at any world size (evaluate_bpb deals the rows out to the ranks)."""
+    loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
+    rows = array("i")
+    for _ in range(max(1, num_tokens // seq_len)):
+        row, epoch = loader.next_row()
+        if epoch:
+            break
+        rows.extend(row)
+    return torch.frombuffer(rows, dtype=torch.int32).view(-1, seq_len + 1).to(torch.long)
 
 
 def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
@@ -237,19 +434,20 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
 
     Old rank r has read its documents r, r + N, ... up to (not including) its position P_r; documents at
     or after the frontier F = max P_r are unread by every rank. The carry is what was read but not yet
-    packed (all buffered pieces) plus what lies below F but was not reached (from P_r up to F on each old
-    rank). The new ranks share the carry round-robin, as buffered pieces, and read on from F with the new
-    stride: new rank j reads F + j, F + j + M, ... So nothing is skipped or read twice in any epoch.
+    trained (every backlog, buffered document and continuation) plus what lies below F but was not reached
+    (from P_r up to F on each old rank). The new ranks share the carry round-robin as their backlog, read
+    before anything else, and read on from F with the new stride: new rank j reads F + j, F + j + M, ...
+    So no token is skipped or trained twice in any epoch.
     """
     old_n = len(states)
     if sorted(s.get("rank") for s in states) != list(range(old_n)) or any(s["world_size"] != old_n for s in states):
         sizes = sorted({s["world_size"] for s in states})
         raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
                          f"{[s.get('rank') for s in states]} of world sizes {sizes}")
-    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs")
+    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars")
     for key in shared:
-        if len({repr(s[key]) for s in states}) != 1:
-            raise ValueError(f"the saved loader states disagree on {key}: {[s[key] for s in states]}")
+        if len({repr(s.get(key)) for s in states}) != 1:
+            raise ValueError(f"the saved loader states disagree on {key}: {[s.get(key) for s in states]}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_docs = states[0]["num_docs"]
@@ -257,18 +455,18 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         raise ValueError(f"{num_docs} documents cannot be shared by {world_size} ranks")
     states = sorted(states, key=lambda s: s["rank"])
     frontier = max((s["epoch"], s["doc"]) for s in states)
-    carry = [tuple(piece) for s in states for piece in s["buffer"]]
+    carry = [tuple(ref) for s in states for key in ("backlog", "buffer", "open") for ref in s[key]]
     for r, s in enumerate(states):
         epoch, doc = s["epoch"], s["doc"]
         while (epoch, doc) < frontier:
-            carry.append((epoch, doc, 0))
+            carry.append((epoch, doc))
             doc += old_n
             if doc >= num_docs:
                 epoch, doc = epoch + 1, r
-    carry.sort()  # oldest first: the packer opens rows with the oldest buffered document
+    carry.sort()  # by epoch, then document: the backlog is read in order, and rows never mix epochs
     epoch, doc = frontier[0], frontier[1] + rank
     if doc >= num_docs:  # past the end of the frontier's epoch: start the next one at our own stride
         epoch, doc = epoch + 1, rank
     state = {key: states[0][key] for key in shared}
     return dict(state, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
-                buffer=[list(piece) for piece in carry[rank::world_size]])
+                backlog=[list(ref) for ref in carry[rank::world_size]], buffer=[], open=[])

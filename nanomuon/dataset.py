@@ -84,11 +84,19 @@ def list_shards(name: str, split: str) -> list[Path]:
 
 
 def open_shard(name: str, path: Path) -> pq.ParquetFile:
-    """A shard of dataset `name`, checked to have the `text` column every reader needs."""
-    pf = pq.ParquetFile(path)
+    """A shard of dataset `name`, checked to be parquet with the string `text` column every reader needs."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path} is not a readable parquet file ({e}): delete it and {FIX[name]}") from None
     if "text" not in pf.schema_arrow.names:
         raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}): delete it and "
                          f"{FIX[name]}")
+    kind = pf.schema_arrow.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+        raise ValueError(f"{path}: column 'text' holds {kind}, not strings; write the documents as a string "
+                         f"column, or delete the file and {FIX[name]}")
     return pf
 
 

@@ -1,25 +1,54 @@
-"""The data loader: BOS-first rows, lossless packing, rank-disjoint documents, exact resume."""
+"""The data loader: every token of an epoch in exactly one row, BOS-first rows, bounded memory, rank-disjoint
+documents, exact resume, resharding, and the val stream.
+
+Most tests read the rows through WordTokenizer, whose every token says which document and position it came
+from, so what the model sees is counted directly against the corpus, not against the loader's bookkeeping."""
 
 import json
 import random
+import tracemalloc
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanomuon.dataloader import DataLoader, reshard_states
+from nanomuon.dataloader import DataLoader, chunk_end, reshard_states, val_rows
 from nanomuon.dataset import data_dir
 from nanomuon.tokenizer import Tokenizer
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+BOS = 999_999_999  # WordTokenizer's inserted BOS; a document's own first token is (doc, 0)
+SCALE = 100_000  # token = doc * SCALE + position
 
 
-def make_docs(n, seed):
+class WordTokenizer:
+    """Word `t<N>` is token N = doc * SCALE + position (positions from 1); with prepend_bos, a document
+    opens with (doc, 0) instead of BOS, so an inserted BOS (bos_id) is told apart from a document's own."""
+
+    bos_id = BOS
+
+    def _one(self, text, prepend_bos):
+        ids = [int(w[1:]) for w in text.split()]
+        return [ids[0] - ids[0] % SCALE] + ids if prepend_bos else ids
+
+    def encode(self, text, prepend_bos=False):
+        return [self._one(t, prepend_bos) for t in text] if isinstance(text, list) else self._one(text, prepend_bos)
+
+
+# document lengths in words: short, a few rows, many rows (at seq 48), and one longer than the whole buffer
+LENGTHS = [1, 2, 3, 10, 40, 150, 400, 1500]
+HUGE = 9000
+
+
+def make_docs(first, n, seed, huge_at=None):
     rng = random.Random(seed)
-    # a unique, recognisable prefix per document; lengths from a few tokens to several rows
-    return [f"doc{seed}x{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 10, 40, 150, 400])))
-            for i in range(n)]
+    docs = []
+    for k in range(first, first + n):
+        words = HUGE if k == huge_at else rng.choice(LENGTHS)
+        seps = [rng.choice(" \n") if rng.random() < 0.2 else " " for _ in range(words)]
+        docs.append("".join(f"{s}t{k * SCALE + p}" for p, s in enumerate(seps, 1)).lstrip())
+    return docs
 
 
 @pytest.fixture(scope="module")
@@ -29,134 +58,270 @@ def corpus(tmp_path_factory):
     mp.setenv("NANOMUON_BASE_DIR", str(base))
     d = data_dir("fineweb-edu")
     d.mkdir(parents=True, exist_ok=True)
-    shards = [make_docs(n, seed) for seed, n in enumerate([120, 75, 90, 40])]  # last one is val
+    sizes = [120, 75, 90, 40]  # the last shard is val
+    shards, first = [], 0
+    for seed, n in enumerate(sizes):
+        shards.append(make_docs(first, n, seed, huge_at=100 if seed == 0 else None))
+        first += n
+    train = sum(shards[:-1], [])
+    train[7] = None  # a null text and an empty one are skipped
+    train[8] = ""
     for i, docs in enumerate(shards):
-        pq.write_table(pa.table({"text": docs}), d / f"shard_{i:05d}.parquet", row_group_size=32)
-    tok = Tokenizer.train(iter(sum(shards, [])), vocab_size=400)
-    yield tok, shards
+        rows = train[sum(sizes[:i]):sum(sizes[:i + 1])] if i < len(sizes) - 1 else docs
+        pq.write_table(pa.table({"text": pa.array(rows, pa.string())}), d / f"shard_{i:05d}.parquet",
+                       row_group_size=32)
+    tok = Tokenizer.train(iter(d for d in train if d), vocab_size=400)
+    yield tok, train, shards[-1]
     mp.undo()
 
 
-def loader(tok, B=4, T=64, rank=0, world=1, split="train", buffer_size=50):
+def loader(tok, B=4, T=48, rank=0, world=1, split="train", buffer_size=12, chunk_chars=500, **kw):
     return DataLoader(tok, "fineweb-edu", split, B, T, rank=rank, world_size=world, buffer_size=buffer_size,
-                      tokenize_batch=16)
+                      tokenize_batch=16, chunk_chars=chunk_chars, **kw)
 
 
-def test_rows_start_with_bos_and_targets_shift(corpus):
-    tok, _ = corpus
-    dl = loader(tok)
-    for _ in range(20):
-        x, y = dl.next_batch()
-        assert x.shape == y.shape == (4, 64) and x.dtype == torch.long
-        assert (x[:, 0] == tok.bos_id).all()
-        assert torch.equal(x[:, 1:], y[:, :-1])
+def expected_tokens(train, rank, world):
+    """(doc, position) of every token of this rank's documents, the document's own first token included."""
+    return Counter((k, p) for k, t in enumerate(train) if t and k % world == rank
+                   for p in range(len(t.split()) + 1))
 
 
-def test_packing_drops_and_invents_nothing(corpus):
-    """Over the stream, every emitted token is a document token: the sequence of BOS-delimited pieces,
-    read per document, reassembles each document's tokens exactly and in order."""
-    tok, shards = corpus
-    train_docs = sum(shards[:-1], [])
-    encoded = {d.split(":")[0]: tok.encode(d, prepend_bos=True) for d in train_docs}
-    dl = loader(tok, B=2, T=48, buffer_size=8)
-    # Ask for well over one epoch of tokens and rebuild documents from the state's bookkeeping.
-    total = sum(len(t) for t in encoded.values())
-    emitted = []
-    while len(emitted) < 1.5 * total:
-        x, y = dl.next_batch()
-        rows = torch.cat([x, y[:, -1:]], dim=1)
-        emitted.extend(rows.flatten().tolist())
-    state = dl.state_dict()
-    buffered = sum(len(tok.encode(train_docs[doc], prepend_bos=True)) - off for _, doc, off in state["buffer"])
-    # documents entered into the buffer: everything before the (epoch, doc) read position
-    n_docs = len(train_docs)
-    entered = state["epoch"] * n_docs + state["doc"]
-    expected = sum(len(tok.encode(train_docs[k % n_docs], prepend_bos=True)) for k in range(entered))
-    assert len(emitted) + buffered == expected  # no padding, nothing dropped
-    assert emitted.count(tok.bos_id) <= entered  # BOS only where a document starts
+def rows_of_epochs(dl, epochs):
+    """Every row the loader makes for the first `epochs` epochs, with each row's epoch."""
+    out = []
+    while True:
+        row, epoch = dl.next_row()
+        if epoch >= epochs:
+            return out
+        out.append((row.tolist(), epoch))
 
 
-def test_ranks_read_disjoint_documents(corpus):
-    tok, shards = corpus
-    train_docs = sum(shards[:-1], [])
-    world = 3
-    seen = {}
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_epoch_trains_every_token_exactly_once(corpus, world):
+    _, train, _ = corpus
+    tok = WordTokenizer()
+    seen_docs = set()
     for rank in range(world):
-        dl = loader(tok, B=4, T=64, rank=rank, world=world)
-        for _ in range(15):
-            x, _ = dl.next_batch()
-            for row in x.tolist():
-                text = tok.decode(row[1:12])  # the document that opens the row
-                name = text.split(":")[0]
-                seen.setdefault(name, set()).add(rank)
-    assert seen
-    index = {d.split(":")[0]: k for k, d in enumerate(train_docs)}
-    for name, ranks in seen.items():
-        assert len(ranks) == 1, f"{name} read by ranks {ranks}"
-        assert ranks == {index[name] % world}
+        dl = loader(tok, rank=rank, world=world)
+        rows = rows_of_epochs(dl, 2)
+        expected = expected_tokens(train, rank, world)
+        for e in (0, 1):
+            trained, inserted = Counter(), 0
+            epoch_rows = [r for r, re in rows if re == e]
+            for i, row in enumerate(epoch_rows):
+                assert len(row) == 49
+                if row[0] == BOS:  # an inserted BOS opens a continuation, never a document start
+                    inserted += 1
+                    assert row[1] % SCALE > 0, row[:3]
+                else:
+                    assert row[0] % SCALE == 0, "a row must open with BOS or a document's own first token"
+                assert BOS not in row[1:], "the packer inserts BOS only at a row's start"
+                if -1 in row:
+                    assert i == len(epoch_rows) - 1, "padding only in the last row of an epoch"
+                    assert set(row[row.index(-1):]) == {-1}
+                trained.update(divmod(t, SCALE) for t in row if t not in (BOS, -1))
+            # each token of each document of this rank in exactly one row: nothing dropped, nothing repeated
+            assert trained == expected, (sorted((expected - trained).items())[:5], sorted(trained - expected)[:5])
+            assert inserted <= len(epoch_rows)
+            seen_docs |= {k for k, _ in trained}
+        # a document's pieces come in order, and a row that ends mid-document is continued by the next row
+        stream = [r for r, _ in rows]
+        for a, b in zip(stream, stream[1:]):
+            doc, pos = divmod(a[-1], SCALE)
+            if a[-1] != -1 and pos < len(train[doc].split()):
+                assert b[:2] == [BOS, a[-1] + 1], (a[-3:], b[:3])
+    assert seen_docs == {k for k, t in enumerate(train) if t}, "the ranks together cover every document"
 
 
-def test_val_split_is_the_last_shard(corpus):
-    tok, shards = corpus
-    val_names = {d.split(":")[0] for d in shards[-1]}
-    dl = loader(tok, split="val")
-    x, _ = dl.next_batch()
-    assert tok.decode(x[0, 1:12].tolist()).split(":")[0] in val_names
+def test_rows_are_what_next_batch_returns(corpus):
+    tok, _, _ = corpus
+    a, b = loader(tok, B=4), loader(tok, B=1)
+    for _ in range(30):
+        x, y = a.next_batch()
+        assert x.shape == y.shape == (4, 48) and x.dtype == y.dtype == torch.long
+        assert (x[:, 0] == tok.bos_id).all()
+        made = [b.next_row() for _ in range(4)]
+        rows = torch.tensor([r.tolist() for r, _ in made])
+        assert torch.equal(y, rows[:, 1:])
+        assert torch.equal(x, rows[:, :-1].masked_fill(rows[:, :-1] < 0, tok.bos_id))
+        assert a.batch_epochs == [e for _, e in made]
+
+
+def test_real_tokenizer_rows_hold_the_corpus_unigrams(corpus):
+    """With the real tokenizer and documents cut into chunks, one epoch's rows hold exactly the tokens of
+    the documents encoded whole: chunks end where the tokenizer's pre-split would split anyway."""
+    tok, train, _ = corpus
+    dl = loader(tok, buffer_size=8, chunk_chars=64)
+    rows = rows_of_epochs(dl, 1)
+    trained = Counter(t for row, _ in rows for t in row if t != -1)
+    expected = Counter(t for d in train if d for t in tok.encode(d, prepend_bos=True))
+    inserted = trained[tok.bos_id] - expected[tok.bos_id]
+    assert 0 <= inserted <= len(rows)
+    trained[tok.bos_id] -= inserted
+    assert trained == expected
+
+
+def test_chunks_end_at_line_starts():
+    text = "ab\n  cd\nef gh\n\nij kl mn"
+    assert chunk_end(text, 0, 100) == len(text)
+    assert chunk_end(text, 0, 10) == 8  # after "\n" before "ef", not before the indented "  cd"
+    assert chunk_end("abcdefghij", 0, 4) == 4  # no space or newline: a hard cut
+    assert chunk_end("abcd efghij", 0, 8) == 4  # else before a space
+
+
+def test_memory_and_state_stay_bounded_over_many_epochs(corpus):
+    _, train, _ = corpus
+    tok = WordTokenizer()
+    dl = loader(tok, buffer_size=12, world=2)
+    sizes, mem = [], []
+    tracemalloc.start()
+    try:
+        for epoch in range(8):
+            while True:
+                row, e = dl.next_row()
+                assert len(dl._pool) + len(dl._open) <= 12
+                if e > epoch:
+                    break
+            sizes.append(len(json.dumps(dl._state_now())))
+            mem.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert max(sizes) < 1500, sizes  # a dozen small references, whatever has been read
+    assert max(mem[2:]) < 1.2 * mem[2] + 200_000, mem  # no growth from epoch to epoch
+
+
+@pytest.mark.slow  # tokenizes 50 MB twice, about 30 s; CI runs it
+def test_a_50mb_document_trains_in_bounded_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+    d = data_dir("fineweb-edu")
+    d.mkdir(parents=True)
+    rng = random.Random(0)
+    line = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "(x)", "42"]) for _ in range(5000)) + " end"
+    huge = "\n".join([line] * (50_000_000 // len(line)))
+    pq.write_table(pa.table({"text": ["a short one", huge, "another short one"]}), d / "shard_00000.parquet")
+    pq.write_table(pa.table({"text": ["val text"]}), d / "shard_00001.parquet")
+    tok = Tokenizer.train(iter([line, "a short one"]), vocab_size=300)
+    counts = Counter(tok.encode(line))
+    dl = DataLoader(tok, "fineweb-edu", "train", 1, 2048, buffer_size=4)
+    tracemalloc.start()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    trained, rows = Counter(), 0
+    try:
+        while True:
+            row, epoch = dl.next_row()
+            if epoch:
+                break
+            trained.update(row)
+            rows += 1
+        peak = tracemalloc.get_traced_memory()[1] - base_mem
+    finally:
+        tracemalloc.stop()
+    # whole, the document would be ~13M token ids (~460 MB as a Python list); the loader holds its text
+    # (50 MB, read from the shard) and one 64K-character chunk of tokens at a time
+    assert peak < 2.5 * len(huge), f"peak {peak / 1e6:.0f} MB"
+    n_lines = huge.count("\n") + 1
+    assert trained[counts.most_common(1)[0][0]] >= counts.most_common(1)[0][1] * n_lines  # every line was trained
+    assert sum(trained.values()) >= rows * 2049 - 2049
+
+
+def test_val_rows_are_a_contiguous_stream_of_whole_documents(corpus):
+    _, _, val_docs = corpus
+    tok = WordTokenizer()
+    rows = val_rows(tok, "fineweb-edu", 48, 48 * 30)
+    assert rows.shape == (30, 49)
+    stream = []
+    for row in rows.tolist():
+        assert row[0] == BOS or row[0] % SCALE == 0
+        stream += [t for t in (row[1:] if row[0] == BOS else row) if t != -1]
+    expected = [t for d in val_docs for t in tok.encode(d, prepend_bos=True)]
+    assert stream == expected[:len(stream)]  # the documents in order, nothing skipped or repeated
+    # more than the split holds: all of it once, the last row padded, no document twice
+    everything = val_rows(tok, "fineweb-edu", 48, 10 ** 7).tolist()
+    flat = [t for row in everything for t in (row[1:] if row[0] == BOS else row) if t != -1]
+    assert flat == expected
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume(corpus, world):
-    tok, _ = corpus
+    tok = WordTokenizer()
     for rank in range(world):
-        ref = loader(tok, rank=rank, world=world, buffer_size=20)
-        for _ in range(13):  # stop mid-epoch, with partly used documents buffered
+        ref = loader(tok, B=16, rank=rank, world=world)
+        for _ in range(13):  # stop mid-epoch, with partly trained documents buffered
             ref.next_batch()
         state = json.loads(json.dumps(ref.state_dict()))  # checkpoints keep it as JSON
-        expected = [ref.next_batch() for _ in range(40)]  # runs past the end of an epoch
-        resumed = loader(tok, rank=rank, world=world, buffer_size=20)
+        assert state["open"] and state["buffer"]
+        expected = [ref.next_batch() for _ in range(130)]  # runs past the end of an epoch
+        assert ref.state_dict()["epoch"] >= 1
+        resumed = loader(tok, B=16, rank=rank, world=world)
         resumed.load_state_dict(state)
-        for (x1, y1), (x2, y2) in zip(expected, (resumed.next_batch() for _ in range(40))):
+        for (x1, y1), (x2, y2) in zip(expected, (resumed.next_batch() for _ in range(130))):
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
         assert resumed.state_dict() == ref.state_dict()
 
 
+def test_resume_inside_a_chunked_document(corpus):
+    _, train, _ = corpus
+    tok = WordTokenizer()
+    ref = loader(tok, buffer_size=2)
+    while True:  # until the huge document (many chunks) is the pending continuation, past its first chunk
+        ref.next_batch()
+        opened = ref.state_dict()["open"]
+        if opened and opened[0][1] == 100 and opened[0][2] > 0:
+            break
+    state = json.loads(json.dumps(ref.state_dict()))
+    resumed = loader(tok, buffer_size=2)
+    resumed.load_state_dict(state)
+    for _ in range(30):
+        assert torch.equal(ref.next_batch()[1], resumed.next_batch()[1])
+
+
 def test_resume_refuses_a_different_setup(corpus):
-    tok, _ = corpus
+    tok, _, _ = corpus
     state = loader(tok, world=2).state_dict()
     with pytest.raises(ValueError, match="world_size"):
         loader(tok, world=3).load_state_dict(state)
     with pytest.raises(ValueError, match="seq_len"):
         loader(tok, T=32, world=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="chunk_chars"):
+        loader(tok, world=2, chunk_chars=900).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "open"}
+    with pytest.raises(ValueError, match="older than the loader"):
+        loader(tok, world=2).load_state_dict(old)
     loader(tok, B=8, world=2).load_state_dict(state)  # the state counts rows: a new batch size is fine
 
 
 def test_bad_arguments(corpus):
-    tok, _ = corpus
+    tok, _, _ = corpus
     with pytest.raises(ValueError, match="rank"):
         loader(tok, rank=2, world=2)
     with pytest.raises(ValueError, match="seq_len"):
         loader(tok, T=0)
 
 
+def test_val_split_is_the_last_shard(corpus):
+    _, train, val_docs = corpus
+    x, _ = loader(WordTokenizer(), split="val").next_batch()
+    assert len(train) <= x[0, 0].item() // SCALE < len(train) + len(val_docs)
+
+
 def test_prefetch_yields_the_same_batches_and_states(corpus):
-    tok, _ = corpus
+    tok, _, _ = corpus
     plain = loader(tok, world=2, buffer_size=20)
-    ahead = DataLoader(tok, "fineweb-edu", "train", 4, 64, rank=0, world_size=2, buffer_size=20, tokenize_batch=16,
-                       prefetch=3)
+    ahead = loader(tok, world=2, buffer_size=20, prefetch=3)
     try:
         for _ in range(25):
             (x1, y1), (x2, y2) = plain.next_batch(), ahead.next_batch()
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
-            # the state describes the batches handed out, not the ones the thread packed ahead
+            # the state and stats describe the batches handed out, not the ones the thread packed ahead
             assert ahead.state_dict() == plain.state_dict()
+            assert ahead.stats == plain.stats
         state = ahead.state_dict()
         expected = [ahead.next_batch()[0] for _ in range(5)]
         with pytest.raises(RuntimeError, match="before the first next_batch"):
             ahead.load_state_dict(state)
     finally:
         ahead.close()
-    resumed = DataLoader(tok, "fineweb-edu", "train", 4, 64, rank=0, world_size=2, buffer_size=20,
-                         tokenize_batch=16, prefetch=2)
+    resumed = loader(tok, world=2, buffer_size=20, prefetch=2)
     resumed.load_state_dict(state)
     try:
         assert all(torch.equal(resumed.next_batch()[0], x) for x in expected)
@@ -165,7 +330,7 @@ def test_prefetch_yields_the_same_batches_and_states(corpus):
 
 
 def test_prefetch_thread_errors_reach_the_caller(corpus):
-    tok, _ = corpus
+    tok, _, _ = corpus
 
     class Broken:
         bos_id = tok.bos_id
@@ -179,59 +344,55 @@ def test_prefetch_thread_errors_reach_the_caller(corpus):
     dl.close()
 
 
-class DocPositionTokenizer:
-    """Token = doc index * 100000 + position (position 0 stands for BOS): every emitted token says which
-    document and which position it came from, so the test can count what was read, skipped or repeated."""
-
-    bos_id = 0
-
-    def __init__(self, docs):
-        self.index = {text: k for k, text in enumerate(docs)}
-
-    def _one(self, text):
-        k = self.index[text]
-        return [k * 100000 + i for i in range(1 + len(text.split()))]
-
-    def encode(self, text, prepend_bos=False):
-        return [self._one(t) for t in text] if isinstance(text, list) else self._one(text)
-
-
 def take(dl, n):
     """n batches as (doc, position) pairs, every row's tokens including the last target."""
     out = []
     for _ in range(n):
         x, y = dl.next_batch()
-        out.extend(divmod(t, 100000) for t in torch.cat([x, y[:, -1:]], dim=1).flatten().tolist())
+        out.extend(divmod(t, SCALE) for t in torch.cat([x, y[:, -1:]], dim=1).flatten().tolist()
+                   if t not in (BOS, -1))
     return out
 
 
+def batches_until(dl, done, limit=500):
+    """Batches read until done(state) holds."""
+    for n in range(1, limit):
+        dl.next_batch()
+        if done(dl.state_dict()):
+            return n
+    raise AssertionError("never reached")
+
+
 @pytest.mark.parametrize("new_world", [1, 3, 4])
-# (batches read by old rank 0, by old rank 1): with these, the frontier lies mid-epoch, at the last
-# document of epoch 0 (so new ranks 2 and 3 start epoch 1), or in epoch 1 while rank 1 is still in epoch 0
-@pytest.mark.parametrize("old_batches", [(6, 9), (66, 65), (75, 60)], ids=["mid-epoch", "epoch-end", "across-epochs"])
-def test_reshard_reads_every_document_once_per_epoch(corpus, new_world, old_batches):
-    """2 ranks read (rank 0 further than rank 1: a ragged frontier, which in the second case straddles the
-    epoch boundary), save, and M new ranks go on from the resharded states. Counting every token emitted
-    plus every token still buffered at the end, each document must be whole (all its positions counted
-    the same number of times n) and n must be the number of epochs it was read in: with the slowest new
-    rank at (e, L), documents below L were read e + 1 times and the others e or e + 1 times."""
-    _, shards = corpus
-    docs = sum(shards[:-1], [])
-    tok = DocPositionTokenizer(docs)
-    lengths = [len(tok.encode(d)) for d in docs]
+@pytest.mark.parametrize("case", ["mid-epoch", "epoch-end", "across-epochs"])
+def test_reshard_trains_every_token_once_per_epoch(corpus, new_world, case):
+    """2 ranks read (rank 0 further than rank 1: a ragged frontier), save, and M new ranks go on from the
+    resharded states. The frontier lies mid-epoch, at the last document of epoch 0 (so some new ranks
+    start epoch 1), or in epoch 1 while rank 1 is still in epoch 0. Counting every token emitted plus
+    every token still buffered at the end, each document must be whole (all its positions counted the
+    same number of times n) and n must be the number of epochs it was read in: with the slowest new rank
+    at (e, L), documents below L were read e + 1 times and the others e or e + 1 times."""
+    _, train, _ = corpus
+    tok = WordTokenizer()
+    lengths = [len(t.split()) + 1 if t else 0 for t in train]
+    n_docs = len(train)
 
     def make(rank, world):
-        return DataLoader(tok, "fineweb-edu", "train", 2, 48, rank=rank, world_size=world, buffer_size=12,
-                          tokenize_batch=16)
+        return loader(tok, B=2, rank=rank, world=world)
 
+    probe = make(0, 2)
+    if case == "mid-epoch":
+        old_batches = (6, 9)
+    elif case == "epoch-end":  # rank 0 stops with the last document of epoch 0 next to read
+        old_batches = (batches_until(probe, lambda s: s["epoch"] == 0 and s["doc"] >= n_docs - 4), 20)
+    else:
+        old_batches = (batches_until(probe, lambda s: s["epoch"] == 1 and s["doc"] > 40), 20)
     emitted, states = [], []
     for rank, n in enumerate(old_batches):
         dl = make(rank, 2)
         emitted += take(dl, n)
         states.append(json.loads(json.dumps(dl.state_dict())))  # checkpoints keep it as JSON
-    assert states[1]["epoch"] == 0 and states[0]["epoch"] == (old_batches == (75, 60))
-    if old_batches == (66, 65):
-        assert max((s["epoch"], s["doc"]) for s in states) == (0, len(docs) - 2)
+    assert states[1]["epoch"] == 0 and states[0]["epoch"] == (case == "across-epochs")
     new = []
     for rank in range(new_world):
         dl = make(rank, new_world)
@@ -247,22 +408,49 @@ def test_reshard_reads_every_document_once_per_epoch(corpus, new_world, old_batc
     counts = [[0] * n for n in lengths]
     for doc, pos in emitted:
         counts[doc][pos] += 1
+    def first_position(ref):  # a continuation's offset counts from its chunk's start (BOS is position 0)
+        if len(ref) == 2:
+            return 0
+        _, doc, chunk, pos = ref
+        return pos + (1 + len(train[doc][:chunk].split()) if chunk else 0)
+
     for s in finals:
-        for _, doc, offset in s["buffer"]:
-            for pos in range(offset, lengths[doc]):
-                counts[doc][pos] += 1
+        for ref in s["backlog"] + s["buffer"] + s["open"]:
+            for pos in range(first_position(ref), lengths[ref[1]]):
+                counts[ref[1]][pos] += 1
     epoch, low = min((s["epoch"], s["doc"]) for s in finals)
     for doc, c in enumerate(counts):
+        if not lengths[doc]:  # no text
+            continue
         assert len(set(c)) == 1, f"document {doc} is torn: positions counted {sorted(set(c))} times"
         expected = {epoch + 1} if doc < low else {epoch, epoch + 1}
         assert c[0] in expected, f"document {doc} was read {c[0]} times, expected {expected}"
 
 
 def test_reshard_refuses_incomplete_or_mixed_states(corpus):
-    tok, _ = corpus
+    tok, _, _ = corpus
     states = [loader(tok, rank=r, world=2).state_dict() for r in range(2)]
     with pytest.raises(ValueError, match="all ranks"):
         reshard_states(states[:1] + states[:1], 0, 3)
     other = loader(tok, rank=1, world=2, T=32).state_dict()
     with pytest.raises(ValueError, match="seq_len"):
         reshard_states([states[0], other], 0, 3)
+
+
+def test_a_resharded_loader_resumes_exactly(corpus):
+    """A state saved while the loader still works through the backlog it was resharded with."""
+    tok = WordTokenizer()
+    states = []
+    for rank, n in enumerate((10, 7)):
+        dl = loader(tok, rank=rank, world=2, buffer_size=30)
+        take(dl, n)
+        states.append(dl.state_dict())
+    dl = loader(tok, buffer_size=30)
+    dl.load_state_dict(reshard_states(states, 0, 1))
+    take(dl, 2)
+    state = json.loads(json.dumps(dl.state_dict()))
+    assert state["backlog"], "the backlog should not be used up yet"
+    resumed = loader(tok, buffer_size=30)
+    resumed.load_state_dict(state)
+    for _ in range(60):
+        assert torch.equal(dl.next_batch()[1], resumed.next_batch()[1])
