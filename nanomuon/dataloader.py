@@ -53,20 +53,21 @@ UNKNOWN = float("inf")  # the length of a document whose later chunks are not to
 
 
 def chunk_end(text: str, start: int, chunk_chars: int) -> int:
-    """Where the chunk of `text` that starts at `start` ends. At most chunk_chars characters, cut after a
-    newline that is followed by a non-space (a boundary of the tokenizer's pre-split, so the chunks encode
-    to the same tokens as the whole text), else before a space, else anywhere."""
+    """Where the chunk of `text` that starts at `start` ends: at most chunk_chars characters on, cut after a
+    newline or before a space, either followed by a non-space. Both are boundaries of the tokenizer's
+    pre-split (GPT-4's pattern), so the chunks encode to the same tokens as the whole text. Without
+    either in the chunk's second half, the cut goes anywhere."""
     end = start + chunk_chars
     if end >= len(text):
         return len(text)
     lo = start + chunk_chars // 2
-    i = text.rfind("\n", lo, end - 1)
-    while i >= 0 and text[i + 1].isspace():
-        i = text.rfind("\n", lo, i)
-    if i >= 0:
-        return i + 1
-    i = text.rfind(" ", lo, end)
-    return i if i > start else end
+    for sep, after in (("\n", 1), (" ", 0)):
+        i = text.rfind(sep, lo, end - 1)
+        while i >= 0 and text[i + 1].isspace():
+            i = text.rfind(sep, lo, i)
+        if i >= 0:
+            return i + after
+    return end
 
 
 class _Piece:

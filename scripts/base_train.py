@@ -205,6 +205,9 @@ def main(argv=None):
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
         val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
+        if len(val) < max(1, args.eval_tokens // args.max_seq_len):
+            print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
+                   f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
 
         # -- resume -------------------------------------------------------------------------------------
         # val_train_time[i]: training seconds (no evals, no warm-up steps) when val_history[i] was measured
@@ -397,9 +400,11 @@ def main(argv=None):
             wandb_run.log({"step": step, "train/loss": smooth, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
 
     train_loader.close()
+    print0(f"data (rank 0, this process): {train_loader.packing()}")
 
     # -- summary ----------------------------------------------------------------------------------------
-    summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]))
+    summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]),
+                   packing=train_loader.packing())
     if step_times:
         med_dt, med_opt = statistics.median(step_times), statistics.median(optim_times)
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
@@ -435,7 +440,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"{platform.python_version()}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in {num_iterations} steps "
-             f"of {args.total_batch_size:,}",
+             f"of {args.total_batch_size:,}; rank 0 packed {summary['packing']}",
              f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first steps)"]
     for key, fmt in (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
                      ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}")):

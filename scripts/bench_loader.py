@@ -1,20 +1,48 @@
 """
-How long the data loader holds up a training step, with and without its prefetch thread.
+What the data loader trains on, how fast, in how much memory, and how long it holds up a training step.
 
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
-A sleep stands in for the device step (the main thread waits on the GPU without holding the GIL);
-what is timed is next_batch(), the part of the step the loader adds. Prints medians, means and the
-ratio, measured in one run. Needs a trained tokenizer (scripts.tok_train).
+For each of --epochs epochs of one rank's documents, it prints:
+- coverage: the trained tokens against this rank's documents tokenized independently (whole, one by
+  one), as unigram counts: the share of the corpus's tokens trained, the share trained more than once
+  (both exact when every token lands in one row), and the total variation between the two histograms;
+- packing: inserted BOS tokens and padding as fractions of all row tokens;
+- speed: tok/s of next_batch() alone over the epoch, the first buffer fill included;
+- memory: the process's peak RSS so far (flat from epoch to epoch when memory is bounded).
+Then how long next_batch() blocks a simulated training step, with and without the prefetch thread (a
+sleep stands in for the device step, which waits on the GPU without holding the GIL). Medians and
+ratios are measured in one run. Needs a trained tokenizer (scripts.tok_train).
 """
 
 import argparse
+import resource
 import statistics
+import sys
 import time
 
+import torch
+
 from nanomuon.dataloader import DataLoader
-from nanomuon.dataset import DATASETS
+from nanomuon.dataset import DATASETS, list_shards, open_shard
 from nanomuon.tokenizer import get_tokenizer
+
+
+def rank_texts(dataset: str, rank: int, world_size: int):
+    """The texts of documents k with k % world_size == rank, in order, read straight from the shards."""
+    k = 0
+    for path in list_shards(dataset, "train"):
+        pf = open_shard(dataset, path)
+        for rg in range(pf.num_row_groups):
+            for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
+                if k % world_size == rank and text:
+                    yield text
+                k += 1
+
+
+def peak_rss_mb() -> float:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # bytes on macOS, KiB on Linux
 
 
 def main(argv=None):
@@ -22,21 +50,65 @@ def main(argv=None):
     p.add_argument("--dataset", choices=DATASETS, default="embedded")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--world-size", type=int, default=1, help="measure rank --rank of this many processes")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=2, help="epochs to check coverage and memory over (0: skip)")
     p.add_argument("--step-ms", type=float, default=100.0, help="simulated device time per micro-batch")
-    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--batches", type=int, default=40, help="batches timed with and without prefetch")
     args = p.parse_args(argv)
+    if min(args.device_batch_size, args.max_seq_len, args.world_size, args.batches) < 1 or args.epochs < 0:
+        p.error("--device-batch-size, --max-seq-len, --world-size and --batches must be >= 1, --epochs >= 0")
     try:
         tok = get_tokenizer()
-        loaders = {pf: DataLoader(tok, args.dataset, "train", args.device_batch_size, args.max_seq_len, prefetch=pf)
-                   for pf in (0, 2)}
+        make = lambda prefetch=0: DataLoader(tok, args.dataset, "train", args.device_batch_size, args.max_seq_len,
+                                             args.rank, args.world_size, prefetch=prefetch)
+        dl = make()
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    tokens = args.device_batch_size * args.max_seq_len
-    print(f"{args.dataset}, batches of {args.device_batch_size} x {args.max_seq_len} = {tokens:,} tokens, "
-          f"{args.step_ms:.0f} ms simulated step, {args.batches} batches")
+    B, T = args.device_batch_size, args.max_seq_len
+    print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x {T + 1} tokens, "
+          f"buffer {dl.buffer_size} documents; torch {torch.__version__}, {args.epochs} epochs")
+
+    leftover = None  # rows of the next epoch that came in the last batch of the previous one
+    for epoch in range(args.epochs):
+        trained = torch.zeros(tok.vocab_size, dtype=torch.long)
+        stats0, seconds, rows = dict(dl.stats), 0.0, 0
+        if leftover is not None:
+            trained += torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
+        while True:
+            t0 = time.perf_counter()
+            x, y = dl.next_batch()
+            seconds += time.perf_counter() - t0
+            full = torch.cat([x[:, :1], y], dim=1)  # the row as packed: input BOS, then the targets
+            mine = torch.tensor([e == epoch for e in dl.batch_epochs])
+            part = full[mine]
+            trained += torch.bincount(part[part >= 0], minlength=tok.vocab_size)
+            rows += int(mine.sum())
+            if not mine.all():
+                leftover = full[~mine]
+                break
+        counts = {k: dl.stats[k] - stats0[k] for k in stats0}
+        slots = counts["rows"] * (T + 1)
+        rss = peak_rss_mb()
+        # the independent reference: every document of this rank, tokenized whole
+        ref = torch.zeros(tok.vocab_size, dtype=torch.long)
+        for text in rank_texts(args.dataset, args.rank, args.world_size):
+            ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)), minlength=tok.vocab_size)
+        inserted = trained[tok.bos_id] - ref[tok.bos_id]
+        trained[tok.bos_id] -= inserted
+        total = ref.sum().item()
+        covered = torch.minimum(trained, ref).sum().item() / total
+        repeated = (trained - ref).clamp(min=0).sum().item() / total
+        tv = 0.5 * (trained / trained.sum() - ref / ref.sum()).abs().sum().item()
+        print(f"epoch {epoch}: coverage {covered:.4%} of the rank's {total:,} tokens, {repeated:.4%} trained more "
+              f"than once, unigram total variation {tv:.5f} | {rows:,} rows: inserted BOS {inserted / slots:.3%}, "
+              f"padding {counts['padding'] / slots:.3%} | {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS "
+              f"{rss:,.0f} MB")
+
+    loaders = {0: make(), 2: make(prefetch=2)}
     means = {}
     for pf, dl in loaders.items():
-        dl.next_batch()  # opens the first shard, starts the thread
+        dl.next_batch()  # fills the buffer, starts the thread
         waits = []
         for _ in range(args.batches):
             time.sleep(args.step_ms / 1000)
@@ -45,10 +117,10 @@ def main(argv=None):
             waits.append(time.perf_counter() - t0)
         dl.close()
         means[pf] = statistics.mean(waits)
-        print(f"  prefetch={pf}: next_batch blocks median {1000 * statistics.median(waits):7.1f} ms, "
-              f"mean {1000 * means[pf]:7.1f} ms, max {1000 * max(waits):6.0f} ms")
-    print(f"mean time the loader adds per batch, prefetch 2 / none: {means[2] / means[0]:.3f}; without prefetch the "
-          f"loader alone sustains {tokens / means[0]:,.0f} tok/s per process")
+        print(f"  {args.step_ms:.0f} ms simulated step, prefetch={pf}: next_batch blocks median "
+              f"{1000 * statistics.median(waits):7.1f} ms, mean {1000 * means[pf]:7.1f} ms, max "
+              f"{1000 * max(waits):6.0f} ms")
+    print(f"mean time the loader adds per batch, prefetch 2 / none: {means[2] / means[0]:.3f}")
 
 
 if __name__ == "__main__":

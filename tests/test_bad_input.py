@@ -66,6 +66,20 @@ def no_text_shard(base):
         pq.write_table(pa.table({"content": ["x"]}), d / f"shard_{i:05d}.parquet")
 
 
+def own_fineweb(base, tmp_path, monkeypatch, train_shard, val_shard=None):
+    """A base dir of its own whose fineweb-edu split holds the given shards (a pyarrow table, or raw bytes
+    for a file that is not parquet), with the shared tokenizer; returns base_train on it."""
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+    (tmp_path / "tokenizer").symlink_to(base / "tokenizer")
+    d = tmp_path / "data" / "fineweb-edu"
+    d.mkdir(parents=True)
+    good = pa.table({"text": ["some text here", "and more text"] * 4})
+    for i, shard in enumerate([train_shard, good if val_shard is None else val_shard]):
+        path = d / f"shard_{i:05d}.parquet"
+        path.write_bytes(shard) if isinstance(shard, bytes) else pq.write_table(shard, path)
+    return train("--dataset", "fineweb-edu")
+
+
 def corrupt_tokenizer(tmp_path):
     get_tokenizer().save(tmp_path / "t")
     (tmp_path / "t" / "tokenizer.bpe").write_text("garbage\n")
@@ -97,6 +111,18 @@ CASES = {
                         "--fsdp needs a nanomuon optimizer variant"),
     # base_train inputs: data, tokenizer, checkpoints
     "no-data": (lambda *_: train("--dataset", "fineweb-edu"), "run `python -m nanomuon.dataset -n 8`"),
+    "shard-zero-bytes": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, b""),
+                         "shard_00000.parquet is not a readable parquet file"),
+    "shard-garbage": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, b"PAR1 this is not parquet"),
+                      "shard_00000.parquet is not a readable parquet file"),
+    "shard-text-ints": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, pa.table({"text": [1, 2, 3]})),
+                        "column 'text' holds int64, not strings"),
+    "val-null": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, pa.table({"text": ["a document"] * 4}),
+                                                   pa.table({"text": pa.array([None, None], pa.string())})),
+                 "the fineweb-edu val split has no text: all 2 documents are null"),
+    "val-empty": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, pa.table({"text": ["a document"] * 4}),
+                                                    pa.table({"text": ["", ""]})),
+                  "the fineweb-edu val split has no text for rank 0 of 1"),
     "no-tokenizer": (lambda b, g, tmp, mp: (mp.setenv("NANOMUON_BASE_DIR", str(tmp)), train())[1],
                      "python -m scripts.tok_train"),
     "no-checkpoints": (lambda *_: train("--resume-from-step", "latest", run="never"), "no checkpoints in"),

@@ -46,7 +46,7 @@ def make_docs(first, n, seed, huge_at=None):
     docs = []
     for k in range(first, first + n):
         words = HUGE if k == huge_at else rng.choice(LENGTHS)
-        seps = [rng.choice(" \n") if rng.random() < 0.2 else " " for _ in range(words)]
+        seps = [rng.choice(["\n", "\n    ", "  "]) if rng.random() < 0.2 else " " for _ in range(words)]
         docs.append("".join(f"{s}t{k * SCALE + p}" for p, s in enumerate(seps, 1)).lstrip())
     return docs
 
@@ -167,6 +167,7 @@ def test_chunks_end_at_line_starts():
     assert chunk_end(text, 0, 10) == 8  # after "\n" before "ef", not before the indented "  cd"
     assert chunk_end("abcdefghij", 0, 4) == 4  # no space or newline: a hard cut
     assert chunk_end("abcd efghij", 0, 8) == 4  # else before a space
+    assert chunk_end("abcd  efghij", 0, 9) == 5  # the last space of a run, as the pre-split cuts it
 
 
 def test_memory_and_state_stay_bounded_over_many_epochs(corpus):
@@ -354,7 +355,7 @@ def take(dl, n):
     return out
 
 
-def batches_until(dl, done, limit=500):
+def batches_until(dl, done, limit=3000):
     """Batches read until done(state) holds."""
     for n in range(1, limit):
         dl.next_batch()
@@ -454,3 +455,24 @@ def test_a_resharded_loader_resumes_exactly(corpus):
     resumed.load_state_dict(state)
     for _ in range(60):
         assert torch.equal(dl.next_batch()[1], resumed.next_batch()[1])
+
+
+def test_documents_without_text_are_skipped_with_a_count(corpus, caplog):
+    tok = WordTokenizer()
+    with caplog.at_level("WARNING", logger="nanomuon"):
+        dl = loader(tok, B=16)
+    assert "1 of 285 documents in the fineweb-edu train split have null text and are skipped" in caplog.text
+    while dl.state_dict()["epoch"] == 0:
+        dl.next_batch()
+    assert dl.stats["skipped_docs"] == 2  # the null one and the empty one
+    assert "2 documents without text skipped" in dl.packing()
+
+
+def test_bench_loader_reports_full_coverage_on_the_embedded_corpus(base, capsys):
+    from scripts.bench_loader import main
+
+    main(["--world-size", "8", "--device-batch-size", "4", "--max-seq-len", "256", "--epochs", "1", "--batches",
+          "2", "--step-ms", "1"])
+    out = capsys.readouterr().out
+    assert "epoch 0: coverage 100.0000% of the rank's" in out and "0.0000% trained more than once" in out, out
+    assert "prefetch 2 / none" in out
