@@ -36,7 +36,8 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))
-    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {rows[:, 1:].numel():,} tokens")
+    scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
+    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} tokens")
     lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]
     if rank == 0 and args.sample_tokens:
         for prompt in PROMPTS:
