@@ -8,9 +8,9 @@ Why its own design rather than a torch DataLoader:
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
 - Every token once per epoch. Each document's tokens (BOS first) land in exactly one row each. A row
   is seq_len + 1 tokens and always starts with BOS:
-  - Rows open with the pending continuation if there is one, else with the oldest buffered document,
-    so no piece waits forever (the old packer opened rows with fresh documents only, and the leftovers
-    of long documents were never trained).
+  - Rows open with the oldest pending continuation, else with the oldest buffered document, so no
+    piece waits forever (the old packer opened rows with fresh documents only, and the leftovers of
+    long documents were never trained).
   - A continuation opens its row as BOS, then the document's next tokens. The model always sees BOS
     at position 0 (training never shows it a row without one), and the continuation's first token is a
     target, so no token goes untrained. That BOS is the only token the packer inserts: at most one per
@@ -18,9 +18,14 @@ Why its own design rather than a torch DataLoader:
   - The rest of the row is filled best-fit (the longest buffered document that fits whole). When none
     fits, the oldest is cut at the row's end and its remainder becomes the continuation that opens the
     next row. Continuations open rows only, never sit mid-row, so a document's text is never glued to
-    the middle of another's, and at most one continuation is pending.
-  - Rows never mix epochs: at the end of an epoch the buffer drains, and the last row is padded (targets
-    -1, ignored by the loss). Padding is at most one row per epoch per rank.
+    the middle of another's.
+  - Interleaved: a continuation opens the row `interleave` (default: batch_size) rows after the one it
+    was cut from, so each row of a micro-batch holds another document. Packed into consecutive rows, a
+    long document would fill a small batch alone (at seq 256, a 5K-token source file is 20 rows) and
+    make its gradient that one document's.
+  - Rows never mix epochs: at the end of an epoch the buffer drains, and the rows that end a
+    document with nothing left to fill them are padded (targets -1, ignored by the loss): at most
+    `interleave` rows per epoch per rank.
 - Bounded memory: at most buffer_size pieces are buffered. Documents longer than chunk_chars characters
   are tokenized chunk by chunk (cut at line starts), so a 50 MB document never exists as one token list.
 - Prefetch: with prefetch=K a background thread packs up to K batches ahead (tiktoken releases the
@@ -73,11 +78,12 @@ def chunk_end(text: str, start: int, chunk_chars: int) -> int:
 class _Piece:
     """What is left of one document: its current chunk's tokens from `pos` on, and, while more chunks
     follow, the text they come from."""
-    __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos")
+    __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos", "due")
 
     def __init__(self, epoch, doc, tokens, text=None, chunk=0, next_chunk=0, pos=0):
         self.epoch, self.doc, self.tokens, self.pos = epoch, doc, tokens, pos
         self.text, self.chunk, self.next = text, chunk, next_chunk  # text is None on the last chunk
+        self.due = 0  # a continuation: the row it opens
 
     def left(self) -> float:
         return len(self.tokens) - self.pos if self.text is None else UNKNOWN
@@ -98,11 +104,16 @@ class DataLoader:
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
-                 prefetch: int = 0, chunk_chars: int = 1 << 16):
+                 prefetch: int = 0, chunk_chars: int = 1 << 16, interleave: int | None = None):
         if min(batch_size, seq_len, buffer_size, tokenize_batch) < 1 or prefetch < 0 or chunk_chars < 2:
             raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1, prefetch "
                              f">= 0 and chunk_chars >= 2, got {batch_size}, {seq_len}, {buffer_size}, "
                              f"{tokenize_batch}, {prefetch}, {chunk_chars}")
+        if interleave is None:  # every row of a micro-batch from another document, buffer permitting
+            interleave = max(1, min(batch_size, buffer_size // 2))
+        if not 1 <= interleave <= max(1, buffer_size // 2):
+            raise ValueError(f"interleave must be in 1..buffer_size // 2 = {max(1, buffer_size // 2)} (the rest of "
+                             f"the buffer fills the rows), got {interleave}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer, self.bos = tokenizer, tokenizer.bos_id
@@ -111,6 +122,7 @@ class DataLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
+        self.interleave = interleave
         # prefetch > 0: a thread packs up to that many batches ahead of the training loop
         self.prefetch = prefetch
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
@@ -229,7 +241,8 @@ class DataLoader:
         """Top the buffer up to buffer_size pieces with this epoch's documents (never the next epoch's)."""
         while len(self._pool) + len(self._open) < self.buffer_size and self._next_epoch() == self.epoch:
             p = self._pending.popleft()[1]
-            if p.chunk or p.pos:
+            if p.chunk or p.pos:  # handed over by reshard_states: due now
+                p.due = self._row
                 self._open.append(p)
             else:
                 self._add(p)
@@ -262,21 +275,20 @@ class DataLoader:
         """The next packed row (seq_len + 1 token ids, -1 for padding) and the epoch it belongs to."""
         size = self.seq_len + 1
         row = array("i")
-        if not self._open:
+        self._refill()
+        if not self._pool and not self._open:  # this epoch's documents are all trained
+            self.epoch = self._next_epoch()
             self._refill()
-            if not self._pool:  # this epoch's documents are all trained
-                self.epoch = self._next_epoch()
-                self._refill()
         epoch = self.epoch
-        if self._open:
+        if self._open and (self._open[0].due <= self._row or not self._pool):
             p = self._open.popleft()
             row.append(self.bos)  # a continuation: BOS, then the document's next tokens
             self._counts["inserted"] += 1
         else:
             p = self._remove(next(iter(self._pool)))  # the oldest document
         self._take(p, row, size - len(row))
-        if p.pos < len(p.tokens):  # it fills the row and opens the next one
-            self._open.appendleft(p)
+        if p.pos < len(p.tokens):  # it fills the row; it goes on in a later row
+            self._defer(p)
         while len(row) < size:
             self._refill()
             space = size - len(row)
@@ -287,12 +299,19 @@ class DataLoader:
                 p = self._remove(next(iter(self._pool)))
                 self._take(p, row, space)
                 if p.pos < len(p.tokens):
-                    self._open.append(p)
-            else:  # the epoch is drained (or only continuations are left, after a reshard): pad
+                    self._defer(p)
+            else:  # the epoch is drained but for continuations, which open rows only: pad
                 row.extend([-1] * space)
                 self._counts["padding"] += space
         self._counts["rows"] += 1
+        self._row += 1
         return row, epoch
+
+    def _defer(self, p: _Piece) -> None:
+        """p goes on `interleave` rows from this one (at most one piece per row is deferred, so they never
+        fall due together)."""
+        p.due = self._row + self.interleave
+        self._open.append(p)
 
     def _make_batch(self) -> tuple[torch.Tensor, dict, list, dict]:
         """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them, each row's
@@ -370,7 +389,8 @@ class DataLoader:
         self._backlog = deque(tuple(r) for r in backlog)
         self._pending = deque()  # (came from the backlog, piece): tokenized, not yet in the buffer
         self._pool, self._fits, self._seq = {}, [], 0  # fresh documents, oldest first
-        self._open = deque(open_)  # continuations: each opens a row
+        self._open = deque(open_)  # continuations, by the row they open (due)
+        self._row = 0  # rows made; due counts in them
         self._empty_run = 0
         for p in buffer:
             self._add(p)
@@ -379,7 +399,8 @@ class DataLoader:
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
-        # batch_size is not part of it: the state counts rows, so a resumed run may change its batch size
+        # batch_size and interleave are not part of it: the state counts rows and holds any number of pending
+        # continuations, so a resumed run may change its batch size (and with it the default interleave)
         return dict(dataset=self.dataset, split=self.split, rank=self.rank, world_size=self.world_size,
                     seq_len=self.seq_len, buffer_size=self.buffer_size, num_docs=self.num_docs,
                     chunk_chars=self.chunk_chars)
@@ -388,12 +409,13 @@ class DataLoader:
         backlog = [p.ref() for from_backlog, p in self._pending if from_backlog] + list(self._backlog)
         stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog), self._stream)
         return dict(self._identity(), epoch=stream[0], doc=stream[1], backlog=[list(r) for r in backlog],
-                    buffer=[list(p.ref()) for p in self._pool.values()], open=[list(p.ref()) for p in self._open])
+                    buffer=[list(p.ref()) for p in self._pool.values()],
+                    open=[[*p.ref(), max(0, p.due - self._row)] for p in self._open])
 
     def state_dict(self) -> dict:
         """Small and exact: where reading continues (epoch, doc), documents queued before that (backlog,
-        after a reshard), the buffered documents and the pending continuations, as of the last batch
-        returned by next_batch (batches prefetched beyond it are not counted)."""
+        after a reshard), the buffered documents, and the pending continuations with the rows each still
+        waits, as of the last batch returned by next_batch (batches prefetched beyond it are not counted)."""
         return self._consumed
 
     def load_state_dict(self, state: dict) -> None:
@@ -408,11 +430,13 @@ class DataLoader:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
                              "with the same data and sequence length (reshard_states() changes the process count)")
 
-        def piece(ref):
-            return self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:])
+        def piece(ref, wait=0):
+            p = self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:4])
+            p.due = wait  # rows from now: a fresh loader's row count is 0
+            return p
 
         self._reset((state["epoch"], state["doc"]), state["backlog"], [piece(r) for r in state["buffer"]],
-                    [piece(r) for r in state["open"]])
+                    [piece(r[:4], r[4]) for r in state["open"]])
 
 
 def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
@@ -456,7 +480,7 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         raise ValueError(f"{num_docs} documents cannot be shared by {world_size} ranks")
     states = sorted(states, key=lambda s: s["rank"])
     frontier = max((s["epoch"], s["doc"]) for s in states)
-    carry = [tuple(ref) for s in states for key in ("backlog", "buffer", "open") for ref in s[key]]
+    carry = [tuple(ref[:4]) for s in states for key in ("backlog", "buffer", "open") for ref in s[key]]
     for r, s in enumerate(states):
         epoch, doc = s["epoch"], s["doc"]
         while (epoch, doc) < frontier:

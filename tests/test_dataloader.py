@@ -106,9 +106,9 @@ def test_each_epoch_trains_every_token_exactly_once(corpus, world):
         rows = rows_of_epochs(dl, 2)
         expected = expected_tokens(train, rank, world)
         for e in (0, 1):
-            trained, inserted = Counter(), 0
+            trained, inserted, padded = Counter(), 0, 0
             epoch_rows = [r for r, re in rows if re == e]
-            for i, row in enumerate(epoch_rows):
+            for row in epoch_rows:
                 assert len(row) == 49
                 if row[0] == BOS:  # an inserted BOS opens a continuation, never a document start
                     inserted += 1
@@ -116,26 +116,31 @@ def test_each_epoch_trains_every_token_exactly_once(corpus, world):
                 else:
                     assert row[0] % SCALE == 0, "a row must open with BOS or a document's own first token"
                 assert BOS not in row[1:], "the packer inserts BOS only at a row's start"
-                if -1 in row:
-                    assert i == len(epoch_rows) - 1, "padding only in the last row of an epoch"
+                if -1 in row:  # a document that ends with nothing left to fill its row: the epoch's end
+                    padded += 1
                     assert set(row[row.index(-1):]) == {-1}
                 trained.update(divmod(t, SCALE) for t in row if t not in (BOS, -1))
             # each token of each document of this rank in exactly one row: nothing dropped, nothing repeated
             assert trained == expected, (sorted((expected - trained).items())[:5], sorted(trained - expected)[:5])
             assert inserted <= len(epoch_rows)
+            assert padded <= dl.interleave, "padding only where the epoch's last documents end"
             seen_docs |= {k for k, _ in trained}
-        # a document's pieces come in order, and a row that ends mid-document is continued by the next row
+        # a row that ends mid-document is continued, after BOS, at the start of the row `interleave` rows on
+        # (sooner only at the end of an epoch, when nothing else is left to open rows with)
         stream = [r for r, _ in rows]
-        for a, b in zip(stream, stream[1:]):
+        for i, a in enumerate(stream):
             doc, pos = divmod(a[-1], SCALE)
             if a[-1] != -1 and pos < len(train[doc].split()):
-                assert b[:2] == [BOS, a[-1] + 1], (a[-3:], b[:3])
+                later = [j for j in range(i + 1, len(stream)) if stream[j][:2] == [BOS, a[-1] + 1]]
+                assert later and later[0] - i <= dl.interleave, (i, a[-3:])
+                if i < len(stream) // 4:
+                    assert later[0] - i == dl.interleave, (i, a[-3:])
     assert seen_docs == {k for k, t in enumerate(train) if t}, "the ranks together cover every document"
 
 
 def test_rows_are_what_next_batch_returns(corpus):
     tok, _, _ = corpus
-    a, b = loader(tok, B=4), loader(tok, B=1)
+    a, b = loader(tok, B=4), loader(tok, B=1, interleave=4)  # the default interleave is the batch size
     for _ in range(30):
         x, y = a.next_batch()
         assert x.shape == y.shape == (4, 48) and x.dtype == y.dtype == torch.long
@@ -244,20 +249,27 @@ def test_val_rows_are_a_contiguous_stream_of_whole_documents(corpus):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_exact_resume(corpus, world):
+    """Resumed from a state saved at any batch (several are tried, mid-epoch with partly trained documents
+    buffered, continuations waiting their turn), a loader yields exactly the batches of the uninterrupted
+    one, past the end of an epoch."""
     tok = WordTokenizer()
     for rank in range(world):
         ref = loader(tok, B=16, rank=rank, world=world)
-        for _ in range(13):  # stop mid-epoch, with partly trained documents buffered
-            ref.next_batch()
-        state = json.loads(json.dumps(ref.state_dict()))  # checkpoints keep it as JSON
-        assert state["open"] and state["buffer"]
-        expected = [ref.next_batch() for _ in range(130)]  # runs past the end of an epoch
-        assert ref.state_dict()["epoch"] >= 1
-        resumed = loader(tok, B=16, rank=rank, world=world)
-        resumed.load_state_dict(state)
-        for (x1, y1), (x2, y2) in zip(expected, (resumed.next_batch() for _ in range(130))):
-            assert torch.equal(x1, x2) and torch.equal(y1, y2)
-        assert resumed.state_dict() == ref.state_dict()
+        states, batches = {}, []
+        for i in range(150):
+            if i in (5, 13, 30, 47):
+                states[i] = json.loads(json.dumps(ref.state_dict()))  # checkpoints keep it as JSON
+                assert states[i]["open"]
+            batches.append(ref.next_batch())
+        assert ref.state_dict()["epoch"] >= 1 and states[5]["buffer"]
+        for i, state in states.items():
+            resumed = loader(tok, B=16, rank=rank, world=world)
+            resumed.load_state_dict(state)
+            assert resumed.state_dict() == state  # what it loaded, the continuations' waits included
+            for x1, y1 in batches[i:]:
+                x2, y2 = resumed.next_batch()
+                assert torch.equal(x1, x2) and torch.equal(y1, y2), f"resumed at batch {i}"
+            assert resumed.state_dict() == ref.state_dict()
 
 
 def test_resume_inside_a_chunked_document(corpus):
@@ -416,7 +428,7 @@ def test_reshard_trains_every_token_once_per_epoch(corpus, new_world, case):
         return pos + (1 + len(train[doc][:chunk].split()) if chunk else 0)
 
     for s in finals:
-        for ref in s["backlog"] + s["buffer"] + s["open"]:
+        for ref in s["backlog"] + s["buffer"] + [r[:4] for r in s["open"]]:
             for pos in range(first_position(ref), lengths[ref[1]]):
                 counts[ref[1]][pos] += 1
     epoch, low = min((s["epoch"], s["doc"]) for s in finals)
@@ -468,7 +480,25 @@ def test_documents_without_text_are_skipped_with_a_count(corpus, caplog):
     assert "2 documents without text skipped" in dl.packing()
 
 
+def test_rows_of_a_batch_come_from_different_documents(corpus):
+    """Interleaving: a long document's pieces are `interleave` rows apart, so in the middle of an epoch each
+    row of a micro-batch holds the start of another document (or another document's continuation)."""
+    _, train, _ = corpus
+    tok = WordTokenizer()
+    dl = loader(tok, B=8, buffer_size=40)
+    assert dl.interleave == 8
+    for _ in range(40):
+        x, _ = dl.next_batch()
+        if set(dl.batch_epochs) != {0} or dl.state_dict()["epoch"] > 0:
+            break  # near the end of the epoch fewer documents are left than rows
+        first = [(x[r, 1] if x[r, 0] == BOS else x[r, 0]).item() // SCALE for r in range(8)]
+        assert len(set(first)) == 8, first
+    with pytest.raises(ValueError, match="interleave must be in 1..buffer_size // 2 = 20"):
+        loader(tok, buffer_size=40, interleave=21)
+
+
 def test_bench_loader_reports_full_coverage_on_the_embedded_corpus(base, capsys):
+    # last in this file: the base fixture points NANOMUON_BASE_DIR at the embedded corpus from here on
     from scripts.bench_loader import main
 
     main(["--world-size", "8", "--device-batch-size", "4", "--max-seq-len", "256", "--epochs", "1", "--batches",
