@@ -8,7 +8,7 @@ Why its own design rather than a torch DataLoader:
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
 - Every token once per epoch. Each document's tokens (BOS first) land in exactly one row each. A row
   is seq_len + 1 tokens and always starts with BOS:
-  - Rows open with the oldest pending continuation, else with the oldest buffered document, so no
+  - Rows open with the continuation that is due, else with the oldest buffered document, so no
     piece waits forever (the old packer opened rows with fresh documents only, and the leftovers of
     long documents were never trained).
   - A continuation opens its row as BOS, then the document's next tokens. The model always sees BOS
@@ -16,8 +16,8 @@ Why its own design rather than a torch DataLoader:
     target, so no token goes untrained. That BOS is the only token the packer inserts: at most one per
     row, about 1 / seq_len of the tokens.
   - The rest of the row is filled best-fit (the longest buffered document that fits whole). When none
-    fits, the oldest is cut at the row's end and its remainder becomes the continuation that opens the
-    next row. Continuations open rows only, never sit mid-row, so a document's text is never glued to
+    fits, the oldest is cut at the row's end and its remainder becomes a continuation that opens a
+    later row. Continuations open rows only, never sit mid-row, so a document's text is never glued to
     the middle of another's.
   - Interleaved: a continuation opens the row `interleave` (default: batch_size) rows after the one it
     was cut from, so each row of a micro-batch holds another document. Packed into consecutive rows, a
@@ -27,7 +27,8 @@ Why its own design rather than a torch DataLoader:
     document with nothing left to fill them are padded (targets -1, ignored by the loss): at most
     `interleave` rows per epoch per rank.
 - Bounded memory: at most buffer_size pieces are buffered. Documents longer than chunk_chars characters
-  are tokenized chunk by chunk (cut at line starts), so a 50 MB document never exists as one token list.
+  are tokenized chunk by chunk, cut where the tokenizer's pre-split cuts anyway (so the tokens are those of
+  the whole text), and a 50 MB document never exists as one token list.
 - Prefetch: with prefetch=K a background thread packs up to K batches ahead (tiktoken releases the
   GIL), so tokenizing overlaps the training step; state_dict() still describes the last batch returned.
 - Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) instead of
@@ -295,7 +296,7 @@ class DataLoader:
             i = bisect.bisect_right(self._fits, (space, 0)) - 1
             if i >= 0:  # best fit: the longest document that fits whole
                 self._take(self._remove(-self._fits[i][1]), row, space)
-            elif self._pool:  # none fits: cut the oldest; its remainder opens the next row
+            elif self._pool:  # none fits: cut the oldest; its remainder opens a later row
                 p = self._remove(next(iter(self._pool)))
                 self._take(p, row, space)
                 if p.pos < len(p.tokens):

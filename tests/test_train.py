@@ -119,8 +119,10 @@ def test_resume_at_another_process_count(base):
             out = run(torchrun(world, "scripts.base_train", args), base).stdout
         assert f"resharded the data loader from 2 to {world} processes" in out, out
         assert "step 00004/00008" not in out and "step 00008/00008" in out
-        for step, loss in losses(out).items():  # the same run: a few percent from the uninterrupted losses
-            assert abs(loss - losses(whole)[step]) < 0.05 * losses(whole)[step], (world, step, out, whole)
+        # the same run: the train losses come from other rows (other documents, whose losses differ by several
+        # percent at this size), so they are only near the uninterrupted ones; val bpb measures the same tokens
+        for step, loss in losses(out).items():
+            assert abs(loss - losses(whole)[step]) < 0.1 * losses(whole)[step], (world, step, out, whole)
         assert abs(final_bpb(out) - final_bpb(whole)) < 0.03 * final_bpb(whole), (world, out, whole)
         meta = load_checkpoint(base / "runs" / name, 8, ())[1]
         assert meta["world_size"] == world and [s["rank"] for s in meta["loader"]] == list(range(world))
