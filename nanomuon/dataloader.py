@@ -99,8 +99,8 @@ class DataLoader:
     """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around).
 
     Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
-    (only in the last row of an epoch) has target -1 and input BOS. After next_batch(), batch_epochs says
-    which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
+    (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS. After next_batch(),
+    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
     """
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
@@ -180,17 +180,14 @@ class DataLoader:
         piece = text[start:end] if start or end < len(text) else text
         return array("i", self.tokenizer.encode(piece, prepend_bos=start == 0)), end
 
-    def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0, tokens=None) -> _Piece:
-        if tokens is None:
-            tokens, end = self._chunk(text, chunk)
-        else:
-            end = chunk_end(text, chunk, self.chunk_chars)
+    def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0) -> _Piece:
+        """A document re-read from a saved reference: its chunk at character `chunk`, from token `pos`."""
+        tokens, end = self._chunk(text, chunk)
         if not 0 <= pos < len(tokens):
             raise ValueError(f"data loader state names token {pos} of the chunk at character {chunk} of document "
                              f"{doc}, which has {len(tokens)} tokens: the data or the tokenizer changed since it "
                              "was saved")
-        more = end < len(text)
-        return _Piece(epoch, doc, tokens, text if more else None, chunk, end, pos)
+        return _Piece(epoch, doc, tokens, text if end < len(text) else None, chunk, end, pos)
 
     def _next_chunk(self, p: _Piece) -> None:
         p.tokens, end = self._chunk(p.text, p.next)
@@ -201,7 +198,7 @@ class DataLoader:
     def _read_ahead(self) -> None:
         """Tokenize the next tokenize_batch documents (the backlog first, then this rank's stride) into the
         pending queue. Documents without text are skipped and counted."""
-        fresh, refs = [], []
+        fresh, read = [], []  # first chunks to tokenize in one batch; (ref, from backlog, text, first chunk's end)
         for _ in range(self.tokenize_batch):
             if self._backlog:
                 ref, from_backlog = self._backlog.popleft(), True
@@ -219,16 +216,17 @@ class DataLoader:
                                      f"{self.world_size}: a whole epoch of its documents is null or empty")
                 continue
             self._empty_run = 0
-            if len(ref) == 4:  # a continuation handed over by reshard_states
-                refs.append((ref, from_backlog, self._piece(*ref[:2], text, *ref[2:])))
-            else:
+            end = None
+            if len(ref) == 2:  # a fresh document (a 4-tuple is a continuation handed over by reshard_states)
                 end = chunk_end(text, 0, self.chunk_chars)
                 fresh.append(text if end == len(text) else text[:end])
-                refs.append((ref, from_backlog, text))
+            read.append((ref, from_backlog, text, end))
         encoded = iter(self.tokenizer.encode(fresh, prepend_bos=True) if fresh else ())
-        for ref, from_backlog, p in refs:
-            if not isinstance(p, _Piece):
-                p = self._piece(ref[0], ref[1], p, tokens=array("i", next(encoded)))
+        for ref, from_backlog, text, end in read:
+            if end is None:
+                p = self._piece(*ref[:2], text, *ref[2:])
+            else:
+                p = _Piece(*ref, array("i", next(encoded)), text if end < len(text) else None, 0, end)
             self._pending.append((from_backlog, p))
 
     def _next_epoch(self) -> int:
@@ -260,17 +258,15 @@ class DataLoader:
             del self._fits[bisect.bisect_left(self._fits, (p.left(), -seq))]
         return p
 
-    def _take(self, p: _Piece, row: array, n: int) -> int:
-        """Move up to n of p's tokens to the row; returns how many moved."""
-        moved = 0
-        while moved < n and p.pos < len(p.tokens):
-            k = min(n - moved, len(p.tokens) - p.pos)
+    def _take(self, p: _Piece, row: array, n: int) -> None:
+        """Move up to n of p's tokens to the row."""
+        while n > 0 and p.pos < len(p.tokens):
+            k = min(n, len(p.tokens) - p.pos)
             row.extend(p.tokens[p.pos:p.pos + k])
             p.pos += k
-            moved += k
+            n -= k
             if p.pos == len(p.tokens) and p.text is not None:
                 self._next_chunk(p)
-        return moved
 
     def next_row(self) -> tuple[array, int]:
         """The next packed row (seq_len + 1 token ids, -1 for padding) and the epoch it belongs to."""

@@ -100,18 +100,24 @@ def open_shard(name: str, path: Path) -> pq.ParquetFile:
     return pf
 
 
-def iter_texts(name: str, split: str, max_chars: int | None = None) -> Iterator[str]:
-    """Documents of a split in shard order. With max_chars, stops after exactly that many characters
-    (the last document is cut short), so callers get a hard budget, e.g. for tokenizer training."""
+def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 0,
+               world_size: int = 1) -> Iterator[str]:
+    """Documents of a split in shard order, null ones skipped. With max_chars, stops after exactly that many
+    characters (the last document is cut short), so callers get a hard budget, e.g. for tokenizer training.
+    With world_size > 1, only documents k with k % world_size == rank (k counts every row, null or not: the
+    data loader's split of the documents between ranks)."""
     if max_chars is not None and max_chars < 0:
         raise ValueError(f"max_chars must be >= 0 or None, got {max_chars}")
-    left = max_chars
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    left, k = max_chars, -1
     for path in list_shards(name, split):
         pf = open_shard(name, path)
         # Row group by row group keeps memory at one group, not one shard (FineWeb shards are ~100 MB).
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
-                if text is None:
+                k += 1
+                if text is None or k % world_size != rank:
                     continue
                 if left is not None:
                     if left <= 0:

@@ -400,11 +400,11 @@ def main(argv=None):
             wandb_run.log({"step": step, "train/loss": smooth, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
 
     train_loader.close()
-    print0(f"data (rank 0, this process): {train_loader.packing()}")
 
     # -- summary ----------------------------------------------------------------------------------------
     summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]),
                    packing=train_loader.packing())
+    print0(f"data (rank 0, this process): {summary['packing']}")
     if step_times:
         med_dt, med_opt = statistics.median(step_times), statistics.median(optim_times)
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,

@@ -24,20 +24,8 @@ import time
 import torch
 
 from nanomuon.dataloader import DataLoader
-from nanomuon.dataset import DATASETS, list_shards, open_shard
+from nanomuon.dataset import DATASETS, iter_texts
 from nanomuon.tokenizer import get_tokenizer
-
-
-def rank_texts(dataset: str, rank: int, world_size: int):
-    """The texts of documents k with k % world_size == rank, in order, read straight from the shards."""
-    k = 0
-    for path in list_shards(dataset, "train"):
-        pf = open_shard(dataset, path)
-        for rg in range(pf.num_row_groups):
-            for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
-                if k % world_size == rank and text:
-                    yield text
-                k += 1
 
 
 def peak_rss_mb() -> float:
@@ -92,8 +80,9 @@ def main(argv=None):
         rss = peak_rss_mb()
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
-        for text in rank_texts(args.dataset, args.rank, args.world_size):
-            ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)), minlength=tok.vocab_size)
+        for text in iter_texts(args.dataset, "train", rank=args.rank, world_size=args.world_size):
+            if text:  # the loader skips empty documents too
+                ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)), minlength=tok.vocab_size)
         inserted = trained[tok.bos_id] - ref[tok.bos_id]
         trained[tok.bos_id] -= inserted
         total = ref.sum().item()
