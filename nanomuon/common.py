@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanomuon.optim import DTensor
+from nanomuon.sharded import DTensor
 
 
 def print0(*args, **kwargs):

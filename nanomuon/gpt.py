@@ -19,8 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanomuon.baselines import TorchMuonAdamW
-from nanomuon.optim import DistMuonAdamW, DTensor, MuonAdamW
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.qk_clip import qk_clip_
+from nanomuon.sharded import DTensor
 
 
 @dataclass

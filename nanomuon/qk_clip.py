@@ -20,14 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanomuon.optim import DTensor
+from nanomuon.sharded import DTensor, block_of
 
 
 def _scale_rows_(w: Tensor, row_scale: Tensor) -> None:
     """w[i, :] *= row_scale[i] for the rows this rank holds (all of them for a plain tensor)."""
     if isinstance(w, DTensor):
-        from nanomuon.sharded import block_of
-
         offset, shape, _ = block_of(w)
         local = w.to_local()
         if local.numel():

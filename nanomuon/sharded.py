@@ -1,6 +1,7 @@
 """
 Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both on
-a 2-D mesh. MuonAdamW sends its DTensor params here; the update math is optim.py's, run in stages:
+a 2-D mesh. MuonAdamW and DistMuonAdamW hand their DTensor params here. The update math is
+update_math.py's and the owners come from plan.py; this file adds the communication, in stages:
 
     1. momentum, elementwise, on each rank's local shard (the state stays sharded like the param);
     2. gather: all_to_all sends each shard of the momentum-updated matrix to the matrix's owner rank,
@@ -9,12 +10,11 @@ a 2-D mesh. MuonAdamW sends its DTensor params here; the update math is optim.py
     3. scatter: a second all_to_all sends every rank its block of the result; weight decay and the
        update then run elementwise on the local shard.
 
-So the result is exact Muon, the same as MuonAdamW on unsharded params. Owners are chosen per
-same-shape bucket by Newton-Schulz cost (optim.assign_owners), so the orthogonalization work is
-balanced. Matrices are processed in chunks: the next chunk's gather is launched before the current
-chunk's Newton-Schulz runs, and its scatter completes while the next chunk computes. A group's
-comm_precision='bf16' halves the traffic. Ranks that hold an empty shard (uneven sharding) and ranks
-that hold a replica (a Replicate mesh dim) are handled: one replica sends, every replica receives.
+So the result is exact Muon, the same as MuonAdamW on unsharded params. Matrices move in waves: the
+next wave's gather is launched before the current wave's Newton-Schulz runs, and its scatter completes
+while the next wave computes. A group's comm_precision='bf16' halves the traffic. Ranks that hold an
+empty shard (uneven sharding) and ranks that hold a replica (a Replicate mesh dim) are handled: one
+replica sends, every replica receives.
 
 Gradients of DTensor params arrive already reduced (FSDP2 and DTensor's own autograd do it), so
 nothing is reduced again. State: the momentum buffer is a DTensor sharded like its param; the
@@ -23,6 +23,9 @@ full_state()/shard_state() convert to and from the unsharded state_dict() format
 
 That is sharded_mode='owner', the default. muon_step_modes() has Megatron's tensor-parallel
 alternatives: 'duplicated', 'distributed' and 'blockwise'.
+
+The functions take the optimizer's pieces (group, state, plan cache, compiled or not), never the
+optimizer: this file depends on the math and the plan only.
 """
 
 import math
@@ -30,27 +33,34 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, stable since 2.4
 
-from nanomuon.optim import (
+from nanomuon.param_groups import saved_params
+from nanomuon.plan import owner_plan
+from nanomuon.update_math import (
     NS_DTYPES,
-    _kernel,
-    assign_owners,
-    has_dtensors,
+    kernel,
     muon_apply,
     muon_direction,
-    muon_lr_multiplier,
+    muon_hparams,
     muon_momentum,
-    muon_red_dim,
-    muon_state_layout,
-    ns_coefficients,
+    new_second_moment,
     ns_flops,
-    resolve_ns_precision,
-    saved_params,
+    scalars,
+    second_moment_shape,
 )
 
-CHUNK_PER_RANK = 4  # matrices each owner orthogonalizes per chunk: enough to stack, small enough to overlap
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, stable since 2.4
+except ImportError:  # a torch built without distributed support: there are no DTensor params to meet
+    DTensor = ()
+
+WAVE_PER_RANK = 4  # matrices each owner orthogonalizes per wave: enough to stack, few enough to overlap
+
+
+def has_dtensors(params) -> bool:
+    """Whether any of these params is a DTensor (FSDP2, tensor parallel): those are updated here."""
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def local(t: Tensor, like: DTensor) -> Tensor:
@@ -76,9 +86,8 @@ def _slices(offset, shape):
 
 
 def build_plan(params: list[DTensor], ns_steps: int) -> dict:
-    """Who owns which matrix, every rank's block of every matrix, and the chunks; the same on all ranks.
-
-    One collective (all_gather_object of the blocks), run once per set of params."""
+    """Every rank's block of every matrix, the owners (plan.owner_plan, per same-shape bucket) and the
+    waves; the same on all ranks. One collective (all_gather_object of the blocks)."""
     world = dist.get_world_size()
     for p in params:
         ranks = sorted(p.device_mesh.mesh.flatten().tolist())
@@ -89,26 +98,28 @@ def build_plan(params: list[DTensor], ns_steps: int) -> dict:
         if any(pl.is_partial() for pl in p.placements):
             raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial placement "
                              f"{p.placements}; params must be Shard or Replicate")
-    mine = [block_of(p) for p in params]
     blocks = [None] * world
-    dist.all_gather_object(blocks, mine)
-    # blocks[r][i]: rank r's (offset, shape, sends) of params[i]
-    by_shape = {}
-    for i, p in enumerate(params):
-        by_shape.setdefault((tuple(p.shape), p.dtype), []).append(i)
-    bucket_list = list(by_shape.values())
-    slots = assign_owners([(len(b), ns_flops(params[b[0]].shape, ns_steps)) for b in bucket_list], world)
-    owner = {}
-    chunks = []
-    for bucket, bucket_slots in zip(bucket_list, slots):
-        for r, idx in enumerate(bucket_slots):
-            for k in idx:
-                owner[bucket[k]] = r
-        rounds = max(len(s) for s in bucket_slots)
-        for start in range(0, rounds, CHUNK_PER_RANK):  # each rank owns <= CHUNK_PER_RANK of a chunk
-            chunk = [bucket[k] for s in bucket_slots for k in s[start:start + CHUNK_PER_RANK]]
-            chunks.append(sorted(chunk))
-    return dict(blocks=blocks, owner=owner, chunks=chunks, rank=dist.get_rank(), world=world)
+    dist.all_gather_object(blocks, [block_of(p) for p in params])  # blocks[r][i]: rank r's block of params[i]
+    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
+                         [ns_flops(p.shape, ns_steps) for p in params], world)
+    owner, waves = {}, []
+    for b in buckets:
+        for r, slots in enumerate(b["slots"]):
+            for k in slots:
+                owner[b["members"][k]] = r
+        for start in range(0, b["per_rank"], WAVE_PER_RANK):  # each rank owns <= WAVE_PER_RANK of a wave
+            waves.append(sorted(b["members"][k] for s in b["slots"] for k in s[start:start + WAVE_PER_RANK]))
+    return dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
+
+
+def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
+    """The group's DTensor Muon params and their plan, built once (a collective) and kept in `plans` (the
+    optimizer's cache), so owners (who hold the second moments) stay put whichever params have grads."""
+    params = [p for p in group["params"] if isinstance(p, DTensor)]
+    key = (id(group), tuple(id(p) for p in params))
+    if key not in plans:
+        plans[key] = build_plan(params, group["ns_steps"])
+    return params, plans[key]
 
 
 def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm_dtype):
@@ -122,23 +133,23 @@ def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm
     return work, recv, send
 
 
-def _gather(plan, params, chunk, g_local, comm_dtype):
-    """Launch the all_to_all that sends every block of the chunk's matrices to their owners."""
+def _gather(plan, params, wave, g_local, comm_dtype):
+    """Launch the all_to_all that sends every block of the wave's matrices to their owners."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     pieces = [[] for _ in range(world)]
-    for i in chunk:
+    for i in wave:
         offset, shape, sends = blocks[rank][i]
         if sends and math.prod(shape):
             pieces[owner[i]].append(g_local[i].reshape(-1))
-    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in chunk if owner[i] == rank and blocks[src][i][2])
+    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in wave if owner[i] == rank and blocks[src][i][2])
                    for src in range(world)]
-    return _all_to_all(pieces, recv_counts, params[chunk[0]].to_local().device, comm_dtype)
+    return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
-def _assemble(plan, params, chunk, recv) -> dict:
-    """Whole matrices (in the params' dtype) from the received blocks, for the chunk's matrices I own."""
+def _assemble(plan, params, wave, recv) -> dict:
+    """Whole matrices (in the params' dtype) from the received blocks, for the wave's matrices I own."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
-    mine = [i for i in chunk if owner[i] == rank]
+    mine = [i for i in wave if owner[i] == rank]
     full = {i: torch.empty(params[i].shape, dtype=params[i].dtype, device=recv.device) for i in mine}
     at = 0
     for src in range(world):
@@ -152,26 +163,26 @@ def _assemble(plan, params, chunk, recv) -> dict:
     return full
 
 
-def _scatter(plan, params, chunk, updates, comm_dtype):
+def _scatter(plan, params, wave, updates, comm_dtype):
     """Launch the all_to_all that returns every rank (replicas included) its block of each update."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
-    mine = [i for i in chunk if owner[i] == rank]
+    mine = [i for i in wave if owner[i] == rank]
     pieces = [[] for _ in range(world)]
     for dst in range(world):
         for i in mine:
             offset, shape, _ = blocks[dst][i]
             if math.prod(shape):
                 pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
-    recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in chunk if owner[i] == src) for src in range(world)]
-    return _all_to_all(pieces, recv_counts, params[chunk[0]].to_local().device, comm_dtype)
+    recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in wave if owner[i] == src) for src in range(world)]
+    return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
-def _split_received(plan, chunk, recv) -> dict:
-    """My block of each of the chunk's updates, as views into the scatter's receive buffer."""
+def _split_received(plan, wave, recv) -> dict:
+    """My block of each of the wave's updates, as views into the scatter's receive buffer."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     out, at = {}, 0
     for src in range(world):
-        for i in chunk:
+        for i in wave:
             if owner[i] != src:
                 continue
             shape = blocks[rank][i][1]
@@ -179,16 +190,6 @@ def _split_received(plan, chunk, recv) -> dict:
             out[i] = recv[at:at + n].view(shape)
             at += n
     return out
-
-
-def group_plan(opt, group: dict) -> tuple[list[DTensor], dict]:
-    """The group's DTensor Muon params and their plan, built once (a collective) and kept, so owners (who
-    hold the second moments) stay put whichever params have grads."""
-    params = [p for p in group["params"] if isinstance(p, DTensor)]
-    key = (id(group), tuple(id(p) for p in params))
-    if key not in opt._sharded_plans:
-        opt._sharded_plans[key] = build_plan(params, group["ns_steps"])
-    return params, opt._sharded_plans[key]
 
 
 def cut_of(p: DTensor):
@@ -208,95 +209,85 @@ def cut_of(p: DTensor):
     return cut.pop(), group
 
 
-def _hyperparameters(opt, group: dict):
-    """What every stage takes from the group: (coefficients, safety, eps), the scalars, L2 decay or not."""
-    s = opt._scalars(momentum=group["momentum"], wd=group["weight_decay"], beta2=group["beta2"] or 0.0)
-    return ns_coefficients(group["ns_coefficients"], group["ns_steps"]), s, group["weight_decay_mode"] == "l2"
-
-
-def _momentum_local(opt, group: dict, p: DTensor, s: dict, l2: bool) -> Tensor:
+def _momentum_local(group: dict, state: dict, p: DTensor, compiled: bool) -> Tensor:
     """Stage 1 on p's local shard; the momentum buffer is a DTensor sharded like p."""
-    state = opt.state[p]
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(p)
-    return _kernel(muon_momentum, opt.compiled)(local(p.grad, p).clone(), local(state["momentum_buffer"], p),
-                                                p.to_local(), s["momentum"], s["wd"], group["nesterov"], l2)
+    st = state[p]
+    if "momentum_buffer" not in st:
+        st["momentum_buffer"] = torch.zeros_like(p)
+    h = scalars(muon_hparams(group, p.shape, p.to_local().device), compiled)
+    return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(st["momentum_buffer"], p), p.to_local(),
+                                           h["momentum"], h["wd"], h["nesterov"], h["l2_wd"])
 
 
-def _apply_local(opt, group: dict, p: DTensor, u: Tensor, matrix_shape, s: dict, l2: bool) -> None:
+def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: bool) -> None:
     """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor."""
     if not u.numel():
         return
-    lr = group["lr"] * muon_lr_multiplier(matrix_shape, group["lr_scale"], group["extra_scale"])
-    _kernel(muon_apply, opt.compiled)(p.to_local(), u, opt._scalars(lr=lr)["lr"], s["wd"], group["cautious_wd"],
-                                      not l2)
+    h = scalars(muon_hparams(group, matrix_shape, u.device), compiled)
+    kernel(muon_apply, compiled)(p.to_local(), u, h["lr"], h["wd"], h["cautious_wd"], h["l2_wd"])
 
 
-def muon_step_sharded(opt, group: dict) -> None:
-    """One Muon step of `group` for its DTensor params, called by MuonAdamW.step(). Params without a
-    grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
+def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
+    """One Muon step of `group` for its DTensor params, called by the optimizers' step() with their state
+    and plan cache. Params without a grad are skipped; DTensor grads are collective results, so every
+    rank skips the same ones."""
     if group["sharded_mode"] != "owner":
-        return muon_step_modes(opt, group)
-    params, plan = group_plan(opt, group)
+        return muon_step_modes(group, state, compiled)
+    params, plan = group_plan(group, plans)
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
-    (coeffs, safety, eps), s, l2 = _hyperparameters(opt, group)
-    beta2 = group["beta2"]
-    direction_fn = _kernel(muon_direction, opt.compiled)
 
-    def momentum_stage(chunk):
-        return {i: _momentum_local(opt, group, params[i], s, l2) for i in chunk}
+    def momentum_stage(wave):
+        return {i: _momentum_local(group, state, params[i], compiled) for i in wave}
 
     def direction_stage(full: dict) -> dict:
         by_shape = {}
         for i in full:
             by_shape.setdefault(tuple(params[i].shape), []).append(i)
         out = {}
-        for idx in by_shape.values():
+        for shape, idx in by_shape.items():
             stacked = torch.stack([full[i] for i in idx])
             second = None
-            if beta2 is not None:
-                layout = muon_state_layout(params[idx[0]])["second_momentum_buffer"]
+            if group["beta2"] is not None:
                 for i in idx:
-                    opt.state[params[i]].setdefault("second_momentum_buffer",
-                                                    torch.zeros(layout[0], dtype=layout[1], device=stacked.device))
-                second = torch.stack([opt.state[params[i]]["second_momentum_buffer"] for i in idx])
-            precision = resolve_ns_precision(group["ns_precision"], stacked.device)
-            u = direction_fn(stacked, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], stacked.dtype,
-                             None, group["qkv_split"])
+                    state[params[i]].setdefault("second_momentum_buffer", new_second_moment(shape, stacked.device))
+                second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
+            h = scalars(muon_hparams(group, shape, stacked.device), compiled)
+            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["coeffs"], h["safety"], h["eps"],
+                                                 h["ns_dtype"], stacked.dtype, None, h["qkv_split"])
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
-                    opt.state[params[i]]["second_momentum_buffer"].copy_(second[k])
+                    state[params[i]]["second_momentum_buffer"].copy_(second[k])
         return out
 
     def finish(pending):
-        """Wait for a chunk's scatter and apply its updates (views of the receive buffer, or cast copies:
+        """Wait for a wave's scatter and apply its updates (views of the receive buffer, or cast copies:
         ours to overwrite)."""
-        chunk, (work, recv, _send) = pending
+        wave, (work, recv, _send) = pending
         work.wait()
-        received = _split_received(plan, chunk, recv)
-        for i in chunk:
-            _apply_local(opt, group, params[i], received[i].to(params[i].dtype), params[i].shape, s, l2)
+        received = _split_received(plan, wave, recv)
+        for i in wave:
+            _apply_local(group, params[i], received[i].to(params[i].dtype), params[i].shape, compiled)
 
-    chunks = [c for c in ([i for i in chunk if i in active] for chunk in plan["chunks"]) if c]
-    pending_gather = _gather(plan, params, chunks[0], momentum_stage(chunks[0]), comm_dtype) if chunks else None
+    waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
+    pending_gather = _gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype) if waves else None
     pending_scatter = None
-    for c, chunk in enumerate(chunks):
+    for c, wave in enumerate(waves):
         work, recv, _send = pending_gather
-        if c + 1 < len(chunks):  # the next chunk's gather travels while this chunk computes
-            pending_gather = _gather(plan, params, chunks[c + 1], momentum_stage(chunks[c + 1]), comm_dtype)
+        if c + 1 < len(waves):  # the next wave's gather travels while this wave computes
+            pending_gather = _gather(plan, params, waves[c + 1], momentum_stage(waves[c + 1]), comm_dtype)
         work.wait()
-        updates = direction_stage(_assemble(plan, params, chunk, recv))
-        scatter = (chunk, _scatter(plan, params, chunk, updates, comm_dtype))
-        if pending_scatter is not None:  # the previous chunk's scatter finished while this one computed
+        updates = direction_stage(_assemble(plan, params, wave, recv))
+        scatter = (wave, _scatter(plan, params, wave, updates, comm_dtype))
+        if pending_scatter is not None:  # the previous wave's scatter finished while this one computed
             finish(pending_scatter)
         pending_scatter = scatter
     if pending_scatter is not None:
         finish(pending_scatter)
 
 
-def muon_step_modes(opt, group: dict) -> None:
+def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
     """Megatron's tensor-parallel modes, applied over all the mesh dims a param is split on:
     'duplicated' all-gathers each matrix on every rank, orthogonalizes it redundantly and keeps its block
     (exact); 'distributed' leaves the slices in place and sums the Gram matrix and the norms across the
@@ -304,13 +295,10 @@ def muon_step_modes(opt, group: dict) -> None:
     local block as a matrix of its own (no communication, but the update depends on the sharding: the
     block's shape sets its lr factor and variance reduction)."""
     mode = group["sharded_mode"]
-    (coeffs, safety, eps), s, l2 = _hyperparameters(opt, group)
-    beta2 = group["beta2"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
-        state = opt.state[p]
-        g = _momentum_local(opt, group, p, s, l2)
+        g = _momentum_local(group, state, p, compiled)
         shard, matrix_shape = None, p.shape
         if mode == "duplicated":
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
@@ -324,58 +312,59 @@ def muon_step_modes(opt, group: dict) -> None:
         else:
             matrix_shape = g.shape
         second = None
-        if beta2 is not None:
-            layout = list(g.shape)
-            layout[muon_red_dim(p.shape if mode == "distributed" else g.shape)] = 1
-            second = state.setdefault("second_momentum_buffer", torch.zeros(layout, device=g.device))
-        precision = resolve_ns_precision(group["ns_precision"], g.device)
-        u = muon_direction(g, second, s["beta2"], coeffs, safety, eps, NS_DTYPES[precision], p.dtype, shard,
-                           group["qkv_split"])
+        if group["beta2"] is not None:
+            full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
+            second = state[p].setdefault("second_momentum_buffer", new_second_moment(g.shape, g.device, full_shape))
+        h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
+        u = muon_direction(g, second, h["beta2"], h["coeffs"], h["safety"], h["eps"], h["ns_dtype"], p.dtype, shard,
+                           h["qkv_split"])
         if mode == "duplicated":
             offset, shape, _ = block_of(p)
             u = u[_slices(offset, shape)].clone()
-        _apply_local(opt, group, p, u, matrix_shape, s, l2)
+        _apply_local(group, p, u, matrix_shape, compiled)
 
 
-def _second_moment_holders(opt, group: dict, params: list[DTensor]) -> list[int]:
+def _second_moment_holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
     """For each param, the rank whose second moment counts (the owner, or rank 0 in 'duplicated' mode,
     where all hold the same), or -1 where it has none yet."""
     device = params[0].to_local().device
-    has = torch.tensor([int("second_momentum_buffer" in opt.state.get(p, {})) for p in params], device=device)
+    has = torch.tensor([int("second_momentum_buffer" in state.get(p, {})) for p in params], device=device)
     every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
     dist.all_gather(every, has)
     if group["sharded_mode"] == "owner":
-        owner = group_plan(opt, group)[1]["owner"]
+        owner = group_plan(group, plans)[1]["owner"]
         return [owner[i] if every[owner[i]][i] else -1 for i in range(len(params))]
     return [0 if every[0][i] else -1 for i in range(len(params))]
 
 
-def full_state(opt, sd: dict) -> dict:
-    """opt.state_dict() with every DTensor param's state made whole: sharded tensors gathered, second
-    moments broadcast from their owners. A collective; the result is the same on every rank."""
-    index = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    state = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
-    for group in opt.param_groups:
+def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
+    """sd (the optimizer's state_dict()) with every DTensor param's state made whole: sharded tensors
+    gathered, second moments broadcast from their owners. A collective; the same result on every rank."""
+    index = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
+    out = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
+    for group in param_groups:
         dparams = [p for p in group["params"] if isinstance(p, DTensor)]
         if dparams:
             _check_whole_state_mode(group)
         for p in dparams:
-            st = state.get(index[id(p)], {})
+            st = out.get(index[id(p)], {})
             for name, v in st.items():
                 if isinstance(v, DTensor):
                     st[name] = v.full_tensor()
         if group["kind"] != "muon" or not dparams:
             continue
-        for p, holder in zip(dparams, _second_moment_holders(opt, group, dparams)):
+        for p, holder in zip(dparams, _second_moment_holders(group, state, plans, dparams)):
             if holder < 0:
                 continue
-            shape, dtype = muon_state_layout(p)["second_momentum_buffer"]
-            st = state.setdefault(index[id(p)], {})
+            st = out.setdefault(index[id(p)], {})
             t = st.get("second_momentum_buffer") if dist.get_rank() == holder else None
-            t = t.to(dtype).clone() if t is not None else torch.empty(shape, dtype=dtype, device=p.to_local().device)
+            if t is not None:
+                t = t.to(torch.float32).clone()
+            else:
+                t = torch.empty(second_moment_shape(p.shape), dtype=torch.float32, device=p.to_local().device)
             dist.broadcast(t, src=holder)
             st["second_momentum_buffer"] = t
-    return dict(sd, state=state)
+    return dict(sd, state=out)
 
 
 def _check_whole_state_mode(group: dict) -> None:
@@ -385,19 +374,19 @@ def _check_whole_state_mode(group: dict) -> None:
                          "and resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' (or beta2=None)")
 
 
-def shard_state(opt, sd: dict) -> dict:
+def shard_state(param_groups: list[dict], plans: dict, sd: dict) -> dict:
     """The inverse of full_state: a whole state (MuonAdamW.state_dict() format, any world size) cut down to
     this rank: param-shaped tensors to its DTensor blocks, second moments kept only on the owner."""
-    by_id = saved_params(opt.param_groups, sd)
+    by_id = saved_params(param_groups, sd)
     owned = set()  # params whose second moment this rank keeps
-    for group in opt.param_groups:
+    for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):
             continue
         _check_whole_state_mode(group)
         if group["sharded_mode"] != "owner":  # duplicated: every rank orthogonalizes the whole matrix
             owned |= {id(p) for p in group["params"]}
             continue
-        dparams, plan = group_plan(opt, group)
+        dparams, plan = group_plan(group, plans)
         owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
     state = {}
     for pid, st in sd["state"].items():

@@ -42,8 +42,8 @@ from nanomuon.common import (
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
 from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
 from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, GPTConfig, config_from_depth
-from nanomuon.optim import DTensor
 from nanomuon.report import MISSING, plot_curves, smooth
+from nanomuon.sharded import DTensor
 from nanomuon.tokenizer import get_tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]

@@ -28,16 +28,9 @@ import time
 import torch
 
 from nanomuon.baselines import fp32_newton_schulz
-from nanomuon.optim import (
-    NS_DTYPES,
-    MuonAdamW,
-    assign_owners,
-    buckets,
-    ns_coefficients,
-    ns_flops,
-    orthogonalize,
-    resolve_ns_precision,
-)
+from nanomuon.optim import MuonAdamW
+from nanomuon.plan import assign_owners, bucket_by
+from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision
 
 HEAD_DIM = 128
 VOCAB = 32768
@@ -191,8 +184,7 @@ def bench_ns(args, device, compile, precision):
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
     # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
-    metas = [torch.empty(s, device="meta") for s in muon_shapes]
-    stacks = [(len(b), *muon_shapes[b[0]]) for b in buckets(metas)]
+    stacks = [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
     gen = torch.Generator().manual_seed(1)
     tot_flops = tot_ns = tot_ref_flops = tot_ref = 0.0
     for shape in stacks:
@@ -233,8 +225,8 @@ def bench_imbalance(args):
     _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
     steps = MUON_HP["ns_steps"]
     # Order as DistMuonAdamW._get_plan: per group (one muon group here), by shape bucket in order of first
-    # appearance; buckets() is the optimizer's own function, fed meta tensors (no memory).
-    bucket_list = buckets([torch.empty(s, device="meta") for s in muon_shapes])
+    # appearance (plan.bucket_by, the optimizer's own grouping).
+    bucket_list = bucket_by([tuple(s) for s in muon_shapes])
     costs_by_bucket = [[ns_flops(muon_shapes[i], steps) for i in b] for b in bucket_list]
     costs = [c for cs in costs_by_bucket for c in cs]
     plan = assign_owners([(len(cs), cs[0]) for cs in costs_by_bucket], N)

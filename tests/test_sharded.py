@@ -74,7 +74,7 @@ def groups(muon, adamw, **muon_options):
 
 
 def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
-    sharded_module.CHUNK_PER_RANK = chunk_per_rank  # 1: every matrix its own chunk, so chunks overlap
+    sharded_module.WAVE_PER_RANK = chunk_per_rank  # 1: every matrix its own wave, so waves overlap
     meshes = {None: init_device_mesh("cpu", (world_size,))}
     muon_specs = specs(world_size)
     for _, _, dims, _ in muon_specs:

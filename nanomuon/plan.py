@@ -1,0 +1,59 @@
+"""
+Who updates what: the owner plan, shared by DistMuonAdamW (ZeRO-2) and the DTensor path (sharded.py).
+
+Muon needs whole matrices, so each one is orthogonalized by a single owner rank. Same-shape matrices
+form a bucket, stacked into one batched call; owner_plan() splits every bucket over the ranks by
+Newton-Schulz cost. The plan depends on shapes alone, so every rank computes the same one without
+talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into equal flat pieces.
+"""
+
+
+def assign_owners(buckets: list[tuple[int, float]], world_size: int) -> list[list[list[int]]]:
+    """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks.
+
+    Every rank gets floor(count / N) matrices of every bucket, so a bucket's stacks pad to ceil(count / N)
+    per rank, as little as possible; the remainders go, costliest bucket first, one each to the least
+    loaded ranks (ties to the lower rank). The result, slots[bucket][rank] = matrix indices, depends on
+    the shapes alone, so every rank computes the same plan. The busiest rank exceeds the mean by at most
+    one matrix's cost.
+    """
+    loads = [sum(count // world_size * cost for count, cost in buckets)] * world_size
+    extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
+    for b in sorted(range(len(buckets)), key=lambda b: (-buckets[b][1], b)):
+        count, cost = buckets[b]
+        for r in sorted(range(world_size), key=lambda r: (loads[r], r))[:count % world_size]:
+            extra[b].append(r)
+            loads[r] += cost
+    plan = []
+    for (count, _), ranks in zip(buckets, extra):
+        sizes = [count // world_size + (r in ranks) for r in range(world_size)]
+        starts = [sum(sizes[:r]) for r in range(world_size)]
+        plan.append([list(range(starts[r], starts[r] + sizes[r])) for r in range(world_size)])
+    return plan
+
+
+def bucket_by(keys: list) -> list[list[int]]:
+    """Indices grouped by equal key, buckets in order of first appearance."""
+    by_key = {}
+    for i, key in enumerate(keys):
+        by_key.setdefault(key, []).append(i)
+    return list(by_key.values())
+
+
+def owner_plan(keys: list, costs: list[float], world_size: int) -> list[dict]:
+    """Buckets of the matrices with equal keys (say shape and dtype) and their owners.
+
+    keys[i], costs[i]: matrix i's bucket key and Newton-Schulz cost. Returns one dict per bucket:
+    members (matrix indices), slots (slots[r]: positions in members that rank r owns) and per_rank
+    (the largest slot count: every rank's stack of the bucket is padded to it)."""
+    buckets = bucket_by(keys)
+    slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size)
+    return [dict(members=b, slots=s, per_rank=max(len(x) for x in s)) for b, s in zip(buckets, slots)]
+
+
+def flat_shard(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor cut into world_size equal shards;
+    the last shards are short or empty when numel does not divide."""
+    shard = -(-numel // world_size)
+    lo = min(numel, rank * shard)
+    return shard, lo, min(numel, lo + shard)
