@@ -54,12 +54,14 @@ class TorchMuonAdamW:
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
     group['momentum'] for Muon) reaches them. Muon groups take lr, momentum, weight_decay, nesterov and
-    ns_steps; AdamW groups lr, betas, eps, weight_decay. Other keys (name, initial_lr) ride along.
+    ns_steps, and beta2=None (no variance reduction, as in torch); AdamW groups lr, betas, eps,
+    weight_decay. Other keys (name, initial_lr) ride along.
     ns_precision 'auto' is torch's bf16 on CUDA and fp32 elsewhere.
     """
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+    SAME_AS_TORCH = {"beta2": None}  # muon keys whose value says what torch.optim.Muon does anyway: no VR
 
     def __init__(self, param_groups, ns_precision: str = "auto"):
         muon, adamw = [], []
@@ -68,7 +70,8 @@ class TorchMuonAdamW:
             if kind not in ("muon", "adamw"):
                 raise ValueError(f"param group {i}: kind={kind!r}; set kind='muon' or kind='adamw'")
             allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
-            dropped = {k for k in group if k not in allowed + ("params", "kind", "name", "initial_lr")}
+            dropped = {k for k in group if k not in allowed + ("params", "kind", "name", "initial_lr")
+                       and not (kind == "muon" and k in self.SAME_AS_TORCH and group[k] is self.SAME_AS_TORCH[k])}
             if dropped:
                 raise ValueError(f"param group {i} ({kind}): torch.optim.{'Muon' if kind == 'muon' else 'AdamW'} "
                                  f"has no option {sorted(dropped)}; remove it for the torch baseline")

@@ -1,16 +1,48 @@
 """
-Plumbing shared by the scripts: process group setup and teardown, device choice, rank-0 printing,
-peak FLOPs for MFU, and the bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
+Plumbing shared by the library and the scripts: where files live (get_base_dir), atomic writes,
+process group setup and teardown, device choice, rank-0 printing, peak FLOPs for MFU, and the
+bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
 """
 
 import contextlib
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nanomuon.sharded import DTensor
+
+
+def get_base_dir() -> Path:
+    """$NANOMUON_BASE_DIR if set, else ~/.cache/nanomuon; created if missing."""
+    env = os.environ.get("NANOMUON_BASE_DIR")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "nanomuon"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp_path), then rename into place, so readers never see a half-written file. The temporary
+    name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say what
+    to do) ends the program with that one line. Wrap only calls that read user input, so that a bug
+    anywhere else keeps its traceback."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def print0(*args, **kwargs):

@@ -34,6 +34,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from nanomuon.common import get_base_dir, write_atomic
+
 DATASETS = ("fineweb-edu", "embedded")
 SPLITS = ("train", "val")
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
@@ -49,14 +51,6 @@ RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not
 
 
 # -- locations ----------------------------------------------------------------------------------------
-
-def get_base_dir() -> Path:
-    """$NANOMUON_BASE_DIR if set, else ~/.cache/nanomuon; created if missing."""
-    env = os.environ.get("NANOMUON_BASE_DIR")
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "nanomuon"
-    base.mkdir(parents=True, exist_ok=True)
-    return base
-
 
 def data_dir(name: str) -> Path:
     if name not in DATASETS:
@@ -139,17 +133,6 @@ def stdlib_sources() -> list[Path]:
         subdirs[:] = [s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__")]
         files += [Path(d) / n for n in names if n.endswith(".py")]
     return sorted(files)
-
-
-def write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename into place, so readers never see a half-written file. The temporary
-    name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequence[Path] | None = None) -> list[Path]:

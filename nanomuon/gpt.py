@@ -6,8 +6,9 @@ biases, a tanh logit softcap, zero-initialized output projections. Attention run
 scaled_dot_product_attention (flash kernels on CUDA; the math kernel on CPU). The size follows from one
 number, --depth: width = depth * aspect_ratio, rounded up to a multiple of the head dim.
 
-setup_optimizer() is where the model meets the optimizer: every matrix inside the blocks trains with
-Muon, the embedding, lm_head and anything not 2-D train with AdamW.
+setup_optimizer() is where the model meets the optimizer: param_groups.classify (the rule every model
+gets) sends the matrices inside the blocks to Muon; the embedding, lm_head and anything not 2-D train
+with AdamW, each at its own lr.
 """
 
 import math
@@ -18,8 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
 from nanomuon.sharded import DTensor
 
@@ -64,20 +65,6 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
     n_head = n_embd // head_dim
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
-
-
-# Optimizer variants that base_train --optimizer selects and scripts.ablate compares: extra keyword
-# arguments to GPT.setup_optimizer. To try an idea, add an entry (or a new muon option in optim.py and
-# an entry that turns it on), then `python -m scripts.ablate --variants muon,<yours>`.
-OPTIMIZER_VARIANTS = {
-    "muon": {},  # the default: Muon (Polar Express, variance reduction, cautious wd) + AdamW
-    "adamw": dict(adamw_matrix_lr=0.004),  # the baseline: AdamW everywhere
-    "muon-no-vr": dict(muon_options=dict(beta2=None)),  # without factored variance reduction
-    "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
-    "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
-    "muon-no-cautious-wd": dict(muon_options=dict(cautious_wd=False)),
-    "torch-muon": dict(torch_baseline=True),  # stock torch.optim.Muon + torch.optim.AdamW (baselines.py)
-}
 
 
 def norm(x):
@@ -229,25 +216,25 @@ class GPT(nn.Module):
     def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
                         scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
                         muon_options: dict | None = None, adamw_matrix_lr: float | None = None,
-                        torch_baseline: bool = False, compile: bool | None = None):
+                        optimizer_class=None, compile: bool | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's lr needs no
-        width scaling because its update is orthogonalized. muon_options go into the Muon group (e.g.
-        beta2=None, ns_coefficients='jordan'); adamw_matrix_lr trains the block matrices with AdamW
-        instead, at that lr (width-scaled like the others). torch_baseline runs the same groups and lrs
-        through torch.optim.Muon + torch.optim.AdamW instead. OPTIMIZER_VARIANTS names such choices.
+        Which params are Muon matrices is param_groups.classify's decision; each AdamW param gets the lr
+        of its role. AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's
+        lr needs no width scaling because its update is orthogonalized. muon_options go into the Muon group
+        (e.g. beta2=None, ns_coefficients='jordan'); adamw_matrix_lr trains the matrices with AdamW instead,
+        at that lr (width-scaled like the others). optimizer_class(groups) builds another optimizer on the
+        same groups (say baselines.TorchMuonAdamW; `compile` is for nanomuon's own). nanomuon.variants names
+        such choices.
         """
         scale = (self.config.n_embd / 768) ** -0.5
-        matrices = [p for p in self.blocks.parameters() if p.ndim == 2]
-        scalars = [p for p in self.blocks.parameters() if p.ndim != 2]
+        roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
+        params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
+        for name, p in self.named_parameters():
+            to_muon, _ = classify(name, p, embedding=p is self.wte.weight)
+            params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
-        if torch_baseline and (muon_options or adamw_matrix_lr is not None):
-            raise ValueError("torch_baseline takes neither muon_options nor adamw_matrix_lr: it is stock "
-                             "torch.optim.Muon")
-        if torch_baseline:
-            matrix_group = dict(kind="muon", lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
-        elif adamw_matrix_lr is None:
+        if adamw_matrix_lr is None:
             matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5, beta2=0.95,
                                      weight_decay=weight_decay), **(muon_options or {}))
         elif muon_options:
@@ -255,16 +242,16 @@ class GPT(nn.Module):
         else:
             matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
         groups = [
-            dict(adam, name="lm_head", params=list(self.lm_head.parameters()), lr=unembedding_lr * scale),
-            dict(adam, name="embedding", params=list(self.wte.parameters()), lr=embedding_lr * scale),
-            dict(matrix_group, name="matrices", params=matrices),
+            dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
+            dict(adam, name="embedding", params=params["embedding"], lr=embedding_lr * scale),
+            dict(matrix_group, name="matrices", params=params["matrices"]),
         ]
-        if scalars:
-            groups.append(dict(adam, name="scalars", params=scalars, lr=scalar_lr))
+        if params["scalars"]:
+            groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
         for g in groups:
             g["initial_lr"] = g["lr"]
-        if torch_baseline:
-            return TorchMuonAdamW(groups)
+        if optimizer_class is not None:
+            return optimizer_class(groups)
         # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their grads;
         # DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model needs no more
         # than MuonAdamW. Both update DTensor params sharded (sharded.py).

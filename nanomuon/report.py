@@ -10,7 +10,7 @@ None, and the report points at the fix.
 import math
 from pathlib import Path
 
-from nanomuon.dataset import write_atomic
+from nanomuon.common import write_atomic
 
 MISSING = "loss curves need matplotlib: `pip install matplotlib` (or `pip install -e .`)"
 

@@ -406,3 +406,22 @@ def shard_state(param_groups: list[dict], plans: dict, sd: dict) -> dict:
             mine[name] = v
         state[pid] = mine
     return dict(sd, state=state)
+
+
+def load_whole_state(module: torch.nn.Module, state: dict) -> None:
+    """module.load_state_dict() for a state of whole tensors (a checkpoint) where some params may be
+    DTensors (FSDP2, tensor parallel): each rank copies in its own block. Keys and shapes must match."""
+    own = module.state_dict()
+    if own.keys() != state.keys():
+        missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        raise ValueError(f"the model state does not fit this model: missing {missing}, unexpected {extra}")
+    with torch.no_grad():
+        for name, t in own.items():
+            v = state[name]
+            if tuple(v.shape) != tuple(t.shape):
+                raise ValueError(f"the model state's {name} has shape {tuple(v.shape)}, this model's {tuple(t.shape)}")
+            if isinstance(t, DTensor):
+                offset, shape, _ = block_of(t)
+                t.to_local().copy_(v[_slices(offset, shape)])
+            else:
+                t.copy_(v)

@@ -20,7 +20,7 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from nanomuon.dataset import get_base_dir, write_atomic
+from nanomuon.common import get_base_dir, write_atomic
 
 # GPT-4's split pattern with digits in runs of at most 2 (nanochat's choice: fewer number tokens wasted
 # on small vocabularies).

@@ -15,8 +15,6 @@ precision. Eager, the hyperparameters are Python floats; compiled (kernel()), th
 refilled every step (scalars()), so LR schedules never recompile.
 """
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -73,7 +71,7 @@ def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dty
     slice of the whole result (Megatron's 'distributed' mode).
     """
     shape = G.shape
-    X = G.to(dtype).reshape(math.prod(shape[:-2]), shape[-2], shape[-1])  # an empty slice keeps its batch
+    X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
     if tall:
         X = X.mT
@@ -255,7 +253,7 @@ def new_second_moment(shape, device, full_shape=None) -> Tensor:
 def ns_flops(shape, ns_steps: int) -> float:
     """Newton-Schulz FLOPs for one param: 4 m^2 n + 2 m^3 per iteration and matrix, m <= n."""
     m, n = sorted(shape[-2:])
-    return math.prod(shape[:-2]) * ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return torch.Size(shape[:-2]).numel() * ns_steps * (4 * m * m * n + 2 * m ** 3)
 
 
 # -----------------------------------------------------------------------------

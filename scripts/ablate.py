@@ -6,7 +6,7 @@ Compare optimizer variants on identical data, seed and token budget: a table and
     python -m scripts.ablate --nproc 8 --dataset fineweb-edu --device-type cuda --depth 12 --max-seq-len 2048 \\
         --device-batch-size 32 --total-batch-size 524288 --num-iterations 2000 --eval-every 250 --eval-tokens 10485760
 
-Each variant (a key of OPTIMIZER_VARIANTS in nanomuon/gpt.py) is one scripts.base_train run, named
+Each variant (a key of OPTIMIZER_VARIANTS in nanomuon/variants.py) is one scripts.base_train run, named
 <name>-<variant>; every flag this script does not know goes to base_train, after the CPU defaults
 below, so it overrides them. Writes <base dir>/ablations/<name>/ablation.md and val_bpb.png: final
 and best val bpb, the steps and training time each variant needs to reach the baseline's final val
@@ -19,10 +19,10 @@ import os
 import subprocess
 import sys
 
-from nanomuon.dataset import get_base_dir
-from nanomuon.gpt import OPTIMIZER_VARIANTS
+from nanomuon.common import get_base_dir
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.tokenizer import tokenizer_dir
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 # A tiny GPT on the embedded corpus: three variants in about 10 minutes on 2 CPU cores. The val set is the
 # speedrun's: the first 65,536 tokens of the val split, seven whole files (half that is two, both unusual).

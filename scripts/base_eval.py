@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, print0
+from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0
 from nanomuon.dataloader import val_rows
-from nanomuon.dataset import DATASETS, get_base_dir
+from nanomuon.dataset import DATASETS
 from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 

@@ -20,6 +20,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,17 +35,21 @@ from nanomuon.common import (
     compute_cleanup,
     compute_init,
     evaluate_bpb,
+    get_base_dir,
     peak_flops,
     print0,
     synchronize,
     tensors_finite,
+    user_errors,
+    write_atomic,
 )
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
-from nanomuon.dataset import DATASETS, get_base_dir, write_atomic
-from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, GPTConfig, config_from_depth
+from nanomuon.dataset import DATASETS
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth
 from nanomuon.report import MISSING, plot_curves, smooth
-from nanomuon.sharded import DTensor
-from nanomuon.tokenizer import get_tokenizer
+from nanomuon.sharded import DTensor, load_whole_state
+from nanomuon.tokenizer import Tokenizer, get_tokenizer
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
@@ -85,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
-                   help="optimizer variant (nanomuon/gpt.py OPTIMIZER_VARIANTS; scripts.ablate compares them)")
+                   help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
     p.add_argument("--warmdown-ratio", type=float, default=0.4, help="fraction of steps with linear lr decay")
     p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr at the end, as a fraction of the peak")
@@ -161,213 +166,259 @@ def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_
     return progress + (1 - progress) * final_lr_frac
 
 
-def muon_momentum(step: int) -> float:
+def muon_momentum_schedule(step: int) -> float:
+    """Muon's momentum warms up from 0.85 to 0.95 over the first 300 steps."""
     frac = min(step / 300, 1.0)
     return (1 - frac) * 0.85 + frac * 0.95
 
 
+@dataclass
+class Run:
+    """What the stages share: made by build(), restored by resume(), advanced by train(), read by report()."""
+    args: argparse.Namespace
+    distributed: bool
+    rank: int
+    world_size: int
+    device: torch.device
+    run_dir: Path
+    tokenizer: Tokenizer
+    token_bytes: torch.Tensor
+    config: GPTConfig
+    model: GPT
+    train_model: torch.nn.Module  # the model, or its torch.compile wrapper
+    optimizer: torch.optim.Optimizer
+    train_loader: DataLoader
+    val: torch.Tensor
+    num_params: int
+    flops_per_token: float
+    num_iterations: int
+    grad_accum: int
+    compiled: bool
+    step: int = 0
+    # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up steps)
+    # when val_history[i] was measured
+    loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[],
+                                                    val_train_time=[], skipped_steps=0, nonfinite_in_a_row=0))
+    step_times: list = field(default_factory=list)  # this process's timings, for medians and the ETA
+    optim_times: list = field(default_factory=list)
+    wandb: object = None
+
+
 def main(argv=None):
     args = parse_args(argv)
-    distributed, rank, local_rank, world_size, device = compute_init(args.device_type)
-    master = rank == 0
+    run = build(args)
+    if args.resume_from_step != -1:
+        resume(run)
+    train(run)
+    summary = report(run)
+    compute_cleanup()
+    return summary
+
+
+def build(args) -> Run:
+    """Process group, tokenizer, model, data and optimizer, as the flags ask; a fresh run at step 0."""
+    distributed, rank, _, world_size, device = compute_init(args.device_type)
     if args.fsdp and not distributed:
         raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with torchrun (or drop "
                          "--fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
         args.resume_from_step = "latest" if list_steps(run_dir) else -1
-
-    try:  # missing data, tokenizer or checkpoint: one line that says what to do, not a traceback
+    with user_errors():  # a missing tokenizer or an impossible size: one line that says what to do
         tokenizer = get_tokenizer()
-        token_bytes = tokenizer.token_bytes().to(device)
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
                                    args.head_dim, qk_norm=args.qk_norm)
-        tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
-        if args.total_batch_size % tokens_per_fwdbwd:
-            raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
-                             f"--device-batch-size x --max-seq-len x processes = {args.device_batch_size} x "
-                             f"{args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}; pick a total batch that is")
-        grad_accum = args.total_batch_size // tokens_per_fwdbwd
+    tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
+    if args.total_batch_size % tokens_per_fwdbwd:
+        raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
+                         f"--device-batch-size x --max-seq-len x processes = {args.device_batch_size} x "
+                         f"{args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}; pick a total batch that is")
 
-        torch.manual_seed(args.seed)  # the same init on every rank; the optimizer keeps the replicas identical
-        with torch.device("meta"):
-            model = GPT(config)
-        model.to_empty(device=device)
-        model.init_weights()
-        num_params, flops_per_token = model.num_params(), model.estimate_flops()
-        if args.num_iterations > 0:
-            num_iterations = args.num_iterations
-        elif args.target_flops > 0:
-            num_iterations = max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
-        else:
-            num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
-        compile_model = device.type == "cuda" if args.compile is None else args.compile
+    torch.manual_seed(args.seed)  # the same init on every rank; the optimizer keeps the replicas identical
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    num_params, flops_per_token = model.num_params(), model.estimate_flops()
+    if args.num_iterations > 0:
+        num_iterations = args.num_iterations
+    elif args.target_flops > 0:
+        num_iterations = max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
+    else:
+        num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
+
+    with user_errors():  # missing or unreadable data
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
         val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
-        if len(val) < max(1, args.eval_tokens // args.max_seq_len):
-            print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
-                   f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
+    if len(val) < max(1, args.eval_tokens // args.max_seq_len):
+        print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
+               f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
 
-        # -- resume -------------------------------------------------------------------------------------
-        # val_train_time[i]: training seconds (no evals, no warm-up steps) when val_history[i] was measured
-        step, loop = 0, dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[], val_train_time=[],
-                             skipped_steps=0, nonfinite_in_a_row=0)
-        if args.resume_from_step != -1:
-            step = resolve_step(run_dir, args.resume_from_step)
-            objs, meta = load_checkpoint(run_dir, step, ("model", "optim"), map_location=device)
-            problems = []
-            if GPTConfig(**meta["model_config"]).to_dict() != config.to_dict():  # older configs: defaults
-                problems.append(f"the checkpoint is {meta['model_config']}, these flags build {config.to_dict()} "
-                                "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len, --qk-norm)")
-            if meta["tokenizer"] != tokenizer.fingerprint:
-                problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
-                                f"{get_base_dir() / 'tokenizer'})")
-            # the process count and --device-batch-size may change: the optimizer state is saved whole, the
-            # loader states are resharded, and --total-batch-size (checked here) keeps the tokens per step
-            for key in ("dataset", "total_batch_size", "optimizer"):
-                saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
-                if saved != getattr(args, key):
-                    problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
-            if meta["num_iterations"] != num_iterations:  # the lr schedule depends on the horizon
-                problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
-                                f"{num_iterations} (pass --num-iterations {meta['num_iterations']})")
-            if problems:
-                raise SystemExit(f"error: cannot resume {run_dir} at step {step}: " + "; ".join(problems))
-            model.load_state_dict(objs["model"])  # whole tensors, so before any sharding
+    if args.fsdp:
+        mesh = init_device_mesh(device.type, (world_size,))
+        for block in model.blocks:  # each block's params are gathered just before it runs
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
+                                      matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
+                                      **OPTIMIZER_VARIANTS[args.optimizer])
+    return Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
+               tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config, model=model,
+               train_model=torch.compile(model, dynamic=False) if compiled else model, optimizer=optimizer,
+               train_loader=train_loader, val=val, num_params=num_params, flops_per_token=flops_per_token,
+               num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
 
-        if args.fsdp:
-            mesh = init_device_mesh(device.type, (world_size,))
-            for block in model.blocks:  # each block's params are gathered just before it runs
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                                          matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
-                                          compile=compile_model, **OPTIMIZER_VARIANTS[args.optimizer])
-        train_model = torch.compile(model, dynamic=False) if compile_model else model
-        if args.resume_from_step != -1:
-            optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
-            if meta["world_size"] == world_size:
-                train_loader.load_state_dict(meta["loader"][rank])
-            else:
-                train_loader.load_state_dict(reshard_states(meta["loader"], rank, world_size))
-                print0(f"resharded the data loader from {meta['world_size']} to {world_size} processes: the same "
-                       "documents, read in a different order from here on")
-            loop = dict(loop, **meta["loop"])
-            del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
-            print0(f"resumed {run_dir} at step {step}")
 
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+def resume(run: Run) -> None:
+    """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the model,
+    the optimizer, the data loader (resharded if the process count changed) and the loop state."""
+    args = run.args
+    with user_errors():  # a missing, corrupt or mismatched checkpoint
+        step = resolve_step(run.run_dir, args.resume_from_step)
+        objs, meta = load_checkpoint(run.run_dir, step, ("model", "optim"), map_location=run.device)
+        problems = []
+        if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():  # older configs: defaults
+            problems.append(f"the checkpoint is {meta['model_config']}, these flags build {run.config.to_dict()} "
+                            "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len, --qk-norm)")
+        if meta["tokenizer"] != run.tokenizer.fingerprint:
+            problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
+                            f"{get_base_dir() / 'tokenizer'})")
+        # the process count and --device-batch-size may change: the optimizer state is saved whole, the
+        # loader states are resharded, and --total-batch-size (checked here) keeps the tokens per step
+        for key in ("dataset", "total_batch_size", "optimizer"):
+            saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
+            if saved != getattr(args, key):
+                problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
+        if meta["num_iterations"] != run.num_iterations:  # the lr schedule depends on the horizon
+            problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
+                            f"{run.num_iterations} (pass --num-iterations {meta['num_iterations']})")
+        if problems:
+            raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: " + "; ".join(problems))
+        load_whole_state(run.model, objs["model"])  # each rank takes its block of sharded (--fsdp) params
+        run.optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
+        if meta["world_size"] == run.world_size:
+            run.train_loader.load_state_dict(meta["loader"][run.rank])
+        else:
+            run.train_loader.load_state_dict(reshard_states(meta["loader"], run.rank, run.world_size))
+            print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} processes: the same "
+                   "documents, read in a different order from here on")
+    del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
+    run.step, run.loop = step, dict(run.loop, **meta["loop"])
+    print0(f"resumed {run.run_dir} at step {step}")
 
-    peak = peak_flops(device)
-    print0(f"model: depth {config.n_layer}, width {config.n_embd}, {config.n_head} heads, {num_params:,} params, "
-           f"{flops_per_token:.3e} FLOPs/token")
+
+def evaluate(run: Run) -> None:
+    """Val bits per byte at this step, recorded in the loop state."""
+    run.model.eval()
+    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes)
+    run.model.train()
+    run.loop["val_history"].append((run.step, val_bpb))
+    run.loop["val_train_time"].append(run.loop["train_time"])
+    print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")
+    if run.wandb:
+        run.wandb.log({"step": run.step, "val/bpb": val_bpb})
+
+
+def save(run: Run) -> None:
+    """A checkpoint of this step that resumes exactly, at any process count. Collective: every rank calls it."""
+    if not tensors_finite(run.model.parameters()):  # a collective: every rank agrees
+        compute_cleanup()
+        raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not checkpointing it. "
+                         "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
+    optim_state = run.optimizer.full_state_dict()  # collectives where the state is sharded
+    model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in run.model.state_dict().items()}
+    loader_states = [None] * run.world_size
+    if run.distributed:
+        dist.all_gather_object(loader_states, run.train_loader.state_dict())
+    else:
+        loader_states = [run.train_loader.state_dict()]
+    if run.rank == 0:
+        meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),
+                    args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
+                    loader=loader_states, loop=run.loop, torch=torch.__version__)
+        path = save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)
+        print0(f"saved {path}")
+    if run.distributed:
+        dist.barrier()
+
+
+def train(run: Run) -> None:
+    """The loop: evaluate and checkpoint on schedule, then one optimizer step over grad_accum micro-batches."""
+    args, model, loop = run.args, run.model, run.loop
+    print0(f"model: depth {run.config.n_layer}, width {run.config.n_embd}, {run.config.n_head} heads, "
+           f"{run.num_params:,} params, {run.flops_per_token:.3e} FLOPs/token")
     print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x {args.max_seq_len} "
-           f"tokens x {world_size} processes x {grad_accum} accumulation steps")
-    print0(f"training: {num_iterations:,} steps, {num_iterations * args.total_batch_size:,} tokens "
-           f"({num_iterations * args.total_batch_size / num_params:.1f} per param), on {args.dataset}, "
-           f"{world_size} x {device.type}{' (compiled)' if compile_model else ''}")
-
-    wandb_run = None
-    if args.wandb != "off" and master:
+           f"tokens x {run.world_size} processes x {run.grad_accum} accumulation steps")
+    print0(f"training: {run.num_iterations:,} steps, {run.num_iterations * args.total_batch_size:,} tokens "
+           f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on {args.dataset}, "
+           f"{run.world_size} x {run.device.type}{' (compiled)' if run.compiled else ''}")
+    if args.wandb != "off" and run.rank == 0:
         try:  # imported only on request: it is slow to import and needs an account for online
             import wandb
         except ImportError:
             raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install wandb`, or drop "
                              "--wandb") from None
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        run.wandb = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
+                               dir=str(run.run_dir))
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        wandb_run = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
-                               dir=str(run_dir))
-
-    def evaluate():
-        model.eval()
-        bpb = evaluate_bpb(train_model, val, args.device_batch_size, token_bytes)
-        model.train()
-        return bpb
-
-    def save(step):
-        if not tensors_finite(model.parameters()):  # a collective: every rank agrees
-            compute_cleanup()
-            raise SystemExit(f"error: the model has non-finite parameters at step {step}; not checkpointing it. "
-                             "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
-        optim_state = optimizer.full_state_dict()  # collectives where the state is sharded
-        model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-        loader_states = [None] * world_size
-        if distributed:
-            dist.all_gather_object(loader_states, train_loader.state_dict())
-        else:
-            loader_states = [train_loader.state_dict()]
-        if master:
-            meta = dict(step=step, num_iterations=num_iterations, model_config=config.to_dict(), args=vars(args),
-                        tokenizer=tokenizer.fingerprint, world_size=world_size, loader=loader_states, loop=loop,
-                        torch=torch.__version__)
-            path = save_checkpoint(run_dir, step, dict(model=model_state, optim=optim_state), meta)
-            print0(f"saved {path}")
-        if distributed:
-            dist.barrier()
-
-    # -- the loop -------------------------------------------------------------------------------------
-    step_times, optim_times = [], []
+    peak = peak_flops(run.device)
     model.train()
-    start_step, resumed = step, args.resume_from_step != -1
+    start_step, resumed = run.step, args.resume_from_step != -1
     while True:
-        last = step == num_iterations
+        step = run.step
+        last = step == run.num_iterations
         # a resumed run already evaluated its checkpoint step before saving it
         evaluated = resumed and step == start_step and any(s == step for s, _ in loop["val_history"])
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
-            val_bpb = evaluate()
-            loop["val_history"].append((step, val_bpb))
-            loop["val_train_time"].append(loop["train_time"])
-            print0(f"step {step:05d} | val bpb {val_bpb:.4f}")
-            if wandb_run:
-                wandb_run.log({"step": step, "val/bpb": val_bpb})
+            evaluate(run)
         if last or (args.save_every > 0 and step % args.save_every == 0 and step != start_step):
-            save(step)
+            save(run)
         if last:
             break
 
-        synchronize(device)
+        synchronize(run.device)
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
+        loss_sum = torch.zeros((), device=run.device)
         if args.qk_clip:
             model.track_max_logits()  # this step's logits decide this step's clip
-        for micro in range(grad_accum):
+        for micro in range(run.grad_accum):
             if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
-                model.set_requires_gradient_sync(micro == grad_accum - 1)
-            x, y = train_loader.next_batch()
-            with autocast(device):
-                loss = train_model(x, y)
+                model.set_requires_gradient_sync(micro == run.grad_accum - 1)
+            x, y = run.train_loader.next_batch()
+            with autocast(run.device):
+                loss = run.train_model(x, y)
             loss_sum += loss.detach()
-            (loss / grad_accum).backward()
-        lrm = lr_multiplier(step, num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        for group in optimizer.param_groups:
+            (loss / run.grad_accum).backward()
+        lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+        for group in run.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
             if group["kind"] == "muon":
-                group["momentum"] = muon_momentum(step)
+                group["momentum"] = muon_momentum_schedule(step)
         # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
         # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
         finite = all_finite(loss_sum, model.parameters())
-        synchronize(device)
+        synchronize(run.device)
         t1 = time.perf_counter()
         if finite:
-            optimizer.step()
+            run.optimizer.step()
             loop["nonfinite_in_a_row"] = 0
             if args.qk_clip:
                 loop["qk_clipped"] = loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
                 model.track_max_logits(False)  # evals and samples need no logits
         model.zero_grad(set_to_none=True)
-        train_loss = (loss_sum / grad_accum).item()  # this rank's loss; syncs the device
+        train_loss = (loss_sum / run.grad_accum).item()  # this rank's loss; syncs the device
         t2 = time.perf_counter()
-        step += 1
+        step = run.step = step + 1
         if not finite:
             loop["skipped_steps"] += 1
             loop["nonfinite_in_a_row"] += 1
             print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
                    f"in a row, {loop['skipped_steps']} in this run)")
             if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
-                train_loader.close()
+                run.train_loader.close()
                 compute_cleanup()
                 raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
                                  "non-finite loss or gradients: the run diverged. Resume from the last checkpoint "
@@ -376,59 +427,62 @@ def main(argv=None):
 
         dt = t2 - t0
         if finite and step > start_step + 3:  # the first steps compile and warm up allocators
-            step_times.append(dt)
-            optim_times.append(t2 - t1)
+            run.step_times.append(dt)
+            run.optim_times.append(t2 - t1)
             loop["train_time"] += dt
         beta = 0.9
         if finite:
             loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
-        smooth = loop["smooth_loss"] / (1 - beta ** step)
+        smooth_loss = loop["smooth_loss"] / (1 - beta ** step)
         loop["history"].append((step, train_loss))
         tok_per_s = args.total_batch_size / dt
-        if step % args.log_every == 0 or step == num_iterations:
-            line = (f"step {step:05d}/{num_iterations:05d} ({100 * step / num_iterations:5.1f}%) | loss {smooth:.4f} "
-                    f"| lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
+        if step % args.log_every == 0 or step == run.num_iterations:
+            line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | loss "
+                    f"{smooth_loss:.4f} | lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
             if peak:
-                line += f" | mfu {100 * flops_per_token * tok_per_s / (peak * world_size):.1f}%"
+                line += f" | mfu {100 * run.flops_per_token * tok_per_s / (peak * run.world_size):.1f}%"
             if args.qk_clip:
                 line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-            if step_times:
-                eta = statistics.median(step_times) * (num_iterations - step)
+            if run.step_times:
+                eta = statistics.median(run.step_times) * (run.num_iterations - step)
                 line += f" | eta {eta / 60:.1f}m"
             print0(line)
-        if wandb_run:
-            wandb_run.log({"step": step, "train/loss": smooth, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+        if run.wandb:
+            run.wandb.log({"step": step, "train/loss": smooth_loss, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+    run.train_loader.close()
 
-    train_loader.close()
 
-    # -- summary ----------------------------------------------------------------------------------------
+def report(run: Run) -> dict:
+    """Summary lines, greedy samples, and (rank 0) report.md, curves.png and summary.json in the run dir."""
+    args, loop = run.args, run.loop
     summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]),
-                   packing=train_loader.packing())
+                   packing=run.train_loader.packing())
     print0(f"data (rank 0, this process): {summary['packing']}")
-    if step_times:
-        med_dt, med_opt = statistics.median(step_times), statistics.median(optim_times)
+    peak = peak_flops(run.device)
+    if run.step_times:
+        med_dt, med_opt = statistics.median(run.step_times), statistics.median(run.optim_times)
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
                        optimizer_share=med_opt / med_dt, tok_per_s=args.total_batch_size / med_dt)
         if peak:
-            summary["mfu"] = flops_per_token * summary["tok_per_s"] / (peak * world_size)
+            summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
         print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
-               f"({100 * med_opt / med_dt:.1f}%), medians over {len(step_times)} steps")
+               f"({100 * med_opt / med_dt:.1f}%), medians over {len(run.step_times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
     samples = []
-    if args.sample_tokens > 0 and (master or args.fsdp):  # a sharded model generates on every rank, in step
+    if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp):  # a sharded model generates on every rank, in step
         for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt, prepend_bos=True)
-            out = tokenizer.decode(list(model.generate(ids, args.sample_tokens, temperature=0.0)))
+            ids = run.tokenizer.encode(prompt, prepend_bos=True)
+            out = run.tokenizer.decode(list(run.model.generate(ids, args.sample_tokens, temperature=0.0)))
             samples.append((prompt, out))
             print0(f"sample: {prompt!r} -> {out!r}")
-    if master:
-        write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples)
-    if wandb_run:
-        wandb_run.summary.update(summary)
-        wandb_run.finish()
-    compute_cleanup()
+    if run.rank == 0:
+        write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations, run.world_size, run.device,
+                     summary, loop, samples)
+    if run.wandb:
+        run.wandb.summary.update(summary)
+        run.wandb.finish()
     return summary
 
 

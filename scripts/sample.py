@@ -9,8 +9,7 @@ import argparse
 import torch
 
 from nanomuon.checkpoint import load_model, step_arg
-from nanomuon.common import check_device_type
-from nanomuon.dataset import get_base_dir
+from nanomuon.common import check_device_type, get_base_dir
 from nanomuon.tokenizer import get_tokenizer
 
 

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from nanomuon.common import get_base_dir
 from nanomuon.dataset import (
     DATASETS,
     MAX_SHARD,
@@ -21,7 +22,6 @@ from nanomuon.dataset import (
     data_dir,
     download,
     ensure_embedded,
-    get_base_dir,
     iter_texts,
     list_shards,
     main,

@@ -8,8 +8,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomuon.gpt import GPT, OPTIMIZER_VARIANTS, GPTConfig, apply_rotary, config_from_depth
+from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 
 def small_model(seq_len=32, vocab=97, depth=2, seed=0):

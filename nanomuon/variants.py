@@ -1,0 +1,21 @@
+"""
+Named optimizer variants: what `base_train --optimizer NAME` trains with and `scripts.ablate` compares.
+
+Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (or a new
+muon option in update_math.py and param_groups.py, and an entry that turns it on), then run
+`python -m scripts.ablate --variants muon,<yours>`. It lives here, not in the model file, so the model
+knows nothing of baselines.
+"""
+
+from nanomuon.baselines import TorchMuonAdamW
+
+OPTIMIZER_VARIANTS = {
+    "muon": {},  # the default: Muon (Polar Express, variance reduction, cautious wd) + AdamW
+    "adamw": dict(adamw_matrix_lr=0.004),  # the baseline: AdamW everywhere
+    "muon-no-vr": dict(muon_options=dict(beta2=None)),  # without factored variance reduction
+    "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
+    "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
+    "muon-no-cautious-wd": dict(muon_options=dict(cautious_wd=False)),
+    # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
+    "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),
+}

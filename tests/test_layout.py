@@ -1,0 +1,93 @@
+"""
+The layout claims of the README, checked on the source: no import cycles between nanomuon modules
+(imports inside functions count), the update math imports only torch, sharded.py and plan.py never
+reach optim.py, the model file imports no baseline, every file says why it exists, and the size limits.
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = sorted((ROOT / "nanomuon").glob("*.py"))
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+def imports(path: Path) -> set[str]:
+    """Every module path imports, at the top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}  # `from nanomuon import x` imports a module
+    return out
+
+
+def library_graph() -> dict[str, set[str]]:
+    names = {p.stem for p in LIBRARY}
+    graph = {}
+    for p in LIBRARY:
+        deps = {m.split(".")[1] for m in imports(p) if m.startswith("nanomuon.")}
+        graph[p.stem] = {d for d in deps if d in names and d != p.stem}
+    return graph
+
+
+def test_no_import_cycles_lazy_imports_included():
+    graph = library_graph()
+    done, on_path = set(), []
+
+    def visit(m):
+        if m in on_path:
+            raise AssertionError("import cycle: " + " -> ".join(on_path[on_path.index(m):] + [m]))
+        if m in done:
+            return
+        on_path.append(m)
+        for d in sorted(graph[m]):
+            visit(d)
+        on_path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path, monkeypatch):
+    """The check above must fail on a cycle closed by an import inside a function."""
+    (tmp_path / "a.py").write_text('"""a"""\nimport nanomuon.b\n')
+    (tmp_path / "b.py").write_text('"""b"""\ndef f():\n    from nanomuon.a import x\n')
+    monkeypatch.setattr(sys.modules[__name__], "LIBRARY", [tmp_path / "a.py", tmp_path / "b.py"])
+    with pytest.raises(AssertionError, match="import cycle"):
+        test_no_import_cycles_lazy_imports_included()
+
+
+def test_math_and_plan_stand_alone():
+    assert imports(ROOT / "nanomuon" / "update_math.py") <= {"torch", "torch.Tensor"}
+    assert not any(m.startswith("nanomuon") for m in imports(ROOT / "nanomuon" / "plan.py"))
+    graph = library_graph()
+
+    def reaches(m, seen=()):
+        return set(graph[m]) | {x for d in graph[m] if d not in seen for x in reaches(d, (*seen, m))}
+
+    for module in ("sharded", "plan", "update_math", "param_groups"):
+        assert "optim" not in reaches(module), f"{module}.py depends on optim.py"
+    assert "baselines" not in reaches("gpt"), "the model file imports an optimizer baseline"
+
+
+def test_every_file_says_why_it_exists():
+    for p in LIBRARY + SCRIPTS + sorted((ROOT / "tests").glob("*.py")):
+        if p.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(p.read_text()))
+        assert doc and len(doc.split()) >= 5, f"{p.relative_to(ROOT)} opens without a docstring"
+
+
+def test_sizes():
+    lines = {p: len(p.read_text().splitlines()) for p in LIBRARY + SCRIPTS}
+    assert lines[ROOT / "nanomuon" / "optim.py"] <= 700
+    big = {p.name: n for p, n in lines.items() if p.parent.name == "nanomuon" and p.name != "optim.py" and n > 500}
+    assert not big, f"library files over 500 lines: {big}"
+    assert sum(lines.values()) <= 5000, f"library + scripts: {sum(lines.values())} lines"
