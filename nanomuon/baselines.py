@@ -80,7 +80,11 @@ class TorchMuonAdamW:
             raise ValueError(f"ns_precision must be 'auto', 'bf16' or 'fp32', got {ns_precision!r}")
         self.ns_precision = ns_precision
         self.optimizers = ([torch.optim.Muon(muon)] if muon else []) + ([torch.optim.AdamW(adamw)] if adamw else [])
-        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def param_groups(self):
+        # live: torch's load_state_dict replaces the inner group dicts, and a schedule must reach the new ones
+        return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property
     def state(self):

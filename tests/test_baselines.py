@@ -95,6 +95,32 @@ def test_state_dict_round_trip_and_mismatch():
         TorchMuonAdamW(groups(params())[:1]).load_state_dict(saved)
 
 
+def test_a_schedule_reaches_the_optimizers_after_a_load():
+    """base_train writes lr and momentum into param_groups every step; after load_state_dict (a resume)
+    those writes must still reach torch's optimizers, or a resumed run keeps the checkpoint's lrs."""
+    ps, twin = params(), params()
+    opt, again = TorchMuonAdamW(groups(ps)), TorchMuonAdamW(groups(twin))
+    run(opt, ps, 2)
+    run(again, twin, 2)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for step in range(2, 5):
+        for o, c in ((opt, ps), (again, twin)):
+            for group, lr in zip(o.param_groups, (0.02, 3e-3)):
+                group["lr"] = lr * (1 - step / 5)
+            for p, g in zip(c, grads(step)):
+                p.grad = g.float()
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, twin))
+    reference = params()  # the same schedule without a load: the lrs must have moved the params differently
+    ref_opt = TorchMuonAdamW(groups(reference))
+    run(ref_opt, reference, 2)
+    for step in range(2, 5):
+        for p, g in zip(reference, grads(step)):
+            p.grad = g.float()
+        ref_opt.step()
+    assert not all(torch.equal(p, q) for p, q in zip(ps, reference))
+
+
 def test_bad_groups():
     ps = params()
     with pytest.raises(ValueError, match="set kind='muon' or kind='adamw'"):
