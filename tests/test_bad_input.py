@@ -196,3 +196,16 @@ def test_bad_input(case, base, good, tmp_path, monkeypatch, capsys):
 
 def test_the_table_is_wide():
     assert len(CASES) >= 25
+
+
+def test_a_bug_keeps_its_traceback(base, monkeypatch):
+    """Only calls that read user input turn a ValueError into a one-line exit: the same exception raised by
+    the code itself (a bug) must reach the user with its traceback."""
+    from scripts import base_train
+
+    def broken(self):
+        raise ValueError("a bug inside the model")
+
+    monkeypatch.setattr(base_train.GPT, "init_weights", broken)
+    with pytest.raises(ValueError, match="a bug inside the model"):
+        train(run="bug")()
