@@ -158,9 +158,10 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks: rank r takes rows r, r + N, ...
 
     The rows, not the process count, define the measurement, so a run's val bpb means the same at any
-    world size (dataloader.val_rows builds them). Short last batches are padded with ignored targets (-1),
-    keeping shapes static for torch.compile. bpb = nats over targets that are real text / (ln 2 * their
-    UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums.
+    world size (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's end) is
+    ignored, and short last batches are padded with it, keeping shapes static for torch.compile.
+    bpb = nats over targets that are real text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in
+    token_bytes) are excluded from both sums.
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
@@ -172,7 +173,8 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
         batch = mine[i:i + batch_size].to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
+        # a row padded at the split's end holds -1 as input too: any id serves there, its target is ignored
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         if len(batch) < batch_size:
             pad = batch_size - len(batch)
             x = torch.cat([x, x.new_zeros(pad, x.size(1))])

@@ -122,3 +122,24 @@ def test_bits_per_byte_is_the_same_at_any_world_size(tok, tmp_path, world_size):
     single = float((tmp_path / "1_0").read_text())
     got = [float((tmp_path / f"{world_size}_{r}").read_text()) for r in range(world_size)]
     assert got == pytest.approx([single] * world_size, rel=1e-12)
+
+
+def test_bits_per_byte_ignores_padding_inside_rows(tok):
+    """val_rows pads the last rows of a split with -1, inputs included: those positions count for nothing,
+    and the rest scores as a hand-computed cross-entropy over the unpadded prefixes."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=32, vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    torch.nn.init.normal_(model.lm_head.weight, std=0.5)  # not uniform: positions must line up to match
+    rows = torch.tensor([(tok.encode(text, prepend_bos=True) * 8)[:33] for text in TEXTS[:2]])
+    keep = 20
+    rows[1, keep:] = -1
+    table = tok.token_bytes()
+    nats, nbytes = 0.0, 0
+    for row, n in ((rows[0], 33), (rows[1], keep)):
+        x, y = row[:n - 1], row[1:n]
+        logp = torch.log_softmax(model(x[None])[0].double(), dim=-1)
+        text = table[y] > 0
+        nats -= float(logp[torch.arange(len(y)), y][text].sum())
+        nbytes += int(table[y].sum())
+    assert evaluate_bpb(model, rows, 2, table) == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-6)
