@@ -8,8 +8,11 @@
 #
 # Knobs (environment variables): MODE=gpu|cpu (default: gpu when nvidia-smi sees a GPU), NPROC
 # (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 4 on CPU), RUN (run name),
+# DATASET (GPU mode: fineweb-edu, or embedded for an offline smoke test of the GPU pipeline),
 # WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
 # Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
+# A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
+# (delete it to retrain); so a machine without rustbpe can run on a tokenizer trained elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")"
 export NANOMUON_BASE_DIR="${NANOMUON_BASE_DIR:-$HOME/.cache/nanomuon}"
@@ -18,27 +21,46 @@ export PYTHONUNBUFFERED=1
 if [ -z "${MODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
-if ! python -c "import nanomuon, torch, tiktoken, rustbpe, pyarrow, matplotlib" 2>/dev/null; then
+if ! python -c "import nanomuon, torch, tiktoken, pyarrow, matplotlib" 2>/dev/null; then
     echo "== installing nanomuon and its dependencies"
     pip install -e .
 fi
 WANDB="${WANDB:-off}"
 start=$(date +%s)
 
+# tokenizer DATASET VOCAB MAX_CHARS: train one, unless one of that vocab size is already there
+tokenizer() {
+    have=$(python -c "from nanomuon.tokenizer import get_tokenizer; print(get_tokenizer().vocab_size)" 2>/dev/null || true)
+    if [ "$have" = "$2" ]; then
+        echo "== reusing the tokenizer in $NANOMUON_BASE_DIR/tokenizer (vocab $2); delete it to retrain"
+    else
+        python -m scripts.tok_train --dataset "$1" --vocab-size "$2" --max-chars "$3"
+    fi
+}
+
 if [ "$MODE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
     DEPTH="${DEPTH:-20}"
     RUN="${RUN:-d$DEPTH}"
-    echo "== speedrun (gpu): d$DEPTH on FineWeb-Edu, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
-    # The first 8 shards (~2B characters) train the tokenizer; the val shard comes with them. The rest
-    # of the ~11B tokens a Chinchilla-sized d20 needs download while the tokenizer trains.
-    python -m nanomuon.dataset -n 8
-    python -m nanomuon.dataset -n 240 > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
-    download=$!
-    python -m scripts.tok_train --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
-    echo "== waiting for the data download (log: $NANOMUON_BASE_DIR/download.log)"
-    wait "$download"
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset fineweb-edu \
+    DATASET="${DATASET:-fineweb-edu}"
+    echo "== speedrun (gpu): d$DEPTH on $DATASET, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
+    if [ "$DATASET" = fineweb-edu ]; then
+        # The first 8 shards (~2B characters) train the tokenizer; the val shard comes with them. The rest
+        # of the ~11B tokens a Chinchilla-sized d20 needs download while the tokenizer trains.
+        python -m nanomuon.dataset -n 8
+        python -m nanomuon.dataset -n 240 > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
+        download=$!
+        tokenizer fineweb-edu 32768 2000000000
+        echo "== waiting for the data download (log: $NANOMUON_BASE_DIR/download.log)"
+        wait "$download"
+    elif [ "$DATASET" = embedded ]; then
+        python -m nanomuon.dataset --embedded
+        tokenizer embedded 32768 8000000
+    else
+        echo "error: DATASET=$DATASET; use fineweb-edu or embedded" >&2
+        exit 2
+    fi
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
         --depth "$DEPTH" --run "$RUN" --device-batch-size 32 --save-every 2000 --wandb "$WANDB" "$@"
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-batch-size 32
     python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
@@ -50,7 +72,7 @@ else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process; the processes share the cores
     echo "== speedrun (cpu miniature): d$DEPTH on the embedded corpus, $NPROC processes, run $RUN"
     python -m nanomuon.dataset --embedded
-    python -m scripts.tok_train --dataset embedded --vocab-size 4096 --max-chars 8000000
+    tokenizer embedded 4096 8000000
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset embedded --device-type cpu \
         --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \

@@ -22,17 +22,19 @@ def main(argv=None):
     add_checkpoint_args(p)
     p.add_argument("--dataset", choices=DATASETS, default=None, help="default: the one the run trained on")
     p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--eval-tokens", type=int, default=10 * 524288)
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="val tokens to score (default: the run's own --eval-tokens, so the numbers compare)")
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
     args = p.parse_args(argv)
-    if args.device_batch_size < 1 or args.eval_tokens < 1 or args.sample_tokens < 0:
+    if args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1) or args.sample_tokens < 0:
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
     dataset = args.dataset or meta["args"]["dataset"]
+    eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     seq_len = model.config.sequence_len
     try:
-        rows = val_rows(tokenizer, dataset, seq_len, args.eval_tokens)
+        rows = val_rows(tokenizer, dataset, seq_len, eval_tokens)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))

@@ -343,6 +343,41 @@ def test_speedrun_cpu_miniature(tmp_path):
     assert "final val bpb" in report and "base_eval" in report
 
 
+@pytest.mark.slow
+def test_speedrun_gpu_mode_runs_offline_on_the_embedded_corpus(base, tmp_path):
+    """speedrun.sh's GPU branch with DATASET=embedded (what gpu_check.sh runs on a lent GPU), here on the CPU:
+    no download, the tokenizer already in the base dir reused (a GPU image has no rustbpe), and base_eval
+    scoring the run's own val tokens, so its bpb equals the training run's final one."""
+    from nanomuon.dataset import iter_texts
+    from nanomuon.tokenizer import Tokenizer
+
+    shutil.copytree(base / "data", tmp_path / "data")
+    # the vocab size GPU mode trains, made beforehand, as gpu_check.sh --prepare does
+    Tokenizer.train(iter_texts("embedded", "train", 8_000_000), vocab_size=32768).save(tmp_path / "tokenizer")
+    env = dict(os.environ, NANOMUON_BASE_DIR=str(tmp_path), MODE="gpu", NPROC="1", DEPTH="2", DATASET="embedded",
+               RUN="gpu-mode")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(key, None)
+    p = subprocess.run(["bash", "speedrun.sh", "--num-iterations", "3", "--max-seq-len", "64", "--device-batch-size",
+                        "2", "--total-batch-size", "128", "--eval-tokens", "2048", "--sample-tokens", "4"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert "reusing the tokenizer" in p.stdout and "tok_train" not in p.stdout
+    final = re.search(r"final val bpb (\d+\.\d+)", p.stdout).group(1)
+    assert re.search(rf"embedded val bpb {final} over 2,048 tokens", p.stdout), p.stdout[-2000:]
+
+
+def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    for step in ("tests", "bench_optim d12", "bench_optim d20", "base_train d12", "base_train d20", "speedrun"):
+        assert re.search(rf"^  {step} +\d+s ", p.stdout, re.M), step
+    limits = [int(x) for x in re.findall(r"^  .+? +(\d+)s ", p.stdout, re.M)]
+    assert sum(limits) <= 540, limits  # the kit must fit its 9 minutes
+    assert "imports: ok" in p.stdout and "base_train flags: ok" in p.stdout and "cuda tests: collected" in p.stdout
+
+
 def test_ablate_writes_a_table_and_plots(base):
     """Two variants on identical data: the table's numbers are the runs' own, and 'steps to the baseline's
     final bpb' is the first eval at or below it, recomputed here from each run's val history."""
