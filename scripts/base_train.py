@@ -287,7 +287,8 @@ def resume(run: Run) -> None:
                             f"{get_base_dir() / 'tokenizer'})")
         # the process count and --device-batch-size may change: the optimizer state is saved whole, the
         # loader states are resharded, and --total-batch-size (checked here) keeps the tokens per step
-        for key in ("dataset", "total_batch_size", "optimizer"):
+        # (a different --eval-tokens would mix two val sets in one val history)
+        for key in ("dataset", "total_batch_size", "optimizer", "eval_tokens"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
             if saved != getattr(args, key):
                 problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
@@ -297,7 +298,17 @@ def resume(run: Run) -> None:
         if problems:
             raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: " + "; ".join(problems))
         load_whole_state(run.model, objs["model"])  # each rank takes its block of sharded (--fsdp) params
+        # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...): keep this
+        # run's, so a resume with new lrs uses them. lr and momentum follow the schedule at every step.
+        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
+                 for g in run.optimizer.param_groups]
         run.optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
+        for group, wanted in zip(run.optimizer.param_groups, flags):
+            for key, value in wanted.items():
+                if _plain(group.get(key)) != _plain(value):
+                    print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} in the checkpoint, "
+                           f"{value!r} now (the flags win)")
+                group[key] = value
         if meta["world_size"] == run.world_size:
             run.train_loader.load_state_dict(meta["loader"][run.rank])
         else:
@@ -307,6 +318,11 @@ def resume(run: Run) -> None:
     del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     print0(f"resumed {run.run_dir} at step {step}")
+
+
+def _plain(v):
+    """A group value as saved and reloaded: tuples may come back as lists."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def evaluate(run: Run) -> None:

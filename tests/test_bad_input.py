@@ -135,6 +135,8 @@ CASES = {
                      "--total-batch-size was 256, now 512"),
     "resume-optimizer": (lambda *_: train("--optimizer", "adamw", "--resume-from-step", "2", run="good"),
                          "--optimizer was 'muon', now 'adamw'"),
+    "resume-eval-tokens": (lambda *_: train("--eval-tokens", "4096", "--resume-from-step", "2", run="good"),
+                           "--eval-tokens was 1024, now 4096"),
     "resume-tokenizer": (lambda b, g, tmp, mp: (other_tokenizer(b, tmp, mp), train("--resume-from-step", "2",
                                                                                    run="good"))[1],
                          "trained with a different tokenizer (retrain or restore"),

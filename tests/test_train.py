@@ -56,6 +56,27 @@ def assert_bitwise_equal(a: dict, b: dict, what: str):
             assert a[k] == b[k], f"{what}.{k}: {a[k]!r} != {b[k]!r}"
 
 
+def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
+    """torch's load_state_dict restores the checkpoint's initial_lr and weight_decay; the flags must win:
+    resumed with every lr at 0, the model must not move from the checkpoint at all."""
+    from scripts.base_train import main
+
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "-1", "--run", "newlr"]
+    main([*flags, "--save-every", "2"])
+    shutil.rmtree(base / "runs" / "newlr" / "step_000004")
+    capsys.readouterr()
+    main([*flags, "--resume-from-step", "2", "--matrix-lr", "0", "--embedding-lr", "0", "--unembedding-lr", "0"])
+    out = capsys.readouterr().out
+    assert "matrices initial_lr was 0.02 in the checkpoint, 0.0 now (the flags win)" in out, out
+    names = ("model", "optim")
+    (at2, _), (at4, _) = (load_checkpoint(base / "runs" / "newlr", s, names) for s in (2, 4))
+    for k, v in at2["model"].items():
+        assert torch.equal(at4["model"][k], v), k
+    assert at4["optim"]["param_groups"][2]["initial_lr"] == 0.0
+    with pytest.raises(SystemExit, match="--eval-tokens was 1024, now 2048"):
+        main([*flags, "--resume-from-step", "2", "--eval-tokens", "2048"])
+
+
 def test_torchrun_resume_is_bitwise_exact(base):
     """Run A trains 6 steps with 2 processes, saving at 3 and 6. Run B starts from a copy of A's step-3
     checkpoint in a fresh torchrun launch and trains to 6: model, optimizer and loader state must equal A's."""
