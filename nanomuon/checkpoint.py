@@ -66,6 +66,14 @@ def list_steps(run_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for d in run_dir.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
+def run_arg(s: str) -> str:
+    """argparse type for a run name: it names a directory under runs/, so nothing that walks out of it."""
+    if not s.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only (it names a directory "
+                                         "under runs/)")
+    return s
+
+
 def step_arg(s: str):
     """argparse type for a checkpoint step: a number or 'latest'."""
     if s == "latest":

@@ -362,7 +362,8 @@ def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_
 # -- CLI ------------------------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nanomuon.dataset", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nanomuon.dataset", description=__doc__.strip().splitlines()[0],
+                                allow_abbrev=False)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("-n", "--num-shards", type=int, help=f"download FineWeb-Edu train shards 0..N-1 "
                       f"(1..{MAX_SHARD}, ~100 MB each) plus the val shard")

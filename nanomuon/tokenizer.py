@@ -60,6 +60,9 @@ class Tokenizer:
         min_size = 256 + len(SPECIAL_TOKENS)
         if vocab_size < min_size:
             raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
+        if vocab_size >= 2 ** 31:  # token ids travel as int32 (the data loader's rows)
+            raise ValueError(f"vocab_size {vocab_size} is too large: token ids are int32, so use < 2**31 "
+                             "(32768 is standard)")
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
         ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}

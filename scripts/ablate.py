@@ -76,7 +76,7 @@ def comparison_table(records: dict, baseline: str) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to base_train)",
-                                epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
+                                allow_abbrev=False, epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
     p.add_argument("--variants", default="muon,adamw,muon-no-vr", help="comma-separated OPTIMIZER_VARIANTS keys")
     p.add_argument("--baseline", default=None, help="variant whose final val bpb the others race to "
                    "(default: adamw if compared, else the first)")
@@ -93,7 +93,8 @@ def main(argv=None):
         p.error(f"--baseline {baseline!r} is not among --variants {args.variants!r}")
     if args.nproc < 1:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
-    if any(f in extra for f in ("--run", "--optimizer", "--resume-from-step")):
+    reserved = ("--run", "--optimizer", "--resume-from-step")  # abbreviations too: base_train would not take them
+    if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved) for f in extra if f.startswith("--")):
         p.error("--run, --optimizer and --resume-from-step are set per variant by ablate; use --name and --variants")
     if not os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         if "fineweb-edu" in extra:

@@ -18,7 +18,7 @@ from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint")
+    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint", allow_abbrev=False)
     add_checkpoint_args(p)
     p.add_argument("--dataset", choices=DATASETS, default=None, help="default: the one the run trained on")
     p.add_argument("--device-batch-size", type=int, default=32)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon.checkpoint import list_steps, load_checkpoint, resolve_step, save_checkpoint, step_arg
+from nanomuon.checkpoint import list_steps, load_checkpoint, resolve_step, run_arg, save_checkpoint, step_arg
 from nanomuon.common import (
     all_finite,
     autocast,
@@ -55,7 +55,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In t
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW",
+    p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # run
     p.add_argument("--run", type=str, default="",
@@ -139,9 +139,16 @@ def parse_args(argv=None):
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
+    for name in ("target_flops", "target_param_data_ratio"):
+        if not math.isfinite(getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')} must be a finite number (or <= 0: off), got {getattr(args, name)}")
+    if not 0 <= args.seed < 2 ** 64:
+        p.error(f"--seed must be in [0, 2**64), got {args.seed}")
     args.run = args.run or f"d{args.depth}"
-    if not args.run.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        p.error(f"--run {args.run!r}: use letters, digits, '-', '_' and '.' only (it names a directory)")
+    try:
+        run_arg(args.run)
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--run {e}")
     return args
 
 

@@ -34,7 +34,7 @@ def peak_rss_mb() -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     p.add_argument("--dataset", choices=DATASETS, default="embedded")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=2048)

@@ -256,7 +256,8 @@ def bench_imbalance(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--depth", type=int, default=12, help="model depth for the step and NS timings")
     parser.add_argument("--imbalance-depth", type=int, default=20, help="model depth for the ownership imbalance")
     parser.add_argument("--world-size", type=int, default=8, help="ranks for the ownership imbalance")

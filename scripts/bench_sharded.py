@@ -97,7 +97,7 @@ def _spawned(rank, world, port, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
     p.add_argument("--steps", type=int, default=5)

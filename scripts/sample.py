@@ -8,13 +8,13 @@ import argparse
 
 import torch
 
-from nanomuon.checkpoint import load_model, step_arg
+from nanomuon.checkpoint import load_model, run_arg, step_arg
 from nanomuon.common import check_device_type, get_base_dir
 from nanomuon.tokenizer import get_tokenizer
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", type=str, required=True, help="run name, as given to base_train --run (e.g. d20)")
+    p.add_argument("--run", type=run_arg, required=True, help="run name, as given to base_train --run (e.g. d20)")
     p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
 
@@ -38,7 +38,7 @@ def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, t
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint")
+    p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint", allow_abbrev=False)
     add_checkpoint_args(p)
     p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for several")
     p.add_argument("--max-tokens", type=int, default=64)

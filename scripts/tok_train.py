@@ -22,7 +22,7 @@ def capped(texts, doc_cap: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Train nanomuon's BPE tokenizer",
+    p = argparse.ArgumentParser(description="Train nanomuon's BPE tokenizer", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu")
     p.add_argument("--vocab-size", type=int, default=32768, help="including the special tokens")
