@@ -261,6 +261,7 @@ def ns_flops(shape, ns_steps: int) -> float:
 
 _compiled: dict = {}
 _scalar_tensors: dict = {}
+_scalar_values: dict = {}  # what each tensor holds: most calls in a step repeat a value, and fill_ is not free
 RUNTIME_SCALARS = ("momentum", "lr", "wd", "beta2", "step", "beta1")  # what schedules and steps change
 
 
@@ -281,6 +282,11 @@ def scalars(hparams: dict, compiled: bool) -> dict:
     out = dict(hparams)
     for key in RUNTIME_SCALARS:
         if key in out:
-            t = _scalar_tensors.setdefault(key, torch.zeros((), dtype=torch.float32))
-            out[key] = t.fill_(out[key])
+            t = _scalar_tensors.get(key)
+            if t is None:
+                t = _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)
+            if _scalar_values.get(key) != out[key]:
+                t.fill_(out[key])
+                _scalar_values[key] = out[key]
+            out[key] = t
     return out
