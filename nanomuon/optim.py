@@ -113,11 +113,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_step()
+        loss = self._begin_step(closure)
         for group in self.param_groups:
             params = group["params"]
             if group["kind"] == "adamw":
@@ -137,13 +133,19 @@ class MuonAdamW(torch.optim.Optimizer):
                     torch._foreach_copy_([same_shape[k] for k in idx], list(updated.unbind(0)))
         return loss
 
-    def _check_step(self) -> None:
-        """Every check that can fail, before any math runs, so a bad step changes nothing."""
+    def _begin_step(self, closure):
+        """The closure's loss (None without one), then every check that can fail, before any math runs, so a
+        bad step changes nothing."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for i, group in enumerate(self.param_groups):
             check_group_values(i, group)
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(i, group, j, p)
+        return loss
 
     def _muon_step(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int]) -> Tensor:
         """Muon on params[i] for i in idx (grads stacked in that order); returns their new values, stacked.
@@ -362,11 +364,7 @@ class DistMuonAdamW(MuonAdamW):
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._check_step()
+        loss = self._begin_step(closure)
         buckets = self._get_plan()
         # A param whose grad exists on any rank is updated; a missing grad elsewhere counts as zeros (as DDP).
         params = [p for g in self.param_groups for p in g["params"]]
