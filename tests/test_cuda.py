@@ -8,6 +8,7 @@ MuonAdamW, and that LR schedules never recompile the compiled update.
 import pytest
 import torch
 import torch.distributed as dist
+from test_optim import step_under_a_schedule
 
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
@@ -47,14 +48,7 @@ def test_compiled_update_equals_eager_and_schedules_do_not_recompile():
     opt_c = MuonAdamW(groups(compiled, ns_precision="fp32"))  # compile defaults to on for CUDA params
     assert opt_c.compiled
     torch._dynamo.utils.counters.clear()
-    for step in range(6):
-        set_grads([eager, compiled], step)
-        for opt in (opt_e, opt_c):
-            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 10)
-            opt.param_groups[0]["momentum"] = 0.85 + 0.01 * step
-            opt.param_groups[1]["lr"] = 3e-3 * (1 - step / 10)
-        opt_e.step()
-        opt_c.step()
+    step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
     for p, q in zip(eager, compiled):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]

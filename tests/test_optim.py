@@ -409,6 +409,19 @@ def test_distributed_optimizer_without_process_group():
 # -- compile -------------------------------------------------------------------------------------
 
 
+def step_under_a_schedule(opts, param_lists, set_grads, steps=6):
+    """Step every optimizer (a muon group 0, an adamw group 1) on the same grads while a schedule changes
+    lr and momentum at every step, as base_train's does."""
+    for step in range(steps):
+        set_grads(param_lists, step)
+        for opt in opts:
+            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 10)
+            opt.param_groups[0]["momentum"] = 0.85 + 0.01 * step
+            opt.param_groups[1]["lr"] = 3e-3 * (1 - step / 10)
+        for opt in opts:
+            opt.step()
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 def test_compiled_equals_eager_and_schedules_do_not_recompile():
@@ -424,14 +437,7 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
     opt_e, opt_c = MuonAdamW(groups(eager), compile=False), MuonAdamW(groups(compiled), compile=True)
     assert opt_c.compiled and not opt_e.compiled
     torch._dynamo.utils.counters.clear()
-    for step in range(6):
-        set_grads([eager, compiled], step)
-        for opt in (opt_e, opt_c):  # a schedule: every step changes lr and momentum
-            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 10)
-            opt.param_groups[0]["momentum"] = 0.85 + 0.01 * step
-            opt.param_groups[1]["lr"] = 3e-3 * (1 - step / 10)
-        opt_e.step()
-        opt_c.step()
+    step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
     for p, q in zip(eager, compiled):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     # one graph per muon shape (2) and per adamw shape (2); lr changes never recompiled
