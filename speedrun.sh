@@ -28,16 +28,6 @@ fi
 WANDB="${WANDB:-off}"
 start=$(date +%s)
 
-# tokenizer DATASET VOCAB MAX_CHARS: train one, unless one of that vocab size is already there
-tokenizer() {
-    have=$(python -c "from nanomuon.tokenizer import get_tokenizer; print(get_tokenizer().vocab_size)" 2>/dev/null || true)
-    if [ "$have" = "$2" ]; then
-        echo "== reusing the tokenizer in $NANOMUON_BASE_DIR/tokenizer (vocab $2); delete it to retrain"
-    else
-        python -m scripts.tok_train --dataset "$1" --vocab-size "$2" --max-chars "$3"
-    fi
-}
-
 if [ "$MODE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
     DEPTH="${DEPTH:-20}"
@@ -50,12 +40,12 @@ if [ "$MODE" = gpu ]; then
         python -m nanomuon.dataset -n 8
         python -m nanomuon.dataset -n 240 > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
         download=$!
-        tokenizer fineweb-edu 32768 2000000000
+        python -m scripts.tok_train --keep-existing --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
         echo "== waiting for the data download (log: $NANOMUON_BASE_DIR/download.log)"
         wait "$download"
     elif [ "$DATASET" = embedded ]; then
         python -m nanomuon.dataset --embedded
-        tokenizer embedded 32768 8000000
+        python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 --max-chars 8000000
     else
         echo "error: DATASET=$DATASET; use fineweb-edu or embedded" >&2
         exit 2
@@ -72,7 +62,7 @@ else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process; the processes share the cores
     echo "== speedrun (cpu miniature): d$DEPTH on the embedded corpus, $NPROC processes, run $RUN"
     python -m nanomuon.dataset --embedded
-    tokenizer embedded 4096 8000000
+    python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 4096 --max-chars 8000000
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset embedded --device-type cpu \
         --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from nanomuon.dataset import DATASETS, iter_texts
-from nanomuon.tokenizer import Tokenizer, tokenizer_dir
+from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
 
 def capped(texts, doc_cap: int):
@@ -29,10 +29,24 @@ def main(argv=None):
     p.add_argument("--max-chars", type=int, default=2_000_000_000, help="training characters to read")
     p.add_argument("--doc-cap", type=int, default=10_000, help="characters kept per document")
     p.add_argument("--eval-chars", type=int, default=2_000_000, help="val characters for the compression check")
+    p.add_argument("--keep-existing", action="store_true", help="keep a tokenizer that is already there with this "
+                   "--vocab-size instead of training (so a machine without rustbpe can run on one made elsewhere)")
     args = p.parse_args(argv)
     for name in ("vocab_size", "max_chars", "doc_cap", "eval_chars"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    if args.keep_existing:
+        try:
+            have = get_tokenizer().vocab_size
+        except FileNotFoundError:
+            have = None
+        except ValueError as e:
+            have = None
+            print(f"the tokenizer in {tokenizer_dir()} is unreadable ({e}); training a new one")
+        if have == args.vocab_size:
+            print(f"reusing the tokenizer in {tokenizer_dir()} (vocab {have}); delete it to retrain")
+            return
 
     try:
         t0 = time.time()
