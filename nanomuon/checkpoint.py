@@ -1,21 +1,34 @@
 """
-Checkpoints: one directory per step, written atomically and validated on load.
+Checkpoints: one directory per step, written atomically and validated on load; one run per directory.
 
 Layout: <run dir>/step_000123/{model.pt, optim.pt, meta.json}. The files are written into a hidden
 temporary directory, fsynced, and only then renamed into place, so a crash or a kill at any moment
-leaves either the complete checkpoint or none: a directory named step_* is always whole. optim.pt is
-the world-size-independent optimizer state (MuonAdamW.state_dict() format), so any process count can
-load it. meta.json holds everything else a resume needs (config, loop and data loader state) as text.
+leaves either the complete checkpoint or none: a directory named step_* is always whole. A re-save of
+a step swaps the new directory with the old in one rename (Linux renameat2, macOS renamex_np), so
+step_N is never missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next
+start. optim.pt is the world-size-independent optimizer state (MuonAdamW.state_dict() format), so any
+process count can load it. meta.json holds everything else a resume needs (config, loop and data
+loader state) as text. A training run holds an advisory lock on <run dir>/.lock (lock_run_dir); the
+kernel drops it when the process dies, so a lock is never stale.
 """
 
 import argparse
+import contextlib
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 
 import torch
+
+from nanomuon.common import size_str
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -32,30 +45,138 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _swap_syscall():
+    """The C call that exchanges two paths atomically, as (function, flags), or None where there is none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "renameat2"):  # Linux: renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
+        return lambda a, b: libc.renameat2(-100, a, -100, b, 2)
+    if hasattr(libc, "renamex_np"):  # macOS: renamex_np(a, b, RENAME_SWAP)
+        return lambda a, b: libc.renamex_np(a, b, 2)
+    return None
+
+
+SWAP = _swap_syscall()
+
+
+def _swap(a: Path, b: Path) -> bool:
+    """Exchange two directories in one atomic rename; False where the OS or filesystem cannot."""
+    if SWAP is None:
+        return False
+    if SWAP(os.fsencode(a), os.fsencode(b)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict) -> Path:
-    """Write tensors[name] to name.pt and meta to meta.json under run_dir/step_NNNNNN, atomically."""
+    """Write tensors[name] to name.pt and meta to meta.json under run_dir/step_NNNNNN, atomically. A full
+    disk raises an OSError that says so; the temporary files are removed and earlier checkpoints kept."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob(".tmp_step_*"):  # left by a run killed mid-save; never a valid checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
     final = step_dir(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}_{os.getpid()}"
-    tmp.mkdir()
-    for name, obj in tensors.items():
-        torch.save(obj, tmp / f"{name}.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    if final.exists():  # re-saving a step (a resumed run reaching it again): swap, then drop the old one
+    try:
+        tmp.mkdir()
+        for name, obj in tensors.items():
+            with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
+                torch.save(obj, f)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        chain = [e]
+        while chain[-1].__context__ is not None and len(chain) < 10:
+            chain.append(chain[-1].__context__)
+        if any(getattr(c, "errno", None) == errno.ENOSPC for c in chain):
+            kept = [s for s in list_steps(run_dir) if s != step]
+            raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; "
+                          f"{'the checkpoint of step ' + str(kept[-1]) + ' is kept' if kept else 'no checkpoint'}"
+                          f" ({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume "
+                          "with --resume-from-step latest") from None
+        raise
+    if not final.exists():
+        os.replace(tmp, final)
+    elif _swap(tmp, final):  # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:  # two renames: a kill between them leaves only the old one, which clean_run_dir puts back
         old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
     _fsync(run_dir)
     return final
+
+
+def clean_run_dir(run_dir: Path) -> list[str]:
+    """Clear what an interrupted run left in run_dir (call it holding the lock): half-written checkpoints
+    are deleted, a step whose re-save died between its two renames gets its old checkpoint back, and
+    stray temporary files go. Returns one line per thing done."""
+    run_dir, done = Path(run_dir), []
+    if not run_dir.is_dir():
+        return done
+    for d in sorted(run_dir.glob(".tmp_old_step_*")):
+        final = run_dir / d.name[len(".tmp_old_"):].rsplit("_", 1)[0]
+        if not final.exists() and STEP_DIR.match(final.name):
+            os.replace(d, final)
+            done.append(f"restored {final.name} from {d.name} (a re-save was interrupted)")
+    for junk in sorted([*run_dir.glob(".tmp_*"), *run_dir.glob("*.tmp")]):
+        size = sum(f.stat().st_size for f in junk.rglob("*") if f.is_file()) if junk.is_dir() else junk.stat().st_size
+        shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
+        done.append(f"removed {junk.name} ({size_str(size)}) left by an interrupted save")
+    return done
+
+
+_LOCKS = {}  # run dir -> open lock file: the lock lives as long as the file stays open
+
+
+def lock_run_dir(run_dir: Path) -> str | None:
+    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it.
+    Returns a note when the previous holder died without releasing it (the kernel freed its lock)."""
+    run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
+    while True:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            f = open(path, "a+")  # noqa: SIM115 (held open: the lock lives as long as the file)
+        except FileNotFoundError:  # the holder removed the empty run dir as it let go
+            continue
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end (or stop it), or "
+                               "pick another --run") from None
+        try:  # the holder unlinks the file as it lets go: a lock on an unlinked file locks nothing
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    f.seek(0)
+    previous = f.read().strip()
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+            f"({' '.join(sys.argv)[:200]})\n")
+    f.flush()
+    _LOCKS[run_dir] = f
+    return f"note: {path} was left by {previous}, which is no longer running; taking over" if previous else None
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release the lock taken by this process, if any: the lock file goes, and the run dir too if nothing
+    else is in it (a run that failed at start leaves nothing behind)."""
+    f = _LOCKS.pop(Path(run_dir), None)
+    if f is not None:
+        os.unlink(Path(run_dir) / ".lock")  # while still holding it (see lock_run_dir)
+        f.close()
+        with contextlib.suppress(OSError):
+            Path(run_dir).rmdir()
 
 
 def list_steps(run_dir: Path) -> list[int]:
@@ -84,28 +205,48 @@ def step_arg(s: str):
         raise argparse.ArgumentTypeError(f"expected a step number or 'latest', got {s!r}") from None
 
 
-def resolve_step(run_dir: Path, step: str | int) -> int:
-    """'latest' or a step number -> a step that has a checkpoint; a clear error otherwise."""
-    steps = list_steps(run_dir)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and NANOMUON_BASE_DIR), or train "
-                                "one with `python -m scripts.base_train`")
-    if step == "latest":
-        return steps[-1]
-    if int(step) not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir}; saved steps: "
-                                f"{', '.join(map(str, steps))}")
-    return int(step)
+META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, tokenizer=str, world_size=int,
+                  loader=list, loop=dict)
 
 
-def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu"):
-    """Return ({name: object}, meta) for a saved step; unreadable files raise with the way out."""
+def check_meta(meta, d: Path, keys) -> None:
+    """A meta.json has the keys asked for, with the right types (it is text: hand edits happen)."""
+    problems = []
+    for key in keys:
+        want = META_TYPES[key]
+        if key not in meta:
+            problems.append(f"no {key!r}")
+        elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
+            problems.append(f"{key!r} is {meta[key]!r}, not a{'n' if want is int else ''} {want.__name__}")
+    if not problems and "model_config" in keys:
+        from nanomuon.gpt import GPTConfig
+        try:
+            GPTConfig(**meta["model_config"])
+        except TypeError as e:
+            problems.append(f"model_config: {e}")
+    if not problems and "step" in keys and meta["step"] != int(d.name[len("step_"):]):
+        problems.append(f"'step' is {meta['step']}, the directory says {d.name}")
+    if not problems and {"loader", "world_size"} <= set(keys) and len(meta["loader"]) != meta["world_size"]:
+        problems.append(f"{len(meta['loader'])} loader states for world_size {meta['world_size']}")
+    if problems:
+        raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json ({'; '.join(problems)}); restore "
+                         f"it, or delete {d} and resume from an earlier step")
+
+
+def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu",
+                    meta_keys=()):
+    """Return ({name: object}, meta) for a saved step, meta checked for meta_keys; an unreadable file or a
+    bad meta.json raises ValueError with the way out."""
     d = step_dir(run_dir, step)
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume from an "
                          "earlier step") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{d / 'meta.json'} holds a {type(meta).__name__}, not a checkpoint's meta.json; delete "
+                         f"{d} and resume from an earlier step")
+    check_meta(meta, d, meta_keys)
     out = {}
     for name in names:
         path = d / f"{name}.pt"
@@ -117,12 +258,33 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
     return out, meta
 
 
+def load_step(run_dir: Path, step: str | int, names=("model",), map_location="cpu", meta_keys=(), warn=print):
+    """Load a step number or 'latest' -> (step, {name: object}, meta). 'latest' falls back to the newest
+    checkpoint that loads, warn()ing about each one skipped, so that restarted jobs recover from a
+    corrupt last save; a step given by number must load."""
+    steps = list_steps(run_dir)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and NANOMUON_BASE_DIR), or train "
+                                "one with `python -m scripts.base_train`")
+    if step != "latest":
+        if int(step) not in steps:
+            raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir}; saved steps: "
+                                    f"{', '.join(map(str, steps))}")
+        return int(step), *load_checkpoint(run_dir, int(step), names, map_location, meta_keys)
+    for s in reversed(steps):
+        try:
+            return s, *load_checkpoint(run_dir, s, names, map_location, meta_keys)
+        except ValueError as e:
+            warn(f"warning: step {s} does not load, trying the checkpoint before it: {e}")
+    raise ValueError(f"none of the {len(steps)} checkpoints in {run_dir} loads (each is named above); start the "
+                     "run afresh")
+
+
 def load_model(run_dir: Path, step: str | int, device):
     """Rebuild the GPT a checkpoint was trained as and load its weights. Returns (model, meta)."""
     from nanomuon.gpt import GPT, GPTConfig
 
-    step = resolve_step(run_dir, step)
-    objs, meta = load_checkpoint(run_dir, step, ("model",), map_location=device)
+    _, objs, meta = load_step(run_dir, step, ("model",), device, ("model_config",))
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))
     model.init_weights()  # fills the rotary tables; weights are overwritten next

@@ -34,6 +34,10 @@ def write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def size_str(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
+
+
 @contextlib.contextmanager
 def user_errors():
     """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say what
@@ -101,6 +105,18 @@ def compute_cleanup():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_if_rank0_failed(error: str | None) -> None:
+    """Stop every process with rank 0's error, if it has one: for what rank 0 alone does (the run dir's lock,
+    its disk, a save), so that the other ranks do not wait for it forever."""
+    if dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        compute_cleanup()
+        raise SystemExit(f"error: {error}")
 
 
 def autocast(device: torch.device):

@@ -409,6 +409,25 @@ class DataLoader:
                     buffer=[list(p.ref()) for p in self._pool.values()],
                     open=[[*p.ref(), max(0, p.due - self._row)] for p in self._open])
 
+    def _bad_positions(self, state: dict) -> list[str]:
+        """What in a state cannot be a position of this loader: refs are [epoch, doc] or [epoch, doc, chunk,
+        token], open ones with the rows they wait; every number an int >= 0, every doc one of ours."""
+        def bad(ref, sizes, where):
+            if (not isinstance(ref, list | tuple) or len(ref) not in sizes
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ref)):
+                return f"{where} {ref!r}"
+            return f"{where} {ref!r} names document {ref[1]}" if ref[1] >= self.num_docs else None
+
+        lists = {k: state.get(k) for k in ("backlog", "buffer", "open")}
+        problems = [f"{k} is {v!r}, not a list" for k, v in lists.items() if not isinstance(v, list)]
+        if problems:
+            return problems
+        problems = [bad([state.get("epoch"), state.get("doc")], (2,), "the stream position")]
+        problems += [bad(r, (2, 4), "backlog entry") for r in lists["backlog"]]
+        problems += [bad(r, (2, 4), "buffer entry") for r in lists["buffer"]]
+        problems += [bad(r, (5,), "open entry") for r in lists["open"]]
+        return [x for x in problems if x]
+
     def state_dict(self) -> dict:
         """Small and exact: where reading continues (epoch, doc), documents queued before that (backlog,
         after a reshard), the buffered documents, and the pending continuations with the rows each still
@@ -426,6 +445,12 @@ class DataLoader:
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
                              "with the same data and sequence length (reshard_states() changes the process count)")
+
+        bad = self._bad_positions(state)
+        if bad:
+            raise ValueError(f"data loader state of rank {self.rank} is out of range ({'; '.join(bad[:3])}) for "
+                             f"{self.num_docs} documents: it was edited or belongs to other data; restore it, or "
+                             "resume from an earlier step")
 
         def piece(ref, wait=0):
             p = self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:4])

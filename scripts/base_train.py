@@ -14,9 +14,12 @@ parameters an uninterrupted run would have had, bit for bit.
 """
 
 import argparse
+import contextlib
+import errno
 import json
 import math
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -28,16 +31,29 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon.checkpoint import list_steps, load_checkpoint, resolve_step, run_arg, save_checkpoint, step_arg
+from nanomuon.checkpoint import (
+    META_TYPES,
+    clean_run_dir,
+    list_steps,
+    load_step,
+    lock_run_dir,
+    run_arg,
+    save_checkpoint,
+    step_arg,
+    step_dir,
+    unlock_run_dir,
+)
 from nanomuon.common import (
     all_finite,
     autocast,
     compute_cleanup,
     compute_init,
     evaluate_bpb,
+    exit_if_rank0_failed,
     get_base_dir,
     peak_flops,
     print0,
+    size_str,
     synchronize,
     tensors_finite,
     user_errors,
@@ -213,22 +229,67 @@ class Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    run = build(args)
-    if args.resume_from_step != -1:
-        resume(run)
-    train(run)
-    summary = report(run)
+    with contextlib.ExitStack() as held:  # the run dir's lock, released however the run ends
+        try:
+            run = build(args, held)
+            if args.resume_from_step != -1:
+                resume(run)
+            train(run)
+            summary = report(run)
+        except KeyboardInterrupt:  # Ctrl-C: say where to continue from, not where Python was
+            run_dir = get_base_dir() / "runs" / args.run
+            steps = list_steps(run_dir)
+            print0(f"interrupted; the last checkpoint is {step_dir(run_dir, steps[-1])} (continue with "
+                   "--resume-from-step latest)" if steps else f"interrupted before the first checkpoint of {run_dir}")
+            sys.exit(130)
     compute_cleanup()
     return summary
 
 
-def build(args) -> Run:
-    """Process group, tokenizer, model, data and optimizer, as the flags ask; a fresh run at step 0."""
+def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
+    """Rank 0 takes the run dir's lock (one run per directory; `held` lets go of it) and clears what an
+    interrupted run left there; every rank stops with one line if it cannot."""
+    error = None
+    if rank == 0:
+        try:
+            note = lock_run_dir(run_dir)
+            held.callback(unlock_run_dir, run_dir)
+            for line in filter(None, [note, *clean_run_dir(run_dir)]):
+                print0(line)
+        except RuntimeError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point NANOMUON_BASE_DIR at a writable "
+                     "directory")
+    exit_if_rank0_failed(error)
+
+
+def check_disk(run: "Run") -> None:
+    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first save."""
+    need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)  # weights + optimizer states
+               for g in run.optimizer.param_groups for p in g["params"])
+    error = None
+    if run.rank == 0:
+        free = shutil.disk_usage(run.run_dir).free
+        saves = 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
+        if free < need:
+            error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} has "
+                     f"{size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a bigger disk")
+        elif free < need * saves:
+            print0(f"warning: {saves} checkpoints of about {size_str(need)} each will not all fit in the "
+                   f"{size_str(free)} free on the disk of {run.run_dir}")
+    exit_if_rank0_failed(error)
+
+
+def build(args, held: contextlib.ExitStack) -> Run:
+    """Process group, the run dir (locked until `held` closes), tokenizer, model, data and optimizer, as the
+    flags ask; a fresh run at step 0."""
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     if args.fsdp and not distributed:
         raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with torchrun (or drop "
                          "--fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
+    claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
         args.resume_from_step = "latest" if list_steps(run_dir) else -1
     with user_errors():  # a missing tokenizer or an impossible size: one line that says what to do
@@ -271,11 +332,13 @@ def build(args) -> Run:
     optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                       matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
                                       **OPTIMIZER_VARIANTS[args.optimizer])
-    return Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
-               tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config, model=model,
-               train_model=torch.compile(model, dynamic=False) if compiled else model, optimizer=optimizer,
-               train_loader=train_loader, val=val, num_params=num_params, flops_per_token=flops_per_token,
-               num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
+    run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
+              tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config, model=model,
+              train_model=torch.compile(model, dynamic=False) if compiled else model, optimizer=optimizer,
+              train_loader=train_loader, val=val, num_params=num_params, flops_per_token=flops_per_token,
+              num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
+    check_disk(run)
+    return run
 
 
 def resume(run: Run) -> None:
@@ -283,9 +346,10 @@ def resume(run: Run) -> None:
     the optimizer, the data loader (resharded if the process count changed) and the loop state."""
     args = run.args
     with user_errors():  # a missing, corrupt or mismatched checkpoint
-        step = resolve_step(run.run_dir, args.resume_from_step)
-        objs, meta = load_checkpoint(run.run_dir, step, ("model", "optim"), map_location=run.device)
-        problems = []
+        step, objs, meta = load_step(run.run_dir, args.resume_from_step, ("model", "optim"), run.device,
+                                     tuple(META_TYPES), warn=print0)
+        problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()  # hand edits
+                    if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():  # older configs: defaults
             problems.append(f"the checkpoint is {meta['model_config']}, these flags build {run.config.to_dict()} "
                             "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len, --qk-norm)")
@@ -357,14 +421,18 @@ def save(run: Run) -> None:
         dist.all_gather_object(loader_states, run.train_loader.state_dict())
     else:
         loader_states = [run.train_loader.state_dict()]
+    error = None
     if run.rank == 0:
         meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),
                     args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
                     loader=loader_states, loop=run.loop, torch=torch.__version__)
-        path = save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)
-        print0(f"saved {path}")
-    if run.distributed:
-        dist.barrier()
+        try:
+            print0(f"saved {save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)}")
+        except OSError as e:  # a full disk says so itself; earlier checkpoints stay
+            error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
+    if error:
+        run.train_loader.close()
+    exit_if_rank0_failed(error)
 
 
 def train(run: Run) -> None:

@@ -1,0 +1,189 @@
+"""
+Run safety with real processes and real kills: one base_train per run dir (a second is refused within
+10 s, a SIGKILLed holder's lock is taken over), a re-save of a step that SIGKILL cannot leave without a
+complete checkpoint, `latest` falling back past a corrupt checkpoint to a bitwise-exact resume, a full
+disk at start and mid-run (a tmpfs in a user namespace), and Ctrl-C.
+"""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_train import REPO, TINY, assert_bitwise_equal, child_env, run
+
+from nanomuon.checkpoint import clean_run_dir, list_steps, load_checkpoint, step_dir
+
+FLAGS = [*TINY, "--total-batch-size", "256", "--eval-every", "-1"]
+
+
+def train_cmd(*extra):
+    return [sys.executable, "-m", "scripts.base_train", *FLAGS, *extra]
+
+
+def start(cmd, base, **kw):
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kw)
+
+
+def wait_until(cond, job, timeout=120):
+    deadline = time.time() + timeout
+    while not cond():
+        assert job.poll() is None, f"the job ended early:\n{job.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def last_line(out):
+    return out.strip().splitlines()[-1]
+
+
+def test_one_run_per_run_dir_and_a_dead_holder_is_detected(base):
+    run_dir = base / "runs" / "locked"
+    flags = ["--run", "locked", "--num-iterations", "30", "--save-every", "5"]
+    holder = start(train_cmd(*flags), base)
+    wait_until(lambda: list_steps(run_dir), holder)
+    holder.send_signal(signal.SIGSTOP)  # a run that holds the dir for as long as we look (a hung one, say)
+    t0 = time.time()
+    second = run(train_cmd(*flags), base, check=False)
+    took = time.time() - t0
+    assert second.returncode == 1 and took < 10, (second.returncode, took)
+    assert "Traceback" not in second.stderr
+    assert f"is in use by pid {holder.pid} on" in last_line(second.stderr), second.stderr
+    assert holder.poll() is None and (run_dir / ".lock").is_file()  # the refused run took nothing away
+
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    saved = list_steps(run_dir)
+    p = run(train_cmd(*flags, "--resume-from-step", "latest"), base)
+    assert f"was left by pid {holder.pid} on" in p.stdout and "no longer running; taking over" in p.stdout
+    assert f"resumed {run_dir} at step {saved[-1]}" in p.stdout
+    assert list_steps(run_dir)[-1] == 30 and not (run_dir / ".lock").exists()  # released at exit
+
+
+RESAVER = textwrap.dedent("""
+    import sys, torch
+    from nanomuon import checkpoint
+    if sys.argv[2] == "two-renames":
+        checkpoint.SWAP = None  # as on a filesystem without an atomic exchange
+    i = 0
+    while True:
+        i += 1
+        w = torch.full((256, 1024), float(i))
+        checkpoint.save_checkpoint(sys.argv[1], 3, dict(model=dict(w=w), optim=dict(w=w)), dict(step=3, i=i))
+""")
+
+
+def complete(run_dir):
+    """Whether step 3 is whole: its meta and both files load and agree."""
+    objs, meta = load_checkpoint(run_dir, 3, ("model", "optim"))
+    return bool((objs["model"]["w"] == meta["i"]).all() and (objs["optim"]["w"] == meta["i"]).all())
+
+
+@pytest.mark.parametrize("mode", ["swap", "two-renames"])
+def test_a_resave_killed_at_any_moment_keeps_a_complete_step(base, tmp_path, mode):
+    """A process re-saves step 3 over and over and is SIGKILLed at random moments. With the atomic swap,
+    step_000003 exists at every instant we look; with two renames, clean_run_dir (run at every start)
+    brings back the old one when the kill fell between them. Either way the step is whole after the kill
+    and no temporary directory survives the cleanup."""
+    run_dir = tmp_path / "run"
+    rng = random.Random(0)
+    for trial in range(8):
+        job = subprocess.Popen([sys.executable, "-c", RESAVER, str(run_dir), mode], cwd=REPO, env=child_env(base))
+        first = time.time()
+        while not step_dir(run_dir, 3).exists():
+            time.sleep(0.005)
+            assert time.time() - first < 60 and job.poll() is None
+        deadline = time.time() + rng.uniform(0.2, 1.5)
+        while time.time() < deadline:  # every look finds the step, with the swap
+            if mode == "swap":
+                assert step_dir(run_dir, 3).is_dir()
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+        clean_run_dir(run_dir)
+        assert complete(run_dir), trial
+        assert sorted(p.name for p in run_dir.iterdir()) == ["step_000003"]
+
+
+def test_latest_falls_back_past_a_corrupt_checkpoint(base):
+    """auto / latest skip a checkpoint that does not load, with a warning naming it, and resume from the one
+    before: the run still ends bitwise equal to an uninterrupted one. A step named by number must load."""
+    flags = ["--num-iterations", "6", "--save-every", "2"]
+    run(train_cmd(*flags, "--run", "straight"), base)
+    broken = base / "runs" / "broken"
+    shutil.copytree(base / "runs" / "straight", broken)
+    shutil.rmtree(step_dir(broken, 6))  # as if the run had died after step 4's save, which got corrupted
+    model = step_dir(broken, 4) / "model.pt"
+    model.write_bytes(model.read_bytes()[:1000])
+
+    explicit = run(train_cmd(*flags, "--run", "broken", "--resume-from-step", "4"), base, check=False)
+    assert explicit.returncode == 1 and "unreadable or corrupt" in last_line(explicit.stderr)
+    p = run(train_cmd(*flags, "--run", "broken", "--resume-from-step", "auto"), base)
+    assert "warning: step 4 does not load, trying the checkpoint before it" in p.stdout
+    assert f"resumed {broken} at step 2" in p.stdout
+    names = ("model", "optim")
+    (a, ma), (b, mb) = (load_checkpoint(base / "runs" / r, 6, names) for r in ("straight", "broken"))
+    assert_bitwise_equal(a, b, "checkpoint")
+    assert ma["loader"] == mb["loader"]
+
+
+def in_small_tmpfs(cmd, mount, size_kb):
+    """cmd, run in a new user and mount namespace with a tmpfs of size_kb at mount (a disk that fills), then
+    a listing of what it left there (the tmpfs goes with the namespace)."""
+    script = (f"mount -t tmpfs -o size={size_kb}k tmpfs {mount} && \"$@\"; rc=$?; echo left: $(ls -A {mount}); "
+              "exit $rc")
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "sh", *cmd]
+
+
+def can_mount_tmpfs(tmp_path):
+    probe = subprocess.run(in_small_tmpfs(["true"], tmp_path, 64), capture_output=True)
+    return shutil.which("unshare") and probe.returncode == 0
+
+
+def test_a_full_disk_stops_the_run_at_start_or_at_a_save(base, tmp_path):
+    """A run dir on a disk smaller than one checkpoint is refused before training; one that fills at the
+    second save stops with one line, keeping the first checkpoint, and leaves no temporary files."""
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("cannot mount a tmpfs in a user namespace here (unshare)")
+    flags = ["--num-iterations", "4", "--save-every", "1"]
+    run(train_cmd(*flags, "--run", "sized", "--num-iterations", "1"), base)
+    size = sum(f.stat().st_size for f in step_dir(base / "runs" / "sized", 1).iterdir())
+
+    run_dir = base / "runs" / "tiny-disk"
+    run_dir.mkdir(parents=True)
+    p = subprocess.run(in_small_tmpfs(train_cmd(*flags, "--run", "tiny-disk"), run_dir, size // 2048), cwd=REPO,
+                       env=child_env(base), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "step 00001" not in p.stdout, p.stdout + p.stderr
+    assert "a checkpoint of this model takes about" in last_line(p.stderr), p.stderr
+    assert "left:\n" in p.stdout
+
+    run_dir = base / "runs" / "full-disk"
+    run_dir.mkdir(parents=True)
+    p = subprocess.run(in_small_tmpfs(train_cmd(*flags, "--run", "full-disk"), run_dir, size * 3 // 2048),
+                       cwd=REPO, env=child_env(base), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert "warning: 5 checkpoints of about" in p.stdout
+    assert "saved" in p.stdout and "no space left on the device of" in last_line(p.stderr), p.stderr
+    assert "the checkpoint of step 1 is kept" in last_line(p.stderr)
+    assert "left: step_000001\n" in p.stdout  # the first checkpoint, whole, and nothing half-written
+
+
+def test_ctrl_c_says_where_the_last_checkpoint_is(base):
+    run_dir = base / "runs" / "interrupted"
+    job = start(train_cmd("--run", "interrupted", "--num-iterations", "500", "--save-every", "3"), base)
+    wait_until(lambda: list_steps(run_dir), job)
+    job.send_signal(signal.SIGINT)
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 130 and "Traceback" not in out, out[-3000:]
+    last = list_steps(run_dir)[-1]
+    assert last_line(out) == (f"interrupted; the last checkpoint is {step_dir(run_dir, last)} (continue with "
+                              "--resume-from-step latest)")
+    assert not (run_dir / ".lock").exists()
+    torch.load(step_dir(run_dir, last) / "model.pt", weights_only=True)
+    assert os.listdir(run_dir)
