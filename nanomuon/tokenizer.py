@@ -38,6 +38,11 @@ class Tokenizer:
         n = len(mergeable_ranks)
         if sorted(mergeable_ranks.values()) != list(range(n)):
             raise ValueError("mergeable ranks must be exactly 0..N-1")
+        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
+        if missing:  # tiktoken would panic at the first text that needs one
+            raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (byte "
+                             f"{', '.join(hex(b) for b in missing[:4])}{', ...' if len(missing) > 4 else ''}), so some "
+                             "text cannot be encoded")
         self.mergeable_ranks = mergeable_ranks
         self.pattern = pattern
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
