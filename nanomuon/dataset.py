@@ -234,6 +234,8 @@ def _parquet_problem(path: Path) -> str | None:
         return f"not a parquet file: {e}"
     if "text" not in schema.names:
         return f"no 'text' column (columns: {schema.names})"
+    if not pa.types.is_string(schema.field("text").type) and not pa.types.is_large_string(schema.field("text").type):
+        return f"column 'text' holds {schema.field('text').type}, not strings"
     return None
 
 
@@ -317,11 +319,16 @@ def _download_shard(index: int, out_dir: Path, base_url: str, retries: int, back
 
 
 def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_URL, workers: int = 4,
-             retries: int = 5, backoff: float = 2.0) -> list[Path]:
+             retries: int = 5, backoff: float = 2.0, allow_http: bool = False) -> list[Path]:
     """Download FineWeb-Edu train shards 0..num_shards-1 plus shard MAX_SHARD as the val shard (it sorts
-    last, so list_shards calls it val). Shards already present are skipped; returns all their paths, sorted."""
+    last, so list_shards calls it val). Shards already present are skipped; returns all their paths, sorted.
+    Only https, unless allow_http: anyone on the path could swap the files of a plain-http download."""
     if not 1 <= num_shards <= MAX_SHARD:
         raise ValueError(f"num_shards must be in 1..{MAX_SHARD}, got {num_shards}")
+    scheme = base_url.partition("://")[0]
+    if scheme != "https" and not (scheme == "http" and allow_http):
+        raise ValueError(f"--base-url {base_url} is not https, so the shards could be altered in transit; use an "
+                         "https mirror, or add --allow-http for a plain-http one you trust")
     if workers < 1 or retries < 0:
         raise ValueError(f"need workers >= 1 and retries >= 0, got workers={workers}, retries={retries}")
     out_dir = Path(out_dir) if out_dir is not None else data_dir("fineweb-edu")
@@ -371,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=4, help="parallel downloads")
     p.add_argument("--retries", type=int, default=5, help="retries per shard on network errors")
     p.add_argument("--base-url", default=BASE_URL, help="where the shards live (a mirror, say)")
+    p.add_argument("--allow-http", action="store_true", help="accept a plain-http --base-url")
     p.add_argument("--out-dir", type=Path, default=None, help="default: $NANOMUON_BASE_DIR/data/<dataset>")
     p.add_argument("--shard-chars", type=int, default=4_000_000, help="embedded: characters per shard")
     args = p.parse_args(argv)
@@ -383,7 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({len(paths) - 1} train + 1 val) in {out}, {time.time() - t0:.1f} s")
     else:
         try:
-            download(args.num_shards, args.out_dir, args.base_url, args.workers, args.retries)
+            download(args.num_shards, args.out_dir, args.base_url, args.workers, args.retries,
+                     allow_http=args.allow_http)
         except (RuntimeError, ValueError) as e:
             sys.exit(f"error: {e}")
 

@@ -244,7 +244,7 @@ def requests_for(srv, name):
 
 
 def test_download_fetches_train_and_val_shards(server, base_dir, capsys):
-    paths = download(2, base_url=server.url, workers=2, backoff=0)
+    paths = download(2, base_url=server.url, allow_http=True, workers=2, backoff=0)
     d = base_dir / "data" / "fineweb-edu"
     assert paths == [d / shard_name(i) for i in (0, 1, MAX_SHARD)]
     for p in paths:
@@ -258,7 +258,7 @@ def test_download_fetches_train_and_val_shards(server, base_dir, capsys):
 
 def test_download_retries_503_and_dropped_connections(server, tmp_path):
     server.plan = {shard_name(0): ["503", "drop", "503"], shard_name(MAX_SHARD): ["drop"]}
-    paths = download(1, tmp_path, base_url=server.url, backoff=0)
+    paths = download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     assert [p.read_bytes() for p in paths] == [server.files[p.name] for p in paths]
     assert len(requests_for(server, shard_name(0))) == 4
     assert len(requests_for(server, shard_name(MAX_SHARD))) == 2
@@ -267,7 +267,7 @@ def test_download_retries_503_and_dropped_connections(server, tmp_path):
 def test_download_resumes_a_cut_response_with_range(server, tmp_path):
     name = shard_name(0)
     server.plan = {name: ["cut", "cut"]}
-    download(1, tmp_path, base_url=server.url, backoff=0)
+    download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     size = len(server.files[name])
     ranges = [rng for rng, _ in requests_for(server, name)]
     # 1st: whole file, cut at half; 2nd: resumes at half, cut at half of the rest; 3rd: resumes and completes.
@@ -279,7 +279,7 @@ def test_download_resumes_a_cut_response_with_range(server, tmp_path):
 def test_download_restarts_when_the_server_ignores_range(server, tmp_path):
     name = shard_name(0)
     server.plan = {name: ["cut", "norange"]}
-    download(1, tmp_path, base_url=server.url, backoff=0)
+    download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     assert [rng is not None for rng, _ in requests_for(server, name)] == [False, True]
     assert (tmp_path / name).read_bytes() == server.files[name]  # the 200 overwrote the partial file
 
@@ -288,7 +288,7 @@ def test_download_resumes_a_part_left_by_an_earlier_run(server, tmp_path):
     name, data = shard_name(1), server.files[shard_name(1)]
     (tmp_path / f"{name}.part").write_bytes(data[:1000])
     (tmp_path / f"{shard_name(0)}.part").write_bytes(server.files[shard_name(0)])  # complete but not renamed
-    download(2, tmp_path, base_url=server.url, backoff=0)
+    download(2, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     assert requests_for(server, name)[0][0] == "bytes=1000-"
     assert requests_for(server, shard_name(0))[0][0] == f"bytes={len(server.files[shard_name(0)])}-"
     assert (tmp_path / name).read_bytes() == data
@@ -299,7 +299,7 @@ def test_download_rejects_a_corrupt_file_after_retries(server, tmp_path, capsys)
     name = shard_name(MAX_SHARD)
     server.files[name] = b"<html>rate limited</html>" * 100
     with pytest.raises(RuntimeError) as err:
-        download(1, tmp_path, base_url=server.url, retries=2, backoff=0)
+        download(1, tmp_path, base_url=server.url, allow_http=True, retries=2, backoff=0)
     msg = str(err.value)
     assert name in msg and f"{server.url}/{name}" in msg and "3 attempts" in msg
     assert "corrupt download (not a parquet file" in msg and "re-run the same command to resume" in msg
@@ -312,14 +312,19 @@ def test_download_rejects_a_corrupt_file_after_retries(server, tmp_path, capsys)
     pq.write_table(pa.table({"content": ["x"]}), buf)
     server.files[name] = buf.getvalue()
     with pytest.raises(RuntimeError, match="no 'text' column"):
-        download(1, tmp_path, base_url=server.url, retries=0, backoff=0)
+        download(1, tmp_path, base_url=server.url, allow_http=True, retries=0, backoff=0)
+    buf = io.BytesIO()  # and a text column of numbers
+    pq.write_table(pa.table({"text": [1, 2]}), buf)
+    server.files[name] = buf.getvalue()
+    with pytest.raises(RuntimeError, match="column 'text' holds int64, not strings"):
+        download(1, tmp_path, base_url=server.url, allow_http=True, retries=0, backoff=0)
 
 
 def test_download_skips_shards_already_present(server, tmp_path, capsys):
     kept = parquet_bytes(["already here"])
     (tmp_path / shard_name(0)).write_bytes(kept)
     (tmp_path / shard_name(MAX_SHARD)).write_bytes(kept)
-    paths = download(2, tmp_path, base_url=server.url, backoff=0)
+    paths = download(2, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     assert [n for n, _, _ in server.log] == [shard_name(1)]
     assert len(paths) == 3 and (tmp_path / shard_name(0)).read_bytes() == kept
     assert capsys.readouterr().out.count("already present") == 2
@@ -328,27 +333,29 @@ def test_download_skips_shards_already_present(server, tmp_path, capsys):
 def test_download_errors(server, tmp_path):
     for n in (0, MAX_SHARD + 1):
         with pytest.raises(ValueError, match=f"num_shards must be in 1..{MAX_SHARD}"):
-            download(n, tmp_path, base_url=server.url)
+            download(n, tmp_path, base_url=server.url, allow_http=True)
     # A 404 will not change on a retry: fail at once, naming the URL.
     with pytest.raises(RuntimeError, match=r"shard_00003.parquet: HTTP 404 .*/files/shard_00003.parquet"):
-        download(4, tmp_path, base_url=server.url, backoff=0)
+        download(4, tmp_path, base_url=server.url, allow_http=True, backoff=0)
     assert len(requests_for(server, shard_name(3))) == 1
     # Nothing listening: network errors are retried, then reported.
     with pytest.raises(RuntimeError, match=r"2 attempts, last error: URLError.*re-run"):
-        download(1, tmp_path / "x", base_url="http://127.0.0.1:9/files", retries=1, backoff=0)
+        download(1, tmp_path / "x", base_url="http://127.0.0.1:9/files", allow_http=True, retries=1, backoff=0)
 
 
 def test_download_cli(server, base_dir, capsys):
-    main(["-n", "2", "--workers", "2", "--base-url", server.url])
+    with pytest.raises(SystemExit, match="is not https, so the shards could be altered in transit"):
+        main(["-n", "2", "--base-url", server.url])
+    main(["-n", "2", "--workers", "2", "--base-url", server.url, "--allow-http"])
     assert "done: 3 shards" in capsys.readouterr().out
     assert len(list_shards("fineweb-edu", "train")) == 2
     with pytest.raises(SystemExit, match="error: shard_00003.parquet: HTTP 404"):
-        main(["-n", "4", "--base-url", server.url])
+        main(["-n", "4", "--base-url", server.url, "--allow-http"])
 
 
 def test_download_backs_off_exponentially(server, tmp_path):
     server.plan = {shard_name(0): ["503", "503"]}
     t0 = time.perf_counter()
-    download(1, tmp_path, base_url=server.url, retries=2, backoff=0.3)
+    download(1, tmp_path, base_url=server.url, allow_http=True, retries=2, backoff=0.3)
     assert time.perf_counter() - t0 >= 0.3 + 0.3**2  # waits backoff**1, then backoff**2
     assert (tmp_path / shard_name(0)).read_bytes() == server.files[shard_name(0)]
