@@ -4,6 +4,8 @@ a one-line message, no traceback, that names the problem and the fix (checked by
 must leave no file behind: the base dir holds the same files before and after.
 """
 
+import base64
+import json
 import shutil
 
 import pyarrow as pa
@@ -12,10 +14,12 @@ import pytest
 import torch
 from test_train import TINY
 
+from nanomuon.checkpoint import lock_run_dir
 from nanomuon.dataloader import DataLoader
+from nanomuon.dataset import main as dataset_main
 from nanomuon.gpt import GPTConfig
 from nanomuon.optim import MuonAdamW
-from nanomuon.tokenizer import Tokenizer, get_tokenizer
+from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
 GOOD = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1"]
 
@@ -86,6 +90,50 @@ def corrupt_tokenizer(tmp_path):
     return lambda: Tokenizer.load(tmp_path / "t")
 
 
+def edit_meta(edit):
+    """A damage() that hand-edits meta.json the way a user might."""
+    def damage(d):
+        meta = json.loads((d / "meta.json").read_text())
+        edit(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+    return damage
+
+
+def resume_edited(base, good, name, edit):
+    return train("--resume-from-step", "2", run=damaged(base, good, name, edit_meta(edit)))
+
+
+def tokenizer_without_byte(tmp_path):
+    """A tokenizer whose byte 0x00 has no token (ranks renumbered, so nothing else is wrong with it)."""
+    tok = get_tokenizer()
+    ranks = sorted((r, t) for t, r in tok.mergeable_ranks.items() if t != b"\x00")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "tokenizer.bpe").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n"
+                                                          for i, (_, t) in enumerate(ranks)))
+    shutil.copy(tokenizer_dir() / "tokenizer.json", tmp_path / "t")
+    return lambda: Tokenizer.load(tmp_path / "t")
+
+
+def own_base(base, tmp_path, monkeypatch):
+    """A base dir of its own that shares the tokenizer and the data."""
+    for sub in ("tokenizer", "data"):
+        (tmp_path / sub).symlink_to(base / sub)
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+
+
+def locked_run(base, tmp_path, monkeypatch):
+    own_base(base, tmp_path, monkeypatch)
+    lock_run_dir(tmp_path / "runs" / "busy")  # held by this process until it exits, as another run would
+    return train(run="busy")
+
+
+def run_dir_is_a_file(base, tmp_path, monkeypatch):
+    own_base(base, tmp_path, monkeypatch)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "taken").write_text("not a directory")
+    return train(run="taken")
+
+
 def muon_group_without_kind():
     return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
 
@@ -151,6 +199,16 @@ CASES = {
         "unreadable or corrupt"),
     "corrupt-meta": (lambda b, g, *_: train("--resume-from-step", "2", run=damaged(
         b, g, "meta", lambda d: (d / "meta.json").write_text('{"step": 2,'))), "unreadable meta.json"),
+    "meta-missing-key": (lambda b, g, *_: resume_edited(b, g, "nokey", lambda m: m.pop("loader")),
+                         "is not a valid checkpoint meta.json (no 'loader')"),
+    "meta-wrong-type": (lambda b, g, *_: resume_edited(b, g, "strstep", lambda m: m.update(step="2")),
+                        "'step' is '2', not an int"),
+    "meta-loop-type": (lambda b, g, *_: resume_edited(b, g, "loop", lambda m: m["loop"].update(history=7)),
+                       "loop.history is 7 in its meta.json"),
+    "meta-loader-position": (lambda b, g, *_: resume_edited(b, g, "pos", lambda m: m["loader"][0].update(doc=10**9)),
+                             "data loader state of rank 0 is out of range"),
+    "run-dir-locked": (lambda b, g, tmp, mp: locked_run(b, tmp, mp), "is in use by pid"),
+    "run-dir-not-writable": (lambda b, g, tmp, mp: run_dir_is_a_file(b, tmp, mp), "cannot write to the run dir"),
     # the other entry points
     "tok-vocab": (lambda *_: script("tok_train", "--dataset", "embedded", "--vocab-size", "100"),
                   "vocab_size must be >= 257"),
@@ -169,8 +227,11 @@ CASES = {
     "ablate-baseline": (lambda *_: script("ablate", "--variants", "muon,adamw", "--baseline", "muon-jordan"),
                         "is not among --variants"),
     "ablate-run": (lambda *_: script("ablate", "--run", "x"), "use --name and --variants"),
+    "download-http": (lambda *_: lambda: dataset_main(["-n", "1", "--base-url", "http://mirror.example/files"]),
+                      "is not https, so the shards could be altered in transit"),
     # the library
     "tokenizer-corrupt": (lambda b, g, tmp, mp: corrupt_tokenizer(tmp), "is corrupt"),
+    "tokenizer-bytes": (lambda b, g, tmp, mp: tokenizer_without_byte(tmp), "single-byte tokens are missing (byte 0x0)"),
     "loader-rank": (lambda *_: lambda: DataLoader(get_tokenizer(), "embedded", "train", 2, 16, rank=2, world_size=2),
                     "rank 2 is outside world_size 2"),
     "loader-state": (lambda *_: lambda: DataLoader(get_tokenizer(), "embedded", "train", 2, 16, world_size=1)
@@ -208,7 +269,7 @@ def test_bad_input(case, base, good, tmp_path, monkeypatch, capsys):
 
 
 def test_the_table_is_wide():
-    assert len(CASES) >= 25
+    assert len(CASES) >= 60
 
 
 def test_a_bug_keeps_its_traceback(base, monkeypatch):
