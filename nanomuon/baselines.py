@@ -1,12 +1,9 @@
 """
 Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the
-'adamw' groups, behind the same param-group convention as MuonAdamW.
-
-It exists so ablations and benchmarks can put nanomuon's fused optimizer next to what a user would get
-from PyTorch alone, in the same training loop (`--optimizer torch-muon`). torch.optim.Muon is Keller
-Jordan's algorithm: Nesterov momentum, the NS5 triple at every step, lr * sqrt(max(1, rows/cols)),
-decoupled weight decay; no variance reduction, no cautious decay. It runs one matrix at a time and is
-not distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
+'adamw' groups, behind the same param-group convention as MuonAdamW, so ablations and benchmarks can
+put nanomuon's fused optimizer next to PyTorch alone in the same loop (`--optimizer torch-muon`;
+README, "Comparing optimizers: ablate"). torch.optim.Muon runs one matrix at a time and is not
+distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
 the whole update (replicated, like DDP).
 """
 
@@ -53,11 +50,9 @@ class TorchMuonAdamW:
     """torch.optim.Muon + torch.optim.AdamW as one optimizer over kind='muon' / kind='adamw' groups.
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
-    group['momentum'] for Muon) reaches them. Muon groups take lr, momentum, weight_decay, nesterov and
-    ns_steps, and beta2=None (no variance reduction, as in torch); AdamW groups lr, betas, eps,
-    weight_decay. Other keys (name, initial_lr) ride along.
-    ns_precision 'auto' is torch's bf16 on CUDA and fp32 elsewhere.
-    """
+    group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups beta2=None
+    (no variance reduction, as in torch); name and initial_lr ride along. ns_precision 'auto' is torch's bf16
+    on CUDA and fp32 elsewhere."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")

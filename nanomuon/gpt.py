@@ -2,13 +2,9 @@
 The GPT that nanomuon trains: small, modern, and written to be read in one sitting.
 
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
-biases, a tanh logit softcap, zero-initialized output projections. Attention runs through
-scaled_dot_product_attention (flash kernels on CUDA; the math kernel on CPU). The size follows from one
-number, --depth: width = depth * aspect_ratio, rounded up to a multiple of the head dim.
-
-setup_optimizer() is where the model meets the optimizer: param_groups.classify (the rule every model
-gets) sends the matrices inside the blocks to Muon; the embedding, lm_head and anything not 2-D train
-with AdamW, each at its own lr.
+biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention. The
+size follows from --depth (README, "base_train"); setup_optimizer() is where the model meets the
+optimizer, with param_groups.classify deciding which params train with Muon.
 """
 
 import math
@@ -104,10 +100,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.max_logits is not None:
             self._track_max_logits(q, k)
-        gqa = self.n_kv_head != self.n_head
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -182,11 +176,8 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean"):
-        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss.
-
-        loss_reduction='none' gives the per-token loss (B, T), which bits-per-byte needs; targets equal
-        to -1 are ignored.
-        """
+        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss (targets of -1 are
+        ignored); loss_reduction='none' gives the per-token loss (B, T), which bits-per-byte needs."""
         B, T = idx.shape
         if idx.size(1) > self.cos.size(1):
             raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
@@ -219,13 +210,11 @@ class GPT(nn.Module):
                         optimizer_class=None, compile: bool | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Which params are Muon matrices is param_groups.classify's decision; each AdamW param gets the lr
-        of its role. AdamW lrs are tuned at width 768 and scale as 1/sqrt(width) (nanochat's rule); Muon's
-        lr needs no width scaling because its update is orthogonalized. muon_options go into the Muon group
-        (e.g. beta2=None, ns_coefficients='jordan'); adamw_matrix_lr trains the matrices with AdamW instead,
-        at that lr (width-scaled like the others). optimizer_class(groups) builds another optimizer on the
-        same groups (say baselines.TorchMuonAdamW; `compile` is for nanomuon's own). nanomuon.variants names
-        such choices.
+        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width) (nanochat's
+        rule); Muon's lr needs no width scaling because its update is orthogonalized. muon_options go into
+        the Muon group; adamw_matrix_lr trains the matrices with AdamW instead (width-scaled too);
+        optimizer_class(groups) builds another optimizer on the same groups (`compile` is for nanomuon's
+        own). nanomuon.variants names such choices.
         """
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
@@ -253,8 +242,7 @@ class GPT(nn.Module):
         if optimizer_class is not None:
             return optimizer_class(groups)
         # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their grads;
-        # DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model needs no more
-        # than MuonAdamW. Both update DTensor params sharded (sharded.py).
+        # DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model needs only MuonAdamW.
         replicated = any(not isinstance(p, DTensor) for p in self.parameters())
         cls = DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated else MuonAdamW
         return cls(groups, compile=compile)
@@ -274,8 +262,7 @@ class GPT(nn.Module):
             attn = block.attn
             if attn.max_logits is None:
                 raise RuntimeError("qk_clip_ needs the logits: call model.track_max_logits() before the forward pass")
-            gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head, attn.n_kv_head, tau,
-                             alpha)
+            gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head, attn.n_kv_head, tau, alpha)
             clipped += int((gamma < 1).sum())
         return clipped
 

@@ -1,40 +1,15 @@
 """
 Fused Muon + AdamW: MuonAdamW on one device, DistMuonAdamW for data parallel training (ZeRO-2).
 
-Muon (https://kellerjordan.github.io/posts/muon/) trains weight matrices with an orthogonalized
-momentum; embeddings, the output head and gains train with AdamW. Param groups say which with
-`kind`, nanochat's convention, so nanochat-style groups work unchanged:
+Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the keys
+and their defaults (param_groups.OPTIONAL_KEYS) are in the README ("The optimizer"). Any group may
+have a 'name', used in error messages.
 
-    dict(kind='adamw', params=[...], lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-    dict(kind='muon',  params=[...], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
-
-Optional muon keys; their defaults reproduce nanochat:
-    nesterov=True           Nesterov momentum (False: plain heavy-ball momentum).
-    cautious_wd=True        decay only where update and weight agree in sign (False: plain decoupled decay).
-    ns_coefficients='polar_express'   'polar_express', 'jordan' (Keller Jordan's NS5 triple), or a list of (a, b, c).
-    ns_precision='auto'     'bf16' | 'fp32' | 'auto': bf16 on CUDA as nanochat does, fp32 elsewhere, because
-                            CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32.
-    lr_scale='shape'        the lr factor of a (rows, cols) matrix: 'shape' sqrt(max(1, rows/cols)); 'moonlight'
-                            0.2 sqrt(max(rows, cols)), which matches AdamW's update RMS; 'spectral'
-                            sqrt(max(rows, cols)); 'unit_rms' sqrt(rows/cols).
-    extra_scale=1.0         one more factor on the lr.
-    weight_decay_mode='decoupled'   or 'l2': add weight_decay * param to the gradient before momentum.
-    comm_precision='fp32'   'bf16' halves the all_to_all traffic of sharded_mode 'owner' (DTensor params).
-    qkv_split=None          (q, k, v) row counts: the group's params are fused [Q; K; V] weights, each block
-                            orthogonalized on its own (Megatron's split_qkv).
-    sharded_mode='owner'    how DTensor params are orthogonalized: 'owner' (exact: whole matrices on one rank),
-                            'duplicated', 'distributed' or 'blockwise' (Megatron's TP modes; see sharded.py).
-Any optional group key may be 'name', a label used in error messages. param_groups.py checks groups
-and decides, for any model, which params belong in which kind.
-
-This file is the runtime: state, stacking, communication and checkpoints. The math itself is in
-update_math.py (muon_update, adamw_update), which both classes call with the same arguments
-(muon_hparams, adamw_hparams), eagerly or through torch.compile, so the paths cannot drift. Who owns
-which matrix comes from plan.py. DTensor params (FSDP2, tensor parallel) are updated in place,
-sharded, by either class through sharded.py.
+This file is the runtime: state, stacking, communication and checkpoints. The math is update_math.py's
+(muon_update, adamw_update, with muon_hparams / adamw_hparams), called by both classes eagerly or
+through torch.compile, so the paths cannot drift. Owners come from plan.py; DTensor params (FSDP2,
+tensor parallel) are updated in place, sharded, by either class through sharded.py.
 """
-
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -64,16 +39,11 @@ from nanomuon.update_math import (
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for matrices, AdamW for the rest, on one device. See the module docstring for the groups.
+    """Muon for matrices, AdamW for the rest, on one device (README, "The optimizer").
 
-    Same-shape Muon params are stacked and updated by one fused call; a group may hold any mix of
-    shapes. Params whose .grad is None are skipped (their state does not move). State is created on
-    first use and kept per parameter, so state_dict() is the usual torch format, loadable at any
-    world size by DistMuonAdamW.load_full_state_dict(). Muon buffers are views into one stacked
-    buffer per shape, which is how the fused update avoids re-stacking its state every step.
-
-    compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise.
-    """
+    Muon buffers are views into one stacked buffer per shape, which is how the fused update avoids
+    re-stacking its state every step; state_dict() is still the usual per-parameter torch format.
+    compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise."""
 
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
@@ -110,7 +80,6 @@ class MuonAdamW(torch.optim.Optimizer):
         for key, default in OPTIONAL_KEYS[group["kind"]].items():  # state_dict() records what actually ran
             self.param_groups[-1].setdefault(key, default)
 
-    # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._begin_step(closure)
@@ -149,10 +118,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int]) -> Tensor:
         """Muon on params[i] for i in idx (grads stacked in that order); returns their new values, stacked.
-
-        `params` is every param of one shape bucket that this process keeps state for; the caller writes
-        the returned stack back (single device) or all_gathers it (distributed).
-        """
+        `params` is every param of one shape bucket that this process keeps state for."""
         momentum, second = self._muon_stacks(group, params)
         everyone = len(idx) == len(params)
         if not everyone:
@@ -172,10 +138,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
         """AdamW on p (a whole param, or this rank's flat shard of one), creating state on first use."""
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p)  # a DTensor for a DTensor param: sharded like it
-            state["exp_avg_sq"] = torch.zeros_like(p)
+        if not state:  # zeros_like of a DTensor param is a DTensor sharded like it
+            state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state["step"] += 1
         tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
         if isinstance(p, DTensor):  # elementwise: run on the local shards
@@ -202,7 +166,6 @@ class MuonAdamW(torch.optim.Optimizer):
         for i in range(0, n, per):
             fn(*(t[i:i + per] if t is not None else None for t in tensors), *args)
 
-    # -- state ----------------------------------------------------------------------------------
     def _muon_stacks(self, group: dict, params: list[Tensor]):
         """Stacked (momentum, second moment) buffers for these same-shape params; per-param state views them."""
         key = tuple(id(p) for p in params)
@@ -221,7 +184,6 @@ class MuonAdamW(torch.optim.Optimizer):
         self._stacks[key] = (stacks[0], stacks[1] if want_second else None)
         return self._stacks[key]
 
-    # -- checkpoints ------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         if "nanomuon_shard" in state_dict:
             shard = state_dict["nanomuon_shard"]
@@ -266,30 +228,15 @@ class MuonAdamW(torch.optim.Optimizer):
         self.load_state_dict(state_dict)
 
 
-# -----------------------------------------------------------------------------
-
-
 class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2.
+    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2,
+    with no DDP wrapper (README, "Data parallel: DistMuonAdamW").
 
-    Every rank holds the full params and computes full local grads; no DDP wrapper is needed, this
-    optimizer averages the gradients. step() runs in three phases so communication overlaps compute:
-      1. _launch_reductions: every gradient reduction, asynchronously. AdamW params of >= SMALL elements
-         are reduce_scattered as flat shards, smaller ones are all_reduced together in one buffer, and
-         each Muon shape bucket is reduce_scattered so each matrix lands whole on its owner rank;
-      2. _update_owned: group by group, wait for its reduction, update what this rank owns, launch the
-         all_gather of the result;
-      3. _write_back: wait for the gathers and copy the results into the params.
-    Each rank keeps AdamW state only for its flat shard of each large param, and Muon state only for
-    the matrices it owns. Nothing needs to divide by the world size (shards and stacks are padded), and
-    Muon matrices are assigned to owners by Newton-Schulz cost across all groups (plan.owner_plan).
-
-    state_dict() is this rank's shard; full_state_dict() gathers the world-size-independent form (the
-    same format as MuonAdamW.state_dict()), which load_full_state_dict() loads at any world size.
-
-    DTensor params (FSDP2, tensor parallel) may sit in the same groups, say FSDP2 blocks next to a
-    replicated embedding: their grads arrive reduced, so they skip the reductions above and are
-    updated sharded, as MuonAdamW does (sharded.py).
+    step() runs in three phases so communication overlaps compute (_launch_reductions, _update_owned,
+    _write_back). Each rank keeps state only for what it updates; shards and stacks are padded, so
+    nothing needs to divide by the world size. DTensor params (FSDP2, tensor parallel) may sit in the
+    same groups: their grads arrive reduced, so they skip the reductions and are updated sharded
+    (sharded.py).
     """
 
     SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
@@ -310,22 +257,19 @@ class DistMuonAdamW(MuonAdamW):
         self.world_size = dist.get_world_size(process_group)
         # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
         self._use_avg = dist.get_backend(process_group) == "nccl"
+        self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         self._plan = None
 
-    # -- communication helpers -------------------------------------------------------------------
     def _reduce_scatter(self, out, inp):
-        op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(out, inp, op=op, group=self.pg, async_op=True)
+        return fn(out, inp, op=self._mean_op, group=self.pg, async_op=True)
 
     def _all_gather(self, out, inp):
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(out, inp, group=self.pg, async_op=True)
 
     def _all_reduce(self, t, op=None):
-        if op is None:
-            op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        return dist.all_reduce(t, op=op, group=self.pg, async_op=True)
+        return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg, async_op=True)
 
     def _finish_mean(self, t: Tensor) -> None:
         if not self._use_avg:
@@ -338,7 +282,6 @@ class DistMuonAdamW(MuonAdamW):
         self._all_reduce(t, op=dist.ReduceOp.MAX).wait()
         return [bool(f) for f in t.tolist()]
 
-    # -- the static plan: who owns what ----------------------------------------------------------
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
         from shapes alone so every rank agrees; kept until the groups change."""
@@ -351,9 +294,11 @@ class DistMuonAdamW(MuonAdamW):
         costs = [ns_flops(p.shape, self.param_groups[gi]["ns_steps"]) for gi, p in matrices]
         buckets = []
         for b in owner_plan(keys, costs, self.world_size):
-            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank
+            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
+            # rows holds (position, row of the gathered stack) for every matrix
+            rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
             buckets.append(dict(group=matrices[b["members"][0]][0], params=[matrices[i][1] for i in b["members"]],
-                                slots=b["slots"], per_rank=b["per_rank"], mine=b["slots"][self.rank]))
+                                slots=b["slots"], per_rank=b["per_rank"], mine=b["slots"][self.rank], rows=rows))
         self._plan = (key, buckets)
         return buckets
 
@@ -361,7 +306,6 @@ class DistMuonAdamW(MuonAdamW):
         """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'small' or 'sharded'."""
         return "dtensor" if isinstance(p, DTensor) else "small" if p.numel() < self.SMALL else "sharded"
 
-    # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._begin_step(closure)
@@ -383,11 +327,8 @@ class DistMuonAdamW(MuonAdamW):
 
         adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
         small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
-        by_dtype = defaultdict(list)
-        for p in adamw:
-            if self._adamw_route(p) == "small":
-                by_dtype[p.dtype].append(p)
-        for ps in by_dtype.values():
+        small_params = [p for p in adamw if self._adamw_route(p) == "small"]
+        for ps in ([small_params[i] for i in b] for b in bucket_by([p.dtype for p in small_params])):
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
         sharded = {}  # param -> (work, grad shard, padded flat buffer)
@@ -476,16 +417,10 @@ class DistMuonAdamW(MuonAdamW):
             if isinstance(target, Tensor):
                 target.view(-1).copy_(out[:target.numel()])
                 continue
-            params, views = [], []
-            for r, slots in enumerate(target["slots"]):
-                for j, i in enumerate(slots):
-                    if active[target["params"][i]]:
-                        params.append(target["params"][i])
-                        views.append(out[r * target["per_rank"] + j])
-            if params:
-                torch._foreach_copy_(params, views)
+            rows = [(target["params"][i], row) for i, row in target["rows"] if active[target["params"][i]]]
+            if rows:
+                torch._foreach_copy_([p for p, _ in rows], [out[row] for _, row in rows])
 
-    # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size)
@@ -504,11 +439,8 @@ class DistMuonAdamW(MuonAdamW):
         self._torch_load({k: v for k, v in state_dict.items() if k != "nanomuon_shard"})
 
     def full_state_dict(self) -> dict:
-        """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format.
-
-        A collective: call it on all ranks (then save from one). Loadable by load_full_state_dict() at
-        any world size, and by MuonAdamW.load_state_dict().
-        """
+        """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format: loadable by
+        load_full_state_dict() at any world size. A collective: call it on all ranks (then save from one)."""
         N = self.world_size
         params = [p for g in self.param_groups for p in g["params"]]
         kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
@@ -544,10 +476,9 @@ class DistMuonAdamW(MuonAdamW):
                         stack[k].copy_(self.state[p][name])
                 out = stack.new_empty((b["per_rank"] * N, *shape))
                 self._all_gather(out, stack).wait()
-                for r, slots in enumerate(b["slots"]):
-                    for j, i in enumerate(slots):
-                        if has[b["params"][i]]:
-                            full[b["params"][i]][name] = out[r * b["per_rank"] + j].clone()
+                for i, row in b["rows"]:
+                    if has[b["params"][i]]:
+                        full[b["params"][i]][name] = out[row].clone()
         sd = torch.optim.Optimizer.state_dict(self)
         index = {id(p): k for k, p in enumerate(params)}
         sd["state"] = {index[id(p)]: st for p, st in full.items()}

@@ -2,20 +2,10 @@
 The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and what
 a valid group holds. One home, so the GPT, other models and the optimizers agree.
 
-Which params: 2-D weight matrices inside the network go to Muon; embeddings, the output head, vectors
-(norm gains, biases) and scalars go to AdamW. MoE expert weights (named by expert_keys) are batches
-of matrices, (experts, out, in), so they go to Muon from 3 dims up. Other tensors of 3+ dims (conv
-kernels) go to AdamW: Muon would treat their leading dims as a batch of matrices. classify() is the
-rule; muon_param_groups() applies it to any model, and GPT.setup_optimizer() to nanomuon's own.
-
-Names are matched per component after removing wrapper components that torch.compile
-("_orig_mod"), activation checkpointing ("_checkpoint_wrapped_module") and FSDP1
-("_fsdp_wrapped_module") insert, so the split is the same for a wrapped and an unwrapped model.
-Set the "nanomuon" logger to DEBUG to see why each param went where.
-
-What groups hold: check_group() refuses a bad group when it is added, naming the group, the param
-and the fix; check_group_values() re-checks the hyperparameters at every step, since schedules edit
-them; check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
+classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and
+GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
+check_group_values() re-checks the hyperparameters at every step, since schedules edit them;
+check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
 """
 
 import logging
@@ -80,7 +70,6 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
     return list(groups)
 
 
-# -----------------------------------------------------------------------------
 # Param group checks. Every message names the group, the parameter and the fix.
 
 REQUIRED_KEYS = {

@@ -9,14 +9,11 @@ talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into
 
 
 def assign_owners(buckets: list[tuple[int, float]], world_size: int) -> list[list[list[int]]]:
-    """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks.
-
-    Every rank gets floor(count / N) matrices of every bucket, so a bucket's stacks pad to ceil(count / N)
-    per rank, as little as possible; the remainders go, costliest bucket first, one each to the least
-    loaded ranks (ties to the lower rank). The result, slots[bucket][rank] = matrix indices, depends on
-    the shapes alone, so every rank computes the same plan. The busiest rank exceeds the mean by at most
-    one matrix's cost.
-    """
+    """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks; returns
+    slots[bucket][rank] = matrix indices. Every rank gets floor(count / N) matrices of every bucket, so a
+    bucket's stacks pad to ceil(count / N) per rank, as little as possible; the remainders go, costliest
+    bucket first, one each to the least loaded ranks (ties to the lower rank). The busiest rank exceeds
+    the mean by at most one matrix's cost."""
     loads = [sum(count // world_size * cost for count, cost in buckets)] * world_size
     extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
     for b in sorted(range(len(buckets)), key=lambda b: (-buckets[b][1], b)):

@@ -4,16 +4,12 @@ the optimizer step, for models whose attention logits can grow without bound.
 
 For each head whose largest pre-softmax logit S (measured in the forward pass, q.k * softmax scale)
 exceeds tau, the head's W_q rows are scaled by (tau/S)^alpha and its W_k rows by (tau/S)^(1-alpha), so
-that logit shrinks to at most tau. Called after optimizer.step():
-
-    qk_clip_(attn.c_q.weight, attn.c_k.weight, max_logits, n_head=12, n_kv_head=4)
-
-max_logits is reduced with MAX across ranks (each rank saw other data). With grouped-query attention a
-K head serves several Q heads: it is scaled by the strongest factor among them, so every head ends at or
-below tau. W_q and W_k may be DTensors (FSDP2, tensor parallel): each rank scales the rows it holds.
-nanomuon's own GPT normalizes q and k (QK-norm), which already bounds its logits: scaling W_q or W_k
-there changes nothing. Built with --no-qk-norm, it can track its logits and clip them
-(GPT.track_max_logits, GPT.qk_clip_; base_train --no-qk-norm --qk-clip TAU).
+that logit shrinks to at most tau. Call qk_clip_() after optimizer.step(). max_logits is MAX-reduced
+across ranks (each rank saw other data); a grouped-query K head takes the strongest factor among its Q
+heads, so every head ends at or below tau; DTensor weights (FSDP2, tensor parallel) are scaled in place,
+each rank its own rows. nanomuon's own GPT uses QK-norm, which already bounds its logits (scaling W_q or
+W_k there changes nothing); built with --no-qk-norm it can track and clip them (GPT.track_max_logits,
+GPT.qk_clip_; base_train --no-qk-norm --qk-clip TAU).
 """
 
 import torch

@@ -1,10 +1,7 @@
 """
-Pictures for reports: line plots of training curves, written as PNG with matplotlib.
-
-One function, plot_curves(), serves every report: base_train's (train loss and val bpb against step)
-and any comparison of runs (one line per run in each panel). matplotlib is imported here only, so the
-optimizer, the model and training itself never need it; without it plot_curves() says so and returns
-None, and the report points at the fix.
+Pictures for reports: line plots of training curves, written as PNG with matplotlib, for base_train's
+report and ablate's comparisons. matplotlib is imported here only, so the optimizer, the model and
+training never need it; without it plot_curves() returns None and the report points at the fix (MISSING).
 """
 
 import math

@@ -1,31 +1,15 @@
 """
 Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both on
-a 2-D mesh. MuonAdamW and DistMuonAdamW hand their DTensor params here. The update math is
-update_math.py's and the owners come from plan.py; this file adds the communication, in stages:
+a 2-D mesh (README, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW hand
+their DTensor params here; the math is update_math.py's, the owners plan.py's, and this file adds the
+communication. In sharded_mode='owner' (the default, exact): momentum on the local shard; an all_to_all
+gathers whole matrices on their owner, which orthogonalizes them stacked by shape; a second all_to_all
+returns each rank its block for the elementwise update. muon_step_modes() has Megatron's alternatives.
 
-    1. momentum, elementwise, on each rank's local shard (the state stays sharded like the param);
-    2. gather: all_to_all sends each shard of the momentum-updated matrix to the matrix's owner rank,
-       which assembles whole matrices and orthogonalizes them (plus variance reduction), stacking
-       same-shape matrices into one batched call;
-    3. scatter: a second all_to_all sends every rank its block of the result; weight decay and the
-       update then run elementwise on the local shard.
-
-So the result is exact Muon, the same as MuonAdamW on unsharded params. Matrices move in waves: the
-next wave's gather is launched before the current wave's Newton-Schulz runs, and its scatter completes
-while the next wave computes. A group's comm_precision='bf16' halves the traffic. Ranks that hold an
-empty shard (uneven sharding) and ranks that hold a replica (a Replicate mesh dim) are handled: one
-replica sends, every replica receives.
-
-Gradients of DTensor params arrive already reduced (FSDP2 and DTensor's own autograd do it), so
-nothing is reduced again. State: the momentum buffer is a DTensor sharded like its param; the
-variance-reduction second moment (one value per row or column) lives on the owner rank only.
-full_state()/shard_state() convert to and from the unsharded state_dict() format for checkpoints.
-
-That is sharded_mode='owner', the default. muon_step_modes() has Megatron's tensor-parallel
-alternatives: 'duplicated', 'distributed' and 'blockwise'.
-
-The functions take the optimizer's pieces (group, state, plan cache, compiled or not), never the
-optimizer: this file depends on the math and the plan only.
+Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer is
+sharded like its param; the second moment lives on the owner only. full_state()/shard_state() convert
+to and from the unsharded state_dict() format. The functions take the optimizer's pieces (group, state,
+plan cache), never the optimizer: this file depends on the math and the plan only.
 """
 
 import math
@@ -104,9 +88,7 @@ def build_plan(params: list[DTensor], ns_steps: int) -> dict:
                          [ns_flops(p.shape, ns_steps) for p in params], world)
     owner, waves = {}, []
     for b in buckets:
-        for r, slots in enumerate(b["slots"]):
-            for k in slots:
-                owner[b["members"][k]] = r
+        owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
         for start in range(0, b["per_rank"], WAVE_PER_RANK):  # each rank owns <= WAVE_PER_RANK of a wave
             waves.append(sorted(b["members"][k] for s in b["slots"] for k in s[start:start + WAVE_PER_RANK]))
     return dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
@@ -179,16 +161,11 @@ def _scatter(plan, params, wave, updates, comm_dtype):
 
 def _split_received(plan, wave, recv) -> dict:
     """My block of each of the wave's updates, as views into the scatter's receive buffer."""
-    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     out, at = {}, 0
-    for src in range(world):
-        for i in wave:
-            if owner[i] != src:
-                continue
-            shape = blocks[rank][i][1]
-            n = math.prod(shape)
-            out[i] = recv[at:at + n].view(shape)
-            at += n
+    for i in sorted(wave, key=plan["owner"].get):  # as packed: by sending rank, each in wave order
+        shape = plan["blocks"][plan["rank"]][i][1]
+        out[i] = recv[at:at + math.prod(shape)].view(shape)
+        at += math.prod(shape)
     return out
 
 
@@ -288,12 +265,10 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
 
 
 def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
-    """Megatron's tensor-parallel modes, applied over all the mesh dims a param is split on:
-    'duplicated' all-gathers each matrix on every rank, orthogonalizes it redundantly and keeps its block
-    (exact); 'distributed' leaves the slices in place and sums the Gram matrix and the norms across the
-    ranks at every iteration (exact; each matrix cut along one dim); 'blockwise' orthogonalizes each
-    local block as a matrix of its own (no communication, but the update depends on the sharding: the
-    block's shape sets its lr factor and variance reduction)."""
+    """Megatron's tensor-parallel modes, over all the mesh dims a param is split on: 'duplicated' (exact)
+    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix and
+    norms across the slices; 'blockwise' orthogonalizes each local block as a matrix of its own, whose
+    shape then sets its lr factor and variance reduction."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -348,9 +323,7 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             _check_whole_state_mode(group)
         for p in dparams:
             st = out.get(index[id(p)], {})
-            for name, v in st.items():
-                if isinstance(v, DTensor):
-                    st[name] = v.full_tensor()
+            st.update({name: v.full_tensor() for name, v in st.items() if isinstance(v, DTensor)})
         if group["kind"] != "muon" or not dparams:
             continue
         for p, holder in zip(dparams, _second_moment_holders(group, state, plans, dparams)):

@@ -1,18 +1,13 @@
 """
 The update math of Muon and AdamW, written once. Imports only torch.
 
-Every optimizer path runs these functions: MuonAdamW on one device, DistMuonAdamW on the matrices
-each rank owns (ZeRO-2), and sharded.py on DTensor params, where the three Muon stages run with
-communication between them:
-
-    muon_momentum  (elementwise: runs on shards)     momentum, and L2 decay if asked
-    muon_direction (whole matrices, or slices)       orthogonalize, then variance reduction
-    muon_apply     (elementwise: runs on shards)     weight decay and the step
-
-muon_update() is the three in a row; adamw_update() is AdamW. What they take from a param group is
-computed by muon_hparams() and adamw_hparams(), so the paths cannot disagree on an lr factor or a
-precision. Eager, the hyperparameters are Python floats; compiled (kernel()), they are 0-D CPU tensors
-refilled every step (scalars()), so LR schedules never recompile.
+Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank owns,
+and sharded.py on DTensor params, which runs the three Muon stages with communication between them:
+muon_momentum (elementwise), muon_direction (whole matrices or slices: orthogonalize, then variance
+reduction) and muon_apply (elementwise: weight decay and the step); muon_update() is the three in a
+row. muon_hparams() and adamw_hparams() read a param group for every path, so none can disagree on an
+lr factor or a precision. Compiled (kernel()), the hyperparameters are 0-D CPU tensors refilled every
+step (scalars()), so LR schedules never recompile.
 """
 
 import torch
@@ -32,10 +27,7 @@ JORDAN_NS5 = (3.4445, -4.7750, 2.0315)
 
 # name -> (coefficients, norm safety factor, eps). The input is scaled by 1 / (||X||_F * safety + eps)
 # so its spectral norm is below 1 before iterating; Polar Express was tuned with a 1.02 cushion.
-COEFFICIENT_SETS = {
-    "polar_express": (POLAR_EXPRESS, 1.02, 1e-6),
-    "jordan": ((JORDAN_NS5,), 1.0, 1e-7),
-}
+COEFFICIENT_SETS = {"polar_express": (POLAR_EXPRESS, 1.02, 1e-6), "jordan": ((JORDAN_NS5,), 1.0, 1e-7)}
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
@@ -132,7 +124,6 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, momentum, wd, nesterov: bool,
                   l2_wd: bool) -> Tensor:
     """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to orthogonalize.
-
     l2_wd adds wd * params to the gradient first (L2 regularization) instead of decaying the weights
     after the update. `grads` may be overwritten."""
     if l2_wd:
@@ -158,7 +149,6 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
 
 def muon_apply(params: Tensor, u: Tensor, lr, wd, cautious_wd: bool, l2_wd: bool) -> None:
     """Muon stage 3, elementwise: weight decay and the update, in place on params; `u` is overwritten.
-
     `lr` already includes the shape multiplier; decay is scaled by that same lr (nanochat's convention;
     torch.optim.Muon scales decay by the unadjusted lr). With l2_wd the decay went into the gradient."""
     u.mul_(lr)  # u is a fresh buffer: scale and combine in place to spare full-size temporaries
@@ -192,15 +182,6 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     p.sub_(exp_avg.div(denom).mul_(lr / bias1))
 
 
-# -----------------------------------------------------------------------------
-# What the math takes from a param group. Every path calls these, so none computes its own lr factor,
-# precision or second-moment layout.
-
-def muon_lr_multiplier(shape, lr_scale: str = "shape", extra_scale: float = 1.0) -> float:
-    """The lr factor of one matrix of `shape`: LR_SCALES[lr_scale] times extra_scale."""
-    return LR_SCALES[lr_scale](shape[-2], shape[-1]) * extra_scale
-
-
 def resolve_ns_precision(precision: str, device) -> str:
     """A group's ns_precision on this device: 'auto' is bf16 on CUDA (as nanochat) and fp32 elsewhere,
     since CPUs without bf16 matrix units run bf16 matmuls ~100x slower than fp32."""
@@ -211,15 +192,14 @@ def resolve_ns_precision(precision: str, device) -> str:
 
 def muon_hparams(group: dict, matrix_shape, device) -> dict:
     """muon_update()'s keyword arguments from a muon group, for matrices of matrix_shape (which sets the
-    lr factor) on `device` (which settles ns_precision 'auto')."""
+    lr factor, LR_SCALES[lr_scale] times extra_scale) on `device` (which settles ns_precision 'auto')."""
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-    return dict(momentum=group["momentum"], wd=group["weight_decay"],
-                lr=group["lr"] * muon_lr_multiplier(matrix_shape, group["lr_scale"], group["extra_scale"]),
-                beta2=group["beta2"] if group["beta2"] is not None else 0.0,
-                coeffs=coeffs, safety=safety, eps=eps,
-                ns_dtype=NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)],
-                nesterov=group["nesterov"], cautious_wd=group["cautious_wd"],
-                l2_wd=group["weight_decay_mode"] == "l2", qkv_split=group["qkv_split"])
+    lr_factor = LR_SCALES[group["lr_scale"]](matrix_shape[-2], matrix_shape[-1]) * group["extra_scale"]
+    return dict(momentum=group["momentum"], wd=group["weight_decay"], lr=group["lr"] * lr_factor,
+                beta2=group["beta2"] if group["beta2"] is not None else 0.0, coeffs=coeffs, safety=safety, eps=eps,
+                ns_dtype=NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], nesterov=group["nesterov"],
+                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2",
+                qkv_split=group["qkv_split"])
 
 
 def adamw_hparams(group: dict, step: int) -> dict:
@@ -256,7 +236,6 @@ def ns_flops(shape, ns_steps: int) -> float:
     return torch.Size(shape[:-2]).numel() * ns_steps * (4 * m * m * n + 2 * m ** 3)
 
 
-# -----------------------------------------------------------------------------
 # Eager or compiled.
 
 _compiled: dict = {}

@@ -3,14 +3,10 @@ Compare optimizer variants on identical data, seed and token budget: a table and
 
     python -m scripts.ablate                                   # muon vs adamw vs muon-no-vr, CPU, minutes
     python -m scripts.ablate --variants muon,muon-jordan --num-iterations 300
-    python -m scripts.ablate --nproc 8 --dataset fineweb-edu --device-type cuda --depth 12 --max-seq-len 2048 \\
-        --device-batch-size 32 --total-batch-size 524288 --num-iterations 2000 --eval-every 250 --eval-tokens 10485760
 
 Each variant (a key of OPTIMIZER_VARIANTS in nanomuon/variants.py) is one scripts.base_train run, named
-<name>-<variant>; every flag this script does not know goes to base_train, after the CPU defaults
-below, so it overrides them. Writes <base dir>/ablations/<name>/ablation.md and val_bpb.png: final
-and best val bpb, the steps and training time each variant needs to reach the baseline's final val
-bpb, tok/s and the optimizer's share of a step.
+<name>-<variant>; flags this script does not know go to base_train after the CPU defaults below, so they
+override them (GPU runs: README, "Comparing optimizers: ablate", which also describes the outputs).
 """
 
 import argparse

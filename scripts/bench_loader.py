@@ -3,16 +3,11 @@ What the data loader trains on, how fast, in how much memory, and how long it ho
 
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
-For each of --epochs epochs of one rank's documents, it prints:
-- coverage: the trained tokens against this rank's documents tokenized independently (whole, one by
-  one), as unigram counts: the share of the corpus's tokens trained, the share trained more than once
-  (both exact when every token lands in one row), and the total variation between the two histograms;
-- packing: inserted BOS tokens and padding as fractions of all row tokens;
-- speed: tok/s of next_batch() alone over the epoch, the first buffer fill included;
-- memory: the process's peak RSS so far (flat from epoch to epoch when memory is bounded).
+Per epoch of one rank's documents: coverage against the documents tokenized independently (as unigram
+counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and tokenizer").
 Then how long next_batch() blocks a simulated training step, with and without the prefetch thread (a
-sleep stands in for the device step, which waits on the GPU without holding the GIL). Medians and
-ratios are measured in one run. Needs a trained tokenizer (scripts.tok_train).
+sleep stands in for the device step, which waits on the GPU without holding the GIL). Needs a trained
+tokenizer (scripts.tok_train).
 """
 
 import argparse
@@ -26,11 +21,6 @@ import torch
 from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import DATASETS, iter_texts
 from nanomuon.tokenizer import get_tokenizer
-
-
-def peak_rss_mb() -> float:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / (1 << 20 if sys.platform == "darwin" else 1 << 10)  # bytes on macOS, KiB on Linux
 
 
 def main(argv=None):
@@ -77,7 +67,8 @@ def main(argv=None):
                 break
         counts = {k: dl.stats[k] - stats0[k] for k in stats0}
         slots = counts["rows"] * (T + 1)
-        rss = peak_rss_mb()
+        # peak RSS so far, in MB: ru_maxrss is in bytes on macOS, KiB on Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1 << 10)
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
         for text in iter_texts(args.dataset, "train", rank=args.rank, world_size=args.world_size):

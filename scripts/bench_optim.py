@@ -28,11 +28,11 @@ import time
 import torch
 
 from nanomuon.baselines import fp32_newton_schulz
+from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import assign_owners, bucket_by
 from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision
 
-HEAD_DIM = 128
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
 MUON_HP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
@@ -42,18 +42,12 @@ IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
 
 
 def gpt_shapes(depth: int):
-    """(width, AdamW shapes, Muon shapes) of a depth-`depth` GPT, params in model order.
-
-    Mirrors the model nanomuon trains: width = 64 * depth rounded up to a multiple of the head dim,
-    vocab 32768, untied token embedding and lm_head (AdamW); per layer the q, k, v, o projections and
-    the 4x MLP's fc and proj (Muon). The few tiny 1-D gains are left out: they cost nothing here.
-    """
-    width = -(-depth * 64 // HEAD_DIM) * HEAD_DIM
-    adamw = [(VOCAB, width), (VOCAB, width)]
-    muon = []
-    for _ in range(depth):
-        muon += [(width, width)] * 4 + [(4 * width, width), (width, 4 * width)]
-    return width, adamw, muon
+    """(width, AdamW shapes, Muon shapes) of the depth-`depth` GPT that nanomuon trains, params in model order:
+    the untied token embedding and lm_head train with AdamW, the block matrices with Muon."""
+    with torch.device("meta"):  # shapes only
+        model = GPT(config_from_depth(depth, VOCAB, 2048))
+    adamw = [tuple(model.wte.weight.shape), tuple(model.lm_head.weight.shape)]
+    return model.config.n_embd, adamw, [tuple(p.shape) for p in model.blocks.parameters()]
 
 
 def sync(device: torch.device) -> None:
@@ -93,17 +87,11 @@ def verdict(ok: bool) -> str:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-# -----------------------------------------------------------------------------
 
 
 def bench_step(args, device, compile, precision, rates):
@@ -186,7 +174,7 @@ def bench_ns(args, device, compile, precision):
     # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
     stacks = [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
     gen = torch.Generator().manual_seed(1)
-    tot_flops = tot_ns = tot_ref_flops = tot_ref = 0.0
+    totals = []  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack
     for shape in stacks:
         K, rows, cols = shape
         G = torch.randn(shape, generator=gen).to(device)
@@ -206,11 +194,9 @@ def bench_ns(args, device, compile, precision):
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
               f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
-        tot_flops += flops
-        tot_ns += t_ns
-        tot_ref_flops += ref_flops
-        tot_ref += t_ref
+        totals.append((flops, t_ns, ref_flops, t_ref))
         del G, X, A
+    tot_flops, tot_ns, tot_ref_flops, tot_ref = map(sum, zip(*totals))
     ns_rate, ref_rate = tot_flops / tot_ns, tot_ref_flops / tot_ref
     ratio = ns_rate / ref_rate
     print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = {gflops(ns_rate)}; "

@@ -1,15 +1,13 @@
 """
 Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, every way nanomuon runs
-data-parallel Muon, timed in one run on the same ranks:
+data-parallel Muon, timed in one run on the same ranks (README, "Performance"):
 
     replicated   DistMuonAdamW on full params (reduce-scatters the grads itself: ZeRO-2, nanochat's design)
     owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners (default)
     owner-bf16   the same with comm_precision='bf16'
     duplicated, distributed, blockwise   Megatron's tensor-parallel modes over the same shards
 
-The sharded modes start from grads that FSDP2 already reduced in the backward pass; 'replicated'
-includes its own gradient reduction, so its row is the whole data-parallel optimizer cost. Prints
-each mode's median step time and its ratio to 'owner'.
+The sharded modes start from reduced grads, as FSDP2 leaves them; 'replicated' includes its own reduction.
 
     python -m scripts.bench_sharded --world-size 4 --depth 4            # CPU: gloo, spawned ranks
     torchrun --nproc_per_node=8 -m scripts.bench_sharded -- --depth 20   # GPUs: nccl
@@ -33,12 +31,6 @@ from nanomuon.optim import DistMuonAdamW, MuonAdamW
 MODES = ["replicated", "owner", "owner-bf16", "duplicated", "distributed", "blockwise"]
 
 
-def block_shapes(depth: int) -> list[tuple[int, ...]]:
-    with torch.device("meta"):
-        model = GPT(config_from_depth(depth, 32768, 2048))
-    return [tuple(p.shape) for p in model.blocks.parameters() if p.ndim == 2]
-
-
 def make_optimizer(mode: str, shapes, device, mesh):
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=g) * 0.02 for s in shapes]
@@ -57,7 +49,9 @@ def make_optimizer(mode: str, shapes, device, mesh):
 def run(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    shapes = block_shapes(args.depth)
+    with torch.device("meta"):  # shapes only
+        model = GPT(config_from_depth(args.depth, 32768, 2048))
+    shapes = [tuple(p.shape) for p in model.blocks.parameters() if p.ndim == 2]
     times = {}
     for mode in MODES:
         opt, params, grads = make_optimizer(mode, shapes, device, mesh)

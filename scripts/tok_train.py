@@ -15,12 +15,6 @@ from nanomuon.dataset import DATASETS, iter_texts
 from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
 
-def capped(texts, doc_cap: int):
-    # A few huge documents (minified code, tables) would otherwise dominate the pair counts.
-    for text in texts:
-        yield text[:doc_cap]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train nanomuon's BPE tokenizer", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -50,8 +44,9 @@ def main(argv=None):
 
     try:
         t0 = time.time()
-        tok = Tokenizer.train(capped(iter_texts(args.dataset, "train", args.max_chars), args.doc_cap),
-                              args.vocab_size)
+        # capped: a few huge documents (minified code, tables) would otherwise dominate the pair counts
+        texts = (text[:args.doc_cap] for text in iter_texts(args.dataset, "train", args.max_chars))
+        tok = Tokenizer.train(texts, args.vocab_size)
         train_s = time.time() - t0
         val = list(iter_texts(args.dataset, "val", args.eval_chars))
     except (FileNotFoundError, ValueError) as e:
