@@ -2,14 +2,12 @@
 Checkpoints: one directory per step, written atomically and validated on load; one run per directory.
 
 Layout: <run dir>/step_000123/{model.pt, optim.pt, meta.json}. The files are written into a hidden
-temporary directory, fsynced, and only then renamed into place, so a crash or a kill at any moment
-leaves either the complete checkpoint or none: a directory named step_* is always whole. A re-save of
-a step swaps the new directory with the old in one rename (Linux renameat2, macOS renamex_np), so
-step_N is never missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next
-start. optim.pt is the world-size-independent optimizer state (MuonAdamW.state_dict() format), so any
-process count can load it. meta.json holds everything else a resume needs (config, loop and data
-loader state) as text. A training run holds an advisory lock on <run dir>/.lock (lock_run_dir); the
-kernel drops it when the process dies, so a lock is never stale.
+temporary directory, fsynced, and only then renamed into place, so a directory named step_* is always
+whole. A re-save swaps the new directory with the old in one rename (Linux, macOS), so step_N is never
+missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next start. optim.pt
+is the world-size-independent optimizer state (MuonAdamW.state_dict() format); meta.json holds the
+rest a resume needs (config, loop and data loader state) as text. A training run holds a lock (flock) on
+<run dir>/.lock (lock_run_dir), which the kernel drops when the process dies: a lock is never stale.
 """
 
 import argparse
@@ -45,26 +43,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _swap_syscall():
-    """The C call that exchanges two paths atomically, as (function, flags), or None where there is none."""
+def _libc_swap():
+    """Exchange two paths in one atomic rename, through libc: Linux renameat2(RENAME_EXCHANGE), macOS
+    renamex_np(RENAME_SWAP); None where libc has neither."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "renameat2"):  # Linux: renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)
-        return lambda a, b: libc.renameat2(-100, a, -100, b, 2)
-    if hasattr(libc, "renamex_np"):  # macOS: renamex_np(a, b, RENAME_SWAP)
-        return lambda a, b: libc.renamex_np(a, b, 2)
-    return None
+    if hasattr(libc, "renameat2"):
+        return lambda a, b: libc.renameat2(-100, a, -100, b, 2)  # -100: AT_FDCWD
+    return (lambda a, b: libc.renamex_np(a, b, 2)) if hasattr(libc, "renamex_np") else None
 
 
-SWAP = _swap_syscall()
+SWAP = _libc_swap()
 
 
 def _swap(a: Path, b: Path) -> bool:
-    """Exchange two directories in one atomic rename; False where the OS or filesystem cannot."""
-    if SWAP is None:
-        return False
-    if SWAP(os.fsencode(a), os.fsencode(b)) == 0:
+    """Exchange two directories atomically; False where the OS or the filesystem cannot."""
+    if SWAP is not None and SWAP(os.fsencode(a), os.fsencode(b)) == 0:
         return True
-    err = ctypes.get_errno()
+    err = errno.ENOSYS if SWAP is None else ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(a))
@@ -93,8 +88,8 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict) -> Path
             chain.append(chain[-1].__context__)
         if any(getattr(c, "errno", None) == errno.ENOSPC for c in chain):
             kept = [s for s in list_steps(run_dir) if s != step]
-            raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; "
-                          f"{'the checkpoint of step ' + str(kept[-1]) + ' is kept' if kept else 'no checkpoint'}"
+            kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
+            raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; {kept}"
                           f" ({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume "
                           "with --resume-from-step latest") from None
         raise
@@ -151,16 +146,13 @@ def lock_run_dir(run_dir: Path) -> str | None:
             f.close()
             raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end (or stop it), or "
                                "pick another --run") from None
-        try:  # the holder unlinks the file as it lets go: a lock on an unlinked file locks nothing
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+        with contextlib.suppress(FileNotFoundError):  # the holder unlinks the file as it lets go: a lock
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:  # on an unlinked file locks nothing
                 break
-        except FileNotFoundError:
-            pass
         f.close()
     f.seek(0)
     previous = f.read().strip()
-    f.seek(0)
-    f.truncate()
+    f.truncate(0)  # "a+": the write below goes to the (new) end
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
             f"({' '.join(sys.argv)[:200]})\n")
     f.flush()

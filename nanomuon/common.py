@@ -4,6 +4,7 @@ process group setup and teardown, device choice, rank-0 printing, peak FLOPs for
 bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
 """
 
+import atexit
 import contextlib
 import math
 import os
@@ -98,7 +99,16 @@ def compute_init(device_type: str = "auto"):
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
+            atexit.register(_destroy_gloo_at_exit)
     return distributed, rank, local_rank, world_size, device
+
+
+def _destroy_gloo_at_exit():
+    """A process that reaches interpreter finalization with its gloo group alive can abort there, in C++
+    destructors that need the GIL ("terminate called without an active exception", pytorch/pytorch#190489):
+    an exit that skipped compute_cleanup (an error, Ctrl-C) tears it down first. Local: waits for no peer."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def compute_cleanup():

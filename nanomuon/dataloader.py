@@ -1,44 +1,31 @@
 """
 The training data loader: documents in, (inputs, targets) token batches out, every token of an epoch
-trained exactly once, in bounded memory, with exact resume.
+trained exactly once, in bounded memory, with exact resume. (README, "Data loader", has the numbers.)
 
 Why its own design rather than a torch DataLoader:
-- Distributed: global document k belongs to rank k % world_size, so ranks read disjoint documents
-  whatever the shard and row-group sizes are.
+- Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group sizes.
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
-- Every token once per epoch. Each document's tokens (BOS first) land in exactly one row each. A row
-  is seq_len + 1 tokens and always starts with BOS:
-  - Rows open with the continuation that is due, else with the oldest buffered document, so no
-    piece waits forever (the old packer opened rows with fresh documents only, and the leftovers of
-    long documents were never trained).
-  - A continuation opens its row as BOS, then the document's next tokens. The model always sees BOS
-    at position 0 (training never shows it a row without one), and the continuation's first token is a
-    target, so no token goes untrained. That BOS is the only token the packer inserts: at most one per
-    row, about 1 / seq_len of the tokens.
-  - The rest of the row is filled best-fit (the longest buffered document that fits whole). When none
-    fits, the oldest is cut at the row's end and its remainder becomes a continuation that opens a
-    later row. Continuations open rows only, never sit mid-row, so a document's text is never glued to
-    the middle of another's.
+- Every token once per epoch, in rows of seq_len + 1 tokens that always start with BOS:
+  - A row opens with the continuation that is due, else with the oldest buffered document, so no piece
+    waits forever. A continuation opens its row as BOS, then the document's next tokens: the model always
+    sees BOS at position 0 and the continuation's first token is a target. That BOS is the only token the
+    packer inserts, at most one per row.
+  - The rest of the row is filled best-fit (the longest buffered document that fits whole); when none
+    fits, the oldest is cut at the row's end and its remainder opens a later row, never mid-row.
   - Interleaved: a continuation opens the row `interleave` (default: batch_size) rows after the one it
-    was cut from, so each row of a micro-batch holds another document. Packed into consecutive rows, a
-    long document would fill a small batch alone (at seq 256, a 5K-token source file is 20 rows) and
-    make its gradient that one document's.
-  - Rows never mix epochs: at the end of an epoch the buffer drains, and the rows that end a
-    document with nothing left to fill them are padded (targets -1, ignored by the loss): at most
-    `interleave` rows per epoch per rank.
-- Bounded memory: at most buffer_size pieces are buffered. Documents longer than chunk_chars characters
-  are tokenized chunk by chunk, cut where the tokenizer's pre-split cuts anyway (so the tokens are those of
-  the whole text), and a 50 MB document never exists as one token list.
-- Prefetch: with prefetch=K a background thread packs up to K batches ahead (tiktoken releases the
-  GIL), so tokenizing overlaps the training step; state_dict() still describes the last batch returned.
-- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) instead of
-  storing their tokens, plus the next document to read: O(buffer_size) small integers. load_state_dict()
-  re-reads and re-tokenizes them, so a resumed run sees exactly the batches the uninterrupted run would.
-- Resume at another process count: reshard_states() turns the N saved states into one for each of M new
-  ranks. Every token is still trained exactly once per epoch; the batches differ from an uninterrupted
-  run (other ranks pack other rows), so the run is the same run, not the same bits.
+    was cut from, so a long document does not fill a micro-batch alone and make its gradient.
+  - Rows never mix epochs: at an epoch's end the buffer drains, and rows with nothing left to fill them
+    are padded (targets -1): at most `interleave` rows per epoch per rank.
+- Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized chunk
+  by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the whole text.
+- Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
+  state_dict() still describes the last batch returned.
+- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus the next
+  document to read, O(buffer_size) integers; load_state_dict() re-reads and re-tokenizes them.
+  reshard_states() turns N saved states into one for each of M new ranks: every token is still trained
+  once per epoch, but other ranks pack other rows, so the run is the same run, not the same bits.
 - Validation (val_rows): the val split's documents in order, packed the same way with a one-document
-  buffer, so val bpb measures a contiguous stream of whole documents, the same at any process count.
+  buffer, the same at any process count.
 """
 
 import bisect
@@ -412,21 +399,14 @@ class DataLoader:
     def _bad_positions(self, state: dict) -> list[str]:
         """What in a state cannot be a position of this loader: refs are [epoch, doc] or [epoch, doc, chunk,
         token], open ones with the rows they wait; every number an int >= 0, every doc one of ours."""
-        def bad(ref, sizes, where):
-            if (not isinstance(ref, list | tuple) or len(ref) not in sizes
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ref)):
-                return f"{where} {ref!r}"
-            return f"{where} {ref!r} names document {ref[1]}" if ref[1] >= self.num_docs else None
-
-        lists = {k: state.get(k) for k in ("backlog", "buffer", "open")}
-        problems = [f"{k} is {v!r}, not a list" for k, v in lists.items() if not isinstance(v, list)]
-        if problems:
-            return problems
-        problems = [bad([state.get("epoch"), state.get("doc")], (2,), "the stream position")]
-        problems += [bad(r, (2, 4), "backlog entry") for r in lists["backlog"]]
-        problems += [bad(r, (2, 4), "buffer entry") for r in lists["buffer"]]
-        problems += [bad(r, (5,), "open entry") for r in lists["open"]]
-        return [x for x in problems if x]
+        refs = [("the stream position", [state.get("epoch"), state.get("doc")], (2,))]
+        for key, sizes in (("backlog", (2, 4)), ("buffer", (2, 4)), ("open", (5,))):
+            if not isinstance(state.get(key), list):
+                return [f"{key} is {state.get(key)!r}, not a list"]
+            refs += [(f"{key} entry", ref, sizes) for ref in state[key]]
+        return [f"{where} {ref!r}" for where, ref, sizes in refs
+                if not (isinstance(ref, list | tuple) and len(ref) in sizes
+                        and all(type(v) is int and v >= 0 for v in ref) and ref[1] < self.num_docs)]
 
     def state_dict(self) -> dict:
         """Small and exact: where reading continues (epoch, doc), documents queued before that (backlog,

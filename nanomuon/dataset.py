@@ -8,10 +8,7 @@ sorted by name; the last shard is the val split, all the others are train:
   and checks each file is parquet before moving it into place, so an interrupted run just resumes.
 - embedded: built locally from the Python standard library's own .py sources (about 30 MB of text), so
   training and tests work with no network at all. ensure_embedded() builds it on first use.
-
-CLI:
-    python -m nanomuon.dataset -n 8 [--workers 4]    # FineWeb-Edu train shards 0..7 + the val shard
-    python -m nanomuon.dataset --embedded            # (re)build the embedded corpus
+CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard), or `--embedded`.
 """
 
 import argparse
@@ -77,20 +74,27 @@ def list_shards(name: str, split: str) -> list[Path]:
     return shards[:-1] if split == "train" else shards[-1:]
 
 
-def open_shard(name: str, path: Path) -> pq.ParquetFile:
-    """A shard of dataset `name`, checked to be parquet with the string `text` column every reader needs."""
+def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
+    """(the file, None) for parquet with the string `text` column every reader needs, else (None, what is
+    wrong with it)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path} is not a readable parquet file ({e}): delete it and {FIX[name]}") from None
+        return None, f"is not a readable parquet file ({e})"
     if "text" not in pf.schema_arrow.names:
-        raise ValueError(f"{path} has no 'text' column (columns: {pf.schema_arrow.names}): delete it and "
-                         f"{FIX[name]}")
+        return None, f"has no 'text' column (columns: {pf.schema_arrow.names})"
     kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        raise ValueError(f"{path}: column 'text' holds {kind}, not strings; write the documents as a string "
-                         f"column, or delete the file and {FIX[name]}")
+        return None, f"is not text: column 'text' holds {kind}, not strings"
+    return pf, None
+
+
+def open_shard(name: str, path: Path) -> pq.ParquetFile:
+    """A shard of dataset `name` that read_shard accepts; a ValueError that says what to do otherwise."""
+    pf, problem = read_shard(path)
+    if problem:
+        raise ValueError(f"{path} {problem}: delete it and {FIX[name]}")
     return pf
 
 
@@ -226,19 +230,6 @@ def ensure_embedded() -> Path:
 
 # -- FineWeb-Edu download -----------------------------------------------------------------------------
 
-def _parquet_problem(path: Path) -> str | None:
-    """None if path is a parquet file with a `text` column, else what is wrong with it."""
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        return f"not a parquet file: {e}"
-    if "text" not in schema.names:
-        return f"no 'text' column (columns: {schema.names})"
-    if not pa.types.is_string(schema.field("text").type) and not pa.types.is_large_string(schema.field("text").type):
-        return f"column 'text' holds {schema.field('text').type}, not strings"
-    return None
-
-
 def _fetch(url: str, part: Path, timeout: float, stop: threading.Event | None = None) -> None:
     """Stream url into part, resuming from part's current size with a Range request.
     Raises ConnectionError if the connection ends before the advertised length."""
@@ -308,12 +299,12 @@ def _download_shard(index: int, out_dir: Path, base_url: str, retries: int, back
         except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, IncompleteRead
             last = f"{type(e).__name__}: {e}"
             continue
-        problem = _parquet_problem(part)
+        problem = read_shard(part)[1]
         if problem is None:
             os.replace(part, final)
             return final, True
         part.unlink(missing_ok=True)  # resuming a corrupt file would only extend it
-        last = f"corrupt download ({problem})"
+        last = f"corrupt download: the file {problem}"
     raise RuntimeError(f"{name}: download from {url} failed after {retries + 1} attempts, last error: {last}; "
                        f"re-run the same command to resume (finished shards and .part files are kept)")
 

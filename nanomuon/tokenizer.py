@@ -40,9 +40,8 @@ class Tokenizer:
             raise ValueError("mergeable ranks must be exactly 0..N-1")
         missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
         if missing:  # tiktoken would panic at the first text that needs one
-            raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (byte "
-                             f"{', '.join(hex(b) for b in missing[:4])}{', ...' if len(missing) > 4 else ''}), so some "
-                             "text cannot be encoded")
+            raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (byte {hex(missing[0])}"
+                             f"{', ...' if len(missing) > 1 else ''}), so some text cannot be encoded")
         self.mergeable_ranks = mergeable_ranks
         self.pattern = pattern
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}

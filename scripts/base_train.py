@@ -1,16 +1,11 @@
 """
 Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo on CPU).
 
-    python -m scripts.base_train --depth 4 --dataset embedded --max-seq-len 256 --device-batch-size 8 ...
-    torchrun --standalone --nproc_per_node=8 -m scripts.base_train -- --depth 20 --run d20
-
 No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2); with --fsdp, FSDP2 shards the
-model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
-micro-batches up to --total-batch-size tokens per step. The lr follows warmup / constant / linear
-warmdown, and Muon's momentum warms up from 0.85 to 0.95 over the first 300 steps. Validation bits per
-byte runs every --eval-every steps and at the end. Checkpoints (every --save-every steps and at the
-end) hold everything needed to continue the run exactly: resuming with --resume-from-step gives the
-parameters an uninterrupted run would have had, bit for bit.
+model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over micro-batches
+up to --total-batch-size tokens per step; the lr follows warmup / constant / linear warmdown, Muon's
+momentum warms up from 0.85 to 0.95. Checkpoints resume bit for bit, at any process count; one run at a
+time owns its run dir (README, "base_train").
 """
 
 import argparse
@@ -31,18 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon.checkpoint import (
-    META_TYPES,
-    clean_run_dir,
-    list_steps,
-    load_step,
-    lock_run_dir,
-    run_arg,
-    save_checkpoint,
-    step_arg,
-    step_dir,
-    unlock_run_dir,
-)
+from nanomuon import checkpoint
 from nanomuon.common import (
     all_finite,
     autocast,
@@ -162,7 +146,7 @@ def parse_args(argv=None):
         p.error(f"--seed must be in [0, 2**64), got {args.seed}")
     args.run = args.run or f"d{args.depth}"
     try:
-        run_arg(args.run)
+        checkpoint.run_arg(args.run)
     except argparse.ArgumentTypeError as e:
         p.error(f"--run {e}")
     return args
@@ -172,7 +156,7 @@ def resume_arg(s: str):
     if s == "auto":
         return s
     try:
-        return step_arg(s)
+        return checkpoint.step_arg(s)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a step number, 'latest' or 'auto', got {s!r}") from None
 
@@ -238,8 +222,8 @@ def main(argv=None):
             summary = report(run)
         except KeyboardInterrupt:  # Ctrl-C: say where to continue from, not where Python was
             run_dir = get_base_dir() / "runs" / args.run
-            steps = list_steps(run_dir)
-            print0(f"interrupted; the last checkpoint is {step_dir(run_dir, steps[-1])} (continue with "
+            steps = checkpoint.list_steps(run_dir)
+            print0(f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, steps[-1])} (continue with "
                    "--resume-from-step latest)" if steps else f"interrupted before the first checkpoint of {run_dir}")
             sys.exit(130)
     compute_cleanup()
@@ -247,14 +231,14 @@ def main(argv=None):
 
 
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
-    """Rank 0 takes the run dir's lock (one run per directory; `held` lets go of it) and clears what an
-    interrupted run left there; every rank stops with one line if it cannot."""
+    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an interrupted
+    run left there; every rank stops with one line if it cannot."""
     error = None
     if rank == 0:
         try:
-            note = lock_run_dir(run_dir)
-            held.callback(unlock_run_dir, run_dir)
-            for line in filter(None, [note, *clean_run_dir(run_dir)]):
+            note = checkpoint.lock_run_dir(run_dir)
+            held.callback(checkpoint.unlock_run_dir, run_dir)
+            for line in filter(None, [note, *checkpoint.clean_run_dir(run_dir)]):
                 print0(line)
         except RuntimeError as e:
             error = str(e)
@@ -264,14 +248,13 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     exit_if_rank0_failed(error)
 
 
-def check_disk(run: "Run") -> None:
+def check_disk(run: Run) -> None:
     """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first save."""
     need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)  # weights + optimizer states
                for g in run.optimizer.param_groups for p in g["params"])
-    error = None
+    error, saves = None, 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
     if run.rank == 0:
         free = shutil.disk_usage(run.run_dir).free
-        saves = 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
         if free < need:
             error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} has "
                      f"{size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a bigger disk")
@@ -291,7 +274,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
-        args.resume_from_step = "latest" if list_steps(run_dir) else -1
+        args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
     with user_errors():  # a missing tokenizer or an impossible size: one line that says what to do
         tokenizer = get_tokenizer()
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
@@ -346,8 +329,8 @@ def resume(run: Run) -> None:
     the optimizer, the data loader (resharded if the process count changed) and the loop state."""
     args = run.args
     with user_errors():  # a missing, corrupt or mismatched checkpoint
-        step, objs, meta = load_step(run.run_dir, args.resume_from_step, ("model", "optim"), run.device,
-                                     tuple(META_TYPES), warn=print0)
+        step, objs, meta = checkpoint.load_step(run.run_dir, args.resume_from_step, ("model", "optim"), run.device,
+                                                tuple(checkpoint.META_TYPES), warn=print0)
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()  # hand edits
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():  # older configs: defaults
@@ -356,9 +339,8 @@ def resume(run: Run) -> None:
         if meta["tokenizer"] != run.tokenizer.fingerprint:
             problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
                             f"{get_base_dir() / 'tokenizer'})")
-        # the process count and --device-batch-size may change: the optimizer state is saved whole, the
-        # loader states are resharded, and --total-batch-size (checked here) keeps the tokens per step
-        # (a different --eval-tokens would mix two val sets in one val history)
+        # the process count and --device-batch-size may change (whole optimizer state, resharded loader
+        # states, the same --total-batch-size); a new --eval-tokens would mix two val sets in one history
         for key in ("dataset", "total_batch_size", "optimizer", "eval_tokens"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
             if saved != getattr(args, key):
@@ -427,7 +409,8 @@ def save(run: Run) -> None:
                     args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
                     loader=loader_states, loop=run.loop, torch=torch.__version__)
         try:
-            print0(f"saved {save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)}")
+            path = checkpoint.save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)
+            print0(f"saved {path}")
         except OSError as e:  # a full disk says so itself; earlier checkpoints stay
             error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
     if error:

@@ -302,7 +302,8 @@ def test_download_rejects_a_corrupt_file_after_retries(server, tmp_path, capsys)
         download(1, tmp_path, base_url=server.url, allow_http=True, retries=2, backoff=0)
     msg = str(err.value)
     assert name in msg and f"{server.url}/{name}" in msg and "3 attempts" in msg
-    assert "corrupt download (not a parquet file" in msg and "re-run the same command to resume" in msg
+    assert "corrupt download: the file is not a readable parquet file" in msg
+    assert "re-run the same command to resume" in msg
     assert len(requests_for(server, name)) == 3
     assert all(rng is None for rng, _ in requests_for(server, name))  # a corrupt .part is never resumed
     assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.part").exists()
