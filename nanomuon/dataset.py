@@ -86,7 +86,7 @@ def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
     kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        return None, f"is not text: column 'text' holds {kind}, not strings"
+        return None, f"is not text: column 'text' holds {kind}, not strings (write the documents as strings)"
     return pf, None
 
 

@@ -213,7 +213,7 @@ class Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    with contextlib.ExitStack() as held:  # the run dir's lock, released however the run ends
+    with contextlib.ExitStack() as held:  # the run dir's lock and the loader's thread, let go however it ends
         try:
             run = build(args, held)
             if args.resume_from_step != -1:
@@ -301,6 +301,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with user_errors():  # missing or unreadable data
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2)
+        held.callback(train_loader.close)  # its prefetch thread stops however the run ends
         val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
         print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
@@ -413,8 +414,6 @@ def save(run: Run) -> None:
             print0(f"saved {path}")
         except OSError as e:  # a full disk says so itself; earlier checkpoints stay
             error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
-    if error:
-        run.train_loader.close()
     exit_if_rank0_failed(error)
 
 
@@ -492,7 +491,6 @@ def train(run: Run) -> None:
             print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
                    f"in a row, {loop['skipped_steps']} in this run)")
             if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
-                run.train_loader.close()
                 compute_cleanup()
                 raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
                                  "non-finite loss or gradients: the run diverged. Resume from the last checkpoint "
