@@ -47,7 +47,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
-    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split")
+    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups", "transposed")
 
     def __init__(self, param_groups, compile: bool | None = None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
@@ -56,10 +56,12 @@ class MuonAdamW(torch.optim.Optimizer):
                             "weight_decay=...), dict(kind='adamw', ...)]")
         if len(param_groups) == 0:
             raise ValueError("MuonAdamW got no param groups; pass at least one group")
-        super().__init__(list(param_groups), defaults={})  # each group goes through add_param_group
+        # each group goes through add_param_group; a 'momentum' default is what lets OneCycleLR and CyclicLR
+        # cycle momentum (Muon's momentum, AdamW's beta1: see adamw_hparams)
+        super().__init__(list(param_groups), defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        self._stacks = {}  # tuple of param ids -> (momentum stack, second-moment stack or None)
+        self._stacks = {}  # tuple of param ids -> (state layout, (momentum stack, second-moment stack or None))
         self._sharded_plans = {}  # DTensor Muon params: owners and blocks (sharded.py keeps them here)
 
     def add_param_group(self, group: dict) -> None:
@@ -126,9 +128,7 @@ class MuonAdamW(torch.optim.Optimizer):
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
         stacked = torch.stack([params[i] for i in idx])
         h = scalars(muon_hparams(group, stacked.shape, stacked.device), self.compiled)
-        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
-                        h["momentum"], h["lr"], h["wd"], h["beta2"], h["coeffs"], h["safety"], h["eps"], h["ns_dtype"],
-                        h["nesterov"], h["cautious_wd"], h["l2_wd"], h["qkv_split"])
+        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), **h)
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -149,11 +149,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
         h = scalars(adamw_hparams(group, state["step"]), self.compiled)
-        self._in_slices(kernel(adamw_update, self.compiled), tensors,
-                        h["step"], h["lr"], h["beta1"], h["beta2"], h["eps"], h["wd"])
+        self._in_slices(kernel(adamw_update, self.compiled), tensors, **h)
 
-    def _in_slices(self, fn, tensors, *args) -> None:
-        """fn(*tensors, *args) over dim-0 slices of <= CPU_SLICE elements on CPU, in one call on GPUs.
+    def _in_slices(self, fn, tensors, **hparams) -> None:
+        """fn(*tensors, **hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one call on GPUs.
 
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
         threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small slices
@@ -161,28 +160,29 @@ class MuonAdamW(torch.optim.Optimizer):
         """
         lead = tensors[0]
         if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
-            return fn(*tensors, *args)
+            return fn(*tensors, **hparams)
         n, per = len(lead), max(1, self.CPU_SLICE // lead[0].numel())
         for i in range(0, n, per):
-            fn(*(t[i:i + per] if t is not None else None for t in tensors), *args)
+            fn(*(t[i:i + per] if t is not None else None for t in tensors), **hparams)
 
     def _muon_stacks(self, group: dict, params: list[Tensor]):
-        """Stacked (momentum, second moment) buffers for these same-shape params; per-param state views them."""
+        """Stacked (momentum, second moment or None) buffers for these same-shape params, as the group now
+        asks (beta2 and the layout may be edited between steps); per-param state views them. A second
+        moment of another layout restarts from zeros."""
+        layout = muon_state_layout(params[0], group)
         key = tuple(id(p) for p in params)
-        stacks = self._stacks.get(key)
-        want_second = group["beta2"] is not None
-        if stacks is not None and (stacks[1] is not None or not want_second):
-            return stacks
+        if key in self._stacks and self._stacks[key][0] == layout:
+            return self._stacks[key][1]
         stacks = []
-        for name, (shape, dtype) in muon_state_layout(params[0], want_second).items():
+        for name, (shape, dtype) in layout.items():
             out = torch.zeros((len(params), *shape), dtype=dtype, device=params[0].device)
             for i, p in enumerate(params):
-                if name in self.state[p]:
+                if name in self.state[p] and tuple(self.state[p][name].shape) == shape:
                     out[i].copy_(self.state[p][name])
                 self.state[p][name] = out[i]
             stacks.append(out)
-        self._stacks[key] = (stacks[0], stacks[1] if want_second else None)
-        return self._stacks[key]
+        self._stacks[key] = (layout, (stacks[0], stacks[1] if len(stacks) > 1 else None))
+        return self._stacks[key][1]
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "nanomuon_shard" in state_dict:
@@ -258,7 +258,7 @@ class DistMuonAdamW(MuonAdamW):
         # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        self._plan = None
+        self._plan = []
 
     def _reduce_scatter(self, out, inp):
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -284,23 +284,36 @@ class DistMuonAdamW(MuonAdamW):
 
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
-        from shapes alone so every rank agrees; kept until the groups change."""
-        key = tuple(tuple(id(p) for p in g["params"]) for g in self.param_groups)
-        if self._plan is not None and self._plan[0] == key:
-            return self._plan[1]
-        matrices = [(gi, p) for gi, g in enumerate(self.param_groups) if g["kind"] == "muon"
+        from shapes alone so every rank agrees. Planned group by group: a group added later is balanced
+        against the owners already fixed, which keep their matrices and so their state."""
+        groups = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
+        planned = self._plan  # per group: (param ids, its buckets)
+        if [ids for ids, _ in planned] == groups:
+            return [b for _, buckets in planned for b in buckets]
+        for gi, (ids, buckets) in enumerate(planned):
+            if ids != groups[gi] and any(self.state.get(p) for b in buckets for p in b["params"]):
+                raise ValueError(f"{group_label(gi, self.param_groups[gi])}: its params changed after DistMuonAdamW "
+                                 "made state for them; add new params in a new group with add_param_group()")
+        keep = [gi for gi, (ids, _) in enumerate(planned) if ids == groups[gi]]
+        loads = [0.0] * self.world_size
+        for gi in keep:
+            for b in planned[gi][1]:
+                for r, slots in enumerate(b["slots"]):
+                    loads[r] += len(slots) * b["cost"]
+        matrices = [(gi, p) for gi, g in enumerate(self.param_groups) if g["kind"] == "muon" and gi not in keep
                     for p in g["params"] if not isinstance(p, DTensor)]
         keys = [(gi, tuple(p.shape), p.dtype, p.device) for gi, p in matrices]
         costs = [ns_flops(p.shape, self.param_groups[gi]["ns_steps"]) for gi, p in matrices]
-        buckets = []
-        for b in owner_plan(keys, costs, self.world_size):
+        new = [[] for _ in groups]
+        for b in owner_plan(keys, costs, self.world_size, loads):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
             # rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
-            buckets.append(dict(group=matrices[b["members"][0]][0], params=[matrices[i][1] for i in b["members"]],
-                                slots=b["slots"], per_rank=b["per_rank"], mine=b["slots"][self.rank], rows=rows))
-        self._plan = (key, buckets)
-        return buckets
+            gi = matrices[b["members"][0]][0]
+            new[gi].append(dict(group=gi, params=[matrices[i][1] for i in b["members"]], slots=b["slots"],
+                                per_rank=b["per_rank"], cost=b["cost"], mine=b["slots"][self.rank], rows=rows))
+        self._plan = [planned[gi] if gi in keep else (ids, new[gi]) for gi, ids in enumerate(groups)]
+        return [b for _, buckets in self._plan for b in buckets]
 
     def _adamw_route(self, p: Tensor) -> str:
         """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'small' or 'sharded'."""
@@ -468,7 +481,7 @@ class DistMuonAdamW(MuonAdamW):
             if not any(has[p] for p in b["params"]):
                 continue
             p0, mine = b["params"][0], [b["params"][i] for i in b["mine"]]
-            layouts = muon_state_layout(p0, self.param_groups[b["group"]]["beta2"] is not None)  # the same on all ranks
+            layouts = muon_state_layout(p0, self.param_groups[b["group"]])  # the same on all ranks
             for name, (shape, dtype) in layouts.items():
                 stack = torch.zeros((b["per_rank"], *shape), dtype=dtype, device=p0.device)
                 for k, p in enumerate(mine):

@@ -19,8 +19,13 @@ from nanomuon.update_math import COEFFICIENT_SETS, LR_SCALES, NS_DTYPES
 logger = logging.getLogger("nanomuon")
 
 WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-# name components of embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF)
+# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against the
+# param's own name or its module's: Meta Llama's head is `output`, but BERT's `attention.output.dense` is a
+# hidden matrix.
 SKIP_KEYS = ("wte", "wpe", "embed_tokens", "tok_embeddings", "embeddings", "lm_head", "output")
+# Fused weights of equal row blocks, updated block by block (split): transformers 5's MoE experts
+# (E, 2I, H) [gate; up] and GPT-2's (H, 3H) Conv1D [Q; K; V].
+FUSED_KEYS = {"gate_up_proj": 2, "c_attn": 3}
 
 
 def normalize_fqn(name: str) -> str:
@@ -35,12 +40,18 @@ def _matches(parts: list[str], key: str) -> bool:
     return any(parts[i:i + n] == key_parts for i in range(len(parts) - n + 1))
 
 
-def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=(), embedding: bool = False):
+def _names(parts: list[str], key: str) -> bool:
+    """key names the param itself or the module that owns it (the last components, or all but the last)."""
+    key_parts = key.split(".")
+    return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
+
+
+def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("experts",), embedding: bool = False):
     """(True for Muon / False for AdamW, the reason) for one named parameter."""
     parts = normalize_fqn(name).split(".")
     if embedding:
         return False, "an nn.Embedding weight"
-    hit = next((k for k in skip_keys if _matches(parts, k)), None)
+    hit = next((k for k in skip_keys if _names(parts, k)), None)
     if hit:
         return False, f"matches skip key {hit!r} (embedding or output head)"
     expert = next((k for k in expert_keys if _matches(parts, k)), None)
@@ -55,19 +66,35 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=(), em
     return False, f"{p.ndim}-D and not an expert weight: Muon would treat its leading dims as a batch"
 
 
-def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS, expert_keys=()):
-    """[muon group, adamw group] for MuonAdamW / DistMuonAdamW: `muon` and `adamw` hold each group's
-    hyperparameters (kind and params are filled in). Frozen params (requires_grad=False) are left out."""
+def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS, expert_keys=("experts",),
+                      fused_keys=FUSED_KEYS):
+    """[muon group, muon groups of other layouts..., adamw group] for MuonAdamW / DistMuonAdamW: `muon` and
+    `adamw` hold the hyperparameters (kind and params are filled in). Weights stored (in, out), as GPT-2's
+    Conv1D, go to a group with transposed=True, so their lr factor and statistics follow the logical
+    shape; fused weights (fused_keys: name -> number of equal blocks) to a group with that split. Frozen
+    params (requires_grad=False) are left out; the `nanomuon` logger says why each param went where."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    groups = (dict(muon, kind="muon", params=[]), dict(adamw, kind="adamw", params=[]))
+    transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}  # transformers' (in, out)
+    groups = {(None, False): dict(muon, kind="muon", params=[])}
+    adamw_group = dict(adamw, kind="adamw", params=[])
     for name, p in model.named_parameters():
         if not p.requires_grad:
             logger.debug("%s: frozen, left out", name)
             continue
         to_muon, why = classify(name, p, skip_keys, expert_keys, embedding=id(p) in embeddings)
+        layout = (None, id(p) in transposed)
+        rows = p.shape[-1] if layout[1] else p.shape[-2] if p.ndim >= 2 else 0
+        blocks = next((n for k, n in fused_keys.items() if _matches(normalize_fqn(name).split("."), k)), None)
+        if to_muon and blocks and rows % blocks == 0:
+            layout = ((rows // blocks,) * blocks, layout[1])
+            why += f", fused: {blocks} blocks"
+        if to_muon and layout != (None, False):
+            why += ", stored (in, out)" * layout[1]
+            groups.setdefault(layout, dict(muon, kind="muon", params=[], split=layout[0], transposed=layout[1],
+                                           name=f"muon split={layout[0]} transposed={layout[1]}"))
         logger.debug("%s %s -> %s: %s", name, tuple(p.shape), "muon" if to_muon else "adamw", why)
-        groups[0 if to_muon else 1]["params"].append(p)
-    return list(groups)
+        (groups[layout] if to_muon else adamw_group)["params"].append(p)
+    return [*groups.values(), adamw_group]
 
 
 # Param group checks. Every message names the group, the parameter and the fix.
@@ -77,10 +104,11 @@ REQUIRED_KEYS = {
     "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay"),
 }
 OPTIONAL_KEYS = {
-    "adamw": {},
+    "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it is beta1
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
-             "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled", "comm_precision": "fp32",
-             "sharded_mode": "owner", "qkv_split": None},
+             "ns_repeat_last": False, "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled",
+             "decay_lr": "adjusted", "comm_precision": "fp32", "sharded_mode": "owner", "qkv_split": None,
+             "split": None, "split_groups": 1, "transposed": False},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
@@ -119,49 +147,70 @@ def check_group_values(i: int, group: dict) -> None:
         _check_number(label, "betas[0]", betas[0], 0.0, 1.0, hi_open=True)
         _check_number(label, "betas[1]", betas[1], 0.0, 1.0, hi_open=True)
         _check_number(label, "eps", group["eps"])
+        if group.get("momentum") is not None:
+            _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
         return
     _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
     if group["beta2"] is not None:
         _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
-    steps = group["ns_steps"]
-    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-        raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
-    spec = group.get("ns_coefficients", "polar_express")
-    if isinstance(spec, str):
-        if spec not in COEFFICIENT_SETS:
-            raise ValueError(f"{label}: ns_coefficients={spec!r} is unknown; use one of {list(COEFFICIENT_SETS)} "
-                             "or a list of (a, b, c) triples")
-        available = len(COEFFICIENT_SETS[spec][0])
-    else:
-        try:
-            available = len(spec)
-            ok = available >= 1 and all(len(t) == 3 and all(math.isfinite(float(x)) for x in t) for t in spec)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"{label}: ns_coefficients must be a name or a non-empty list of finite (a, b, c) "
-                             f"triples, got {spec!r}")
-    if available > 1 and steps > available:
-        raise ValueError(f"{label}: ns_steps={steps} but ns_coefficients={spec if isinstance(spec, str) else 'list'} "
-                         f"has {available} per-iteration triples; use ns_steps <= {available}")
+    for key in ("nesterov", "cautious_wd", "ns_repeat_last", "transposed"):
+        if not isinstance(group.get(key, False), bool):
+            raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
+    _check_coefficients(label, group)
     if group.get("ns_precision", "auto") not in ("auto", *NS_DTYPES):
         raise ValueError(f"{label}: ns_precision={group['ns_precision']!r} must be 'auto', 'bf16' or 'fp32'")
-    for key in ("nesterov", "cautious_wd"):
-        if not isinstance(group.get(key, True), bool):
-            raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
     for key, choices in (("lr_scale", LR_SCALES), ("weight_decay_mode", ("decoupled", "l2")),
-                         ("comm_precision", NS_DTYPES), ("sharded_mode", SHARDED_MODES)):
+                         ("decay_lr", ("adjusted", "group")), ("comm_precision", NS_DTYPES),
+                         ("sharded_mode", SHARDED_MODES)):
         if key in group and group[key] not in choices:
             raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
     if "extra_scale" in group:
         _check_number(label, "extra_scale", group["extra_scale"])
-    split = group.get("qkv_split")
-    if split is not None:
-        if not (isinstance(split, (tuple, list)) and len(split) == 3
-                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in split)):
-            raise ValueError(f"{label}: qkv_split={split!r} must be three positive row counts (q, k, v)")
-        if group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
-            raise ValueError(f"{label}: qkv_split needs whole matrices: use sharded_mode 'owner' or 'duplicated'")
+    _check_layout(label, group)
+
+
+def _check_coefficients(label: str, group: dict) -> None:
+    steps, spec = group["ns_steps"], group.get("ns_coefficients", "polar_express")
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
+    if isinstance(spec, str):
+        if spec not in COEFFICIENT_SETS:
+            raise ValueError(f"{label}: ns_coefficients={spec!r} is unknown; use one of {list(COEFFICIENT_SETS)}, "
+                             "a list of (a, b, c) triples or dict(coefficients=[...], safety=1.0, eps=1e-7)")
+        triples = COEFFICIENT_SETS[spec][0]
+    else:
+        triples = spec.get("coefficients") if isinstance(spec, dict) else spec
+        extra = set(spec) - {"coefficients", "safety", "eps"} if isinstance(spec, dict) else set()
+        try:
+            ok = not extra and len(triples) >= 1 and all(len(t) == 3 and all(math.isfinite(float(x)) for x in t)
+                                                         for t in triples)
+            ok = ok and all(float(spec[k]) > 0 for k in ("safety", "eps") if isinstance(spec, dict) and k in spec)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{label}: ns_coefficients must be a name, a non-empty list of finite (a, b, c) "
+                             "triples, or dict(coefficients=<such a list>, safety=<number > 0>, eps=<number > 0>), "
+                             f"got {spec!r}")
+    if 1 < len(triples) < steps and not group.get("ns_repeat_last", False):
+        raise ValueError(f"{label}: ns_steps={steps} but ns_coefficients={spec if isinstance(spec, str) else 'list'} "
+                         f"has {len(triples)} per-iteration triples; use ns_steps <= {len(triples)}, or "
+                         "ns_repeat_last=True to run the last triple for the steps beyond")
+
+
+def _check_layout(label: str, group: dict) -> None:
+    qkv, split, groups = group.get("qkv_split"), group.get("split"), group.get("split_groups", 1)
+    if qkv is not None and split is not None:
+        raise ValueError(f"{label}: give split or qkv_split, not both (qkv_split=(q, k, v) is split's 3-block case)")
+    for key, value, n in (("qkv_split", qkv, 3), ("split", split, None)):
+        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == (n or len(value)) >= 2
+                                      and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value)):
+            raise ValueError(f"{label}: {key}={value!r} must be " + ("three positive row counts (q, k, v)" if n else
+                             "two or more positive row counts, one per block"))
+    if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
+        raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 (Megatron's num_query_groups)")
+    if (qkv or split or group.get("transposed")) and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
+        raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} needs whole matrices: "
+                         "use sharded_mode 'owner' or 'duplicated'")
 
 
 def check_group(i: int, group: dict) -> None:
@@ -187,10 +236,13 @@ def check_group(i: int, group: dict) -> None:
         if kind == "muon" and p.ndim < 2:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs matrices "
                              "(>= 2 dims; extra leading dims are a batch). Move it to an adamw group.")
-        split = group.get("qkv_split") if kind == "muon" else None
-        if split is not None and p.shape[-2] != sum(split):
-            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[-2]} rows, but qkv_split={tuple(split)} "
-                             f"sums to {sum(split)}; put only fused QKV weights of that layout in this group")
+        split = (group.get("split") or group.get("qkv_split")) if kind == "muon" else None
+        dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
+        covered = sum(split) * group.get("split_groups", 1) if split else None
+        if split is not None and p.shape[n] != covered:
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, but the split {tuple(split)} x "
+                             f"split_groups={group.get('split_groups', 1)} covers {covered}; put only fused weights of "
+                             "that layout in this group")
 
 
 def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:

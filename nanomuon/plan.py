@@ -8,13 +8,14 @@ talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into
 """
 
 
-def assign_owners(buckets: list[tuple[int, float]], world_size: int) -> list[list[list[int]]]:
+def assign_owners(buckets: list[tuple[int, float]], world_size: int, loads=None) -> list[list[list[int]]]:
     """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks; returns
     slots[bucket][rank] = matrix indices. Every rank gets floor(count / N) matrices of every bucket, so a
     bucket's stacks pad to ceil(count / N) per rank, as little as possible; the remainders go, costliest
     bucket first, one each to the least loaded ranks (ties to the lower rank). The busiest rank exceeds
-    the mean by at most one matrix's cost."""
-    loads = [sum(count // world_size * cost for count, cost in buckets)] * world_size
+    the mean by at most one matrix's cost. loads: what each rank already owns (buckets planned before)."""
+    even = sum(count // world_size * cost for count, cost in buckets)
+    loads = [even + load for load in (loads or [0.0] * world_size)]
     extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
     for b in sorted(range(len(buckets)), key=lambda b: (-buckets[b][1], b)):
         count, cost = buckets[b]
@@ -37,15 +38,16 @@ def bucket_by(keys: list) -> list[list[int]]:
     return list(by_key.values())
 
 
-def owner_plan(keys: list, costs: list[float], world_size: int) -> list[dict]:
+def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> list[dict]:
     """Buckets of the matrices with equal keys (say shape and dtype) and their owners.
 
     keys[i], costs[i]: matrix i's bucket key and Newton-Schulz cost. Returns one dict per bucket:
     members (matrix indices), slots (slots[r]: positions in members that rank r owns) and per_rank
-    (the largest slot count: every rank's stack of the bucket is padded to it)."""
+    (the largest slot count: every rank's stack of the bucket is padded to it) and cost (of one matrix).
+    loads: as in assign_owners."""
     buckets = bucket_by(keys)
-    slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size)
-    return [dict(members=b, slots=s, per_rank=max(len(x) for x in s)) for b, s in zip(buckets, slots)]
+    slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size, loads)
+    return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]]) for b, s in zip(buckets, slots)]
 
 
 def flat_shard(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:

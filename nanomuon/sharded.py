@@ -26,6 +26,7 @@ from nanomuon.update_math import (
     muon_apply,
     muon_direction,
     muon_hparams,
+    muon_layout,
     muon_momentum,
     new_second_moment,
     ns_flops,
@@ -197,11 +198,17 @@ def _momentum_local(group: dict, state: dict, p: DTensor, compiled: bool) -> Ten
 
 
 def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: bool) -> None:
-    """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor."""
+    """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor. A split
+    matrix's per-row lr (and decay) is cut to this rank's rows."""
     if not u.numel():
         return
     h = scalars(muon_hparams(group, matrix_shape, u.device), compiled)
-    kernel(muon_apply, compiled)(p.to_local(), u, h["lr"], h["wd"], h["cautious_wd"], h["l2_wd"])
+    if isinstance(h["lr"], Tensor) and tuple(matrix_shape) == tuple(p.shape):
+        offset, shape, _ = block_of(p)
+        crop = tuple(slice(o, o + n) if full > 1 else slice(None)
+                     for o, n, full in zip(offset[-2:], shape[-2:], h["lr"].shape))
+        h.update({k: h[k][crop] for k in ("lr", "decay") if isinstance(h[k], Tensor)})
+    kernel(muon_apply, compiled)(p.to_local(), u, h["lr"], h["decay"], h["cautious_wd"], h["l2_wd"])
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
@@ -225,13 +232,14 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
         for shape, idx in by_shape.items():
             stacked = torch.stack([full[i] for i in idx])
             second = None
+            h = scalars(muon_hparams(group, shape, stacked.device), compiled)
             if group["beta2"] is not None:
                 for i in idx:
-                    state[params[i]].setdefault("second_momentum_buffer", new_second_moment(shape, stacked.device))
+                    state[params[i]].setdefault("second_momentum_buffer",
+                                                new_second_moment(shape, stacked.device, layout=h["layout"]))
                 second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            h = scalars(muon_hparams(group, shape, stacked.device), compiled)
             u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["coeffs"], h["safety"], h["eps"],
-                                                 h["ns_dtype"], stacked.dtype, None, h["qkv_split"])
+                                                 h["ns_dtype"], stacked.dtype, None, h["layout"])
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -287,12 +295,13 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         else:
             matrix_shape = g.shape
         second = None
+        h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
         if group["beta2"] is not None:
             full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
-            second = state[p].setdefault("second_momentum_buffer", new_second_moment(g.shape, g.device, full_shape))
-        h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
+            second = state[p].setdefault("second_momentum_buffer",
+                                         new_second_moment(g.shape, g.device, full_shape, h["layout"]))
         u = muon_direction(g, second, h["beta2"], h["coeffs"], h["safety"], h["eps"], h["ns_dtype"], p.dtype, shard,
-                           h["qkv_split"])
+                           h["layout"])
         if mode == "duplicated":
             offset, shape, _ = block_of(p)
             u = u[_slices(offset, shape)].clone()
@@ -334,7 +343,8 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             if t is not None:
                 t = t.to(torch.float32).clone()
             else:
-                t = torch.empty(second_moment_shape(p.shape), dtype=torch.float32, device=p.to_local().device)
+                t = torch.empty(second_moment_shape(p.shape, layout=muon_layout(group)), dtype=torch.float32,
+                                device=p.to_local().device)
             dist.broadcast(t, src=holder)
             st["second_momentum_buffer"] = t
     return dict(sd, state=out)

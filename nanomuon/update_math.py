@@ -10,6 +10,9 @@ lr factor or a precision. Compiled (kernel()), the hyperparameters are 0-D CPU t
 step (scalars()), so LR schedules never recompile.
 """
 
+import functools
+import math
+
 import torch
 from torch import Tensor
 
@@ -22,12 +25,33 @@ POLAR_EXPRESS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-# Keller Jordan's NS5 triple, used for every iteration (torch.optim.Muon's default).
+# Keller Jordan's NS5 triple, used for every iteration (torch.optim.Muon's default, EO's 'simple').
 JORDAN_NS5 = (3.4445, -4.7750, 2.0315)
 
 # name -> (coefficients, norm safety factor, eps). The input is scaled by 1 / (||X||_F * safety + eps)
-# so its spectral norm is below 1 before iterating; Polar Express was tuned with a 1.02 cushion.
-COEFFICIENT_SETS = {"polar_express": (POLAR_EXPRESS, 1.02, 1e-6), "jordan": ((JORDAN_NS5,), 1.0, 1e-7)}
+# so its spectral norm is below 1 before iterating. 'polar_express' and 'jordan' are nanochat's; the
+# rest are the sets of NVIDIA Emerging-Optimizers (EO, muon_utils.py at fd77292), as EO rounds them and
+# under its names, run with plain Frobenius normalization as EO does.
+COEFFICIENT_SETS = {
+    "polar_express": (POLAR_EXPRESS, 1.02, 1e-6),  # tuned for 5 steps; the 1.02 cushion is on the norm
+    "jordan": ((JORDAN_NS5,), 1.0, 1e-7),
+    # leloykun's per-step NS5 (modded-nanogpt); EO cycles it past 5 steps, nanomuon refuses or repeats the last
+    "quintic": (((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+                 (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)), 1.0, 1e-7),
+    # Polar Express as published (arXiv 2505.16932, 8 steps), safety 1.01 folded into all but the last triple;
+    # this is EO's 'polar_express'
+    "polar_express_published": (((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184), (3.9096, -2.8234, 0.5250),
+                                 (3.2856, -2.4153, 0.4853), (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                                 (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)), 1.0, 1e-7),
+    # CANS (Chebyshev-accelerated NS, arXiv 2506.10935: Remez with an adaptive interval)
+    "cans": (((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+              (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)), 1.0, 1e-7),
+    # tuned for AOL pre-scaling (thib-s/flash-newton-schulz, arXiv 2208.03160); like EO, used without it
+    "aol": (((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
+             (2.7215, -3.0494, 1.3169)), 1.0, 1e-7),
+    # DeepSeek-V4's hybrid NS (tech report): 8 Jordan steps, then 2 that converge; use ns_steps=10
+    "deepseekv4": ((JORDAN_NS5,) * 8 + ((2.0, -1.5, 0.5),) * 2, 1.0, 1e-7),
+}
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
@@ -39,15 +63,21 @@ LR_SCALES = {
 }
 
 
-def ns_coefficients(spec, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float, float]:
-    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps)."""
+def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
+    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps). spec: a
+    name, a list of (a, b, c) triples (safety 1, eps 1e-7), or dict(coefficients=[...], safety=, eps=). A
+    single triple runs at every iteration; with repeat_last, so does the last of a list that runs out
+    (Emerging-Optimizers' rule)."""
     if isinstance(spec, str):
-        triples, safety, eps = COEFFICIENT_SETS[spec]
+        triples, safety, eps = COEFFICIENT_SETS[spec][:3]
+    elif isinstance(spec, dict):
+        triples, safety, eps = spec["coefficients"], spec.get("safety", 1.0), spec.get("eps", 1e-7)
     else:
-        triples, safety, eps = tuple(tuple(float(x) for x in t) for t in spec), 1.0, 1e-7
-    if len(triples) == 1:  # a single triple is applied at every iteration
-        triples = triples * ns_steps
-    return tuple(triples[:ns_steps]), safety, eps
+        triples, safety, eps = spec, 1.0, 1e-7
+    triples = tuple(tuple(float(x) for x in t) for t in triples)
+    if len(triples) == 1 or repeat_last:
+        triples += triples[-1:] * max(0, ns_steps - len(triples))
+    return triples[:ns_steps], float(safety), float(eps)
 
 
 def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype, shard=None) -> Tensor:
@@ -132,42 +162,67 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, moment
     return grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
+def split_rows(t: Tensor, split, groups: int) -> tuple[Tensor, ...]:
+    """Views of t's row blocks, each (..., groups, n, cols): the rows are `groups` repeats of the blocks
+    `split` (Megatron's per-query-group QKV layout; groups=1 is plain [Q; K; V]). Block i as a matrix is
+    its view flattened over the last-but-two dims."""
+    return t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2)
+
+
+def block_shapes(shape, layout) -> list[tuple[int, int]]:
+    """The logical (rows, cols) of each matrix a param of `shape` is updated as (see muon_layout)."""
+    split, groups, transposed = layout or (None, 1, False)
+    rows, cols = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
+    return [(n * groups, cols) for n in split] if split else [(rows, cols)]
+
+
 def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safety: float, eps: float,
-                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None, qkv_split=None) -> Tensor:
+                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None, layout=None) -> Tensor:
     """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
-    variance reduction if second_moment is given. qkv_split=(q, k, v) row counts: a fused QKV weight is
-    orthogonalized as three matrices; variance reduction and the lr factor still see the fused matrix."""
-    if qkv_split:
-        u = torch.cat([orthogonalize(b, coeffs, safety, eps, ns_dtype) for b in g.split(list(qkv_split), dim=-2)],
-                      dim=-2).to(out_dtype)
-    else:
-        u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
+    variance reduction if second_moment is given. layout (muon_layout): matrices stored (in, out) are
+    worked on transposed; a split matrix is updated block by block, each exactly as a param of its own,
+    its second moment a slice of the flat per-matrix state."""
+    split, groups, transposed = layout or (None, 1, False)
+    if transposed:
+        u = muon_direction(g.mT, second_moment, beta2, coeffs, safety, eps, ns_dtype, out_dtype, shard,
+                           (split, groups, False))
+        return u.mT
+    if split:
+        u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
+        sizes = [math.prod(second_moment_shape(b)[-2:]) for b in block_shapes(g.shape, layout)]
+        seconds = second_moment.split(sizes, dim=-1) if second_moment is not None else [None] * len(split)
+        for gb, ub, sb in zip(split_rows(g, split, groups), split_rows(u, split, groups), seconds):
+            m = gb.flatten(-3, -2)
+            sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
+            ub.copy_(muon_direction(m, sb, beta2, coeffs, safety, eps, ns_dtype, out_dtype).view_as(gb))
+        return u
+    u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
     return u
 
 
-def muon_apply(params: Tensor, u: Tensor, lr, wd, cautious_wd: bool, l2_wd: bool) -> None:
+def muon_apply(params: Tensor, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
     """Muon stage 3, elementwise: weight decay and the update, in place on params; `u` is overwritten.
-    `lr` already includes the shape multiplier; decay is scaled by that same lr (nanochat's convention;
-    torch.optim.Muon scales decay by the unadjusted lr). With l2_wd the decay went into the gradient."""
+    lr: the step (a number, or per row of a split matrix: see muon_hparams); decay: lr * weight_decay with
+    the lr decay_lr names. With l2_wd the decay went into the gradient instead."""
     u.mul_(lr)  # u is a fresh buffer: scale and combine in place to spare full-size temporaries
     if not l2_wd and cautious_wd:  # decay only where the update and the weight agree in sign
-        decay = torch.where((u * params) >= 0, params, 0.0)
-        u.add_(decay.mul_(lr * wd))
+        u.add_(torch.where((u * params) >= 0, params, 0.0).mul_(decay))
     elif not l2_wd:
-        params.mul_(1 - lr * wd)
+        params.mul_(1 - decay)
     params.sub_(u)
 
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
-                momentum, lr, wd, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
-                nesterov: bool, cautious_wd: bool, l2_wd: bool = False, qkv_split=None) -> None:
+                momentum, lr, wd, decay, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
+                nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params: the three
-    stages in a row. The sharded path (sharded.py) runs the same stages with communication between."""
+    stages in a row, with muon_hparams()'s keywords. The sharded path (sharded.py) runs the same stages
+    with communication between."""
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype, qkv_split=qkv_split)
-    muon_apply(params, u, lr, wd, cautious_wd, l2_wd)
+    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype, layout=layout)
+    muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -190,44 +245,76 @@ def resolve_ns_precision(precision: str, device) -> str:
     return precision
 
 
+def muon_layout(group: dict):
+    """How a muon group's matrices are stored: None (plain (out, in) matrices), or (split row counts or
+    None, split_groups, transposed) for fused or (in, out) weights (README, "The optimizer")."""
+    split = group["split"] or group["qkv_split"]
+    if not split and not group["transposed"]:
+        return None
+    return (tuple(split) if split else None, group["split_groups"], group["transposed"])
+
+
+@functools.lru_cache(maxsize=256)
+def _row_factors(factors: tuple, counts: tuple, groups: int, transposed: bool, device) -> Tensor:
+    """One lr factor per logical row of a split matrix, shaped to broadcast over the stored matrix."""
+    rows = torch.tensor([f for _ in range(groups) for f, n in zip(factors, counts) for _ in range(n)], device=device)
+    return rows.view(1, -1) if transposed else rows.view(-1, 1)
+
+
 def muon_hparams(group: dict, matrix_shape, device) -> dict:
-    """muon_update()'s keyword arguments from a muon group, for matrices of matrix_shape (which sets the
-    lr factor, LR_SCALES[lr_scale] times extra_scale) on `device` (which settles ns_precision 'auto')."""
-    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"])
-    lr_factor = LR_SCALES[group["lr_scale"]](matrix_shape[-2], matrix_shape[-1]) * group["extra_scale"]
-    return dict(momentum=group["momentum"], wd=group["weight_decay"], lr=group["lr"] * lr_factor,
+    """muon_update()'s keyword arguments from a muon group, for matrices of matrix_shape on `device`
+    (which settles ns_precision 'auto'). Each matrix, or each block of a split one, gets its lr factor
+    from its logical shape: LR_SCALES[lr_scale] times extra_scale; a split matrix gets a per-row lr.
+    Decay is scaled by that lr (decay_lr='adjusted', nanochat) or by the group lr ('group': torch.optim.Muon,
+    Megatron)."""
+    layout = muon_layout(group)
+    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
+    factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in block_shapes(matrix_shape, layout))
+    if len(factors) > 1:
+        lr = group["lr"] * _row_factors(factors, layout[0], layout[1], layout[2], torch.device(device))
+    else:
+        lr = group["lr"] * factors[0]
+    wd = group["weight_decay"]
+    decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * wd
+    return dict(momentum=group["momentum"], lr=lr, wd=wd, decay=decay,
                 beta2=group["beta2"] if group["beta2"] is not None else 0.0, coeffs=coeffs, safety=safety, eps=eps,
                 ns_dtype=NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], nesterov=group["nesterov"],
-                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2",
-                qkv_split=group["qkv_split"])
+                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout)
 
 
 def adamw_hparams(group: dict, step: int) -> dict:
-    """adamw_update()'s keyword arguments from an adamw group, at the param's step count."""
+    """adamw_update()'s keyword arguments from an adamw group, at the param's step count. A 'momentum' set
+    on the group is its beta1: schedulers that cycle momentum (OneCycleLR, CyclicLR) set that key."""
     beta1, beta2 = group["betas"]
+    beta1 = beta1 if group.get("momentum") is None else group["momentum"]
     return dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], wd=group["weight_decay"])
 
 
-def second_moment_shape(shape, full_shape=None) -> tuple:
+def second_moment_shape(shape, full_shape=None, layout=None) -> tuple:
     """The variance-reduction state of a matrix (or stack) of `shape`: one value per row (tall or square)
-    or per column (wide). full_shape: the whole matrix when `shape` is a slice of it."""
+    or per column (wide). full_shape: the whole matrix when `shape` is a slice of it. A split matrix
+    keeps its blocks' states flat, one after another; a transposed one the state of its logical shape."""
+    if layout is not None and layout[0]:
+        return (*shape[:-2], sum(math.prod(second_moment_shape(b)) for b in block_shapes(shape, layout)))
+    if layout is not None:
+        return second_moment_shape((*shape[:-2], shape[-1], shape[-2]))
     out = list(shape)
     out[muon_red_dim(full_shape if full_shape is not None else shape)] = 1
     return tuple(out)
 
 
-def muon_state_layout(p: Tensor, second_moment: bool = True) -> dict:
-    """A Muon param's state, name -> (shape, dtype): the momentum like the param, and (if asked) the
+def muon_state_layout(p: Tensor, group: dict) -> dict:
+    """A Muon param's state, name -> (shape, dtype): the momentum like the param, and (with beta2) the
     second moment of second_moment_shape in fp32."""
     layout = {"momentum_buffer": (tuple(p.shape), p.dtype)}
-    if second_moment:
-        layout["second_momentum_buffer"] = (second_moment_shape(p.shape), torch.float32)
+    if group["beta2"] is not None:
+        layout["second_momentum_buffer"] = (second_moment_shape(p.shape, layout=muon_layout(group)), torch.float32)
     return layout
 
 
-def new_second_moment(shape, device, full_shape=None) -> Tensor:
+def new_second_moment(shape, device, full_shape=None, layout=None) -> Tensor:
     """Zeros of second_moment_shape, in fp32 whatever the param dtype: the state is tiny."""
-    return torch.zeros(second_moment_shape(shape, full_shape), dtype=torch.float32, device=device)
+    return torch.zeros(second_moment_shape(shape, full_shape, layout), dtype=torch.float32, device=device)
 
 
 def ns_flops(shape, ns_steps: int) -> float:
@@ -241,15 +328,17 @@ def ns_flops(shape, ns_steps: int) -> float:
 _compiled: dict = {}
 _scalar_tensors: dict = {}
 _scalar_values: dict = {}  # what each tensor holds: most calls in a step repeat a value, and fill_ is not free
-RUNTIME_SCALARS = ("momentum", "lr", "wd", "beta2", "step", "beta1")  # what schedules and steps change
+RUNTIME_SCALARS = ("momentum", "lr", "wd", "decay", "beta2", "step", "beta1")  # what schedules and steps change
 
 
 def kernel(fn, compiled: bool):
-    """fn itself, or its torch.compile'd twin (built once per process)."""
+    """fn itself, or its torch.compile'd twin (built once per process). Shapes start static; a dim seen
+    to change is made dynamic (dynamic=None), so a model with any number of shapes stays well inside
+    dynamo's recompile limit instead of failing on its ninth."""
     if not compiled:
         return fn
     if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _compiled[fn] = torch.compile(fn, dynamic=None, fullgraph=True)
     return _compiled[fn]
 
 
@@ -260,7 +349,7 @@ def scalars(hparams: dict, compiled: bool) -> dict:
         return hparams
     out = dict(hparams)
     for key in RUNTIME_SCALARS:
-        if key in out:
+        if key in out and not isinstance(out[key], Tensor):  # per-row lrs are tensors already
             t = _scalar_tensors.get(key)
             if t is None:
                 t = _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)

@@ -3,6 +3,7 @@ activation-checkpoint wrappers, expert weights by key, and a logged reason for e
 
 import logging
 
+import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -45,7 +46,7 @@ def test_split_by_role():
     assert adamw == sorted(["tok.weight", "output.weight"] + [f"blocks.{i}.{n}" for i in range(2) for n in (
         "attn.bias", "norm.weight", "norm.bias", "conv.weight", "conv.bias")])
     # without expert keys, the 3-D expert weight is not taken for a batch of matrices
-    assert "blocks.0.experts.w1" in split(Net())[1]
+    assert "blocks.0.experts.w1" in split(Net(), expert_keys=())[1]
 
 
 def test_wrappers_do_not_change_the_split():
@@ -77,3 +78,57 @@ def test_agrees_with_the_gpt_own_split():
     matrices = next(g for g in model.setup_optimizer().param_groups if g["name"] == "matrices")["params"]
     muon, _ = muon_param_groups(model, MUON, ADAMW)
     assert {id(p) for p in muon["params"]} == {id(p) for p in matrices}
+
+
+def hf_model(name, **kw):
+    """A tiny transformers model of the family `name`, built from a config (no download)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(name, vocab_size=100, hidden_size=32, n_embd=32, num_hidden_layers=1,
+                                            n_layer=1, num_attention_heads=4, n_head=4, num_key_value_heads=2,
+                                            intermediate_size=64, **kw)
+    auto = transformers.AutoModelForMaskedLM if name == "bert" else transformers.AutoModelForCausalLM
+    transformers.logging.set_verbosity_error()
+    return auto.from_config(cfg)
+
+
+HF = {
+    "llama": ({}, {"model.layers.0.mlp.gate_proj.weight"}, {}),
+    "mixtral": (dict(num_local_experts=4), {"model.layers.0.mlp.experts.down_proj"},
+                {"model.layers.0.mlp.experts.gate_up_proj": dict(split=(64, 64))}),
+    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), {"model.layers.0.mlp.experts.down_proj"},
+                  {"model.layers.0.mlp.experts.gate_up_proj": dict(split=(16, 16))}),
+    "olmoe": (dict(num_experts=4, num_experts_per_tok=2), {"model.layers.0.mlp.experts.down_proj"},
+              {"model.layers.0.mlp.experts.gate_up_proj": dict(split=(64, 64))}),
+    "gpt2": ({}, set(), {"transformer.h.0.attn.c_attn.weight": dict(split=(32, 32, 32), transposed=True),
+                         "transformer.h.0.mlp.c_fc.weight": dict(transposed=True),
+                         "transformer.h.0.attn.c_proj.weight": dict(transposed=True)}),
+    "bert": ({}, {"bert.encoder.layer.0.attention.output.dense.weight", "bert.encoder.layer.0.output.dense.weight",
+                  "bert.encoder.layer.0.attention.self.query.weight", "cls.predictions.transform.dense.weight"}, {}),
+}
+
+
+@pytest.mark.parametrize("name", HF)
+def test_hugging_face_models(name):
+    """Hidden matrices to Muon (fused and (in, out) ones to groups with their layout), embeddings, heads
+    and vectors to AdamW; one step of MuonAdamW on a real forward and backward."""
+    kw, plain_muon, layouts = HF[name]
+    model = hf_model(name, **kw)
+    groups = muon_param_groups(model, MUON, ADAMW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    where = {names[id(p)]: g for g in groups for p in g["params"]}
+    assert all(where[n]["kind"] == "adamw" for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n
+               or n.startswith(("lm_head", "transformer.wte", "transformer.wpe")))
+    assert all(where[n]["kind"] == "muon" and not where[n].get("split") and not where[n].get("transposed")
+               for n in plain_muon)
+    for n, layout in layouts.items():
+        assert {k: where[n].get(k) for k in layout} == layout, (n, where[n])
+    if name != "gpt2":  # every Linear weight except the head is a Muon matrix
+        linears = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+        assert {n for n in linears if where.get(n, {}).get("kind") == "adamw"} <= {"lm_head.weight"}
+    opt = MuonAdamW(groups)
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if p.grad is not None
+               and p.grad.abs().sum() > 0)

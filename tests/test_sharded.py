@@ -206,25 +206,31 @@ def _blockwise_differs_worker(rank, world_size):
     assert (results["owner"] - results["blockwise"]).abs().max() > 1e-3
 
 
-def _qkv_worker(rank, world_size, mode):
-    """A fused QKV weight with qkv_split, sharded by rows so shard edges cut through the Q/K/V blocks."""
+def _qkv_worker(rank, world_size, mode, layout):
+    """A fused weight whose blocks get different lr factors, sharded so shard edges cut through the blocks
+    (by rows, or by the logical rows of a transposed (in, out) weight)."""
     mesh = init_device_mesh("cpu", (world_size,))
-    start = full_values([(40, 16)], 0)[0]
-    p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+    shape = (16, 40) if layout.get("transposed") else (40, 16)
+    start = full_values([shape], 0)[0]
+    placement = [Shard(1 if layout.get("transposed") else 0)]
+    p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, placement))
     q = torch.nn.Parameter(start.clone())
-    opt = MuonAdamW(groups([p], [], qkv_split=(16, 8, 16), sharded_mode=mode))
-    ref = MuonAdamW(groups([q], [], qkv_split=(16, 8, 16)))
+    opt = MuonAdamW(groups([p], [], sharded_mode=mode, lr_scale="spectral", **layout))
+    ref = MuonAdamW(groups([q], [], lr_scale="spectral", **layout))
     for step in range(3):
-        g = full_values([(40, 16)], 100 + step)[0]
-        p.grad, q.grad = distribute_tensor(g.clone(), mesh, [Shard(0)]), g.clone()
+        g = full_values([shape], 100 + step)[0]
+        p.grad, q.grad = distribute_tensor(g.clone(), mesh, placement), g.clone()
         opt.step()
         ref.step()
-    assert_same(f"qkv {mode}", p, q, 2e-5)
+    assert_same(f"split {mode} {layout}", p, q, 2e-5)
 
 
+@pytest.mark.parametrize("layout", [dict(qkv_split=(24, 8, 8)),
+                                    dict(split=(12, 4, 4), split_groups=2, transposed=True)],
+                         ids=["qkv", "interleaved-transposed"])
 @pytest.mark.parametrize("mode", ["owner", "duplicated"])
-def test_qkv_split_sharded(mode):
-    spawn(_qkv_worker, 3, mode)
+def test_split_sharded(mode, layout):
+    spawn(_qkv_worker, 3, mode, layout)
 
 
 def rank_batch(rank, vocab, seq):
