@@ -106,12 +106,6 @@ class TorchMuonAdamW:
     def state_dict(self) -> dict:
         return dict(torch_baseline=[opt.state_dict() for opt in self.optimizers])
 
-    def full_state_dict(self) -> dict:  # replicated: every rank holds the whole state
-        return self.state_dict()
-
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        self.load_state_dict(state_dict)
-
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("torch_baseline")
         if saved is None or len(saved) != len(self.optimizers):
@@ -119,3 +113,6 @@ class TorchMuonAdamW:
                              "the --optimizer the run was started with")
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
+
+    # replicated: every rank holds the whole state, so the full state is the state
+    full_state_dict, load_full_state_dict = state_dict, load_state_dict

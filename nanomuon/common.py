@@ -55,18 +55,10 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def autodetect_device_type() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
 def check_device_type(device_type: str) -> str:
     """'auto' -> the best device here; an explicit device that is not here -> a one-line error."""
     if device_type == "auto":
-        return autodetect_device_type()
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; use --device-type cpu")
     if device_type == "mps" and not torch.backends.mps.is_available():
@@ -131,9 +123,7 @@ def exit_if_rank0_failed(error: str | None) -> None:
 
 def autocast(device: torch.device):
     """bf16 autocast on CUDA; fp32 elsewhere (CPU bf16 matmuls are slow without bf16 matrix units)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def synchronize(device: torch.device):
@@ -165,10 +155,9 @@ def tensors_finite(tensors) -> bool:
     an element is (short of a finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm
     takes a few kernels, not two per tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
-    device = local[0].device if local else "cpu"
-    local = [t for t in local if t.numel()]
-    ok = torch.stack([n.float() for n in torch._foreach_norm(local)]).isfinite().all() if local else None
-    ok = (ok if ok is not None else torch.tensor(True, device=device)).to(torch.int32)
+    ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
+    if nonempty := [t for t in local if t.numel()]:
+        ok = torch.stack([n.float() for n in torch._foreach_norm(nonempty)]).isfinite().all().to(torch.int32)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
@@ -193,8 +182,7 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
     mine = rows[rank::world_size]
-    nats = torch.zeros((), dtype=torch.float64, device=device)
-    nbytes = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
     # every rank runs the same number of batches (a sharded model's forward is a collective)
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
@@ -208,12 +196,10 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
         with autocast(device):
             loss = model(x, y, loss_reduction="none")
         b = token_bytes[y.clamp(min=0)] * (y >= 0)
-        nats += (loss.double() * (b > 0)).sum()
-        nbytes += b.sum()
+        sums += torch.stack([(loss.double() * (b > 0)).sum(), b.sum().double()])
     if distributed:
-        both = torch.stack([nats, nbytes])
-        dist.all_reduce(both)
-        nats, nbytes = both[0], both[1]
-    if nbytes.item() == 0:
+        dist.all_reduce(sums)
+    nats, nbytes = sums.tolist()
+    if nbytes == 0:
         raise ValueError("evaluation saw no text bytes; is the validation split empty?")
-    return nats.item() / (math.log(2) * nbytes.item())
+    return nats / (math.log(2) * nbytes)

@@ -1,21 +1,17 @@
 """
 The training data loader: documents in, (inputs, targets) token batches out, every token of an epoch
-trained exactly once, in bounded memory, with exact resume. (README, "Data loader", has the numbers.)
+trained exactly once, in bounded memory, with exact resume. (README, "Data and tokenizer", has the numbers.)
 
 Why its own design rather than a torch DataLoader:
 - Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group sizes.
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
-- Every token once per epoch, in rows of seq_len + 1 tokens that always start with BOS:
-  - A row opens with the continuation that is due, else with the oldest buffered document, so no piece
-    waits forever. A continuation opens its row as BOS, then the document's next tokens: the model always
-    sees BOS at position 0 and the continuation's first token is a target. That BOS is the only token the
-    packer inserts, at most one per row.
-  - The rest of the row is filled best-fit (the longest buffered document that fits whole); when none
-    fits, the oldest is cut at the row's end and its remainder opens a later row, never mid-row.
-  - Interleaved: a continuation opens the row `interleave` (default: batch_size) rows after the one it
-    was cut from, so a long document does not fill a micro-batch alone and make its gradient.
-  - Rows never mix epochs: at an epoch's end the buffer drains, and rows with nothing left to fill them
-    are padded (targets -1): at most `interleave` rows per epoch per rank.
+- Every token once per epoch, in rows of seq_len + 1 tokens that always start with BOS (README, "Data
+  and tokenizer", states the rules in full). A row opens with the continuation that is due, else with
+  the oldest buffered document, so no piece waits forever; the rest is filled best-fit with whole
+  documents, and when none fits the oldest is cut at the row's end. Its remainder opens the row
+  `interleave` (default: batch_size) rows later, as BOS then its next tokens (the only token the packer
+  inserts), so a long document does not fill a micro-batch alone. Rows never mix epochs: an epoch's
+  last rows are padded (targets -1), at most `interleave` per rank.
 - Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized chunk
   by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the whole text.
 - Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
@@ -24,8 +20,6 @@ Why its own design rather than a torch DataLoader:
   document to read, O(buffer_size) integers; load_state_dict() re-reads and re-tokenizes them.
   reshard_states() turns N saved states into one for each of M new ranks: every token is still trained
   once per epoch, but other ranks pack other rows, so the run is the same run, not the same bits.
-- Validation (val_rows): the val split's documents in order, packed the same way with a one-document
-  buffer, the same at any process count.
 """
 
 import bisect
@@ -78,8 +72,7 @@ class _Piece:
 
     def ref(self) -> tuple:
         """(epoch, doc) for an untouched document, (epoch, doc, chunk start, token offset) for the rest."""
-        started = self.chunk or self.pos
-        return (self.epoch, self.doc, self.chunk, self.pos) if started else (self.epoch, self.doc)
+        return (self.epoch, self.doc, self.chunk, self.pos) if self.chunk or self.pos else (self.epoch, self.doc)
 
 
 class DataLoader:
@@ -110,9 +103,7 @@ class DataLoader:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
-        self.interleave = interleave
-        # prefetch > 0: a thread packs up to that many batches ahead of the training loop
-        self.prefetch = prefetch
+        self.interleave, self.prefetch = interleave, prefetch
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
         self.files = list_shards(dataset, split)
         # Row-group index from the parquet footers: (file, row group, first global doc, rows).
@@ -146,7 +137,8 @@ class DataLoader:
         self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
     # -- reading --------------------------------------------------------------------------------
-    def _texts(self, rgi: int) -> list:
+    def _doc_text(self, doc: int) -> str | None:
+        rgi = bisect.bisect_right(self.starts, doc) - 1
         if self._cached[0] != rgi:
             fi, rg, _, _ = self.row_groups[rgi]
             try:
@@ -155,11 +147,7 @@ class DataLoader:
                 raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
                                  "delete it and download or build it again") from None
             self._cached = (rgi, table.column("text").to_pylist())
-        return self._cached[1]
-
-    def _doc_text(self, doc: int) -> str | None:
-        rgi = bisect.bisect_right(self.starts, doc) - 1
-        return self._texts(rgi)[doc - self.starts[rgi]]
+        return self._cached[1][doc - self.starts[rgi]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
         """Tokens of the chunk of text at start (BOS first for the first chunk), and where it ends."""
@@ -175,12 +163,6 @@ class DataLoader:
                              f"{doc}, which has {len(tokens)} tokens: the data or the tokenizer changed since it "
                              "was saved")
         return _Piece(epoch, doc, tokens, text if end < len(text) else None, chunk, end, pos)
-
-    def _next_chunk(self, p: _Piece) -> None:
-        p.tokens, end = self._chunk(p.text, p.next)
-        p.chunk, p.next, p.pos = p.next, end, 0
-        if end >= len(p.text):
-            p.text = None
 
     def _read_ahead(self) -> None:
         """Tokenize the next tokenize_batch documents (the backlog first, then this rank's stride) into the
@@ -246,14 +228,20 @@ class DataLoader:
         return p
 
     def _take(self, p: _Piece, row: array, n: int) -> None:
-        """Move up to n of p's tokens to the row."""
+        """Move up to n of p's tokens to the row. If that fills the row, the rest of p goes on `interleave`
+        rows from this one (at most one piece per row is cut, so continuations never fall due together)."""
         while n > 0 and p.pos < len(p.tokens):
             k = min(n, len(p.tokens) - p.pos)
             row.extend(p.tokens[p.pos:p.pos + k])
             p.pos += k
             n -= k
-            if p.pos == len(p.tokens) and p.text is not None:
-                self._next_chunk(p)
+            if p.pos == len(p.tokens) and p.text is not None:  # on to the document's next chunk
+                p.tokens, end = self._chunk(p.text, p.next)
+                p.chunk, p.next, p.pos = p.next, end, 0
+                p.text = p.text if end < len(p.text) else None
+        if p.pos < len(p.tokens):
+            p.due = self._row + self.interleave
+            self._open.append(p)
 
     def next_row(self) -> tuple[array, int]:
         """The next packed row (seq_len + 1 token ids, -1 for padding) and the epoch it belongs to."""
@@ -271,8 +259,6 @@ class DataLoader:
         else:
             p = self._remove(next(iter(self._pool)))  # the oldest document
         self._take(p, row, size - len(row))
-        if p.pos < len(p.tokens):  # it fills the row; it goes on in a later row
-            self._defer(p)
         while len(row) < size:
             self._refill()
             space = size - len(row)
@@ -280,22 +266,13 @@ class DataLoader:
             if i >= 0:  # best fit: the longest document that fits whole
                 self._take(self._remove(-self._fits[i][1]), row, space)
             elif self._pool:  # none fits: cut the oldest; its remainder opens a later row
-                p = self._remove(next(iter(self._pool)))
-                self._take(p, row, space)
-                if p.pos < len(p.tokens):
-                    self._defer(p)
+                self._take(self._remove(next(iter(self._pool))), row, space)
             else:  # the epoch is drained but for continuations, which open rows only: pad
                 row.extend([-1] * space)
                 self._counts["padding"] += space
         self._counts["rows"] += 1
         self._row += 1
         return row, epoch
-
-    def _defer(self, p: _Piece) -> None:
-        """p goes on `interleave` rows from this one (at most one piece per row is deferred, so they never
-        fall due together)."""
-        p.due = self._row + self.interleave
-        self._open.append(p)
 
     def _make_batch(self) -> tuple[torch.Tensor, dict, list, dict]:
         """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them, each row's
@@ -329,16 +306,13 @@ class DataLoader:
                 return
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.prefetch:
-            rows, self._consumed, self.batch_epochs, added = self._make_batch()
-        else:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._produce, name="DataLoader", daemon=True)
-                self._thread.start()
-            item = self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            rows, self._consumed, self.batch_epochs, added = item
+        if self.prefetch and self._thread is None:
+            self._thread = threading.Thread(target=self._produce, name="DataLoader", daemon=True)
+            self._thread.start()
+        item = self._queue.get() if self.prefetch else self._make_batch()
+        if isinstance(item, BaseException):  # what went wrong in the prefetch thread, raised here
+            raise item
+        rows, self._consumed, self.batch_epochs, added = item
         for k, v in added.items():
             self.stats[k] += v
         rows = rows.to(self.device, non_blocking=True)

@@ -108,7 +108,7 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
         raise ValueError(f"max_chars must be >= 0 or None, got {max_chars}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    left, k = max_chars, -1
+    left, k = sys.maxsize if max_chars is None else max_chars, -1
     for path in list_shards(name, split):
         pf = open_shard(name, path)
         # Row group by row group keeps memory at one group, not one shard (FineWeb shards are ~100 MB).
@@ -117,13 +117,12 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
                 k += 1
                 if text is None or k % world_size != rank:
                     continue
-                if left is not None:
-                    if left <= 0:
-                        return
-                    text = text[:left]
-                    left -= len(text)
+                if left <= 0:
+                    return
+                text = text[:left]
+                left -= len(text)
                 yield text
-            if left is not None and left <= 0:
+            if left <= 0:
                 return
 
 
@@ -166,22 +165,17 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
-    paths = []
-    for i, group in enumerate(groups):
+    paths = [out_dir / shard_name(i) for i in range(len(groups))]
+    for path, group in zip(paths, groups):
         table = pa.table({"text": pa.array(group, type=pa.string())})
-        path = out_dir / shard_name(i)
-        write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024,
-                                                                   compression="zstd"))
-        paths.append(path)
+        write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024, compression="zstd"))
     for stale in set(out_dir.glob("*.parquet")) - set(paths):  # leftovers of an earlier, larger build
         stale.unlink()
 
-    manifest = dict(
-        source="Python standard library .py files, one file per document",
-        python=sys.version.split()[0], stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None,
-        files=len(docs), chars=total, shard_chars=shard_chars, seed=0,
-        shards=[p.name for p in paths], val_shard=paths[-1].name,
-    )
+    manifest = dict(source="Python standard library .py files, one file per document", python=sys.version.split()[0],
+                    stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None, files=len(docs),
+                    chars=total, shard_chars=shard_chars, seed=0, shards=[p.name for p in paths],
+                    val_shard=paths[-1].name)
     readme = (f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} standard library,\n"
               f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into {len(paths)} parquet "
               f"shards\n(column `text`, one file per row). The last shard, {paths[-1].name}, is the val split.\n"
@@ -230,7 +224,7 @@ def ensure_embedded() -> Path:
 
 # -- FineWeb-Edu download -----------------------------------------------------------------------------
 
-def _fetch(url: str, part: Path, timeout: float, stop: threading.Event | None = None) -> None:
+def _fetch(url: str, part: Path, timeout: float, stop: threading.Event) -> None:
     """Stream url into part, resuming from part's current size with a Range request.
     Raises ConnectionError if the connection ends before the advertised length."""
     start = part.stat().st_size if part.exists() else 0
@@ -245,7 +239,6 @@ def _fetch(url: str, part: Path, timeout: float, stop: threading.Event | None = 
             return
         raise
     with resp:
-        total = None
         if resp.status == 206:
             # Content-Range: bytes FIRST-LAST/TOTAL (TOTAL may be "*")
             spec = resp.headers.get("Content-Range", "").removeprefix("bytes ")
@@ -253,18 +246,16 @@ def _fetch(url: str, part: Path, timeout: float, stop: threading.Event | None = 
             if not first.isdigit() or int(first) != start:
                 part.unlink(missing_ok=True)
                 raise ConnectionError(f"server resumed at {spec!r}, not at byte {start}; restarting the shard")
-            total = int(size) if size.isdigit() else None
             mode = "ab"
         else:  # 200: the server ignored the Range header and sends the whole file
-            start, mode = 0, "wb"
-            length = resp.headers.get("Content-Length")
-            total = int(length) if length and length.isdigit() else None
+            start, mode, size = 0, "wb", resp.headers.get("Content-Length", "")
+        total = int(size) if size.isdigit() else None
         got = start
         with open(part, mode) as f:
             # http.client returns b"" rather than raising when a response with a length is cut short,
             # so the byte count below is what catches a dropped connection.
             while chunk := resp.read(1 << 20):
-                if stop is not None and stop.is_set():  # Ctrl-C in the main thread: keep the .part, quit
+                if stop.is_set():  # Ctrl-C in the main thread: keep the .part, quit
                     raise InterruptedError("download stopped")
                 f.write(chunk)
                 got += len(chunk)
@@ -273,7 +264,7 @@ def _fetch(url: str, part: Path, timeout: float, stop: threading.Event | None = 
 
 
 def _download_shard(index: int, out_dir: Path, base_url: str, retries: int, backoff: float,
-                    timeout: float = 60.0, stop: threading.Event | None = None) -> tuple[Path, bool]:
+                    stop: threading.Event, timeout: float = 60.0) -> tuple[Path, bool]:
     """Download one shard into out_dir; returns (path, False if it was already there)."""
     name = shard_name(index)
     final, part = out_dir / name, out_dir / f"{name}.part"
@@ -282,11 +273,9 @@ def _download_shard(index: int, out_dir: Path, base_url: str, retries: int, back
     url = f"{base_url.rstrip('/')}/{name}"
     last = "no attempt made"
     for attempt in range(retries + 1):
-        if attempt and stop is not None:
+        if attempt:
             stop.wait(backoff ** attempt)  # a sleep that Ctrl-C (stop.set()) cuts short
-        elif attempt:
-            time.sleep(backoff ** attempt)
-        if stop is not None and stop.is_set():
+        if stop.is_set():
             raise RuntimeError(f"{name}: stopped; re-run the same command to resume")
         try:
             _fetch(url, part, timeout, stop)

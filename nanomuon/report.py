@@ -40,9 +40,7 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
                 continue
             xs, ys = zip(*points)
             ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.5)
-        ax.set_title(panel["title"])
-        ax.set_xlabel(panel["xlabel"])
-        ax.set_ylabel(panel["ylabel"])
+        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
         if panel.get("logy"):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)

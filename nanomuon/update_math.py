@@ -10,9 +10,6 @@ lr factor or a precision. Compiled (kernel()), the hyperparameters are 0-D CPU t
 step (scalars()), so LR schedules never recompile.
 """
 
-import functools
-import math
-
 import torch
 from torch import Tensor
 
@@ -189,7 +186,7 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
         return u.mT
     if split:
         u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
-        sizes = [math.prod(second_moment_shape(b)[-2:]) for b in block_shapes(g.shape, layout)]
+        sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
         seconds = second_moment.split(sizes, dim=-1) if second_moment is not None else [None] * len(split)
         for gb, ub, sb in zip(split_rows(g, split, groups), split_rows(u, split, groups), seconds):
             m = gb.flatten(-3, -2)
@@ -254,11 +251,9 @@ def muon_layout(group: dict):
     return (tuple(split) if split else None, group["split_groups"], group["transposed"])
 
 
-@functools.lru_cache(maxsize=256)
-def _row_factors(factors: tuple, counts: tuple, groups: int, transposed: bool, device) -> Tensor:
-    """One lr factor per logical row of a split matrix, shaped to broadcast over the stored matrix."""
-    rows = torch.tensor([f for _ in range(groups) for f, n in zip(factors, counts) for _ in range(n)], device=device)
-    return rows.view(1, -1) if transposed else rows.view(-1, 1)
+# (factors, layout, device) -> a split matrix's lr factor per logical row, shaped to broadcast over the
+# stored matrix; built once, as a host-to-device copy every step would stall CUDA
+_row_factors: dict = {}
 
 
 def muon_hparams(group: dict, matrix_shape, device) -> dict:
@@ -270,10 +265,13 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
     layout = muon_layout(group)
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
     factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in block_shapes(matrix_shape, layout))
+    lr = group["lr"] * factors[0]
     if len(factors) > 1:
-        lr = group["lr"] * _row_factors(factors, layout[0], layout[1], layout[2], torch.device(device))
-    else:
-        lr = group["lr"] * factors[0]
+        key = (factors, layout, torch.device(device))
+        if key not in _row_factors:
+            rows = torch.tensor(factors).repeat_interleave(torch.tensor(layout[0])).repeat(layout[1]).to(device)
+            _row_factors[key] = rows.view(1, -1) if layout[2] else rows.view(-1, 1)
+        lr = group["lr"] * _row_factors[key]
     wd = group["weight_decay"]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * wd
     return dict(momentum=group["momentum"], lr=lr, wd=wd, decay=decay,
@@ -295,7 +293,7 @@ def second_moment_shape(shape, full_shape=None, layout=None) -> tuple:
     or per column (wide). full_shape: the whole matrix when `shape` is a slice of it. A split matrix
     keeps its blocks' states flat, one after another; a transposed one the state of its logical shape."""
     if layout is not None and layout[0]:
-        return (*shape[:-2], sum(math.prod(second_moment_shape(b)) for b in block_shapes(shape, layout)))
+        return (*shape[:-2], sum(torch.Size(second_moment_shape(b)).numel() for b in block_shapes(shape, layout)))
     if layout is not None:
         return second_moment_shape((*shape[:-2], shape[-1], shape[-2]))
     out = list(shape)

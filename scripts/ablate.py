@@ -49,10 +49,8 @@ def run_variant(variant: str, run: str, nproc: int, extra: list[str]) -> dict:
 
 def first_reaching(target: float, record: dict):
     """(step, training seconds) of the first eval at or below target, or (None, None)."""
-    for (step, bpb), t in zip(record["val_history"], record["val_train_time"]):
-        if bpb <= target:
-            return step, t
-    return None, None
+    return next(((step, t) for (step, bpb), t in zip(record["val_history"], record["val_train_time"])
+                 if bpb <= target), (None, None))
 
 
 def comparison_table(records: dict, baseline: str) -> list[str]:

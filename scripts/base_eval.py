@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0
+from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
 from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS
 from scripts.base_train import PROMPTS
@@ -33,10 +33,8 @@ def main(argv=None):
     dataset = args.dataset or meta["args"]["dataset"]
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     seq_len = model.config.sequence_len
-    try:
+    with user_errors():
         rows = val_rows(tokenizer, dataset, seq_len, eval_tokens)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
     print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} tokens")

@@ -109,41 +109,32 @@ def parse_args(argv=None):
                    "gradient (each skipped with a warning) before the run stops")
     args = p.parse_args(argv)
 
-    positive = ["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size",
-                "eval_tokens", "log_every", "max_nonfinite_steps"]
-    for name in positive:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            p.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    rules = [  # (flags, test, what each must be)
+        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size", "eval_tokens",
+          "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
+        (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
+        (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
+        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"], lambda v: math.isfinite(v) and v >= 0,
+         "a finite number >= 0"),
+        (["qk_clip"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: off)"),
+        (["target_flops", "target_param_data_ratio"], math.isfinite, "a finite number (or <= 0: off)"),
+        (["seed"], lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)"),
+    ]
+    for names, ok, what in rules:
+        for name in names:
+            if not ok(getattr(args, name)):
+                p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
     if args.warmup_ratio + args.warmdown_ratio > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} exceed 1")
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"):
-        v = getattr(args, name)
-        if not (math.isfinite(v) and v >= 0):
-            p.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
-    if args.num_iterations == 0 or args.num_iterations < -1:
-        p.error(f"--num-iterations must be >= 1 (or -1 to derive it), got {args.num_iterations}")
     if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
         p.error("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
-    for name in ("eval_every", "save_every"):
-        v = getattr(args, name)
-        if v == 0 or v < -1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, or -1 for only at the end; got {v}")
-    if not (math.isfinite(args.qk_clip) and args.qk_clip >= 0):
-        p.error(f"--qk-clip must be a finite number >= 0 (0: off), got {args.qk_clip}")
     if args.qk_clip and args.qk_norm:
         p.error("--qk-clip has nothing to do with QK-norm on (it already bounds the logits); add --no-qk-norm")
     if args.fsdp and args.optimizer == "torch-muon":
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
-    for name in ("target_flops", "target_param_data_ratio"):
-        if not math.isfinite(getattr(args, name)):
-            p.error(f"--{name.replace('_', '-')} must be a finite number (or <= 0: off), got {getattr(args, name)}")
-    if not 0 <= args.seed < 2 ** 64:
-        p.error(f"--seed must be in [0, 2**64), got {args.seed}")
     args.run = args.run or f"d{args.depth}"
     try:
         checkpoint.run_arg(args.run)
@@ -357,9 +348,10 @@ def resume(run: Run) -> None:
         flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
                  for g in run.optimizer.param_groups]
         run.optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
+        plain = lambda v: list(v) if isinstance(v, tuple) else v  # tuples may come back from a save as lists
         for group, wanted in zip(run.optimizer.param_groups, flags):
             for key, value in wanted.items():
-                if _plain(group.get(key)) != _plain(value):
+                if plain(group.get(key)) != plain(value):
                     print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} in the checkpoint, "
                            f"{value!r} now (the flags win)")
                 group[key] = value
@@ -372,11 +364,6 @@ def resume(run: Run) -> None:
     del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     print0(f"resumed {run.run_dir} at step {step}")
-
-
-def _plain(v):
-    """A group value as saved and reloaded: tuples may come back as lists."""
-    return list(v) if isinstance(v, tuple) else v
 
 
 def evaluate(run: Run) -> None:
@@ -399,11 +386,9 @@ def save(run: Run) -> None:
                          "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
     optim_state = run.optimizer.full_state_dict()  # collectives where the state is sharded
     model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in run.model.state_dict().items()}
-    loader_states = [None] * run.world_size
-    if run.distributed:
+    loader_states = [run.train_loader.state_dict()] * run.world_size  # one process: its own state
+    if run.distributed:  # torchrun: every rank's
         dist.all_gather_object(loader_states, run.train_loader.state_dict())
-    else:
-        loader_states = [run.train_loader.state_dict()]
     error = None
     if run.rank == 0:
         meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from nanomuon.common import user_errors
 from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import DATASETS, iter_texts
 from nanomuon.tokenizer import get_tokenizer
@@ -36,13 +37,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if min(args.device_batch_size, args.max_seq_len, args.world_size, args.batches) < 1 or args.epochs < 0:
         p.error("--device-batch-size, --max-seq-len, --world-size and --batches must be >= 1, --epochs >= 0")
-    try:
+    with user_errors():
         tok = get_tokenizer()
         make = lambda prefetch=0: DataLoader(tok, args.dataset, "train", args.device_batch_size, args.max_seq_len,
                                              args.rank, args.world_size, prefetch=prefetch)
         dl = make()
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     B, T = args.device_batch_size, args.max_seq_len
     print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x {T + 1} tokens, "
           f"buffer {dl.buffer_size} documents; torch {torch.__version__}, {args.epochs} epochs")

@@ -28,6 +28,7 @@ import time
 import torch
 
 from nanomuon.baselines import fp32_newton_schulz
+from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import assign_owners, bucket_by
@@ -50,16 +51,11 @@ def gpt_shapes(depth: int):
     return model.config.n_embd, adamw, [tuple(p.shape) for p in model.blocks.parameters()]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn, device: torch.device) -> float:
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
-    sync(device)
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -285,8 +281,7 @@ def main(argv=None):
     baseline_ns = f"{precision}, patched" if step["patched"] else precision
     print(f"step d{args.depth:<4d}  MuonAdamW {step['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
           f"{step['base'] * 1e3:.0f} ms (NS {baseline_ns}, compile {compile}): ratio {step['ratio']:.3f}, "
-          f"target <= {step['target']} "
-          f"{verdict(step['ratio'] <= step['target'])}")
+          f"target <= {step['target']} {verdict(step['ratio'] <= step['target'])}")
     print(f"NS d{args.depth:<6d}  {gflops(ns['rate'])} vs bmm {gflops(ns['ref'])}: ratio {ns['ratio']:.3f}, "
           f"target >= {NS_TARGET} {verdict(ns['ratio'] >= NS_TARGET)}")
     print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: DistMuonAdamW {imb['ours']:.3f}, "

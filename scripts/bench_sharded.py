@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
@@ -59,13 +60,11 @@ def run(args, device):
         for i in range(args.warmup + args.steps):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             dist.barrier()
             t0 = time.perf_counter()
             opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             dist.barrier()
             if i >= args.warmup:
                 samples.append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from nanomuon.checkpoint import load_model, run_arg, step_arg
-from nanomuon.common import check_device_type, get_base_dir
+from nanomuon.common import check_device_type, get_base_dir, user_errors
 from nanomuon.tokenizer import get_tokenizer
 
 
@@ -21,11 +21,9 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def load_for_inference(args, device):
     """(model, tokenizer, meta) for --run/--step; a one-line error when they do not fit together."""
-    try:
+    with user_errors():
         tokenizer = get_tokenizer()
         model, meta = load_model(get_base_dir() / "runs" / args.run, args.step, device)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     if meta["tokenizer"] != tokenizer.fingerprint:
         raise SystemExit(f"error: run {args.run} was trained with a different tokenizer than the one in "
                          f"{get_base_dir() / 'tokenizer'}; restore that tokenizer or sample a run trained with it")

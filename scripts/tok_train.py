@@ -11,6 +11,7 @@ bytes of text a token budget buys.
 import argparse
 import time
 
+from nanomuon.common import user_errors
 from nanomuon.dataset import DATASETS, iter_texts
 from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
@@ -42,15 +43,13 @@ def main(argv=None):
             print(f"reusing the tokenizer in {tokenizer_dir()} (vocab {have}); delete it to retrain")
             return
 
-    try:
+    with user_errors():
         t0 = time.time()
         # capped: a few huge documents (minified code, tables) would otherwise dominate the pair counts
         texts = (text[:args.doc_cap] for text in iter_texts(args.dataset, "train", args.max_chars))
         tok = Tokenizer.train(texts, args.vocab_size)
         train_s = time.time() - t0
         val = list(iter_texts(args.dataset, "val", args.eval_chars))
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
     if tok.vocab_size < args.vocab_size:
         print(f"warning: the training text only supports {tok.vocab_size} tokens, not {args.vocab_size}; "
               "raise --max-chars for a full vocabulary")
