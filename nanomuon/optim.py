@@ -284,36 +284,32 @@ class DistMuonAdamW(MuonAdamW):
 
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
-        from shapes alone so every rank agrees. Planned group by group: a group added later is balanced
-        against the owners already fixed, which keep their matrices and so their state."""
-        groups = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
-        planned = self._plan  # per group: (param ids, its buckets)
-        if [ids for ids, _ in planned] == groups:
-            return [b for _, buckets in planned for b in buckets]
-        for gi, (ids, buckets) in enumerate(planned):
-            if ids != groups[gi] and any(self.state.get(p) for b in buckets for p in b["params"]):
-                raise ValueError(f"{group_label(gi, self.param_groups[gi])}: its params changed after DistMuonAdamW "
-                                 "made state for them; add new params in a new group with add_param_group()")
-        keep = [gi for gi, (ids, _) in enumerate(planned) if ids == groups[gi]]
+        from shapes alone so every rank agrees. Planned group by group, each balanced against the groups
+        before it, and kept: a group added later leaves the others' owners, and so their state, in place."""
         loads = [0.0] * self.world_size
-        for gi in keep:
-            for b in planned[gi][1]:
-                for r, slots in enumerate(b["slots"]):
-                    loads[r] += len(slots) * b["cost"]
-        matrices = [(gi, p) for gi, g in enumerate(self.param_groups) if g["kind"] == "muon" and gi not in keep
-                    for p in g["params"] if not isinstance(p, DTensor)]
-        keys = [(gi, tuple(p.shape), p.dtype, p.device) for gi, p in matrices]
-        costs = [ns_flops(p.shape, self.param_groups[gi]["ns_steps"]) for gi, p in matrices]
-        new = [[] for _ in groups]
-        for b in owner_plan(keys, costs, self.world_size, loads):
+        for gi, group in enumerate(self.param_groups):
+            ids = tuple(id(p) for p in group["params"])
+            if gi == len(self._plan) or self._plan[gi][0] != ids:
+                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1] for p in b["params"]):
+                    raise ValueError(f"{group_label(gi, group)}: its params changed after DistMuonAdamW made state "
+                                     "for them; add new params in a new group with add_param_group()")
+                self._plan[gi:gi + 1] = [(ids, self._plan_group(gi, group, loads))]
+            for b in self._plan[gi][1]:
+                loads = [load + len(slots) * b["cost"] for load, slots in zip(loads, b["slots"])]
+        return [b for _, buckets in self._plan for b in buckets]
+
+    def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
+        """One group's buckets, with owners balanced against `loads` (what each rank already owns)."""
+        matrices = [p for p in group["params"] if not isinstance(p, DTensor)] if group["kind"] == "muon" else []
+        keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
+        buckets = []
+        for b in owner_plan(keys, [ns_flops(p.shape, group["ns_steps"]) for p in matrices], self.world_size, loads):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
             # rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
-            gi = matrices[b["members"][0]][0]
-            new[gi].append(dict(group=gi, params=[matrices[i][1] for i in b["members"]], slots=b["slots"],
-                                per_rank=b["per_rank"], cost=b["cost"], mine=b["slots"][self.rank], rows=rows))
-        self._plan = [planned[gi] if gi in keep else (ids, new[gi]) for gi, ids in enumerate(groups)]
-        return [b for _, buckets in self._plan for b in buckets]
+            buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]], mine=b["slots"][self.rank],
+                                rows=rows))
+        return buckets
 
     def _adamw_route(self, p: Tensor) -> str:
         """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'small' or 'sharded'."""

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon.update_math import COEFFICIENT_SETS, LR_SCALES, NS_DTYPES
+from nanomuon.update_math import LR_SCALES, NS_DTYPES, ns_coefficients
 
 logger = logging.getLogger("nanomuon")
 
@@ -75,21 +75,17 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
     params (requires_grad=False) are left out; the `nanomuon` logger says why each param went where."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}  # transformers' (in, out)
-    groups = {(None, False): dict(muon, kind="muon", params=[])}
-    adamw_group = dict(adamw, kind="adamw", params=[])
+    groups, adamw_group = {(None, False): dict(muon, kind="muon", params=[])}, dict(adamw, kind="adamw", params=[])
     for name, p in model.named_parameters():
         if not p.requires_grad:
             logger.debug("%s: frozen, left out", name)
             continue
         to_muon, why = classify(name, p, skip_keys, expert_keys, embedding=id(p) in embeddings)
-        layout = (None, id(p) in transposed)
-        rows = p.shape[-1] if layout[1] else p.shape[-2] if p.ndim >= 2 else 0
-        blocks = next((n for k, n in fused_keys.items() if _matches(normalize_fqn(name).split("."), k)), None)
-        if to_muon and blocks and rows % blocks == 0:
-            layout = ((rows // blocks,) * blocks, layout[1])
-            why += f", fused: {blocks} blocks"
+        rows = p.shape[-1] if id(p) in transposed else p.shape[-2] if p.ndim >= 2 else 0
+        blocks = next((n for k, n in fused_keys.items() if _matches(normalize_fqn(name).split("."), k)), 0)
+        layout = ((rows // blocks,) * blocks if blocks and rows % blocks == 0 else None, id(p) in transposed)
         if to_muon and layout != (None, False):
-            why += ", stored (in, out)" * layout[1]
+            why += f", split {layout[0]}" * bool(layout[0]) + ", stored (in, out)" * layout[1]
             groups.setdefault(layout, dict(muon, kind="muon", params=[], split=layout[0], transposed=layout[1],
                                            name=f"muon split={layout[0]} transposed={layout[1]}"))
         logger.debug("%s %s -> %s: %s", name, tuple(p.shape), "muon" if to_muon else "adamw", why)
@@ -170,31 +166,13 @@ def check_group_values(i: int, group: dict) -> None:
 
 
 def _check_coefficients(label: str, group: dict) -> None:
-    steps, spec = group["ns_steps"], group.get("ns_coefficients", "polar_express")
+    steps = group["ns_steps"]
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
         raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
-    if isinstance(spec, str):
-        if spec not in COEFFICIENT_SETS:
-            raise ValueError(f"{label}: ns_coefficients={spec!r} is unknown; use one of {list(COEFFICIENT_SETS)}, "
-                             "a list of (a, b, c) triples or dict(coefficients=[...], safety=1.0, eps=1e-7)")
-        triples = COEFFICIENT_SETS[spec][0]
-    else:
-        triples = spec.get("coefficients") if isinstance(spec, dict) else spec
-        extra = set(spec) - {"coefficients", "safety", "eps"} if isinstance(spec, dict) else set()
-        try:
-            ok = not extra and len(triples) >= 1 and all(len(t) == 3 and all(math.isfinite(float(x)) for x in t)
-                                                         for t in triples)
-            ok = ok and all(float(spec[k]) > 0 for k in ("safety", "eps") if isinstance(spec, dict) and k in spec)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"{label}: ns_coefficients must be a name, a non-empty list of finite (a, b, c) "
-                             "triples, or dict(coefficients=<such a list>, safety=<number > 0>, eps=<number > 0>), "
-                             f"got {spec!r}")
-    if 1 < len(triples) < steps and not group.get("ns_repeat_last", False):
-        raise ValueError(f"{label}: ns_steps={steps} but ns_coefficients={spec if isinstance(spec, str) else 'list'} "
-                         f"has {len(triples)} per-iteration triples; use ns_steps <= {len(triples)}, or "
-                         "ns_repeat_last=True to run the last triple for the steps beyond")
+    try:
+        ns_coefficients(group.get("ns_coefficients", "polar_express"), steps, group.get("ns_repeat_last", False))
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
 
 
 def _check_layout(label: str, group: dict) -> None:

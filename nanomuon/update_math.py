@@ -61,20 +61,32 @@ LR_SCALES = {
 
 
 def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
-    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps). spec: a
-    name, a list of (a, b, c) triples (safety 1, eps 1e-7), or dict(coefficients=[...], safety=, eps=). A
-    single triple runs at every iteration; with repeat_last, so does the last of a list that runs out
-    (Emerging-Optimizers' rule)."""
-    if isinstance(spec, str):
-        triples, safety, eps = COEFFICIENT_SETS[spec][:3]
-    elif isinstance(spec, dict):
-        triples, safety, eps = spec["coefficients"], spec.get("safety", 1.0), spec.get("eps", 1e-7)
-    else:
-        triples, safety, eps = spec, 1.0, 1e-7
-    triples = tuple(tuple(float(x) for x in t) for t in triples)
+    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps), or raise
+    ValueError saying what is wrong. spec: a name, a list of (a, b, c) triples (safety 1, eps 1e-7), or
+    dict(coefficients=[...], safety=, eps=). A single triple runs at every iteration; with repeat_last,
+    so does the last of a list that runs out (Emerging-Optimizers' rule); else the list must be long enough."""
+    if isinstance(spec, str) and spec not in COEFFICIENT_SETS:
+        raise ValueError(f"ns_coefficients={spec!r} is unknown; use one of {list(COEFFICIENT_SETS)}, a list of "
+                         "(a, b, c) triples or dict(coefficients=[...], safety=1.0, eps=1e-7)")
+    d = dict(zip(("coefficients", "safety", "eps"), COEFFICIENT_SETS[spec])) if isinstance(spec, str) else (
+        spec if isinstance(spec, dict) else dict(coefficients=spec))
+    try:
+        triples = tuple(tuple(float(x) for x in t) for t in d["coefficients"])
+        safety, eps = float(d.get("safety", 1.0)), float(d.get("eps", 1e-7))
+        ok = set(d) <= {"coefficients", "safety", "eps"} and len(triples) >= 1 and safety > 0 and eps > 0
+        ok = ok and all(len(t) == 3 and all(abs(x) < float("inf") for x in t) for t in triples)
+    except (TypeError, ValueError, KeyError):
+        ok = False
+    if not ok:
+        raise ValueError("ns_coefficients must be a name, a non-empty list of finite (a, b, c) triples, or "
+                         f"dict(coefficients=<such a list>, safety=<number > 0>, eps=<number > 0>), got {spec!r}")
+    if 1 < len(triples) < ns_steps and not repeat_last:
+        raise ValueError(f"ns_steps={ns_steps} but ns_coefficients={spec if isinstance(spec, str) else 'list'} has "
+                         f"{len(triples)} per-iteration triples; use ns_steps <= {len(triples)}, or "
+                         "ns_repeat_last=True to run the last triple for the steps beyond")
     if len(triples) == 1 or repeat_last:
         triples += triples[-1:] * max(0, ns_steps - len(triples))
-    return triples[:ns_steps], float(safety), float(eps)
+    return triples[:ns_steps], safety, eps
 
 
 def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype, shard=None) -> Tensor:
@@ -181,9 +193,8 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
     its second moment a slice of the flat per-matrix state."""
     split, groups, transposed = layout or (None, 1, False)
     if transposed:
-        u = muon_direction(g.mT, second_moment, beta2, coeffs, safety, eps, ns_dtype, out_dtype, shard,
-                           (split, groups, False))
-        return u.mT
+        return muon_direction(g.mT, second_moment, beta2, coeffs, safety, eps, ns_dtype, out_dtype, shard,
+                              (split, groups, False)).mT
     if split:
         u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
         sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
