@@ -286,9 +286,10 @@ def _add_group_worker(rank, world_size):
     ref_opt = MuonAdamW([dict(opt.param_groups[0], params=ref[0])])
     owners_before = [dict(b) for b in opt._get_plan()]
     for step in range(6):
-        if step == 3:  # a second Muon group and an AdamW group arrive once state exists
+        if step == 3:  # two Muon groups (one split into blocks) and an AdamW group arrive once state exists
             for o, ps in ((opt, ours[1]), (ref_opt, ref[1])):
-                o.add_param_group(dict(kind="muon", params=ps[:3], **muon))
+                o.add_param_group(dict(kind="muon", params=ps[:2], **muon))
+                o.add_param_group(dict(kind="muon", params=ps[2:3], split=(8, 8, 16), lr_scale="spectral", **muon))
                 o.add_param_group(dict(kind="adamw", params=ps[3:], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                                        weight_decay=0.0))
         live = ours[0] + (ours[1] if step >= 3 else [])
@@ -316,39 +317,62 @@ def test_add_param_group_keeps_owners_and_state(world_size):
 # -- compile with many shapes ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.compile
-def test_compile_survives_many_shapes():
-    """24 distinct shapes reach the compiled kernels: 12 AdamW lengths (among them the flat shard lengths
-    ZeRO-2 hands its AdamW kernel: ceil(n / world) for worlds 2, 3 and 8), and Muon stacks whose size
-    changes as params lose their grads. dynamo's default limit is 8 graphs per function."""
+LENGTHS = [10, 37, 64, 100, 129, 256, 333, 4096, 2049, 1366, 513, 1000]  # 4096 / 2 (+1), 4096 / 3, 4096 / 8
+MATRICES = [(24, 16)] * 4 + [(16, 24)] * 3 + [(32, 32)] * 2 + [(40, 8), (8, 40), (3, 16, 24)]
+
+
+def compile_eager_pair(cls, rank=0, world_size=1):
+    """The same model and optimizer twice, eager and compiled; 4 steps on grads where a third of the params
+    have none, a different third each step (so Muon stacks change size). Returns the graphs compiled."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    lengths = [10, 37, 64, 100, 129, 256, 333, 4096, 2049, 1366, 513, 1000]  # 4096 / 2 (+1), 4096 / 3, 4096 / 8
-    matrices = [(24, 16)] * 4 + [(16, 24)] * 3 + [(32, 32)] * 2 + [(40, 8), (8, 40), (3, 16, 24)]
 
     def build(compile):
         gen = torch.Generator().manual_seed(0)
-        mats = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in matrices]
-        vecs = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in lengths]
-        opt = MuonAdamW([dict(kind="muon", params=mats, **{k: BASE[k] for k in ("lr", "momentum", "ns_steps",
-                                                                               "beta2", "weight_decay")}),
-                         dict(kind="adamw", params=vecs, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)],
-                        compile=compile)
-        return mats + vecs, opt
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in MATRICES + [(n,) for n in LENGTHS]]
+        muon = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
+        opt = cls([dict(kind="muon", params=params[:len(MATRICES)], **muon),
+                   dict(kind="adamw", params=params[len(MATRICES):], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                        weight_decay=0.01)], compile=compile)
+        return params, opt
 
     (eager, opt_e), (compiled, opt_c) = build(False), build(True)
     torch._dynamo.utils.counters.clear()
     for step in range(4):
         gen = torch.Generator().manual_seed(10 + step)
         for i, (p, q) in enumerate(zip(eager, compiled)):
-            g = torch.randn(p.shape, generator=gen)
-            dropped = (i + step) % 3 == 0  # a third of the params have no grad, a different third each step
+            g = torch.randn(p.shape, generator=gen) * (1 + rank)
+            dropped = (i + step) % 3 == 0
             p.grad, q.grad = (None, None) if dropped else (g, g.clone())
         opt_e.step()
         opt_c.step()
     for p, q in zip(eager, compiled):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compile_survives_many_shapes():
+    """24 distinct shapes reach the compiled kernels: 12 AdamW lengths and Muon stacks whose size changes
+    as params lose their grads. dynamo's default limit is 8 graphs per function."""
+    graphs = compile_eager_pair(MuonAdamW)
     assert graphs <= 12, graphs  # dynamic dims: a few graphs per function, not one per shape
+
+
+def _compile_dist_worker(rank, world_size):
+    from nanomuon.optim import DistMuonAdamW
+
+    torch.set_num_threads(1)
+    compile_eager_pair(DistMuonAdamW, rank, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compile_survives_zero2_shard_lengths():
+    """The same under DistMuonAdamW at world 3: the AdamW kernel sees each param's flat shard (lengths
+    ceil(n / 3), the last ones short) and the Muon kernel each rank's padded stacks."""
+    from test_dist import spawn
+
+    spawn(_compile_dist_worker, 3)
