@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nanomuon.common import size_str
+from nanomuon.gpt import GPT, GPTConfig
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -211,7 +212,6 @@ def check_meta(meta, d: Path, keys) -> None:
         elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
             problems.append(f"{key!r} is {meta[key]!r}, not a{'n' if want is int else ''} {want.__name__}")
     if not problems and "model_config" in keys:
-        from nanomuon.gpt import GPTConfig
         try:
             GPTConfig(**meta["model_config"])
         except TypeError as e:
@@ -274,8 +274,6 @@ def load_step(run_dir: Path, step: str | int, names=("model",), map_location="cp
 
 def load_model(run_dir: Path, step: str | int, device):
     """Rebuild the GPT a checkpoint was trained as and load its weights. Returns (model, meta)."""
-    from nanomuon.gpt import GPT, GPTConfig
-
     _, objs, meta = load_step(run_dir, step, ("model",), device, ("model_config",))
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))

@@ -67,10 +67,8 @@ def check_device_type(device_type: str) -> str:
 
 
 def compute_init(device_type: str = "auto"):
-    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
-
-    Returns (distributed, rank, local_rank, world_size, device).
-    """
+    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise). Returns
+    (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
     distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     rank = int(os.environ.get("RANK", 0))

@@ -5,13 +5,10 @@ trained exactly once, in bounded memory, with exact resume. (README, "Data and t
 Why its own design rather than a torch DataLoader:
 - Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group sizes.
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
-- Every token once per epoch, in rows of seq_len + 1 tokens that always start with BOS (README, "Data
-  and tokenizer", states the rules in full). A row opens with the continuation that is due, else with
-  the oldest buffered document, so no piece waits forever; the rest is filled best-fit with whole
-  documents, and when none fits the oldest is cut at the row's end. Its remainder opens the row
-  `interleave` (default: batch_size) rows later, as BOS then its next tokens (the only token the packer
-  inserts), so a long document does not fill a micro-batch alone. Rows never mix epochs: an epoch's
-  last rows are padded (targets -1), at most `interleave` per rank.
+- Every token once per epoch, in rows of seq_len + 1 tokens that start with BOS and never mix epochs
+  (README, "Data and tokenizer", has the rules): the due continuation, else the oldest document, opens
+  a row (so no piece waits forever); whole documents fill it best-fit, else the oldest is cut and its
+  remainder opens a row `interleave` rows later, so a long document does not fill a micro-batch alone.
 - Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized chunk
   by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the whole text.
 - Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
@@ -23,6 +20,7 @@ Why its own design rather than a torch DataLoader:
 """
 
 import bisect
+import contextlib
 import logging
 import queue
 import threading
@@ -297,11 +295,9 @@ class DataLoader:
             except BaseException as e:  # handed to the consumer, which re-raises it where the batch was wanted
                 item = e
             while not self._stop.is_set():
-                try:
+                with contextlib.suppress(queue.Full):
                     self._queue.put(item, timeout=0.1)
                     break
-                except queue.Full:
-                    pass
             if isinstance(item, BaseException):
                 return
 

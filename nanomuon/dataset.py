@@ -203,11 +203,8 @@ def _build_lock(d: Path):
         return
     d.mkdir(parents=True, exist_ok=True)
     with open(d / ".build.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # released as the file closes, however the block ends
+        yield
 
 
 def ensure_embedded() -> Path:

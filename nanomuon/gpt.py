@@ -154,8 +154,7 @@ class GPT(nn.Module):
 
     def _rotary_tables(self, seq_len: int, device=None):
         head_dim = self.config.n_embd // self.config.n_head
-        inv_freq = self.config.rope_base ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
-                                              / head_dim)
+        inv_freq = self.config.rope_base ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
         return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]  # (1, T, 1, D/2)
 
@@ -283,7 +282,6 @@ class GPT(nn.Module):
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                nxt = torch.multinomial(probs, num_samples=1, generator=rng)
+                nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
             ids = torch.cat([ids, nxt], dim=1)
             yield nxt.item()

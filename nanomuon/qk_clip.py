@@ -4,12 +4,10 @@ the optimizer step, for models whose attention logits can grow without bound.
 
 For each head whose largest pre-softmax logit S (measured in the forward pass, q.k * softmax scale)
 exceeds tau, the head's W_q rows are scaled by (tau/S)^alpha and its W_k rows by (tau/S)^(1-alpha), so
-that logit shrinks to at most tau. Call qk_clip_() after optimizer.step(). max_logits is MAX-reduced
-across ranks (each rank saw other data); a grouped-query K head takes the strongest factor among its Q
-heads, so every head ends at or below tau; DTensor weights (FSDP2, tensor parallel) are scaled in place,
-each rank its own rows. nanomuon's own GPT uses QK-norm, which already bounds its logits (scaling W_q or
-W_k there changes nothing); built with --no-qk-norm it can track and clip them (GPT.track_max_logits,
-GPT.qk_clip_; base_train --no-qk-norm --qk-clip TAU).
+that logit shrinks to at most tau. max_logits is MAX-reduced across ranks (each rank saw other data); a
+grouped-query K head takes the strongest factor among its Q heads, so every head ends at or below tau;
+DTensor weights (FSDP2, tensor parallel) are scaled in place, each rank its own rows. nanomuon's GPT uses
+QK-norm, which already bounds its logits; built with --no-qk-norm it tracks and clips them (GPT.qk_clip_).
 """
 
 import torch

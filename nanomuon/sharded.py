@@ -160,16 +160,6 @@ def _scatter(plan, params, wave, updates, comm_dtype):
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
-def _split_received(plan, wave, recv) -> dict:
-    """My block of each of the wave's updates, as views into the scatter's receive buffer."""
-    out, at = {}, 0
-    for i in sorted(wave, key=plan["owner"].get):  # as packed: by sending rank, each in wave order
-        shape = plan["blocks"][plan["rank"]][i][1]
-        out[i] = recv[at:at + math.prod(shape)].view(shape)
-        at += math.prod(shape)
-    return out
-
-
 def cut_of(p: DTensor):
     """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process group of the ranks
     holding its slices), or None when every rank holds whole matrices (experts split along dim 0)."""
@@ -247,13 +237,16 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
         return out
 
     def finish(pending):
-        """Wait for a wave's scatter and apply its updates (views of the receive buffer, or cast copies:
-        ours to overwrite)."""
+        """Wait for a wave's scatter and apply my block of each update (views of the receive buffer, or cast
+        copies: ours to overwrite)."""
         wave, (work, recv, _send) = pending
         work.wait()
-        received = _split_received(plan, wave, recv)
-        for i in wave:
-            _apply_local(group, params[i], received[i].to(params[i].dtype), params[i].shape, compiled)
+        at = 0
+        for i in sorted(wave, key=plan["owner"].get):  # as packed: by sending rank, each in wave order
+            shape = plan["blocks"][plan["rank"]][i][1]
+            u = recv[at:at + math.prod(shape)].view(shape)
+            at += u.numel()
+            _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, compiled)
 
     waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
     pending_gather = _gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype) if waves else None

@@ -6,9 +6,6 @@ batches). One special token, <|bos|>, opens every document. A trained tokenizer 
 one directory: tokenizer.bpe (tiktoken's format: base64 token bytes and rank per line) and
 tokenizer.json (split pattern, special tokens, fingerprint). Checkpoints record the fingerprint, so a
 run is never resumed or sampled with a tokenizer it was not trained with.
-
-token_bytes() gives each token's length in UTF-8 bytes (0 for special tokens): the denominator of
-bits per byte, which unlike loss per token is comparable across vocabularies.
 """
 
 import base64
@@ -92,10 +89,8 @@ class Tokenizer:
                                     "`python -m scripts.tok_train --dataset embedded` (or --dataset fineweb-edu)")
         try:
             meta = json.loads((directory / "tokenizer.json").read_text())
-            ranks = {}
-            for line in (directory / "tokenizer.bpe").read_text().splitlines():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
+            lines = (line.split() for line in (directory / "tokenizer.bpe").read_text().splitlines())
+            ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
             tok = cls(ranks, meta["pattern"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"the tokenizer in {directory} is corrupt ({type(e).__name__}: {e}); retrain it with "
@@ -119,7 +114,8 @@ class Tokenizer:
         return self.enc.decode(list(ids))
 
     def token_bytes(self) -> torch.Tensor:
-        """(vocab_size,) int64: UTF-8 bytes of each token; 0 for special tokens, so they drop out of bpb."""
+        """(vocab_size,) int64: UTF-8 bytes of each token, the denominator of bits per byte (which unlike loss per
+        token is comparable across vocabularies); 0 for special tokens, so they drop out of bpb."""
         lengths = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             lengths[rank] = len(token)

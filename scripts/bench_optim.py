@@ -31,7 +31,7 @@ from nanomuon.baselines import fp32_newton_schulz
 from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
-from nanomuon.plan import assign_owners, bucket_by
+from nanomuon.plan import bucket_by, owner_plan
 from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision
 
 VOCAB = 32768
@@ -205,28 +205,20 @@ def bench_imbalance(args):
     """Section 3: Newton-Schulz load per rank, DistMuonAdamW's owner plan vs nanochat's chunks (shapes only)."""
     N = args.world_size
     _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
-    steps = MUON_HP["ns_steps"]
-    # Order as DistMuonAdamW._get_plan: per group (one muon group here), by shape bucket in order of first
-    # appearance (plan.bucket_by, the optimizer's own grouping).
-    bucket_list = bucket_by([tuple(s) for s in muon_shapes])
-    costs_by_bucket = [[ns_flops(muon_shapes[i], steps) for i in b] for b in bucket_list]
-    costs = [c for cs in costs_by_bucket for c in cs]
-    plan = assign_owners([(len(cs), cs[0]) for cs in costs_by_bucket], N)
-    ours = [0.0] * N
-    for cs, slots in zip(costs_by_bucket, plan):
-        for r, owned in enumerate(slots):
-            ours[r] += sum(cs[i] for i in owned)
-    ours_sent = sum(N * max(len(s) for s in slots) for slots in plan)  # matrices in the padded stacks
+    costs = [ns_flops(s, MUON_HP["ns_steps"]) for s in muon_shapes]
+    buckets = owner_plan(muon_shapes, costs, N)  # DistMuonAdamW's own plan for one muon group
+    ours = [sum(b["cost"] * len(b["slots"][r]) for b in buckets) for r in range(N)]
+    ours_sent = sum(N * b["per_rank"] for b in buckets)  # matrices in the padded stacks
     chunks = [0.0] * N  # nanochat: per shape group, rank r owns [r * chunk, (r + 1) * chunk)
-    for cs in costs_by_bucket:
-        chunk = -(-len(cs) // N)
-        for j, c in enumerate(cs):
-            chunks[j // chunk] += c
-    chunks_sent = sum(N * -(-len(cs) // N) for cs in costs_by_bucket)
+    for b in buckets:
+        chunk = -(-len(b["members"]) // N)
+        for j in range(len(b["members"])):
+            chunks[j // chunk] += b["cost"]
+    chunks_sent = sum(N * -(-len(b["members"]) // N) for b in buckets)
     mean = sum(costs) / N
     res = {}
     print(f"\n== 3. Newton-Schulz load imbalance, d{args.imbalance_depth}, {N} ranks, {len(costs)} matrices in "
-          f"{len(bucket_list)} shape buckets ==")
+          f"{len(buckets)} shape buckets ==")
     for name, loads, sent in (("DistMuonAdamW", ours, ours_sent), ("nanochat chunks", chunks, chunks_sent)):
         res[name] = max(loads) / mean
         per_rank = " ".join(f"{x / 1e9:.0f}" for x in loads)
