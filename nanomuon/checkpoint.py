@@ -188,14 +188,15 @@ def run_arg(s: str) -> str:
     return s
 
 
-def step_arg(s: str):
-    """argparse type for a checkpoint step: a number or 'latest'."""
-    if s == "latest":
+def step_arg(s: str, words=("latest",)):
+    """argparse type for a checkpoint step: a number or one of `words`."""
+    if s in words:
         return s
     try:
         return int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number or 'latest', got {s!r}") from None
+        expected = ", ".join(["a step number", *map(repr, words[:-1])]) + f" or {words[-1]!r}"
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
 
 
 META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, tokenizer=str, world_size=int,

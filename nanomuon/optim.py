@@ -216,9 +216,8 @@ class MuonAdamW(torch.optim.Optimizer):
         (FSDP2, tensor parallel) their state is gathered, a collective to call on every rank. The same
         format as DistMuonAdamW.full_state_dict(), so checkpoints move between the three setups."""
         sd = self.state_dict()
-        if not has_dtensors(p for g in self.param_groups for p in g["params"]):
-            return sd
-        return full_state(self.param_groups, self.state, self._sharded_plans, sd)
+        sharded = has_dtensors(p for g in self.param_groups for p in g["params"])
+        return full_state(self.param_groups, self.state, self._sharded_plans, sd) if sharded else sd
 
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Load a full state (full_state_dict() of any of the optimizers, at any world size)."""
@@ -467,11 +466,9 @@ class DistMuonAdamW(MuonAdamW):
                 continue
             shard, lo, hi = flat_shard(p.numel(), self.rank, N)
             full[p]["step"] = st["step"]
-            for name in ("exp_avg", "exp_avg_sq"):
-                mine = p.new_zeros(shard)
-                mine[:hi - lo].copy_(st[name])
+            for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded to the same length
                 out = p.new_empty(shard * N)
-                self._all_gather(out, mine).wait()
+                self._all_gather(out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
                 full[p][name] = out[:p.numel()].view_as(p).clone()
         for b in self._get_plan():
             if not any(has[p] for p in b["params"]):

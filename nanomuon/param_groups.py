@@ -214,13 +214,12 @@ def check_group(i: int, group: dict) -> None:
         if kind == "muon" and p.ndim < 2:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs matrices "
                              "(>= 2 dims; extra leading dims are a batch). Move it to an adamw group.")
-        split = (group.get("split") or group.get("qkv_split")) if kind == "muon" else None
+        split, groups = (group.get("split") or group.get("qkv_split")), group.get("split_groups", 1)
         dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
-        covered = sum(split) * group.get("split_groups", 1) if split else None
-        if split is not None and p.shape[n] != covered:
+        if kind == "muon" and split and p.shape[n] != sum(split) * groups:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, but the split {tuple(split)} x "
-                             f"split_groups={group.get('split_groups', 1)} covers {covered}; put only fused weights of "
-                             "that layout in this group")
+                             f"split_groups={groups} covers {sum(split) * groups}; put only fused weights of that "
+                             "layout in this group")
 
 
 def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:

@@ -308,10 +308,8 @@ def _second_moment_holders(group: dict, state: dict, plans: dict, params: list[D
     has = torch.tensor([int("second_momentum_buffer" in state.get(p, {})) for p in params], device=device)
     every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
     dist.all_gather(every, has)
-    if group["sharded_mode"] == "owner":
-        owner = group_plan(group, plans)[1]["owner"]
-        return [owner[i] if every[owner[i]][i] else -1 for i in range(len(params))]
-    return [0 if every[0][i] else -1 for i in range(len(params))]
+    holder = group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner" else [0] * len(params)
+    return [holder[i] if every[holder[i]][i] else -1 for i in range(len(params))]
 
 
 def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
@@ -332,9 +330,8 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             if holder < 0:
                 continue
             st = out.setdefault(index[id(p)], {})
-            t = st.get("second_momentum_buffer") if dist.get_rank() == holder else None
-            if t is not None:
-                t = t.to(torch.float32).clone()
+            if dist.get_rank() == holder:
+                t = st["second_momentum_buffer"].to(torch.float32).clone()
             else:
                 t = torch.empty(second_moment_shape(p.shape, layout=muon_layout(group)), dtype=torch.float32,
                                 device=p.to_local().device)

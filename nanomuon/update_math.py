@@ -25,10 +25,9 @@ POLAR_EXPRESS = (
 # Keller Jordan's NS5 triple, used for every iteration (torch.optim.Muon's default, EO's 'simple').
 JORDAN_NS5 = (3.4445, -4.7750, 2.0315)
 
-# name -> (coefficients, norm safety factor, eps). The input is scaled by 1 / (||X||_F * safety + eps)
-# so its spectral norm is below 1 before iterating. 'polar_express' and 'jordan' are nanochat's; the
-# rest are the sets of NVIDIA Emerging-Optimizers (EO, muon_utils.py at fd77292), as EO rounds them and
-# under its names, run with plain Frobenius normalization as EO does.
+# name -> (coefficients, norm safety factor, eps): the input is scaled by 1 / (||X||_F * safety + eps) before
+# iterating. After nanochat's two, NVIDIA Emerging-Optimizers' (EO) sets, as EO rounds and names them
+# (muon_utils.py at fd77292), with plain Frobenius normalization as in EO.
 COEFFICIENT_SETS = {
     "polar_express": (POLAR_EXPRESS, 1.02, 1e-6),  # tuned for 5 steps; the 1.02 cushion is on the norm
     "jordan": ((JORDAN_NS5,), 1.0, 1e-7),
@@ -171,13 +170,6 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, moment
     return grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def split_rows(t: Tensor, split, groups: int) -> tuple[Tensor, ...]:
-    """Views of t's row blocks, each (..., groups, n, cols): the rows are `groups` repeats of the blocks
-    `split` (Megatron's per-query-group QKV layout; groups=1 is plain [Q; K; V]). Block i as a matrix is
-    its view flattened over the last-but-two dims."""
-    return t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2)
-
-
 def block_shapes(shape, layout) -> list[tuple[int, int]]:
     """The logical (rows, cols) of each matrix a param of `shape` is updated as (see muon_layout)."""
     split, groups, transposed = layout or (None, 1, False)
@@ -190,16 +182,18 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
     """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
     variance reduction if second_moment is given. layout (muon_layout): matrices stored (in, out) are
     worked on transposed; a split matrix is updated block by block, each exactly as a param of its own,
-    its second moment a slice of the flat per-matrix state."""
+    its second moment a slice of the flat per-matrix state (Megatron's per-query-group QKV layout when
+    split_groups > 1: block i is rows n_i of every group)."""
     split, groups, transposed = layout or (None, 1, False)
     if transposed:
         return muon_direction(g.mT, second_moment, beta2, coeffs, safety, eps, ns_dtype, out_dtype, shard,
                               (split, groups, False)).mT
-    if split:
+    if split:  # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), as matrices flattened
         u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
         sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
         seconds = second_moment.split(sizes, dim=-1) if second_moment is not None else [None] * len(split)
-        for gb, ub, sb in zip(split_rows(g, split, groups), split_rows(u, split, groups), seconds):
+        views = [t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2) for t in (g, u)]
+        for gb, ub, sb in zip(*views, seconds):
             m = gb.flatten(-3, -2)
             sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
             ub.copy_(muon_direction(m, sb, beta2, coeffs, safety, eps, ns_dtype, out_dtype).view_as(gb))
@@ -269,10 +263,8 @@ _row_factors: dict = {}
 
 def muon_hparams(group: dict, matrix_shape, device) -> dict:
     """muon_update()'s keyword arguments from a muon group, for matrices of matrix_shape on `device`
-    (which settles ns_precision 'auto'). Each matrix, or each block of a split one, gets its lr factor
-    from its logical shape: LR_SCALES[lr_scale] times extra_scale; a split matrix gets a per-row lr.
-    Decay is scaled by that lr (decay_lr='adjusted', nanochat) or by the group lr ('group': torch.optim.Muon,
-    Megatron)."""
+    (which settles ns_precision 'auto'). The lr factor (per row of a split matrix: per block) follows the
+    logical shape; decay uses that lr, or the group lr with decay_lr='group' (torch.optim.Muon, Megatron)."""
     layout = muon_layout(group)
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
     factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in block_shapes(matrix_shape, layout))

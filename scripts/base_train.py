@@ -11,6 +11,7 @@ time owns its run dir (README, "base_train").
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import math
 import platform
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # run
-    p.add_argument("--run", type=str, default="",
+    p.add_argument("--run", type=checkpoint.run_arg, default=None,
                    help="run name: names the checkpoint directory and the wandb run (default d<depth>)")
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
@@ -98,9 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250, help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
     p.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--resume-from-step", type=resume_arg, default=-1, help="continue the run from this "
-                   "checkpoint: a step number, 'latest', or 'auto' (latest if there is one, else start fresh: for "
-                   "torchrun --max-restarts); -1: start fresh")
+    p.add_argument("--resume-from-step", type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
+                   default=-1, help="continue the run from this checkpoint: a step number, 'latest', or 'auto' "
+                   "(latest if there is one, else start fresh: for torchrun --max-restarts); -1: start fresh")
     p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
     p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each step (Kimi K2's "
@@ -115,9 +116,8 @@ def parse_args(argv=None):
         (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay"], lambda v: math.isfinite(v) and v >= 0,
-         "a finite number >= 0"),
-        (["qk_clip"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: off)"),
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip"],
+         lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite, "a finite number (or <= 0: off)"),
         (["seed"], lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)"),
     ]
@@ -136,20 +136,7 @@ def parse_args(argv=None):
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
     args.run = args.run or f"d{args.depth}"
-    try:
-        checkpoint.run_arg(args.run)
-    except argparse.ArgumentTypeError as e:
-        p.error(f"--run {e}")
     return args
-
-
-def resume_arg(s: str):
-    if s == "auto":
-        return s
-    try:
-        return checkpoint.step_arg(s)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a step number, 'latest' or 'auto', got {s!r}") from None
 
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,

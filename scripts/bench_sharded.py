@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from nanomuon.common import synchronize
+from nanomuon.common import compute_cleanup, compute_init, synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
@@ -79,14 +79,20 @@ def run(args, device):
             print(f"{mode:<12} {1000 * times[mode]:>9.1f} {times[mode] / times['owner']:>9.2f}")
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ranked(args, device_type: str = "auto") -> None:
+    """run() in a process group made from torchrun's environment (or _spawned's)."""
+    _, _, _, _, device = compute_init(device_type)
     try:
-        run(args, torch.device("cpu"))
+        run(args, device)
     finally:
-        dist.destroy_process_group()
+        compute_cleanup()
+
+
+def _spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _ranked(args, "cpu")
 
 
 def main(argv=None):
@@ -98,17 +104,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.depth < 1 or args.world_size < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--depth, --world-size and --steps must be >= 1, --warmup >= 0")
-    if "RANK" in os.environ:  # under torchrun
-        cuda = torch.cuda.is_available()
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo")
-        try:
-            run(args, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
-        finally:
-            dist.destroy_process_group()
-        return
+    if "RANK" in os.environ:  # under torchrun: nccl on GPUs, gloo on CPU
+        return _ranked(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

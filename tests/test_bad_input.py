@@ -148,7 +148,7 @@ CASES = {
     "lr-nan": (lambda *_: train("--matrix-lr", "nan"), "--matrix-lr must be a finite number >= 0"),
     "eval-every": (lambda *_: train("--eval-every", "0"), "--eval-every must be >= 1, or -1"),
     "resume-word": (lambda *_: train("--resume-from-step", "soon"), "expected a step number, 'latest' or 'auto'"),
-    "run-name": (lambda *_: train(run="../x"), "--run '../x': use letters, digits"),
+    "run-name": (lambda *_: train(run="../x"), "argument --run: '../x': use letters, digits"),
     "nonfinite-steps": (lambda *_: train("--max-nonfinite-steps", "0"), "--max-nonfinite-steps must be >= 1"),
     "target-flops-inf": (lambda *_: train("--num-iterations", "-1", "--target-flops", "inf"),
                          "--target-flops must be a finite number"),
