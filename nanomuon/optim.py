@@ -57,7 +57,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if len(param_groups) == 0:
             raise ValueError("MuonAdamW got no param groups; pass at least one group")
         # each group goes through add_param_group; a 'momentum' default is what lets OneCycleLR and CyclicLR
-        # cycle momentum (Muon's momentum, AdamW's beta1: see adamw_hparams)
+        # cycle momentum (Muon's momentum; AdamW's beta1, see _begin_step)
         super().__init__(list(param_groups), defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
@@ -113,6 +113,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         for i, group in enumerate(self.param_groups):
             check_group_values(i, group)
+            if group["kind"] == "adamw" and group.get("momentum") is not None:  # set by OneCycleLR, CyclicLR
+                group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(i, group, j, p)

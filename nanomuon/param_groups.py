@@ -100,7 +100,7 @@ REQUIRED_KEYS = {
     "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay"),
 }
 OPTIONAL_KEYS = {
-    "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it is beta1
+    "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it becomes betas[0] at the next step
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
              "ns_repeat_last": False, "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled",
              "decay_lr": "adjusted", "comm_precision": "fp32", "sharded_mode": "owner", "qkv_split": None,

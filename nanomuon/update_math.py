@@ -284,10 +284,8 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
 
 
 def adamw_hparams(group: dict, step: int) -> dict:
-    """adamw_update()'s keyword arguments from an adamw group, at the param's step count. A 'momentum' set
-    on the group is its beta1: schedulers that cycle momentum (OneCycleLR, CyclicLR) set that key."""
+    """adamw_update()'s keyword arguments from an adamw group, at the param's step count."""
     beta1, beta2 = group["betas"]
-    beta1 = beta1 if group.get("momentum") is None else group["momentum"]
     return dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], wd=group["weight_decay"])
 
 
