@@ -373,9 +373,10 @@ def save(run: Run) -> None:
                          "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
     optim_state = run.optimizer.full_state_dict()  # collectives where the state is sharded
     model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in run.model.state_dict().items()}
-    loader_states = [run.train_loader.state_dict()] * run.world_size  # one process: its own state
+    mine = run.train_loader.state_dict()
+    loader_states = [mine] * run.world_size  # one process: its own state
     if run.distributed:  # torchrun: every rank's
-        dist.all_gather_object(loader_states, run.train_loader.state_dict())
+        dist.all_gather_object(loader_states, mine)
     error = None
     if run.rank == 0:
         meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),

@@ -87,7 +87,11 @@ def flat(model):
 
 
 def assert_replicated(model):
-    mine = flat(model)
+    assert_replicated_tensors([p for k in SHAPES for p in model[k]])
+
+
+def assert_replicated_tensors(params):
+    mine = torch.cat([p.detach().reshape(-1) for p in params])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     for r, other in enumerate(everyone):

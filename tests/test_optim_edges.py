@@ -18,6 +18,7 @@ from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS
 BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, cautious_wd=True,
             ns_coefficients="polar_express", ns_repeat_last=False, lr_scale="shape", extra_scale=1.0,
             weight_decay_mode="decoupled", decay_lr="adjusted")
+MUON_REQUIRED = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
 FACTORS = {"shape": lambda r, c: math.sqrt(max(1.0, r / c)), "spectral": lambda r, c: math.sqrt(max(r, c)),
            "moonlight": lambda r, c: 0.2 * math.sqrt(max(r, c)), "unit_rms": lambda r, c: math.sqrt(r / c)}
 NAMED = {"polar_express": (POLAR_EXPRESS, 1.02, 1e-6), "jordan": ([(3.4445, -4.7750, 2.0315)], 1.0, 1e-7)}
@@ -259,16 +260,9 @@ def test_momentum_cycling_schedulers_match_stock_torch(make):
 # -- DistMuonAdamW.add_param_group keeps the owners that hold state ------------------------------------------
 
 
-def assert_replicated_tensors(params):
-    import torch.distributed as dist
-
-    mine = torch.cat([p.detach().reshape(-1) for p in params])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    assert all(torch.equal(other, mine) for other in everyone), "replicated params differ bitwise across ranks"
-
-
 def _add_group_worker(rank, world_size):
+    from test_dist import assert_replicated_tensors
+
     from nanomuon.optim import DistMuonAdamW
 
     def model(seed):
@@ -281,7 +275,7 @@ def _add_group_worker(rank, world_size):
 
     ours, ref = (model(0), later(1)), (model(0), later(1))
     # cautious decay off: its sign mask is discontinuous where grads averaged in another order could flip it
-    muon = dict({k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}, cautious_wd=False)
+    muon = dict(MUON_REQUIRED, cautious_wd=False)
     opt = DistMuonAdamW([dict(kind="muon", params=ours[0], **muon)])
     ref_opt = MuonAdamW([dict(opt.param_groups[0], params=ref[0])])
     owners_before = [dict(b) for b in opt._get_plan()]
@@ -331,8 +325,7 @@ def compile_eager_pair(cls, rank=0, world_size=1):
     def build(compile):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in MATRICES + [(n,) for n in LENGTHS]]
-        muon = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-        opt = cls([dict(kind="muon", params=params[:len(MATRICES)], **muon),
+        opt = cls([dict(kind="muon", params=params[:len(MATRICES)], **MUON_REQUIRED),
                    dict(kind="adamw", params=params[len(MATRICES):], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                         weight_decay=0.01)], compile=compile)
         return params, opt
