@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import _muon as torch_muon
 
+from nanomuon.update_math import resolve_ns_precision
+
 
 def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) in float32 where torch uses bfloat16.
@@ -51,8 +53,8 @@ class TorchMuonAdamW:
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
     group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups beta2=None
-    (no variance reduction, as in torch); name and initial_lr ride along. ns_precision 'auto' is torch's bf16
-    on CUDA and fp32 elsewhere."""
+    (no variance reduction, as in torch); name and initial_lr ride along. ns_precision 'auto' follows MuonAdamW's
+    rule (update_math.resolve_ns_precision): torch's bf16 where bf16 matmuls are fast, fp32 elsewhere."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -98,7 +100,7 @@ class TorchMuonAdamW:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
                 p.grad.div_(dist.get_world_size())
-        fp32 = self.ns_precision == "fp32" or (self.ns_precision == "auto" and params[0].device.type != "cuda")
+        fp32 = resolve_ns_precision(self.ns_precision, params[0].device) == "fp32"
         with fp32_newton_schulz() if fp32 else contextlib.nullcontext():
             for opt in self.optimizers:
                 opt.step()
