@@ -68,8 +68,9 @@ def assert_state_matches(full, ref_state, atol):
 
 
 def groups(muon, adamw, **muon_options):
+    # fp32 Newton-Schulz unless a test asks otherwise ('auto' is bf16 on CPUs with bf16 units; see test_dist.groups)
     return [dict(kind="muon", params=muon, lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2,
-                 **muon_options),
+                 **{"ns_precision": "fp32", **muon_options}),
             dict(kind="adamw", params=adamw, lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)]
 
 
@@ -262,7 +263,8 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
     # grads into near-sign steps (so keep its lrs small), and cautious decay's mask flips where the update is
     # near zero (so decay is off here; the placement tests above cover it with identical inputs).
     def optimizer(m):
-        return m.setup_optimizer(embedding_lr=0.01, unembedding_lr=0.004, weight_decay=0.0)
+        return m.setup_optimizer(embedding_lr=0.01, unembedding_lr=0.004, weight_decay=0.0,
+                                 muon_options=dict(ns_precision="fp32"))
 
     model = shard(model)
     opt, ref_opt = optimizer(model), optimizer(ref)
