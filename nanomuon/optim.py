@@ -33,7 +33,7 @@ from nanomuon.update_math import (
     muon_hparams,
     muon_state_layout,
     muon_update,
-    ns_flops,
+    ns_cost,
     scalars,
 )
 
@@ -304,7 +304,7 @@ class DistMuonAdamW(MuonAdamW):
         matrices = [p for p in group["params"] if not isinstance(p, DTensor)] if group["kind"] == "muon" else []
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
         buckets = []
-        for b in owner_plan(keys, [ns_flops(p.shape, group["ns_steps"]) for p in matrices], self.world_size, loads):
+        for b in owner_plan(keys, [ns_cost(group, p) for p in matrices], self.world_size, loads):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
             # rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon.update_math import LR_SCALES, NS_DTYPES, ns_coefficients
+from nanomuon.update_math import LR_SCALES, NS_DTYPES, NS_METHODS, ns_coefficients
 
 logger = logging.getLogger("nanomuon")
 
@@ -102,9 +102,9 @@ REQUIRED_KEYS = {
 OPTIONAL_KEYS = {
     "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it becomes betas[0] at the next step
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
-             "ns_repeat_last": False, "lr_scale": "shape", "extra_scale": 1.0, "weight_decay_mode": "decoupled",
-             "decay_lr": "adjusted", "comm_precision": "fp32", "sharded_mode": "owner", "qkv_split": None,
-             "split": None, "split_groups": 1, "transposed": False},
+             "ns_method": "auto", "ns_repeat_last": False, "lr_scale": "shape", "extra_scale": 1.0,
+             "decay_lr": "adjusted", "weight_decay_mode": "decoupled", "comm_precision": "fp32",
+             "sharded_mode": "owner", "qkv_split": None, "split": None, "split_groups": 1, "transposed": False},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
@@ -153,11 +153,9 @@ def check_group_values(i: int, group: dict) -> None:
         if not isinstance(group.get(key, False), bool):
             raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
     _check_coefficients(label, group)
-    if group.get("ns_precision", "auto") not in ("auto", *NS_DTYPES):
-        raise ValueError(f"{label}: ns_precision={group['ns_precision']!r} must be 'auto', 'bf16' or 'fp32'")
-    for key, choices in (("lr_scale", LR_SCALES), ("weight_decay_mode", ("decoupled", "l2")),
-                         ("decay_lr", ("adjusted", "group")), ("comm_precision", NS_DTYPES),
-                         ("sharded_mode", SHARDED_MODES)):
+    for key, choices in (("ns_precision", ("auto", *NS_DTYPES)), ("ns_method", NS_METHODS), ("lr_scale", LR_SCALES),
+                         ("weight_decay_mode", ("decoupled", "l2")), ("decay_lr", ("adjusted", "group")),
+                         ("comm_precision", ("bf16", "fp32")), ("sharded_mode", SHARDED_MODES)):
         if key in group and group[key] not in choices:
             raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
     if "extra_scale" in group:

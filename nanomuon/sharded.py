@@ -29,7 +29,7 @@ from nanomuon.update_math import (
     muon_layout,
     muon_momentum,
     new_second_moment,
-    ns_flops,
+    ns_cost,
     scalars,
     second_moment_shape,
 )
@@ -70,7 +70,7 @@ def _slices(offset, shape):
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def build_plan(params: list[DTensor], ns_steps: int) -> dict:
+def build_plan(params: list[DTensor], group: dict) -> dict:
     """Every rank's block of every matrix, the owners (plan.owner_plan, per same-shape bucket) and the
     waves; the same on all ranks. One collective (all_gather_object of the blocks)."""
     world = dist.get_world_size()
@@ -86,7 +86,7 @@ def build_plan(params: list[DTensor], ns_steps: int) -> dict:
     blocks = [None] * world
     dist.all_gather_object(blocks, [block_of(p) for p in params])  # blocks[r][i]: rank r's block of params[i]
     buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
-                         [ns_flops(p.shape, ns_steps) for p in params], world)
+                         [ns_cost(group, p) for p in params], world)
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
@@ -101,7 +101,7 @@ def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
     params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
     if key not in plans:
-        plans[key] = build_plan(params, group["ns_steps"])
+        plans[key] = build_plan(params, group)
     return params, plans[key]
 
 
@@ -228,8 +228,7 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
                     state[params[i]].setdefault("second_momentum_buffer",
                                                 new_second_moment(shape, stacked.device, layout=h["layout"]))
                 second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["coeffs"], h["safety"], h["eps"],
-                                                 h["ns_dtype"], stacked.dtype, None, h["layout"])
+            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["ns"], stacked.dtype, None, h["layout"])
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -293,8 +292,7 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
             full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
             second = state[p].setdefault("second_momentum_buffer",
                                          new_second_moment(g.shape, g.device, full_shape, h["layout"]))
-        u = muon_direction(g, second, h["beta2"], h["coeffs"], h["safety"], h["eps"], h["ns_dtype"], p.dtype, shard,
-                           h["layout"])
+        u = muon_direction(g, second, h["beta2"], h["ns"], p.dtype, shard, h["layout"])
         if mode == "duplicated":
             offset, shape, _ = block_of(p)
             u = u[_slices(offset, shape)].clone()

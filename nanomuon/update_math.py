@@ -48,7 +48,9 @@ COEFFICIENT_SETS = {
     # DeepSeek-V4's hybrid NS (tech report): 8 Jordan steps, then 2 that converge; use ns_steps=10
     "deepseekv4": ((JORDAN_NS5,) * 8 + ((2.0, -1.5, 0.5),) * 2, 1.0, 1e-7),
 }
-NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NS_METHODS = ("auto", "standard", "gram")
+GRAM_RESTART = 3  # Gram Newton-Schulz recomputes R from X every 3 iterations (orthogonalize; docs/benchmarks.md)
 CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's probes of the CPU
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
@@ -89,18 +91,24 @@ def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tup
     return triples[:ns_steps], safety, eps
 
 
-def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dtype, shard=None) -> Tensor:
-    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, computed in `dtype`.
+def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
+    """Approximate U V^T of G = U S V^T for every matrix in the last two dims. ns = (per-iteration (a, b, c)
+    triples, norm safety, eps, dtype the iteration runs in, method: 'standard', 'gram' or 'auto'; see use_gram).
 
-    Each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
-    values. Work on the wide orientation (rows <= cols) so A is the smaller Gram matrix; the two
-    baddbmm calls fold the scale-and-add into the matmuls, so an iteration is exactly three matmuls.
+    Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
+    values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls). Both methods work
+    on the wide orientation (rows <= cols) so the Gram matrix is the smaller one.
+    Gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a polynomial
+    in R = X X^T, so the iteration runs on m x m matrices: P = p(R), Q <- Q P, R <- P R P, and one final Q X.
+    In low precision R drifts (spurious negative eigenvalues that the polynomials amplify), so it restarts
+    from X = Q X every GRAM_RESTART iterations.
 
     shard=(reduce, cut_dim, full_shape): G is this rank's slice of each matrix, cut along cut_dim (-2 or
     -1), and reduce(t) sums t in place over the ranks holding the other slices. The cut dim is put on the
     columns, so the Gram matrix is a sum over slices, as is the norm: every rank computes exactly its
     slice of the whole result (Megatron's 'distributed' mode).
     """
+    coeffs, safety, eps, dtype, method = ns
     shape = G.shape
     X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
@@ -113,14 +121,32 @@ def orthogonalize(G: Tensor, coeffs, safety: float, eps: float, dtype: torch.dty
         shard[0](sq)
         norm = sq.sqrt().to(X.dtype)
     X = X / (norm * safety + eps)
-    for a, b, c in coeffs:
+
+    def gram(X):  # X X^T; sharded, the partial Grams are summed in fp32, whatever the iteration's dtype
         A = X @ X.mT
-        if shard is not None:  # sum the partial Grams in fp32, whatever the iteration's dtype
+        if shard is not None:
             A32 = A.float()
             shard[0](A32)
             A = A32.to(A.dtype)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+        return A
+
+    if use_gram(method, shard[2] if shard else shape, len(coeffs), dtype):
+        R, Q = gram(X), None
+        for i, (a, b, c) in enumerate(coeffs):
+            if i and i % GRAM_RESTART == 0:
+                X, Q = Q @ X, None
+                R = gram(X)
+            P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+            P.diagonal(dim1=-2, dim2=-1).add_(a)  # p(R) = a I + b R + c R^2
+            Q = P if Q is None else Q @ P
+            if i + 1 < len(coeffs) and (i + 1) % GRAM_RESTART:
+                R = P @ (R @ P)
+        X = Q @ X
+    else:
+        for a, b, c in coeffs:
+            A = gram(X)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if tall:
         X = X.mT
     return X.reshape(shape)
@@ -178,8 +204,8 @@ def block_shapes(shape, layout) -> list[tuple[int, int]]:
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
 
 
-def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safety: float, eps: float,
-                   ns_dtype: torch.dtype, out_dtype: torch.dtype, shard=None, layout=None) -> Tensor:
+def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype: torch.dtype, shard=None,
+                   layout=None) -> Tensor:
     """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
     variance reduction if second_moment is given. layout (muon_layout): matrices stored (in, out) are
     worked on transposed; a split matrix is updated block by block, each exactly as a param of its own,
@@ -187,8 +213,7 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
     split_groups > 1: block i is rows n_i of every group)."""
     split, groups, transposed = layout or (None, 1, False)
     if transposed:
-        return muon_direction(g.mT, second_moment, beta2, coeffs, safety, eps, ns_dtype, out_dtype, shard,
-                              (split, groups, False)).mT
+        return muon_direction(g.mT, second_moment, beta2, ns, out_dtype, shard, (split, groups, False)).mT
     if split:  # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), as matrices flattened
         u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
         sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
@@ -197,9 +222,9 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, coeffs, safet
         for gb, ub, sb in zip(*views, seconds):
             m = gb.flatten(-3, -2)
             sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
-            ub.copy_(muon_direction(m, sb, beta2, coeffs, safety, eps, ns_dtype, out_dtype).view_as(gb))
+            ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype).view_as(gb))
         return u
-    u = orthogonalize(g, coeffs, safety, eps, ns_dtype, shard).to(out_dtype)
+    u = orthogonalize(g, ns, shard).to(out_dtype)
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
     return u
@@ -218,13 +243,12 @@ def muon_apply(params: Tensor, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: b
 
 
 def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
-                momentum, lr, wd, decay, beta2, coeffs, safety: float, eps: float, ns_dtype: torch.dtype,
-                nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
+                momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params: the three
     stages in a row, with muon_hparams()'s keywords. The sharded path (sharded.py) runs the same stages
     with communication between."""
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, coeffs, safety, eps, ns_dtype, params.dtype, layout=layout)
+    u = muon_direction(g, second_moment, beta2, ns, params.dtype, layout=layout)
     muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
 
 
@@ -270,7 +294,7 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
     (which settles ns_precision 'auto'). The lr factor (per row of a split matrix: per block) follows the
     logical shape; decay uses that lr, or the group lr with decay_lr='group' (torch.optim.Muon, Megatron)."""
     layout = muon_layout(group)
-    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
+    ns = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
     factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in block_shapes(matrix_shape, layout))
     lr = group["lr"] * factors[0]
     if len(factors) > 1:
@@ -282,8 +306,8 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
     wd = group["weight_decay"]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * wd
     return dict(momentum=group["momentum"], lr=lr, wd=wd, decay=decay,
-                beta2=group["beta2"] if group["beta2"] is not None else 0.0, coeffs=coeffs, safety=safety, eps=eps,
-                ns_dtype=NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], nesterov=group["nesterov"],
+                beta2=group["beta2"] if group["beta2"] is not None else 0.0, nesterov=group["nesterov"],
+                ns=(*ns, NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], group["ns_method"]),
                 cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout)
 
 
@@ -320,10 +344,28 @@ def new_second_moment(shape, device, full_shape=None, layout=None) -> Tensor:
     return torch.zeros(second_moment_shape(shape, full_shape, layout), dtype=torch.float32, device=device)
 
 
-def ns_flops(shape, ns_steps: int) -> float:
-    """Newton-Schulz FLOPs for one param: 4 m^2 n + 2 m^3 per iteration and matrix, m <= n."""
+def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
+    """Newton-Schulz FLOPs for one param, m <= n: K (4 m^2 n + 2 m^3) standard; Gram with r restarts,
+    (4 + 4 r) m^2 n + (8 K - 6 (r + 1)) m^3 (fewer from aspect n / m > 1.5, at K = 5)."""
     m, n = sorted(shape[-2:])
-    return torch.Size(shape[:-2]).numel() * ns_steps * (4 * m * m * n + 2 * m ** 3)
+    r = (ns_steps - 1) // GRAM_RESTART
+    per = ((4 + 4 * r) * m * m * n + (8 * ns_steps - 6 * (r + 1)) * m ** 3 if gram
+           else ns_steps * (4 * m * m * n + 2 * m ** 3))
+    return torch.Size(shape[:-2]).numel() * per
+
+
+def use_gram(method: str, shape, ns_steps: int, dtype: torch.dtype) -> bool:
+    """Whether a matrix of `shape` runs Gram Newton-Schulz: 'gram' always, 'standard' never, 'auto' where it
+    takes fewer FLOPs and is as accurate as standard, in fp32 and fp16 (bf16's 8-bit mantissa lets R drift:
+    it blew up with the deepseekv4 set, and is ~8% farther from U V^T with Polar Express; docs/benchmarks.md)."""
+    cheaper = ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
+    return method == "gram" or method == "auto" and dtype != torch.bfloat16 and cheaper
+
+
+def ns_cost(group: dict, p: Tensor) -> float:
+    """The Newton-Schulz FLOPs of one Muon param under its group's settings, as it will run (owner planning)."""
+    steps, dtype = group["ns_steps"], NS_DTYPES[resolve_ns_precision(group["ns_precision"], p.device)]
+    return ns_flops(p.shape, steps, use_gram(group["ns_method"], p.shape, steps, dtype))
 
 
 # Eager or compiled.

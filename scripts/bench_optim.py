@@ -164,7 +164,7 @@ def bench_ns(args, device, compile, precision):
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype = NS_DTYPES[precision]
     steps = MUON_HP["ns_steps"]
-    coeffs, safety, eps = ns_coefficients("polar_express", steps)
+    ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
     # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
@@ -175,7 +175,7 @@ def bench_ns(args, device, compile, precision):
         K, rows, cols = shape
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
-        t_ns = median_time(lambda G=G: ortho(G, coeffs, safety, eps, dtype), device, args.steps, args.warmup)
+        t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
         # Reference: one iteration's matmuls as plain bmm, wide orientation: X X^T, A A, A X.
         m, n = sorted((rows, cols))
         X = torch.randn(K, m, n, generator=gen).to(device, dtype)

@@ -63,7 +63,7 @@ def test_bf16_newton_schulz_is_close_to_the_fp64_polar_factor():
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     polar = U @ Vh
     coeffs, safety, eps = ns_coefficients("polar_express", 5)
-    X = orthogonalize(G.float().cuda(), coeffs, safety, eps, torch.bfloat16).double().cpu()
+    X = orthogonalize(G.float().cuda(), (coeffs, safety, eps, torch.bfloat16, "auto")).double().cpu()
     cos = (X * polar).sum(dim=(-2, -1)) / (X.norm(dim=(-2, -1)) * polar.norm(dim=(-2, -1)))
     assert cos.min() > 0.97, cos
     s = torch.linalg.svdvals(X)
