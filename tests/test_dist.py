@@ -190,6 +190,32 @@ def test_dist_equals_single_device(world_size):
     spawn(_equivalence_worker, world_size, 8)
 
 
+def _presence_worker(rank, world_size):
+    model, ref = make_model(), make_model()
+    opt, ref_opt = DistMuonAdamW(groups(model)), MuonAdamW(groups(ref))
+    reads, any_rank = [], opt._any_rank  # the flags' all_reduce, waited for and read back on the host
+    opt._any_rank = lambda flags: reads.append(len(reads)) or any_rank(flags)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        grads = {k: [torch.randn(s, generator=g) for s in shapes] for k, shapes in SHAPES.items()}
+        set_grads(ref, grads)
+        if step == 2:  # the last rank has no grad for one matrix; the others make up its share of the mean
+            grads["muon_a"][0] = None if rank == world_size - 1 else grads["muon_a"][0] * world_size / (world_size - 1)
+        set_grads(model, grads)
+        opt.step()
+        ref_opt.step()
+        assert_replicated(model)
+        assert_matches(model, ref)
+    assert len(reads) == (1 if rank == world_size - 1 else 0), reads
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grad_presence_needs_no_host_sync_when_every_grad_is_there(world_size):
+    """DistMuonAdamW learns which params have a grad on some rank without reading anything back on a rank
+    that holds every grad; a rank missing one reads the flags, and the update still matches MuonAdamW."""
+    spawn(_presence_worker, world_size)
+
+
 def _checkpoint_worker(rank, world_size, mode, path, steps):
     """mode 'save': run `steps` steps, save full state. 'resume': load it and run to 2*steps. 'straight': 2*steps."""
     model = make_model()
