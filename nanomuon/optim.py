@@ -100,8 +100,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 idx = [k for k, p in enumerate(same_shape) if p.grad is not None]
                 if idx:
                     grads = torch.stack([same_shape[k].grad for k in idx])
-                    updated = self._muon_step(group, same_shape, grads, idx)
-                    torch._foreach_copy_([same_shape[k] for k in idx], list(updated.unbind(0)))
+                    updated = self._muon_step(group, same_shape, grads, idx, stack=self.compiled)
+                    if self.compiled:
+                        torch._foreach_copy_([same_shape[k] for k in idx], list(updated.unbind(0)))
         return loss
 
     def _begin_step(self, closure):
@@ -120,16 +121,17 @@ class MuonAdamW(torch.optim.Optimizer):
                     check_grad(i, group, j, p)
         return loss
 
-    def _muon_step(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int]) -> Tensor:
-        """Muon on params[i] for i in idx (grads stacked in that order); returns their new values, stacked.
-        `params` is every param of one shape bucket that this process keeps state for."""
+    def _muon_step(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int], stack: bool) -> Tensor:
+        """Muon on params[i] for i in idx (grads stacked in that order). `params` is every param of one shape
+        bucket that this process keeps state for. stack: update a stacked copy and return it; else update the
+        params in place (eager: no stack, no copy back; compiled, a list would recompile per length)."""
         momentum, second = self._muon_stacks(group, params)
         everyone = len(idx) == len(params)
         if not everyone:
             sel = torch.tensor(idx, device=momentum.device)
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
-        stacked = torch.stack([params[i] for i in idx])
-        h = scalars(muon_hparams(group, stacked.shape, stacked.device), self.compiled)
+        stacked = torch.stack([params[i] for i in idx]) if stack else [params[i] for i in idx]
+        h = scalars(muon_hparams(group, grads.shape, grads.device), self.compiled)
         self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), **h)
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
@@ -433,7 +435,7 @@ class DistMuonAdamW(MuonAdamW):
             self._finish_mean(grads[:len(mine)])
             stack = grads[:len(mine)] if len(idx) == len(mine) else grads[idx]
             # Slots of params without grads (and padding) carry junk; _write_back never copies them.
-            grads[idx] = self._muon_step(group, mine, stack, idx)
+            grads[idx] = self._muon_step(group, mine, stack, idx, stack=True)
         return self._all_gather(send, grads), b, send
 
     def _write_back(self, gathers: list, active: dict) -> None:

@@ -162,7 +162,7 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `shard`
+    Frobenius norm it had after orthogonalization. Returns g scaled, in fp32. With `shard`
     (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks.
     """
     reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
@@ -183,16 +183,22 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
     v_norm_new = total((v_mean * red_size) * step_size.float().square()).sqrt()
-    return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
+    return g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10)))  # in fp32: the cast to it comes free
 
 
-def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params: Tensor, momentum, wd, nesterov: bool,
+def pairs(stack: Tensor, params):
+    """(stack, params) whole when params is a tensor like it, else row by row with a list of matrices."""
+    return ((stack, params),) if isinstance(params, Tensor) else zip(stack, params)
+
+
+def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, momentum, wd, nesterov: bool,
                   l2_wd: bool) -> Tensor:
     """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to orthogonalize.
     l2_wd adds wd * params to the gradient first (L2 regularization) instead of decaying the weights
-    after the update. `grads` may be overwritten."""
+    after the update. `grads` may be overwritten. params: stacked like grads, or a list of its matrices."""
     if l2_wd:
-        grads = grads.add_(params * wd)
+        for g, p in pairs(grads, params):
+            g.add_(p * wd)
     momentum_buffer.lerp_(grads, 1 - momentum)
     return grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
 
@@ -224,31 +230,33 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype
             sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
             ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype).view_as(gb))
         return u
-    u = orthogonalize(g, ns, shard).to(out_dtype)
+    u = orthogonalize(g, ns, shard)
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
-    return u
+    return u.to(out_dtype)
 
 
-def muon_apply(params: Tensor, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
-    """Muon stage 3, elementwise: weight decay and the update, in place on params; `u` is overwritten.
+def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
+    """Muon stage 3, elementwise: weight decay and the update, in place on params (stacked like u, or a list of
+    its matrices: the model's own params, sparing a stack and a copy back); `u` is overwritten.
     lr: the step (a number, or per row of a split matrix: see muon_hparams); decay: lr * weight_decay with
     the lr decay_lr names. With l2_wd the decay went into the gradient instead."""
-    u.mul_(lr)  # u is a fresh buffer: scale and combine in place to spare full-size temporaries
-    if not l2_wd and cautious_wd:  # decay only where the update and the weight agree in sign
-        u.add_(torch.where((u * params) >= 0, params, 0.0).mul_(decay))
-    elif not l2_wd:
-        params.mul_(1 - decay)
-    params.sub_(u)
+    u.mul_(lr)  # u is a fresh buffer: scaled in place, no full-size temporary
+    for ui, p in pairs(u, params):
+        if not l2_wd and cautious_wd:  # decay only where the update and the weight agree in sign
+            p.addcmul_(p, ((ui * p) >= 0) * decay, value=-1)
+        elif not l2_wd:
+            p.mul_(1 - decay)
+        p.sub_(ui)
 
 
-def muon_update(grads: Tensor, params: Tensor, momentum_buffer: Tensor, second_moment: Tensor | None,
+def muon_update(grads: Tensor, params, momentum_buffer: Tensor, second_moment: Tensor | None,
                 momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params: the three
-    stages in a row, with muon_hparams()'s keywords. The sharded path (sharded.py) runs the same stages
-    with communication between."""
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack,
+    or a list of its K matrices): the three stages in a row, with muon_hparams()'s keywords. The sharded
+    path (sharded.py) runs the same stages with communication between."""
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, ns, params.dtype, layout=layout)
+    u = muon_direction(g, second_moment, beta2, ns, momentum_buffer.dtype, layout=layout)  # the params' dtype
     muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
 
 
