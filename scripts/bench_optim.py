@@ -2,10 +2,12 @@
 Optimizer benchmark: nanomuon's fused MuonAdamW against torch.optim.Muon + torch.optim.AdamW.
 
 Three measurements, on the parameter shapes of the GPT that nanomuon trains:
-  1. median optimizer step time, ours vs the stock torch optimizers on identical params and grads,
-     with Newton-Schulz run in the same precision on both sides;
+  1. median optimizer step time, ours vs the stock torch optimizers on identical params and grads, three
+     ways (COMPARISONS): each with its defaults, as users run them; both with fp32 Newton-Schulz; and
+     both doing torch's update (Jordan NS5, no variance reduction, plain decay) in the same precision;
   2. Newton-Schulz throughput of orthogonalize() on the stacks the optimizer builds, as a fraction of
-     the batched-matmul rate measured on the same device in the same run (how close to the matmuls);
+     the batched-matmul rate measured on the same device in the same run (how close to the matmuls), in
+     bf16 and fp32, and Gram Newton-Schulz against the standard iteration where it takes fewer FLOPs;
   3. Newton-Schulz load imbalance across ranks of DistMuonAdamW's owner plan vs nanochat's chunking
      (shapes only, no tensors).
 Why: the fused optimizer exists to be faster than running stock Muon and AdamW side by side, and to
@@ -32,12 +34,13 @@ from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import bucket_by, owner_plan
-from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision
+from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision, use_gram
 
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
 MUON_HP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
-STEP_TARGET = {"cpu": 0.8, "cuda": 0.3}  # ours / baseline step time, at most
+STEP_TARGET = {"cpu": {"defaults": 0.8, "matched fp32": 0.8, "same math": 0.7},  # ours / baseline step time, at most
+               "cuda": {"defaults": 0.3, "matched fp32": 0.3, "same math": 0.3}}
 NS_TARGET = 0.8  # Newton-Schulz FLOP/s / batched-matmul FLOP/s, at least
 IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
 
@@ -90,13 +93,24 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def bench_step(args, device, compile, precision, rates):
-    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW."""
+# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: None for its own bf16, or
+# 'ours' for whatever precision MuonAdamW resolves; fp32 runs torch through fp32_newton_schulz)
+COMPARISONS = {
+    "defaults": ({}, None),  # what each optimizer does out of the box
+    "matched fp32": (dict(ns_precision="fp32"), "fp32"),
+    "same math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),  # torch's own update
+}
+
+
+def bench_step(args, device, compile, name):
+    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW, one comparison."""
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
-    n_adamw = sum(math.prod(s) for s in adamw_shapes)
-    n_muon = sum(math.prod(s) for s in muon_shapes)
-    print(f"\n== 1. optimizer step, d{args.depth} (width {width}): {n_muon / 1e6:.1f}M Muon + "
-          f"{n_adamw / 1e6:.1f}M AdamW params ==")
+    options, torch_precision = COMPARISONS[name]
+    ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
+    torch_precision = ours_precision if torch_precision == "ours" else torch_precision
+    n_muon, n_adamw = (sum(map(math.prod, shapes)) / 1e6 for shapes in (muon_shapes, adamw_shapes))
+    print(f"\n== 1. optimizer step, {name}: d{args.depth} (width {width}), {n_muon:.1f}M Muon + {n_adamw:.1f}M "
+          "AdamW ==")
     gen = torch.Generator().manual_seed(0)
     shapes = adamw_shapes + muon_shapes
     init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
@@ -112,8 +126,7 @@ def bench_step(args, device, compile, precision, rates):
     base_adamw, base_muon = copies(init)
     del init
     ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
-                      dict(kind="muon", params=ours_muon, ns_precision=args.ns_precision, **MUON_HP)],
-                     compile=compile)
+                      dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})], compile=compile)
     base_muon_opt = torch.optim.Muon(base_muon, lr=MUON_HP["lr"], momentum=MUON_HP["momentum"],
                                      weight_decay=MUON_HP["weight_decay"], ns_steps=MUON_HP["ns_steps"])
     base_adamw_opt = torch.optim.AdamW(base_adamw, **ADAMW_HP)
@@ -127,7 +140,7 @@ def bench_step(args, device, compile, precision, rates):
         return timed(opt_step, device)
 
     ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
-    patched = precision == "fp32"
+    patched = torch_precision == "fp32"
     with fp32_newton_schulz() if patched else contextlib.nullcontext():
         ours_t, base_t = [], []
         for i in range(args.warmup + args.steps):  # interleaved, so load drift hits both alike
@@ -136,31 +149,25 @@ def bench_step(args, device, compile, precision, rates):
                 ours_t.append(a)
                 base_t.append(b)
 
-    print(f"Newton-Schulz precision: {precision} for both (--ns-precision {args.ns_precision})")
-    if patched:
-        print(f"  baseline patched: torch.optim.Muon hard-codes bf16 Newton-Schulz; it ran through an fp32 copy of "
-              f"torch's iteration\n  (torch.optim._muon._zeropower_via_newtonschulz replaced for the run), because "
-              f"bf16 matmul here runs at\n  {gflops(rates['bf16'])} vs {gflops(rates['fp32'])} in fp32: unpatched, "
-              f"the baseline would time bf16 emulation, not the optimizer.")
-    else:
-        print("  baseline unpatched: torch.optim.Muon's own bf16 Newton-Schulz")
-    print("  coefficients: torch.optim.Muon uses Keller Jordan's NS5 triple at every iteration, MuonAdamW Polar "
-          "Express\n  (one triple per iteration); both are 5 iterations of 3 matmuls, the same FLOPs, so fair for "
-          "speed.")
-    print(f"MuonAdamW compile: {compile}; baseline: torch.optim.Muon (eager, per-matrix) + torch.optim.AdamW "
-          f"(default foreach)")
+    gram = {s for s in muon_shapes if use_gram("auto", s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
+    print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on {sorted(gram) or 'none'}, "
+          f"compile {compile}")
+    torch_ns = torch_precision or "bf16"
+    print(f"torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz {torch_ns}"
+          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
     ratio = ours_med / base_med
-    target = STEP_TARGET[device.type]
+    target = STEP_TARGET[device.type][name]
     for label, ts in (("MuonAdamW", ours_t), ("torch Muon + AdamW", base_t)):
         print(f"  {label:20s} median {statistics.median(ts) * 1e3:9.1f} ms   min {min(ts) * 1e3:9.1f} ms   "
               f"(all, ms: {', '.join(f'{t * 1e3:.0f}' for t in ts)})")
     print(f"  ratio ours/baseline  {ratio:.3f}   target <= {target}   {verdict(ratio <= target)}")
-    return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, patched=patched)
+    return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, precision=(ours_precision, torch_precision))
 
 
 def bench_ns(args, device, compile, precision):
-    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes."""
+    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes, and
+    Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype = NS_DTYPES[precision]
     steps = MUON_HP["ns_steps"]
@@ -170,7 +177,7 @@ def bench_ns(args, device, compile, precision):
     # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
     stacks = [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
     gen = torch.Generator().manual_seed(1)
-    totals = []  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack
+    totals, gram_total = [], 0.0  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
     for shape in stacks:
         K, rows, cols = shape
         G = torch.randn(shape, generator=gen).to(device)
@@ -190,6 +197,12 @@ def bench_ns(args, device, compile, precision):
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
               f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
+        t_gram = t_ns
+        if ns_flops(shape, steps, True) < flops:
+            t_gram = median_time(lambda G=G: ortho(G, (*ns[:4], "gram")), device, args.steps, args.warmup)
+            print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster for "
+                  f"{flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
+        gram_total += t_gram if use_gram("auto", shape, steps, dtype) else t_ns
         totals.append((flops, t_ns, ref_flops, t_ref))
         del G, X, A
     tot_flops, tot_ns, tot_ref_flops, tot_ref = map(sum, zip(*totals))
@@ -198,7 +211,18 @@ def bench_ns(args, device, compile, precision):
     print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = {gflops(ns_rate)}; "
           f"bmm {gflops(ref_rate)}")
     print(f"  ratio NS/bmm {ratio:.3f}   target >= {NS_TARGET}   {verdict(ratio >= NS_TARGET)}")
-    return dict(rate=ns_rate, ref=ref_rate, ratio=ratio)
+    print(f"  ns_method 'auto' in {precision}: {gram_total * 1e3:.1f} ms for the stacks that took "
+          f"{tot_ns * 1e3:.1f} ms standard ({tot_ns / gram_total:.2f}x)")
+    return dict(rate=ns_rate, ref=ref_rate, ratio=ratio, auto=tot_ns / gram_total)
+
+
+def gram_flops(depth: int) -> str:
+    """Newton-Schulz FLOPs per step of the depth-`depth` GPT, standard vs Gram where it is cheaper."""
+    _, _, shapes = gpt_shapes(depth)
+    steps = MUON_HP["ns_steps"]
+    std = sum(ns_flops(s, steps) for s in shapes)
+    gram = sum(min(ns_flops(s, steps), ns_flops(s, steps, True)) for s in shapes)
+    return f"d{depth}: {std / 1e9:.0f} -> {gram / 1e9:.0f} GFLOP per step ({std / gram:.2f}x fewer)"
 
 
 def bench_imbalance(args):
@@ -240,16 +264,18 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off for CPU)")
-    parser.add_argument("--ns-precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="Newton-Schulz precision, both optimizers (auto: bf16 on CUDA, fp32 elsewhere)")
+    parser.add_argument("--compare", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS),
+                        help="step-time comparisons to run (section 1)")
+    parser.add_argument("--ns-precision", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp32"],
+                        help="Newton-Schulz precisions to time in section 2")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     compile = device.type == "cuda" if args.compile is None else args.compile
-    precision = resolve_ns_precision(args.ns_precision, device)  # MuonAdamW's rule, so the baseline matches
     command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
     name = device_name(device)
     threads = torch.get_num_threads()
-    print(f"{command}\ndevice {device} ({name}), torch {torch.__version__}, {threads} threads")
+    print(f"{command}\ndevice {device} ({name}), torch {torch.__version__}, {threads} threads; ns_precision 'auto' "
+          f"here: {resolve_ns_precision('auto', device)}")
     load_before = os.getloadavg()[0]  # other processes on the machine skew every timing below
 
     with torch.no_grad():
@@ -259,8 +285,8 @@ def main(argv=None):
                  for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
         print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 {gflops(rates['bf16'])}   "
               f"fp32 {gflops(rates['fp32'])}")
-        step = bench_step(args, device, compile, precision, rates)
-        ns = bench_ns(args, device, compile, precision)
+        steps = {c: bench_step(args, device, compile, c) for c in args.compare}
+        ns = {p: bench_ns(args, device, compile, p) for p in args.ns_precision}
     imb = bench_imbalance(args)
 
     print("\n== summary ==")
@@ -270,12 +296,14 @@ def main(argv=None):
     print(f"device      {name} ({device.type}), {threads} threads, torch {torch.__version__}")
     print(f"command     {command}")
     print(f"matmul      bf16 {gflops(rates['bf16'])}, fp32 {gflops(rates['fp32'])}")
-    baseline_ns = f"{precision}, patched" if step["patched"] else precision
-    print(f"step d{args.depth:<4d}  MuonAdamW {step['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
-          f"{step['base'] * 1e3:.0f} ms (NS {baseline_ns}, compile {compile}): ratio {step['ratio']:.3f}, "
-          f"target <= {step['target']} {verdict(step['ratio'] <= step['target'])}")
-    print(f"NS d{args.depth:<6d}  {gflops(ns['rate'])} vs bmm {gflops(ns['ref'])}: ratio {ns['ratio']:.3f}, "
-          f"target >= {NS_TARGET} {verdict(ns['ratio'] >= NS_TARGET)}")
+    for c, r in steps.items():
+        print(f"step d{args.depth:<4d}  {c + ':':13s} MuonAdamW {r['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
+              f"{r['base'] * 1e3:.0f} ms (NS {r['precision'][0]} vs {r['precision'][1] or 'bf16'}, compile {compile}): "
+              f"ratio {r['ratio']:.3f}, target <= {r['target']} {verdict(r['ratio'] <= r['target'])}")
+    for p, r in ns.items():
+        print(f"NS d{args.depth:<6d}  {p}: {gflops(r['rate'])} vs bmm {gflops(r['ref'])}: ratio {r['ratio']:.3f}, "
+              f"target >= {NS_TARGET} {verdict(r['ratio'] >= NS_TARGET)}; ns_method 'auto' {r['auto']:.2f}x")
+    print(f"Gram FLOPs  {gram_flops(12)}; {gram_flops(20)} (auto runs Gram in fp32 and fp16)")
     print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: DistMuonAdamW {imb['ours']:.3f}, "
           f"nanochat chunks {imb['chunks']:.3f}, target <= {IMBALANCE_TARGET} "
           f"{verdict(imb['ours'] <= IMBALANCE_TARGET)}")
