@@ -241,13 +241,17 @@ def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> 
     its matrices: the model's own params, sparing a stack and a copy back); `u` is overwritten.
     lr: the step (a number, or per row of a split matrix: see muon_hparams); decay: lr * weight_decay with
     the lr decay_lr names. With l2_wd the decay went into the gradient instead."""
-    u.mul_(lr)  # u is a fresh buffer: scaled in place, no full-size temporary
+    if isinstance(lr, Tensor):  # per-row, or compiled: u is a fresh buffer, scaled in place
+        u.mul_(lr)
     for ui, p in pairs(u, params):
         if not l2_wd and cautious_wd:  # decay only where the update and the weight agree in sign
             p.addcmul_(p, ((ui * p) >= 0) * decay, value=-1)
         elif not l2_wd:
             p.mul_(1 - decay)
-        p.sub_(ui)
+        if isinstance(lr, Tensor):
+            p.sub_(ui)
+        else:
+            p.add_(ui, alpha=-lr)  # the lr folds into the add: no pass to scale u
 
 
 def muon_update(grads: Tensor, params, momentum_buffer: Tensor, second_moment: Tensor | None,
