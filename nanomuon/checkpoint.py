@@ -226,8 +226,7 @@ def check_meta(meta, d: Path, keys) -> None:
                          f"it, or delete {d} and resume from an earlier step")
 
 
-def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu",
-                    meta_keys=()):
+def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu", meta_keys=()):
     """Return ({name: object}, meta) for a saved step, meta checked for meta_keys; an unreadable file or a
     bad meta.json raises ValueError with the way out."""
     d = step_dir(run_dir, step)

@@ -41,9 +41,8 @@ def size_str(num_bytes: float) -> str:
 
 @contextlib.contextmanager
 def user_errors():
-    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say what
-    to do) ends the program with that one line. Wrap only calls that read user input, so that a bug
-    anywhere else keeps its traceback."""
+    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say what to do) ends
+    the program with that one line. Wrap only calls that read user input, so a bug anywhere else keeps its traceback."""
     try:
         yield
     except (FileNotFoundError, ValueError) as e:
@@ -71,8 +70,7 @@ def compute_init(device_type: str = "auto"):
     (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
     distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
@@ -130,12 +128,10 @@ def synchronize(device: torch.device):
 
 
 # Dense bf16 tensor-core peak per GPU, from vendor data sheets. Most specific names first.
-PEAK_BF16_FLOPS = [
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12),
-    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12),
-    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12), ("V100", 125e12),
-]
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12),
+                   ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12),
+                   ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12),
+                   ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12)]
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -148,10 +144,9 @@ def peak_flops(device: torch.device) -> float | None:
 
 @torch.no_grad()
 def tensors_finite(tensors) -> bool:
-    """True when every tensor is finite on every rank (a collective under torch.distributed, so all ranks
-    take the same branch; DTensors are checked by their local shards). A norm is non-finite exactly when
-    an element is (short of a finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm
-    takes a few kernels, not two per tensor."""
+    """True when every tensor is finite on every rank (a collective under torch.distributed, so all ranks take the same
+    branch; DTensors are checked by their local shards). A norm is non-finite exactly when an element is (short of a
+    finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm is a few kernels, not two per tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
     ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
     if nonempty := [t for t in local if t.numel()]:
@@ -170,12 +165,10 @@ def all_finite(loss: torch.Tensor, params) -> bool:
 def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor) -> float:
     """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks: rank r takes rows r, r + N, ...
 
-    The rows, not the process count, define the measurement, so a run's val bpb means the same at any
-    world size (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's end) is
-    ignored, and short last batches are padded with it, keeping shapes static for torch.compile.
-    bpb = nats over targets that are real text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in
-    token_bytes) are excluded from both sums.
-    """
+    The rows, not the process count, define the measurement, so a run's val bpb means the same at any world size
+    (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's end) is ignored, and short last
+    batches are padded with it, keeping shapes static for torch.compile. bpb = nats over targets that are real
+    text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device

@@ -56,8 +56,7 @@ def chunk_end(text: str, start: int, chunk_chars: int) -> int:
 
 
 class _Piece:
-    """What is left of one document: its current chunk's tokens from `pos` on, and, while more chunks
-    follow, the text they come from."""
+    """What is left of a document: its current chunk's tokens from `pos` on, and while more chunks follow, its text."""
     __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos", "due")
 
     def __init__(self, epoch, doc, tokens, text=None, chunk=0, next_chunk=0, pos=0):
@@ -78,8 +77,7 @@ class DataLoader:
 
     Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
     (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS. After next_batch(),
-    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
-    """
+    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding."""
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
@@ -96,10 +94,8 @@ class DataLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer, self.bos = tokenizer, tokenizer.bos_id
-        self.dataset, self.split = dataset, split
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device(device)
+        self.dataset, self.split, self.batch_size, self.seq_len = dataset, split, batch_size, seq_len
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
         self.interleave, self.prefetch = interleave, prefetch
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
@@ -355,9 +351,8 @@ class DataLoader:
     def _identity(self) -> dict:
         # batch_size and interleave are not part of it: the state counts rows and holds any number of pending
         # continuations, so a resumed run may change its batch size (and with it the default interleave)
-        return dict(dataset=self.dataset, split=self.split, rank=self.rank, world_size=self.world_size,
-                    seq_len=self.seq_len, buffer_size=self.buffer_size, num_docs=self.num_docs,
-                    chunk_chars=self.chunk_chars)
+        return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len", "buffer_size",
+                                              "num_docs", "chunk_chars")}
 
     def _state_now(self) -> dict:
         backlog = [p.ref() for from_backlog, p in self._pending if from_backlog] + list(self._backlog)
@@ -390,14 +385,11 @@ class DataLoader:
         if "open" not in state:
             raise ValueError("this data loader state is from a nanomuon older than the loader that trains every "
                              "token once; it cannot be continued exactly: start the run afresh")
-        mine = self._identity()
-        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
+        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._identity().items() if state.get(k) != v]
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
                              "with the same data and sequence length (reshard_states() changes the process count)")
-
-        bad = self._bad_positions(state)
-        if bad:
+        if bad := self._bad_positions(state):
             raise ValueError(f"data loader state of rank {self.rank} is out of range ({'; '.join(bad[:3])}) for "
                              f"{self.num_docs} documents: it was edited or belongs to other data; restore it, or "
                              "resume from an earlier step")
@@ -429,13 +421,11 @@ def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Te
 def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     """The loader state for `rank` of `world_size` new processes, from the states of all N old ranks.
 
-    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r; documents at
-    or after the frontier F = max P_r are unread by every rank. The carry is what was read but not yet
-    trained (every backlog, buffered document and continuation) plus what lies below F but was not reached
-    (from P_r up to F on each old rank). The new ranks share the carry round-robin as their backlog, read
-    before anything else, and read on from F with the new stride: new rank j reads F + j, F + j + M, ...
-    So no token is skipped or trained twice in any epoch.
-    """
+    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r; documents at or after the
+    frontier F = max P_r are unread by every rank. The carry is what was read but not yet trained (every backlog,
+    buffered document and continuation) plus what lies below F but was not reached (from P_r up to F on each old rank).
+    The new ranks share the carry round-robin as their backlog, read before anything else, and read on from F with the
+    new stride: new rank j reads F + j, F + j + M, ... So no token is skipped or trained twice in any epoch."""
     old_n = len(states)
     if sorted(s.get("rank") for s in states) != list(range(old_n)) or any(s["world_size"] != old_n for s in states):
         sizes = sorted({s["world_size"] for s in states})
@@ -464,6 +454,5 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     epoch, doc = frontier[0], frontier[1] + rank
     if doc >= num_docs:  # past the end of the frontier's epoch: start the next one at our own stride
         epoch, doc = epoch + 1, rank
-    state = {key: states[0][key] for key in shared}
-    return dict(state, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
+    return dict({key: states[0][key] for key in shared}, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
                 backlog=[list(ref) for ref in carry[rank::world_size]], buffer=[], open=[])

@@ -38,17 +38,14 @@ SPLITS = ("train", "val")
 BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
 MAX_SHARD = 1822  # the last shard on the hub; held out as the val shard
 USER_AGENT = "nanomuon-dataset/0.1 (+python urllib)"
-FIX = {
-    "fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the embedded corpus "
-                   "with --dataset embedded",
-    "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
-}
+FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the embedded corpus "
+                      "with --dataset embedded",
+       "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it"}
 MANIFEST = "manifest.json"  # written last by build_embedded: its presence marks a finished build
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
 # -- locations ----------------------------------------------------------------------------------------
-
 def data_dir(name: str) -> Path:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
@@ -60,7 +57,6 @@ def shard_name(index: int) -> str:
 
 
 # -- reading ------------------------------------------------------------------------------------------
-
 def list_shards(name: str, split: str) -> list[Path]:
     """The parquet shards of one split: val is the last shard by name, train all the others."""
     if split not in SPLITS:
@@ -75,8 +71,7 @@ def list_shards(name: str, split: str) -> list[Path]:
 
 
 def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
-    """(the file, None) for parquet with the string `text` column every reader needs, else (None, what is
-    wrong with it)."""
+    """(the file, None) for parquet with the string `text` column every reader needs, else (None, what is wrong)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -127,7 +122,6 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
 
 
 # -- embedded corpus: the Python standard library ------------------------------------------------------
-
 def stdlib_sources() -> list[Path]:
     """Every .py file of this interpreter's standard library, sorted, without installed packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -140,10 +134,9 @@ def stdlib_sources() -> list[Path]:
 
 def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequence[Path] | None = None) -> list[Path]:
     """Pack source files (default: the stdlib, stdlib_sources()) into parquet shards in out_dir, one file per
-    document. Deterministic: files are sorted then shuffled with a fixed seed, so the val shard (the last)
-    is a sample of the whole library rather than one package. Shards are cut at document boundaries into
-    ceil(chars / shard_chars) near-equal parts (at least 2, for train + val); a shard exceeds shard_chars
-    by at most one document."""
+    document. Deterministic: files are sorted then shuffled with a fixed seed, so the val shard (the last) is a sample
+    of the whole library rather than one package. Shards are cut at document boundaries into ceil(chars / shard_chars)
+    near-equal parts (at least 2, for train + val); a shard exceeds shard_chars by at most one document."""
     if shard_chars < 1:
         raise ValueError(f"shard_chars must be >= 1, got {shard_chars}")
     files = sorted(Path(p) for p in (stdlib_sources() if sources is None else sources))
@@ -173,9 +166,8 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
         stale.unlink()
 
     manifest = dict(source="Python standard library .py files, one file per document", python=sys.version.split()[0],
-                    stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None, files=len(docs),
-                    chars=total, shard_chars=shard_chars, seed=0, shards=[p.name for p in paths],
-                    val_shard=paths[-1].name)
+                    stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None, files=len(docs), chars=total,
+                    shard_chars=shard_chars, seed=0, shards=[p.name for p in paths], val_shard=paths[-1].name)
     readme = (f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} standard library,\n"
               f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into {len(paths)} parquet "
               f"shards\n(column `text`, one file per row). The last shard, {paths[-1].name}, is the val split.\n"
@@ -220,7 +212,6 @@ def ensure_embedded() -> Path:
 
 
 # -- FineWeb-Edu download -----------------------------------------------------------------------------
-
 def _fetch(url: str, part: Path, timeout: float, stop: threading.Event) -> None:
     """Stream url into part, resuming from part's current size with a Range request.
     Raises ConnectionError if the connection ends before the advertised length."""
@@ -237,8 +228,7 @@ def _fetch(url: str, part: Path, timeout: float, stop: threading.Event) -> None:
         raise
     with resp:
         if resp.status == 206:
-            # Content-Range: bytes FIRST-LAST/TOTAL (TOTAL may be "*")
-            spec = resp.headers.get("Content-Range", "").removeprefix("bytes ")
+            spec = resp.headers.get("Content-Range", "").removeprefix("bytes ")  # FIRST-LAST/TOTAL (TOTAL may be "*")
             first, size = spec.partition("-")[0], spec.rpartition("/")[2]
             if not first.isdigit() or int(first) != start:
                 part.unlink(missing_ok=True)
@@ -335,8 +325,7 @@ def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_
             pool.shutdown(cancel_futures=True)
             raise
     if errors:
-        more = f" (and {len(errors) - 1} more failed shards)" if len(errors) > 1 else ""
-        raise RuntimeError(errors[0] + more)
+        raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more failed shards)" if len(errors) > 1 else ""))
     dt = time.time() - t0
     print(f"done: {len(paths)} shards in {out_dir}, {new_bytes / 1e6:.1f} MB downloaded in {dt:.1f} s "
           f"({new_bytes / 1e6 / max(dt, 1e-9):.1f} MB/s)")
@@ -344,7 +333,6 @@ def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_
 
 
 # -- CLI ------------------------------------------------------------------------------------------------
-
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m nanomuon.dataset", description=__doc__.strip().splitlines()[0],
                                 allow_abbrev=False)

@@ -41,9 +41,8 @@ class GPTConfig:
             problems.append(f"head dim {self.n_embd // self.n_head} must be even for rotary embeddings")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             problems.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
-        for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)} must be >= 1")
+        problems += [f"{key}={getattr(self, key)} must be >= 1"
+                     for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd") if getattr(self, key) < 1]
         if problems:
             raise ValueError("bad GPTConfig: " + "; ".join(problems))
 
@@ -209,12 +208,10 @@ class GPT(nn.Module):
                         optimizer_class=None, compile: bool | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width) (nanochat's
-        rule); Muon's lr needs no width scaling because its update is orthogonalized. muon_options go into
-        the Muon group; adamw_matrix_lr trains the matrices with AdamW instead (width-scaled too);
-        optimizer_class(groups) builds another optimizer on the same groups (`compile` is for nanomuon's
-        own). nanomuon.variants names such choices.
-        """
+        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width) (nanochat's rule);
+        Muon's lr needs no width scaling because its update is orthogonalized. muon_options go into the Muon group;
+        adamw_matrix_lr trains the matrices with AdamW instead (width-scaled too); optimizer_class(groups) builds
+        another optimizer on the same groups (`compile` is for nanomuon's own). nanomuon.variants names such choices."""
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
@@ -229,11 +226,9 @@ class GPT(nn.Module):
             raise ValueError("muon_options and adamw_matrix_lr exclude each other: the matrices train with one")
         else:
             matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
-        groups = [
-            dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
-            dict(adam, name="embedding", params=params["embedding"], lr=embedding_lr * scale),
-            dict(matrix_group, name="matrices", params=params["matrices"]),
-        ]
+        groups = [dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
+                  dict(adam, name="embedding", params=params["embedding"], lr=embedding_lr * scale),
+                  dict(matrix_group, name="matrices", params=params["matrices"])]
         if params["scalars"]:
             groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
         for g in groups:
@@ -248,8 +243,7 @@ class GPT(nn.Module):
 
     def track_max_logits(self, on: bool = True) -> None:
         """Start (afresh) or stop recording each attention head's max pre-softmax logit, for qk_clip_()."""
-        for block in self.blocks:
-            attn = block.attn
+        for attn in (block.attn for block in self.blocks):
             attn.max_logits = torch.full((attn.n_head,), float("-inf"), device=attn.c_q.weight.device) if on else None
 
     @torch.no_grad()
@@ -257,8 +251,7 @@ class GPT(nn.Module):
         """QK-clip every layer from the logits tracked since track_max_logits(); returns how many heads
         were clipped. Meant for models without QK-norm (with it, scaling W_q and W_k changes nothing)."""
         clipped = 0
-        for block in self.blocks:
-            attn = block.attn
+        for attn in (block.attn for block in self.blocks):
             if attn.max_logits is None:
                 raise RuntimeError("qk_clip_ needs the logits: call model.track_max_logits() before the forward pass")
             gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head, attn.n_kv_head, tau, alpha)

@@ -41,10 +41,9 @@ def bucket_by(keys: list) -> list[list[int]]:
 def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> list[dict]:
     """Buckets of the matrices with equal keys (say shape and dtype) and their owners.
 
-    keys[i], costs[i]: matrix i's bucket key and Newton-Schulz cost. Returns one dict per bucket:
-    members (matrix indices), slots (slots[r]: positions in members that rank r owns) and per_rank
-    (the largest slot count: every rank's stack of the bucket is padded to it) and cost (of one matrix).
-    loads: as in assign_owners."""
+    keys[i], costs[i]: matrix i's bucket key and Newton-Schulz cost. Returns one dict per bucket: members (matrix
+    indices), slots (slots[r]: positions in members that rank r owns) and per_rank (the largest slot count: every rank's
+    stack of the bucket is padded to it) and cost (of one matrix). loads: as in assign_owners."""
     buckets = bucket_by(keys)
     slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size, loads)
     return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]]) for b, s in zip(buckets, slots)]

@@ -22,9 +22,8 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
-    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
-    title, xlabel, ylabel and series: {label: (xs, ys)}; optional logy. Returns path, or None
-    when matplotlib is not installed."""
+    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with title, xlabel, ylabel and
+    series: {label: (xs, ys)}; optional logy. Returns path, or None when matplotlib is not installed."""
     try:
         import matplotlib
 

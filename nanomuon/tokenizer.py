@@ -1,11 +1,10 @@
 """
 The tokenizer: a byte-level BPE trained with rustbpe, run with tiktoken.
 
-rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded
-batches). One special token, <|bos|>, opens every document. A trained tokenizer is two text files in
-one directory: tokenizer.bpe (tiktoken's format: base64 token bytes and rank per line) and
-tokenizer.json (split pattern, special tokens, fingerprint). Checkpoints record the fingerprint, so a
-run is never resumed or sampled with a tokenizer it was not trained with.
+rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded batches). One special
+token, <|bos|>, opens every document. A trained tokenizer is two text files in one directory: tokenizer.bpe (tiktoken's
+format: base64 token bytes and rank per line) and tokenizer.json (split pattern, special tokens, fingerprint).
+Checkpoints record the fingerprint, so a run is never resumed or sampled with a tokenizer it was not trained with.
 """
 
 import base64
@@ -19,8 +18,7 @@ import torch
 
 from nanomuon.common import get_base_dir, write_atomic
 
-# GPT-4's split pattern with digits in runs of at most 2 (nanochat's choice: fewer number tokens wasted
-# on small vocabularies).
+# GPT-4's split pattern with digit runs of at most 2 (as in nanochat: fewer number tokens wasted on small vocabularies).
 SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
                  r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
 BOS = "<|bos|>"
@@ -39,13 +37,11 @@ class Tokenizer:
         if missing:  # tiktoken would panic at the first text that needs one
             raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (byte {hex(missing[0])}"
                              f"{', ...' if len(missing) > 1 else ''}), so some text cannot be encoded")
-        self.mergeable_ranks = mergeable_ranks
-        self.pattern = pattern
+        self.mergeable_ranks, self.pattern = mergeable_ranks, pattern
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
         self.enc = tiktoken.Encoding(name="nanomuon", pat_str=pattern, mergeable_ranks=mergeable_ranks,
                                      special_tokens=self.special_tokens)
-        self.bos_id = self.special_tokens[BOS]
-        self.vocab_size = n + len(self.special_tokens)
+        self.bos_id, self.vocab_size = self.special_tokens[BOS], n + len(self.special_tokens)
         digest = hashlib.sha256(pattern.encode())
         for token in sorted(mergeable_ranks, key=mergeable_ranks.get):
             digest.update(len(token).to_bytes(2, "little") + token)
@@ -66,8 +62,7 @@ class Tokenizer:
                              "(32768 is standard)")
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
-        ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
-        return cls(ranks, pattern)
+        return cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, pattern)
 
     def save(self, directory: Path) -> None:
         """Write both files atomically (temp file, then rename), so a reader never sees half a tokenizer."""
@@ -83,8 +78,7 @@ class Tokenizer:
     @classmethod
     def load(cls, directory: Path) -> "Tokenizer":
         directory = Path(directory)
-        missing = [n for n in FILES if not (directory / n).is_file()]
-        if missing:
+        if missing := [n for n in FILES if not (directory / n).is_file()]:
             raise FileNotFoundError(f"no tokenizer in {directory} (missing {', '.join(missing)}): train one with "
                                     "`python -m scripts.tok_train --dataset embedded` (or --dataset fineweb-edu)")
         try:

@@ -32,9 +32,8 @@ def main(argv=None):
     model, tokenizer, meta = load_for_inference(args, device)
     dataset = args.dataset or meta["args"]["dataset"]
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
-    seq_len = model.config.sequence_len
     with user_errors():
-        rows = val_rows(tokenizer, dataset, seq_len, eval_tokens)
+        rows = val_rows(tokenizer, dataset, model.config.sequence_len, eval_tokens)
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
     print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} tokens")

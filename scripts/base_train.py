@@ -1,11 +1,10 @@
 """
 Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo on CPU).
 
-No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2); with --fsdp, FSDP2 shards the
-model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over micro-batches
-up to --total-batch-size tokens per step; the lr follows warmup / constant / linear warmdown, Muon's
-momentum warms up from 0.85 to 0.95. Checkpoints resume bit for bit, at any process count; one run at a
-time owns its run dir (README, "base_train").
+No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2); with --fsdp, FSDP2 shards the model and MuonAdamW
+updates the shards (nanomuon/sharded.py). Gradients accumulate over micro-batches up to --total-batch-size tokens per
+step; the lr follows warmup / constant / linear warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume
+bit for bit, at any process count; one run at a time owns its run dir (README, "base_train").
 """
 
 import argparse
@@ -63,9 +62,8 @@ def parse_args(argv=None):
                    help="run name: names the checkpoint directory and the wandb run (default d<depth>)")
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
-    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu",
-                   help="training text: fineweb-edu (download with python -m nanomuon.dataset) or the embedded "
-                        "corpus (built on first use, no network)")
+    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu", help="training text: fineweb-edu (download "
+                   "with python -m nanomuon.dataset) or the embedded corpus (built on first use, no network)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
@@ -141,8 +139,7 @@ def parse_args(argv=None):
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
                   final_lr_frac: float) -> float:
-    warmup = round(warmup_ratio * num_iterations)
-    warmdown = round(warmdown_ratio * num_iterations)
+    warmup, warmdown = round(warmup_ratio * num_iterations), round(warmdown_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
     if step <= num_iterations - warmdown:
@@ -180,8 +177,7 @@ class Run:
     grad_accum: int
     compiled: bool
     step: int = 0
-    # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up steps)
-    # when val_history[i] was measured
+    # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up) at val_history[i]
     loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[],
                                                     val_train_time=[], skipped_steps=0, nonfinite_in_a_row=0))
     step_times: list = field(default_factory=list)  # this process's timings, for medians and the ETA
@@ -489,8 +485,7 @@ def train(run: Run) -> None:
             if args.qk_clip:
                 line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
             if run.step_times:
-                eta = statistics.median(run.step_times) * (run.num_iterations - step)
-                line += f" | eta {eta / 60:.1f}m"
+                line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
             print0(line)
         if run.wandb:
             run.wandb.log({"step": step, "train/loss": smooth_loss, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
@@ -533,8 +528,7 @@ def report(run: Run) -> dict:
 
 def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    lines = [f"# nanomuon base_train report: {args.run}", "",
-             f"- command: `{' '.join(sys.argv)}`",
+    lines = [f"# nanomuon base_train report: {args.run}", "", f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, optimizer {args.optimizer}",

@@ -3,11 +3,10 @@ What the data loader trains on, how fast, in how much memory, and how long it ho
 
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
-Per epoch of one rank's documents: coverage against the documents tokenized independently (as unigram
-counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and tokenizer").
-Then how long next_batch() blocks a simulated training step, with and without the prefetch thread (a
-sleep stands in for the device step, which waits on the GPU without holding the GIL). Needs a trained
-tokenizer (scripts.tok_train).
+Per epoch of one rank's documents: coverage against the documents tokenized independently (as unigram counts), inserted
+BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and tokenizer"). Then how long next_batch() blocks a
+simulated training step, with and without the prefetch thread (a sleep stands in for the device step, which waits on the
+GPU without holding the GIL). Needs a trained tokenizer (scripts.tok_train).
 """
 
 import argparse
@@ -79,10 +78,9 @@ def main(argv=None):
         covered = torch.minimum(trained, ref).sum().item() / total
         repeated = (trained - ref).clamp(min=0).sum().item() / total
         tv = 0.5 * (trained / trained.sum() - ref / ref.sum()).abs().sum().item()
-        print(f"epoch {epoch}: coverage {covered:.4%} of the rank's {total:,} tokens, {repeated:.4%} trained more "
-              f"than once, unigram total variation {tv:.5f} | {rows:,} rows: inserted BOS {inserted / slots:.3%}, "
-              f"padding {counts['padding'] / slots:.3%} | {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS "
-              f"{rss:,.0f} MB")
+        print(f"epoch {epoch}: coverage {covered:.4%} of the rank's {total:,} tokens, {repeated:.4%} trained more than "
+              f"once, unigram total variation {tv:.5f} | {rows:,} rows: inserted BOS {inserted / slots:.3%}, padding "
+              f"{counts['padding'] / slots:.3%} | {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS {rss:,.0f} MB")
 
     loaders = {0: make(), 2: make(prefetch=2)}
     means = {}

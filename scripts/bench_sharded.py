@@ -39,8 +39,7 @@ def make_optimizer(mode: str, shapes, device, mesh):
     group = dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
     if mode == "replicated":
         params = [torch.nn.Parameter(t.to(device)) for t in full]
-        grads = [t.to(device) for t in grads]
-        return DistMuonAdamW([dict(group, params=params)]), params, grads
+        return DistMuonAdamW([dict(group, params=params)]), params, [t.to(device) for t in grads]
     params = [torch.nn.Parameter(distribute_tensor(t.to(device), mesh, [Shard(0)])) for t in full]
     grads = [distribute_tensor(t.to(device), mesh, [Shard(0)]) for t in grads]
     options = dict(comm_precision="bf16") if mode == "owner-bf16" else dict(sharded_mode=mode.split("-")[0])
