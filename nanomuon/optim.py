@@ -262,7 +262,7 @@ class DistMuonAdamW(MuonAdamW):
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         self._plan = []
-        self._presence = (None, None)  # (all-ones flags, last step's un-waited all_reduce of them): see _has_grad
+        self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
 
     def _reduce_scatter(self, out, inp):
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -287,21 +287,17 @@ class DistMuonAdamW(MuonAdamW):
         return [bool(f) for f in t.tolist()]
 
     def _has_grad(self, params: list[Tensor]) -> list[bool]:
-        """Whether each param has a grad on some rank, without a host sync in the usual step: a rank holding
-        every grad knows the OR over ranks is all True, so it launches its share of the all_reduce (every rank
-        must) on a cached all-ones tensor, which MAX leaves as it is, and never reads it back. Only a rank
-        missing a grad waits for the others' flags."""
-        ones, pending = self._presence
-        if pending is not None:
-            pending.wait()  # last step's: long finished, and the buffer may be reused now
+        """Whether each param has a grad on some rank, with no host sync in the usual step: a rank holding every
+        grad knows the OR over ranks is all True. It still joins the flags' all_reduce (every rank must), on a
+        cached all-ones tensor that MAX leaves as it is, and reads nothing back (with nccl, wait() orders the
+        stream; it does not block the host). Only a rank missing a grad reads the others' flags."""
         mine = [p.grad is not None for p in params]
-        if all(mine):
-            if ones is None or len(ones) != len(params):
-                ones = torch.ones(len(params), dtype=torch.int32, device=params[0].device)
-            self._presence = (ones, self._all_reduce(ones, op=dist.ReduceOp.MAX))
-            return mine
-        self._presence = (ones, None)
-        return self._any_rank(mine)
+        if not all(mine):
+            return self._any_rank(mine)
+        if self._ones is None or len(self._ones) != len(params):
+            self._ones = torch.ones(len(params), dtype=torch.int32, device=params[0].device)
+        self._all_reduce(self._ones, op=dist.ReduceOp.MAX).wait()
+        return mine
 
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
