@@ -174,10 +174,9 @@ def unlock_run_dir(run_dir: Path) -> None:
 
 def list_steps(run_dir: Path) -> list[int]:
     """Steps with a complete checkpoint in run_dir, ascending."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not Path(run_dir).is_dir():
         return []
-    return sorted(int(m.group(1)) for d in run_dir.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
+    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
 
 
 def run_arg(s: str) -> str:

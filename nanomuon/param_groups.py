@@ -1,11 +1,10 @@
 """
-The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and what
-a valid group holds. One home, so the GPT, other models and the optimizers agree.
+The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and what a valid group
+holds. One home, so the GPT, other models and the optimizers agree.
 
-classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and
-GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
-check_group_values() re-checks the hyperparameters at every step, since schedules edit them;
-check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
+classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and GPT.setup_optimizer()
+to nanomuon's own. check_group() refuses a bad group when it is added; check_group_values() re-checks hyperparameters at
+every step, since schedules edit them; check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
 """
 
 import logging
@@ -19,9 +18,8 @@ from nanomuon.update_math import LR_SCALES, NS_DTYPES, NS_METHODS, ns_coefficien
 logger = logging.getLogger("nanomuon")
 
 WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against the
-# param's own name or its module's: Meta Llama's head is `output`, but BERT's `attention.output.dense` is a
-# hidden matrix.
+# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against the param's own
+# name or its module's: Meta Llama's head is `output`, but BERT's `attention.output.dense` is a hidden matrix.
 SKIP_KEYS = ("wte", "wpe", "embed_tokens", "tok_embeddings", "embeddings", "lm_head", "output")
 # Fused weights of equal row blocks, updated block by block (split): transformers 5's MoE experts
 # (E, 2I, H) [gate; up] and GPT-2's (H, 3H) Conv1D [Q; K; V].
@@ -51,11 +49,9 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
     parts = normalize_fqn(name).split(".")
     if embedding:
         return False, "an nn.Embedding weight"
-    hit = next((k for k in skip_keys if _names(parts, k)), None)
-    if hit:
+    if hit := next((k for k in skip_keys if _names(parts, k)), None):
         return False, f"matches skip key {hit!r} (embedding or output head)"
-    expert = next((k for k in expert_keys if _matches(parts, k)), None)
-    if expert:
+    if expert := next((k for k in expert_keys if _matches(parts, k)), None):
         if p.ndim >= 3:
             return True, f"expert weight (key {expert!r}): {p.ndim - 1}-D matrices, one per expert"
         return False, f"expert param (key {expert!r}) with {p.ndim} dims: not a batch of matrices"
@@ -95,10 +91,8 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 # Param group checks. Every message names the group, the parameter and the fix.
 
-REQUIRED_KEYS = {
-    "adamw": ("lr", "betas", "eps", "weight_decay"),
-    "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay"),
-}
+REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
+                 "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
 OPTIONAL_KEYS = {
     "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it becomes betas[0] at the next step
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
@@ -247,14 +241,12 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                              f"this optimizer's has {len(group['params'])} {group['kind']} params; it was saved from a "
                              "different model or optimizer setup")
         params += [(i, j, p, group["kind"]) for j, p in enumerate(group["params"])]
-    ids = [pid for g in saved_groups for pid in g["params"]]
-    where = dict(zip(ids, params))
+    where = dict(zip([pid for g in saved_groups for pid in g["params"]], params))
     for pid, st in state_dict["state"].items():
         if pid not in where:
             raise ValueError(f"optimizer checkpoint has state for param id {pid}, which no group lists; corrupt file?")
         i, j, p, kind = where[pid]
-        names = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
-        for name in names:
+        for name in ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",):
             if name in st and tuple(st[name].shape) != tuple(p.shape):
                 raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape {tuple(st[name].shape)}, "
                                  f"the param has {tuple(p.shape)}; the checkpoint is from a different model size")

@@ -46,8 +46,7 @@ def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, n_head: int
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
     # <= 1: shrink only. A tensor numerator: python / tensor is reciprocal-then-multiply, off by an ulp at S = tau
     gamma = (torch.full_like(s, tau) / s.clamp_min(1e-30)).clamp(max=1.0)
-    head_dim = q_weight.shape[0] // n_head
-    _scale_rows_(q_weight, gamma.pow(alpha).repeat_interleave(head_dim))
+    _scale_rows_(q_weight, gamma.pow(alpha).repeat_interleave(q_weight.shape[0] // n_head))
     kv_gamma = gamma.view(n_kv_head, n_head // n_kv_head).amin(dim=1)  # a K head serves a group of Q heads
     _scale_rows_(k_weight, kv_gamma.pow(1 - alpha).repeat_interleave(k_weight.shape[0] // n_kv_head))
     return gamma

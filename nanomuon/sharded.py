@@ -31,7 +31,6 @@ from nanomuon.update_math import (
     new_second_moment,
     ns_cost,
     scalars,
-    second_moment_shape,
 )
 
 try:
@@ -85,8 +84,7 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
                              f"{p.placements}; params must be Shard or Replicate")
     blocks = [None] * world
     dist.all_gather_object(blocks, [block_of(p) for p in params])  # blocks[r][i]: rank r's block of params[i]
-    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
-                         [ns_cost(group, p) for p in params], world)
+    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params], [ns_cost(group, p) for p in params], world)
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
@@ -112,8 +110,7 @@ def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm
     flat = [t for ps in pieces for t in ps]
     send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
     recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
-    work = dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True)
-    return work, recv, send
+    return dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True), recv, send
 
 
 def _gather(plan, params, wave, g_local, comm_dtype):
@@ -202,9 +199,8 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: boo
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
-    """One Muon step of `group` for its DTensor params, called by the optimizers' step() with their state
-    and plan cache. Params without a grad are skipped; DTensor grads are collective results, so every
-    rank skips the same ones."""
+    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state and plan cache.
+    Params without a grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, compiled)
     params, plan = group_plan(group, plans)
@@ -265,10 +261,9 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
 
 
 def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
-    """Megatron's tensor-parallel modes, over all the mesh dims a param is split on: 'duplicated' (exact)
-    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix and
-    norms across the slices; 'blockwise' orthogonalizes each local block as a matrix of its own, whose
-    shape then sets its lr factor and variance reduction."""
+    """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact) orthogonalizes the
+    all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix and norms across slices; 'blockwise'
+    orthogonalizes each local block as its own matrix, whose shape sets its lr factor and variance reduction."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -278,8 +273,7 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         if mode == "duplicated":
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
         elif mode == "distributed":
-            cut = cut_of(p)
-            if cut is not None:
+            if (cut := cut_of(p)) is not None:
                 dim, pg = cut
                 shard = (lambda t, pg=pg: dist.all_reduce(t, group=pg), dim, tuple(p.shape))
         elif not g.numel():  # blockwise, and this rank's block is empty
@@ -294,8 +288,7 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
                                          new_second_moment(g.shape, g.device, full_shape, h["layout"]))
         u = muon_direction(g, second, h["beta2"], h["ns"], p.dtype, shard, h["layout"])
         if mode == "duplicated":
-            offset, shape, _ = block_of(p)
-            u = u[_slices(offset, shape)].clone()
+            u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)
 
 
@@ -331,8 +324,7 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             if dist.get_rank() == holder:
                 t = st["second_momentum_buffer"].to(torch.float32).clone()
             else:
-                t = torch.empty(second_moment_shape(p.shape, layout=muon_layout(group)), dtype=torch.float32,
-                                device=p.to_local().device)
+                t = new_second_moment(p.shape, p.to_local().device, layout=muon_layout(group))
             dist.broadcast(t, src=holder)
             st["second_momentum_buffer"] = t
     return dict(sd, state=out)
@@ -392,7 +384,6 @@ def load_whole_state(module: torch.nn.Module, state: dict) -> None:
             if tuple(v.shape) != tuple(t.shape):
                 raise ValueError(f"the model state's {name} has shape {tuple(v.shape)}, this model's {tuple(t.shape)}")
             if isinstance(t, DTensor):
-                offset, shape, _ = block_of(t)
-                t.to_local().copy_(v[_slices(offset, shape)])
+                t.to_local().copy_(v[_slices(*block_of(t)[:2])])
             else:
                 t.copy_(v)

@@ -4,8 +4,7 @@ Train the BPE tokenizer on the train split and save it to $NANOMUON_BASE_DIR/tok
     python -m scripts.tok_train --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
     python -m scripts.tok_train --dataset embedded --vocab-size 4096 --max-chars 8000000
 
-Prints the compression (UTF-8 bytes per token) on the val split, the number that decides how many
-bytes of text a token budget buys.
+Prints the compression (UTF-8 bytes per token) on the val split: how many bytes of text a token budget buys.
 """
 
 import argparse
