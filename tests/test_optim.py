@@ -471,8 +471,8 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
     shapes = [(32, 16), (32, 16), (16, 48), (40, 30), (9,)]
     eager, compiled = make_params(shapes), make_params(shapes)
 
-    def groups(ps):
-        return [muon_group(ps[:3]), adamw_group(ps[3:])]
+    def groups(ps):  # fp32: Gram Newton-Schulz runs on both (non-square) Muon shapes, compiled and eager
+        return [muon_group(ps[:3], ns_precision="fp32"), adamw_group(ps[3:])]
 
     opt_e, opt_c = MuonAdamW(groups(eager), compile=False), MuonAdamW(groups(compiled), compile=True)
     assert opt_c.compiled and not opt_e.compiled

@@ -325,7 +325,7 @@ def compile_eager_pair(cls, rank=0, world_size=1):
     def build(compile):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in MATRICES + [(n,) for n in LENGTHS]]
-        opt = cls([dict(kind="muon", params=params[:len(MATRICES)], **MUON_REQUIRED),
+        opt = cls([dict(kind="muon", params=params[:len(MATRICES)], ns_precision="fp32", **MUON_REQUIRED),  # Gram
                    dict(kind="adamw", params=params[len(MATRICES):], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                         weight_decay=0.01)], compile=compile)
         return params, opt
