@@ -160,8 +160,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
         threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small slices
-        keep them in reusable heap memory. CUDA's caching allocator has no such cost.
-        """
+        keep them in reusable heap memory. CUDA's caching allocator has no such cost."""
         lead = tensors[0]
         if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
             return fn(*tensors, **hparams)
@@ -189,8 +188,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return self._stacks[key][1]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "nanomuon_shard" in state_dict:
-            shard = state_dict["nanomuon_shard"]
+        if (shard := state_dict.get("nanomuon_shard")) is not None:
             raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
                              f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
                              "into MuonAdamW or at another world size")
@@ -209,8 +207,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 group.setdefault(key, default)
         by_id = saved_params(self.param_groups, state_dict)
         for pid, st in state_dict["state"].items():
-            second = st.get("second_momentum_buffer")
-            if second is not None:  # the saved fp32 values, not torch's copy cast to the param dtype
+            if (second := st.get("second_momentum_buffer")) is not None:  # the saved fp32, not torch's cast copy
                 p = by_id[pid]
                 self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
@@ -256,8 +253,7 @@ class DistMuonAdamW(MuonAdamW):
                     raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
                                      "memory and needs contiguous params; use p.data = p.data.contiguous()")
         self.pg = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
@@ -287,10 +283,9 @@ class DistMuonAdamW(MuonAdamW):
         return [bool(f) for f in t.tolist()]
 
     def _has_grad(self, params: list[Tensor]) -> list[bool]:
-        """Whether each param has a grad on some rank, with no host sync in the usual step: a rank holding every
-        grad knows the OR over ranks is all True. It still joins the flags' all_reduce (every rank must), on a
-        cached all-ones tensor that MAX leaves as it is, and reads nothing back (with nccl, wait() orders the
-        stream; it does not block the host). Only a rank missing a grad reads the others' flags."""
+        """Whether each param has a grad on some rank. A rank holding every grad knows (all True), so in the usual
+        step nothing is read back to the host: it joins the flags' all_reduce (every rank must) with a cached all-ones
+        tensor that MAX leaves as it is (with nccl, wait() orders the stream). A rank missing a grad reads the flags."""
         mine = [p.grad is not None for p in params]
         if not all(mine):
             return self._any_rank(mine)

@@ -103,11 +103,10 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     In low precision R drifts (spurious negative eigenvalues that the polynomials amplify), so it restarts
     from X = Q X every GRAM_RESTART iterations.
 
-    shard=(reduce, cut_dim, full_shape): G is this rank's slice of each matrix, cut along cut_dim (-2 or
-    -1), and reduce(t) sums t in place over the ranks holding the other slices. The cut dim is put on the
-    columns, so the Gram matrix is a sum over slices, as is the norm: every rank computes exactly its
-    slice of the whole result (Megatron's 'distributed' mode).
-    """
+    shard=(reduce, cut_dim, full_shape): G is this rank's slice of each matrix, cut along cut_dim (-2 or -1), and
+    reduce(t) sums t in place over the ranks holding the other slices. The cut dim is put on the columns, so the
+    Gram matrix is a sum over slices, as is the norm: every rank computes exactly its slice of the whole result
+    (Megatron's 'distributed' mode; with Gram, one reduction per restart instead of one per iteration)."""
     coeffs, safety, eps, dtype, method = ns
     shape = G.shape
     X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
@@ -163,11 +162,10 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
     Frobenius norm it had after orthogonalization. Returns g scaled, in fp32. With `shard`
-    (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks.
-    """
+    (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks."""
     reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
     red_size = full_shape[red_dim]
-    # mean of squares via a norm, so no full-size g**2 is materialized; g is scaled in place at the end
+    # mean of squares via a norm, so no full-size g**2 is materialized
     v_sum = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square()
     if reduce is not None and cut_dim == red_dim:
         reduce(v_sum)
@@ -191,8 +189,7 @@ def pairs(stack: Tensor, params):
     return ((stack, params),) if isinstance(params, Tensor) else zip(stack, params)
 
 
-def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, momentum, wd, nesterov: bool,
-                  l2_wd: bool) -> Tensor:
+def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, momentum, wd, nesterov: bool, l2_wd: bool) -> Tensor:
     """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to orthogonalize.
     l2_wd adds wd * params to the gradient first (L2 regularization) instead of decaying the weights
     after the update. `grads` may be overwritten. params: stacked like grads, or a list of its matrices."""
@@ -238,7 +235,7 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype
 
 def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
     """Muon stage 3, elementwise: weight decay and the update, in place on params (stacked like u, or a list of
-    its matrices: the model's own params, sparing a stack and a copy back); `u` is overwritten.
+    its matrices: the model's own params, sparing a stack and a copy back); `u` may be overwritten.
     lr: the step (a number, or per row of a split matrix: see muon_hparams); decay: lr * weight_decay with
     the lr decay_lr names. With l2_wd the decay went into the gradient instead."""
     if isinstance(lr, Tensor):  # per-row, or compiled: u is a fresh buffer, scaled in place
@@ -367,9 +364,9 @@ def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
 
 
 def use_gram(method: str, shape, ns_steps: int, dtype: torch.dtype) -> bool:
-    """Whether a matrix of `shape` runs Gram Newton-Schulz: 'gram' always, 'standard' never, 'auto' where it
-    takes fewer FLOPs and is as accurate as standard, in fp32 and fp16 (bf16's 8-bit mantissa lets R drift:
-    it blew up with the deepseekv4 set, and is ~8% farther from U V^T with Polar Express; docs/benchmarks.md)."""
+    """Whether a matrix of `shape` runs Gram Newton-Schulz: 'gram' always, 'standard' never, 'auto' where it takes
+    fewer FLOPs and is as accurate as standard: in fp32 and fp16, not bf16, whose 8-bit mantissa lets R drift (Polar
+    Express lands 0.47-0.76 from U V^T where standard bf16 lands 0.10; tests/test_optim.py, docs/benchmarks.md)."""
     cheaper = ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
     return method == "gram" or method == "auto" and dtype != torch.bfloat16 and cheaper
 

@@ -93,8 +93,8 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: None for its own bf16, or
-# 'ours' for whatever precision MuonAdamW resolves; fp32 runs torch through fp32_newton_schulz)
+# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: None for its own bf16, or 'ours' for
+# whatever precision MuonAdamW resolves; fp32 runs torch through fp32_newton_schulz)
 COMPARISONS = {
     "defaults": ({}, None),  # what each optimizer does out of the box
     "matched fp32": (dict(ns_precision="fp32"), "fp32"),
@@ -107,7 +107,7 @@ def bench_step(args, device, compile, name):
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
     options, torch_precision = COMPARISONS[name]
     ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
-    torch_precision = ours_precision if torch_precision == "ours" else torch_precision
+    torch_precision = ours_precision if torch_precision == "ours" else torch_precision or "bf16"
     n_muon, n_adamw = (sum(map(math.prod, shapes)) / 1e6 for shapes in (muon_shapes, adamw_shapes))
     print(f"\n== 1. optimizer step, {name}: d{args.depth} (width {width}), {n_muon:.1f}M Muon + {n_adamw:.1f}M "
           "AdamW ==")
@@ -122,8 +122,7 @@ def bench_step(args, device, compile, name):
             p.grad = g.clone()
         return params[:len(adamw_shapes)], params[len(adamw_shapes):]
 
-    ours_adamw, ours_muon = copies(init)
-    base_adamw, base_muon = copies(init)
+    (ours_adamw, ours_muon), (base_adamw, base_muon) = copies(init), copies(init)
     del init
     ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
                       dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})], compile=compile)
@@ -141,19 +140,14 @@ def bench_step(args, device, compile, name):
 
     ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
     patched = torch_precision == "fp32"
-    with fp32_newton_schulz() if patched else contextlib.nullcontext():
-        ours_t, base_t = [], []
-        for i in range(args.warmup + args.steps):  # interleaved, so load drift hits both alike
-            a, b = run(ours.step, ours_params), run(base_step, base_params)
-            if i >= args.warmup:
-                ours_t.append(a)
-                base_t.append(b)
+    with fp32_newton_schulz() if patched else contextlib.nullcontext():  # interleaved: load drift hits both alike
+        times = [(run(ours.step, ours_params), run(base_step, base_params)) for _ in range(args.warmup + args.steps)]
+    ours_t, base_t = zip(*times[args.warmup:])
 
     gram = {s for s in muon_shapes if use_gram("auto", s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
     print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on {sorted(gram) or 'none'}, "
           f"compile {compile}")
-    torch_ns = torch_precision or "bf16"
-    print(f"torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz {torch_ns}"
+    print(f"torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz {torch_precision}"
           + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
     ratio = ours_med / base_med
@@ -179,21 +173,14 @@ def bench_ns(args, device, compile, precision):
     gen = torch.Generator().manual_seed(1)
     totals, gram_total = [], 0.0  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
     for shape in stacks:
-        K, rows, cols = shape
+        K, m, n = shape[0], *sorted(shape[1:])
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
         t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
         # Reference: one iteration's matmuls as plain bmm, wide orientation: X X^T, A A, A X.
-        m, n = sorted((rows, cols))
         X = torch.randn(K, m, n, generator=gen).to(device, dtype)
         A = torch.randn(K, m, m, generator=gen).to(device, dtype)
-
-        def one_iteration(X=X, A=A):
-            torch.bmm(X, X.mT)
-            torch.bmm(A, A)
-            torch.bmm(A, X)
-
-        t_ref = median_time(one_iteration, device, args.steps, args.warmup)
+        t_ref = median_time(lambda X=X, A=A: (X @ X.mT, A @ A, A @ X), device, args.steps, args.warmup)
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
               f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
@@ -248,8 +235,7 @@ def bench_imbalance(args):
         per_rank = " ".join(f"{x / 1e9:.0f}" for x in loads)
         print(f"  {name:16s} max/mean {res[name]:.3f}   matrices per stack exchange (padded) {sent:4d}   "
               f"per-rank GFLOP: {per_rank}")
-    ok = res["DistMuonAdamW"] <= IMBALANCE_TARGET
-    print(f"  target <= {IMBALANCE_TARGET} for DistMuonAdamW   {verdict(ok)}")
+    print(f"  target <= {IMBALANCE_TARGET} for DistMuonAdamW   {verdict(res['DistMuonAdamW'] <= IMBALANCE_TARGET)}")
     return dict(ours=res["DistMuonAdamW"], chunks=res["nanochat chunks"])
 
 
@@ -298,7 +284,7 @@ def main(argv=None):
     print(f"matmul      bf16 {gflops(rates['bf16'])}, fp32 {gflops(rates['fp32'])}")
     for c, r in steps.items():
         print(f"step d{args.depth:<4d}  {c + ':':13s} MuonAdamW {r['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
-              f"{r['base'] * 1e3:.0f} ms (NS {r['precision'][0]} vs {r['precision'][1] or 'bf16'}, compile {compile}): "
+              f"{r['base'] * 1e3:.0f} ms (NS {r['precision'][0]} vs {r['precision'][1]}, compile {compile}): "
               f"ratio {r['ratio']:.3f}, target <= {r['target']} {verdict(r['ratio'] <= r['target'])}")
     for p, r in ns.items():
         print(f"NS d{args.depth:<6d}  {p}: {gflops(r['rate'])} vs bmm {gflops(r['ref'])}: ratio {r['ratio']:.3f}, "
