@@ -99,7 +99,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 same_shape = [plain[i] for i in bucket]
                 idx = [k for k, p in enumerate(same_shape) if p.grad is not None]
                 if idx:
-                    grads = torch.stack([same_shape[k].grad for k in idx])
+                    grads = [same_shape[k].grad for k in idx]  # eager: stacked slice by slice, in small memory
+                    grads = torch.stack(grads) if self.compiled else grads
                     updated = self._muon_step(group, same_shape, grads, idx, stack=self.compiled)
                     if self.compiled:
                         torch._foreach_copy_([same_shape[k] for k in idx], list(updated.unbind(0)))
@@ -121,17 +122,17 @@ class MuonAdamW(torch.optim.Optimizer):
                     check_grad(i, group, j, p)
         return loss
 
-    def _muon_step(self, group: dict, params: list[Tensor], grads: Tensor, idx: list[int], stack: bool) -> Tensor:
-        """Muon on params[i] for i in idx (grads stacked in that order). `params` is every param of one shape
-        bucket that this process keeps state for. stack: update a stacked copy and return it; else update the
-        params in place (eager: no stack, no copy back; compiled, a list would recompile per length)."""
+    def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int], stack: bool) -> Tensor:
+        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is every param of one
+        shape bucket that this process keeps state for. stack: update a stacked copy and return it; else update
+        the params in place (eager: no stack, no copy back; compiled, a list would recompile per length)."""
         momentum, second = self._muon_stacks(group, params)
         everyone = len(idx) == len(params)
         if not everyone:
             sel = torch.tensor(idx, device=momentum.device)
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
         stacked = torch.stack([params[i] for i in idx]) if stack else [params[i] for i in idx]
-        h = scalars(muon_hparams(group, grads.shape, grads.device), self.compiled)
+        h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device), self.compiled)
         self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), **h)
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
@@ -161,7 +162,7 @@ class MuonAdamW(torch.optim.Optimizer):
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
         threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small slices
         keep them in reusable heap memory. CUDA's caching allocator has no such cost."""
-        lead = tensors[0]
+        lead = next(t for t in tensors if isinstance(t, Tensor))  # lists (eager Muon grads, params) slice alike
         if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
             return fn(*tensors, **hparams)
         n, per = len(lead), max(1, self.CPU_SLICE // lead[0].numel())

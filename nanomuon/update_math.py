@@ -112,7 +112,7 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
     if tall:
-        X = X.mT
+        X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
     if shard is None:
         norm = X.norm(dim=(-2, -1), keepdim=True)
     else:
@@ -161,11 +161,11 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Returns g scaled, in fp32. With `shard`
+    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `shard`
     (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks."""
     reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
     red_size = full_shape[red_dim]
-    # mean of squares via a norm, so no full-size g**2 is materialized
+    # mean of squares via a norm, so no full-size g**2 is materialized; g is scaled in place at the end
     v_sum = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square()
     if reduce is not None and cut_dim == red_dim:
         reduce(v_sum)
@@ -181,7 +181,7 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
     v_norm_new = total((v_mean * red_size) * step_size.float().square()).sqrt()
-    return g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10)))  # in fp32: the cast to it comes free
+    return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
 
 
 def pairs(stack: Tensor, params):
@@ -227,10 +227,10 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype
             sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
             ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype).view_as(gb))
         return u
-    u = orthogonalize(g, ns, shard)
+    u = orthogonalize(g, ns, shard).to(out_dtype)  # first: bf16 norms and mixed-dtype products copy to fp32 anyway
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
-    return u.to(out_dtype)
+    return u
 
 
 def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
@@ -251,11 +251,12 @@ def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> 
             p.add_(ui, alpha=-lr)  # the lr folds into the add: no pass to scale u
 
 
-def muon_update(grads: Tensor, params, momentum_buffer: Tensor, second_moment: Tensor | None,
+def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | None,
                 momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack,
-    or a list of its K matrices): the three stages in a row, with muon_hparams()'s keywords. The sharded
-    path (sharded.py) runs the same stages with communication between."""
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack, or a
+    list of its K matrices; grads likewise): the three stages in a row, with muon_hparams()'s keywords. The
+    sharded path (sharded.py) runs the same stages with communication between."""
+    grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice's worth: small, reused memory
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
     u = muon_direction(g, second_moment, beta2, ns, momentum_buffer.dtype, layout=layout)  # the params' dtype
     muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
