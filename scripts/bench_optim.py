@@ -39,8 +39,8 @@ from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogona
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
 MUON_HP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
-STEP_TARGET = {"cpu": {"defaults": 0.8, "matched fp32": 0.8, "same math": 0.7},  # ours / baseline step time, at most
-               "cuda": {"defaults": 0.3, "matched fp32": 0.3, "same math": 0.3}}
+STEP_TARGET = {"cpu": {"defaults": 0.8, "matched-fp32": 0.8, "same-math": 0.7},  # ours / baseline step time, at most
+               "cuda": {"defaults": 0.3, "matched-fp32": 0.3, "same-math": 0.3}}
 NS_TARGET = 0.8  # Newton-Schulz FLOP/s / batched-matmul FLOP/s, at least
 IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
 
@@ -97,8 +97,8 @@ def device_name(device: torch.device) -> str:
 # whatever precision MuonAdamW resolves; fp32 runs torch through fp32_newton_schulz)
 COMPARISONS = {
     "defaults": ({}, None),  # what each optimizer does out of the box
-    "matched fp32": (dict(ns_precision="fp32"), "fp32"),
-    "same math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),  # torch's own update
+    "matched-fp32": (dict(ns_precision="fp32"), "fp32"),
+    "same-math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),  # torch's own update
 }
 
 

@@ -9,7 +9,8 @@
 #
 # Steps (each under its own time limit; a step that fails or times out is reported, the rest still run):
 #   1. the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits (pytest -m cuda)
-#   2. bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW, bf16 on both sides
+#   2. bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW (defaults on both sides, and
+#      the same update on both), Newton-Schulz in bf16 and fp16 (standard vs Gram)
 #   3. base_train at d12 and d20 on one GPU, compiled: tok/s, MFU, the optimizer's share of a step
 #   4. speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1), short
 # The summary ($OUT/gpu_check.md when $OUT is set, else .gpu_check/gpu_check.md) holds the device, the
@@ -43,12 +44,13 @@ fi
 TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 262144 --sample-tokens 16 \
 --save-every -1 --log-every 5 --max-seq-len 2048 --device-batch-size 32 --total-batch-size 524288"
 STEPS=(
-    "tests|90|python -m pytest -q --slow -m cuda tests"
-    "bench_optim d12|50|python -m scripts.bench_optim --depth 12 --compile --steps 5"
-    "bench_optim d20|60|python -m scripts.bench_optim --depth 20 --compile --steps 5"
+    "tests|80|python -m pytest -q --slow -m cuda tests"
+    "bench_optim d12|80|python -m scripts.bench_optim --depth 12 --compile --steps 5 --compare defaults same-math \
+--ns-precision bf16 fp16"
+    "bench_optim d20|70|python -m scripts.bench_optim --depth 20 --compile --steps 5 --compare defaults --ns-precision fp16"
     "base_train d12|100|python -m scripts.base_train --depth 12 --num-iterations 20 --run gpu-check-d12 $TRAIN"
-    "base_train d20|150|python -m scripts.base_train --depth 20 --num-iterations 10 --run gpu-check-d20 $TRAIN"
-    "speedrun|90|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun bash speedrun.sh --num-iterations 20 \
+    "base_train d20|130|python -m scripts.base_train --depth 20 --num-iterations 10 --run gpu-check-d20 $TRAIN"
+    "speedrun|80|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun bash speedrun.sh --num-iterations 20 \
 --total-batch-size 65536 --device-batch-size 32 --max-seq-len 1024 --eval-tokens 65536"
 )
 
@@ -110,7 +112,7 @@ for s in "${STEPS[@]}"; do
         echo '```'
         echo "$cmd"
         if [ $rc -eq 0 ]; then  # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
-            grep -E "^(step d|NS d|imbalance|matmul)|throughput:|optimizer step:|final val bpb|passed|skipped|speedrun done" \
+            grep -E "^(step d|NS d|Gram FLOPs|imbalance|matmul)|throughput:|optimizer step:|final val bpb|passed|skipped|speedrun done" \
                 "$log" | tail -n 12
         else
             tail -n 8 "$log"

@@ -1,7 +1,7 @@
 """
 The CUDA paths, which CI (CPU only) cannot run: scripts/gpu_check.sh runs these on a lent GPU with
 `pytest --slow -m cuda`; elsewhere they skip. Compiled against eager for the optimizer and the model,
-bf16 Newton-Schulz and bf16 autocast against fp64 references, the nccl path of DistMuonAdamW against
+bf16 Newton-Schulz, fp16 Gram Newton-Schulz and bf16 autocast against fp64 references, the nccl path of DistMuonAdamW against
 MuonAdamW, and that LR schedules never recompile the compiled update.
 """
 
@@ -68,6 +68,24 @@ def test_bf16_newton_schulz_is_close_to_the_fp64_polar_factor():
     assert cos.min() > 0.97, cos
     s = torch.linalg.svdvals(X)
     assert s.min() > 0.6 and s.max() < 1.25, (s.min(), s.max())
+
+
+@pytest.mark.compile
+def test_fp16_gram_newton_schulz_on_the_gpu():
+    """Gram Newton-Schulz in fp16 (what 'auto' runs with ns_precision='fp16', as Dao-AILab does on GPUs), eager and
+    compiled, is as close to the float64 U V^T as the standard iteration in fp16, on tall and wide stacks."""
+    from test_optim import polynomial_via_svd, rel_err, spectral_band_input
+
+    coeffs, safety, eps = ns_coefficients("polar_express", 5)
+    compiled = torch.compile(orthogonalize, fullgraph=True)
+    for shape in ((768, 192), (192, 768)):
+        G = torch.stack([spectral_band_input(*shape, seed) for seed in range(3)]).float()
+        _, polar = polynomial_via_svd(G, coeffs, safety, eps)
+        standard = orthogonalize(G.cuda(), (coeffs, safety, eps, torch.float16, "standard")).cpu()
+        for fn in (orthogonalize, compiled):
+            gram = fn(G.cuda(), (coeffs, safety, eps, torch.float16, "auto")).cpu()
+            assert gram.dtype == torch.float16
+            assert rel_err(gram, polar) < 1.05 * rel_err(standard, polar) + 2e-3, shape
 
 
 def test_default_bf16_optimizer_tracks_fp32():
