@@ -313,9 +313,8 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
             rows = torch.tensor(factors).repeat_interleave(torch.tensor(layout[0])).repeat(layout[1]).to(device)
             _row_factors[key] = rows.view(1, -1) if layout[2] else rows.view(-1, 1)
         lr = group["lr"] * _row_factors[key]
-    wd = group["weight_decay"]
-    decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * wd
-    return dict(momentum=group["momentum"], lr=lr, wd=wd, decay=decay,
+    decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
+    return dict(momentum=group["momentum"], lr=lr, wd=group["weight_decay"], decay=decay,
                 beta2=group["beta2"] if group["beta2"] is not None else 0.0, nesterov=group["nesterov"],
                 ns=(*ns, NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], group["ns_method"]),
                 cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout)

@@ -163,8 +163,7 @@ def bench_ns(args, device, compile, precision):
     """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes, and
     Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
-    dtype = NS_DTYPES[precision]
-    steps = MUON_HP["ns_steps"]
+    dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
     ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")

@@ -1,8 +1,8 @@
 """
 The CUDA paths, which CI (CPU only) cannot run: scripts/gpu_check.sh runs these on a lent GPU with
 `pytest --slow -m cuda`; elsewhere they skip. Compiled against eager for the optimizer and the model,
-bf16 Newton-Schulz, fp16 Gram Newton-Schulz and bf16 autocast against fp64 references, the nccl path of DistMuonAdamW against
-MuonAdamW, and that LR schedules never recompile the compiled update.
+bf16 Newton-Schulz, fp16 Gram Newton-Schulz and bf16 autocast against fp64 references, the nccl path of
+DistMuonAdamW against MuonAdamW, and that LR schedules never recompile the compiled update.
 """
 
 import pytest
