@@ -356,7 +356,7 @@ def new_second_moment(shape, device, full_shape=None, layout=None) -> Tensor:
 def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
     """Newton-Schulz FLOPs for one param, m <= n: K (4 m^2 n + 2 m^3) standard; Gram with r restarts,
     (4 + 4 r) m^2 n + (8 K - 6 (r + 1)) m^3 (fewer from aspect n / m > 1.5, at K = 5)."""
-    m, n = sorted(shape[-2:])
+    m, n = (shape[-2], shape[-1]) if shape[-2] <= shape[-1] else (shape[-1], shape[-2])  # not sorted(): SymInts
     r = (ns_steps - 1) // GRAM_RESTART
     per = ((4 + 4 * r) * m * m * n + (8 * ns_steps - 6 * (r + 1)) * m ** 3 if gram
            else ns_steps * (4 * m * m * n + 2 * m ** 3))
