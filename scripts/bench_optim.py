@@ -93,10 +93,10 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: None for its own bf16, or 'ours' for
-# whatever precision MuonAdamW resolves; fp32 runs torch through fp32_newton_schulz)
+# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: 'bf16' (its own), 'fp32' (run through
+# fp32_newton_schulz) or 'ours' for whatever precision MuonAdamW resolves)
 COMPARISONS = {
-    "defaults": ({}, None),  # what each optimizer does out of the box
+    "defaults": ({}, "bf16"),  # what each optimizer does out of the box
     "matched-fp32": (dict(ns_precision="fp32"), "fp32"),
     "same-math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),  # torch's own update
 }
@@ -107,7 +107,7 @@ def bench_step(args, device, compile, name):
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
     options, torch_precision = COMPARISONS[name]
     ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
-    torch_precision = ours_precision if torch_precision == "ours" else torch_precision or "bf16"
+    torch_precision = ours_precision if torch_precision == "ours" else torch_precision
     n_muon, n_adamw = (sum(map(math.prod, shapes)) / 1e6 for shapes in (muon_shapes, adamw_shapes))
     print(f"\n== 1. optimizer step, {name}: d{args.depth} (width {width}), {n_muon:.1f}M Muon + {n_adamw:.1f}M "
           "AdamW ==")
