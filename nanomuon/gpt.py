@@ -205,13 +205,15 @@ class GPT(nn.Module):
     def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
                         scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
                         muon_options: dict | None = None, adamw_matrix_lr: float | None = None,
-                        optimizer_class=None, compile: bool | None = None):
+                        optimizer_class=None, compile: bool | None = None, per_head: bool = False):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width) (nanochat's rule);
         Muon's lr needs no width scaling because its update is orthogonalized. muon_options go into the Muon group;
         adamw_matrix_lr trains the matrices with AdamW instead (width-scaled too); optimizer_class(groups) builds
-        another optimizer on the same groups (`compile` is for nanomuon's own). nanomuon.variants names such choices."""
+        another optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the attention
+        matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of c_proj (a transposed split).
+        nanomuon.variants names such choices."""
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
@@ -222,13 +224,25 @@ class GPT(nn.Module):
         if adamw_matrix_lr is None:
             matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5, beta2=0.95,
                                      weight_decay=weight_decay), **(muon_options or {}))
-        elif muon_options:
-            raise ValueError("muon_options and adamw_matrix_lr exclude each other: the matrices train with one")
+        elif muon_options or per_head:
+            raise ValueError("muon_options or per_head and adamw_matrix_lr exclude each other: the matrices train "
+                             "with one optimizer")
         else:
             matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
         groups = [dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
                   dict(adam, name="embedding", params=params["embedding"], lr=embedding_lr * scale),
                   dict(matrix_group, name="matrices", params=params["matrices"])]
+        if per_head:  # one group per layout: (heads, by columns)
+            heads, hd = {}, self.config.n_embd // self.config.n_head
+            for a in (block.attn for block in self.blocks):
+                for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
+                                     (a.c_v, a.n_kv_head, False), (a.c_proj, a.n_head, True)):
+                    if n > 1:  # one head is the whole matrix
+                        heads.setdefault((n, cols), []).append(lin.weight)
+            per = {id(w) for ws in heads.values() for w in ws}
+            groups[2]["params"] = [w for w in params["matrices"] if id(w) not in per]
+            groups += [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols, params=ws,
+                            split=(hd,) * n, transposed=cols) for (n, cols), ws in heads.items()]
         if params["scalars"]:
             groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
         for g in groups:

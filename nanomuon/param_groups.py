@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from nanomuon import update_math
 from nanomuon.update_math import LR_SCALES, NS_DTYPES, NS_METHODS, ns_coefficients
 
 logger = logging.getLogger("nanomuon")
@@ -96,9 +97,10 @@ REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
 OPTIONAL_KEYS = {
     "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it becomes betas[0] at the next step
     "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
-             "ns_method": "auto", "ns_repeat_last": False, "lr_scale": "shape", "extra_scale": 1.0,
-             "decay_lr": "adjusted", "weight_decay_mode": "decoupled", "comm_precision": "fp32",
-             "sharded_mode": "owner", "qkv_split": None, "split": None, "split_groups": 1, "transposed": False},
+             "ns_method": "auto", "ns_repeat_last": False, "equilibrate": None, "post_normalize": None,
+             "lr_scale": "shape", "extra_scale": 1.0, "decay_lr": "adjusted", "weight_decay_mode": "decoupled",
+             "comm_precision": "fp32", "sharded_mode": "owner", "qkv_split": None, "split": None, "split_groups": 1,
+             "transposed": False},
 }
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
@@ -149,7 +151,9 @@ def check_group_values(i: int, group: dict) -> None:
     _check_coefficients(label, group)
     for key, choices in (("ns_precision", ("auto", *NS_DTYPES)), ("ns_method", NS_METHODS), ("lr_scale", LR_SCALES),
                          ("weight_decay_mode", ("decoupled", "l2")), ("decay_lr", ("adjusted", "group")),
-                         ("comm_precision", ("bf16", "fp32")), ("sharded_mode", SHARDED_MODES)):
+                         ("comm_precision", ("bf16", "fp32")), ("sharded_mode", SHARDED_MODES),
+                         ("equilibrate", update_math.EQUILIBRATE_MODES),
+                         ("post_normalize", update_math.POST_NORMALIZE_MODES)):
         if key in group and group[key] not in choices:
             raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
     if "extra_scale" in group:

@@ -224,7 +224,8 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
                     state[params[i]].setdefault("second_momentum_buffer",
                                                 new_second_moment(shape, stacked.device, layout=h["layout"]))
                 second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["ns"], stacked.dtype, None, h["layout"])
+            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["ns"], stacked.dtype, None, h["layout"],
+                                                 h["norms"])
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -286,7 +287,7 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
             full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
             second = state[p].setdefault("second_momentum_buffer",
                                          new_second_moment(g.shape, g.device, full_shape, h["layout"]))
-        u = muon_direction(g, second, h["beta2"], h["ns"], p.dtype, shard, h["layout"])
+        u = muon_direction(g, second, h["beta2"], h["ns"], p.dtype, shard, h["layout"], h["norms"])
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)

@@ -50,6 +50,8 @@ COEFFICIENT_SETS = {
 }
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NS_METHODS = ("auto", "standard", "gram")
+EQUILIBRATE_MODES = (None, "row", "col", "row_col")  # MuonEq, before orthogonalizing (equilibrate)
+POST_NORMALIZE_MODES = (None, "fro", "col", "row", "col_row", "row_col")  # Muon+, after it (post_normalize)
 GRAM_RESTART = 3  # Gram Newton-Schulz recomputes R from X every 3 iterations (orthogonalize; docs/benchmarks.md)
 CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's probes of the CPU
 
@@ -113,12 +115,7 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
     if tall:
         X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
-    if shard is None:
-        norm = X.norm(dim=(-2, -1), keepdim=True)
-    else:
-        sq = X.float().square().sum(dim=(-2, -1), keepdim=True)
-        shard[0](sq)
-        norm = sq.sqrt().to(X.dtype)
+    norm = X.norm(dim=(-2, -1), keepdim=True) if shard is None else sq_sum(X, (-2, -1), shard).sqrt().to(X.dtype)
     X = X / (norm * safety + eps)
 
     def gram(X):  # X X^T; sharded, the partial Grams are summed in fp32, whatever the iteration's dtype
@@ -151,6 +148,39 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     return X.reshape(shape)
 
 
+def sq_sum(x: Tensor, dims: tuple, shard=None) -> Tensor:
+    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2. With `shard` (see
+    orthogonalize), x is a slice: partial sums over the cut dim are summed across the ranks."""
+    s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=torch.float32).square()
+    if shard is not None and shard[1] in dims:
+        shard[0](s)
+    return s
+
+
+def equilibrate(g: Tensor, mode, shard=None) -> Tensor:
+    """MuonEq (Chang et al. 2026, arXiv 2603.28254; nanochat always applies 'row'): balance the momentum's rows
+    and/or columns before orthogonalizing: diag(r) G diag(c), r_i = (sum_j G_ij^2 + 1e-8)^-1/2 and c likewise,
+    both from the same G. Returns a new tensor: g may be the momentum buffer."""
+    parts = mode.split("_") if mode else ()
+    scales = [sq_sum(g, (-1,) if part == "row" else (-2,), shard).add_(1e-8).rsqrt_().to(g.dtype) for part in parts]
+    for scale in scales:
+        g = g * scale
+    return g
+
+
+def post_normalize(u: Tensor, mode, shard=None) -> Tensor:
+    """Muon+ (Zhang et al. 2026, arXiv 2602.21545): normalize the orthogonalized update's columns ('col') or
+    rows ('row') to unit norm, x / sqrt(sum x^2 + 1e-7), one after the other in the order named ('col_row'),
+    in place. 'fro' is nanochat's variant: rescale the whole matrix to Frobenius norm sqrt(min(rows, cols)),
+    the norm of an exact U V^T, which Newton-Schulz only approximates."""
+    if mode == "fro":
+        m, n = (shard[2] if shard is not None else u.shape)[-2:]
+        return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1), shard).sqrt().clamp_min(1e-6)).to(u.dtype))
+    for part in mode.split("_") if mode else ():
+        u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,), shard).add_(1e-7).rsqrt_().to(u.dtype))
+    return u
+
+
 def muon_red_dim(shape) -> int:
     """The dim variance reduction averages over: columns (per-row stats) for tall or square matrices."""
     return -1 if shape[-2] >= shape[-1] else -2
@@ -165,11 +195,7 @@ def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, sh
     (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks."""
     reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
     red_size = full_shape[red_dim]
-    # mean of squares via a norm, so no full-size g**2 is materialized; g is scaled in place at the end
-    v_sum = torch.linalg.vector_norm(g, dim=red_dim, keepdim=True, dtype=torch.float32).square()
-    if reduce is not None and cut_dim == red_dim:
-        reduce(v_sum)
-    v_mean = v_sum / red_size
+    v_mean = sq_sum(g, (red_dim,), shard) / red_size  # g is scaled in place at the end
 
     def total(t):  # the sum over each whole matrix; with the other dim cut, partial sums add up across ranks
         t = t.sum(dim=(-2, -1), keepdim=True)
@@ -208,15 +234,20 @@ def block_shapes(shape, layout) -> list[tuple[int, int]]:
 
 
 def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype: torch.dtype, shard=None,
-                   layout=None) -> Tensor:
-    """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): orthogonalize, then
-    variance reduction if second_moment is given. layout (muon_layout): matrices stored (in, out) are
-    worked on transposed; a split matrix is updated block by block, each exactly as a param of its own,
-    its second moment a slice of the flat per-matrix state (Megatron's per-query-group QKV layout when
-    split_groups > 1: block i is rows n_i of every group)."""
+                   layout=None, norms=(None, None)) -> Tensor:
+    """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): equilibrate (norms[0]),
+    orthogonalize, post_normalize (norms[1]), then variance reduction if second_moment is given.
+    layout (muon_layout): matrices stored (in, out) are worked on transposed; a split matrix is updated
+    block by block, each exactly as a param of its own, its second moment a slice of the flat per-matrix
+    state (Megatron's per-query-group QKV layout when split_groups > 1: block i is rows n_i of every group).
+    Equal blocks (attention heads) run as one batch."""
     split, groups, transposed = layout or (None, 1, False)
     if transposed:
-        return muon_direction(g.mT, second_moment, beta2, ns, out_dtype, shard, (split, groups, False)).mT
+        return muon_direction(g.mT, second_moment, beta2, ns, out_dtype, shard, (split, groups, False), norms).mT
+    if split and groups == 1 and len(set(split)) == 1:  # (..., k * n, cols) as a batch of k (n, cols) blocks
+        k, n = len(split), split[0]
+        sm = None if second_moment is None else second_moment.unflatten(-1, (k, *second_moment_shape((n, g.shape[-1]))))
+        return muon_direction(g.unflatten(-2, (k, n)), sm, beta2, ns, out_dtype, norms=norms).flatten(-3, -2)
     if split:  # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), as matrices flattened
         u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
         sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
@@ -225,9 +256,10 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype
         for gb, ub, sb in zip(*views, seconds):
             m = gb.flatten(-3, -2)
             sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
-            ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype).view_as(gb))
+            ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype, norms=norms).view_as(gb))
         return u
-    u = orthogonalize(g, ns, shard).to(out_dtype)  # first: bf16 norms and mixed-dtype products copy to fp32 anyway
+    u = orthogonalize(equilibrate(g, norms[0], shard), ns, shard).to(out_dtype)  # bf16 norms would copy to fp32
+    u = post_normalize(u, norms[1], shard)
     if second_moment is not None:
         u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
     return u
@@ -252,13 +284,14 @@ def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> 
 
 
 def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | None,
-                momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout) -> None:
+                momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout,
+                norms) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack, or a
     list of its K matrices; grads likewise): the three stages in a row, with muon_hparams()'s keywords. The
     sharded path (sharded.py) runs the same stages with communication between."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice's worth: small, reused memory
     g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, ns, momentum_buffer.dtype, layout=layout)  # the params' dtype
+    u = muon_direction(g, second_moment, beta2, ns, momentum_buffer.dtype, layout=layout, norms=norms)  # params' dtype
     muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
 
 
@@ -317,7 +350,8 @@ def muon_hparams(group: dict, matrix_shape, device) -> dict:
     return dict(momentum=group["momentum"], lr=lr, wd=group["weight_decay"], decay=decay,
                 beta2=group["beta2"] if group["beta2"] is not None else 0.0, nesterov=group["nesterov"],
                 ns=(*ns, NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], group["ns_method"]),
-                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout)
+                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout,
+                norms=(group["equilibrate"], group["post_normalize"]))
 
 
 def adamw_hparams(group: dict, step: int) -> dict:

@@ -190,6 +190,38 @@ def test_every_optimizer_variant_builds_and_steps(variant):
     assert any(not torch.equal(b, p) for b, p in zip(before, matrices["params"]))
 
 
+def test_per_head_updates_each_head_as_a_matrix_of_its_own():
+    """per_head=True: each head's rows of c_q, c_k, c_v (GQA: 2 kv heads) and each head's columns of c_proj move
+    as a separate Muon param would (c_proj's as the transposed block, so its lr factor is that of (16, 64))."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=97, n_layer=1, n_head=4, n_kv_head=2, n_embd=64))
+    model.init_weights()
+    attn = model.blocks[0].attn
+    torch.nn.init.normal_(attn.c_proj.weight, std=0.05)  # not zero, so cautious decay has signs to compare
+    opt = model.setup_optimizer(per_head=True, muon_options=dict(ns_precision="fp32"))
+    x = torch.randint(0, 97, (2, 16))
+    model(x, x).backward()
+    heads = ((attn.c_q, 4, 0), (attn.c_k, 2, 0), (attn.c_v, 2, 0), (attn.c_proj, 4, 1))
+    before = [(lin.weight.detach().clone(), lin.weight.grad.clone()) for lin, _, _ in heads]
+    opt.step()
+    for (lin, n, dim), (w, g) in zip(heads, before):
+        blocks = [torch.nn.Parameter(b.clone() if dim == 0 else b.T.clone()) for b in w.chunk(n, dim=dim)]
+        for b, gb in zip(blocks, g.chunk(n, dim=dim)):
+            b.grad = gb.clone() if dim == 0 else gb.T.clone()
+        whole = torch.nn.Parameter(w.clone())
+        whole.grad = g.clone()
+        for ps in (blocks, [whole]):
+            MuonAdamW([dict(kind="muon", params=ps, lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2,
+                            ns_precision="fp32")]).step()
+        expected = torch.cat([b.detach() if dim == 0 else b.detach().T for b in blocks], dim=dim)
+        assert (expected - whole.detach()).abs().max() > 1e-3  # per head is not the whole matrix's update
+        torch.testing.assert_close(lin.weight.detach(), expected, rtol=0, atol=1e-6)
+    assert {g["name"] for g in opt.param_groups} >= {"matrices", "matrices, 4 heads", "matrices, 2 heads",
+                                                     "matrices, 4 heads by columns"}
+    with pytest.raises(ValueError, match="exclude each other"):
+        model.setup_optimizer(per_head=True, adamw_matrix_lr=0.004)
+
+
 def hand_max_logits(model, idx):
     """Each head's largest causal q.k / sqrt(head_dim), recomputed in float64 from the layer-0 weights."""
     attn = model.blocks[0].attn

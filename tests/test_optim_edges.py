@@ -17,7 +17,7 @@ from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS
 
 BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, cautious_wd=True,
             ns_coefficients="polar_express", ns_repeat_last=False, lr_scale="shape", extra_scale=1.0,
-            weight_decay_mode="decoupled", decay_lr="adjusted")
+            weight_decay_mode="decoupled", decay_lr="adjusted", equilibrate=None, post_normalize=None)
 MUON_REQUIRED = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
 FACTORS = {"shape": lambda r, c: math.sqrt(max(1.0, r / c)), "spectral": lambda r, c: math.sqrt(max(r, c)),
            "moonlight": lambda r, c: 0.2 * math.sqrt(max(r, c)), "unit_rms": lambda r, c: math.sqrt(r / c)}
@@ -46,6 +46,10 @@ def f64_step(p, g, st, cfg):
     st["buf"] = m * st.get("buf", torch.zeros_like(p)) + (1 - m) * g
     u = (1 - m) * g + m * st["buf"] if cfg["nesterov"] else st["buf"]
     rows, cols = u.shape
+    eq = cfg["equilibrate"] or ""  # MuonEq: both scales from the same u
+    r = (u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in eq else torch.ones(rows, 1, dtype=u.dtype)
+    c = (u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in eq else torch.ones(1, cols, dtype=u.dtype)
+    u = u / r.sqrt() / c.sqrt()
     triples, safety, eps = triples_of(cfg)
     X = u.T if rows > cols else u
     X = X / (torch.linalg.matrix_norm(X) * safety + eps)
@@ -53,6 +57,11 @@ def f64_step(p, g, st, cfg):
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     o = X.T if rows > cols else X
+    if cfg["post_normalize"] == "fro":  # nanochat's Muon+: the Frobenius norm of an exact U V^T
+        o = o * math.sqrt(min(rows, cols)) / torch.linalg.matrix_norm(o)
+    elif cfg["post_normalize"]:  # Muon+: unit columns / rows, in the order named
+        for part in cfg["post_normalize"].split("_"):
+            o = o / ((o ** 2).sum(dim=0 if part == "col" else 1, keepdim=True) + 1e-7).sqrt()
     if cfg["beta2"] is not None:
         v = (o ** 2).mean(dim=1 if rows >= cols else 0, keepdim=True)
         st["v"] = cfg["beta2"] * st.get("v", torch.zeros_like(v)) + (1 - cfg["beta2"]) * v
@@ -121,6 +130,10 @@ LAYOUTS = {
     "conv1d-square": ((32, 32), dict(transposed=True), {}),
     "conv1d-wide": ((24, 64), dict(transposed=True), {}),
     "conv1d-qkv": ((16, 48), dict(transposed=True, qkv_split=(16, 16, 16)), dict(decay_lr="group")),
+    # per-head orthogonalization (GPT.setup_optimizer(per_head=True)): equal blocks run as one batch
+    "per-head-rows": ((32, 24), dict(split=(8, 8, 8, 8)), dict(equilibrate="row")),
+    "per-head-columns": ((24, 32), dict(transposed=True, split=(8, 8, 8, 8)), dict(post_normalize="col_row")),
+    "per-head-experts": ((3, 32, 16), dict(split=(8, 8, 8, 8)), {}),
 }
 
 
@@ -142,7 +155,9 @@ def test_each_block_moves_like_a_separate_param(name):
 
 EDITS = [("beta2", None), ("beta2", 0.5), ("nesterov", False), ("cautious_wd", False), ("ns_steps", 3),
          ("ns_coefficients", "jordan"), ("lr_scale", "spectral"), ("extra_scale", 0.3), ("weight_decay_mode", "l2"),
-         ("decay_lr", "group"), ("momentum", 0.8), ("lr", 0.05), ("weight_decay", 0.0)]
+         ("decay_lr", "group"), ("momentum", 0.8), ("lr", 0.05), ("weight_decay", 0.0), ("equilibrate", "row"),
+         ("equilibrate", "col"), ("equilibrate", "row_col"), ("post_normalize", "fro"), ("post_normalize", "col"),
+         ("post_normalize", "row"), ("post_normalize", "col_row"), ("post_normalize", "row_col")]
 
 
 @pytest.mark.parametrize("key,value", EDITS, ids=[f"{k}={v}" for k, v in EDITS])

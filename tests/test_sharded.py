@@ -137,7 +137,7 @@ def test_bf16_communication_and_options():
     spawn(_placements_worker, 4, options, 3e-3)
 
 
-def _modes_worker(rank, world_size, mode):
+def _modes_worker(rank, world_size, mode, options=None):
     """Exact modes against unsharded MuonAdamW; blockwise against MuonAdamW treating every block of every
     matrix as a param of its own."""
     mesh1 = init_device_mesh("cpu", (world_size,))
@@ -149,13 +149,14 @@ def _modes_worker(rank, world_size, mode):
         layout += [((24, 40), mesh2, [Replicate(), Shard(1)]), ((32, 16), mesh2, [Shard(0), Shard(0)])]
     start = full_values([s for s, _, _ in layout], 0)
     sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (_, m, pl) in zip(start, layout)]
-    opt = MuonAdamW(groups(sharded, [], sharded_mode=mode))
+    options = options or {}
+    opt = MuonAdamW(groups(sharded, [], sharded_mode=mode, **options))
     if mode == "blockwise":  # the reference: each rank's blocks as separate plain params
         plain = [torch.nn.Parameter(p.to_local().clone()) for p in sharded]
-        ref = MuonAdamW(groups([q for q in plain if q.numel()], []))
+        ref = MuonAdamW(groups([q for q in plain if q.numel()], [], **options))
     else:
         plain = [torch.nn.Parameter(t.clone()) for t in start]
-        ref = MuonAdamW(groups(plain, []))
+        ref = MuonAdamW(groups(plain, [], **options))
     for step in range(3):
         for p, q, g, (_, m, pl) in zip(sharded, plain, full_values([s for s, _, _ in layout], 100 + step), layout):
             p.grad = distribute_tensor(g.clone(), m, pl)
@@ -165,7 +166,7 @@ def _modes_worker(rank, world_size, mode):
     for k, (p, q) in enumerate(zip(sharded, plain)):
         got = p.to_local() if mode == "blockwise" else p.full_tensor()
         torch.testing.assert_close(got, q.detach(), rtol=0, atol=2e-5, msg=lambda m, k=k: f"{mode} {layout[k]}: {m}")
-    if mode != "duplicated":  # per-slice variance-reduction state has no whole form
+    if mode != "duplicated" or options:  # per-slice variance-reduction state has no whole form
         with pytest.raises(ValueError, match="has no whole form"):
             opt.full_state_dict()
         return
@@ -188,6 +189,13 @@ def _modes_worker(rank, world_size, mode):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_modes(mode, world_size):
     spawn(_modes_worker, world_size, mode)
+
+
+@pytest.mark.parametrize("options", [dict(equilibrate="row_col", post_normalize="col_row"),
+                                     dict(equilibrate="col", post_normalize="fro")], ids=["rc-colrow", "c-fro"])
+def test_distributed_mode_sums_the_norms_of_equilibrate_and_post_normalize(options):
+    """MuonEq's and Muon+'s row, column and whole-matrix norms on slices cut either way equal the unsharded ones."""
+    spawn(_modes_worker, 3, "distributed", options)
 
 
 def test_blockwise_changes_the_math():
