@@ -23,6 +23,7 @@ import bisect
 import contextlib
 import logging
 import queue
+import random
 import threading
 from array import array
 from collections import deque
@@ -77,11 +78,14 @@ class DataLoader:
 
     Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
     (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS. After next_batch(),
-    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding."""
+    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
+    shuffle_seed: another document order (the row groups shuffled, then the documents within each, so reads
+    stay sequential); None reads in file order."""
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
-                 prefetch: int = 0, chunk_chars: int = 1 << 16, interleave: int | None = None):
+                 prefetch: int = 0, chunk_chars: int = 1 << 16, interleave: int | None = None,
+                 shuffle_seed: int | None = None):
         if min(batch_size, seq_len, buffer_size, tokenize_batch) < 1 or prefetch < 0 or chunk_chars < 2:
             raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1, prefetch "
                              f">= 0 and chunk_chars >= 2, got {batch_size}, {seq_len}, {buffer_size}, "
@@ -97,22 +101,27 @@ class DataLoader:
         self.dataset, self.split, self.batch_size, self.seq_len = dataset, split, batch_size, seq_len
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
-        self.interleave, self.prefetch = interleave, prefetch
+        self.interleave, self.prefetch, self.shuffle_seed = interleave, prefetch, shuffle_seed
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
         self.files = list_shards(dataset, split)
         # Row-group index from the parquet footers: (file, row group, first global doc, rows).
-        self.row_groups, self.starts, total, nulls = [], [], 0, 0
+        groups, nulls = [], 0
         for fi, path in enumerate(self.files):
             pf = open_shard(dataset, path)  # unreadable file, no text column, not strings: fails here, not mid-run
             col = pf.schema_arrow.get_field_index("text")
             for rg in range(pf.metadata.num_row_groups):
                 meta = pf.metadata.row_group(rg)
                 if meta.num_rows:
-                    self.row_groups.append((fi, rg, total, meta.num_rows))
-                    self.starts.append(total)
-                    total += meta.num_rows
+                    groups.append((fi, rg, meta.num_rows))
                     stats = meta.column(col).statistics if col < meta.num_columns else None
                     nulls += stats.null_count if stats is not None and stats.has_null_count else 0
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(groups)
+        self.row_groups, self.starts, total = [], [], 0
+        for fi, rg, rows in groups:
+            self.row_groups.append((fi, rg, total, rows))
+            self.starts.append(total)
+            total += rows
         self.num_docs = total
         if self.num_docs < world_size:
             raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer than the "
@@ -140,7 +149,10 @@ class DataLoader:
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
                                  "delete it and download or build it again") from None
-            self._cached = (rgi, table.column("text").to_pylist())
+            texts = table.column("text").to_pylist()
+            if self.shuffle_seed is not None:
+                random.Random(self.shuffle_seed * 1_000_003 + rgi).shuffle(texts)
+            self._cached = (rgi, texts)
         return self._cached[1][doc - self.starts[rgi]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
@@ -352,7 +364,7 @@ class DataLoader:
         # batch_size and interleave are not part of it: the state counts rows and holds any number of pending
         # continuations, so a resumed run may change its batch size (and with it the default interleave)
         return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len", "buffer_size",
-                                              "num_docs", "chunk_chars")}
+                                              "num_docs", "chunk_chars", "shuffle_seed")}
 
     def _state_now(self) -> dict:
         backlog = [p.ref() for from_backlog, p in self._pending if from_backlog] + list(self._backlog)

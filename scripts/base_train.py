@@ -64,7 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
     p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu", help="training text: fineweb-edu (download "
                    "with python -m nanomuon.dataset) or the embedded corpus (built on first use, no network)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="seed of the init")
+    p.add_argument("--data-seed", type=int, default=None, help="shuffle the training documents with this seed (row "
+                   "groups, then documents within each; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
     p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
@@ -88,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
+    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the --optimizer variant's own "
+                   "included (ablate --lr-sweep)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
@@ -114,10 +118,10 @@ def parse_args(argv=None):
         (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip"],
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip", "lr_multiplier"],
          lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite, "a finite number (or <= 0: off)"),
-        (["seed"], lambda v: 0 <= v < 2 ** 64, "in [0, 2**64)"),
+        (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
     ]
     for names, ok, what in rules:
         for name in names:
@@ -274,7 +278,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
 
     with user_errors():  # missing or unreadable data
         train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
-                                  rank, world_size, device, prefetch=2)
+                                  rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(train_loader.close)  # its prefetch thread stops however the run ends
         val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
@@ -290,6 +294,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                       matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
                                       **OPTIMIZER_VARIANTS[args.optimizer])
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
     run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
               tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config, model=model,
               train_model=torch.compile(model, dynamic=False) if compiled else model, optimizer=optimizer,

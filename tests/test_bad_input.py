@@ -155,6 +155,8 @@ CASES = {
     "data-ratio-nan": (lambda *_: train("--target-param-data-ratio", "nan"),
                        "--target-param-data-ratio must be a finite"),
     "seed-huge": (lambda *_: train("--seed", str(2 ** 70)), "--seed must be in [0, 2**64)"),
+    "data-seed-negative": (lambda *_: train("--data-seed", "-1"), "--data-seed must be in [0, 2**64)"),
+    "lr-multiplier-negative": (lambda *_: train("--lr-multiplier", "-2"), "--lr-multiplier must be a finite number"),
     "abbreviation": (lambda *_: train("--num-iter", "3"), "unrecognized arguments: --num-iter"),
     "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
     "no-cuda": (lambda *_: train("--device-type", "cuda"), "torch sees no CUDA device; use --device-type cpu"),

@@ -247,14 +247,14 @@ def test_val_rows_are_a_contiguous_stream_of_whole_documents(corpus):
     assert flat == expected
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_exact_resume(corpus, world):
+@pytest.mark.parametrize("world, seed", [(1, None), (2, None), (2, 5)])
+def test_exact_resume(corpus, world, seed):
     """Resumed from a state saved at any batch (several are tried, mid-epoch with partly trained documents
     buffered, continuations waiting their turn), a loader yields exactly the batches of the uninterrupted
-    one, past the end of an epoch."""
+    one, past the end of an epoch; with a shuffled document order too."""
     tok = WordTokenizer()
     for rank in range(world):
-        ref = loader(tok, B=16, rank=rank, world=world)
+        ref = loader(tok, B=16, rank=rank, world=world, shuffle_seed=seed)
         states, batches = {}, []
         for i in range(150):
             if i in (5, 13, 30, 47):
@@ -263,13 +263,33 @@ def test_exact_resume(corpus, world):
             batches.append(ref.next_batch())
         assert ref.state_dict()["epoch"] >= 1 and states[5]["buffer"]
         for i, state in states.items():
-            resumed = loader(tok, B=16, rank=rank, world=world)
+            resumed = loader(tok, B=16, rank=rank, world=world, shuffle_seed=seed)
             resumed.load_state_dict(state)
             assert resumed.state_dict() == state  # what it loaded, the continuations' waits included
             for x1, y1 in batches[i:]:
                 x2, y2 = resumed.next_batch()
                 assert torch.equal(x1, x2) and torch.equal(y1, y2), f"resumed at batch {i}"
             assert resumed.state_dict() == ref.state_dict()
+
+
+def test_a_shuffle_seed_reorders_the_documents_and_trains_every_token_once(corpus):
+    """shuffle_seed (base_train --data-seed, ablate's seeds): another document order per seed, the same for the
+    same seed; the ranks together still train every token of the epoch exactly once."""
+    _, train, _ = corpus
+    tok = WordTokenizer()
+
+    def epoch_docs(seed, rank=0):  # the documents in the order their first tokens are trained, and the tokens
+        rows = [r for r, _ in rows_of_epochs(loader(tok, rank=rank, world=2, shuffle_seed=seed), 1)]
+        tokens = Counter(divmod(t, SCALE) for r in rows for t in r if t not in (BOS, -1))
+        return list(dict.fromkeys(t // SCALE for r in rows for t in r if t not in (BOS, -1))), tokens
+
+    (order, tokens0), (_, tokens1) = epoch_docs(1), epoch_docs(1, rank=1)
+    assert tokens0 + tokens1 == expected_tokens(train, 0, 1)
+    assert epoch_docs(1)[0] == order
+    assert order != epoch_docs(None)[0] and order != epoch_docs(2)[0]
+    assert {k % 2 for k in order} == {0, 1}  # rank 0's documents are no longer the even ones
+    with pytest.raises(ValueError, match="shuffle_seed"):
+        loader(tok, world=2, shuffle_seed=2).load_state_dict(loader(tok, world=2, shuffle_seed=1).state_dict())
 
 
 def test_resume_inside_a_chunked_document(corpus):
