@@ -35,6 +35,7 @@ import torch
 from nanomuon.dataset import list_shards, open_shard
 
 log = logging.getLogger("nanomuon")
+SHUFFLE_WINDOW = 8  # row groups whose documents a shuffle_seed mixes: the embedded corpus's 7, 8,192 FineWeb docs
 UNKNOWN = float("inf")  # the length of a document whose later chunks are not tokenized yet
 
 
@@ -79,8 +80,8 @@ class DataLoader:
     Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
     (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS. After next_batch(),
     batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
-    shuffle_seed: another document order (the row groups shuffled, then the documents within each, so reads
-    stay sequential); None reads in file order."""
+    shuffle_seed: another document order: the row groups shuffled, then the documents of each SHUFFLE_WINDOW of
+    them (held in memory together, so each group is still read once); None reads in file order."""
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
@@ -104,7 +105,8 @@ class DataLoader:
         self.interleave, self.prefetch, self.shuffle_seed = interleave, prefetch, shuffle_seed
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
         self.files = list_shards(dataset, split)
-        # Row-group index from the parquet footers: (file, row group, first global doc, rows).
+        # Row-group index from the parquet footers, in windows of row groups read together: ([(file, row group)],
+        # first global doc, docs). Unshuffled, a window is one row group.
         groups, nulls = [], 0
         for fi, path in enumerate(self.files):
             pf = open_shard(dataset, path)  # unreadable file, no text column, not strings: fails here, not mid-run
@@ -112,16 +114,17 @@ class DataLoader:
             for rg in range(pf.metadata.num_row_groups):
                 meta = pf.metadata.row_group(rg)
                 if meta.num_rows:
-                    groups.append((fi, rg, meta.num_rows))
+                    groups.append(((fi, rg), meta.num_rows))
                     stats = meta.column(col).statistics if col < meta.num_columns else None
                     nulls += stats.null_count if stats is not None and stats.has_null_count else 0
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(groups)
-        self.row_groups, self.starts, total = [], [], 0
-        for fi, rg, rows in groups:
-            self.row_groups.append((fi, rg, total, rows))
+        size = 1 if shuffle_seed is None else SHUFFLE_WINDOW
+        self.windows, self.starts, total = [], [], 0
+        for i in range(0, len(groups), size):
+            self.windows.append([g for g, _ in groups[i:i + size]])
             self.starts.append(total)
-            total += rows
+            total += sum(rows for _, rows in groups[i:i + size])
         self.num_docs = total
         if self.num_docs < world_size:
             raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer than the "
@@ -136,24 +139,25 @@ class DataLoader:
         self._counts = dict(rows=0, inserted=0, padding=0, skipped_docs=0)
         self.stats = dict(self._counts)
         self.batch_epochs: list[int] = []
-        self._cached = (None, None)  # (row group index, its texts): sequential reads hit one group at a time
+        self._cached = (None, None)  # (window, its texts): sequential reads hit one window at a time
         self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
     # -- reading --------------------------------------------------------------------------------
     def _doc_text(self, doc: int) -> str | None:
-        rgi = bisect.bisect_right(self.starts, doc) - 1
-        if self._cached[0] != rgi:
-            fi, rg, _, _ = self.row_groups[rgi]
-            try:
-                table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
-            except (pa.ArrowException, OSError) as e:
-                raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
-                                 "delete it and download or build it again") from None
-            texts = table.column("text").to_pylist()
+        w = bisect.bisect_right(self.starts, doc) - 1
+        if self._cached[0] != w:
+            texts = []
+            for fi, rg in self.windows[w]:
+                try:
+                    table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
+                except (pa.ArrowException, OSError) as e:
+                    raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
+                                     "delete it and download or build it again") from None
+                texts += table.column("text").to_pylist()
             if self.shuffle_seed is not None:
-                random.Random(self.shuffle_seed * 1_000_003 + rgi).shuffle(texts)
-            self._cached = (rgi, texts)
-        return self._cached[1][doc - self.starts[rgi]]
+                random.Random(self.shuffle_seed * 1_000_003 + w).shuffle(texts)
+            self._cached = (w, texts)
+        return self._cached[1][doc - self.starts[w]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
         """Tokens of the chunk of text at start (BOS first for the first chunk), and where it ends."""

@@ -23,7 +23,8 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
     """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with title, xlabel, ylabel and
-    series: {label: (xs, ys)}; optional logy. Returns path, or None when matplotlib is not installed."""
+    series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band; optional logx, logy. Returns path, or None
+    when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -33,15 +34,18 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        for label, (xs, ys) in panel["series"].items():
-            points = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+        for label, (xs, ys, *band) in panel["series"].items():
+            points = [pt for pt in zip(xs, ys, *band) if all(math.isfinite(v) for v in pt[1:])]
             if not points:
                 continue
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.5)
+            xs, ys, *band = zip(*points)
+            line, = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.5)
+            if band:
+                ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
-        if panel.get("logy"):
-            ax.set_yscale("log")
+        for axis in ("x", "y"):
+            if panel.get(f"log{axis}"):
+                getattr(ax, f"set_{axis}scale")("log")
         ax.grid(alpha=0.3)
         if len(panel["series"]) > 1:
             ax.legend()

@@ -1,79 +1,190 @@
 """
-Compare optimizer variants on identical data, seed and token budget: a table and plots of val bpb.
+Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a table of
+means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate                                   # muon vs adamw vs muon-no-vr, CPU, minutes
-    python -m scripts.ablate --variants muon,muon-jordan --num-iterations 300
+    python -m scripts.ablate                                   # muon vs adamw vs torch-muon, 3 seeds, CPU
+    python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
 
-Each variant (a key of OPTIMIZER_VARIANTS in nanomuon/variants.py) is one scripts.base_train run, named
-<name>-<variant>; flags this script does not know go to base_train after the CPU defaults below, so they
-override them (GPU runs: README, "Comparing optimizers: ablate", which also describes the outputs).
+Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimizer, --lr-multiplier, and --seed
+and --data-seed both set to the seed (init and data order). Flags this script does not know go to base_train
+after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
+Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
+seed, multiplier, base_train flags, processes, tokenizer), so a re-run or an interrupted ablation skips them.
 """
 
 import argparse
+import hashlib
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.common import get_base_dir
+from nanomuon.common import get_base_dir, write_atomic
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
-# A tiny GPT on the embedded corpus: three variants in about 10 minutes on 2 CPU cores. The val set is the
-# speedrun's: the first 65,536 tokens of the val split, seven whole files (half that is two, both unusual).
+# A tiny GPT (depth 4, 5M params) on the embedded corpus, 48 steps of 2,048 tokens: 3 variants x 3 seeds in
+# under 10 minutes on 2 CPU cores. The val set is the speedrun's: the first 65,536 tokens of the val split.
 CPU_DEFAULTS = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "4", "--max-seq-len", "256",
-                "--device-batch-size", "8", "--total-batch-size", "4096", "--num-iterations", "120",
-                "--eval-every", "20", "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
-                "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0", "--log-every", "20"]
+                "--device-batch-size", "8", "--total-batch-size", "2048", "--num-iterations", "48",
+                "--eval-every", "16", "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
+                "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0", "--log-every", "16"]
+KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s", "optimizer_share",
+        "num_params", "tokens_per_step", "run")
+_print_lock = threading.Lock()
 
 
-def run_variant(variant: str, run: str, nproc: int, extra: list[str]) -> dict:
-    flags = [*CPU_DEFAULTS, *extra, "--run", run, "--optimizer", variant]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "scripts.base_train", "--", *flags]
-    else:
-        cmd = [sys.executable, "-m", "scripts.base_train", *flags]
-    print(f"== {variant}: {' '.join(cmd[1:])}", flush=True)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as p:
-        tail = []
-        for line in p.stdout:
-            tail = (tail + [line])[-20:]
-            if line.startswith(("step ", "error", "warning", "optimizer step", "final val")):
-                print(f"  [{variant}] {line}", end="", flush=True)
-    if p.returncode != 0:
-        raise SystemExit(f"error: variant {variant} failed (exit {p.returncode}); its last lines:\n{''.join(tail)}")
-    return json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+def t_quantile(df: int, p: float = 0.975) -> float:
+    """Student's t quantile (p = 0.975: the half-width factor of a 95% interval), by bisection on the CDF,
+    integrated with Simpson's rule; the standard library has no t distribution."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def mass(x, n=2000):  # P(0 <= T <= x)
+        f = [c * (1 + (x * i / n) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return x / n / 3 * (f[0] + f[n] + 4 * sum(f[1:n:2]) + 2 * sum(f[2:n:2]))
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < p - 0.5 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """(mean, sample std, half-width of the 95% interval of the mean); std and half-width are nan for one value."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, math.nan, math.nan
+    sd = statistics.stdev(values)
+    return m, sd, t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
+
+
+def verdict(diffs: list[float], base: float) -> str:
+    """Better, worse or no detectable difference, from the per-seed differences in final bpb (variant minus
+    baseline, paired: the same seed gives both the same init and data order), with the effect size."""
+    if len(diffs) < 2:
+        return "one seed: no verdict (use --seeds 2 or more)"
+    m, _, hw = mean_ci(diffs)
+    word = "better" if m + hw < 0 else "worse" if m - hw > 0 else "no detectable difference"
+    return f"{word}: {m:+.4f} bpb ({m / base:+.2%}), 95% CI [{m - hw:+.4f}, {m + hw:+.4f}]"
 
 
 def first_reaching(target: float, record: dict):
-    """(step, training seconds) of the first eval at or below target, or (None, None)."""
+    """(step, training seconds) of the first eval at or below target, or None."""
     return next(((step, t) for (step, bpb), t in zip(record["val_history"], record["val_train_time"])
-                 if bpb <= target), (None, None))
+                 if bpb <= target), None)
 
 
-def comparison_table(records: dict, baseline: str) -> list[str]:
-    target = records[baseline]["final_val_bpb"]
-    lines = [f"| variant | final val bpb | best val bpb | steps to {target:.4f} | train time to {target:.4f} | "
-             "tok/s | optimizer share |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in records.items():
-        step, t = first_reaching(target, r)
-        reach = ("not reached", "not reached") if step is None else (f"{step}", f"{t:.1f} s")
-        label = f"{name} (baseline)" if name == baseline else name
-        share = f"{r['optimizer_share']:.1%}" if "optimizer_share" in r else "-"
-        tok_s = f"{r['tok_per_s']:,.0f}" if "tok_per_s" in r else "-"
-        lines.append(f"| {label} | {r['final_val_bpb']:.4f} | {r['min_val_bpb']:.4f} | {reach[0]} | {reach[1]} | "
-                     f"{tok_s} | {share} |")
-    return lines
+def fmt(values: list[float], digits: int = 4) -> str:
+    """mean ± std [95% CI], or the one value."""
+    m, sd, hw = mean_ci(values)
+    d = digits
+    return f"{m:.{d}f}" + ("" if math.isnan(sd) else f" ± {sd:.{d}f} [{m - hw:.{d}f}, {m + hw:.{d}f}]")
+
+
+def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
+    """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
+    variant, mult, seed = job
+    key = hashlib.sha256(json.dumps([variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
+                                     cache["tokenizer"]]).encode()).hexdigest()[:20]
+    path = cache["dir"] / f"{key}.json"
+    label = f"{variant} x{mult:g} seed {seed}"
+    if path.exists():
+        print(f"== {label}: cached ({path.name})", flush=True)
+        return json.loads(path.read_text())
+    run = f"{name}-{variant}-x{mult:g}-s{seed}"
+    run_flags = [*flags, "--run", run, "--optimizer", variant,
+                 "--lr-multiplier", str(mult), "--seed", str(seed), "--data-seed", str(seed)]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []), *run_flags]
+    print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env) as p:
+        tail = []
+        for line in p.stdout:
+            tail = (tail + [line])[-20:]
+            if line.startswith(("step ", "error", "warning", "final val")):
+                with _print_lock:
+                    print(f"  [{label}] {line}", end="", flush=True)
+    if p.returncode != 0:
+        raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last lines:\n{''.join(tail)}")
+    summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, multiplier=mult, seed=seed)
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
+    return record
+
+
+def report(results: dict, variants: list[str], mults: list[float], seeds: list[int], baseline: str) -> tuple:
+    """(markdown lines, the best multiplier per variant): the sweep, the comparison and the verdicts."""
+    final = {(v, m): [results[v, m, s]["final_val_bpb"] for s in seeds] for v in variants for m in mults}
+    best = {v: min(mults, key=lambda m: statistics.fmean(final[v, m])) for v in variants}
+    lines = []
+    if len(mults) > 1:
+        lines += ["Final val bpb per lr multiplier (mean ± std [95% CI]); the best per variant in bold:", "",
+                  "| variant | " + " | ".join(f"x{m:g}" for m in mults) + " |", "|---|" + "---:|" * len(mults)]
+        for v in variants:
+            cells = [f"**{fmt(final[v, m])}**" if m == best[v] else fmt(final[v, m]) for m in mults]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
+        edge = [f"{v} (x{best[v]:g})" for v in variants if best[v] in (mults[0], mults[-1])]
+        lines += ["", f"At the edge of the sweep: {', '.join(edge)}; widen --lr-sweep to find their best." if edge
+                  else "Every best lies inside the sweep.", ""]
+    base_runs = [results[baseline, best[baseline], s] for s in seeds]
+    target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
+    lines += [f"| variant | lr x | final val bpb (mean ± std [95% CI]) | steps to {target:.4f} | "
+              f"train seconds to {target:.4f} | tok/s | vs {baseline} |", "|---|---:|---:|---:|---:|---:|---|"]
+    for v in variants:
+        runs = [results[v, best[v], s] for s in seeds]
+        reached = [x for x in (first_reaching(target, r) for r in runs) if x is not None]
+        count = "" if len(reached) == len(runs) else f" ({len(reached)}/{len(runs)} reached)"
+        steps = fmt([float(x[0]) for x in reached], 1) + count if reached else "not reached"
+        secs = fmt([x[1] for x in reached], 1) + count if reached else "not reached"
+        diffs = [r["final_val_bpb"] - b["final_val_bpb"] for r, b in zip(runs, base_runs)]
+        tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
+        vs = "(baseline)" if v == baseline else verdict(diffs, target)
+        lines.append(f"| {v} | {best[v]:g} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | {secs} | "
+                     f"{tok_s:,.0f} | {vs} |")
+    return lines, best
+
+
+def plot(out, results: dict, variants: list[str], mults: list[float], seeds: list[int], best: dict, title: str):
+    """val bpb by step and by training time at each variant's best lr (mean over seeds, band: min to max), and
+    final val bpb against the lr multiplier when there is a sweep."""
+    by_step, by_time, by_lr = {}, {}, {}
+    for v in variants:
+        runs = [results[v, best[v], s] for s in seeds]
+        n = min(len(r["val_history"]) for r in runs)
+        bpb = [[r["val_history"][i][1] for r in runs] for i in range(n)]
+        band = ([statistics.fmean(b) for b in bpb], [min(b) for b in bpb], [max(b) for b in bpb])
+        by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
+        by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)], *band)
+        finals = [[results[v, m, s]["final_val_bpb"] for s in seeds] for m in mults]
+        by_lr[v] = (mults, [statistics.fmean(f) for f in finals], [min(f) for f in finals], [max(f) for f in finals])
+    panels = [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step", ylabel="bits per byte",
+                   series=by_step),
+              dict(title="val bpb by training time", xlabel="training seconds (no evals)", ylabel="bits per byte",
+                   series=by_time)]
+    if len(mults) > 1:
+        panels.append(dict(title="final val bpb by lr multiplier", xlabel="lr multiplier", ylabel="bits per byte",
+                           series=by_lr, logx=True))
+    return plot_curves(out / "val_bpb.png", panels, title=title)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to base_train)",
                                 allow_abbrev=False, epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
-    p.add_argument("--variants", default="muon,adamw,muon-no-vr", help="comma-separated OPTIMIZER_VARIANTS keys")
-    p.add_argument("--baseline", default=None, help="variant whose final val bpb the others race to "
+    p.add_argument("--variants", default="muon,adamw,torch-muon", help="comma-separated OPTIMIZER_VARIANTS keys")
+    p.add_argument("--baseline", default=None, help="variant the others are judged against and race to "
                    "(default: adamw if compared, else the first)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per variant and lr, seeds 1..N (init and data order)")
+    p.add_argument("--lr-sweep", default="1", help="lr multipliers to try per variant, e.g. 0.5,1,2; each variant "
+                   "is compared at its best")
+    p.add_argument("--jobs", type=int, default=0, help="runs at a time (0: one per CPU core for CPU runs of one "
+                   "process, else 1)")
     p.add_argument("--name", default="ablation", help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
@@ -85,11 +196,17 @@ def main(argv=None):
     baseline = args.baseline or ("adamw" if "adamw" in variants else variants[0])
     if baseline not in variants:
         p.error(f"--baseline {baseline!r} is not among --variants {args.variants!r}")
-    if args.nproc < 1:
-        p.error(f"--nproc must be >= 1, got {args.nproc}")
-    reserved = ("--run", "--optimizer", "--resume-from-step")  # abbreviations too: base_train would not take them
+    try:
+        mults = sorted(float(x) for x in args.lr_sweep.split(",") if x.strip())
+    except ValueError:
+        mults = []
+    if not mults or len(set(mults)) != len(mults) or not all(math.isfinite(m) and m > 0 for m in mults):
+        p.error(f"--lr-sweep needs a comma-separated list of distinct positive numbers, got {args.lr_sweep!r}")
+    if min(args.nproc, args.seeds) < 1 or args.jobs < 0:
+        p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} and {args.jobs}")
+    reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed", "--lr-multiplier")
     if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved) for f in extra if f.startswith("--")):
-        p.error("--run, --optimizer and --resume-from-step are set per variant by ablate; use --name and --variants")
+        p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds and --lr-sweep")
     if not os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         if "fineweb-edu" in extra:
             raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train --dataset fineweb-edu`")
@@ -97,29 +214,46 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded", "--vocab-size", "4096",
                         "--max-chars", "8000000"], check=True)
 
-    records = {v: run_variant(v, f"{args.name}-{v}", args.nproc, extra) for v in variants}
+    flags = [*CPU_DEFAULTS, *extra]
+    q = argparse.ArgumentParser(add_help=False)
+    q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
+    cores = os.cpu_count() or 1
+    jobs = args.jobs or (max(1, cores // args.nproc) if q.parse_known_args(flags)[0].device_type == "cpu" else 1)
+    seeds = list(range(1, args.seeds + 1))
+    todo = [(v, m, s) for v in variants for m in mults for s in seeds]
+    jobs = min(jobs, len(todo))
+    threads = max(1, cores // (jobs * args.nproc))
+    cache = dict(dir=get_base_dir() / "ablations" / "cache",
+                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"))
+    cache["dir"].mkdir(parents=True, exist_ok=True)
+    print(f"== {len(todo)} runs ({len(variants)} variants x {len(mults)} lrs x {len(seeds)} seeds), {jobs} at a "
+          f"time, {threads} thread(s) each", flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache) for job in todo}
+        try:
+            results = {job: f.result() for job, f in futures.items()}
+        except BaseException:  # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
+            pool.shutdown(cancel_futures=True)
+            raise
+
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    table = comparison_table(records, baseline)
-    series_step = {v: ([s for s, _ in r["val_history"]], [b for _, b in r["val_history"]]) for v, r in records.items()}
-    series_time = {v: (r["val_train_time"], [b for _, b in r["val_history"]]) for v, r in records.items()}
-    first = records[variants[0]]
-    png = plot_curves(out / "val_bpb.png", [
-        dict(title="val bpb by step", xlabel="step", ylabel="bits per byte", series=series_step),
-        dict(title="val bpb by training time", xlabel="training seconds (no evals)", ylabel="bits per byte",
-             series=series_time),
-    ], title=f"{args.name}: {first['num_params'] / 1e6:.1f}M params, {first['tokens_per_step']:,} tokens/step")
+    table, best = report(results, variants, mults, seeds, baseline)
+    first = results[todo[0]]
+    png = plot(out, results, variants, mults, seeds, best,
+               f"{args.name}: {first['num_params'] / 1e6:.1f}M params, {first['tokens_per_step']:,} tokens/step, "
+               f"{len(seeds)} seeds")
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
-    report = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
-              f"- runs: {', '.join(r['run'] for r in records.values())} (each run's report.md has its details)",
-              f"- baseline: {baseline}; steps and training time (evals excluded) are to the first eval at or below "
-              "its final val bpb", "", *table, "",
-              "![val bpb by step and by training time](val_bpb.png)" if png else f"({MISSING})", ""]
-    (out / "ablation.md").write_text("\n".join(report))
+    doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
+           f"- runs: {len(todo)}, named {args.name}-<variant>-x<lr multiplier>-s<seed> (each has a report.md)",
+           f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for every variant",
+           f"- baseline: {baseline} at its best lr; steps and training time (evals excluded) are to the first eval "
+           "at or below its mean final val bpb; verdicts are paired by seed, at 95% confidence", "", *table, "",
+           "![val bpb by step, by training time and by lr](val_bpb.png)" if png else f"({MISSING})", ""]
+    write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))
     print("\n".join(table))
-    best = min(records, key=lambda v: records[v]["final_val_bpb"])
-    print(f"best final val bpb: {best} ({records[best]['final_val_bpb']:.4f}); table and plot in {out}")
-    return records
+    print(f"table and plot in {out}")
+    return results
 
 
 if __name__ == "__main__":

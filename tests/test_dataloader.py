@@ -274,7 +274,7 @@ def test_exact_resume(corpus, world, seed):
 
 def test_a_shuffle_seed_reorders_the_documents_and_trains_every_token_once(corpus):
     """shuffle_seed (base_train --data-seed, ablate's seeds): another document order per seed, the same for the
-    same seed; the ranks together still train every token of the epoch exactly once."""
+    same seed, mixing documents of several row groups; the ranks together still train every token once."""
     _, train, _ = corpus
     tok = WordTokenizer()
 
@@ -288,6 +288,7 @@ def test_a_shuffle_seed_reorders_the_documents_and_trains_every_token_once(corpu
     assert epoch_docs(1)[0] == order
     assert order != epoch_docs(None)[0] and order != epoch_docs(2)[0]
     assert {k % 2 for k in order} == {0, 1}  # rank 0's documents are no longer the even ones
+    assert len({k // 32 for k in order[:10]}) > 2  # nor read row group by row group (32 documents each)
     with pytest.raises(ValueError, match="shuffle_seed"):
         loader(tok, world=2, shuffle_seed=2).load_state_dict(loader(tok, world=2, shuffle_seed=1).state_dict())
 
