@@ -7,6 +7,7 @@ rank does the whole update (replicated, like DDP).
 """
 
 import contextlib
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,16 +36,10 @@ def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return X.T if tall else X
 
 
-@contextlib.contextmanager
 def fp32_newton_schulz():
     """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks the function up by name
     at every step, so swapping the module attribute is enough)."""
-    original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = original
+    return mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
 
 
 class TorchMuonAdamW:

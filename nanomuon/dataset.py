@@ -301,14 +301,13 @@ def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_
     out_dir = Path(out_dir) if out_dir is not None else data_dir("fineweb-edu")
     out_dir.mkdir(parents=True, exist_ok=True)
     indices = [*range(num_shards), MAX_SHARD]
-    t0, new_bytes, done, errors, paths = time.time(), 0, 0, [], []
+    t0, new_bytes, errors, paths = time.time(), 0, [], []
     print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) into {out_dir}, {workers} workers")
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_download_shard, i, out_dir, base_url, retries, backoff, stop=stop) for i in indices]
         try:
-            for fut in as_completed(futures):
-                done += 1
+            for done, fut in enumerate(as_completed(futures), start=1):
                 try:
                     path, fetched = fut.result()
                 except RuntimeError as e:

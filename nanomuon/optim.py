@@ -88,9 +88,8 @@ class MuonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = group["params"]
             if group["kind"] == "adamw":
-                for p in params:
-                    if p.grad is not None:
-                        self._adamw_step(group, p, p.grad, self.state[p])
+                for p in (p for p in params if p.grad is not None):
+                    self._adamw_step(group, p, p.grad, self.state[p])
                 continue
             if has_dtensors(params):  # FSDP2 / TP params
                 muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
@@ -230,15 +229,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2,
-    with no DDP wrapper (README, "Data parallel: DistMuonAdamW").
+    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2, with no DDP
+    wrapper (README, "Data parallel: DistMuonAdamW").
 
-    step() runs in three phases so communication overlaps compute (_launch_reductions, _update_owned,
-    _write_back). Each rank keeps state only for what it updates; shards and stacks are padded, so
-    nothing needs to divide by the world size. DTensor params (FSDP2, tensor parallel) may sit in the
-    same groups: their grads arrive reduced, so they skip the reductions and are updated sharded
-    (sharded.py).
-    """
+    step() runs in three phases so communication overlaps compute (_launch_reductions, _update_owned, _write_back).
+    Each rank keeps state only for what it updates; shards and stacks are padded, so nothing needs to divide by the
+    world size. DTensor params in the same groups arrive reduced, so they skip the reductions."""
 
     SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
 
@@ -343,10 +339,7 @@ class DistMuonAdamW(MuonAdamW):
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
         """Phase 1: start every gradient reduction; returns their handles for phase 2."""
         N = self.world_size
-
-        def grad_or_zeros(p):
-            return p.grad if p.grad is not None else torch.zeros_like(p)
-
+        grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
         small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
         small_params = [p for p in adamw if self._adamw_route(p) == "small"]
@@ -354,14 +347,13 @@ class DistMuonAdamW(MuonAdamW):
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
         sharded = {}  # param -> (work, grad shard, padded flat buffer)
-        for p in adamw:
-            if self._adamw_route(p) == "sharded":
-                shard, _, _ = flat_shard(p.numel(), self.rank, N)
-                flat = grad_or_zeros(p).reshape(-1)
-                if shard * N != p.numel():
-                    flat = torch.cat([flat, flat.new_zeros(shard * N - p.numel())])
-                out = flat.new_empty(shard)
-                sharded[p] = (self._reduce_scatter(out, flat), out, flat)
+        for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
+            shard, _, _ = flat_shard(p.numel(), self.rank, N)
+            flat = grad_or_zeros(p).reshape(-1)
+            if shard * N != p.numel():
+                flat = torch.cat([flat, flat.new_zeros(shard * N - p.numel())])
+            out = flat.new_empty(shard)
+            sharded[p] = (self._reduce_scatter(out, flat), out, flat)
         muon = {}  # bucket index -> (work, my reduced stack, send buffer)
         for bi, b in enumerate(buckets):
             if not any(active[p] for p in b["params"]):
@@ -434,14 +426,12 @@ class DistMuonAdamW(MuonAdamW):
         """Phase 3: wait for the gathers and copy what arrived into the params."""
         for work, target, out in gathers:
             work.wait()
-            if target is None:
-                continue
-            if isinstance(target, Tensor):
+            if isinstance(target, Tensor):  # a padded AdamW param (None: gathered in place)
                 target.view(-1).copy_(out[:target.numel()])
-                continue
-            rows = [(target["params"][i], row) for i, row in target["rows"] if active[target["params"][i]]]
-            if rows:
-                torch._foreach_copy_([p for p, _ in rows], [out[row] for _, row in rows])
+            elif target is not None:  # a Muon bucket
+                rows = [(target["params"][i], row) for i, row in target["rows"] if active[target["params"][i]]]
+                if rows:
+                    torch._foreach_copy_([p for p, _ in rows], [out[row] for _, row in rows])
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -474,16 +464,15 @@ class DistMuonAdamW(MuonAdamW):
             st = self.state[p]
             if isinstance(p, DTensor):  # sharded.full_state gathers these
                 full[p] = dict(st)
-                continue
-            if self._adamw_route(p) == "small":  # whole on every rank
+            elif self._adamw_route(p) == "small":  # whole on every rank
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
-                continue
-            shard, lo, hi = flat_shard(p.numel(), self.rank, N)
-            full[p]["step"] = st["step"]
-            for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded to the same length
-                out = p.new_empty(shard * N)
-                self._all_gather(out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
-                full[p][name] = out[:p.numel()].view_as(p).clone()
+            else:
+                shard, lo, hi = flat_shard(p.numel(), self.rank, N)
+                full[p]["step"] = st["step"]
+                for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded to the same length
+                    out = p.new_empty(shard * N)
+                    self._all_gather(out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
+                    full[p][name] = out[:p.numel()].view_as(p).clone()
         for b in self._get_plan():
             if not any(has[p] for p in b["params"]):
                 continue

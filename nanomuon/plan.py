@@ -25,8 +25,7 @@ def assign_owners(buckets: list[tuple[int, float]], world_size: int, loads=None)
     plan = []
     for (count, _), ranks in zip(buckets, extra):
         sizes = [count // world_size + (r in ranks) for r in range(world_size)]
-        starts = [sum(sizes[:r]) for r in range(world_size)]
-        plan.append([list(range(starts[r], starts[r] + sizes[r])) for r in range(world_size)])
+        plan.append([list(range(sum(sizes[:r]), sum(sizes[:r + 1]))) for r in range(world_size)])
     return plan
 
 

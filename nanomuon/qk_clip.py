@@ -21,10 +21,8 @@ def _scale_rows_(w: Tensor, row_scale: Tensor) -> None:
     """w[i, :] *= row_scale[i] for the rows this rank holds (all of them for a plain tensor)."""
     if isinstance(w, DTensor):
         offset, shape, _ = block_of(w)
-        local = w.to_local()
-        if local.numel():
-            local.mul_(row_scale[offset[0]:offset[0] + shape[0]].to(local.dtype).unsqueeze(1))
-    else:
+        w, row_scale = w.to_local(), row_scale[offset[0]:offset[0] + shape[0]]
+    if w.numel():
         w.mul_(row_scale.to(w.dtype).unsqueeze(1))
 
 

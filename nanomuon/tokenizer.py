@@ -48,7 +48,6 @@ class Tokenizer:
         digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         self.fingerprint = digest.hexdigest()[:16]
 
-    # -- training, saving, loading --------------------------------------------------------------------
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
         """Learn vocab_size - len(SPECIAL_TOKENS) byte-level BPE tokens from texts with rustbpe."""
@@ -95,7 +94,6 @@ class Tokenizer:
                              "`python -m scripts.tok_train`")
         return tok
 
-    # -- use --------------------------------------------------------------------------------------------
     def encode(self, text: str | Sequence[str], prepend_bos: bool = False, num_threads: int = 8):
         """Token ids of a string, or a list of id lists for a list of strings (tokenized in parallel).
         Text that looks like a special token is encoded as plain text, never as the special token."""

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from nanomuon.baselines import fp32_newton_schulz
+from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
@@ -126,27 +126,23 @@ def bench_step(args, device, compile, name):
     del init
     ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
                       dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})], compile=compile)
-    base_muon_opt = torch.optim.Muon(base_muon, lr=MUON_HP["lr"], momentum=MUON_HP["momentum"],
-                                     weight_decay=MUON_HP["weight_decay"], ns_steps=MUON_HP["ns_steps"])
-    base_adamw_opt = torch.optim.AdamW(base_adamw, **ADAMW_HP)
+    torch_hp = {k: MUON_HP[k] for k in TorchMuonAdamW.MUON_KEYS if k in MUON_HP}  # torch.optim.Muon has no beta2
+    base = TorchMuonAdamW([dict(kind="adamw", params=base_adamw, **ADAMW_HP),
+                           dict(kind="muon", params=base_muon, **torch_hp)], ns_precision=torch_precision)
 
-    def base_step():
-        base_muon_opt.step()
-        base_adamw_opt.step()
-
-    def run(opt_step, params):
+    def run(opt, params):
         torch._foreach_copy_([p.grad for p in params], stored)  # same grads every step, untimed
-        return timed(opt_step, device)
+        return timed(opt.step, device)
 
     ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
-    patched = torch_precision == "fp32"
-    with fp32_newton_schulz() if patched else contextlib.nullcontext():  # interleaved: load drift hits both alike
-        times = [(run(ours.step, ours_params), run(base_step, base_params)) for _ in range(args.warmup + args.steps)]
+    # interleaved: load drift hits both alike
+    times = [(run(ours, ours_params), run(base, base_params)) for _ in range(args.warmup + args.steps)]
     ours_t, base_t = zip(*times[args.warmup:])
 
     gram = {s for s in muon_shapes if use_gram("auto", s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
     print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on {sorted(gram) or 'none'}, "
           f"compile {compile}")
+    patched = torch_precision == "fp32"
     print(f"torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz {torch_precision}"
           + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
@@ -218,18 +214,17 @@ def bench_imbalance(args):
     costs = [ns_flops(s, MUON_HP["ns_steps"]) for s in muon_shapes]
     buckets = owner_plan(muon_shapes, costs, N)  # DistMuonAdamW's own plan for one muon group
     ours = [sum(b["cost"] * len(b["slots"][r]) for b in buckets) for r in range(N)]
-    ours_sent = sum(N * b["per_rank"] for b in buckets)  # matrices in the padded stacks
     chunks = [0.0] * N  # nanochat: per shape group, rank r owns [r * chunk, (r + 1) * chunk)
     for b in buckets:
         chunk = -(-len(b["members"]) // N)
         for j in range(len(b["members"])):
             chunks[j // chunk] += b["cost"]
-    chunks_sent = sum(N * -(-len(b["members"]) // N) for b in buckets)
+    sent = sum(N * b["per_rank"] for b in buckets)  # matrices in the padded stacks: ceil(count / N) per rank in both
     mean = sum(costs) / N
     res = {}
     print(f"\n== 3. Newton-Schulz load imbalance, d{args.imbalance_depth}, {N} ranks, {len(costs)} matrices in "
           f"{len(buckets)} shape buckets ==")
-    for name, loads, sent in (("DistMuonAdamW", ours, ours_sent), ("nanochat chunks", chunks, chunks_sent)):
+    for name, loads in (("DistMuonAdamW", ours), ("nanochat chunks", chunks)):
         res[name] = max(loads) / mean
         per_rank = " ".join(f"{x / 1e9:.0f}" for x in loads)
         print(f"  {name:16s} max/mean {res[name]:.3f}   matrices per stack exchange (padded) {sent:4d}   "

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from nanomuon.common import compute_cleanup, compute_init, synchronize
-from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from scripts.bench_optim import gpt_shapes
 
 MODES = ["replicated", "owner", "owner-bf16", "duplicated", "distributed", "blockwise"]
 
@@ -49,9 +49,7 @@ def make_optimizer(mode: str, shapes, device, mesh):
 def run(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    with torch.device("meta"):  # shapes only
-        model = GPT(config_from_depth(args.depth, 32768, 2048))
-    shapes = [tuple(p.shape) for p in model.blocks.parameters() if p.ndim == 2]
+    shapes = [s for s in gpt_shapes(args.depth)[2] if len(s) == 2]  # the block matrices
     times = {}
     for mode in MODES:
         opt, params, grads = make_optimizer(mode, shapes, device, mesh)
