@@ -90,4 +90,6 @@ def test_sizes():
     assert lines[ROOT / "nanomuon" / "optim.py"] <= 700
     big = {p.name: n for p, n in lines.items() if p.parent.name == "nanomuon" and p.name != "optim.py" and n > 500}
     assert not big, f"library files over 500 lines: {big}"
-    assert sum(lines.values()) <= 5000, f"library + scripts: {sum(lines.values())} lines"
+    # 5,000 when issue 12 landed (4,895 then); raised to 5,200 for issue 17 (ablate's seeds, sweeps, intervals
+    # and verdicts; MuonEq, Muon+, per-head), after trims of 29 lines found nothing more that read as well
+    assert sum(lines.values()) <= 5200, f"library + scripts: {sum(lines.values())} lines"
