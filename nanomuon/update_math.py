@@ -3,9 +3,9 @@ The update math of Muon and AdamW, written once. Imports only torch.
 
 Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank owns,
 and sharded.py on DTensor params, which runs the three Muon stages with communication between them:
-muon_momentum (elementwise), muon_direction (whole matrices or slices: orthogonalize, then variance
-reduction) and muon_apply (elementwise: weight decay and the step); muon_update() is the three in a
-row. muon_hparams() and adamw_hparams() read a param group for every path, so none can disagree on an
+muon_momentum (elementwise), muon_direction (whole matrices or slices: orthogonalize between the optional
+norms, then variance reduction) and muon_apply (elementwise: weight decay and the step); muon_update() is
+the three in a row. muon_hparams() and adamw_hparams() read a param group for every path, so none can disagree on an
 lr factor or a precision. Compiled (kernel()), the hyperparameters are 0-D CPU tensors refilled every
 step (scalars()), so LR schedules never recompile.
 """

@@ -13,6 +13,7 @@ seed, multiplier, base_train flags, processes, tokenizer), so a re-run or an int
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -39,6 +40,7 @@ KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_pe
 _print_lock = threading.Lock()
 
 
+@functools.cache  # 100k density evaluations; a table asks for the same few df many times
 def t_quantile(df: int, p: float = 0.975) -> float:
     """Student's t quantile (p = 0.975: the half-width factor of a 95% interval), by bisection on the CDF,
     integrated with Simpson's rule; the standard library has no t distribution."""

@@ -65,8 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu", help="training text: fineweb-edu (download "
                    "with python -m nanomuon.dataset) or the embedded corpus (built on first use, no network)")
     p.add_argument("--seed", type=int, default=42, help="seed of the init")
-    p.add_argument("--data-seed", type=int, default=None, help="shuffle the training documents with this seed (row "
-                   "groups, then documents within each; default: file order)")
+    p.add_argument("--data-seed", type=int, default=None, help="shuffle the training documents with this seed (the "
+                   "row groups, then the documents of every 8 of them; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
     p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
