@@ -1,5 +1,5 @@
 """
-Fused Muon + AdamW: MuonAdamW on one device, DistMuonAdamW for data parallel training (ZeRO-2).
+Fused Muon + AdamW: MuonAdamW on one device, DistMuonAdamW for data parallel training (state sharded: ZeRO-1).
 
 Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the keys
 and their defaults (param_groups.OPTIONAL_KEYS) are in the README ("The optimizer"). Any group may
@@ -229,12 +229,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), ZeRO-2, with no DDP
-    wrapper (README, "Data parallel: DistMuonAdamW").
+    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), with no DDP wrapper
+    (README, "Data parallel: DistMuonAdamW"). ZeRO-1 in DeepSpeed's terms: the state is sharded, the grads are
+    whole until step() reduces them in place and frees them (on return they are None).
 
     step() runs in three phases so communication overlaps compute (_launch_reductions, _update_owned, _write_back).
-    Each rank keeps state only for what it updates; shards and stacks are padded, so nothing needs to divide by the
-    world size. DTensor params in the same groups arrive reduced, so they skip the reductions."""
+    Each rank keeps state only for what it updates; nothing needs to divide by the world size. DTensor params in the
+    same groups arrive reduced, so they skip the reductions."""
 
     SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
 
@@ -254,16 +255,32 @@ class DistMuonAdamW(MuonAdamW):
         # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
         self._plan = []
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
 
-    def _reduce_scatter(self, out, inp):
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return fn(out, inp, op=self._mean_op, group=self.pg, async_op=True)
+    def _reduce(self, buf: Tensor):
+        """Start the mean over the ranks of buf, in place, at least of this rank's chunk (dim 0 cut in N equal
+        chunks): a reduce-scatter into that chunk on nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a
+        copy of its whole input and runs slower than its all_reduce (docs/benchmarks.md, "Memory")."""
+        if self._scatter:
+            n = len(buf) // self.world_size
+            return dist.reduce_scatter_tensor(buf[self.rank * n:(self.rank + 1) * n], buf, op=self._mean_op,
+                                              group=self.pg, async_op=True)
+        return self._all_reduce(buf)
+
+    def _gather(self, buf: Tensor, n: int) -> list:
+        """Start giving every rank each rank's piece of buf's first n rows (flat_shard's cut), in place: an all_gather
+        on nccl (buf holds N equal chunks); elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
+        if self._scatter:
+            n = len(buf) // self.world_size
+            return [self._all_gather(buf, buf[self.rank * n:(self.rank + 1) * n])]
+        cuts = [flat_shard(n, r, self.world_size)[1:] for r in range(self.world_size)]
+        return [dist.broadcast(buf[lo:hi], group=self.pg, group_src=r, async_op=True)
+                for r, (lo, hi) in enumerate(cuts) if hi > lo]
 
     def _all_gather(self, out, inp):
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return fn(out, inp, group=self.pg, async_op=True)
+        return dist.all_gather_into_tensor(out, inp, group=self.pg, async_op=True)
 
     def _all_reduce(self, t, op=None):
         return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg, async_op=True)
@@ -316,8 +333,10 @@ class DistMuonAdamW(MuonAdamW):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
             # rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
+            theirs = [(i, row) for i, row in rows if row // b["per_rank"] != self.rank]
+            padding = sorted(set(range(self.world_size * b["per_rank"])) - {row for _, row in rows})
             buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]], mine=b["slots"][self.rank],
-                                rows=rows))
+                                rows=rows, theirs=theirs, padding=padding))
         return buckets
 
     def _adamw_route(self, p: Tensor) -> str:
@@ -337,7 +356,9 @@ class DistMuonAdamW(MuonAdamW):
         return loss
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every gradient reduction; returns their handles for phase 2."""
+        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2. Each Muon bucket's
+        grads move into one buffer, rank r's slots in chunk r, and leave the params as they go (p.grad = None), so
+        the buffer takes the memory the grads gave back: no copy of the grads exists at any time."""
         N = self.world_size
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
@@ -346,30 +367,32 @@ class DistMuonAdamW(MuonAdamW):
         for ps in ([small_params[i] for i in b] for b in bucket_by([p.dtype for p in small_params])):
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
-        sharded = {}  # param -> (work, grad shard, padded flat buffer)
+        sharded = {}  # param -> (work, flat grad: reduced in place)
         for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
-            shard, _, _ = flat_shard(p.numel(), self.rank, N)
             flat = grad_or_zeros(p).reshape(-1)
-            if shard * N != p.numel():
-                flat = torch.cat([flat, flat.new_zeros(shard * N - p.numel())])
-            out = flat.new_empty(shard)
-            sharded[p] = (self._reduce_scatter(out, flat), out, flat)
-        muon = {}  # bucket index -> (work, my reduced stack, send buffer)
+            if self._scatter and p.numel() % N:  # equal chunks: pad (a copy of this grad alone)
+                flat = torch.cat([flat, flat.new_zeros(-p.numel() % N)])
+            sharded[p] = (self._reduce(flat), flat)
+        muon = {}  # bucket index -> (work, buffer of the bucket's grads)
         for bi, b in enumerate(buckets):
             if not any(active[p] for p in b["params"]):
                 continue
-            zeros = torch.zeros_like(b["params"][0])
-            parts = []
-            for slots in b["slots"]:  # rank r's slots, padded to per_rank, land on rank r
-                parts += [grad_or_zeros(b["params"][i]) for i in slots] + [zeros] * (b["per_rank"] - len(slots))
-            send = torch.stack(parts)
-            mine = send.new_empty((b["per_rank"], *zeros.shape))
-            muon[bi] = (self._reduce_scatter(mine, send), mine, send)
+            buf = b["params"][0].new_empty((N * b["per_rank"], *b["params"][0].shape))
+            for row in b["padding"]:
+                buf[row].zero_()
+            for i, row in b["rows"]:
+                p = b["params"][i]
+                if p.grad is None:  # no grad on this rank counts as zeros (as in DDP)
+                    buf[row].zero_()
+                else:
+                    buf[row].copy_(p.grad)
+                    p.grad = None
+            muon[bi] = (self._reduce(buf), buf)
         return dict(small=small, sharded=sharded, muon=muon)
 
     def _update_owned(self, buckets: list[dict], active: dict, reductions: dict) -> list:
         """Phase 2: group by group, wait for the reductions, update what this rank owns, launch the
-        all_gathers; returns them as (work, target, output): target None (gathered in place), a padded
+        gathers; returns them as (works, target, buffer): target None (gathered in place), a padded
         AdamW param, or a Muon bucket."""
         gathers = []
         small_grads = None
@@ -397,41 +420,50 @@ class DistMuonAdamW(MuonAdamW):
                     gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
         return gathers
 
-    def _update_adamw_shard(self, group: dict, p: Tensor, work, grad_shard: Tensor, flat: Tensor):
-        """AdamW on this rank's flat shard of p, then the all_gather that rebuilds p on every rank."""
+    def _update_adamw_shard(self, group: dict, p: Tensor, work, flat: Tensor):
+        """AdamW on this rank's flat shard of p, then the gather that rebuilds p on every rank."""
         work.wait()
-        self._finish_mean(grad_shard)
-        shard, lo, hi = flat_shard(p.numel(), self.rank, self.world_size)
+        _, lo, hi = flat_shard(p.numel(), self.rank, self.world_size)
+        self._finish_mean(flat[lo:hi])
         p_flat = p.view(-1)
-        self._adamw_step(group, p_flat[lo:hi], grad_shard[:hi - lo], self.state[p])
-        if shard * self.world_size == p.numel():  # gather straight into the param; our shard is in place
-            return self._all_gather(p_flat, p_flat[lo:hi]), None, None
-        mine = flat[self.rank * shard:(self.rank + 1) * shard]
-        mine[:hi - lo].copy_(p_flat[lo:hi])
-        return self._all_gather(flat, mine), p, flat
+        self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
+        if len(flat) == p.numel():  # gather straight into the param; our shard is in place
+            return self._gather(p_flat, p.numel()), None, None
+        flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
+        return self._gather(flat, p.numel()), p, flat
 
-    def _update_muon_bucket(self, group: dict, b: dict, active: dict, work, grads: Tensor, send: Tensor):
-        """Muon on the bucket's matrices this rank owns, then the all_gather of every rank's results."""
+    def _update_muon_bucket(self, group: dict, b: dict, active: dict, work, buf: Tensor):
+        """Muon on the bucket's matrices this rank owns, in place, then their new values into this rank's chunk
+        of the buffer (the grads there are spent) and the gather of every rank's chunk."""
         work.wait()
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if idx:
-            self._finish_mean(grads[:len(mine)])
-            stack = grads[:len(mine)] if len(idx) == len(mine) else grads[idx]
-            # Slots of params without grads (and padding) carry junk; _write_back never copies them.
-            grads[idx] = self._muon_step(group, mine, stack, idx, stack=True)
-        return self._all_gather(send, grads), b, send
+            rows = buf[self.rank * b["per_rank"]:][:len(mine)]
+            self._finish_mean(rows)
+            grads = rows if len(idx) == len(mine) else rows[idx]
+            updated = [mine[k] for k in idx]
+            if self.compiled:  # a stack of what this rank owns (a list would recompile per length)
+                torch._foreach_copy_(updated, list(self._muon_step(group, mine, grads, idx, stack=True).unbind(0)))
+            else:
+                self._muon_step(group, mine, grads, idx, stack=False)
+            torch._foreach_copy_([rows[k] for k in idx], updated)
+        return self._gather(buf, len(buf)), b, buf
 
     def _write_back(self, gathers: list, active: dict) -> None:
-        """Phase 3: wait for the gathers and copy what arrived into the params."""
-        for work, target, out in gathers:
-            work.wait()
+        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the grads this optimizer
+        reduced (spent, their memory reused): on return they are None, as after zero_grad()."""
+        for works, target, buf in gathers:
+            for work in works:
+                work.wait()
             if isinstance(target, Tensor):  # a padded AdamW param (None: gathered in place)
-                target.view(-1).copy_(out[:target.numel()])
-            elif target is not None:  # a Muon bucket
-                rows = [(target["params"][i], row) for i, row in target["rows"] if active[target["params"][i]]]
+                target.view(-1).copy_(buf[:target.numel()])
+            elif target is not None:  # a Muon bucket: the other ranks' matrices (ours are updated)
+                rows = [(target["params"][i], row) for i, row in target["theirs"] if active[target["params"][i]]]
                 if rows:
-                    torch._foreach_copy_([p for p, _ in rows], [out[row] for _, row in rows])
+                    torch._foreach_copy_([p for p, _ in rows], [buf[row] for _, row in rows])
+        for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
+            p.grad = None
 
     def state_dict(self) -> dict:
         sd = super().state_dict()

@@ -1,5 +1,5 @@
 """
-Who updates what: the owner plan, shared by DistMuonAdamW (ZeRO-2) and the DTensor path (sharded.py).
+Who updates what: the owner plan, shared by DistMuonAdamW and the DTensor path (sharded.py).
 
 Muon needs whole matrices, so each one is orthogonalized by a single owner rank. Same-shape matrices
 form a bucket, stacked into one batched call; owner_plan() splits every bucket over the ranks by

@@ -297,14 +297,15 @@ def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                  step, lr, beta1, beta2, eps, wd) -> None:
-    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p."""
+    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p, written as torch.optim.AdamW's
+    single-tensor path: one temporary (denom), the size of p."""
     p.mul_(1 - lr * wd)
     exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias1 = 1 - beta1 ** step
     bias2_sqrt = (1 - beta2 ** step) ** 0.5
     denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
-    p.sub_(exp_avg.div(denom).mul_(lr / bias1))
+    p.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
 def resolve_ns_precision(precision: str, device) -> str:

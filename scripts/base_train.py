@@ -1,7 +1,7 @@
 """
 Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo on CPU).
 
-No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-2); with --fsdp, FSDP2 shards the model and MuonAdamW
+No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the model and MuonAdamW
 updates the shards (nanomuon/sharded.py). Gradients accumulate over micro-batches up to --total-batch-size tokens per
 step; the lr follows warmup / constant / linear warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume
 bit for bit, at any process count; one run at a time owns its run dir (README, "base_train").

@@ -2,7 +2,7 @@
 Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, every way nanomuon runs
 data-parallel Muon, timed in one run on the same ranks (README, "Performance"):
 
-    replicated   DistMuonAdamW on full params (reduce-scatters the grads itself: ZeRO-2, nanochat's design)
+    replicated   DistMuonAdamW on full params (reduces the grads itself: ZeRO-1, nanochat's design)
     owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners (default)
     owner-bf16   the same with comm_precision='bf16'
     duplicated, distributed, blockwise   Megatron's tensor-parallel modes over the same shards

@@ -150,9 +150,11 @@ def spawn(fn, world_size, *args):
 # -- workers -------------------------------------------------------------------------------------
 
 
-def _equivalence_worker(rank, world_size, steps):
+def _equivalence_worker(rank, world_size, steps, scatter=None):
     model, ref = make_model(), make_model()
     opt, ref_opt = DistMuonAdamW(groups(model)), MuonAdamW(groups(ref))
+    if scatter is not None:  # which collectives: reduce-scatter + all_gather (nccl's) or all_reduce + broadcasts
+        opt._scatter = scatter
     untouched = model[NO_GRAD[0]][NO_GRAD[1]].detach().clone()
     for step in range(steps):
         set_grads(model, rank_grads(step, rank, world_size))
@@ -161,6 +163,7 @@ def _equivalence_worker(rank, world_size, steps):
         ref_opt.step()
         assert_replicated(model)
         assert_matches(model, ref)
+        assert all(p.grad is None for k in SHAPES for p in model[k]), "step() leaves the grads it reduced as None"
     assert torch.equal(model[NO_GRAD[0]][NO_GRAD[1]], untouched)
     moved = (flat(model) - flat(make_model())).abs().max().item()
     assert moved > 0.05, moved
@@ -178,6 +181,7 @@ def _equivalence_worker(rank, world_size, steps):
         opt.step()
     resumed = {k: [torch.nn.Parameter(t.clone()) for t in ts] for k, ts in saved_params.items()}
     opt2 = DistMuonAdamW(groups(resumed))
+    opt2._scatter = opt._scatter
     opt2.load_state_dict(load_bytes(sd))
     for step in range(steps, steps + 3):
         set_grads(resumed, rank_grads(step, rank, world_size))
@@ -188,6 +192,12 @@ def _equivalence_worker(rank, world_size, steps):
 @pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_dist_equals_single_device(world_size):
     spawn(_equivalence_worker, world_size, 8)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_dist_equals_single_device_with_nccl_collectives(world_size):
+    """nccl's in-place reduce-scatter and all_gather (gloo runs all_reduce and broadcasts), run here on gloo."""
+    spawn(_equivalence_worker, world_size, 4, True)
 
 
 def _presence_worker(rank, world_size):
@@ -291,3 +301,19 @@ def test_shard_loaded_at_other_world_size_is_refused(tmp_path):
     with pytest.raises(ValueError, match="one rank's shard \\(rank 0 of 2\\) from DistMuonAdamW"):
         MuonAdamW(groups(make_model())).load_state_dict(load_bytes(data))
     spawn(_shard_mismatch_worker, 3, data)
+
+
+def test_step_memory_is_below_ddp_style_and_copies_no_muon_grads(capsys):
+    """scripts/bench_memory at world 2: a DistMuonAdamW step (state + temporaries) peaks below all_reduce + stock
+    torch Muon + AdamW, and its temporaries stay under the size of the Muon grads: a full-size stack of them, or
+    gloo's copy of a reduce-scatter's input, would not fit."""
+    from scripts.bench_memory import SETUPS, main, param_counts, parse_args, run_world
+
+    args = parse_args(["--depth", "4", "--world-sizes", "2"])
+    res = run_world(args, 2)
+    (ours_state, ours_temps), (base_state, base_temps) = (res[name] for name in SETUPS)
+    assert ours_state + ours_temps <= base_state + base_temps, res
+    assert ours_state < 0.6 * base_state, res  # Muon and AdamW state halved (variance reduction's rows on top)
+    assert ours_temps < 4 * param_counts(args)[0], res
+    main(["--depth", "1", "--world-sizes", "2", "--steps", "2"])
+    assert "DistMuonAdamW" in capsys.readouterr().out
