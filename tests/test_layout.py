@@ -91,5 +91,6 @@ def test_sizes():
     big = {p.name: n for p, n in lines.items() if p.parent.name == "nanomuon" and p.name != "optim.py" and n > 500}
     assert not big, f"library files over 500 lines: {big}"
     # 5,000 when issue 12 landed (4,895 then); raised to 5,200 for issue 17 (ablate's seeds, sweeps, intervals
-    # and verdicts; MuonEq, Muon+, per-head), after trims of 29 lines found nothing more that read as well
-    assert sum(lines.values()) <= 5200, f"library + scripts: {sum(lines.values())} lines"
+    # and verdicts; MuonEq, Muon+, per-head), after trims of 29 lines found nothing more that read as well; to
+    # 5,400 for issue 21 (scripts/bench_memory.py, 142 lines, and DistMuonAdamW's in-place collectives)
+    assert sum(lines.values()) <= 5400, f"library + scripts: {sum(lines.values())} lines"

@@ -1,0 +1,142 @@
+"""
+Optimizer memory benchmark: the per-rank peak memory of one data-parallel optimizer step, DistMuonAdamW (state sharded)
+against what a user would run instead, DDP-style (every grad all_reduced, then stock torch.optim.Muon + AdamW
+replicated on every rank: `--optimizer torch-muon`). Why: sharding the state only pays if the step's temporaries do
+not eat the saving (README, "Data parallel: DistMuonAdamW").
+
+For each world size, CPU ranks are spawned (gloo); each builds the same GPT and takes a few steps with each optimizer
+on fresh grads every step, as after backward. Per rank and step: the optimizer state (bytes of its tensors) and the
+temporaries (the step's peak RSS above the RSS it started at: Linux's VmHWM, reset before each step). glibc is told
+to serve every allocation above 128 KiB with mmap, so freed memory leaves the RSS at once and the peak is what the
+step held, not what the allocator kept. Printed: the largest rank's state, temporaries and peak (state +
+temporaries) in MiB, and the ratios.
+
+    python -m scripts.bench_memory                          # depth 6, world sizes 2, 4, 8
+    python -m scripts.bench_memory --depth 12 --world-sizes 4
+"""
+
+import argparse
+import os
+import socket
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.variants import OPTIMIZER_VARIANTS
+
+MiB = 2 ** 20
+SETUPS = {"DistMuonAdamW": "muon", "all_reduce + torch Muon + AdamW": "torch-muon"}
+
+
+def status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}: bench_memory needs Linux")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # 5: reset VmHWM to the current RSS
+        f.write("5")
+
+
+def state_bytes(opt) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # stacked state: one storage, many views
+                for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def measure(args, variant: str) -> tuple[int, int]:
+    """(state bytes, largest temporaries over the steps after the first) of one optimizer on this rank."""
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
+    model.init_weights()
+    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS[variant])
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    temporaries = 0
+    for step in range(args.steps):
+        model.zero_grad(set_to_none=True)
+        for p in model.parameters():  # what backward leaves: a fresh grad per param
+            p.grad = torch.randn(p.shape, generator=gen)
+        dist.barrier()
+        before = status("VmRSS")
+        reset_peak()
+        opt.step()
+        if step:  # the first step also allocates the state
+            temporaries = max(temporaries, status("VmHWM") - before)
+    state = state_bytes(opt)
+    del opt, model
+    return state, temporaries
+
+
+def _spawned(rank, world, port, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out[rank] = {name: measure(args, variant) for name, variant in SETUPS.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(args, world: int) -> dict:
+    """{setup: (state, temporaries)} in bytes, of the rank with the highest peak, at this world size."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the workers' glibc reads it once, at their start
+    with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)), mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_spawned, args=(world, port, args, out), nprocs=world, join=True)
+        per_rank = dict(out)
+    return {name: max((per_rank[r][name] for r in per_rank), key=sum) for name in SETUPS}
+
+
+def param_counts(args) -> tuple[int, int]:
+    """(Muon, AdamW) param counts of the benchmark's GPT."""
+    with torch.device("meta"):
+        groups = GPT(config_from_depth(args.depth, args.vocab_size, 256)).setup_optimizer(optimizer_class=list)
+    return tuple(sum(p.numel() for g in groups if (g["kind"] == "muon") == m for p in g["params"]) for m in (1, 0))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--world-sizes", default="2,4,8", help="comma-separated CPU process counts")
+    p.add_argument("--steps", type=int, default=3, help="steps per optimizer; the first (which allocates the state) "
+                   "is not counted in the temporaries")
+    args = p.parse_args(argv)
+    try:
+        args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        args.world_sizes = []
+    if not args.world_sizes or min(args.world_sizes) < 2 or args.depth < 1 or args.steps < 2:
+        p.error("--world-sizes must list process counts >= 2 (e.g. 2,4,8), --depth >= 1, --steps >= 2")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ours, base = SETUPS
+    n_muon, n_adamw = param_counts(args)
+    print(f"d{args.depth}, vocab {args.vocab_size}: {n_muon / 1e6:.1f}M Muon + {n_adamw / 1e6:.1f}M AdamW params "
+          f"(fp32 grads {4 * (n_muon + n_adamw) / MiB:.1f} MiB), torch {torch.__version__}, gloo")
+    print(f"per rank, MiB, on the rank with the highest peak; temporaries: the most any of steps 2..{args.steps} "
+          "held above its starting RSS")
+    print(f"{'world':>5} {'setup':<34} {'state':>7} {'temps':>7} {'peak':>7} {'vs DDP-style':>13}")
+    for world in args.world_sizes:
+        res = run_world(args, world)
+        for name in SETUPS:
+            state, temps = res[name]
+            print(f"{world:>5} {name:<34} {state / MiB:>7.1f} {temps / MiB:>7.1f} {(state + temps) / MiB:>7.1f} "
+                  f"{sum(res[name]) / sum(res[base]):>13.2f}")
+
+
+if __name__ == "__main__":
+    main()
