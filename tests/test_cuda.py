@@ -132,7 +132,7 @@ def test_compiled_model_under_bf16_autocast_equals_eager():
 
 
 def test_nccl_dist_optimizer_equals_single_device():
-    """DistMuonAdamW on nccl (one rank: the AVG reductions, all_gather_single, the padded stacks) takes
+    """DistMuonAdamW on nccl (one rank: the AVG reductions, the in-place reduce-scatter and all_gather) takes
     the same steps as MuonAdamW."""
     store = dist.HashStore()
     dist.init_process_group("nccl", rank=0, world_size=1, store=store, device_id=torch.device("cuda", 0))

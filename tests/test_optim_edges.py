@@ -378,7 +378,7 @@ def _compile_dist_worker(rank, world_size):
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_compile_survives_zero2_shard_lengths():
+def test_compile_survives_dist_shard_lengths():
     """The same under DistMuonAdamW at world 3: the AdamW kernel sees each param's flat shard (lengths
     ceil(n / 3), the last ones short) and the Muon kernel each rank's padded stacks."""
     from test_dist import spawn
