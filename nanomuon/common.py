@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanomuon.sharded import DTensor
+from nanomuon.update_math import bf16_matmuls_fast
 
 
 def get_base_dir() -> Path:
@@ -117,9 +118,22 @@ def exit_if_rank0_failed(error: str | None) -> None:
         raise SystemExit(f"error: {error}")
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; fp32 elsewhere (CPU bf16 matmuls are slow without bf16 matrix units)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and backward compute in
+
+
+def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
+    """'auto': bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX: the optimizer's rule), else fp32.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
+
+
+def autocast(device: torch.device, dtype: str = "auto"):
+    """bf16 autocast (params and optimizer stay fp32) or plain fp32, as resolve_dtype decides."""
+    if resolve_dtype(device, dtype) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def synchronize(device: torch.device):
@@ -162,18 +176,19 @@ def all_finite(loss: torch.Tensor, params) -> bool:
 
 
 @torch.no_grad()
-def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor) -> float:
+def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor, dtype: str = "auto") -> float:
     """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks: rank r takes rows r, r + N, ...
 
     The rows, not the process count, define the measurement, so a run's val bpb means the same at any world size
     (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's end) is ignored, and short last
     batches are padded with it, keeping shapes static for torch.compile. bpb = nats over targets that are real
-    text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums."""
+    text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums. dtype: as
+    in autocast(). No float64 on the device (MPS has none): per-batch sums in fp32, added up on the host in double."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
     mine = rows[rank::world_size]
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
+    parts = []  # per batch: (nats, bytes)
     # every rank runs the same number of batches (a sharded model's forward is a collective)
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
@@ -184,13 +199,15 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
             pad = batch_size - len(batch)
             x = torch.cat([x, x.new_zeros(pad, x.size(1))])
             y = torch.cat([y, y.new_full((pad, y.size(1)), -1)])
-        with autocast(device):
+        with autocast(device, dtype):
             loss = model(x, y, loss_reduction="none")
         b = token_bytes[y.clamp(min=0)] * (y >= 0)
-        sums += torch.stack([(loss.double() * (b > 0)).sum(), b.sum().double()])
-    if distributed:
+        parts.append(torch.stack([(loss.float() * (b > 0)).sum(), b.sum().float()]))
+    nats, nbytes = (math.fsum(col) for col in zip(*torch.stack(parts).tolist())) if parts else (0.0, 0.0)
+    if distributed:  # in double: torch.distributed runs on CUDA and CPU, which have float64
+        sums = torch.tensor([nats, nbytes], dtype=torch.float64, device=device)
         dist.all_reduce(sums)
-    nats, nbytes = sums.tolist()
+        nats, nbytes = sums.tolist()
     if nbytes == 0:
         raise ValueError("evaluation saw no text bytes; is the validation split empty?")
     return nats / (math.log(2) * nbytes)

@@ -308,15 +308,19 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     p.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
+def bf16_matmuls_fast(device) -> bool:
+    """Whether bf16 matmuls beat fp32 here: on CUDA, and on CPUs with AVX512-BF16 or AMX (2-5x their fp32 rate); not
+    on CPUs without them (20-100x slower than fp32), nor on MPS (not measured). Hardware flags, not a timing probe, so
+    every rank agrees. The one rule for Newton-Schulz's 'auto' precision and for training's autocast."""
+    kind = torch.device(device).type
+    return kind == "cuda" or kind == "cpu" and any(getattr(torch.cpu, f, lambda: False)() for f in CPU_BF16_FLAGS)
+
+
 def resolve_ns_precision(precision: str, device) -> str:
-    """A group's ns_precision on this device. 'auto' is bf16 where matmuls have bf16 units: CUDA (as nanochat)
-    and CPUs with AVX512-BF16 or AMX (about 2x their fp32 rate); fp32 elsewhere, since CPUs without them run
-    bf16 matmuls 20-100x slower than fp32. Hardware flags, not a timing probe, so every rank agrees."""
+    """A group's ns_precision on this device: 'auto' is bf16 where bf16 matmuls are fast, else fp32."""
     if precision != "auto":
         return precision
-    kind = torch.device(device).type
-    fast = kind == "cuda" or kind == "cpu" and any(getattr(torch.cpu, f, lambda: False)() for f in CPU_BF16_FLAGS)
-    return "bf16" if fast else "fp32"
+    return "bf16" if bf16_matmuls_fast(device) else "fp32"
 
 
 def muon_layout(group: dict):

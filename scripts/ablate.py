@@ -9,7 +9,8 @@ Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimiz
 and --data-seed both set to the seed (init and data order). Flags this script does not know go to base_train
 after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
 Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
-seed, multiplier, base_train flags, processes, tokenizer), so a re-run or an interrupted ablation skips them.
+seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to), so a re-run or an
+interrupted ablation skips them.
 """
 
 import argparse
@@ -24,7 +25,9 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.common import get_base_dir, write_atomic
+import torch
+
+from nanomuon.common import check_device_type, get_base_dir, resolve_dtype, write_atomic
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -93,7 +96,7 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
     """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
     variant, mult, seed = job
     key = hashlib.sha256(json.dumps([variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
-                                     cache["tokenizer"]]).encode()).hexdigest()[:20]
+                                     cache["tokenizer"], cache["dtype"]]).encode()).hexdigest()[:20]
     path = cache["dir"] / f"{key}.json"
     label = f"{variant} x{mult:g} seed {seed}"
     if path.exists():
@@ -219,14 +222,17 @@ def main(argv=None):
     flags = [*CPU_DEFAULTS, *extra]
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
+    q.add_argument("--dtype", default="auto")
     cores = os.cpu_count() or 1
-    jobs = args.jobs or (max(1, cores // args.nproc) if q.parse_known_args(flags)[0].device_type == "cpu" else 1)
+    run_flags = q.parse_known_args(flags)[0]
+    jobs = args.jobs or (max(1, cores // args.nproc) if run_flags.device_type == "cpu" else 1)
     seeds = list(range(1, args.seeds + 1))
     todo = [(v, m, s) for v in variants for m in mults for s in seeds]
     jobs = min(jobs, len(todo))
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache",
-                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"))
+                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"),
+                 dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)), run_flags.dtype))
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== {len(todo)} runs ({len(variants)} variants x {len(mults)} lrs x {len(seeds)} seeds), {jobs} at a "
           f"time, {threads} thread(s) each", flush=True)

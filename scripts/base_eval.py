@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from nanomuon.common import compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
+from nanomuon.common import DTYPES, compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
 from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS
 from scripts.base_train import PROMPTS
@@ -25,6 +25,8 @@ def main(argv=None):
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens to score (default: the run's own --eval-tokens, so the numbers compare)")
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: what the run "
+                   "trained in; auto: bf16 where bf16 matmuls are fast)")
     args = p.parse_args(argv)
     if args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1) or args.sample_tokens < 0:
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
@@ -34,7 +36,9 @@ def main(argv=None):
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
         rows = val_rows(tokenizer, dataset, model.config.sequence_len, eval_tokens)
-    bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device))
+    # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
+    dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
+    bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device), dtype)
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
     print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} tokens")
     lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint
 from nanomuon.common import (
+    DTYPES,
     all_finite,
     autocast,
     compute_cleanup,
@@ -37,6 +38,7 @@ from nanomuon.common import (
     get_base_dir,
     peak_flops,
     print0,
+    resolve_dtype,
     size_str,
     synchronize,
     tensors_finite,
@@ -69,6 +71,9 @@ def parse_args(argv=None):
                    "row groups, then the documents of every 8 of them; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="what forward and backward compute in: bf16 "
+                   "autocast or fp32; auto = bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX), "
+                   "else fp32. Params, grads and optimizer state stay fp32")
     p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
                    "processes with FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
     # model
@@ -291,6 +296,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     compiled = device.type == "cuda" if args.compile is None else args.compile
+    args.dtype = resolve_dtype(device, args.dtype)  # saved resolved: base_eval scores in what the run trained in
     optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                       matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
                                       **OPTIMIZER_VARIANTS[args.optimizer])
@@ -358,7 +364,7 @@ def resume(run: Run) -> None:
 def evaluate(run: Run) -> None:
     """Val bits per byte at this step, recorded in the loop state."""
     run.model.eval()
-    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes)
+    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes, run.args.dtype)
     run.model.train()
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
@@ -401,7 +407,8 @@ def train(run: Run) -> None:
            f"tokens x {run.world_size} processes x {run.grad_accum} accumulation steps")
     print0(f"training: {run.num_iterations:,} steps, {run.num_iterations * args.total_batch_size:,} tokens "
            f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on {args.dataset}, "
-           f"{run.world_size} x {run.device.type}{' (compiled)' if run.compiled else ''}")
+           f"{run.world_size} x {run.device.type}{' (compiled)' if run.compiled else ''}, "
+           f"{'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}")
     if args.wandb != "off" and run.rank == 0:
         try:  # imported only on request: it is slow to import and needs an account for online
             import wandb
@@ -436,7 +443,7 @@ def train(run: Run) -> None:
             if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
                 model.set_requires_gradient_sync(micro == run.grad_accum - 1)
             x, y = run.train_loader.next_batch()
-            with autocast(run.device):
+            with autocast(run.device, args.dtype):
                 loss = run.train_model(x, y)
             loss_sum += loss.detach()
             (loss / run.grad_accum).backward()
@@ -536,7 +543,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     lines = [f"# nanomuon base_train report: {args.run}", "", f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
-             f"{platform.python_version()}",
+             f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, fp32 params",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in {num_iterations} steps "
              f"of {args.total_batch_size:,}; rank 0 packed {summary['packing']}",

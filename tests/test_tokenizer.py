@@ -94,23 +94,24 @@ def test_bits_per_byte_of_a_uniform_model(tok):
     text_targets = int((table[y] > 0).sum())
     assert text_targets < y.numel()  # the BOS targets are really there to exclude
     expected = math.log(tok.vocab_size) * text_targets / (math.log(2) * int(table[y].sum()))
-    assert evaluate_bpb(model, rows, 4, table) == pytest.approx(expected, rel=1e-6)
+    assert evaluate_bpb(model, rows, 4, table, "fp32") == pytest.approx(expected, rel=1e-6)
     # a batch size that leaves a short last batch: padded with ignored targets, the same bpb
-    assert evaluate_bpb(model, rows, 3, table) == pytest.approx(expected, rel=1e-6)
+    assert evaluate_bpb(model, rows, 3, table, "fp32") == pytest.approx(expected, rel=1e-6)
 
 
 def _bpb_worker(rank, world_size, rows, table, out_dir):
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=len(table), n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
     model.init_weights()
-    bpb = evaluate_bpb(model, rows, 2, table)
+    bpb = evaluate_bpb(model, rows, 2, table, "fp32")  # bf16 rounds by batch composition
     (out_dir / f"{world_size}_{rank}").write_text(repr(bpb))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bits_per_byte_is_the_same_at_any_world_size(tok, tmp_path, world_size):
     """The rows define the measurement: ranks share 7 rows (uneven shares, padded last batches) and every
-    rank reports the single-process bpb."""
+    rank reports the single-process bpb, up to the fp32 rounding of per-batch sums (one row counted twice or
+    missed would move it by about 1/7)."""
     from test_dist import spawn
 
     g = torch.Generator().manual_seed(1)
@@ -121,7 +122,7 @@ def test_bits_per_byte_is_the_same_at_any_world_size(tok, tmp_path, world_size):
     spawn(_bpb_worker, world_size, rows, table, tmp_path)
     single = float((tmp_path / "1_0").read_text())
     got = [float((tmp_path / f"{world_size}_{r}").read_text()) for r in range(world_size)]
-    assert got == pytest.approx([single] * world_size, rel=1e-12)
+    assert got == pytest.approx([single] * world_size, rel=1e-7)
 
 
 def test_bits_per_byte_ignores_padding_inside_rows(tok):
@@ -142,4 +143,4 @@ def test_bits_per_byte_ignores_padding_inside_rows(tok):
         text = table[y] > 0
         nats -= float(logp[torch.arange(len(y)), y][text].sum())
         nbytes += int(table[y].sum())
-    assert evaluate_bpb(model, rows, 2, table) == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-6)
+    assert evaluate_bpb(model, rows, 2, table, "fp32") == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-6)

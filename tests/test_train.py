@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from nanomuon.checkpoint import list_steps, load_checkpoint, save_checkpoint
 
@@ -455,3 +457,32 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     assert ablate.main(args) == results and not launched
     ablate.main([*args[:7], "0.5,1,2", *args[8:]])
     assert len(launched) == 4 and all(c[c.index("--lr-multiplier") + 1] == "2.0" for c in launched)
+
+
+class NoFloat64(TorchDispatchMode):
+    """Fails on any op that makes a float64 tensor. MPS has none; this CPU run stands in for it (the model's device
+    is the CPU here, so host-side float64 tensors count too)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+        assert not made, f"{func} made a float64 tensor"
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_train_and_eval_make_no_float64_tensor(base, capsys, dtype):
+    """base_train's steps, evals, checkpoint and samples, and base_eval, with no float64 tensor anywhere (an MPS
+    device would fail on one): the guard is live, as evaluate_bpb's old float64 sums trip it."""
+    from scripts.base_eval import main as eval_main
+    from scripts.base_train import main
+
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "1", "--run", f"f64-{dtype}",
+             "--dtype", dtype]
+    with NoFloat64():
+        main(flags)
+        eval_main(["--run", f"f64-{dtype}", "--device-type", "cpu", "--device-batch-size", "4", "--sample-tokens", "4"])
+    out = capsys.readouterr().out
+    assert ("bf16 autocast" if dtype == "bf16" else "1 x cpu, fp32") in out
+    with NoFloat64(), pytest.raises(AssertionError, match="float64"):
+        torch.zeros(2, dtype=torch.float64)
