@@ -122,8 +122,7 @@ DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and 
 
 
 def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
-    """'auto': bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX: the optimizer's rule), else fp32.
-    """
+    """'auto' is bf16 where bf16 matmuls are fast (update_math.bf16_matmuls_fast, the optimizer's rule), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
@@ -131,9 +130,8 @@ def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
 
 def autocast(device: torch.device, dtype: str = "auto"):
     """bf16 autocast (params and optimizer stay fp32) or plain fp32, as resolve_dtype decides."""
-    if resolve_dtype(device, dtype) == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    bf16 = resolve_dtype(device, dtype) == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def synchronize(device: torch.device):

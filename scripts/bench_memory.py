@@ -18,6 +18,7 @@ temporaries) in MiB, and the ratios.
 import argparse
 import os
 import socket
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -40,11 +41,6 @@ def status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}: bench_memory needs Linux")
 
 
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # 5: reset VmHWM to the current RSS
-        f.write("5")
-
-
 def state_bytes(opt) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # stacked state: one storage, many views
                 for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
@@ -65,7 +61,7 @@ def measure(args, variant: str) -> tuple[int, int]:
             p.grad = torch.randn(p.shape, generator=gen)
         dist.barrier()
         before = status("VmRSS")
-        reset_peak()
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
         opt.step()
         if step:  # the first step also allocates the state
             temporaries = max(temporaries, status("VmHWM") - before)
