@@ -137,6 +137,8 @@ def autocast(device: torch.device, dtype: str = "auto"):
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":  # step times and tok/s would otherwise time the queueing
+        torch.mps.synchronize()
 
 
 # Dense bf16 tensor-core peak per GPU, from vendor data sheets. Most specific names first.

@@ -71,9 +71,8 @@ def parse_args(argv=None):
                    "row groups, then the documents of every 8 of them; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="what forward and backward compute in: bf16 "
-                   "autocast or fp32; auto = bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX), "
-                   "else fp32. Params, grads and optimizer state stay fp32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="forward and backward in bf16 autocast or fp32; "
+                   "auto: bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
     p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
                    "processes with FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
     # model
