@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from nanomuon.common import check_device_type, get_base_dir, resolve_dtype, write_atomic
+from nanomuon.common import DTYPES, check_device_type, get_base_dir, resolve_dtype, write_atomic
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -222,7 +222,7 @@ def main(argv=None):
     flags = [*CPU_DEFAULTS, *extra]
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
-    q.add_argument("--dtype", default="auto")
+    q.add_argument("--dtype", default="auto", choices=DTYPES)
     cores = os.cpu_count() or 1
     run_flags = q.parse_known_args(flags)[0]
     jobs = args.jobs or (max(1, cores // args.nproc) if run_flags.device_type == "cpu" else 1)
