@@ -259,22 +259,22 @@ class DistMuonAdamW(MuonAdamW):
         self._plan = []
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
 
+    def _own_chunk(self, buf: Tensor) -> Tensor:  # this rank's chunk of buf's dim 0, cut in N equal chunks
+        return buf.chunk(self.world_size)[self.rank]
+
     def _reduce(self, buf: Tensor):
-        """Start the mean over the ranks of buf, in place, at least of this rank's chunk (dim 0 cut in N equal
-        chunks): a reduce-scatter into that chunk on nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a
-        copy of its whole input and runs slower than its all_reduce (docs/benchmarks.md, "Memory")."""
+        """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a reduce-scatter into it on
+        nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a copy of its whole input and runs slower than its
+        all_reduce (docs/benchmarks.md, issue 21)."""
         if self._scatter:
-            n = len(buf) // self.world_size
-            return dist.reduce_scatter_tensor(buf[self.rank * n:(self.rank + 1) * n], buf, op=self._mean_op,
-                                              group=self.pg, async_op=True)
+            return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op, group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
     def _gather(self, buf: Tensor, n: int) -> list:
-        """Start giving every rank each rank's piece of buf's first n rows (flat_shard's cut), in place: an all_gather
-        on nccl (buf holds N equal chunks); elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
+        """Start giving every rank each rank's piece of buf's first n rows (flat_shard's cut), in place: on nccl an
+        all_gather from _own_chunk(buf); elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
         if self._scatter:
-            n = len(buf) // self.world_size
-            return [self._all_gather(buf, buf[self.rank * n:(self.rank + 1) * n])]
+            return [self._all_gather(buf, self._own_chunk(buf))]
         cuts = [flat_shard(n, r, self.world_size)[1:] for r in range(self.world_size)]
         return [dist.broadcast(buf[lo:hi], group=self.pg, group_src=r, async_op=True)
                 for r, (lo, hi) in enumerate(cuts) if hi > lo]
@@ -439,7 +439,7 @@ class DistMuonAdamW(MuonAdamW):
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if idx:
-            rows = buf[self.rank * b["per_rank"]:][:len(mine)]
+            rows = self._own_chunk(buf)[:len(mine)]
             self._finish_mean(rows)
             grads = rows if len(idx) == len(mine) else rows[idx]
             updated = [mine[k] for k in idx]
