@@ -1,29 +1,29 @@
 """
 Pretraining text on disk: where it lives, how to get it, and how to read it back.
 
-Two datasets, both directories of parquet shards with one string column `text` (a document per row),
+Two named datasets, both directories of parquet shards with one string column `text` (a document per row),
 sorted by name; the last shard is the val split, all the others are train:
-- fineweb-edu: Karpathy's pre-shuffled FineWeb-Edu shards from the Hugging Face hub. download() fetches
-  them in parallel, resumes partial files with HTTP Range requests, retries network errors with backoff
-  and checks each file is parquet before moving it into place, so an interrupted run just resumes.
+- fineweb-edu: Karpathy's pre-shuffled FineWeb-Edu shards from the Hugging Face hub. download() fetches them
+  in parallel through huggingface_hub (its resume, 429 retries, HF_ENDPOINT, HF_TOKEN, progress bars), all
+  from one pinned revision, retries whatever else fails with backoff and checks each file is parquet, so an
+  interrupted run just resumes. Nothing here touches the network unless a download is asked for.
 - embedded: built locally from the Python standard library's own .py sources (about 30 MB of text), so
   training and tests work with no network at all. ensure_embedded() builds it on first use.
+Custom sources (sources.py) live in source/<name>-<hash>, their train and val shards listed by a manifest.
 CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard), or `--embedded`.
 """
 
 import argparse
 import contextlib
-import http.client
 import json
 import math
 import os
 import random
+import re
 import sys
 import sysconfig
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -35,21 +35,33 @@ from nanomuon.common import get_base_dir, write_atomic
 
 DATASETS = ("fineweb-edu", "embedded")
 SPLITS = ("train", "val")
-BASE_URL = "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main"
+HF_REPO = "karpathy/fineweb-edu-100b-shuffle"  # a dataset repo on the Hugging Face hub
 MAX_SHARD = 1822  # the last shard on the hub; held out as the val shard
-USER_AGENT = "nanomuon-dataset/0.1 (+python urllib)"
+REVISION_FILE = "revision.txt"  # in the download folder: the commit its shards come from
 FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the embedded corpus "
                       "with --dataset embedded",
-       "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it"}
+       "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
+       "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
 MANIFEST = "manifest.json"  # written last by build_embedded: its presence marks a finished build
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
 # -- locations ----------------------------------------------------------------------------------------
 def data_dir(name: str) -> Path:
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> for what sources.prepare made."""
+    if name not in DATASETS and not re.fullmatch(r"source/[\w.-]+", name):
+        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or a custom source "
+                         "(README, 'Train on your own data')")
     return get_base_dir() / "data" / name
+
+
+def manifest_shards(d: Path) -> dict | None:
+    """{split: [shard names]} of a prepared custom source in d, None if it is not (completely) there."""
+    try:
+        shards = json.loads((d / MANIFEST).read_text())["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return shards if all((d / n).is_file() for split in SPLITS for n in shards[split]) else None
 
 
 def shard_name(index: int) -> str:
@@ -62,7 +74,11 @@ def list_shards(name: str, split: str) -> list[Path]:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
     d = ensure_embedded() if name == "embedded" else data_dir(name)
-    # `*.parquet` skips in-flight `*.parquet.part` / `*.tmp` files: only complete shards count.
+    if name not in DATASETS:
+        if (shards := manifest_shards(d)) is None:
+            raise FileNotFoundError(f"{name} is not prepared (or no longer complete) in {d}: {FIX['source']}")
+        return [d / n for n in shards[split]]
+    # `*.parquet` skips in-flight `*.parquet.*.tmp` files: only complete shards count.
     shards = sorted(d.glob("*.parquet")) if d.is_dir() else []
     if len(shards) < 2:
         raise FileNotFoundError(f"{name} needs at least 2 shards (train + val) in {d}, found {len(shards)}: "
@@ -89,7 +105,7 @@ def open_shard(name: str, path: Path) -> pq.ParquetFile:
     """A shard of dataset `name` that read_shard accepts; a ValueError that says what to do otherwise."""
     pf, problem = read_shard(path)
     if problem:
-        raise ValueError(f"{path} {problem}: delete it and {FIX[name]}")
+        raise ValueError(f"{path} {problem}: delete it and {FIX.get(name, FIX['source'])}")
     return pf
 
 
@@ -186,7 +202,7 @@ def _embedded_complete(d: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _build_lock(d: Path):
+def build_lock(d: Path):
     """Serializes builds across processes (every rank of a torchrun job calls list_shards at once)."""
     try:
         import fcntl
@@ -204,7 +220,7 @@ def ensure_embedded() -> Path:
     d = data_dir("embedded")
     if _embedded_complete(d):
         return d
-    with _build_lock(d):
+    with build_lock(d):
         if not _embedded_complete(d):  # another process may have built it while we waited for the lock
             print(f"nanomuon: building the embedded corpus (Python stdlib sources) in {d}", file=sys.stderr)
             build_embedded(d)
@@ -212,100 +228,112 @@ def ensure_embedded() -> Path:
 
 
 # -- FineWeb-Edu download -----------------------------------------------------------------------------
-def _fetch(url: str, part: Path, timeout: float, stop: threading.Event) -> None:
-    """Stream url into part, resuming from part's current size with a Range request.
-    Raises ConnectionError if the connection ends before the advertised length."""
-    start = part.stat().st_size if part.exists() else 0
-    headers = {"User-Agent": USER_AGENT}
-    if start:
-        headers["Range"] = f"bytes={start}-"
+def _hub():
     try:
-        resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and start:  # nothing left past `start`: part may already be whole; validation decides
-            e.close()
-            return
-        raise
-    with resp:
-        if resp.status == 206:
-            spec = resp.headers.get("Content-Range", "").removeprefix("bytes ")  # FIRST-LAST/TOTAL (TOTAL may be "*")
-            first, size = spec.partition("-")[0], spec.rpartition("/")[2]
-            if not first.isdigit() or int(first) != start:
-                part.unlink(missing_ok=True)
-                raise ConnectionError(f"server resumed at {spec!r}, not at byte {start}; restarting the shard")
-            mode = "ab"
-        else:  # 200: the server ignored the Range header and sends the whole file
-            start, mode, size = 0, "wb", resp.headers.get("Content-Length", "")
-        total = int(size) if size.isdigit() else None
-        got = start
-        with open(part, mode) as f:
-            # http.client returns b"" rather than raising when a response with a length is cut short,
-            # so the byte count below is what catches a dropped connection.
-            while chunk := resp.read(1 << 20):
-                if stop.is_set():  # Ctrl-C in the main thread: keep the .part, quit
-                    raise InterruptedError("download stopped")
-                f.write(chunk)
-                got += len(chunk)
-    if total is not None and got != total:
-        raise ConnectionError(f"connection closed after {got:,} of {total:,} bytes")
+        import huggingface_hub
+        import huggingface_hub.constants  # HF_ENDPOINT, HF_HUB_OFFLINE: read from the environment at import
+    except ImportError:
+        raise ValueError("downloading FineWeb-Edu needs huggingface_hub: pip install huggingface_hub") from None
+    return huggingface_hub
 
 
-def _download_shard(index: int, out_dir: Path, base_url: str, retries: int, backoff: float,
-                    stop: threading.Event, timeout: float = 60.0) -> tuple[Path, bool]:
-    """Download one shard into out_dir; returns (path, False if it was already there)."""
+def check_endpoint(allow_http: bool = False) -> str:
+    """The hub endpoint (HF_ENDPOINT), refused if it is plain http to another machine, unless allow_http:
+    anyone on the path could swap the files. Loopback is fine (a local mirror, the tests' fake hub)."""
+    hub = _hub()
+    endpoint = hub.constants.ENDPOINT
+    host = endpoint.partition("://")[2].split("/")[0].rsplit(":", 1)[0]
+    if endpoint.startswith("http://") and host not in ("127.0.0.1", "localhost", "[::1]") and not allow_http:
+        raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the shards could be altered in transit; use an "
+                         "https mirror, or add --allow-http for a plain-http one you trust")
+    if hub.constants.HF_HUB_OFFLINE:
+        raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train offline with "
+                         f"--dataset embedded ({FIX['fineweb-edu']})")
+    return endpoint
+
+
+def hub_problem(e: Exception) -> tuple[int | None, str]:
+    """(HTTP status or None, one line on what a huggingface_hub or network error means and what to do)."""
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    fix = {401: "set HF_TOKEN to a token that can read it", 403: "set HF_TOKEN to a token that can read it (and "
+           "accept the dataset's terms on its hub page)", 404: "check the name and HF_ENDPOINT"}.get(status)
+    if fix is None and _hub().constants.HF_HUB_OFFLINE:
+        fix = "HF_HUB_OFFLINE is set: unset it, or train offline with --dataset embedded"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return status, (f"{type(e).__name__}: {text}; " + (fix or "check the network and HF_ENDPOINT, or train offline "
+                                                             "with --dataset embedded"))
+
+
+def pin_revision(out_dir: Path, revision: str | None) -> str:
+    """The commit every shard in out_dir comes from: the one recorded by its first download, else `revision`
+    (default main) resolved to a commit and recorded, so shards fetched months apart still match."""
+    pin = out_dir / REVISION_FILE
+    pinned = pin.read_text().strip() if pin.exists() else None
+    if pinned and revision in (None, pinned):
+        return pinned
+    try:
+        sha = _hub().HfApi().dataset_info(HF_REPO, revision=revision).sha
+    except Exception as e:  # the hub's errors and network errors alike: one line, with what to do
+        raise ValueError(f"cannot reach {HF_REPO} on {check_endpoint(True)}: {hub_problem(e)[1]}") from None
+    if pinned and sha != pinned and any(out_dir.glob("*.parquet")):
+        raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} ({sha}); use another "
+                         "--out-dir, or delete them to switch")
+    write_atomic(pin, lambda tmp: tmp.write_text(sha + "\n"))
+    return sha
+
+
+def _download_shard(index: int, out_dir: Path, revision: str, retries: int, backoff: float,
+                    stop: threading.Event) -> tuple[Path, bool]:
+    """Download one shard into out_dir with hf_hub_download (which resumes cut transfers and retries 429s), retried
+    on whatever else fails and checked to be parquet; returns (path, False if it was already there)."""
     name = shard_name(index)
-    final, part = out_dir / name, out_dir / f"{name}.part"
+    final = out_dir / name
     if final.exists():
         return final, False
-    url = f"{base_url.rstrip('/')}/{name}"
-    last = "no attempt made"
+    last, corrupt = "no attempt made", False
     for attempt in range(retries + 1):
         if attempt:
             stop.wait(backoff ** attempt)  # a sleep that Ctrl-C (stop.set()) cuts short
         if stop.is_set():
             raise RuntimeError(f"{name}: stopped; re-run the same command to resume")
         try:
-            _fetch(url, part, timeout, stop)
-        except urllib.error.HTTPError as e:
-            if 400 <= e.code < 500 and e.code not in RETRY_HTTP:
-                raise RuntimeError(f"{name}: HTTP {e.code} {e.reason} from {url}: check the base URL and that "
-                                   f"the shard exists (0..{MAX_SHARD})") from None
-            last = f"HTTP {e.code} {e.reason}"
+            path = Path(_hub().hf_hub_download(HF_REPO, name, repo_type="dataset", revision=revision,
+                                               local_dir=out_dir, force_download=corrupt))
+        except Exception as e:  # HTTP errors after the hub client's own retries, dropped connections, short files
+            status, last = hub_problem(e)
+            if status is not None and 400 <= status < 500 and status not in RETRY_HTTP:
+                raise RuntimeError(f"{name}: HTTP {status} from {check_endpoint(True)}: {last} (shards are "
+                                   f"0..{MAX_SHARD})") from None
             continue
-        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, IncompleteRead
-            last = f"{type(e).__name__}: {e}"
-            continue
-        problem = read_shard(part)[1]
+        problem = read_shard(path)[1]
         if problem is None:
-            os.replace(part, final)
-            return final, True
-        part.unlink(missing_ok=True)  # resuming a corrupt file would only extend it
-        last = f"corrupt download: the file {problem}"
-    raise RuntimeError(f"{name}: download from {url} failed after {retries + 1} attempts, last error: {last}; "
-                       f"re-run the same command to resume (finished shards and .part files are kept)")
+            return path, True
+        path.unlink(missing_ok=True)
+        last, corrupt = f"corrupt download: the file {problem}", True
+    raise RuntimeError(f"{name}: download failed after {retries + 1} attempts, last error: {last}; re-run the same "
+                       "command to resume (finished shards and partial downloads are kept)")
 
 
-def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_URL, workers: int = 4,
+def download(num_shards: int, out_dir: Path | None = None, revision: str | None = None, workers: int = 4,
              retries: int = 5, backoff: float = 2.0, allow_http: bool = False) -> list[Path]:
     """Download FineWeb-Edu train shards 0..num_shards-1 plus shard MAX_SHARD as the val shard (it sorts
-    last, so list_shards calls it val). Shards already present are skipped; returns all their paths, sorted.
-    Only https, unless allow_http: anyone on the path could swap the files of a plain-http download."""
+    last, so list_shards calls it val), all from one pinned revision, through huggingface_hub (HF_ENDPOINT,
+    HF_TOKEN and progress bars as usual). Shards already present are skipped; returns all their paths, sorted."""
     if not 1 <= num_shards <= MAX_SHARD:
         raise ValueError(f"num_shards must be in 1..{MAX_SHARD}, got {num_shards}")
-    scheme = base_url.partition("://")[0]
-    if scheme != "https" and not (scheme == "http" and allow_http):
-        raise ValueError(f"--base-url {base_url} is not https, so the shards could be altered in transit; use an "
-                         "https mirror, or add --allow-http for a plain-http one you trust")
     if workers < 1 or retries < 0:
         raise ValueError(f"need workers >= 1 and retries >= 0, got workers={workers}, retries={retries}")
+    endpoint = check_endpoint(allow_http)
     out_dir = Path(out_dir) if out_dir is not None else data_dir("fineweb-edu")
     out_dir.mkdir(parents=True, exist_ok=True)
+    revision = pin_revision(out_dir, revision)
     indices = [*range(num_shards), MAX_SHARD]
     t0, new_bytes, errors, paths = time.time(), 0, [], []
-    print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) into {out_dir}, {workers} workers")
+    print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) of {HF_REPO}@{revision[:12]} from "
+          f"{endpoint} into {out_dir}, {workers} workers")
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_download_shard, i, out_dir, base_url, retries, backoff, stop=stop) for i in indices]
+        futures = [pool.submit(_download_shard, i, out_dir, revision, retries, backoff, stop) for i in indices]
         try:
             for done, fut in enumerate(as_completed(futures), start=1):
                 try:
@@ -319,7 +347,7 @@ def download(num_shards: int, out_dir: Path | None = None, base_url: str = BASE_
                 new_bytes += size if fetched else 0
                 status = f"{size / 1e6:.1f} MB" if fetched else "already present"
                 print(f"[{done}/{len(indices)}] {path.name} {status}  ({time.time() - t0:.1f} s)", flush=True)
-        except BaseException:  # Ctrl-C: workers stop at their next chunk (keeping .part files) instead of finishing
+        except BaseException:  # Ctrl-C: no new shards and no more retries; running transfers keep their partial file
             stop.set()
             pool.shutdown(cancel_futures=True)
             raise
@@ -341,21 +369,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     what.add_argument("--embedded", action="store_true", help="build the embedded corpus from the Python stdlib")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads")
     p.add_argument("--retries", type=int, default=5, help="retries per shard on network errors")
-    p.add_argument("--base-url", default=BASE_URL, help="where the shards live (a mirror, say)")
-    p.add_argument("--allow-http", action="store_true", help="accept a plain-http --base-url")
+    p.add_argument("--backoff", type=float, default=2.0, help="retry k of a shard waits backoff**k seconds")
+    p.add_argument("--revision", default=None, help="the dataset commit or branch (default: the one this folder's "
+                   "first download pinned, else main's current commit)")
+    p.add_argument("--allow-http", action="store_true", help="accept a plain-http HF_ENDPOINT on another machine")
     p.add_argument("--out-dir", type=Path, default=None, help="default: $NANOMUON_BASE_DIR/data/<dataset>")
     p.add_argument("--shard-chars", type=int, default=4_000_000, help="embedded: characters per shard")
     args = p.parse_args(argv)
     if args.embedded:
         out, t0 = args.out_dir or data_dir("embedded"), time.time()
-        with _build_lock(out):
+        with build_lock(out):
             paths = build_embedded(out, shard_chars=args.shard_chars)
         m = json.loads((out / MANIFEST).read_text())
         print(f"embedded: {m['files']} stdlib files, {m['chars'] / 1e6:.1f}M chars -> {len(paths)} shards "
               f"({len(paths) - 1} train + 1 val) in {out}, {time.time() - t0:.1f} s")
     else:
         try:
-            download(args.num_shards, args.out_dir, args.base_url, args.workers, args.retries,
+            download(args.num_shards, args.out_dir, args.revision, args.workers, args.retries, args.backoff,
                      allow_http=args.allow_http)
         except (RuntimeError, ValueError) as e:
             sys.exit(f"error: {e}")

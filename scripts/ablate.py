@@ -9,7 +9,8 @@ Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimiz
 and --data-seed both set to the seed (init and data order). Flags this script does not know go to base_train
 after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
 Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
-seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to), so a re-run or an
+seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to, the prepared data),
+so a re-run or an
 interrupted ablation skips them.
 """
 
@@ -27,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from nanomuon.common import DTYPES, check_device_type, get_base_dir, resolve_dtype, write_atomic
+from nanomuon.common import DTYPES, check_device_type, get_base_dir, resolve_dtype, user_errors, write_atomic
 from nanomuon.report import MISSING, plot_curves
+from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
@@ -96,7 +98,7 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
     """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
     variant, mult, seed = job
     key = hashlib.sha256(json.dumps([variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
-                                     cache["tokenizer"], cache["dtype"]]).encode()).hexdigest()[:20]
+                                     cache["tokenizer"], cache["dtype"], cache["data"]]).encode()).hexdigest()[:20]
     path = cache["dir"] / f"{key}.json"
     label = f"{variant} x{mult:g} seed {seed}"
     if path.exists():
@@ -223,6 +225,7 @@ def main(argv=None):
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
     q.add_argument("--dtype", default="auto", choices=DTYPES)
+    add_data_args(q, "embedded")
     cores = os.cpu_count() or 1
     run_flags = q.parse_known_args(flags)[0]
     jobs = args.jobs or (max(1, cores // args.nproc) if run_flags.device_type == "cpu" else 1)
@@ -230,7 +233,9 @@ def main(argv=None):
     todo = [(v, m, s) for v in variants for m in mults for s in seeds]
     jobs = min(jobs, len(todo))
     threads = max(1, cores // (jobs * args.nproc))
-    cache = dict(dir=get_base_dir() / "ablations" / "cache",
+    with user_errors():  # prepared once here, not by every run at once; its name says which data (files changed?)
+        data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
+    cache = dict(dir=get_base_dir() / "ablations" / "cache", data=data,
                  tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"),
                  dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)), run_flags.dtype))
     cache["dir"].mkdir(parents=True, exist_ok=True)

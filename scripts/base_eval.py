@@ -12,7 +12,7 @@ import torch
 
 from nanomuon.common import DTYPES, compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
 from nanomuon.dataloader import val_rows
-from nanomuon.dataset import DATASETS
+from nanomuon.sources import add_data_args, prepare
 from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
@@ -20,7 +20,7 @@ from scripts.sample import add_checkpoint_args, load_for_inference, sample
 def main(argv=None):
     p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint", allow_abbrev=False)
     add_checkpoint_args(p)
-    p.add_argument("--dataset", choices=DATASETS, default=None, help="default: the one the run trained on")
+    add_data_args(p, None)  # default: the run's own --dataset, --text-column and --val-fraction
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens to score (default: the run's own --eval-tokens, so the numbers compare)")
@@ -32,10 +32,13 @@ def main(argv=None):
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
-    dataset = args.dataset or meta["args"]["dataset"]
+    data_args = args if args.dataset else argparse.Namespace(**{k: meta["args"].get(k) for k in
+                                                                ("dataset", "text_column", "val_fraction")})
+    dataset = data_args.dataset
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
-        rows = val_rows(tokenizer, dataset, model.config.sequence_len, eval_tokens)
+        data = prepare(dataset, data_args.text_column, data_args.val_fraction)
+        rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
     # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
     dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device), dtype)

@@ -46,10 +46,10 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
-from nanomuon.dataset import DATASETS
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.sharded import DTensor, load_whole_state
+from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
@@ -64,8 +64,7 @@ def parse_args(argv=None):
                    help="run name: names the checkpoint directory and the wandb run (default d<depth>)")
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
-    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu", help="training text: fineweb-edu (download "
-                   "with python -m nanomuon.dataset) or the embedded corpus (built on first use, no network)")
+    add_data_args(p, "fineweb-edu")  # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     p.add_argument("--seed", type=int, default=42, help="seed of the init")
     p.add_argument("--data-seed", type=int, default=None, help="shuffle the training documents with this seed (the "
                    "row groups, then the documents of every 8 of them; default: file order)")
@@ -281,10 +280,11 @@ def build(args, held: contextlib.ExitStack) -> Run:
         num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
 
     with user_errors():  # missing or unreadable data
-        train_loader = DataLoader(tokenizer, args.dataset, "train", args.device_batch_size, args.max_seq_len,
+        data = prepare(args.dataset, args.text_column, args.val_fraction)  # a custom source: converted once
+        train_loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
                                   rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(train_loader.close)  # its prefetch thread stops however the run ends
-        val = val_rows(tokenizer, args.dataset, args.max_seq_len, args.eval_tokens)  # the same at any world size
+        val = val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)  # the same at any world size
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
         print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
                f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
@@ -327,7 +327,7 @@ def resume(run: Run) -> None:
                             f"{get_base_dir() / 'tokenizer'})")
         # the process count and --device-batch-size may change (whole optimizer state, resharded loader
         # states, the same --total-batch-size); a new --eval-tokens would mix two val sets in one history
-        for key in ("dataset", "total_batch_size", "optimizer", "eval_tokens"):
+        for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer", "eval_tokens"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
             if saved != getattr(args, key):
                 problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")

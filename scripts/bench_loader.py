@@ -19,13 +19,14 @@ import torch
 
 from nanomuon.common import user_errors
 from nanomuon.dataloader import DataLoader
-from nanomuon.dataset import DATASETS, iter_texts
+from nanomuon.dataset import iter_texts
+from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import get_tokenizer
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
-    p.add_argument("--dataset", choices=DATASETS, default="embedded")
+    add_data_args(p, "embedded")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--world-size", type=int, default=1, help="measure rank --rank of this many processes")
@@ -38,7 +39,8 @@ def main(argv=None):
         p.error("--device-batch-size, --max-seq-len, --world-size and --batches must be >= 1, --epochs >= 0")
     with user_errors():
         tok = get_tokenizer()
-        make = lambda prefetch=0: DataLoader(tok, args.dataset, "train", args.device_batch_size, args.max_seq_len,
+        data = prepare(args.dataset, args.text_column, args.val_fraction)
+        make = lambda prefetch=0: DataLoader(tok, data, "train", args.device_batch_size, args.max_seq_len,
                                              args.rank, args.world_size, prefetch=prefetch)
         dl = make()
     B, T = args.device_batch_size, args.max_seq_len
@@ -69,7 +71,7 @@ def main(argv=None):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1 << 10)
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
-        for text in iter_texts(args.dataset, "train", rank=args.rank, world_size=args.world_size):
+        for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size):
             if text:  # the loader skips empty documents too
                 ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)), minlength=tok.vocab_size)
         inserted = trained[tok.bos_id] - ref[tok.bos_id]

@@ -11,14 +11,15 @@ import argparse
 import time
 
 from nanomuon.common import user_errors
-from nanomuon.dataset import DATASETS, iter_texts
+from nanomuon.dataset import iter_texts
+from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Train nanomuon's BPE tokenizer", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", choices=DATASETS, default="fineweb-edu")
+    add_data_args(p, "fineweb-edu")
     p.add_argument("--vocab-size", type=int, default=32768, help="including the special tokens")
     p.add_argument("--max-chars", type=int, default=2_000_000_000, help="training characters to read")
     p.add_argument("--doc-cap", type=int, default=10_000, help="characters kept per document")
@@ -43,12 +44,13 @@ def main(argv=None):
             return
 
     with user_errors():
+        data = prepare(args.dataset, args.text_column, args.val_fraction)
         t0 = time.time()
         # capped: a few huge documents (minified code, tables) would otherwise dominate the pair counts
-        texts = (text[:args.doc_cap] for text in iter_texts(args.dataset, "train", args.max_chars))
+        texts = (text[:args.doc_cap] for text in iter_texts(data, "train", args.max_chars))
         tok = Tokenizer.train(texts, args.vocab_size)
         train_s = time.time() - t0
-        val = list(iter_texts(args.dataset, "val", args.eval_chars))
+        val = list(iter_texts(data, "val", args.eval_chars))
     if tok.vocab_size < args.vocab_size:
         print(f"warning: the training text only supports {tok.vocab_size} tokens, not {args.vocab_size}; "
               "raise --max-chars for a full vocabulary")

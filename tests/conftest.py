@@ -1,4 +1,13 @@
-"""Test options (slow tests run only with --slow; CI passes it) and the base dir the training tests share."""
+"""Test options (slow tests run only with --slow; CI passes it), the base dir the training tests share, and a
+fake Hugging Face hub on 127.0.0.1 for the download and hub-source tests."""
+
+import hashlib
+import json
+import os
+import re
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -30,3 +39,111 @@ def base(tmp_path_factory):
     Tokenizer.train(iter_texts("embedded", "train", 1_000_000), vocab_size=512).save(base / "tokenizer")
     yield base
     mp.undo()
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Enough of the Hugging Face hub's HTTP API for huggingface_hub and datasets: repo info, tree listing, file
+    resolve with Range. server.files = {repo: {path: bytes}}; server.plan[path] lists what to do on successive
+    requests for a file: ok | 429 | 500 | drop (close without answering) | cut (send half the body, then close) |
+    truncate (send only the first half, as if the file were shorter). server.tokens[repo] gates a repo."""
+    protocol_version = "HTTP/1.1"
+
+    def _send(self, code, body=b"", headers=(), head=False):
+        self.send_response(code)
+        for k, v in dict(headers).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _route(self, head=False):
+        srv, url = self.server, urllib.parse.urlparse(self.path)
+        path = urllib.parse.unquote(url.path)
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with srv.lock:
+            srv.log.append((self.command, path, self.headers.get("Range")))
+        m = re.fullmatch(r"/(?:api/)?datasets/([^/]+/[^/]+)(/.*)?", path)
+        repo = m and m.group(1)
+        if repo not in srv.files:
+            return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head)
+        if repo in srv.tokens and self.headers.get("Authorization") != f"Bearer {srv.tokens[repo]}":
+            return self._send(401, b'{"error": "gated"}', {"X-Error-Code": "GatedRepo"}, head)
+        files, rest = srv.files[repo], m.group(2) or ""
+        if path.startswith("/api/") and (not rest or rest.startswith("/revision/")):
+            info = {"id": repo, "sha": srv.sha, "private": False, "siblings": [{"rfilename": f} for f in files]}
+            return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
+        if tree := re.fullmatch(r"/tree/[^/]+/?(.*)", rest):
+            sub = tree.group(1).strip("/")
+            recursive = "recursive=true" in url.query.lower()
+            entries = {}
+            for f, data in sorted(files.items()):
+                if sub and not f.startswith(sub + "/"):
+                    continue
+                parts = f[len(sub) + 1 if sub else 0:].split("/")
+                for i in range(1, len(parts) if recursive else min(2, len(parts))):
+                    d = "/".join([sub, *parts[:i]] if sub else parts[:i])
+                    entries[d] = {"type": "directory", "path": d, "oid": srv.sha, "size": 0}
+                if recursive or len(parts) == 1:
+                    entries[f] = {"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+            return self._send(200, json.dumps(list(entries.values())).encode(), {"Content-Type": "application/json"})
+        resolve = re.fullmatch(r"/resolve/[^/]+/(.+)", rest)
+        if not resolve or resolve.group(1) not in files:
+            return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
+        name, data = resolve.group(1), files[resolve.group(1)]
+        headers = {"X-Repo-Commit": srv.sha, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                   "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        if head:
+            return self._send(200, data, headers, head=True)
+        with srv.lock:
+            plan = srv.plan.get(name)
+            action = plan.pop(0) if plan else "ok"
+        if action in ("429", "500"):
+            return self._send(int(action), b"{}", {"Retry-After": "0"})
+        if action == "drop":
+            self.close_connection = True
+            return
+        start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0]) if self.headers.get("Range") else 0
+        body = data[start:]
+        if action == "truncate":
+            body = body[:len(body) // 2]
+        if start:
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        self.send_response(206 if start else 200)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[:len(body) // 2] if action == "cut" else body)
+        if action == "cut":
+            self.close_connection = True
+
+    def do_GET(self):
+        self._route()
+
+    def do_HEAD(self):
+        self._route(head=True)
+
+    def do_POST(self):
+        self._route()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_hub(tmp_path):
+    """A FakeHub on 127.0.0.1, with .env: this environment with HF_ENDPOINT pointed at it and a fresh HF_HOME,
+    for the subprocesses that talk to it (huggingface_hub reads HF_ENDPOINT once, at import)."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    srv.files, srv.plan, srv.tokens, srv.log, srv.lock = {}, {}, {}, [], threading.Lock()
+    srv.sha = "c0ffee" * 6 + "c0de"  # the commit every revision resolves to
+    thread = threading.Thread(target=srv.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    srv.endpoint = f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    srv.env.update(HF_ENDPOINT=srv.endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1")
+    yield srv
+    srv.shutdown()
+    srv.server_close()

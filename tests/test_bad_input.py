@@ -84,6 +84,13 @@ def own_fineweb(base, tmp_path, monkeypatch, train_shard, val_shard=None):
     return train("--dataset", "fineweb-edu")
 
 
+def source(tmp_path, *flags):
+    """base_train on a small jsonl file of {id, text} documents, with more flags."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "text": f"document {i}"}) + "\n" for i in range(20)))
+    return train("--dataset", str(path), *flags)
+
+
 def corrupt_tokenizer(tmp_path):
     get_tokenizer().save(tmp_path / "t")
     (tmp_path / "t" / "tokenizer.bpe").write_text("garbage\n")
@@ -232,8 +239,19 @@ CASES = {
     "ablate-seed": (lambda *_: script("ablate", "--seed", "3"), "--lr-multiplier are set per run by ablate"),
     "ablate-lr-sweep": (lambda *_: script("ablate", "--lr-sweep", "1,0"), "distinct positive numbers, got '1,0'"),
     "ablate-seeds": (lambda *_: script("ablate", "--seeds", "0"), "--seeds must be >= 1"),
-    "download-http": (lambda *_: lambda: dataset_main(["-n", "1", "--base-url", "http://mirror.example/files"]),
-                      "is not https, so the shards could be altered in transit"),
+    "download-revision": (lambda *_: lambda: dataset_main(["-n", "1", "--revison", "main"]),
+                          "unrecognized arguments: --revison"),
+    "source-missing": (lambda *_: train("--dataset", "/no/such/dir"), "--dataset /no/such/dir: no such file or "
+                       "directory, and no glob; expected fineweb-edu, embedded, a local file"),
+    "source-hub": (lambda *_: train("--dataset", "hf:just-a-name"), "write a hub dataset as hf:owner/name"),
+    "source-empty-glob": (lambda b, g, tmp, mp: train("--dataset", str(tmp / "*.jsonl")), "no .parquet, .jsonl"),
+    "source-column": (lambda *_: train("--dataset", "embedded", "--text-column", "body"),
+                      "--text-column and --val-fraction apply to custom sources; embedded has"),
+    "source-fraction": (lambda b, g, tmp, mp: source(tmp, "--val-fraction", "1"), "--val-fraction must be in (0, 1)"),
+    "source-no-column": (lambda b, g, tmp, mp: source(tmp, "--text-column", "body"),
+                         "has no column 'body' (columns: id, text): fix --text-column"),
+    "source-int-column": (lambda b, g, tmp, mp: source(tmp, "--text-column", "id"),
+                          "column 'id' holds int, not text: pick the text column with --text-column"),
     # the library
     "tokenizer-corrupt": (lambda b, g, tmp, mp: corrupt_tokenizer(tmp), "is corrupt"),
     "tokenizer-bytes": (lambda b, g, tmp, mp: tokenizer_without_byte(tmp), "single-byte tokens are missing (byte 0x0)"),
@@ -252,7 +270,8 @@ CASES = {
 
 
 def files(*roots):
-    return {p for r in roots for p in r.rglob("*") if p.is_file() or p.is_symlink()}
+    """Every file under roots, but the empty lock files that serialize builds (they stay, by design)."""
+    return {p for r in roots for p in r.rglob("*") if (p.is_file() or p.is_symlink()) and p.name != ".build.lock"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

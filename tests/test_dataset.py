@@ -1,14 +1,17 @@
 """
-nanomuon.dataset: the embedded stdlib corpus, shard listing and reading, and the FineWeb-Edu downloader
-run against a real local HTTP server that fails, drops, cuts short and corrupts responses on demand.
+nanomuon.dataset: the embedded stdlib corpus, shard listing and reading, and the FineWeb-Edu downloader run
+through huggingface_hub against a fake hub (conftest.FakeHub) that fails, drops, cuts short, truncates and
+corrupts responses on demand.
 """
 
+import base64
 import collections
 import io
 import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +20,7 @@ import pytest
 from nanomuon.common import get_base_dir
 from nanomuon.dataset import (
     DATASETS,
+    HF_REPO,
     MAX_SHARD,
     build_embedded,
     data_dir,
@@ -182,181 +186,98 @@ def test_iter_texts_order_row_groups_and_max_chars(base_dir):
         list(iter_texts("fineweb-edu", "train", max_chars=-1))
 
 
-# -- download ------------------------------------------------------------------------------------------
-
-class ShardHandler(BaseHTTPRequestHandler):
-    """Serves server.files by name. server.plan[name] lists what to do on successive requests:
-    ok | 503 | drop (close without answering) | cut (send half the body, then close) | norange (ignore Range)."""
-
-    def do_GET(self):
-        srv = self.server
-        name = self.path.rsplit("/", 1)[-1]
-        rng = self.headers.get("Range")
-        with srv.lock:
-            srv.log.append((name, rng, self.headers.get("User-Agent")))
-            plan = srv.plan.get(name)
-            action = plan.pop(0) if plan else "ok"
-        if name not in srv.files:
-            return self.send_error(404)
-        if action == "503":
-            return self.send_error(503, "busy")
-        if action == "drop":
-            self.close_connection = True
-            return
-        data, start = srv.files[name], 0
-        if rng and action != "norange":
-            start = int(rng.removeprefix("bytes=").rstrip("-"))
-            if start >= len(data):
-                return self.send_error(416)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        else:
-            self.send_response(200)
-        body = data[start:]
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if action == "cut":
-            self.wfile.write(body[: len(body) // 2])
-            self.close_connection = True
-            return
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
+# -- download: through huggingface_hub, against a fake hub that fails on demand ---------------------------
 
 @pytest.fixture
-def server():
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), ShardHandler)
-    srv.files, srv.plan, srv.log, srv.lock = {}, {}, [], threading.Lock()
-    for i in (0, 1, 2, MAX_SHARD):  # ~30-60 KB each, so a cut lands mid-file
-        srv.files[shard_name(i)] = parquet_bytes([f"shard {i} doc {j} " * (i % 7 + 40) for j in range(60)])
-    thread = threading.Thread(target=srv.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    srv.url = f"http://127.0.0.1:{srv.server_address[1]}/files"
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+def hub(fake_hub):
+    fake_hub.files[HF_REPO] = {shard_name(i): parquet_bytes([f"shard {i} doc {j} " * (i % 7 + 40) for j in range(60)])
+                               for i in (0, 1, 2, MAX_SHARD)}  # ~30-60 KB each, so a cut lands mid-file
+    return fake_hub
 
 
-def requests_for(srv, name):
-    return [(rng, ua) for n, rng, ua in srv.log if n == name]
+def fetch(hub, out, n=2, *flags, env=()):
+    """python -m nanomuon.dataset in a subprocess: huggingface_hub reads HF_ENDPOINT once, at import."""
+    return subprocess.run([sys.executable, "-m", "nanomuon.dataset", "-n", str(n), "--out-dir", str(out),
+                           "--backoff", "0.01", *flags], env=dict(hub.env, **dict(env)), capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
 
 
-def test_download_fetches_train_and_val_shards(server, base_dir, capsys):
-    paths = download(2, base_url=server.url, allow_http=True, workers=2, backoff=0)
-    d = base_dir / "data" / "fineweb-edu"
-    assert paths == [d / shard_name(i) for i in (0, 1, MAX_SHARD)]
-    for p in paths:
-        assert p.read_bytes() == server.files[p.name]
-    assert not list(d.glob("*.part"))
-    assert all(ua.startswith("nanomuon") for _, _, ua in server.log) and len(server.log) == 3
-    assert list_shards("fineweb-edu", "val") == [d / shard_name(MAX_SHARD)]
-    out = capsys.readouterr().out
-    assert "[3/3]" in out and "MB" in out and "done: 3 shards" in out
+def gets(hub, name):
+    return [rng for method, path, rng in hub.log if method == "GET" and path.endswith("/" + name)]
 
 
-def test_download_retries_503_and_dropped_connections(server, tmp_path):
-    server.plan = {shard_name(0): ["503", "drop", "503"], shard_name(MAX_SHARD): ["drop"]}
-    paths = download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    assert [p.read_bytes() for p in paths] == [server.files[p.name] for p in paths]
-    assert len(requests_for(server, shard_name(0))) == 4
-    assert len(requests_for(server, shard_name(MAX_SHARD))) == 2
+def test_download_fetches_train_and_val_shards_from_a_pinned_revision(hub, tmp_path):
+    out = tmp_path / "fw"
+    r = fetch(hub, out)
+    assert r.returncode == 0, r.stderr
+    files = hub.files[HF_REPO]
+    assert sorted(out.glob("*.parquet")) == [out / shard_name(i) for i in (0, 1, MAX_SHARD)]
+    assert all(p.read_bytes() == files[p.name] for p in out.glob("*.parquet"))
+    assert (out / "revision.txt").read_text().strip() == hub.sha  # main, resolved once and recorded
+    assert all(f"/resolve/{hub.sha}/" in path for method, path, _ in hub.log if "/resolve/" in path)
+    assert "[3/3]" in r.stdout and "done: 3 shards" in r.stdout and hub.sha[:12] in r.stdout
+    hub.log.clear()
+    r = fetch(hub, out, 3)  # the revision comes from revision.txt: no repo-info call, only the new shard
+    assert r.returncode == 0 and r.stdout.count("already present") == 3
+    assert {path for _, path, _ in hub.log} == {f"/datasets/{HF_REPO}/resolve/{hub.sha}/{shard_name(2)}"}
 
 
-def test_download_resumes_a_cut_response_with_range(server, tmp_path):
-    name = shard_name(0)
-    server.plan = {name: ["cut", "cut"]}
-    download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    size = len(server.files[name])
-    ranges = [rng for rng, _ in requests_for(server, name)]
-    # 1st: whole file, cut at half; 2nd: resumes at half, cut at half of the rest; 3rd: resumes and completes.
-    assert ranges == [None, f"bytes={size // 2}-", f"bytes={size // 2 + (size - size // 2) // 2}-"]
-    assert (tmp_path / name).read_bytes() == server.files[name]
-    assert not (tmp_path / f"{name}.part").exists()
+def test_download_survives_429_500_drops_cuts_and_truncated_transfers(hub, tmp_path):
+    a, b = shard_name(0), shard_name(MAX_SHARD)
+    # over 10 MB, huggingface_hub's write chunk, so that a cut at half leaves bytes on disk to resume from
+    hub.files[HF_REPO][a] = parquet_bytes([base64.b64encode(os.urandom(1 << 20)).decode() for _ in range(16)])
+    hub.plan = {a: ["429", "500", "cut"], b: ["drop", "truncate"]}
+    r = fetch(hub, tmp_path, 1)
+    assert r.returncode == 0, r.stderr
+    assert all((tmp_path / n).read_bytes() == hub.files[HF_REPO][n] for n in (a, b))
+    assert gets(hub, a) == [None, None, None, f"bytes={10 << 20}-"]  # the cut transfer resumed where it broke
+    assert len(gets(hub, b)) >= 3 and not hub.plan[a] and not hub.plan[b]
 
 
-def test_download_restarts_when_the_server_ignores_range(server, tmp_path):
-    name = shard_name(0)
-    server.plan = {name: ["cut", "norange"]}
-    download(1, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    assert [rng is not None for rng, _ in requests_for(server, name)] == [False, True]
-    assert (tmp_path / name).read_bytes() == server.files[name]  # the 200 overwrote the partial file
-
-
-def test_download_resumes_a_part_left_by_an_earlier_run(server, tmp_path):
-    name, data = shard_name(1), server.files[shard_name(1)]
-    (tmp_path / f"{name}.part").write_bytes(data[:1000])
-    (tmp_path / f"{shard_name(0)}.part").write_bytes(server.files[shard_name(0)])  # complete but not renamed
-    download(2, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    assert requests_for(server, name)[0][0] == "bytes=1000-"
-    assert requests_for(server, shard_name(0))[0][0] == f"bytes={len(server.files[shard_name(0)])}-"
-    assert (tmp_path / name).read_bytes() == data
-    assert (tmp_path / shard_name(0)).read_bytes() == server.files[shard_name(0)]  # via 416, then validated
-
-
-def test_download_rejects_a_corrupt_file_after_retries(server, tmp_path, capsys):
+def test_download_rejects_a_corrupt_file_after_retries(hub, tmp_path):
     name = shard_name(MAX_SHARD)
-    server.files[name] = b"<html>rate limited</html>" * 100
-    with pytest.raises(RuntimeError) as err:
-        download(1, tmp_path, base_url=server.url, allow_http=True, retries=2, backoff=0)
-    msg = str(err.value)
-    assert name in msg and f"{server.url}/{name}" in msg and "3 attempts" in msg
+    hub.files[HF_REPO][name] = b"<html>rate limited</html>" * 100
+    r = fetch(hub, tmp_path, 1, "--retries", "2")
+    assert r.returncode != 0
+    msg = r.stderr.strip().splitlines()[-1]
+    assert msg.startswith(f"error: {name}: download failed after 3 attempts") and "re-run the same command" in msg
     assert "corrupt download: the file is not a readable parquet file" in msg
-    assert "re-run the same command to resume" in msg
-    assert len(requests_for(server, name)) == 3
-    assert all(rng is None for rng, _ in requests_for(server, name))  # a corrupt .part is never resumed
-    assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.part").exists()
-    assert (tmp_path / shard_name(0)).exists()  # the good shard still landed
-    # parquet but without a text column is rejected too
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"content": ["x"]}), buf)
-    server.files[name] = buf.getvalue()
-    with pytest.raises(RuntimeError, match="no 'text' column"):
-        download(1, tmp_path, base_url=server.url, allow_http=True, retries=0, backoff=0)
-    buf = io.BytesIO()  # and a text column of numbers
+    assert len(gets(hub, name)) == 3 and not (tmp_path / name).exists()
+    assert (tmp_path / shard_name(0)).read_bytes() == hub.files[HF_REPO][shard_name(0)]  # the good shard landed
+    buf = io.BytesIO()  # parquet whose text column holds numbers: rejected too
     pq.write_table(pa.table({"text": [1, 2]}), buf)
-    server.files[name] = buf.getvalue()
-    with pytest.raises(RuntimeError, match="column 'text' holds int64, not strings"):
-        download(1, tmp_path, base_url=server.url, allow_http=True, retries=0, backoff=0)
+    hub.files[HF_REPO][name] = buf.getvalue()
+    r = fetch(hub, tmp_path, 1, "--retries", "0")
+    assert "column 'text' holds int64, not strings" in r.stderr
 
 
-def test_download_skips_shards_already_present(server, tmp_path, capsys):
-    kept = parquet_bytes(["already here"])
-    (tmp_path / shard_name(0)).write_bytes(kept)
-    (tmp_path / shard_name(MAX_SHARD)).write_bytes(kept)
-    paths = download(2, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    assert [n for n, _, _ in server.log] == [shard_name(1)]
-    assert len(paths) == 3 and (tmp_path / shard_name(0)).read_bytes() == kept
-    assert capsys.readouterr().out.count("already present") == 2
-
-
-def test_download_errors(server, tmp_path):
+def test_download_errors_name_the_fix(hub, tmp_path):
+    r = fetch(hub, tmp_path, 4)  # shard 3 is not on this hub: a 404 fails at once
+    assert r.returncode != 0 and "error: shard_00003.parquet: HTTP 404" in r.stderr
+    assert "check the name and HF_ENDPOINT (shards are 0..1822)" in r.stderr and len(gets(hub, shard_name(3))) == 0
+    hub.tokens[HF_REPO] = "sesame"  # gated: HF_TOKEN is honoured
+    r = fetch(hub, tmp_path / "gated", 1)
+    assert r.returncode != 0 and "HF_TOKEN" in r.stderr.strip().splitlines()[-1]
+    r = fetch(hub, tmp_path / "gated", 1, env={"HF_TOKEN": "sesame"})
+    assert r.returncode == 0, r.stderr
+    r = fetch(hub, tmp_path / "offline", 1, env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [
+        "error: HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train offline with --dataset "
+        "embedded (run `python -m nanomuon.dataset -n 8` to download them, or train on the embedded corpus with "
+        "--dataset embedded)"]
+    r = fetch(hub, tmp_path / "plain", 1, env={"HF_ENDPOINT": "http://mirror.example"})
+    assert "HF_ENDPOINT http://mirror.example is not https" in r.stderr and "--allow-http" in r.stderr
+    r = fetch(hub, tmp_path / "dead", 1, env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot reach karpathy/fineweb-edu-100b-shuffle on http://127.0.0.1:9" in r.stderr
     for n in (0, MAX_SHARD + 1):
         with pytest.raises(ValueError, match=f"num_shards must be in 1..{MAX_SHARD}"):
-            download(n, tmp_path, base_url=server.url, allow_http=True)
-    # A 404 will not change on a retry: fail at once, naming the URL.
-    with pytest.raises(RuntimeError, match=r"shard_00003.parquet: HTTP 404 .*/files/shard_00003.parquet"):
-        download(4, tmp_path, base_url=server.url, allow_http=True, backoff=0)
-    assert len(requests_for(server, shard_name(3))) == 1
-    # Nothing listening: network errors are retried, then reported.
-    with pytest.raises(RuntimeError, match=r"2 attempts, last error: URLError.*re-run"):
-        download(1, tmp_path / "x", base_url="http://127.0.0.1:9/files", allow_http=True, retries=1, backoff=0)
+            download(n, tmp_path)
 
 
-def test_download_cli(server, base_dir, capsys):
-    with pytest.raises(SystemExit, match="is not https, so the shards could be altered in transit"):
-        main(["-n", "2", "--base-url", server.url])
-    main(["-n", "2", "--workers", "2", "--base-url", server.url, "--allow-http"])
-    assert "done: 3 shards" in capsys.readouterr().out
-    assert len(list_shards("fineweb-edu", "train")) == 2
-    with pytest.raises(SystemExit, match="error: shard_00003.parquet: HTTP 404"):
-        main(["-n", "4", "--base-url", server.url, "--allow-http"])
-
-
-def test_download_backs_off_exponentially(server, tmp_path):
-    server.plan = {shard_name(0): ["503", "503"]}
-    t0 = time.perf_counter()
-    download(1, tmp_path, base_url=server.url, allow_http=True, retries=2, backoff=0.3)
-    assert time.perf_counter() - t0 >= 0.3 + 0.3**2  # waits backoff**1, then backoff**2
-    assert (tmp_path / shard_name(0)).read_bytes() == server.files[shard_name(0)]
+def test_no_network_unless_a_download_is_asked_for(hub, tmp_path):
+    r = subprocess.run([sys.executable, "-c", "from nanomuon.dataset import iter_texts, list_shards; "
+                        "print(len(list(iter_texts('embedded', 'val'))))"], env=dict(hub.env, NANOMUON_BASE_DIR=str(
+                            tmp_path)), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and int(r.stdout) > 0, r.stderr
+    assert hub.log == []
