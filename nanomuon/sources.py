@@ -74,7 +74,9 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
     ident = source if hub else ("files", source[1], [(str(p), p.stat().st_size, p.stat().st_mtime_ns)
                                                       for p in source[2]])
     key = hashlib.sha256(json.dumps([VERSION, ident, text_column, val_fraction]).encode()).hexdigest()[:12]
-    slug = re.sub(r"[^\w.-]+", "-", (hub.group(1).split("/")[1] if hub else Path(source[1]).name) or "data")
+    slug = (hub.group(1).split("/")[1] if hub else Path(source[1]).name if glob.has_magic(spec) else
+            Path(spec.rstrip("/")).stem)
+    slug = re.sub(r"[^\w.-]+", "-", slug) or "data"
     name = f"source/{slug}-{key}"
     d = data_dir(name)
     if manifest_shards(d) is None:
@@ -195,8 +197,9 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
             where = f"the {builder} files {', '.join(p.name for p in group[:3])}{' ...' if len(group) > 3 else ''}"
             error = lambda e, where=where: ValueError(f"cannot read {where}: {_one_line(e)}")
             try:
+                options = dict(keep_default_na=False) if builder == "csv" else {}  # a cell "NA" is text, not missing
                 ds = _datasets().load_dataset(builder, data_files=[str(p) for p in group], split="train",
-                                              streaming=True)
+                                              streaming=True, **options)
             except Exception as e:
                 raise error(e) from None
             yield from _rows(ds, text_column, where, counts, error)

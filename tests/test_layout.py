@@ -92,5 +92,7 @@ def test_sizes():
     assert not big, f"library files over 500 lines: {big}"
     # 5,000 when issue 12 landed (4,895 then); raised to 5,200 for issue 17 (ablate's seeds, sweeps, intervals
     # and verdicts; MuonEq, Muon+, per-head), after trims of 29 lines found nothing more that read as well; to
-    # 5,400 for issue 21 (scripts/bench_memory.py, 138 lines, and DistMuonAdamW's in-place collectives)
-    assert sum(lines.values()) <= 5400, f"library + scripts: {sum(lines.values())} lines"
+    # 5,400 for issue 21 (scripts/bench_memory.py, 138 lines, and DistMuonAdamW's in-place collectives); to 5,800
+    # for issue 18 (sources.py, 323 lines: local files of five formats, mixed encodings, held-out splits, hub
+    # datasets; the FineWeb download through huggingface_hub, with its revision pin, is 30 lines longer than urllib's)
+    assert sum(lines.values()) <= 5800, f"library + scripts: {sum(lines.values())} lines"

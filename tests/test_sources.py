@@ -1,0 +1,267 @@
+"""
+nanomuon.sources: custom training text, checked on what the data loader reads back. Every format returns exactly
+its documents; a text folder of mixed encodings decodes or skips with a count; held-out splits and --val-fraction
+pick the documents an independent count says; hub sources load through datasets from the fake hub (conftest.FakeHub)
+and need no network once prepared; the data loader resumes and reshards exactly on a prepared source.
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_dataloader import BOS, SCALE, WordTokenizer, make_docs
+from test_dataset import parquet_bytes
+
+from nanomuon.dataloader import DataLoader, reshard_states
+from nanomuon.dataset import data_dir, iter_texts
+from nanomuon.sources import decode, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+# commas, quotes, newlines, tabs, non-ASCII and words pandas would read as missing values
+DOCS = [f'document {i}: "quoted", commas, a\nnew line,\ttab, naïve café ☃' for i in range(250)]
+DOCS[5], DOCS[6], DOCS[7] = "NA", "None", "null"
+
+
+@pytest.fixture(autouse=True)
+def base_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path / "base"))
+    return tmp_path / "base"
+
+
+def write(fmt: str, folder: Path, docs: list[str]) -> Path:
+    """docs as one file of fmt with an id column next to the text (txt: a folder of one file per document)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": i, "text": t} for i, t in enumerate(docs)]
+    path = folder / f"docs.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, ["id", "text"])
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        for i, t in enumerate(docs):
+            (folder / f"doc_{i:04d}.txt").write_text(t, encoding="utf-8")
+        return folder
+    return path
+
+
+def splits(name):
+    return list(iter_texts(name, "train")), list(iter_texts(name, "val"))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "json", "csv", "txt"])
+def test_every_format_gives_back_exactly_its_documents(fmt, tmp_path):
+    name = prepare(str(write(fmt, tmp_path / fmt, DOCS)))
+    train, val = splits(name)
+    # the default fraction 0.01: documents 99 and 199 (0-based), the ones whose count reaches a multiple of 100
+    assert val == [DOCS[99], DOCS[199]]
+    assert train == [t for i, t in enumerate(DOCS) if (i + 1) % 100]
+    manifest = json.loads((data_dir(name) / "manifest.json").read_text())
+    assert manifest["docs"] == {"train": 248, "val": 2} and manifest["source"] == str(write(fmt, tmp_path / fmt, DOCS))
+
+
+def test_val_fraction_column_choice_and_tiny_sources(tmp_path):
+    path = write("jsonl", tmp_path, DOCS[:100])
+    _, val = splits(prepare(str(path), val_fraction=0.25))
+    assert val == [DOCS[3], DOCS[7], DOCS[11]] + [DOCS[i] for i in range(15, 100, 4)]  # every 4th: 25 of them
+    assert len(val) == 25
+    assert splits(prepare(str(write("jsonl", tmp_path / "three", DOCS[:3])))) == (DOCS[:2], DOCS[2:3])  # >= 1 val
+    with pytest.raises(ValueError, match="gave 0 documents with text to train on and 1 to validate on"):
+        prepare(str(write("jsonl", tmp_path / "one", DOCS[:1])))
+    # no `text` column: the only string column is taken, else the user picks
+    (tmp_path / "body.jsonl").write_text("".join(json.dumps({"n": i, "body": t}) + "\n" for i, t in enumerate(DOCS)))
+    assert sum(splits(prepare(str(tmp_path / "body.jsonl"))), []) == sum(splits(prepare(str(path))), [])[:0] + [
+        t for t in DOCS if DOCS.index(t) % 100 != 99] + [DOCS[99], DOCS[199]]
+    (tmp_path / "two.jsonl").write_text(json.dumps({"title": "a", "body": "b"}) + "\n")
+    with pytest.raises(ValueError, match=r"has no `text` column and 2 string columns \(title, body"):
+        prepare(str(tmp_path / "two.jsonl"))
+    assert not list((data_dir("source/x").parent).glob("two-*")), "a failed preparation leaves no folder"
+
+
+def test_text_folder_of_mixed_encodings_decodes_or_skips_with_a_count(tmp_path):
+    texts = {"utf8.txt": ("naïve ☃ text", "utf-8"), "bom8.txt": ("with a BOM ☃", "utf-8-sig"),
+             "utf16.txt": ("sixteen ☃ bits", "utf-16"), "utf32.txt": ("thirty-two ☃", "utf-32"),
+             "win.txt": ("café – “curly” quotes", "cp1252"), "latin.txt": ("\x81 control, then ÿ", "latin-1")}
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name, (text, encoding) in texts.items():
+        (folder / name).write_bytes(text.encode(encoding))
+    (folder / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (folder / "empty.txt").write_bytes(b"  \n")
+    (folder / ".hidden.txt").write_text("never read")
+    (folder / "notes.md").write_text("not a format we read")
+    name = prepare(str(folder))
+    train, val = splits(name)
+    assert sorted(train + val) == sorted(t for t, _ in texts.values())
+    counts = json.loads((data_dir(name) / "manifest.json").read_text())["counts"]
+    assert counts == {"utf-8": 3, "utf-16": 1, "utf-32": 1, "cp1252": 1, "latin-1": 1, "empty": 1,
+                      "skipped": [str((folder / "binary.txt").resolve())]}
+    assert decode("x".encode("utf-16")[:3]) == (None, "binary")  # a BOM, then bytes that do not decode
+
+
+def test_a_sources_own_held_out_split_is_its_val(tmp_path):
+    for split, docs in (("train", DOCS[:50]), ("validation", DOCS[50:60]), ("test", DOCS[60:70])):
+        write("jsonl", tmp_path / "data" / split, docs)
+    write("txt", tmp_path / "data" / "extra", DOCS[70:72])
+    assert splits(prepare(str(tmp_path / "data"))) == (DOCS[70:72] + DOCS[:50], DOCS[50:60])  # test: in neither
+    with pytest.raises(ValueError, match="has its own 'validation' split, so --val-fraction does not apply"):
+        prepare(str(tmp_path / "data"), val_fraction=0.1)
+    # names count below the source's folder: data/validation alone is an ordinary source ...
+    assert splits(prepare(str(tmp_path / "data" / "validation"))) == (DOCS[50:59], DOCS[59:60])
+    (tmp_path / "only").mkdir()  # ... and one whose every file is held out has nothing to train on
+    (tmp_path / "only" / "val.txt").write_text("a")
+    (tmp_path / "only" / "test.txt").write_text("b")
+    with pytest.raises(ValueError, match="every file is named as held-out"):
+        prepare(str(tmp_path / "only"))
+    (tmp_path / "g").mkdir()
+    for name in ("train-00.jsonl", "val-00.jsonl", "test_results.jsonl"):
+        write("jsonl", tmp_path / "g" / name.split(".")[0], DOCS[:4])
+    assert splits(prepare(str(tmp_path / "g" / "*" / "*.jsonl")))[1] == DOCS[:4]  # a glob; val- files are val
+
+
+def test_prepared_once_and_again_after_an_edit(tmp_path):
+    path = write("jsonl", tmp_path, DOCS)
+    name = prepare(str(path))
+    manifest = data_dir(name) / "manifest.json"
+    stamp = manifest.stat().st_mtime_ns
+    assert prepare(str(path)) == name and manifest.stat().st_mtime_ns == stamp  # cached: not converted again
+    assert prepare(str(path), val_fraction=0.5) != name
+    tok = WordTokenizer()
+    path.write_text("".join(json.dumps({"text": f"t{k * SCALE + 1} t{k * SCALE + 2}"}) + "\n" for k in range(40)))
+    edited = prepare(str(path))
+    assert edited != name and splits(edited)[1] == ["t9900001 t9900002"[:0] + f"t{39 * SCALE + 1} t{39 * SCALE + 2}"]
+    path.write_text("".join(json.dumps({"text": f"t{k * SCALE + 1} t{k * SCALE + 2}"}) + "\n" for k in range(41)))
+    state = DataLoader(tok, edited, "train", 2, 8).state_dict()
+    with pytest.raises(ValueError, match="does not match this loader .*dataset: saved 'source/"):
+        DataLoader(tok, prepare(str(path)), "train", 2, 8).load_state_dict(state)  # the data changed under the run
+
+
+def run_python(code, hub, base, **env):
+    return subprocess.run([sys.executable, "-c", code], env=dict(hub.env, NANOMUON_BASE_DIR=str(base), **env),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_local_sources_make_no_network_call(fake_hub, tmp_path):
+    path = write("jsonl", tmp_path, DOCS[:20])
+    r = run_python(f"from nanomuon.sources import prepare; print(prepare({str(path)!r}))", fake_hub, tmp_path / "b")
+    assert r.returncode == 0 and r.stdout.startswith("source/docs-"), r.stderr
+    assert fake_hub.log == []
+
+
+def test_hub_sources_through_datasets(fake_hub, tmp_path):
+    def jsonl(docs):
+        return "".join(json.dumps({"text": t, "label": i}) + "\n" for i, t in enumerate(docs)).encode()
+    card = ("---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/train.jsonl\n"
+            "  - split: test\n    path: small/test.jsonl\n---\n# a dataset\n")
+    fake_hub.files["owner/name"] = {
+        "data/train-00000-of-00002.parquet": parquet_bytes(DOCS[:100]),
+        "data/train-00001-of-00002.parquet": parquet_bytes(DOCS[100:200]),
+        "data/validation-00000-of-00001.parquet": parquet_bytes(DOCS[200:220])}
+    fake_hub.files["owner/cards"] = {"README.md": card.encode(), "small/train.jsonl": jsonl(DOCS[:30]),
+                                     "small/test.jsonl": jsonl(DOCS[30:35])}
+    code = ("import json; from nanomuon.sources import prepare; from nanomuon.dataset import iter_texts\n"
+            "names = [prepare(s) for s in ('hf:owner/name', 'hf:owner/cards:small')]\n"
+            "print(json.dumps([[n, list(iter_texts(n, 'train')), list(iter_texts(n, 'val'))] for n in names]))")
+    r = run_python(code, fake_hub, tmp_path / "b")
+    assert r.returncode == 0, r.stderr
+    (name, train, val), (_, small_train, small_val) = json.loads(r.stdout)
+    assert (train, val) == (DOCS[:200], DOCS[200:220])  # its own validation split
+    assert (small_train, small_val) == (DOCS[:30], DOCS[30:35])  # a config, with a test split as val
+    manifest = json.loads((tmp_path / "b" / "data" / name / "manifest.json").read_text())
+    assert manifest["revision"] == fake_hub.sha and manifest["val_split"] == "its 'validation' split"
+    fake_hub.log.clear()  # prepared: no network call the second time
+    r = run_python(code, fake_hub, tmp_path / "b")
+    assert r.returncode == 0 and json.loads(r.stdout)[0][0] == name and fake_hub.log == [], r.stderr
+
+
+def test_hub_source_errors_are_one_line(fake_hub, tmp_path):
+    fake_hub.files["owner/gated"] = {"data/train.jsonl": b'{"text": "x"}\n{"text": "y"}\n'}
+    fake_hub.tokens["owner/gated"] = "sesame"
+    cases = [("hf:owner/missing", {}, "check the name and HF_ENDPOINT"),
+             ("hf:owner/gated", {}, "set HF_TOKEN to a token that can read it"),
+             ("hf:owner/gated", {"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set: unset it, or train offline")]
+    for spec, env, fix in cases:
+        r = subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", spec],
+                           env=dict(fake_hub.env, NANOMUON_BASE_DIR=str(tmp_path / "b"), **env), capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and lines[-1].startswith(f"error: cannot load {spec} from {fake_hub.endpoint}: ")
+        assert fix in lines[-1] and "Traceback" not in r.stderr, r.stderr
+    r = run_python("from nanomuon.sources import prepare; print(prepare('hf:owner/gated'))", fake_hub,
+                   tmp_path / "b", HF_TOKEN="sesame")
+    assert r.returncode == 0 and r.stdout.startswith("source/gated-"), r.stderr
+
+
+def tokens_by_epoch(dl, batches):
+    """(doc, position) of every token of `batches` batches, by the epoch of its row."""
+    out = {}
+    for _ in range(batches):
+        x, y = dl.next_batch()
+        for row, epoch in zip(torch.cat([x, y[:, -1:]], dim=1).tolist(), dl.batch_epochs):
+            out.setdefault(epoch, []).extend(divmod(t, SCALE) for t in row if t not in (BOS, -1))
+    return out
+
+
+def test_exact_resume_and_reshard_on_a_custom_source(tmp_path):
+    docs = make_docs(0, 150, seed=3, huge_at=20)
+    path = write("jsonl", tmp_path, docs)
+    name = prepare(str(path), val_fraction=0.02)  # documents 49, 99 and 149 are val
+    train_ids = [k for k in range(150) if k not in (49, 99, 149)]
+    tok = WordTokenizer()
+    make = lambda rank=0, world=1: DataLoader(tok, name, "train", 2, 48, rank, world, buffer_size=12,
+                                              tokenize_batch=16, chunk_chars=500)
+    a = make()
+    tokens_by_epoch(a, 7)
+    b = make()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    for _ in range(5):
+        assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+    # 2 ranks read unevenly, then 3 ranks go on from their states: epoch 0 trains every token exactly once
+    seen, states = [], []
+    for rank, n in enumerate((9, 4)):
+        dl = make(rank, 2)
+        seen += tokens_by_epoch(dl, n).get(0, [])
+        states.append(json.loads(json.dumps(dl.state_dict())))
+    for rank in range(3):
+        dl = make(rank, 3)
+        dl.load_state_dict(reshard_states(states, rank, 3))
+        while (got := tokens_by_epoch(dl, 1)) and 1 not in got:
+            seen += got.get(0, [])
+        seen += got.get(0, [])
+    expected = Counter((k, p) for k in train_ids for p in range(len(docs[k].split()) + 1))
+    assert Counter(seen) == expected, (sorted((expected - Counter(seen)).items())[:5])
+
+
+def test_base_train_and_base_eval_on_a_custom_source(base, base_dir, tmp_path, capsys):
+    """The scripts end to end on a jsonl file: base_eval scores the run's own val documents by default, and a
+    resume with another --val-fraction (other val documents, other training data) is refused."""
+    from test_train import TINY
+
+    from scripts.base_eval import main as eval_main
+    from scripts.base_train import main as train_main
+
+    base_dir.mkdir(parents=True)
+    (base_dir / "tokenizer").symlink_to(base / "tokenizer")
+    path = write("jsonl", tmp_path, [d * 3 for d in DOCS])
+    flags = [*TINY, "--dataset", str(path), "--val-fraction", "0.1", "--total-batch-size", "256",
+             "--num-iterations", "2", "--run", "mine"]
+    train_main(flags)
+    summary = json.loads((base_dir / "runs" / "mine" / "summary.json").read_text())
+    bpb = eval_main(["--run", "mine", "--device-type", "cpu", "--device-batch-size", "4", "--sample-tokens", "0"])
+    assert bpb == pytest.approx(summary["final_val_bpb"], rel=1e-5)
+    assert f"{path} val bpb" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--val-fraction was 0\.1, now 0\.2"):
+        train_main([*flags[:-6], "--val-fraction", "0.2", *flags[-6:], "--resume-from-step", "2"])
