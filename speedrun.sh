@@ -8,7 +8,8 @@
 #
 # Knobs (environment variables): MODE=gpu|cpu (default: gpu when nvidia-smi sees a GPU), NPROC
 # (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 4 on CPU), RUN (run name),
-# DATASET (GPU mode: fineweb-edu, or embedded for an offline smoke test of the GPU pipeline),
+# DATASET (default fineweb-edu on GPU, embedded on CPU; embedded on GPU is an offline smoke test; any
+# other --dataset value, e.g. a local folder or hf:owner/name, is your own data: README, "Train on your own data"),
 # WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
 # Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
@@ -46,9 +47,8 @@ if [ "$MODE" = gpu ]; then
     elif [ "$DATASET" = embedded ]; then
         python -m nanomuon.dataset --embedded
         python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 --max-chars 8000000
-    else
-        echo "error: DATASET=$DATASET; use fineweb-edu or embedded" >&2
-        exit 2
+    else  # your own data: converted on first use by tok_train, reused by base_train
+        python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
         --depth "$DEPTH" --run "$RUN" --device-batch-size 32 --save-every 2000 --wandb "$WANDB" "$@"
@@ -60,10 +60,11 @@ else
     DEPTH="${DEPTH:-4}"
     RUN="${RUN:-cpu-d$DEPTH}"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process; the processes share the cores
-    echo "== speedrun (cpu miniature): d$DEPTH on the embedded corpus, $NPROC processes, run $RUN"
-    python -m nanomuon.dataset --embedded
-    python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 4096 --max-chars 8000000
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset embedded --device-type cpu \
+    DATASET="${DATASET:-embedded}"
+    echo "== speedrun (cpu miniature): d$DEPTH on $DATASET, $NPROC processes, run $RUN"
+    if [ "$DATASET" = embedded ]; then python -m nanomuon.dataset --embedded; fi
+    python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 4096 --max-chars 8000000
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" --device-type cpu \
         --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \
         --embedding-lr 0.3 --unembedding-lr 0.008 --matrix-lr 0.04 --sample-tokens 24 --log-every 10 \

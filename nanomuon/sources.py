@@ -271,7 +271,7 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
         train_docs, val_docs = read(train_split), read(held) if held else None
     else:
         root, files = Path(source[1]), source[2]
-        words = {p: _split_word(p.relative_to(root)) for p in files}
+        words = {p: _split_word(p.relative_to(root)) if len(files) > 1 else None for p in files}  # one file: no split
         held = next((w for w in HELD_OUT if w in words.values()), None)
         if held and all(words.values()):
             raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, ...), so none is left "

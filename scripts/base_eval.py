@@ -30,6 +30,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1) or args.sample_tokens < 0:
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
+    if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
+        p.error("--text-column and --val-fraction go with --dataset; without it, the run's own data and options")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
     data_args = args if args.dataset else argparse.Namespace(**{k: meta["args"].get(k) for k in

@@ -241,6 +241,8 @@ CASES = {
     "ablate-seeds": (lambda *_: script("ablate", "--seeds", "0"), "--seeds must be >= 1"),
     "download-revision": (lambda *_: lambda: dataset_main(["-n", "1", "--revison", "main"]),
                           "unrecognized arguments: --revison"),
+    "eval-column": (lambda *_: script("base_eval", "--run", "good", "--text-column", "body"),
+                    "--text-column and --val-fraction go with --dataset"),
     "source-missing": (lambda *_: train("--dataset", "/no/such/dir"), "--dataset /no/such/dir: no such file or "
                        "directory, and no glob; expected fineweb-edu, embedded, a local file"),
     "source-hub": (lambda *_: train("--dataset", "hf:just-a-name"), "write a hub dataset as hf:owner/name"),

@@ -121,7 +121,10 @@ def test_a_sources_own_held_out_split_is_its_val(tmp_path):
         prepare(str(tmp_path / "data"), val_fraction=0.1)
     # names count below the source's folder: data/validation alone is an ordinary source ...
     assert splits(prepare(str(tmp_path / "data" / "validation"))) == (DOCS[50:59], DOCS[59:60])
-    (tmp_path / "only").mkdir()  # ... and one whose every file is held out has nothing to train on
+    (tmp_path / "solo").mkdir()  # ... and so is a single file, whatever its name ...
+    (tmp_path / "solo" / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS[:3]))
+    assert splits(prepare(str(tmp_path / "solo" / "val.jsonl"))) == (DOCS[:2], DOCS[2:3])
+    (tmp_path / "only").mkdir()  # ... but a folder whose every file is held out has nothing to train on
     (tmp_path / "only" / "val.txt").write_text("a")
     (tmp_path / "only" / "test.txt").write_text("b")
     with pytest.raises(ValueError, match="every file is named as held-out"):
