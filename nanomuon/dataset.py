@@ -252,6 +252,11 @@ def check_endpoint(allow_http: bool = False) -> str:
     return endpoint
 
 
+def one_line(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message (hub errors run to several)."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
 def hub_problem(e: Exception) -> tuple[int | None, str]:
     """(HTTP status or None, one line on what a huggingface_hub or network error means and what to do)."""
     status = getattr(getattr(e, "response", None), "status_code", None)
@@ -259,9 +264,8 @@ def hub_problem(e: Exception) -> tuple[int | None, str]:
            "accept the dataset's terms on its hub page)", 404: "check the name and HF_ENDPOINT"}.get(status)
     if fix is None and _hub().constants.HF_HUB_OFFLINE:
         fix = "HF_HUB_OFFLINE is set: unset it, or train offline with --dataset embedded"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return status, (f"{type(e).__name__}: {text}; " + (fix or "check the network and HF_ENDPOINT, or train offline "
-                                                             "with --dataset embedded"))
+    return status, f"{one_line(e)}; " + (fix or "check the network and HF_ENDPOINT, or train offline with --dataset "
+                                                 "embedded")
 
 
 def pin_revision(out_dir: Path, revision: str | None) -> str:

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanomuon.common import write_atomic
-from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
+from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards, one_line
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 HELD_OUT = ("validation", "valid", "val", "dev", "test")  # a source's own val split: the first of these it has
@@ -184,10 +184,6 @@ def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Itera
                 counts["empty"] = counts.get("empty", 0) + 1
 
 
-def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-
-
 def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Iterator[str]:
     """Documents of local files: text files one each, the others through `datasets`, one streaming read per
     format; formats in the order they first appear, files in name order."""
@@ -195,7 +191,7 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
         group = [p for p in files if FORMATS[p.suffix.lower()] == builder]
         if builder != "text":
             where = f"the {builder} files {', '.join(p.name for p in group[:3])}{' ...' if len(group) > 3 else ''}"
-            error = lambda e, where=where: ValueError(f"cannot read {where}: {_one_line(e)}")
+            error = lambda e, where=where: ValueError(f"cannot read {where}: {one_line(e)}")
             try:
                 options = dict(keep_default_na=False) if builder == "csv" else {}  # a cell "NA" is text, not missing
                 ds = _datasets().load_dataset(builder, data_files=[str(p) for p in group], split="train",
