@@ -7,7 +7,7 @@
 #                                   #           2 processes, a few minutes on 2 cores, no network needed
 #
 # Knobs (environment variables): MODE=gpu|cpu (default: gpu when nvidia-smi sees a GPU), NPROC
-# (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 4 on CPU), RUN (run name),
+# (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 12 on one GPU, 4 on CPU), RUN (run name),
 # DATASET (default fineweb-edu on GPU, embedded on CPU; embedded on GPU is an offline smoke test; any
 # other --dataset value, e.g. a local folder or hf:owner/name, is your own data: README, "Train on your own data"),
 # WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
@@ -31,7 +31,13 @@ start=$(date +%s)
 
 if [ "$MODE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
-    DEPTH="${DEPTH:-20}"
+    if [ "$NPROC" = 1 ]; then
+        # One GPU: a d12 (a d20 would take 8x the node's hours); the device batch fits the GPU's free memory
+        # (base_train prints its choice) and gradient accumulation keeps the total batch.
+        DEPTH="${DEPTH:-12}" BATCH=auto EVAL_BATCH=8
+    else
+        DEPTH="${DEPTH:-20}" BATCH=32 EVAL_BATCH=32  # nanochat's d20 batch on 80 GB GPUs
+    fi
     RUN="${RUN:-d$DEPTH}"
     DATASET="${DATASET:-fineweb-edu}"
     echo "== speedrun (gpu): d$DEPTH on $DATASET, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
@@ -51,8 +57,9 @@ if [ "$MODE" = gpu ]; then
         python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
-        --depth "$DEPTH" --run "$RUN" --device-batch-size 32 --save-every 2000 --wandb "$WANDB" "$@"
-    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-batch-size 32
+        --depth "$DEPTH" --run "$RUN" --device-batch-size "$BATCH" --save-every 2000 --wandb "$WANDB" "$@"
+    torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" \
+        --device-batch-size "$EVAL_BATCH"
     python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
         --max-tokens 64
 else

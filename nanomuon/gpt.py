@@ -62,6 +62,48 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
 
 
+# Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with fused attention (no
+# T x T scores): per layer and unit of width, and per vocabulary entry (the logits). Fitted to the peak RSS of training
+# steps on CPU at d4 and d8 (larger models come out a little under; tests/test_gpt.py checks the bound on CPU,
+# tests/test_cuda.py on a GPU). Compiling saves little per layer, but fuses the softcap and the loss over the logits.
+ACTIVATION_BYTES = {False: (45, 15), True: (36, 5)}  # compiled -> (per layer x width, per vocab entry)
+
+
+def train_memory(config: GPTConfig, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
+    """Estimated peak bytes of training on one device with micro-batches of `rows` rows of sequence_len tokens, by
+    part: fp32 params and grads, the optimizer state (Muon momentum, AdamW moments), the bf16 weight copies autocast
+    makes, and the activations (what autograd keeps plus backward's largest temporaries). A pure function of the
+    sizes, so fit_device_batch can run before anything is allocated. fp32 (bf16=False) counts activations twice."""
+    c = config
+    kv = c.n_kv_head * (c.n_embd // c.n_head)
+    matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)
+    vocab = c.vocab_size * c.n_embd  # the embedding and the lm_head each: AdamW
+    per_layer, per_vocab = ACTIVATION_BYTES[compiled]
+    per_token = (per_layer * c.n_layer * c.n_embd + per_vocab * c.vocab_size) * (1 if bf16 else 2)
+    return dict(params=4 * (matrices + 2 * vocab), grads=4 * (matrices + 2 * vocab),
+                optimizer=4 * matrices + 4 * 12 * c.n_layer * c.n_embd + 16 * vocab,  # + Muon's per-row second moment
+                bf16_copies=2 * (matrices + vocab) if bf16 else 0,
+                activations=rows * c.sequence_len * per_token)
+
+
+def fit_device_batch(config: GPTConfig, free_bytes: int, rows_per_step: int, cap: int = 32, compiled: bool = True,
+                     bf16: bool = True) -> int:
+    """The most rows per micro-batch, a power of two up to cap that divides rows_per_step (the optimizer step's rows
+    per process, so gradient accumulation makes up the rest), whose train_memory fits in free_bytes less 1 GiB and
+    15% (the CUDA context, kernel workspaces, allocator fragmentation). A ValueError that says what to change when
+    not even one row fits."""
+    budget = 0.85 * free_bytes - 2 ** 30
+    rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
+    while rows > 1 and (rows_per_step % rows or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
+        rows //= 2
+    need = sum(train_memory(config, rows, compiled, bf16).values())
+    if need > budget:
+        raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer model needs about "
+                         f"{need / 2 ** 30:.1f} GiB, and {free_bytes / 2 ** 30:.1f} GiB are free: lower --depth or "
+                         "--max-seq-len, or use a GPU with more memory (or --fsdp over several)")
+    return rows
+
+
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 

@@ -46,7 +46,7 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
-from nanomuon.gpt import GPT, GPTConfig, config_from_depth
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, train_memory
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.sharded import DTensor, load_whole_state
 from nanomuon.sources import add_data_args, prepare
@@ -54,6 +54,29 @@ from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
+
+
+def batch_arg(s: str):
+    """argparse type for --device-batch-size: rows >= 1, or 'auto'."""
+    if s == "auto" or (s.isdigit() and int(s) >= 1):
+        return s if s == "auto" else int(s)
+    raise argparse.ArgumentTypeError(f"expected a number of rows >= 1 or 'auto', got {s!r}")
+
+
+def auto_device_batch(args, config, device, world_size: int) -> int:
+    """--device-batch-size auto: on CUDA the most rows that fit the free memory (gpt.fit_device_batch), printed with
+    the estimate; elsewhere 32. Gradient accumulation makes up --total-batch-size either way."""
+    rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
+    if device.type != "cuda" or rest or not rows_per_step:
+        return 32  # (a total batch that no row count divides is reported by the caller, with the numbers)
+    free = torch.cuda.mem_get_info(device)[0]
+    compiled, bf16 = args.compile is not False, resolve_dtype(device, args.dtype) == "bf16"
+    with user_errors():
+        rows = fit_device_batch(config, free, rows_per_step, compiled=compiled, bf16=bf16)
+    need = sum(train_memory(config, rows, compiled, bf16).values())
+    print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for training, "
+           f"{free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; --device-batch-size overrides)")
+    return rows
 
 
 def parse_args(argv=None):
@@ -86,7 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
     p.add_argument("--target-param-data-ratio", type=float, default=20.0, help="tokens per parameter (Chinchilla)")
     # batch
-    p.add_argument("--device-batch-size", type=int, default=32, help="rows per micro-batch per process")
+    p.add_argument("--device-batch-size", type=batch_arg, default="auto", help="rows per micro-batch per process; "
+                   "auto: on CUDA the most (up to 32) whose estimated memory fits the free GPU memory, else 32")
     p.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step, all processes")
     # optimizer
     p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
@@ -116,7 +140,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     rules = [  # (flags, test, what each must be)
-        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size", "total_batch_size", "eval_tokens",
+        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "total_batch_size", "eval_tokens",
           "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
         (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
@@ -260,6 +284,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
         tokenizer = get_tokenizer()
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
                                    args.head_dim, qk_norm=args.qk_norm)
+    if args.device_batch_size == "auto":
+        args.device_batch_size = auto_device_batch(args, config, device, world_size)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
     if args.total_batch_size % tokens_per_fwdbwd:
         raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "

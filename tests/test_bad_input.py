@@ -149,6 +149,7 @@ def muon_group_without_kind():
 CASES = {
     # base_train flags
     "depth": (lambda *_: train("--depth", "0"), "--depth must be >= 1"),
+    "batch-zero": (lambda *_: train("--device-batch-size", "0"), "expected a number of rows >= 1 or 'auto', got '0'"),
     "batch-multiple": (lambda *_: train("--total-batch-size", "1000"), "is not a multiple of --device-batch-size"),
     "iterations": (lambda *_: train("--num-iterations", "0"), "--num-iterations must be >= 1"),
     "schedule": (lambda *_: train("--warmup-ratio", "0.7", "--warmdown-ratio", "0.7"), "exceed 1"),

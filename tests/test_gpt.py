@@ -260,3 +260,94 @@ def test_tracked_logits_and_qk_clip(n_kv_head):
     model.track_max_logits(False)
     with pytest.raises(RuntimeError, match="call model.track_max_logits"):
         model.qk_clip_(tau)
+
+
+# -- memory estimate and the auto-fit of the device batch ------------------------------------------------
+
+MEASURE = """
+import json, sys, torch
+from scripts.bench_memory import status
+from nanomuon.gpt import GPT, config_from_depth
+depth, vocab, seq, rows, compiled = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = GPT(config_from_depth(depth, vocab, seq))
+model.init_weights()
+step = torch.compile(model, dynamic=False) if compiled else model
+peaks = []
+for _ in range(3):  # the first warms up (and compiles)
+    idx, tgt = torch.randint(0, vocab, (rows, seq)), torch.randint(0, vocab, (rows, seq))
+    model.zero_grad(set_to_none=True)
+    open("/proc/self/clear_refs", "w").write("5")
+    start = status("VmRSS")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model_loss = step(idx, tgt)
+    model_loss.backward()
+    peaks.append(status("VmHWM") - start)
+print(min(peaks[1:]))
+"""
+
+
+def measured_step_peak(depth, vocab, seq, rows, compiled):
+    """Peak RSS above the start of one bf16 forward + backward on CPU, grads None before it, in a fresh process that
+    mmaps every allocation over 128 KiB (so freed memory leaves the RSS at once, as in scripts/bench_memory.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([depth, vocab, seq, rows, compiled])], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.compile])])
+@pytest.mark.parametrize("depth, vocab, seq, rows", [(3, 2048, 512, 4), (6, 8192, 128, 8)])
+def test_train_memory_bounds_the_measured_peak_of_a_step(depth, vocab, seq, rows, compiled):
+    """What one forward + backward really holds on CPU (grads, autocast's bf16 weight copies, activations) is at most
+    the estimate, and not far under it: a bound that fits the device batch without wasting the memory."""
+    from nanomuon.gpt import train_memory
+
+    est = train_memory(config_from_depth(depth, vocab, seq), rows, compiled)
+    estimate = est["grads"] + est["bf16_copies"] + est["activations"]
+    peak = measured_step_peak(depth, vocab, seq, rows, compiled)
+    assert peak <= 1.03 * estimate and estimate <= 1.4 * peak, (peak, estimate)
+
+
+def test_train_memory_state_is_what_the_optimizer_holds():
+    from nanomuon.gpt import train_memory
+
+    model = small_model(seq_len=16, vocab=97, depth=2)
+    est = train_memory(model.config, rows=1)
+    assert est["params"] == est["grads"] == 4 * model.num_params()
+    opt = model.setup_optimizer()
+    model(torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))).backward()
+    opt.step()
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for st in opt.state.values()
+            for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1}  # stacked state shares storage
+    assert sum(held.values()) == est["optimizer"]
+    assert train_memory(model.config, 4)["activations"] == 4 * est["activations"]
+    assert train_memory(model.config, 4, bf16=False)["activations"] == 8 * est["activations"]
+
+
+def test_fit_device_batch_takes_the_most_rows_that_fit_and_divide_the_step():
+    from nanomuon.gpt import fit_device_batch, train_memory
+
+    c = config_from_depth(12, 32768, 2048)
+    need = {rows: sum(train_memory(c, rows).values()) for rows in (1, 2, 4, 8, 16, 32)}
+    for rows in (1, 2, 4, 8, 16, 32):  # free memory just enough for `rows`, and just short of it
+        free = (need[rows] + 2 ** 30) / 0.85
+        assert fit_device_batch(c, free + 1, rows_per_step=256) == rows
+        if rows > 1:
+            assert fit_device_batch(c, free - 2 ** 20, rows_per_step=256) == rows // 2
+    assert fit_device_batch(c, 10 ** 15, rows_per_step=256) == 32  # the cap
+    assert fit_device_batch(c, 10 ** 15, rows_per_step=256, cap=64) == 64
+    assert fit_device_batch(c, 10 ** 15, rows_per_step=24) == 8  # 16 would not divide the step's 24 rows
+    assert fit_device_batch(c, 10 ** 15, rows_per_step=3) == 1
+    assert fit_device_batch(c, 80 * 2 ** 30, rows_per_step=256) == 32  # d12 on an 80 GB GPU
+    assert fit_device_batch(c, 24 * 2 ** 30, rows_per_step=256) == 16  # and on a 24 GB one
+    with pytest.raises(ValueError, match=r"one row of 2048 tokens of this 12-layer model needs about .* GiB, and "
+                                         r"2.0 GiB are free: lower --depth or --max-seq-len"):
+        fit_device_batch(c, 2 * 2 ** 30, rows_per_step=256)

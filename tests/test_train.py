@@ -486,3 +486,12 @@ def test_train_and_eval_make_no_float64_tensor(base, capsys, dtype):
     assert ("bf16 autocast" if dtype == "bf16" else "1 x cpu, fp32") in out
     with NoFloat64(), pytest.raises(AssertionError, match="float64"):
         torch.zeros(2, dtype=torch.float64)
+
+
+def test_device_batch_auto_is_32_rows_off_cuda(base, capsys):
+    """--device-batch-size auto (the default) fits the free memory on CUDA (tests/test_cuda.py checks the estimate
+    there; tests/test_gpt.py the fit); on the CPU it is 32 rows, as the flag's default was."""
+    from scripts.base_train import main
+
+    main([*TINY, "--device-batch-size", "auto", "--total-batch-size", "4096", "--num-iterations", "1", "--run", "auto"])
+    assert "4,096 tokens/step = 32 rows x 64" in capsys.readouterr().out
