@@ -73,6 +73,10 @@ def auto_device_batch(args, config, device, world_size: int) -> int:
     compiled, bf16 = args.compile is not False, resolve_dtype(device, args.dtype) == "bf16"
     with user_errors():
         rows = fit_device_batch(config, free, rows_per_step, compiled=compiled, bf16=bf16)
+    if world_size > 1:  # every rank must take the same micro-batches: the GPU with the least free memory decides
+        fewest = torch.tensor([rows], device=device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        rows = int(fewest.item())
     need = sum(train_memory(config, rows, compiled, bf16).values())
     print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for training, "
            f"{free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; --device-batch-size overrides)")
