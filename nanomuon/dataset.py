@@ -42,7 +42,7 @@ FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, o
                       "with --dataset embedded",
        "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
        "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
-MANIFEST = "manifest.json"  # written last by build_embedded: its presence marks a finished build
+MANIFEST = "manifest.json"  # written last by build_embedded and sources.prepare: its presence marks a finished build
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
