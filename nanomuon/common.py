@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import math
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -106,16 +107,36 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
-def exit_if_rank0_failed(error: str | None) -> None:
-    """Stop every process with rank 0's error, if it has one: for what rank 0 alone does (the run dir's lock,
-    its disk, a save), so that the other ranks do not wait for it forever."""
+def exit_if_any_failed(error: str | None) -> None:
+    """Stop every process if any has an error, with the first one's message and where it ran. For what each rank
+    checks alone (rank 0's run dir lock, disk and saves; every rank's tokenizer, data and checkpoints, which on
+    several nodes may be separate copies), so that no rank waits forever in a collective for one that stopped."""
     if dist.is_available() and dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, (error, socket.gethostname()))
+        failed = [(r, e, host) for r, (e, host) in enumerate(seen) if e]
+        error = None
+        if failed:
+            r, e, host = failed[0]
+            more = f", and {len(failed) - 1} more" if len(failed) > 1 else ""
+            error = f"{e} (rank {r} on {host}{more})"
     if error:
         compute_cleanup()
         raise SystemExit(f"error: {error}")
+
+
+def exit_unless_ranks_agree(value, what: str, fix: str) -> None:
+    """Stop every process if the ranks hold different values (say, per-node copies of the data or checkpoints that
+    differ), naming two ranks, their hosts and values."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (value, socket.gethostname()))
+    r = next((r for r, (v, _) in enumerate(seen) if v != seen[0][0]), None)
+    if r is not None:  # every rank saw the same list, so every rank stops here, with the same line
+        compute_cleanup()
+        raise SystemExit(f"error: {what} differ between processes: rank 0 on {seen[0][1]} has {seen[0][0]}, rank {r} "
+                         f"on {seen[r][1]} has {seen[r][0]}; {fix}")
 
 
 DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and backward compute in

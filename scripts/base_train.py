@@ -34,7 +34,8 @@ from nanomuon.common import (
     compute_cleanup,
     compute_init,
     evaluate_bpb,
-    exit_if_rank0_failed,
+    exit_if_any_failed,
+    exit_unless_ranks_agree,
     get_base_dir,
     peak_flops,
     print0,
@@ -239,6 +240,23 @@ def main(argv=None):
     return summary
 
 
+SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or identical copies "
+         "of its tokenizer, data and runs/<run> (README, 'Several nodes')")
+
+
+def on_every_rank(fn):
+    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file, a bad value),
+    every rank stops with the first one's line and where it ran, rather than the others waiting for it forever."""
+    error, out = None, None
+    try:
+        with user_errors():
+            out = fn()
+    except SystemExit as e:
+        error = str(e.code).removeprefix("error: ")
+    exit_if_any_failed(error)
+    return out
+
+
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an interrupted
     run left there; every rank stops with one line if it cannot."""
@@ -254,7 +272,7 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
         except OSError as e:
             error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point NANOMUON_BASE_DIR at a writable "
                      "directory")
-    exit_if_rank0_failed(error)
+    exit_if_any_failed(error)
 
 
 def check_disk(run: Run) -> None:
@@ -270,7 +288,7 @@ def check_disk(run: Run) -> None:
         elif free < need * saves:
             print0(f"warning: {saves} checkpoints of about {size_str(need)} each will not all fit in the "
                    f"{size_str(free)} free on the disk of {run.run_dir}")
-    exit_if_rank0_failed(error)
+    exit_if_any_failed(error)
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
@@ -282,10 +300,13 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          "--fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
+    steps = checkpoint.list_steps(run_dir)
+    if args.resume_from_step != -1:  # every rank loads the checkpoint itself, so every rank must see the same ones
+        exit_unless_ranks_agree(steps, f"the checkpoints (steps) in {run_dir}", SHARE)
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
-        args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
-    with user_errors():  # a missing tokenizer or an impossible size: one line that says what to do
-        tokenizer = get_tokenizer()
+        args.resume_from_step = "latest" if steps else -1
+    tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
+    with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
                                    args.head_dim, qk_norm=args.qk_norm)
     if args.device_batch_size == "auto":
@@ -309,12 +330,16 @@ def build(args, held: contextlib.ExitStack) -> Run:
     else:
         num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
 
-    with user_errors():  # missing or unreadable data
+    def load_data():  # missing or unreadable data
         data = prepare(args.dataset, args.text_column, args.val_fraction)  # a custom source: converted once
-        train_loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
-                                  rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
-        held.callback(train_loader.close)  # its prefetch thread stops however the run ends
-        val = val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)  # the same at any world size
+        loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len, rank, world_size,
+                            device, prefetch=2, shuffle_seed=args.data_seed)
+        held.callback(loader.close)  # its prefetch thread stops however the run ends
+        return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)  # the same at any world size
+
+    data, train_loader, val = on_every_rank(load_data)
+    exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val)),
+                            "the tokenizer and data (fingerprint, dataset, train documents, val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
         print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
                f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
@@ -424,7 +449,7 @@ def save(run: Run) -> None:
             print0(f"saved {path}")
         except OSError as e:  # a full disk says so itself; earlier checkpoints stay
             error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
-    exit_if_rank0_failed(error)
+    exit_if_any_failed(error)
 
 
 def train(run: Run) -> None:

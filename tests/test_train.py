@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -495,3 +496,52 @@ def test_device_batch_auto_is_32_rows_off_cuda(base, capsys):
 
     main([*TINY, "--device-batch-size", "auto", "--total-batch-size", "4096", "--num-iterations", "1", "--run", "auto"])
     assert "4,096 tokens/step = 32 rows x 64" in capsys.readouterr().out
+
+
+def launch_nodes(bases, args, nproc=1):
+    """One torchrun launcher per base dir, as the nodes of one job meeting at a c10d rendezvous on 127.0.0.1
+    (what two machines would run, each with its own NANOMUON_BASE_DIR); (returncode, stdout + stderr) of each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(bases)}", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nanomuon-test", "-m",
+           "scripts.base_train", "--", *args]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=child_env(b), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for b in bases]
+    return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+
+@pytest.mark.slow  # five 2-node launches, about 90 s
+def test_two_nodes_train_checkpoint_resume_and_refuse_what_they_do_not_share(base, tmp_path):
+    """Two launchers on this machine as two nodes (--nnodes 2, c10d rendezvous). With a shared base dir: train,
+    checkpoint, and resume both on 2 nodes and on 1 node of 2 processes, bitwise as the uninterrupted run. With a
+    second node whose base dir lacks the tokenizer, or holds no copy of the checkpoint: every process stops at the
+    start with one line naming the rank and host, instead of the job hanging mid-run."""
+    flags = [*TINY, "--total-batch-size", "512", "--num-iterations", "4", "--eval-every", "-1", "--save-every", "2"]
+    nodes = launch_nodes([base, base], [*flags, "--run", "mn"])
+    assert all(code == 0 for code, _ in nodes), nodes
+    out = "".join(out for _, out in nodes)  # rank 0 prints, on whichever node the rendezvous made it
+    assert "x 2 processes x 1 accumulation steps" in out
+    for name, nodes in (("mn2", [base, base]), ("mn1", None)):
+        (base / "runs" / name).mkdir(parents=True)
+        shutil.copytree(base / "runs" / "mn" / "step_000002", base / "runs" / name / "step_000002")
+        resume = [*flags, "--run", name, "--resume-from-step", "latest"]
+        if nodes:
+            assert all(code == 0 for code, _ in launch_nodes(nodes, resume)), out
+        else:  # one node, 2 processes: the same world size, so the same bits
+            run(torchrun(2, "scripts.base_train", resume), base)
+        (ta, ma), (tb, mb) = (load_checkpoint(base / "runs" / r, 4, ("model", "optim")) for r in ("mn", name))
+        assert_bitwise_equal(ta, tb, name)
+        assert ma["loader"] == mb["loader"]
+
+    bare = tmp_path / "node2"  # a second node without the tokenizer
+    bare.mkdir()
+    for code, out in launch_nodes([base, bare], [*flags, "--run", "mn3"]):
+        assert code != 0 and "no tokenizer" in out and re.search(r"\(rank [01] on [^)]+\)", out), out[-3000:]
+    (bare / "tokenizer").symlink_to(base / "tokenizer")  # now the tokenizer and the data, but no checkpoints
+    (bare / "data").symlink_to(base / "data")
+    for code, out in launch_nodes([base, bare], [*flags, "--run", "mn", "--resume-from-step", "latest"]):
+        assert code != 0, out[-3000:]
+        assert re.search(r"error: the checkpoints \(steps\) in \S+ differ between processes: rank 0 on \S+ has "
+                         r"\[(2, 4)?\], rank 1 on \S+ has \[(2, 4)?\]; give every node the same base dir", out), out
