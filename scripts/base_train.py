@@ -369,9 +369,11 @@ def resume(run: Run) -> None:
     """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the model,
     the optimizer, the data loader (resharded if the process count changed) and the loop state."""
     args = run.args
-    with user_errors():  # a missing, corrupt or mismatched checkpoint
-        step, objs, meta = checkpoint.load_step(run.run_dir, args.resume_from_step, ("model", "optim"), run.device,
-                                                tuple(checkpoint.META_TYPES), warn=print0)
+    # every rank reads its own copy: a corrupt one on one node stops all, and 'latest' must pick one step everywhere
+    step, objs, meta = on_every_rank(lambda: checkpoint.load_step(
+        run.run_dir, args.resume_from_step, ("model", "optim"), run.device, tuple(checkpoint.META_TYPES), warn=print0))
+    exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
+    with user_errors():  # a mismatched checkpoint
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()  # hand edits
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():  # older configs: defaults
