@@ -107,14 +107,19 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
+def _with_hosts(value) -> list:
+    """Every rank's (value, hostname), in rank order: a collective."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (value, socket.gethostname()))
+    return seen
+
+
 def exit_if_any_failed(error: str | None) -> None:
     """Stop every process if any has an error, with the first one's message and where it ran. For what each rank
     checks alone (rank 0's run dir lock, disk and saves; every rank's tokenizer, data and checkpoints, which on
     several nodes may be separate copies), so that no rank waits forever in a collective for one that stopped."""
     if dist.is_available() and dist.is_initialized():
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, (error, socket.gethostname()))
-        failed = [(r, e, host) for r, (e, host) in enumerate(seen) if e]
+        failed = [(r, e, host) for r, (e, host) in enumerate(_with_hosts(error)) if e]
         error = None
         if failed:
             r, e, host = failed[0]
@@ -130,8 +135,7 @@ def exit_unless_ranks_agree(value, what: str, fix: str) -> None:
     differ), naming two ranks, their hosts and values."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (value, socket.gethostname()))
+    seen = _with_hosts(value)
     r = next((r for r, (v, _) in enumerate(seen) if v != seen[0][0]), None)
     if r is not None:  # every rank saw the same list, so every rank stops here, with the same line
         compute_cleanup()

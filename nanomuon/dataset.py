@@ -278,7 +278,7 @@ def pin_revision(out_dir: Path, revision: str | None) -> str:
     try:
         sha = _hub().HfApi().dataset_info(HF_REPO, revision=revision).sha
     except Exception as e:  # the hub's errors and network errors alike: one line, with what to do
-        raise ValueError(f"cannot reach {HF_REPO} on {check_endpoint(True)}: {hub_problem(e)[1]}") from None
+        raise ValueError(f"cannot reach {HF_REPO} on {_hub().constants.ENDPOINT}: {hub_problem(e)[1]}") from None
     if pinned and sha != pinned and any(out_dir.glob("*.parquet")):
         raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} ({sha}); use another "
                          "--out-dir, or delete them to switch")
@@ -306,7 +306,7 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
         except Exception as e:  # HTTP errors after the hub client's own retries, dropped connections, short files
             status, last = hub_problem(e)
             if status is not None and 400 <= status < 500 and status not in RETRY_HTTP:
-                raise RuntimeError(f"{name}: HTTP {status} from {check_endpoint(True)}: {last} (shards are "
+                raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: {last} (shards are "
                                    f"0..{MAX_SHARD})") from None
             continue
         problem = read_shard(path)[1]

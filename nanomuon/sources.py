@@ -71,8 +71,8 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
     if spec.startswith("hf:") and not hub:
         raise ValueError(f"--dataset {spec}: write a hub dataset as hf:owner/name[:config][@revision]")
     source = ("hub", *hub.groups()) if hub else ("files", *_local_files(spec))
-    ident = source if hub else ("files", source[1], [(str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                                                      for p in source[2]])
+    ident = source if hub else ("files", source[1], [(str(p), st.st_size, st.st_mtime_ns)
+                                                      for p in source[2] for st in [p.stat()]])
     key = hashlib.sha256(json.dumps([VERSION, ident, text_column, val_fraction]).encode()).hexdigest()[:12]
     slug = (hub.group(1).split("/")[1] if hub else Path(source[1]).name if glob.has_magic(spec) else
             Path(spec.rstrip("/")).stem)
@@ -310,7 +310,7 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
                     chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION)
     write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     skipped = counts.get("skipped", [])
-    other = {k: v for k, v in counts.items() if k not in ("utf-8", "empty", "binary", "skipped")}
+    other = {k: v for k, v in counts.items() if k not in ("utf-8", "empty", "skipped")}
     print(f"nanomuon: prepared {spec}: {train.docs:,} train and {val.docs:,} val documents ({manifest['val_split']}),"
           f" {(train.chars + val.chars) / 1e6:,.1f}M chars in {time.time() - t0:.1f} s"
           + (f"; text files in other encodings: {other}" if other else "")

@@ -10,8 +10,7 @@ and --data-seed both set to the seed (init and data order). Flags this script do
 after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
 Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
 seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to, the prepared data),
-so a re-run or an
-interrupted ablation skips them.
+so a re-run or an interrupted ablation skips them.
 """
 
 import argparse

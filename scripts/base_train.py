@@ -64,14 +64,14 @@ def batch_arg(s: str):
     raise argparse.ArgumentTypeError(f"expected a number of rows >= 1 or 'auto', got {s!r}")
 
 
-def auto_device_batch(args, config, device, world_size: int) -> int:
+def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
     """--device-batch-size auto: on CUDA the most rows that fit the free memory (gpt.fit_device_batch), printed with
     the estimate; elsewhere 32. Gradient accumulation makes up --total-batch-size either way."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
         return 32  # (a total batch that no row count divides is reported by the caller, with the numbers)
     free = torch.cuda.mem_get_info(device)[0]
-    compiled, bf16 = args.compile is not False, resolve_dtype(device, args.dtype) == "bf16"
+    bf16 = args.dtype == "bf16"  # resolved by build
     with user_errors():
         rows = fit_device_batch(config, free, rows_per_step, compiled=compiled, bf16=bf16)
     if world_size > 1:  # every rank must take the same micro-batches: the GPU with the least free memory decides
@@ -309,8 +309,10 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
                                    args.head_dim, qk_norm=args.qk_norm)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    args.dtype = resolve_dtype(device, args.dtype)  # saved resolved: base_eval scores in what the run trained in
     if args.device_batch_size == "auto":
-        args.device_batch_size = auto_device_batch(args, config, device, world_size)
+        args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
     if args.total_batch_size % tokens_per_fwdbwd:
         raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
@@ -349,8 +351,6 @@ def build(args, held: contextlib.ExitStack) -> Run:
         for block in model.blocks:  # each block's params are gathered just before it runs
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    compiled = device.type == "cuda" if args.compile is None else args.compile
-    args.dtype = resolve_dtype(device, args.dtype)  # saved resolved: base_eval scores in what the run trained in
     optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                                       matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
                                       **OPTIMIZER_VARIANTS[args.optimizer])

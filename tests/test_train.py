@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dist import _free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -501,9 +501,7 @@ def test_device_batch_auto_is_32_rows_off_cuda(base, capsys):
 def launch_nodes(bases, args, nproc=1):
     """One torchrun launcher per base dir, as the nodes of one job meeting at a c10d rendezvous on 127.0.0.1
     (what two machines would run, each with its own NANOMUON_BASE_DIR); (returncode, stdout + stderr) of each."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(bases)}", f"--nproc_per_node={nproc}",
            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nanomuon-test", "-m",
            "scripts.base_train", "--", *args]
