@@ -25,7 +25,17 @@ from nanomuon.param_groups import (
     saved_params,
 )
 from nanomuon.plan import bucket_by, flat_shard, owner_plan
-from nanomuon.sharded import DTensor, full_state, has_dtensors, local, muon_step_sharded, shard_state
+from nanomuon.sharded import (
+    DeviceMesh,
+    DTensor,
+    Shard,
+    full_state,
+    has_dtensors,
+    kept_second_moments,
+    local,
+    muon_step_sharded,
+    state_piece,
+)
 from nanomuon.update_math import (
     adamw_hparams,
     adamw_update,
@@ -221,11 +231,75 @@ class MuonAdamW(torch.optim.Optimizer):
         return full_state(self.param_groups, self.state, self._sharded_plans, sd) if sharded else sd
 
     def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (full_state_dict() of any of the optimizers, at any world size)."""
-        if has_dtensors(p for g in self.param_groups for p in g["params"]):
-            check_state_dict(self.param_groups, state_dict)
-            state_dict = shard_state(self.param_groups, self._sharded_plans, state_dict)
-        self.load_state_dict(state_dict)
+        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each rank keeps
+        its own pieces. A collective where DTensor Muon params are planned."""
+        if "nanomuon_shard" in state_dict:
+            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
+        check_state_dict(self.param_groups, state_dict)
+        self._torch_load(self._cut(state_dict, self._state_layout()))
+
+    def _state_layout(self):
+        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of param p. None: not at
+        all; 'whole'; a DTensor block (mesh, placements), as DTensor params' param-shaped state; or (DistMuonAdamW)
+        a slice of the flat param. A collective where DTensor Muon params are planned."""
+        kept = kept_second_moments(self.param_groups, self._sharded_plans)
+
+        def where(p, name, shape):
+            if not isinstance(p, DTensor):
+                return "whole"
+            if tuple(shape) == tuple(p.shape):
+                return p.device_mesh, p.placements
+            return "whole" if name != "second_momentum_buffer" or id(p) in kept else None
+        return where
+
+    def _cut(self, sd: dict, where) -> dict:
+        """A whole state (state_dict() format, any world size) cut down to what this rank holds, as where() says
+        it holds it; meta tensors become empty pieces, the targets a sharded checkpoint is read into."""
+        by_id, state = saved_params(self.param_groups, sd), {}
+        for pid, st in sd["state"].items():
+            p = by_id[pid]
+            hows = {name: where(p, name, v.shape) if isinstance(v, Tensor) else "whole" for name, v in st.items()}
+            if mine := {name: state_piece(v, hows[name], p) for name, v in st.items() if hows[name] is not None}:
+                state[pid] = mine
+        return dict(sd, state=state)
+
+    def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
+        """v, a state tensor this rank holds, as a sharded checkpoint stores it (DistMuonAdamW wraps its flat
+        shards as blocks)."""
+        return v
+
+    def sharded_state_dict(self) -> tuple[dict, dict]:
+        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py): (tensors, rest).
+        tensors['<param index>.<name>'] is each state tensor this rank holds: a DTensor where it holds a block,
+        else whole (DCP writes a tensor many ranks hold once). rest is state_dict() without them (the groups,
+        step counts), the same on every rank. A collective where DTensor Muon params are planned."""
+        where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
+        params = [p for g in self.param_groups for p in g["params"]]
+        tensors, rest = {}, {}
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            for name, v in st.items():
+                if isinstance(v, Tensor):
+                    tensors[f"{idx}.{name}"] = self._dcp_form(v, p, where(p, name, p.shape))
+                else:
+                    rest.setdefault(idx, {})[name] = v
+        return tensors, dict(sd, state=rest)
+
+    def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
+        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>'] = (shape, dtype)
+        of each saved tensor (the checkpoint's metadata); read(targets) fills this rank's pieces in place
+        (torch.distributed.checkpoint.load, a collective), and they become the state."""
+        state = {idx: dict(st) for idx, st in rest["state"].items()}
+        for key, (shape, dtype) in shapes.items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
+        like = dict(rest, state=state)
+        check_state_dict(self.param_groups, like)
+        where, by_id = self._state_layout(), saved_params(self.param_groups, like)
+        cut = self._cut(like, where)
+        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid], where(by_id[pid], name, by_id[pid].shape))
+              for pid, st in cut["state"].items() for name, v in st.items() if isinstance(v, Tensor)})
+        self._torch_load(cut)
 
 
 class DistMuonAdamW(MuonAdamW):
@@ -258,6 +332,7 @@ class DistMuonAdamW(MuonAdamW):
         self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
         self._plan = []
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
+        self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
 
     def _own_chunk(self, buf: Tensor) -> Tensor:  # this rank's chunk of buf's dim 0, cut in N equal chunks
         return buf.chunk(self.world_size)[self.rank]
@@ -270,12 +345,20 @@ class DistMuonAdamW(MuonAdamW):
             return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op, group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
-    def _gather(self, buf: Tensor, n: int) -> list:
-        """Start giving every rank each rank's piece of buf's first n rows (flat_shard's cut), in place: on nccl an
-        all_gather from _own_chunk(buf); elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
+    def _rows(self, p: Tensor, rank: int | None = None) -> tuple[int, int, int]:
+        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat; DTensor's
+        Shard(0) cut, so checkpoints save the piece as a block (_dcp_form)."""
+        row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
+        return flat_shard(p.numel(), self.rank if rank is None else rank, self.world_size, row)
+
+    def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
+        """Start giving every rank each rank's piece of buf's first n elements (flat_shard's cut: p's rows, or single
+        elements), in place: on nccl an all_gather from _own_chunk(buf); elsewhere one broadcast per rank, as gloo's
+        all_gather holds a copy."""
         if self._scatter:
             return [self._all_gather(buf, self._own_chunk(buf))]
-        cuts = [flat_shard(n, r, self.world_size)[1:] for r in range(self.world_size)]
+        cuts = [(self._rows(p, r) if p is not None else flat_shard(n, r, self.world_size))[1:]
+                for r in range(self.world_size)]
         return [dist.broadcast(buf[lo:hi], group=self.pg, group_src=r, async_op=True)
                 for r, (lo, hi) in enumerate(cuts) if hi > lo]
 
@@ -370,8 +453,8 @@ class DistMuonAdamW(MuonAdamW):
         sharded = {}  # param -> (work, flat grad: reduced in place)
         for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
             flat = grad_or_zeros(p).reshape(-1)
-            if self._scatter and p.numel() % N:  # equal chunks: pad (a copy of this grad alone)
-                flat = torch.cat([flat, flat.new_zeros(-p.numel() % N)])
+            if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):  # equal chunks: pad (a copy of this grad)
+                flat = torch.cat([flat, flat.new_zeros(pad)])
             sharded[p] = (self._reduce(flat), flat)
         muon = {}  # bucket index -> (work, buffer of the bucket's grads)
         for bi, b in enumerate(buckets):
@@ -423,14 +506,14 @@ class DistMuonAdamW(MuonAdamW):
     def _update_adamw_shard(self, group: dict, p: Tensor, work, flat: Tensor):
         """AdamW on this rank's flat shard of p, then the gather that rebuilds p on every rank."""
         work.wait()
-        _, lo, hi = flat_shard(p.numel(), self.rank, self.world_size)
+        _, lo, hi = self._rows(p)
         self._finish_mean(flat[lo:hi])
         p_flat = p.view(-1)
         self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
         if len(flat) == p.numel():  # gather straight into the param; our shard is in place
-            return self._gather(p_flat, p.numel()), None, None
+            return self._gather(p_flat, p.numel(), p), None, None
         flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
-        return self._gather(flat, p.numel()), p, flat
+        return self._gather(flat, p.numel(), p), p, flat
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, work, buf: Tensor):
         """Muon on the bucket's matrices this rank owns, in place, then their new values into this rank's chunk
@@ -499,7 +582,7 @@ class DistMuonAdamW(MuonAdamW):
             elif self._adamw_route(p) == "small":  # whole on every rank
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
             else:
-                shard, lo, hi = flat_shard(p.numel(), self.rank, N)
+                shard, lo, hi = self._rows(p)
                 full[p]["step"] = st["step"]
                 for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded to the same length
                     out = p.new_empty(shard * N)
@@ -527,28 +610,26 @@ class DistMuonAdamW(MuonAdamW):
             sd = full_state(self.param_groups, self.state, self._sharded_plans, sd)
         return sd
 
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (from full_state_dict() or MuonAdamW.state_dict()) at this world size."""
-        if "nanomuon_shard" in state_dict:
-            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
-        check_state_dict(self.param_groups, state_dict)
-        if has_dtensors(p for g in self.param_groups for p in g["params"]):  # to this rank's DTensor shards
-            state_dict = shard_state(self.param_groups, self._sharded_plans, state_dict)
+    def _state_layout(self):
+        """MuonAdamW's, plus: Muon state on its owner only; large AdamW params' state as this rank's rows of p."""
+        dtensor_where = super()._state_layout()
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
-        by_id = saved_params(self.param_groups, state_dict)
-        mine = {}
-        for pid, st in state_dict["state"].items():
-            p = by_id[pid]
-            if isinstance(p, DTensor):  # already cut to this rank by shard_state
-                mine[pid] = st
-            elif kinds[p] == "muon":  # whole matrices, kept by their owner
-                if p in owned:
-                    mine[pid] = dict(st)
-            elif self._adamw_route(p) == "small":  # whole on every rank
-                mine[pid] = dict(st)
-            else:  # this rank's flat shard
-                _, lo, hi = flat_shard(p.numel(), self.rank, self.world_size)
-                mine[pid] = {k: (v.reshape(-1)[lo:hi].clone() if isinstance(v, Tensor) and v.dim() > 0 else v)
-                             for k, v in st.items()}
-        self._torch_load({"state": mine, "param_groups": state_dict["param_groups"]})
+
+        def where(p, name, shape):
+            if isinstance(p, DTensor):
+                return dtensor_where(p, name, shape)
+            if kinds[p] == "muon":
+                return "whole" if p in owned else None
+            if self._adamw_route(p) == "sharded" and tuple(shape) == tuple(p.shape):
+                return slice(*self._rows(p)[1:])
+            return "whole"
+        return where
+
+    def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
+        if not isinstance(how, slice):
+            return v
+        if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
+            self._mesh = DeviceMesh.from_group(self.pg or dist.group.WORLD, p.device.type)
+        return DTensor.from_local(v.view(-1, *p.shape[1:]), self._mesh, (Shard(0),), shape=p.shape, stride=p.stride(),
+                                  run_check=False)

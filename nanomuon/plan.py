@@ -4,7 +4,8 @@ Who updates what: the owner plan, shared by DistMuonAdamW and the DTensor path (
 Muon needs whole matrices, so each one is orthogonalized by a single owner rank. Same-shape matrices
 form a bucket, stacked into one batched call; owner_plan() splits every bucket over the ranks by
 Newton-Schulz cost. The plan depends on shapes alone, so every rank computes the same one without
-talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into equal flat pieces.
+talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into equal pieces of whole
+rows, as DTensor's Shard(0) cuts dim 0, so a checkpoint can save each piece as a block of the param.
 """
 
 
@@ -48,9 +49,9 @@ def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> l
     return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]]) for b, s in zip(buckets, slots)]
 
 
-def flat_shard(numel: int, rank: int, world_size: int) -> tuple[int, int, int]:
-    """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor cut into world_size equal shards;
-    the last shards are short or empty when numel does not divide."""
-    shard = -(-numel // world_size)
+def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
+    """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row` elements, cut into
+    world_size equal shards of whole rows; the last shards are short or empty when the rows do not divide."""
+    shard = -(-(numel // row) // world_size) * row
     lo = min(numel, rank * shard)
     return shard, lo, min(numel, lo + shard)

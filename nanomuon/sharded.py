@@ -7,9 +7,10 @@ gathers whole matrices on their owner, which orthogonalizes them stacked by shap
 returns each rank its block for the elementwise update. muon_step_modes() has Megatron's alternatives.
 
 Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer is
-sharded like its param; the second moment lives on the owner only. full_state()/shard_state() convert
-to and from the unsharded state_dict() format. The functions take the optimizer's pieces (group, state,
-plan cache), never the optimizer: this file depends on the math and the plan only.
+sharded like its param; the second moment lives on the owner only. full_state() gathers the unsharded
+state_dict() format; state_piece() and kept_second_moments() cut it (or a checkpoint) back to a rank.
+The functions take the optimizer's pieces (group, state, plan cache), never the optimizer: this file
+depends on the math and the plan only.
 """
 
 import math
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanomuon.param_groups import saved_params
 from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
     NS_DTYPES,
@@ -34,10 +34,10 @@ from nanomuon.update_math import (
 )
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DeviceMesh, DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, stable since 2.4
 except ImportError:  # a torch built without distributed support: there are no DTensor params to meet
-    DTensor = ()
+    DTensor, DeviceMesh, Shard = (), None, None
 
 WAVE_PER_RANK = 4  # matrices each owner orthogonalizes per wave: enough to stack, few enough to overlap
 
@@ -338,38 +338,38 @@ def _check_whole_state_mode(group: dict) -> None:
                          "and resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' (or beta2=None)")
 
 
-def shard_state(param_groups: list[dict], plans: dict, sd: dict) -> dict:
-    """The inverse of full_state: a whole state (MuonAdamW.state_dict() format, any world size) cut down to
-    this rank: param-shaped tensors to its DTensor blocks, second moments kept only on the owner."""
-    by_id = saved_params(param_groups, sd)
-    owned = set()  # params whose second moment this rank keeps
+def kept_second_moments(param_groups: list[dict], plans: dict) -> set[int]:
+    """ids of the DTensor Muon params whose second moment this rank keeps: those it owns in 'owner' mode, all in
+    'duplicated'. Plans the groups not yet planned (a collective); refuses modes whose state has no whole form."""
+    kept = set()
     for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):
             continue
         _check_whole_state_mode(group)
         if group["sharded_mode"] != "owner":  # duplicated: every rank orthogonalizes the whole matrix
-            owned |= {id(p) for p in group["params"]}
+            kept |= {id(p) for p in group["params"]}
             continue
         dparams, plan = group_plan(group, plans)
-        owned |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
-    state = {}
-    for pid, st in sd["state"].items():
-        p = by_id[pid]
-        if not isinstance(p, DTensor):
-            state[pid] = st
-            continue
-        offset, shape, _ = block_of(p)
-        mine = {}
-        for name, v in st.items():
-            if name == "second_momentum_buffer" and id(p) not in owned:
-                continue
-            if isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape):
-                # clone: a view would keep the whole checkpoint tensor alive on every rank
-                v = DTensor.from_local(v[_slices(offset, shape)].to(p.to_local().device).clone(),
-                                       p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-            mine[name] = v
-        state[pid] = mine
-    return dict(sd, state=state)
+        kept |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
+    return kept
+
+
+def state_piece(v, how, p: Tensor):
+    """This rank's piece of v, a whole state value of param p, held as `how` says (MuonAdamW._state_layout): 'whole',
+    a slice of the flat tensor, or a DTensor block (mesh, placements). A meta v gives an empty piece: a target
+    for a sharded checkpoint to fill. Pieces are copies: a view would keep the whole tensor alive."""
+    if not isinstance(v, Tensor):
+        return v
+    device = p.to_local().device if isinstance(p, DTensor) else p.device
+    empty = lambda shape: torch.empty(shape, dtype=v.dtype, device=device)
+    if how == "whole":
+        return empty(v.shape) if v.is_meta else v
+    if isinstance(how, slice):
+        return empty(how.stop - how.start) if v.is_meta else v.reshape(-1)[how].clone()
+    mesh, placements = how
+    shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, placements)
+    block = empty(shape) if v.is_meta else v[_slices(offset, shape)].to(device).clone()
+    return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(), run_check=False)
 
 
 def load_whole_state(module: torch.nn.Module, state: dict) -> None:
