@@ -1,13 +1,18 @@
 """
-Checkpoints: one directory per step, written atomically and validated on load; one run per directory.
+Checkpoints: one directory per step, sharded, written atomically and validated on load; one run per directory.
 
-Layout: <run dir>/step_000123/{model.pt, optim.pt, meta.json}. The files are written into a hidden
+Layout: <run dir>/step_000123/ holds a torch.distributed.checkpoint (DCP) of the model and optimizer
+tensors: each process writes the pieces it holds (FSDP2 shards, DistMuonAdamW's state; a tensor every
+process holds, once), so no process ever gathers the whole state, and any process count reads it back
+resharded (one process, for sample and base_eval, reads it whole). Beside it, from rank 0: optim.pt (the
+optimizer's groups and step counts: MuonAdamW.sharded_state_dict's rest, or a replicated optimizer's whole
+state) and meta.json (config, loop and data loader state, as text). Everything is written into a hidden
 temporary directory, fsynced, and only then renamed into place, so a directory named step_* is always
 whole. A re-save swaps the new directory with the old in one rename (Linux, macOS), so step_N is never
-missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next start. optim.pt
-is the world-size-independent optimizer state (MuonAdamW.state_dict() format); meta.json holds the
-rest a resume needs (config, loop and data loader state) as text. A training run holds a lock (flock) on
-<run dir>/.lock (lock_run_dir), which the kernel drops when the process dies: a lock is never stale.
+missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next start. Checkpoints
+from before sharding (model.pt + optim.pt of whole tensors) still load; scripts/export.py writes that
+whole form for other tools. A training run holds a lock (flock) on <run dir>/.lock (lock_run_dir), which
+the kernel drops when the process dies: a lock is never stale.
 """
 
 import argparse
@@ -22,12 +27,16 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from nanomuon.common import size_str
 from nanomuon.gpt import GPT, GPTConfig
+from nanomuon.sharded import load_whole_state
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -66,34 +75,64 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict) -> Path:
-    """Write tensors[name] to name.pt and meta to meta.json under run_dir/step_NNNNNN, atomically. A full
-    disk raises an OSError that says so; the temporary files are removed and earlier checkpoints kept."""
+def alone() -> bool:
+    """Whether this process runs without torch.distributed (DCP then reads and writes alone)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
+    """dcp.save or dcp.load of tensors at d, without the warning DCP gives each time it runs in one process."""
+    io = dict(storage_writer=dcp.FileSystemWriter(d, sync_files=True)) if fn is dcp.save else \
+        dict(storage_reader=dcp.FileSystemReader(d))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
+        return fn(tensors, no_dist=no_dist, **io)
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether e, its context, or (DCP) any rank's failure is a full disk."""
+    todo, seen = [e], 0
+    while todo and seen < 50:
+        e, seen = todo.pop(), seen + 1
+        if getattr(e, "errno", None) == errno.ENOSPC:
+            return True
+        todo += [f[0] for f in getattr(e, "failures", {}).values()] + [c for c in (e.__context__, e.__cause__) if c]
+    return False
+
+
+def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
+    """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or whole tensors)
+    through DCP, and from rank 0 meta (meta.json) and files (name -> object, torch.save'd to name.pt). A collective
+    under torch.distributed: every rank calls it, and a failed write on any rank raises on all. A full disk raises
+    an OSError that says so; the temporary files are removed and earlier checkpoints kept."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, step)
-    tmp = run_dir / f".tmp_{final.name}_{os.getpid()}"
+    tmp = run_dir / f".tmp_{final.name}"  # one name on every rank: all write into it
+    rank0 = alone() or dist.get_rank() == 0
     try:
-        tmp.mkdir()
-        for name, obj in tensors.items():
-            with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
-                torch.save(obj, f)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        chain = [e]
-        while chain[-1].__context__ is not None and len(chain) < 10:
-            chain.append(chain[-1].__context__)
-        if any(getattr(c, "errno", None) == errno.ENOSPC for c in chain):
+        _dcp(dcp.save, tensors, tmp, alone())  # every rank's files fsynced, then .metadata
+        if rank0:
+            for name, obj in (files or {}).items():
+                with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
+                    torch.save(obj, f)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for f in tmp.iterdir():
+                _fsync(f)
+            _fsync(tmp)
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.save: a full disk is a RuntimeError
+        if rank0:  # DCP raises on every rank once all are done writing
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
             kept = [s for s in list_steps(run_dir) if s != step]
             kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
             raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; {kept}"
                           f" ({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume "
                           "with --resume-from-step latest") from None
+        if isinstance(e, dcp.api.CheckpointException):  # a BaseException: give callers an OSError
+            raise OSError(errno.EIO, f"writing {tmp} failed: {e}") from None
         raise
+    if not rank0:
+        return final
     if not final.exists():
         os.replace(tmp, final)
     elif _swap(tmp, final):  # re-saving a step (a resumed run reaching it again): tmp now holds the old one
@@ -157,6 +196,7 @@ def lock_run_dir(run_dir: Path) -> str | None:
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
             f"({' '.join(sys.argv)[:200]})\n")
     f.flush()
+    os.fsync(f.fileno())  # the other nodes read it (base_train checks that they see this run dir)
     _LOCKS[run_dir] = f
     return f"note: {path} was left by {previous}, which is no longer running; taking over" if previous else None
 
@@ -225,10 +265,8 @@ def check_meta(meta, d: Path, keys) -> None:
                          f"it, or delete {d} and resume from an earlier step")
 
 
-def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu", meta_keys=()):
-    """Return ({name: object}, meta) for a saved step, meta checked for meta_keys; an unreadable file or a
-    bad meta.json raises ValueError with the way out."""
-    d = step_dir(run_dir, step)
+def read_meta(d: Path, meta_keys=()) -> dict:
+    """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is unreadable or bad."""
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as e:
@@ -238,33 +276,126 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
         raise ValueError(f"{d / 'meta.json'} holds a {type(meta).__name__}, not a checkpoint's meta.json; delete "
                          f"{d} and resume from an earlier step")
     check_meta(meta, d, meta_keys)
-    out = {}
-    for name in names:
-        path = d / f"{name}.pt"
-        try:
-            out[name] = torch.load(path, map_location=map_location, weights_only=True)
-        except Exception as e:  # torch raises several types for truncated or foreign files
-            raise ValueError(f"checkpoint file {path} is unreadable or corrupt ({type(e).__name__}: {e}); delete "
-                             f"{d} and resume from an earlier step") from e
+    return meta
+
+
+def _corrupt(d: Path, e: BaseException) -> ValueError:
+    if isinstance(e, dcp.api.CheckpointException):  # every rank's failure: name the first
+        e = next(iter(e.failures.values()))[0]
+    return ValueError(f"checkpoint {d} is incomplete or corrupt ({type(e).__name__}: {str(e).strip()[:300]}); "
+                      f"delete {d} and resume from an earlier step")
+
+
+def _whole_format(d: Path) -> bool:
+    """Whether d is a checkpoint from before sharding (model.pt and optim.pt of whole tensors)."""
+    return (d / "model.pt").exists()
+
+
+def _saved_tensors(d: Path) -> dict:
+    """name -> (shape, dtype) of every tensor in a sharded checkpoint (its DCP .metadata)."""
+    md = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in md.items() if hasattr(m, "chunks")}
+
+
+def check_files(d: Path) -> None:
+    """A checkpoint's tensor files are all there, whole enough to hold what its index says (read lazily: no
+    tensor is loaded); ValueError with the way out if not."""
+    try:
+        if _whole_format(d):
+            for name in ("model", "optim"):
+                torch.load(d / f"{name}.pt", mmap=True, weights_only=True)
+            return
+        ends = {}
+        for info in dcp.FileSystemReader(d).read_metadata().storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in ends.items():
+            if (size := (d / name).stat().st_size) < end:
+                raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
+        torch.load(d / "optim.pt", mmap=True, weights_only=True)
+    except Exception as e:  # torch and pickle raise several types for truncated or foreign files
+        raise _corrupt(d, e) from e
+
+
+def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu", meta_keys=()):
+    """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is the model's
+    state_dict, 'optim' the optimizer's world-size-independent state (MuonAdamW.full_state_dict() format).
+    For export and inspection; training resumes through load_into. Unreadable: ValueError with the way out."""
+    d = step_dir(run_dir, step)
+    meta, out = read_meta(d, meta_keys), {}
+    try:
+        if _whole_format(d):
+            return {n: torch.load(d / f"{n}.pt", map_location=map_location, weights_only=True) for n in names}, meta
+        wanted = {k: torch.empty(shape, dtype=dtype, device=map_location)
+                  for k, (shape, dtype) in _saved_tensors(d).items() if k.split(".", 1)[0] in names}
+        _dcp(dcp.load, wanted, d, no_dist=True)
+        if "model" in names:
+            out["model"] = {k.split(".", 1)[1]: v for k, v in wanted.items() if k.startswith("model.")}
+        if "optim" in names:
+            out["optim"] = torch.load(d / "optim.pt", map_location=map_location, weights_only=True)
+            for key, v in wanted.items():
+                if key.startswith("optim."):
+                    _, idx, name = key.split(".", 2)
+                    out["optim"]["state"].setdefault(int(idx), {})[name] = v
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise _corrupt(d, e) from e
     return out, meta
 
 
-def load_step(run_dir: Path, step: str | int, names=("model",), map_location="cpu", meta_keys=(), warn=print):
-    """Load a step number or 'latest' -> (step, {name: object}, meta). 'latest' falls back to the newest
-    checkpoint that loads, warn()ing about each one skipped, so that restarted jobs recover from a
-    corrupt last save; a step given by number must load."""
+def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) -> None:
+    """Restore a checkpoint into model (and optimizer) in place, resharded to this process count and layout:
+    each process reads only the pieces it holds (FSDP2 blocks, DistMuonAdamW's state). A collective under
+    torch.distributed. A checkpoint that does not fit raises ValueError naming the misfit."""
+    d = step_dir(run_dir, step)
+    device = next(model.parameters()).device
+    if _whole_format(d):  # from before sharding: every process reads the whole tensors, then keeps its pieces
+        whole = {n: torch.load(d / f"{n}.pt", map_location=device, weights_only=True, mmap=True)
+                 for n in ("model", *(("optim",) if optimizer is not None else ()))}
+        load_whole_state(model, whole["model"])
+        if optimizer is not None:
+            optimizer.load_full_state_dict(whole["optim"])
+        return
+    saved = _saved_tensors(d)
+    own = {f"model.{k}": v for k, v in model.state_dict().items()}
+    theirs = {k: shape for k, (shape, _) in saved.items() if k.startswith("model.")}
+    if (mine := {k: tuple(v.shape) for k, v in own.items()}) != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+        raise ValueError(f"checkpoint {d} holds another model: these (name, shape) are in one but not the other: "
+                         f"{diff}")
+    try:
+        _dcp(dcp.load, own, d, alone())
+        if optimizer is None:
+            return
+        rest = torch.load(d / "optim.pt", map_location=device, weights_only=True)
+        if not hasattr(optimizer, "load_sharded_state_dict"):  # a replicated optimizer: its whole state
+            return optimizer.load_state_dict(rest)
+        shapes = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("optim.")}
+        optimizer.load_sharded_state_dict(shapes, rest, lambda targets: _dcp(
+            dcp.load, {f"optim.{k}": v for k, v in targets.items()}, d, alone()))
+    except dcp.api.CheckpointException as e:
+        raise _corrupt(d, e) from None
+
+
+def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple[int, dict]:
+    """Pick a step number or 'latest' -> (step, meta), its meta and files checked (check_files). 'latest' falls
+    back to the newest checkpoint that checks out, warn()ing about each one skipped, so that restarted jobs
+    recover from a corrupt last save; a step given by number must check out."""
     steps = list_steps(run_dir)
     if not steps:
         raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and NANOMUON_BASE_DIR), or train "
                                 "one with `python -m scripts.base_train`")
+
+    def checked(s):
+        meta = read_meta(step_dir(run_dir, s), meta_keys)
+        check_files(step_dir(run_dir, s))
+        return s, meta
     if step != "latest":
         if int(step) not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir}; saved steps: "
                                     f"{', '.join(map(str, steps))}")
-        return int(step), *load_checkpoint(run_dir, int(step), names, map_location, meta_keys)
+        return checked(int(step))
     for s in reversed(steps):
         try:
-            return s, *load_checkpoint(run_dir, s, names, map_location, meta_keys)
+            return checked(s)
         except ValueError as e:
             warn(f"warning: step {s} does not load, trying the checkpoint before it: {e}")
     raise ValueError(f"none of the {len(steps)} checkpoints in {run_dir} loads (each is named above); start the "
@@ -272,11 +403,12 @@ def load_step(run_dir: Path, step: str | int, names=("model",), map_location="cp
 
 
 def load_model(run_dir: Path, step: str | int, device):
-    """Rebuild the GPT a checkpoint was trained as and load its weights. Returns (model, meta)."""
-    _, objs, meta = load_step(run_dir, step, ("model",), device, ("model_config",))
+    """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under torchrun, as
+    base_eval runs: every rank loads). Returns (model, meta)."""
+    step, meta = load_step(run_dir, step, ("model_config",))
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))
     model.init_weights()  # fills the rotary tables; weights are overwritten next
-    model.load_state_dict(objs["model"])
+    load_into(run_dir, step, model)
     model.eval()
     return model, meta

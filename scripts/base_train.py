@@ -49,7 +49,6 @@ from nanomuon.common import (
 from nanomuon.dataloader import DataLoader, reshard_states, val_rows
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, train_memory
 from nanomuon.report import MISSING, plot_curves, smooth
-from nanomuon.sharded import DTensor, load_whole_state
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -241,7 +240,7 @@ def main(argv=None):
 
 
 SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or identical copies "
-         "of its tokenizer, data and runs/<run> (README, 'Several nodes')")
+         "of its tokenizer and data with runs/ shared (README, 'Several nodes')")
 
 
 def on_every_rank(fn):
@@ -259,7 +258,7 @@ def on_every_rank(fn):
 
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an interrupted
-    run left there; every rank stops with one line if it cannot."""
+    run left there; every rank stops with one line if it cannot, or if it does not see that directory."""
     error = None
     if rank == 0:
         try:
@@ -273,6 +272,12 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
             error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point NANOMUON_BASE_DIR at a writable "
                      "directory")
     exit_if_any_failed(error)
+    # every rank writes its part of each checkpoint there, so every rank must see the directory rank 0 locked
+    lock = run_dir / ".lock"
+    seen = lock.read_text().strip() if lock.exists() else f"no {lock}"
+    exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
+                            "every process writes its part of each checkpoint into runs/<run>, so put runs/ (or all "
+                            "of NANOMUON_BASE_DIR) on a filesystem every node mounts (README, 'Several nodes')")
 
 
 def check_disk(run: Run) -> None:
@@ -301,8 +306,6 @@ def build(args, held: contextlib.ExitStack) -> Run:
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
     steps = checkpoint.list_steps(run_dir)
-    if args.resume_from_step != -1:  # every rank loads the checkpoint itself, so every rank must see the same ones
-        exit_unless_ranks_agree(steps, f"the checkpoints (steps) in {run_dir}", SHARE)
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
         args.resume_from_step = "latest" if steps else -1
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
@@ -370,8 +373,8 @@ def resume(run: Run) -> None:
     the optimizer, the data loader (resharded if the process count changed) and the loop state."""
     args = run.args
     # every rank reads its own copy: a corrupt one on one node stops all, and 'latest' must pick one step everywhere
-    step, objs, meta = on_every_rank(lambda: checkpoint.load_step(
-        run.run_dir, args.resume_from_step, ("model", "optim"), run.device, tuple(checkpoint.META_TYPES), warn=print0))
+    step, meta = on_every_rank(lambda: checkpoint.load_step(
+        run.run_dir, args.resume_from_step, tuple(checkpoint.META_TYPES), warn=print0))
     exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
     with user_errors():  # a mismatched checkpoint
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()  # hand edits
@@ -393,12 +396,11 @@ def resume(run: Run) -> None:
                             f"{run.num_iterations} (pass --num-iterations {meta['num_iterations']})")
         if problems:
             raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: " + "; ".join(problems))
-        load_whole_state(run.model, objs["model"])  # each rank takes its block of sharded (--fsdp) params
         # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...): keep this
         # run's, so a resume with new lrs uses them. lr and momentum follow the schedule at every step.
         flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
                  for g in run.optimizer.param_groups]
-        run.optimizer.load_full_state_dict(objs["optim"])  # every optimizer saves the world-size-independent form
+        checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)  # each rank reads its pieces
         plain = lambda v: list(v) if isinstance(v, tuple) else v  # tuples may come back from a save as lists
         for group, wanted in zip(run.optimizer.param_groups, flags):
             for key, value in wanted.items():
@@ -412,7 +414,6 @@ def resume(run: Run) -> None:
             run.train_loader.load_state_dict(reshard_states(meta["loader"], run.rank, run.world_size))
             print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} processes: the same "
                    "documents, read in a different order from here on")
-    del objs  # whole tensors: under --fsdp, keeping them would undo the sharding
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     print0(f"resumed {run.run_dir} at step {step}")
 
@@ -435,22 +436,25 @@ def save(run: Run) -> None:
         compute_cleanup()
         raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not checkpointing it. "
                          "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
-    optim_state = run.optimizer.full_state_dict()  # collectives where the state is sharded
-    model_state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in run.model.state_dict().items()}
+    tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}  # --fsdp: DTensor blocks
+    if hasattr(run.optimizer, "sharded_state_dict"):  # each rank's pieces; the groups and step counts to optim.pt
+        optim_tensors, optim_rest = run.optimizer.sharded_state_dict()
+        tensors.update({f"optim.{k}": v for k, v in optim_tensors.items()})
+    else:  # torch-muon: replicated, so rank 0 writes its whole state
+        optim_rest = run.optimizer.state_dict()
     mine = run.train_loader.state_dict()
     loader_states = [mine] * run.world_size  # one process: its own state
     if run.distributed:  # torchrun: every rank's
         dist.all_gather_object(loader_states, mine)
+    meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),
+                args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
+                loader=loader_states, loop=run.loop, torch=torch.__version__)
     error = None
-    if run.rank == 0:
-        meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),
-                    args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
-                    loader=loader_states, loop=run.loop, torch=torch.__version__)
-        try:
-            path = checkpoint.save_checkpoint(run.run_dir, run.step, dict(model=model_state, optim=optim_state), meta)
-            print0(f"saved {path}")
-        except OSError as e:  # a full disk says so itself; earlier checkpoints stay
-            error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
+    try:  # every rank writes its pieces; rank 0 the rest, and renames the whole into place
+        path = checkpoint.save_checkpoint(run.run_dir, run.step, tensors, meta, dict(optim=optim_rest))
+        print0(f"saved {path}")
+    except OSError as e:  # a full disk says so itself; earlier checkpoints stay
+        error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
     exit_if_any_failed(error)
 
 

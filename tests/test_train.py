@@ -514,8 +514,9 @@ def launch_nodes(bases, args, nproc=1):
 def test_two_nodes_train_checkpoint_resume_and_refuse_what_they_do_not_share(base, tmp_path):
     """Two launchers on this machine as two nodes (--nnodes 2, c10d rendezvous). With a shared base dir: train,
     checkpoint, and resume both on 2 nodes and on 1 node of 2 processes, bitwise as the uninterrupted run. With a
-    second node whose base dir lacks the tokenizer, or holds no copy of the checkpoint: every process stops at the
-    start with one line naming the rank and host, instead of the job hanging mid-run."""
+    second node whose base dir lacks the tokenizer, or has a runs/ of its own (each process writes its part of a
+    checkpoint there): every process stops at the start with one line naming the rank and host, instead of the job
+    hanging or writing a checkpoint in halves."""
     flags = [*TINY, "--total-batch-size", "512", "--num-iterations", "4", "--eval-every", "-1", "--save-every", "2"]
     nodes = launch_nodes([base, base], [*flags, "--run", "mn"])
     assert all(code == 0 for code, _ in nodes), nodes
@@ -533,13 +534,15 @@ def test_two_nodes_train_checkpoint_resume_and_refuse_what_they_do_not_share(bas
         assert_bitwise_equal(ta, tb, name)
         assert ma["loader"] == mb["loader"]
 
-    bare = tmp_path / "node2"  # a second node without the tokenizer
+    bare = tmp_path / "node2"  # a second node that shares runs/, but has no tokenizer
     bare.mkdir()
+    (bare / "runs").symlink_to(base / "runs")
     for code, out in launch_nodes([base, bare], [*flags, "--run", "mn3"]):
         assert code != 0 and "no tokenizer" in out and re.search(r"\(rank [01] on [^)]+\)", out), out[-3000:]
-    (bare / "tokenizer").symlink_to(base / "tokenizer")  # now the tokenizer and the data, but no checkpoints
+    (bare / "tokenizer").symlink_to(base / "tokenizer")  # now the tokenizer and the data, but a runs/ of its own
     (bare / "data").symlink_to(base / "data")
+    (bare / "runs").unlink()
     for code, out in launch_nodes([base, bare], [*flags, "--run", "mn", "--resume-from-step", "latest"]):
         assert code != 0, out[-3000:]
-        assert re.search(r"error: the checkpoints \(steps\) in \S+ differ between processes: rank 0 on \S+ has "
-                         r"\[(2, 4)?\], rank 1 on \S+ has \[(2, 4)?\]; give every node the same base dir", out), out
+        assert re.search(r"error: the run dirs \S+ \(their \.lock files\) differ between processes: rank 0 on \S+ has "
+                         r".+, rank 1 on \S+ has .+; every process writes its part of each checkpoint", out), out
