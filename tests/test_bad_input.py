@@ -205,8 +205,8 @@ CASES = {
                                                                                    run="good"))[1],
                          "trained with a different tokenizer (retrain or restore"),
     "truncated-model": (lambda b, g, *_: train("--resume-from-step", "2", run=damaged(
-        b, g, "trunc", lambda d: (d / "model.pt").write_bytes((d / "model.pt").read_bytes()[:100]))),
-        "unreadable or corrupt"),
+        b, g, "trunc", lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]))),
+        "is incomplete or corrupt"),
     "corrupt-meta": (lambda b, g, *_: train("--resume-from-step", "2", run=damaged(
         b, g, "meta", lambda d: (d / "meta.json").write_text('{"step": 2,'))), "unreadable meta.json"),
     "meta-missing-key": (lambda b, g, *_: resume_edited(b, g, "nokey", lambda m: m.pop("loader")),

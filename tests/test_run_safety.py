@@ -15,7 +15,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 from test_train import REPO, TINY, assert_bitwise_equal, child_env, run
 
 from nanomuon.checkpoint import clean_run_dir, list_steps, load_checkpoint, step_dir
@@ -76,14 +75,15 @@ RESAVER = textwrap.dedent("""
     while True:
         i += 1
         w = torch.full((256, 1024), float(i))
-        checkpoint.save_checkpoint(sys.argv[1], 3, dict(model=dict(w=w), optim=dict(w=w)), dict(step=3, i=i))
+        checkpoint.save_checkpoint(sys.argv[1], 3, {"model.w": w, "model.v": w[:7]}, dict(step=3, i=i), dict(optim=i))
 """)
 
 
 def complete(run_dir):
-    """Whether step 3 is whole: its meta and both files load and agree."""
+    """Whether step 3 is whole: its meta, tensors and optim.pt load and agree."""
     objs, meta = load_checkpoint(run_dir, 3, ("model", "optim"))
-    return bool((objs["model"]["w"] == meta["i"]).all() and (objs["optim"]["w"] == meta["i"]).all())
+    return bool((objs["model"]["w"] == meta["i"]).all() and (objs["model"]["v"] == meta["i"]).all()
+                and objs["optim"] == meta["i"])
 
 
 @pytest.mark.parametrize("mode", ["swap", "two-renames"])
@@ -119,11 +119,11 @@ def test_latest_falls_back_past_a_corrupt_checkpoint(base):
     broken = base / "runs" / "broken"
     shutil.copytree(base / "runs" / "straight", broken)
     shutil.rmtree(step_dir(broken, 6))  # as if the run had died after step 4's save, which got corrupted
-    model = step_dir(broken, 4) / "model.pt"
-    model.write_bytes(model.read_bytes()[:1000])
+    tensors = step_dir(broken, 4) / "__0_0.distcp"
+    tensors.write_bytes(tensors.read_bytes()[:1000])
 
     explicit = run(train_cmd(*flags, "--run", "broken", "--resume-from-step", "4"), base, check=False)
-    assert explicit.returncode == 1 and "unreadable or corrupt" in last_line(explicit.stderr)
+    assert explicit.returncode == 1 and "is incomplete or corrupt" in last_line(explicit.stderr)
     p = run(train_cmd(*flags, "--run", "broken", "--resume-from-step", "auto"), base)
     assert "warning: step 4 does not load, trying the checkpoint before it" in p.stdout
     assert f"resumed {broken} at step 2" in p.stdout
@@ -185,5 +185,5 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(base):
     assert last_line(out) == (f"interrupted; the last checkpoint is {step_dir(run_dir, last)} (continue with "
                               "--resume-from-step latest)")
     assert not (run_dir / ".lock").exists()
-    torch.load(step_dir(run_dir, last) / "model.pt", weights_only=True)
+    load_checkpoint(run_dir, last, ("model", "optim"))
     assert os.listdir(run_dir)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from test_dist import _free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -286,19 +287,23 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", dying_save)
     with pytest.raises(OSError, match="an I/O error"):
-        save_checkpoint(tmp_path, 5, dict(model={"w": torch.ones(2)}, optim={"s": 1}), dict(step=5))
+        save_checkpoint(tmp_path, 5, {"model.w": torch.ones(2), "model.v": torch.ones(3)}, dict(step=5))
     assert not list(tmp_path.iterdir())
     monkeypatch.setattr(torch, "save", real_save)
-    save_checkpoint(tmp_path, 5, dict(model={"w": torch.ones(2)}), dict(step=5))
+    save_checkpoint(tmp_path, 5, {"model.w": torch.ones(2)}, dict(step=5), dict(optim={"s": 1}))
     assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]
 
 
 def poison_checkpoint(run_dir, step):
     """Put a NaN into lm_head, as a diverged run would have: every later loss and gradient is NaN."""
-    path = run_dir / f"step_{step:06d}" / "model.pt"
-    state = torch.load(path, weights_only=True)
-    state["lm_head.weight"][0, 0] = float("nan")
-    torch.save(state, path)
+    d = run_dir / f"step_{step:06d}"
+    saved = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+    dcp.load(state, checkpoint_id=d, no_dist=True)
+    state["model.lm_head.weight"][0, 0] = float("nan")
+    for f in [*d.glob("*.distcp"), d / ".metadata"]:  # rewritten by one process: one file
+        f.unlink()
+    dcp.save(state, checkpoint_id=d, no_dist=True)
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(base, capsys, monkeypatch):
