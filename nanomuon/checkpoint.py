@@ -100,6 +100,18 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
+def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """What save_checkpoint writes of a model and its optimizer: (tensors, files). tensors are this rank's pieces
+    under their checkpoint names (model.<name>, optim.<param index>.<state>): FSDP2 blocks, DistMuonAdamW's
+    state; files hold optim.pt, the optimizer's groups and step counts (or a replicated optimizer's whole state,
+    as torch-muon's). A collective where DTensor Muon params are planned."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if not hasattr(optimizer, "sharded_state_dict"):
+        return tensors, dict(optim=optimizer.state_dict())
+    optim_tensors, rest = optimizer.sharded_state_dict()
+    return {**tensors, **{f"optim.{k}": v for k, v in optim_tensors.items()}}, dict(optim=rest)
+
+
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
     """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or whole tensors)
     through DCP, and from rank 0 meta (meta.json) and files (name -> object, torch.save'd to name.pt). A collective

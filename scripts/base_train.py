@@ -436,12 +436,7 @@ def save(run: Run) -> None:
         compute_cleanup()
         raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not checkpointing it. "
                          "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
-    tensors = {f"model.{k}": v for k, v in run.model.state_dict().items()}  # --fsdp: DTensor blocks
-    if hasattr(run.optimizer, "sharded_state_dict"):  # each rank's pieces; the groups and step counts to optim.pt
-        optim_tensors, optim_rest = run.optimizer.sharded_state_dict()
-        tensors.update({f"optim.{k}": v for k, v in optim_tensors.items()})
-    else:  # torch-muon: replicated, so rank 0 writes its whole state
-        optim_rest = run.optimizer.state_dict()
+    tensors, files = checkpoint.state_of(run.model, run.optimizer)  # this rank's pieces
     mine = run.train_loader.state_dict()
     loader_states = [mine] * run.world_size  # one process: its own state
     if run.distributed:  # torchrun: every rank's
@@ -451,7 +446,7 @@ def save(run: Run) -> None:
                 loader=loader_states, loop=run.loop, torch=torch.__version__)
     error = None
     try:  # every rank writes its pieces; rank 0 the rest, and renames the whole into place
-        path = checkpoint.save_checkpoint(run.run_dir, run.step, tensors, meta, dict(optim=optim_rest))
+        path = checkpoint.save_checkpoint(run.run_dir, run.step, tensors, meta, files)
         print0(f"saved {path}")
     except OSError as e:  # a full disk says so itself; earlier checkpoints stay
         error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"

@@ -11,25 +11,39 @@ to serve every allocation above 128 KiB with mmap, so freed memory leaves the RS
 step held, not what the allocator kept. Printed: the largest rank's state, temporaries and peak (state +
 temporaries) in MiB, and the ratios.
 
+--checkpoint measures a checkpoint save instead, the same way: per rank, the state it holds (model and optimizer
+tensors: its FSDP2 blocks or replicas, its DistMuonAdamW shard) and the save's temporaries, for the whole-state save
+nanomuon had before (every rank gathers the full state, rank 0 torch.saves it) against the sharded one
+(checkpoint.save_checkpoint: each rank writes its own pieces), with and without --fsdp. The target: a save's peak
+within 1.25x the state the rank holds (issue 19).
+
     python -m scripts.bench_memory                          # depth 6, world sizes 2, 4, 8
     python -m scripts.bench_memory --depth 12 --world-sizes 4
+    python -m scripts.bench_memory --checkpoint --depth 12 --vocab-size 65536 --world-sizes 4
 """
 
 import argparse
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
 
+from nanomuon import checkpoint
 from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.sharded import DTensor
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 MiB = 2 ** 20
 SETUPS = {"DistMuonAdamW": "muon", "all_reduce + torch Muon + AdamW": "torch-muon"}
+SAVES = {"replicated, whole-state save": (False, True), "replicated, sharded save": (False, False),
+         "--fsdp, whole-state save": (True, True), "--fsdp, sharded save": (True, False)}
 
 
 def status(field: str) -> int:
@@ -45,6 +59,46 @@ def state_bytes(opt) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # stacked state: one storage, many views
                 for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
     return sum(storages.values())
+
+
+def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
+    """(bytes of the model and optimizer tensors this rank holds, the save's temporaries) of one checkpoint."""
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
+    model.init_weights()
+    if fsdp:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS["muon"])
+    for p in model.parameters():  # one step makes the state
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
+            [*(p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()),
+             *(t.to_local() if isinstance(t, DTensor) else t for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))]}
+    dist.barrier()
+    before = status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    if whole:  # before issue 19: every rank gathers everything, rank 0 writes it
+        state = dict(model={k: v.full_tensor() if isinstance(v, DTensor) else v
+                            for k, v in model.state_dict().items()}, optim=opt.full_state_dict())
+        if dist.get_rank() == 0:
+            os.makedirs(args.tmp)
+            torch.save(state, Path(args.tmp) / "whole.pt")
+        del state
+    else:
+        tensors, files = checkpoint.state_of(model, opt)
+        checkpoint.save_checkpoint(Path(args.tmp), 1, tensors, dict(step=1), files)
+        del tensors, files
+    temporaries = status("VmHWM") - before
+    dist.barrier()
+    if dist.get_rank() == 0:  # the next save starts from an empty dir
+        shutil.rmtree(args.tmp)
+    del opt, model
+    return sum(held.values()), temporaries
 
 
 def measure(args, variant: str) -> tuple[int, int]:
@@ -75,7 +129,10 @@ def _spawned(rank, world, port, args, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        out[rank] = {name: measure(args, variant) for name, variant in SETUPS.items()}
+        if args.checkpoint:  # each rank saves into a temporary dir of rank 0's (one machine)
+            out[rank] = {name: measure_save(args, *how) for name, how in SAVES.items()}
+        else:
+            out[rank] = {name: measure(args, variant) for name, variant in SETUPS.items()}
     finally:
         dist.destroy_process_group()
 
@@ -86,11 +143,12 @@ def run_world(args, world: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # the workers' glibc reads it once, at their start
-    with mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)), mp.Manager() as manager:
-        out = manager.dict()
+    with (mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)), mp.Manager() as manager,
+          tempfile.TemporaryDirectory() as tmp):
+        out, args.tmp = manager.dict(), os.path.join(tmp, "saves")
         mp.spawn(_spawned, args=(world, port, args, out), nprocs=world, join=True)
         per_rank = dict(out)
-    return {name: max((per_rank[r][name] for r in per_rank), key=sum) for name in SETUPS}
+    return {name: max((per_rank[r][name] for r in per_rank), key=sum) for name in per_rank[0]}
 
 
 def param_counts(args) -> tuple[int, int]:
@@ -105,6 +163,8 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--world-sizes", default="2,4,8", help="comma-separated CPU process counts")
+    p.add_argument("--checkpoint", action="store_true", help="measure a checkpoint save (whole-state against "
+                   "sharded), not the optimizer step")
     p.add_argument("--steps", type=int, default=3, help="steps per optimizer; the first (which allocates the state) "
                    "is not counted in the temporaries")
     args = p.parse_args(argv)
@@ -123,6 +183,15 @@ def main(argv=None):
     n_muon, n_adamw = param_counts(args)
     print(f"d{args.depth}, vocab {args.vocab_size}: {n_muon / 1e6:.1f}M Muon + {n_adamw / 1e6:.1f}M AdamW params "
           f"(fp32 grads {4 * (n_muon + n_adamw) / MiB:.1f} MiB), torch {torch.__version__}, gloo")
+    if args.checkpoint:
+        print("per rank, MiB, on the rank with the highest peak; held: its model and optimizer tensors; temps: the "
+              "save's peak above its starting RSS")
+        print(f"{'world':>5} {'setup':<30} {'held':>7} {'temps':>7} {'peak':>7} {'peak / held':>12}")
+        for world in args.world_sizes:
+            for name, (held, temps) in run_world(args, world).items():
+                print(f"{world:>5} {name:<30} {held / MiB:>7.1f} {temps / MiB:>7.1f} {(held + temps) / MiB:>7.1f} "
+                      f"{(held + temps) / held:>12.2f}")
+        return
     print(f"per rank, MiB, on the rank with the highest peak; temporaries: the most any of steps 2..{args.steps} "
           "held above its starting RSS")
     print(f"{'world':>5} {'setup':<34} {'state':>7} {'temps':>7} {'peak':>7} {'vs DDP-style':>13}")

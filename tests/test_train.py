@@ -107,6 +107,27 @@ def test_torchrun_resume_is_bitwise_exact(base):
     moved = load_checkpoint(base / "runs" / "a", 3, ("model",))[0]["model"]
     assert any(not torch.equal(moved[k], ta["model"][k]) for k in moved)  # steps 4-6 really trained
 
+    # sharded: each process wrote its own file, and its own rows of the large AdamW params (DistMuonAdamW's shards)
+    step3 = base / "runs" / "a" / "step_000003"
+    assert sorted(f.name for f in step3.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    saved = dcp.FileSystemReader(step3).read_metadata().state_dict_metadata
+    rows = saved["model.wte.weight"].size[0]
+    assert any([c.offsets[0] for c in m.chunks] == [0, rows // 2] for k, m in saved.items() if k.startswith("optim."))
+
+    # export writes the whole state; as a checkpoint of the format before sharding (model.pt, optim.pt,
+    # meta.json) it still resumes, to the same bits
+    run([sys.executable, "-m", "scripts.export", "--run", "a", "--step", "3", "--out", str(base / "a3.pt")], base)
+    whole = torch.load(base / "a3.pt", weights_only=True)
+    assert whole.keys() == {"model", "optim", "meta"} and whole["meta"]["step"] == 3
+    assert_bitwise_equal(whole["model"], moved, "export")
+    old = base / "runs" / "old" / "step_000003"
+    old.mkdir(parents=True)
+    torch.save(whole["model"], old / "model.pt")
+    torch.save(whole["optim"], old / "optim.pt")
+    (old / "meta.json").write_text(json.dumps(whole["meta"]))
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "old", "--resume-from-step", "latest"]), base)
+    assert_bitwise_equal(ta, load_checkpoint(base / "runs" / "old", 6, names)[0], "resumed from the old format")
+
     # base_eval and sample read the checkpoint; base_eval's bpb equals base_train's final eval
     e = run(torchrun(2, "scripts.base_eval", ["--run", "a", "--device-type", "cpu", "--device-batch-size", "4",
                                               "--eval-tokens", "1024", "--sample-tokens", "4"]), base)
