@@ -10,6 +10,7 @@ anywhere and a param with a grad on rank 0 only.
 
 import faulthandler
 import io
+import math
 import os
 import signal
 import socket
@@ -18,8 +19,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from nanomuon import checkpoint
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
 SHAPES = {
@@ -285,6 +288,69 @@ def test_full_state_saved_at_world_2_resumes_at_world_3(tmp_path):
     for k in SHAPES:
         for p, q in zip(model[k], straight["params"][k]):
             torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+
+
+def _module_and_optimizer(cls):
+    """The test model as a Module (checkpoints save its state_dict) with a 3-row AdamW param added, whose rows some
+    ranks of 4 or 8 do not get (empty shards), and its optimizer."""
+    model = make_model()
+    model["adamw"].append(torch.nn.Parameter(torch.randn(3, 700, generator=torch.Generator().manual_seed(5))))
+    module = torch.nn.Module()
+    for k, ps in model.items():
+        setattr(module, k, torch.nn.ParameterList(ps))
+    return model, module, cls(groups(model))
+
+
+def _take_steps(model, opt, steps, rank, world_size):
+    for step in steps:
+        set_grads(model, rank_grads(step, rank, world_size))
+        model["adamw"][-1].grad = torch.randn(3, 700, generator=torch.Generator().manual_seed(step))  # the same on all
+        opt.step()
+
+
+def _sharded_checkpoint_worker(rank, world_size, mode, path):
+    """'save': 4 steps, a sharded checkpoint, and the full state gathered the way checkpoints were made before
+    (full_state_dict) as the reference. 'load': read the checkpoint at this world size; gathering it gives the
+    reference back bitwise, the params are the saved ones on every rank, and training goes on."""
+    model, module, opt = _module_and_optimizer(DistMuonAdamW)
+    if mode == "save":
+        _take_steps(model, opt, range(4), rank, world_size)
+        tensors, files = checkpoint.state_of(module, opt)
+        checkpoint.save_checkpoint(path, 4, tensors, dict(step=4), files)
+        full = opt.full_state_dict()
+        if rank == 0:
+            torch.save(dict(params=module.state_dict(), opt=full), path / "reference.pt")
+        return
+    checkpoint.load_into(path, 4, module, opt)
+    ref = torch.load(path / "reference.pt")
+    assert all(torch.equal(v, ref["params"][k]) for k, v in module.state_dict().items())
+    again = opt.full_state_dict()
+    assert again["state"].keys() == ref["opt"]["state"].keys()
+    for pid, st in ref["opt"]["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(again["state"][pid][name]), torch.as_tensor(v)), (pid, name)
+    _take_steps(model, opt, range(4, 6), rank, world_size)
+    assert_replicated(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_sharded_checkpoint_saved_at_world_3_loads_at_any_world_size(tmp_path, world_size):
+    """Each rank writes only its pieces (DistMuonAdamW's owned Muon state, its rows of each large AdamW param) and
+    reads back only its new pieces at another world size, or all of it in one process: the same state either way
+    as the full state gathered at save time."""
+    spawn(_sharded_checkpoint_worker, 3, "save", tmp_path)
+    saved = dcp.FileSystemReader(tmp_path / "step_000004").read_metadata().state_dict_metadata
+    large = [(k, m) for k, m in saved.items() if k.endswith(".exp_avg") and math.prod(m.size) >= DistMuonAdamW.SMALL]
+    assert len(large) == 4
+    for k, m in large:  # one block of rows from each rank
+        assert sorted(c.offsets[0] for c in m.chunks) == [r * -(-m.size[0] // 3) for r in range(3)], k
+    spawn(_sharded_checkpoint_worker, world_size, "load", tmp_path)
+    model, module, single = _module_and_optimizer(MuonAdamW)
+    checkpoint.load_into(tmp_path, 4, module, single)
+    ref = torch.load(tmp_path / "reference.pt")
+    for pid, st in ref["opt"]["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(single.state_dict()["state"][pid][name]), torch.as_tensor(v))
 
 
 def _shard_mismatch_worker(rank, world_size, data):
