@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from nanomuon.common import size_str
+from nanomuon.common import exit_if_any_failed, exit_unless_ranks_agree, size_str
 from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.sharded import load_whole_state
 
@@ -112,18 +112,30 @@ def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     return {**tensors, **{f"optim.{k}": v for k, v in optim_tensors.items()}}, dict(optim=rest)
 
 
+def one_line(e: BaseException) -> str:
+    """e in one line; for DCP's CheckpointException (a traceback per failing rank), the first rank's error."""
+    where = ""
+    if isinstance(e, dcp.api.CheckpointException) and e.failures:
+        rank, (e, _) = next(iter(e.failures.items()))
+        where = f" on rank {rank}"
+    return f"{type(e).__name__}{where}: {' '.join(str(e).split())[:300]}"
+
+
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
     """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or whole tensors)
     through DCP, and from rank 0 meta (meta.json) and files (name -> object, torch.save'd to name.pt). A collective
-    under torch.distributed: every rank calls it, and a failed write on any rank raises on all. A full disk raises
-    an OSError that says so; the temporary files are removed and earlier checkpoints kept."""
+    under torch.distributed: every rank calls it, and every rank returns, or raises the same one-line OSError (a
+    full disk says so). A failed save leaves no temporary files, and earlier checkpoints stay."""
     run_dir = Path(run_dir)
     final = step_dir(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"  # one name on every rank: all write into it
-    rank0 = alone() or dist.get_rank() == 0
+    rank0, error = alone() or dist.get_rank() == 0, None
     try:
-        _dcp(dcp.save, tensors, tmp, alone())  # every rank's files fsynced, then .metadata
-        if rank0:
+        _dcp(dcp.save, tensors, tmp, alone())  # every rank's files fsynced, then .metadata; raises on all ranks
+    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+        error = e
+    if rank0 and error is None:
+        try:
             for name, obj in (files or {}).items():
                 with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
                     torch.save(obj, f)
@@ -131,30 +143,31 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, 
             for f in tmp.iterdir():
                 _fsync(f)
             _fsync(tmp)
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:  # torch.save: a full disk is a RuntimeError
-        if rank0:  # DCP raises on every rank once all are done writing
-            shutil.rmtree(tmp, ignore_errors=True)
-        if _no_space(e):
-            kept = [s for s in list_steps(run_dir) if s != step]
-            kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
-            raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; {kept}"
-                          f" ({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume "
-                          "with --resume-from-step latest") from None
-        if isinstance(e, dcp.api.CheckpointException):  # a BaseException: give callers an OSError
-            raise OSError(errno.EIO, f"writing {tmp} failed: {e}") from None
-        raise
-    if not rank0:
-        return final
-    if not final.exists():
-        os.replace(tmp, final)
-    elif _swap(tmp, final):  # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+            if not final.exists():
+                os.replace(tmp, final)
+            elif _swap(tmp, final):  # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:  # two renames: a kill between them leaves only the old one, which clean_run_dir puts back
+                old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            _fsync(run_dir)
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            error = e
+    if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    else:  # two renames: a kill between them leaves only the old one, which clean_run_dir puts back
-        old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    _fsync(run_dir)
+    outcome = [error and (_no_space(error), one_line(error))]
+    if not alone():  # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] and outcome[0][0]:
+        kept = [s for s in list_steps(run_dir) if s != step]
+        kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
+        raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; {kept} "
+                      f"({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume with "
+                      "--resume-from-step latest")
+    if outcome[0]:
+        raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][1]}")
     return final
 
 
@@ -292,10 +305,13 @@ def read_meta(d: Path, meta_keys=()) -> dict:
 
 
 def _corrupt(d: Path, e: BaseException) -> ValueError:
-    if isinstance(e, dcp.api.CheckpointException):  # every rank's failure: name the first
-        e = next(iter(e.failures.values()))[0]
-    return ValueError(f"checkpoint {d} is incomplete or corrupt ({type(e).__name__}: {str(e).strip()[:300]}); "
-                      f"delete {d} and resume from an earlier step")
+    """A checkpoint that does not read: delete it if its files are bad; not if the machine is (memory, I/O)."""
+    first = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) and e.failures else e
+    if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (isinstance(first, OSError) and
+                                                                    not isinstance(first, FileNotFoundError)):
+        return ValueError(f"cannot read checkpoint {d} ({one_line(e)}); fix that and run again")
+    return ValueError(f"checkpoint {d} is incomplete or corrupt ({one_line(e)}); delete {d} and resume from an "
+                      "earlier step")
 
 
 def _whole_format(d: Path) -> bool:
@@ -360,7 +376,7 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
     d = step_dir(run_dir, step)
     device = next(model.parameters()).device
     if _whole_format(d):  # from before sharding: every process reads the whole tensors, then keeps its pieces
-        whole = {n: torch.load(d / f"{n}.pt", map_location=device, weights_only=True, mmap=True)
+        whole = {n: torch.load(d / f"{n}.pt", map_location=device, weights_only=True)
                  for n in ("model", *(("optim",) if optimizer is not None else ()))}
         load_whole_state(model, whole["model"])
         if optimizer is not None:
@@ -417,7 +433,13 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
 def load_model(run_dir: Path, step: str | int, device):
     """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under torchrun, as
     base_eval runs: every rank loads). Returns (model, meta)."""
-    step, meta = load_step(run_dir, step, ("model_config",))
+    error = None
+    try:
+        step, meta = load_step(run_dir, step, ("model_config",))
+    except (FileNotFoundError, ValueError) as e:
+        error = str(e)
+    exit_if_any_failed(error)  # every rank stops, not only the one that cannot read it
+    exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}", "run again when no run saves there")
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))
     model.init_weights()  # fills the rotary tables; weights are overwritten next

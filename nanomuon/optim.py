@@ -247,9 +247,9 @@ class MuonAdamW(torch.optim.Optimizer):
         def where(p, name, shape):
             if not isinstance(p, DTensor):
                 return "whole"
-            if tuple(shape) == tuple(p.shape):
-                return p.device_mesh, p.placements
-            return "whole" if name != "second_momentum_buffer" or id(p) in kept else None
+            if name == "second_momentum_buffer":  # whole, on the rank that orthogonalizes p
+                return "whole" if id(p) in kept else None
+            return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
         return where
 
     def _cut(self, sd: dict, where) -> dict:
@@ -289,7 +289,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>'] = (shape, dtype)
         of each saved tensor (the checkpoint's metadata); read(targets) fills this rank's pieces in place
         (torch.distributed.checkpoint.load, a collective), and they become the state."""
-        state = {idx: dict(st) for idx, st in rest["state"].items()}
+        state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
         for key, (shape, dtype) in shapes.items():
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
@@ -550,7 +550,7 @@ class DistMuonAdamW(MuonAdamW):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size)
+        sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size, cut="rows")
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -559,7 +559,10 @@ class DistMuonAdamW(MuonAdamW):
         if shard is None:
             raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full (world-size-independent) "
                              "state with load_full_state_dict()")
-        if shard != dict(rank=self.rank, world_size=self.world_size):
+        if shard.get("cut") != "rows":  # before AdamW params were cut in whole rows
+            raise ValueError("this shard was saved by an older nanomuon, which cut AdamW params elsewhere; save the "
+                             "state there with full_state_dict() and load that with load_full_state_dict()")
+        if shard != dict(rank=self.rank, world_size=self.world_size, cut="rows"):
             raise ValueError(f"this shard was saved by rank {shard['rank']} of {shard['world_size']}, but this is rank "
                              f"{self.rank} of {self.world_size}; to change world size, save with full_state_dict() "
                              "and load with load_full_state_dict()")

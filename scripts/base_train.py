@@ -9,7 +9,6 @@ bit for bit, at any process count; one run at a time owns its run dir (README, "
 
 import argparse
 import contextlib
-import errno
 import functools
 import json
 import math
@@ -274,7 +273,10 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     exit_if_any_failed(error)
     # every rank writes its part of each checkpoint there, so every rank must see the directory rank 0 locked
     lock = run_dir / ".lock"
-    seen = lock.read_text().strip() if lock.exists() else f"no {lock}"
+    try:
+        seen = lock.read_text().strip()
+    except OSError as e:
+        seen = f"{lock}: {e.strerror}"
     exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
                             "every process writes its part of each checkpoint into runs/<run>, so put runs/ (or all "
                             "of NANOMUON_BASE_DIR) on a filesystem every node mounts (README, 'Several nodes')")
@@ -448,8 +450,8 @@ def save(run: Run) -> None:
     try:  # every rank writes its pieces; rank 0 the rest, and renames the whole into place
         path = checkpoint.save_checkpoint(run.run_dir, run.step, tensors, meta, files)
         print0(f"saved {path}")
-    except OSError as e:  # a full disk says so itself; earlier checkpoints stay
-        error = e.strerror if e.errno == errno.ENOSPC else f"cannot save step {run.step} in {run.run_dir}: {e}"
+    except OSError as e:  # one line, the same on every rank (a full disk says so); earlier checkpoints stay
+        error = e.strerror
     exit_if_any_failed(error)
 
 
