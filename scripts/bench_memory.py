@@ -55,10 +55,12 @@ def status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}: bench_memory needs Linux")
 
 
-def state_bytes(opt) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # stacked state: one storage, many views
-                for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
+def state_bytes(opt, params=()) -> int:
+    """Bytes of the optimizer state (and params) this rank holds: local blocks of DTensors, each storage once
+    (stacked state: one storage, many views)."""
+    tensors = [*params, *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)}.values())
 
 
 def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
@@ -75,10 +77,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
         p.grad = torch.zeros_like(p)
     opt.step()
     model.zero_grad(set_to_none=True)
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in
-            [*(p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()),
-             *(t.to_local() if isinstance(t, DTensor) else t for st in opt.state.values() for t in st.values()
-               if isinstance(t, torch.Tensor))]}
+    held = state_bytes(opt, model.parameters())
     dist.barrier()
     before = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
@@ -98,7 +97,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
     if dist.get_rank() == 0:  # the next save starts from an empty dir
         shutil.rmtree(args.tmp)
     del opt, model
-    return sum(held.values()), temporaries
+    return held, temporaries
 
 
 def measure(args, variant: str) -> tuple[int, int]:
