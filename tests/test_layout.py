@@ -99,5 +99,6 @@ def test_sizes():
     # 5,900 for issue 19's multi-node start checks (every rank's tokenizer, data and checkpoints, agreed); to 6,275
     # for issue 19's sharded checkpoints (DCP: each rank saves and loads its own pieces at any world size, 165 lines
     # of checkpoint.py with every rank raising alike and whole-tensor checkpoints still loading, 80 of optim.py;
-    # scripts/export.py; bench_memory --checkpoint, which measures a save against the whole-state one in one run)
-    assert sum(lines.values()) <= 6275, f"library + scripts: {sum(lines.values())} lines"
+    # scripts/export.py; bench_memory --checkpoint, which measures a save against the whole-state one in one run);
+    # to 6,300 for issue 20's glibc setting that lets CPU runs reuse freed memory (1.3x faster CPU steps)
+    assert sum(lines.values()) <= 6300, f"library + scripts: {sum(lines.values())} lines"
