@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from nanomuon.common import exit_if_any_failed, exit_unless_ranks_agree, size_str
+from nanomuon.common import exit_unless_ranks_agree, on_every_rank, one_line, size_str
 from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.sharded import load_whole_state
 
@@ -112,13 +112,17 @@ def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     return {**tensors, **{f"optim.{k}": v for k, v in optim_tensors.items()}}, dict(optim=rest)
 
 
-def one_line(e: BaseException) -> str:
-    """e in one line; for DCP's CheckpointException (a traceback per failing rank), the first rank's error."""
-    where = ""
+def _failure(e: BaseException) -> tuple[BaseException, str]:
+    """(the error, where): DCP's CheckpointException holds one per failing rank, with its traceback; the first."""
     if isinstance(e, dcp.api.CheckpointException) and e.failures:
-        rank, (e, _) = next(iter(e.failures.items()))
-        where = f" on rank {rank}"
-    return f"{type(e).__name__}{where}: {' '.join(str(e).split())[:300]}"
+        rank, (first, _) = next(iter(e.failures.items()))
+        return first, f" (rank {rank})"
+    return e, ""
+
+
+def _one_line(e: BaseException) -> str:
+    first, where = _failure(e)
+    return one_line(first) + where
 
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
@@ -157,7 +161,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, 
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_no_space(error), one_line(error))]
+    outcome = [error and (_no_space(error), _one_line(error))]
     if not alone():  # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] and outcome[0][0]:
@@ -306,11 +310,11 @@ def read_meta(d: Path, meta_keys=()) -> dict:
 
 def _corrupt(d: Path, e: BaseException) -> ValueError:
     """A checkpoint that does not read: delete it if its files are bad; not if the machine is (memory, I/O)."""
-    first = next(iter(e.failures.values()))[0] if isinstance(e, dcp.api.CheckpointException) and e.failures else e
+    first = _failure(e)[0]
     if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (isinstance(first, OSError) and
                                                                     not isinstance(first, FileNotFoundError)):
-        return ValueError(f"cannot read checkpoint {d} ({one_line(e)}); fix that and run again")
-    return ValueError(f"checkpoint {d} is incomplete or corrupt ({one_line(e)}); delete {d} and resume from an "
+        return ValueError(f"cannot read checkpoint {d} ({_one_line(e)}); fix that and run again")
+    return ValueError(f"checkpoint {d} is incomplete or corrupt ({_one_line(e)}); delete {d} and resume from an "
                       "earlier step")
 
 
@@ -433,12 +437,7 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
 def load_model(run_dir: Path, step: str | int, device):
     """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under torchrun, as
     base_eval runs: every rank loads). Returns (model, meta)."""
-    error = None
-    try:
-        step, meta = load_step(run_dir, step, ("model_config",))
-    except (FileNotFoundError, ValueError) as e:
-        error = str(e)
-    exit_if_any_failed(error)  # every rank stops, not only the one that cannot read it
+    step, meta = on_every_rank(lambda: load_step(run_dir, step, ("model_config",)))  # all stop, not one
     exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}", "run again when no run saves there")
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))

@@ -38,6 +38,11 @@ def write_atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (hub errors run to several)."""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
 def size_str(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
 
@@ -142,6 +147,19 @@ def exit_if_any_failed(error: str | None) -> None:
     if error:
         compute_cleanup()
         raise SystemExit(f"error: {error}")
+
+
+def on_every_rank(fn):
+    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file, a bad value),
+    every rank stops with the first one's line and where it ran, rather than the others waiting for it forever."""
+    error, out = None, None
+    try:
+        with user_errors():
+            out = fn()
+    except SystemExit as e:
+        error = str(e.code).removeprefix("error: ")
+    exit_if_any_failed(error)
+    return out
 
 
 def exit_unless_ranks_agree(value, what: str, fix: str) -> None:

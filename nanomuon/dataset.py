@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import get_base_dir, write_atomic
+from nanomuon.common import get_base_dir, one_line, write_atomic
 
 DATASETS = ("fineweb-edu", "embedded")
 SPLITS = ("train", "val")
@@ -250,11 +250,6 @@ def check_endpoint(allow_http: bool = False) -> str:
         raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train offline with "
                          f"--dataset embedded ({FIX['fineweb-edu']})")
     return endpoint
-
-
-def one_line(e: Exception) -> str:
-    """An exception as one line: its type and the first line of its message (hub errors run to several)."""
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 def hub_problem(e: Exception) -> tuple[int | None, str]:

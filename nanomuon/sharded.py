@@ -366,8 +366,8 @@ def state_piece(v, how, p: Tensor):
         return empty(v.shape) if v.is_meta else v
     if isinstance(how, slice):
         return empty(how.stop - how.start) if v.is_meta else v.reshape(-1)[how].clone()
-    mesh, placements = how
-    shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, placements)
+    mesh, placements = how  # p's own: its block of v
+    offset, shape, _ = block_of(p)
     block = empty(shape) if v.is_meta else v[_slices(offset, shape)].to(device).clone()
     return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(), run_check=False)
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import write_atomic
-from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards, one_line
+from nanomuon.common import one_line, write_atomic
+from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 HELD_OUT = ("validation", "valid", "val", "dev", "test")  # a source's own val split: the first of these it has

@@ -36,6 +36,7 @@ from nanomuon.common import (
     exit_if_any_failed,
     exit_unless_ranks_agree,
     get_base_dir,
+    on_every_rank,
     peak_flops,
     print0,
     resolve_dtype,
@@ -242,19 +243,6 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
          "of its tokenizer and data with runs/ shared (README, 'Several nodes')")
 
 
-def on_every_rank(fn):
-    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file, a bad value),
-    every rank stops with the first one's line and where it ran, rather than the others waiting for it forever."""
-    error, out = None, None
-    try:
-        with user_errors():
-            out = fn()
-    except SystemExit as e:
-        error = str(e.code).removeprefix("error: ")
-    exit_if_any_failed(error)
-    return out
-
-
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an interrupted
     run left there; every rank stops with one line if it cannot, or if it does not see that directory."""
@@ -307,9 +295,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          "--fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
-    steps = checkpoint.list_steps(run_dir)
     if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
-        args.resume_from_step = "latest" if steps else -1
+        args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
@@ -374,7 +361,7 @@ def resume(run: Run) -> None:
     """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the model,
     the optimizer, the data loader (resharded if the process count changed) and the loop state."""
     args = run.args
-    # every rank reads its own copy: a corrupt one on one node stops all, and 'latest' must pick one step everywhere
+    # every rank checks it: one that cannot read it stops all, and 'latest' must pick one step everywhere
     step, meta = on_every_rank(lambda: checkpoint.load_step(
         run.run_dir, args.resume_from_step, tuple(checkpoint.META_TYPES), warn=print0))
     exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nanomuon.checkpoint import load_checkpoint, load_step, run_arg, step_arg
-from nanomuon.common import get_base_dir, size_str, user_errors
+from nanomuon.common import get_base_dir, size_str, user_errors, write_atomic
 
 
 def main(argv=None) -> Path:
@@ -35,15 +35,15 @@ def main(argv=None) -> Path:
         names = ("model",) if args.model_only else ("model", "optim")
         state, meta = load_checkpoint(run_dir, step, names)
     out = args.out or run_dir / f"export_step_{step:06d}.pt"
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # write, then rename: never a half-written file
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             torch.save(dict(state, meta=meta), f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
+    try:
+        write_atomic(out, write)  # never a half-written file
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        tmp.unlink(missing_ok=True)
         raise SystemExit(f"error: cannot write {out}: {e}") from None
     print(f"wrote {out} ({size_str(out.stat().st_size)}): {' and '.join(names)} of {run_dir} at step {step}")
     return out
