@@ -64,9 +64,9 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
 
 # Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with fused attention (no
 # T x T scores): per layer and unit of width, and per vocabulary entry (the logits). Fitted to the peak RSS of training
-# steps on CPU at d4 and d8 (larger models come out a little under; tests/test_gpt.py checks the bound on CPU,
-# tests/test_cuda.py on a GPU). Compiling saves little per layer, but fuses the softcap and the loss over the logits.
-ACTIVATION_BYTES = {False: (45, 15), True: (36, 5)}  # compiled -> (per layer x width, per vocab entry)
+# steps on CPU at d3 and d4 (d6 and d8 come out 1.2-1.3x over, a 3.5 MB d2 0.83x under; tests/test_gpt.py checks
+# the bound on CPU, tests/test_cuda.py on a GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
+ACTIVATION_BYTES = {False: (50, 3), True: (36, 5)}  # compiled -> (per layer x width, per vocab entry)
 
 
 def train_memory(config: GPTConfig, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
@@ -182,6 +182,52 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+class SoftcapCrossEntropy(torch.autograd.Function):
+    """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of rows at a time, with the
+    gradient made on the way: what eager autograd does in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per
+    element on CPU) this does in cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model
+    keeps the plain expression, which inductor fuses by itself. tests/test_gpt.py checks both against float64."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, cap: float, reduction: str, make_grad: bool):
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'none', not {reduction!r}")
+        n, vocab = logits.shape
+        valid = targets != -1
+        target = targets.masked_fill(~valid, 0).unsqueeze(1)  # other negatives stay, and gather refuses them
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        # d loss / d logit row, in fp32 until its one rounding: (softmax - onehot) * d softcap, times 1/n for the mean
+        count = valid.sum().clamp(min=1).to(dtype)  # all -1: zero gradients, as F.cross_entropy gives
+        scale = valid.unsqueeze(1) * (4 / count if reduction == "mean" else 4.0)
+        grad = torch.empty_like(logits) if make_grad else None  # needs_input_grad ignores no_grad: the caller knows
+        loss = torch.empty(n, dtype=dtype, device=logits.device)
+        rows = max(1, (1 << 18) // vocab)  # 1 MiB of fp32 per block
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            # cap * tanh(l / cap) = 2cap * sigmoid(2l / cap) - cap; the loss ignores the shift, and sigmoid costs a
+            # sixth of tanh on CPU. Its slope is 4 sigmoid(x) sigmoid(-x), x = 2l / cap (not 4 s (1 - s): near
+            # saturation 1 - s keeps few of s's bits).
+            x = logits[a:b].to(dtype, copy=True).mul_(2 / cap)
+            s = torch.sigmoid(x)
+            z = s * (2 * cap)
+            p = torch.softmax(z, dim=1)
+            # logsumexp(z) = max z - log max p, exact, and max p >= 1/vocab cannot underflow
+            loss[a:b] = z.amax(1) - p.amax(1).log_() - z.gather(1, target[a:b]).squeeze(1)
+            if grad is not None:
+                p.scatter_add_(1, target[a:b], p.new_full((b - a, 1), -1.0))
+                grad[a:b] = p.mul_(x.neg_().sigmoid_().mul_(s)).mul_(scale[a:b])
+        loss = loss.where(valid, 0.0)
+        if grad is not None:
+            ctx.save_for_backward(grad)
+            ctx.reduction = reduction
+        return loss.sum() / valid.sum() if reduction == "mean" else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors  # scaled in place: a second backward through the same graph is refused
+        return grad.mul_(grad_loss if ctx.reduction == "mean" else grad_loss.unsqueeze(1)), None, None, None, None
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -226,12 +272,17 @@ class GPT(nn.Module):
         x = norm(self.wte(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
-        logits = self.lm_head(norm(x)).float()
-        logits = self.config.softcap * torch.tanh(logits / self.config.softcap)
+        logits = self.lm_head(norm(x))
+        cap = self.config.softcap
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=loss_reduction)
+            return cap * torch.tanh(logits.float() / cap)
+        logits, targets = logits.view(-1, logits.size(-1)), targets.reshape(-1)
+        if torch.compiler.is_compiling():
+            loss = F.cross_entropy(cap * torch.tanh(logits.float() / cap), targets, ignore_index=-1,
+                                   reduction=loss_reduction)
+        else:
+            loss = SoftcapCrossEntropy.apply(logits, targets, cap, loss_reduction,
+                                             torch.is_grad_enabled() and logits.requires_grad)
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     def num_params(self) -> int:

@@ -151,6 +151,70 @@ def test_generate_greedy_is_deterministic():
     assert a[0] == logits.argmax().item()
 
 
+def softcap_loss_float64(logits, targets, cap, reduction):
+    """The loss as written in the paper trail: softcap with tanh, then cross-entropy, in float64 autograd."""
+    return F.cross_entropy(cap * torch.tanh(logits.double() / cap), targets, ignore_index=-1, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_softcap_cross_entropy_against_float64(dtype, reduction):
+    """The eager loss (sigmoid form, blocks of rows, gradient made in forward) against tanh + cross_entropy in float64:
+    5 rows per block at this vocabulary, so 13 rows are 3 blocks, the last one short; ignored targets; a backward
+    scaled by 3 (grad accumulation divides the loss) and, for 'none', by a different weight per row."""
+    from nanomuon.gpt import SoftcapCrossEntropy
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, cap = (1 << 18) // 5, 13, 15.0
+    logits = (torch.randn(rows, vocab, generator=gen) * 20).to(dtype).requires_grad_()  # some beyond the cap
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[[2, 7]] = -1
+    weight = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
+    ref_logits = logits.detach().double().requires_grad_()
+    ref = softcap_loss_float64(ref_logits, targets, cap, reduction)
+    (ref * 3 if reduction == "mean" else ref @ weight).backward()
+    loss = SoftcapCrossEntropy.apply(logits, targets, cap, reduction, True)
+    (loss * 3 if reduction == "mean" else loss @ weight.to(loss.dtype)).backward()
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=tol, atol=tol)
+    assert logits.grad.dtype == dtype
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=tol, atol=tol * 1e-3)
+    else:  # two roundings to bf16: the fp32 gradient, then its product with the backward's scale
+        err = (logits.grad.double() - ref_logits.grad).abs() / ref_logits.grad.abs().clamp(min=1e-30)
+        assert err.max() <= 2 ** -7 + 1e-5 and err.median() <= 2 ** -9, (err.max(), err.median())  # u = 2 ** -8
+    assert not logits.grad[[2, 7]].any()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # its gradient is scaled in place
+        loss = SoftcapCrossEntropy.apply(logits, targets, cap, "mean", True)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+def test_model_loss_is_the_cross_entropy_of_its_softcapped_logits():
+    """GPT.forward's fused loss equals cross_entropy of the logits it returns without targets, with and without
+    grad (eval computes none), and refuses targets outside the vocabulary; a batch of only -1 targets gives NaN
+    and zero gradients, as F.cross_entropy does."""
+    model = small_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.3)  # logits past the softcap
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    targets = idx.roll(-1, dims=1)
+    targets[0, :5] = -1
+    logits = model(idx)
+    ref = F.cross_entropy(logits.view(-1, 97), targets.view(-1), ignore_index=-1, reduction="none").view(2, 32)
+    torch.testing.assert_close(model(idx, targets, loss_reduction="none"), ref)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx, targets), ref.sum() / (ref.numel() - 5))
+    for bad in (-2, 97):
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            model(idx, targets.index_put((torch.tensor(1), torch.tensor(3)), torch.tensor(bad)))
+    loss = model(idx, torch.full_like(idx, -1))
+    loss.backward()
+    assert loss.isnan() and not any(p.grad.any() for p in model.parameters())
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 def test_compiled_model_equals_eager():

@@ -100,5 +100,6 @@ def test_sizes():
     # for issue 19's sharded checkpoints (DCP: each rank saves and loads its own pieces at any world size, 165 lines
     # of checkpoint.py with every rank raising alike and whole-tensor checkpoints still loading, 80 of optim.py;
     # scripts/export.py; bench_memory --checkpoint, which measures a save against the whole-state one in one run);
-    # to 6,300 for issue 20's glibc setting that lets CPU runs reuse freed memory (1.3x faster CPU steps)
-    assert sum(lines.values()) <= 6300, f"library + scripts: {sum(lines.values())} lines"
+    # to 6,300 for issue 20's glibc setting that lets CPU runs reuse freed memory (1.3x faster CPU steps); to 6,350
+    # for its fused softcap + cross-entropy (gpt.SoftcapCrossEntropy, 45 lines: eager fwd+bwd 7% faster on CPU)
+    assert sum(lines.values()) <= 6350, f"library + scripts: {sum(lines.values())} lines"
