@@ -22,7 +22,9 @@ export PYTHONUNBUFFERED=1
 if [ -z "${MODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
-if ! python -c "import nanomuon, torch, tiktoken, pyarrow, matplotlib" 2>/dev/null; then
+# find_spec, not import: importing torch alone takes 2 s, and the steps below import what they need anyway
+if ! python -c "import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ('nanomuon', 'torch', 'tiktoken', 'pyarrow', 'matplotlib')))"; then
     echo "== installing nanomuon and its dependencies"
     pip install -e .
 fi
