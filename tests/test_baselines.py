@@ -154,4 +154,4 @@ def test_bench_optim_runs(capsys):
 
     main(["--depth", "1", "--steps", "1", "--warmup", "0", "--imbalance-depth", "2"])
     out = capsys.readouterr().out
-    assert "step d1" in out and "MuonAdamW" in out and "torch Muon+AdamW" in out, out
+    assert "step d1" in out and "MuonAdamW" in out and "torch Muon+AdamW" in out and "matmul floor" in out, out
