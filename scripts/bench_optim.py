@@ -102,10 +102,10 @@ COMPARISONS = {
 }
 
 
-def bench_step(args, device, compile, name, rates):
+def bench_step(args, device, compile, name):
     """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW, one comparison, and the
-    floor: each side's Newton-Schulz FLOPs at section 0's bmm rate, the time its matmuls alone would take. Ours
-    at its floor against torch as measured is the lowest ratio the same FLOPs can reach on this device."""
+    floor: the time each side's Newton-Schulz matmuls alone take here, timed as plain bmm (Gram stacks scaled by
+    their FLOPs). Ours at its floor against torch as measured is the lowest ratio those FLOPs can reach here."""
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
     options, torch_precision = COMPARISONS[name]
     ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
@@ -154,12 +154,29 @@ def bench_step(args, device, compile, name, rates):
         print(f"  {label:20s} median {statistics.median(ts) * 1e3:9.1f} ms   min {min(ts) * 1e3:9.1f} ms   "
               f"(all, ms: {', '.join(f'{t * 1e3:.0f}' for t in ts)})")
     print(f"  ratio ours/baseline  {ratio:.3f}   target <= {target}   {verdict(ratio <= target)}")
-    floors = [sum(ns_flops(s, MUON_HP["ns_steps"], s in g) for s in muon_shapes) / rates[p]
+    steps, gen = MUON_HP["ns_steps"], torch.Generator().manual_seed(1)
+    floors = [sum(steps * iteration_bmm(s, NS_DTYPES[p], device, args, gen)
+                  * ns_flops(s[1:], steps, s[1:] in g) / ns_flops(s[1:], steps) for s in stacks_of(muon_shapes))
               for g, p in ((gram, ours_precision), ((), torch_precision))]
-    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms (Newton-Schulz FLOPs "
-          f"at the bmm rate): ours at its floor would be {floors[0] / base_med:.3f} of torch's measured step")
+    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms (each side's "
+          f"Newton-Schulz matmuls alone, as bmm): ours at its floor would be {floors[0] / base_med:.3f} of "
+          "torch's measured step")
     return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, precision=(ours_precision, torch_precision),
                 floor=floors[0] / base_med)
+
+
+def stacks_of(muon_shapes) -> list[tuple]:
+    """The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket."""
+    return [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
+
+
+def iteration_bmm(shape, dtype, device, args, gen) -> float:
+    """Seconds for one standard Newton-Schulz iteration's matmuls on a stack, as plain bmm in the wide
+    orientation (X X^T, A A, A X): what orthogonalize would take with nothing but its matmuls."""
+    K, m, n = shape[0], *sorted(shape[1:])
+    X = torch.randn(K, m, n, generator=gen).to(device, dtype)
+    A = torch.randn(K, m, m, generator=gen).to(device, dtype)
+    return median_time(lambda: (X @ X.mT, A @ A, A @ X), device, args.steps, args.warmup)
 
 
 def bench_ns(args, device, compile, precision):
@@ -170,19 +187,14 @@ def bench_ns(args, device, compile, precision):
     ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
-    # The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket.
-    stacks = [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
+    stacks = stacks_of(muon_shapes)
     gen = torch.Generator().manual_seed(1)
     totals, gram_total = [], 0.0  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
     for shape in stacks:
-        K, m, n = shape[0], *sorted(shape[1:])
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
         t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
-        # Reference: one iteration's matmuls as plain bmm, wide orientation: X X^T, A A, A X.
-        X = torch.randn(K, m, n, generator=gen).to(device, dtype)
-        A = torch.randn(K, m, m, generator=gen).to(device, dtype)
-        t_ref = median_time(lambda X=X, A=A: (X @ X.mT, A @ A, A @ X), device, args.steps, args.warmup)
+        t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
               f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
@@ -193,7 +205,7 @@ def bench_ns(args, device, compile, precision):
                   f"{flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
         gram_total += t_gram if use_gram("auto", shape, steps, dtype) else t_ns
         totals.append((flops, t_ns, ref_flops, t_ref))
-        del G, X, A
+        del G
     tot_flops, tot_ns, tot_ref_flops, tot_ref = map(sum, zip(*totals))
     ns_rate, ref_rate = tot_flops / tot_ns, tot_ref_flops / tot_ref
     ratio = ns_rate / ref_rate
@@ -272,7 +284,7 @@ def main(argv=None):
                  for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
         print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 {gflops(rates['bf16'])}   "
               f"fp32 {gflops(rates['fp32'])}")
-        steps = {c: bench_step(args, device, compile, c, rates) for c in args.compare}
+        steps = {c: bench_step(args, device, compile, c) for c in args.compare}
         ns = {p: bench_ns(args, device, compile, p) for p in args.ns_precision}
     imb = bench_imbalance(args)
 
