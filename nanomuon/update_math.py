@@ -111,7 +111,12 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     (Megatron's 'distributed' mode; with Gram, one reduction per restart instead of one per iteration)."""
     coeffs, safety, eps, dtype, method = ns
     shape = G.shape
-    X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
+    if G.device.type == "cpu" and shard is None and shape[:-2].numel() > 1 and not torch.compiler.is_compiling():
+        # CPU BLAS runs 2-D mm ~10% faster than the same matrices as one bmm (fp32; bf16 square): one at a time
+        return torch.stack([orthogonalize(g, ns) for g in G.reshape(-1, *shape[-2:])]).reshape(shape)
+    X = G.to(dtype)
+    X = X if X.dim() == 2 else X.reshape(shape[:-2].numel(), *shape[-2:])  # an empty slice keeps its batch
+    addmm = torch.addmm if X.dim() == 2 else torch.baddbmm
     tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
     if tall:
         X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
@@ -132,7 +137,7 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
             if i and i % GRAM_RESTART == 0:
                 X, Q = Q @ X, None
                 R = gram(X)
-            P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+            P = addmm(R, R, R, beta=b, alpha=c)
             P.diagonal(dim1=-2, dim2=-1).add_(a)  # p(R) = a I + b R + c R^2
             Q = P if Q is None else Q @ P
             if i + 1 < len(coeffs) and (i + 1) % GRAM_RESTART:
@@ -141,8 +146,8 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     else:
         for a, b, c in coeffs:
             A = gram(X)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+            B = addmm(A, A, A, beta=b, alpha=c)
+            X = addmm(X, B, X, beta=a, alpha=1.0)
     if tall:
         X = X.mT
     return X.reshape(shape)
