@@ -98,7 +98,7 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     triples, norm safety, eps, dtype the iteration runs in, method: 'standard', 'gram' or 'auto'; see use_gram).
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
-    values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls). Both methods work
+    values; two (b)addmm calls fold the scale-and-add into the matmuls (three matmuls). Both methods work
     on the wide orientation (rows <= cols) so the Gram matrix is the smaller one.
     Gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a polynomial
     in R = X X^T, so the iteration runs on m x m matrices: P = p(R), Q <- Q P, R <- P R P, and one final Q X.
