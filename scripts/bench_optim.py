@@ -158,9 +158,8 @@ def bench_step(args, device, compile, name):
     floors = [sum(steps * iteration_bmm(s, NS_DTYPES[p], device, args, gen)
                   * ns_flops(s[1:], steps, s[1:] in g) / ns_flops(s[1:], steps) for s in stacks_of(muon_shapes))
               for g, p in ((gram, ours_precision), ((), torch_precision))]
-    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms (each side's "
-          f"Newton-Schulz matmuls alone, as bmm): ours at its floor would be {floors[0] / base_med:.3f} of "
-          "torch's measured step")
+    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms (Newton-Schulz matmuls"
+          f" alone, as bmm): ours at its floor would be {floors[0] / base_med:.3f} of torch's measured step")
     return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, precision=(ours_precision, torch_precision),
                 floor=floors[0] / base_med)
 
@@ -187,10 +186,9 @@ def bench_ns(args, device, compile, precision):
     ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
-    stacks = stacks_of(muon_shapes)
     gen = torch.Generator().manual_seed(1)
     totals, gram_total = [], 0.0  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
-    for shape in stacks:
+    for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
         t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
