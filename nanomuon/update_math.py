@@ -112,7 +112,7 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     coeffs, safety, eps, dtype, method = ns
     shape = G.shape
     if G.device.type == "cpu" and shard is None and shape[:-2].numel() > 1 and not torch.compiler.is_compiling():
-        # CPU BLAS runs 2-D mm ~10% faster than the same matrices as one bmm (fp32; bf16 square): one at a time
+        # CPU BLAS runs fp32 2-D mm 1.03-1.24x faster than one bmm over a d12 stack (bf16: even): one at a time
         return torch.stack([orthogonalize(g, ns) for g in G.reshape(-1, *shape[-2:])]).reshape(shape)
     X = G.to(dtype) if G.dim() == 2 else G.to(dtype).reshape(shape[:-2].numel(), *shape[-2:])  # keeps an empty batch
     addmm = torch.addmm if X.dim() == 2 else torch.baddbmm
