@@ -184,6 +184,8 @@ def bench_ns(args, device, compile, precision):
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
     ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
+    if compile:  # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
+        torch._dynamo.reset()
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
     gen = torch.Generator().manual_seed(1)
