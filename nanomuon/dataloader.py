@@ -447,7 +447,8 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         sizes = sorted({s["world_size"] for s in states})
         raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
                          f"{[s.get('rank') for s in states]} of world sizes {sizes}")
-    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars")
+    # shuffle_seed decides which document each index names: every new rank must read in the same order
+    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars", "shuffle_seed")
     for key in shared:
         if len({repr(s.get(key)) for s in states}) != 1:
             raise ValueError(f"the saved loader states disagree on {key}: {[s.get(key) for s in states]}")
@@ -470,5 +471,5 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     epoch, doc = frontier[0], frontier[1] + rank
     if doc >= num_docs:  # past the end of the frontier's epoch: start the next one at our own stride
         epoch, doc = epoch + 1, rank
-    return dict({key: states[0][key] for key in shared}, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
+    return dict({key: states[0].get(key) for key in shared}, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
                 backlog=[list(ref) for ref in carry[rank::world_size]], buffer=[], open=[])

@@ -397,24 +397,29 @@ def batches_until(dl, done, limit=3000):
     raise AssertionError("never reached")
 
 
+@pytest.mark.parametrize("seed", [None, 5])
 @pytest.mark.parametrize("new_world", [1, 3, 4])
 @pytest.mark.parametrize("case", ["mid-epoch", "epoch-end", "across-epochs"])
-def test_reshard_trains_every_token_once_per_epoch(corpus, new_world, case):
+def test_reshard_trains_every_token_once_per_epoch(corpus, new_world, case, seed):
     """2 ranks read (rank 0 further than rank 1: a ragged frontier), save, and M new ranks go on from the
     resharded states. The frontier lies mid-epoch, at the last document of epoch 0 (so some new ranks
     start epoch 1), or in epoch 1 while rank 1 is still in epoch 0. Counting every token emitted plus
     every token still buffered at the end, each document must be whole (all its positions counted the
     same number of times n) and n must be the number of epochs it was read in: with the slowest new rank
-    at (e, L), documents below L were read e + 1 times and the others e or e + 1 times."""
+    at (e, L), documents below L were read e + 1 times and the others e or e + 1 times. With a shuffle
+    seed, L and the states' refs count documents in the shuffled order, which every new rank must keep."""
     _, train, _ = corpus
     tok = WordTokenizer()
-    lengths = [len(t.split()) + 1 if t else 0 for t in train]
     n_docs = len(train)
 
     def make(rank, world):
-        return loader(tok, B=2, rank=rank, world=world)
+        return loader(tok, B=2, rank=rank, world=world, shuffle_seed=seed)
 
     probe = make(0, 2)
+    texts = [probe._doc_text(k) for k in range(n_docs)]  # the seed's order: its k-th document
+    assert (texts == train) == (seed is None) and sorted(map(str, texts)) == sorted(map(str, train))
+    index = {int(t.split()[0][1:]) // SCALE: k for k, t in enumerate(texts) if t}  # corpus doc -> k
+    lengths = [len(t.split()) + 1 if t else 0 for t in texts]
     if case == "mid-epoch":
         old_batches = (6, 9)
     elif case == "epoch-end":  # rank 0 stops with the last document of epoch 0 next to read
@@ -430,23 +435,24 @@ def test_reshard_trains_every_token_once_per_epoch(corpus, new_world, case):
     new = []
     for rank in range(new_world):
         dl = make(rank, new_world)
-        dl.load_state_dict(reshard_states(states, rank, new_world))
+        state = reshard_states(states, rank, new_world)
+        assert state["shuffle_seed"] == seed
+        dl.load_state_dict(state)
         new.append(dl)
-    while True:  # read on until every new rank is past the old frontier's epoch, and then some
-        for dl in new:
+    for dl in new:  # each reads on until past the old frontier's epoch, and then some
+        while dl.state_dict()["epoch"] <= states[0]["epoch"] or dl.state_dict()["doc"] <= 60:
             emitted += take(dl, 3)
-        finals = [dl.state_dict() for dl in new]
-        if min(s["epoch"] for s in finals) > states[0]["epoch"] and min(s["doc"] for s in finals) > 60:
-            break
+    finals = [dl.state_dict() for dl in new]
     assert max(s["epoch"] for s in finals) == min(s["epoch"] for s in finals)
     counts = [[0] * n for n in lengths]
     for doc, pos in emitted:
-        counts[doc][pos] += 1
+        counts[index[doc]][pos] += 1
+
     def first_position(ref):  # a continuation's offset counts from its chunk's start (BOS is position 0)
         if len(ref) == 2:
             return 0
         _, doc, chunk, pos = ref
-        return pos + (1 + len(train[doc][:chunk].split()) if chunk else 0)
+        return pos + (1 + len(texts[doc][:chunk].split()) if chunk else 0)
 
     for s in finals:
         for ref in s["backlog"] + s["buffer"] + [r[:4] for r in s["open"]]:
