@@ -4,7 +4,9 @@ conversion script, torch.load in a notebook. Training checkpoints are sharded (e
 pieces through torch.distributed.checkpoint; nanomuon/checkpoint.py); this reads one back whole in a single
 process and writes {"model": the model's state_dict, "optim": the optimizer's world-size-independent state
 (MuonAdamW.full_state_dict() format), "meta": its meta.json}, atomically. It loads with
-torch.load(path, weights_only=True).
+torch.load(path, weights_only=True). --out must be a new path, or a regular file to overwrite
+with --force: the file is written beside it and renamed over it, which would put a file in place
+of a device, FIFO or symlink.
 
     python -m scripts.export --run d20                  # runs/d20/export_step_NNNNNN.pt
     python -m scripts.export --run d20 --step 5000 --model-only --out d20.pt
@@ -12,12 +14,40 @@ torch.load(path, weights_only=True).
 
 import argparse
 import os
+import stat
 from pathlib import Path
 
 import torch
 
 from nanomuon.checkpoint import load_checkpoint, load_step, run_arg, step_arg
 from nanomuon.common import get_base_dir, size_str, user_errors, write_atomic
+
+KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+         (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Stop with one line unless out is a new path in a folder, or a regular file and force."""
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        if not out.parent.is_dir():
+            raise SystemExit(f"error: cannot write {out}: there is no folder {out.parent}; "
+                             "create it first") from None
+        return
+    except OSError as e:  # a parent that is a file, no permission, a name too long
+        raise SystemExit(f"error: cannot write {out}: {e}") from None
+    again = "give another --out: a new path, or a regular file with --force"
+    if stat.S_ISLNK(st.st_mode):
+        raise SystemExit(f"error: {out} is a symlink to {os.readlink(out)}, which export would "
+                         f"replace; {again}")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in KINDS if test(st.st_mode)), "special file")
+        raise SystemExit(f"error: {out} is a {kind}, not a regular file, which export would "
+                         f"replace; {again}")
+    if not force:
+        raise SystemExit(f"error: {out} exists ({size_str(st.st_size)}); add --force to overwrite "
+                         "it, or give another --out")
 
 
 def main(argv=None) -> Path:
@@ -28,19 +58,26 @@ def main(argv=None) -> Path:
                    "export_step_NNNNNN.pt)")
     p.add_argument("--model-only", action="store_true", help="leave out the optimizer state (a third of the size "
                    "with AdamW, half with Muon): enough for inference")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite --out if it is an existing regular file")
     args = p.parse_args(argv)
     run_dir = get_base_dir() / "runs" / args.run
     with user_errors():
         step, _ = load_step(run_dir, args.step)
+    out = args.out or run_dir / f"export_step_{step:06d}.pt"
+    check_out(out, args.force)
+    with user_errors():
         names = ("model",) if args.model_only else ("model", "optim")
         state, meta = load_checkpoint(run_dir, step, names)
-    out = args.out or run_dir / f"export_step_{step:06d}.pt"
 
     def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
+        # a killed export's tmp goes; O_EXCL then refuses a file or symlink planted since
+        tmp.unlink(missing_ok=True)
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             torch.save(dict(state, meta=meta), f)
             f.flush()
             os.fsync(f.fileno())
+        check_out(out, args.force)  # again: out may have changed during the save
     try:
         write_atomic(out, write)  # never a half-written file
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError

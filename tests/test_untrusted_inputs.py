@@ -1,0 +1,111 @@
+"""
+Inputs that someone else may control: export's --out (it must not replace a device, FIFO,
+symlink or, without --force, a file), HF_ENDPOINT (plain http off this machine, however spelled,
+and malformed URLs are refused), and a checkpoint's meta.json (it must not pick the data that
+base_eval reads or downloads).
+"""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(base):
+    """A finished 1-step run, the one all tests here read."""
+    from scripts.base_train import main
+
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "1", "--eval-every", "-1",
+          "--run", "r"])
+    return base / "runs" / "r"
+
+
+def error_line(call) -> str:
+    """The one line a call stops with."""
+    with pytest.raises(SystemExit) as e:
+        call()
+    message = str(e.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def export(*argv):
+    from scripts.export import main
+
+    return main(["--run", "r", "--model-only", *map(str, argv)])
+
+
+# -- export --out ------------------------------------------------------------
+def make_symlink(d: Path) -> Path:
+    (d / "target.pt").write_text("not to be replaced\n")
+    (d / "out.pt").symlink_to(d / "target.pt")
+    return d / "out.pt"
+
+
+def make_device(d: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("making a device node takes root")
+    os.mknod(d / "out.pt", 0o600 | stat.S_IFCHR, os.makedev(1, 7))  # /dev/full's numbers
+    return d / "out.pt"
+
+
+KINDS = {
+    "symlink": (make_symlink, f"is a symlink to {{d}}{os.sep}target.pt"),
+    "dangling-symlink": (lambda d: (d / "out.pt").symlink_to(d / "nowhere") or d / "out.pt",
+                         "is a symlink to {d}"),
+    "fifo": (lambda d: os.mkfifo(d / "out.pt") or d / "out.pt", "is a FIFO, not a regular file"),
+    "directory": (lambda d: (d / "out.pt").mkdir() or d / "out.pt", "is a directory, not a"),
+    "device": (make_device, "is a character device, not a regular file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("force", [False, True])
+def test_export_replaces_only_a_regular_file(run, tmp_path, kind, force):
+    make, phrase = KINDS[kind]
+    out = make(tmp_path)
+    before = {p.name: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in tmp_path.iterdir()}
+    message = error_line(lambda: export("--out", out, *(["--force"] if force else [])))
+    assert phrase.format(d=tmp_path) in message and "give another --out" in message, message
+    after = {p.name: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in tmp_path.iterdir()}
+    assert after == before, "export changed or left files"
+    if kind == "symlink":
+        assert (tmp_path / "target.pt").read_text() == "not to be replaced\n"
+
+
+def test_export_overwrites_a_file_only_with_force(run, tmp_path, capsys):
+    out = tmp_path / "d.pt"
+    out.write_text("precious\n")
+    message = error_line(lambda: export("--out", out))
+    assert f"{out} exists" in message and "add --force to overwrite it" in message, message
+    assert out.read_text() == "precious\n"
+    export("--out", out, "--force")
+    assert torch.load(out, weights_only=True)["meta"]["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.pt"]  # no temporary file left
+    default = export()  # the default path follows the same rule
+    assert default == run / "export_step_000001.pt"
+    assert "add --force" in error_line(export)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_export_needs_an_existing_folder(run, tmp_path):
+    message = error_line(lambda: export("--out", tmp_path / "no" / "d.pt"))
+    assert f"there is no folder {tmp_path / 'no'}; create it first" in message, message
+
+
+def test_export_writes_through_no_planted_temporary_symlink(run, tmp_path):
+    """The temporary file's name is predictable: a symlink planted there is not written through."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    out = tmp_path / "d.pt"
+    out.with_name(f"{out.name}.{os.getpid()}.tmp").symlink_to(victim)
+    export("--out", out)
+    assert victim.read_text() == "keep\n"
+    assert out.is_file() and not out.is_symlink()
+    assert torch.load(out, weights_only=True)["meta"]["step"] == 1
