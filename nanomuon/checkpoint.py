@@ -22,19 +22,24 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
+import stat
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from nanomuon.common import exit_unless_ranks_agree, on_every_rank, one_line, size_str
+from nanomuon.common import exit_unless_ranks_agree, on_every_rank, one_line, size_str, write_atomic
 from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.sharded import load_whole_state
 
@@ -75,6 +80,67 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+# What a DCP index (.metadata) of tensors unpickles to; pickle may build nothing else, so a checkpoint from
+# someone else cannot run code when it is read (DCP's own reader calls plain pickle.load).
+_DCP_META = "torch.distributed.checkpoint.metadata"
+METADATA_CLASSES = {
+    (_DCP_META, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties",
+                                   "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                   "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+# The names DCP's FileSystemWriter gives the data files: a plain name in the checkpoint's own directory.
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_CLASSES or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which no checkpoint index of "
+                                     "tensors holds")
+
+
+def read_index(d: Path):
+    """A checkpoint's DCP index (d/.metadata), unpickled with an allowlist of DCP's metadata classes and
+    checked: tensors only (DCP would torch.load anything else with weights_only=False), stored in plain
+    files of d. ValueError naming the file and what is wrong."""
+    path = Path(d) / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({one_line(e)}): a tampered "
+                         "or foreign checkpoint") from None
+    problems = []
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        problems.append(f"it holds a {type(md).__name__}")
+    else:
+        problems += [f"{k!r} is a {type(v).__name__}, not a tensor" for k, v in md.state_dict_metadata.items()
+                     if not isinstance(v, TensorStorageMetadata)][:1]
+        problems += [f"a piece is stored in {getattr(v, 'relative_path', v)!r}" for v in md.storage_data.values()
+                     if not (isinstance(v, _StorageInfo) and DATA_FILE.match(str(v.relative_path))
+                             and not v.transform_descriptors)][:1]
+    if problems:
+        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({problems[0]}): a tampered or "
+                         "foreign checkpoint")
+    return md
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader, reading its index through read_index."""
+
+    def read_metadata(self, *args, **kwargs):
+        md = read_index(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
 def alone() -> bool:
     """Whether this process runs without torch.distributed (DCP then reads and writes alone)."""
     return not (dist.is_available() and dist.is_initialized())
@@ -83,7 +149,7 @@ def alone() -> bool:
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     """dcp.save or dcp.load of tensors at d, without the warning DCP gives each time it runs in one process."""
     io = dict(storage_writer=dcp.FileSystemWriter(d, sync_files=True)) if fn is dcp.save else \
-        dict(storage_reader=dcp.FileSystemReader(d))
+        dict(storage_reader=SafeReader(d))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
         return fn(tensors, no_dist=no_dist, **io)
@@ -125,6 +191,32 @@ def _one_line(e: BaseException) -> str:
     return one_line(first) + where
 
 
+def file_crc32(path: Path) -> str:
+    """A file's CRC-32 as 8 hex digits: 2 GB/s on one core, enough to catch bytes changed on disk."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def check_sums(d: Path) -> None:
+    """Every file checksums.json lists has the CRC it had when saved, and every tensor file is listed;
+    ValueError naming the first that differs. Checkpoints saved before checksums have no such file."""
+    listed = d / "checksums.json"
+    if not listed.exists():
+        return
+    sums = json.loads(listed.read_text())["crc32"]
+    for name in sorted(f.name for f in d.iterdir() if DATA_FILE.match(f.name)):
+        if name not in sums:
+            raise ValueError(f"{name} is not in checksums.json")
+    for name, crc in sums.items():
+        if not (DATA_FILE.match(name) or name in CHECKPOINT_FILES):
+            raise ValueError(f"checksums.json names {name!r}, not a checkpoint file")
+        if (now := file_crc32(d / name)) != crc:
+            raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved (its bytes changed on disk)")
+
+
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
     """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or whole tensors)
     through DCP, and from rank 0 meta (meta.json) and files (name -> object, torch.save'd to name.pt). A collective
@@ -143,7 +235,9 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, 
             for name, obj in (files or {}).items():
                 with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
                     torch.save(obj, f)
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
+            (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # text, checked on load by check_meta
             for f in tmp.iterdir():
                 _fsync(f)
             _fsync(tmp)
@@ -175,77 +269,161 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, 
     return final
 
 
+# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being replaced
+# (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes in a run dir.
+SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
+ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
+CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
+RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")  # what runs write beside their checkpoints
+
+
+def _looks_like_checkpoint(d: Path) -> bool:
+    """A real directory holding nothing but what save_checkpoint writes."""
+    return not d.is_symlink() and d.is_dir() and all(
+        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name)) and not f.is_symlink() and f.is_file()
+        for f in d.iterdir())
+
+
+def check_links(run_dir: Path) -> None:
+    """Refuse a symlink where a run writes or reads its own files: following it would write to, or read
+    from, whatever it points at. ValueError naming the link and the way out."""
+    run_dir = Path(run_dir)
+    if run_dir.is_symlink():
+        raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be a directory of "
+                         "its own: remove the link, or move the directory there")
+    if not run_dir.is_dir():
+        return
+    for p in sorted(run_dir.iterdir()):
+        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)  # (leftover links: clean_run_dir unlinks them)
+        inner = [f for f in p.iterdir() if f.is_symlink()] if STEP_DIR.match(p.name) and p.is_dir() else []
+        link = p if p.is_symlink() and ours else (inner[0] if inner else None)
+        if link is not None:
+            raise ValueError(f"{link} is a symlink (to {os.readlink(link)}); nanomuon reads and writes only "
+                             f"real files in a run dir: replace it with a copy (cp -L), or remove it")
+
+
+def record_loop(run_dir: Path, step: int, loop: dict) -> None:
+    """Put the loop state into a saved step's meta.json (rank 0): an eval run after the save is then part
+    of the checkpoint, and a resume from it does not run it again."""
+    d = step_dir(run_dir, step)
+    meta = read_meta(d)
+    meta["loop"] = loop
+    write_atomic(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+
+
 def clean_run_dir(run_dir: Path) -> list[str]:
-    """Clear what an interrupted run left in run_dir (call it holding the lock): half-written checkpoints
-    are deleted, a step whose re-save died between its two renames gets its old checkpoint back, and
-    stray temporary files go. Returns one line per thing done."""
+    """Clear what an interrupted save of ours left in run_dir (call it holding the lock): half-written
+    checkpoints are deleted, a step whose re-save died between its two renames gets its old checkpoint
+    back. Only our exact names, and only directories that hold nothing but checkpoint files: anything
+    else is the user's. Returns one line per thing done."""
     run_dir, done = Path(run_dir), []
     if not run_dir.is_dir():
         return done
-    for d in sorted(run_dir.glob(".tmp_old_step_*")):
-        final = run_dir / d.name[len(".tmp_old_"):].rsplit("_", 1)[0]
-        if not final.exists() and STEP_DIR.match(final.name):
-            os.replace(d, final)
-            done.append(f"restored {final.name} from {d.name} (a re-save was interrupted)")
-    for junk in sorted([*run_dir.glob(".tmp_*"), *run_dir.glob("*.tmp")]):
-        size = sum(f.stat().st_size for f in junk.rglob("*") if f.is_file()) if junk.is_dir() else junk.stat().st_size
-        shutil.rmtree(junk) if junk.is_dir() else junk.unlink()
-        done.append(f"removed {junk.name} ({size_str(size)}) left by an interrupted save")
+    for d in sorted(run_dir.iterdir()):
+        m = SAVE_LEFTOVER.match(d.name)
+        if m and m.group(1) == "old_" and not step_dir(run_dir, int(m.group(2)[5:])).exists() \
+                and _looks_like_checkpoint(d):
+            os.replace(d, run_dir / m.group(2))
+            done.append(f"restored {m.group(2)} from {d.name} (a re-save was interrupted)")
+        elif m and (_looks_like_checkpoint(d) or d.is_symlink()):
+            size = 0 if d.is_symlink() else sum(f.stat().st_size for f in d.iterdir())
+            d.unlink() if d.is_symlink() else shutil.rmtree(d)
+            done.append(f"removed {d.name} ({size_str(size)}) left by an interrupted save")
+        elif ATOMIC_LEFTOVER.match(d.name) and (d.is_symlink() or d.is_file()):
+            d.unlink()
+            done.append(f"removed {d.name} left by an interrupted write")
     return done
 
 
-_LOCKS = {}  # run dir -> open lock file: the lock lives as long as the file stays open
+def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
+    """Delete all but the `keep` newest checkpoints, oldest first (rank 0, holding the lock). Each goes by a
+    rename to a leftover name first, so a kill at any moment leaves the newer ones whole, and the next
+    start removes the rest. Returns one line per checkpoint removed."""
+    run_dir, done = Path(run_dir), []
+    for s in list_steps(run_dir)[:-keep] if keep > 0 else []:
+        doomed = run_dir / f".tmp_pruned_{step_dir(run_dir, s).name}"
+        os.replace(step_dir(run_dir, s), doomed)
+        shutil.rmtree(doomed)
+        done.append(f"removed the checkpoint of step {s} (--keep-checkpoints {keep})")
+    if done:
+        _fsync(run_dir)
+    return done
+
+
+_LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
     """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it.
-    Returns a note when the previous holder died without releasing it (the kernel freed its lock)."""
+    The lock is a flock on the run dir itself, which no file deletion can take away, and which the kernel
+    drops when the process dies: never stale. .lock says who holds it. Returns a note when the previous
+    holder died without releasing it."""
     run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
+    check_links(run_dir)
     while True:
         run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            f = open(path, "a+")  # noqa: SIM115 (held open: the lock lives as long as the file)
-        except FileNotFoundError:  # the holder removed the empty run dir as it let go
-            continue
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end (or stop it), or "
-                               "pick another --run") from None
-        with contextlib.suppress(FileNotFoundError):  # the holder unlinks the file as it lets go: a lock
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:  # on an unlinked file locks nothing
+            os.close(fd)
+            holder = _read_small(path) or "another process"
+            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end (or stop it), "
+                               "or pick another --run") from None
+        with contextlib.suppress(FileNotFoundError):  # the holder removes an empty run dir as it lets go
+            if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
                 break
-        f.close()
-    f.seek(0)
-    previous = f.read().strip()
-    f.truncate(0)  # "a+": the write below goes to the (new) end
-    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
-            f"({' '.join(sys.argv)[:200]})\n")
-    f.flush()
-    os.fsync(f.fileno())  # the other nodes read it (base_train checks that they see this run dir)
-    _LOCKS[run_dir] = f
+        os.close(fd)
+    previous = _read_small(path)
+    line = (f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+            f"({' '.join(sys.argv)[:200]})")
+    _write_text_atomic(path, line + "\n")  # a rename: replaces a link at .lock, never writes through it
+    _fsync(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
+    _LOCKS[run_dir] = (fd, line)
     return f"note: {path} was left by {previous}, which is no longer running; taking over" if previous else None
 
 
+def _read_small(path: Path) -> str:
+    """A small text file of ours, read without following a symlink ('' if absent or not ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(fd, errors="replace") as f:
+        return f.read(1000).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def unlock_run_dir(run_dir: Path) -> None:
-    """Release the lock taken by this process, if any: the lock file goes, and the run dir too if nothing
-    else is in it (a run that failed at start leaves nothing behind)."""
-    f = _LOCKS.pop(Path(run_dir), None)
-    if f is not None:
-        os.unlink(Path(run_dir) / ".lock")  # while still holding it (see lock_run_dir)
-        f.close()
-        with contextlib.suppress(OSError):
-            Path(run_dir).rmdir()
+    """Release the lock taken by this process, if any: .lock goes if it still names us (never another
+    run's), and the run dir too if nothing else is in it (a run that failed at start leaves nothing)."""
+    fd, line = _LOCKS.pop(Path(run_dir), (None, None))
+    if fd is None:
+        return
+    path = Path(run_dir) / ".lock"
+    if _read_small(path) == line:
+        path.unlink(missing_ok=True)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        Path(run_dir).rmdir()
 
 
 def list_steps(run_dir: Path) -> list[int]:
     """Steps with a complete checkpoint in run_dir, ascending."""
     if not Path(run_dir).is_dir():
         return []
-    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
+    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
+                  if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
 
 
 def run_arg(s: str) -> str:
@@ -325,7 +503,7 @@ def _whole_format(d: Path) -> bool:
 
 def _saved_tensors(d: Path) -> dict:
     """name -> (shape, dtype) of every tensor in a sharded checkpoint (its DCP .metadata)."""
-    md = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+    md = read_index(d).state_dict_metadata
     return {k: (tuple(m.size), m.properties.dtype) for k, m in md.items() if hasattr(m, "chunks")}
 
 
@@ -338,12 +516,13 @@ def check_files(d: Path) -> None:
                 torch.load(d / f"{name}.pt", mmap=True, weights_only=True)
             return
         ends = {}
-        for info in dcp.FileSystemReader(d).read_metadata().storage_data.values():
+        for info in read_index(d).storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         for name, end in ends.items():
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
         torch.load(d / "optim.pt", mmap=True, weights_only=True)
+        check_sums(d)
     except Exception as e:  # torch and pickle raise several types for truncated or foreign files
         raise _corrupt(d, e) from e
 
@@ -411,6 +590,7 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
     """Pick a step number or 'latest' -> (step, meta), its meta and files checked (check_files). 'latest' falls
     back to the newest checkpoint that checks out, warn()ing about each one skipped, so that restarted jobs
     recover from a corrupt last save; a step given by number must check out."""
+    check_links(run_dir)
     steps = list_steps(run_dir)
     if not steps:
         raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and NANOMUON_BASE_DIR), or train "

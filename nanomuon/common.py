@@ -31,6 +31,7 @@ def write_atomic(path: Path, write) -> None:
     """write(tmp_path), then rename into place, so readers never see a half-written file. The temporary
     name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a link left at that name would be written through
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -132,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250, help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
     p.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (-1: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="the newest checkpoints kept after each save, "
+                   "older ones deleted (two: a corrupt newest still leaves one); -1: keep all")
     p.add_argument("--resume-from-step", type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
                    default=-1, help="continue the run from this checkpoint: a step number, 'latest', or 'auto' "
                    "(latest if there is one, else start fresh: for torchrun --max-restarts); -1: start fresh")
@@ -148,6 +150,7 @@ def parse_args(argv=None):
           "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
         (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
+        (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
         (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip", "lr_multiplier"],
          lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -253,7 +256,7 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
             held.callback(checkpoint.unlock_run_dir, run_dir)
             for line in filter(None, [note, *checkpoint.clean_run_dir(run_dir)]):
                 print0(line)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # in use; a symlink where the run writes
             error = str(e)
         except OSError as e:
             error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point NANOMUON_BASE_DIR at a writable "
@@ -274,15 +277,18 @@ def check_disk(run: Run) -> None:
     """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first save."""
     need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)  # weights + optimizer states
                for g in run.optimizer.param_groups for p in g["params"])
-    error, saves = None, 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
+    saves = 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
+    keep = run.args.keep_checkpoints
+    saves, error = saves if keep == -1 else min(saves, keep + 1), None  # +1: saved before the oldest goes
     if run.rank == 0:
         free = shutil.disk_usage(run.run_dir).free
         if free < need:
             error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} has "
                      f"{size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a bigger disk")
         elif free < need * saves:
-            print0(f"warning: {saves} checkpoints of about {size_str(need)} each will not all fit in the "
-                   f"{size_str(free)} free on the disk of {run.run_dir}")
+            print0(f"warning: {saves} checkpoints of about {size_str(need)} each (--keep-checkpoints "
+                   f"{keep}, and the one being saved) will not all fit in the {size_str(free)} free on the "
+                   f"disk of {run.run_dir}")
     exit_if_any_failed(error)
 
 
@@ -376,7 +382,8 @@ def resume(run: Run) -> None:
                             f"{get_base_dir() / 'tokenizer'})")
         # the process count and --device-batch-size may change (whole optimizer state, resharded loader
         # states, the same --total-batch-size); a new --eval-tokens would mix two val sets in one history
-        for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer", "eval_tokens"):
+        for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer", "eval_tokens",
+                    "data_seed"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
             if saved != getattr(args, key):
                 problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
@@ -414,6 +421,8 @@ def evaluate(run: Run) -> None:
     run.model.train()
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
+    if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):  # saved just before
+        checkpoint.record_loop(run.run_dir, run.step, run.loop)
     print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")
     if run.wandb:
         run.wandb.log({"step": run.step, "val/bpb": val_bpb})
@@ -424,7 +433,7 @@ def save(run: Run) -> None:
     if not tensors_finite(run.model.parameters()):  # a collective: every rank agrees
         compute_cleanup()
         raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not checkpointing it. "
-                         "Resume from the last checkpoint (--resume-from-step latest) with lower lrs")
+                         f"{where_to_resume(run).capitalize()} with lower lrs")
     tensors, files = checkpoint.state_of(run.model, run.optimizer)  # this rank's pieces
     mine = run.train_loader.state_dict()
     loader_states = [mine] * run.world_size  # one process: its own state
@@ -437,9 +446,21 @@ def save(run: Run) -> None:
     try:  # every rank writes its pieces; rank 0 the rest, and renames the whole into place
         path = checkpoint.save_checkpoint(run.run_dir, run.step, tensors, meta, files)
         print0(f"saved {path}")
+        if run.rank == 0:
+            for line in checkpoint.prune_checkpoints(run.run_dir, run.args.keep_checkpoints):
+                print0(line)
     except OSError as e:  # one line, the same on every rank (a full disk says so); earlier checkpoints stay
         error = e.strerror
     exit_if_any_failed(error)
+
+
+def where_to_resume(run: Run) -> str:
+    """The way back for a run that stopped: its newest checkpoint, or none."""
+    steps = checkpoint.list_steps(run.run_dir)
+    if not steps:
+        return "there is no checkpoint yet: start the run afresh"
+    return f"resume from its last checkpoint, {checkpoint.step_dir(run.run_dir, steps[-1])} " \
+           "(--resume-from-step latest),"
 
 
 def train(run: Run) -> None:
@@ -469,12 +490,13 @@ def train(run: Run) -> None:
     while True:
         step = run.step
         last = step == run.num_iterations
-        # a resumed run already evaluated its checkpoint step before saving it
+        # Save first: a failing eval then loses nothing. A resumed run's step is saved already, and
+        # its eval too if it got that far (evaluate records it in the checkpoint).
+        if step != start_step and (last or (args.save_every > 0 and step % args.save_every == 0)):
+            save(run)
         evaluated = resumed and step == start_step and any(s == step for s, _ in loop["val_history"])
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
             evaluate(run)
-        if last or (args.save_every > 0 and step % args.save_every == 0 and step != start_step):
-            save(run)
         if last:
             break
 
@@ -519,24 +541,25 @@ def train(run: Run) -> None:
             if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
                 compute_cleanup()
                 raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
-                                 "non-finite loss or gradients: the run diverged. Resume from the last checkpoint "
-                                 "(--resume-from-step latest) with lower lrs (--matrix-lr, --embedding-lr, "
-                                 "--unembedding-lr) or a warmup (--warmup-ratio)")
+                                 f"non-finite loss or gradients: the run diverged. {where_to_resume(run).capitalize()}"
+                                 " with lower lrs (--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
+                                 "(--warmup-ratio)")
 
         dt = t2 - t0
         if finite and step > start_step + 3:  # the first steps compile and warm up allocators
             run.step_times.append(dt)
             run.optim_times.append(t2 - t1)
             loop["train_time"] += dt
-        beta = 0.9
+        beta, trained = 0.9, step - loop["skipped_steps"]  # the average and its bias correction: trained steps
         if finite:
             loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
-        smooth_loss = loop["smooth_loss"] / (1 - beta ** step)
-        loop["history"].append((step, train_loss))
+            loop["history"].append((step, train_loss))
+        smooth_loss = loop["smooth_loss"] / (1 - beta ** trained) if trained else math.nan
         tok_per_s = args.total_batch_size / dt
         if step % args.log_every == 0 or step == run.num_iterations:
-            line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | loss "
-                    f"{smooth_loss:.4f} | lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
+            shown = f"loss {smooth_loss:.4f}" if finite else "skipped (non-finite)"
+            line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | "
+                    f"{shown} | lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
             if peak:
                 line += f" | mfu {100 * run.flops_per_token * tok_per_s / (peak * run.world_size):.1f}%"
             if args.qk_clip:
@@ -545,7 +568,8 @@ def train(run: Run) -> None:
                 line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
             print0(line)
         if run.wandb:
-            run.wandb.log({"step": step, "train/loss": smooth_loss, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+            logged = {"train/loss": smooth_loss} if finite else {"train/skipped_steps": loop["skipped_steps"]}
+            run.wandb.log({"step": step, **logged, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
     run.train_loader.close()
 
 
@@ -583,6 +607,17 @@ def report(run: Run) -> dict:
     return summary
 
 
+def appended_sections(report: Path) -> list[str]:
+    """The sections other tools appended to a run's report.md (base_eval's), kept when base_train rewrites
+    it at the end of a resumed run."""
+    try:
+        text = report.read_text()
+    except FileNotFoundError:
+        return []
+    at = text.find("\n## base_eval")
+    return text[at:].rstrip("\n").split("\n") if at >= 0 else []
+
+
 def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     lines = [f"# nanomuon base_train report: {args.run}", "", f"- command: `{' '.join(sys.argv)}`",
@@ -609,6 +644,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     if samples:
         lines += ["", "## Samples (greedy)", ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
+    lines += appended_sections(Path(run_dir) / "report.md")
     write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     # the same numbers and curves for programs (scripts.ablate reads them)
     record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params, world_size=world_size,

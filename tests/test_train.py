@@ -223,9 +223,10 @@ def workers_of(pid: int) -> list[int]:
     return [p for p, (_, trains) in parents.items() if p != pid and trains and descends(p)]
 
 
-def wait_for_checkpoints(run_dir, n, job, timeout=240):
+def wait_for_checkpoints(run_dir, step, job, timeout=240):
+    """Until run_dir has a checkpoint of step or later (older ones are pruned as it goes)."""
     deadline = time.time() + timeout
-    while len(list_steps(run_dir)) < n and job.poll() is None and time.time() < deadline:
+    while (list_steps(run_dir) or [-1])[-1] < step and job.poll() is None and time.time() < deadline:
         time.sleep(0.02)
 
 

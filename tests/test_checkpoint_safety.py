@@ -1,0 +1,216 @@
+"""
+Checkpoints and run dirs as untrusted input, and training that loses nothing: a pickle in a checkpoint's
+index never runs, symlinks in a run dir are refused rather than followed, bytes changed on disk are
+caught by checksums, the lock survives a deleted .lock, start-up cleanup removes only what our saves
+left, old checkpoints are pruned, the final checkpoint is saved before the final eval, skipped steps
+print as skipped, and base_eval's report sections survive a resumed base_train.
+"""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_bad_input import GOOD
+
+from nanomuon import checkpoint
+from nanomuon.checkpoint import (
+    clean_run_dir,
+    list_steps,
+    load_checkpoint,
+    load_step,
+    lock_run_dir,
+    prune_checkpoints,
+    save_checkpoint,
+    step_dir,
+    unlock_run_dir,
+)
+
+PAYLOAD = b"cos\nsystem\n(S'touch {marker}'\ntR0"  # runs os.system, then pops its result off the stack
+
+
+def saved(run_dir, *steps):
+    """Small checkpoints of a two-tensor model at these steps, as save_checkpoint writes them."""
+    for s in steps:
+        w = torch.full((64, 32), float(s))
+        save_checkpoint(run_dir, s, {"model.w": w, "model.b": w[0].clone()}, dict(step=s), dict(optim=dict(s=s)))
+    return run_dir
+
+
+def test_a_pickle_in_the_index_never_runs(tmp_path):
+    """An os.system pickle prefixed to a real .metadata (so plain pickle.load would run it and then read
+    the real index) is refused with a line naming the file; 'latest' falls back to the step before."""
+    run_dir, marker = saved(tmp_path / "run", 1, 2), tmp_path / "ran"
+    index = step_dir(run_dir, 2) / ".metadata"
+    index.write_bytes(PAYLOAD.replace(b"{marker}", str(marker).encode()) + index.read_bytes())
+    with pytest.raises(ValueError, match=r"\.metadata is not a checkpoint index nanomuon loads .*os\.system"):
+        load_step(run_dir, 2)
+    warned = []
+    assert load_step(run_dir, "latest", warn=warned.append)[0] == 1 and "step 2 does not load" in warned[0]
+    with pytest.raises(ValueError, match="os.system"):
+        load_checkpoint(run_dir, 2)
+    assert not marker.exists()
+
+
+def test_an_index_may_hold_only_tensors_in_files_of_its_own(tmp_path):
+    """DCP torch.loads a non-tensor entry with weights_only=False, and reads a piece from whatever path
+    the index names: both are refused before anything is read."""
+    d = tmp_path / "bytes"
+    dcp.save({"model.w": torch.ones(3), "model.obj": [1, 2]}, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+    with pytest.raises(ValueError, match="BytesStorageMetadata"):
+        checkpoint.read_index(d)
+    d = tmp_path / "path"
+    dcp.save({"model.w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(d), no_dist=True)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match=r"a piece is stored in '\.\./\.\./etc/passwd'"):
+        checkpoint.read_index(d)
+
+
+def test_bytes_changed_on_disk_are_caught(tmp_path):
+    """Zeros written into the middle of a tensor file (its size unchanged) fail the checksum: a step asked
+    for by number is refused, 'latest' falls back to the one before."""
+    run_dir = saved(tmp_path / "run", 1, 2)
+    data = step_dir(run_dir, 2) / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes(64))
+    with pytest.raises(ValueError, match=r"__0_0\.distcp has CRC-32 \w+, \w+ when it was saved"):
+        load_step(run_dir, 2)
+    assert load_step(run_dir, "latest", warn=lambda _: None)[0] == 1
+
+
+def test_symlinks_in_a_run_dir_are_refused_not_followed(tmp_path):
+    """A link where a run writes (.lock, report.md) or reads (a step dir, a file in one) is refused with a
+    line naming it, before anything is written; the file it points at is untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    for name in (".lock", "report.md", "summary.json"):
+        run_dir = tmp_path / name.strip(".")
+        run_dir.mkdir()
+        (run_dir / name).symlink_to(victim)
+        with pytest.raises(ValueError, match=f"{name} is a symlink"):
+            lock_run_dir(run_dir)
+    assert victim.read_text() == "precious\n"
+
+    run_dir = saved(tmp_path / "run", 1)
+    (run_dir / "step_000002").symlink_to(step_dir(run_dir, 1))
+    with pytest.raises(ValueError, match="step_000002 is a symlink"):
+        load_step(run_dir, "latest")
+    (run_dir / "step_000002").unlink()
+    (step_dir(run_dir, 1) / "optim.pt").rename(tmp_path / "optim.pt")
+    (step_dir(run_dir, 1) / "optim.pt").symlink_to(tmp_path / "optim.pt")
+    with pytest.raises(ValueError, match="optim.pt is a symlink"):
+        load_step(run_dir, 1)
+    (tmp_path / "link").symlink_to(run_dir)
+    with pytest.raises(ValueError, match="link is a symlink"):
+        lock_run_dir(tmp_path / "link")
+
+
+def test_start_up_cleanup_removes_only_what_our_saves_left(tmp_path):
+    """A user's notes.tmp, a .tmp_backup/ copy of a checkpoint and a .tmp_step_N holding a file of theirs
+    stay; a half-written save goes, and a link named like one goes without touching its target."""
+    run_dir = saved(tmp_path / "run", 1)
+    (run_dir / "notes.tmp").write_text("mine")
+    os.system(f"cp -r {step_dir(run_dir, 1)} {run_dir / '.tmp_backup'}")
+    theirs = run_dir / ".tmp_step_000005"
+    theirs.mkdir()
+    (theirs / "thesis.txt").write_text("mine")
+    os.system(f"cp -r {step_dir(run_dir, 1)} {run_dir / '.tmp_step_000002'}")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("mine")
+    (run_dir / ".tmp_step_000003").symlink_to(target)
+    done = clean_run_dir(run_dir)
+    assert len(done) == 2 and all("left by an interrupted save" in line for line in done), done
+    assert sorted(p.name for p in run_dir.iterdir()) == [".tmp_backup", ".tmp_step_000005", "notes.tmp",
+                                                         "step_000001"]
+    assert (target / "keep").read_text() == "mine" and (theirs / "thesis.txt").exists()
+
+
+def test_the_lock_survives_a_deleted_lock_file(tmp_path):
+    """The lock is on the run dir itself: deleting .lock lets no second run in, and a holder never removes
+    a .lock that is no longer its own."""
+    run_dir = tmp_path / "run"
+    assert lock_run_dir(run_dir) is None
+    (run_dir / ".lock").unlink()
+    with pytest.raises(RuntimeError, match="is in use by another process"):
+        lock_run_dir(run_dir)
+    (run_dir / ".lock").write_text("pid 1 on elsewhere\n")  # as another run would have written it
+    unlock_run_dir(run_dir)
+    assert (run_dir / ".lock").read_text() == "pid 1 on elsewhere\n"
+    assert "no longer running; taking over" in lock_run_dir(run_dir)
+    unlock_run_dir(run_dir)
+    assert not run_dir.exists()
+
+
+def test_pruning_keeps_the_newest(tmp_path):
+    """keep=2 leaves the two newest, oldest removed first; a prune killed between its rename and its delete
+    leaves a leftover that the next start removes, never a newer checkpoint."""
+    run_dir = saved(tmp_path / "run", 1, 2, 3, 4)
+    assert prune_checkpoints(run_dir, -1) == [] and list_steps(run_dir) == [1, 2, 3, 4]
+    done = prune_checkpoints(run_dir, 2)
+    assert list_steps(run_dir) == [3, 4] and "step 1" in done[0] and "step 2" in done[1]
+    os.replace(step_dir(run_dir, 3), run_dir / ".tmp_pruned_step_000003")  # killed mid-prune
+    assert clean_run_dir(run_dir) and sorted(p.name for p in run_dir.iterdir()) == ["step_000004"]
+    assert load_checkpoint(run_dir, 4)[0]["model"]["w"].eq(4).all()
+
+
+def run_main(*argv):
+    from scripts.base_train import main
+
+    return main([*GOOD, *argv])
+
+
+def test_the_final_checkpoint_is_saved_before_the_final_eval(base, monkeypatch, capsys):
+    """An eval that dies at the last step leaves the final checkpoint; resuming it runs only the eval, which
+    is then recorded in the checkpoint and in the report. --keep-checkpoints prunes as it goes."""
+    import scripts.base_train as bt
+
+    real = bt.evaluate_bpb
+
+    def dies(*a, **kw):
+        raise RuntimeError("out of memory in the eval")
+    monkeypatch.setattr(bt, "evaluate_bpb", dies)
+    with pytest.raises(RuntimeError, match="out of memory in the eval"):
+        run_main("--run", "final", "--num-iterations", "3", "--save-every", "1")
+    run_dir = base / "runs" / "final"
+    assert list_steps(run_dir) == [2, 3]
+    monkeypatch.setattr(bt, "evaluate_bpb", real)
+    capsys.readouterr()
+    run_main("--run", "final", "--num-iterations", "3", "--save-every", "1", "--resume-from-step", "latest")
+    out = capsys.readouterr().out
+    assert "resumed" in out and "step 00003 | val bpb" in out and "saved" not in out, out
+    meta = json.loads((step_dir(run_dir, 3) / "meta.json").read_text())
+    assert [s for s, _ in meta["loop"]["val_history"]] == [3]
+    assert "| 3 |" in (run_dir / "report.md").read_text()
+
+
+def test_base_eval_sections_survive_a_resumed_base_train(base):
+    run_main("--run", "reported", "--num-iterations", "2")
+    report = base / "runs" / "reported" / "report.md"
+    report.write_text(report.read_text() + "\n## base_eval, step 2\n\n- embedded val bpb: 9.0\n")
+    run_main("--run", "reported", "--num-iterations", "2", "--resume-from-step", "latest")
+    text = report.read_text()
+    assert text.count("## base_eval, step 2") == 1 and text.index("## Validation") < text.index("## base_eval")
+
+
+def test_skipped_steps_print_as_skipped(base, capsys):
+    """Every update skipped (non-finite): no step line shows a loss, and the closing line names no
+    checkpoint that does not exist."""
+    with pytest.raises(SystemExit) as e:
+        run_main("--run", "diverged", "--num-iterations", "30", "--matrix-lr", "1e30", "--max-nonfinite-steps",
+                 "5")
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("step 0")]
+    assert lines and all("skipped (non-finite)" in s for s in lines[1:]), lines
+    assert "There is no checkpoint yet: start the run afresh" in str(e.value.code)
+
+
+def test_a_resume_keeps_the_data_seed(base, capsys):
+    run_main("--run", "seeded", "--num-iterations", "2", "--data-seed", "5", "--save-every", "1")
+    with pytest.raises(SystemExit, match="--data-seed was 5, now None"):
+        run_main("--run", "seeded", "--num-iterations", "2", "--resume-from-step", "1")
