@@ -238,12 +238,33 @@ def _hub():
 
 
 def check_endpoint(allow_http: bool = False) -> str:
-    """The hub endpoint (HF_ENDPOINT), refused if it is plain http to another machine, unless allow_http:
-    anyone on the path could swap the files. Loopback is fine (a local mirror, the tests' fake hub)."""
+    """The hub endpoint (HF_ENDPOINT), refused if it is not a plain https://host[:port][/path] URL,
+    or if it is plain http to another machine, unless allow_http: anyone on the path could swap the
+    files. Loopback is fine (a local mirror, the tests' fake hub)."""
+    import ipaddress
+    import urllib.parse
+
     hub = _hub()
     endpoint = hub.constants.ENDPOINT
-    host = endpoint.partition("://")[2].split("/")[0].rsplit(":", 1)[0]
-    if endpoint.startswith("http://") and host not in ("127.0.0.1", "localhost", "[::1]") and not allow_http:
+    url = urllib.parse.urlsplit(endpoint)
+    try:
+        port_ok = url.port is None or url.port > 0
+    except ValueError:  # not a number in 0..65535
+        port_ok = False
+    # userinfo can disguise the host (http://127.0.0.1:80@evil.com); parsers differ on backslashes
+    if (not port_ok or not url.hostname or "@" in url.netloc or url.query or url.fragment
+            or not endpoint.isprintable() or "\\" in endpoint or " " in endpoint):
+        raise ValueError(f"HF_ENDPOINT {endpoint!r} is not a URL like https://host[:port][/path]: "
+                         "fix or unset it")
+    scheme = url.scheme.lower()
+    if scheme not in ("https", "http"):
+        raise ValueError(f"HF_ENDPOINT {endpoint} is not https: use an https mirror, or unset it "
+                         "for the hub")
+    try:
+        loopback = url.hostname == "localhost" or ipaddress.ip_address(url.hostname).is_loopback
+    except ValueError:  # a host name, not an address
+        loopback = False
+    if scheme == "http" and not loopback and not allow_http:
         raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the shards could be altered in transit; use an "
                          "https mirror, or add --allow-http for a plain-http one you trust")
     if hub.constants.HF_HUB_OFFLINE:

@@ -7,6 +7,8 @@ base_eval reads or downloads).
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,61 @@ def test_export_writes_through_no_planted_temporary_symlink(run, tmp_path):
     assert victim.read_text() == "keep\n"
     assert out.is_file() and not out.is_symlink()
     assert torch.load(out, weights_only=True)["meta"]["step"] == 1
+
+
+# -- HF_ENDPOINT -------------------------------------------------------------
+MALFORMED = ["https://", "http://", "mirror.example", "https://h:abc", "https://h:99999",
+             "https://h:0", "https://h/x?y=1", "https://h/#x", "https://h\n.com",
+             # userinfo and backslashes, which can make a parser see another host than the request
+             "http://127.0.0.1:80@evil.com", "http://localhost@evil.com",
+             "http://evil.com\\@127.0.0.1"]
+PLAIN_HTTP = ["HTTP://mirror.example:8080", "Http://10.0.0.1", "http://mirror.example",
+              "http://127.0.0.1.evil.com", "http://localhost.evil.com",
+              "http://10.0.0.1/127.0.0.1"]
+OTHER_SCHEME = ["ftp://mirror.example", "file://host/x", "HTTPX://mirror.example"]
+GOOD = ["https://huggingface.co", "HTTPS://huggingface.co", "https://mirror.example:8443/hf",
+        "http://127.0.0.1:9", "HTTP://localhost", "http://LocalHost:8080", "http://[::1]:80",
+        "http://127.0.0.2"]
+
+
+def endpoint(monkeypatch, url, allow_http=False):
+    import huggingface_hub.constants
+
+    from nanomuon.dataset import check_endpoint
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    return check_endpoint(allow_http)
+
+
+@pytest.mark.parametrize("allow_http", [False, True])
+def test_endpoint_must_be_a_url_with_a_host(monkeypatch, allow_http):
+    for url in MALFORMED:
+        with pytest.raises(ValueError, match=r"is not a URL like https://host\[:port\]") as e:
+            endpoint(monkeypatch, url, allow_http)
+        assert "\n" not in str(e.value), url
+    for url in OTHER_SCHEME:
+        with pytest.raises(ValueError, match="is not https: use an https mirror"):
+            endpoint(monkeypatch, url, allow_http)
+
+
+def test_endpoint_plain_http_only_on_loopback_or_when_allowed(monkeypatch):
+    for url in PLAIN_HTTP:
+        with pytest.raises(ValueError, match=f"HF_ENDPOINT {url} is not https.*--allow-http"):
+            endpoint(monkeypatch, url)
+        assert endpoint(monkeypatch, url, allow_http=True) == url
+    for url in GOOD:
+        assert endpoint(monkeypatch, url) == url
+
+
+def test_endpoint_upper_case_http_stops_a_download(tmp_path):
+    """The whole path: huggingface_hub reads HF_ENDPOINT at import; one line, nothing fetched."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT="HTTP://mirror.example:8080", HF_HOME=str(tmp_path / "hf"),
+               NANOMUON_BASE_DIR=str(tmp_path))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "nanomuon.dataset", "-n", "1", "--out-dir", str(out)]
+    r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "HF_ENDPOINT HTTP://mirror.example:8080 is not https" in r.stderr
+    assert not out.exists()
