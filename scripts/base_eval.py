@@ -1,5 +1,8 @@
 """
 Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; appends to the run's report.
+It evaluates on the run's own data if that is a built-in source (fineweb-edu, embedded); any other
+source (a local path, a hub dataset) takes an explicit --dataset: a checkpoint may come from
+someone else, and must not pick what is read or downloaded.
 
     python -m scripts.base_eval -- --run d20
     torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --run d20 --eval-tokens 20971520
@@ -7,20 +10,52 @@ Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; 
 
 import argparse
 import os
+import shlex
 
 import torch
 
 from nanomuon.common import DTYPES, compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
 from nanomuon.dataloader import val_rows
+from nanomuon.dataset import DATASETS
 from nanomuon.sources import add_data_args, prepare
 from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
+
+KEYS = ("dataset", "text_column", "val_fraction")
+
+
+def quoted(value) -> str:
+    """value as a word to paste into a shell, or as Python writes it if not printable text."""
+    return shlex.quote(value) if isinstance(value, str) and value.isprintable() else ascii(value)
+
+
+def flags(data) -> str:
+    """data's --dataset, --text-column and --val-fraction, as words to paste into a command."""
+    return " ".join(f"--{k.replace('_', '-')} {quoted(getattr(data, k))}" for k in KEYS
+                    if k == "dataset" or getattr(data, k) is not None)
+
+
+def eval_data(args, meta) -> argparse.Namespace:
+    """The data to evaluate on: --dataset as given, else the run's own if it is a built-in source;
+    anything else is read or downloaded only on the user's say-so. The run's own source, named,
+    comes with the run's --text-column and --val-fraction unless given, so the numbers compare."""
+    own = meta.get("args") if isinstance(meta.get("args"), dict) else {}
+    data = argparse.Namespace(**{k: own.get(k) for k in KEYS})
+    if args.dataset:
+        given = args.text_column is not None or args.val_fraction is not None
+        return args if given or args.dataset != data.dataset else data
+    if data.dataset not in DATASETS:
+        raise SystemExit(f"error: run {args.run}'s checkpoint names --dataset "
+                         f"{quoted(data.dataset)}, which is not built in ({', '.join(DATASETS)}); "
+                         "base_eval reads or downloads other data only when asked: pass --dataset "
+                         f"{quoted(data.dataset)} if you trust it")
+    return data
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint", allow_abbrev=False)
     add_checkpoint_args(p)
-    add_data_args(p, None)  # default: the run's own --dataset, --text-column and --val-fraction
+    add_data_args(p, None)  # default: the run's own data, if built in (eval_data)
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens to score (default: the run's own --eval-tokens, so the numbers compare)")
@@ -34,9 +69,9 @@ def main(argv=None):
         p.error("--text-column and --val-fraction go with --dataset; without it, the run's own data and options")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
-    data_args = args if args.dataset else argparse.Namespace(**{k: meta["args"].get(k) for k in
-                                                                ("dataset", "text_column", "val_fraction")})
+    data_args = eval_data(args, meta)
     dataset = data_args.dataset
+    print0(f"evaluating on {flags(data_args)}" + ("" if data_args is args else ", the run's data"))
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
         data = prepare(dataset, data_args.text_column, data_args.val_fraction)

@@ -5,7 +5,9 @@ and malformed URLs are refused), and a checkpoint's meta.json (it must not pick 
 base_eval reads or downloads).
 """
 
+import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -169,3 +171,71 @@ def test_endpoint_upper_case_http_stops_a_download(tmp_path):
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "HF_ENDPOINT HTTP://mirror.example:8080 is not https" in r.stderr
     assert not out.exists()
+
+
+# -- base_eval's data --------------------------------------------------------
+def edited_run(base, run, name, dataset, **more):
+    """A copy of run whose meta.json names another dataset, as one from someone else may."""
+    copy = base / "runs" / name
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run, copy)
+    meta_path = copy / "step_000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["args"].update(dataset=dataset, **more)
+    meta_path.write_text(json.dumps(meta))
+    return name
+
+
+def base_eval(name, *argv):
+    from scripts.base_eval import main
+
+    return main(["--run", name, "--device-type", "cpu", "--device-batch-size", "4",
+                 "--sample-tokens", "0", *argv])
+
+
+def private_folder(tmp_path) -> Path:
+    d = tmp_path / "private"
+    d.mkdir()
+    for i in range(3):
+        (d / f"doc{i}.txt").write_text(f"private document {i} " * 20)
+    return d
+
+
+@pytest.mark.parametrize("source", ["folder", "hub", "control-characters"])
+def test_base_eval_reads_no_data_a_checkpoint_picks(base, run, tmp_path, monkeypatch, source):
+    import scripts.base_eval
+
+    calls = []
+    monkeypatch.setattr(scripts.base_eval, "prepare", lambda *a: calls.append(a) or "embedded")
+    spec = {"folder": str(private_folder(tmp_path)), "hub": "hf:evil/data",
+            "control-characters": "/tmp/x\n\x1b[2Jy"}[source]
+    name = edited_run(base, run, f"edited-{source}", spec, val_fraction=0.5)
+    message = error_line(lambda: base_eval(name))
+    assert not calls, f"base_eval prepared {calls}"
+    shown = ascii(spec) if source == "control-characters" else spec
+    assert (f"run {name}'s checkpoint names --dataset {shown}, which is not built in "
+            "(fineweb-edu, embedded)") in message, message
+    assert message.endswith(f"pass --dataset {shown} if you trust it"), message
+
+
+def test_base_eval_evaluates_other_data_when_asked(base, run, tmp_path, capsys):
+    """Named, the run's own source comes with its --val-fraction; others with the flags given."""
+    folder = private_folder(tmp_path)
+    name = edited_run(base, run, "edited-asked", str(folder), val_fraction=0.5)
+    own = base_eval(name, "--dataset", str(folder))
+    out = capsys.readouterr().out
+    assert f"evaluating on --dataset {folder} --val-fraction 0.5, the run's data\n" in out, out
+    assert f"{folder} val bpb {own:.4f}" in out
+    base_eval(name, "--dataset", str(folder), "--val-fraction", "0.4")
+    assert f"evaluating on --dataset {folder} --val-fraction 0.4\n" in capsys.readouterr().out
+    base_eval(name, "--dataset", "embedded")
+    assert "evaluating on --dataset embedded\n" in capsys.readouterr().out
+
+
+def test_base_eval_on_the_runs_own_built_in_data_is_unchanged(run, capsys):
+    bpb = base_eval("r")
+    out = capsys.readouterr().out
+    assert "evaluating on --dataset embedded, the run's data" in out, out
+    assert f"embedded val bpb {bpb:.4f}" in out
+    trained = json.loads((run / "summary.json").read_text())["final_val_bpb"]
+    assert bpb == pytest.approx(trained, abs=1e-6)
