@@ -11,6 +11,7 @@ Why its own design rather than a torch DataLoader:
   remainder opens a row `interleave` rows later, so a long document does not fill a micro-batch alone.
 - Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized chunk
   by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the whole text.
+  A piece holds its text only from its second chunk on; reading ahead stops at the epoch's end.
 - Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
   state_dict() still describes the last batch returned.
 - Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus the next
@@ -58,16 +59,16 @@ def chunk_end(text: str, start: int, chunk_chars: int) -> int:
 
 
 class _Piece:
-    """What is left of a document: its current chunk's tokens from `pos` on, and while more chunks follow, its text."""
+    """What is left of a document: its current chunk's tokens from `pos`, where the next chunk
+    starts (None on the last), and its text once that chunk is wanted (waiting pieces hold none)"""
     __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos", "due")
 
-    def __init__(self, epoch, doc, tokens, text=None, chunk=0, next_chunk=0, pos=0):
+    def __init__(self, epoch, doc, tokens, chunk=0, next_chunk=None, pos=0):
         self.epoch, self.doc, self.tokens, self.pos = epoch, doc, tokens, pos
-        self.text, self.chunk, self.next = text, chunk, next_chunk  # text is None on the last chunk
-        self.due = 0  # a continuation: the row it opens
+        self.text, self.chunk, self.next, self.due = None, chunk, next_chunk, 0  # due: row it opens
 
     def left(self) -> float:
-        return len(self.tokens) - self.pos if self.text is None else UNKNOWN
+        return len(self.tokens) - self.pos if self.next is None else UNKNOWN
 
     def ref(self) -> tuple:
         """(epoch, doc) for an untouched document, (epoch, doc, chunk start, token offset) for the rest."""
@@ -139,13 +140,13 @@ class DataLoader:
         self._counts = dict(rows=0, inserted=0, padding=0, skipped_docs=0)
         self.stats = dict(self._counts)
         self.batch_epochs: list[int] = []
-        self._cached = (None, None)  # (window, its texts): sequential reads hit one window at a time
+        self._cached = {}  # window -> texts, 2 last read: to read on, and long texts' next chunks
         self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
     # -- reading --------------------------------------------------------------------------------
     def _doc_text(self, doc: int) -> str | None:
         w = bisect.bisect_right(self.starts, doc) - 1
-        if self._cached[0] != w:
+        if w not in self._cached:
             texts = []
             for fi, rg in self.windows[w]:
                 try:
@@ -156,8 +157,8 @@ class DataLoader:
                 texts += table.column("text").to_pylist()
             if self.shuffle_seed is not None:
                 random.Random(self.shuffle_seed * 1_000_003 + w).shuffle(texts)
-            self._cached = (w, texts)
-        return self._cached[1][doc - self.starts[w]]
+            self._cached = dict([*self._cached.items()][-1:] + [(w, texts)])
+        return self._cached[w][doc - self.starts[w]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
         """Tokens of the chunk of text at start (BOS first for the first chunk), and where it ends."""
@@ -172,19 +173,21 @@ class DataLoader:
             raise ValueError(f"data loader state names token {pos} of the chunk at character {chunk} of document "
                              f"{doc}, which has {len(tokens)} tokens: the data or the tokenizer changed since it "
                              "was saved")
-        return _Piece(epoch, doc, tokens, text if end < len(text) else None, chunk, end, pos)
+        return _Piece(epoch, doc, tokens, chunk, end if end < len(text) else None, pos)
 
     def _read_ahead(self) -> None:
-        """Tokenize the next tokenize_batch documents (the backlog first, then this rank's stride) into the
-        pending queue. Documents without text are skipped and counted."""
+        """Tokenize up to tokenize_batch documents (the backlog, then this rank's stride to its
+        epoch's end) into the pending queue. Documents without text are skipped and counted."""
         fresh, read = [], []  # first chunks to tokenize in one batch; (ref, from backlog, text, first chunk's end)
+        first = self._stream[0]
         for _ in range(self.tokenize_batch):
             if self._backlog:
                 ref, from_backlog = self._backlog.popleft(), True
+            elif self._stream[0] > first:  # a tiny split is not read epochs ahead
+                break
             else:
                 ref, from_backlog = self._stream, False
-                epoch, doc = self._stream
-                doc += self.world_size
+                epoch, doc = ref[0], ref[1] + self.world_size
                 self._stream = (epoch + 1, self.rank) if doc >= self.num_docs else (epoch, doc)
             text = self._doc_text(ref[1])
             if not isinstance(text, str) or not text:
@@ -205,12 +208,12 @@ class DataLoader:
             if end is None:
                 p = self._piece(*ref[:2], text, *ref[2:])
             else:
-                p = _Piece(*ref, array("i", next(encoded)), text if end < len(text) else None, 0, end)
+                p = _Piece(*ref, array("i", next(encoded)), 0, end if end < len(text) else None)
             self._pending.append((from_backlog, p))
 
     def _next_epoch(self) -> int:
         """The epoch of the next document to enter the buffer."""
-        if not self._pending:
+        while not self._pending:  # an epoch without text reads nothing: on
             self._read_ahead()
         return self._pending[0][1].epoch
 
@@ -245,10 +248,11 @@ class DataLoader:
             row.extend(p.tokens[p.pos:p.pos + k])
             p.pos += k
             n -= k
-            if p.pos == len(p.tokens) and p.text is not None:  # on to the document's next chunk
-                p.tokens, end = self._chunk(p.text, p.next)
-                p.chunk, p.next, p.pos = p.next, end, 0
-                p.text = p.text if end < len(p.text) else None
+            if p.pos == len(p.tokens) and p.next is not None:  # on to the document's next chunk
+                text = p.text or self._doc_text(p.doc)  # held from now to the last chunk
+                p.tokens, end = self._chunk(text, p.next)
+                p.chunk, p.pos, p.next = p.next, 0, end if end < len(text) else None
+                p.text = text if p.next is not None else None
         if p.pos < len(p.tokens):
             p.due = self._row + self.interleave
             self._open.append(p)

@@ -230,6 +230,42 @@ def test_a_50mb_document_trains_in_bounded_memory(tmp_path, monkeypatch):
     assert sum(trained.values()) >= rows * 2049 - 2049
 
 
+def test_a_long_document_in_a_tiny_split_is_held_and_read_about_once(tmp_path, monkeypatch):
+    """A split of two documents, one ~80 chunks long, each in its own shard: the loader must hold a
+    small multiple of the long text, not a copy per document read ahead (tokenize_batch documents a
+    call, most of them repeats of the same two), and read each shard at most twice an epoch."""
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+    d = data_dir("fineweb-edu")
+    d.mkdir(parents=True)
+    long_doc = " ".join(f"t{p}" for p in range(1, 99_000))  # doc 0: ~650K characters, ~80 chunks
+    short = "t100001 t100002"
+    for i, texts in enumerate(([long_doc], [short], ["t200000"])):
+        pq.write_table(pa.table({"text": texts}), d / f"shard_{i:05d}.parquet")
+    reads, real = [], pq.ParquetFile.read_row_group
+    count = lambda *a, **k: reads.append(a) or real(*a, **k)
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", count)
+    dl = DataLoader(WordTokenizer(), "fineweb-edu", "train", 2, 64, buffer_size=16,
+                    chunk_chars=8192)
+    docs = [long_doc, short]
+    trained = [[0] * (len(t.split()) + 1) for t in docs]  # allocated before measuring
+    tracemalloc.start()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    try:
+        while True:
+            row, epoch = dl.next_row()
+            if epoch == 2:
+                break
+            for t in row:
+                if t not in (BOS, -1):
+                    trained[t // SCALE][t % SCALE] += 1
+        peak = tracemalloc.get_traced_memory()[1] - base_mem
+    finally:
+        tracemalloc.stop()
+    assert trained == [[2] * (len(t.split()) + 1) for t in docs]  # every token in both epochs
+    assert peak < 4 * len(long_doc), f"peak {peak:,} bytes, the document {len(long_doc):,} chars"
+    assert len(reads) <= 2 * 3 * 2, len(reads)  # 2 documents, 3 epochs begun, at most 2 reads each
+
+
 def test_val_rows_are_a_contiguous_stream_of_whole_documents(corpus):
     _, _, val_docs = corpus
     tok = WordTokenizer()
