@@ -61,7 +61,7 @@ if [ "$MODE" = gpu ]; then
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
         --depth "$DEPTH" --run "$RUN" --device-batch-size "$BATCH" --save-every 2000 --wandb "$WANDB" "$@"
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" \
-        --device-batch-size "$EVAL_BATCH"
+        --dataset "$DATASET" --device-batch-size "$EVAL_BATCH"
     python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
         --max-tokens 64
 else
@@ -79,7 +79,7 @@ else
         --embedding-lr 0.3 --unembedding-lr 0.008 --matrix-lr 0.04 --sample-tokens 24 --log-every 10 \
         --wandb "$WANDB" "$@"
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-type cpu \
-        --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24
+        --dataset "$DATASET" --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24
     python -m scripts.sample --run "$RUN" --device-type cpu --prompt "def main(" --prompt "import" --max-tokens 32
 fi
 

@@ -89,7 +89,13 @@ def main(argv=None):
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:
         report = get_base_dir() / "runs" / args.run / "report.md"
-        with open(report, "a") as f:
+        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # a link there is refused, not followed
+        try:
+            fd = os.open(report, append, 0o644)
+        except OSError as e:
+            raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a regular file of the "
+                             "run's own, not a link") from None
+        with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
             f.flush()
             os.fsync(f.fileno())
