@@ -9,8 +9,9 @@ Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimiz
 and --data-seed both set to the seed (init and data order). Flags this script does not know go to base_train
 after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
 Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
-seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to, the prepared data),
-so a re-run or an interrupted ablation skips them.
+seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to, the
+contents of the train and val shards and of every .py file in nanomuon/ and scripts/, the torch
+version), so a re-run or an interrupted ablation skips them, and an edit of code or data reruns.
 """
 
 import argparse
@@ -23,11 +24,16 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
+import nanomuon
+from nanomuon.checkpoint import run_arg
 from nanomuon.common import DTYPES, check_device_type, get_base_dir, resolve_dtype, user_errors, write_atomic
+from nanomuon.dataset import SPLITS, list_shards
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
@@ -42,6 +48,64 @@ CPU_DEFAULTS = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "4",
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s", "optimizer_share",
         "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
+# The code behind a result: the library and all of scripts/ (base_train, what it imports, and
+# ablate, which decides what a record holds). Not a list of base_train's imports: it would go stale
+# unnoticed when an import is added, and a needless re-run only costs time.
+CODE_DIRS = (Path(nanomuon.__file__).resolve().parent, Path(__file__).resolve().parent)
+RACY_NS = 10**9  # a shard changed this recently may change again within its timestamps' tick
+
+
+def name_arg(s: str) -> str:
+    """argparse type for --name: it prefixes run names and names a folder in ablations/."""
+    if run_arg(s) == "cache":
+        raise argparse.ArgumentTypeError("'cache' holds the finished runs: pick another --name")
+    return s
+
+
+def code_hash(dirs=CODE_DIRS) -> str:
+    """sha256 over the path (from the package up) and the contents of every .py file under dirs."""
+    h = hashlib.sha256()
+    for d in dirs:
+        for p in sorted(d.rglob("[!.]*.py")):  # not an editor's .#lock files: none is imported
+            rel = p.relative_to(d.parent).as_posix()
+            h.update(f"{rel} {hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):  # 16 MB at a time: FineWeb shards are ~100 MB
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def data_fingerprint(name: str, memo: Path) -> str:
+    """sha256 over the names and contents of dataset `name`'s train and val shards. Each shard's
+    hash is kept in `memo` with the size, mtime, ctime and inode it had (a rewrite changes its
+    ctime at least), so GB-sized FineWeb shards are read once, not by every ablate."""
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known, fresh, h, hashed = known if isinstance(known, dict) else {}, {}, hashlib.sha256(), 0
+    for split in SPLITS:
+        for path in list_shards(name, split):
+            st, where = path.stat(), str(path.resolve())
+            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            entry = known.get(where)
+            if not (isinstance(entry, list) and len(entry) == 5 and entry[:4] == stamp):
+                if not hashed:
+                    print(f"== hashing the new or changed shards of {name}", flush=True)
+                entry, hashed = [*stamp, file_sha256(path)], hashed + 1
+                if time.time_ns() - st.st_ctime_ns > RACY_NS:  # else: read again next time
+                    fresh[where] = entry
+            h.update(f"{split} {path.name} {entry[4]}\n".encode())
+    if fresh:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(memo, lambda tmp: tmp.write_text(json.dumps({**known, **fresh})))
+    return h.hexdigest()
 
 
 @functools.cache  # 100k density evaluations; a table asks for the same few df many times
@@ -96,8 +160,9 @@ def fmt(values: list[float], digits: int = 4) -> str:
 def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
     """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
     variant, mult, seed = job
-    key = hashlib.sha256(json.dumps([variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
-                                     cache["tokenizer"], cache["dtype"], cache["data"]]).encode()).hexdigest()[:20]
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
+             *(cache[k] for k in ("tokenizer", "dtype", "data", "code", "torch"))]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     path = cache["dir"] / f"{key}.json"
     label = f"{variant} x{mult:g} seed {seed}"
     if path.exists():
@@ -119,6 +184,9 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
                     print(f"  [{label}] {line}", end="", flush=True)
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last lines:\n{''.join(tail)}")
+    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
+        raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
+                         "cached; run ablate again")
     summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
     record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, multiplier=mult, seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
@@ -191,7 +259,8 @@ def main(argv=None):
                    "is compared at its best")
     p.add_argument("--jobs", type=int, default=0, help="runs at a time (0: one per CPU core for CPU runs of one "
                    "process, else 1)")
-    p.add_argument("--name", default="ablation", help="names the output directory and prefixes the run names")
+    p.add_argument("--name", type=name_arg, default="ablation",
+                   help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -232,12 +301,16 @@ def main(argv=None):
     todo = [(v, m, s) for v in variants for m in mults for s in seeds]
     jobs = min(jobs, len(todo))
     threads = max(1, cores // (jobs * args.nproc))
-    with user_errors():  # prepared once here, not by every run at once; its name says which data (files changed?)
-        data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
-    cache = dict(dir=get_base_dir() / "ablations" / "cache", data=data,
+    cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
+                 torch=torch.__version__,
                  tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"),
                  dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)), run_flags.dtype))
+    with user_errors():  # prepared once here, not by every run at once
+        data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
+        cache["data"] = [data, data_fingerprint(data, cache["dir"] / "shards.json")]
     cache["dir"].mkdir(parents=True, exist_ok=True)
+    print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
+          f"torch {torch.__version__}", flush=True)
     print(f"== {len(todo)} runs ({len(variants)} variants x {len(mults)} lrs x {len(seeds)} seeds), {jobs} at a "
           f"time, {threads} thread(s) each", flush=True)
     with ThreadPoolExecutor(jobs) as pool:

@@ -1,0 +1,240 @@
+"""
+scripts.ablate: its statistics against the t table and against sums redone here, its run cache (a re-run
+launches nothing; an edit of the code, even in a copy of the package, or a rebuild of the data runs
+again), and --name, which must not write outside ablations/.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from test_train import REPO, TINY, child_env
+
+from nanomuon.dataset import build_embedded, data_dir
+
+SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--jobs", "2", *TINY, "--total-batch-size", "256",
+         "--num-iterations", "4", "--eval-every", "2", "--log-every", "4"]
+T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95% two-sided, by df
+
+
+def test_t_quantile_matches_the_t_table():
+    from scripts.ablate import t_quantile
+
+    for df, t in T975.items():
+        assert abs(t_quantile(df) - t) < 1e-3, df
+
+
+def mean_sd_hw(xs):
+    m = sum(xs) / len(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
+    return m, sd, T975[len(xs) - 1] * sd / len(xs) ** 0.5
+
+
+def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
+    """Two variants x two lrs x two seeds, two at a time. Each seed sets the init (and data order) for every
+    variant; the table's best lr, mean ± std [95% CI] and paired verdict are recomputed here from the runs'
+    own summaries; a re-run launches nothing, and a wider sweep launches only its new runs."""
+    from scripts import ablate
+
+    args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--lr-sweep", "1,0.5", "--jobs", "2", *TINY,
+            "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8"]
+    results = ablate.main(args)
+    out = base / "ablations" / "abl"
+    table = (out / "ablation.md").read_text()
+    assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG") and "](val_bpb.png)" in table
+    assert sorted(results) == sorted((v, m, s) for v in ("muon", "adamw") for m in (0.5, 1.0) for s in (1, 2))
+    for (v, m, s), r in results.items():
+        run = json.loads((base / "runs" / f"abl-{v}-x{m:g}-s{s}" / "summary.json").read_text())
+        assert run["optimizer"] == v and run["final_val_bpb"] == r["final_val_bpb"]
+        assert [step for step, _ in run["val_history"]] == [0, 4, 8]
+    step0 = {k: r["val_history"][0][1] for k, r in results.items()}
+    assert len({b for (_, _, s), b in step0.items() if s == 1}) == 1  # one init per seed, whatever the variant
+    assert step0["muon", 1.0, 1] != step0["muon", 1.0, 2]
+    assert results["muon", 0.5, 1]["final_val_bpb"] != results["muon", 1.0, 1]["final_val_bpb"]
+    finals = {(v, m): [results[v, m, s]["final_val_bpb"] for s in (1, 2)] for v, m, _ in results}
+    best = {v: min((0.5, 1.0), key=lambda m: sum(finals[v, m])) for v in ("muon", "adamw")}
+    rows = {}
+    for v in ("muon", "adamw"):
+        m, sd, hw = mean_sd_hw(finals[v, best[v]])
+        rows[v] = next(line for line in table.splitlines() if line.startswith(f"| {v} | {best[v]:g} |"))
+        shown = [float(x) for x in re.search(r"\| ([\d.]+) ± ([\d.]+) \[([-\d.]+), ([-\d.]+)\]", rows[v]).groups()]
+        assert shown == pytest.approx([m, sd, m - hw, m + hw], abs=2e-4)  # the table's t has 3 decimals
+    d, _, hw = mean_sd_hw([a - b for a, b in zip(finals["muon", best["muon"]], finals["adamw", best["adamw"]])])
+    word = "better" if d + hw < 0 else "worse" if d - hw > 0 else "no detectable difference"
+    assert f"{word}: {d:+.4f} bpb" in rows["muon"] and "(baseline)" in rows["adamw"]
+    assert "At the edge of the sweep" in table  # a best of two lrs is always at an edge
+
+    launched = []
+    popen = ablate.subprocess.Popen
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
+    assert ablate.main(args) == results and not launched
+    ablate.main([*args[:7], "0.5,1,2", *args[8:]])
+    assert len(launched) == 4 and all(c[c.index("--lr-multiplier") + 1] == "2.0" for c in launched)
+
+
+@pytest.fixture(scope="module")
+def small(base):
+    """SMALL's two runs, finished and cached in base."""
+    from scripts import ablate
+
+    return ablate.main([*SMALL, "--name", "small"])
+
+
+def files(*roots):
+    return {p for r in roots for p in r.rglob("*") if p.is_file() and p.name != ".build.lock"}
+
+
+@pytest.mark.parametrize("bad", ["../x", "/abs", "", "cache", ".."])
+def test_bad_name_is_refused_in_one_line_before_anything_is_written(base, small, tmp_path, capsys, bad):
+    """With every run cached, nothing else looks at the name: ablation.md and val_bpb.png went where
+    it pointed (base/x, /abs, ablations/ itself, the cache folder)."""
+    from scripts import ablate
+
+    bad = str(tmp_path / "abs") if bad == "/abs" else bad
+    before = files(base, tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ablate.main([*SMALL, "--name", bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and f"error: argument --name: {bad!r}" in err[-1], err
+    assert "Traceback" not in "".join(err) and files(base, tmp_path) == before
+
+
+def test_code_hash_covers_every_file_by_contents(tmp_path):
+    from scripts.ablate import code_hash
+
+    dirs = [tmp_path / "nanomuon", tmp_path / "scripts"]
+    for d in dirs:
+        shutil.copytree(REPO / d.name, d, ignore=shutil.ignore_patterns("__pycache__"))
+    math_py = dirs[0] / "update_math.py"
+    text, h = math_py.read_text(), code_hash(dirs)
+    math_py.write_text(text.replace("8.156554524902461", "8.0", 1))
+    assert code_hash(dirs) != h
+    math_py.write_text(text)
+    assert code_hash(dirs) == h
+    (dirs[1] / "new.py").write_text('"""a new script"""\n')
+    assert code_hash(dirs) != h
+
+
+def key_line(out: str) -> tuple[str, str]:
+    return re.search(r"^== cache key: code ([0-9a-f]{12}), data ([0-9a-f]{12}) ", out, re.M).groups()
+
+
+def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
+    """ablate from a copy of the package: unedited, its runs are cached; with one Polar Express
+    coefficient changed, they run again (muon's result moves, so the edited copy ran)."""
+    for d in ("nanomuon", "scripts"):
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = [sys.executable, "-m", "scripts.ablate", *SMALL, "--name", "edit"]
+    summary = base / "runs" / "edit-muon-x1-s1" / "summary.json"
+
+    def ablate():
+        p = subprocess.run(cmd, cwd=tmp_path, env=child_env(base), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+
+    ablate()  # cached unless the checkout changed since `small` ran
+    first = ablate()
+    assert first.count(": cached (") == 2
+    math_py = tmp_path / "nanomuon" / "update_math.py"
+    text = math_py.read_text()
+    assert text.count("(8.156554524902461, ") == 1
+    math_py.write_text(text.replace("(8.156554524902461, ", "(8.0, "))
+    edited = ablate()
+    assert "cached" not in edited and edited.count("-m scripts.base_train") == 2, edited
+    assert key_line(edited)[0] != key_line(first)[0] and key_line(edited)[1] == key_line(first)[1]
+    bpb = json.loads(summary.read_text())["final_val_bpb"]
+    assert bpb != json.loads((base / "runs" / "small-muon-x1-s1" / "summary.json").read_text())["final_val_bpb"]
+
+
+@pytest.fixture
+def base_copy(base, small, tmp_path, monkeypatch):
+    """A base dir with base's data, tokenizer and ablate cache, at other paths."""
+    copy = tmp_path / "base"
+    for sub in ("data", "tokenizer", "ablations/cache"):
+        shutil.copytree(base / sub, copy / sub)
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(copy))
+    return copy
+
+
+def test_another_split_of_the_data_reruns(base_copy, monkeypatch, capsys):
+    """The embedded corpus rebuilt with another --shard-chars (another train/val split) is other data."""
+    from scripts import ablate
+
+    launched = []
+    popen = ablate.subprocess.Popen
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
+    ablate.main([*SMALL, "--name", "split"])  # cached unless the checkout changed since `small` ran
+    launched.clear()
+    ablate.main([*SMALL, "--name", "split"])
+    assert not launched
+    before = capsys.readouterr().out
+    build_embedded(data_dir("embedded"), shard_chars=2_000_000)
+    ablate.main([*SMALL, "--name", "split"])
+    assert len(launched) == 2, "results of the old split answered for the new one"
+    (code, data), after = key_line(before), key_line(capsys.readouterr().out)
+    assert after[0] == code and after[1] != data
+
+
+def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
+    """The same shards at other paths are the same data; a byte changed in place, with the size and
+    mtime kept, is other data; an unchanged shard is not read again, unless it changed so recently
+    that it could change again with the same timestamps."""
+    from scripts import ablate
+
+    monkeypatch.setattr(ablate, "RACY_NS", -1)  # every shard's last change is long past
+    memo = base_copy / "memo.json"
+    first = ablate.data_fingerprint("embedded", memo)
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(base))
+    assert ablate.data_fingerprint("embedded", base_copy / "other.json") == first
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(base_copy))
+    val = data_dir("embedded") / json.loads((data_dir("embedded") / "manifest.json").read_text())["val_shard"]
+    st, data = val.stat(), bytearray(val.read_bytes())
+    data[len(data) // 2] ^= 1
+    with open(val, "r+b") as f:
+        f.write(data)
+    os.utime(val, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert val.stat().st_size == st.st_size and val.stat().st_mtime_ns == st.st_mtime_ns
+    hashed = []
+    file_sha256 = ablate.file_sha256
+    monkeypatch.setattr(ablate, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    changed = ablate.data_fingerprint("embedded", memo)
+    assert changed != first and hashed == [val]
+    assert ablate.data_fingerprint("embedded", memo) == changed and hashed == [val]
+    monkeypatch.setattr(ablate, "RACY_NS", 10**18)  # every shard changed a moment ago
+    hashed.clear()
+    for _ in range(2):
+        assert ablate.data_fingerprint("embedded", base_copy / "racy.json") == changed
+    assert len(hashed) == 2 * len(list(data_dir("embedded").glob("*.parquet")))
+    assert not (base_copy / "racy.json").exists()
+
+
+class Finished:
+    """A run that succeeds at once (it stands in for base_train: only what ablate does after counts)."""
+    stdout, returncode = (), 0
+
+    def __init__(self, cmd, **kw):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_code_edit_during_the_runs_caches_nothing(base_copy, monkeypatch):
+    """Runs launched after an edit import the new code: their results must not go under the old key."""
+    from scripts import ablate
+
+    hashes = iter(["before"] + ["after"] * 10)
+    monkeypatch.setattr(ablate, "code_hash", lambda: next(hashes))
+    monkeypatch.setattr(ablate.subprocess, "Popen", Finished)
+    cached = files(base_copy / "ablations" / "cache")
+    with pytest.raises(SystemExit, match="changed while .* ran, so it is not cached; run ablate again"):
+        ablate.main([*SMALL, "--name", "mid"])
+    assert files(base_copy / "ablations" / "cache") == cached
