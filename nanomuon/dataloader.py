@@ -33,7 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nanomuon.dataset import list_shards, open_shard
+from nanomuon.dataset import DATASETS, data_dir, list_shards, open_shard
+from nanomuon.sources import hold
 
 log = logging.getLogger("nanomuon")
 SHUFFLE_WINDOW = 8  # row groups whose documents a shuffle_seed mixes: the embedded corpus's 7, 8,192 FineWeb docs
@@ -65,7 +66,7 @@ class _Piece:
 
     def __init__(self, epoch, doc, tokens, chunk=0, next_chunk=None, pos=0):
         self.epoch, self.doc, self.tokens, self.pos = epoch, doc, tokens, pos
-        self.text, self.chunk, self.next, self.due = None, chunk, next_chunk, 0  # due: row it opens
+        self.text, self.chunk, self.next, self.due = None, chunk, next_chunk, 0  # due: its row
 
     def left(self) -> float:
         return len(self.tokens) - self.pos if self.next is None else UNKNOWN
@@ -105,6 +106,8 @@ class DataLoader:
         self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
         self.interleave, self.prefetch, self.shuffle_seed = interleave, prefetch, shuffle_seed
         self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
+        # a prepared source: a shared lock, so that prepare() does not remove it while it is read
+        self._held = None if dataset in DATASETS else hold(data_dir(dataset))
         self.files = list_shards(dataset, split)
         # Row-group index from the parquet footers, in windows of row groups read together: ([(file, row group)],
         # first global doc, docs). Unshuffled, a window is one row group.

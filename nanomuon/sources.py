@@ -10,14 +10,17 @@ every source. (README, "Train on your own data".)
   locally, files or folders whose names start with those words), else a deterministic --val-fraction of the
   documents: every one whose running count crosses a multiple of 1 / fraction, so evenly spread, at least one.
 - Cache: $NANOMUON_BASE_DIR/data/source/<name>-<hash>. The hash covers the source, the column, the fraction
-  and each local file's path, size and mtime: edit a file and the next run prepares it again (and a resumed
-  run refuses the changed data). A hub source is pinned to the commit it was first prepared from; once it is
-  prepared, nothing touches the network.
+  and each local file's path and contents (blake2b, read again only when the file's size, mtime,
+  ctime or inode changed): edit a file and the next run prepares it again (and a resumed run
+  refuses the changed data); touch it and nothing changes. A new preparation removes the older
+  ones of the same source that no data loader reads. A hub source is pinned to the commit it was
+  first prepared from; once it is prepared, nothing touches the network.
 - Text files are one document each, read as UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1; files
   with NUL bytes and no BOM are binary and skipped; both are counted.
 """
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
@@ -33,7 +36,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import one_line, write_atomic
+from nanomuon.common import get_base_dir, one_line, write_atomic
 from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
@@ -41,6 +44,10 @@ HELD_OUT = ("validation", "valid", "val", "dev", "test")  # a source's own val s
 DEFAULT_VAL_FRACTION = 0.01
 SHARD_CHARS = 32_000_000  # characters per prepared shard: ~30 MB of parquet, ~100 MB of Python strings to write
 VERSION = 1  # of the prepared layout; part of the cache key
+HASHES = ".hashes.json"  # in data/source: path -> [size, mtime, ctime, inode, content hash]
+IN_USE = ".in-use"  # in a prepared folder: its data loaders hold a shared flock on it
+PREPARED = re.compile(r"[\w.-]+-[0-9a-f]{12}")  # the folders prepare() names
+RACY_NS = 2_000_000_000  # a file changed this recently may change again within its mtime's tick
 HUB = re.compile(r"hf:([\w.-]+/[\w.-]+)(?::([^@]+))?(?:@(.+))?")
 BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # 32 first: its LE BOM starts like 16's
@@ -71,23 +78,95 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
     if spec.startswith("hf:") and not hub:
         raise ValueError(f"--dataset {spec}: write a hub dataset as hf:owner/name[:config][@revision]")
     source = ("hub", *hub.groups()) if hub else ("files", *_local_files(spec))
-    ident = source if hub else ("files", source[1], [(str(p), st.st_size, st.st_mtime_ns)
-                                                      for p in source[2] for st in [p.stat()]])
-    key = hashlib.sha256(json.dumps([VERSION, ident, text_column, val_fraction]).encode()).hexdigest()[:12]
+    digest = lambda *v: hashlib.sha256(json.dumps([VERSION, *v]).encode()).hexdigest()[:12]
+    # slot: the source apart from its contents, so a new preparation knows its older ones
+    where = source if hub else ("files", os.path.abspath(os.path.expanduser(spec)))
+    slot = digest(where, text_column, val_fraction)
     slug = (hub.group(1).split("/")[1] if hub else Path(source[1]).name if glob.has_magic(spec) else
             Path(spec.rstrip("/")).stem)
     slug = re.sub(r"[^\w.-]+", "-", slug) or "data"
-    name = f"source/{slug}-{key}"
-    d = data_dir(name)
-    if manifest_shards(d) is None:
-        with build_lock(d.parent):
-            if manifest_shards(d) is None:  # another process may have prepared it while we waited for the lock
-                try:
-                    _build(spec, source, d, text_column, val_fraction)
-                except BaseException:  # bad input, Ctrl-C: leave no half-prepared folder behind
-                    shutil.rmtree(d, ignore_errors=True)
-                    raise
+    folder = get_base_dir() / "data" / "source"
+    with contextlib.ExitStack() as held:  # every rank calls this: one hashes and builds
+        with contextlib.suppress(OSError):  # a read-only data dir: nothing to build or remove
+            held.enter_context(build_lock(folder))
+        ident = source if hub else ("files", source[1], _fingerprints(source[2], folder))
+        name = f"source/{slug}-{digest(ident, text_column, val_fraction)}"
+        d = data_dir(name)
+        if manifest_shards(d) is None:
+            try:
+                _build(spec, source, d, text_column, val_fraction, slot)
+            except BaseException:  # bad input, Ctrl-C: leave no half-prepared folder behind
+                shutil.rmtree(d, ignore_errors=True)
+                raise
+        _remove_older(folder, d, slot)
     return name
+
+
+def _fingerprints(files: list[Path], folder: Path) -> list[tuple]:
+    """(path, size, blake2b of the bytes) of each file. A cached hash stands while the file's size,
+    mtime, ctime and inode do (a write changes ctime even when mtime is put back), so only changed
+    files are read; one changed within RACY_NS is not cached (a write in the same tick hides)."""
+    try:
+        cache = json.loads((folder / HASHES).read_text())
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    out = []
+    for p in files:
+        st, now = p.stat(), time.time_ns()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        entry = cache.get(str(p))
+        if not (isinstance(entry, list) and entry[:4] == stamp and len(entry) == 5):
+            h = hashlib.blake2b(digest_size=20)
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            entry = [*stamp, h.hexdigest()]
+            cache[str(p)] = entry if now - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS else None
+        out.append((str(p), st.st_size, entry[4]))
+    cache = {k: v for k, v in cache.items() if v and os.path.exists(k)}  # forget deleted files
+    with contextlib.suppress(OSError):  # read-only: hashed again next time
+        write_atomic(folder / HASHES, lambda tmp: tmp.write_text(json.dumps(cache)))
+    return out
+
+
+def hold(d: Path):
+    """A shared lock on prepared folder d while the returned file stays open (None without flock
+    or without d): prepare() removes no folder that a reader holds."""
+    try:
+        import fcntl
+        f = (d / IN_USE).open("a")  # open for as long as the caller reads
+    except (ImportError, OSError):
+        return None
+    fcntl.flock(f, fcntl.LOCK_SH)
+    return f
+
+
+def _remove_older(folder: Path, keep: Path, slot: str) -> None:
+    """Delete the other preparations of this slot (older contents of the same source): no run can
+    resume from them, as its loader state names the contents it trained on. A folder holding
+    anything a preparation does not write stays, and so does one that a data loader holds."""
+    try:
+        import fcntl
+    except ImportError:  # no flock: a reader could not say it is reading
+        return
+    for d in sorted(folder.iterdir()):
+        try:
+            manifest = json.loads((d / MANIFEST).read_text()) if PREPARED.fullmatch(d.name) else {}
+            if d == keep or d.is_symlink() or manifest.get("slot") != slot:
+                continue
+            ours = {MANIFEST, IN_USE, *manifest["shards"]["train"], *manifest["shards"]["val"]}
+            files = sorted(d.iterdir(), key=lambda p: p.name == MANIFEST)  # the manifest last
+            if any(p.name not in ours or p.is_dir() for p in files):
+                continue  # something else is in it: not ours to delete
+            with open(d / IN_USE, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a data loader reads it
+                for p in [d / IN_USE, *files]:
+                    p.unlink(missing_ok=True)
+            d.rmdir()
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            continue  # not a preparation of ours; in use or read-only: the next prepare() retries
+        print(f"nanomuon: removed {d}, an older preparation of this source", file=sys.stderr)
 
 
 # -- local files ----------------------------------------------------------------------------------------
@@ -252,7 +331,8 @@ class _ShardWriter:
             self._texts, self._size = [], 0
 
 
-def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fraction: float | None) -> None:
+def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fraction: float | None,
+           slot: str) -> None:
     t0, counts, revision = time.time(), {}, None
     print(f"nanomuon: preparing {spec} in {d}", file=sys.stderr)
     if source[0] == "hub":
@@ -307,7 +387,8 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
     manifest = dict(source=spec, revision=revision, text_column=text_column,
                     val_split=f"its {held!r} split" if held else f"{fraction:g} of the documents",
                     shards=dict(train=train.names, val=val.names), docs=dict(train=train.docs, val=val.docs),
-                    chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION)
+                    chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION,
+                    slot=slot)
     write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     skipped = counts.get("skipped", [])
     other = {k: v for k, v in counts.items() if k not in ("utf-8", "empty", "skipped")}

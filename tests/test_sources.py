@@ -7,6 +7,8 @@ and need no network once prepared; the data loader resumes and reshards exactly 
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -19,8 +21,9 @@ import torch
 from test_dataloader import BOS, SCALE, WordTokenizer, make_docs
 from test_dataset import parquet_bytes
 
+from nanomuon import sources
 from nanomuon.dataloader import DataLoader, reshard_states
-from nanomuon.dataset import data_dir, iter_texts
+from nanomuon.dataset import data_dir, iter_texts, manifest_shards
 from nanomuon.sources import decode, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +155,83 @@ def test_prepared_once_and_again_after_an_edit(tmp_path):
         DataLoader(tok, prepare(str(path)), "train", 2, 8).load_state_dict(state)  # the data changed under the run
 
 
+def prepared(slug):
+    """The prepared folders of a slug: prepare() names them <slug>-<12 hex>."""
+    return sorted(p.name for p in data_dir("source/x").parent.glob(f"{slug}-*"))
+
+
+def test_a_touch_changes_nothing_and_an_edit_is_seen_whatever_its_stamp(tmp_path, monkeypatch):
+    """The preparation is keyed by contents: touching the files keeps the name (a run resumes, no
+    second copy is made), and an edit is a new preparation even with size and mtime put back."""
+    monkeypatch.setattr(sources, "RACY_NS", 0)  # cache hashes of files written just now
+    docs = [f"t{k * SCALE + 1} t{k * SCALE + 2}" for k in range(30)]  # doc k: t(k, 1) t(k, 2)
+    folder = write("txt", tmp_path / "notes", docs)
+    name = prepare(str(folder))
+    dl = DataLoader(WordTokenizer(), name, "train", 2, 8)
+    dl.next_batch()
+    state = json.loads(json.dumps(dl.state_dict()))
+    del dl
+    for f in folder.iterdir():
+        os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
+    assert prepare(str(folder)) == name and prepared("notes") == [name.split("/")[1]]
+    DataLoader(WordTokenizer(), name, "train", 2, 8).load_state_dict(state)  # resumes
+    f = folder / "doc_0003.txt"
+    st = f.stat()
+    f.write_text(f.read_text().replace("t300001", "t300009"))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    edited = prepare(str(folder))
+    assert edited != name and "t300009 t300002" in splits(edited)[0]
+
+
+def test_a_hash_is_read_once_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "RACY_NS", 0)
+    folder = write("txt", tmp_path / "notes", DOCS[:20])
+    hashed = []
+    real = sources.hashlib.blake2b
+    monkeypatch.setattr(sources.hashlib, "blake2b", lambda **k: hashed.append(1) or real(**k))
+    name = prepare(str(folder))
+    assert len(hashed) == 20
+    assert prepare(str(folder)) == name and len(hashed) == 20  # every file's hash from the cache
+    os.utime(folder / "doc_0007.txt")
+    assert prepare(str(folder)) == name and len(hashed) == 21  # only the touched one read again
+
+
+def test_older_preparations_go_and_nothing_else(tmp_path, capsys):
+    """An edit's preparation removes the one it replaces, unless a data loader holds it (then the
+    next preparation does); other sources' preparations, other settings of this one, and folders
+    holding anything prepare() did not write all stay."""
+    folder = write("txt", tmp_path / "notes", [f"t{k} t{k + 1}" for k in range(1, 60, 2)])
+    first = prepare(str(folder))
+    other_setting = prepare(str(folder), val_fraction=0.5)
+    other_source = prepare(str(write("txt", tmp_path / "other" / "notes", DOCS[:10])))
+    root = data_dir("source/x").parent
+    mine = root / "notes-0123456789ab"  # named like ours, this source's slot, one file of its own
+    shutil.copytree(data_dir(first), mine)
+    (mine / "my-notes.txt").write_text("keep me")
+    (root / "unrelated").mkdir()
+    manifest = (data_dir(first) / "manifest.json").read_text()
+    (root / "unrelated" / "manifest.json").write_text(manifest)  # not a name prepare() gives
+
+    def edit(k):
+        (folder / "doc_0000.txt").write_text(f"t{k}0 t{k}1")  # doc 0 was t1 t2
+        return prepare(str(folder))
+
+    second = edit(1)
+    assert data_dir(second).is_dir() and not data_dir(first).exists()
+    assert f"removed {data_dir(first)}" in capsys.readouterr().err
+    reader = DataLoader(WordTokenizer(), second, "train", 2, 8)
+    third = edit(5)
+    assert data_dir(second).is_dir(), "a folder a data loader reads stays"
+    reader.next_batch()
+    del reader
+    assert prepare(str(folder)) == third and not data_dir(second).exists()
+    for kept in (other_setting, other_source, third):
+        assert manifest_shards(data_dir(kept)) is not None, kept
+    assert (mine / "my-notes.txt").is_file() and (mine / "manifest.json").is_file()
+    assert (root / "unrelated" / "manifest.json").is_file()
+
+
 def run_python(code, hub, base, **env):
     return subprocess.run([sys.executable, "-c", code], env=dict(hub.env, NANOMUON_BASE_DIR=str(base), **env),
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -249,8 +329,9 @@ def test_exact_resume_and_reshard_on_a_custom_source(tmp_path):
 
 
 def test_base_train_and_base_eval_on_a_custom_source(base, base_dir, tmp_path, capsys):
-    """The scripts end to end on a jsonl file: base_eval scores the run's own val documents by default, and a
-    resume with another --val-fraction (other val documents, other training data) is refused."""
+    """The scripts end to end on a jsonl file: base_eval, named the run's source (it reads no custom
+    source a checkpoint names on its own), scores the run's own val documents, and a resume with
+    another --val-fraction (other val documents, other training data) is refused."""
     from test_train import TINY
 
     from scripts.base_eval import main as eval_main
@@ -263,7 +344,8 @@ def test_base_train_and_base_eval_on_a_custom_source(base, base_dir, tmp_path, c
              "--num-iterations", "2", "--run", "mine"]
     train_main(flags)
     summary = json.loads((base_dir / "runs" / "mine" / "summary.json").read_text())
-    bpb = eval_main(["--run", "mine", "--device-type", "cpu", "--device-batch-size", "4", "--sample-tokens", "0"])
+    bpb = eval_main(["--run", "mine", "--device-type", "cpu", "--device-batch-size", "4", "--sample-tokens",
+                     "0", "--dataset", str(path), "--val-fraction", "0.1"])
     assert bpb == pytest.approx(summary["final_val_bpb"], rel=1e-5)
     assert f"{path} val bpb" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--val-fraction was 0\.1, now 0\.2"):
