@@ -6,7 +6,7 @@ and their defaults (param_groups.OPTIONAL_KEYS) are in the README ("The optimize
 have a 'name', used in error messages.
 
 This file is the runtime: state, stacking, communication and checkpoints. The math is update_math.py's
-(muon_update, adamw_update, with muon_hparams / adamw_hparams), called by both classes eagerly or
+(muon_update, adamw_update, with muon_hparams / muon_options / adamw_hparams), called by both classes eagerly or
 through torch.compile, so the paths cannot drift. Owners come from plan.py; DTensor params (FSDP2,
 tensor parallel) are updated in place, sharded, by either class through sharded.py.
 """
@@ -41,6 +41,7 @@ from nanomuon.update_math import (
     adamw_update,
     kernel,
     muon_hparams,
+    muon_options,
     muon_state_layout,
     muon_update,
     ns_cost,
@@ -142,7 +143,8 @@ class MuonAdamW(torch.optim.Optimizer):
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
         stacked = torch.stack([params[i] for i in idx]) if stack else [params[i] for i in idx]
         h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device), self.compiled)
-        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), **h)
+        opts = muon_options(group, params[0].device)
+        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), h, opts)
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -163,20 +165,20 @@ class MuonAdamW(torch.optim.Optimizer):
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
         h = scalars(adamw_hparams(group, state["step"]), self.compiled)
-        self._in_slices(kernel(adamw_update, self.compiled), tensors, **h)
+        self._in_slices(kernel(adamw_update, self.compiled), tensors, h)
 
-    def _in_slices(self, fn, tensors, **hparams) -> None:
-        """fn(*tensors, **hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one call on GPUs.
+    def _in_slices(self, fn, tensors, *hparams) -> None:
+        """fn(*tensors, *hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one call on GPUs.
 
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
         threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small slices
         keep them in reusable heap memory. CUDA's caching allocator has no such cost."""
         lead = next(t for t in tensors if isinstance(t, Tensor))  # lists (eager Muon grads, params) slice alike
         if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
-            return fn(*tensors, **hparams)
+            return fn(*tensors, *hparams)
         n, per = len(lead), max(1, self.CPU_SLICE // lead[0].numel())
         for i in range(0, n, per):
-            fn(*(t[i:i + per] if t is not None else None for t in tensors), **hparams)
+            fn(*(t[i:i + per] if t is not None else None for t in tensors), *hparams)
 
     def _muon_stacks(self, group: dict, params: list[Tensor]):
         """Stacked (momentum, second moment or None) buffers for these same-shape params, as the group now
@@ -213,6 +215,9 @@ class MuonAdamW(torch.optim.Optimizer):
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         for group, kept in zip(self.param_groups, keep):
             group.update(kept)
+            if (method := group.pop("ns_method", None)) is not None:  # saved before the orthogonalizer registry
+                group.setdefault("orthogonalizer", dict(standard="newton_schulz", gram="gram_newton_schulz")
+                                 .get(method, "auto"))
             for key, default in OPTIONAL_KEYS[group["kind"]].items():
                 group.setdefault(key, default)
         by_id = saved_params(self.param_groups, state_dict)
@@ -340,7 +345,7 @@ class DistMuonAdamW(MuonAdamW):
     def _reduce(self, buf: Tensor):
         """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a reduce-scatter into it on
         nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a copy of its whole input and runs slower than its
-        all_reduce (docs/benchmarks.md, issue 21)."""
+        all_reduce (docs/benchmarks.md)."""
         if self._scatter:
             return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op, group=self.pg, async_op=True)
         return self._all_reduce(buf)

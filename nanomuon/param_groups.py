@@ -9,12 +9,14 @@ every step, since schedules edit them; check_state_dict() refuses an optimizer c
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from nanomuon import update_math
-from nanomuon.update_math import LR_SCALES, NS_DTYPES, NS_METHODS, ns_coefficients
+from nanomuon.update_math import ns_coefficients
 
 logger = logging.getLogger("nanomuon")
 
@@ -94,17 +96,104 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
                  "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-OPTIONAL_KEYS = {
-    "adamw": {"momentum": None},  # set (by OneCycleLR or CyclicLR, say), it becomes betas[0] at the next step
-    "muon": {"nesterov": True, "cautious_wd": True, "ns_coefficients": "polar_express", "ns_precision": "auto",
-             "ns_method": "auto", "ns_repeat_last": False, "equilibrate": None, "post_normalize": None,
-             "lr_scale": "shape", "extra_scale": 1.0, "decay_lr": "adjusted", "weight_decay_mode": "decoupled",
-             "comm_precision": "fp32", "sharded_mode": "owner", "qkv_split": None, "split": None, "split_groups": 1,
-             "transposed": False},
+SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")  # DTensor params: see sharded.py
+
+
+@dataclass(frozen=True)
+class Option:
+    """An optional group key: its default, check(value) -> None if fine, else what the value must be,
+    and one line for the docs' option table (options_table())."""
+    default: object
+    check: Callable[[object], str | None]
+    doc: str
+
+
+def one_of(*choices):
+    return lambda v: None if any(v is c or (type(v) is type(c) and v == c) for c in choices) else \
+        f"must be one of {list(choices)}"
+
+
+def a_bool(v):
+    return None if isinstance(v, bool) else "must be True or False"
+
+
+def a_number(v):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return None if ok else "must be a finite number >= 0"
+
+
+def an_orthogonalizer(v):
+    return None if v in update_math.ORTHOGONALIZERS else \
+        f"must be one of {list(update_math.ORTHOGONALIZERS)} (update_math.ORTHOGONALIZERS: register yours there)"
+
+
+def any_value(v):  # checked with the keys it goes with (_check_coefficients, _check_layout)
+    return None
+
+
+# Every optional key of a muon group, declared once: defaults fill groups (and reproduce nanochat), the checks
+# run at construction and at every step, and the README's option table is made from the docs.
+MUON_OPTIONS = {
+    "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
+    "cautious_wd": Option(True, a_bool, "decay only where the update and the weight agree in sign; "
+                          "`False`: plain decoupled decay"),
+    "orthogonalizer": Option("auto", an_orthogonalizer, "a name in `update_math.ORTHOGONALIZERS`: "
+                             "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial iterated on the "
+                             "m x m Gram matrix (fewer FLOPs from aspect 1.5: 1.5x at 4:1), restarted every 3 "
+                             "iterations; `'auto'`: Gram where it is cheaper, in fp32 and fp16 only (in bf16 it "
+                             "is not accurate: docs/benchmarks.md). Register `f(G, group)` there to add one"),
+    "ns_coefficients": Option("polar_express", any_value, "a name in `update_math.COEFFICIENT_SETS` (below), a "
+                              "list of per-iteration `(a, b, c)` (safety 1, eps 1e-7), or "
+                              "`dict(coefficients=[...], safety=, eps=)`"),
+    "ns_repeat_last": Option(False, a_bool, "`True`: past the end of the list, run its last triple "
+                             "(Emerging-Optimizers' rule); else `ns_steps` may not exceed it"),
+    "ns_precision": Option("auto", one_of("auto", *update_math.NS_DTYPES), "`'bf16'`, `'fp16'`, `'fp32'`; "
+                           "auto: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere (CPUs "
+                           "without bf16 units run it 20-100x slower)"),
+    "equilibrate": Option(None, one_of(*update_math.EQUILIBRATE_MODES), "MuonEq (arXiv 2603.28254): `'row'`, "
+                          "`'col'` or `'row_col'` scales the momentum's rows and/or columns to unit norm before "
+                          "orthogonalizing (both scales from the same matrix). nanochat applies `'row'` always"),
+    "post_normalize": Option(None, one_of(*update_math.POST_NORMALIZE_MODES), "Muon+ (arXiv 2602.21545): "
+                             "`'col'`, `'row'`, `'col_row'` or `'row_col'` normalizes the orthogonalized "
+                             "update's columns and/or rows to unit norm, in the order named; `'fro'` is what "
+                             "nanochat calls Muon+: the whole update rescaled to Frobenius norm "
+                             "sqrt(min(rows, cols))"),
+    "lr_scale": Option("shape", one_of(*update_math.LR_SCALES), "lr factor: `'shape'` sqrt(max(1, r/c)); "
+                       "`'moonlight'` 0.2 sqrt(max(r, c)), AdamW's update RMS; `'spectral'` sqrt(max(r, c)); "
+                       "`'unit_rms'` sqrt(r/c)"),
+    "extra_scale": Option(1.0, a_number, "a further factor on the lr"),
+    "decay_lr": Option("adjusted", one_of("adjusted", "group"), "`'adjusted'`: decay by the lr with its "
+                       "factor (nanochat); `'group'`: by the group lr (torch.optim.Muon, Megatron, "
+                       "Emerging-Optimizers: with `'spectral'` at width 768 the default decays ~28x harder)"),
+    "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"), "`'l2'`: add `weight_decay * p` to "
+                                "the gradient before momentum"),
+    "comm_precision": Option("fp32", one_of("bf16", "fp32"), "DTensor params: the dtype whole matrices "
+                             "travel in to their owner and back"),
+    "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'` (exact), "
+                           "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on slices), "
+                           "`'blockwise'` (README, \"Sharded params\")"),
+    "qkv_split": Option(None, any_value, "`(q, k, v)` row counts: split's 3-block case"),
+    "split": Option(None, any_value, "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; each "
+                    "block is updated exactly as a param of its own (lr factor, variance reduction)"),
+    "split_groups": Option(1, any_value, "the rows are this many repeats of the blocks: Megatron's "
+                           "per-query-group QKV layout"),
+    "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor and "
+                         "statistics follow the logical `(out, in)`"),
 }
+ADAMW_OPTIONS = {
+    "momentum": Option(None, any_value, "set (by OneCycleLR or CyclicLR, say), it becomes `betas[0]` at the "
+                       "next step"),
+}
+OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
+OPTIONAL_KEYS = {kind: {k: o.default for k, o in options.items()} for kind, options in OPTIONS.items()}
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
-SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")  # DTensor params: see sharded.py
+
+
+def options_table(kind: str = "muon") -> str:
+    """The markdown table of a kind's optional keys, from OPTIONS (the README holds it; a test compares)."""
+    rows = [f"| `{k}` | `{o.default!r}` | {o.doc} |" for k, o in OPTIONS[kind].items()]
+    return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
 
 
 def group_label(i: int, group: dict) -> str:
@@ -145,19 +234,10 @@ def check_group_values(i: int, group: dict) -> None:
     _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
     if group["beta2"] is not None:
         _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
-    for key in ("nesterov", "cautious_wd", "ns_repeat_last", "transposed"):
-        if not isinstance(group.get(key, False), bool):
-            raise ValueError(f"{label}: {key}={group[key]!r} must be True or False")
+    for key, option in MUON_OPTIONS.items():
+        if key in group and (wrong := option.check(group[key])):
+            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
     _check_coefficients(label, group)
-    for key, choices in (("ns_precision", ("auto", *NS_DTYPES)), ("ns_method", NS_METHODS), ("lr_scale", LR_SCALES),
-                         ("weight_decay_mode", ("decoupled", "l2")), ("decay_lr", ("adjusted", "group")),
-                         ("comm_precision", ("bf16", "fp32")), ("sharded_mode", SHARDED_MODES),
-                         ("equilibrate", update_math.EQUILIBRATE_MODES),
-                         ("post_normalize", update_math.POST_NORMALIZE_MODES)):
-        if key in group and group[key] not in choices:
-            raise ValueError(f"{label}: {key}={group[key]!r} must be one of {list(choices)}")
-    if "extra_scale" in group:
-        _check_number(label, "extra_scale", group["extra_scale"])
     _check_layout(label, group)
 
 
@@ -182,6 +262,11 @@ def _check_layout(label: str, group: dict) -> None:
                              "two or more positive row counts, one per block"))
     if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
         raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 (Megatron's num_query_groups)")
+    if group.get("sharded_mode") == "distributed" and \
+            group.get("orthogonalizer", "auto") not in ("auto", "newton_schulz", "gram_newton_schulz"):
+        raise ValueError(f"{label}: sharded_mode='distributed' runs Newton-Schulz on slices of each matrix; "
+                         f"orthogonalizer={group['orthogonalizer']!r} needs whole matrices: use sharded_mode "
+                         "'owner' or 'duplicated'")
     if (qkv or split or group.get("transposed")) and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
         raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} needs whole matrices: "
                          "use sharded_mode 'owner' or 'duplicated'")

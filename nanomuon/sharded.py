@@ -22,12 +22,14 @@ from torch import Tensor
 from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
     NS_DTYPES,
+    Cut,
     kernel,
     muon_apply,
     muon_direction,
     muon_hparams,
     muon_layout,
     muon_momentum,
+    muon_options,
     new_second_moment,
     ns_cost,
     scalars,
@@ -179,9 +181,10 @@ def _momentum_local(group: dict, state: dict, p: DTensor, compiled: bool) -> Ten
     st = state[p]
     if "momentum_buffer" not in st:
         st["momentum_buffer"] = torch.zeros_like(p)
-    h = scalars(muon_hparams(group, p.shape, p.to_local().device), compiled)
+    device = p.to_local().device
+    h = scalars(muon_hparams(group, p.shape, device), compiled)
     return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(st["momentum_buffer"], p), p.to_local(),
-                                           h["momentum"], h["wd"], h["nesterov"], h["l2_wd"])
+                                           h, muon_options(group, device))
 
 
 def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: bool) -> None:
@@ -190,12 +193,12 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: boo
     if not u.numel():
         return
     h = scalars(muon_hparams(group, matrix_shape, u.device), compiled)
-    if isinstance(h["lr"], Tensor) and tuple(matrix_shape) == tuple(p.shape):
+    if isinstance(h.lr, Tensor) and tuple(matrix_shape) == tuple(p.shape):
         offset, shape, _ = block_of(p)
         crop = tuple(slice(o, o + n) if full > 1 else slice(None)
-                     for o, n, full in zip(offset[-2:], shape[-2:], h["lr"].shape))
-        h.update({k: h[k][crop] for k in ("lr", "decay") if isinstance(h[k], Tensor)})
-    kernel(muon_apply, compiled)(p.to_local(), u, h["lr"], h["decay"], h["cautious_wd"], h["l2_wd"])
+                     for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
+        h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay") if isinstance(getattr(h, k), Tensor)})
+    kernel(muon_apply, compiled)(p.to_local(), u, h, muon_options(group, u.device))
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
@@ -222,10 +225,10 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             if group["beta2"] is not None:
                 for i in idx:
                     state[params[i]].setdefault("second_momentum_buffer",
-                                                new_second_moment(shape, stacked.device, layout=h["layout"]))
+                                                new_second_moment(shape, stacked.device, layout=muon_layout(group)))
                 second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            u = kernel(muon_direction, compiled)(stacked, second, h["beta2"], h["ns"], stacked.dtype, None, h["layout"],
-                                                 h["norms"])
+            u = kernel(muon_direction, compiled)(stacked, second, h.beta2, muon_options(group, stacked.device),
+                                                 stacked.dtype)
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -270,13 +273,13 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
         g = _momentum_local(group, state, p, compiled)
-        shard, matrix_shape = None, p.shape
+        cut, matrix_shape = None, p.shape
         if mode == "duplicated":
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
         elif mode == "distributed":
-            if (cut := cut_of(p)) is not None:
-                dim, pg = cut
-                shard = (lambda t, pg=pg: dist.all_reduce(t, group=pg), dim, tuple(p.shape))
+            if (cut_pg := cut_of(p)) is not None:
+                dim, pg = cut_pg
+                cut = Cut(lambda t, pg=pg: dist.all_reduce(t, group=pg), dim, tuple(p.shape))
         elif not g.numel():  # blockwise, and this rank's block is empty
             continue
         else:
@@ -286,8 +289,8 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         if group["beta2"] is not None:
             full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
             second = state[p].setdefault("second_momentum_buffer",
-                                         new_second_moment(g.shape, g.device, full_shape, h["layout"]))
-        u = muon_direction(g, second, h["beta2"], h["ns"], p.dtype, shard, h["layout"], h["norms"])
+                                         new_second_moment(g.shape, g.device, full_shape, muon_layout(group)))
+        u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype, cut)
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)

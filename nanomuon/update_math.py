@@ -3,12 +3,20 @@ The update math of Muon and AdamW, written once. Imports only torch.
 
 Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank owns,
 and sharded.py on DTensor params, which runs the three Muon stages with communication between them:
-muon_momentum (elementwise), muon_direction (whole matrices or slices: orthogonalize between the optional
-norms, then variance reduction) and muon_apply (elementwise: weight decay and the step); muon_update() is
-the three in a row. muon_hparams() and adamw_hparams() read a param group for every path, so none can disagree on an
-lr factor or a precision. Compiled (kernel()), the hyperparameters are 0-D CPU tensors refilled every
-step (scalars()), so LR schedules never recompile.
+muon_momentum (elementwise), muon_direction (whole matrices or slices: the group's orthogonalizer between
+the optional norms, then variance reduction) and muon_apply (elementwise: weight decay and the step);
+muon_update() is the three in a row. The per-step numbers travel as MuonScalars (muon_hparams), the
+group's static options as a plain dict (muon_options); both are read from a param group in one place,
+so no path can disagree on an lr factor or a precision. Compiled (kernel()), the scalars are 0-D CPU
+tensors refilled every step (scalars()), so LR schedules never recompile.
+
+ORTHOGONALIZERS maps a group's `orthogonalizer` to f(G, group) -> a tensor shaped like G: G is a stack
+of momentum matrices (..., rows, cols), group the options dict (ns_steps, ns_coefficients, ...).
+Register a function there and any group, DistMuonAdamW and the FSDP2 path can use it by name.
 """
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,7 +57,6 @@ COEFFICIENT_SETS = {
     "deepseekv4": ((JORDAN_NS5,) * 8 + ((2.0, -1.5, 0.5),) * 2, 1.0, 1e-7),
 }
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-NS_METHODS = ("auto", "standard", "gram")
 EQUILIBRATE_MODES = (None, "row", "col", "row_col")  # MuonEq, before orthogonalizing (equilibrate)
 POST_NORMALIZE_MODES = (None, "fro", "col", "row", "col_row", "row_col")  # Muon+, after it (post_normalize)
 GRAM_RESTART = 3  # Gram Newton-Schulz recomputes R from X every 3 iterations (orthogonalize; docs/benchmarks.md)
@@ -62,6 +69,49 @@ LR_SCALES = {
     "spectral": lambda r, c: max(r, c) ** 0.5,  # Megatron's 'spectral'
     "unit_rms": lambda r, c: (r / c) ** 0.5,  # unit RMS-to-RMS operator norm
 }
+
+
+class NewtonSchulz(NamedTuple):
+    """How Newton-Schulz runs: per-iteration (a, b, c) triples, the input norm's safety factor and eps
+    (X / (||X||_F * safety + eps)), and the dtype the iteration computes in."""
+    coefficients: tuple
+    safety: float
+    eps: float
+    dtype: torch.dtype
+
+
+class Cut(NamedTuple):
+    """Each matrix is cut into slices held by several ranks (Megatron's 'distributed' mode, sharded.py):
+    reduce(t) sums t in place over those ranks; dim (-2 or -1) is the cut dim; full_shape the whole's."""
+    reduce: Callable
+    dim: int
+    full_shape: tuple
+
+
+class Layout(NamedTuple):
+    """How a muon group stores its matrices (muon_layout): fused row blocks (split, repeated `groups`
+    times: Megatron's per-query-group QKV), and/or (in, out) storage (transposed)."""
+    split: tuple | None
+    groups: int
+    transposed: bool
+
+
+class MuonScalars(NamedTuple):
+    """The numbers of one Muon step that schedules change (0-D tensors when compiled: scalars())."""
+    lr: float | Tensor  # the step, with the group's lr factor (per row of a split matrix: a tensor)
+    momentum: float
+    wd: float  # weight_decay, for L2 mode's gradient term
+    decay: float | Tensor  # lr * weight_decay, with the lr decay_lr names
+    beta2: float  # variance reduction's EMA (0 when off)
+
+
+class AdamWScalars(NamedTuple):
+    step: float
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    wd: float
 
 
 def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
@@ -93,54 +143,51 @@ def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tup
     return triples[:ns_steps], safety, eps
 
 
-def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
-    """Approximate U V^T of G = U S V^T for every matrix in the last two dims. ns = (per-iteration (a, b, c)
-    triples, norm safety, eps, dtype the iteration runs in, method: 'standard', 'gram' or 'auto'; see use_gram).
+def orthogonalize(G: Tensor, ns: NewtonSchulz, gram: bool = False, cut: Cut | None = None) -> Tensor:
+    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz.
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the singular
     values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls). Both methods work
     on the wide orientation (rows <= cols) so the Gram matrix is the smaller one.
-    Gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a polynomial
+    gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a polynomial
     in R = X X^T, so the iteration runs on m x m matrices: P = p(R), Q <- Q P, R <- P R P, and one final Q X.
     In low precision R drifts (spurious negative eigenvalues that the polynomials amplify), so it restarts
     from X = Q X every GRAM_RESTART iterations.
 
-    shard=(reduce, cut_dim, full_shape): G is this rank's slice of each matrix, cut along cut_dim (-2 or -1), and
-    reduce(t) sums t in place over the ranks holding the other slices. The cut dim is put on the columns, so the
-    Gram matrix is a sum over slices, as is the norm: every rank computes exactly its slice of the whole result
-    (Megatron's 'distributed' mode; with Gram, one reduction per restart instead of one per iteration)."""
-    coeffs, safety, eps, dtype, method = ns
+    cut: G is this rank's slice of each matrix (Cut). The cut dim is put on the columns, so the Gram matrix
+    is a sum over slices, as is the norm: every rank computes exactly its slice of the whole result (with
+    Gram, one reduction per restart instead of one per iteration)."""
     shape = G.shape
-    X = G.to(dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
-    tall = shape[-2] > shape[-1] if shard is None else shard[1] == -2
+    X = G.to(ns.dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
+    tall = shape[-2] > shape[-1] if cut is None else cut.dim == -2
     if tall:
         X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
-    norm = X.norm(dim=(-2, -1), keepdim=True) if shard is None else sq_sum(X, (-2, -1), shard).sqrt().to(X.dtype)
-    X = X / (norm * safety + eps)
+    norm = X.norm(dim=(-2, -1), keepdim=True) if cut is None else sq_sum(X, (-2, -1), cut).sqrt().to(X.dtype)
+    X = X / (norm * ns.safety + ns.eps)
 
-    def gram(X):  # X X^T; sharded, the partial Grams are summed in fp32, whatever the iteration's dtype
+    def gram_of(X):  # X X^T; cut, the partial Grams are summed in fp32, whatever the iteration's dtype
         A = X @ X.mT
-        if shard is not None:
+        if cut is not None:
             A32 = A.float()
-            shard[0](A32)
+            cut.reduce(A32)
             A = A32.to(A.dtype)
         return A
 
-    if use_gram(method, shard[2] if shard else shape, len(coeffs), dtype):
-        R, Q = gram(X), None
-        for i, (a, b, c) in enumerate(coeffs):
+    if gram:
+        R, Q = gram_of(X), None
+        for i, (a, b, c) in enumerate(ns.coefficients):
             if i and i % GRAM_RESTART == 0:
                 X, Q = Q @ X, None
-                R = gram(X)
+                R = gram_of(X)
             P = torch.baddbmm(R, R, R, beta=b, alpha=c)
             P.diagonal(dim1=-2, dim2=-1).add_(a)  # p(R) = a I + b R + c R^2
             Q = P if Q is None else Q @ P
-            if i + 1 < len(coeffs) and (i + 1) % GRAM_RESTART:
+            if i + 1 < len(ns.coefficients) and (i + 1) % GRAM_RESTART:
                 R = P @ (R @ P)
         X = Q @ X
     else:
-        for a, b, c in coeffs:
-            A = gram(X)
+        for a, b, c in ns.coefficients:
+            A = gram_of(X)
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)
             X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if tall:
@@ -148,36 +195,65 @@ def orthogonalize(G: Tensor, ns, shard=None) -> Tensor:
     return X.reshape(shape)
 
 
-def sq_sum(x: Tensor, dims: tuple, shard=None) -> Tensor:
-    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2. With `shard` (see
-    orthogonalize), x is a slice: partial sums over the cut dim are summed across the ranks."""
+def newton_schulz_settings(group: dict) -> NewtonSchulz:
+    """A group's Newton-Schulz settings (its ns_precision already resolved: muon_options)."""
+    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
+    return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
+
+
+def newton_schulz(G: Tensor, group: dict) -> Tensor:
+    return orthogonalize(G, newton_schulz_settings(group))
+
+
+def gram_newton_schulz(G: Tensor, group: dict) -> Tensor:
+    return orthogonalize(G, newton_schulz_settings(group), gram=True)
+
+
+def auto_newton_schulz(G: Tensor, group: dict) -> Tensor:
+    """Gram Newton-Schulz where it takes fewer FLOPs and is as accurate (gram_pays), else standard."""
+    ns = newton_schulz_settings(group)
+    return orthogonalize(G, ns, gram=gram_pays(G.shape, len(ns.coefficients), ns.dtype))
+
+
+# name -> f(G, group): a group's `orthogonalizer`. Add an entry to try another (docs: the option table).
+ORTHOGONALIZERS = {
+    "auto": auto_newton_schulz,
+    "newton_schulz": newton_schulz,
+    "gram_newton_schulz": gram_newton_schulz,
+}
+
+
+def sq_sum(x: Tensor, dims: tuple, cut: Cut | None = None) -> Tensor:
+    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2. With `cut`, x is a
+    slice: partial sums over the cut dim are summed across the ranks."""
     s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=torch.float32).square()
-    if shard is not None and shard[1] in dims:
-        shard[0](s)
+    if cut is not None and cut.dim in dims:
+        cut.reduce(s)
     return s
 
 
-def equilibrate(g: Tensor, mode, shard=None) -> Tensor:
+def equilibrate(g: Tensor, mode, cut: Cut | None = None) -> Tensor:
     """MuonEq (Chang et al. 2026, arXiv 2603.28254; nanochat always applies 'row'): balance the momentum's rows
     and/or columns before orthogonalizing: diag(r) G diag(c), r_i = (sum_j G_ij^2 + 1e-8)^-1/2 and c likewise,
     both from the same G. Returns a new tensor: g may be the momentum buffer."""
     parts = mode.split("_") if mode else ()
-    scales = [sq_sum(g, (-1,) if part == "row" else (-2,), shard).add_(1e-8).rsqrt_().to(g.dtype) for part in parts]
+    scales = [sq_sum(g, (-1,) if part == "row" else (-2,), cut).add_(1e-8).rsqrt_().to(g.dtype)
+              for part in parts]
     for scale in scales:
         g = g * scale
     return g
 
 
-def post_normalize(u: Tensor, mode, shard=None) -> Tensor:
+def post_normalize(u: Tensor, mode, cut: Cut | None = None) -> Tensor:
     """Muon+ (Zhang et al. 2026, arXiv 2602.21545): normalize the orthogonalized update's columns ('col') or
     rows ('row') to unit norm, x / sqrt(sum x^2 + 1e-7), one after the other in the order named ('col_row'),
     in place. 'fro' is nanochat's variant: rescale the whole matrix to Frobenius norm sqrt(min(rows, cols)),
     the norm of an exact U V^T, which Newton-Schulz only approximates."""
     if mode == "fro":
-        m, n = (shard[2] if shard is not None else u.shape)[-2:]
-        return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1), shard).sqrt().clamp_min(1e-6)).to(u.dtype))
+        m, n = (cut.full_shape if cut is not None else u.shape)[-2:]
+        return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1), cut).sqrt().clamp_min(1e-6)).to(u.dtype))
     for part in mode.split("_") if mode else ():
-        u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,), shard).add_(1e-7).rsqrt_().to(u.dtype))
+        u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,), cut).add_(1e-7).rsqrt_().to(u.dtype))
     return u
 
 
@@ -186,21 +262,20 @@ def muon_red_dim(shape) -> int:
     return -1 if shape[-2] >= shape[-1] else -2
 
 
-def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, shard=None) -> Tensor:
+def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int, cut: Cut | None = None) -> Tensor:
     """Factored second-moment normalization (NorMuon-style), as nanochat does it.
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `shard`
-    (see orthogonalize) g is a slice: the partial sums along the cut dim are summed across ranks."""
-    reduce, cut_dim, full_shape = shard if shard is not None else (None, None, g.shape)
-    red_size = full_shape[red_dim]
-    v_mean = sq_sum(g, (red_dim,), shard) / red_size  # g is scaled in place at the end
+    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `cut`
+    g is a slice: the partial sums along the cut dim are summed across ranks."""
+    red_size = (cut.full_shape if cut is not None else g.shape)[red_dim]
+    v_mean = sq_sum(g, (red_dim,), cut) / red_size  # g is scaled in place at the end
 
     def total(t):  # the sum over each whole matrix; with the other dim cut, partial sums add up across ranks
         t = t.sum(dim=(-2, -1), keepdim=True)
-        if reduce is not None and cut_dim != red_dim:
-            reduce(t)
+        if cut is not None and cut.dim != red_dim:
+            cut.reduce(t)
         return t
 
     v_norm = total(v_mean * red_size).sqrt()
@@ -215,97 +290,114 @@ def pairs(stack: Tensor, params):
     return ((stack, params),) if isinstance(params, Tensor) else zip(stack, params)
 
 
-def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, momentum, wd, nesterov: bool, l2_wd: bool) -> Tensor:
+def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, h: MuonScalars, opts: dict) -> Tensor:
     """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to orthogonalize.
-    l2_wd adds wd * params to the gradient first (L2 regularization) instead of decaying the weights
-    after the update. `grads` may be overwritten. params: stacked like grads, or a list of its matrices."""
-    if l2_wd:
+    weight_decay_mode 'l2' adds wd * params to the gradient first (L2 regularization) instead of decaying
+    the weights after the update. `grads` may be overwritten. params: stacked like grads, or a list of
+    its matrices."""
+    if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
-            g.add_(p * wd)
-    momentum_buffer.lerp_(grads, 1 - momentum)
-    return grads.lerp_(momentum_buffer, momentum) if nesterov else momentum_buffer
+            g.add_(p * h.wd)
+    momentum_buffer.lerp_(grads, 1 - h.momentum)
+    return grads.lerp_(momentum_buffer, h.momentum) if opts["nesterov"] else momentum_buffer
 
 
-def block_shapes(shape, layout) -> list[tuple[int, int]]:
+def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
     """The logical (rows, cols) of each matrix a param of `shape` is updated as (see muon_layout)."""
     split, groups, transposed = layout or (None, 1, False)
     rows, cols = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
 
 
-def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, ns, out_dtype: torch.dtype, shard=None,
-                   layout=None, norms=(None, None)) -> Tensor:
-    """Muon stage 2, on whole matrices (or slices, with `shard`: see orthogonalize): equilibrate (norms[0]),
-    orthogonalize, post_normalize (norms[1]), then variance reduction if second_moment is given.
-    layout (muon_layout): matrices stored (in, out) are worked on transposed; a split matrix is updated
-    block by block, each exactly as a param of its own, its second moment a slice of the flat per-matrix
-    state (Megatron's per-query-group QKV layout when split_groups > 1: block i is rows n_i of every group).
-    Equal blocks (attention heads) run as one batch."""
-    split, groups, transposed = layout or (None, 1, False)
-    if transposed:
-        return muon_direction(g.mT, second_moment, beta2, ns, out_dtype, shard, (split, groups, False), norms).mT
-    if split and groups == 1 and len(set(split)) == 1:  # (..., k * n, cols) as a batch of k (n, cols) blocks
-        k, n = len(split), split[0]
-        sm = None if second_moment is None else second_moment.unflatten(-1, (k, *second_moment_shape((n, g.shape[-1]))))
-        return muon_direction(g.unflatten(-2, (k, n)), sm, beta2, ns, out_dtype, norms=norms).flatten(-3, -2)
-    if split:  # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), as matrices flattened
-        u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
-        sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
-        seconds = second_moment.split(sizes, dim=-1) if second_moment is not None else [None] * len(split)
-        views = [t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2) for t in (g, u)]
-        for gb, ub, sb in zip(*views, seconds):
-            m = gb.flatten(-3, -2)
-            sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
-            ub.copy_(muon_direction(m, sb, beta2, ns, out_dtype, norms=norms).view_as(gb))
-        return u
-    u = orthogonalize(equilibrate(g, norms[0], shard), ns, shard).to(out_dtype)  # bf16 norms would copy to fp32
-    u = post_normalize(u, norms[1], shard)
+def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, opts: dict, out_dtype: torch.dtype,
+                   cut: Cut | None = None) -> Tensor:
+    """Muon stage 2, on whole matrices (or slices, with `cut`): equilibrate, the group's orthogonalizer,
+    post_normalize, then variance reduction if second_moment is given.
+
+    Matrices stored (in, out) are worked on transposed; a split matrix is updated block by block, each
+    exactly as a param of its own, its second moment a slice of the flat per-matrix state (Megatron's
+    per-query-group QKV layout when split_groups > 1: block i is rows n_i of every group). Equal blocks
+    (attention heads) run as one batch."""
+    layout = muon_layout(opts)
+    if layout is not None:
+        return _by_layout(g, second_moment, beta2, opts, out_dtype, layout)
+    g = equilibrate(g, opts["equilibrate"], cut)
+    if cut is None:
+        u = ORTHOGONALIZERS[opts["orthogonalizer"]](g, opts)
+    else:  # slices: Newton-Schulz with its Gram matrices and norms summed across them
+        ns = newton_schulz_settings(opts)
+        u = orthogonalize(g, ns, uses_gram(opts, cut.full_shape, ns), cut)
+    u = post_normalize(u.to(out_dtype), opts["post_normalize"], cut)  # bf16 norms would copy to fp32
     if second_moment is not None:
-        u = variance_reduction(u, second_moment, beta2, muon_red_dim(shard[2] if shard else u.shape), shard)
+        red_dim = muon_red_dim(cut.full_shape if cut is not None else u.shape)
+        u = variance_reduction(u, second_moment, beta2, red_dim, cut)
     return u
 
 
-def muon_apply(params, u: Tensor, lr, decay, cautious_wd: bool, l2_wd: bool) -> None:
+def _by_layout(g: Tensor, second_moment, beta2, opts: dict, out_dtype, layout: Layout) -> Tensor:
+    """muon_direction of a transposed or split matrix, through plain matrices (see there)."""
+    split, groups, transposed = layout
+    plain = dict(opts, split=None, qkv_split=None, transposed=False)
+    if transposed:
+        return muon_direction(g.mT, second_moment, beta2, dict(plain, split=split, split_groups=groups),
+                              out_dtype).mT
+    if groups == 1 and len(set(split)) == 1:  # (..., k * n, cols) as a batch of k (n, cols) blocks
+        k, n = len(split), split[0]
+        sm = None if second_moment is None else \
+            second_moment.unflatten(-1, (k, *second_moment_shape((n, g.shape[-1]))))
+        return muon_direction(g.unflatten(-2, (k, n)), sm, beta2, plain, out_dtype).flatten(-3, -2)
+    # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), as matrices flattened
+    u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
+    sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
+    seconds = second_moment.split(sizes, dim=-1) if second_moment is not None else [None] * len(split)
+    views = [t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2) for t in (g, u)]
+    for gb, ub, sb in zip(*views, seconds):
+        m = gb.flatten(-3, -2)
+        sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
+        ub.copy_(muon_direction(m, sb, beta2, plain, out_dtype).view_as(gb))
+    return u
+
+
+def muon_apply(params, u: Tensor, h: MuonScalars, opts: dict) -> None:
     """Muon stage 3, elementwise: weight decay and the update, in place on params (stacked like u, or a list of
     its matrices: the model's own params, sparing a stack and a copy back); `u` may be overwritten.
-    lr: the step (a number, or per row of a split matrix: see muon_hparams); decay: lr * weight_decay with
-    the lr decay_lr names. With l2_wd the decay went into the gradient instead."""
+    h.lr: the step (a number, or per row of a split matrix: see muon_hparams); h.decay: lr * weight_decay
+    with the lr decay_lr names. In 'l2' mode the decay went into the gradient instead."""
+    lr, decoupled = h.lr, opts["weight_decay_mode"] == "decoupled"
     if isinstance(lr, Tensor):  # per-row, or compiled: u is a fresh buffer, scaled in place
         u.mul_(lr)
     for ui, p in pairs(u, params):
-        if not l2_wd and cautious_wd:  # decay only where the update and the weight agree in sign
-            p.addcmul_(p, ((ui * p) >= 0) * decay, value=-1)
-        elif not l2_wd:
-            p.mul_(1 - decay)
+        if decoupled and opts["cautious_wd"]:  # decay only where the update and the weight agree in sign
+            p.addcmul_(p, ((ui * p) >= 0) * h.decay, value=-1)
+        elif decoupled:
+            p.mul_(1 - h.decay)
         if isinstance(lr, Tensor):
             p.sub_(ui)
         else:
             p.add_(ui, alpha=-lr)  # the lr folds into the add: no pass to scale u
 
 
-def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | None,
-                momentum, lr, wd, decay, beta2, ns, nesterov: bool, cautious_wd: bool, l2_wd: bool, layout,
-                norms) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack, or a
-    list of its K matrices; grads likewise): the three stages in a row, with muon_hparams()'s keywords. The
-    sharded path (sharded.py) runs the same stages with communication between."""
+def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | None, h: MuonScalars,
+                opts: dict) -> None:
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the stack,
+    or a list of its K matrices; grads likewise): the three stages in a row. The sharded path
+    (sharded.py) runs the same stages with communication between."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice's worth: small, reused memory
-    g = muon_momentum(grads, momentum_buffer, params, momentum, wd, nesterov, l2_wd)
-    u = muon_direction(g, second_moment, beta2, ns, momentum_buffer.dtype, layout=layout, norms=norms)  # params' dtype
-    muon_apply(params, u, lr, decay, cautious_wd, l2_wd)
+    g = muon_momentum(grads, momentum_buffer, params, h, opts)
+    u = muon_direction(g, second_moment, h.beta2, opts, momentum_buffer.dtype)  # in the params' dtype
+    muon_apply(params, u, h, opts)
 
 
-def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 step, lr, beta1, beta2, eps, wd) -> None:
-    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p, written as torch.optim.AdamW's
-    single-tensor path: one temporary (denom), the size of p."""
-    p.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias1 = 1 - beta1 ** step
-    bias2_sqrt = (1 - beta2 ** step) ** 0.5
-    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, h: AdamWScalars) -> None:
+    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p, written as
+    torch.optim.AdamW's single-tensor path: one temporary (denom), the size of p."""
+    p.mul_(1 - h.lr * h.wd)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    bias1 = 1 - h.beta1 ** h.step
+    bias2_sqrt = (1 - h.beta2 ** h.step) ** 0.5
+    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(h.eps)
+    p.addcdiv_(exp_avg, denom, value=-h.lr / bias1)
 
 
 def bf16_matmuls_fast(device) -> bool:
@@ -323,13 +415,13 @@ def resolve_ns_precision(precision: str, device) -> str:
     return "bf16" if bf16_matmuls_fast(device) else "fp32"
 
 
-def muon_layout(group: dict):
-    """How a muon group's matrices are stored: None (plain (out, in) matrices), or (split row counts or
-    None, split_groups, transposed) for fused or (in, out) weights (README, "The optimizer")."""
+def muon_layout(group: dict) -> Layout | None:
+    """How a muon group's matrices are stored: None (plain (out, in) matrices), or a Layout for fused or
+    (in, out) weights (README, "The optimizer")."""
     split = group["split"] or group["qkv_split"]
     if not split and not group["transposed"]:
         return None
-    return (tuple(split) if split else None, group["split_groups"], group["transposed"])
+    return Layout(tuple(split) if split else None, group["split_groups"], group["transposed"])
 
 
 # (factors, layout, device) -> a split matrix's lr factor per logical row, shaped to broadcast over the
@@ -337,39 +429,52 @@ def muon_layout(group: dict):
 _row_factors: dict = {}
 
 
-def muon_hparams(group: dict, matrix_shape, device) -> dict:
-    """muon_update()'s keyword arguments from a muon group, for matrices of matrix_shape on `device`
-    (which settles ns_precision 'auto'). The lr factor (per row of a split matrix: per block) follows the
-    logical shape; decay uses that lr, or the group lr with decay_lr='group' (torch.optim.Muon, Megatron)."""
+def muon_hparams(group: dict, matrix_shape, device) -> MuonScalars:
+    """A muon group's per-step numbers for matrices of matrix_shape on `device`. The lr factor (per row of a
+    split matrix: per block) follows the logical shape; decay uses that lr, or the group lr with
+    decay_lr='group' (torch.optim.Muon, Megatron)."""
     layout = muon_layout(group)
-    ns = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
-    factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in block_shapes(matrix_shape, layout))
+    factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"]
+                    for b in block_shapes(matrix_shape, layout))
     lr = group["lr"] * factors[0]
     if len(factors) > 1:
         key = (factors, layout, torch.device(device))
         if key not in _row_factors:
-            rows = torch.tensor(factors).repeat_interleave(torch.tensor(layout[0])).repeat(layout[1]).to(device)
-            _row_factors[key] = rows.view(1, -1) if layout[2] else rows.view(-1, 1)
+            rows = torch.tensor(factors).repeat_interleave(torch.tensor(layout.split)).repeat(layout.groups)
+            rows = rows.to(device)
+            _row_factors[key] = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
         lr = group["lr"] * _row_factors[key]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
-    return dict(momentum=group["momentum"], lr=lr, wd=group["weight_decay"], decay=decay,
-                beta2=group["beta2"] if group["beta2"] is not None else 0.0, nesterov=group["nesterov"],
-                ns=(*ns, NS_DTYPES[resolve_ns_precision(group["ns_precision"], device)], group["ns_method"]),
-                cautious_wd=group["cautious_wd"], l2_wd=group["weight_decay_mode"] == "l2", layout=layout,
-                norms=(group["equilibrate"], group["post_normalize"]))
+    beta2 = group["beta2"] if group["beta2"] is not None else 0.0
+    return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay, beta2=beta2)
 
 
-def adamw_hparams(group: dict, step: int) -> dict:
-    """adamw_update()'s keyword arguments from an adamw group, at the param's step count."""
+# What the math reads of a group: everything but the params, the per-step numbers (MuonScalars), labels
+# and the options only the sharded path reads, so groups that differ in those share compiled graphs.
+NOT_MATH = ("params", "kind", "name", "initial_lr", "lr", "momentum", "weight_decay", "beta2",
+            "sharded_mode", "comm_precision")
+
+
+def muon_options(group: dict, device) -> dict:
+    """The static options the math reads from a muon group, as a plain dict (a compiled graph's
+    constants), with ns_precision 'auto' settled for `device`."""
+    opts = {k: v for k, v in group.items() if k not in NOT_MATH}
+    opts["ns_precision"] = resolve_ns_precision(group["ns_precision"], device)
+    return opts
+
+
+def adamw_hparams(group: dict, step: int) -> AdamWScalars:
+    """An adamw group's numbers, at the param's step count."""
     beta1, beta2 = group["betas"]
-    return dict(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], wd=group["weight_decay"])
+    return AdamWScalars(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                        wd=group["weight_decay"])
 
 
 def second_moment_shape(shape, full_shape=None, layout=None) -> tuple:
     """The variance-reduction state of a matrix (or stack) of `shape`: one value per row (tall or square)
     or per column (wide). full_shape: the whole matrix when `shape` is a slice of it. A split matrix
     keeps its blocks' states flat, one after another; a transposed one the state of its logical shape."""
-    if layout is not None and layout[0]:
+    if layout is not None and layout.split:
         return (*shape[:-2], sum(torch.Size(second_moment_shape(b)).numel() for b in block_shapes(shape, layout)))
     if layout is not None:
         return second_moment_shape((*shape[:-2], shape[-1], shape[-2]))
@@ -402,18 +507,25 @@ def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
     return torch.Size(shape[:-2]).numel() * per
 
 
-def use_gram(method: str, shape, ns_steps: int, dtype: torch.dtype) -> bool:
-    """Whether a matrix of `shape` runs Gram Newton-Schulz: 'gram' always, 'standard' never, 'auto' where it takes
-    fewer FLOPs and is as accurate as standard: in fp32 and fp16, not bf16, whose 8-bit mantissa lets R drift (Polar
-    Express lands 0.47-0.76 from U V^T where standard bf16 lands 0.10; tests/test_optim.py, docs/benchmarks.md)."""
-    cheaper = ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
-    return method == "gram" or method == "auto" and dtype != torch.bfloat16 and cheaper
+def gram_pays(shape, ns_steps: int, dtype: torch.dtype) -> bool:
+    """Whether Gram Newton-Schulz suits a matrix of `shape` (the 'auto' orthogonalizer's rule): it takes
+    fewer FLOPs, and the precision is fp32 or fp16, not bf16, whose 8-bit mantissa lets R drift (Polar
+    Express lands 0.47-0.76 from U V^T where standard bf16 lands 0.10; tests/test_optim.py, docs)."""
+    return dtype != torch.bfloat16 and ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
+
+
+def uses_gram(opts: dict, shape, ns: NewtonSchulz) -> bool:
+    """Whether the group's orthogonalizer runs Gram Newton-Schulz on a matrix of `shape`."""
+    name = opts["orthogonalizer"]
+    return name == "gram_newton_schulz" or name == "auto" and gram_pays(shape, len(ns.coefficients), ns.dtype)
 
 
 def ns_cost(group: dict, p: Tensor) -> float:
-    """The Newton-Schulz FLOPs of one Muon param under its group's settings, as it will run (owner planning)."""
-    steps, dtype = group["ns_steps"], NS_DTYPES[resolve_ns_precision(group["ns_precision"], p.device)]
-    return ns_flops(p.shape, steps, use_gram(group["ns_method"], p.shape, steps, dtype))
+    """The orthogonalizer FLOPs of one Muon param under its group's settings (owner planning). An
+    orthogonalizer the estimate does not know counts as standard Newton-Schulz."""
+    opts = muon_options(group, p.device)
+    ns = newton_schulz_settings(opts)
+    return ns_flops(p.shape, len(ns.coefficients), uses_gram(opts, p.shape, ns))
 
 
 # Eager or compiled.
@@ -421,7 +533,6 @@ def ns_cost(group: dict, p: Tensor) -> float:
 _compiled: dict = {}
 _scalar_tensors: dict = {}
 _scalar_values: dict = {}  # what each tensor holds: most calls in a step repeat a value, and fill_ is not free
-RUNTIME_SCALARS = ("momentum", "lr", "wd", "decay", "beta2", "step", "beta1")  # what schedules and steps change
 
 
 def kernel(fn, compiled: bool):
@@ -435,19 +546,21 @@ def kernel(fn, compiled: bool):
     return _compiled[fn]
 
 
-def scalars(hparams: dict, compiled: bool) -> dict:
-    """hparams for kernel(fn, compiled): as they are eager; compiled, the values that change from step to
-    step become 0-D CPU tensors, refilled in place, so the compiled graph is reused instead of rebuilt."""
+def scalars(h, compiled: bool):
+    """h (MuonScalars or AdamWScalars) for kernel(fn, compiled): as it is eager; compiled, its numbers
+    become 0-D CPU tensors, refilled in place, so the compiled graph is reused instead of rebuilt."""
     if not compiled:
-        return hparams
-    out = dict(hparams)
-    for key in RUNTIME_SCALARS:
-        if key in out and not isinstance(out[key], Tensor):  # per-row lrs are tensors already
-            t = _scalar_tensors.get(key)
-            if t is None:
-                t = _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)
-            if _scalar_values.get(key) != out[key]:
-                t.fill_(out[key])
-                _scalar_values[key] = out[key]
-            out[key] = t
-    return out
+        return h
+    out = {}
+    for key, value in h._asdict().items():
+        if isinstance(value, Tensor):  # per-row lrs are tensors already
+            out[key] = value
+            continue
+        t = _scalar_tensors.get(key)
+        if t is None:
+            t = _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)
+        if _scalar_values.get(key) != value:
+            t.fill_(value)
+            _scalar_values[key] = value
+        out[key] = t
+    return type(h)(**out)

@@ -1,8 +1,8 @@
 """
 Named optimizer variants: what `base_train --optimizer NAME` trains with and `scripts.ablate` compares.
 
-Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (or a new
-muon option in update_math.py and param_groups.py, and an entry that turns it on), then run
+Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (a new
+orthogonalizer: one function registered in update_math.ORTHOGONALIZERS, and an entry naming it), then run
 `python -m scripts.ablate --variants muon,<yours>`. It lives here, not in the model file, so the model
 knows nothing of baselines.
 """
@@ -21,7 +21,7 @@ OPTIMIZER_VARIANTS = {
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
     # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate (update_math.use_gram), and CPUs
     # run fp16 matmuls at a few GFLOP/s
-    "muon-gram": dict(muon_options=dict(ns_method="gram", ns_precision="fp32")),
+    "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),
 }

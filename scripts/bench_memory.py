@@ -15,7 +15,7 @@ temporaries) in MiB, and the ratios.
 tensors: its FSDP2 blocks or replicas, its DistMuonAdamW shard) and the save's temporaries, for the whole-state save
 nanomuon had before (every rank gathers the full state, rank 0 torch.saves it) against the sharded one
 (checkpoint.save_checkpoint: each rank writes its own pieces), with and without --fsdp. The target: a save's peak
-within 1.25x the state the rank holds (issue 19).
+within 1.25x the state the rank holds.
 
     python -m scripts.bench_memory                          # depth 6, world sizes 2, 4, 8
     python -m scripts.bench_memory --depth 12 --world-sizes 4
@@ -81,7 +81,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
     dist.barrier()
     before = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
-    if whole:  # before issue 19: every rank gathers everything, rank 0 writes it
+    if whole:  # the whole-state form: every rank gathers everything, rank 0 writes it
         state = dict(model={k: v.full_tensor() if isinstance(v, DTensor) else v
                             for k, v in model.state_dict().items()}, optim=opt.full_state_dict())
         if dist.get_rank() == 0:

@@ -34,7 +34,15 @@ from nanomuon.common import synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import bucket_by, owner_plan
-from nanomuon.update_math import NS_DTYPES, ns_coefficients, ns_flops, orthogonalize, resolve_ns_precision, use_gram
+from nanomuon.update_math import (
+    NS_DTYPES,
+    NewtonSchulz,
+    gram_pays,
+    ns_coefficients,
+    ns_flops,
+    orthogonalize,
+    resolve_ns_precision,
+)
 
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
@@ -141,7 +149,7 @@ def bench_step(args, device, compile, name):
     times = [(run(ours, ours_params), run(base, base_params)) for _ in range(args.warmup + args.steps)]
     ours_t, base_t = zip(*times[args.warmup:])
 
-    gram = {s for s in muon_shapes if use_gram("auto", s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
+    gram = {s for s in muon_shapes if gram_pays(s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
     print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on {sorted(gram) or 'none'}, "
           f"compile {compile}")
     patched = torch_precision == "fp32"
@@ -183,7 +191,7 @@ def bench_ns(args, device, compile, precision):
     Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
-    ns = (*ns_coefficients("polar_express", steps), dtype, "standard")
+    ns = NewtonSchulz(*ns_coefficients("polar_express", steps), dtype)
     if compile:  # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
         torch._dynamo.reset()
     ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
@@ -200,10 +208,10 @@ def bench_ns(args, device, compile, precision):
               f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
         t_gram = t_ns
         if ns_flops(shape, steps, True) < flops:
-            t_gram = median_time(lambda G=G: ortho(G, (*ns[:4], "gram")), device, args.steps, args.warmup)
+            t_gram = median_time(lambda G=G: ortho(G, ns, True), device, args.steps, args.warmup)
             print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster for "
                   f"{flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
-        gram_total += t_gram if use_gram("auto", shape, steps, dtype) else t_ns
+        gram_total += t_gram if gram_pays(shape, steps, dtype) else t_ns
         totals.append((flops, t_ns, ref_flops, t_ref))
         del G
     tot_flops, tot_ns, tot_ref_flops, tot_ref = map(sum, zip(*totals))
@@ -212,7 +220,7 @@ def bench_ns(args, device, compile, precision):
     print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = {gflops(ns_rate)}; "
           f"bmm {gflops(ref_rate)}")
     print(f"  ratio NS/bmm {ratio:.3f}   target >= {NS_TARGET}   {verdict(ratio >= NS_TARGET)}")
-    print(f"  ns_method 'auto' in {precision}: {gram_total * 1e3:.1f} ms for the stacks that took "
+    print(f"  orthogonalizer 'auto' in {precision}: {gram_total * 1e3:.1f} ms for the stacks that took "
           f"{tot_ns * 1e3:.1f} ms standard ({tot_ns / gram_total:.2f}x)")
     return dict(rate=ns_rate, ref=ref_rate, ratio=ratio, auto=tot_ns / gram_total)
 
@@ -302,7 +310,7 @@ def main(argv=None):
               f"{verdict(r['ratio'] <= r['target'])}")
     for p, r in ns.items():
         print(f"NS d{args.depth:<6d}  {p}: {gflops(r['rate'])} vs bmm {gflops(r['ref'])}: ratio {r['ratio']:.3f}, "
-              f"target >= {NS_TARGET} {verdict(r['ratio'] >= NS_TARGET)}; ns_method 'auto' {r['auto']:.2f}x")
+              f"target >= {NS_TARGET} {verdict(r['ratio'] >= NS_TARGET)}; orthogonalizer 'auto' {r['auto']:.2f}x")
     print(f"Gram FLOPs  {gram_flops(12)}; {gram_flops(20)} (auto runs Gram in fp32 and fp16)")
     print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: DistMuonAdamW {imb['ours']:.3f}, "
           f"nanochat chunks {imb['chunks']:.3f}, target <= {IMBALANCE_TARGET} "

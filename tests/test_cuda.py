@@ -12,7 +12,7 @@ from test_optim import step_under_a_schedule
 
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.update_math import ns_coefficients, orthogonalize
+from nanomuon.update_math import NewtonSchulz, ns_coefficients, orthogonalize
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -63,7 +63,7 @@ def test_bf16_newton_schulz_is_close_to_the_fp64_polar_factor():
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     polar = U @ Vh
     coeffs, safety, eps = ns_coefficients("polar_express", 5)
-    X = orthogonalize(G.float().cuda(), (coeffs, safety, eps, torch.bfloat16, "auto")).double().cpu()
+    X = orthogonalize(G.float().cuda(), NewtonSchulz(coeffs, safety, eps, torch.bfloat16)).double().cpu()
     cos = (X * polar).sum(dim=(-2, -1)) / (X.norm(dim=(-2, -1)) * polar.norm(dim=(-2, -1)))
     assert cos.min() > 0.97, cos
     s = torch.linalg.svdvals(X)
@@ -72,8 +72,9 @@ def test_bf16_newton_schulz_is_close_to_the_fp64_polar_factor():
 
 @pytest.mark.compile
 def test_fp16_gram_newton_schulz_on_the_gpu():
-    """Gram Newton-Schulz in fp16 (what 'auto' runs with ns_precision='fp16', as Dao-AILab does on GPUs), eager and
-    compiled, is as close to the float64 U V^T as the standard iteration in fp16, on tall and wide stacks."""
+    """Gram Newton-Schulz in fp16 (what the 'auto' orthogonalizer runs with ns_precision='fp16', as
+    Dao-AILab does on GPUs), eager and compiled, is as close to the float64 U V^T as the standard
+    iteration in fp16, on tall and wide stacks."""
     from test_optim import polynomial_via_svd, rel_err, spectral_band_input
 
     coeffs, safety, eps = ns_coefficients("polar_express", 5)
@@ -81,9 +82,10 @@ def test_fp16_gram_newton_schulz_on_the_gpu():
     for shape in ((768, 192), (192, 768)):
         G = torch.stack([spectral_band_input(*shape, seed) for seed in range(3)]).float()
         _, polar = polynomial_via_svd(G, coeffs, safety, eps)
-        standard = orthogonalize(G.cuda(), (coeffs, safety, eps, torch.float16, "standard")).cpu()
+        ns = NewtonSchulz(coeffs, safety, eps, torch.float16)
+        standard = orthogonalize(G.cuda(), ns).cpu()
         for fn in (orthogonalize, compiled):
-            gram = fn(G.cuda(), (coeffs, safety, eps, torch.float16, "auto")).cpu()
+            gram = fn(G.cuda(), ns, True).cpu()
             assert gram.dtype == torch.float16
             assert rel_err(gram, polar) < 1.05 * rel_err(standard, polar) + 2e-3, shape
 

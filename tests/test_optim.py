@@ -4,13 +4,13 @@ float64 re-derivation of the full nanochat Muon update written here, plus state,
 """
 
 import io
-import math
 
 import pytest
 import torch
 
 from nanomuon.optim import MuonAdamW
-from nanomuon.update_math import POLAR_EXPRESS, ns_coefficients, orthogonalize
+from nanomuon.reference import muon_step
+from nanomuon.update_math import NewtonSchulz, gram_pays, ns_coefficients, orthogonalize
 
 
 def make_params(shapes, seed=0, dtype=torch.float32):
@@ -78,35 +78,13 @@ def test_muon_matches_torch_muon():
         torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
 
 
-def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2, lr_factor=None, l2=False):
-    """nanochat's Muon update re-derived in float64, one matrix at a time, from the published formulas.
-    lr_factor(rows, cols): the lr factor (default sqrt(max(1, rows/cols))); l2: wd * p joins the gradient
-    instead of decaying the weights."""
+def reference_muon_f64(params, grads_per_step, lr, momentum, wd, beta2, **options):
+    """Every param's trajectory under nanomuon.reference.muon_step, the float64 definition of the update."""
     params = [p.detach().double().clone() for p in params]
-    bufs = [torch.zeros_like(p) for p in params]
-    second = [None] * len(params)
+    states = [{} for _ in params]
+    group = dict(lr=lr, momentum=momentum, weight_decay=wd, beta2=beta2, ns_steps=5, **options)
     for grads in grads_per_step:
-        for i, (p, g) in enumerate(zip(params, grads)):
-            g = g.double() + (wd * p if l2 else 0.0)
-            bufs[i] = momentum * bufs[i] + (1 - momentum) * g  # EMA momentum
-            u = (1 - momentum) * g + momentum * bufs[i]  # Nesterov look-ahead
-            rows, cols = u.shape
-            X = u.T if rows > cols else u
-            X = X / (torch.linalg.matrix_norm(X) * 1.02 + 1e-6)
-            for a, b, c in POLAR_EXPRESS:
-                A = X @ X.T
-                X = a * X + (b * A + c * A @ A) @ X
-            ortho = X.T if rows > cols else X
-            # factored variance reduction: per row (rows >= cols) or per column, then restore the Frobenius norm
-            axis = 1 if rows >= cols else 0
-            v = (ortho ** 2).mean(dim=axis, keepdim=True)
-            second[i] = v * (1 - beta2) if second[i] is None else beta2 * second[i] + (1 - beta2) * v
-            scale = second[i].clamp_min(1e-10) ** -0.5
-            scaled = ortho * scale
-            ortho = scaled * (torch.linalg.matrix_norm(ortho) / torch.linalg.matrix_norm(scaled))
-            eff_lr = lr * (lr_factor(rows, cols) if lr_factor else math.sqrt(max(1.0, rows / cols)))
-            mask = (ortho * p >= 0).double()  # cautious: decay only where the update agrees with the weight
-            params[i] = p - eff_lr * ortho - (0.0 if l2 else eff_lr * wd * p * mask)
+        params = [muon_step(p, g, st, group) for p, g, st in zip(params, grads, states)]
     return params
 
 
@@ -128,13 +106,11 @@ def test_muon_full_update_matches_float64_rederivation(precision):
         torch.testing.assert_close(p.double(), r, rtol=0, atol=2e-4)
 
 
-@pytest.mark.parametrize("options, scale, l2", [
-    (dict(lr_scale="moonlight"), lambda r, c: 0.2 * math.sqrt(max(r, c)), False),
-    (dict(lr_scale="spectral", extra_scale=0.5), lambda r, c: 0.5 * math.sqrt(max(r, c)), False),
-    (dict(lr_scale="unit_rms"), lambda r, c: math.sqrt(r / c), False),
-    (dict(weight_decay_mode="l2"), None, True),
+@pytest.mark.parametrize("options", [
+    dict(lr_scale="moonlight"), dict(lr_scale="spectral", extra_scale=0.5), dict(lr_scale="unit_rms"),
+    dict(weight_decay_mode="l2"),
 ], ids=["moonlight", "spectral-x0.5", "unit_rms", "l2"])
-def test_lr_scale_and_weight_decay_modes_match_float64(options, scale, l2):
+def test_lr_scale_and_weight_decay_modes_match_float64(options):
     shapes = [(64, 16), (16, 64)]  # default factors 2 and 1; moonlight 1.6, spectral 8, unit_rms 2 and 0.5
     ours = make_params(shapes)
     start = clone_params(ours)
@@ -145,7 +121,7 @@ def test_lr_scale_and_weight_decay_modes_match_float64(options, scale, l2):
         set_grads([ours], step)
         grads_per_step.append([p.grad.clone() for p in ours])
         opt.step()
-    ref = reference_muon_f64(start, grads_per_step, lr=lr, momentum=0.95, wd=0.2, beta2=0.95, lr_factor=scale, l2=l2)
+    ref = reference_muon_f64(start, grads_per_step, lr=lr, momentum=0.95, wd=0.2, beta2=0.95, **options)
     default = reference_muon_f64(start, grads_per_step, lr=lr, momentum=0.95, wd=0.2, beta2=0.95)
     assert max((r - d).abs().max().item() for r, d in zip(ref, default)) > 1e-2  # the option changes the update
     for p, r in zip(ours, ref):
@@ -203,17 +179,18 @@ def test_gram_newton_schulz_against_float64_svd(shape, coefficients, steps, dtyp
     G = torch.stack([spectral_band_input(*shape, seed) for seed in range(3)]).float()
     coeffs, safety, eps = ns_coefficients(coefficients, steps)
     exact, polar = polynomial_via_svd(G, coeffs, safety, eps)
-    gram, standard = (orthogonalize(G, (coeffs, safety, eps, dtype, m)) for m in ("gram", "standard"))
+    ns = NewtonSchulz(coeffs, safety, eps, dtype)
+    gram, standard = orthogonalize(G, ns, gram=True), orthogonalize(G, ns)
     assert gram.dtype == dtype and gram.shape == G.shape
     if dtype == torch.float32:
         assert rel_err(gram, exact) < 1e-4 and rel_err(standard, exact) < 2e-5
     elif dtype == torch.float16:
         assert rel_err(gram, polar) < 1.05 * rel_err(standard, polar) + 2e-3
-    from nanomuon.update_math import ns_flops, use_gram
+    from nanomuon.update_math import ns_flops
 
     cheaper = ns_flops(shape, steps, True) < ns_flops(shape, steps)
     assert cheaper == (max(shape) / min(shape) > 1.5)
-    assert use_gram("auto", shape, steps, dtype) == (cheaper and dtype != torch.bfloat16)
+    assert gram_pays(shape, steps, dtype) == (cheaper and dtype != torch.bfloat16)
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5, 7, 10])
@@ -224,10 +201,10 @@ def test_ns_flops_counts_the_matmuls_that_run(steps):
     from nanomuon.update_math import ns_flops
 
     G = torch.randn(2, 24, 96)
-    for method in ("standard", "gram"):
+    for gram in (False, True):
         with FlopCounterMode(display=False) as counter:
-            orthogonalize(G, (((1.5, -0.5, 0.0),) * steps, 1.0, 1e-7, torch.float32, method))
-        assert counter.get_total_flops() == ns_flops(G.shape, steps, gram=method == "gram"), method
+            orthogonalize(G, NewtonSchulz(((1.5, -0.5, 0.0),) * steps, 1.0, 1e-7, torch.float32), gram)
+        assert counter.get_total_flops() == ns_flops(G.shape, steps, gram=gram), gram
 
 
 @pytest.mark.parametrize("shape", [(96, 48), (48, 96), (64, 64)])
@@ -239,7 +216,7 @@ def test_polar_express_singular_value_band(shape, dtype):
     """
     G = torch.stack([spectral_band_input(*shape, seed) for seed in range(3)]).float()
     coeffs, safety, eps = ns_coefficients("polar_express", 5)
-    X = orthogonalize(G, (coeffs, safety, eps, dtype, "auto"))
+    X = orthogonalize(G, NewtonSchulz(coeffs, safety, eps, dtype), gram_pays(shape, 5, dtype))
     assert X.dtype == dtype and X.shape == G.shape
     sv = torch.linalg.svdvals(X.double())
     assert sv.max().item() <= 1.16, sv.max().item()
@@ -376,7 +353,7 @@ BAD_GROUPS = [
     ([muon_group([P2], ns_steps=6)], ValueError, "ns_steps=6 but ns_coefficients=polar_express has 5"),
     ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
     ([muon_group([P2], ns_precision="fp64")], ValueError, "ns_precision='fp64'"),
-    ([muon_group([P2], ns_method="svd")], ValueError, "ns_method='svd' must be one of ['auto', 'standard', 'gram']"),
+    ([muon_group([P2], orthogonalizer="svd")], ValueError, "orthogonalizer='svd' must be one of ['auto',"),
     ([muon_group([P2], lr_scale="sqrt")], ValueError, "lr_scale='sqrt' must be one of ['shape', 'moonlight'"),
     ([muon_group([P2], weight_decay_mode="l1")], ValueError, "weight_decay_mode='l1' must be one of"),
     ([muon_group([P2], extra_scale=-1.0)], ValueError, "extra_scale=-1.0 must be a finite number >= 0"),

@@ -3,78 +3,22 @@ Optimizer edges against independent references: split and transposed layouts (ea
 param of its own), group edits mid-run, Megatron-style decay, named and custom coefficient sets, momentum
 cycling schedulers, owners kept by add_param_group at world 2 and 3, and compile across many shapes.
 
-The reference is a float64 Muon written here from the formulas, one logical matrix at a time; layouts
-are undone with index lists, not with the library's views.
+The reference is nanomuon.reference.muon_step, the float64 definition of the update, one logical matrix
+at a time; layouts are undone here with index lists, not with the library's views.
 """
 
-import math
 
 import pytest
 import torch
 
 from nanomuon.optim import MuonAdamW
+from nanomuon.reference import muon_step
 from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS
 
 BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, cautious_wd=True,
             ns_coefficients="polar_express", ns_repeat_last=False, lr_scale="shape", extra_scale=1.0,
             weight_decay_mode="decoupled", decay_lr="adjusted", equilibrate=None, post_normalize=None)
 MUON_REQUIRED = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-FACTORS = {"shape": lambda r, c: math.sqrt(max(1.0, r / c)), "spectral": lambda r, c: math.sqrt(max(r, c)),
-           "moonlight": lambda r, c: 0.2 * math.sqrt(max(r, c)), "unit_rms": lambda r, c: math.sqrt(r / c)}
-NAMED = {"polar_express": (POLAR_EXPRESS, 1.02, 1e-6), "jordan": ([(3.4445, -4.7750, 2.0315)], 1.0, 1e-7)}
-
-
-def triples_of(cfg):
-    spec = cfg["ns_coefficients"]
-    if isinstance(spec, str):
-        triples, safety, eps = NAMED[spec] if spec in NAMED else COEFFICIENT_SETS[spec]
-    elif isinstance(spec, dict):
-        triples, safety, eps = spec["coefficients"], spec.get("safety", 1.0), spec.get("eps", 1e-7)
-    else:
-        triples, safety, eps = spec, 1.0, 1e-7
-    triples = list(triples)
-    while len(triples) < cfg["ns_steps"]:
-        triples.append(triples[-1])  # one triple repeats; ns_repeat_last repeats the last
-    return triples[:cfg["ns_steps"]], safety, eps
-
-
-def f64_step(p, g, st, cfg):
-    """One Muon step on one logical (rows, cols) float64 matrix; st holds its momentum and second moment."""
-    m = cfg["momentum"]
-    if cfg["weight_decay_mode"] == "l2":
-        g = g + cfg["weight_decay"] * p
-    st["buf"] = m * st.get("buf", torch.zeros_like(p)) + (1 - m) * g
-    u = (1 - m) * g + m * st["buf"] if cfg["nesterov"] else st["buf"]
-    rows, cols = u.shape
-    eq = cfg["equilibrate"] or ""  # MuonEq: both scales from the same u
-    r = (u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in eq else torch.ones(rows, 1, dtype=u.dtype)
-    c = (u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in eq else torch.ones(1, cols, dtype=u.dtype)
-    u = u / r.sqrt() / c.sqrt()
-    triples, safety, eps = triples_of(cfg)
-    X = u.T if rows > cols else u
-    X = X / (torch.linalg.matrix_norm(X) * safety + eps)
-    for a, b, c in triples:
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    o = X.T if rows > cols else X
-    if cfg["post_normalize"] == "fro":  # nanochat's Muon+: the Frobenius norm of an exact U V^T
-        o = o * math.sqrt(min(rows, cols)) / torch.linalg.matrix_norm(o)
-    elif cfg["post_normalize"]:  # Muon+: unit columns / rows, in the order named
-        for part in cfg["post_normalize"].split("_"):
-            o = o / ((o ** 2).sum(dim=0 if part == "col" else 1, keepdim=True) + 1e-7).sqrt()
-    if cfg["beta2"] is not None:
-        v = (o ** 2).mean(dim=1 if rows >= cols else 0, keepdim=True)
-        st["v"] = cfg["beta2"] * st.get("v", torch.zeros_like(v)) + (1 - cfg["beta2"]) * v
-        scaled = o * st["v"].clamp_min(1e-10) ** -0.5
-        o = scaled * (torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(scaled))
-    lr = cfg["lr"] * FACTORS[cfg["lr_scale"]](rows, cols) * cfg["extra_scale"]
-    decay = (lr if cfg["decay_lr"] == "adjusted" else cfg["lr"]) * cfg["weight_decay"]
-    if cfg["weight_decay_mode"] == "l2":
-        decay = 0.0
-    mask = (o * p >= 0).double() if cfg["cautious_wd"] else 1.0
-    return p - lr * o - decay * p * mask
-
-
 def block_rows(split, groups):
     """Row indices of each block of a [groups x (n1 + n2 + ...)] interleaved layout."""
     per, out, start = sum(split), [], 0
@@ -97,7 +41,7 @@ def f64_run(start, grads, cfgs, split=None, groups=1, transposed=False):
             P, G = (batch[k].T, gb[k].T) if transposed else (batch[k], gb[k])
             P = P.clone()
             for bi, rows in enumerate(block_rows(split, groups) if split else [list(range(P.shape[0]))]):
-                P[rows] = f64_step(P[rows], G[rows], states.setdefault((k, bi), {}), cfg)
+                P[rows] = muon_step(P[rows], G[rows], states.setdefault((k, bi), {}), cfg)
             batch[k] = P.T if transposed else P
         p = batch.reshape(p.shape)
     return p
@@ -215,10 +159,9 @@ def test_named_sets_match_float64_and_orthogonalize(name, steps):
     start, grads = random_run((48, 32), 2, seed=5)
     cfgs = [dict(BASE, ns_coefficients=name, ns_steps=steps, beta2=None)] * 2
     torch.testing.assert_close(run_ours(start, grads, cfgs).double(), f64_run(start, grads, cfgs), rtol=0, atol=2e-4)
-    from nanomuon.update_math import ns_coefficients, orthogonalize
+    from nanomuon.update_math import NewtonSchulz, ns_coefficients, orthogonalize
 
-    coeffs, safety, eps = ns_coefficients(name, steps)
-    sv = torch.linalg.svdvals(orthogonalize(grads[0], (coeffs, safety, eps, torch.float32, "auto")))
+    sv = torch.linalg.svdvals(orthogonalize(grads[0], NewtonSchulz(*ns_coefficients(name, steps), torch.float32)))
     assert sv.min() > 0.6 and sv.max() < 1.3, sv  # a randn matrix's singular values land near 1
 
 

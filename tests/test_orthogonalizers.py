@@ -1,0 +1,119 @@
+"""
+The orthogonalizer registry as a forker uses it: one function registered in
+update_math.ORTHOGONALIZERS, from outside the package, and a group naming it trains with it, in
+MuonAdamW, in DistMuonAdamW and on DTensor params at world 2, and through a variants.py entry. The
+function here is the exact polar factor U V^T (by SVD), so the reference is nanomuon.reference's float64
+step with the same exact polar factor, and Newton-Schulz (an approximation of it) must land elsewhere.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_dist import spawn
+
+from nanomuon import update_math
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.reference import muon_step, newton_schulz
+
+SHAPES = [(40, 24), (24, 40), (32, 32), (40, 24)]  # tall, wide, square, and a repeat to stack
+GROUP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+STEPS = 3
+
+
+def exact_polar(G, group):
+    """U V^T of every matrix of the stack, through a float64 SVD."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return (U @ Vh).to(G.dtype)
+
+
+def register():
+    update_math.ORTHOGONALIZERS["exact_polar"] = exact_polar
+
+
+def start_and_grads(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s, generator=gen) * 0.5 for s in SHAPES]
+    return start, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(STEPS)]
+
+
+def reference(start, grads, orthogonalize):
+    params, states = [p.double() for p in start], [{} for _ in start]
+    for step in grads:
+        params = [muon_step(p, g, st, GROUP, orthogonalize) for p, g, st in zip(params, step, states)]
+    return params
+
+
+def train(opt_class, start, grads, placements=None, **options):
+    """Params trained by opt_class with a muon group of `options`; DTensors when placements (mesh, pl)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    wrap = (lambda t: distribute_tensor(t, *placements)) if placements else (lambda t: t)
+    params = [torch.nn.Parameter(wrap(p.clone())) for p in start]
+    opt = opt_class([dict(kind="muon", params=params, ns_precision="fp32", **GROUP, **options)])
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = wrap(g.clone())
+        opt.step()
+    return [p.full_tensor() if placements else p.detach() for p in params]
+
+
+def check(ours, start, grads):
+    """ours equals the float64 step with the exact polar factor, and Newton-Schulz lands elsewhere."""
+    exact = reference(start, grads, lambda u, group: exact_polar(u, group))
+    approx = reference(start, grads, newton_schulz)
+    for p, e, a in zip(ours, exact, approx):
+        torch.testing.assert_close(p.double(), e, rtol=0, atol=2e-5)
+        assert (e - a).abs().max() > 1e-3  # the registered function is what ran
+
+
+def test_a_registered_orthogonalizer_runs_in_muon_adamw(monkeypatch):
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    start, grads = start_and_grads()
+    check(train(MuonAdamW, start, grads, orthogonalizer="exact_polar"), start, grads)
+
+
+def test_the_owner_plan_costs_an_unknown_orthogonalizer_as_newton_schulz(monkeypatch):
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    p = torch.zeros(24, 96)
+    group = dict(GROUP, params=[p], orthogonalizer="exact_polar", ns_precision="fp32", ns_coefficients="jordan",
+                 ns_repeat_last=False, split=None, qkv_split=None, transposed=False)
+    assert update_math.ns_cost(group, p) == update_math.ns_flops(p.shape, 5)
+
+
+def test_an_unregistered_name_is_refused_with_the_registry_named():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"orthogonalizer='exact_polar' must be one of \['auto', .*register"):
+        MuonAdamW([dict(kind="muon", params=[p], orthogonalizer="exact_polar", **GROUP)])
+
+
+def test_a_variants_entry_names_it(monkeypatch):
+    """One line in variants.py: the GPT's optimizer is built with it and steps."""
+    from nanomuon.gpt import GPT, GPTConfig
+    from nanomuon.variants import OPTIMIZER_VARIANTS
+
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-exact", dict(muon_options=dict(orthogonalizer="exact_polar")))
+    model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
+    model.init_weights()
+    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS["muon-exact"])
+    assert {g.get("orthogonalizer") for g in opt.param_groups if g["kind"] == "muon"} == {"exact_polar"}
+    idx = torch.randint(0, 64, (2, 16))
+    model(idx, idx).backward()
+    opt.step()
+
+
+def _world_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    register()  # from outside the package, in this process
+    start, grads = start_and_grads()
+    check(train(DistMuonAdamW, start, grads, orthogonalizer="exact_polar"), start, grads)
+    mesh = init_device_mesh("cpu", (world_size,))
+    ours = train(MuonAdamW, start, grads, placements=(mesh, [Shard(0)]), orthogonalizer="exact_polar")
+    check(ours, start, grads)
+    dist.barrier()
+
+
+def test_a_registered_orthogonalizer_runs_distributed_and_on_dtensors():
+    spawn(_world_worker, 2)
