@@ -248,7 +248,8 @@ def plot(out, results: dict, variants: list[str], mults: list[float], seeds: lis
     return plot_curves(out / "val_bpb.png", panels, title=title)
 
 
-def main(argv=None):
+def parse_args(argv):
+    """(args, flags for base_train): args.variants, args.baseline and args.mults checked and resolved."""
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to base_train)",
                                 allow_abbrev=False, epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
     p.add_argument("--variants", default="muon,adamw,torch-muon", help="comma-separated OPTIMIZER_VARIANTS keys")
@@ -263,18 +264,19 @@ def main(argv=None):
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in OPTIMIZER_VARIANTS]
-    if unknown or len(variants) < 2 or len(set(variants)) != len(variants):
+    spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
+    if unknown or len(args.variants) < 2 or len(set(args.variants)) != len(args.variants):
         p.error(f"--variants needs two or more distinct names from {', '.join(OPTIMIZER_VARIANTS)}; got "
-                f"{args.variants!r}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-    baseline = args.baseline or ("adamw" if "adamw" in variants else variants[0])
-    if baseline not in variants:
-        p.error(f"--baseline {baseline!r} is not among --variants {args.variants!r}")
+                f"{spec!r}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
+    if args.baseline not in args.variants:
+        p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
     try:
-        mults = sorted(float(x) for x in args.lr_sweep.split(",") if x.strip())
+        args.mults = sorted(float(x) for x in args.lr_sweep.split(",") if x.strip())
     except ValueError:
-        mults = []
+        args.mults = []
+    mults = args.mults
     if not mults or len(set(mults)) != len(mults) or not all(math.isfinite(m) and m > 0 for m in mults):
         p.error(f"--lr-sweep needs a comma-separated list of distinct positive numbers, got {args.lr_sweep!r}")
     if min(args.nproc, args.seeds) < 1 or args.jobs < 0:
@@ -282,14 +284,23 @@ def main(argv=None):
     reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed", "--lr-multiplier")
     if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved) for f in extra if f.startswith("--")):
         p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds and --lr-sweep")
-    if not os.path.isfile(tokenizer_dir() / "tokenizer.json"):
-        if "fineweb-edu" in extra:
-            raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train --dataset fineweb-edu`")
-        print("== no tokenizer yet: training a 4096-token BPE on the embedded corpus", flush=True)
-        subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded", "--vocab-size", "4096",
-                        "--max-chars", "8000000"], check=True)
+    return args, [*CPU_DEFAULTS, *extra]
 
-    flags = [*CPU_DEFAULTS, *extra]
+
+def ensure_tokenizer(flags: list[str]) -> None:
+    """A tokenizer for the runs: the base dir's, or a 4096-token BPE trained now on the embedded corpus."""
+    if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
+        return
+    if "fineweb-edu" in flags[len(CPU_DEFAULTS):]:
+        raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train --dataset fineweb-edu`")
+    print("== no tokenizer yet: training a 4096-token BPE on the embedded corpus", flush=True)
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded", "--vocab-size", "4096",
+                    "--max-chars", "8000000"], check=True)
+
+
+def main(argv=None):
+    args, flags = parse_args(argv)
+    ensure_tokenizer(flags)
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
     q.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -298,7 +309,7 @@ def main(argv=None):
     run_flags = q.parse_known_args(flags)[0]
     jobs = args.jobs or (max(1, cores // args.nproc) if run_flags.device_type == "cpu" else 1)
     seeds = list(range(1, args.seeds + 1))
-    todo = [(v, m, s) for v in variants for m in mults for s in seeds]
+    todo = [(v, m, s) for v in args.variants for m in args.mults for s in seeds]
     jobs = min(jobs, len(todo))
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
@@ -311,8 +322,8 @@ def main(argv=None):
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
-    print(f"== {len(todo)} runs ({len(variants)} variants x {len(mults)} lrs x {len(seeds)} seeds), {jobs} at a "
-          f"time, {threads} thread(s) each", flush=True)
+    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.mults)} lrs x {len(seeds)} seeds), "
+          f"{jobs} at a time, {threads} thread(s) each", flush=True)
     with ThreadPoolExecutor(jobs) as pool:
         futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache) for job in todo}
         try:
@@ -320,25 +331,29 @@ def main(argv=None):
         except BaseException:  # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
             pool.shutdown(cancel_futures=True)
             raise
+    write_ablation(args, argv, results, todo, seeds)
+    return results
 
+
+def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
+    """The table (printed too), the plot and ablation.md in ablations/<name>."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    table, best = report(results, variants, mults, seeds, baseline)
+    table, best = report(results, args.variants, args.mults, seeds, args.baseline)
     first = results[todo[0]]
-    png = plot(out, results, variants, mults, seeds, best,
+    png = plot(out, results, args.variants, args.mults, seeds, best,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, {first['tokens_per_step']:,} tokens/step, "
                f"{len(seeds)} seeds")
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(todo)}, named {args.name}-<variant>-x<lr multiplier>-s<seed> (each has a report.md)",
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for every variant",
-           f"- baseline: {baseline} at its best lr; steps and training time (evals excluded) are to the first eval "
-           "at or below its mean final val bpb; verdicts are paired by seed, at 95% confidence", "", *table, "",
-           "![val bpb by step, by training time and by lr](val_bpb.png)" if png else f"({MISSING})", ""]
+           f"- baseline: {args.baseline} at its best lr; steps and training time (evals excluded) are to the first "
+           "eval at or below its mean final val bpb; verdicts are paired by seed, at 95% confidence", "", *table,
+           "", "![val bpb by step, by training time and by lr](val_bpb.png)" if png else f"({MISSING})", ""]
     write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))
     print("\n".join(table))
     print(f"table and plot in {out}")
-    return results
 
 
 if __name__ == "__main__":

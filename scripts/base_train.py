@@ -144,7 +144,13 @@ def parse_args(argv=None):
     p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a non-finite loss or "
                    "gradient (each skipped with a warning) before the run stops")
     args = p.parse_args(argv)
+    check_args(p, args)
+    args.run = args.run or f"d{args.depth}"
+    return args
 
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Every flag's value and their combinations, each refused with p.error's one line."""
     rules = [  # (flags, test, what each must be)
         (["depth", "aspect_ratio", "head_dim", "max_seq_len", "total_batch_size", "eval_tokens",
           "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
@@ -171,8 +177,6 @@ def parse_args(argv=None):
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
-    args.run = args.run or f"d{args.depth}"
-    return args
 
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
@@ -221,6 +225,7 @@ class Run:
     step_times: list = field(default_factory=list)  # this process's timings, for medians and the ETA
     optim_times: list = field(default_factory=list)
     wandb: object = None
+    peak_flops: float | None = None  # of one device, for MFU; None where unknown
 
 
 def main(argv=None):
@@ -463,9 +468,9 @@ def where_to_resume(run: Run) -> str:
            "(--resume-from-step latest),"
 
 
-def train(run: Run) -> None:
-    """The loop: evaluate and checkpoint on schedule, then one optimizer step over grad_accum micro-batches."""
-    args, model, loop = run.args, run.model, run.loop
+def announce(run: Run) -> None:
+    """What is about to train, and (on request, rank 0) the wandb run."""
+    args, run.peak_flops = run.args, peak_flops(run.device)
     print0(f"model: depth {run.config.n_layer}, width {run.config.n_embd}, {run.config.n_head} heads, "
            f"{run.num_params:,} params, {run.flops_per_token:.3e} FLOPs/token")
     print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x {args.max_seq_len} "
@@ -484,8 +489,12 @@ def train(run: Run) -> None:
         run.wandb = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
                                dir=str(run.run_dir))
 
-    peak = peak_flops(run.device)
-    model.train()
+
+def train(run: Run) -> None:
+    """The loop: checkpoint and evaluate on schedule, then one optimizer step (train_step, record_step)."""
+    args = run.args
+    announce(run)
+    run.model.train()
     start_step, resumed = run.step, args.resume_from_step != -1
     while True:
         step = run.step
@@ -494,83 +503,105 @@ def train(run: Run) -> None:
         # its eval too if it got that far (evaluate records it in the checkpoint).
         if step != start_step and (last or (args.save_every > 0 and step % args.save_every == 0)):
             save(run)
-        evaluated = resumed and step == start_step and any(s == step for s, _ in loop["val_history"])
+        evaluated = resumed and step == start_step and any(s == step for s, _ in run.loop["val_history"])
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
             evaluate(run)
         if last:
             break
-
-        synchronize(run.device)
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=run.device)
-        if args.qk_clip:
-            model.track_max_logits()  # this step's logits decide this step's clip
-        for micro in range(run.grad_accum):
-            if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
-                model.set_requires_gradient_sync(micro == run.grad_accum - 1)
-            x, y = run.train_loader.next_batch()
-            with autocast(run.device, args.dtype):
-                loss = run.train_model(x, y)
-            loss_sum += loss.detach()
-            (loss / run.grad_accum).backward()
-        lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-        for group in run.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if group["kind"] == "muon":
-                group["momentum"] = muon_momentum_schedule(step)
-        # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
-        # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
-        finite = all_finite(loss_sum, model.parameters())
-        synchronize(run.device)
-        t1 = time.perf_counter()
-        if finite:
-            run.optimizer.step()
-            loop["nonfinite_in_a_row"] = 0
-            if args.qk_clip:
-                loop["qk_clipped"] = loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
-                model.track_max_logits(False)  # evals and samples need no logits
-        model.zero_grad(set_to_none=True)
-        train_loss = (loss_sum / run.grad_accum).item()  # this rank's loss; syncs the device
-        t2 = time.perf_counter()
-        step = run.step = step + 1
-        if not finite:
-            loop["skipped_steps"] += 1
-            loop["nonfinite_in_a_row"] += 1
-            print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
-                   f"in a row, {loop['skipped_steps']} in this run)")
-            if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
-                compute_cleanup()
-                raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
-                                 f"non-finite loss or gradients: the run diverged. {where_to_resume(run).capitalize()}"
-                                 " with lower lrs (--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
-                                 "(--warmup-ratio)")
-
-        dt = t2 - t0
-        if finite and step > start_step + 3:  # the first steps compile and warm up allocators
-            run.step_times.append(dt)
-            run.optim_times.append(t2 - t1)
-            loop["train_time"] += dt
-        beta, trained = 0.9, step - loop["skipped_steps"]  # the average and its bias correction: trained steps
-        if finite:
-            loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * train_loss
-            loop["history"].append((step, train_loss))
-        smooth_loss = loop["smooth_loss"] / (1 - beta ** trained) if trained else math.nan
-        tok_per_s = args.total_batch_size / dt
-        if step % args.log_every == 0 or step == run.num_iterations:
-            shown = f"loss {smooth_loss:.4f}" if finite else "skipped (non-finite)"
-            line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | "
-                    f"{shown} | lrm {lrm:.2f} | dt {1000 * dt:.0f}ms | tok/s {tok_per_s:,.0f}")
-            if peak:
-                line += f" | mfu {100 * run.flops_per_token * tok_per_s / (peak * run.world_size):.1f}%"
-            if args.qk_clip:
-                line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-            if run.step_times:
-                line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
-            print0(line)
-        if run.wandb:
-            logged = {"train/loss": smooth_loss} if finite else {"train/skipped_steps": loop["skipped_steps"]}
-            run.wandb.log({"step": step, **logged, "train/lrm": lrm, "train/tok_per_s": tok_per_s})
+        record_step(run, train_step(run), warm=step > start_step + 2)
     run.train_loader.close()
+
+
+@dataclass
+class Step:
+    """What one optimizer step measured (train_step), for record_step."""
+    loss: float  # this rank's mean loss over the micro-batches
+    finite: bool  # False: the update was skipped
+    lrm: float  # the lr multiplier it ran at
+    seconds: float
+    optimizer_seconds: float
+
+
+def train_step(run: Run) -> Step:
+    """One optimizer step over grad_accum micro-batches at the scheduled lr and momentum; skipped, on
+    every rank alike, when any loss or gradient is not finite."""
+    args, model, step = run.args, run.model, run.step
+    synchronize(run.device)
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=run.device)
+    if args.qk_clip:
+        model.track_max_logits()  # this step's logits decide this step's clip
+    for micro in range(run.grad_accum):
+        if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
+            model.set_requires_gradient_sync(micro == run.grad_accum - 1)
+        x, y = run.train_loader.next_batch()
+        with autocast(run.device, args.dtype):
+            loss = run.train_model(x, y)
+        loss_sum += loss.detach()
+        (loss / run.grad_accum).backward()
+    lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+    for group in run.optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * lrm
+        if group["kind"] == "muon":
+            group["momentum"] = muon_momentum_schedule(step)
+    # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
+    # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
+    finite = all_finite(loss_sum, model.parameters())
+    synchronize(run.device)
+    t1 = time.perf_counter()
+    if finite:
+        run.optimizer.step()
+        if args.qk_clip:
+            run.loop["qk_clipped"] = run.loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
+            model.track_max_logits(False)  # evals and samples need no logits
+    model.zero_grad(set_to_none=True)
+    train_loss = (loss_sum / run.grad_accum).item()  # this rank's loss; syncs the device
+    t2 = time.perf_counter()
+    run.step += 1
+    return Step(train_loss, finite, lrm, t2 - t0, t2 - t1)
+
+
+def record_step(run: Run, s: Step, warm: bool) -> None:
+    """Count a skipped step (stopping a run that diverged), keep the timings and the smoothed loss, and
+    print and log the step. warm: past the first steps, which compile and warm up allocators."""
+    args, loop, step = run.args, run.loop, run.step
+    if s.finite:
+        loop["nonfinite_in_a_row"] = 0
+    else:
+        loop["skipped_steps"] += 1
+        loop["nonfinite_in_a_row"] += 1
+        print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
+               f"in a row, {loop['skipped_steps']} in this run)")
+        if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
+            compute_cleanup()
+            raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
+                             f"non-finite loss or gradients: the run diverged. {where_to_resume(run).capitalize()}"
+                             " with lower lrs (--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
+                             "(--warmup-ratio)")
+    if s.finite and warm:
+        run.step_times.append(s.seconds)
+        run.optim_times.append(s.optimizer_seconds)
+        loop["train_time"] += s.seconds
+    beta, trained = 0.9, step - loop["skipped_steps"]  # the average and its bias correction: trained steps
+    if s.finite:
+        loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * s.loss
+        loop["history"].append((step, s.loss))
+    smooth_loss = loop["smooth_loss"] / (1 - beta ** trained) if trained else math.nan
+    tok_per_s = args.total_batch_size / s.seconds
+    if step % args.log_every == 0 or step == run.num_iterations:
+        shown = f"loss {smooth_loss:.4f}" if s.finite else "skipped (non-finite)"
+        line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | "
+                f"{shown} | lrm {s.lrm:.2f} | dt {1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
+        if run.peak_flops:
+            line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
+        if args.qk_clip:
+            line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
+        if run.step_times:
+            line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
+        print0(line)
+    if run.wandb:
+        logged = {"train/loss": smooth_loss} if s.finite else {"train/skipped_steps": loop["skipped_steps"]}
+        run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
 
 def report(run: Run) -> dict:

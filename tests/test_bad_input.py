@@ -273,8 +273,10 @@ CASES = {
 
 
 def files(*roots):
-    """Every file under roots, but the empty lock files that serialize builds (they stay, by design)."""
-    return {p for r in roots for p in r.rglob("*") if (p.is_file() or p.is_symlink()) and p.name != ".build.lock"}
+    """Every file under roots, but the empty lock files that serialize builds and the cache of source
+    files' content hashes (they stay, by design)."""
+    return {p for r in roots for p in r.rglob("*")
+            if (p.is_file() or p.is_symlink()) and p.name not in (".build.lock", ".hashes.json")}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -22,7 +22,7 @@ from test_dist import _free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanomuon.checkpoint import list_steps, load_checkpoint, save_checkpoint
+from nanomuon.checkpoint import file_crc32, list_steps, load_checkpoint, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
@@ -326,13 +326,16 @@ def poison_checkpoint(run_dir, step):
     for f in [*d.glob("*.distcp"), d / ".metadata"]:  # rewritten by one process: one file
         f.unlink()
     dcp.save(state, checkpoint_id=d, no_dist=True)
+    sums = {f.name: file_crc32(f) for f in sorted(d.iterdir()) if f.name not in ("meta.json", "checksums.json")}
+    (d / "checksums.json").write_text(json.dumps(dict(crc32=sums)))  # as saved: a legitimate, diverged state
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(base, capsys, monkeypatch):
     from nanomuon.optim import MuonAdamW
     from scripts.base_train import main
 
-    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "-1", "--run", "nan"]
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "-1", "--run", "nan",
+             "--keep-checkpoints", "-1"]
     main([*flags, "--save-every", "2"])
     poison_checkpoint(base / "runs" / "nan", 2)
     capsys.readouterr()
