@@ -1,9 +1,10 @@
 """
-Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the 'adamw' groups, behind
-the same param-group convention as MuonAdamW, so ablations and benchmarks can put nanomuon's fused optimizer next to
-PyTorch alone in the same loop (`--optimizer torch-muon`; README, "Comparing optimizers: ablate"). torch.optim.Muon runs
-one matrix at a time and is not distributed, so under torch.distributed this wrapper averages the grads itself and every
-rank does the whole update (replicated, like DDP).
+Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the
+'adamw' groups, behind the same param-group convention as MuonAdamW, so ablations and benchmarks can
+put nanomuon's fused optimizer next to PyTorch alone in the same loop (`--optimizer torch-muon`;
+README, "Comparing optimizers: ablate"). torch.optim.Muon runs one matrix at a time and is not
+distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
+the whole update (replicated, like DDP).
 """
 
 import contextlib
@@ -26,8 +27,8 @@ def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     tall = grad.size(0) > grad.size(1)
     if tall:
         X = X.T
-    # Out of place: for an fp32 grad, .float() returns the caller's tensor itself (with nesterov=False
-    # that is the momentum buffer), and torch's in-place div_ would overwrite it.
+    # Out of place: for an fp32 grad, .float() returns the caller's tensor itself (with
+    # nesterov=False that is the momentum buffer), and torch's in-place div_ would overwrite it.
     X = X / X.norm().clamp(min=eps)
     for _ in range(ns_steps):
         gram = X @ X.T
@@ -37,8 +38,8 @@ def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
 
 
 def fp32_newton_schulz():
-    """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks the function up by name
-    at every step, so swapping the module attribute is enough)."""
+    """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks the function up by
+    name at every step, so swapping the module attribute is enough)."""
     return mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
 
 
@@ -46,13 +47,15 @@ class TorchMuonAdamW:
     """torch.optim.Muon + torch.optim.AdamW as one optimizer over kind='muon' / kind='adamw' groups.
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
-    group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups beta2=None
-    (no variance reduction, as in torch); name and initial_lr ride along. ns_precision 'auto' follows MuonAdamW's
-    rule (update_math.resolve_ns_precision): torch's bf16 where bf16 matmuls are fast, fp32 elsewhere."""
+    group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups
+    beta2=None (no variance reduction, as in torch); name and initial_lr ride along. ns_precision
+    'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16 where bf16
+    matmuls are fast, fp32 elsewhere."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
-    SAME_AS_TORCH = {"beta2": None}  # muon keys whose value says what torch.optim.Muon does anyway: no VR
+    # muon keys whose value says what torch.optim.Muon does anyway: no VR
+    SAME_AS_TORCH = {"beta2": None}
 
     def __init__(self, param_groups, ns_precision: str = "auto"):
         muon, adamw = [], []
@@ -61,20 +64,25 @@ class TorchMuonAdamW:
             if kind not in ("muon", "adamw"):
                 raise ValueError(f"param group {i}: kind={kind!r}; set kind='muon' or kind='adamw'")
             allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
-            dropped = {k for k in group if k not in allowed + ("params", "kind", "name", "initial_lr")
-                       and not (kind == "muon" and k in self.SAME_AS_TORCH and group[k] is self.SAME_AS_TORCH[k])}
+            dropped = {k for k in group
+                       if k not in allowed + ("params", "kind", "name", "initial_lr")
+                       and not (kind == "muon" and k in self.SAME_AS_TORCH
+                                and group[k] is self.SAME_AS_TORCH[k])}
             if dropped:
-                raise ValueError(f"param group {i} ({kind}): torch.optim.{'Muon' if kind == 'muon' else 'AdamW'} "
-                                 f"has no option {sorted(dropped)}; remove it for the torch baseline")
+                raise ValueError(f"param group {i} ({kind}): torch.optim."
+                                 f"{'Muon' if kind == 'muon' else 'AdamW'} has no option "
+                                 f"{sorted(dropped)}; remove it for the torch baseline")
             (muon if kind == "muon" else adamw).append(dict(group))
         if ns_precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"ns_precision must be 'auto', 'bf16' or 'fp32', got {ns_precision!r}")
         self.ns_precision = ns_precision
-        self.optimizers = ([torch.optim.Muon(muon)] if muon else []) + ([torch.optim.AdamW(adamw)] if adamw else [])
+        self.optimizers = (([torch.optim.Muon(muon)] if muon else [])
+                           + ([torch.optim.AdamW(adamw)] if adamw else []))
 
     @property
     def param_groups(self):
-        # live: torch's load_state_dict replaces the inner group dicts, and a schedule must reach the new ones
+        # live: torch's load_state_dict replaces the inner group dicts, and a schedule must reach
+        # the new ones
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property
@@ -89,7 +97,8 @@ class TorchMuonAdamW:
     def step(self) -> None:
         params = [p for g in self.param_groups for p in g["params"]]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for p in params:  # average the grads, as DDP would; a rank without a grad contributes zeros
+            # average the grads, as DDP would; a rank without a grad contributes zeros
+            for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
@@ -105,8 +114,8 @@ class TorchMuonAdamW:
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("torch_baseline")
         if saved is None or len(saved) != len(self.optimizers):
-            raise ValueError("this optimizer state was not saved by TorchMuonAdamW with the same groups; resume with "
-                             "the --optimizer the run was started with")
+            raise ValueError("this optimizer state was not saved by TorchMuonAdamW with the same "
+                             "groups; resume with the --optimizer the run was started with")
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
 

@@ -1,18 +1,20 @@
 """
-Checkpoints: one directory per step, sharded, written atomically and validated on load; one run per directory.
+Checkpoints: one directory per step, sharded, written atomically and validated on
+load; one run per directory.
 
 Layout: <run dir>/step_000123/ holds a torch.distributed.checkpoint (DCP) of the model and optimizer
-tensors: each process writes the pieces it holds (FSDP2 shards, DistMuonAdamW's state; a tensor every
-process holds, once), so no process ever gathers the whole state, and any process count reads it back
-resharded (one process, for sample and base_eval, reads it whole). Beside it, from rank 0: optim.pt (the
-optimizer's groups and step counts: MuonAdamW.sharded_state_dict's rest, or a replicated optimizer's whole
-state) and meta.json (config, loop and data loader state, as text). Everything is written into a hidden
-temporary directory, fsynced, and only then renamed into place, so a directory named step_* is always
-whole. A re-save swaps the new directory with the old in one rename (Linux, macOS), so step_N is never
-missing; elsewhere a kill between two renames is repaired by clean_run_dir at the next start. Checkpoints
-from before sharding (model.pt + optim.pt of whole tensors) still load; scripts/export.py writes that
-whole form for other tools. A training run holds a lock (flock) on <run dir>/.lock (lock_run_dir), which
-the kernel drops when the process dies: a lock is never stale.
+tensors: each process writes the pieces it holds (FSDP2 shards, DistMuonAdamW's state; a tensor
+every process holds, once), so no process ever gathers the whole state, and any process count reads
+it back resharded (one process, for sample and base_eval, reads it whole). Beside it, from rank 0:
+optim.pt (the optimizer's groups and step counts: MuonAdamW.sharded_state_dict's rest, or a
+replicated optimizer's whole state) and meta.json (config, loop and data loader state, as text).
+Everything is written into a hidden temporary directory, fsynced, and only then renamed into place,
+so a directory named step_* is always whole. A re-save swaps the new directory with the old in one
+rename (Linux, macOS), so step_N is never missing; elsewhere a kill between two renames is repaired
+by clean_run_dir at the next start. Checkpoints from before sharding (model.pt + optim.pt of whole
+tensors) still load; scripts/export.py writes that whole form for other tools. A training run holds
+a lock (flock) on <run dir>/.lock (lock_run_dir), which the kernel drops when the process dies: a
+lock is never stale.
 """
 
 import argparse
@@ -59,8 +61,8 @@ def _fsync(path: Path) -> None:
 
 
 def _libc_swap():
-    """Exchange two paths in one atomic rename, through libc: Linux renameat2(RENAME_EXCHANGE), macOS
-    renamex_np(RENAME_SWAP); None where libc has neither."""
+    """Exchange two paths in one atomic rename, through libc: Linux renameat2(RENAME_EXCHANGE),
+    macOS renamex_np(RENAME_SWAP); None where libc has neither."""
     libc = ctypes.CDLL(None, use_errno=True)
     if hasattr(libc, "renameat2"):
         return lambda a, b: libc.renameat2(-100, a, -100, b, 2)  # -100: AT_FDCWD
@@ -80,8 +82,9 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-# What a DCP index (.metadata) of tensors unpickles to; pickle may build nothing else, so a checkpoint from
-# someone else cannot run code when it is read (DCP's own reader calls plain pickle.load).
+# What a DCP index (.metadata) of tensors unpickles to; pickle may build nothing else,
+# so a checkpoint from someone else cannot run code when it is read (DCP's own reader
+# calls plain pickle.load).
 _DCP_META = "torch.distributed.checkpoint.metadata"
 METADATA_CLASSES = {
     (_DCP_META, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties",
@@ -90,7 +93,8 @@ METADATA_CLASSES = {
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
      ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
-# The names DCP's FileSystemWriter gives the data files: a plain name in the checkpoint's own directory.
+# The names DCP's FileSystemWriter gives the data files: a plain name in the
+# checkpoint's own directory.
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
@@ -104,29 +108,32 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_index(d: Path):
-    """A checkpoint's DCP index (d/.metadata), unpickled with an allowlist of DCP's metadata classes and
-    checked: tensors only (DCP would torch.load anything else with weights_only=False), stored in plain
-    files of d. ValueError naming the file and what is wrong."""
+    """A checkpoint's DCP index (d/.metadata), unpickled with an allowlist of DCP's metadata classes
+    and checked: tensors only (DCP would torch.load anything else with weights_only=False), stored
+    in plain files of d. ValueError naming the file and what is wrong."""
     path = Path(d) / ".metadata"
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
-        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({one_line(e)}): a tampered "
-                         "or foreign checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError,
+            IndexError) as e:
+        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({one_line(e)}): "
+                         "a tampered or foreign checkpoint") from None
     problems = []
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         problems.append(f"it holds a {type(md).__name__}")
     else:
-        problems += [f"{k!r} is a {type(v).__name__}, not a tensor" for k, v in md.state_dict_metadata.items()
+        problems += [f"{k!r} is a {type(v).__name__}, not a tensor"
+                     for k, v in md.state_dict_metadata.items()
                      if not isinstance(v, TensorStorageMetadata)][:1]
-        problems += [f"a piece is stored in {getattr(v, 'relative_path', v)!r}" for v in md.storage_data.values()
+        problems += [f"a piece is stored in {getattr(v, 'relative_path', v)!r}"
+                     for v in md.storage_data.values()
                      if not (isinstance(v, _StorageInfo) and DATA_FILE.match(str(v.relative_path))
                              and not v.transform_descriptors)][:1]
     if problems:
-        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({problems[0]}): a tampered or "
-                         "foreign checkpoint")
+        raise ValueError(f"{path} is not a checkpoint index nanomuon loads ({problems[0]}): "
+                         "a tampered or foreign checkpoint")
     return md
 
 
@@ -147,7 +154,8 @@ def alone() -> bool:
 
 
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
-    """dcp.save or dcp.load of tensors at d, without the warning DCP gives each time it runs in one process."""
+    """dcp.save or dcp.load of tensors at d, without the warning DCP gives each
+    time it runs in one process."""
     io = dict(storage_writer=dcp.FileSystemWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
     with warnings.catch_warnings():
@@ -162,15 +170,17 @@ def _no_space(e: BaseException) -> bool:
         e, seen = todo.pop(), seen + 1
         if getattr(e, "errno", None) == errno.ENOSPC:
             return True
-        todo += [f[0] for f in getattr(e, "failures", {}).values()] + [c for c in (e.__context__, e.__cause__) if c]
+        todo += ([f[0] for f in getattr(e, "failures", {}).values()]
+                 + [c for c in (e.__context__, e.__cause__) if c])
     return False
 
 
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """What save_checkpoint writes of a model and its optimizer: (tensors, files). tensors are this rank's pieces
-    under their checkpoint names (model.<name>, optim.<param index>.<state>): FSDP2 blocks, DistMuonAdamW's
-    state; files hold optim.pt, the optimizer's groups and step counts (or a replicated optimizer's whole state,
-    as torch-muon's). A collective where DTensor Muon params are planned."""
+    """What save_checkpoint writes of a model and its optimizer: (tensors, files). tensors are
+    this rank's pieces under their checkpoint names (model.<name>, optim.<param index>.<state>):
+    FSDP2 blocks, DistMuonAdamW's state; files hold optim.pt, the optimizer's groups and step
+    counts (or a replicated optimizer's whole state, as torch-muon's). A collective where
+    DTensor Muon params are planned."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     if not hasattr(optimizer, "sharded_state_dict"):
         return tensors, dict(optim=optimizer.state_dict())
@@ -179,7 +189,8 @@ def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
 
 
 def _failure(e: BaseException) -> tuple[BaseException, str]:
-    """(the error, where): DCP's CheckpointException holds one per failing rank, with its traceback; the first."""
+    """(the error, where): DCP's CheckpointException holds one per failing rank, with
+    its traceback; the first."""
     if isinstance(e, dcp.api.CheckpointException) and e.failures:
         rank, (first, _) = next(iter(e.failures.items()))
         return first, f" (rank {rank})"
@@ -192,7 +203,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def file_crc32(path: Path) -> str:
-    """A file's CRC-32 as 8 hex digits: 2 GB/s on one core, enough to catch bytes changed on disk."""
+    """A file's CRC-32 as 8 hex digits: 2 GB/s on one core, enough to
+    catch bytes changed on disk."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -201,8 +213,9 @@ def file_crc32(path: Path) -> str:
 
 
 def check_sums(d: Path) -> None:
-    """Every file checksums.json lists has the CRC it had when saved, and every tensor file is listed;
-    ValueError naming the first that differs. Checkpoints saved before checksums have no such file."""
+    """Every file checksums.json lists has the CRC it had when saved, and every tensor
+    file is listed; ValueError naming the first that differs. Checkpoints saved before
+    checksums have no such file."""
     listed = d / "checksums.json"
     if not listed.exists():
         return
@@ -214,38 +227,47 @@ def check_sums(d: Path) -> None:
         if not (DATA_FILE.match(name) or name in CHECKPOINT_FILES):
             raise ValueError(f"checksums.json names {name!r}, not a checkpoint file")
         if (now := file_crc32(d / name)) != crc:
-            raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved (its bytes changed on disk)")
+            raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
+                             "(its bytes changed on disk)")
 
 
-def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, files: dict | None = None) -> Path:
-    """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or whole tensors)
-    through DCP, and from rank 0 meta (meta.json) and files (name -> object, torch.save'd to name.pt). A collective
-    under torch.distributed: every rank calls it, and every rank returns, or raises the same one-line OSError (a
-    full disk says so). A failed save leaves no temporary files, and earlier checkpoints stay."""
+def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
+                    files: dict | None = None) -> Path:
+    """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or
+    whole tensors) through DCP, and from rank 0 meta (meta.json) and files (name -> object,
+    torch.save'd to name.pt). A collective under torch.distributed: every rank calls it, and every
+    rank returns, or raises the same one-line OSError (a full disk says so). A failed save leaves no
+    temporary files, and earlier checkpoints stay."""
     run_dir = Path(run_dir)
     final = step_dir(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"  # one name on every rank: all write into it
     rank0, error = alone() or dist.get_rank() == 0, None
     try:
-        _dcp(dcp.save, tensors, tmp, alone())  # every rank's files fsynced, then .metadata; raises on all ranks
+        # every rank's files fsynced, then .metadata; raises on all ranks
+        _dcp(dcp.save, tensors, tmp, alone())
     except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
         error = e
     if rank0 and error is None:
         try:
             for name, obj in (files or {}).items():
-                with open(tmp / f"{name}.pt", "wb") as f:  # a file object: torch.save keeps its OSError as context
+                # a file object: torch.save keeps its OSError as context
+                with open(tmp / f"{name}.pt", "wb") as f:
                     torch.save(obj, f)
             sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
             (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # text, checked on load by check_meta
+            # text, checked on load by check_meta
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             for f in tmp.iterdir():
                 _fsync(f)
             _fsync(tmp)
             if not final.exists():
                 os.replace(tmp, final)
-            elif _swap(tmp, final):  # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+            elif _swap(tmp, final):
+                # re-saving a step (a resumed run reaching it again): tmp now holds the old one
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:  # two renames: a kill between them leaves only the old one, which clean_run_dir puts back
+            else:
+                # two renames: a kill between them leaves only the old one,
+                # which clean_run_dir puts back
                 old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
                 os.replace(final, old)
                 os.replace(tmp, final)
@@ -256,55 +278,63 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None, 
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     outcome = [error and (_no_space(error), _one_line(error))]
-    if not alone():  # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
+    # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
+    if not alone():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] and outcome[0][0]:
         kept = [s for s in list_steps(run_dir) if s != step]
-        kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
-        raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step {step}; {kept} "
-                      f"({size_str(shutil.disk_usage(run_dir).free)} free): free some space, then resume with "
-                      "--resume-from-step latest")
+        kept = (f"the checkpoint of step {kept[-1]} is kept" if kept
+                else "there is no earlier checkpoint")
+        raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step "
+                      f"{step}; {kept} ({size_str(shutil.disk_usage(run_dir).free)} free): free "
+                      "some space, then resume with --resume-from-step latest")
     if outcome[0]:
         raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][1]}")
     return final
 
 
-# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being replaced
-# (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes in a run dir.
+# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
+# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
+# in a run dir.
 SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
 ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
 CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
-RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")  # what runs write beside their checkpoints
+# what runs write beside their checkpoints
+RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")
 
 
 def _looks_like_checkpoint(d: Path) -> bool:
     """A real directory holding nothing but what save_checkpoint writes."""
     return not d.is_symlink() and d.is_dir() and all(
-        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name)) and not f.is_symlink() and f.is_file()
+        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name))
+        and not f.is_symlink() and f.is_file()
         for f in d.iterdir())
 
 
 def check_links(run_dir: Path) -> None:
-    """Refuse a symlink where a run writes or reads its own files: following it would write to, or read
-    from, whatever it points at. ValueError naming the link and the way out."""
+    """Refuse a symlink where a run writes or reads its own files: following it would write to, or
+    read from, whatever it points at. ValueError naming the link and the way out."""
     run_dir = Path(run_dir)
     if run_dir.is_symlink():
-        raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be a directory of "
-                         "its own: remove the link, or move the directory there")
+        raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be "
+                         "a directory of its own: remove the link, or move the directory there")
     if not run_dir.is_dir():
         return
     for p in sorted(run_dir.iterdir()):
-        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)  # (leftover links: clean_run_dir unlinks them)
-        inner = [f for f in p.iterdir() if f.is_symlink()] if STEP_DIR.match(p.name) and p.is_dir() else []
+        # (leftover links: clean_run_dir unlinks them)
+        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)
+        inner = ([f for f in p.iterdir() if f.is_symlink()]
+                 if STEP_DIR.match(p.name) and p.is_dir() else [])
         link = p if p.is_symlink() and ours else (inner[0] if inner else None)
         if link is not None:
-            raise ValueError(f"{link} is a symlink (to {os.readlink(link)}); nanomuon reads and writes only "
-                             f"real files in a run dir: replace it with a copy (cp -L), or remove it")
+            raise ValueError(f"{link} is a symlink (to {os.readlink(link)}); nanomuon reads and "
+                             "writes only real files in a run dir: replace it with a copy (cp -L), "
+                             f"or remove it")
 
 
 def record_loop(run_dir: Path, step: int, loop: dict) -> None:
-    """Put the loop state into a saved step's meta.json (rank 0): an eval run after the save is then part
-    of the checkpoint, and a resume from it does not run it again."""
+    """Put the loop state into a saved step's meta.json (rank 0): an eval run after the save is then
+    part of the checkpoint, and a resume from it does not run it again."""
     d = step_dir(run_dir, step)
     meta = read_meta(d)
     meta["loop"] = loop
@@ -312,10 +342,10 @@ def record_loop(run_dir: Path, step: int, loop: dict) -> None:
 
 
 def clean_run_dir(run_dir: Path) -> list[str]:
-    """Clear what an interrupted save of ours left in run_dir (call it holding the lock): half-written
-    checkpoints are deleted, a step whose re-save died between its two renames gets its old checkpoint
-    back. Only our exact names, and only directories that hold nothing but checkpoint files: anything
-    else is the user's. Returns one line per thing done."""
+    """Clear what an interrupted save of ours left in run_dir (call it holding the lock):
+    half-written checkpoints are deleted, a step whose re-save died between its two renames gets its
+    old checkpoint back. Only our exact names, and only directories that hold nothing but checkpoint
+    files: anything else is the user's. Returns one line per thing done."""
     run_dir, done = Path(run_dir), []
     if not run_dir.is_dir():
         return done
@@ -336,9 +366,9 @@ def clean_run_dir(run_dir: Path) -> list[str]:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
-    """Delete all but the `keep` newest checkpoints, oldest first (rank 0, holding the lock). Each goes by a
-    rename to a leftover name first, so a kill at any moment leaves the newer ones whole, and the next
-    start removes the rest. Returns one line per checkpoint removed."""
+    """Delete all but the `keep` newest checkpoints, oldest first (rank 0, holding the lock). Each
+    goes by a rename to a leftover name first, so a kill at any moment leaves the newer ones whole,
+    and the next start removes the rest. Returns one line per checkpoint removed."""
     run_dir, done = Path(run_dir), []
     for s in list_steps(run_dir)[:-keep] if keep > 0 else []:
         doomed = run_dir / f".tmp_pruned_{step_dir(run_dir, s).name}"
@@ -355,9 +385,9 @@ _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into 
 
 def lock_run_dir(run_dir: Path) -> str | None:
     """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it.
-    The lock is a flock on the run dir itself, which no file deletion can take away, and which the kernel
-    drops when the process dies: never stale. .lock says who holds it. Returns a note when the previous
-    holder died without releasing it."""
+    The lock is a flock on the run dir itself, which no file deletion can take away, and which the
+    kernel drops when the process dies: never stale. .lock says who holds it. Returns a note when
+    the previous holder died without releasing it."""
     run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
     check_links(run_dir)
     while True:
@@ -368,19 +398,22 @@ def lock_run_dir(run_dir: Path) -> str | None:
         except BlockingIOError:
             os.close(fd)
             holder = _read_small(path) or "another process"
-            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end (or stop it), "
-                               "or pick another --run") from None
-        with contextlib.suppress(FileNotFoundError):  # the holder removes an empty run dir as it lets go
+            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
+                               "(or stop it), or pick another --run") from None
+        # the holder removes an empty run dir as it lets go
+        with contextlib.suppress(FileNotFoundError):
             if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
                 break
         os.close(fd)
     previous = _read_small(path)
-    line = (f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
-            f"({' '.join(sys.argv)[:200]})")
-    _write_text_atomic(path, line + "\n")  # a rename: replaces a link at .lock, never writes through it
+    line = (f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
+    # a rename: replaces a link at .lock, never writes through it
+    _write_text_atomic(path, line + "\n")
     _fsync(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
     _LOCKS[run_dir] = (fd, line)
-    return f"note: {path} was left by {previous}, which is no longer running; taking over" if previous else None
+    return (f"note: {path} was left by {previous}, which is no longer running; taking over"
+            if previous else None)
 
 
 def _read_small(path: Path) -> str:
@@ -405,8 +438,9 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def unlock_run_dir(run_dir: Path) -> None:
-    """Release the lock taken by this process, if any: .lock goes if it still names us (never another
-    run's), and the run dir too if nothing else is in it (a run that failed at start leaves nothing)."""
+    """Release the lock taken by this process, if any: .lock goes if it still names us
+    (never another run's), and the run dir too if nothing else is in it (a run that failed
+    at start leaves nothing)."""
     fd, line = _LOCKS.pop(Path(run_dir), (None, None))
     if fd is None:
         return
@@ -427,10 +461,11 @@ def list_steps(run_dir: Path) -> list[int]:
 
 
 def run_arg(s: str) -> str:
-    """argparse type for a run name: it names a directory under runs/, so nothing that walks out of it."""
+    """argparse type for a run name: it names a directory under runs/, so
+    nothing that walks out of it."""
     if not s.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only (it names a directory "
-                                         "under runs/)")
+        raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only "
+                                         "(it names a directory under runs/)")
     return s
 
 
@@ -445,8 +480,8 @@ def step_arg(s: str, words=("latest",)):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
 
 
-META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, tokenizer=str, world_size=int,
-                  loader=list, loop=dict)
+META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, tokenizer=str,
+                  world_size=int, loader=list, loop=dict)
 
 
 def check_meta(meta, d: Path, keys) -> None:
@@ -457,7 +492,8 @@ def check_meta(meta, d: Path, keys) -> None:
         if key not in meta:
             problems.append(f"no {key!r}")
         elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
-            problems.append(f"{key!r} is {meta[key]!r}, not a{'n' if want is int else ''} {want.__name__}")
+            problems.append(f"{key!r} is {meta[key]!r}, "
+                            f"not a{'n' if want is int else ''} {want.__name__}")
     if not problems and "model_config" in keys:
         try:
             GPTConfig(**meta["model_config"])
@@ -465,35 +501,39 @@ def check_meta(meta, d: Path, keys) -> None:
             problems.append(f"model_config: {e}")
     if not problems and "step" in keys and meta["step"] != int(d.name[len("step_"):]):
         problems.append(f"'step' is {meta['step']}, the directory says {d.name}")
-    if not problems and {"loader", "world_size"} <= set(keys) and len(meta["loader"]) != meta["world_size"]:
+    if (not problems and {"loader", "world_size"} <= set(keys)
+            and len(meta["loader"]) != meta["world_size"]):
         problems.append(f"{len(meta['loader'])} loader states for world_size {meta['world_size']}")
     if problems:
-        raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json ({'; '.join(problems)}); restore "
-                         f"it, or delete {d} and resume from an earlier step")
+        raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json "
+                         f"({'; '.join(problems)}); restore it, or delete {d} and resume from an "
+                         "earlier step")
 
 
 def read_meta(d: Path, meta_keys=()) -> dict:
-    """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is unreadable or bad."""
+    """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is
+    unreadable or bad."""
     try:
         meta = json.loads((d / "meta.json").read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume from an "
-                         "earlier step") from e
+        raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
+                         "from an earlier step") from e
     if not isinstance(meta, dict):
-        raise ValueError(f"{d / 'meta.json'} holds a {type(meta).__name__}, not a checkpoint's meta.json; delete "
-                         f"{d} and resume from an earlier step")
+        raise ValueError(f"{d / 'meta.json'} holds a {type(meta).__name__}, not a checkpoint's "
+                         f"meta.json; delete {d} and resume from an earlier step")
     check_meta(meta, d, meta_keys)
     return meta
 
 
 def _corrupt(d: Path, e: BaseException) -> ValueError:
-    """A checkpoint that does not read: delete it if its files are bad; not if the machine is (memory, I/O)."""
+    """A checkpoint that does not read: delete it if its files are bad; not if the
+    machine is (memory, I/O)."""
     first = _failure(e)[0]
-    if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (isinstance(first, OSError) and
-                                                                    not isinstance(first, FileNotFoundError)):
+    if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(first, OSError) and not isinstance(first, FileNotFoundError)):
         return ValueError(f"cannot read checkpoint {d} ({_one_line(e)}); fix that and run again")
-    return ValueError(f"checkpoint {d} is incomplete or corrupt ({_one_line(e)}); delete {d} and resume from an "
-                      "earlier step")
+    return ValueError(f"checkpoint {d} is incomplete or corrupt ({_one_line(e)}); delete {d} and "
+                      "resume from an earlier step")
 
 
 def _whole_format(d: Path) -> bool:
@@ -508,8 +548,8 @@ def _saved_tensors(d: Path) -> dict:
 
 
 def check_files(d: Path) -> None:
-    """A checkpoint's tensor files are all there, whole enough to hold what its index says (read lazily: no
-    tensor is loaded); ValueError with the way out if not."""
+    """A checkpoint's tensor files are all there, whole enough to hold what its index says (read
+    lazily: no tensor is loaded); ValueError with the way out if not."""
     try:
         if _whole_format(d):
             for name in ("model", "optim"):
@@ -517,7 +557,8 @@ def check_files(d: Path) -> None:
             return
         ends = {}
         for info in read_index(d).storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
         for name, end in ends.items():
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
@@ -527,20 +568,24 @@ def check_files(d: Path) -> None:
         raise _corrupt(d, e) from e
 
 
-def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",), map_location="cpu", meta_keys=()):
-    """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is the model's
-    state_dict, 'optim' the optimizer's world-size-independent state (MuonAdamW.full_state_dict() format).
-    For export and inspection; training resumes through load_into. Unreadable: ValueError with the way out."""
+def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",),
+                    map_location="cpu", meta_keys=()):
+    """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is
+    the model's state_dict, 'optim' the optimizer's world-size-independent state
+    (MuonAdamW.full_state_dict() format). For export and inspection; training resumes through
+    load_into. Unreadable: ValueError with the way out."""
     d = step_dir(run_dir, step)
     meta, out = read_meta(d, meta_keys), {}
     try:
         if _whole_format(d):
-            return {n: torch.load(d / f"{n}.pt", map_location=map_location, weights_only=True) for n in names}, meta
+            return {n: torch.load(d / f"{n}.pt", map_location=map_location, weights_only=True)
+                    for n in names}, meta
         wanted = {k: torch.empty(shape, dtype=dtype, device=map_location)
                   for k, (shape, dtype) in _saved_tensors(d).items() if k.split(".", 1)[0] in names}
         _dcp(dcp.load, wanted, d, no_dist=True)
         if "model" in names:
-            out["model"] = {k.split(".", 1)[1]: v for k, v in wanted.items() if k.startswith("model.")}
+            out["model"] = {k.split(".", 1)[1]: v
+                            for k, v in wanted.items() if k.startswith("model.")}
         if "optim" in names:
             out["optim"] = torch.load(d / "optim.pt", map_location=map_location, weights_only=True)
             for key, v in wanted.items():
@@ -553,12 +598,14 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
 
 
 def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) -> None:
-    """Restore a checkpoint into model (and optimizer) in place, resharded to this process count and layout:
-    each process reads only the pieces it holds (FSDP2 blocks, DistMuonAdamW's state). A collective under
-    torch.distributed. A checkpoint that does not fit raises ValueError naming the misfit."""
+    """Restore a checkpoint into model (and optimizer) in place, resharded to this process count
+    and layout: each process reads only the pieces it holds (FSDP2 blocks, DistMuonAdamW's
+    state). A collective under torch.distributed. A checkpoint that does not fit raises
+    ValueError naming the misfit."""
     d = step_dir(run_dir, step)
     device = next(model.parameters()).device
-    if _whole_format(d):  # from before sharding: every process reads the whole tensors, then keeps its pieces
+    # from before sharding: every process reads the whole tensors, then keeps its pieces
+    if _whole_format(d):
         whole = {n: torch.load(d / f"{n}.pt", map_location=device, weights_only=True)
                  for n in ("model", *(("optim",) if optimizer is not None else ()))}
         load_whole_state(model, whole["model"])
@@ -570,14 +617,15 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
     theirs = {k: shape for k, (shape, _) in saved.items() if k.startswith("model.")}
     if (mine := {k: tuple(v.shape) for k, v in own.items()}) != theirs:
         diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
-        raise ValueError(f"checkpoint {d} holds another model: these (name, shape) are in one but not the other: "
-                         f"{diff}")
+        raise ValueError(f"checkpoint {d} holds another model: these (name, shape) are in one "
+                         f"but not the other: {diff}")
     try:
         _dcp(dcp.load, own, d, alone())
         if optimizer is None:
             return
         rest = torch.load(d / "optim.pt", map_location=device, weights_only=True)
-        if not hasattr(optimizer, "load_sharded_state_dict"):  # a replicated optimizer: its whole state
+        # a replicated optimizer: its whole state
+        if not hasattr(optimizer, "load_sharded_state_dict"):
             return optimizer.load_state_dict(rest)
         shapes = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("optim.")}
         optimizer.load_sharded_state_dict(shapes, rest, lambda targets: _dcp(
@@ -587,14 +635,16 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
 
 
 def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple[int, dict]:
-    """Pick a step number or 'latest' -> (step, meta), its meta and files checked (check_files). 'latest' falls
-    back to the newest checkpoint that checks out, warn()ing about each one skipped, so that restarted jobs
-    recover from a corrupt last save; a step given by number must check out."""
+    """Pick a step number or 'latest' -> (step, meta), its meta and files checked
+    (check_files). 'latest' falls back to the newest checkpoint that checks out, warn()ing
+    about each one skipped, so that restarted jobs recover from a corrupt last save; a step
+    given by number must check out."""
     check_links(run_dir)
     steps = list_steps(run_dir)
     if not steps:
-        raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and NANOMUON_BASE_DIR), or train "
-                                "one with `python -m scripts.base_train`")
+        raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and "
+                                "NANOMUON_BASE_DIR), or train one with "
+                                "`python -m scripts.base_train`")
 
     def checked(s):
         meta = read_meta(step_dir(run_dir, s), meta_keys)
@@ -610,15 +660,17 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
             return checked(s)
         except ValueError as e:
             warn(f"warning: step {s} does not load, trying the checkpoint before it: {e}")
-    raise ValueError(f"none of the {len(steps)} checkpoints in {run_dir} loads (each is named above); start the "
-                     "run afresh")
+    raise ValueError(f"none of the {len(steps)} checkpoints in {run_dir} loads (each is named "
+                     "above); start the run afresh")
 
 
 def load_model(run_dir: Path, step: str | int, device):
-    """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under torchrun, as
-    base_eval runs: every rank loads). Returns (model, meta)."""
-    step, meta = on_every_rank(lambda: load_step(run_dir, step, ("model_config",)))  # all stop, not one
-    exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}", "run again when no run saves there")
+    """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under
+    torchrun, as base_eval runs: every rank loads). Returns (model, meta)."""
+    # all stop, not one
+    step, meta = on_every_rank(lambda: load_step(run_dir, step, ("model_config",)))
+    exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}",
+                            "run again when no run saves there")
     with torch.device(device):
         model = GPT(GPTConfig(**meta["model_config"]))
     model.init_weights()  # fills the rotary tables; weights are overwritten next

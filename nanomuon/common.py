@@ -28,8 +28,8 @@ def get_base_dir() -> Path:
 
 
 def write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename into place, so readers never see a half-written file. The temporary
-    name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
+    """write(tmp_path), then rename into place, so readers never see a half-written file. The
+    temporary name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)  # a link left at that name would be written through
     try:
@@ -40,7 +40,8 @@ def write_atomic(path: Path, write) -> None:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message (hub errors run to several)."""
+    """An exception as one line: its type and the first line of its message
+    (hub errors run to several)."""
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
@@ -50,8 +51,9 @@ def size_str(num_bytes: float) -> str:
 
 @contextlib.contextmanager
 def user_errors():
-    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say what to do) ends
-    the program with that one line. Wrap only calls that read user input, so a bug anywhere else keeps its traceback."""
+    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say
+    what to do) ends the program with that one line. Wrap only calls that read user input, so a bug
+    anywhere else keeps its traceback."""
     try:
         yield
     except (FileNotFoundError, ValueError) as e:
@@ -66,24 +68,28 @@ def print0(*args, **kwargs):
 def check_device_type(device_type: str) -> str:
     """'auto' -> the best device here; an explicit device that is not here -> a one-line error."""
     if device_type == "auto":
-        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        return ("cuda" if torch.cuda.is_available()
+                else "mps" if torch.backends.mps.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; use --device-type cpu")
+        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; "
+                         "use --device-type cpu")
     if device_type == "mps" and not torch.backends.mps.is_available():
-        raise SystemExit("error: --device-type mps, but MPS is not available; use --device-type cpu")
+        raise SystemExit("error: --device-type mps, but MPS is not available; "
+                         "use --device-type cpu")
     return device_type
 
 
 def compute_init(device_type: str = "auto"):
-    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise). Returns
-    (distributed, rank, local_rank, world_size, device)."""
+    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
+    Returns (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
     distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"error: local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices; "
+            raise SystemExit(f"error: local rank {local_rank} but only "
+                             f"{torch.cuda.device_count()} CUDA devices; "
                              "lower torchrun --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -103,10 +109,11 @@ def compute_init(device_type: str = "auto"):
 
 
 def reuse_freed_memory() -> None:
-    """Have glibc serve every allocation from its heap and keep what is freed there. By default it mmaps each
-    allocation of 32 MiB or more afresh and page-faults it in on every use; a CPU training step makes several
-    (a 2048-token batch's fp32 logits are 32 MiB), which cost the miniature's steps 1.3x their time here
-    (docs/benchmarks.md). The RSS then stays at its peak, as CUDA's caching allocator keeps its memory."""
+    """Have glibc serve every allocation from its heap and keep what is freed there. By default it
+    mmaps each allocation of 32 MiB or more afresh and page-faults it in on every use; a CPU
+    training step makes several (a 2048-token batch's fp32 logits are 32 MiB), which cost the
+    miniature's steps 1.3x their time here (docs/benchmarks.md). The RSS then stays at its peak, as
+    CUDA's caching allocator keeps its memory."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):  # glibc; elsewhere (macOS) nothing to do
         libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation through mmap
@@ -114,9 +121,10 @@ def reuse_freed_memory() -> None:
 
 
 def _destroy_gloo_at_exit():
-    """A process that reaches interpreter finalization with its gloo group alive can abort there, in C++
-    destructors that need the GIL ("terminate called without an active exception", pytorch/pytorch#190489):
-    an exit that skipped compute_cleanup (an error, Ctrl-C) tears it down first. Local: waits for no peer."""
+    """A process that reaches interpreter finalization with its gloo group alive can abort there, in
+    C++ destructors that need the GIL ("terminate called without an active exception",
+    pytorch/pytorch#190489): an exit that skipped compute_cleanup (an error, Ctrl-C) tears it down
+    first. Local: waits for no peer."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -135,9 +143,10 @@ def _with_hosts(value) -> list:
 
 
 def exit_if_any_failed(error: str | None) -> None:
-    """Stop every process if any has an error, with the first one's message and where it ran. For what each rank
-    checks alone (rank 0's run dir lock, disk and saves; every rank's tokenizer, data and checkpoints, which on
-    several nodes may be separate copies), so that no rank waits forever in a collective for one that stopped."""
+    """Stop every process if any has an error, with the first one's message and where it ran. For
+    what each rank checks alone (rank 0's run dir lock, disk and saves; every rank's tokenizer, data
+    and checkpoints, which on several nodes may be separate copies), so that no rank waits forever
+    in a collective for one that stopped."""
     if dist.is_available() and dist.is_initialized():
         failed = [(r, e, host) for r, (e, host) in enumerate(_with_hosts(error)) if e]
         error = None
@@ -151,8 +160,9 @@ def exit_if_any_failed(error: str | None) -> None:
 
 
 def on_every_rank(fn):
-    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file, a bad value),
-    every rank stops with the first one's line and where it ran, rather than the others waiting for it forever."""
+    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file,
+    a bad value), every rank stops with the first one's line and where it ran, rather than the
+    others waiting for it forever."""
     error, out = None, None
     try:
         with user_errors():
@@ -164,23 +174,24 @@ def on_every_rank(fn):
 
 
 def exit_unless_ranks_agree(value, what: str, fix: str) -> None:
-    """Stop every process if the ranks hold different values (say, per-node copies of the data or checkpoints that
-    differ), naming two ranks, their hosts and values."""
+    """Stop every process if the ranks hold different values (say, per-node copies of the data or
+    checkpoints that differ), naming two ranks, their hosts and values."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     seen = _with_hosts(value)
     r = next((r for r, (v, _) in enumerate(seen) if v != seen[0][0]), None)
     if r is not None:  # every rank saw the same list, so every rank stops here, with the same line
         compute_cleanup()
-        raise SystemExit(f"error: {what} differ between processes: rank 0 on {seen[0][1]} has {seen[0][0]}, rank {r} "
-                         f"on {seen[r][1]} has {seen[r][0]}; {fix}")
+        raise SystemExit(f"error: {what} differ between processes: rank 0 on {seen[0][1]} has "
+                         f"{seen[0][0]}, rank {r} on {seen[r][1]} has {seen[r][0]}; {fix}")
 
 
 DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and backward compute in
 
 
 def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
-    """'auto' is bf16 where bf16 matmuls are fast (update_math.bf16_matmuls_fast, the optimizer's rule), else fp32."""
+    """'auto' is bf16 where bf16 matmuls are fast (update_math.bf16_matmuls_fast, the optimizer's
+    rule), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
@@ -200,14 +211,16 @@ def synchronize(device: torch.device):
 
 
 # Dense bf16 tensor-core peak per GPU, from vendor data sheets. Most specific names first.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12),
-                   ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12),
-                   ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12),
-                   ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12)]
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12),
+                   ("H100", 989e12), ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12),
+                   ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+                   ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
+                   ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12)]
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is then omitted, never guessed)."""
+    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is
+    then omitted, never guessed)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -216,13 +229,15 @@ def peak_flops(device: torch.device) -> float | None:
 
 @torch.no_grad()
 def tensors_finite(tensors) -> bool:
-    """True when every tensor is finite on every rank (a collective under torch.distributed, so all ranks take the same
-    branch; DTensors are checked by their local shards). A norm is non-finite exactly when an element is (short of a
-    finite tensor with norm > 3e38, which is broken anyway), and _foreach_norm is a few kernels, not two per tensor."""
+    """True when every tensor is finite on every rank (a collective under torch.distributed, so all
+    ranks take the same branch; DTensors are checked by their local shards). A norm is non-finite
+    exactly when an element is (short of a finite tensor with norm > 3e38, which is broken anyway),
+    and _foreach_norm is a few kernels, not two per tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
     ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
     if nonempty := [t for t in local if t.numel()]:
-        ok = torch.stack([n.float() for n in torch._foreach_norm(nonempty)]).isfinite().all().to(torch.int32)
+        ok = (torch.stack([n.float() for n in torch._foreach_norm(nonempty)])
+              .isfinite().all().to(torch.int32))
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
@@ -234,14 +249,17 @@ def all_finite(loss: torch.Tensor, params) -> bool:
 
 
 @torch.no_grad()
-def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor, dtype: str = "auto") -> float:
-    """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks: rank r takes rows r, r + N, ...
+def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor,
+                 dtype: str = "auto") -> float:
+    """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks:
+    rank r takes rows r, r + N, ...
 
-    The rows, not the process count, define the measurement, so a run's val bpb means the same at any world size
-    (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's end) is ignored, and short last
-    batches are padded with it, keeping shapes static for torch.compile. bpb = nats over targets that are real
-    text / (ln 2 * their UTF-8 bytes); special tokens (0 bytes in token_bytes) are excluded from both sums. dtype: as
-    in autocast(). No float64 on the device (MPS has none): per-batch sums in fp32, added up on the host in double."""
+    The rows, not the process count, define the measurement, so a run's val bpb means the same at
+    any world size (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's
+    end) is ignored, and short last batches are padded with it, keeping shapes static for
+    torch.compile. bpb = nats over targets that are real text / (ln 2 * their UTF-8 bytes); special
+    tokens (0 bytes in token_bytes) are excluded from both sums. dtype: as in autocast(). No float64
+    on the device (MPS has none): per-batch sums in fp32, added up on the host in double."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
@@ -251,7 +269,8 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
         batch = mine[i:i + batch_size].to(device)
-        # a row padded at the split's end holds -1 as input too: any id serves there, its target is ignored
+        # a row padded at the split's end holds -1 as input too: any id serves
+        # there, its target is ignored
         x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
         if len(batch) < batch_size:
             pad = batch_size - len(batch)
@@ -261,7 +280,8 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
             loss = model(x, y, loss_reduction="none")
         b = token_bytes[y.clamp(min=0)] * (y >= 0)
         parts.append(torch.stack([(loss.float() * (b > 0)).sum(), b.sum().float()]))
-    nats, nbytes = (math.fsum(col) for col in zip(*torch.stack(parts).tolist())) if parts else (0.0, 0.0)
+    nats, nbytes = ((math.fsum(col) for col in zip(*torch.stack(parts).tolist())) if parts
+                    else (0.0, 0.0))
     if distributed:  # in double: torch.distributed runs on CUDA and CPU, which have float64
         sums = torch.tensor([nats, nbytes], dtype=torch.float64, device=device)
         dist.all_reduce(sums)

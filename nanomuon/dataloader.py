@@ -1,23 +1,28 @@
 """
-The training data loader: documents in, (inputs, targets) token batches out, every token of an epoch
-trained exactly once, in bounded memory, with exact resume. (README, "Data and tokenizer", has the numbers.)
+The training data loader: documents in, (inputs, targets) token batches out, every token of an
+epoch trained exactly once, in bounded memory, with exact resume. (README, "Data and
+tokenizer", has the numbers.)
 
 Why its own design rather than a torch DataLoader:
-- Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group sizes.
+- Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group
+  sizes.
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
 - Every token once per epoch, in rows of seq_len + 1 tokens that start with BOS and never mix epochs
-  (README, "Data and tokenizer", has the rules): the due continuation, else the oldest document, opens
-  a row (so no piece waits forever); whole documents fill it best-fit, else the oldest is cut and its
-  remainder opens a row `interleave` rows later, so a long document does not fill a micro-batch alone.
-- Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized chunk
-  by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the whole text.
-  A piece holds its text only from its second chunk on; reading ahead stops at the epoch's end.
+  (README, "Data and tokenizer", has the rules): the due continuation, else the oldest document,
+  opens a row (so no piece waits forever); whole documents fill it best-fit, else the oldest is cut
+  and its remainder opens a row `interleave` rows later, so a long document does not fill a
+  micro-batch alone.
+- Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized
+  chunk by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the
+  whole text. A piece holds its text only from its second chunk on; reading ahead stops at the
+  epoch's end.
 - Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
   state_dict() still describes the last batch returned.
-- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus the next
-  document to read, O(buffer_size) integers; load_state_dict() re-reads and re-tokenizes them.
-  reshard_states() turns N saved states into one for each of M new ranks: every token is still trained
-  once per epoch, but other ranks pack other rows, so the run is the same run, not the same bits.
+- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus
+  the next document to read, O(buffer_size) integers; load_state_dict() re-reads and re-tokenizes
+  them. reshard_states() turns N saved states into one for each of M new ranks: every token is still
+  trained once per epoch, but other ranks pack other rows, so the run is the same run, not the same
+  bits.
 """
 
 import bisect
@@ -37,15 +42,16 @@ from nanomuon.dataset import DATASETS, data_dir, list_shards, open_shard
 from nanomuon.sources import hold
 
 log = logging.getLogger("nanomuon")
-SHUFFLE_WINDOW = 8  # row groups whose documents a shuffle_seed mixes: the embedded corpus's 7, 8,192 FineWeb docs
+# row groups whose documents a shuffle_seed mixes: the embedded corpus's 7, 8,192 FineWeb docs
+SHUFFLE_WINDOW = 8
 UNKNOWN = float("inf")  # the length of a document whose later chunks are not tokenized yet
 
 
 def chunk_end(text: str, start: int, chunk_chars: int) -> int:
-    """Where the chunk of `text` that starts at `start` ends: at most chunk_chars characters on, cut after a
-    newline or before a space, either followed by a non-space. Both are boundaries of the tokenizer's
-    pre-split (GPT-4's pattern), so the chunks encode to the same tokens as the whole text. Without
-    either in the chunk's second half, the cut goes anywhere."""
+    """Where the chunk of `text` that starts at `start` ends: at most chunk_chars characters on, cut
+    after a newline or before a space, either followed by a non-space. Both are boundaries of the
+    tokenizer's pre-split (GPT-4's pattern), so the chunks encode to the same tokens as the whole
+    text. Without either in the chunk's second half, the cut goes anywhere."""
     end = start + chunk_chars
     if end >= len(text):
         return len(text)
@@ -72,48 +78,59 @@ class _Piece:
         return len(self.tokens) - self.pos if self.next is None else UNKNOWN
 
     def ref(self) -> tuple:
-        """(epoch, doc) for an untouched document, (epoch, doc, chunk start, token offset) for the rest."""
-        return (self.epoch, self.doc, self.chunk, self.pos) if self.chunk or self.pos else (self.epoch, self.doc)
+        """(epoch, doc) for an untouched document, (epoch, doc, chunk start,
+        token offset) for the rest."""
+        return ((self.epoch, self.doc, self.chunk, self.pos) if self.chunk or self.pos
+                else (self.epoch, self.doc))
 
 
 class DataLoader:
     """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around).
 
-    Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len. Padding
-    (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS. After next_batch(),
-    batch_epochs says which epoch each row belongs to, and stats counts rows, inserted BOS tokens and padding.
-    shuffle_seed: another document order: the row groups shuffled, then the documents of each SHUFFLE_WINDOW of
-    them (held in memory together, so each group is still read once); None reads in file order."""
+    Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len.
+    Padding (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS.
+    After next_batch(), batch_epochs says which epoch each row belongs to, and stats counts rows,
+    inserted BOS tokens and padding. shuffle_seed: another document order: the row groups shuffled,
+    then the documents of each SHUFFLE_WINDOW of them (held in memory together, so each group is
+    still read once); None reads in file order."""
 
-    def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int, rank: int = 0,
-                 world_size: int = 1, device="cpu", buffer_size: int = 1000, tokenize_batch: int = 128,
-                 prefetch: int = 0, chunk_chars: int = 1 << 16, interleave: int | None = None,
-                 shuffle_seed: int | None = None):
-        if min(batch_size, seq_len, buffer_size, tokenize_batch) < 1 or prefetch < 0 or chunk_chars < 2:
-            raise ValueError(f"DataLoader needs batch_size, seq_len, buffer_size, tokenize_batch >= 1, prefetch "
-                             f">= 0 and chunk_chars >= 2, got {batch_size}, {seq_len}, {buffer_size}, "
-                             f"{tokenize_batch}, {prefetch}, {chunk_chars}")
-        if interleave is None:  # every row of a micro-batch from another document, buffer permitting
+    def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int,
+                 rank: int = 0, world_size: int = 1, device="cpu", buffer_size: int = 1000,
+                 tokenize_batch: int = 128, prefetch: int = 0, chunk_chars: int = 1 << 16,
+                 interleave: int | None = None, shuffle_seed: int | None = None):
+        if (min(batch_size, seq_len, buffer_size, tokenize_batch) < 1 or prefetch < 0
+                or chunk_chars < 2):
+            raise ValueError("DataLoader needs batch_size, seq_len, buffer_size, "
+                             "tokenize_batch >= 1, prefetch >= 0 and chunk_chars >= 2, got "
+                             f"{batch_size}, {seq_len}, {buffer_size}, {tokenize_batch}, "
+                             f"{prefetch}, {chunk_chars}")
+        # every row of a micro-batch from another document, buffer permitting
+        if interleave is None:
             interleave = max(1, min(batch_size, buffer_size // 2))
         if not 1 <= interleave <= max(1, buffer_size // 2):
-            raise ValueError(f"interleave must be in 1..buffer_size // 2 = {max(1, buffer_size // 2)} (the rest of "
-                             f"the buffer fills the rows), got {interleave}")
+            raise ValueError("interleave must be in 1..buffer_size // 2 = "
+                             f"{max(1, buffer_size // 2)} (the rest of the buffer fills the rows), "
+                             f"got {interleave}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer, self.bos = tokenizer, tokenizer.bos_id
-        self.dataset, self.split, self.batch_size, self.seq_len = dataset, split, batch_size, seq_len
+        self.dataset, self.split, self.batch_size, self.seq_len = (dataset, split, batch_size,
+                                                                   seq_len)
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.buffer_size, self.tokenize_batch, self.chunk_chars = buffer_size, tokenize_batch, chunk_chars
+        self.buffer_size, self.tokenize_batch, self.chunk_chars = (buffer_size, tokenize_batch,
+                                                                   chunk_chars)
         self.interleave, self.prefetch, self.shuffle_seed = interleave, prefetch, shuffle_seed
-        self._queue, self._stop, self._thread = queue.Queue(maxsize=max(prefetch, 1)), threading.Event(), None
+        self._queue, self._stop, self._thread = (queue.Queue(maxsize=max(prefetch, 1)),
+                                                 threading.Event(), None)
         # a prepared source: a shared lock, so that prepare() does not remove it while it is read
         self._held = None if dataset in DATASETS else hold(data_dir(dataset))
         self.files = list_shards(dataset, split)
-        # Row-group index from the parquet footers, in windows of row groups read together: ([(file, row group)],
-        # first global doc, docs). Unshuffled, a window is one row group.
+        # Row-group index from the parquet footers, in windows of row groups read together: ([(file,
+        # row group)], first global doc, docs). Unshuffled, a window is one row group.
         groups, nulls = [], 0
         for fi, path in enumerate(self.files):
-            pf = open_shard(dataset, path)  # unreadable file, no text column, not strings: fails here, not mid-run
+            # unreadable file, no text column, not strings: fails here, not mid-run
+            pf = open_shard(dataset, path)
             col = pf.schema_arrow.get_field_index("text")
             for rg in range(pf.metadata.num_row_groups):
                 meta = pf.metadata.row_group(rg)
@@ -131,15 +148,16 @@ class DataLoader:
             total += sum(rows for _, rows in groups[i:i + size])
         self.num_docs = total
         if self.num_docs < world_size:
-            raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer than the "
-                             f"{world_size} ranks; use fewer processes or more data")
+            raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer "
+                             f"than the {world_size} ranks; use fewer processes or more data")
         if nulls == total:
-            raise ValueError(f"the {dataset} {split} split has no text: all {total} documents are null; rebuild "
-                             f"or replace its shards ({self.files[0].parent})")
+            raise ValueError(f"the {dataset} {split} split has no text: all {total} documents are "
+                             f"null; rebuild or replace its shards ({self.files[0].parent})")
         if nulls and rank == 0:
-            log.warning(f"nanomuon: {nulls:,} of {total:,} documents in the {dataset} {split} split have null text "
-                        "and are skipped")
-        # _counts: what the packer made; stats: what next_batch handed out (a prefetch thread packs ahead)
+            log.warning(f"nanomuon: {nulls:,} of {total:,} documents in the {dataset} {split} "
+                        "split have null text and are skipped")
+        # _counts: what the packer made;
+        # stats: what next_batch handed out (a prefetch thread packs ahead)
         self._counts = dict(rows=0, inserted=0, padding=0, skipped_docs=0)
         self.stats = dict(self._counts)
         self.batch_epochs: list[int] = []
@@ -155,8 +173,9 @@ class DataLoader:
                 try:
                     table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
                 except (pa.ArrowException, OSError) as e:
-                    raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); the shard is corrupt: "
-                                     "delete it and download or build it again") from None
+                    raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); "
+                                     "the shard is corrupt: delete it and download or build it "
+                                     "again") from None
                 texts += table.column("text").to_pylist()
             if self.shuffle_seed is not None:
                 random.Random(self.shuffle_seed * 1_000_003 + w).shuffle(texts)
@@ -164,24 +183,27 @@ class DataLoader:
         return self._cached[w][doc - self.starts[w]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
-        """Tokens of the chunk of text at start (BOS first for the first chunk), and where it ends."""
+        """Tokens of the chunk of text at start (BOS first for the first
+        chunk), and where it ends."""
         end = chunk_end(text, start, self.chunk_chars)
         piece = text[start:end] if start or end < len(text) else text
         return array("i", self.tokenizer.encode(piece, prepend_bos=start == 0)), end
 
     def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0) -> _Piece:
-        """A document re-read from a saved reference: its chunk at character `chunk`, from token `pos`."""
+        """A document re-read from a saved reference: its chunk at character
+        `chunk`, from token `pos`."""
         tokens, end = self._chunk(text, chunk)
         if not 0 <= pos < len(tokens):
-            raise ValueError(f"data loader state names token {pos} of the chunk at character {chunk} of document "
-                             f"{doc}, which has {len(tokens)} tokens: the data or the tokenizer changed since it "
-                             "was saved")
+            raise ValueError(f"data loader state names token {pos} of the chunk at character "
+                             f"{chunk} of document {doc}, which has {len(tokens)} tokens: the data "
+                             "or the tokenizer changed since it was saved")
         return _Piece(epoch, doc, tokens, chunk, end if end < len(text) else None, pos)
 
     def _read_ahead(self) -> None:
         """Tokenize up to tokenize_batch documents (the backlog, then this rank's stride to its
         epoch's end) into the pending queue. Documents without text are skipped and counted."""
-        fresh, read = [], []  # first chunks to tokenize in one batch; (ref, from backlog, text, first chunk's end)
+        # first chunks to tokenize in one batch; (ref, from backlog, text, first chunk's end)
+        fresh, read = [], []
         first = self._stream[0]
         for _ in range(self.tokenize_batch):
             if self._backlog:
@@ -197,12 +219,14 @@ class DataLoader:
                 self._counts["skipped_docs"] += 1
                 self._empty_run += 1
                 if self._empty_run > self.num_docs:
-                    raise ValueError(f"the {self.dataset} {self.split} split has no text for rank {self.rank} of "
-                                     f"{self.world_size}: a whole epoch of its documents is null or empty")
+                    raise ValueError(f"the {self.dataset} {self.split} split has no text for rank "
+                                     f"{self.rank} of {self.world_size}: a whole epoch of its "
+                                     "documents is null or empty")
                 continue
             self._empty_run = 0
             end = None
-            if len(ref) == 2:  # a fresh document (a 4-tuple is a continuation handed over by reshard_states)
+            # a fresh document (a 4-tuple is a continuation handed over by reshard_states)
+            if len(ref) == 2:
                 end = chunk_end(text, 0, self.chunk_chars)
                 fresh.append(text if end == len(text) else text[:end])
             read.append((ref, from_backlog, text, end))
@@ -222,8 +246,10 @@ class DataLoader:
 
     # -- packing --------------------------------------------------------------------------------
     def _refill(self) -> None:
-        """Top the buffer up to buffer_size pieces with this epoch's documents (never the next epoch's)."""
-        while len(self._pool) + len(self._open) < self.buffer_size and self._next_epoch() == self.epoch:
+        """Top the buffer up to buffer_size pieces with this epoch's documents
+        (never the next epoch's)."""
+        while (len(self._pool) + len(self._open) < self.buffer_size
+               and self._next_epoch() == self.epoch):
             p = self._pending.popleft()[1]
             if p.chunk or p.pos:  # handed over by reshard_states: due now
                 p.due = self._row
@@ -244,8 +270,9 @@ class DataLoader:
         return p
 
     def _take(self, p: _Piece, row: array, n: int) -> None:
-        """Move up to n of p's tokens to the row. If that fills the row, the rest of p goes on `interleave`
-        rows from this one (at most one piece per row is cut, so continuations never fall due together)."""
+        """Move up to n of p's tokens to the row. If that fills the row, the rest of p goes on
+        `interleave` rows from this one (at most one piece per row is cut, so continuations never
+        fall due together)."""
         while n > 0 and p.pos < len(p.tokens):
             k = min(n, len(p.tokens) - p.pos)
             row.extend(p.tokens[p.pos:p.pos + k])
@@ -261,7 +288,8 @@ class DataLoader:
             self._open.append(p)
 
     def next_row(self) -> tuple[array, int]:
-        """The next packed row (seq_len + 1 token ids, -1 for padding) and the epoch it belongs to."""
+        """The next packed row (seq_len + 1 token ids, -1 for padding)
+        and the epoch it belongs to."""
         size = self.seq_len + 1
         row = array("i")
         self._refill()
@@ -292,8 +320,8 @@ class DataLoader:
         return row, epoch
 
     def _make_batch(self) -> tuple[torch.Tensor, dict, list, dict]:
-        """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them, each row's
-        epoch, and what this batch adds to stats."""
+        """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them,
+        each row's epoch, and what this batch adds to stats."""
         before = dict(self._counts)
         flat, epochs = array("i"), []
         for _ in range(self.batch_size):
@@ -307,11 +335,12 @@ class DataLoader:
         return rows, self._state_now(), epochs, added
 
     def _produce(self) -> None:
-        # The background thread: tiktoken releases the GIL, so tokenizing overlaps the training step.
+        # Background thread: tiktoken releases the GIL, so tokenizing overlaps the training step.
         while not self._stop.is_set():
             try:
                 item = self._make_batch()
-            except BaseException as e:  # handed to the consumer, which re-raises it where the batch was wanted
+            except BaseException as e:
+                # handed to the consumer, which re-raises it where the batch was wanted
                 item = e
             while not self._stop.is_set():
                 with contextlib.suppress(queue.Full):
@@ -337,16 +366,19 @@ class DataLoader:
         return x, y
 
     def packing(self) -> str:
-        """One line on what the rows held so far: inserted BOS and padding as fractions of row tokens."""
+        """One line on what the rows held so far: inserted BOS and padding
+        as fractions of row tokens."""
         total = max(1, self.stats["rows"] * (self.seq_len + 1))
-        line = (f"{self.stats['rows']:,} rows of {self.seq_len + 1} tokens: {self.stats['inserted'] / total:.3%} "
-                f"inserted BOS, {self.stats['padding'] / total:.3%} padding")
+        line = (f"{self.stats['rows']:,} rows of {self.seq_len + 1} tokens: "
+                f"{self.stats['inserted'] / total:.3%} inserted BOS, "
+                f"{self.stats['padding'] / total:.3%} padding")
         if self.stats["skipped_docs"]:
             line += f", {self.stats['skipped_docs']:,} documents without text skipped"
         return line
 
     def close(self) -> None:
-        """Stop the prefetch thread (call before exiting, so no thread is mid-tokenization at shutdown)."""
+        """Stop the prefetch thread (call before exiting, so no thread is
+        mid-tokenization at shutdown)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -367,26 +399,33 @@ class DataLoader:
         self._empty_run = 0
         for p in buffer:
             self._add(p)
-        epochs = [p.epoch for p in buffer] + [p.epoch for p in self._open] + [r[0] for r in self._backlog]
+        epochs = ([p.epoch for p in buffer] + [p.epoch for p in self._open]
+                  + [r[0] for r in self._backlog])
         self.epoch = min(epochs + [self._stream[0]])
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
-        # batch_size and interleave are not part of it: the state counts rows and holds any number of pending
-        # continuations, so a resumed run may change its batch size (and with it the default interleave)
-        return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len", "buffer_size",
-                                              "num_docs", "chunk_chars", "shuffle_seed")}
+        # batch_size and interleave are not part of it: the state counts rows and holds any
+        # number of pending continuations, so a resumed run may change its batch size (and with
+        # it the default interleave)
+        return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len",
+                                              "buffer_size", "num_docs", "chunk_chars",
+                                              "shuffle_seed")}
 
     def _state_now(self) -> dict:
-        backlog = [p.ref() for from_backlog, p in self._pending if from_backlog] + list(self._backlog)
-        stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog), self._stream)
-        return dict(self._identity(), epoch=stream[0], doc=stream[1], backlog=[list(r) for r in backlog],
+        backlog = ([p.ref() for from_backlog, p in self._pending if from_backlog]
+                   + list(self._backlog))
+        stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog),
+                      self._stream)
+        return dict(self._identity(), epoch=stream[0], doc=stream[1],
+                    backlog=[list(r) for r in backlog],
                     buffer=[list(p.ref()) for p in self._pool.values()],
                     open=[[*p.ref(), max(0, p.due - self._row)] for p in self._open])
 
     def _bad_positions(self, state: dict) -> list[str]:
-        """What in a state cannot be a position of this loader: refs are [epoch, doc] or [epoch, doc, chunk,
-        token], open ones with the rows they wait; every number an int >= 0, every doc one of ours."""
+        """What in a state cannot be a position of this loader: refs are [epoch, doc] or [epoch,
+        doc, chunk, token], open ones with the rows they wait; every number an int >= 0, every doc
+        one of ours."""
         refs = [("the stream position", [state.get("epoch"), state.get("doc")], (2,))]
         for key, sizes in (("backlog", (2, 4)), ("buffer", (2, 4)), ("open", (5,))):
             if not isinstance(state.get(key), list):
@@ -397,40 +436,47 @@ class DataLoader:
                         and all(type(v) is int and v >= 0 for v in ref) and ref[1] < self.num_docs)]
 
     def state_dict(self) -> dict:
-        """Small and exact: where reading continues (epoch, doc), documents queued before that (backlog,
-        after a reshard), the buffered documents, and the pending continuations with the rows each still
-        waits, as of the last batch returned by next_batch (batches prefetched beyond it are not counted)."""
+        """Small and exact: where reading continues (epoch, doc), documents queued before that
+        (backlog, after a reshard), the buffered documents, and the pending continuations with the
+        rows each still waits, as of the last batch returned by next_batch (batches prefetched
+        beyond it are not counted)."""
         return self._consumed
 
     def load_state_dict(self, state: dict) -> None:
         if self._thread is not None:
-            raise RuntimeError("load_state_dict must come before the first next_batch of a prefetching loader")
+            raise RuntimeError("load_state_dict must come before the first next_batch of a "
+                               "prefetching loader")
         if "open" not in state:
-            raise ValueError("this data loader state is from a nanomuon older than the loader that trains every "
-                             "token once; it cannot be continued exactly: start the run afresh")
-        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in self._identity().items() if state.get(k) != v]
+            raise ValueError("this data loader state is from a nanomuon older than the loader that "
+                             "trains every token once; it cannot be continued exactly: "
+                             "start the run afresh")
+        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}"
+                 for k, v in self._identity().items() if state.get(k) != v]
         if diffs:
-            raise ValueError("data loader state does not match this loader (" + "; ".join(diffs) + "); resume "
-                             "with the same data and sequence length (reshard_states() changes the process count)")
+            raise ValueError("data loader state does not match this loader (" + "; ".join(diffs)
+                             + "); resume with the same data and sequence length "
+                             "(reshard_states() changes the process count)")
         if bad := self._bad_positions(state):
-            raise ValueError(f"data loader state of rank {self.rank} is out of range ({'; '.join(bad[:3])}) for "
-                             f"{self.num_docs} documents: it was edited or belongs to other data; restore it, or "
-                             "resume from an earlier step")
+            raise ValueError(f"data loader state of rank {self.rank} is out of range "
+                             f"({'; '.join(bad[:3])}) for {self.num_docs} documents: it was edited "
+                             "or belongs to other data; restore it, or resume from an earlier step")
 
         def piece(ref, wait=0):
             p = self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:4])
             p.due = wait  # rows from now: a fresh loader's row count is 0
             return p
 
-        self._reset((state["epoch"], state["doc"]), state["backlog"], [piece(r) for r in state["buffer"]],
+        self._reset((state["epoch"], state["doc"]), state["backlog"],
+                    [piece(r) for r in state["buffer"]],
                     [piece(r[:4], r[4]) for r in state["open"]])
 
 
 def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
-    """The validation set: the val split's documents in order, packed with a one-document buffer into
-    num_tokens // seq_len rows (at least 1; fewer when the split runs out, never repeating a document),
-    (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream whatever the process count, so val
-    bpb measures the same tokens at any world size (evaluate_bpb deals the rows out to the ranks)."""
+    """The validation set: the val split's documents in order, packed with a one-document
+    buffer into num_tokens // seq_len rows (at least 1; fewer when the split runs out, never
+    repeating a document), (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream
+    whatever the process count, so val bpb measures the same tokens at any world size
+    (evaluate_bpb deals the rows out to the ranks)."""
     loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
     rows = array("i")
     for _ in range(max(1, num_tokens // seq_len)):
@@ -442,23 +488,29 @@ def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Te
 
 
 def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
-    """The loader state for `rank` of `world_size` new processes, from the states of all N old ranks.
+    """The loader state for `rank` of `world_size` new processes, from the
+    states of all N old ranks.
 
-    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r; documents at or after the
-    frontier F = max P_r are unread by every rank. The carry is what was read but not yet trained (every backlog,
-    buffered document and continuation) plus what lies below F but was not reached (from P_r up to F on each old rank).
-    The new ranks share the carry round-robin as their backlog, read before anything else, and read on from F with the
-    new stride: new rank j reads F + j, F + j + M, ... So no token is skipped or trained twice in any epoch."""
+    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r;
+    documents at or after the frontier F = max P_r are unread by every rank. The carry is what was
+    read but not yet trained (every backlog, buffered document and continuation) plus what lies
+    below F but was not reached (from P_r up to F on each old rank). The new ranks share the carry
+    round-robin as their backlog, read before anything else, and read on from F with the new stride:
+    new rank j reads F + j, F + j + M, ... So no token is skipped or trained twice in any epoch."""
     old_n = len(states)
-    if sorted(s.get("rank") for s in states) != list(range(old_n)) or any(s["world_size"] != old_n for s in states):
+    if (sorted(s.get("rank") for s in states) != list(range(old_n))
+            or any(s["world_size"] != old_n for s in states)):
         sizes = sorted({s["world_size"] for s in states})
         raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
                          f"{[s.get('rank') for s in states]} of world sizes {sizes}")
-    # shuffle_seed decides which document each index names: every new rank must read in the same order
-    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars", "shuffle_seed")
+    # shuffle_seed decides which document each index names:
+    # every new rank must read in the same order
+    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars",
+              "shuffle_seed")
     for key in shared:
         if len({repr(s.get(key)) for s in states}) != 1:
-            raise ValueError(f"the saved loader states disagree on {key}: {[s.get(key) for s in states]}")
+            raise ValueError(f"the saved loader states disagree on {key}: "
+                             f"{[s.get(key) for s in states]}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_docs = states[0]["num_docs"]
@@ -466,7 +518,8 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         raise ValueError(f"{num_docs} documents cannot be shared by {world_size} ranks")
     states = sorted(states, key=lambda s: s["rank"])
     frontier = max((s["epoch"], s["doc"]) for s in states)
-    carry = [tuple(ref[:4]) for s in states for key in ("backlog", "buffer", "open") for ref in s[key]]
+    carry = [tuple(ref[:4])
+             for s in states for key in ("backlog", "buffer", "open") for ref in s[key]]
     for r, s in enumerate(states):
         epoch, doc = s["epoch"], s["doc"]
         while (epoch, doc) < frontier:
@@ -476,7 +529,9 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
                 epoch, doc = epoch + 1, r
     carry.sort()  # by epoch, then document: the backlog is read in order, and rows never mix epochs
     epoch, doc = frontier[0], frontier[1] + rank
-    if doc >= num_docs:  # past the end of the frontier's epoch: start the next one at our own stride
+    # past the end of the frontier's epoch: start the next one at our own stride
+    if doc >= num_docs:
         epoch, doc = epoch + 1, rank
-    return dict({key: states[0].get(key) for key in shared}, rank=rank, world_size=world_size, epoch=epoch, doc=doc,
-                backlog=[list(ref) for ref in carry[rank::world_size]], buffer=[], open=[])
+    return dict({key: states[0].get(key) for key in shared}, rank=rank, world_size=world_size,
+                epoch=epoch, doc=doc, backlog=[list(ref) for ref in carry[rank::world_size]],
+                buffer=[], open=[])

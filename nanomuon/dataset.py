@@ -1,16 +1,19 @@
 """
 Pretraining text on disk: where it lives, how to get it, and how to read it back.
 
-Two named datasets, both directories of parquet shards with one string column `text` (a document per row),
-sorted by name; the last shard is the val split, all the others are train:
-- fineweb-edu: Karpathy's pre-shuffled FineWeb-Edu shards from the Hugging Face hub. download() fetches them
-  in parallel through huggingface_hub (its resume, 429 retries, HF_ENDPOINT, HF_TOKEN, progress bars), all
-  from one pinned revision, retries whatever else fails with backoff and checks each file is parquet, so an
-  interrupted run just resumes. Nothing here touches the network unless a download is asked for.
-- embedded: built locally from the Python standard library's own .py sources (about 30 MB of text), so
-  training and tests work with no network at all. ensure_embedded() builds it on first use.
-Custom sources (sources.py) live in source/<name>-<hash>, their train and val shards listed by a manifest.
-CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard), or `--embedded`.
+Two named datasets, both directories of parquet shards with one string column `text` (a document per
+row), sorted by name; the last shard is the val split, all the others are train:
+- fineweb-edu: Karpathy's pre-shuffled FineWeb-Edu shards from the Hugging Face hub. download()
+  fetches them in parallel through huggingface_hub (its resume, 429 retries, HF_ENDPOINT, HF_TOKEN,
+  progress bars), all from one pinned revision, retries whatever else fails with backoff and checks
+  each file is parquet, so an interrupted run just resumes. Nothing here touches the network unless
+  a download is asked for.
+- embedded: built locally from the Python standard library's own .py sources (about 30 MB of text),
+  so training and tests work with no network at all. ensure_embedded() builds it on first use.
+Custom sources (sources.py) live in source/<name>-<hash>, their train and val shards listed
+by a manifest.
+CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard),
+or `--embedded`.
 """
 
 import argparse
@@ -38,25 +41,28 @@ SPLITS = ("train", "val")
 HF_REPO = "karpathy/fineweb-edu-100b-shuffle"  # a dataset repo on the Hugging Face hub
 MAX_SHARD = 1822  # the last shard on the hub; held out as the val shard
 REVISION_FILE = "revision.txt"  # in the download folder: the commit its shards come from
-FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the embedded corpus "
-                      "with --dataset embedded",
+FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the "
+                      "embedded corpus with --dataset embedded",
        "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
        "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
-MANIFEST = "manifest.json"  # written last by build_embedded and sources.prepare: its presence marks a finished build
+# written last by build_embedded and sources.prepare: its presence marks a finished build
+MANIFEST = "manifest.json"
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
-# -- locations ----------------------------------------------------------------------------------------
+# -- locations -------------------------------------------------------------------------------------
 def data_dir(name: str) -> Path:
-    """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> for what sources.prepare made."""
+    """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> for
+    what sources.prepare made."""
     if name not in DATASETS and not re.fullmatch(r"source/[\w.-]+", name):
-        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or a custom source "
-                         "(README, 'Train on your own data')")
+        raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or a "
+                         "custom source (README, 'Train on your own data')")
     return get_base_dir() / "data" / name
 
 
 def manifest_shards(d: Path) -> dict | None:
-    """{split: [shard names]} of a prepared custom source in d, None if it is not (completely) there."""
+    """{split: [shard names]} of a prepared custom source in d, None if it
+    is not (completely) there."""
     try:
         shards = json.loads((d / MANIFEST).read_text())["shards"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -68,7 +74,7 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}.parquet"
 
 
-# -- reading ------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 def list_shards(name: str, split: str) -> list[Path]:
     """The parquet shards of one split: val is the last shard by name, train all the others."""
     if split not in SPLITS:
@@ -76,18 +82,20 @@ def list_shards(name: str, split: str) -> list[Path]:
     d = ensure_embedded() if name == "embedded" else data_dir(name)
     if name not in DATASETS:
         if (shards := manifest_shards(d)) is None:
-            raise FileNotFoundError(f"{name} is not prepared (or no longer complete) in {d}: {FIX['source']}")
+            raise FileNotFoundError(f"{name} is not prepared (or no longer complete) in {d}: "
+                                    f"{FIX['source']}")
         return [d / n for n in shards[split]]
     # `*.parquet` skips in-flight `*.parquet.*.tmp` files: only complete shards count.
     shards = sorted(d.glob("*.parquet")) if d.is_dir() else []
     if len(shards) < 2:
-        raise FileNotFoundError(f"{name} needs at least 2 shards (train + val) in {d}, found {len(shards)}: "
-                                f"{FIX[name]}")
+        raise FileNotFoundError(f"{name} needs at least 2 shards (train + val) in {d}, "
+                                f"found {len(shards)}: {FIX[name]}")
     return shards[:-1] if split == "train" else shards[-1:]
 
 
 def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
-    """(the file, None) for parquet with the string `text` column every reader needs, else (None, what is wrong)."""
+    """(the file, None) for parquet with the string `text` column every reader needs, else (None,
+    what is wrong)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -97,12 +105,14 @@ def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
     kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
             or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        return None, f"is not text: column 'text' holds {kind}, not strings (write the documents as strings)"
+        return None, (f"is not text: column 'text' holds {kind}, not strings "
+                      "(write the documents as strings)")
     return pf, None
 
 
 def open_shard(name: str, path: Path) -> pq.ParquetFile:
-    """A shard of dataset `name` that read_shard accepts; a ValueError that says what to do otherwise."""
+    """A shard of dataset `name` that read_shard accepts; a ValueError that
+    says what to do otherwise."""
     pf, problem = read_shard(path)
     if problem:
         raise ValueError(f"{path} {problem}: delete it and {FIX.get(name, FIX['source'])}")
@@ -111,10 +121,10 @@ def open_shard(name: str, path: Path) -> pq.ParquetFile:
 
 def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 0,
                world_size: int = 1) -> Iterator[str]:
-    """Documents of a split in shard order, null ones skipped. With max_chars, stops after exactly that many
-    characters (the last document is cut short), so callers get a hard budget, e.g. for tokenizer training.
-    With world_size > 1, only documents k with k % world_size == rank (k counts every row, null or not: the
-    data loader's split of the documents between ranks)."""
+    """Documents of a split in shard order, null ones skipped. With max_chars, stops after exactly
+    that many characters (the last document is cut short), so callers get a hard budget, e.g. for
+    tokenizer training. With world_size > 1, only documents k with k % world_size == rank (k counts
+    every row, null or not: the data loader's split of the documents between ranks)."""
     if max_chars is not None and max_chars < 0:
         raise ValueError(f"max_chars must be >= 0 or None, got {max_chars}")
     if not 0 <= rank < world_size:
@@ -122,7 +132,8 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
     left, k = sys.maxsize if max_chars is None else max_chars, -1
     for path in list_shards(name, split):
         pf = open_shard(name, path)
-        # Row group by row group keeps memory at one group, not one shard (FineWeb shards are ~100 MB).
+        # Row group by row group keeps memory at one group, not one shard
+        # (FineWeb shards are ~100 MB).
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
                 k += 1
@@ -137,30 +148,35 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
                 return
 
 
-# -- embedded corpus: the Python standard library ------------------------------------------------------
+# -- embedded corpus: the Python standard library --------------------------------------------------
 def stdlib_sources() -> list[Path]:
     """Every .py file of this interpreter's standard library, sorted, without installed packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for d, subdirs, names in os.walk(root):
-        subdirs[:] = [s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__")]
+        subdirs[:] = [s for s in subdirs
+                      if s not in ("site-packages", "dist-packages", "__pycache__")]
         files += [Path(d) / n for n in names if n.endswith(".py")]
     return sorted(files)
 
 
-def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequence[Path] | None = None) -> list[Path]:
-    """Pack source files (default: the stdlib, stdlib_sources()) into parquet shards in out_dir, one file per
-    document. Deterministic: files are sorted then shuffled with a fixed seed, so the val shard (the last) is a sample
-    of the whole library rather than one package. Shards are cut at document boundaries into ceil(chars / shard_chars)
-    near-equal parts (at least 2, for train + val); a shard exceeds shard_chars by at most one document."""
+def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
+                   sources: Sequence[Path] | None = None) -> list[Path]:
+    """Pack source files (default: the stdlib, stdlib_sources()) into parquet shards in out_dir, one
+    file per document. Deterministic: files are sorted then shuffled with a fixed seed, so the val
+    shard (the last) is a sample of the whole library rather than one package. Shards are cut at
+    document boundaries into ceil(chars / shard_chars) near-equal parts (at least 2, for
+    train + val); a shard exceeds shard_chars by at most one document."""
     if shard_chars < 1:
         raise ValueError(f"shard_chars must be >= 1, got {shard_chars}")
     files = sorted(Path(p) for p in (stdlib_sources() if sources is None else sources))
     random.Random(0).shuffle(files)
-    docs = [t for t in (p.read_bytes().decode("utf-8", errors="replace") for p in files) if t.strip()]
+    docs = [t for t in (p.read_bytes().decode("utf-8", errors="replace") for p in files)
+            if t.strip()]
     total = sum(len(t) for t in docs)
     n = max(2, math.ceil(total / shard_chars))
-    # Document i goes to the shard its midpoint falls in: equal-size shards, cut only between documents.
+    # Document i goes to the shard its midpoint falls in:
+    # equal-size shards, cut only between documents.
     groups: list[list[str]] = [[] for _ in range(n)]
     pos = 0
     for t in docs:
@@ -168,8 +184,8 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
         pos += len(t)
     groups = [g for g in groups if g]
     if len(groups) < 2:
-        raise ValueError(f"the embedded corpus needs at least 2 non-empty documents for train + val, got "
-                         f"{len(docs)} from {len(files)} files")
+        raise ValueError("the embedded corpus needs at least 2 non-empty documents for train + "
+                         f"val, got {len(docs)} from {len(files)} files")
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,19 +193,28 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000, sources: Sequenc
     paths = [out_dir / shard_name(i) for i in range(len(groups))]
     for path, group in zip(paths, groups):
         table = pa.table({"text": pa.array(group, type=pa.string())})
-        write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024, compression="zstd"))
-    for stale in set(out_dir.glob("*.parquet")) - set(paths):  # leftovers of an earlier, larger build
+        write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024,
+                                                                   compression="zstd"))
+    # leftovers of an earlier, larger build
+    for stale in set(out_dir.glob("*.parquet")) - set(paths):
         stale.unlink()
 
-    manifest = dict(source="Python standard library .py files, one file per document", python=sys.version.split()[0],
-                    stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None, files=len(docs), chars=total,
-                    shard_chars=shard_chars, seed=0, shards=[p.name for p in paths], val_shard=paths[-1].name)
-    readme = (f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} standard library,\n"
-              f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into {len(paths)} parquet "
-              f"shards\n(column `text`, one file per row). The last shard, {paths[-1].name}, is the val split.\n"
-              f"Built by nanomuon/dataset.py; rebuild with `python -m nanomuon.dataset --embedded`.\n")
+    manifest = dict(source="Python standard library .py files, one file per document",
+                    python=sys.version.split()[0],
+                    stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None,
+                    files=len(docs), chars=total, shard_chars=shard_chars, seed=0,
+                    shards=[p.name for p in paths], val_shard=paths[-1].name)
+    readme = (f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} "
+              "standard library,\n"
+              f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into "
+              f"{len(paths)} parquet shards\n"
+              f"(column `text`, one file per row). The last shard, {paths[-1].name}, is the val "
+              "split.\n"
+              "Built by nanomuon/dataset.py; rebuild with "
+              "`python -m nanomuon.dataset --embedded`.\n")
     write_atomic(out_dir / "README.txt", lambda tmp: tmp.write_text(readme))
-    write_atomic(out_dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
+    write_atomic(out_dir / MANIFEST,
+                 lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     return paths
 
 
@@ -203,10 +228,12 @@ def _embedded_complete(d: Path) -> bool:
 
 @contextlib.contextmanager
 def build_lock(d: Path):
-    """Serializes builds across processes (every rank of a torchrun job calls list_shards at once)."""
+    """Serializes builds across processes (every rank of a torchrun job
+    calls list_shards at once)."""
     try:
         import fcntl
-    except ImportError:  # no flock (Windows): concurrent builds still end up identical, just duplicated
+    except ImportError:
+        # no flock (Windows): concurrent builds still end up identical, just duplicated
         yield
         return
     d.mkdir(parents=True, exist_ok=True)
@@ -216,24 +243,29 @@ def build_lock(d: Path):
 
 
 def ensure_embedded() -> Path:
-    """The embedded corpus directory, built first if it is missing or its last build was interrupted."""
+    """The embedded corpus directory, built first if it is missing or its
+    last build was interrupted."""
     d = data_dir("embedded")
     if _embedded_complete(d):
         return d
     with build_lock(d):
-        if not _embedded_complete(d):  # another process may have built it while we waited for the lock
-            print(f"nanomuon: building the embedded corpus (Python stdlib sources) in {d}", file=sys.stderr)
+        # another process may have built it while we waited for the lock
+        if not _embedded_complete(d):
+            print(f"nanomuon: building the embedded corpus (Python stdlib sources) in {d}",
+                  file=sys.stderr)
             build_embedded(d)
     return d
 
 
-# -- FineWeb-Edu download -----------------------------------------------------------------------------
+# -- FineWeb-Edu download --------------------------------------------------------------------------
 def _hub():
     try:
+        # its constants (HF_ENDPOINT, HF_HUB_OFFLINE) are read from the environment at import
         import huggingface_hub
-        import huggingface_hub.constants  # HF_ENDPOINT, HF_HUB_OFFLINE: read from the environment at import
+        import huggingface_hub.constants
     except ImportError:
-        raise ValueError("downloading FineWeb-Edu needs huggingface_hub: pip install huggingface_hub") from None
+        raise ValueError("downloading FineWeb-Edu needs huggingface_hub: "
+                         "pip install huggingface_hub") from None
     return huggingface_hub
 
 
@@ -265,28 +297,33 @@ def check_endpoint(allow_http: bool = False) -> str:
     except ValueError:  # a host name, not an address
         loopback = False
     if scheme == "http" and not loopback and not allow_http:
-        raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the shards could be altered in transit; use an "
-                         "https mirror, or add --allow-http for a plain-http one you trust")
+        raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the shards could be altered in "
+                         "transit; use an https mirror, or add --allow-http for a plain-http one "
+                         "you trust")
     if hub.constants.HF_HUB_OFFLINE:
-        raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train offline with "
-                         f"--dataset embedded ({FIX['fineweb-edu']})")
+        raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train "
+                         f"offline with --dataset embedded ({FIX['fineweb-edu']})")
     return endpoint
 
 
 def hub_problem(e: Exception) -> tuple[int | None, str]:
-    """(HTTP status or None, one line on what a huggingface_hub or network error means and what to do)."""
+    """(HTTP status or None, one line on what a huggingface_hub or network
+    error means and what to do)."""
     status = getattr(getattr(e, "response", None), "status_code", None)
-    fix = {401: "set HF_TOKEN to a token that can read it", 403: "set HF_TOKEN to a token that can read it (and "
-           "accept the dataset's terms on its hub page)", 404: "check the name and HF_ENDPOINT"}.get(status)
+    fix = {401: "set HF_TOKEN to a token that can read it",
+           403: "set HF_TOKEN to a token that can read it (and accept the dataset's terms on its "
+                "hub page)",
+           404: "check the name and HF_ENDPOINT"}.get(status)
     if fix is None and _hub().constants.HF_HUB_OFFLINE:
         fix = "HF_HUB_OFFLINE is set: unset it, or train offline with --dataset embedded"
-    return status, f"{one_line(e)}; " + (fix or "check the network and HF_ENDPOINT, or train offline with --dataset "
-                                                 "embedded")
+    return status, f"{one_line(e)}; " + (fix or "check the network and HF_ENDPOINT, or train "
+                                                 "offline with --dataset embedded")
 
 
 def pin_revision(out_dir: Path, revision: str | None) -> str:
-    """The commit every shard in out_dir comes from: the one recorded by its first download, else `revision`
-    (default main) resolved to a commit and recorded, so shards fetched months apart still match."""
+    """The commit every shard in out_dir comes from: the one recorded by its first download,
+    else `revision` (default main) resolved to a commit and recorded, so shards fetched
+    months apart still match."""
     pin = out_dir / REVISION_FILE
     pinned = pin.read_text().strip() if pin.exists() else None
     if pinned and revision in (None, pinned):
@@ -294,18 +331,20 @@ def pin_revision(out_dir: Path, revision: str | None) -> str:
     try:
         sha = _hub().HfApi().dataset_info(HF_REPO, revision=revision).sha
     except Exception as e:  # the hub's errors and network errors alike: one line, with what to do
-        raise ValueError(f"cannot reach {HF_REPO} on {_hub().constants.ENDPOINT}: {hub_problem(e)[1]}") from None
+        raise ValueError(f"cannot reach {HF_REPO} on {_hub().constants.ENDPOINT}: "
+                         f"{hub_problem(e)[1]}") from None
     if pinned and sha != pinned and any(out_dir.glob("*.parquet")):
-        raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} ({sha}); use another "
-                         "--out-dir, or delete them to switch")
+        raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} "
+                         f"({sha}); use another --out-dir, or delete them to switch")
     write_atomic(pin, lambda tmp: tmp.write_text(sha + "\n"))
     return sha
 
 
 def _download_shard(index: int, out_dir: Path, revision: str, retries: int, backoff: float,
                     stop: threading.Event) -> tuple[Path, bool]:
-    """Download one shard into out_dir with hf_hub_download (which resumes cut transfers and retries 429s), retried
-    on whatever else fails and checked to be parquet; returns (path, False if it was already there)."""
+    """Download one shard into out_dir with hf_hub_download (which resumes cut transfers and
+    retries 429s), retried on whatever else fails and checked to be parquet; returns (path, False
+    if it was already there)."""
     name = shard_name(index)
     final = out_dir / name
     if final.exists():
@@ -317,43 +356,50 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
         if stop.is_set():
             raise RuntimeError(f"{name}: stopped; re-run the same command to resume")
         try:
-            path = Path(_hub().hf_hub_download(HF_REPO, name, repo_type="dataset", revision=revision,
-                                               local_dir=out_dir, force_download=corrupt))
-        except Exception as e:  # HTTP errors after the hub client's own retries, dropped connections, short files
+            path = Path(_hub().hf_hub_download(HF_REPO, name, repo_type="dataset",
+                                               revision=revision, local_dir=out_dir,
+                                               force_download=corrupt))
+        except Exception as e:
+            # HTTP errors after the hub client's own retries, dropped connections, short files
             status, last = hub_problem(e)
             if status is not None and 400 <= status < 500 and status not in RETRY_HTTP:
-                raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: {last} (shards are "
-                                   f"0..{MAX_SHARD})") from None
+                raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: "
+                                   f"{last} (shards are 0..{MAX_SHARD})") from None
             continue
         problem = read_shard(path)[1]
         if problem is None:
             return path, True
         path.unlink(missing_ok=True)
         last, corrupt = f"corrupt download: the file {problem}", True
-    raise RuntimeError(f"{name}: download failed after {retries + 1} attempts, last error: {last}; re-run the same "
-                       "command to resume (finished shards and partial downloads are kept)")
+    raise RuntimeError(f"{name}: download failed after {retries + 1} attempts, last error: "
+                       f"{last}; re-run the same command to resume (finished shards and partial "
+                       "downloads are kept)")
 
 
-def download(num_shards: int, out_dir: Path | None = None, revision: str | None = None, workers: int = 4,
-             retries: int = 5, backoff: float = 2.0, allow_http: bool = False) -> list[Path]:
-    """Download FineWeb-Edu train shards 0..num_shards-1 plus shard MAX_SHARD as the val shard (it sorts
-    last, so list_shards calls it val), all from one pinned revision, through huggingface_hub (HF_ENDPOINT,
-    HF_TOKEN and progress bars as usual). Shards already present are skipped; returns all their paths, sorted."""
+def download(num_shards: int, out_dir: Path | None = None, revision: str | None = None,
+             workers: int = 4, retries: int = 5, backoff: float = 2.0,
+             allow_http: bool = False) -> list[Path]:
+    """Download FineWeb-Edu train shards 0..num_shards-1 plus shard MAX_SHARD as the val shard (it
+    sorts last, so list_shards calls it val), all from one pinned revision, through huggingface_hub
+    (HF_ENDPOINT, HF_TOKEN and progress bars as usual). Shards already present are skipped; returns
+    all their paths, sorted."""
     if not 1 <= num_shards <= MAX_SHARD:
         raise ValueError(f"num_shards must be in 1..{MAX_SHARD}, got {num_shards}")
     if workers < 1 or retries < 0:
-        raise ValueError(f"need workers >= 1 and retries >= 0, got workers={workers}, retries={retries}")
+        raise ValueError(f"need workers >= 1 and retries >= 0, got workers={workers}, "
+                         f"retries={retries}")
     endpoint = check_endpoint(allow_http)
     out_dir = Path(out_dir) if out_dir is not None else data_dir("fineweb-edu")
     out_dir.mkdir(parents=True, exist_ok=True)
     revision = pin_revision(out_dir, revision)
     indices = [*range(num_shards), MAX_SHARD]
     t0, new_bytes, errors, paths = time.time(), 0, [], []
-    print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) of {HF_REPO}@{revision[:12]} from "
-          f"{endpoint} into {out_dir}, {workers} workers")
+    print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) of "
+          f"{HF_REPO}@{revision[:12]} from {endpoint} into {out_dir}, {workers} workers")
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_download_shard, i, out_dir, revision, retries, backoff, stop) for i in indices]
+        futures = [pool.submit(_download_shard, i, out_dir, revision, retries, backoff, stop)
+                   for i in indices]
         try:
             for done, fut in enumerate(as_completed(futures), start=1):
                 try:
@@ -366,47 +412,56 @@ def download(num_shards: int, out_dir: Path | None = None, revision: str | None 
                 size = path.stat().st_size
                 new_bytes += size if fetched else 0
                 status = f"{size / 1e6:.1f} MB" if fetched else "already present"
-                print(f"[{done}/{len(indices)}] {path.name} {status}  ({time.time() - t0:.1f} s)", flush=True)
-        except BaseException:  # Ctrl-C: no new shards and no more retries; running transfers keep their partial file
+                print(f"[{done}/{len(indices)}] {path.name} {status}  ({time.time() - t0:.1f} s)",
+                      flush=True)
+        except BaseException:
+            # Ctrl-C: no new shards and no more retries; running transfers keep their partial file
             stop.set()
             pool.shutdown(cancel_futures=True)
             raise
     if errors:
-        raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more failed shards)" if len(errors) > 1 else ""))
+        raise RuntimeError(errors[0] + (f" (and {len(errors) - 1} more failed shards)"
+                                        if len(errors) > 1 else ""))
     dt = time.time() - t0
-    print(f"done: {len(paths)} shards in {out_dir}, {new_bytes / 1e6:.1f} MB downloaded in {dt:.1f} s "
-          f"({new_bytes / 1e6 / max(dt, 1e-9):.1f} MB/s)")
+    print(f"done: {len(paths)} shards in {out_dir}, {new_bytes / 1e6:.1f} MB downloaded in "
+          f"{dt:.1f} s ({new_bytes / 1e6 / max(dt, 1e-9):.1f} MB/s)")
     return sorted(paths)
 
 
-# -- CLI ------------------------------------------------------------------------------------------------
+# -- CLI -------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nanomuon.dataset", description=__doc__.strip().splitlines()[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m nanomuon.dataset",
+                                description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("-n", "--num-shards", type=int, help=f"download FineWeb-Edu train shards 0..N-1 "
-                      f"(1..{MAX_SHARD}, ~100 MB each) plus the val shard")
-    what.add_argument("--embedded", action="store_true", help="build the embedded corpus from the Python stdlib")
+    what.add_argument("-n", "--num-shards", type=int, help="download FineWeb-Edu train shards "
+                      f"0..N-1 (1..{MAX_SHARD}, ~100 MB each) plus the val shard")
+    what.add_argument("--embedded", action="store_true",
+                      help="build the embedded corpus from the Python stdlib")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads")
     p.add_argument("--retries", type=int, default=5, help="retries per shard on network errors")
-    p.add_argument("--backoff", type=float, default=2.0, help="retry k of a shard waits backoff**k seconds")
-    p.add_argument("--revision", default=None, help="the dataset commit or branch (default: the one this folder's "
-                   "first download pinned, else main's current commit)")
-    p.add_argument("--allow-http", action="store_true", help="accept a plain-http HF_ENDPOINT on another machine")
-    p.add_argument("--out-dir", type=Path, default=None, help="default: $NANOMUON_BASE_DIR/data/<dataset>")
-    p.add_argument("--shard-chars", type=int, default=4_000_000, help="embedded: characters per shard")
+    p.add_argument("--backoff", type=float, default=2.0,
+                   help="retry k of a shard waits backoff**k seconds")
+    p.add_argument("--revision", default=None, help="the dataset commit or branch (default: the "
+                   "one this folder's first download pinned, else main's current commit)")
+    p.add_argument("--allow-http", action="store_true",
+                   help="accept a plain-http HF_ENDPOINT on another machine")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="default: $NANOMUON_BASE_DIR/data/<dataset>")
+    p.add_argument("--shard-chars", type=int, default=4_000_000,
+                   help="embedded: characters per shard")
     args = p.parse_args(argv)
     if args.embedded:
         out, t0 = args.out_dir or data_dir("embedded"), time.time()
         with build_lock(out):
             paths = build_embedded(out, shard_chars=args.shard_chars)
         m = json.loads((out / MANIFEST).read_text())
-        print(f"embedded: {m['files']} stdlib files, {m['chars'] / 1e6:.1f}M chars -> {len(paths)} shards "
-              f"({len(paths) - 1} train + 1 val) in {out}, {time.time() - t0:.1f} s")
+        print(f"embedded: {m['files']} stdlib files, {m['chars'] / 1e6:.1f}M chars -> "
+              f"{len(paths)} shards ({len(paths) - 1} train + 1 val) in {out}, "
+              f"{time.time() - t0:.1f} s")
     else:
         try:
-            download(args.num_shards, args.out_dir, args.revision, args.workers, args.retries, args.backoff,
-                     allow_http=args.allow_http)
+            download(args.num_shards, args.out_dir, args.revision, args.workers, args.retries,
+                     args.backoff, allow_http=args.allow_http)
         except (RuntimeError, ValueError) as e:
             sys.exit(f"error: {e}")
 

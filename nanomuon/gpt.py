@@ -31,18 +31,22 @@ class GPTConfig:
     n_embd: int = 768
     softcap: float = 15.0
     rope_base: float = 10000.0
-    qk_norm: bool = True  # RMS-normalize q and k; without it, logits can grow (QK-clip: GPT.qk_clip_)
+    # RMS-normalize q and k; without it, logits can grow (QK-clip: GPT.qk_clip_)
+    qk_norm: bool = True
 
     def __post_init__(self):
         problems = []
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         elif (self.n_embd // self.n_head) % 2:
-            problems.append(f"head dim {self.n_embd // self.n_head} must be even for rotary embeddings")
+            problems.append(f"head dim {self.n_embd // self.n_head} must be even "
+                            "for rotary embeddings")
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
-            problems.append(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+            problems.append(f"n_head={self.n_head} must be a multiple of "
+                            f"n_kv_head={self.n_kv_head}")
         problems += [f"{key}={getattr(self, key)} must be >= 1"
-                     for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd") if getattr(self, key) < 1]
+                     for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")
+                     if getattr(self, key) < 1]
         if problems:
             raise ValueError("bad GPTConfig: " + "; ".join(problems))
 
@@ -52,28 +56,34 @@ class GPTConfig:
 
 def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
                       head_dim: int = 128, qk_norm: bool = True) -> GPTConfig:
-    """nanochat's sizing: width = depth * aspect_ratio rounded up to head_dim; one head per head_dim."""
+    """nanochat's sizing: width = depth * aspect_ratio rounded up to
+    head_dim; one head per head_dim."""
     if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
-        raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, head_dim={head_dim} "
-                         "(need depth >= 1, aspect_ratio >= 1, an even head_dim >= 2)")
+        raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, "
+                         f"head_dim={head_dim} (need depth >= 1, aspect_ratio >= 1, an even "
+                         "head_dim >= 2)")
     n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
     n_head = n_embd // head_dim
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
 
 
-# Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with fused attention (no
-# T x T scores): per layer and unit of width, and per vocabulary entry (the logits). Fitted to the peak RSS of training
-# steps on CPU at d3 and d4 (d6 and d8 come out 1.2-1.3x over, a 3.5 MB d2 0.83x under; tests/test_gpt.py checks
-# the bound on CPU, tests/test_cuda.py on a GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
-ACTIVATION_BYTES = {False: (50, 3), True: (36, 5)}  # compiled -> (per layer x width, per vocab entry)
+# Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with
+# fused attention (no T x T scores): per layer and unit of width, and per vocabulary entry (the
+# logits). Fitted to the peak RSS of training steps on CPU at d3 and d4 (d6 and d8 come out 1.2-1.3x
+# over, a 3.5 MB d2 0.83x under; tests/test_gpt.py checks the bound on CPU, tests/test_cuda.py on a
+# GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
+# compiled -> (per layer x width, per vocab entry)
+ACTIVATION_BYTES = {False: (50, 3), True: (36, 5)}
 
 
-def train_memory(config: GPTConfig, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
-    """Estimated peak bytes of training on one device with micro-batches of `rows` rows of sequence_len tokens, by
-    part: fp32 params and grads, the optimizer state (Muon momentum, AdamW moments), the bf16 weight copies autocast
-    makes, and the activations (what autograd keeps plus backward's largest temporaries). A pure function of the
-    sizes, so fit_device_batch can run before anything is allocated. fp32 (bf16=False) counts activations twice."""
+def train_memory(config: GPTConfig, rows: int, compiled: bool = True,
+                 bf16: bool = True) -> dict[str, int]:
+    """Estimated peak bytes of training on one device with micro-batches of `rows` rows of
+    sequence_len tokens, by part: fp32 params and grads, the optimizer state (Muon momentum, AdamW
+    moments), the bf16 weight copies autocast makes, and the activations (what autograd keeps plus
+    backward's largest temporaries). A pure function of the sizes, so fit_device_batch can run
+    before anything is allocated. fp32 (bf16=False) counts activations twice."""
     c = config
     kv = c.n_kv_head * (c.n_embd // c.n_head)
     matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)
@@ -81,25 +91,28 @@ def train_memory(config: GPTConfig, rows: int, compiled: bool = True, bf16: bool
     per_layer, per_vocab = ACTIVATION_BYTES[compiled]
     per_token = (per_layer * c.n_layer * c.n_embd + per_vocab * c.vocab_size) * (1 if bf16 else 2)
     return dict(params=4 * (matrices + 2 * vocab), grads=4 * (matrices + 2 * vocab),
-                optimizer=4 * matrices + 4 * 12 * c.n_layer * c.n_embd + 16 * vocab,  # + Muon's per-row second moment
+                # + Muon's per-row second moment
+                optimizer=4 * matrices + 4 * 12 * c.n_layer * c.n_embd + 16 * vocab,
                 bf16_copies=2 * (matrices + vocab) if bf16 else 0,
                 activations=rows * c.sequence_len * per_token)
 
 
-def fit_device_batch(config: GPTConfig, free_bytes: int, rows_per_step: int, cap: int = 32, compiled: bool = True,
-                     bf16: bool = True) -> int:
-    """The most rows per micro-batch, a power of two up to cap that divides rows_per_step (the optimizer step's rows
-    per process, so gradient accumulation makes up the rest), whose train_memory fits in free_bytes less 1 GiB and
-    15% (the CUDA context, kernel workspaces, allocator fragmentation). A ValueError that says what to change when
-    not even one row fits."""
+def fit_device_batch(config: GPTConfig, free_bytes: int, rows_per_step: int, cap: int = 32,
+                     compiled: bool = True, bf16: bool = True) -> int:
+    """The most rows per micro-batch, a power of two up to cap that divides rows_per_step (the
+    optimizer step's rows per process, so gradient accumulation makes up the rest), whose
+    train_memory fits in free_bytes less 1 GiB and 15% (the CUDA context, kernel workspaces,
+    allocator fragmentation). A ValueError that says what to change when not even one row fits."""
     budget = 0.85 * free_bytes - 2 ** 30
     rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
-    while rows > 1 and (rows_per_step % rows or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
+    while rows > 1 and (rows_per_step % rows
+                        or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
         rows //= 2
     need = sum(train_memory(config, rows, compiled, bf16).values())
     if need > budget:
-        raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer model needs about "
-                         f"{need / 2 ** 30:.1f} GiB, and {free_bytes / 2 ** 30:.1f} GiB are free: lower --depth or "
+        raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer "
+                         f"model needs about {need / 2 ** 30:.1f} GiB, and "
+                         f"{free_bytes / 2 ** 30:.1f} GiB are free: lower --depth or "
                          "--max-seq-len, or use a GPU with more memory (or --fsdp over several)")
     return rows
 
@@ -109,10 +122,11 @@ def norm(x):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the two halves of the head dim against each other: (x1, x2) -> (x1 cos + x2 sin,
-    # x2 cos - x1 sin), with full-width tables (cos, cos) and (sin, -sin) (GPT._rotary_tables). Two contiguous
-    # products round as the four on the halves did, 1.4x faster on CPU. The tables follow x's dtype so that under
-    # bf16 autocast q and k stay bf16 instead of being promoted to fp32.
+    # x: (B, T, H, D); rotate the two halves of the head dim against each other: (x1, x2) -> (x1
+    # cos + x2 sin, x2 cos - x1 sin), with full-width tables (cos, cos) and (sin, -sin)
+    # (GPT._rotary_tables). Two contiguous products round as the four on the halves did, 1.4x faster
+    # on CPU. The tables follow x's dtype so that under bf16 autocast q and k stay bf16 instead of
+    # being promoted to fp32.
     return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, dims=-1) * sin.to(x.dtype)
 
 
@@ -127,7 +141,8 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, kv, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         self.qk_norm = config.qk_norm
-        self.max_logits = None  # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
+        # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
+        self.max_logits = None
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -140,13 +155,15 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.max_logits is not None:
             self._track_max_logits(q, k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
     @torch.compiler.disable
     @torch.no_grad()
     def _track_max_logits(self, q, k):
-        """max_logits = max(max_logits, each head's largest causal q.k / sqrt(head_dim) in this batch).
+        """max_logits = max(max_logits, each head's largest causal
+        q.k / sqrt(head_dim) in this batch).
 
         SDPA never materializes the logits, so they are recomputed here, one batch row at a time to
         keep the (heads, T, T) scores small; it costs about one more QK^T per layer."""
@@ -157,7 +174,8 @@ class CausalSelfAttention(nn.Module):
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         for b in range(B):
             scores = (qg[b] @ kf[b].mT).masked_fill_(future, float("-inf"))
-            torch.maximum(self.max_logits, scores.amax(dim=(-2, -1)).reshape(H) * D ** -0.5, out=self.max_logits)
+            torch.maximum(self.max_logits, scores.amax(dim=(-2, -1)).reshape(H) * D ** -0.5,
+                          out=self.max_logits)
 
 
 class MLP(nn.Module):
@@ -182,11 +200,12 @@ class Block(nn.Module):
 
 
 class SoftcapCrossEntropy(torch.autograd.Function):
-    """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of rows at a time, with the
-    gradient made on the way: what eager autograd does in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per
-    element on CPU) this does in cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model
-    keeps the plain expression, which inductor fuses by itself. tests/test_gpt.py checks this against float64 and the
-    compiled model against this."""
+    """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of
+    rows at a time, with the gradient made on the way: what eager autograd does in a dozen
+    full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in cache, and it
+    keeps only the gradient (logits' dtype) for backward. The compiled model keeps the plain
+    expression, which inductor fuses by itself. tests/test_gpt.py checks this against float64 and
+    the compiled model against this."""
 
     @staticmethod
     def forward(ctx, logits, targets, cap: float, reduction: str, make_grad: bool):
@@ -195,19 +214,22 @@ class SoftcapCrossEntropy(torch.autograd.Function):
         n, vocab = logits.shape
         valid = targets != -1
         n_valid = valid.sum()
-        target = targets.masked_fill(~valid, 0).unsqueeze(1)  # other negatives stay, and gather refuses them
+        # other negatives stay, and gather refuses them
+        target = targets.masked_fill(~valid, 0).unsqueeze(1)
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        # d loss / d logit row, in fp32 until its one rounding: (softmax - onehot) * d softcap, times 1/n for the mean
+        # d loss / d logit row, in fp32 until its one rounding: (softmax - onehot) * d softcap,
+        # times 1/n for the mean
         count = n_valid.clamp(min=1).to(dtype)  # all -1: zero gradients, as F.cross_entropy gives
         scale = valid.unsqueeze(1) * (4 / count if reduction == "mean" else 4.0)
-        grad = torch.empty_like(logits) if make_grad else None  # needs_input_grad ignores no_grad: the caller knows
+        # needs_input_grad ignores no_grad: the caller knows
+        grad = torch.empty_like(logits) if make_grad else None
         loss = torch.empty(n, dtype=dtype, device=logits.device)
         rows = max(1, (1 << 18) // vocab)  # 1 MiB of fp32 per block
         for a in range(0, n, rows):
             b = min(n, a + rows)
-            # cap * tanh(l / cap) = 2cap * sigmoid(2l / cap) - cap; the loss ignores the shift, and sigmoid costs a
-            # sixth of tanh on CPU. Its slope is 4 sigmoid(x) sigmoid(-x), x = 2l / cap (not 4 s (1 - s): near
-            # saturation 1 - s keeps few of s's bits).
+            # cap * tanh(l / cap) = 2cap * sigmoid(2l / cap) - cap; the loss ignores the shift, and
+            # sigmoid costs a sixth of tanh on CPU. Its slope is 4 sigmoid(x) sigmoid(-x),
+            # x = 2l / cap (not 4 s (1 - s): near saturation 1 - s keeps few of s's bits).
             x = logits[a:b].to(dtype, copy=True).mul_(2 / cap)
             s = torch.sigmoid(x)
             z = s * (2 * cap)
@@ -225,8 +247,10 @@ class SoftcapCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors  # scaled in place: a second backward through the same graph is refused
-        return grad.mul_(grad_loss if ctx.reduction == "mean" else grad_loss.unsqueeze(1)), None, None, None, None
+        # scaled in place: a second backward through the same graph is refused
+        (grad,) = ctx.saved_tensors
+        return (grad.mul_(grad_loss if ctx.reduction == "mean" else grad_loss.unsqueeze(1)),
+                None, None, None, None)
 
 
 class GPT(nn.Module):
@@ -237,20 +261,24 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         cos, sin = self._rotary_tables(config.sequence_len)
-        self.register_buffer("cos", cos, persistent=False)  # derived from the config, never checkpointed
+        # derived from the config, never checkpointed
+        self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _rotary_tables(self, seq_len: int, device=None):
         head_dim = self.config.n_embd // self.config.n_head
-        inv_freq = self.config.rope_base ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+        inv_freq = self.config.rope_base ** -(torch.arange(0, head_dim, 2, device=device).float()
+                                              / head_dim)
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
         cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-        return torch.cat([cos, cos], dim=-1), torch.cat([sin, -sin], dim=-1)  # (1, T, 1, D), as apply_rotary takes
+        # (1, T, 1, D), as apply_rotary takes
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, -sin], dim=-1)
 
     @torch.no_grad()
     def init_weights(self):
-        """Hidden matrices ~ std 1/sqrt(fan_in) (uniform, so no outliers); projections into the residual
-        stream start at zero, so each block starts as the identity; a small lm_head keeps early logits flat."""
+        """Hidden matrices ~ std 1/sqrt(fan_in) (uniform, so no outliers); projections into the
+        residual stream start at zero, so each block starts as the identity; a small lm_head keeps
+        early logits flat."""
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         bound = math.sqrt(3.0 / self.config.n_embd)
@@ -264,8 +292,9 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean"):
-        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss (targets of -1 are
-        ignored); loss_reduction='none' gives the per-token loss (B, T), which bits-per-byte needs."""
+        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss
+        (targets of -1 are ignored); loss_reduction='none' gives the per-token loss (B, T),
+        which bits-per-byte needs."""
         B, T = idx.shape
         if idx.size(1) > self.cos.size(1):
             raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
@@ -276,38 +305,43 @@ class GPT(nn.Module):
             x = block(x, cos, sin)
         logits = self.lm_head(norm(x))
         cap = self.config.softcap
-        if targets is not None and not torch.compiler.is_compiling():  # eager: softcap and loss in one pass
-            loss = SoftcapCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.reshape(-1), cap,
-                                             loss_reduction, torch.is_grad_enabled() and logits.requires_grad)
+        # eager: softcap and loss in one pass
+        if targets is not None and not torch.compiler.is_compiling():
+            loss = SoftcapCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                             cap, loss_reduction,
+                                             torch.is_grad_enabled() and logits.requires_grad)
         else:  # compiled, inductor fuses the plain expression
             logits = cap * torch.tanh(logits.float() / cap)
             if targets is None:
                 return logits
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                                   reduction=loss_reduction)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1, reduction=loss_reduction)
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def estimate_flops(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 per matmul weight, plus attention's scores and
-        values, 12 * layers * width * sequence_len (causal masking is not discounted, as in PaLM's MFU)."""
+        """Training FLOPs per token (forward + backward): 6 per matmul weight, plus attention's
+        scores and values, 12 * layers * width * sequence_len (causal masking is not discounted, as
+        in PaLM's MFU)."""
         matmul_params = self.num_params() - self.wte.weight.numel()
         c = self.config
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.sequence_len
 
-    def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004, matrix_lr: float = 0.02,
-                        scalar_lr: float = 0.5, weight_decay: float = 0.2, adam_betas=(0.8, 0.95),
-                        muon_options: dict | None = None, adamw_matrix_lr: float | None = None,
-                        optimizer_class=None, compile: bool | None = None, per_head: bool = False):
+    def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004,
+                        matrix_lr: float = 0.02, scalar_lr: float = 0.5, weight_decay: float = 0.2,
+                        adam_betas=(0.8, 0.95), muon_options: dict | None = None,
+                        adamw_matrix_lr: float | None = None, optimizer_class=None,
+                        compile: bool | None = None, per_head: bool = False):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width) (nanochat's rule);
-        Muon's lr needs no width scaling because its update is orthogonalized. muon_options go into the Muon group;
-        adamw_matrix_lr trains the matrices with AdamW instead (width-scaled too); optimizer_class(groups) builds
-        another optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the attention
-        matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of c_proj (a transposed split).
+        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width)
+        (nanochat's rule); Muon's lr needs no width scaling because its update is orthogonalized.
+        muon_options go into the Muon group; adamw_matrix_lr trains the matrices with AdamW instead
+        (width-scaled too); optimizer_class(groups) builds another optimizer on the same groups
+        (`compile` is for nanomuon's own). per_head orthogonalizes the attention matrices head by
+        head: blocks of head_dim rows of c_q, c_k, c_v and columns of c_proj (a transposed split).
         nanomuon.variants names such choices."""
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
@@ -317,11 +351,11 @@ class GPT(nn.Module):
             params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
         if adamw_matrix_lr is None:
-            matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5, beta2=0.95,
-                                     weight_decay=weight_decay), **(muon_options or {}))
+            matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
+                                     beta2=0.95, weight_decay=weight_decay), **(muon_options or {}))
         elif muon_options or per_head:
-            raise ValueError("muon_options or per_head and adamw_matrix_lr exclude each other: the matrices train "
-                             "with one optimizer")
+            raise ValueError("muon_options or per_head and adamw_matrix_lr exclude each other: "
+                             "the matrices train with one optimizer")
         else:
             matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
         groups = [dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
@@ -336,41 +370,50 @@ class GPT(nn.Module):
                         heads.setdefault((n, cols), []).append(lin.weight)
             per = {id(w) for ws in heads.values() for w in ws}
             groups[2]["params"] = [w for w in params["matrices"] if id(w) not in per]
-            groups += [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols, params=ws,
-                            split=(hd,) * n, transposed=cols) for (n, cols), ws in heads.items()]
+            groups += [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
+                            params=ws, split=(hd,) * n, transposed=cols)
+                       for (n, cols), ws in heads.items()]
         if params["scalars"]:
             groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
         for g in groups:
             g["initial_lr"] = g["lr"]
         if optimizer_class is not None:
             return optimizer_class(groups)
-        # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their grads;
-        # DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model needs only MuonAdamW.
+        # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their
+        # grads; DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model
+        # needs only MuonAdamW.
         replicated = any(not isinstance(p, DTensor) for p in self.parameters())
-        cls = DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated else MuonAdamW
+        cls = (DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated
+               else MuonAdamW)
         return cls(groups, compile=compile)
 
     def track_max_logits(self, on: bool = True) -> None:
-        """Start (afresh) or stop recording each attention head's max pre-softmax logit, for qk_clip_()."""
+        """Start (afresh) or stop recording each attention head's max
+        pre-softmax logit, for qk_clip_()."""
         for attn in (block.attn for block in self.blocks):
-            attn.max_logits = torch.full((attn.n_head,), float("-inf"), device=attn.c_q.weight.device) if on else None
+            attn.max_logits = (torch.full((attn.n_head,), float("-inf"),
+                                          device=attn.c_q.weight.device) if on else None)
 
     @torch.no_grad()
     def qk_clip_(self, tau: float, alpha: float = 0.5) -> int:
-        """QK-clip every layer from the logits tracked since track_max_logits(); returns how many heads
-        were clipped. Meant for models without QK-norm (with it, scaling W_q and W_k changes nothing)."""
+        """QK-clip every layer from the logits tracked since track_max_logits(); returns
+        how many heads were clipped. Meant for models without QK-norm (with it, scaling W_q
+        and W_k changes nothing)."""
         clipped = 0
         for attn in (block.attn for block in self.blocks):
             if attn.max_logits is None:
-                raise RuntimeError("qk_clip_ needs the logits: call model.track_max_logits() before the forward pass")
-            gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head, attn.n_kv_head, tau, alpha)
+                raise RuntimeError("qk_clip_ needs the logits: call model.track_max_logits() "
+                                   "before the forward pass")
+            gamma = qk_clip_(attn.c_q.weight, attn.c_k.weight, attn.max_logits, attn.n_head,
+                             attn.n_kv_head, tau, alpha)
             clipped += int((gamma < 1).sum())
         return clipped
 
     @torch.no_grad()
-    def generate(self, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 seed: int = 42):
-        """Yield sampled token ids one at a time (no KV cache: each step re-runs the last sequence_len tokens)."""
+    def generate(self, tokens: list[int], max_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int = 42):
+        """Yield sampled token ids one at a time (no KV cache: each step re-runs the
+        last sequence_len tokens)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         device = self.wte.weight.device
@@ -384,6 +427,7 @@ class GPT(nn.Module):
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
-                nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
+                nxt = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1,
+                                        generator=rng)
             ids = torch.cat([ids, nxt], dim=1)
             yield nxt.item()

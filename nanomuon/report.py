@@ -1,7 +1,8 @@
 """
-Pictures for reports: line plots of training curves, written as PNG with matplotlib, for base_train's
-report and ablate's comparisons. matplotlib is imported here only, so the optimizer, the model and
-training never need it; without it plot_curves() returns None and the report points at the fix (MISSING).
+Pictures for reports: line plots of training curves, written as PNG with matplotlib, for
+base_train's report and ablate's comparisons. matplotlib is imported here only, so the optimizer,
+the model and training never need it; without it plot_curves() returns None and the report points at
+the fix (MISSING).
 """
 
 import math
@@ -22,9 +23,9 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
-    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with title, xlabel, ylabel and
-    series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band; optional logx, logy. Returns path, or None
-    when matplotlib is not installed."""
+    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
+    title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band;
+    optional logx, logy. Returns path, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -39,7 +40,8 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
             if not points:
                 continue
             xs, ys, *band = zip(*points)
-            line, = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.5)
+            line, = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None,
+                            markersize=3, linewidth=1.5)
             if band:
                 ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])

@@ -1,22 +1,24 @@
 """
-Training text from anywhere: `--dataset` as a local file, directory or glob of parquet, jsonl, json, txt or
-csv files, or any Hugging Face dataset as hf:owner/name[:config][@revision]. prepare() converts a source once
-into dataset.py's layout (parquet shards, a document per row in column `text`, listed by a manifest), so the
-data loader's exact resume, rank-disjoint reading and resharding, which all count documents, work alike for
-every source. (README, "Train on your own data".)
+Training text from anywhere: `--dataset` as a local file, directory or glob of parquet, jsonl,
+json, txt or csv files, or any Hugging Face dataset as hf:owner/name[:config][@revision].
+prepare() converts a source once into dataset.py's layout (parquet shards, a document per row
+in column `text`, listed by a manifest), so the data loader's exact resume, rank-disjoint
+reading and resharding, which all count documents, work alike for every source. (README,
+"Train on your own data".)
 
 - Column: --text-column, else `text`, else the only string column.
-- Validation: the source's own held-out split if it has one (on the hub validation, valid, val, dev or test;
-  locally, files or folders whose names start with those words), else a deterministic --val-fraction of the
-  documents: every one whose running count crosses a multiple of 1 / fraction, so evenly spread, at least one.
-- Cache: $NANOMUON_BASE_DIR/data/source/<name>-<hash>. The hash covers the source, the column, the fraction
-  and each local file's path and contents (blake2b, read again only when the file's size, mtime,
-  ctime or inode changed): edit a file and the next run prepares it again (and a resumed run
-  refuses the changed data); touch it and nothing changes. A new preparation removes the older
-  ones of the same source that no data loader reads. A hub source is pinned to the commit it was
-  first prepared from; once it is prepared, nothing touches the network.
-- Text files are one document each, read as UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1; files
-  with NUL bytes and no BOM are binary and skipped; both are counted.
+- Validation: the source's own held-out split if it has one (on the hub validation, valid, val, dev
+  or test; locally, files or folders whose names start with those words), else a deterministic
+  --val-fraction of the documents: every one whose running count crosses a multiple of 1 / fraction,
+  so evenly spread, at least one.
+- Cache: $NANOMUON_BASE_DIR/data/source/<name>-<hash>. The hash covers the source, the column, the
+  fraction and each local file's path and contents (blake2b, read again only when the file's size,
+  mtime, ctime or inode changed): edit a file and the next run prepares it again (and a resumed run
+  refuses the changed data); touch it and nothing changes. A new preparation removes the older ones
+  of the same source that no data loader reads. A hub source is pinned to the commit it was first
+  prepared from; once it is prepared, nothing touches the network.
+- Text files are one document each, read as UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1;
+  files with NUL bytes and no BOM are binary and skipped; both are counted.
 """
 
 import codecs
@@ -40,43 +42,52 @@ from nanomuon.common import get_base_dir, one_line, write_atomic
 from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
-HELD_OUT = ("validation", "valid", "val", "dev", "test")  # a source's own val split: the first of these it has
+# a source's own val split: the first of these it has
+HELD_OUT = ("validation", "valid", "val", "dev", "test")
 DEFAULT_VAL_FRACTION = 0.01
-SHARD_CHARS = 32_000_000  # characters per prepared shard: ~30 MB of parquet, ~100 MB of Python strings to write
+# characters per prepared shard: ~30 MB of parquet, ~100 MB of Python strings to write
+SHARD_CHARS = 32_000_000
 VERSION = 1  # of the prepared layout; part of the cache key
 HASHES = ".hashes.json"  # in data/source: path -> [size, mtime, ctime, inode, content hash]
 IN_USE = ".in-use"  # in a prepared folder: its data loaders hold a shared flock on it
 PREPARED = re.compile(r"[\w.-]+-[0-9a-f]{12}")  # the folders prepare() names
 RACY_NS = 2_000_000_000  # a file changed this recently may change again within its mtime's tick
 HUB = re.compile(r"hf:([\w.-]+/[\w.-]+)(?::([^@]+))?(?:@(.+))?")
-BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # 32 first: its LE BOM starts like 16's
-SPEC_HELP = ("fineweb-edu, embedded, a local file, directory or glob of .parquet, .jsonl, .json, .txt or .csv "
-             "files, or hf:owner/name[:config][@revision]")
+# 32 first: its LE BOM starts like 16's
+BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+        (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"),
+        (codecs.BOM_UTF16_BE, "utf-16"))
+SPEC_HELP = ("fineweb-edu, embedded, a local file, directory or glob of .parquet, .jsonl, .json, "
+             ".txt or .csv files, or hf:owner/name[:config][@revision]")
 
 
 def add_data_args(p, default: str) -> None:
-    """--dataset, --text-column and --val-fraction, the same in every script that reads training text."""
-    p.add_argument("--dataset", default=default, help=f"training text: {SPEC_HELP} (README, 'Train on your own data')")
-    p.add_argument("--text-column", default=None, help="custom sources: the column holding the documents "
-                   "(default: `text`, else the only string column)")
-    p.add_argument("--val-fraction", type=float, default=None, help="custom sources without a validation split: "
-                   f"the fraction of documents held out (default {DEFAULT_VAL_FRACTION}, at least one document)")
+    """--dataset, --text-column and --val-fraction, the same in every script
+    that reads training text."""
+    p.add_argument("--dataset", default=default,
+                   help=f"training text: {SPEC_HELP} (README, 'Train on your own data')")
+    p.add_argument("--text-column", default=None, help="custom sources: the column holding the "
+                   "documents (default: `text`, else the only string column)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="custom sources without a validation split: the fraction of documents "
+                   f"held out (default {DEFAULT_VAL_FRACTION}, at least one document)")
 
 
 def prepare(spec: str, text_column: str | None = None, val_fraction: float | None = None) -> str:
-    """The dataset name that list_shards and the data loader take for the source `spec`, converting the source
-    first unless an earlier run did. A ValueError or FileNotFoundError that names the fix for bad input."""
+    """The dataset name that list_shards and the data loader take for the source `spec`, converting
+    the source first unless an earlier run did. A ValueError or FileNotFoundError that names the fix
+    for bad input."""
     if spec in DATASETS:
         if text_column is not None or val_fraction is not None:
-            raise ValueError(f"--text-column and --val-fraction apply to custom sources; {spec} has a `text` column "
-                             "and its own val shard: drop them")
+            raise ValueError("--text-column and --val-fraction apply to custom sources; "
+                             f"{spec} has a `text` column and its own val shard: drop them")
         return spec
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     hub = HUB.fullmatch(spec)
     if spec.startswith("hf:") and not hub:
-        raise ValueError(f"--dataset {spec}: write a hub dataset as hf:owner/name[:config][@revision]")
+        raise ValueError(f"--dataset {spec}: write a hub dataset as "
+                         "hf:owner/name[:config][@revision]")
     source = ("hub", *hub.groups()) if hub else ("files", *_local_files(spec))
     digest = lambda *v: hashlib.sha256(json.dumps([VERSION, *v]).encode()).hexdigest()[:12]
     # slot: the source apart from its contents, so a new preparation knows its older ones
@@ -169,18 +180,21 @@ def _remove_older(folder: Path, keep: Path, slot: str) -> None:
         print(f"nanomuon: removed {d}, an older preparation of this source", file=sys.stderr)
 
 
-# -- local files ----------------------------------------------------------------------------------------
+# -- local files -----------------------------------------------------------------------------------
 def _local_files(spec: str) -> tuple[str, list[Path]]:
-    """(the folder file names are taken relative to, the source's files, sorted); hidden ones are left out."""
+    """(the folder file names are taken relative to, the source's files, sorted);
+    hidden ones are left out."""
     path = Path(spec).expanduser()
     if path.is_file() or path.is_dir():
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     elif glob.has_magic(spec):
         files = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
     else:
-        raise FileNotFoundError(f"--dataset {spec}: no such file or directory, and no glob; expected {SPEC_HELP}")
+        raise FileNotFoundError(f"--dataset {spec}: no such file or directory, and no glob; "
+                                f"expected {SPEC_HELP}")
     files = sorted(p.resolve() for p in files)
-    root = path.resolve() if path.is_dir() else Path(os.path.commonpath([p.parent for p in files] or [Path.cwd()]))
+    root = (path.resolve() if path.is_dir()
+            else Path(os.path.commonpath([p.parent for p in files] or [Path.cwd()])))
     files = [p for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)]
     bad = sorted({p.suffix or p.name for p in files if p.suffix.lower() not in FORMATS})
     files = [p for p in files if p.suffix.lower() in FORMATS]
@@ -191,7 +205,8 @@ def _local_files(spec: str) -> tuple[str, list[Path]]:
 
 
 def _split_word(rel: Path) -> str | None:
-    """The held-out word a file's folders or name start with (val-00000.parquet, test/x.txt), else None."""
+    """The held-out word a file's folders or name start with
+    (val-00000.parquet, test/x.txt), else None."""
     for part in (*rel.parent.parts, rel.name):
         for word in HELD_OUT:
             if re.match(rf"{word}(?:[-_. 0-9]|$)", part.lower()):
@@ -200,8 +215,8 @@ def _split_word(rel: Path) -> str | None:
 
 
 def decode(data: bytes) -> tuple[str | None, str]:
-    """A text file's text and its encoding: by BOM, else UTF-8, else cp1252, else Latin-1; (None, 'binary') for
-    bytes with NULs and no BOM, which no text encoding here makes sense of."""
+    """A text file's text and its encoding: by BOM, else UTF-8, else cp1252, else Latin-1; (None,
+    'binary') for bytes with NULs and no BOM, which no text encoding here makes sense of."""
     for bom, encoding in BOMS:
         if data.startswith(bom):
             try:
@@ -218,13 +233,15 @@ def decode(data: bytes) -> tuple[str | None, str]:
     raise AssertionError("unreachable: latin-1 decodes every byte string")
 
 
-# -- reading a source ------------------------------------------------------------------------------------
+# -- reading a source ------------------------------------------------------------------------------
 def _datasets():
     try:
         import datasets
     except ImportError:
-        raise ValueError("custom sources are read through Hugging Face `datasets`: pip install datasets") from None
-    datasets.disable_progress_bars()  # streaming shows a bar per file; our own progress line says more
+        raise ValueError("custom sources are read through Hugging Face `datasets`: "
+                         "pip install datasets") from None
+    # streaming shows a bar per file; our own progress line says more
+    datasets.disable_progress_bars()
     return datasets
 
 
@@ -233,17 +250,20 @@ def _pick_column(batch: dict, text_column: str | None, where: str) -> str:
              and all(v is None or isinstance(v, str) for v in vs)]
     if text_column is not None:
         if text_column not in batch:
-            raise ValueError(f"{where} has no column {text_column!r} (columns: {', '.join(batch)}): fix --text-column")
+            raise ValueError(f"{where} has no column {text_column!r} "
+                             f"(columns: {', '.join(batch)}): fix --text-column")
         return text_column
     if "text" in batch or len(texts) == 1:
         return "text" if "text" in batch else texts[0]
-    raise ValueError(f"{where} has no `text` column and {len(texts)} string columns ({', '.join(texts) or 'none'} "
-                     f"of {', '.join(batch)}): pick one with --text-column")
+    raise ValueError(f"{where} has no `text` column and {len(texts)} string columns "
+                     f"({', '.join(texts) or 'none'} of {', '.join(batch)}): "
+                     "pick one with --text-column")
 
 
 def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Iterator[str]:
-    """The non-empty texts of a datasets IterableDataset, read in batches; empty or null ones are counted.
-    error(e) turns what reading raised (a parse error, a dropped connection) into a one-line ValueError."""
+    """The non-empty texts of a datasets IterableDataset, read in batches; empty or null ones
+    are counted. error(e) turns what reading raised (a parse error, a dropped connection)
+    into a one-line ValueError."""
     column, batches = None, ds.iter(batch_size=1024)
     while True:
         try:
@@ -255,8 +275,8 @@ def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Itera
         column = column or _pick_column(batch, text_column, where)
         for text in batch[column]:
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, not text: pick the "
-                                 "text column with --text-column")
+                raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, "
+                                 "not text: pick the text column with --text-column")
             if text and text.strip():
                 yield text
             else:
@@ -264,17 +284,19 @@ def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Itera
 
 
 def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Iterator[str]:
-    """Documents of local files: text files one each, the others through `datasets`, one streaming read per
-    format; formats in the order they first appear, files in name order."""
+    """Documents of local files: text files one each, the others through `datasets`, one streaming
+    read per format; formats in the order they first appear, files in name order."""
     for builder in dict.fromkeys(FORMATS[p.suffix.lower()] for p in files):
         group = [p for p in files if FORMATS[p.suffix.lower()] == builder]
         if builder != "text":
-            where = f"the {builder} files {', '.join(p.name for p in group[:3])}{' ...' if len(group) > 3 else ''}"
+            where = (f"the {builder} files {', '.join(p.name for p in group[:3])}"
+                     f"{' ...' if len(group) > 3 else ''}")
             error = lambda e, where=where: ValueError(f"cannot read {where}: {one_line(e)}")
             try:
-                options = dict(keep_default_na=False) if builder == "csv" else {}  # a cell "NA" is text, not missing
-                ds = _datasets().load_dataset(builder, data_files=[str(p) for p in group], split="train",
-                                              streaming=True, **options)
+                # a cell "NA" is text, not missing
+                options = dict(keep_default_na=False) if builder == "csv" else {}
+                ds = _datasets().load_dataset(builder, data_files=[str(p) for p in group],
+                                              split="train", streaming=True, **options)
             except Exception as e:
                 raise error(e) from None
             yield from _rows(ds, text_column, where, counts, error)
@@ -297,19 +319,22 @@ def _hub_error(spec: str, e: Exception) -> ValueError:
 
 
 def _open_hub(spec: str, repo: str, config: str | None, revision: str | None) -> tuple[dict, str]:
-    """({split: IterableDataset}, the commit) of a hub dataset, streamed: only what is read is downloaded."""
+    """({split: IterableDataset}, the commit) of a hub dataset, streamed: only
+    what is read is downloaded."""
     datasets = _datasets()
     from huggingface_hub import HfApi
     try:
         sha = HfApi().dataset_info(repo, revision=revision).sha
         return dict(datasets.load_dataset(repo, config, revision=sha, streaming=True)), sha
-    except Exception as e:  # the hub's and datasets' own errors, network errors: all become one line
+    except Exception as e:
+        # the hub's and datasets' own errors, network errors: all become one line
         raise _hub_error(spec, e) from None
 
 
-# -- conversion ------------------------------------------------------------------------------------------
+# -- conversion ------------------------------------------------------------------------------------
 class _ShardWriter:
-    """Writes documents into <prefix>_00000.parquet, ... in a folder, SHARD_CHARS characters per shard."""
+    """Writes documents into <prefix>_00000.parquet, ... in a folder,
+    SHARD_CHARS characters per shard."""
 
     def __init__(self, folder: Path, prefix: str):
         self.folder, self.prefix, self.names, self.docs, self.chars = folder, prefix, [], 0, 0
@@ -326,7 +351,8 @@ class _ShardWriter:
         if self._texts:
             path = self.folder / f"{self.prefix}_{len(self.names):05d}.parquet"
             table = pa.table({"text": pa.array(self._texts, type=pa.string())})
-            write_atomic(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024, compression="zstd"))
+            write_atomic(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024,
+                                                          compression="zstd"))
             self.names.append(path.name)
             self._texts, self._size = [], 0
 
@@ -337,25 +363,30 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
     print(f"nanomuon: preparing {spec} in {d}", file=sys.stderr)
     if source[0] == "hub":
         splits, revision = _open_hub(spec, *source[1:])
-        train_split = "train" if "train" in splits else next(iter(splits)) if len(splits) == 1 else None
+        train_split = ("train" if "train" in splits
+                       else next(iter(splits)) if len(splits) == 1 else None)
         if train_split is None:
-            raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): name the config with "
-                             f"hf:{source[1]}:<config>")
+            raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): "
+                             f"name the config with hf:{source[1]}:<config>")
         held = next((w for w in HELD_OUT if w in splits and w != train_split), None)
         error = lambda e: _hub_error(spec, e)
-        read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)", counts, error)
+        read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)",
+                                   counts, error)
         train_docs, val_docs = read(train_split), read(held) if held else None
     else:
         root, files = Path(source[1]), source[2]
-        words = {p: _split_word(p.relative_to(root)) if len(files) > 1 else None for p in files}  # one file: no split
+        # one file: no split
+        words = {p: _split_word(p.relative_to(root)) if len(files) > 1 else None for p in files}
         held = next((w for w in HELD_OUT if w in words.values()), None)
         if held and all(words.values()):
-            raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, ...), so none is left "
-                             "to train on")
+            raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, "
+                             "...), so none is left to train on")
         train_docs = _read_files([p for p in files if words[p] is None], text_column, counts)
-        val_docs = _read_files([p for p in files if words[p] == held], text_column, counts) if held else None
+        val_docs = (_read_files([p for p in files if words[p] == held], text_column, counts)
+                    if held else None)
     if held and val_fraction is not None:
-        raise ValueError(f"{spec} has its own {held!r} split, so --val-fraction does not apply to it: drop it")
+        raise ValueError(f"{spec} has its own {held!r} split, so --val-fraction does not apply "
+                         "to it: drop it")
     fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
 
     d.mkdir(parents=True, exist_ok=True)
@@ -373,27 +404,32 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
         last = text
         if time.time() - tick > 10:
             tick = time.time()
-            print(f"nanomuon: {train.docs + val.docs:,} documents, {(train.chars + val.chars) / 1e6:,.0f}M chars, "
-                  f"{tick - t0:.0f} s", file=sys.stderr)
+            print(f"nanomuon: {train.docs + val.docs:,} documents, "
+                  f"{(train.chars + val.chars) / 1e6:,.0f}M chars, {tick - t0:.0f} s",
+                  file=sys.stderr)
     if last is not None:
         (val if val_docs is None and not val.docs else train).add(last)
     train.flush()
     val.flush()
     if not train.docs or not val.docs:
-        raise ValueError(f"--dataset {spec} gave {train.docs} documents with text to train on and {val.docs} to "
-                         "validate on: it needs at least one of each (a text file is one document)")
+        raise ValueError(f"--dataset {spec} gave {train.docs} documents with text to train on and "
+                         f"{val.docs} to validate on: it needs at least one of each "
+                         "(a text file is one document)")
     for stale in set(d.glob("*.parquet")) - {d / n for n in train.names + val.names}:
         stale.unlink()  # shards of an interrupted build that wrote more
     manifest = dict(source=spec, revision=revision, text_column=text_column,
                     val_split=f"its {held!r} split" if held else f"{fraction:g} of the documents",
-                    shards=dict(train=train.names, val=val.names), docs=dict(train=train.docs, val=val.docs),
+                    shards=dict(train=train.names, val=val.names),
+                    docs=dict(train=train.docs, val=val.docs),
                     chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION,
                     slot=slot)
     write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     skipped = counts.get("skipped", [])
     other = {k: v for k, v in counts.items() if k not in ("utf-8", "empty", "skipped")}
-    print(f"nanomuon: prepared {spec}: {train.docs:,} train and {val.docs:,} val documents ({manifest['val_split']}),"
+    print(f"nanomuon: prepared {spec}: {train.docs:,} train and {val.docs:,} val documents "
+          f"({manifest['val_split']}),"
           f" {(train.chars + val.chars) / 1e6:,.1f}M chars in {time.time() - t0:.1f} s"
           + (f"; text files in other encodings: {other}" if other else "")
           + (f"; {len(skipped)} binary files skipped ({', '.join(skipped[:3])})" if skipped else "")
-          + (f"; {counts['empty']:,} empty documents left out" if counts.get("empty") else ""), file=sys.stderr)
+          + (f"; {counts['empty']:,} empty documents left out" if counts.get("empty") else ""),
+          file=sys.stderr)

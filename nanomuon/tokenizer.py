@@ -1,10 +1,11 @@
 """
 The tokenizer: a byte-level BPE trained with rustbpe, run with tiktoken.
 
-rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded batches). One special
-token, <|bos|>, opens every document. A trained tokenizer is two text files in one directory: tokenizer.bpe (tiktoken's
-format: base64 token bytes and rank per line) and tokenizer.json (split pattern, special tokens, fingerprint).
-Checkpoints record the fingerprint, so a run is never resumed or sampled with a tokenizer it was not trained with.
+rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded
+batches). One special token, <|bos|>, opens every document. A trained tokenizer is two text files in
+one directory: tokenizer.bpe (tiktoken's format: base64 token bytes and rank per line) and
+tokenizer.json (split pattern, special tokens, fingerprint). Checkpoints record the fingerprint, so
+a run is never resumed or sampled with a tokenizer it was not trained with.
 """
 
 import base64
@@ -18,16 +19,18 @@ import torch
 
 from nanomuon.common import get_base_dir, write_atomic
 
-# GPT-4's split pattern with digit runs of at most 2 (as in nanochat: fewer number tokens wasted on small vocabularies).
-SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-                 r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+# GPT-4's split pattern with digit runs of at most 2 (as in nanochat: fewer number tokens
+# wasted on small vocabularies).
+SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}"""
+                 r"""| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 BOS = "<|bos|>"
 SPECIAL_TOKENS = (BOS,)
 FILES = ("tokenizer.bpe", "tokenizer.json")
 
 
 class Tokenizer:
-    """A tiktoken Encoding plus the bookkeeping training needs (BOS, token byte lengths, fingerprint)."""
+    """A tiktoken Encoding plus the bookkeeping training needs (BOS, token
+    byte lengths, fingerprint)."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN):
         n = len(mergeable_ranks)
@@ -35,11 +38,13 @@ class Tokenizer:
             raise ValueError("mergeable ranks must be exactly 0..N-1")
         missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
         if missing:  # tiktoken would panic at the first text that needs one
-            raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing (byte {hex(missing[0])}"
-                             f"{', ...' if len(missing) > 1 else ''}), so some text cannot be encoded")
+            raise ValueError(f"{len(missing)} of the 256 single-byte tokens are missing "
+                             f"(byte {hex(missing[0])}{', ...' if len(missing) > 1 else ''}), "
+                             "so some text cannot be encoded")
         self.mergeable_ranks, self.pattern = mergeable_ranks, pattern
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
-        self.enc = tiktoken.Encoding(name="nanomuon", pat_str=pattern, mergeable_ranks=mergeable_ranks,
+        self.enc = tiktoken.Encoding(name="nanomuon", pat_str=pattern,
+                                     mergeable_ranks=mergeable_ranks,
                                      special_tokens=self.special_tokens)
         self.bos_id, self.vocab_size = self.special_tokens[BOS], n + len(self.special_tokens)
         digest = hashlib.sha256(pattern.encode())
@@ -49,28 +54,31 @@ class Tokenizer:
         self.fingerprint = digest.hexdigest()[:16]
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int,
+              pattern: str = SPLIT_PATTERN) -> "Tokenizer":
         """Learn vocab_size - len(SPECIAL_TOKENS) byte-level BPE tokens from texts with rustbpe."""
         import rustbpe  # only training needs it; encoding needs tiktoken alone
 
         min_size = 256 + len(SPECIAL_TOKENS)
         if vocab_size < min_size:
-            raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
+            raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), "
+                             f"got {vocab_size}")
         if vocab_size >= 2 ** 31:  # token ids travel as int32 (the data loader's rows)
-            raise ValueError(f"vocab_size {vocab_size} is too large: token ids are int32, so use < 2**31 "
-                             "(32768 is standard)")
+            raise ValueError(f"vocab_size {vocab_size} is too large: token ids are int32, "
+                             "so use < 2**31 (32768 is standard)")
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
         return cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, pattern)
 
     def save(self, directory: Path) -> None:
-        """Write both files atomically (temp file, then rename), so a reader never sees half a tokenizer."""
+        """Write both files atomically (temp file, then rename), so a reader
+        never sees half a tokenizer."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         bpe = "".join(f"{base64.b64encode(t).decode()} {r}\n"
                       for t, r in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]))
-        meta = dict(pattern=self.pattern, special_tokens=self.special_tokens, vocab_size=self.vocab_size,
-                    fingerprint=self.fingerprint)
+        meta = dict(pattern=self.pattern, special_tokens=self.special_tokens,
+                    vocab_size=self.vocab_size, fingerprint=self.fingerprint)
         for name, text in zip(FILES, (bpe, json.dumps(meta, indent=1) + "\n")):
             write_atomic(directory / name, lambda tmp, text=text: tmp.write_text(text))
 
@@ -78,36 +86,42 @@ class Tokenizer:
     def load(cls, directory: Path) -> "Tokenizer":
         directory = Path(directory)
         if missing := [n for n in FILES if not (directory / n).is_file()]:
-            raise FileNotFoundError(f"no tokenizer in {directory} (missing {', '.join(missing)}): train one with "
-                                    "`python -m scripts.tok_train --dataset embedded` (or --dataset fineweb-edu)")
+            raise FileNotFoundError(f"no tokenizer in {directory} (missing {', '.join(missing)}): "
+                                    "train one with `python -m scripts.tok_train --dataset "
+                                    "embedded` (or --dataset fineweb-edu)")
         try:
             meta = json.loads((directory / "tokenizer.json").read_text())
-            lines = (line.split() for line in (directory / "tokenizer.bpe").read_text().splitlines())
+            lines = (line.split()
+                     for line in (directory / "tokenizer.bpe").read_text().splitlines())
             ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
             tok = cls(ranks, meta["pattern"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"the tokenizer in {directory} is corrupt ({type(e).__name__}: {e}); retrain it with "
-                             "`python -m scripts.tok_train`") from e
-        if tok.fingerprint != meta.get("fingerprint") or tok.special_tokens != meta.get("special_tokens"):
-            raise ValueError(f"the tokenizer in {directory} does not match its own tokenizer.json (fingerprint "
-                             f"{tok.fingerprint} vs {meta.get('fingerprint')}); retrain it with "
-                             "`python -m scripts.tok_train`")
+            raise ValueError(f"the tokenizer in {directory} is corrupt ({type(e).__name__}: {e}); "
+                             "retrain it with `python -m scripts.tok_train`") from e
+        if (tok.fingerprint != meta.get("fingerprint")
+                or tok.special_tokens != meta.get("special_tokens")):
+            raise ValueError(f"the tokenizer in {directory} does not match its own tokenizer.json "
+                             f"(fingerprint {tok.fingerprint} vs {meta.get('fingerprint')}); "
+                             "retrain it with `python -m scripts.tok_train`")
         return tok
 
     def encode(self, text: str | Sequence[str], prepend_bos: bool = False, num_threads: int = 8):
-        """Token ids of a string, or a list of id lists for a list of strings (tokenized in parallel).
-        Text that looks like a special token is encoded as plain text, never as the special token."""
+        """Token ids of a string, or a list of id lists for a list of strings (tokenized
+        in parallel). Text that looks like a special token is encoded as plain text,
+        never as the special token."""
         prefix = [self.bos_id] if prepend_bos else []
         if isinstance(text, str):
             return prefix + self.enc.encode_ordinary(text)
-        return [prefix + ids for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
+        return [prefix + ids
+                for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.enc.decode(list(ids))
 
     def token_bytes(self) -> torch.Tensor:
-        """(vocab_size,) int64: UTF-8 bytes of each token, the denominator of bits per byte (which unlike loss per
-        token is comparable across vocabularies); 0 for special tokens, so they drop out of bpb."""
+        """(vocab_size,) int64: UTF-8 bytes of each token, the denominator of bits per byte (which
+        unlike loss per token is comparable across vocabularies); 0 for special tokens, so they drop
+        out of bpb."""
         lengths = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             lengths[rank] = len(token)
