@@ -1,17 +1,18 @@
 """
-Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a table of
-means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
+Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a
+table of means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate                                   # muon vs adamw vs torch-muon, 3 seeds, CPU
+    python -m scripts.ablate   # muon vs adamw vs torch-muon, 3 seeds, CPU
     python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
 
-Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimizer, --lr-multiplier, and --seed
-and --data-seed both set to the seed (init and data order). Flags this script does not know go to base_train
-after the CPU defaults below, so they override them (GPU runs: README, "Comparing optimizers: ablate").
-Finished runs are cached in ablations/cache/, keyed by everything that decides them (the variant's definition,
-seed, multiplier, base_train flags, processes, tokenizer, the precision --dtype resolves to, the
-contents of the train and val shards and of every .py file in nanomuon/ and scripts/, the torch
-version), so a re-run or an interrupted ablation skips them, and an edit of code or data reruns.
+Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimizer, --lr-multiplier,
+and --seed and --data-seed both set to the seed (init and data order). Flags this script does not
+know go to base_train after the CPU defaults below, so they override them (GPU runs: README,
+"Comparing optimizers: ablate"). Finished runs are cached in ablations/cache/, keyed by everything
+that decides them (the variant's definition, seed, multiplier, base_train flags, processes,
+tokenizer, the precision --dtype resolves to, the contents of the train and val shards and of every
+.py file in nanomuon/ and scripts/, the torch version), so a re-run or an interrupted ablation skips
+them, and an edit of code or data reruns.
 """
 
 import argparse
@@ -39,14 +40,16 @@ from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
-# A tiny GPT (depth 4, 5M params) on the embedded corpus, 48 steps of 2,048 tokens: 3 variants x 3 seeds in
-# under 10 minutes on 2 CPU cores. The val set is the speedrun's: the first 65,536 tokens of the val split.
-CPU_DEFAULTS = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "4", "--max-seq-len", "256",
-                "--device-batch-size", "8", "--total-batch-size", "2048", "--num-iterations", "48",
-                "--eval-every", "16", "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
-                "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0", "--log-every", "16"]
-KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s", "optimizer_share",
-        "num_params", "tokens_per_step", "run")
+# A tiny GPT (depth 4, 5M params) on the embedded corpus, 48 steps of 2,048 tokens: 3 variants x 3
+# seeds in under 10 minutes on 2 CPU cores. The val set is the speedrun's: the first 65,536 tokens
+# of the val split.
+CPU_DEFAULTS = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "4",
+                "--max-seq-len", "256", "--device-batch-size", "8", "--total-batch-size", "2048",
+                "--num-iterations", "48", "--eval-every", "16", "--eval-tokens", "65536",
+                "--warmdown-ratio", "0.3", "--embedding-lr", "0.3", "--unembedding-lr", "0.008",
+                "--matrix-lr", "0.04", "--sample-tokens", "0", "--log-every", "16"]
+KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
+        "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
 # The code behind a result: the library and all of scripts/ (base_train, what it imports, and
 # ablate, which decides what a record holds). Not a list of base_train's imports: it would go stale
@@ -110,8 +113,8 @@ def data_fingerprint(name: str, memo: Path) -> str:
 
 @functools.cache  # 100k density evaluations; a table asks for the same few df many times
 def t_quantile(df: int, p: float = 0.975) -> float:
-    """Student's t quantile (p = 0.975: the half-width factor of a 95% interval), by bisection on the CDF,
-    integrated with Simpson's rule; the standard library has no t distribution."""
+    """Student's t quantile (p = 0.975: the half-width factor of a 95% interval), by bisection on
+    the CDF, integrated with Simpson's rule; the standard library has no t distribution."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
 
     def mass(x, n=2000):  # P(0 <= T <= x)
@@ -126,7 +129,8 @@ def t_quantile(df: int, p: float = 0.975) -> float:
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """(mean, sample std, half-width of the 95% interval of the mean); std and half-width are nan for one value."""
+    """(mean, sample std, half-width of the 95% interval of the mean); std and half-width are nan
+    for one value."""
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, math.nan, math.nan
@@ -135,8 +139,9 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 
 def verdict(diffs: list[float], base: float) -> str:
-    """Better, worse or no detectable difference, from the per-seed differences in final bpb (variant minus
-    baseline, paired: the same seed gives both the same init and data order), with the effect size."""
+    """Better, worse or no detectable difference, from the per-seed differences in final bpb
+    (variant minus baseline, paired: the same seed gives both the same init and data order), with
+    the effect size."""
     if len(diffs) < 2:
         return "one seed: no verdict (use --seeds 2 or more)"
     m, _, hw = mean_ci(diffs)
@@ -146,7 +151,8 @@ def verdict(diffs: list[float], base: float) -> str:
 
 def first_reaching(target: float, record: dict):
     """(step, training seconds) of the first eval at or below target, or None."""
-    return next(((step, t) for (step, bpb), t in zip(record["val_history"], record["val_train_time"])
+    return next(((step, t)
+                 for (step, bpb), t in zip(record["val_history"], record["val_train_time"])
                  if bpb <= target), None)
 
 
@@ -154,7 +160,8 @@ def fmt(values: list[float], digits: int = 4) -> str:
     """mean ± std [95% CI], or the one value."""
     m, sd, hw = mean_ci(values)
     d = digits
-    return f"{m:.{d}f}" + ("" if math.isnan(sd) else f" ± {sd:.{d}f} [{m - hw:.{d}f}, {m + hw:.{d}f}]")
+    return f"{m:.{d}f}" + ("" if math.isnan(sd) else f" ± {sd:.{d}f} [{m - hw:.{d}f}, "
+                           f"{m + hw:.{d}f}]")
 
 
 def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
@@ -171,11 +178,14 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
     run = f"{name}-{variant}-x{mult:g}-s{seed}"
     run_flags = [*flags, "--run", run, "--optimizer", variant,
                  "--lr-multiplier", str(mult), "--seed", str(seed), "--data-seed", str(seed)]
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []), *run_flags]
+    launch = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+              if nproc > 1 else [])
+    cmd = [sys.executable, *launch, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
+           *run_flags]
     print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env) as p:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1, env=env) as p:
         tail = []
         for line in p.stdout:
             tail = (tail + [line])[-20:]
@@ -183,34 +193,42 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
                 with _print_lock:
                     print(f"  [{label}] {line}", end="", flush=True)
     if p.returncode != 0:
-        raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last lines:\n{''.join(tail)}")
+        raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
+                         f"lines:\n{''.join(tail)}")
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
     summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
-    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, multiplier=mult, seed=seed)
+    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, multiplier=mult,
+                  seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return record
 
 
-def report(results: dict, variants: list[str], mults: list[float], seeds: list[int], baseline: str) -> tuple:
-    """(markdown lines, the best multiplier per variant): the sweep, the comparison and the verdicts."""
-    final = {(v, m): [results[v, m, s]["final_val_bpb"] for s in seeds] for v in variants for m in mults}
+def report(results: dict, variants: list[str], mults: list[float], seeds: list[int],
+           baseline: str) -> tuple:
+    """(markdown lines, the best multiplier per variant): the sweep, the comparison and the
+    verdicts."""
+    final = {(v, m): [results[v, m, s]["final_val_bpb"] for s in seeds]
+             for v in variants for m in mults}
     best = {v: min(mults, key=lambda m: statistics.fmean(final[v, m])) for v in variants}
     lines = []
     if len(mults) > 1:
-        lines += ["Final val bpb per lr multiplier (mean ± std [95% CI]); the best per variant in bold:", "",
-                  "| variant | " + " | ".join(f"x{m:g}" for m in mults) + " |", "|---|" + "---:|" * len(mults)]
+        lines += ["Final val bpb per lr multiplier (mean ± std [95% CI]); the best per variant "
+                  "in bold:", "", "| variant | " + " | ".join(f"x{m:g}" for m in mults) + " |",
+                  "|---|" + "---:|" * len(mults)]
         for v in variants:
             cells = [f"**{fmt(final[v, m])}**" if m == best[v] else fmt(final[v, m]) for m in mults]
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
         edge = [f"{v} (x{best[v]:g})" for v in variants if best[v] in (mults[0], mults[-1])]
-        lines += ["", f"At the edge of the sweep: {', '.join(edge)}; widen --lr-sweep to find their best." if edge
+        lines += ["", f"At the edge of the sweep: {', '.join(edge)}; widen --lr-sweep to find "
+                  "their best." if edge
                   else "Every best lies inside the sweep.", ""]
     base_runs = [results[baseline, best[baseline], s] for s in seeds]
     target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
     lines += [f"| variant | lr x | final val bpb (mean ± std [95% CI]) | steps to {target:.4f} | "
-              f"train seconds to {target:.4f} | tok/s | vs {baseline} |", "|---|---:|---:|---:|---:|---:|---|"]
+              f"train seconds to {target:.4f} | tok/s | vs {baseline} |",
+              "|---|---:|---:|---:|---:|---:|---|"]
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
         reached = [x for x in (first_reaching(target, r) for r in runs) if x is not None]
@@ -220,14 +238,15 @@ def report(results: dict, variants: list[str], mults: list[float], seeds: list[i
         diffs = [r["final_val_bpb"] - b["final_val_bpb"] for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
         vs = "(baseline)" if v == baseline else verdict(diffs, target)
-        lines.append(f"| {v} | {best[v]:g} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | {secs} | "
-                     f"{tok_s:,.0f} | {vs} |")
+        lines.append(f"| {v} | {best[v]:g} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | "
+                     f"{secs} | {tok_s:,.0f} | {vs} |")
     return lines, best
 
 
-def plot(out, results: dict, variants: list[str], mults: list[float], seeds: list[int], best: dict, title: str):
-    """val bpb by step and by training time at each variant's best lr (mean over seeds, band: min to max), and
-    final val bpb against the lr multiplier when there is a sweep."""
+def plot(out, results: dict, variants: list[str], mults: list[float], seeds: list[int], best: dict,
+         title: str):
+    """val bpb by step and by training time at each variant's best lr (mean over seeds, band: min to
+    max), and final val bpb against the lr multiplier when there is a sweep."""
     by_step, by_time, by_lr = {}, {}, {}
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
@@ -235,31 +254,41 @@ def plot(out, results: dict, variants: list[str], mults: list[float], seeds: lis
         bpb = [[r["val_history"][i][1] for r in runs] for i in range(n)]
         band = ([statistics.fmean(b) for b in bpb], [min(b) for b in bpb], [max(b) for b in bpb])
         by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
-        by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)], *band)
+        by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
+                      *band)
         finals = [[results[v, m, s]["final_val_bpb"] for s in seeds] for m in mults]
-        by_lr[v] = (mults, [statistics.fmean(f) for f in finals], [min(f) for f in finals], [max(f) for f in finals])
-    panels = [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step", ylabel="bits per byte",
+        by_lr[v] = (mults, [statistics.fmean(f) for f in finals], [min(f) for f in finals],
+                    [max(f) for f in finals])
+    panels = [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
+                   ylabel="bits per byte",
                    series=by_step),
-              dict(title="val bpb by training time", xlabel="training seconds (no evals)", ylabel="bits per byte",
+              dict(title="val bpb by training time", xlabel="training seconds (no evals)",
+                   ylabel="bits per byte",
                    series=by_time)]
     if len(mults) > 1:
-        panels.append(dict(title="final val bpb by lr multiplier", xlabel="lr multiplier", ylabel="bits per byte",
+        panels.append(dict(title="final val bpb by lr multiplier", xlabel="lr multiplier",
+                           ylabel="bits per byte",
                            series=by_lr, logx=True))
     return plot_curves(out / "val_bpb.png", panels, title=title)
 
 
 def parse_args(argv):
-    """(args, flags for base_train): args.variants, args.baseline and args.mults checked and resolved."""
-    p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to base_train)",
-                                allow_abbrev=False, epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
-    p.add_argument("--variants", default="muon,adamw,torch-muon", help="comma-separated OPTIMIZER_VARIANTS keys")
-    p.add_argument("--baseline", default=None, help="variant the others are judged against and race to "
-                   "(default: adamw if compared, else the first)")
-    p.add_argument("--seeds", type=int, default=3, help="runs per variant and lr, seeds 1..N (init and data order)")
-    p.add_argument("--lr-sweep", default="1", help="lr multipliers to try per variant, e.g. 0.5,1,2; each variant "
-                   "is compared at its best")
-    p.add_argument("--jobs", type=int, default=0, help="runs at a time (0: one per CPU core for CPU runs of one "
-                   "process, else 1)")
+    """(args, flags for base_train): args.variants, args.baseline and args.mults checked and
+    resolved."""
+    p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to "
+                                "base_train)",
+                                allow_abbrev=False,
+                                epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
+    p.add_argument("--variants", default="muon,adamw,torch-muon",
+                   help="comma-separated OPTIMIZER_VARIANTS keys")
+    p.add_argument("--baseline", default=None, help="variant the others are judged against and "
+                   "race to (default: adamw if compared, else the first)")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="runs per variant and lr, seeds 1..N (init and data order)")
+    p.add_argument("--lr-sweep", default="1", help="lr multipliers to try per variant, e.g. "
+                   "0.5,1,2; each variant is compared at its best")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
@@ -267,8 +296,9 @@ def parse_args(argv):
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
     if unknown or len(args.variants) < 2 or len(set(args.variants)) != len(args.variants):
-        p.error(f"--variants needs two or more distinct names from {', '.join(OPTIMIZER_VARIANTS)}; got "
-                f"{spec!r}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        p.error("--variants needs two or more distinct names from "
+                f"{', '.join(OPTIMIZER_VARIANTS)}; got {spec!r}"
+                + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
@@ -277,25 +307,33 @@ def parse_args(argv):
     except ValueError:
         args.mults = []
     mults = args.mults
-    if not mults or len(set(mults)) != len(mults) or not all(math.isfinite(m) and m > 0 for m in mults):
-        p.error(f"--lr-sweep needs a comma-separated list of distinct positive numbers, got {args.lr_sweep!r}")
+    if (not mults or len(set(mults)) != len(mults)
+            or not all(math.isfinite(m) and m > 0 for m in mults)):
+        p.error("--lr-sweep needs a comma-separated list of distinct positive numbers, got "
+                f"{args.lr_sweep!r}")
     if min(args.nproc, args.seeds) < 1 or args.jobs < 0:
-        p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} and {args.jobs}")
-    reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed", "--lr-multiplier")
-    if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved) for f in extra if f.startswith("--")):
-        p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds and --lr-sweep")
+        p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
+                f"and {args.jobs}")
+    reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed",
+                "--lr-multiplier")
+    if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved)
+           for f in extra if f.startswith("--")):
+        p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds "
+                "and --lr-sweep")
     return args, [*CPU_DEFAULTS, *extra]
 
 
 def ensure_tokenizer(flags: list[str]) -> None:
-    """A tokenizer for the runs: the base dir's, or a 4096-token BPE trained now on the embedded corpus."""
+    """A tokenizer for the runs: the base dir's, or a 4096-token BPE trained now on the embedded
+    corpus."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         return
     if "fineweb-edu" in flags[len(CPU_DEFAULTS):]:
-        raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train --dataset fineweb-edu`")
+        raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train "
+                         "--dataset fineweb-edu`")
     print("== no tokenizer yet: training a 4096-token BPE on the embedded corpus", flush=True)
-    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded", "--vocab-size", "4096",
-                    "--max-chars", "8000000"], check=True)
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded",
+                    "--vocab-size", "4096", "--max-chars", "8000000"], check=True)
 
 
 def main(argv=None):
@@ -314,21 +352,25 @@ def main(argv=None):
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
                  torch=torch.__version__,
-                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get("fingerprint"),
-                 dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)), run_flags.dtype))
+                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get(
+                     "fingerprint"),
+                 dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)),
+                                     run_flags.dtype))
     with user_errors():  # prepared once here, not by every run at once
         data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
         cache["data"] = [data, data_fingerprint(data, cache["dir"] / "shards.json")]
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
-    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.mults)} lrs x {len(seeds)} seeds), "
-          f"{jobs} at a time, {threads} thread(s) each", flush=True)
+    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.mults)} lrs x "
+          f"{len(seeds)} seeds), {jobs} at a time, {threads} thread(s) each", flush=True)
     with ThreadPoolExecutor(jobs) as pool:
-        futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache) for job in todo}
+        futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache)
+                   for job in todo}
         try:
             results = {job: f.result() for job, f in futures.items()}
-        except BaseException:  # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
+        # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
+        except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
     write_ablation(args, argv, results, todo, seeds)
@@ -342,15 +384,19 @@ def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
     table, best = report(results, args.variants, args.mults, seeds, args.baseline)
     first = results[todo[0]]
     png = plot(out, results, args.variants, args.mults, seeds, best,
-               f"{args.name}: {first['num_params'] / 1e6:.1f}M params, {first['tokens_per_step']:,} tokens/step, "
-               f"{len(seeds)} seeds")
+               f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
+               f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds")
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
-           f"- runs: {len(todo)}, named {args.name}-<variant>-x<lr multiplier>-s<seed> (each has a report.md)",
-           f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for every variant",
-           f"- baseline: {args.baseline} at its best lr; steps and training time (evals excluded) are to the first "
-           "eval at or below its mean final val bpb; verdicts are paired by seed, at 95% confidence", "", *table,
-           "", "![val bpb by step, by training time and by lr](val_bpb.png)" if png else f"({MISSING})", ""]
+           f"- runs: {len(todo)}, named {args.name}-<variant>-x<lr multiplier>-s<seed> (each has a "
+           "report.md)",
+           f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for "
+           "every variant",
+           f"- baseline: {args.baseline} at its best lr; steps and training time (evals excluded) "
+           "are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
+           "at 95% confidence", "", *table,
+           "", "![val bpb by step, by training time and by lr](val_bpb.png)" if png
+           else f"({MISSING})", ""]
     write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))
     print("\n".join(table))
     print(f"table and plot in {out}")

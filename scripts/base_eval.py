@@ -1,7 +1,7 @@
 """
-Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; appends to the run's report.
-It evaluates on the run's own data if that is a built-in source (fineweb-edu, embedded); any other
-source (a local path, a hub dataset) takes an explicit --dataset: a checkpoint may come from
+Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; appends to the run's
+report. It evaluates on the run's own data if that is a built-in source (fineweb-edu, embedded); any
+other source (a local path, a hub dataset) takes an explicit --dataset: a checkpoint may come from
 someone else, and must not pick what is read or downloaded.
 
     python -m scripts.base_eval -- --run d20
@@ -53,20 +53,24 @@ def eval_data(args, meta) -> argparse.Namespace:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint",
+                                allow_abbrev=False)
     add_checkpoint_args(p)
     add_data_args(p, None)  # default: the run's own data, if built in (eval_data)
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=None,
-                   help="val tokens to score (default: the run's own --eval-tokens, so the numbers compare)")
+                   help="val tokens to score (default: the run's own --eval-tokens, so the numbers "
+                   "compare)")
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: what the run "
-                   "trained in; auto: bf16 where bf16 matmuls are fast)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: "
+                   "what the run trained in; auto: bf16 where bf16 matmuls are fast)")
     args = p.parse_args(argv)
-    if args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1) or args.sample_tokens < 0:
+    if (args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1)
+            or args.sample_tokens < 0):
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
     if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
-        p.error("--text-column and --val-fraction go with --dataset; without it, the run's own data and options")
+        p.error("--text-column and --val-fraction go with --dataset; without it, the run's own "
+                "data and options")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
     data_args = eval_data(args, meta)
@@ -78,23 +82,27 @@ def main(argv=None):
         rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
     # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
     dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
-    bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device), dtype)
+    bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
+                       dtype)
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
-    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} tokens")
+    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} "
+           "tokens")
     lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]
     if rank == 0 and args.sample_tokens:
         for prompt in PROMPTS:
-            text = sample(model, tokenizer, prompt, args.sample_tokens, temperature=0.8, top_k=50, seed=0)
+            text = sample(model, tokenizer, prompt, args.sample_tokens, temperature=0.8, top_k=50,
+                          seed=0)
             print0(f"--- {prompt!r}\n{prompt}{text}")
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:
         report = get_base_dir() / "runs" / args.run / "report.md"
-        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # a link there is refused, not followed
+        # a link there is refused, not followed
+        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
         try:
             fd = os.open(report, append, 0o644)
         except OSError as e:
-            raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a regular file of the "
-                             "run's own, not a link") from None
+            raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
+                             "regular file of the run's own, not a link") from None
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
             f.flush()

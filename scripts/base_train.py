@@ -1,10 +1,12 @@
 """
-Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo on CPU).
+Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo
+on CPU).
 
-No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the model and MuonAdamW
-updates the shards (nanomuon/sharded.py). Gradients accumulate over micro-batches up to --total-batch-size tokens per
-step; the lr follows warmup / constant / linear warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume
-bit for bit, at any process count; one run at a time owns its run dir (README, "base_train").
+No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the
+model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
+micro-batches up to --total-batch-size tokens per step; the lr follows warmup / constant / linear
+warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume bit for bit, at any process
+count; one run at a time owns its run dir (README, "base_train").
 """
 
 import argparse
@@ -64,22 +66,26 @@ def batch_arg(s: str):
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
-    """--device-batch-size auto: on CUDA the most rows that fit the free memory (gpt.fit_device_batch), printed with
-    the estimate; elsewhere 32. Gradient accumulation makes up --total-batch-size either way."""
+    """--device-batch-size auto: on CUDA the most rows that fit the free memory
+    (gpt.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes up
+    --total-batch-size either way."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
-        return 32  # (a total batch that no row count divides is reported by the caller, with the numbers)
+        # (a total batch that no row count divides is reported by the caller, with the numbers)
+        return 32
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
     with user_errors():
         rows = fit_device_batch(config, free, rows_per_step, compiled=compiled, bf16=bf16)
-    if world_size > 1:  # every rank must take the same micro-batches: the GPU with the least free memory decides
+    # every rank must take the same micro-batches: the GPU with the least free memory decides
+    if world_size > 1:
         fewest = torch.tensor([rows], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         rows = int(fewest.item())
     need = sum(train_memory(config, rows, compiled, bf16).values())
-    print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for training, "
-           f"{free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; --device-batch-size overrides)")
+    print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for "
+           f"training, {free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; "
+           "--device-batch-size overrides)")
     return rows
 
 
@@ -87,62 +93,78 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # run
-    p.add_argument("--run", type=checkpoint.run_arg, default=None,
-                   help="run name: names the checkpoint directory and the wandb run (default d<depth>)")
-    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log to Weights & Biases")
+    p.add_argument("--run", type=checkpoint.run_arg, default=None, help="run name: names the "
+                   "checkpoint directory and the wandb run (default d<depth>)")
+    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
+                   help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
-    add_data_args(p, "fineweb-edu")  # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
+    # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
+    add_data_args(p, "fineweb-edu")
     p.add_argument("--seed", type=int, default=42, help="seed of the init")
-    p.add_argument("--data-seed", type=int, default=None, help="shuffle the training documents with this seed (the "
-                   "row groups, then the documents of every 8 of them; default: file order)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="shuffle the training documents with this seed (the row groups, then the "
+                   "documents of every 8 of them; default: file order)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="forward and backward in bf16 autocast or fp32; "
-                   "auto: bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
-    p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state over the torchrun "
-                   "processes with FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
+                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard params, grads and optimizer state over the torchrun processes with "
+                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
     # model
     p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to try --qk-clip)")
+                   help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to "
+                   "try --qk-clip)")
     # horizon: the first of these that is set wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: from the next two)")
     p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
-    p.add_argument("--target-param-data-ratio", type=float, default=20.0, help="tokens per parameter (Chinchilla)")
+    p.add_argument("--target-param-data-ratio", type=float, default=20.0,
+                   help="tokens per parameter (Chinchilla)")
     # batch
-    p.add_argument("--device-batch-size", type=batch_arg, default="auto", help="rows per micro-batch per process; "
-                   "auto: on CUDA the most (up to 32) whose estimated memory fits the free GPU memory, else 32")
-    p.add_argument("--total-batch-size", type=int, default=524288, help="tokens per optimizer step, all processes")
+    p.add_argument("--device-batch-size", type=batch_arg, default="auto",
+                   help="rows per micro-batch per process; auto: on CUDA the most (up to 32) whose "
+                   "estimated memory fits the free GPU memory, else 32")
+    p.add_argument("--total-batch-size", type=int, default=524288,
+                   help="tokens per optimizer step, all processes")
     # optimizer
     p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
     p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
-    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the --optimizer variant's own "
-                   "included (ablate --lr-sweep)")
+    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
+                   "--optimizer variant's own included (ablate --lr-sweep)")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
-    p.add_argument("--warmdown-ratio", type=float, default=0.4, help="fraction of steps with linear lr decay")
-    p.add_argument("--final-lr-frac", type=float, default=0.0, help="lr at the end, as a fraction of the peak")
+    p.add_argument("--warmdown-ratio", type=float, default=0.4,
+                   help="fraction of steps with linear lr decay")
+    p.add_argument("--final-lr-frac", type=float, default=0.0,
+                   help="lr at the end, as a fraction of the peak")
     # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=250, help="steps between val bpb evals (-1: only at the end)")
+    p.add_argument("--eval-every", type=int, default=250,
+                   help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
-    p.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="the newest checkpoints kept after each save, "
-                   "older ones deleted (two: a corrupt newest still leaves one); -1: keep all")
+    p.add_argument("--save-every", type=int, default=-1,
+                   help="steps between checkpoints (-1: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="the newest checkpoints kept after each save, older ones deleted (two: a "
+                   "corrupt newest still leaves one); -1: keep all")
     p.add_argument("--resume-from-step", type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
-                   default=-1, help="continue the run from this checkpoint: a step number, 'latest', or 'auto' "
-                   "(latest if there is one, else start fresh: for torchrun --max-restarts); -1: start fresh")
-    p.add_argument("--sample-tokens", type=int, default=32, help="tokens per sample printed at the end (0: none)")
+                   default=-1, help="continue the run from this checkpoint: a step number, "
+                   "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
+                   "--max-restarts); -1: start fresh")
+    p.add_argument("--sample-tokens", type=int, default=32,
+                   help="tokens per sample printed at the end (0: none)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
-    p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each step (Kimi K2's "
-                   "MuonClip; needs --no-qk-norm; 0: off)")
-    p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a non-finite loss or "
-                   "gradient (each skipped with a warning) before the run stops")
+    p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
+                   "step (Kimi K2's MuonClip; needs --no-qk-norm; 0: off)")
+    p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a "
+                   "non-finite loss or gradient (each skipped with a warning) before the run stops")
     args = p.parse_args(argv)
     check_args(p, args)
     args.run = args.run or f"d{args.depth}"
@@ -155,12 +177,15 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["depth", "aspect_ratio", "head_dim", "max_seq_len", "total_batch_size", "eval_tokens",
           "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
         (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
-        (["eval_every", "save_every"], lambda v: v >= 1 or v == -1, ">= 1, or -1 for only at the end"),
+        (["eval_every", "save_every"], lambda v: v >= 1 or v == -1,
+         ">= 1, or -1 for only at the end"),
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
-        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip", "lr_multiplier"],
-         lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-        (["target_flops", "target_param_data_ratio"], math.isfinite, "a finite number (or <= 0: off)"),
+        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
+         "in [0, 1]"),
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip",
+          "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+        (["target_flops", "target_param_data_ratio"], math.isfinite,
+         "a finite number (or <= 0: off)"),
         (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
     ]
     for names, ok, what in rules:
@@ -168,15 +193,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
     if args.warmup_ratio + args.warmdown_ratio > 1.0:
-        p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} exceed 1")
+        p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
+                "exceed 1")
     if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
-        p.error("no training horizon: set --num-iterations, --target-flops or --target-param-data-ratio")
+        p.error("no training horizon: set --num-iterations, --target-flops or "
+                "--target-param-data-ratio")
     if args.qk_clip and args.qk_norm:
-        p.error("--qk-clip has nothing to do with QK-norm on (it already bounds the logits); add --no-qk-norm")
+        p.error("--qk-clip has nothing to do with QK-norm on (it already bounds the logits); add "
+                "--no-qk-norm")
     if args.fsdp and args.optimizer == "torch-muon":
-        p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) runs replicated only")
+        p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
+                "runs replicated only")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
-        p.error(f"--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got {args.resume_from_step}")
+        p.error("--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got "
+                f"{args.resume_from_step}")
 
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
@@ -198,7 +228,8 @@ def muon_momentum_schedule(step: int) -> float:
 
 @dataclass
 class Run:
-    """What the stages share: made by build(), restored by resume(), advanced by train(), read by report()."""
+    """What the stages share: made by build(), restored by resume(), advanced by train(), read by
+    report()."""
     args: argparse.Namespace
     distributed: bool
     rank: int
@@ -219,10 +250,13 @@ class Run:
     grad_accum: int
     compiled: bool
     step: int = 0
-    # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up) at val_history[i]
-    loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[], val_history=[],
-                                                    val_train_time=[], skipped_steps=0, nonfinite_in_a_row=0))
-    step_times: list = field(default_factory=list)  # this process's timings, for medians and the ETA
+    # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
+    # at val_history[i]
+    loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[],
+                                                    val_history=[], val_train_time=[],
+                                                    skipped_steps=0, nonfinite_in_a_row=0))
+    # this process's timings, for medians and the ETA
+    step_times: list = field(default_factory=list)
     optim_times: list = field(default_factory=list)
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
@@ -230,7 +264,8 @@ class Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    with contextlib.ExitStack() as held:  # the run dir's lock and the loader's thread, let go however it ends
+    # the run dir's lock and the loader's thread, let go however it ends
+    with contextlib.ExitStack() as held:
         try:
             run = build(args, held)
             if args.resume_from_step != -1:
@@ -240,20 +275,22 @@ def main(argv=None):
         except KeyboardInterrupt:  # Ctrl-C: say where to continue from, not where Python was
             run_dir = get_base_dir() / "runs" / args.run
             steps = checkpoint.list_steps(run_dir)
-            print0(f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, steps[-1])} (continue with "
-                   "--resume-from-step latest)" if steps else f"interrupted before the first checkpoint of {run_dir}")
+            print0(f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, steps[-1])} "
+                   "(continue with --resume-from-step latest)" if steps
+                   else f"interrupted before the first checkpoint of {run_dir}")
             sys.exit(130)
     compute_cleanup()
     return summary
 
 
-SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or identical copies "
-         "of its tokenizer and data with runs/ shared (README, 'Several nodes')")
+SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or "
+         "identical copies of its tokenizer and data with runs/ shared (README, 'Several nodes')")
 
 
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
-    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an interrupted
-    run left there; every rank stops with one line if it cannot, or if it does not see that directory."""
+    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an
+    interrupted run left there; every rank stops with one line if it cannot, or if it does not see
+    that directory."""
     error = None
     if rank == 0:
         try:
@@ -264,65 +301,74 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
         except (RuntimeError, ValueError) as e:  # in use; a symlink where the run writes
             error = str(e)
         except OSError as e:
-            error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point NANOMUON_BASE_DIR at a writable "
-                     "directory")
+            error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point "
+                     "NANOMUON_BASE_DIR at a writable directory")
     exit_if_any_failed(error)
-    # every rank writes its part of each checkpoint there, so every rank must see the directory rank 0 locked
+    # every rank writes its part of each checkpoint there, so every rank must see the directory rank
+    # 0 locked
     lock = run_dir / ".lock"
     try:
         seen = lock.read_text().strip()
     except OSError as e:
         seen = f"{lock}: {e.strerror}"
     exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
-                            "every process writes its part of each checkpoint into runs/<run>, so put runs/ (or all "
-                            "of NANOMUON_BASE_DIR) on a filesystem every node mounts (README, 'Several nodes')")
+                            "every process writes its part of each checkpoint into runs/<run>, so "
+                            "put runs/ (or all of NANOMUON_BASE_DIR) on a filesystem every node "
+                            "mounts (README, 'Several nodes')")
 
 
 def check_disk(run: Run) -> None:
-    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first save."""
-    need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)  # weights + optimizer states
+    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first
+    save."""
+    # weights + optimizer states
+    need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)
                for g in run.optimizer.param_groups for p in g["params"])
     saves = 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
     keep = run.args.keep_checkpoints
-    saves, error = saves if keep == -1 else min(saves, keep + 1), None  # +1: saved before the oldest goes
+    # +1: saved before the oldest goes
+    saves, error = saves if keep == -1 else min(saves, keep + 1), None
     if run.rank == 0:
         free = shutil.disk_usage(run.run_dir).free
         if free < need:
-            error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} has "
-                     f"{size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a bigger disk")
+            error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} "
+                     f"has {size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a "
+                     "bigger disk")
         elif free < need * saves:
-            print0(f"warning: {saves} checkpoints of about {size_str(need)} each (--keep-checkpoints "
-                   f"{keep}, and the one being saved) will not all fit in the {size_str(free)} free on the "
-                   f"disk of {run.run_dir}")
+            print0(f"warning: {saves} checkpoints of about {size_str(need)} each "
+                   f"(--keep-checkpoints {keep}, and the one being saved) will not all fit in the "
+                   f"{size_str(free)} free on the disk of {run.run_dir}")
     exit_if_any_failed(error)
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
-    """Process group, the run dir (locked until `held` closes), tokenizer, model, data and optimizer, as the
-    flags ask; a fresh run at step 0."""
+    """Process group, the run dir (locked until `held` closes), tokenizer, model, data and
+    optimizer, as the flags ask; a fresh run at step 0."""
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     if args.fsdp and not distributed:
-        raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with torchrun (or drop "
-                         "--fsdp)")
+        raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with "
+                         "torchrun (or drop --fsdp)")
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
-    if args.resume_from_step == "auto":  # a restarted job (torchrun --max-restarts) picks up where it died
+    # a restarted job (torchrun --max-restarts) picks up where it died
+    if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
-        config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len, args.aspect_ratio,
-                                   args.head_dim, qk_norm=args.qk_norm)
+        config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
+                                   args.aspect_ratio, args.head_dim, qk_norm=args.qk_norm)
     compiled = device.type == "cuda" if args.compile is None else args.compile
-    args.dtype = resolve_dtype(device, args.dtype)  # saved resolved: base_eval scores in what the run trained in
+    # saved resolved: base_eval scores in what the run trained in
+    args.dtype = resolve_dtype(device, args.dtype)
     if args.device_batch_size == "auto":
         args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
     if args.total_batch_size % tokens_per_fwdbwd:
         raise SystemExit(f"error: --total-batch-size {args.total_batch_size} is not a multiple of "
-                         f"--device-batch-size x --max-seq-len x processes = {args.device_batch_size} x "
-                         f"{args.max_seq_len} x {world_size} = {tokens_per_fwdbwd}; pick a total batch that is")
-
-    torch.manual_seed(args.seed)  # the same init on every rank; the optimizer keeps the replicas identical
+                         "--device-batch-size x --max-seq-len x processes = "
+                         f"{args.device_batch_size} x {args.max_seq_len} x {world_size} = "
+                         f"{tokens_per_fwdbwd}; pick a total batch that is")
+    # the same init on every rank; the optimizer keeps the replicas identical
+    torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
@@ -331,90 +377,113 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if args.num_iterations > 0:
         num_iterations = args.num_iterations
     elif args.target_flops > 0:
-        num_iterations = max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
+        num_iterations = max(1, round(args.target_flops
+                                      / (flops_per_token * args.total_batch_size)))
     else:
-        num_iterations = max(1, round(args.target_param_data_ratio * num_params / args.total_batch_size))
+        num_iterations = max(1, round(args.target_param_data_ratio * num_params
+                                      / args.total_batch_size))
 
     def load_data():  # missing or unreadable data
-        data = prepare(args.dataset, args.text_column, args.val_fraction)  # a custom source: converted once
-        loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len, rank, world_size,
-                            device, prefetch=2, shuffle_seed=args.data_seed)
+        # a custom source: converted once
+        data = prepare(args.dataset, args.text_column, args.val_fraction)
+        loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
+                            rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(loader.close)  # its prefetch thread stops however the run ends
-        return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)  # the same at any world size
+        # the same at any world size
+        return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)
 
     data, train_loader, val = on_every_rank(load_data)
     exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val)),
-                            "the tokenizer and data (fingerprint, dataset, train documents, val rows)", SHARE)
+                            "the tokenizer and data (fingerprint, dataset, train documents, "
+                            "val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
-        print0(f"note: the {args.dataset} val split holds only {len(val)} rows of {args.max_seq_len} tokens, "
-               f"fewer than --eval-tokens {args.eval_tokens:,} asks for; evaluating on all of it")
-
+        print0(f"note: the {args.dataset} val split holds only {len(val)} rows of "
+               f"{args.max_seq_len} tokens, fewer than --eval-tokens {args.eval_tokens:,} asks "
+               "for; evaluating on all of it")
     if args.fsdp:
         mesh = init_device_mesh(device.type, (world_size,))
         for block in model.blocks:  # each block's params are gathered just before it runs
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                                      matrix_lr=args.matrix_lr, weight_decay=args.weight_decay, compile=compiled,
+    optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr,
+                                      unembedding_lr=args.unembedding_lr, matrix_lr=args.matrix_lr,
+                                      weight_decay=args.weight_decay, compile=compiled,
                                       **OPTIMIZER_VARIANTS[args.optimizer])
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
-    run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
-              tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config, model=model,
-              train_model=torch.compile(model, dynamic=False) if compiled else model, optimizer=optimizer,
-              train_loader=train_loader, val=val, num_params=num_params, flops_per_token=flops_per_token,
-              num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
+    run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device,
+              run_dir=run_dir, tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device),
+              config=config, model=model,
+              train_model=torch.compile(model, dynamic=False) if compiled else model,
+              optimizer=optimizer, train_loader=train_loader, val=val, num_params=num_params,
+              flops_per_token=flops_per_token, num_iterations=num_iterations,
+              grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
     check_disk(run)
     return run
 
 
 def resume(run: Run) -> None:
-    """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the model,
-    the optimizer, the data loader (resharded if the process count changed) and the loop state."""
+    """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the
+    model, the optimizer, the data loader (resharded if the process count changed) and the loop
+    state."""
     args = run.args
-    # every rank checks it: one that cannot read it stops all, and 'latest' must pick one step everywhere
+    # every rank checks it: one that cannot read it stops all, and 'latest' must pick one step
+    # everywhere
     step, meta = on_every_rank(lambda: checkpoint.load_step(
         run.run_dir, args.resume_from_step, tuple(checkpoint.META_TYPES), warn=print0))
     exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
     with user_errors():  # a mismatched checkpoint
-        problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()  # hand edits
-                    if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
-        if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():  # older configs: defaults
-            problems.append(f"the checkpoint is {meta['model_config']}, these flags build {run.config.to_dict()} "
-                            "(pass the same --depth, --aspect-ratio, --head-dim, --max-seq-len, --qk-norm)")
+        # hand edits
+        problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()
+                    if k in run.loop and not isinstance(
+                        v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
+        # older configs: defaults
+        if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
+            problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
+                            f"{run.config.to_dict()} (pass the same --depth, --aspect-ratio, "
+                            "--head-dim, --max-seq-len, --qk-norm)")
         if meta["tokenizer"] != run.tokenizer.fingerprint:
-            problems.append("it was trained with a different tokenizer (retrain or restore the tokenizer in "
-                            f"{get_base_dir() / 'tokenizer'})")
-        # the process count and --device-batch-size may change (whole optimizer state, resharded loader
-        # states, the same --total-batch-size); a new --eval-tokens would mix two val sets in one history
-        for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer", "eval_tokens",
-                    "data_seed"):
-            saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before --optimizer
+            problems.append("it was trained with a different tokenizer (retrain or restore the "
+                            f"tokenizer in {get_base_dir() / 'tokenizer'})")
+        # the process count and --device-batch-size may change (whole optimizer state, resharded
+        # loader states, the same --total-batch-size); a new --eval-tokens would mix two val sets in
+        # one history
+        for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer",
+                    "eval_tokens", "data_seed"):
+            # runs before --optimizer
+            saved = meta["args"].get(key, "muon" if key == "optimizer" else None)
             if saved != getattr(args, key):
-                problems.append(f"--{key.replace('_', '-')} was {saved!r}, now {getattr(args, key)!r}")
+                problems.append(f"--{key.replace('_', '-')} was {saved!r}, now "
+                                f"{getattr(args, key)!r}")
         if meta["num_iterations"] != run.num_iterations:  # the lr schedule depends on the horizon
             problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
-                            f"{run.num_iterations} (pass --num-iterations {meta['num_iterations']})")
+                            f"{run.num_iterations} (pass --num-iterations "
+                            f"{meta['num_iterations']})")
         if problems:
-            raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: " + "; ".join(problems))
-        # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...): keep this
-        # run's, so a resume with new lrs uses them. lr and momentum follow the schedule at every step.
+            raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: "
+                             + "; ".join(problems))
+        # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...):
+        # keep this run's, so a resume with new lrs uses them. lr and momentum follow the schedule
+        # at every step.
         flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
                  for g in run.optimizer.param_groups]
-        checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)  # each rank reads its pieces
-        plain = lambda v: list(v) if isinstance(v, tuple) else v  # tuples may come back from a save as lists
+        # each rank reads its pieces
+        checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
+        # tuples may come back from a save as lists
+        plain = lambda v: list(v) if isinstance(v, tuple) else v
         for group, wanted in zip(run.optimizer.param_groups, flags):
             for key, value in wanted.items():
                 if plain(group.get(key)) != plain(value):
-                    print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} in the checkpoint, "
-                           f"{value!r} now (the flags win)")
+                    print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} "
+                           f"in the checkpoint, {value!r} now (the flags win)")
                 group[key] = value
         if meta["world_size"] == run.world_size:
             run.train_loader.load_state_dict(meta["loader"][run.rank])
         else:
-            run.train_loader.load_state_dict(reshard_states(meta["loader"], run.rank, run.world_size))
-            print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} processes: the same "
-                   "documents, read in a different order from here on")
+            run.train_loader.load_state_dict(reshard_states(meta["loader"], run.rank,
+                                                            run.world_size))
+            print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} "
+                   "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     print0(f"resumed {run.run_dir} at step {step}")
 
@@ -422,7 +491,8 @@ def resume(run: Run) -> None:
 def evaluate(run: Run) -> None:
     """Val bits per byte at this step, recorded in the loop state."""
     run.model.eval()
-    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes, run.args.dtype)
+    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes,
+                           run.args.dtype)
     run.model.train()
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
@@ -434,11 +504,12 @@ def evaluate(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    """A checkpoint of this step that resumes exactly, at any process count. Collective: every rank calls it."""
+    """A checkpoint of this step that resumes exactly, at any process count. Collective: every rank
+    calls it."""
     if not tensors_finite(run.model.parameters()):  # a collective: every rank agrees
         compute_cleanup()
-        raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not checkpointing it. "
-                         f"{where_to_resume(run).capitalize()} with lower lrs")
+        raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not "
+                         f"checkpointing it. {where_to_resume(run).capitalize()} with lower lrs")
     tensors, files = checkpoint.state_of(run.model, run.optimizer)  # this rank's pieces
     mine = run.train_loader.state_dict()
     loader_states = [mine] * run.world_size  # one process: its own state
@@ -454,7 +525,8 @@ def save(run: Run) -> None:
         if run.rank == 0:
             for line in checkpoint.prune_checkpoints(run.run_dir, run.args.keep_checkpoints):
                 print0(line)
-    except OSError as e:  # one line, the same on every rank (a full disk says so); earlier checkpoints stay
+    # one line, the same on every rank (a full disk says so); earlier checkpoints stay
+    except OSError as e:
         error = e.strerror
     exit_if_any_failed(error)
 
@@ -471,27 +543,31 @@ def where_to_resume(run: Run) -> str:
 def announce(run: Run) -> None:
     """What is about to train, and (on request, rank 0) the wandb run."""
     args, run.peak_flops = run.args, peak_flops(run.device)
-    print0(f"model: depth {run.config.n_layer}, width {run.config.n_embd}, {run.config.n_head} heads, "
-           f"{run.num_params:,} params, {run.flops_per_token:.3e} FLOPs/token")
-    print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x {args.max_seq_len} "
-           f"tokens x {run.world_size} processes x {run.grad_accum} accumulation steps")
-    print0(f"training: {run.num_iterations:,} steps, {run.num_iterations * args.total_batch_size:,} tokens "
-           f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on {args.dataset}, "
-           f"{run.world_size} x {run.device.type}{' (compiled)' if run.compiled else ''}, "
+    print0(f"model: depth {run.config.n_layer}, width {run.config.n_embd}, {run.config.n_head} "
+           f"heads, {run.num_params:,} params, {run.flops_per_token:.3e} FLOPs/token")
+    print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x "
+           f"{args.max_seq_len} tokens x {run.world_size} processes x {run.grad_accum} "
+           "accumulation steps")
+    print0(f"training: {run.num_iterations:,} steps, "
+           f"{run.num_iterations * args.total_batch_size:,} tokens "
+           f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on "
+           f"{args.dataset}, {run.world_size} x "
+           f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}")
     if args.wandb != "off" and run.rank == 0:
         try:  # imported only on request: it is slow to import and needs an account for online
             import wandb
         except ImportError:
-            raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install wandb`, or drop "
-                             "--wandb") from None
+            raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install "
+                             "wandb`, or drop --wandb") from None
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.wandb = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, config=vars(args),
-                               dir=str(run.run_dir))
+        run.wandb = wandb.init(project="nanomuon", name=args.run, mode=args.wandb,
+                               config=vars(args), dir=str(run.run_dir))
 
 
 def train(run: Run) -> None:
-    """The loop: checkpoint and evaluate on schedule, then one optimizer step (train_step, record_step)."""
+    """The loop: checkpoint and evaluate on schedule, then one optimizer step (train_step,
+    record_step)."""
     args = run.args
     announce(run)
     run.model.train()
@@ -503,7 +579,8 @@ def train(run: Run) -> None:
         # its eval too if it got that far (evaluate records it in the checkpoint).
         if step != start_step and (last or (args.save_every > 0 and step % args.save_every == 0)):
             save(run)
-        evaluated = resumed and step == start_step and any(s == step for s, _ in run.loop["val_history"])
+        evaluated = (resumed and step == start_step
+                     and any(s == step for s, _ in run.loop["val_history"]))
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
             evaluate(run)
         if last:
@@ -523,8 +600,8 @@ class Step:
 
 
 def train_step(run: Run) -> Step:
-    """One optimizer step over grad_accum micro-batches at the scheduled lr and momentum; skipped, on
-    every rank alike, when any loss or gradient is not finite."""
+    """One optimizer step over grad_accum micro-batches at the scheduled lr and momentum; skipped,
+    on every rank alike, when any loss or gradient is not finite."""
     args, model, step = run.args, run.model, run.step
     synchronize(run.device)
     t0 = time.perf_counter()
@@ -539,7 +616,8 @@ def train_step(run: Run) -> Step:
             loss = run.train_model(x, y)
         loss_sum += loss.detach()
         (loss / run.grad_accum).backward()
-    lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+    lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio,
+                        args.final_lr_frac)
     for group in run.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
@@ -562,27 +640,28 @@ def train_step(run: Run) -> Step:
 
 
 def record_step(run: Run, s: Step, warm: bool) -> None:
-    """Count a skipped step (stopping a run that diverged), keep the timings and the smoothed loss, and
-    print and log the step. warm: past the first steps, which compile and warm up allocators."""
+    """Count a skipped step (stopping a run that diverged), keep the timings and the smoothed loss,
+    and print and log the step. warm: past the first steps, which compile and warm up allocators."""
     args, loop, step = run.args, run.loop, run.step
     if s.finite:
         loop["nonfinite_in_a_row"] = 0
     else:
         loop["skipped_steps"] += 1
         loop["nonfinite_in_a_row"] += 1
-        print0(f"warning: step {step}: non-finite loss or gradients, update skipped ({loop['nonfinite_in_a_row']} "
-               f"in a row, {loop['skipped_steps']} in this run)")
+        print0(f"warning: step {step}: non-finite loss or gradients, update skipped "
+               f"({loop['nonfinite_in_a_row']} in a row, {loop['skipped_steps']} in this run)")
         if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
             compute_cleanup()
-            raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step {step}, had a "
-                             f"non-finite loss or gradients: the run diverged. {where_to_resume(run).capitalize()}"
-                             " with lower lrs (--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
-                             "(--warmup-ratio)")
+            raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step "
+                             f"{step}, had a non-finite loss or gradients: the run diverged. "
+                             f"{where_to_resume(run).capitalize()} with lower lrs (--matrix-lr, "
+                             "--embedding-lr, --unembedding-lr) or a warmup (--warmup-ratio)")
     if s.finite and warm:
         run.step_times.append(s.seconds)
         run.optim_times.append(s.optimizer_seconds)
         loop["train_time"] += s.seconds
-    beta, trained = 0.9, step - loop["skipped_steps"]  # the average and its bias correction: trained steps
+    # the average and its bias correction: trained steps
+    beta, trained = 0.9, step - loop["skipped_steps"]
     if s.finite:
         loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * s.loss
         loop["history"].append((step, s.loss))
@@ -590,8 +669,9 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
     tok_per_s = args.total_batch_size / s.seconds
     if step % args.log_every == 0 or step == run.num_iterations:
         shown = f"loss {smooth_loss:.4f}" if s.finite else "skipped (non-finite)"
-        line = (f"step {step:05d}/{run.num_iterations:05d} ({100 * step / run.num_iterations:5.1f}%) | "
-                f"{shown} | lrm {s.lrm:.2f} | dt {1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
+        line = (f"step {step:05d}/{run.num_iterations:05d} "
+                f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
+                f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
         if run.peak_flops:
             line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
         if args.qk_clip:
@@ -600,14 +680,17 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
             line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
         print0(line)
     if run.wandb:
-        logged = {"train/loss": smooth_loss} if s.finite else {"train/skipped_steps": loop["skipped_steps"]}
+        logged = ({"train/loss": smooth_loss} if s.finite
+                  else {"train/skipped_steps": loop["skipped_steps"]})
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
 
 def report(run: Run) -> dict:
-    """Summary lines, greedy samples, and (rank 0) report.md, curves.png and summary.json in the run dir."""
+    """Summary lines, greedy samples, and (rank 0) report.md, curves.png and summary.json in the run
+    dir."""
     args, loop = run.args, run.loop
-    summary = dict(final_val_bpb=loop["val_history"][-1][1], min_val_bpb=min(v for _, v in loop["val_history"]),
+    summary = dict(final_val_bpb=loop["val_history"][-1][1],
+                   min_val_bpb=min(v for _, v in loop["val_history"]),
                    packing=run.train_loader.packing())
     print0(f"data (rank 0, this process): {summary['packing']}")
     peak = peak_flops(run.device)
@@ -623,15 +706,17 @@ def report(run: Run) -> dict:
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
     samples = []
-    if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp):  # a sharded model generates on every rank, in step
+    # a sharded model generates on every rank, in step
+    if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp):
         for prompt in PROMPTS:
             ids = run.tokenizer.encode(prompt, prepend_bos=True)
-            out = run.tokenizer.decode(list(run.model.generate(ids, args.sample_tokens, temperature=0.0)))
+            out = run.tokenizer.decode(list(run.model.generate(ids, args.sample_tokens,
+                                                               temperature=0.0)))
             samples.append((prompt, out))
             print0(f"sample: {prompt!r} -> {out!r}")
     if run.rank == 0:
-        write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations, run.world_size, run.device,
-                     summary, loop, samples)
+        write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations,
+                     run.world_size, run.device, summary, loop, samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()
@@ -639,8 +724,8 @@ def report(run: Run) -> dict:
 
 
 def appended_sections(report: Path) -> list[str]:
-    """The sections other tools appended to a run's report.md (base_eval's), kept when base_train rewrites
-    it at the end of a resumed run."""
+    """The sections other tools appended to a run's report.md (base_eval's), kept when base_train
+    rewrites it at the end of a resumed run."""
     try:
         text = report.read_text()
     except FileNotFoundError:
@@ -649,15 +734,21 @@ def appended_sections(report: Path) -> list[str]:
     return text[at:].rstrip("\n").split("\n") if at >= 0 else []
 
 
-def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary, loop, samples):
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
+                 loop, samples):
+    gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else platform.processor() or platform.machine())
     lines = [f"# nanomuon base_train report: {args.run}", "", f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
-             f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, fp32 params",
-             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, optimizer {args.optimizer}",
-             f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in {num_iterations} steps "
-             f"of {args.total_batch_size:,}; rank 0 packed {summary['packing']}",
-             f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first steps)"]
+             f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
+             "fp32 params",
+             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
+             f"optimizer {args.optimizer}",
+             f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in "
+             f"{num_iterations} steps of {args.total_batch_size:,}; "
+             f"rank 0 packed {summary['packing']}",
+             f"- training time: {loop['train_time'] / 60:.2f} min "
+             "(excluding evals and the first steps)"]
     for key, fmt in (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
                      ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}")):
         if key in summary:
@@ -667,9 +758,11 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     png = plot_curves(Path(run_dir) / "curves.png", [
         dict(title="train loss", xlabel="step", ylabel="loss (nats/token)",
              series={"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}),
-        dict(title="validation", xlabel="step", ylabel="bits per byte", series={"val bpb": (val_steps, bpbs)}),
+        dict(title="validation", xlabel="step", ylabel="bits per byte",
+             series={"val bpb": (val_steps, bpbs)}),
     ], title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, {args.dataset}")
-    lines += ["", "## Curves", "", "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
+    lines += ["", "## Curves", "",
+              "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
     lines += ["", "## Validation bits per byte", "", "| step | val bpb |", "|---:|---:|"]
     lines += [f"| {s} | {v:.4f} |" for s, v in loop["val_history"]]
     if samples:
@@ -678,10 +771,12 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     lines += appended_sections(Path(run_dir) / "report.md")
     write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     # the same numbers and curves for programs (scripts.ablate reads them)
-    record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params, world_size=world_size,
-                  tokens_per_step=args.total_batch_size, val_history=loop["val_history"],
-                  val_train_time=loop["val_train_time"], history=loop["history"])
-    write_atomic(Path(run_dir) / "summary.json", lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params,
+                  world_size=world_size, tokens_per_step=args.total_batch_size,
+                  val_history=loop["val_history"], val_train_time=loop["val_train_time"],
+                  history=loop["history"])
+    write_atomic(Path(run_dir) / "summary.json",
+                 lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
     print0(f"report: {Path(run_dir) / 'report.md'}")
 
 

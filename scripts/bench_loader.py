@@ -3,10 +3,11 @@ What the data loader trains on, how fast, in how much memory, and how long it ho
 
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
-Per epoch of one rank's documents: coverage against the documents tokenized independently (as unigram counts), inserted
-BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and tokenizer"). Then how long next_batch() blocks a
-simulated training step, with and without the prefetch thread (a sleep stands in for the device step, which waits on the
-GPU without holding the GIL). Needs a trained tokenizer (scripts.tok_train).
+Per epoch of one rank's documents: coverage against the documents tokenized independently (as
+unigram counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and
+tokenizer"). Then how long next_batch() blocks a simulated training step, with and without the
+prefetch thread (a sleep stands in for the device step, which waits on the GPU without holding the
+GIL). Needs a trained tokenizer (scripts.tok_train).
 """
 
 import argparse
@@ -31,7 +32,8 @@ def main(argv=None):
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--world-size", type=int, default=1, help="measure rank --rank of this many processes")
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=2, help="epochs to check coverage and memory over (0: skip)")
+    p.add_argument("--epochs", type=int, default=2,
+                   help="epochs to check coverage and memory over (0: skip)")
     p.add_argument("--step-ms", type=float, default=100.0, help="simulated device time per micro-batch")
     p.add_argument("--batches", type=int, default=40, help="batches timed with and without prefetch")
     args = p.parse_args(argv)
@@ -40,13 +42,14 @@ def main(argv=None):
     with user_errors():
         tok = get_tokenizer()
         data = prepare(args.dataset, args.text_column, args.val_fraction)
-        make = lambda prefetch=0: DataLoader(tok, data, "train", args.device_batch_size, args.max_seq_len,
-                                             args.rank, args.world_size, prefetch=prefetch)
+        make = lambda prefetch=0: DataLoader(tok, data, "train", args.device_batch_size,
+                                             args.max_seq_len, args.rank, args.world_size,
+                                             prefetch=prefetch)
         dl = make()
     B, T = args.device_batch_size, args.max_seq_len
-    print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x {T + 1} tokens, "
-          f"buffer {dl.buffer_size} documents; torch {torch.__version__}, {args.epochs} epochs")
-
+    print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x "
+          f"{T + 1} tokens, buffer {dl.buffer_size} documents; torch {torch.__version__}, "
+          f"{args.epochs} epochs")
     leftover = None  # rows of the next epoch that came in the last batch of the previous one
     for epoch in range(args.epochs):
         trained = torch.zeros(tok.vocab_size, dtype=torch.long)
@@ -68,22 +71,24 @@ def main(argv=None):
         counts = {k: dl.stats[k] - stats0[k] for k in stats0}
         slots = counts["rows"] * (T + 1)
         # peak RSS so far, in MB: ru_maxrss is in bytes on macOS, KiB on Linux
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20 if sys.platform == "darwin" else 1 << 10)
+        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+               / (1 << 20 if sys.platform == "darwin" else 1 << 10))
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
         for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size):
             if text:  # the loader skips empty documents too
-                ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)), minlength=tok.vocab_size)
+                ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)),
+                                      minlength=tok.vocab_size)
         inserted = trained[tok.bos_id] - ref[tok.bos_id]
         trained[tok.bos_id] -= inserted
         total = ref.sum().item()
         covered = torch.minimum(trained, ref).sum().item() / total
         repeated = (trained - ref).clamp(min=0).sum().item() / total
         tv = 0.5 * (trained / trained.sum() - ref / ref.sum()).abs().sum().item()
-        print(f"epoch {epoch}: coverage {covered:.4%} of the rank's {total:,} tokens, {repeated:.4%} trained more than "
-              f"once, unigram total variation {tv:.5f} | {rows:,} rows: inserted BOS {inserted / slots:.3%}, padding "
-              f"{counts['padding'] / slots:.3%} | {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS {rss:,.0f} MB")
-
+        print(f"epoch {epoch}: coverage {covered:.4%} of the rank's {total:,} tokens, "
+              f"{repeated:.4%} trained more than once, unigram total variation {tv:.5f} | {rows:,} "
+              f"rows: inserted BOS {inserted / slots:.3%}, padding {counts['padding'] / slots:.3%} "
+              f"| {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS {rss:,.0f} MB")
     loaders = {0: make(), 2: make(prefetch=2)}
     means = {}
     for pf, dl in loaders.items():

@@ -1,21 +1,23 @@
 """
 Optimizer memory benchmark: the per-rank peak memory of one data-parallel optimizer step, DistMuonAdamW (state sharded)
-against what a user would run instead, DDP-style (every grad all_reduced, then stock torch.optim.Muon + AdamW
-replicated on every rank: `--optimizer torch-muon`). Why: sharding the state only pays if the step's temporaries do
-not eat the saving (README, "Data parallel: DistMuonAdamW").
+against what a user would run instead, DDP-style (every grad all_reduced, then stock
+torch.optim.Muon + AdamW replicated on every rank: `--optimizer torch-muon`). Why: sharding the
+state only pays if the step's temporaries do not eat the saving (README, "Data parallel:
+DistMuonAdamW").
 
-For each world size, CPU ranks are spawned (gloo); each builds the same GPT and takes a few steps with each optimizer
-on fresh grads every step, as after backward. Per rank and step: the optimizer state (bytes of its tensors) and the
-temporaries (the step's peak RSS above the RSS it started at: Linux's VmHWM, reset before each step). glibc is told
-to serve every allocation above 128 KiB with mmap, so freed memory leaves the RSS at once and the peak is what the
-step held, not what the allocator kept. Printed: the largest rank's state, temporaries and peak (state +
-temporaries) in MiB, and the ratios.
+For each world size, CPU ranks are spawned (gloo); each builds the same GPT and takes a few steps
+with each optimizer on fresh grads every step, as after backward. Per rank and step: the optimizer
+state (bytes of its tensors) and the temporaries (the step's peak RSS above the RSS it started at:
+Linux's VmHWM, reset before each step). glibc is told to serve every allocation above 128 KiB with
+mmap, so freed memory leaves the RSS at once and the peak is what the step held, not what the
+allocator kept. Printed: the largest rank's state, temporaries and peak (state + temporaries) in
+MiB, and the ratios.
 
---checkpoint measures a checkpoint save instead, the same way: per rank, the state it holds (model and optimizer
-tensors: its FSDP2 blocks or replicas, its DistMuonAdamW shard) and the save's temporaries, for the whole-state save
-nanomuon had before (every rank gathers the full state, rank 0 torch.saves it) against the sharded one
-(checkpoint.save_checkpoint: each rank writes its own pieces), with and without --fsdp. The target: a save's peak
-within 1.25x the state the rank holds.
+--checkpoint measures a checkpoint save instead, the same way: per rank, the state it holds (model
+and optimizer tensors: its FSDP2 blocks or replicas, its DistMuonAdamW shard) and the save's
+temporaries, for the whole-state save nanomuon had before (every rank gathers the full state, rank 0
+torch.saves it) against the sharded one (checkpoint.save_checkpoint: each rank writes its own
+pieces), with and without --fsdp. The target: a save's peak within 1.25x the state the rank holds.
 
     python -m scripts.bench_memory                          # depth 6, world sizes 2, 4, 8
     python -m scripts.bench_memory --depth 12 --world-sizes 4
@@ -47,7 +49,8 @@ SAVES = {"replicated, whole-state save": (False, True), "replicated, sharded sav
 
 
 def status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: peak since the last reset)."""
+    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: peak since the last
+    reset)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -56,15 +59,17 @@ def status(field: str) -> int:
 
 
 def state_bytes(opt, params=()) -> int:
-    """Bytes of the optimizer state (and params) this rank holds: local blocks of DTensors, each storage once
-    (stacked state: one storage, many views)."""
-    tensors = [*params, *(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))]
+    """Bytes of the optimizer state (and params) this rank holds: local blocks of DTensors, each
+    storage once (stacked state: one storage, many views)."""
+    tensors = [*params, *(t for st in opt.state.values() for t in st.values()
+                          if isinstance(t, torch.Tensor))]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)}.values())
 
 
 def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
-    """(bytes of the model and optimizer tensors this rank holds, the save's temporaries) of one checkpoint."""
+    """(bytes of the model and optimizer tensors this rank holds, the save's temporaries) of one
+    checkpoint."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -101,7 +106,8 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
 
 
 def measure(args, variant: str) -> tuple[int, int]:
-    """(state bytes, largest temporaries over the steps after the first) of one optimizer on this rank."""
+    """(state bytes, largest temporaries over the steps after the first) of one optimizer on this
+    rank."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -124,7 +130,8 @@ def measure(args, variant: str) -> tuple[int, int]:
 
 
 def _spawned(rank, world, port, args, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -137,13 +144,14 @@ def _spawned(rank, world, port, args, out):
 
 
 def run_world(args, world: int) -> dict:
-    """{setup: (state, temporaries)} in bytes, of the rank with the highest peak, at this world size."""
+    """{setup: (state, temporaries)} in bytes, of the rank with the highest peak, at this world
+    size."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # the workers' glibc reads it once, at their start
-    with (mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)), mp.Manager() as manager,
-          tempfile.TemporaryDirectory() as tmp):
+    with (mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
+          mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp):
         out, args.tmp = manager.dict(), os.path.join(tmp, "saves")
         mp.spawn(_spawned, args=(world, port, args, out), nprocs=world, join=True)
         per_rank = dict(out)
@@ -153,8 +161,10 @@ def run_world(args, world: int) -> dict:
 def param_counts(args) -> tuple[int, int]:
     """(Muon, AdamW) param counts of the benchmark's GPT."""
     with torch.device("meta"):
-        groups = GPT(config_from_depth(args.depth, args.vocab_size, 256)).setup_optimizer(optimizer_class=list)
-    return tuple(sum(p.numel() for g in groups if (g["kind"] == "muon") == m for p in g["params"]) for m in (1, 0))
+        groups = GPT(config_from_depth(args.depth, args.vocab_size, 256)).setup_optimizer(
+            optimizer_class=list)
+    return tuple(sum(p.numel() for g in groups if (g["kind"] == "muon") == m for p in g["params"])
+                 for m in (1, 0))
 
 
 def parse_args(argv=None):
@@ -162,17 +172,18 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--world-sizes", default="2,4,8", help="comma-separated CPU process counts")
-    p.add_argument("--checkpoint", action="store_true", help="measure a checkpoint save (whole-state against "
-                   "sharded), not the optimizer step")
-    p.add_argument("--steps", type=int, default=3, help="steps per optimizer; the first (which allocates the state) "
-                   "is not counted in the temporaries")
+    p.add_argument("--checkpoint", action="store_true", help="measure a checkpoint save "
+                   "(whole-state against sharded), not the optimizer step")
+    p.add_argument("--steps", type=int, default=3, help="steps per optimizer; the first (which "
+                   "allocates the state) is not counted in the temporaries")
     args = p.parse_args(argv)
     try:
         args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     except ValueError:
         args.world_sizes = []
     if not args.world_sizes or min(args.world_sizes) < 2 or args.depth < 1 or args.steps < 2:
-        p.error("--world-sizes must list process counts >= 2 (e.g. 2,4,8), --depth >= 1, --steps >= 2")
+        p.error("--world-sizes must list process counts >= 2 (e.g. 2,4,8), --depth >= 1, --steps "
+                ">= 2")
     return args
 
 
@@ -180,26 +191,28 @@ def main(argv=None):
     args = parse_args(argv)
     ours, base = SETUPS
     n_muon, n_adamw = param_counts(args)
-    print(f"d{args.depth}, vocab {args.vocab_size}: {n_muon / 1e6:.1f}M Muon + {n_adamw / 1e6:.1f}M AdamW params "
-          f"(fp32 grads {4 * (n_muon + n_adamw) / MiB:.1f} MiB), torch {torch.__version__}, gloo")
+    print(f"d{args.depth}, vocab {args.vocab_size}: {n_muon / 1e6:.1f}M Muon + "
+          f"{n_adamw / 1e6:.1f}M AdamW params (fp32 grads {4 * (n_muon + n_adamw) / MiB:.1f} MiB), "
+          f"torch {torch.__version__}, gloo")
     if args.checkpoint:
-        print("per rank, MiB, on the rank with the highest peak; held: its model and optimizer tensors; temps: the "
-              "save's peak above its starting RSS")
-        print(f"{'world':>5} {'setup':<30} {'held':>7} {'temps':>7} {'peak':>7} {'peak / held':>12}")
+        print("per rank, MiB, on the rank with the highest peak; held: its model and optimizer "
+              "tensors; temps: the save's peak above its starting RSS")
+        print(f"{'world':>5} {'setup':<30} {'held':>7} {'temps':>7} {'peak':>7} "
+              f"{'peak / held':>12}")
         for world in args.world_sizes:
             for name, (held, temps) in run_world(args, world).items():
-                print(f"{world:>5} {name:<30} {held / MiB:>7.1f} {temps / MiB:>7.1f} {(held + temps) / MiB:>7.1f} "
-                      f"{(held + temps) / held:>12.2f}")
+                print(f"{world:>5} {name:<30} {held / MiB:>7.1f} {temps / MiB:>7.1f} "
+                      f"{(held + temps) / MiB:>7.1f} {(held + temps) / held:>12.2f}")
         return
-    print(f"per rank, MiB, on the rank with the highest peak; temporaries: the most any of steps 2..{args.steps} "
-          "held above its starting RSS")
+    print("per rank, MiB, on the rank with the highest peak; temporaries: the most any of steps "
+          f"2..{args.steps} held above its starting RSS")
     print(f"{'world':>5} {'setup':<34} {'state':>7} {'temps':>7} {'peak':>7} {'vs DDP-style':>13}")
     for world in args.world_sizes:
         res = run_world(args, world)
         for name in SETUPS:
             state, temps = res[name]
-            print(f"{world:>5} {name:<34} {state / MiB:>7.1f} {temps / MiB:>7.1f} {(state + temps) / MiB:>7.1f} "
-                  f"{sum(res[name]) / sum(res[base]):>13.2f}")
+            print(f"{world:>5} {name:<34} {state / MiB:>7.1f} {temps / MiB:>7.1f} "
+                  f"{(state + temps) / MiB:>7.1f} {sum(res[name]) / sum(res[base]):>13.2f}")
 
 
 if __name__ == "__main__":

@@ -47,15 +47,17 @@ from nanomuon.update_math import (
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
 MUON_HP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
-STEP_TARGET = {"cpu": {"defaults": 0.8, "matched-fp32": 0.8, "same-math": 0.7},  # ours / baseline step time, at most
+# ours / baseline step time, at most
+STEP_TARGET = {"cpu": {"defaults": 0.8, "matched-fp32": 0.8, "same-math": 0.7},
                "cuda": {"defaults": 0.3, "matched-fp32": 0.3, "same-math": 0.3}}
 NS_TARGET = 0.8  # Newton-Schulz FLOP/s / batched-matmul FLOP/s, at least
 IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
 
 
 def gpt_shapes(depth: int):
-    """(width, AdamW shapes, Muon shapes) of the depth-`depth` GPT that nanomuon trains, params in model order:
-    the untied token embedding and lm_head train with AdamW, the block matrices with Muon."""
+    """(width, AdamW shapes, Muon shapes) of the depth-`depth` GPT that nanomuon trains, params in
+    model order: the untied token embedding and lm_head train with AdamW, the block matrices with
+    Muon."""
     with torch.device("meta"):  # shapes only
         model = GPT(config_from_depth(depth, VOCAB, 2048))
     adamw = [tuple(model.wte.weight.shape), tuple(model.lm_head.weight.shape)]
@@ -76,7 +78,8 @@ def median_time(fn, device: torch.device, steps: int, warmup: int) -> float:
     return statistics.median(timed(fn, device) for _ in range(steps))
 
 
-def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: int, warmup: int) -> float:
+def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: int,
+             warmup: int) -> float:
     """FLOP/s of a (K, m, m) @ (K, m, m) batched matmul."""
     a = torch.randn(K, m, m, device=device).to(dtype)
     b = torch.randn(K, m, m, device=device).to(dtype)
@@ -101,26 +104,28 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: 'bf16' (its own), 'fp32' (run through
-# fp32_newton_schulz) or 'ours' for whatever precision MuonAdamW resolves)
+# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: 'bf16' (its own), 'fp32'
+# (run through fp32_newton_schulz) or 'ours' for whatever precision MuonAdamW resolves)
 COMPARISONS = {
     "defaults": ({}, "bf16"),  # what each optimizer does out of the box
     "matched-fp32": (dict(ns_precision="fp32"), "fp32"),
-    "same-math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),  # torch's own update
+    # torch's own update
+    "same-math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),
 }
 
 
 def bench_step(args, device, compile, name):
-    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW, one comparison, and the
-    floor: the time each side's Newton-Schulz matmuls alone take here, timed as plain bmm (Gram stacks scaled by
-    their FLOPs). Ours at its floor against torch as measured is the lowest ratio those FLOPs can reach here."""
+    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW, one
+    comparison, and the floor: the time each side's Newton-Schulz matmuls alone take here, timed as
+    plain bmm (Gram stacks scaled by their FLOPs). Ours at its floor against torch as measured is
+    the lowest ratio those FLOPs can reach here."""
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
     options, torch_precision = COMPARISONS[name]
     ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
     torch_precision = ours_precision if torch_precision == "ours" else torch_precision
     n_muon, n_adamw = (sum(map(math.prod, shapes)) / 1e6 for shapes in (muon_shapes, adamw_shapes))
-    print(f"\n== 1. optimizer step, {name}: d{args.depth} (width {width}), {n_muon:.1f}M Muon + {n_adamw:.1f}M "
-          "AdamW ==")
+    print(f"\n== 1. optimizer step, {name}: d{args.depth} (width {width}), {n_muon:.1f}M Muon + "
+          f"{n_adamw:.1f}M AdamW ==")
     gen = torch.Generator().manual_seed(0)
     shapes = adamw_shapes + muon_shapes
     init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
@@ -135,10 +140,13 @@ def bench_step(args, device, compile, name):
     (ours_adamw, ours_muon), (base_adamw, base_muon) = copies(init), copies(init)
     del init
     ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
-                      dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})], compile=compile)
-    torch_hp = {k: MUON_HP[k] for k in TorchMuonAdamW.MUON_KEYS if k in MUON_HP}  # torch.optim.Muon has no beta2
+                      dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})],
+                     compile=compile)
+    # torch.optim.Muon has no beta2
+    torch_hp = {k: MUON_HP[k] for k in TorchMuonAdamW.MUON_KEYS if k in MUON_HP}
     base = TorchMuonAdamW([dict(kind="adamw", params=base_adamw, **ADAMW_HP),
-                           dict(kind="muon", params=base_muon, **torch_hp)], ns_precision=torch_precision)
+                           dict(kind="muon", params=base_muon, **torch_hp)],
+                          ns_precision=torch_precision)
 
     def run(opt, params):
         torch._foreach_copy_([p.grad for p in params], stored)  # same grads every step, untimed
@@ -146,30 +154,35 @@ def bench_step(args, device, compile, name):
 
     ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
     # interleaved: load drift hits both alike
-    times = [(run(ours, ours_params), run(base, base_params)) for _ in range(args.warmup + args.steps)]
+    times = [(run(ours, ours_params), run(base, base_params))
+             for _ in range(args.warmup + args.steps)]
     ours_t, base_t = zip(*times[args.warmup:])
 
     gram = {s for s in muon_shapes if gram_pays(s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
-    print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on {sorted(gram) or 'none'}, "
-          f"compile {compile}")
+    print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on "
+          f"{sorted(gram) or 'none'}, compile {compile}")
     patched = torch_precision == "fp32"
-    print(f"torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz {torch_precision}"
-          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched else ", unpatched"))
+    print("torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz "
+          f"{torch_precision}"
+          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched
+             else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
     ratio = ours_med / base_med
     target = STEP_TARGET[device.type][name]
     for label, ts in (("MuonAdamW", ours_t), ("torch Muon + AdamW", base_t)):
-        print(f"  {label:20s} median {statistics.median(ts) * 1e3:9.1f} ms   min {min(ts) * 1e3:9.1f} ms   "
-              f"(all, ms: {', '.join(f'{t * 1e3:.0f}' for t in ts)})")
+        print(f"  {label:20s} median {statistics.median(ts) * 1e3:9.1f} ms   min "
+              f"{min(ts) * 1e3:9.1f} ms   (all, ms: {', '.join(f'{t * 1e3:.0f}' for t in ts)})")
     print(f"  ratio ours/baseline  {ratio:.3f}   target <= {target}   {verdict(ratio <= target)}")
     steps, gen = MUON_HP["ns_steps"], torch.Generator().manual_seed(1)
     floors = [sum(steps * iteration_bmm(s, NS_DTYPES[p], device, args, gen)
-                  * ns_flops(s[1:], steps, s[1:] in g) / ns_flops(s[1:], steps) for s in stacks_of(muon_shapes))
+                  * ns_flops(s[1:], steps, s[1:] in g) / ns_flops(s[1:], steps)
+                  for s in stacks_of(muon_shapes))
               for g, p in ((gram, ours_precision), ((), torch_precision))]
-    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms (Newton-Schulz matmuls"
-          f" alone, as bmm): ours at its floor would be {floors[0] / base_med:.3f} of torch's measured step")
-    return dict(ours=ours_med, base=base_med, ratio=ratio, target=target, precision=(ours_precision, torch_precision),
-                floor=floors[0] / base_med)
+    print(f"  matmul floor         ours {floors[0] * 1e3:.0f} ms, torch {floors[1] * 1e3:.0f} ms "
+          "(Newton-Schulz matmuls alone, as bmm): ours at its floor would be "
+          f"{floors[0] / base_med:.3f} of torch's measured step")
+    return dict(ours=ours_med, base=base_med, ratio=ratio, target=target,
+                precision=(ours_precision, torch_precision), floor=floors[0] / base_med)
 
 
 def stacks_of(muon_shapes) -> list[tuple]:
@@ -178,8 +191,9 @@ def stacks_of(muon_shapes) -> list[tuple]:
 
 
 def iteration_bmm(shape, dtype, device, args, gen) -> float:
-    """Seconds for one standard Newton-Schulz iteration's matmuls on a stack, as plain bmm in the wide
-    orientation (X X^T, A A, A X): what orthogonalize would take with nothing but its matmuls."""
+    """Seconds for one standard Newton-Schulz iteration's matmuls on a stack, as plain bmm in the
+    wide orientation (X X^T, A A, A X): what orthogonalize would take with nothing but its
+    matmuls."""
     K, m, n = shape[0], *sorted(shape[1:])
     X = torch.randn(K, m, n, generator=gen).to(device, dtype)
     A = torch.randn(K, m, m, generator=gen).to(device, dtype)
@@ -187,46 +201,51 @@ def iteration_bmm(shape, dtype, device, args, gen) -> float:
 
 
 def bench_ns(args, device, compile, precision):
-    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same sizes, and
-    Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
+    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same
+    sizes, and Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
     ns = NewtonSchulz(*ns_coefficients("polar_express", steps), dtype)
-    if compile:  # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
+    # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
+    if compile:
         torch._dynamo.reset()
-    ortho = torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile else orthogonalize
+    ortho = (torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile
+             else orthogonalize)
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
     gen = torch.Generator().manual_seed(1)
-    totals, gram_total = [], 0.0  # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
+    # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
+    totals, gram_total = [], 0.0
     for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
         t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
         t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
-        print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  {gflops(flops / t_ns):>16s}   "
-              f"bmm {gflops(ref_flops / t_ref):>16s}   ratio {flops / t_ns / (ref_flops / t_ref):.3f}")
+        print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  "
+              f"{gflops(flops / t_ns):>16s}   bmm {gflops(ref_flops / t_ref):>16s}   ratio "
+              f"{flops / t_ns / (ref_flops / t_ref):.3f}")
         t_gram = t_ns
         if ns_flops(shape, steps, True) < flops:
             t_gram = median_time(lambda G=G: ortho(G, ns, True), device, args.steps, args.warmup)
-            print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster for "
-                  f"{flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
+            print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster "
+                  f"for {flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
         gram_total += t_gram if gram_pays(shape, steps, dtype) else t_ns
         totals.append((flops, t_ns, ref_flops, t_ref))
         del G
     tot_flops, tot_ns, tot_ref_flops, tot_ref = map(sum, zip(*totals))
     ns_rate, ref_rate = tot_flops / tot_ns, tot_ref_flops / tot_ref
     ratio = ns_rate / ref_rate
-    print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = {gflops(ns_rate)}; "
-          f"bmm {gflops(ref_rate)}")
+    print(f"  all stacks: {tot_flops / 1e9:.0f} GFLOP per step in {tot_ns * 1e3:.1f} ms = "
+          f"{gflops(ns_rate)}; bmm {gflops(ref_rate)}")
     print(f"  ratio NS/bmm {ratio:.3f}   target >= {NS_TARGET}   {verdict(ratio >= NS_TARGET)}")
-    print(f"  orthogonalizer 'auto' in {precision}: {gram_total * 1e3:.1f} ms for the stacks that took "
-          f"{tot_ns * 1e3:.1f} ms standard ({tot_ns / gram_total:.2f}x)")
+    print(f"  orthogonalizer 'auto' in {precision}: {gram_total * 1e3:.1f} ms for the stacks that "
+          f"took {tot_ns * 1e3:.1f} ms standard ({tot_ns / gram_total:.2f}x)")
     return dict(rate=ns_rate, ref=ref_rate, ratio=ratio, auto=tot_ns / gram_total)
 
 
 def gram_flops(depth: int) -> str:
-    """Newton-Schulz FLOPs per step of the depth-`depth` GPT, standard vs Gram where it is cheaper."""
+    """Newton-Schulz FLOPs per step of the depth-`depth` GPT, standard vs Gram where it is
+    cheaper."""
     _, _, shapes = gpt_shapes(depth)
     steps = MUON_HP["ns_steps"]
     std = sum(ns_flops(s, steps) for s in shapes)
@@ -235,7 +254,8 @@ def gram_flops(depth: int) -> str:
 
 
 def bench_imbalance(args):
-    """Section 3: Newton-Schulz load per rank, DistMuonAdamW's owner plan vs nanochat's chunks (shapes only)."""
+    """Section 3: Newton-Schulz load per rank, DistMuonAdamW's owner plan vs nanochat's chunks
+    (shapes only)."""
     N = args.world_size
     _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
     costs = [ns_flops(s, MUON_HP["ns_steps"]) for s in muon_shapes]
@@ -246,34 +266,44 @@ def bench_imbalance(args):
         chunk = -(-len(b["members"]) // N)
         for j in range(len(b["members"])):
             chunks[j // chunk] += b["cost"]
-    sent = sum(N * b["per_rank"] for b in buckets)  # matrices in the padded stacks: ceil(count / N) per rank in both
+    # matrices in the padded stacks: ceil(count / N) per rank in both
+    sent = sum(N * b["per_rank"] for b in buckets)
     mean = sum(costs) / N
     res = {}
-    print(f"\n== 3. Newton-Schulz load imbalance, d{args.imbalance_depth}, {N} ranks, {len(costs)} matrices in "
-          f"{len(buckets)} shape buckets ==")
+    print(f"\n== 3. Newton-Schulz load imbalance, d{args.imbalance_depth}, {N} ranks, {len(costs)} "
+          f"matrices in {len(buckets)} shape buckets ==")
     for name, loads in (("DistMuonAdamW", ours), ("nanochat chunks", chunks)):
         res[name] = max(loads) / mean
         per_rank = " ".join(f"{x / 1e9:.0f}" for x in loads)
-        print(f"  {name:16s} max/mean {res[name]:.3f}   matrices per stack exchange (padded) {sent:4d}   "
-              f"per-rank GFLOP: {per_rank}")
-    print(f"  target <= {IMBALANCE_TARGET} for DistMuonAdamW   {verdict(res['DistMuonAdamW'] <= IMBALANCE_TARGET)}")
+        print(f"  {name:16s} max/mean {res[name]:.3f}   matrices per stack exchange (padded) "
+              f"{sent:4d}   per-rank GFLOP: {per_rank}")
+    print(f"  target <= {IMBALANCE_TARGET} for DistMuonAdamW   "
+          f"{verdict(res['DistMuonAdamW'] <= IMBALANCE_TARGET)}")
     return dict(ours=res["DistMuonAdamW"], chunks=res["nanochat chunks"])
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--depth", type=int, default=12, help="model depth for the step and NS timings")
-    parser.add_argument("--imbalance-depth", type=int, default=20, help="model depth for the ownership imbalance")
-    parser.add_argument("--world-size", type=int, default=8, help="ranks for the ownership imbalance")
-    parser.add_argument("--steps", type=int, default=5, help="timed repetitions per measurement (medians reported)")
+    parser.add_argument("--depth", type=int, default=12,
+                        help="model depth for the step and NS timings")
+    parser.add_argument("--imbalance-depth", type=int, default=20,
+                        help="model depth for the ownership imbalance")
+    parser.add_argument("--world-size", type=int, default=8,
+                        help="ranks for the ownership imbalance")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed repetitions per measurement (medians reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off for CPU)")
-    parser.add_argument("--compare", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS),
+                        help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off "
+                        "for CPU)")
+    parser.add_argument("--compare", nargs="+", choices=list(COMPARISONS),
+                        default=list(COMPARISONS),
                         help="step-time comparisons to run (section 1)")
-    parser.add_argument("--ns-precision", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp32"],
+    parser.add_argument("--ns-precision", nargs="+", choices=("bf16", "fp16", "fp32"),
+                        default=["bf16", "fp32"],
                         help="Newton-Schulz precisions to time in section 2")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -281,39 +311,41 @@ def main(argv=None):
     command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
     name = device_name(device)
     threads = torch.get_num_threads()
-    print(f"{command}\ndevice {device} ({name}), torch {torch.__version__}, {threads} threads; ns_precision 'auto' "
-          f"here: {resolve_ns_precision('auto', device)}")
+    print(f"{command}\ndevice {device} ({name}), torch {torch.__version__}, {threads} threads; "
+          f"ns_precision 'auto' here: {resolve_ns_precision('auto', device)}")
     load_before = os.getloadavg()[0]  # other processes on the machine skew every timing below
 
     with torch.no_grad():
-        # Matmul rates first: they explain the precision choice below. Sizes that take ~1 s in bf16 on a CPU.
+        # Matmul rates first: they explain the precision choice below. Sizes that take ~1 s in bf16
+        # on a CPU.
         K, m = (16, 4096) if device.type == "cuda" else (4, 512)
         rates = {p: bmm_rate(K, m, dt, device, args.steps, args.warmup)
                  for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
-        print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 {gflops(rates['bf16'])}   "
-              f"fp32 {gflops(rates['fp32'])}")
+        print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 "
+              f"{gflops(rates['bf16'])}   fp32 {gflops(rates['fp32'])}")
         steps = {c: bench_step(args, device, compile, c) for c in args.compare}
         ns = {p: bench_ns(args, device, compile, p) for p in args.ns_precision}
     imb = bench_imbalance(args)
 
     print("\n== summary ==")
     print(f"date        {datetime.date.today().isoformat()}")
-    print(f"load        1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after "
-          f"(this process alone adds ~{threads})")
+    print(f"load        1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} "
+          f"after (this process alone adds ~{threads})")
     print(f"device      {name} ({device.type}), {threads} threads, torch {torch.__version__}")
     print(f"command     {command}")
     print(f"matmul      bf16 {gflops(rates['bf16'])}, fp32 {gflops(rates['fp32'])}")
     for c, r in steps.items():
-        print(f"step d{args.depth:<4d}  {c + ':':13s} MuonAdamW {r['ours'] * 1e3:.0f} ms vs torch Muon+AdamW "
-              f"{r['base'] * 1e3:.0f} ms (NS {r['precision'][0]} vs {r['precision'][1]}, compile {compile}): "
-              f"ratio {r['ratio']:.3f} (matmul floor {r['floor']:.3f}), target <= {r['target']} "
-              f"{verdict(r['ratio'] <= r['target'])}")
+        print(f"step d{args.depth:<4d}  {c + ':':13s} MuonAdamW {r['ours'] * 1e3:.0f} ms vs torch "
+              f"Muon+AdamW {r['base'] * 1e3:.0f} ms (NS {r['precision'][0]} vs "
+              f"{r['precision'][1]}, compile {compile}): ratio {r['ratio']:.3f} (matmul floor "
+              f"{r['floor']:.3f}), target <= {r['target']} {verdict(r['ratio'] <= r['target'])}")
     for p, r in ns.items():
-        print(f"NS d{args.depth:<6d}  {p}: {gflops(r['rate'])} vs bmm {gflops(r['ref'])}: ratio {r['ratio']:.3f}, "
-              f"target >= {NS_TARGET} {verdict(r['ratio'] >= NS_TARGET)}; orthogonalizer 'auto' {r['auto']:.2f}x")
+        print(f"NS d{args.depth:<6d}  {p}: {gflops(r['rate'])} vs bmm {gflops(r['ref'])}: ratio "
+              f"{r['ratio']:.3f}, target >= {NS_TARGET} {verdict(r['ratio'] >= NS_TARGET)}; "
+              f"orthogonalizer 'auto' {r['auto']:.2f}x")
     print(f"Gram FLOPs  {gram_flops(12)}; {gram_flops(20)} (auto runs Gram in fp32 and fp16)")
-    print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: DistMuonAdamW {imb['ours']:.3f}, "
-          f"nanochat chunks {imb['chunks']:.3f}, target <= {IMBALANCE_TARGET} "
+    print(f"imbalance   d{args.imbalance_depth}, {args.world_size} ranks: DistMuonAdamW "
+          f"{imb['ours']:.3f}, nanochat chunks {imb['chunks']:.3f}, target <= {IMBALANCE_TARGET} "
           f"{verdict(imb['ours'] <= IMBALANCE_TARGET)}")
 
 

@@ -3,11 +3,13 @@ Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, ev
 data-parallel Muon, timed in one run on the same ranks (README, "Performance"):
 
     replicated   DistMuonAdamW on full params (reduces the grads itself: ZeRO-1, nanochat's design)
-    owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners (default)
+    owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners
+                 (default)
     owner-bf16   the same with comm_precision='bf16'
     duplicated, distributed, blockwise   Megatron's tensor-parallel modes over the same shards
 
-The sharded modes start from reduced grads, as FSDP2 leaves them; 'replicated' includes its own reduction.
+The sharded modes start from reduced grads, as FSDP2 leaves them; 'replicated' includes its own
+reduction.
 
     python -m scripts.bench_sharded --world-size 4 --depth 4            # CPU: gloo, spawned ranks
     torchrun --nproc_per_node=8 -m scripts.bench_sharded -- --depth 20   # GPUs: nccl
@@ -42,7 +44,8 @@ def make_optimizer(mode: str, shapes, device, mesh):
         return DistMuonAdamW([dict(group, params=params)]), params, [t.to(device) for t in grads]
     params = [torch.nn.Parameter(distribute_tensor(t.to(device), mesh, [Shard(0)])) for t in full]
     grads = [distribute_tensor(t.to(device), mesh, [Shard(0)]) for t in grads]
-    options = dict(comm_precision="bf16") if mode == "owner-bf16" else dict(sharded_mode=mode.split("-")[0])
+    options = (dict(comm_precision="bf16") if mode == "owner-bf16"
+               else dict(sharded_mode=mode.split("-")[0]))
     return MuonAdamW([dict(group, params=params, **options)]), params, grads
 
 
@@ -69,8 +72,9 @@ def run(args, device):
         del opt, params, grads
     if rank == 0:
         n = sum(torch.Size(s).numel() for s in shapes)
-        print(f"d{args.depth}: {len(shapes)} block matrices, {n / 1e6:.1f}M params, {world} x {device.type}, "
-              f"torch {torch.__version__}; medians of {args.steps} steps after {args.warmup} warm-up")
+        print(f"d{args.depth}: {len(shapes)} block matrices, {n / 1e6:.1f}M params, {world} x "
+              f"{device.type}, torch {torch.__version__}; medians of {args.steps} steps after "
+              f"{args.warmup} warm-up")
         print(f"{'mode':<12} {'step ms':>9} {'vs owner':>9}")
         for mode in MODES:
             print(f"{mode:<12} {1000 * times[mode]:>9.1f} {times[mode] / times['owner']:>9.2f}")
@@ -86,8 +90,8 @@ def _ranked(args, device_type: str = "auto") -> None:
 
 
 def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _ranked(args, "cpu")
 
@@ -95,7 +99,8 @@ def _spawned(rank, world, port, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="CPU ranks to spawn when not under torchrun")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)

@@ -1,12 +1,12 @@
 """
-Export a checkpoint as one whole-state file, for tools that want plain tensors: an inference server, a
-conversion script, torch.load in a notebook. Training checkpoints are sharded (each process writes its own
-pieces through torch.distributed.checkpoint; nanomuon/checkpoint.py); this reads one back whole in a single
-process and writes {"model": the model's state_dict, "optim": the optimizer's world-size-independent state
-(MuonAdamW.full_state_dict() format), "meta": its meta.json}, atomically. It loads with
-torch.load(path, weights_only=True). --out must be a new path, or a regular file to overwrite
-with --force: the file is written beside it and renamed over it, which would put a file in place
-of a device, FIFO or symlink.
+Export a checkpoint as one whole-state file, for tools that want plain tensors: an inference server,
+a conversion script, torch.load in a notebook. Training checkpoints are sharded (each process writes
+its own pieces through torch.distributed.checkpoint; nanomuon/checkpoint.py); this reads one back
+whole in a single process and writes {"model": the model's state_dict, "optim": the optimizer's
+world-size-independent state (MuonAdamW.full_state_dict() format), "meta": its meta.json},
+atomically. It loads with torch.load(path, weights_only=True). --out must be a new path, or a
+regular file to overwrite with --force: the file is written beside it and renamed over it, which
+would put a file in place of a device, FIFO or symlink.
 
     python -m scripts.export --run d20                  # runs/d20/export_step_NNNNNN.pt
     python -m scripts.export --run d20 --step 5000 --model-only --out d20.pt
@@ -51,13 +51,15 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def main(argv=None) -> Path:
-    p = argparse.ArgumentParser(description="Write a checkpoint as one whole-state file", allow_abbrev=False)
-    p.add_argument("--run", type=run_arg, required=True, help="run name, as given to base_train --run (e.g. d20)")
+    p = argparse.ArgumentParser(description="Write a checkpoint as one whole-state file",
+                                allow_abbrev=False)
+    p.add_argument("--run", type=run_arg, required=True,
+                   help="run name, as given to base_train --run (e.g. d20)")
     p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
     p.add_argument("--out", type=Path, default=None, help="file to write (default: the run dir's "
                    "export_step_NNNNNN.pt)")
-    p.add_argument("--model-only", action="store_true", help="leave out the optimizer state (a third of the size "
-                   "with AdamW, half with Muon): enough for inference")
+    p.add_argument("--model-only", action="store_true", help="leave out the optimizer state (a "
+                   "third of the size with AdamW, half with Muon): enough for inference")
     p.add_argument("--force", action="store_true",
                    help="overwrite --out if it is an existing regular file")
     args = p.parse_args(argv)
@@ -82,7 +84,8 @@ def main(argv=None) -> Path:
         write_atomic(out, write)  # never a half-written file
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         raise SystemExit(f"error: cannot write {out}: {e}") from None
-    print(f"wrote {out} ({size_str(out.stat().st_size)}): {' and '.join(names)} of {run_dir} at step {step}")
+    print(f"wrote {out} ({size_str(out.stat().st_size)}): {' and '.join(names)} of {run_dir} at "
+          f"step {step}")
     return out
 
 

@@ -47,7 +47,8 @@ STEPS=(
     "tests|80|python -m pytest -q --slow -m cuda tests"
     "bench_optim d12|80|python -m scripts.bench_optim --depth 12 --compile --steps 5 --compare defaults same-math \
 --ns-precision bf16 fp16"
-    "bench_optim d20|70|python -m scripts.bench_optim --depth 20 --compile --steps 5 --compare defaults --ns-precision fp16"
+    "bench_optim d20|70|python -m scripts.bench_optim --depth 20 --compile --steps 5 --compare defaults \
+--ns-precision fp16"
     "base_train d12|100|python -m scripts.base_train --depth 12 --num-iterations 20 --run gpu-check-d12 $TRAIN"
     "base_train d20|130|python -m scripts.base_train --depth 20 --num-iterations 10 --run gpu-check-d20 $TRAIN"
     "speedrun|80|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun bash speedrun.sh --num-iterations 20 \
@@ -56,11 +57,13 @@ STEPS=(
 
 if [ "$MODE" = dry ]; then
     echo "gpu_check --dry-run: steps and time limits (540 s budget)"
-    for s in "${STEPS[@]}"; do IFS='|' read -r name secs cmd <<<"$s"; printf '  %-16s %4ss  %s\n' "$name" "$secs" "$cmd"; done
+    for s in "${STEPS[@]}"; do
+        IFS='|' read -r name secs cmd <<<"$s"; printf '  %-16s %4ss  %s\n' "$name" "$secs" "$cmd"
+    done
     python - <<'EOF' || exit 1
 import importlib
-for m in ("torch", "tiktoken", "pyarrow", "nanomuon.optim", "nanomuon.gpt", "nanomuon.dataloader", "scripts.bench_optim",
-          "scripts.base_train", "scripts.base_eval", "scripts.sample"):
+for m in ("torch", "tiktoken", "pyarrow", "nanomuon.optim", "nanomuon.gpt", "nanomuon.dataloader",
+          "scripts.bench_optim", "scripts.base_train", "scripts.base_eval", "scripts.sample"):
     importlib.import_module(m)
 print("imports: ok")
 EOF
@@ -90,8 +93,10 @@ fi
 {
     echo "# gpu_check $(date -u +%Y-%m-%d\ %H:%M) UTC"
     echo
-    echo "- device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo none)"
-    echo "- torch $(python -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), python $(python -V 2>&1)"
+    echo "- device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+        2>/dev/null || echo none)"
+    echo "- torch $(python -c \
+        'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), python $(python -V 2>&1)"
     echo "- commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), command: bash scripts/gpu_check.sh"
     echo
 } >"$SUMMARY"
@@ -112,8 +117,8 @@ for s in "${STEPS[@]}"; do
         echo '```'
         echo "$cmd"
         if [ $rc -eq 0 ]; then  # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
-            grep -E "^(step d|NS d|Gram FLOPs|imbalance|matmul)|throughput:|optimizer step:|final val bpb|passed|skipped|speedrun done" \
-                "$log" | tail -n 12
+            grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul)|throughput:|optimizer step:" \
+                -e "final val bpb|passed|skipped|speedrun done" "$log" | tail -n 12
         else
             tail -n 8 "$log"
         fi

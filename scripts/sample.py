@@ -14,7 +14,8 @@ from nanomuon.tokenizer import get_tokenizer
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", type=run_arg, required=True, help="run name, as given to base_train --run (e.g. d20)")
+    p.add_argument("--run", type=run_arg, required=True,
+                   help="run name, as given to base_train --run (e.g. d20)")
     p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
 
@@ -25,23 +26,29 @@ def load_for_inference(args, device):
         tokenizer = get_tokenizer()
         model, meta = load_model(get_base_dir() / "runs" / args.run, args.step, device)
     if meta["tokenizer"] != tokenizer.fingerprint:
-        raise SystemExit(f"error: run {args.run} was trained with a different tokenizer than the one in "
-                         f"{get_base_dir() / 'tokenizer'}; restore that tokenizer or sample a run trained with it")
+        raise SystemExit(f"error: run {args.run} was trained with a different tokenizer than the "
+                         f"one in {get_base_dir() / 'tokenizer'}; restore that tokenizer or sample "
+                         "a run trained with it")
     return model, tokenizer, meta
 
 
-def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
+def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, top_k: int | None,
+           seed: int) -> str:
     ids = tokenizer.encode(prompt, prepend_bos=True)
-    return tokenizer.decode(list(model.generate(ids, max_tokens, temperature=temperature, top_k=top_k, seed=seed)))
+    return tokenizer.decode(list(model.generate(ids, max_tokens, temperature=temperature,
+                                                top_k=top_k, seed=seed)))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint",
+                                allow_abbrev=False)
     add_checkpoint_args(p)
-    p.add_argument("--prompt", action="append", default=None, help="prompt text; repeat for several")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text; repeat for several")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample from the k most likely tokens (0: all)")
     p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=42)
     args = p.parse_args(argv)
@@ -54,8 +61,8 @@ def main(argv=None):
     print(f"run {args.run}, step {meta['step']}, {model.num_params():,} params")
     for prompt in args.prompt or ["The"]:
         for i in range(args.num_samples):
-            text = sample(model, tokenizer, prompt, args.max_tokens, args.temperature, args.top_k or None,
-                          args.seed + i)
+            text = sample(model, tokenizer, prompt, args.max_tokens, args.temperature,
+                          args.top_k or None, args.seed + i)
             print(f"--- {prompt!r}\n{prompt}{text}")
 
 
