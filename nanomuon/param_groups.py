@@ -1,10 +1,11 @@
 """
-The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and what a valid group
-holds. One home, so the GPT, other models and the optimizers agree.
+The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and
+what a valid group holds. One home, so the GPT, other models and the optimizers agree.
 
-classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and GPT.setup_optimizer()
-to nanomuon's own. check_group() refuses a bad group when it is added; check_group_values() re-checks hyperparameters at
-every step, since schedules edit them; check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
+classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and
+GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
+check_group_values() re-checks hyperparameters at every step, since schedules edit them;
+check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
 """
 
 import logging
@@ -21,8 +22,9 @@ from nanomuon.update_math import ns_coefficients
 logger = logging.getLogger("nanomuon")
 
 WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against the param's own
-# name or its module's: Meta Llama's head is `output`, but BERT's `attention.output.dense` is a hidden matrix.
+# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against
+# the param's own name or its module's: Meta Llama's head is `output`, but BERT's
+# `attention.output.dense` is a hidden matrix.
 SKIP_KEYS = ("wte", "wpe", "embed_tokens", "tok_embeddings", "embeddings", "lm_head", "output")
 # Fused weights of equal row blocks, updated block by block (split): transformers 5's MoE experts
 # (E, 2I, H) [gate; up] and GPT-2's (H, 3H) Conv1D [Q; K; V].
@@ -42,12 +44,14 @@ def _matches(parts: list[str], key: str) -> bool:
 
 
 def _names(parts: list[str], key: str) -> bool:
-    """key names the param itself or the module that owns it (the last components, or all but the last)."""
+    """key names the param itself or the module that owns
+    it (the last components, or all but the last)."""
     key_parts = key.split(".")
     return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
 
 
-def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("experts",), embedding: bool = False):
+def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("experts",),
+             embedding: bool = False):
     """(True for Muon / False for AdamW, the reason) for one named parameter."""
     parts = normalize_fqn(name).split(".")
     if embedding:
@@ -62,30 +66,37 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
         return True, "2-D matrix"
     if p.ndim < 2:
         return False, f"{p.ndim}-D (gain, bias or scalar)"
-    return False, f"{p.ndim}-D and not an expert weight: Muon would treat its leading dims as a batch"
+    return False, (f"{p.ndim}-D and not an expert weight: "
+                   "Muon would treat its leading dims as a batch")
 
 
-def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS, expert_keys=("experts",),
-                      fused_keys=FUSED_KEYS):
-    """[muon group, muon groups of other layouts..., adamw group] for MuonAdamW / DistMuonAdamW: `muon` and
-    `adamw` hold the hyperparameters (kind and params are filled in). Weights stored (in, out), as GPT-2's
-    Conv1D, go to a group with transposed=True, so their lr factor and statistics follow the logical
-    shape; fused weights (fused_keys: name -> number of equal blocks) to a group with that split. Frozen
-    params (requires_grad=False) are left out; the `nanomuon` logger says why each param went where."""
+def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS,
+                      expert_keys=("experts",), fused_keys=FUSED_KEYS):
+    """[muon group, muon groups of other layouts..., adamw group] for MuonAdamW / DistMuonAdamW:
+    `muon` and `adamw` hold the hyperparameters (kind and params are filled in). Weights stored
+    (in, out), as GPT-2's Conv1D, go to a group with transposed=True, so their lr factor and
+    statistics follow the logical shape; fused weights (fused_keys: name -> number of equal blocks)
+    to a group with that split. Frozen params (requires_grad=False) are left out; the `nanomuon`
+    logger says why each param went where."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}  # transformers' (in, out)
-    groups, adamw_group = {(None, False): dict(muon, kind="muon", params=[])}, dict(adamw, kind="adamw", params=[])
+    # transformers' (in, out)
+    transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
+    groups, adamw_group = ({(None, False): dict(muon, kind="muon", params=[])},
+                           dict(adamw, kind="adamw", params=[]))
     for name, p in model.named_parameters():
         if not p.requires_grad:
             logger.debug("%s: frozen, left out", name)
             continue
         to_muon, why = classify(name, p, skip_keys, expert_keys, embedding=id(p) in embeddings)
         rows = p.shape[-1] if id(p) in transposed else p.shape[-2] if p.ndim >= 2 else 0
-        blocks = next((n for k, n in fused_keys.items() if _matches(normalize_fqn(name).split("."), k)), 0)
-        layout = ((rows // blocks,) * blocks if blocks and rows % blocks == 0 else None, id(p) in transposed)
+        blocks = next((n for k, n in fused_keys.items()
+                       if _matches(normalize_fqn(name).split("."), k)), 0)
+        layout = ((rows // blocks,) * blocks if blocks and rows % blocks == 0 else None,
+                  id(p) in transposed)
         if to_muon and layout != (None, False):
             why += f", split {layout[0]}" * bool(layout[0]) + ", stored (in, out)" * layout[1]
-            groups.setdefault(layout, dict(muon, kind="muon", params=[], split=layout[0], transposed=layout[1],
+            groups.setdefault(layout, dict(muon, kind="muon", params=[], split=layout[0],
+                                           transposed=layout[1],
                                            name=f"muon split={layout[0]} transposed={layout[1]}"))
         logger.debug("%s %s -> %s: %s", name, tuple(p.shape), "muon" if to_muon else "adamw", why)
         (groups[layout] if to_muon else adamw_group)["params"].append(p)
@@ -96,13 +107,14 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
                  "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")  # DTensor params: see sharded.py
+# DTensor params: see sharded.py
+SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")
 
 
 @dataclass(frozen=True)
 class Option:
-    """An optional group key: its default, check(value) -> None if fine, else what the value must be,
-    and one line for the docs' option table (options_table())."""
+    """An optional group key: its default, check(value) -> None if fine, else what the value must
+    be, and one line for the docs' option table (options_table())."""
     default: object
     check: Callable[[object], str | None]
     doc: str
@@ -123,75 +135,87 @@ def a_number(v):
 
 
 def an_orthogonalizer(v):
-    return None if v in update_math.ORTHOGONALIZERS else \
-        f"must be one of {list(update_math.ORTHOGONALIZERS)} (update_math.ORTHOGONALIZERS: register yours there)"
+    return None if v in update_math.ORTHOGONALIZERS else (
+        f"must be one of {list(update_math.ORTHOGONALIZERS)} "
+        "(update_math.ORTHOGONALIZERS: register yours there)")
 
 
 def any_value(v):  # checked with the keys it goes with (_check_coefficients, _check_layout)
     return None
 
 
-# Every optional key of a muon group, declared once: defaults fill groups (and reproduce nanochat), the checks
-# run at construction and at every step, and the README's option table is made from the docs.
+# Every optional key of a muon group, declared once: defaults fill groups (and
+# reproduce nanochat), the checks run at construction and at every step, and the
+# README's option table is made from the docs.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
     "cautious_wd": Option(True, a_bool, "decay only where the update and the weight agree in sign; "
                           "`False`: plain decoupled decay"),
     "orthogonalizer": Option("auto", an_orthogonalizer, "a name in `update_math.ORTHOGONALIZERS`: "
-                             "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial iterated on the "
-                             "m x m Gram matrix (fewer FLOPs from aspect 1.5: 1.5x at 4:1), restarted every 3 "
-                             "iterations; `'auto'`: Gram where it is cheaper, in fp32 and fp16 only (in bf16 it "
-                             "is not accurate: docs/benchmarks.md). Register `f(G, group)` there to add one"),
-    "ns_coefficients": Option("polar_express", any_value, "a name in `update_math.COEFFICIENT_SETS` (below), a "
-                              "list of per-iteration `(a, b, c)` (safety 1, eps 1e-7), or "
+                             "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial "
+                             "iterated on the m x m Gram matrix (fewer FLOPs from aspect 1.5: "
+                             "1.5x at 4:1), restarted every 3 iterations; `'auto'`: Gram where "
+                             "it is cheaper, in fp32 and fp16 only (in bf16 it is not accurate: "
+                             "docs/benchmarks.md). Register `f(G, group)` there to add one"),
+    "ns_coefficients": Option("polar_express", any_value,
+                              "a name in `update_math.COEFFICIENT_SETS` (below), a list of "
+                              "per-iteration `(a, b, c)` (safety 1, eps 1e-7), or "
                               "`dict(coefficients=[...], safety=, eps=)`"),
     "ns_repeat_last": Option(False, a_bool, "`True`: past the end of the list, run its last triple "
                              "(Emerging-Optimizers' rule); else `ns_steps` may not exceed it"),
-    "ns_precision": Option("auto", one_of("auto", *update_math.NS_DTYPES), "`'bf16'`, `'fp16'`, `'fp32'`; "
-                           "auto: bf16 on CUDA and on CPUs with AVX512-BF16 or AMX, fp32 elsewhere (CPUs "
-                           "without bf16 units run it 20-100x slower)"),
-    "equilibrate": Option(None, one_of(*update_math.EQUILIBRATE_MODES), "MuonEq (arXiv 2603.28254): `'row'`, "
-                          "`'col'` or `'row_col'` scales the momentum's rows and/or columns to unit norm before "
-                          "orthogonalizing (both scales from the same matrix). nanochat applies `'row'` always"),
-    "post_normalize": Option(None, one_of(*update_math.POST_NORMALIZE_MODES), "Muon+ (arXiv 2602.21545): "
-                             "`'col'`, `'row'`, `'col_row'` or `'row_col'` normalizes the orthogonalized "
-                             "update's columns and/or rows to unit norm, in the order named; `'fro'` is what "
-                             "nanochat calls Muon+: the whole update rescaled to Frobenius norm "
+    "ns_precision": Option("auto", one_of("auto", *update_math.NS_DTYPES),
+                           "`'bf16'`, `'fp16'`, `'fp32'`; auto: bf16 on CUDA and on CPUs with "
+                           "AVX512-BF16 or AMX, fp32 elsewhere (CPUs without bf16 units run it "
+                           "20-100x slower)"),
+    "equilibrate": Option(None, one_of(*update_math.EQUILIBRATE_MODES),
+                          "MuonEq (arXiv 2603.28254): `'row'`, `'col'` or `'row_col'` scales the "
+                          "momentum's rows and/or columns to unit norm before orthogonalizing "
+                          "(both scales from the same matrix). nanochat applies `'row'` always"),
+    "post_normalize": Option(None, one_of(*update_math.POST_NORMALIZE_MODES),
+                             "Muon+ (arXiv 2602.21545): `'col'`, `'row'`, `'col_row'` or "
+                             "`'row_col'` normalizes the orthogonalized update's columns and/or "
+                             "rows to unit norm, in the order named; `'fro'` is what nanochat "
+                             "calls Muon+: the whole update rescaled to Frobenius norm "
                              "sqrt(min(rows, cols))"),
-    "lr_scale": Option("shape", one_of(*update_math.LR_SCALES), "lr factor: `'shape'` sqrt(max(1, r/c)); "
-                       "`'moonlight'` 0.2 sqrt(max(r, c)), AdamW's update RMS; `'spectral'` sqrt(max(r, c)); "
-                       "`'unit_rms'` sqrt(r/c)"),
+    "lr_scale": Option("shape", one_of(*update_math.LR_SCALES), "lr factor: `'shape'` "
+                       "sqrt(max(1, r/c)); `'moonlight'` 0.2 sqrt(max(r, c)), AdamW's update RMS; "
+                       "`'spectral'` sqrt(max(r, c)); `'unit_rms'` sqrt(r/c)"),
     "extra_scale": Option(1.0, a_number, "a further factor on the lr"),
-    "decay_lr": Option("adjusted", one_of("adjusted", "group"), "`'adjusted'`: decay by the lr with its "
-                       "factor (nanochat); `'group'`: by the group lr (torch.optim.Muon, Megatron, "
-                       "Emerging-Optimizers: with `'spectral'` at width 768 the default decays ~28x harder)"),
-    "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"), "`'l2'`: add `weight_decay * p` to "
-                                "the gradient before momentum"),
-    "comm_precision": Option("fp32", one_of("bf16", "fp32"), "DTensor params: the dtype whole matrices "
-                             "travel in to their owner and back"),
+    "decay_lr": Option("adjusted", one_of("adjusted", "group"), "`'adjusted'`: decay by the lr "
+                       "with its factor (nanochat); `'group'`: by the group lr "
+                       "(torch.optim.Muon, Megatron, Emerging-Optimizers: with `'spectral'` at "
+                       "width 768 the default decays ~28x harder)"),
+    "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"),
+                                "`'l2'`: add `weight_decay * p` to the gradient before momentum"),
+    "comm_precision": Option("fp32", one_of("bf16", "fp32"), "DTensor params: the dtype whole "
+                             "matrices travel in to their owner and back"),
     "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'` (exact), "
-                           "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on slices), "
-                           "`'blockwise'` (README, \"Sharded params\")"),
+                           "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on "
+                           "slices), `'blockwise'` (README, \"Sharded params\")"),
     "qkv_split": Option(None, any_value, "`(q, k, v)` row counts: split's 3-block case"),
-    "split": Option(None, any_value, "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; each "
-                    "block is updated exactly as a param of its own (lr factor, variance reduction)"),
+    "split": Option(None, any_value, "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; "
+                    "each block is updated exactly as a param of its own (lr factor, variance "
+                    "reduction)"),
     "split_groups": Option(1, any_value, "the rows are this many repeats of the blocks: Megatron's "
                            "per-query-group QKV layout"),
-    "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor and "
-                         "statistics follow the logical `(out, in)`"),
+    "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor "
+                         "and statistics follow the logical `(out, in)`"),
 }
 ADAMW_OPTIONS = {
-    "momentum": Option(None, any_value, "set (by OneCycleLR or CyclicLR, say), it becomes `betas[0]` at the "
-                       "next step"),
+    "momentum": Option(None, any_value, "set (by OneCycleLR or CyclicLR, say), it becomes "
+                       "`betas[0]` at the next step"),
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
-OPTIONAL_KEYS = {kind: {k: o.default for k, o in options.items()} for kind, options in OPTIONS.items()}
-# Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a group.
+OPTIONAL_KEYS = {kind: {k: o.default for k, o in options.items()}
+                 for kind, options in OPTIONS.items()}
+# Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a
+# group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
 
 
 def options_table(kind: str = "muon") -> str:
-    """The markdown table of a kind's optional keys, from OPTIONS (the README holds it; a test compares)."""
+    """The markdown table of a kind's optional keys, from OPTIONS (the README holds it; a test
+    compares)."""
     rows = [f"| `{k}` | `{o.default!r}` | {o.doc} |" for k, o in OPTIONS[kind].items()]
     return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
 
@@ -205,9 +229,10 @@ def _check_number(label, key, value, lo=0.0, hi=math.inf, hi_open=False):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and lo <= value and (value < hi if hi_open else value <= hi)
     if not ok:
-        bound = f"in [{lo}, {hi})" if hi_open else (f"in [{lo}, {hi}]" if hi != math.inf else f">= {lo}")
-        raise ValueError(f"{label}: {key}={value!r} must be a finite number {bound}; fix the value you pass "
-                         f"(or your LR schedule, if it sets {key})")
+        bound = (f"in [{lo}, {hi})" if hi_open
+                 else (f"in [{lo}, {hi}]" if hi != math.inf else f">= {lo}"))
+        raise ValueError(f"{label}: {key}={value!r} must be a finite number {bound}; "
+                         f"fix the value you pass (or your LR schedule, if it sets {key})")
 
 
 def check_group_values(i: int, group: dict) -> None:
@@ -215,16 +240,19 @@ def check_group_values(i: int, group: dict) -> None:
     label = group_label(i, group)
     kind = group.get("kind")
     if kind not in REQUIRED_KEYS:
-        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; add kind='adamw' or kind='muon' to the group")
+        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; "
+                         "add kind='adamw' or kind='muon' to the group")
     missing = [k for k in REQUIRED_KEYS[kind] if k not in group]
     if missing:
-        raise ValueError(f"{label}: missing {missing}; a {kind} group needs {list(REQUIRED_KEYS[kind])}")
+        raise ValueError(f"{label}: missing {missing}; "
+                         f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
     _check_number(label, "lr", group["lr"])
     _check_number(label, "weight_decay", group["weight_decay"])
     if kind == "adamw":
         betas = group["betas"]
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"{label}: betas={betas!r} must be a pair (beta1, beta2), e.g. betas=(0.9, 0.95)")
+            raise ValueError(f"{label}: betas={betas!r} must be a pair (beta1, beta2), "
+                             "e.g. betas=(0.9, 0.95)")
         _check_number(label, "betas[0]", betas[0], 0.0, 1.0, hi_open=True)
         _check_number(label, "betas[1]", betas[1], 0.0, 1.0, hi_open=True)
         _check_number(label, "eps", group["eps"])
@@ -246,7 +274,8 @@ def _check_coefficients(label: str, group: dict) -> None:
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
         raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
     try:
-        ns_coefficients(group.get("ns_coefficients", "polar_express"), steps, group.get("ns_repeat_last", False))
+        ns_coefficients(group.get("ns_coefficients", "polar_express"), steps,
+                        group.get("ns_repeat_last", False))
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
 
@@ -254,31 +283,38 @@ def _check_coefficients(label: str, group: dict) -> None:
 def _check_layout(label: str, group: dict) -> None:
     qkv, split, groups = group.get("qkv_split"), group.get("split"), group.get("split_groups", 1)
     if qkv is not None and split is not None:
-        raise ValueError(f"{label}: give split or qkv_split, not both (qkv_split=(q, k, v) is split's 3-block case)")
+        raise ValueError(f"{label}: give split or qkv_split, not both "
+                         "(qkv_split=(q, k, v) is split's 3-block case)")
     for key, value, n in (("qkv_split", qkv, 3), ("split", split, None)):
-        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == (n or len(value)) >= 2
-                                      and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value)):
-            raise ValueError(f"{label}: {key}={value!r} must be " + ("three positive row counts (q, k, v)" if n else
-                             "two or more positive row counts, one per block"))
+        if value is not None and not (
+                isinstance(value, (tuple, list)) and len(value) == (n or len(value)) >= 2
+                and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value)):
+            raise ValueError(f"{label}: {key}={value!r} must be "
+                             + ("three positive row counts (q, k, v)" if n
+                                else "two or more positive row counts, one per block"))
     if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
-        raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 (Megatron's num_query_groups)")
-    if group.get("sharded_mode") == "distributed" and \
-            group.get("orthogonalizer", "auto") not in ("auto", "newton_schulz", "gram_newton_schulz"):
-        raise ValueError(f"{label}: sharded_mode='distributed' runs Newton-Schulz on slices of each matrix; "
-                         f"orthogonalizer={group['orthogonalizer']!r} needs whole matrices: use sharded_mode "
-                         "'owner' or 'duplicated'")
-    if (qkv or split or group.get("transposed")) and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
-        raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} needs whole matrices: "
-                         "use sharded_mode 'owner' or 'duplicated'")
+        raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 "
+                         "(Megatron's num_query_groups)")
+    if group.get("sharded_mode") == "distributed" and group.get("orthogonalizer", "auto") \
+            not in ("auto", "newton_schulz", "gram_newton_schulz"):
+        raise ValueError(f"{label}: sharded_mode='distributed' runs Newton-Schulz on slices of "
+                         f"each matrix; orthogonalizer={group['orthogonalizer']!r} needs whole "
+                         "matrices: use sharded_mode 'owner' or 'duplicated'")
+    if (qkv or split or group.get("transposed")) and \
+            group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
+        raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} "
+                         "needs whole matrices: use sharded_mode 'owner' or 'duplicated'")
 
 
 def check_group(i: int, group: dict) -> None:
     """Full check of a new group: structure, keys, values and every parameter."""
     if not isinstance(group, dict):
-        raise TypeError(f"param group {i}: expected a dict with 'kind' and 'params', got {type(group).__name__}")
+        raise TypeError(f"param group {i}: expected a dict with 'kind' and 'params', "
+                        f"got {type(group).__name__}")
     label = group_label(i, group)
     if "params" not in group:
-        raise ValueError(f"{label}: missing 'params'; give the list of parameters this group trains")
+        raise ValueError(f"{label}: missing 'params'; "
+                         "give the list of parameters this group trains")
     check_group_values(i, group)
     kind = group["kind"]
     unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(OPTIONAL_KEYS[kind])
@@ -288,57 +324,68 @@ def check_group(i: int, group: dict) -> None:
     for j, p in enumerate(group["params"]):
         where = f"{label}, param {j}"
         if not isinstance(p, Tensor):
-            raise TypeError(f"{where}: expected a torch.Tensor (nn.Parameter), got {type(p).__name__}")
+            raise TypeError(f"{where}: expected a torch.Tensor (nn.Parameter), "
+                            f"got {type(p).__name__}")
         if not p.is_floating_point():
-            raise TypeError(f"{where}: dtype {p.dtype} is not supported; parameters must be real floating point "
-                            "(complex and integer tensors cannot be trained here)")
+            raise TypeError(f"{where}: dtype {p.dtype} is not supported; parameters must be real "
+                            "floating point (complex and integer tensors cannot be trained here)")
         if kind == "muon" and p.ndim < 2:
-            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs matrices "
-                             "(>= 2 dims; extra leading dims are a batch). Move it to an adamw group.")
-        split, groups = (group.get("split") or group.get("qkv_split")), group.get("split_groups", 1)
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); "
+                             "Muon needs matrices (>= 2 dims; extra leading dims are a batch). "
+                             "Move it to an adamw group.")
+        split, groups = ((group.get("split") or group.get("qkv_split")),
+                         group.get("split_groups", 1))
         dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
         if kind == "muon" and split and p.shape[n] != sum(split) * groups:
-            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, but the split {tuple(split)} x "
-                             f"split_groups={groups} covers {sum(split) * groups}; put only fused weights of that "
-                             "layout in this group")
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, "
+                             f"but the split {tuple(split)} x split_groups={groups} covers "
+                             f"{sum(split) * groups}; put only fused weights of that layout in "
+                             "this group")
 
 
 def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:
     g = p.grad
     where = f"{group_label(i, group)}, param {j}"
     if g.is_sparse:
-        raise ValueError(f"{where}: sparse gradients are not supported; use a dense nn.Embedding (sparse=False)")
+        raise ValueError(f"{where}: sparse gradients are not supported; "
+                         "use a dense nn.Embedding (sparse=False)")
     if g.is_complex():
         raise ValueError(f"{where}: complex gradients are not supported")
     if g.shape != p.shape:
-        raise ValueError(f"{where}: grad shape {tuple(g.shape)} differs from param shape {tuple(p.shape)}")
+        raise ValueError(f"{where}: grad shape {tuple(g.shape)} "
+                         f"differs from param shape {tuple(p.shape)}")
 
 
 def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
-    """Refuse a checkpoint whose groups or state shapes do not fit these params, naming the first misfit."""
+    """Refuse a checkpoint whose groups or state shapes do not fit these params, naming the first
+    misfit."""
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
-        raise ValueError("optimizer state_dict must have 'state' and 'param_groups'; the file is not an optimizer "
-                         "checkpoint or is corrupt")
+        raise ValueError("optimizer state_dict must have 'state' and 'param_groups'; "
+                         "the file is not an optimizer checkpoint or is corrupt")
     if len(saved_groups) != len(param_groups):
-        raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups but this optimizer has "
-                         f"{len(param_groups)}; it was saved from a different model or optimizer setup")
+        raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups "
+                         f"but this optimizer has {len(param_groups)}; "
+                         "it was saved from a different model or optimizer setup")
     params = []
     for i, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(group["params"]) or saved.get("kind") != group["kind"]:
-            raise ValueError(f"optimizer checkpoint group {i} has {len(saved['params'])} {saved.get('kind')} params, "
-                             f"this optimizer's has {len(group['params'])} {group['kind']} params; it was saved from a "
-                             "different model or optimizer setup")
+            raise ValueError(f"optimizer checkpoint group {i} has {len(saved['params'])} "
+                             f"{saved.get('kind')} params, this optimizer's has "
+                             f"{len(group['params'])} {group['kind']} params; "
+                             "it was saved from a different model or optimizer setup")
         params += [(i, j, p, group["kind"]) for j, p in enumerate(group["params"])]
     where = dict(zip([pid for g in saved_groups for pid in g["params"]], params))
     for pid, st in state_dict["state"].items():
         if pid not in where:
-            raise ValueError(f"optimizer checkpoint has state for param id {pid}, which no group lists; corrupt file?")
+            raise ValueError(f"optimizer checkpoint has state for param id {pid}, "
+                             "which no group lists; corrupt file?")
         i, j, p, kind = where[pid]
         for name in ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",):
             if name in st and tuple(st[name].shape) != tuple(p.shape):
-                raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape {tuple(st[name].shape)}, "
-                                 f"the param has {tuple(p.shape)}; the checkpoint is from a different model size")
+                raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape "
+                                 f"{tuple(st[name].shape)}, the param has {tuple(p.shape)}; "
+                                 "the checkpoint is from a different model size")
 
 
 def saved_params(param_groups: list[dict], state_dict: dict) -> dict:

@@ -1,9 +1,9 @@
 """
 The definition of nanomuon's Muon update: one step on one matrix, in float64, in plain loops.
 
-This is what the fused, stacked, sharded and compiled paths (update_math.py and its callers) must equal;
-the tests hold every path to it. It shares only facts with them (the coefficient sets), never code:
-read it to learn what the optimizer does, fork it to state a new idea before making it fast.
+This is what the fused, stacked, sharded and compiled paths (update_math.py and its callers) must
+equal; the tests hold every path to it. It shares only facts with them (the coefficient sets), never
+code: read it to learn what the optimizer does, fork it to state a new idea before making it fast.
 
     from nanomuon.reference import muon_step
     state = {}
@@ -11,8 +11,10 @@ read it to learn what the optimizer does, fork it to state a new idea before mak
         p = muon_step(p, g, state, group)   # group: a muon param group's keys (lr, momentum, ...)
 
 Per step, on a (rows, cols) matrix with gradient g:
-  1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf (L2 mode adds wd p to g first)
-  2. MuonEq (equilibrate): divide rows and/or columns by their norms, both taken from the same matrix
+  1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf (L2 mode adds wd p to
+     g first)
+  2. MuonEq (equilibrate): divide rows and/or columns by their norms, both taken from the same
+     matrix
   3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
      X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration
   4. Muon+ (post_normalize): unit columns and/or rows, or nanochat's Frobenius rescale
@@ -34,14 +36,14 @@ LR_FACTORS = {  # lr_scale: the factor on lr for a (rows, cols) matrix
     "spectral": lambda r, c: math.sqrt(max(r, c)),
     "unit_rms": lambda r, c: math.sqrt(r / c),
 }
-DEFAULTS = dict(nesterov=True, cautious_wd=True, ns_coefficients="polar_express", ns_repeat_last=False,
-                equilibrate=None, post_normalize=None, lr_scale="shape", extra_scale=1.0, decay_lr="adjusted",
-                weight_decay_mode="decoupled")
+DEFAULTS = dict(nesterov=True, cautious_wd=True, ns_coefficients="polar_express",
+                ns_repeat_last=False, equilibrate=None, post_normalize=None, lr_scale="shape",
+                extra_scale=1.0, decay_lr="adjusted", weight_decay_mode="decoupled")
 
 
 def coefficients(group: dict) -> tuple[list, float, float]:
-    """(one (a, b, c) per iteration, norm safety, eps) from ns_coefficients and ns_steps: a single triple,
-    or the last of a list with ns_repeat_last, repeats."""
+    """(one (a, b, c) per iteration, norm safety, eps) from ns_coefficients and ns_steps: a single
+    triple, or the last of a list with ns_repeat_last, repeats."""
     spec = group["ns_coefficients"]
     if isinstance(spec, str):
         triples, safety, eps = COEFFICIENT_SETS[spec]
@@ -67,9 +69,11 @@ def newton_schulz(u: Tensor, group: dict) -> Tensor:
     return X.T if rows > cols else X
 
 
-def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, orthogonalize=newton_schulz) -> Tensor:
-    """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p. state
-    (a dict, empty at first) keeps the momentum and second moment. orthogonalize(u, group): step 3."""
+def muon_step(p: Tensor, g: Tensor, state: dict, group: dict,
+              orthogonalize=newton_schulz) -> Tensor:
+    """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p.
+    state (a dict, empty at first) keeps the momentum and second moment. orthogonalize(u, group):
+    step 3."""
     group = dict(DEFAULTS, **group)
     p, g, m = p.double(), g.double(), group["momentum"]
     if group["weight_decay_mode"] == "l2":
@@ -78,8 +82,10 @@ def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, orthogonalize=newt
     u = (1 - m) * g + m * state["buf"] if group["nesterov"] else state["buf"]
     rows, cols = u.shape
     eq = group["equilibrate"] or ""
-    r = (u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in eq else torch.ones(rows, 1, dtype=u.dtype)
-    c = (u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in eq else torch.ones(1, cols, dtype=u.dtype)
+    r = ((u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in eq
+         else torch.ones(rows, 1, dtype=u.dtype))
+    c = ((u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in eq
+         else torch.ones(1, cols, dtype=u.dtype))
     o = orthogonalize(u / r.sqrt() / c.sqrt(), group).double()
     if group["post_normalize"] == "fro":
         o = o * math.sqrt(min(rows, cols)) / torch.linalg.matrix_norm(o)

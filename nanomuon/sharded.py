@@ -1,16 +1,17 @@
 """
-Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both on
-a 2-D mesh (README, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW hand
-their DTensor params here; the math is update_math.py's, the owners plan.py's, and this file adds the
-communication. In sharded_mode='owner' (the default, exact): momentum on the local shard; an all_to_all
-gathers whole matrices on their owner, which orthogonalizes them stacked by shape; a second all_to_all
-returns each rank its block for the elementwise update. muon_step_modes() has Megatron's alternatives.
+Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both
+on a 2-D mesh (README, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW
+hand their DTensor params here; the math is update_math.py's, the owners plan.py's, and this file
+adds the communication. In sharded_mode='owner' (the default, exact): momentum on the local
+shard; an all_to_all gathers whole matrices on their owner, which orthogonalizes them stacked by
+shape; a second all_to_all returns each rank its block for the elementwise update.
+muon_step_modes() has Megatron's alternatives.
 
-Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer is
-sharded like its param; the second moment lives on the owner only. full_state() gathers the unsharded
-state_dict() format; state_piece() and kept_second_moments() cut it (or a checkpoint) back to a rank.
-The functions take the optimizer's pieces (group, state, plan cache), never the optimizer: this file
-depends on the math and the plan only.
+Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer
+is sharded like its param; the second moment lives on the owner only. full_state() gathers the
+unsharded state_dict() format; state_piece() and kept_second_moments() cut it (or a checkpoint) back
+to a rank. The functions take the optimizer's pieces (group, state, plan cache), never the
+optimizer: this file depends on the math and the plan only.
 """
 
 import math
@@ -37,11 +38,15 @@ from nanomuon.update_math import (
 
 try:
     from torch.distributed.tensor import DeviceMesh, DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private, stable since 2.4
-except ImportError:  # a torch built without distributed support: there are no DTensor params to meet
+    from torch.distributed.tensor._utils import (
+        compute_local_shape_and_global_offset,  # private, stable since 2.4
+    )
+except ImportError:
+    # a torch built without distributed support: there are no DTensor params to meet
     DTensor, DeviceMesh, Shard = (), None, None
 
-WAVE_PER_RANK = 4  # matrices each owner orthogonalizes per wave: enough to stack, few enough to overlap
+# matrices each owner orthogonalizes per wave: enough to stack, few enough to overlap
+WAVE_PER_RANK = 4
 
 
 def has_dtensors(params) -> bool:
@@ -50,7 +55,8 @@ def has_dtensors(params) -> bool:
 
 
 def local(t: Tensor, like: DTensor) -> Tensor:
-    """The local shard of t laid out like `like` (grads with other placements are redistributed first)."""
+    """The local shard of t laid out like `like` (grads
+    with other placements are redistributed first)."""
     if not isinstance(t, DTensor):
         return t
     if t.placements != like.placements:
@@ -59,8 +65,8 @@ def local(t: Tensor, like: DTensor) -> Tensor:
 
 
 def block_of(p: DTensor) -> tuple:
-    """This rank's block of p: (global offset, local shape, whether it sends), the last False for every
-    replica but the first along Replicate mesh dims."""
+    """This rank's block of p: (global offset, local shape, whether it sends), the last False for
+    every replica but the first along Replicate mesh dims."""
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     coord = p.device_mesh.get_coordinate()
     first = all(c == 0 for c, pl in zip(coord, p.placements) if pl.is_replicate())
@@ -72,32 +78,38 @@ def _slices(offset, shape):
 
 
 def build_plan(params: list[DTensor], group: dict) -> dict:
-    """Every rank's block of every matrix, the owners (plan.owner_plan, per same-shape bucket) and the
-    waves; the same on all ranks. One collective (all_gather_object of the blocks)."""
+    """Every rank's block of every matrix, the owners (plan.owner_plan, per same-shape bucket) and
+    the waves; the same on all ranks. One collective (all_gather_object of the blocks)."""
     world = dist.get_world_size()
     for p in params:
         ranks = sorted(p.device_mesh.mesh.flatten().tolist())
         if ranks != list(range(world)):
-            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} lives on a mesh of ranks {ranks}; "
-                             f"the sharded Muon path needs meshes that span all {world} ranks of the default "
-                             "process group (1-D for FSDP2 or TP, 2-D for FSDP2 x TP)")
+            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} lives on a mesh of "
+                             f"ranks {ranks}; the sharded Muon path needs meshes that span all "
+                             f"{world} ranks of the default process group (1-D for FSDP2 or TP, "
+                             "2-D for FSDP2 x TP)")
         if any(pl.is_partial() for pl in p.placements):
-            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial placement "
-                             f"{p.placements}; params must be Shard or Replicate")
+            raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial "
+                             f"placement {p.placements}; params must be Shard or Replicate")
     blocks = [None] * world
-    dist.all_gather_object(blocks, [block_of(p) for p in params])  # blocks[r][i]: rank r's block of params[i]
-    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params], [ns_cost(group, p) for p in params], world)
+    # blocks[r][i]: rank r's block of params[i]
+    dist.all_gather_object(blocks, [block_of(p) for p in params])
+    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
+                         [ns_cost(group, p) for p in params], world)
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
-        for start in range(0, b["per_rank"], WAVE_PER_RANK):  # each rank owns <= WAVE_PER_RANK of a wave
-            waves.append(sorted(b["members"][k] for s in b["slots"] for k in s[start:start + WAVE_PER_RANK]))
+        # each rank owns <= WAVE_PER_RANK of a wave
+        for start in range(0, b["per_rank"], WAVE_PER_RANK):
+            waves.append(sorted(b["members"][k] for s in b["slots"]
+                                for k in s[start:start + WAVE_PER_RANK]))
     return dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
 
 
 def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
-    """The group's DTensor Muon params and their plan, built once (a collective) and kept in `plans` (the
-    optimizer's cache), so owners (who hold the second moments) stay put whichever params have grads."""
+    """The group's DTensor Muon params and their plan, built once (a collective) and kept in
+    `plans` (the optimizer's cache), so owners (who hold the second moments) stay put
+    whichever params have grads."""
     params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
     if key not in plans:
@@ -106,11 +118,12 @@ def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
 
 
 def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm_dtype):
-    """Launch one async all_to_all: pieces[r] (flat tensors) go to rank r, in comm_dtype.
-    Returns (work, receive buffer, send buffer); the send buffer must live until the work is done."""
+    """Launch one async all_to_all: pieces[r] (flat tensors) go to rank r, in comm_dtype. Returns
+    (work, receive buffer, send buffer); the send buffer must live until the work is done."""
     send_counts = [sum(t.numel() for t in ps) for ps in pieces]
     flat = [t for ps in pieces for t in ps]
-    send = torch.cat(flat).to(comm_dtype) if flat else torch.empty(0, dtype=comm_dtype, device=device)
+    send = (torch.cat(flat).to(comm_dtype) if flat
+            else torch.empty(0, dtype=comm_dtype, device=device))
     recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
     return dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True), recv, send
 
@@ -123,16 +136,19 @@ def _gather(plan, params, wave, g_local, comm_dtype):
         offset, shape, sends = blocks[rank][i]
         if sends and math.prod(shape):
             pieces[owner[i]].append(g_local[i].reshape(-1))
-    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in wave if owner[i] == rank and blocks[src][i][2])
+    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in wave
+                       if owner[i] == rank and blocks[src][i][2])
                    for src in range(world)]
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
 def _assemble(plan, params, wave, recv) -> dict:
-    """Whole matrices (in the params' dtype) from the received blocks, for the wave's matrices I own."""
+    """Whole matrices (in the params' dtype) from the
+    received blocks, for the wave's matrices I own."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
-    full = {i: torch.empty(params[i].shape, dtype=params[i].dtype, device=recv.device) for i in mine}
+    full = {i: torch.empty(params[i].shape, dtype=params[i].dtype, device=recv.device)
+            for i in mine}
     at = 0
     for src in range(world):
         for i in mine:
@@ -146,7 +162,8 @@ def _assemble(plan, params, wave, recv) -> dict:
 
 
 def _scatter(plan, params, wave, updates, comm_dtype):
-    """Launch the all_to_all that returns every rank (replicas included) its block of each update."""
+    """Launch the all_to_all that returns every rank
+    (replicas included) its block of each update."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
     pieces = [[] for _ in range(world)]
@@ -155,24 +172,31 @@ def _scatter(plan, params, wave, updates, comm_dtype):
             offset, shape, _ = blocks[dst][i]
             if math.prod(shape):
                 pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
-    recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in wave if owner[i] == src) for src in range(world)]
+    recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in wave if owner[i] == src)
+                   for src in range(world)]
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
 def cut_of(p: DTensor):
-    """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process group of the ranks
-    holding its slices), or None when every rank holds whole matrices (experts split along dim 0)."""
+    """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process
+    group of the ranks holding its slices), or None when every rank holds whole matrices
+    (experts split along dim 0)."""
     # Shard and FSDP2's _StridedShard (which is not a Shard subclass) both cut a dim
-    mesh_dims = [i for i, pl in enumerate(p.placements) if hasattr(pl, "dim") and not pl.is_partial()]
+    mesh_dims = [i for i, pl in enumerate(p.placements)
+                 if hasattr(pl, "dim") and not pl.is_partial()]
     cut = {p.placements[i].dim % p.ndim - p.ndim for i in mesh_dims}
     if not mesh_dims or cut <= set(range(-p.ndim, -2)):
         return None
-    whole_world = sorted(p.device_mesh.mesh.flatten().tolist()) == list(range(dist.get_world_size()))
-    if len(cut) != 1 or (len(mesh_dims) > 1 and (len(mesh_dims) != p.device_mesh.ndim or not whole_world)):
-        raise ValueError(f"sharded_mode='distributed' needs each matrix cut along one of its dims, by one mesh dim or "
-                         f"by all dims of a mesh over every rank; a param of shape {tuple(p.shape)} has placements "
-                         f"{p.placements}. Use sharded_mode='owner' (exact for any placement) for it")
-    group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None  # None: the default group
+    whole_world = (sorted(p.device_mesh.mesh.flatten().tolist())
+                   == list(range(dist.get_world_size())))
+    if len(cut) != 1 or (len(mesh_dims) > 1
+                         and (len(mesh_dims) != p.device_mesh.ndim or not whole_world)):
+        raise ValueError(f"sharded_mode='distributed' needs each matrix cut along one of its dims, "
+                         "by one mesh dim or by all dims of a mesh over every rank; a param of "
+                         f"shape {tuple(p.shape)} has placements {p.placements}. "
+                         "Use sharded_mode='owner' (exact for any placement) for it")
+    # None: the default group
+    group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None
     return cut.pop(), group
 
 
@@ -183,13 +207,14 @@ def _momentum_local(group: dict, state: dict, p: DTensor, compiled: bool) -> Ten
         st["momentum_buffer"] = torch.zeros_like(p)
     device = p.to_local().device
     h = scalars(muon_hparams(group, p.shape, device), compiled)
-    return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(st["momentum_buffer"], p), p.to_local(),
-                                           h, muon_options(group, device))
+    return kernel(muon_momentum, compiled)(local(p.grad, p).clone(),
+                                           local(st["momentum_buffer"], p), p.to_local(), h,
+                                           muon_options(group, device))
 
 
 def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: bool) -> None:
-    """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor. A split
-    matrix's per-row lr (and decay) is cut to this rank's rows."""
+    """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor. A
+    split matrix's per-row lr (and decay) is cut to this rank's rows."""
     if not u.numel():
         return
     h = scalars(muon_hparams(group, matrix_shape, u.device), compiled)
@@ -197,13 +222,15 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: boo
         offset, shape, _ = block_of(p)
         crop = tuple(slice(o, o + n) if full > 1 else slice(None)
                      for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
-        h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay") if isinstance(getattr(h, k), Tensor)})
+        h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay")
+                          if isinstance(getattr(h, k), Tensor)})
     kernel(muon_apply, compiled)(p.to_local(), u, h, muon_options(group, u.device))
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
-    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state and plan cache.
-    Params without a grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
+    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state
+    and plan cache. Params without a grad are skipped; DTensor grads are collective results, so
+    every rank skips the same ones."""
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, compiled)
     params, plan = group_plan(group, plans)
@@ -224,11 +251,12 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             h = scalars(muon_hparams(group, shape, stacked.device), compiled)
             if group["beta2"] is not None:
                 for i in idx:
-                    state[params[i]].setdefault("second_momentum_buffer",
-                                                new_second_moment(shape, stacked.device, layout=muon_layout(group)))
+                    state[params[i]].setdefault(
+                        "second_momentum_buffer",
+                        new_second_moment(shape, stacked.device, layout=muon_layout(group)))
                 second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            u = kernel(muon_direction, compiled)(stacked, second, h.beta2, muon_options(group, stacked.device),
-                                                 stacked.dtype)
+            u = kernel(muon_direction, compiled)(stacked, second, h.beta2,
+                                                 muon_options(group, stacked.device), stacked.dtype)
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 if second is not None:
@@ -236,28 +264,32 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
         return out
 
     def finish(pending):
-        """Wait for a wave's scatter and apply my block of each update (views of the receive buffer, or cast
-        copies: ours to overwrite)."""
+        """Wait for a wave's scatter and apply my block of each update (views of the receive buffer,
+        or cast copies: ours to overwrite)."""
         wave, (work, recv, _send) = pending
         work.wait()
         at = 0
-        for i in sorted(wave, key=plan["owner"].get):  # as packed: by sending rank, each in wave order
+        # as packed: by sending rank, each in wave order
+        for i in sorted(wave, key=plan["owner"].get):
             shape = plan["blocks"][plan["rank"]][i][1]
             u = recv[at:at + math.prod(shape)].view(shape)
             at += u.numel()
             _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, compiled)
 
     waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
-    pending_gather = _gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype) if waves else None
+    pending_gather = (_gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype)
+                      if waves else None)
     pending_scatter = None
     for c, wave in enumerate(waves):
         work, recv, _send = pending_gather
         if c + 1 < len(waves):  # the next wave's gather travels while this wave computes
-            pending_gather = _gather(plan, params, waves[c + 1], momentum_stage(waves[c + 1]), comm_dtype)
+            pending_gather = _gather(plan, params, waves[c + 1], momentum_stage(waves[c + 1]),
+                                     comm_dtype)
         work.wait()
         updates = direction_stage(_assemble(plan, params, wave, recv))
         scatter = (wave, _scatter(plan, params, wave, updates, comm_dtype))
-        if pending_scatter is not None:  # the previous wave's scatter finished while this one computed
+        # the previous wave's scatter finished while this one computed
+        if pending_scatter is not None:
             finish(pending_scatter)
         pending_scatter = scatter
     if pending_scatter is not None:
@@ -265,9 +297,10 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
 
 
 def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
-    """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact) orthogonalizes the
-    all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix and norms across slices; 'blockwise'
-    orthogonalizes each local block as its own matrix, whose shape sets its lr factor and variance reduction."""
+    """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact)
+    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix
+    and norms across slices; 'blockwise' orthogonalizes each local block as its own matrix, whose
+    shape sets its lr factor and variance reduction."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -275,7 +308,8 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         g = _momentum_local(group, state, p, compiled)
         cut, matrix_shape = None, p.shape
         if mode == "duplicated":
-            g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride()).full_tensor()
         elif mode == "distributed":
             if (cut_pg := cut_of(p)) is not None:
                 dim, pg = cut_pg
@@ -287,31 +321,38 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         second = None
         h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
         if group["beta2"] is not None:
-            full_shape = p.shape if mode == "distributed" else None  # a slice's stats follow the whole matrix
-            second = state[p].setdefault("second_momentum_buffer",
-                                         new_second_moment(g.shape, g.device, full_shape, muon_layout(group)))
+            # a slice's stats follow the whole matrix
+            full_shape = p.shape if mode == "distributed" else None
+            second = state[p].setdefault(
+                "second_momentum_buffer",
+                new_second_moment(g.shape, g.device, full_shape, muon_layout(group)))
         u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype, cut)
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)
 
 
-def _second_moment_holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
-    """For each param, the rank whose second moment counts (the owner, or rank 0 in 'duplicated' mode,
-    where all hold the same), or -1 where it has none yet."""
+def _second_moment_holders(group: dict, state: dict, plans: dict,
+                           params: list[DTensor]) -> list[int]:
+    """For each param, the rank whose second moment counts (the owner, or rank 0 in 'duplicated'
+    mode, where all hold the same), or -1 where it has none yet."""
     device = params[0].to_local().device
-    has = torch.tensor([int("second_momentum_buffer" in state.get(p, {})) for p in params], device=device)
+    has = torch.tensor([int("second_momentum_buffer" in state.get(p, {})) for p in params],
+                       device=device)
     every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
     dist.all_gather(every, has)
-    holder = group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner" else [0] * len(params)
+    holder = (group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner"
+              else [0] * len(params))
     return [holder[i] if every[holder[i]][i] else -1 for i in range(len(params))]
 
 
 def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
-    """sd (the optimizer's state_dict()) with every DTensor param's state made whole: sharded tensors
-    gathered, second moments broadcast from their owners. A collective; the same result on every rank."""
+    """sd (the optimizer's state_dict()) with every DTensor param's state made whole:
+    sharded tensors gathered, second moments broadcast from their owners. A collective;
+    the same result on every rank."""
     index = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
-    out = {k: dict(v) for k, v in sd["state"].items()}  # state_dict() shares the live per-param dicts
+    # state_dict() shares the live per-param dicts
+    out = {k: dict(v) for k, v in sd["state"].items()}
     for group in param_groups:
         dparams = [p for p in group["params"] if isinstance(p, DTensor)]
         if dparams:
@@ -335,21 +376,26 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
 
 
 def _check_whole_state_mode(group: dict) -> None:
-    if group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed") and group["beta2"] is not None:
-        raise ValueError(f"{group.get('name', 'a muon group')}: with sharded_mode={group['sharded_mode']!r} the "
-                         "variance-reduction state is per slice and has no whole form; checkpoint with state_dict() "
-                         "and resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' (or beta2=None)")
+    if (group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed")
+            and group["beta2"] is not None):
+        raise ValueError(f"{group.get('name', 'a muon group')}: with "
+                         f"sharded_mode={group['sharded_mode']!r} the variance-reduction state is "
+                         "per slice and has no whole form; checkpoint with state_dict() and "
+                         "resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' "
+                         "(or beta2=None)")
 
 
 def kept_second_moments(param_groups: list[dict], plans: dict) -> set[int]:
-    """ids of the DTensor Muon params whose second moment this rank keeps: those it owns in 'owner' mode, all in
-    'duplicated'. Plans the groups not yet planned (a collective); refuses modes whose state has no whole form."""
+    """ids of the DTensor Muon params whose second moment this rank keeps: those it owns in
+    'owner' mode, all in 'duplicated'. Plans the groups not yet planned (a collective); refuses
+    modes whose state has no whole form."""
     kept = set()
     for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):
             continue
         _check_whole_state_mode(group)
-        if group["sharded_mode"] != "owner":  # duplicated: every rank orthogonalizes the whole matrix
+        # duplicated: every rank orthogonalizes the whole matrix
+        if group["sharded_mode"] != "owner":
             kept |= {id(p) for p in group["params"]}
             continue
         dparams, plan = group_plan(group, plans)
@@ -358,9 +404,10 @@ def kept_second_moments(param_groups: list[dict], plans: dict) -> set[int]:
 
 
 def state_piece(v, how, p: Tensor):
-    """This rank's piece of v, a whole state value of param p, held as `how` says (MuonAdamW._state_layout): 'whole',
-    a slice of the flat tensor, or a DTensor block (mesh, placements). A meta v gives an empty piece: a target
-    for a sharded checkpoint to fill. Pieces are copies: a view would keep the whole tensor alive."""
+    """This rank's piece of v, a whole state value of param p, held as `how` says
+    (MuonAdamW._state_layout): 'whole', a slice of the flat tensor, or a DTensor block (mesh,
+    placements). A meta v gives an empty piece: a target for a sharded checkpoint to fill. Pieces
+    are copies: a view would keep the whole tensor alive."""
     if not isinstance(v, Tensor):
         return v
     device = p.to_local().device if isinstance(p, DTensor) else p.device
@@ -372,21 +419,25 @@ def state_piece(v, how, p: Tensor):
     mesh, placements = how  # p's own: its block of v
     offset, shape, _ = block_of(p)
     block = empty(shape) if v.is_meta else v[_slices(offset, shape)].to(device).clone()
-    return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(), run_check=False)
+    return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(),
+                              run_check=False)
 
 
 def load_whole_state(module: torch.nn.Module, state: dict) -> None:
-    """module.load_state_dict() for a state of whole tensors (a checkpoint) where some params may be
-    DTensors (FSDP2, tensor parallel): each rank copies in its own block. Keys and shapes must match."""
+    """module.load_state_dict() for a state of whole tensors (a checkpoint) where some
+    params may be DTensors (FSDP2, tensor parallel): each rank copies in its own block.
+    Keys and shapes must match."""
     own = module.state_dict()
     if own.keys() != state.keys():
         missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-        raise ValueError(f"the model state does not fit this model: missing {missing}, unexpected {extra}")
+        raise ValueError(f"the model state does not fit this model: missing {missing}, "
+                         f"unexpected {extra}")
     with torch.no_grad():
         for name, t in own.items():
             v = state[name]
             if tuple(v.shape) != tuple(t.shape):
-                raise ValueError(f"the model state's {name} has shape {tuple(v.shape)}, this model's {tuple(t.shape)}")
+                raise ValueError(f"the model state's {name} has shape {tuple(v.shape)}, "
+                                 f"this model's {tuple(t.shape)}")
             if isinstance(t, DTensor):
                 t.to_local().copy_(v[_slices(*block_of(t)[:2])])
             else:
