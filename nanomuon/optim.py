@@ -1,14 +1,28 @@
 """
-Fused Muon + AdamW: MuonAdamW on one device, DistMuonAdamW for data parallel training (state sharded: ZeRO-1).
+Muon + AdamW in one optimizer, MuonAdamW, on one device or data parallel over a process group.
 
-Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the keys
-and their defaults (param_groups.OPTIONAL_KEYS) are in the README ("The optimizer"). Any group may
-have a 'name', used in error messages.
+Background. Muon (Keller Jordan, 2024: kellerjordan.github.io/posts/muon) trains the hidden matrices of a
+network with SGD momentum whose update is replaced by the nearest semi-orthogonal matrix: with momentum
+M = U S V^T, the step is along U V^T, so every direction the gradient moves gets the same step size.
+U V^T is approximated by a few Newton-Schulz iterations, odd matrix polynomials that push every singular
+value towards 1 using matmuls only, stable in bf16. nanochat (Andrej Karpathy) added the pieces nanomuon
+keeps as defaults: Polar Express coefficients (Amsel, Persson, Musco, Gower 2025), factored variance
+reduction (NorMuon-style), cautious weight decay, and a sqrt(max(1, rows/cols)) lr factor. Embeddings,
+the output head and vectors train with AdamW. nanomuon/reference.py defines the update in float64;
+update_math.py writes it once for every path; this file runs it.
 
-This file is the runtime: state, stacking, communication and checkpoints. The math is update_math.py's
-(muon_update, adamw_update, with muon_hparams / muon_options / adamw_hparams), called by both classes eagerly or
-through torch.compile, so the paths cannot drift. Owners come from plan.py; DTensor params (FSDP2,
-tensor parallel) are updated in place, sharded, by either class through sharded.py.
+Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the
+optional keys are declared once, in param_groups.MUON_OPTIONS. Any group may have a 'name', used in
+error messages.
+
+One step for every setup. Without a process group (or with one of a single rank) every phase below is a
+no-op but the update. With one (DistMuonAdamW is MuonAdamW on the default group), the step is ZeRO-1:
+  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's grads move into one buffer);
+  2. update: each Muon matrix by its owner (plan.py balances owners by Newton-Schulz cost), each large
+     AdamW param by rows across the ranks, small ones everywhere; state lives only where it updates;
+  3. gather: every rank gets every updated param back, bitwise identical.
+DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py, which calls the same
+math with communication between its stages.
 """
 
 import torch
@@ -50,17 +64,20 @@ from nanomuon.update_math import (
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for matrices, AdamW for the rest, on one device (README, "The optimizer").
+    """Muon for matrices, AdamW for the rest (README, "The optimizer"); with process_group, data parallel
+    (README, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and frees them (on
+    return they are None, as after zero_grad()).
 
     Muon buffers are views into one stacked buffer per shape, which is how the fused update avoids
     re-stacking its state every step; state_dict() is still the usual per-parameter torch format.
     compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise."""
 
+    SMALL = 1024  # data parallel: params with fewer elements are all_reduced and updated on every rank
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
     STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups", "transposed")
 
-    def __init__(self, param_groups, compile: bool | None = None):
+    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
             raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' or kind='muon', "
                             "e.g. [dict(kind='muon', params=..., lr=..., momentum=..., ns_steps=..., beta2=..., "
@@ -74,6 +91,25 @@ class MuonAdamW(torch.optim.Optimizer):
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
         self._stacks = {}  # tuple of param ids -> (state layout, (momentum stack, second-moment stack or None))
         self._sharded_plans = {}  # DTensor Muon params: owners and blocks (sharded.py keeps them here)
+        self._plan = []  # (param ids, buckets) per group: the owners of plain Muon params (_get_plan)
+        self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
+        self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
+        self.pg, self.rank, self.world_size = process_group, 0, 1
+        if process_group is not None:
+            self._join(process_group)
+
+    def _join(self, process_group) -> None:
+        """Train data parallel over process_group: flat sharding needs contiguous params; gloo in older
+        torch lacks ReduceOp.AVG, so there the sum is taken and the (smaller) reduced shard scaled."""
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if not isinstance(p, DTensor) and not p.is_contiguous():
+                    raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
+                                     "memory and needs contiguous params; use p.data = p.data.contiguous()")
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self._use_avg = dist.get_backend(process_group) == "nccl"
+        self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
 
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
@@ -96,24 +132,13 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = self._begin_step(closure)
-        for group in self.param_groups:
-            params = group["params"]
-            if group["kind"] == "adamw":
-                for p in (p for p in params if p.grad is not None):
-                    self._adamw_step(group, p, p.grad, self.state[p])
-                continue
-            if has_dtensors(params):  # FSDP2 / TP params
-                muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
-            plain = [p for p in params if not isinstance(p, DTensor)]
-            for bucket in bucket_by([(tuple(p.shape), p.dtype, p.device) for p in plain]):
-                same_shape = [plain[i] for i in bucket]
-                idx = [k for k, p in enumerate(same_shape) if p.grad is not None]
-                if idx:
-                    grads = [same_shape[k].grad for k in idx]  # eager: stacked slice by slice, in small memory
-                    grads = torch.stack(grads) if self.compiled else grads
-                    updated = self._muon_step(group, same_shape, grads, idx, stack=self.compiled)
-                    if self.compiled:
-                        torch._foreach_copy_([same_shape[k] for k in idx], list(updated.unbind(0)))
+        buckets = self._get_plan()
+        # A param whose grad exists on any rank is updated; a missing grad elsewhere counts as zeros (as DDP).
+        params = [p for g in self.param_groups for p in g["params"]]
+        active = dict(zip(params, self._has_grad(params)))
+        reductions = self._launch_reductions(buckets, active)
+        gathers = self._update_owned(buckets, active, reductions)
+        self._write_back(gathers, active)
         return loss
 
     def _begin_step(self, closure):
@@ -131,6 +156,169 @@ class MuonAdamW(torch.optim.Optimizer):
                 if p.grad is not None:
                     check_grad(i, group, j, p)
         return loss
+
+    def _get_plan(self) -> list[dict]:
+        """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
+        from shapes alone so every rank agrees. Planned group by group, each balanced against the groups
+        before it, and kept: a group added later leaves the others' owners, and so their state, in place."""
+        loads = [0.0] * self.world_size
+        for gi, group in enumerate(self.param_groups):
+            ids = tuple(id(p) for p in group["params"])
+            if gi == len(self._plan) or self._plan[gi][0] != ids:
+                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1] for p in b["params"]):
+                    raise ValueError(f"{group_label(gi, group)}: its params changed after DistMuonAdamW made state "
+                                     "for them; add new params in a new group with add_param_group()")
+                self._plan[gi:gi + 1] = [(ids, self._plan_group(gi, group, loads))]
+            for b in self._plan[gi][1]:
+                loads = [load + len(slots) * b["cost"] for load, slots in zip(loads, b["slots"])]
+        return [b for _, buckets in self._plan for b in buckets]
+
+    def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
+        """One group's buckets, with owners balanced against `loads` (what each rank already owns)."""
+        matrices = [p for p in group["params"] if not isinstance(p, DTensor)] if group["kind"] == "muon" else []
+        keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
+        buckets = []
+        for b in owner_plan(keys, [ns_cost(group, p) for p in matrices], self.world_size, loads):
+            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
+            # rows holds (position, row of the gathered stack) for every matrix
+            rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
+            theirs = [(i, row) for i, row in rows if row // b["per_rank"] != self.rank]
+            padding = sorted(set(range(self.world_size * b["per_rank"])) - {row for _, row in rows})
+            buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]], mine=b["slots"][self.rank],
+                                rows=rows, theirs=theirs, padding=padding))
+        return buckets
+
+    def _adamw_route(self, p: Tensor) -> str:
+        """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'local' (one rank), 'small' or
+        'sharded'."""
+        if isinstance(p, DTensor):
+            return "dtensor"
+        return "local" if self.world_size == 1 else "small" if p.numel() < self.SMALL else "sharded"
+
+    def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
+        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2. Each Muon bucket's
+        grads move into one buffer, rank r's slots in chunk r, and leave the params as they go (p.grad = None), so
+        the buffer takes the memory the grads gave back: no copy of the grads exists at any time."""
+        N = self.world_size
+        if N == 1:
+            return dict(small=[], sharded={}, muon={})
+        grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
+        adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
+        small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
+        small_params = [p for p in adamw if self._adamw_route(p) == "small"]
+        for ps in ([small_params[i] for i in b] for b in bucket_by([p.dtype for p in small_params])):
+            buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
+            small.append((ps, buf, self._all_reduce(buf)))
+        sharded = {}  # param -> (work, flat grad: reduced in place)
+        for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
+            flat = grad_or_zeros(p).reshape(-1)
+            if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):  # equal chunks: pad (a copy of this grad)
+                flat = torch.cat([flat, flat.new_zeros(pad)])
+            sharded[p] = (self._reduce(flat), flat)
+        muon = {}  # bucket index -> (work, buffer of the bucket's grads)
+        for bi, b in enumerate(buckets):
+            if not any(active[p] for p in b["params"]):
+                continue
+            buf = b["params"][0].new_empty((N * b["per_rank"], *b["params"][0].shape))
+            for row in b["padding"]:
+                buf[row].zero_()
+            for i, row in b["rows"]:
+                p = b["params"][i]
+                if p.grad is None:  # no grad on this rank counts as zeros (as in DDP)
+                    buf[row].zero_()
+                else:
+                    buf[row].copy_(p.grad)
+                    p.grad = None
+            muon[bi] = (self._reduce(buf), buf)
+        return dict(small=small, sharded=sharded, muon=muon)
+
+    def _update_owned(self, buckets: list[dict], active: dict, reductions: dict) -> list:
+        """Phase 2: group by group, wait for the reductions, update what this rank owns, launch the
+        gathers; returns them as (works, target, buffer): target None (gathered in place), a padded
+        AdamW param, or a Muon bucket."""
+        gathers = []
+        small_grads = None
+        for gi, group in enumerate(self.param_groups):
+            if group["kind"] == "muon":
+                for bi, b in enumerate(buckets):
+                    if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
+                        gathers.append(self._update_muon_bucket(group, b, active, reductions["muon"].get(bi)))
+                if has_dtensors(group["params"]):  # FSDP2 / TP params
+                    muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
+                continue
+            for p in (p for p in group["params"] if active[p]):
+                route = self._adamw_route(p)
+                if route in ("dtensor", "local"):  # reduced already, or nothing to reduce
+                    self._adamw_step(group, p, p.grad, self.state[p])
+                elif route == "small":
+                    if small_grads is None:  # the first small param waits for all of them
+                        small_grads = {}
+                        for ps, buf, work in reductions["small"]:
+                            work.wait()
+                            self._finish_mean(buf)
+                            small_grads.update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
+                    self._adamw_step(group, p, small_grads[p].view_as(p), self.state[p])
+                else:
+                    gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
+        return gathers
+
+    def _update_adamw_shard(self, group: dict, p: Tensor, work, flat: Tensor):
+        """AdamW on this rank's flat shard of p, then the gather that rebuilds p on every rank."""
+        work.wait()
+        _, lo, hi = self._rows(p)
+        self._finish_mean(flat[lo:hi])
+        p_flat = p.view(-1)
+        self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
+        if len(flat) == p.numel():  # gather straight into the param; our shard is in place
+            return self._gather(p_flat, p.numel(), p), None, None
+        flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
+        return self._gather(flat, p.numel(), p), p, flat
+
+    def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced) -> tuple | None:
+        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank (the grads are
+        where autograd left them), else (work, buffer) of the reduction: then the new values go into this
+        rank's chunk of the buffer (the grads there are spent), and the gather of every chunk starts."""
+        mine = [b["params"][i] for i in b["mine"]]
+        idx = [k for k, p in enumerate(mine) if active[p]]
+        if reduced is None:
+            if idx:
+                grads = [mine[k].grad for k in idx]  # eager: stacked slice by slice, in small memory
+                self._update_matrices(group, mine, torch.stack(grads) if self.compiled else grads, idx)
+            return None
+        work, buf = reduced
+        work.wait()
+        if idx:
+            rows = self._own_chunk(buf)[:len(mine)]
+            self._finish_mean(rows)
+            self._update_matrices(group, mine, rows if len(idx) == len(mine) else rows[idx], idx)
+            torch._foreach_copy_([rows[k] for k in idx], [mine[k] for k in idx])
+        return self._gather(buf, len(buf)), b, buf
+
+    def _update_matrices(self, group: dict, params: list[Tensor], grads, idx: list[int]) -> None:
+        """Muon on params[k] for k in idx, in place: eager on the params themselves; compiled through a
+        stack (a list would recompile per length), copied back."""
+        if self.compiled:
+            updated = self._muon_step(group, params, grads, idx, stack=True)
+            torch._foreach_copy_([params[k] for k in idx], list(updated.unbind(0)))
+        else:
+            self._muon_step(group, params, grads, idx, stack=False)
+
+    def _write_back(self, gathers: list, active: dict) -> None:
+        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the grads this optimizer
+        reduced (spent, their memory reused): on return they are None, as after zero_grad()."""
+        if self.world_size == 1:  # nothing was reduced: the grads stay, as with any torch optimizer
+            return
+        for works, target, buf in (g for g in gathers if g is not None):
+            for work in works:
+                work.wait()
+            if isinstance(target, Tensor):  # a padded AdamW param (None: gathered in place)
+                target.view(-1).copy_(buf[:target.numel()])
+            elif target is not None:  # a Muon bucket: the other ranks' matrices (ours are updated)
+                rows = [(target["params"][i], row) for i, row in target["theirs"] if active[target["params"][i]]]
+                if rows:
+                    torch._foreach_copy_([p for p, _ in rows], [buf[row] for _, row in rows])
+        for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
+            p.grad = None
 
     def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int], stack: bool) -> Tensor:
         """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is every param of one
@@ -199,145 +387,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._stacks[key] = (layout, (stacks[0], stacks[1] if len(stacks) > 1 else None))
         return self._stacks[key][1]
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        if (shard := state_dict.get("nanomuon_shard")) is not None:
-            raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
-                             f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
-                             "into MuonAdamW or at another world size")
-        check_state_dict(self.param_groups, state_dict)
-        self._torch_load(state_dict)
-
-    def _torch_load(self, state_dict: dict) -> None:
-        """torch's load_state_dict, then: this run's structural options kept (torch restores the saved
-        group values), defaults for options newer than the checkpoint, and second moments back in fp32
-        (torch casts state to the param dtype)."""
-        keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
-        for group, kept in zip(self.param_groups, keep):
-            group.update(kept)
-            if (method := group.pop("ns_method", None)) is not None:  # saved before the orthogonalizer registry
-                group.setdefault("orthogonalizer", dict(standard="newton_schulz", gram="gram_newton_schulz")
-                                 .get(method, "auto"))
-            for key, default in OPTIONAL_KEYS[group["kind"]].items():
-                group.setdefault(key, default)
-        by_id = saved_params(self.param_groups, state_dict)
-        for pid, st in state_dict["state"].items():
-            if (second := st.get("second_momentum_buffer")) is not None:  # the saved fp32, not torch's cast copy
-                p = by_id[pid]
-                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
-        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
-
-    def full_state_dict(self) -> dict:
-        """The whole, world-size-independent state: state_dict() for plain params; with DTensor params
-        (FSDP2, tensor parallel) their state is gathered, a collective to call on every rank. The same
-        format as DistMuonAdamW.full_state_dict(), so checkpoints move between the three setups."""
-        sd = self.state_dict()
-        sharded = has_dtensors(p for g in self.param_groups for p in g["params"])
-        return full_state(self.param_groups, self.state, self._sharded_plans, sd) if sharded else sd
-
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each rank keeps
-        its own pieces. A collective where DTensor Muon params are planned."""
-        if "nanomuon_shard" in state_dict:
-            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
-        check_state_dict(self.param_groups, state_dict)
-        self._torch_load(self._cut(state_dict, self._state_layout()))
-
-    def _state_layout(self):
-        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of param p. None: not at
-        all; 'whole'; a DTensor block (mesh, placements), as DTensor params' param-shaped state; or (DistMuonAdamW)
-        a slice of the flat param. A collective where DTensor Muon params are planned."""
-        kept = kept_second_moments(self.param_groups, self._sharded_plans)
-
-        def where(p, name, shape):
-            if not isinstance(p, DTensor):
-                return "whole"
-            if name == "second_momentum_buffer":  # whole, on the rank that orthogonalizes p
-                return "whole" if id(p) in kept else None
-            return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
-        return where
-
-    def _cut(self, sd: dict, where) -> dict:
-        """A whole state (state_dict() format, any world size) cut down to what this rank holds, as where() says
-        it holds it; meta tensors become empty pieces, the targets a sharded checkpoint is read into."""
-        by_id, state = saved_params(self.param_groups, sd), {}
-        for pid, st in sd["state"].items():
-            p = by_id[pid]
-            hows = {name: where(p, name, v.shape) if isinstance(v, Tensor) else "whole" for name, v in st.items()}
-            if mine := {name: state_piece(v, hows[name], p) for name, v in st.items() if hows[name] is not None}:
-                state[pid] = mine
-        return dict(sd, state=state)
-
-    def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
-        """v, a state tensor this rank holds, as a sharded checkpoint stores it (DistMuonAdamW wraps its flat
-        shards as blocks)."""
-        return v
-
-    def sharded_state_dict(self) -> tuple[dict, dict]:
-        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py): (tensors, rest).
-        tensors['<param index>.<name>'] is each state tensor this rank holds: a DTensor where it holds a block,
-        else whole (DCP writes a tensor many ranks hold once). rest is state_dict() without them (the groups,
-        step counts), the same on every rank. A collective where DTensor Muon params are planned."""
-        where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
-        params = [p for g in self.param_groups for p in g["params"]]
-        tensors, rest = {}, {}
-        for idx, st in sd["state"].items():
-            p = params[idx]
-            for name, v in st.items():
-                if isinstance(v, Tensor):
-                    tensors[f"{idx}.{name}"] = self._dcp_form(v, p, where(p, name, p.shape))
-                else:
-                    rest.setdefault(idx, {})[name] = v
-        return tensors, dict(sd, state=rest)
-
-    def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
-        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>'] = (shape, dtype)
-        of each saved tensor (the checkpoint's metadata); read(targets) fills this rank's pieces in place
-        (torch.distributed.checkpoint.load, a collective), and they become the state."""
-        state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
-        for key, (shape, dtype) in shapes.items():
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
-        like = dict(rest, state=state)
-        check_state_dict(self.param_groups, like)
-        where, by_id = self._state_layout(), saved_params(self.param_groups, like)
-        cut = self._cut(like, where)
-        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid], where(by_id[pid], name, by_id[pid].shape))
-              for pid, st in cut["state"].items() for name, v in st.items() if isinstance(v, Tensor)})
-        self._torch_load(cut)
-
-
-class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW for data parallel training under torch.distributed (gloo on CPU, nccl on GPU), with no DDP wrapper
-    (README, "Data parallel: DistMuonAdamW"). ZeRO-1 in DeepSpeed's terms: the state is sharded, the grads are
-    whole until step() reduces them in place and frees them (on return they are None).
-
-    step() runs in three phases so communication overlaps compute (_launch_reductions, _update_owned, _write_back).
-    Each rank keeps state only for what it updates; nothing needs to divide by the world size. DTensor params in the
-    same groups arrive reduced, so they skip the reductions."""
-
-    SMALL = 1024  # params with fewer elements are all_reduced and updated redundantly on every rank
-
-    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: launch with "
-                             "torchrun and call torch.distributed.init_process_group() first, or use MuonAdamW "
-                             "on a single device")
-        super().__init__(param_groups, compile=compile)
-        for i, group in enumerate(self.param_groups):
-            for j, p in enumerate(group["params"]):
-                if not isinstance(p, DTensor) and not p.is_contiguous():
-                    raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
-                                     "memory and needs contiguous params; use p.data = p.data.contiguous()")
-        self.pg = process_group
-        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-        # gloo in older torch lacks ReduceOp.AVG; sum there and scale the (smaller) reduced shard instead.
-        self._use_avg = dist.get_backend(process_group) == "nccl"
-        self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
-        self._plan = []
-        self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
-        self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
+    # Communication (data parallel only).
 
     def _own_chunk(self, buf: Tensor) -> Tensor:  # this rank's chunk of buf's dim 0, cut in N equal chunks
         return buf.chunk(self.world_size)[self.rank]
@@ -389,6 +439,8 @@ class DistMuonAdamW(MuonAdamW):
         step nothing is read back to the host: it joins the flags' all_reduce (every rank must) with a cached all-ones
         tensor that MAX leaves as it is (with nccl, wait() orders the stream). A rank missing a grad reads the flags."""
         mine = [p.grad is not None for p in params]
+        if self.world_size == 1:
+            return mine
         if not all(mine):
             return self._any_rank(mine)
         if self._ones is None or len(self._ones) != len(params):
@@ -396,188 +448,68 @@ class DistMuonAdamW(MuonAdamW):
         self._all_reduce(self._ones, op=dist.ReduceOp.MAX).wait()
         return mine
 
-    def _get_plan(self) -> list[dict]:
-        """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
-        from shapes alone so every rank agrees. Planned group by group, each balanced against the groups
-        before it, and kept: a group added later leaves the others' owners, and so their state, in place."""
-        loads = [0.0] * self.world_size
-        for gi, group in enumerate(self.param_groups):
-            ids = tuple(id(p) for p in group["params"])
-            if gi == len(self._plan) or self._plan[gi][0] != ids:
-                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1] for p in b["params"]):
-                    raise ValueError(f"{group_label(gi, group)}: its params changed after DistMuonAdamW made state "
-                                     "for them; add new params in a new group with add_param_group()")
-                self._plan[gi:gi + 1] = [(ids, self._plan_group(gi, group, loads))]
-            for b in self._plan[gi][1]:
-                loads = [load + len(slots) * b["cost"] for load, slots in zip(loads, b["slots"])]
-        return [b for _, buckets in self._plan for b in buckets]
-
-    def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
-        """One group's buckets, with owners balanced against `loads` (what each rank already owns)."""
-        matrices = [p for p in group["params"] if not isinstance(p, DTensor)] if group["kind"] == "muon" else []
-        keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
-        buckets = []
-        for b in owner_plan(keys, [ns_cost(group, p) for p in matrices], self.world_size, loads):
-            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
-            # rows holds (position, row of the gathered stack) for every matrix
-            rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
-            theirs = [(i, row) for i, row in rows if row // b["per_rank"] != self.rank]
-            padding = sorted(set(range(self.world_size * b["per_rank"])) - {row for _, row in rows})
-            buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]], mine=b["slots"][self.rank],
-                                rows=rows, theirs=theirs, padding=padding))
-        return buckets
-
-    def _adamw_route(self, p: Tensor) -> str:
-        """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'small' or 'sharded'."""
-        return "dtensor" if isinstance(p, DTensor) else "small" if p.numel() < self.SMALL else "sharded"
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._begin_step(closure)
-        buckets = self._get_plan()
-        # A param whose grad exists on any rank is updated; a missing grad elsewhere counts as zeros (as DDP).
-        params = [p for g in self.param_groups for p in g["params"]]
-        active = dict(zip(params, self._has_grad(params)))
-        reductions = self._launch_reductions(buckets, active)
-        gathers = self._update_owned(buckets, active, reductions)
-        self._write_back(gathers, active)
-        return loss
-
-    def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2. Each Muon bucket's
-        grads move into one buffer, rank r's slots in chunk r, and leave the params as they go (p.grad = None), so
-        the buffer takes the memory the grads gave back: no copy of the grads exists at any time."""
-        N = self.world_size
-        grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-        adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
-        small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
-        small_params = [p for p in adamw if self._adamw_route(p) == "small"]
-        for ps in ([small_params[i] for i in b] for b in bucket_by([p.dtype for p in small_params])):
-            buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
-            small.append((ps, buf, self._all_reduce(buf)))
-        sharded = {}  # param -> (work, flat grad: reduced in place)
-        for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
-            flat = grad_or_zeros(p).reshape(-1)
-            if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):  # equal chunks: pad (a copy of this grad)
-                flat = torch.cat([flat, flat.new_zeros(pad)])
-            sharded[p] = (self._reduce(flat), flat)
-        muon = {}  # bucket index -> (work, buffer of the bucket's grads)
-        for bi, b in enumerate(buckets):
-            if not any(active[p] for p in b["params"]):
-                continue
-            buf = b["params"][0].new_empty((N * b["per_rank"], *b["params"][0].shape))
-            for row in b["padding"]:
-                buf[row].zero_()
-            for i, row in b["rows"]:
-                p = b["params"][i]
-                if p.grad is None:  # no grad on this rank counts as zeros (as in DDP)
-                    buf[row].zero_()
-                else:
-                    buf[row].copy_(p.grad)
-                    p.grad = None
-            muon[bi] = (self._reduce(buf), buf)
-        return dict(small=small, sharded=sharded, muon=muon)
-
-    def _update_owned(self, buckets: list[dict], active: dict, reductions: dict) -> list:
-        """Phase 2: group by group, wait for the reductions, update what this rank owns, launch the
-        gathers; returns them as (works, target, buffer): target None (gathered in place), a padded
-        AdamW param, or a Muon bucket."""
-        gathers = []
-        small_grads = None
-        for gi, group in enumerate(self.param_groups):
-            if group["kind"] == "muon":
-                for bi, b in enumerate(buckets):
-                    if b["group"] == gi and bi in reductions["muon"]:
-                        gathers.append(self._update_muon_bucket(group, b, active, *reductions["muon"][bi]))
-                if has_dtensors(group["params"]):  # FSDP2 / TP params
-                    muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
-                continue
-            for p in (p for p in group["params"] if active[p]):
-                route = self._adamw_route(p)
-                if route == "dtensor":  # already reduced and sharded: update the local shard
-                    self._adamw_step(group, p, p.grad, self.state[p])
-                elif route == "small":
-                    if small_grads is None:  # the first small param waits for all of them
-                        small_grads = {}
-                        for ps, buf, work in reductions["small"]:
-                            work.wait()
-                            self._finish_mean(buf)
-                            small_grads.update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
-                    self._adamw_step(group, p, small_grads[p].view_as(p), self.state[p])
-                else:
-                    gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
-        return gathers
-
-    def _update_adamw_shard(self, group: dict, p: Tensor, work, flat: Tensor):
-        """AdamW on this rank's flat shard of p, then the gather that rebuilds p on every rank."""
-        work.wait()
-        _, lo, hi = self._rows(p)
-        self._finish_mean(flat[lo:hi])
-        p_flat = p.view(-1)
-        self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
-        if len(flat) == p.numel():  # gather straight into the param; our shard is in place
-            return self._gather(p_flat, p.numel(), p), None, None
-        flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
-        return self._gather(flat, p.numel(), p), p, flat
-
-    def _update_muon_bucket(self, group: dict, b: dict, active: dict, work, buf: Tensor):
-        """Muon on the bucket's matrices this rank owns, in place, then their new values into this rank's chunk
-        of the buffer (the grads there are spent) and the gather of every rank's chunk."""
-        work.wait()
-        mine = [b["params"][i] for i in b["mine"]]
-        idx = [k for k, p in enumerate(mine) if active[p]]
-        if idx:
-            rows = self._own_chunk(buf)[:len(mine)]
-            self._finish_mean(rows)
-            grads = rows if len(idx) == len(mine) else rows[idx]
-            updated = [mine[k] for k in idx]
-            if self.compiled:  # a stack of what this rank owns (a list would recompile per length)
-                torch._foreach_copy_(updated, list(self._muon_step(group, mine, grads, idx, stack=True).unbind(0)))
-            else:
-                self._muon_step(group, mine, grads, idx, stack=False)
-            torch._foreach_copy_([rows[k] for k in idx], updated)
-        return self._gather(buf, len(buf)), b, buf
-
-    def _write_back(self, gathers: list, active: dict) -> None:
-        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the grads this optimizer
-        reduced (spent, their memory reused): on return they are None, as after zero_grad()."""
-        for works, target, buf in gathers:
-            for work in works:
-                work.wait()
-            if isinstance(target, Tensor):  # a padded AdamW param (None: gathered in place)
-                target.view(-1).copy_(buf[:target.numel()])
-            elif target is not None:  # a Muon bucket: the other ranks' matrices (ours are updated)
-                rows = [(target["params"][i], row) for i, row in target["theirs"] if active[target["params"][i]]]
-                if rows:
-                    torch._foreach_copy_([p for p, _ in rows], [buf[row] for _, row in rows])
-        for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
-            p.grad = None
+    # State: torch's format, the whole one, and a sharded checkpoint's.
 
     def state_dict(self) -> dict:
+        """torch's format; data parallel, this rank's shard of it, marked as such (full_state_dict() and
+        sharded_state_dict() are the world-size-independent forms)."""
         sd = super().state_dict()
-        sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size, cut="rows")
+        if self.world_size > 1:
+            sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size, cut="rows")
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load this rank's own shard, saved by state_dict() at the same rank and world size."""
+        """Load what state_dict() saved: on one rank, a whole state; data parallel, this rank's own shard,
+        saved at the same rank and world size."""
         shard = state_dict.get("nanomuon_shard")
-        if shard is None:
+        mine = dict(rank=self.rank, world_size=self.world_size, cut="rows")
+        if self.world_size == 1 and shard is not None:
+            raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
+                             f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
+                             "on one rank or at another world size")
+        if self.world_size > 1 and shard is None:
             raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full (world-size-independent) "
                              "state with load_full_state_dict()")
-        if shard.get("cut") != "rows":  # before AdamW params were cut in whole rows
+        if self.world_size > 1 and shard.get("cut") != "rows":  # before AdamW params were cut in whole rows
             raise ValueError("this shard was saved by an older nanomuon, which cut AdamW params elsewhere; save the "
                              "state there with full_state_dict() and load that with load_full_state_dict()")
-        if shard != dict(rank=self.rank, world_size=self.world_size, cut="rows"):
+        if self.world_size > 1 and shard != mine:
             raise ValueError(f"this shard was saved by rank {shard['rank']} of {shard['world_size']}, but this is rank "
                              f"{self.rank} of {self.world_size}; to change world size, save with full_state_dict() "
                              "and load with load_full_state_dict()")
+        if self.world_size == 1:
+            check_state_dict(self.param_groups, state_dict)
         self._torch_load({k: v for k, v in state_dict.items() if k != "nanomuon_shard"})
 
+    def _torch_load(self, state_dict: dict) -> None:
+        """torch's load_state_dict, then: this run's structural options kept (torch restores the saved
+        group values), defaults for options newer than the checkpoint, and second moments back in fp32
+        (torch casts state to the param dtype)."""
+        keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        for group, kept in zip(self.param_groups, keep):
+            group.update(kept)
+            if (method := group.pop("ns_method", None)) is not None:  # saved before the orthogonalizer registry
+                group.setdefault("orthogonalizer", dict(standard="newton_schulz", gram="gram_newton_schulz")
+                                 .get(method, "auto"))
+            for key, default in OPTIONAL_KEYS[group["kind"]].items():
+                group.setdefault(key, default)
+        by_id = saved_params(self.param_groups, state_dict)
+        for pid, st in state_dict["state"].items():
+            if (second := st.get("second_momentum_buffer")) is not None:  # the saved fp32, not torch's cast copy
+                p = by_id[pid]
+                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
+        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
+
     def full_state_dict(self) -> dict:
-        """The whole optimizer state, gathered on every rank, in MuonAdamW.state_dict() format: loadable by
-        load_full_state_dict() at any world size. A collective: call it on all ranks (then save from one)."""
+        """The whole optimizer state, on every rank, in the one-rank state_dict() format: loadable by
+        load_full_state_dict() at any world size. A collective (data parallel, or with DTensor params): call
+        it on all ranks (then save from one)."""
         N = self.world_size
         params = [p for g in self.param_groups for p in g["params"]]
+        if N == 1:
+            sd = self.state_dict()
+            return full_state(self.param_groups, self.state, self._sharded_plans, sd) if has_dtensors(params) else sd
         kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
@@ -618,15 +550,28 @@ class DistMuonAdamW(MuonAdamW):
             sd = full_state(self.param_groups, self.state, self._sharded_plans, sd)
         return sd
 
+    def load_full_state_dict(self, state_dict: dict) -> None:
+        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each rank keeps
+        its own pieces. A collective where DTensor Muon params are planned."""
+        if "nanomuon_shard" in state_dict:
+            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
+        check_state_dict(self.param_groups, state_dict)
+        self._torch_load(self._cut(state_dict, self._state_layout()))
+
     def _state_layout(self):
-        """MuonAdamW's, plus: Muon state on its owner only; large AdamW params' state as this rank's rows of p."""
-        dtensor_where = super()._state_layout()
+        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of param p. None: not at
+        all; 'whole'; a DTensor block (mesh, placements), as DTensor params' param-shaped state; or (data
+        parallel) a slice of the flat param: Muon state on its owner only, large AdamW params' state as this
+        rank's rows of p. A collective where DTensor Muon params are planned."""
+        kept = kept_second_moments(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
 
         def where(p, name, shape):
             if isinstance(p, DTensor):
-                return dtensor_where(p, name, shape)
+                if name == "second_momentum_buffer":  # whole, on the rank that orthogonalizes p
+                    return "whole" if id(p) in kept else None
+                return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
             if kinds[p] == "muon":
                 return "whole" if p in owned else None
             if self._adamw_route(p) == "sharded" and tuple(shape) == tuple(p.shape):
@@ -634,10 +579,67 @@ class DistMuonAdamW(MuonAdamW):
             return "whole"
         return where
 
+    def _cut(self, sd: dict, where) -> dict:
+        """A whole state (state_dict() format, any world size) cut down to what this rank holds, as where() says
+        it holds it; meta tensors become empty pieces, the targets a sharded checkpoint is read into."""
+        by_id, state = saved_params(self.param_groups, sd), {}
+        for pid, st in sd["state"].items():
+            p = by_id[pid]
+            hows = {name: where(p, name, v.shape) if isinstance(v, Tensor) else "whole" for name, v in st.items()}
+            if mine := {name: state_piece(v, hows[name], p) for name, v in st.items() if hows[name] is not None}:
+                state[pid] = mine
+        return dict(sd, state=state)
+
     def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
+        """v, a state tensor this rank holds, as a sharded checkpoint stores it: a flat shard of rows as a
+        block of p (a DTensor over the process group); anything else as it is."""
         if not isinstance(how, slice):
             return v
         if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
             self._mesh = DeviceMesh.from_group(self.pg or dist.group.WORLD, p.device.type)
         return DTensor.from_local(v.view(-1, *p.shape[1:]), self._mesh, (Shard(0),), shape=p.shape, stride=p.stride(),
                                   run_check=False)
+    def sharded_state_dict(self) -> tuple[dict, dict]:
+        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py): (tensors, rest).
+        tensors['<param index>.<name>'] is each state tensor this rank holds: a DTensor where it holds a block,
+        else whole (DCP writes a tensor many ranks hold once). rest is state_dict() without them (the groups,
+        step counts), the same on every rank. A collective where DTensor Muon params are planned."""
+        where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
+        params = [p for g in self.param_groups for p in g["params"]]
+        tensors, rest = {}, {}
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            for name, v in st.items():
+                if isinstance(v, Tensor):
+                    tensors[f"{idx}.{name}"] = self._dcp_form(v, p, where(p, name, p.shape))
+                else:
+                    rest.setdefault(idx, {})[name] = v
+        return tensors, dict(sd, state=rest)
+
+    def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
+        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>'] = (shape, dtype)
+        of each saved tensor (the checkpoint's metadata); read(targets) fills this rank's pieces in place
+        (torch.distributed.checkpoint.load, a collective), and they become the state."""
+        state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
+        for key, (shape, dtype) in shapes.items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
+        like = dict(rest, state=state)
+        check_state_dict(self.param_groups, like)
+        where, by_id = self._state_layout(), saved_params(self.param_groups, like)
+        cut = self._cut(like, where)
+        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid], where(by_id[pid], name, by_id[pid].shape))
+              for pid, st in cut["state"].items() for name, v in st.items() if isinstance(v, Tensor)})
+        self._torch_load(cut)
+
+
+class DistMuonAdamW(MuonAdamW):
+    """MuonAdamW, data parallel over the default process group (or process_group): the name nanochat's
+    distributed optimizer had. No step logic of its own."""
+
+    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: launch with "
+                             "torchrun and call torch.distributed.init_process_group() first, or use MuonAdamW "
+                             "on a single device")
+        super().__init__(param_groups, compile, process_group or dist.group.WORLD)

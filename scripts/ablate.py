@@ -33,7 +33,14 @@ import torch
 
 import nanomuon
 from nanomuon.checkpoint import run_arg
-from nanomuon.common import DTYPES, check_device_type, get_base_dir, resolve_dtype, user_errors, write_atomic
+from nanomuon.common import (
+    DTYPES,
+    check_device_type,
+    get_base_dir,
+    resolve_dtype,
+    user_errors,
+    write_atomic,
+)
 from nanomuon.dataset import SPLITS, list_shards
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.sources import add_data_args, prepare

@@ -14,7 +14,15 @@ import shlex
 
 import torch
 
-from nanomuon.common import DTYPES, compute_cleanup, compute_init, evaluate_bpb, get_base_dir, print0, user_errors
+from nanomuon.common import (
+    DTYPES,
+    compute_cleanup,
+    compute_init,
+    evaluate_bpb,
+    get_base_dir,
+    print0,
+    user_errors,
+)
 from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS
 from nanomuon.sources import add_data_args, prepare

@@ -2,7 +2,7 @@
 The layout claims of the README, checked on the source: no import cycles between nanomuon modules
 (imports inside functions count), the update math imports only torch, sharded.py and plan.py never
 reach optim.py, the model file imports no baseline, every file says why it exists, no function runs over
-80 lines, and no comment cites an issue number.
+80 lines, lines read at 100 columns, and no comment cites an issue number.
 """
 
 import ast
@@ -99,6 +99,13 @@ def test_functions_stay_short():
     """No function of the library or the scripts runs over 80 lines: size follows from clarity."""
     long = {f"{p.relative_to(ROOT)}:{name}": n for p in LIBRARY + SCRIPTS for name, n in functions(p) if n > 80}
     assert not long, f"functions over 80 lines: {long}"
+
+
+def test_lines_read_at_100_columns():
+    """At most 8% of the library's and the scripts' lines run past 100 characters (ruff's hard cap is 120)."""
+    lines = [line for p in LIBRARY + SCRIPTS for line in p.read_text().splitlines()]
+    long = sum(len(line) > 100 for line in lines)
+    assert long <= 0.08 * len(lines), f"{long} of {len(lines)} lines are over 100 characters"
 
 
 def test_comments_cite_no_issue_numbers():
