@@ -131,14 +131,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step of every param with a grad (on any rank), in three phases; on one rank the first and
+        the last do nothing."""
         loss = self._begin_step(closure)
         buckets = self._get_plan()
-        # A param whose grad exists on any rank is updated; a missing grad elsewhere counts as zeros (as DDP).
         params = [p for g in self.param_groups for p in g["params"]]
+        # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
         active = dict(zip(params, self._has_grad(params)))
-        reductions = self._launch_reductions(buckets, active)
-        gathers = self._update_owned(buckets, active, reductions)
-        self._write_back(gathers, active)
+        reductions = self._launch_reductions(buckets, active)  # 1: start every reduction
+        gathers = []  # 2: group by group, wait, update what this rank owns, start the gathers
+        for gi, group in enumerate(self.param_groups):
+            if group["kind"] == "adamw":
+                gathers += self._update_adamw_group(group, active, reductions)
+                continue
+            for bi, b in enumerate(buckets):
+                if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
+                    gathers.append(self._update_muon_bucket(group, b, active, reductions["muon"].get(bi)))
+            if has_dtensors(group["params"]):  # FSDP2 / TP params
+                muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
+        self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
         return loss
 
     def _begin_step(self, closure):
@@ -232,34 +243,24 @@ class MuonAdamW(torch.optim.Optimizer):
             muon[bi] = (self._reduce(buf), buf)
         return dict(small=small, sharded=sharded, muon=muon)
 
-    def _update_owned(self, buckets: list[dict], active: dict, reductions: dict) -> list:
-        """Phase 2: group by group, wait for the reductions, update what this rank owns, launch the
-        gathers; returns them as (works, target, buffer): target None (gathered in place), a padded
-        AdamW param, or a Muon bucket."""
+    def _update_adamw_group(self, group: dict, active: dict, reductions: dict) -> list:
+        """AdamW on what this rank updates of an adamw group's active params; returns the gathers of the
+        shards, as (works, target, buffer): target None (gathered in place) or a padded param."""
         gathers = []
-        small_grads = None
-        for gi, group in enumerate(self.param_groups):
-            if group["kind"] == "muon":
-                for bi, b in enumerate(buckets):
-                    if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
-                        gathers.append(self._update_muon_bucket(group, b, active, reductions["muon"].get(bi)))
-                if has_dtensors(group["params"]):  # FSDP2 / TP params
-                    muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
-                continue
-            for p in (p for p in group["params"] if active[p]):
-                route = self._adamw_route(p)
-                if route in ("dtensor", "local"):  # reduced already, or nothing to reduce
-                    self._adamw_step(group, p, p.grad, self.state[p])
-                elif route == "small":
-                    if small_grads is None:  # the first small param waits for all of them
-                        small_grads = {}
-                        for ps, buf, work in reductions["small"]:
-                            work.wait()
-                            self._finish_mean(buf)
-                            small_grads.update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
-                    self._adamw_step(group, p, small_grads[p].view_as(p), self.state[p])
-                else:
-                    gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
+        for p in (p for p in group["params"] if active[p]):
+            route = self._adamw_route(p)
+            if route in ("dtensor", "local"):  # reduced already, or nothing to reduce
+                self._adamw_step(group, p, p.grad, self.state[p])
+            elif route == "small":
+                if "small_grads" not in reductions:  # the first small param waits for all of them
+                    reductions["small_grads"] = {}
+                    for ps, buf, work in reductions["small"]:
+                        work.wait()
+                        self._finish_mean(buf)
+                        reductions["small_grads"].update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
+                self._adamw_step(group, p, reductions["small_grads"][p].view_as(p), self.state[p])
+            else:
+                gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
         return gathers
 
     def _update_adamw_shard(self, group: dict, p: Tensor, work, flat: Tensor):
@@ -280,28 +281,23 @@ class MuonAdamW(torch.optim.Optimizer):
         rank's chunk of the buffer (the grads there are spent), and the gather of every chunk starts."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
-        if reduced is None:
-            if idx:
-                grads = [mine[k].grad for k in idx]  # eager: stacked slice by slice, in small memory
-                self._update_matrices(group, mine, torch.stack(grads) if self.compiled else grads, idx)
-            return None
-        work, buf = reduced
-        work.wait()
+        if reduced is not None:
+            work, buf = reduced
+            work.wait()
         if idx:
-            rows = self._own_chunk(buf)[:len(mine)]
-            self._finish_mean(rows)
-            self._update_matrices(group, mine, rows if len(idx) == len(mine) else rows[idx], idx)
-            torch._foreach_copy_([rows[k] for k in idx], [mine[k] for k in idx])
-        return self._gather(buf, len(buf)), b, buf
-
-    def _update_matrices(self, group: dict, params: list[Tensor], grads, idx: list[int]) -> None:
-        """Muon on params[k] for k in idx, in place: eager on the params themselves; compiled through a
-        stack (a list would recompile per length), copied back."""
-        if self.compiled:
-            updated = self._muon_step(group, params, grads, idx, stack=True)
-            torch._foreach_copy_([params[k] for k in idx], list(updated.unbind(0)))
-        else:
-            self._muon_step(group, params, grads, idx, stack=False)
+            if reduced is None:  # eager: a list, stacked slice by slice in small memory
+                grads = [mine[k].grad for k in idx]
+                grads = torch.stack(grads) if self.compiled else grads
+            else:
+                rows = self._own_chunk(buf)[:len(mine)]
+                self._finish_mean(rows)
+                grads = rows if len(idx) == len(mine) else rows[idx]
+            updated = self._muon_step(group, mine, grads, idx)
+            if self.compiled:  # updated through a stack (a list would recompile per length): copy back
+                torch._foreach_copy_([mine[k] for k in idx], list(updated.unbind(0)))
+            if reduced is not None:
+                torch._foreach_copy_([rows[k] for k in idx], [mine[k] for k in idx])
+        return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
     def _write_back(self, gathers: list, active: dict) -> None:
         """Phase 3: wait for the gathers and copy what arrived into the params; then drop the grads this optimizer
@@ -320,16 +316,16 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
             p.grad = None
 
-    def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int], stack: bool) -> Tensor:
-        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is every param of one
-        shape bucket that this process keeps state for. stack: update a stacked copy and return it; else update
-        the params in place (eager: no stack, no copy back; compiled, a list would recompile per length)."""
+    def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int]):
+        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is every param
+        of one shape bucket that this process keeps state for. Eager, the params are updated in place (no
+        stack, no copy back); compiled, a stacked copy is, and returned."""
         momentum, second = self._muon_stacks(group, params)
         everyone = len(idx) == len(params)
         if not everyone:
             sel = torch.tensor(idx, device=momentum.device)
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
-        stacked = torch.stack([params[i] for i in idx]) if stack else [params[i] for i in idx]
+        stacked = torch.stack([params[i] for i in idx]) if self.compiled else [params[i] for i in idx]
         h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device), self.compiled)
         opts = muon_options(group, params[0].device)
         self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), h, opts)
