@@ -175,13 +175,15 @@ def orthogonalize(G: Tensor, ns: NewtonSchulz, gram: bool = False,
     result (with Gram, one reduction per restart instead of one per iteration)."""
     shape = G.shape
     # an empty slice keeps its batch
-    X = G.to(ns.dtype).reshape(shape[:-2].numel(), shape[-2], shape[-1])
+    X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])
+    # Normalized before the cast, in fp32: fp16 would flush a tiny momentum to zero, or overflow
+    # past 65,504, before the division could bring it near 1.
+    norm = (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+            if cut is None else sq_sum(X, (-2, -1), cut).sqrt())
+    X = (X / (norm * ns.safety + ns.eps)).to(ns.dtype)
     tall = shape[-2] > shape[-1] if cut is None else cut.dim == -2
     if tall:
         X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
-    norm = (X.norm(dim=(-2, -1), keepdim=True) if cut is None
-            else sq_sum(X, (-2, -1), cut).sqrt().to(X.dtype))
-    X = X / (norm * ns.safety + ns.eps)
 
     # X X^T; cut, the partial Grams are summed in fp32, whatever the iteration's dtype
     def gram_of(X):

@@ -522,3 +522,16 @@ def test_cpu_chunked_kernels_equal_one_call(monkeypatch):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     # per step, whole: 2 muon + 2 adamw calls; chunked: 5 + 3 muon (one matrix each), 2 + 1 adamw slices
     assert calls == {"muon": 4 * (2 + 8), "adamw": 4 * (2 + 3)}, calls
+
+
+@pytest.mark.parametrize("gram", [False, True], ids=["standard", "gram"])
+def test_fp16_newton_schulz_keeps_tiny_and_huge_momenta(gram):
+    """Momenta of any scale orthogonalize in fp16 as in fp32: the input is normalized in fp32 before the
+    cast, so entries of 1e-9 do not flush to zero and norms past fp16's 65,504 do not overflow."""
+    coeffs, safety, eps = ns_coefficients("polar_express", 5)
+    G = torch.randn(3, 64, 128, generator=torch.Generator().manual_seed(0))
+    for scale in (1e-9, 1e-7, 1e-3, 1.0, 1e3, 1e5):
+        ref = orthogonalize(G * scale, NewtonSchulz(coeffs, safety, eps, torch.float32), gram)
+        X = orthogonalize(G * scale, NewtonSchulz(coeffs, safety, eps, torch.float16), gram).float()
+        assert torch.isfinite(X).all(), scale
+        assert rel_err(X, ref) < 0.02, (scale, rel_err(X, ref))
