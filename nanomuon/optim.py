@@ -1,28 +1,32 @@
 """
 Muon + AdamW in one optimizer, MuonAdamW, on one device or data parallel over a process group.
 
-Background. Muon (Keller Jordan, 2024: kellerjordan.github.io/posts/muon) trains the hidden matrices of a
-network with SGD momentum whose update is replaced by the nearest semi-orthogonal matrix: with momentum
-M = U S V^T, the step is along U V^T, so every direction the gradient moves gets the same step size.
-U V^T is approximated by a few Newton-Schulz iterations, odd matrix polynomials that push every singular
-value towards 1 using matmuls only, stable in bf16. nanochat (Andrej Karpathy) added the pieces nanomuon
-keeps as defaults: Polar Express coefficients (Amsel, Persson, Musco, Gower 2025), factored variance
-reduction (NorMuon-style), cautious weight decay, and a sqrt(max(1, rows/cols)) lr factor. Embeddings,
-the output head and vectors train with AdamW. nanomuon/reference.py defines the update in float64;
-update_math.py writes it once for every path; this file runs it.
+Background. Muon (Keller Jordan, 2024: kellerjordan.github.io/posts/muon) trains the hidden
+matrices of a network with SGD momentum whose update is replaced by the nearest
+semi-orthogonal matrix: with momentum M = U S V^T, the step is along U V^T, so every direction
+the gradient moves gets the same step size. U V^T is approximated by a few Newton-Schulz
+iterations, odd matrix polynomials that push every singular value towards 1 using matmuls
+only, stable in bf16. nanochat (Andrej Karpathy) added the pieces nanomuon keeps as defaults:
+Polar Express coefficients (Amsel, Persson, Musco, Gower 2025), factored variance reduction
+(NorMuon-style), cautious weight decay, and a sqrt(max(1, rows/cols)) lr factor. Embeddings,
+the output head and vectors train with AdamW. nanomuon/reference.py defines the update in
+float64; update_math.py writes it once for every path; this file runs it.
 
 Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the
 optional keys are declared once, in param_groups.MUON_OPTIONS. Any group may have a 'name', used in
 error messages.
 
-One step for every setup. Without a process group (or with one of a single rank) every phase below is a
-no-op but the update. With one (DistMuonAdamW is MuonAdamW on the default group), the step is ZeRO-1:
-  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's grads move into one buffer);
-  2. update: each Muon matrix by its owner (plan.py balances owners by Newton-Schulz cost), each large
-     AdamW param by rows across the ranks, small ones everywhere; state lives only where it updates;
+One step for every setup. Without a process group (or with one of a single rank) every phase
+below is a no-op but the update. With one (DistMuonAdamW is MuonAdamW on the default group),
+the step is ZeRO-1:
+  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's grads move into
+     one buffer);
+  2. update: each Muon matrix by its owner (plan.py balances owners by Newton-Schulz cost),
+     each large AdamW param by rows across the ranks, small ones everywhere; state lives
+     only where it updates;
   3. gather: every rank gets every updated param back, bitwise identical.
-DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py, which calls the same
-math with communication between its stages.
+DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py, which calls the
+same math with communication between its stages.
 """
 
 import torch
@@ -64,34 +68,41 @@ from nanomuon.update_math import (
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for matrices, AdamW for the rest (README, "The optimizer"); with process_group, data parallel
-    (README, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and frees them (on
-    return they are None, as after zero_grad()).
+    """Muon for matrices, AdamW for the rest (README, "The optimizer"); with process_group, data
+    parallel (README, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and
+    frees them (on return they are None, as after zero_grad()).
 
     Muon buffers are views into one stacked buffer per shape, which is how the fused update avoids
     re-stacking its state every step; state_dict() is still the usual per-parameter torch format.
-    compile: run the update through torch.compile. None (default): on for CUDA params, off otherwise."""
+    compile: run the update through torch.compile. None (default): on for CUDA params, off
+    otherwise."""
 
-    SMALL = 1024  # data parallel: params with fewer elements are all_reduced and updated on every rank
+    # data parallel: params with fewer elements are all_reduced and updated on every rank
+    SMALL = 1024
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
-    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups", "transposed")
+    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups",
+                       "transposed")
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
-            raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' or kind='muon', "
-                            "e.g. [dict(kind='muon', params=..., lr=..., momentum=..., ns_steps=..., beta2=..., "
-                            "weight_decay=...), dict(kind='adamw', ...)]")
+            raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' "
+                            "or kind='muon', e.g. [dict(kind='muon', params=..., lr=..., "
+                            "momentum=..., ns_steps=..., beta2=..., weight_decay=...), "
+                            "dict(kind='adamw', ...)]")
         if len(param_groups) == 0:
             raise ValueError("MuonAdamW got no param groups; pass at least one group")
-        # each group goes through add_param_group; a 'momentum' default is what lets OneCycleLR and CyclicLR
-        # cycle momentum (Muon's momentum; AdamW's beta1, see _begin_step)
+        # each group goes through add_param_group; a 'momentum' default is what lets OneCycleLR and
+        # CyclicLR cycle momentum (Muon's momentum; AdamW's beta1, see _begin_step)
         super().__init__(list(param_groups), defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        self._stacks = {}  # tuple of param ids -> (state layout, (momentum stack, second-moment stack or None))
-        self._sharded_plans = {}  # DTensor Muon params: owners and blocks (sharded.py keeps them here)
-        self._plan = []  # (param ids, buckets) per group: the owners of plain Muon params (_get_plan)
+        # tuple of param ids -> (state layout, (momentum stack, second-moment stack or None))
+        self._stacks = {}
+        # DTensor Muon params: owners and blocks (sharded.py keeps them here)
+        self._sharded_plans = {}
+        # (param ids, buckets) per group: the owners of plain Muon params (_get_plan)
+        self._plan = []
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self.pg, self.rank, self.world_size = process_group, 0, 1
@@ -99,17 +110,21 @@ class MuonAdamW(torch.optim.Optimizer):
             self._join(process_group)
 
     def _join(self, process_group) -> None:
-        """Train data parallel over process_group: flat sharding needs contiguous params; gloo in older
-        torch lacks ReduceOp.AVG, so there the sum is taken and the (smaller) reduced shard scaled."""
+        """Train data parallel over process_group: flat sharding needs contiguous params;
+        gloo in older torch lacks ReduceOp.AVG, so there the sum is taken and the (smaller)
+        reduced shard scaled."""
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 if not isinstance(p, DTensor) and not p.is_contiguous():
-                    raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards params as flat "
-                                     "memory and needs contiguous params; use p.data = p.data.contiguous()")
-        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+                    raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards "
+                                     "params as flat memory and needs contiguous params; use "
+                                     "p.data = p.data.contiguous()")
+        self.rank, self.world_size = (dist.get_rank(process_group),
+                                      dist.get_world_size(process_group))
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
+        # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
+        self._scatter = self._use_avg
 
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
@@ -118,21 +133,24 @@ class MuonAdamW(torch.optim.Optimizer):
             params = group["params"]
             group["params"] = [params] if isinstance(params, Tensor) else list(params)
         check_group(i, group)
-        seen = {p: (gi, j) for gi, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])}
+        seen = {p: (gi, j) for gi, g in enumerate(self.param_groups)
+                for j, p in enumerate(g["params"])}
         for j, p in enumerate(group["params"]):
             if p in seen:
-                where = f"param group {seen[p][0]} (param {seen[p][1]})" if seen[p][0] != i else f"param {seen[p][1]}"
-                raise ValueError(f"{group_label(i, group)}, param {j} is already in {where}; each parameter "
-                                 "must appear exactly once across all groups")
+                where = (f"param group {seen[p][0]} (param {seen[p][1]})" if seen[p][0] != i
+                         else f"param {seen[p][1]}")
+                raise ValueError(f"{group_label(i, group)}, param {j} is already in {where}; "
+                                 "each parameter must appear exactly once across all groups")
             seen[p] = (i, j)
         super().add_param_group(group)
-        for key, default in OPTIONAL_KEYS[group["kind"]].items():  # state_dict() records what actually ran
+        # state_dict() records what actually ran
+        for key, default in OPTIONAL_KEYS[group["kind"]].items():
             self.param_groups[-1].setdefault(key, default)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every param with a grad (on any rank), in three phases; on one rank the first and
-        the last do nothing."""
+        """One step of every param with a grad (on any rank), in three phases; on one rank
+        the first and the last do nothing."""
         loss = self._begin_step(closure)
         buckets = self._get_plan()
         params = [p for g in self.param_groups for p in g["params"]]
@@ -146,22 +164,24 @@ class MuonAdamW(torch.optim.Optimizer):
                 continue
             for bi, b in enumerate(buckets):
                 if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
-                    gathers.append(self._update_muon_bucket(group, b, active, reductions["muon"].get(bi)))
+                    gathers.append(self._update_muon_bucket(group, b, active,
+                                                            reductions["muon"].get(bi)))
             if has_dtensors(group["params"]):  # FSDP2 / TP params
                 muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
         self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
         return loss
 
     def _begin_step(self, closure):
-        """The closure's loss (None without one), then every check that can fail, before any math runs, so a
-        bad step changes nothing."""
+        """The closure's loss (None without one), then every check that can fail, before any
+        math runs, so a bad step changes nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
             check_group_values(i, group)
-            if group["kind"] == "adamw" and group.get("momentum") is not None:  # set by OneCycleLR, CyclicLR
+            # set by OneCycleLR, CyclicLR
+            if group["kind"] == "adamw" and group.get("momentum") is not None:
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
@@ -169,61 +189,72 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _get_plan(self) -> list[dict]:
-        """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan), computed
-        from shapes alone so every rank agrees. Planned group by group, each balanced against the groups
-        before it, and kept: a group added later leaves the others' owners, and so their state, in place."""
+        """The Muon buckets of plain (non-DTensor) params with their owners
+        (plan.owner_plan), computed from shapes alone so every rank agrees. Planned group by
+        group, each balanced against the groups before it, and kept: a group added later
+        leaves the others' owners, and so their state, in place."""
         loads = [0.0] * self.world_size
         for gi, group in enumerate(self.param_groups):
             ids = tuple(id(p) for p in group["params"])
             if gi == len(self._plan) or self._plan[gi][0] != ids:
-                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1] for p in b["params"]):
-                    raise ValueError(f"{group_label(gi, group)}: its params changed after DistMuonAdamW made state "
-                                     "for them; add new params in a new group with add_param_group()")
+                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1]
+                                                for p in b["params"]):
+                    raise ValueError(f"{group_label(gi, group)}: its params changed after "
+                                     "DistMuonAdamW made state for them; add new params in a new "
+                                     "group with add_param_group()")
                 self._plan[gi:gi + 1] = [(ids, self._plan_group(gi, group, loads))]
             for b in self._plan[gi][1]:
                 loads = [load + len(slots) * b["cost"] for load, slots in zip(loads, b["slots"])]
         return [b for _, buckets in self._plan for b in buckets]
 
     def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
-        """One group's buckets, with owners balanced against `loads` (what each rank already owns)."""
-        matrices = [p for p in group["params"] if not isinstance(p, DTensor)] if group["kind"] == "muon" else []
+        """One group's buckets, with owners balanced against `loads` (what each rank already
+        owns)."""
+        matrices = ([p for p in group["params"] if not isinstance(p, DTensor)]
+                    if group["kind"] == "muon" else [])
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
         buckets = []
         for b in owner_plan(keys, [ns_cost(group, p) for p in matrices], self.world_size, loads):
-            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank, so
-            # rows holds (position, row of the gathered stack) for every matrix
-            rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"]) for j, i in enumerate(slots)]
+            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank,
+            # so rows holds (position, row of the gathered stack) for every matrix
+            rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"])
+                    for j, i in enumerate(slots)]
             theirs = [(i, row) for i, row in rows if row // b["per_rank"] != self.rank]
             padding = sorted(set(range(self.world_size * b["per_rank"])) - {row for _, row in rows})
-            buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]], mine=b["slots"][self.rank],
-                                rows=rows, theirs=theirs, padding=padding))
+            buckets.append(dict(b, group=gi, params=[matrices[i] for i in b["members"]],
+                                mine=b["slots"][self.rank], rows=rows, theirs=theirs,
+                                padding=padding))
         return buckets
 
     def _adamw_route(self, p: Tensor) -> str:
-        """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'local' (one rank), 'small' or
-        'sharded'."""
+        """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'local' (one
+        rank), 'small' or 'sharded'."""
         if isinstance(p, DTensor):
             return "dtensor"
         return "local" if self.world_size == 1 else "small" if p.numel() < self.SMALL else "sharded"
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2. Each Muon bucket's
-        grads move into one buffer, rank r's slots in chunk r, and leave the params as they go (p.grad = None), so
-        the buffer takes the memory the grads gave back: no copy of the grads exists at any time."""
+        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2.
+        Each Muon bucket's grads move into one buffer, rank r's slots in chunk r, and leave the
+        params as they go (p.grad = None), so the buffer takes the memory the grads gave back: no
+        copy of the grads exists at any time."""
         N = self.world_size
         if N == 1:
             return dict(small=[], sharded={}, muon={})
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-        adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"] if active[p]]
+        adamw = [p for g in self.param_groups if g["kind"] == "adamw"
+                 for p in g["params"] if active[p]]
         small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
         small_params = [p for p in adamw if self._adamw_route(p) == "small"]
-        for ps in ([small_params[i] for i in b] for b in bucket_by([p.dtype for p in small_params])):
+        for ps in ([small_params[i] for i in b]
+                   for b in bucket_by([p.dtype for p in small_params])):
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
         sharded = {}  # param -> (work, flat grad: reduced in place)
         for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
             flat = grad_or_zeros(p).reshape(-1)
-            if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):  # equal chunks: pad (a copy of this grad)
+            # equal chunks: pad (a copy of this grad)
+            if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):
                 flat = torch.cat([flat, flat.new_zeros(pad)])
             sharded[p] = (self._reduce(flat), flat)
         muon = {}  # bucket index -> (work, buffer of the bucket's grads)
@@ -244,8 +275,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(small=small, sharded=sharded, muon=muon)
 
     def _update_adamw_group(self, group: dict, active: dict, reductions: dict) -> list:
-        """AdamW on what this rank updates of an adamw group's active params; returns the gathers of the
-        shards, as (works, target, buffer): target None (gathered in place) or a padded param."""
+        """AdamW on what this rank updates of an adamw group's active params; returns the
+        gathers of the shards, as (works, target, buffer): target None (gathered in place)
+        or a padded param."""
         gathers = []
         for p in (p for p in group["params"] if active[p]):
             route = self._adamw_route(p)
@@ -257,7 +289,8 @@ class MuonAdamW(torch.optim.Optimizer):
                     for ps, buf, work in reductions["small"]:
                         work.wait()
                         self._finish_mean(buf)
-                        reductions["small_grads"].update(zip(ps, torch.split(buf, [q.numel() for q in ps])))
+                        reductions["small_grads"].update(
+                            zip(ps, torch.split(buf, [q.numel() for q in ps])))
                 self._adamw_step(group, p, reductions["small_grads"][p].view_as(p), self.state[p])
             else:
                 gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
@@ -276,9 +309,10 @@ class MuonAdamW(torch.optim.Optimizer):
         return self._gather(flat, p.numel(), p), p, flat
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced) -> tuple | None:
-        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank (the grads are
-        where autograd left them), else (work, buffer) of the reduction: then the new values go into this
-        rank's chunk of the buffer (the grads there are spent), and the gather of every chunk starts."""
+        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank
+        (the grads are where autograd left them), else (work, buffer) of the reduction: then
+        the new values go into this rank's chunk of the buffer (the grads there are spent),
+        and the gather of every chunk starts."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
@@ -293,15 +327,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._finish_mean(rows)
                 grads = rows if len(idx) == len(mine) else rows[idx]
             updated = self._muon_step(group, mine, grads, idx)
-            if self.compiled:  # updated through a stack (a list would recompile per length): copy back
+            # updated through a stack (a list would recompile per length): copy back
+            if self.compiled:
                 torch._foreach_copy_([mine[k] for k in idx], list(updated.unbind(0)))
             if reduced is not None:
                 torch._foreach_copy_([rows[k] for k in idx], [mine[k] for k in idx])
         return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
     def _write_back(self, gathers: list, active: dict) -> None:
-        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the grads this optimizer
-        reduced (spent, their memory reused): on return they are None, as after zero_grad()."""
+        """Phase 3: wait for the gathers and copy what arrived into the params; then drop
+        the grads this optimizer reduced (spent, their memory reused): on return they are
+        None, as after zero_grad()."""
         if self.world_size == 1:  # nothing was reduced: the grads stay, as with any torch optimizer
             return
         for works, target, buf in (g for g in gathers if g is not None):
@@ -310,25 +346,29 @@ class MuonAdamW(torch.optim.Optimizer):
             if isinstance(target, Tensor):  # a padded AdamW param (None: gathered in place)
                 target.view(-1).copy_(buf[:target.numel()])
             elif target is not None:  # a Muon bucket: the other ranks' matrices (ours are updated)
-                rows = [(target["params"][i], row) for i, row in target["theirs"] if active[target["params"][i]]]
+                rows = [(target["params"][i], row) for i, row in target["theirs"]
+                        if active[target["params"][i]]]
                 if rows:
                     torch._foreach_copy_([p for p, _ in rows], [buf[row] for _, row in rows])
         for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
             p.grad = None
 
     def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int]):
-        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is every param
-        of one shape bucket that this process keeps state for. Eager, the params are updated in place (no
-        stack, no copy back); compiled, a stacked copy is, and returned."""
+        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is
+        every param of one shape bucket that this process keeps state for. Eager, the params are
+        updated in place (no stack, no copy back); compiled, a stacked copy is, and returned."""
         momentum, second = self._muon_stacks(group, params)
         everyone = len(idx) == len(params)
         if not everyone:
             sel = torch.tensor(idx, device=momentum.device)
             momentum, second = momentum[sel], (second[sel] if second is not None else None)
-        stacked = torch.stack([params[i] for i in idx]) if self.compiled else [params[i] for i in idx]
-        h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device), self.compiled)
+        stacked = (torch.stack([params[i] for i in idx]) if self.compiled
+                   else [params[i] for i in idx])
+        h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device),
+                    self.compiled)
         opts = muon_options(group, params[0].device)
-        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second), h, opts)
+        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
+                        h, opts)
         if not everyone:  # index_select made copies: write the moved state back
             m_all, s_all = self._muon_stacks(group, params)
             m_all[sel] = momentum
@@ -337,7 +377,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return stacked
 
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
-        """AdamW on p (a whole param, or this rank's flat shard of one), creating state on first use."""
+        """AdamW on p (a whole param, or this rank's flat shard of one), creating state on
+        first use."""
         if not state:  # zeros_like of a DTensor param is a DTensor sharded like it
             state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state["step"] += 1
@@ -352,12 +393,15 @@ class MuonAdamW(torch.optim.Optimizer):
         self._in_slices(kernel(adamw_update, self.compiled), tensors, h)
 
     def _in_slices(self, fn, tensors, *hparams) -> None:
-        """fn(*tensors, *hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one call on GPUs.
+        """fn(*tensors, *hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one
+        call on GPUs.
 
-        On CPU the update is compute- or bandwidth-bound either way, but temporaries above glibc's 32 MB mmap
-        threshold are page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM); small slices
-        keep them in reusable heap memory. CUDA's caching allocator has no such cost."""
-        lead = next(t for t in tensors if isinstance(t, Tensor))  # lists (eager Muon grads, params) slice alike
+        On CPU the update is compute- or bandwidth-bound either way, but temporaries above
+        glibc's 32 MB mmap threshold are page-faulted afresh on every call (13% of a d12
+        Muon step on a 2-core VM); small slices keep them in reusable heap memory. CUDA's
+        caching allocator has no such cost."""
+        # lists (eager Muon grads, params) slice alike
+        lead = next(t for t in tensors if isinstance(t, Tensor))
         if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
             return fn(*tensors, *hparams)
         n, per = len(lead), max(1, self.CPU_SLICE // lead[0].numel())
@@ -365,9 +409,9 @@ class MuonAdamW(torch.optim.Optimizer):
             fn(*(t[i:i + per] if t is not None else None for t in tensors), *hparams)
 
     def _muon_stacks(self, group: dict, params: list[Tensor]):
-        """Stacked (momentum, second moment or None) buffers for these same-shape params, as the group now
-        asks (beta2 and the layout may be edited between steps); per-param state views them. A second
-        moment of another layout restarts from zeros."""
+        """Stacked (momentum, second moment or None) buffers for these same-shape params, as the
+        group now asks (beta2 and the layout may be edited between steps); per-param state views
+        them. A second moment of another layout restarts from zeros."""
         layout = muon_state_layout(params[0], group)
         key = tuple(id(p) for p in params)
         if key in self._stacks and self._stacks[key][0] == layout:
@@ -385,27 +429,29 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # Communication (data parallel only).
 
-    def _own_chunk(self, buf: Tensor) -> Tensor:  # this rank's chunk of buf's dim 0, cut in N equal chunks
+    # this rank's chunk of buf's dim 0, cut in N equal chunks
+    def _own_chunk(self, buf: Tensor) -> Tensor:
         return buf.chunk(self.world_size)[self.rank]
 
     def _reduce(self, buf: Tensor):
-        """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a reduce-scatter into it on
-        nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a copy of its whole input and runs slower than its
-        all_reduce (docs/benchmarks.md)."""
+        """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a
+        reduce-scatter into it on nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a
+        copy of its whole input and runs slower than its all_reduce (docs/benchmarks.md)."""
         if self._scatter:
-            return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op, group=self.pg, async_op=True)
+            return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op,
+                                              group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
     def _rows(self, p: Tensor, rank: int | None = None) -> tuple[int, int, int]:
-        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat; DTensor's
-        Shard(0) cut, so checkpoints save the piece as a block (_dcp_form)."""
+        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat;
+        DTensor's Shard(0) cut, so checkpoints save the piece as a block (_dcp_form)."""
         row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
         return flat_shard(p.numel(), self.rank if rank is None else rank, self.world_size, row)
 
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
-        """Start giving every rank each rank's piece of buf's first n elements (flat_shard's cut: p's rows, or single
-        elements), in place: on nccl an all_gather from _own_chunk(buf); elsewhere one broadcast per rank, as gloo's
-        all_gather holds a copy."""
+        """Start giving every rank each rank's piece of buf's first n elements (flat_shard's cut:
+        p's rows, or single elements), in place: on nccl an all_gather from _own_chunk(buf);
+        elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
         if self._scatter:
             return [self._all_gather(buf, self._own_chunk(buf))]
         cuts = [(self._rows(p, r) if p is not None else flat_shard(n, r, self.world_size))[1:]
@@ -417,7 +463,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return dist.all_gather_into_tensor(out, inp, group=self.pg, async_op=True)
 
     def _all_reduce(self, t, op=None):
-        return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg, async_op=True)
+        return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg,
+                               async_op=True)
 
     def _finish_mean(self, t: Tensor) -> None:
         if not self._use_avg:
@@ -431,9 +478,10 @@ class MuonAdamW(torch.optim.Optimizer):
         return [bool(f) for f in t.tolist()]
 
     def _has_grad(self, params: list[Tensor]) -> list[bool]:
-        """Whether each param has a grad on some rank. A rank holding every grad knows (all True), so in the usual
-        step nothing is read back to the host: it joins the flags' all_reduce (every rank must) with a cached all-ones
-        tensor that MAX leaves as it is (with nccl, wait() orders the stream). A rank missing a grad reads the flags."""
+        """Whether each param has a grad on some rank. A rank holding every grad knows (all True),
+        so in the usual step nothing is read back to the host: it joins the flags' all_reduce (every
+        rank must) with a cached all-ones tensor that MAX leaves as it is (with nccl, wait() orders
+        the stream). A rank missing a grad reads the flags."""
         mine = [p.grad is not None for p in params]
         if self.world_size == 1:
             return mine
@@ -447,70 +495,79 @@ class MuonAdamW(torch.optim.Optimizer):
     # State: torch's format, the whole one, and a sharded checkpoint's.
 
     def state_dict(self) -> dict:
-        """torch's format; data parallel, this rank's shard of it, marked as such (full_state_dict() and
-        sharded_state_dict() are the world-size-independent forms)."""
+        """torch's format; data parallel, this rank's shard of it, marked as such (full_state_dict()
+        and sharded_state_dict() are the world-size-independent forms)."""
         sd = super().state_dict()
         if self.world_size > 1:
             sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size, cut="rows")
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what state_dict() saved: on one rank, a whole state; data parallel, this rank's own shard,
-        saved at the same rank and world size."""
+        """Load what state_dict() saved: on one rank, a whole state; data parallel, this rank's own
+        shard, saved at the same rank and world size."""
         shard = state_dict.get("nanomuon_shard")
         mine = dict(rank=self.rank, world_size=self.world_size, cut="rows")
         if self.world_size == 1 and shard is not None:
             raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
-                             f"{shard['world_size']}) from DistMuonAdamW; save it with full_state_dict() to load it "
-                             "on one rank or at another world size")
+                             f"{shard['world_size']}) from DistMuonAdamW; save it with "
+                             "full_state_dict() to load it on one rank or at another world size")
         if self.world_size > 1 and shard is None:
-            raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full (world-size-independent) "
-                             "state with load_full_state_dict()")
-        if self.world_size > 1 and shard.get("cut") != "rows":  # before AdamW params were cut in whole rows
-            raise ValueError("this shard was saved by an older nanomuon, which cut AdamW params elsewhere; save the "
-                             "state there with full_state_dict() and load that with load_full_state_dict()")
+            raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full "
+                             "(world-size-independent) state with load_full_state_dict()")
+        # before AdamW params were cut in whole rows
+        if self.world_size > 1 and shard.get("cut") != "rows":
+            raise ValueError("this shard was saved by an older nanomuon, which cut AdamW params "
+                             "elsewhere; save the state there with full_state_dict() and load "
+                             "that with load_full_state_dict()")
         if self.world_size > 1 and shard != mine:
-            raise ValueError(f"this shard was saved by rank {shard['rank']} of {shard['world_size']}, but this is rank "
-                             f"{self.rank} of {self.world_size}; to change world size, save with full_state_dict() "
-                             "and load with load_full_state_dict()")
+            raise ValueError(f"this shard was saved by rank {shard['rank']} of "
+                             f"{shard['world_size']}, but this is rank {self.rank} of "
+                             f"{self.world_size}; to change world size, save with "
+                             "full_state_dict() and load with load_full_state_dict()")
         if self.world_size == 1:
             check_state_dict(self.param_groups, state_dict)
         self._torch_load({k: v for k, v in state_dict.items() if k != "nanomuon_shard"})
 
     def _torch_load(self, state_dict: dict) -> None:
-        """torch's load_state_dict, then: this run's structural options kept (torch restores the saved
-        group values), defaults for options newer than the checkpoint, and second moments back in fp32
-        (torch casts state to the param dtype)."""
+        """torch's load_state_dict, then: this run's structural options kept (torch restores the
+        saved group values), defaults for options newer than the checkpoint, and second moments back
+        in fp32 (torch casts state to the param dtype)."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         for group, kept in zip(self.param_groups, keep):
             group.update(kept)
-            if (method := group.pop("ns_method", None)) is not None:  # saved before the orthogonalizer registry
-                group.setdefault("orthogonalizer", dict(standard="newton_schulz", gram="gram_newton_schulz")
+            # saved before the orthogonalizer registry
+            if (method := group.pop("ns_method", None)) is not None:
+                group.setdefault("orthogonalizer",
+                                 dict(standard="newton_schulz", gram="gram_newton_schulz")
                                  .get(method, "auto"))
             for key, default in OPTIONAL_KEYS[group["kind"]].items():
                 group.setdefault(key, default)
         by_id = saved_params(self.param_groups, state_dict)
         for pid, st in state_dict["state"].items():
-            if (second := st.get("second_momentum_buffer")) is not None:  # the saved fp32, not torch's cast copy
+            # the saved fp32, not torch's cast copy
+            if (second := st.get("second_momentum_buffer")) is not None:
                 p = by_id[pid]
-                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32, copy=True)
+                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32,
+                                                                    copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
     def full_state_dict(self) -> dict:
-        """The whole optimizer state, on every rank, in the one-rank state_dict() format: loadable by
-        load_full_state_dict() at any world size. A collective (data parallel, or with DTensor params): call
-        it on all ranks (then save from one)."""
+        """The whole optimizer state, on every rank, in the one-rank state_dict() format: loadable
+        by load_full_state_dict() at any world size. A collective (data parallel, or with DTensor
+        params): call it on all ranks (then save from one)."""
         N = self.world_size
         params = [p for g in self.param_groups for p in g["params"]]
         if N == 1:
             sd = self.state_dict()
-            return full_state(self.param_groups, self.state, self._sharded_plans, sd) if has_dtensors(params) else sd
+            return (full_state(self.param_groups, self.state, self._sharded_plans, sd)
+                    if has_dtensors(params) else sd)
         kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
         for p, kind in zip(params, kinds):
-            if not has[p] or (kind == "muon" and not isinstance(p, DTensor)):  # Muon: gathered per bucket below
+            # Muon: gathered per bucket below
+            if not has[p] or (kind == "muon" and not isinstance(p, DTensor)):
                 continue
             st = self.state[p]
             if isinstance(p, DTensor):  # sharded.full_state gathers these
@@ -520,9 +577,11 @@ class MuonAdamW(torch.optim.Optimizer):
             else:
                 shard, lo, hi = self._rows(p)
                 full[p]["step"] = st["step"]
-                for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded to the same length
+                # every rank's shard, padded to the same length
+                for name in ("exp_avg", "exp_avg_sq"):
                     out = p.new_empty(shard * N)
-                    self._all_gather(out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
+                    self._all_gather(
+                        out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
                     full[p][name] = out[:p.numel()].view_as(p).clone()
         for b in self._get_plan():
             if not any(has[p] for p in b["params"]):
@@ -547,18 +606,20 @@ class MuonAdamW(torch.optim.Optimizer):
         return sd
 
     def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each rank keeps
-        its own pieces. A collective where DTensor Muon params are planned."""
+        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each
+        rank keeps its own pieces. A collective where DTensor Muon params are planned."""
         if "nanomuon_shard" in state_dict:
-            raise ValueError("this is one rank's shard, not a full optimizer state; save with full_state_dict()")
+            raise ValueError("this is one rank's shard, not a full optimizer state; save with "
+                             "full_state_dict()")
         check_state_dict(self.param_groups, state_dict)
         self._torch_load(self._cut(state_dict, self._state_layout()))
 
     def _state_layout(self):
-        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of param p. None: not at
-        all; 'whole'; a DTensor block (mesh, placements), as DTensor params' param-shaped state; or (data
-        parallel) a slice of the flat param: Muon state on its owner only, large AdamW params' state as this
-        rank's rows of p. A collective where DTensor Muon params are planned."""
+        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of
+        param p. None: not at all; 'whole'; a DTensor block (mesh, placements), as DTensor
+        params' param-shaped state; or (data parallel) a slice of the flat param: Muon state
+        on its owner only, large AdamW params' state as this rank's rows of p. A collective
+        where DTensor Muon params are planned."""
         kept = kept_second_moments(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
@@ -576,30 +637,35 @@ class MuonAdamW(torch.optim.Optimizer):
         return where
 
     def _cut(self, sd: dict, where) -> dict:
-        """A whole state (state_dict() format, any world size) cut down to what this rank holds, as where() says
-        it holds it; meta tensors become empty pieces, the targets a sharded checkpoint is read into."""
+        """A whole state (state_dict() format, any world size) cut down to what this rank
+        holds, as where() says it holds it; meta tensors become empty pieces, the targets a
+        sharded checkpoint is read into."""
         by_id, state = saved_params(self.param_groups, sd), {}
         for pid, st in sd["state"].items():
             p = by_id[pid]
-            hows = {name: where(p, name, v.shape) if isinstance(v, Tensor) else "whole" for name, v in st.items()}
-            if mine := {name: state_piece(v, hows[name], p) for name, v in st.items() if hows[name] is not None}:
+            hows = {name: where(p, name, v.shape) if isinstance(v, Tensor) else "whole"
+                    for name, v in st.items()}
+            if mine := {name: state_piece(v, hows[name], p) for name, v in st.items()
+                        if hows[name] is not None}:
                 state[pid] = mine
         return dict(sd, state=state)
 
     def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
-        """v, a state tensor this rank holds, as a sharded checkpoint stores it: a flat shard of rows as a
-        block of p (a DTensor over the process group); anything else as it is."""
+        """v, a state tensor this rank holds, as a sharded checkpoint stores it: a flat shard of
+        rows as a block of p (a DTensor over the process group); anything else as it is."""
         if not isinstance(how, slice):
             return v
         if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
             self._mesh = DeviceMesh.from_group(self.pg or dist.group.WORLD, p.device.type)
-        return DTensor.from_local(v.view(-1, *p.shape[1:]), self._mesh, (Shard(0),), shape=p.shape, stride=p.stride(),
-                                  run_check=False)
+        return DTensor.from_local(v.view(-1, *p.shape[1:]), self._mesh, (Shard(0),),
+                                  shape=p.shape, stride=p.stride(), run_check=False)
+
     def sharded_state_dict(self) -> tuple[dict, dict]:
-        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py): (tensors, rest).
-        tensors['<param index>.<name>'] is each state tensor this rank holds: a DTensor where it holds a block,
-        else whole (DCP writes a tensor many ranks hold once). rest is state_dict() without them (the groups,
-        step counts), the same on every rank. A collective where DTensor Muon params are planned."""
+        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py):
+        (tensors, rest). tensors['<param index>.<name>'] is each state tensor this rank holds: a
+        DTensor where it holds a block, else whole (DCP writes a tensor many ranks hold once). rest
+        is state_dict() without them (the groups, step counts), the same on every rank. A collective
+        where DTensor Muon params are planned."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
         params = [p for g in self.param_groups for p in g["params"]]
         tensors, rest = {}, {}
@@ -613,8 +679,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return tensors, dict(sd, state=rest)
 
     def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
-        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>'] = (shape, dtype)
-        of each saved tensor (the checkpoint's metadata); read(targets) fills this rank's pieces in place
+        """Load what sharded_state_dict() saved, at any world size.
+        shapes['<param index>.<name>'] = (shape, dtype) of each saved tensor (the checkpoint's
+        metadata); read(targets) fills this rank's pieces in place
         (torch.distributed.checkpoint.load, a collective), and they become the state."""
         state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
         for key, (shape, dtype) in shapes.items():
@@ -624,18 +691,20 @@ class MuonAdamW(torch.optim.Optimizer):
         check_state_dict(self.param_groups, like)
         where, by_id = self._state_layout(), saved_params(self.param_groups, like)
         cut = self._cut(like, where)
-        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid], where(by_id[pid], name, by_id[pid].shape))
-              for pid, st in cut["state"].items() for name, v in st.items() if isinstance(v, Tensor)})
+        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid],
+                                              where(by_id[pid], name, by_id[pid].shape))
+              for pid, st in cut["state"].items() for name, v in st.items()
+              if isinstance(v, Tensor)})
         self._torch_load(cut)
 
 
 class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW, data parallel over the default process group (or process_group): the name nanochat's
-    distributed optimizer had. No step logic of its own."""
+    """MuonAdamW, data parallel over the default process group (or process_group): the name
+    nanochat's distributed optimizer had. No step logic of its own."""
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: launch with "
-                             "torchrun and call torch.distributed.init_process_group() first, or use MuonAdamW "
-                             "on a single device")
+            raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: "
+                             "launch with torchrun and call torch.distributed.init_process_group() "
+                             "first, or use MuonAdamW on a single device")
         super().__init__(param_groups, compile, process_group or dist.group.WORLD)
