@@ -176,10 +176,12 @@ def orthogonalize(G: Tensor, ns: NewtonSchulz, gram: bool = False,
     shape = G.shape
     # an empty slice keeps its batch
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])
-    # Normalized before the cast, in fp32: fp16 would flush a tiny momentum to zero, or overflow
-    # past 65,504, before the division could bring it near 1.
-    norm = (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-            if cut is None else sq_sum(X, (-2, -1), cut).sqrt())
+    # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
+    # in fp32 first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
+    X = X if ns.dtype == torch.float16 else X.to(ns.dtype)
+    norm = (X.norm(dim=(-2, -1), keepdim=True, dtype=torch.float32) if cut is None
+            else sq_sum(X, (-2, -1), cut).sqrt())
+    norm = norm if ns.dtype == torch.float16 else norm.to(X.dtype)
     X = (X / (norm * ns.safety + ns.eps)).to(ns.dtype)
     tall = shape[-2] > shape[-1] if cut is None else cut.dim == -2
     if tall:
