@@ -271,7 +271,9 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
         batch = mine[i:i + batch_size].to(device)
         # a row padded at the split's end holds -1 as input too: any id serves
         # there, its target is ignored
-        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+        # both contiguous, as DataLoader hands them over and a padded last batch comes out: a
+        # compiled model guards on strides, so one layout compiles once
+        x, y = batch[:, :-1].clamp(min=0), batch[:, 1:].contiguous()
         if len(batch) < batch_size:
             pad = batch_size - len(batch)
             x = torch.cat([x, x.new_zeros(pad, x.size(1))])

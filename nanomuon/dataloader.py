@@ -85,7 +85,8 @@ class _Piece:
 
 
 class DataLoader:
-    """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around).
+    """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around),
+    always contiguous: a compiled model guards on strides, and one layout never recompiles it.
 
     Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len.
     Padding (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS.
@@ -319,20 +320,26 @@ class DataLoader:
         self._row += 1
         return row, epoch
 
-    def _make_batch(self) -> tuple[torch.Tensor, dict, list, dict]:
-        """The next (batch_size, seq_len + 1) rows on the CPU, the loader state right after them,
-        each row's epoch, and what this batch adds to stats."""
+    def _make_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], dict, list, dict]:
+        """The next batch on the CPU as (inputs, targets), each (batch_size, seq_len) and
+        contiguous, the loader state right after it, each row's epoch, and what it adds to stats."""
         before = dict(self._counts)
         flat, epochs = array("i"), []
         for _ in range(self.batch_size):
             row, epoch = self.next_row()
             flat.extend(row)
             epochs.append(epoch)
-        rows = torch.frombuffer(flat, dtype=torch.int32).view(self.batch_size, -1).to(torch.long)
+        rows = torch.frombuffer(flat, dtype=torch.int32).view(self.batch_size, -1)
+        # x and y always contiguous: torch.compile(dynamic=False) guards on strides, so a padded
+        # batch in another layout than the rest would compile the model again
+        x, y = (rows[:, s].to(torch.long, memory_format=torch.contiguous_format)
+                for s in (slice(None, -1), slice(1, None)))
+        if self._counts["padding"] > before["padding"]:
+            x.masked_fill_(x < 0, self.bos)
         if self.device.type == "cuda":
-            rows = rows.pin_memory()
+            x, y = x.pin_memory(), y.pin_memory()
         added = {k: v - before[k] for k, v in self._counts.items()}
-        return rows, self._state_now(), epochs, added
+        return (x, y), self._state_now(), epochs, added
 
     def _produce(self) -> None:
         # Background thread: tiktoken releases the GIL, so tokenizing overlaps the training step.
@@ -356,14 +363,10 @@ class DataLoader:
         item = self._queue.get() if self.prefetch else self._make_batch()
         if isinstance(item, BaseException):  # what went wrong in the prefetch thread, raised here
             raise item
-        rows, self._consumed, self.batch_epochs, added = item
+        (x, y), self._consumed, self.batch_epochs, added = item
         for k, v in added.items():
             self.stats[k] += v
-        rows = rows.to(self.device, non_blocking=True)
-        x, y = rows[:, :-1], rows[:, 1:]
-        if added["padding"]:
-            x = x.masked_fill(x < 0, self.bos)
-        return x, y
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def packing(self) -> str:
         """One line on what the rows held so far: inserted BOS and padding

@@ -199,11 +199,28 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
+# fp32 copies of a block that SoftcapCrossEntropy holds at once: the scaled logits, their
+# sigmoid, the softcapped logits and their softmax
+LOSS_BLOCK_TEMPS = 4
+
+
+def loss_block_rows(n: int, vocab: int, device: torch.device) -> int:
+    """Rows per block of SoftcapCrossEntropy over n rows of vocab logits. On CUDA a block is a few
+    kernels whatever its size, so as few blocks as memory allows: all n rows when their fp32
+    temporaries fit a quarter of the free memory (the allocator's idle cache counted), else as
+    many rows as fit. Elsewhere 1 MiB of fp32 per block, which stays in a CPU's cache."""
+    if device.type != "cuda":
+        return max(1, min(n, (1 << 18) // vocab))
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(1, min(n, free // 4 // (LOSS_BLOCK_TEMPS * 4 * vocab)))
+
+
 class SoftcapCrossEntropy(torch.autograd.Function):
     """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of
-    rows at a time, with the gradient made on the way: what eager autograd does in a dozen
-    full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in cache, and it
-    keeps only the gradient (logits' dtype) for backward. The compiled model keeps the plain
+    rows at a time (loss_block_rows), with the gradient made on the way: what eager autograd does
+    in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in
+    cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model keeps the plain
     expression, which inductor fuses by itself. tests/test_gpt.py checks this against float64 and
     the compiled model against this."""
 
@@ -224,7 +241,7 @@ class SoftcapCrossEntropy(torch.autograd.Function):
         # needs_input_grad ignores no_grad: the caller knows
         grad = torch.empty_like(logits) if make_grad else None
         loss = torch.empty(n, dtype=dtype, device=logits.device)
-        rows = max(1, (1 << 18) // vocab)  # 1 MiB of fp32 per block
+        rows = loss_block_rows(n, vocab, logits.device)
         for a in range(0, n, rows):
             b = min(n, a + rows)
             # cap * tanh(l / cap) = 2cap * sigmoid(2l / cap) - cap; the loss ignores the shift, and
