@@ -145,15 +145,31 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return m, sd, t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
 
 
+def paired(diffs: list[float]) -> dict:
+    """The paired comparison of per-seed differences (variant minus baseline; one seed gives both the
+    same init and data order): their mean, its 95% interval [lo, hi], and the smallest effect this
+    design detects: the true difference at which a 95% interval excludes zero in 80% of repeats,
+    (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread and the number of seeds."""
+    m, sd, hw = mean_ci(diffs)
+    n = len(diffs)
+    detectable = (t_quantile(n - 1) + t_quantile(n - 1, 0.80)) * sd / math.sqrt(n) if n > 1 else math.nan
+    return dict(mean=m, lo=m - hw, hi=m + hw, detectable=detectable)
+
+
 def verdict(diffs: list[float], base: float) -> str:
-    """Better, worse or no detectable difference, from the per-seed differences in final bpb
-    (variant minus baseline, paired: the same seed gives both the same init and data order), with
-    the effect size."""
+    """'better by X [lo, hi]', 'worse by X [lo, hi]', or 'no difference larger than D' (the farther end
+    of the interval), in bpb and as a share of base, with the smallest effect the design detects."""
     if len(diffs) < 2:
         return "one seed: no verdict (use --seeds 2 or more)"
-    m, _, hw = mean_ci(diffs)
-    word = "better" if m + hw < 0 else "worse" if m - hw > 0 else "no detectable difference"
-    return f"{word}: {m:+.4f} bpb ({m / base:+.2%}), 95% CI [{m - hw:+.4f}, {m + hw:+.4f}]"
+    c = paired(diffs)
+    seen = f"detectable: {c['detectable']:.4f} ({c['detectable'] / base:.2%})"
+    if c["hi"] < 0 or c["lo"] > 0:
+        word = "better" if c["hi"] < 0 else "worse"
+        return (f"{word} by {abs(c['mean']):.4f} bpb ({abs(c['mean']) / base:.2%}) "
+                f"[{c['lo']:+.4f}, {c['hi']:+.4f}]; {seen}")
+    bound = max(abs(c["lo"]), abs(c["hi"]))
+    return (f"no difference larger than {bound:.4f} bpb ({bound / base:.2%}): {c['mean']:+.4f} "
+            f"[{c['lo']:+.4f}, {c['hi']:+.4f}]; {seen}")
 
 
 def first_reaching(target: float, record: dict):
@@ -401,7 +417,8 @@ def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
            "every variant",
            f"- baseline: {args.baseline} at its best lr; steps and training time (evals excluded) "
            "are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
-           "at 95% confidence", "", *table,
+           "at 95% confidence; 'detectable' is the smallest effect this design sees 80% of the time",
+           "", *table,
            "", "![val bpb by step, by training time and by lr](val_bpb.png)" if png
            else f"({MISSING})", ""]
     write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))

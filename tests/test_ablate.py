@@ -64,8 +64,9 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
         shown = [float(x) for x in re.search(r"\| ([\d.]+) ± ([\d.]+) \[([-\d.]+), ([-\d.]+)\]", rows[v]).groups()]
         assert shown == pytest.approx([m, sd, m - hw, m + hw], abs=2e-4)  # the table's t has 3 decimals
     d, _, hw = mean_sd_hw([a - b for a, b in zip(finals["muon", best["muon"]], finals["adamw", best["adamw"]])])
-    word = "better" if d + hw < 0 else "worse" if d - hw > 0 else "no detectable difference"
-    assert f"{word}: {d:+.4f} bpb" in rows["muon"] and "(baseline)" in rows["adamw"]
+    said = (f"better by {-d:.4f} bpb" if d + hw < 0 else f"worse by {d:.4f} bpb" if d - hw > 0
+            else f"no difference larger than {max(abs(d - hw), abs(d + hw)):.4f} bpb")
+    assert said in rows["muon"] and "(baseline)" in rows["adamw"]
     assert "At the edge of the sweep" in table  # a best of two lrs is always at an edge
 
     launched = []
@@ -238,3 +239,29 @@ def test_a_code_edit_during_the_runs_caches_nothing(base_copy, monkeypatch):
     with pytest.raises(SystemExit, match="changed while .* ran, so it is not cached; run ablate again"):
         ablate.main([*SMALL, "--name", "mid"])
     assert files(base_copy / "ablations" / "cache") == cached
+
+
+T80 = {1: 1.376, 2: 1.061, 4: 0.941, 9: 0.883, 30: 0.854}  # the t table: one-sided 80%, by degrees of freedom
+
+
+def test_t_quantile_matches_the_80_percent_t_table():
+    from scripts.ablate import t_quantile
+
+    for df, t in T80.items():
+        assert abs(t_quantile(df, 0.80) - t) < 1e-3, df
+
+
+def test_the_paired_verdict_by_hand():
+    """Three seeds whose differences are -0.01, -0.02, -0.03 bpb: mean -0.02, sd 0.01, so the 95%
+    interval is -0.02 ± 4.303 * 0.01 / sqrt(3) = [-0.04484, +0.00484] (it holds zero), and the design
+    detects (4.303 + 1.061) * 0.01 / sqrt(3) = 0.03097; a third seed at -0.021 makes it 'better'."""
+    from scripts.ablate import paired, verdict
+
+    c = paired([-0.01, -0.02, -0.03])
+    assert c["mean"] == pytest.approx(-0.02) and c["detectable"] == pytest.approx(0.030969, abs=2e-5)
+    assert (c["lo"], c["hi"]) == pytest.approx((-0.044843, 0.004843), abs=2e-5)
+    said = verdict([-0.01, -0.02, -0.03], 2.0)
+    assert said.startswith("no difference larger than 0.0448 bpb (2.24%): -0.0200 [-0.0448, +0.0048]"), said
+    assert said.endswith("detectable: 0.0310 (1.55%)"), said
+    assert verdict([-0.020, -0.021, -0.022], 2.0).startswith("better by 0.0210 bpb (1.05%) [-0.0235, -0.0185]")
+    assert verdict([0.020, 0.021, 0.022], 2.0).startswith("worse by 0.0210 bpb")
