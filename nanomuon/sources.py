@@ -18,9 +18,12 @@ reading and resharding, which all count documents, work alike for every source. 
   of the same source that no data loader reads. A hub source is pinned to the commit it was first
   prepared from; once it is prepared, nothing touches the network.
 - Text files are one document each, read as UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1;
-  files with NUL bytes and no BOM are binary and skipped; both are counted.
+  files with NUL bytes and no BOM, or over a tenth control bytes, are binary and skipped. Both are
+  counted and named, as are files of other types (left out) and files of 0 bytes or 0 rows (skipped:
+  they hold no documents, and one would stop the whole read of its format).
 """
 
+import argparse
 import codecs
 import contextlib
 import glob
@@ -59,12 +62,15 @@ BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
         (codecs.BOM_UTF16_BE, "utf-16"))
 SPEC_HELP = ("fineweb-edu, embedded, a local file, directory or glob of .parquet, .jsonl, .json, "
              ".txt or .csv files, or hf:owner/name[:config][@revision]")
+# bytes no text file holds (but \t \n \v \f \r); Latin-1 also decodes C1 controls from 0x80-0x9f
+CONTROL = bytes([*range(9), *range(14, 32), 127])
+BINARY_SHARE = 0.1  # of control bytes: over it a file is binary, not text
 
 
 def add_data_args(p, default: str) -> None:
     """--dataset, --text-column and --val-fraction, the same in every script
     that reads training text."""
-    p.add_argument("--dataset", default=default,
+    p.add_argument("--dataset", type=dataset_arg, default=default,
                    help=f"training text: {SPEC_HELP} (README, 'Train on your own data')")
     p.add_argument("--text-column", default=None, help="custom sources: the column holding the "
                    "documents (default: `text`, else the only string column)")
@@ -73,10 +79,33 @@ def add_data_args(p, default: str) -> None:
                    f"held out (default {DEFAULT_VAL_FRACTION}, at least one document)")
 
 
+def spec_problem(spec: str) -> str | None:
+    """What makes --dataset name no source before anything reads it, else None."""
+    if not spec.strip():  # "$DATA" of an unset variable; as a path it would be the current folder
+        return f"an empty value (an unset variable?); expected {SPEC_HELP}"
+    if spec.startswith("~"):
+        try:
+            Path(spec).expanduser()
+        except RuntimeError:
+            user = spec.split("/")[0]
+            return (f"{spec!r} starts with {user}, but there is no such user (or no home "
+                    "directory) to expand it to; write the path out in full")
+    return None
+
+
+def dataset_arg(spec: str) -> str:
+    """argparse type of --dataset: refuses spec_problem()s as the flags are read."""
+    if problem := spec_problem(spec):
+        raise argparse.ArgumentTypeError(problem)
+    return spec
+
+
 def prepare(spec: str, text_column: str | None = None, val_fraction: float | None = None) -> str:
     """The dataset name that list_shards and the data loader take for the source `spec`, converting
     the source first unless an earlier run did. A ValueError or FileNotFoundError that names the fix
     for bad input."""
+    if problem := spec_problem(spec):
+        raise ValueError(f"--dataset: {problem}")
     if spec in DATASETS:
         if text_column is not None or val_fraction is not None:
             raise ValueError("--text-column and --val-fraction apply to custom sources; "
@@ -181,9 +210,9 @@ def _remove_older(folder: Path, keep: Path, slot: str) -> None:
 
 
 # -- local files -----------------------------------------------------------------------------------
-def _local_files(spec: str) -> tuple[str, list[Path]]:
-    """(the folder file names are taken relative to, the source's files, sorted);
-    hidden ones are left out."""
+def _local_files(spec: str) -> tuple[str, list[Path], list[Path]]:
+    """(the folder file names are taken relative to, the source's files, sorted, the files of other
+    types left out); hidden ones are left out unsaid."""
     path = Path(spec).expanduser()
     if path.is_file() or path.is_dir():
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
@@ -196,12 +225,32 @@ def _local_files(spec: str) -> tuple[str, list[Path]]:
     root = (path.resolve() if path.is_dir()
             else Path(os.path.commonpath([p.parent for p in files] or [Path.cwd()])))
     files = [p for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)]
-    bad = sorted({p.suffix or p.name for p in files if p.suffix.lower() not in FORMATS})
+    other = [p for p in files if p.suffix.lower() not in FORMATS]
+    bad = sorted({p.suffix or p.name for p in other})
     files = [p for p in files if p.suffix.lower() in FORMATS]
     if not files or (path.is_file() and bad):
         raise FileNotFoundError(f"--dataset {spec}: no {', '.join(FORMATS)} files there" +
                                 (f" (found {', '.join(bad[:5])})" if bad else ""))
-    return str(root), files
+    return str(root), files, other
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
+def _holds_nothing(p: Path) -> bool:
+    """A non-text file of 0 bytes, of only whitespace, or a parquet file of 0 rows: `datasets` fails
+    on it (and so on every file read with it) instead of reading no documents."""
+    if p.suffix.lower() == ".parquet" and p.stat().st_size:
+        try:
+            return pq.ParquetFile(p).metadata.num_rows == 0
+        except (pa.ArrowException, OSError):
+            return False  # not parquet: reading it says so
+    with open(p, "rb") as f:
+        while block := f.read(1 << 16):
+            if block.strip():
+                return False
+    return True
 
 
 def _split_word(rel: Path) -> str | None:
@@ -216,7 +265,8 @@ def _split_word(rel: Path) -> str | None:
 
 def decode(data: bytes) -> tuple[str | None, str]:
     """A text file's text and its encoding: by BOM, else UTF-8, else cp1252, else Latin-1; (None,
-    'binary') for bytes with NULs and no BOM, which no text encoding here makes sense of."""
+    'binary') for bytes with NULs and no BOM, or over BINARY_SHARE control bytes, which no text
+    encoding here makes sense of."""
     for bom, encoding in BOMS:
         if data.startswith(bom):
             try:
@@ -227,9 +277,14 @@ def decode(data: bytes) -> tuple[str | None, str]:
         return None, "binary"
     for encoding in ("utf-8", "cp1252", "latin-1"):  # latin-1 decodes any bytes: the last resort
         try:
-            return data.decode(encoding), encoding
+            text = data.decode(encoding)
         except UnicodeDecodeError:
             continue
+        # binary without NULs: it decodes, but into control characters
+        control = CONTROL + (bytes(range(0x80, 0xA0)) if encoding == "latin-1" else b"")
+        if len(data) - len(data.translate(None, control)) > BINARY_SHARE * len(data):
+            return None, "binary"
+        return text, encoding
     raise AssertionError("unreachable: latin-1 decodes every byte string")
 
 
@@ -253,34 +308,52 @@ def _pick_column(batch: dict, text_column: str | None, where: str) -> str:
             raise ValueError(f"{where} has no column {text_column!r} "
                              f"(columns: {', '.join(batch)}): fix --text-column")
         return text_column
-    if "text" in batch or len(texts) == 1:
-        return "text" if "text" in batch else texts[0]
+    if "text" in batch:
+        return "text"
+    if len(texts) == 1:
+        print(f"nanomuon: {where} has no `text` column: reading its only string column "
+              f"{texts[0]!r} (pick another with --text-column)", file=sys.stderr)
+        return texts[0]
     raise ValueError(f"{where} has no `text` column and {len(texts)} string columns "
                      f"({', '.join(texts) or 'none'} of {', '.join(batch)}): "
                      "pick one with --text-column")
 
 
 def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Iterator[str]:
-    """The non-empty texts of a datasets IterableDataset, read in batches; empty or null ones
-    are counted. error(e) turns what reading raised (a parse error, a dropped connection)
-    into a one-line ValueError."""
-    column, batches = None, ds.iter(batch_size=1024)
+    """The non-empty texts of a datasets IterableDataset, read in batches; empty ones are counted,
+    and rows without the column (null, or missing in json) are counted and said, with the other
+    string columns that hold their text. error(e) turns what reading raised (a parse error, a
+    dropped connection) into a one-line ValueError."""
+    column, batches, rows, lacking, elsewhere = None, ds.iter(batch_size=1024), 0, 0, {}
     while True:
         try:
             batch = next(batches)
         except StopIteration:
-            return
+            break
         except Exception as e:  # pyarrow, datasets, fsspec and network errors: all become one line
             raise error(e) from None
         column = column or _pick_column(batch, text_column, where)
-        for text in batch[column]:
-            if text is not None and not isinstance(text, str):
+        for i, text in enumerate(batch[column]):
+            rows += 1
+            if text is None:
+                lacking += 1
+                for c, vs in batch.items():
+                    if c != column and isinstance(vs[i], str) and vs[i].strip():
+                        elsewhere[c] = elsewhere.get(c, 0) + 1
+            elif not isinstance(text, str):
                 raise ValueError(f"{where}: column {column!r} holds {type(text).__name__}, "
                                  "not text: pick the text column with --text-column")
-            if text and text.strip():
+            elif text.strip():
                 yield text
             else:
                 counts["empty"] = counts.get("empty", 0) + 1
+    if lacking:
+        counts["null"] = counts.get("null", 0) + lacking
+        other = max(elsewhere, key=elsewhere.get) if elsewhere else None
+        fix = (f"; {elsewhere[other]:,} of them hold text in {other!r}: give every row its text "
+               f"in {column!r}" if other else "")
+        print(f"nanomuon: {lacking:,} of {rows:,} rows of {where} have no {column!r} (missing or "
+              f"null) and are left out{fix}", file=sys.stderr)
 
 
 def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Iterator[str]:
@@ -301,16 +374,32 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
                 raise error(e) from None
             yield from _rows(ds, text_column, where, counts, error)
             continue
-        for p in group:
-            text, encoding = decode(p.read_bytes())
-            if text is None:
-                counts.setdefault("skipped", []).append(str(p))
-                continue
-            counts[encoding] = counts.get(encoding, 0) + 1
-            if text.strip():
-                yield text
-            else:
-                counts["empty"] = counts.get("empty", 0) + 1
+        yield from _read_texts(group, counts)
+
+
+def _read_texts(files: list[Path], counts: dict) -> Iterator[str]:
+    """Text files as documents, decoded by decode(); the binary ones skipped, and both they and
+    the ones decoded from a guessed legacy encoding named, as either may be wrong."""
+    guessed, binary = {}, []
+    for p in files:
+        text, encoding = decode(p.read_bytes())
+        if text is None:
+            counts.setdefault("skipped", []).append(str(p))
+            binary.append(p)
+            continue
+        counts[encoding] = counts.get(encoding, 0) + 1
+        if encoding in ("cp1252", "latin-1"):
+            guessed.setdefault(encoding, []).append(p)
+        if text.strip():
+            yield text
+        else:
+            counts["empty"] = counts.get("empty", 0) + 1
+    for encoding, paths in guessed.items():
+        print(f"nanomuon: {len(paths)} text file(s) not in UTF-8 read as {encoding} "
+              f"({_names(paths)}): re-save them as UTF-8 if that reads wrong", file=sys.stderr)
+    if binary:
+        print(f"nanomuon: skipped {len(binary)} binary .txt file(s) ({_names(binary)}): they hold "
+              "NUL or control bytes, not text", file=sys.stderr)
 
 
 def _hub_error(spec: str, e: Exception) -> ValueError:
@@ -357,40 +446,53 @@ class _ShardWriter:
             self._texts, self._size = [], 0
 
 
-def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fraction: float | None,
-           slot: str) -> None:
-    t0, counts, revision = time.time(), {}, None
-    print(f"nanomuon: preparing {spec} in {d}", file=sys.stderr)
-    if source[0] == "hub":
-        splits, revision = _open_hub(spec, *source[1:])
-        train_split = ("train" if "train" in splits
-                       else next(iter(splits)) if len(splits) == 1 else None)
-        if train_split is None:
-            raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): "
-                             f"name the config with hf:{source[1]}:<config>")
-        held = next((w for w in HELD_OUT if w in splits and w != train_split), None)
-        error = lambda e: _hub_error(spec, e)
-        read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)",
-                                   counts, error)
-        train_docs, val_docs = read(train_split), read(held) if held else None
-    else:
-        root, files = Path(source[1]), source[2]
-        # one file: no split
-        words = {p: _split_word(p.relative_to(root)) if len(files) > 1 else None for p in files}
-        held = next((w for w in HELD_OUT if w in words.values()), None)
-        if held and all(words.values()):
-            raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, "
-                             "...), so none is left to train on")
-        train_docs = _read_files([p for p in files if words[p] is None], text_column, counts)
-        val_docs = (_read_files([p for p in files if words[p] == held], text_column, counts)
-                    if held else None)
-    if held and val_fraction is not None:
-        raise ValueError(f"{spec} has its own {held!r} split, so --val-fraction does not apply "
-                         "to it: drop it")
-    fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+def _open_hub_source(spec: str, source: tuple, text_column: str | None, counts: dict):
+    """(train documents, val documents or None, the held-out split or None, the commit)."""
+    splits, revision = _open_hub(spec, *source[1:])
+    train_split = ("train" if "train" in splits
+                   else next(iter(splits)) if len(splits) == 1 else None)
+    if train_split is None:
+        raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): "
+                         f"name the config with hf:{source[1]}:<config>")
+    held = next((w for w in HELD_OUT if w in splits and w != train_split), None)
+    error = lambda e: _hub_error(spec, e)
+    read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)", counts, error)
+    return read(train_split), read(held) if held else None, held, revision
 
-    d.mkdir(parents=True, exist_ok=True)
-    (d / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
+
+def _open_local_source(spec: str, source: tuple, text_column: str | None, counts: dict):
+    """(train documents, val documents or None, the held-out split or None, None), saying which
+    files are left out: of other types, or holding nothing."""
+    _, root, files, other = source
+    root = Path(root)
+    if other:
+        kinds = sorted({p.suffix.lower() or p.name for p in other})
+        print(f"nanomuon: left out {len(other)} file(s) of other types ({', '.join(kinds[:5])}; "
+              f"{_names(other)}): only {', '.join(FORMATS)} files are read; rename text files to "
+              ".txt to train on them", file=sys.stderr)
+    empty = [p for p in files if FORMATS[p.suffix.lower()] != "text" and _holds_nothing(p)]
+    if empty and len(empty) == len(files):
+        raise ValueError(f"--dataset {spec} holds no documents: every file is empty "
+                         f"({_names(empty)}); point it at files with text")
+    if empty:
+        print(f"nanomuon: skipped {len(empty)} empty file(s) ({_names(empty)}): 0 bytes or 0 rows, "
+              "they hold no documents", file=sys.stderr)
+        files = [p for p in files if p not in empty]
+    # one file: no split
+    words = {p: _split_word(p.relative_to(root)) if len(files) > 1 else None for p in files}
+    held = next((w for w in HELD_OUT if w in words.values()), None)
+    if held and all(words.values()):
+        raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, "
+                         "...), so none is left to train on")
+    train_docs = _read_files([p for p in files if words[p] is None], text_column, counts)
+    val_docs = (_read_files([p for p in files if words[p] == held], text_column, counts)
+                if held else None)
+    return train_docs, val_docs, held, None
+
+
+def _write_shards(d: Path, train_docs, val_docs, fraction: float, t0: float):
+    """(train, val) _ShardWriters, flushed, of the documents; without val_docs, the
+    --val-fraction pick of train_docs is val."""
     train, val = _ShardWriter(d, "train"), _ShardWriter(d, "val")
     last, tick = None, time.time()
     for text in val_docs or ():
@@ -411,6 +513,23 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
         (val if val_docs is None and not val.docs else train).add(last)
     train.flush()
     val.flush()
+    return train, val
+
+
+def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fraction: float | None,
+           slot: str) -> None:
+    t0, counts = time.time(), {}
+    print(f"nanomuon: preparing {spec} in {d}", file=sys.stderr)
+    opener = _open_hub_source if source[0] == "hub" else _open_local_source
+    train_docs, val_docs, held, revision = opener(spec, source, text_column, counts)
+    if held and val_fraction is not None:
+        raise ValueError(f"{spec} has its own {held!r} split, so --val-fraction does not apply "
+                         "to it: drop it")
+    fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
+    train, val = _write_shards(d, train_docs, val_docs, fraction, t0)
     if not train.docs or not val.docs:
         raise ValueError(f"--dataset {spec} gave {train.docs} documents with text to train on and "
                          f"{val.docs} to validate on: it needs at least one of each "
@@ -424,12 +543,9 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
                     chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION,
                     slot=slot)
     write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
-    skipped = counts.get("skipped", [])
-    other = {k: v for k, v in counts.items() if k not in ("utf-8", "empty", "skipped")}
+    # the files skipped, guessed at or left out, and rows without text, were said as they were read
     print(f"nanomuon: prepared {spec}: {train.docs:,} train and {val.docs:,} val documents "
           f"({manifest['val_split']}),"
           f" {(train.chars + val.chars) / 1e6:,.1f}M chars in {time.time() - t0:.1f} s"
-          + (f"; text files in other encodings: {other}" if other else "")
-          + (f"; {len(skipped)} binary files skipped ({', '.join(skipped[:3])})" if skipped else "")
           + (f"; {counts['empty']:,} empty documents left out" if counts.get("empty") else ""),
           file=sys.stderr)

@@ -50,14 +50,22 @@ def check_out(out: Path, force: bool) -> None:
                          "it, or give another --out")
 
 
+def out_arg(s: str) -> Path:
+    """argparse type of --out: a path (an empty one would be the current folder)."""
+    if not s.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a file to write, or "
+                                         "leave --out out for the run dir's export_step_NNNNNN.pt")
+    return Path(s)
+
+
 def main(argv=None) -> Path:
     p = argparse.ArgumentParser(description="Write a checkpoint as one whole-state file",
                                 allow_abbrev=False)
     p.add_argument("--run", type=run_arg, required=True,
                    help="run name, as given to base_train --run (e.g. d20)")
     p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
-    p.add_argument("--out", type=Path, default=None, help="file to write (default: the run dir's "
-                   "export_step_NNNNNN.pt)")
+    p.add_argument("--out", type=out_arg, default=None,
+                   help="file to write (default: the run dir's export_step_NNNNNN.pt)")
     p.add_argument("--model-only", action="store_true", help="leave out the optimizer state (a "
                    "third of the size with AdamW, half with Muon): enough for inference")
     p.add_argument("--force", action="store_true",

@@ -5,6 +5,10 @@ Generate text from a trained checkpoint.
 """
 
 import argparse
+import codecs
+import math
+import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -32,11 +36,22 @@ def load_for_inference(args, device):
     return model, tokenizer, meta
 
 
+def stream(model, tokenizer, prompt: str, max_tokens: int, temperature: float,
+           top_k: int | None, seed: int) -> Iterator[str]:
+    """The sampled text piece by piece as each token comes; a character split across tokens comes
+    whole with its last byte, so the pieces join to exactly what decoding all the ids gives."""
+    ids = tokenizer.encode(prompt, prepend_bos=True)
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in model.generate(ids, max_tokens, temperature=temperature, top_k=top_k, seed=seed):
+        if piece := utf8.decode(tokenizer.enc.decode_single_token_bytes(t)):
+            yield piece
+    if tail := utf8.decode(b"", final=True):
+        yield tail
+
+
 def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, top_k: int | None,
            seed: int) -> str:
-    ids = tokenizer.encode(prompt, prepend_bos=True)
-    return tokenizer.decode(list(model.generate(ids, max_tokens, temperature=temperature,
-                                                top_k=top_k, seed=seed)))
+    return "".join(stream(model, tokenizer, prompt, max_tokens, temperature, top_k, seed))
 
 
 def main(argv=None):
@@ -54,16 +69,27 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.num_samples < 1:
         p.error("--max-tokens and --num-samples must be >= 1")
-    if args.temperature < 0 or args.top_k < 0:
-        p.error("--temperature and --top-k must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        p.error("--top-k must be >= 0")
+    if not 0 <= args.seed < 2 ** 64:  # torch's generator takes 64 bits
+        p.error(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.seed + args.num_samples > 2 ** 64:
+        p.error(f"sample i is seeded with --seed + i, so --seed must be at most 2**64 - "
+                f"--num-samples = {2 ** 64 - args.num_samples}")
     device = torch.device(check_device_type(args.device_type))
     model, tokenizer, meta = load_for_inference(args, device)
     print(f"run {args.run}, step {meta['step']}, {model.num_params():,} params")
     for prompt in args.prompt or ["The"]:
         for i in range(args.num_samples):
-            text = sample(model, tokenizer, prompt, args.max_tokens, args.temperature,
-                          args.top_k or None, args.seed + i)
-            print(f"--- {prompt!r}\n{prompt}{text}")
+            print(f"--- {prompt!r}\n{prompt}", end="", flush=True)
+            # printed as it comes: a long sample takes minutes on a CPU
+            for piece in stream(model, tokenizer, prompt, args.max_tokens, args.temperature,
+                                args.top_k or None, args.seed + i):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            print(flush=True)
 
 
 if __name__ == "__main__":

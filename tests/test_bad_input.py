@@ -91,6 +91,18 @@ def source(tmp_path, *flags):
     return train("--dataset", str(path), *flags)
 
 
+def empty_files(tmp_path, *names):
+    """base_train on a folder of files that hold nothing: 0 bytes, or a parquet file of 0 rows."""
+    (tmp_path / "empty").mkdir()
+    for name in names:
+        path = tmp_path / "empty" / name
+        if name.endswith(".parquet"):
+            pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+        else:
+            path.write_bytes(b"")
+    return train("--dataset", str(tmp_path / "empty"))
+
+
 def corrupt_tokenizer(tmp_path):
     get_tokenizer().save(tmp_path / "t")
     (tmp_path / "t" / "tokenizer.bpe").write_text("garbage\n")
@@ -233,6 +245,15 @@ CASES = {
                       "--max-tokens and --num-samples must be >= 1"),
     "eval-tokens": (lambda *_: script("base_eval", "--run", "good", "--eval-tokens", "0"),
                     "--eval-tokens must be >= 1"),
+    "sample-temperature-nan": (lambda *_: script("sample", "--run", "good", "--temperature", "nan"),
+                               "--temperature must be a finite number >= 0, got nan"),
+    "sample-temperature-inf": (lambda *_: script("sample", "--run", "good", "--temperature", "inf"),
+                               "--temperature must be a finite number >= 0, got inf"),
+    "sample-seed-huge": (lambda *_: script("sample", "--run", "good", "--seed", str(2 ** 70)),
+                         "--seed must be in [0, 2**64)"),
+    "sample-seed-last": (lambda *_: script("sample", "--run", "good", "--seed", str(2 ** 64 - 1), "--num-samples",
+                                           "2"), "sample i is seeded with --seed + i"),
+    "export-out-empty": (lambda *_: script("export", "--run", "good", "--out", ""), "argument --out: is empty"),
     "ablate-variant": (lambda *_: script("ablate", "--variants", "muon,nope"), "(unknown: nope)"),
     "ablate-baseline": (lambda *_: script("ablate", "--variants", "muon,adamw", "--baseline", "muon-jordan"),
                         "is not among --variants"),
@@ -255,6 +276,11 @@ CASES = {
                          "has no column 'body' (columns: id, text): fix --text-column"),
     "source-int-column": (lambda b, g, tmp, mp: source(tmp, "--text-column", "id"),
                           "column 'id' holds int, not text: pick the text column with --text-column"),
+    "source-empty-spec": (lambda *_: train("--dataset", ""), "--dataset: an empty value (an unset variable?)"),
+    "source-no-such-user": (lambda *_: train("--dataset", "~nonexistentuser/data"),
+                            "starts with ~nonexistentuser, but there is no such user"),
+    "source-only-empty-files": (lambda b, g, tmp, mp: empty_files(tmp, "a.jsonl", "b.parquet"),
+                                "holds no documents: every file is empty (a.jsonl, b.parquet)"),
     # the library
     "tokenizer-corrupt": (lambda b, g, tmp, mp: corrupt_tokenizer(tmp), "is corrupt"),
     "tokenizer-bytes": (lambda b, g, tmp, mp: tokenizer_without_byte(tmp), "single-byte tokens are missing (byte 0x0)"),
@@ -312,3 +338,27 @@ def test_a_bug_keeps_its_traceback(base, monkeypatch):
     monkeypatch.setattr(base_train.GPT, "init_weights", broken)
     with pytest.raises(ValueError, match="a bug inside the model"):
         train(run="bug")()
+
+
+def test_sample_prints_its_text_as_it_comes(base, good, monkeypatch, capsys):
+    """A long sample takes minutes on a CPU: each token's text is out before the next is generated, and
+    the pieces join to exactly the decoded sample."""
+    from nanomuon.gpt import GPT
+    from scripts.sample import main
+
+    real, tokens, seen = GPT.generate, [], []
+
+    def generate(self, *args, **kwargs):
+        for t in real(self, *args, **kwargs):
+            tokens.append(t)
+            yield t
+            seen.append(capsys.readouterr().out)  # what was printed before the next token
+
+    monkeypatch.setattr(GPT, "generate", generate)
+    capsys.readouterr()
+    main(["--run", "good", "--prompt", "def", "--max-tokens", "6", "--device-type", "cpu"])
+    early, header = "".join(seen[:-1]), "--- 'def'\ndef"
+    assert len(tokens) == len(seen) == 6 and header in early and not early.endswith(header), \
+        f"no text printed before the last token: {early!r}"
+    printed = "".join(seen) + capsys.readouterr().out
+    assert printed[printed.index(header) + len(header):] == get_tokenizer().decode(tokens) + "\n"

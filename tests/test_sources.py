@@ -115,6 +115,55 @@ def test_text_folder_of_mixed_encodings_decodes_or_skips_with_a_count(tmp_path):
     assert decode("x".encode("utf-16")[:3]) == (None, "binary")  # a BOM, then bytes that do not decode
 
 
+def said(capsys, phrase):
+    """The one stderr line that holds phrase."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if phrase in line]
+    assert len(lines) == 1, f"{phrase!r} in {len(lines)} lines"
+    return lines[0]
+
+
+def test_files_left_out_skipped_or_guessed_at_are_named(tmp_path, capsys):
+    """Files of other types, empty files (which would stop the read of every file of their format),
+    binary text files with or without NULs, and text decoded from a guessed encoding: each said in a line."""
+    folder = tmp_path / "mixed"
+    write("jsonl", folder, DOCS[:10])
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / "none.parquet")
+    write("parquet", folder / "sub", DOCS[10:20])
+    (folder / "zero.jsonl").write_bytes(b"")
+    (folder / "blank.jsonl").write_text("\n \n")
+    (folder / "notes.md").write_text("# not read")
+    (folder / "tool.py").write_text("x = 1")
+    (folder / "win.txt").write_bytes("café".encode("cp1252"))
+    (folder / "noise.txt").write_bytes(bytes(range(1, 256)) * 8)  # no NUL, but a quarter control bytes
+    train, val = splits(prepare(str(folder)))
+    assert sorted(train + val) == sorted(DOCS[:20] + ["café"])
+    err = capsys.readouterr().err
+    assert ("left out 2 file(s) of other types (.md, .py; notes.md, tool.py): only .parquet, .jsonl, .json, "
+            ".csv, .txt files are read" in err), err
+    assert "skipped 3 empty file(s) (blank.jsonl, none.parquet, zero.jsonl): 0 bytes or 0 rows" in err, err
+    assert "1 text file(s) not in UTF-8 read as cp1252 (win.txt)" in err, err
+    assert "skipped 1 binary .txt file(s) (noise.txt)" in err, err
+    (tmp_path / "void").mkdir()
+    (tmp_path / "void" / "zero.jsonl").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds no documents: every file is empty \(zero.jsonl\)"):
+        prepare(str(tmp_path / "void"))
+
+
+def test_the_column_read_and_rows_without_it_are_said(tmp_path, capsys):
+    (tmp_path / "content.jsonl").write_text("".join(json.dumps({"n": i, "content": t}) + "\n"
+                                                    for i, t in enumerate(DOCS[:20])))
+    assert sorted(sum(splits(prepare(str(tmp_path / "content.jsonl"))), [])) == sorted(DOCS[:20])
+    assert "has no `text` column: reading its only string column 'content'" in said(capsys, "only string column")
+    rows = [{"text": t} if i % 2 else {"content": t} for i, t in enumerate(DOCS)]
+    (tmp_path / "half.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    name = prepare(str(tmp_path / "half.jsonl"))
+    assert sorted(sum(splits(name), [])) == sorted(DOCS[1:250:2])
+    line = said(capsys, "rows of")
+    assert ("125 of 250 rows of the json files half.jsonl have no 'text' (missing or null) and are left out; "
+            "125 of them hold text in 'content': give every row its text in 'text'") in line, line
+    assert json.loads((data_dir(name) / "manifest.json").read_text())["counts"] == {"null": 125}
+
+
 def test_a_sources_own_held_out_split_is_its_val(tmp_path):
     for split, docs in (("train", DOCS[:50]), ("validation", DOCS[50:60]), ("test", DOCS[60:70])):
         write("jsonl", tmp_path / "data" / split, docs)
