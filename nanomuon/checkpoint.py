@@ -462,7 +462,10 @@ def list_steps(run_dir: Path) -> list[int]:
 
 def run_arg(s: str) -> str:
     """argparse type for a run name: it names a directory under runs/, so
-    nothing that walks out of it."""
+    nothing that walks out of it, and short enough to be one (ablate adds suffixes)."""
+    if len(s) > 200:
+        raise argparse.ArgumentTypeError(f"{s[:20]!r}... is {len(s)} characters: a run name is at "
+                                         "most 200 (it names a directory under runs/)")
     if not s.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only "
                                          "(it names a directory under runs/)")

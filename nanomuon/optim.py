@@ -79,7 +79,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # data parallel: params with fewer elements are all_reduced and updated on every rank
     SMALL = 1024
-    CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _in_slices)
+    CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
     STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups",
                        "transposed")
@@ -309,10 +309,10 @@ class MuonAdamW(torch.optim.Optimizer):
         return self._gather(flat, p.numel(), p), p, flat
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced) -> tuple | None:
-        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank
-        (the grads are where autograd left them), else (work, buffer) of the reduction: then
-        the new values go into this rank's chunk of the buffer (the grads there are spent),
-        and the gather of every chunk starts."""
+        """Muon on the bucket's matrices this rank owns, in place, one stacked call per slice (see
+        _slices). reduced: None on one rank (the grads are where autograd left them), else (work,
+        buffer) of the reduction: then the new values go into this rank's chunk of the buffer (the
+        grads there are spent), and the gather of every chunk starts."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
@@ -326,12 +326,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 rows = self._own_chunk(buf)[:len(mine)]
                 self._finish_mean(rows)
                 grads = rows if len(idx) == len(mine) else rows[idx]
-            updated = self._muon_step(group, mine, grads, idx)
-            # updated through a stack (a list would recompile per length): copy back
+            params = [mine[k] for k in idx]
+            # eager: the params themselves, no copy; compiled: a stack (a list would recompile
+            # per length), copied back below
+            stacked = torch.stack(params) if self.compiled else params
+            everyone, (momentum, second) = len(idx) == len(mine), self._muon_stacks(group, mine)
+            if not everyone:  # index_select copies: the moved state is written back below
+                sel = torch.tensor(idx, device=momentum.device)
+                m_all, s_all = momentum, second
+                momentum, second = momentum[sel], (second[sel] if second is not None else None)
+            h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device),
+                        self.compiled)
+            opts, update = muon_options(group, mine[0].device), kernel(muon_update, self.compiled)
+            for sl in self._slices(momentum):
+                update(grads[sl], stacked[sl], momentum[sl], second[sl] if second is not None
+                       else None, h, opts)
+            if not everyone:
+                m_all[sel] = momentum
+                if second is not None:
+                    s_all[sel] = second
             if self.compiled:
-                torch._foreach_copy_([mine[k] for k in idx], list(updated.unbind(0)))
+                torch._foreach_copy_(params, list(stacked.unbind(0)))
             if reduced is not None:
-                torch._foreach_copy_([rows[k] for k in idx], [mine[k] for k in idx])
+                torch._foreach_copy_([rows[k] for k in idx], params)
         return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
     def _write_back(self, gathers: list, active: dict) -> None:
@@ -353,29 +370,6 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
             p.grad = None
 
-    def _muon_step(self, group: dict, params: list[Tensor], grads, idx: list[int]):
-        """Muon on params[i] for i in idx (grads, stacked or a list, in that order); `params` is
-        every param of one shape bucket that this process keeps state for. Eager, the params are
-        updated in place (no stack, no copy back); compiled, a stacked copy is, and returned."""
-        momentum, second = self._muon_stacks(group, params)
-        everyone = len(idx) == len(params)
-        if not everyone:
-            sel = torch.tensor(idx, device=momentum.device)
-            momentum, second = momentum[sel], (second[sel] if second is not None else None)
-        stacked = (torch.stack([params[i] for i in idx]) if self.compiled
-                   else [params[i] for i in idx])
-        h = scalars(muon_hparams(group, (len(idx), *params[0].shape), params[0].device),
-                    self.compiled)
-        opts = muon_options(group, params[0].device)
-        self._in_slices(kernel(muon_update, self.compiled), (grads, stacked, momentum, second),
-                        h, opts)
-        if not everyone:  # index_select made copies: write the moved state back
-            m_all, s_all = self._muon_stacks(group, params)
-            m_all[sel] = momentum
-            if second is not None:
-                s_all[sel] = second
-        return stacked
-
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
         """AdamW on p (a whole param, or this rank's flat shard of one), creating state on
         first use."""
@@ -390,23 +384,22 @@ class MuonAdamW(torch.optim.Optimizer):
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
         h = scalars(adamw_hparams(group, state["step"]), self.compiled)
-        self._in_slices(kernel(adamw_update, self.compiled), tensors, h)
+        update = kernel(adamw_update, self.compiled)
+        for sl in self._slices(tensors[0]):
+            update(*(t[sl] for t in tensors), h)
 
-    def _in_slices(self, fn, tensors, *hparams) -> None:
-        """fn(*tensors, *hparams) over dim-0 slices of <= CPU_SLICE elements on CPU, in one
-        call on GPUs.
+    def _slices(self, lead: Tensor) -> list[slice]:
+        """The dim-0 slices an update of tensors like `lead` runs in: one on GPUs, slices of
+        <= CPU_SLICE elements on CPU.
 
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above
         glibc's 32 MB mmap threshold are page-faulted afresh on every call (13% of a d12
         Muon step on a 2-core VM); small slices keep them in reusable heap memory. CUDA's
         caching allocator has no such cost."""
-        # lists (eager Muon grads, params) slice alike
-        lead = next(t for t in tensors if isinstance(t, Tensor))
-        if lead.is_cuda or lead.ndim == 0 or lead.numel() <= self.CPU_SLICE:
-            return fn(*tensors, *hparams)
-        n, per = len(lead), max(1, self.CPU_SLICE // lead[0].numel())
-        for i in range(0, n, per):
-            fn(*(t[i:i + per] if t is not None else None for t in tensors), *hparams)
+        if lead.is_cuda or lead.numel() <= self.CPU_SLICE:
+            return [slice(None)]
+        per = max(1, self.CPU_SLICE // lead[0].numel())
+        return [slice(i, i + per) for i in range(0, len(lead), per)]
 
     def _muon_stacks(self, group: dict, params: list[Tensor]):
         """Stacked (momentum, second moment or None) buffers for these same-shape params, as the

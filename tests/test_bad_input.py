@@ -257,6 +257,7 @@ CASES = {
     "ablate-variant": (lambda *_: script("ablate", "--variants", "muon,nope"), "(unknown: nope)"),
     "ablate-baseline": (lambda *_: script("ablate", "--variants", "muon,adamw", "--baseline", "muon-jordan"),
                         "is not among --variants"),
+    "run-name-long": (lambda *_: script("sample", "--run", "a" * 300), "a run name is at most 200"),
     "ablate-run": (lambda *_: script("ablate", "--run", "x"), "use --name, --variants, --seeds and --lr-sweep"),
     "ablate-seed": (lambda *_: script("ablate", "--seed", "3"), "--lr-multiplier are set per run by ablate"),
     "ablate-lr-sweep": (lambda *_: script("ablate", "--lr-sweep", "1,0"), "distinct positive numbers, got '1,0'"),
