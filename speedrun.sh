@@ -22,9 +22,11 @@ export PYTHONUNBUFFERED=1
 if [ -z "${MODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
-# find_spec, not import: importing torch alone takes 2 s, and the steps below import what they need anyway
+# find_spec, not import: importing torch alone takes 2 s, and the steps below import what they need
+# anyway. Not matplotlib: plots are optional (the report says it skipped them), so an offline GPU
+# image without it runs as is.
 if ! python -c "import importlib.util as u, sys
-sys.exit(any(u.find_spec(m) is None for m in ('nanomuon', 'torch', 'tiktoken', 'pyarrow', 'matplotlib')))"; then
+sys.exit(any(u.find_spec(m) is None for m in ('nanomuon', 'torch', 'tiktoken', 'pyarrow')))"; then
     echo "== installing nanomuon and its dependencies"
     pip install -e .
 fi

@@ -1,8 +1,8 @@
 """
 Pictures for reports: line plots of training curves, written as PNG with matplotlib, for
-base_train's report and ablate's comparisons. matplotlib is imported here only, so the optimizer,
-the model and training never need it; without it plot_curves() returns None and the report points at
-the fix (MISSING).
+base_train's report and ablate's comparisons. Plots are optional: matplotlib is imported here only,
+so the optimizer, the model and training never need it; without it plot_curves() returns None and
+the report says in one line that it skipped them and why (MISSING).
 """
 
 import math
@@ -10,7 +10,8 @@ from pathlib import Path
 
 from nanomuon.common import write_atomic
 
-MISSING = "loss curves need matplotlib: `pip install matplotlib` (or `pip install -e .`)"
+MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
+           "(`pip install matplotlib` draws them)")
 
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:

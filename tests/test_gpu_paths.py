@@ -1,6 +1,11 @@
-"""What a first run on a GPU node needs from the CUDA paths, checked on the CPU: one batch layout for
-the compiled model (no recompiles at epoch ends or at eval's short last batch), and the eager loss's
-block size chosen from the device's memory."""
+"""What a first run on a GPU node needs, checked on the CPU: one batch layout for the compiled model
+(no recompiles at epoch ends or at eval's short last batch), the eager loss's block size chosen from
+the device's memory, and plots optional everywhere (an offline GPU image may lack matplotlib)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,6 +18,9 @@ from nanomuon.common import evaluate_bpb
 from nanomuon.dataloader import DataLoader, val_rows
 from nanomuon.dataset import data_dir
 from nanomuon.gpt import GPT, SoftcapCrossEntropy, config_from_depth, loss_block_rows
+from nanomuon.report import MISSING
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ByteTokenizer:
@@ -33,9 +41,11 @@ def write_split_folder(base, n_train=9, n_val=12):
     """fineweb-edu's layout in `base`: one train shard of a few documents, then the val shard."""
     d = data_dir("fineweb-edu")
     d.mkdir(parents=True, exist_ok=True)
-    docs = [f"document {k}: " + "words and more words " * (1 + k % 4) for k in range(n_train + n_val)]
+    docs = [f"document {k}: " + "words and more words " * (1 + k % 4)
+            for k in range(n_train + n_val)]
     for i, part in enumerate((docs[:n_train], docs[n_train:])):
-        pq.write_table(pa.table({"text": pa.array(part, pa.string())}), d / f"shard_{i:05d}.parquet")
+        table = pa.table({"text": pa.array(part, pa.string())})
+        pq.write_table(table, d / f"shard_{i:05d}.parquet")
 
 
 def train_step(model, x, y):
@@ -147,3 +157,61 @@ def test_softcap_loss_is_the_same_in_one_block_or_many(monkeypatch, one_block):
     assert chosen == [13 if one_block else 3]
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-12, atol=1e-15)
+
+
+def hiding(tmp_path, *names) -> str:
+    """A PYTHONPATH entry whose sitecustomize makes the modules `names` absent to every Python that
+    starts with it: find_spec gives None and import fails, as on an image without them."""
+    d = tmp_path / "hide"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{n!r}] = None\n"
+                                                                  for n in names))
+    return str(d)
+
+
+def test_speedrun_does_not_install_anything_for_a_missing_matplotlib(tmp_path):
+    """On an offline image with everything but matplotlib, speedrun.sh goes straight to its first
+    step instead of running pip (which fails offline). Here python -m stands in for the steps and
+    pip records that it was called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = -m ]; then echo "step: python $*"; exit 3; fi
+exec {sys.executable} "$@"
+""")
+    pip_log = tmp_path / "pip.log"
+    (bin_dir / "pip").write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {pip_log}\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(PATH=f"{bin_dir}:/usr/bin:/bin", HOME=str(tmp_path), MODE="cpu",
+               NANOMUON_BASE_DIR=str(tmp_path / "base"), PYTHONPATH=hiding(tmp_path, "matplotlib"))
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert not pip_log.exists(), p.stdout + p.stderr
+    assert p.returncode == 3 and "step: python -m nanomuon.dataset --embedded" in p.stdout, p.stdout
+
+
+def test_gpu_check_names_every_missing_package_before_it_starts(tmp_path):
+    """gpu_check.sh needs torch, tiktoken, pyarrow and pytest (its tests step): one line names those
+    missing before any step runs, in the dry run too."""
+    env = dict(os.environ, PYTHONPATH=hiding(tmp_path, "pytest", "tiktoken"))
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == "", p.stdout
+    assert p.stderr.count("\n") == 1 and "missing here: tiktoken, pytest" in p.stderr, p.stderr
+
+
+def test_a_report_without_matplotlib_says_in_one_line_that_it_skipped_the_plots(base, monkeypatch):
+    """Plots are optional: base_train without matplotlib trains, and its report says in one line
+    that the plots were skipped and why."""
+    from scripts.base_train import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    main(["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32",
+          "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4", "--eval-tokens",
+          "1024", "--sample-tokens", "0", "--total-batch-size", "256", "--num-iterations", "2",
+          "--run", "no-plots"])
+    run = base / "runs" / "no-plots"
+    said = [line for line in (run / "report.md").read_text().splitlines() if "matplotlib" in line]
+    assert len(said) == 1 and "skipped" in said[0] and "not installed" in said[0], said
+    assert MISSING in said[0] and not (run / "curves.png").exists()

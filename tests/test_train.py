@@ -422,14 +422,36 @@ def test_speedrun_gpu_mode_runs_offline_on_the_embedded_corpus(base, tmp_path):
 
 
 def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
-    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+    """The dry run lists every step with its limit, cuts them into calls that each fit a 9-minute
+    allocation (--only per piece), shows how a timeout reads apart from a failure, and checks the
+    imports and flags; --only keeps the steps it names, by name or prefix, and refuses others."""
+    steps = ("tests", "bench_optim_d12", "bench_optim_d20", "base_train_d12", "base_train_d20", "speedrun")
+
+    def dry(*args):
+        return subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+
+    p = dry()
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    for step in ("tests", "bench_optim d12", "bench_optim d20", "base_train d12", "base_train d20", "speedrun"):
-        assert re.search(rf"^  {step} +\d+s ", p.stdout, re.M), step
-    limits = [int(x) for x in re.findall(r"^  .+? +(\d+)s ", p.stdout, re.M)]
-    assert sum(limits) <= 540, limits  # the kit must fit its 9 minutes
+    limits = {}
+    for step in steps:
+        m = re.search(rf"^  {step} +(\d+)s ", p.stdout, re.M)
+        assert m, step
+        limits[step] = int(m.group(1))
+    pieces = re.findall(r"^ +(\d+)s  bash scripts/gpu_check.sh --only (\S+)$", p.stdout, re.M)
+    assert [s for _, piece in pieces for s in piece.split(",")] == list(steps)  # each once, in order
+    for secs, piece in pieces:  # each piece fits one call, and says what its limits add up to
+        assert int(secs) == sum(limits[s] for s in piece.split(",")) <= 540, (secs, piece)
+    assert "a step past its limit: timed out after 1 s" in p.stdout
+    assert "a failing step: FAILED (exit 3)" in p.stdout
     assert "imports: ok" in p.stdout and "base_train flags: ok" in p.stdout and "cuda tests: collected" in p.stdout
+    p = dry("--only", "base_train,tests")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.findall(r"^  (\S+) +\d+s ", p.stdout, re.M) == ["tests", "base_train_d12", "base_train_d20"]
+    p = dry("--only", "tests,nosuch")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no step 'nosuch'" in p.stderr, p.stderr
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and "--only" in p.stdout and "timed out after N s" in p.stdout, p.stderr
 
 
 class NoFloat64(TorchDispatchMode):
