@@ -220,9 +220,9 @@ class SoftcapCrossEntropy(torch.autograd.Function):
     """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of
     rows at a time (loss_block_rows), with the gradient made on the way: what eager autograd does
     in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in
-    cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model keeps the plain
-    expression, which inductor fuses by itself. tests/test_gpt.py checks this against float64 and
-    the compiled model against this."""
+    cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model keeps
+    the plain expression, which inductor fuses by itself. tests/test_gpt.py checks this against
+    float64 and the compiled model against this."""
 
     @staticmethod
     def forward(ctx, logits, targets, cap: float, reduction: str, make_grad: bool):
