@@ -23,6 +23,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import math
 import os
 import pickle
 import re
@@ -507,6 +508,13 @@ def check_meta(meta, d: Path, keys) -> None:
     if (not problems and {"loader", "world_size"} <= set(keys)
             and len(meta["loader"]) != meta["world_size"]):
         problems.append(f"{len(meta['loader'])} loader states for world_size {meta['world_size']}")
+    if not problems and "loader" in keys:
+        problems += [f"loader[{i}] is a{'n' * (type(s).__name__[0] in 'aeiou')} "
+                     f"{type(s).__name__}, not a dict" for i, s in enumerate(meta["loader"])
+                     if not isinstance(s, dict)][:1]
+    if not problems and "loop" in keys:  # a NaN here would be carried into every later line
+        problems += [f"'loop.{k}' is {v!r}, not a finite number" for k, v in meta["loop"].items()
+                     if isinstance(v, float) and not math.isfinite(v)][:1]
     if problems:
         raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json "
                          f"({'; '.join(problems)}); restore it, or delete {d} and resume from an "
@@ -518,7 +526,7 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     unreadable or bad."""
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
                          "from an earlier step") from e
     if not isinstance(meta, dict):

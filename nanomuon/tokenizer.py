@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import regex  # tiktoken's own dependency: its pattern syntax
 import tiktoken
 import torch
 
@@ -90,10 +91,14 @@ class Tokenizer:
                                     "train one with `python -m scripts.tok_train --dataset "
                                     "embedded` (or --dataset fineweb-edu)")
         try:
-            meta = json.loads((directory / "tokenizer.json").read_text())
+            try:
+                meta = json.loads((directory / "tokenizer.json").read_text())
+            except RecursionError:  # json's parser recurses once per nesting level
+                raise ValueError("tokenizer.json nests too deep to be one") from None
             lines = (line.split()
                      for line in (directory / "tokenizer.bpe").read_text().splitlines())
             ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
+            check_pattern(meta["pattern"])
             tok = cls(ranks, meta["pattern"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"the tokenizer in {directory} is corrupt ({type(e).__name__}: {e}); "
@@ -126,6 +131,20 @@ class Tokenizer:
         for token, rank in self.mergeable_ranks.items():
             lengths[rank] = len(token)
         return torch.tensor(lengths, dtype=torch.int64)
+
+
+def check_pattern(pattern) -> None:
+    """ValueError unless pattern is a split regex that never matches empty text: on one that
+    does, tiktoken's Rust code panics at the first text, on every thread (one that does not
+    compile, tiktoken refuses when the Encoding is built)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"tokenizer.json's split pattern is {pattern!r}: it must be a non-empty regex")
+    try:
+        empty = any(m.start() == m.end() for m in regex.finditer(pattern, "Ab 12, 345!\n\n x  y"))
+    except regex.error:  # tiktoken's dialect differs a little: building the Encoding decides
+        return
+    if empty:
+        raise ValueError(f"tokenizer.json's split pattern {pattern!r:.60} matches empty text")
 
 
 def tokenizer_dir() -> Path:

@@ -60,6 +60,21 @@ def eval_data(args, meta) -> argparse.Namespace:
     return data
 
 
+def check_report(report) -> None:
+    """Exit now, before evaluating, if report cannot be appended to (every rank checks, so all
+    stop together)."""
+    try:
+        os.close(os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))
+    except FileNotFoundError:
+        if not os.access(report.parent, os.W_OK | os.X_OK):
+            raise SystemExit(f"error: cannot create {report}: {report.parent} is not writable; "
+                             "make it writable, or copy the run into a writable base dir") from None
+    except OSError as e:
+        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): make it a writable "
+                         "regular file (not a link), or copy the run into a writable base dir"
+                         ) from None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint",
                                 allow_abbrev=False)
@@ -81,6 +96,7 @@ def main(argv=None):
                 "data and options")
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     model, tokenizer, meta = load_for_inference(args, device)
+    check_report(get_base_dir() / "runs" / args.run / "report.md")
     data_args = eval_data(args, meta)
     dataset = data_args.dataset
     print0(f"evaluating on {flags(data_args)}" + ("" if data_args is args else ", the run's data"))

@@ -1,0 +1,107 @@
+"""
+Damaged files a run reads (meta.json, tokenizer.json, the run dir's report.md), each stopped where it
+is first read with one line naming the file and the way out; a damaged last checkpoint lets
+'latest' fall back to the step before.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+from test_bad_input import GOOD
+
+from nanomuon.checkpoint import load_step
+from nanomuon.tokenizer import Tokenizer, get_tokenizer
+
+DEEP = '{"a":' * 200_000 + "1" + "}" * 200_000
+
+
+@pytest.fixture(scope="module")
+def good(base):
+    """A finished 2-step run with checkpoints at steps 1 and 2, copied by the tests that damage one."""
+    from scripts.base_train import main
+
+    main([*GOOD, "--run", "files", "--save-every", "1"])
+    return base / "runs" / "files"
+
+
+def damaged(good, name, damage):
+    """A copy of the good run with step 2's meta.json rewritten by damage(meta) -> text."""
+    run = good.parent / name
+    shutil.copytree(good, run)
+    path = run / "step_000002" / "meta.json"
+    path.write_text(damage(json.loads(path.read_text())))
+    return run
+
+
+def one_line(call, capsys):
+    """call()'s error, checked to be one line with no traceback; one_line.out: what it printed."""
+    capsys.readouterr()
+    with pytest.raises((SystemExit, ValueError)) as e:
+        call()
+    message = e.value.code if isinstance(e.value, SystemExit) else str(e.value)
+    assert isinstance(message, str) and "\n" not in message, message
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    one_line.out = out
+    return message
+
+
+def test_meta_nested_too_deep_falls_back(good, capsys):
+    run = damaged(good, "deep", lambda meta: DEEP)
+    assert "unreadable meta.json" in one_line(lambda: load_step(run, 2), capsys)
+    warned = []
+    assert load_step(run, "latest", warn=warned.append)[0] == 1
+    assert "step 2 does not load" in warned[0] and "delete" in warned[0]
+
+
+def test_meta_loader_entry_not_a_dict(good, capsys):
+    def edit(meta):
+        meta["loader"] = [7] * len(meta["loader"])
+        return json.dumps(meta)
+    run = damaged(good, "loader7", edit)
+    message = one_line(lambda: load_step(run, 2, ("loader", "world_size")), capsys)
+    assert "loader[0] is an int, not a dict" in message and "resume from an earlier step" in message
+    assert load_step(run, "latest", ("loader",), warn=lambda _: None)[0] == 1
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_meta_loop_number_not_finite(good, value, capsys):
+    def edit(meta):
+        return json.dumps(meta).replace('"smooth_loss": ', f'"smooth_loss": {value}, "was": ')
+    run = damaged(good, f"loop{value}", edit)
+    message = one_line(lambda: load_step(run, 2, ("loop",)), capsys)
+    assert "'loop.smooth_loss' is" in message and "not a finite number" in message, message
+
+
+def test_tokenizer_json_nested_too_deep(base, tmp_path, capsys):
+    get_tokenizer().save(tmp_path / "t")
+    (tmp_path / "t" / "tokenizer.json").write_text(DEEP)
+    message = one_line(lambda: Tokenizer.load(tmp_path / "t"), capsys)
+    assert "tokenizer.json nests too deep" in message and "scripts.tok_train" in message
+
+
+@pytest.mark.parametrize("pattern", ["", "a*", "x|(?=y)"])
+def test_tokenizer_split_pattern_matching_empty_text(base, tmp_path, pattern, capsys):
+    """Saved by Tokenizer itself, so its fingerprint fits: only the pattern is wrong."""
+    Tokenizer(get_tokenizer().mergeable_ranks, pattern).save(tmp_path / "t")
+    message = one_line(lambda: Tokenizer.load(tmp_path / "t"), capsys)
+    assert "tokenizer.json's split pattern" in message and "scripts.tok_train" in message
+
+
+def test_base_eval_checks_report_before_evaluating(good, monkeypatch, capsys):
+    from scripts.base_eval import main
+
+    shutil.copytree(good, good.parent / "evaldir")
+    report = good.parent / "evaldir" / "report.md"
+    report.unlink(missing_ok=True)
+    report.mkdir()  # even root cannot append to a directory
+    argv = ["--run", "evaldir", "--device-type", "cpu", "--sample-tokens", "0"]
+    message = one_line(lambda: main(argv), capsys)
+    assert f"cannot append to {report}" in message
+    assert "val bpb" not in one_line.out  # stopped before evaluating
+    report.rmdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if p == report.parent else real(p, mode))
+    assert f"{report.parent} is not writable" in one_line(lambda: main(argv), capsys)
