@@ -22,6 +22,12 @@ export PYTHONUNBUFFERED=1
 if [ -z "${MODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then MODE=gpu; else MODE=cpu; fi
 fi
+# anything else would silently run the CPU miniature
+if [ "$MODE" != gpu ] && [ "$MODE" != cpu ]; then
+    echo "error: MODE=$MODE: use MODE=gpu or MODE=cpu (lowercase), or unset MODE to pick by" \
+        "nvidia-smi" >&2
+    exit 2
+fi
 # find_spec, not import: importing torch alone takes 2 s, and the steps below import what they need
 # anyway. Not matplotlib: plots are optional (the report says it skipped them), so an offline GPU
 # image without it runs as is.

@@ -23,7 +23,15 @@ def get_base_dir() -> Path:
     """$NANOMUON_BASE_DIR if set, else ~/.cache/nanomuon; created if missing."""
     env = os.environ.get("NANOMUON_BASE_DIR")
     base = Path(env).expanduser() if env else Path.home() / ".cache" / "nanomuon"
-    base.mkdir(parents=True, exist_ok=True)
+    where = f"NANOMUON_BASE_DIR={env}" if env else str(base)
+    if base.exists() and not base.is_dir():
+        raise SystemExit(f"error: {where} is not a directory; point NANOMUON_BASE_DIR at a "
+                         "directory (or unset it for ~/.cache/nanomuon)")
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, a read-only filesystem
+        raise SystemExit(f"error: cannot create {where} ({e.strerror}); point "
+                         "NANOMUON_BASE_DIR at a directory you can write") from None
     return base
 
 
@@ -84,8 +92,7 @@ def compute_init(device_type: str = "auto"):
     Returns (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
     distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank, world_size = process_env()
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise SystemExit(f"error: local rank {local_rank} but only "
@@ -106,6 +113,28 @@ def compute_init(device_type: str = "auto"):
             dist.init_process_group("gloo")
             atexit.register(_destroy_gloo_at_exit)
     return distributed, rank, local_rank, world_size, device
+
+
+def process_env() -> tuple[int, int, int]:
+    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0, 1 when unset), checked before
+    the process group: a rank outside the world would wait in its rendezvous forever, silently."""
+    values = {}
+    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        raw = os.environ.get(name, str(default))
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise SystemExit(f"error: {name}={raw!r} is not an integer; unset it, or launch with "
+                             "torchrun, which sets it") from None
+    rank, local_rank, world_size = values.values()
+    wrong = (f"WORLD_SIZE={world_size} must be >= 1" if world_size < 1
+             else f"RANK={rank} is outside WORLD_SIZE={world_size} (need 0 <= RANK < WORLD_SIZE)"
+             if not 0 <= rank < world_size
+             else f"LOCAL_RANK={local_rank} must be >= 0" if local_rank < 0 else None)
+    if wrong:
+        raise SystemExit(f"error: {wrong}; unset RANK, LOCAL_RANK and WORLD_SIZE, or launch with "
+                         "torchrun, which sets them")
+    return rank, local_rank, world_size
 
 
 def reuse_freed_memory() -> None:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import platform
 import shutil
 import statistics
@@ -158,8 +159,8 @@ def parse_args(argv=None):
                    default=-1, help="continue the run from this checkpoint: a step number, "
                    "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
                    "--max-restarts); -1: start fresh")
-    p.add_argument("--sample-tokens", type=int, default=32,
-                   help="tokens per sample printed at the end (0: none)")
+    p.add_argument("--sample-tokens", type=int, default=None,
+                   help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
     p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
                    "step (Kimi K2's MuonClip; needs --no-qk-norm; 0: off)")
@@ -207,6 +208,34 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error("--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got "
                 f"{args.resume_from_step}")
+    # more than the window only re-runs its last max-seq-len tokens, ever longer, before the report
+    if args.sample_tokens is None:  # the default never refuses a short --max-seq-len
+        args.sample_tokens = min(32, args.max_seq_len)
+    if not 0 <= args.sample_tokens <= args.max_seq_len:
+        p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
+                f"--max-seq-len), got {args.sample_tokens}")
+    check_model_fits(p, args)
+
+
+def check_model_fits(p: argparse.ArgumentParser, args) -> None:
+    """Refuse a model whose fp32 block matrices alone exceed this device's memory (all processes'
+    with --fsdp), before a tensor of it is built: torch would fail with an overflow or an OOM."""
+    width = math.ceil(args.depth * args.aspect_ratio / args.head_dim) * args.head_dim  # as gpt.py
+    params = 12 * args.depth * width ** 2  # attention 4 d^2 + MLP 8 d^2 a block; vocab adds more
+    cuda = args.device_type == "cuda" or (args.device_type == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.is_available():
+        where, memory = "this GPU", torch.cuda.get_device_properties(0).total_memory
+    elif args.device_type in ("auto", "cpu", "mps"):
+        where, memory = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        return  # --device-type cuda without CUDA: build() says so
+    world = os.environ.get("WORLD_SIZE", "1")
+    shards = int(world) if args.fsdp and world.isdigit() and int(world) > 0 else 1
+    if 4 * params > memory * shards:
+        p.error(f"--depth {args.depth}, --aspect-ratio {args.aspect_ratio} and --head-dim "
+                f"{args.head_dim} make a model of over {params:.3g} parameters, over the memory of "
+                f"{where} ({size_str(memory * shards)}) in fp32 alone; lower --depth, "
+                "--aspect-ratio or --head-dim")
 
 
 def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,

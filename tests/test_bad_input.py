@@ -6,7 +6,9 @@ must leave no file behind: the base dir holds the same files before and after.
 
 import base64
 import json
+import os
 import shutil
+import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -153,6 +155,19 @@ def run_dir_is_a_file(base, tmp_path, monkeypatch):
     return train(run="taken")
 
 
+def speedrun(tmp_path, mode):
+    """speedrun.sh with MODE=mode and its own base dir; a failure becomes a SystemExit of its
+    stderr, and nothing may have started before it (no output)."""
+    def call():
+        env = dict(os.environ, MODE=mode, NANOMUON_BASE_DIR=str(tmp_path / "speedrun"))
+        done = subprocess.run(["bash", "speedrun.sh"], env=env, capture_output=True, text=True,
+                              timeout=30)
+        assert done.stdout == "", f"speedrun.sh started before refusing MODE={mode}: {done.stdout}"
+        if done.returncode:
+            raise SystemExit(done.stderr.strip())
+    return call
+
+
 def muon_group_without_kind():
     return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
 
@@ -183,6 +198,25 @@ CASES = {
     "qk-clip-norm": (lambda *_: train("--qk-clip", "50"), "--qk-clip has nothing to do with QK-norm on"),
     "qk-clip-value": (lambda *_: train("--no-qk-norm", "--qk-clip", "-1"), "--qk-clip must be a finite number >= 0"),
     "fsdp-alone": (lambda *_: train("--fsdp"), "--fsdp shards the model over torchrun processes; launch with torchrun"),
+    "sample-tokens-negative": (lambda *_: train("--sample-tokens", "-1"),
+                               "--sample-tokens must be in [0, 64] (0: none; at most"),
+    "sample-tokens-huge": (lambda *_: train("--sample-tokens", str(10 ** 12)),
+                           "--sample-tokens must be in [0, 64] (0: none; at most"),
+    "depth-huge": (lambda *_: train("--depth", str(10 ** 12)), "parameters, over the memory of"),
+    "head-dim-huge": (lambda *_: train("--head-dim", str(2 ** 40)),
+                      "parameters, over the memory of"),
+    "rank-not-int": (lambda b, g, tmp, mp: (mp.setenv("RANK", "abc"), train())[1],
+                     "RANK='abc' is not an integer"),
+    "rank-outside-world": (lambda b, g, tmp, mp: (mp.setenv("RANK", "3"),
+                                                  mp.setenv("WORLD_SIZE", "1"),
+                                                  mp.setenv("LOCAL_RANK", "0"), train())[3],
+                           "RANK=3 is outside WORLD_SIZE=1"),
+    "base-dir-is-a-file": (lambda b, g, tmp, mp: ((tmp / "f").write_text("x"),
+                                                  mp.setenv("NANOMUON_BASE_DIR", str(tmp / "f")),
+                                                  train())[2],
+                           "is not a directory; point NANOMUON_BASE_DIR at a directory"),
+    "speedrun-mode": (lambda b, g, tmp, mp: speedrun(tmp, "GPU"),
+                      "MODE=GPU: use MODE=gpu or MODE=cpu"),
     "fsdp-torch-muon": (lambda *_: train("--fsdp", "--optimizer", "torch-muon"),
                         "--fsdp needs a nanomuon optimizer variant"),
     # base_train inputs: data, tokenizer, checkpoints
