@@ -11,10 +11,11 @@ replicated optimizer's whole state) and meta.json (config, loop and data loader 
 Everything is written into a hidden temporary directory, fsynced, and only then renamed into place,
 so a directory named step_* is always whole. A re-save swaps the new directory with the old in one
 rename (Linux, macOS), so step_N is never missing; elsewhere a kill between two renames is repaired
-by clean_run_dir at the next start. Checkpoints from before sharding (model.pt + optim.pt of whole
-tensors) still load; scripts/export.py writes that whole form for other tools. A training run holds
-a lock (flock) on <run dir>/.lock (lock_run_dir), which the kernel drops when the process dies: a
-lock is never stale.
+by clean_run_dir at the next start. scripts/export.py writes one whole-state file for other tools.
+Each checkpoint records a CRC-32 of its files (checksums.json), checked at load. Everything loaded is
+untrusted: DCP's index is unpickled with an allowlist (read_index), and a symlink where a run reads
+or writes is refused (check_links). A training run holds a lock (flock) on the run dir itself
+(lock_run_dir; .lock says who), which the kernel drops when the process dies: a lock is never stale.
 """
 
 import argparse
@@ -44,7 +45,6 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from nanomuon.common import exit_unless_ranks_agree, on_every_rank, one_line, size_str, write_atomic
 from nanomuon.gpt import GPT, GPTConfig
-from nanomuon.sharded import load_whole_state
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -547,11 +547,6 @@ def _corrupt(d: Path, e: BaseException) -> ValueError:
                       "resume from an earlier step")
 
 
-def _whole_format(d: Path) -> bool:
-    """Whether d is a checkpoint from before sharding (model.pt and optim.pt of whole tensors)."""
-    return (d / "model.pt").exists()
-
-
 def _saved_tensors(d: Path) -> dict:
     """name -> (shape, dtype) of every tensor in a sharded checkpoint (its DCP .metadata)."""
     md = read_index(d).state_dict_metadata
@@ -562,10 +557,6 @@ def check_files(d: Path) -> None:
     """A checkpoint's tensor files are all there, whole enough to hold what its index says (read
     lazily: no tensor is loaded); ValueError with the way out if not."""
     try:
-        if _whole_format(d):
-            for name in ("model", "optim"):
-                torch.load(d / f"{name}.pt", mmap=True, weights_only=True)
-            return
         ends = {}
         for info in read_index(d).storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0),
@@ -588,9 +579,6 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
     d = step_dir(run_dir, step)
     meta, out = read_meta(d, meta_keys), {}
     try:
-        if _whole_format(d):
-            return {n: torch.load(d / f"{n}.pt", map_location=map_location, weights_only=True)
-                    for n in names}, meta
         wanted = {k: torch.empty(shape, dtype=dtype, device=map_location)
                   for k, (shape, dtype) in _saved_tensors(d).items() if k.split(".", 1)[0] in names}
         _dcp(dcp.load, wanted, d, no_dist=True)
@@ -615,14 +603,6 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
     ValueError naming the misfit."""
     d = step_dir(run_dir, step)
     device = next(model.parameters()).device
-    # from before sharding: every process reads the whole tensors, then keeps its pieces
-    if _whole_format(d):
-        whole = {n: torch.load(d / f"{n}.pt", map_location=device, weights_only=True)
-                 for n in ("model", *(("optim",) if optimizer is not None else ()))}
-        load_whole_state(model, whole["model"])
-        if optimizer is not None:
-            optimizer.load_full_state_dict(whole["optim"])
-        return
     saved = _saved_tensors(d)
     own = {f"model.{k}": v for k, v in model.state_dict().items()}
     theirs = {k: shape for k, (shape, _) in saved.items() if k.startswith("model.")}

@@ -421,24 +421,3 @@ def state_piece(v, how, p: Tensor):
     block = empty(shape) if v.is_meta else v[_slices(offset, shape)].to(device).clone()
     return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(),
                               run_check=False)
-
-
-def load_whole_state(module: torch.nn.Module, state: dict) -> None:
-    """module.load_state_dict() for a state of whole tensors (a checkpoint) where some
-    params may be DTensors (FSDP2, tensor parallel): each rank copies in its own block.
-    Keys and shapes must match."""
-    own = module.state_dict()
-    if own.keys() != state.keys():
-        missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-        raise ValueError(f"the model state does not fit this model: missing {missing}, "
-                         f"unexpected {extra}")
-    with torch.no_grad():
-        for name, t in own.items():
-            v = state[name]
-            if tuple(v.shape) != tuple(t.shape):
-                raise ValueError(f"the model state's {name} has shape {tuple(v.shape)}, "
-                                 f"this model's {tuple(t.shape)}")
-            if isinstance(t, DTensor):
-                t.to_local().copy_(v[_slices(*block_of(t)[:2])])
-            else:
-                t.copy_(v)
