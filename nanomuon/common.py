@@ -1,15 +1,19 @@
 """
 Plumbing shared by the library and the scripts: where files live (get_base_dir), atomic writes,
-process group setup and teardown, device choice, rank-0 printing, peak FLOPs for MFU, and the
-bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
+files' content hashes (cached by their stamps), process group setup and teardown, device choice,
+rank-0 printing, peak FLOPs for MFU, and the bits-per-byte evaluation. Kept in one file so each
+script reads top to bottom.
 """
 
 import atexit
 import contextlib
 import ctypes
+import hashlib
+import json
 import math
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +49,48 @@ def write_atomic(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+RACY_NS = 2_000_000_000  # a file changed this recently may change again within its timestamps' tick
+
+
+def file_hash(path: Path) -> str:
+    """blake2b (160 bits) of a file's bytes, read 1 MiB at a time."""
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> list[str]:
+    """file_hash of each path, cached in memo (json: path -> [size, mtime, ctime, inode, hash]). A
+    cached hash stands while those four do (a write changes ctime even when mtime is put back), so
+    GB-sized files are read once; one changed within RACY_NS is not cached (a write in the same
+    tick would hide). note: printed once, before the first file is read."""
+    try:
+        cache = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    before = cache if isinstance(cache, dict) else {}
+    cache, out = dict(before), []
+    for p in paths:
+        st, now, key = p.stat(), time.time_ns(), str(Path(p).resolve())
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        entry = cache.get(key)
+        if not (isinstance(entry, list) and len(entry) == 5 and entry[:4] == stamp):
+            if note:
+                print(note, flush=True)
+                note = None
+            entry = [*stamp, file_hash(p)]
+            cache[key] = entry if now - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS else None
+        out.append(entry[4])
+    kept = {k: v for k, v in cache.items() if v and os.path.exists(k)}  # forget deleted files
+    if kept != before:  # something new to keep, or something to forget
+        with contextlib.suppress(OSError):  # read-only: hashed again next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(memo, lambda tmp: tmp.write_text(json.dumps(kept)))
+    return out
 
 
 def one_line(e: BaseException) -> str:

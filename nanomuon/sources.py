@@ -41,7 +41,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import get_base_dir, one_line, write_atomic
+from nanomuon.common import content_hashes, get_base_dir, one_line, write_atomic
 from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
@@ -54,7 +54,6 @@ VERSION = 1  # of the prepared layout; part of the cache key
 HASHES = ".hashes.json"  # in data/source: path -> [size, mtime, ctime, inode, content hash]
 IN_USE = ".in-use"  # in a prepared folder: its data loaders hold a shared flock on it
 PREPARED = re.compile(r"[\w.-]+-[0-9a-f]{12}")  # the folders prepare() names
-RACY_NS = 2_000_000_000  # a file changed this recently may change again within its mtime's tick
 HUB = re.compile(r"hf:([\w.-]+/[\w.-]+)(?::([^@]+))?(?:@(.+))?")
 # 32 first: its LE BOM starts like 16's
 BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
@@ -143,31 +142,10 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
 
 
 def _fingerprints(files: list[Path], folder: Path) -> list[tuple]:
-    """(path, size, blake2b of the bytes) of each file. A cached hash stands while the file's size,
-    mtime, ctime and inode do (a write changes ctime even when mtime is put back), so only changed
-    files are read; one changed within RACY_NS is not cached (a write in the same tick hides)."""
-    try:
-        cache = json.loads((folder / HASHES).read_text())
-    except (OSError, ValueError):
-        cache = {}
-    cache = cache if isinstance(cache, dict) else {}
-    out = []
-    for p in files:
-        st, now = p.stat(), time.time_ns()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-        entry = cache.get(str(p))
-        if not (isinstance(entry, list) and entry[:4] == stamp and len(entry) == 5):
-            h = hashlib.blake2b(digest_size=20)
-            with open(p, "rb") as f:
-                while block := f.read(1 << 20):
-                    h.update(block)
-            entry = [*stamp, h.hexdigest()]
-            cache[str(p)] = entry if now - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS else None
-        out.append((str(p), st.st_size, entry[4]))
-    cache = {k: v for k, v in cache.items() if v and os.path.exists(k)}  # forget deleted files
-    with contextlib.suppress(OSError):  # read-only: hashed again next time
-        write_atomic(folder / HASHES, lambda tmp: tmp.write_text(json.dumps(cache)))
-    return out
+    """(path, size, content hash) of each file; the hashes cached in folder/HASHES, so only new or
+    changed files are read (common.content_hashes)."""
+    hashes = content_hashes(files, folder / HASHES)
+    return [(str(p), p.stat().st_size, h) for p, h in zip(files, hashes)]
 
 
 def hold(d: Path):

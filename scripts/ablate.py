@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from nanomuon.checkpoint import run_arg
 from nanomuon.common import (
     DTYPES,
     check_device_type,
+    content_hashes,
     get_base_dir,
     resolve_dtype,
     user_errors,
@@ -62,7 +62,6 @@ _print_lock = threading.Lock()
 # ablate, which decides what a record holds). Not a list of base_train's imports: it would go stale
 # unnoticed when an import is added, and a needless re-run only costs time.
 CODE_DIRS = (Path(nanomuon.__file__).resolve().parent, Path(__file__).resolve().parent)
-RACY_NS = 10**9  # a shard changed this recently may change again within its timestamps' tick
 
 
 def name_arg(s: str) -> str:
@@ -82,39 +81,16 @@ def code_hash(dirs=CODE_DIRS) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):  # 16 MB at a time: FineWeb shards are ~100 MB
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def data_fingerprint(name: str, memo: Path) -> str:
-    """sha256 over the names and contents of dataset `name`'s train and val shards. Each shard's
-    hash is kept in `memo` with the size, mtime, ctime and inode it had (a rewrite changes its
-    ctime at least), so GB-sized FineWeb shards are read once, not by every ablate."""
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known, fresh, h, hashed = known if isinstance(known, dict) else {}, {}, hashlib.sha256(), 0
-    for split in SPLITS:
-        for path in list_shards(name, split):
-            st, where = path.stat(), str(path.resolve())
-            stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-            entry = known.get(where)
-            if not (isinstance(entry, list) and len(entry) == 5 and entry[:4] == stamp):
-                if not hashed:
-                    print(f"== hashing the new or changed shards of {name}", flush=True)
-                entry, hashed = [*stamp, file_sha256(path)], hashed + 1
-                if time.time_ns() - st.st_ctime_ns > RACY_NS:  # else: read again next time
-                    fresh[where] = entry
-            h.update(f"{split} {path.name} {entry[4]}\n".encode())
-    if fresh:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(memo, lambda tmp: tmp.write_text(json.dumps({**known, **fresh})))
+    """sha256 over the names and content hashes of dataset `name`'s train and val shards; the
+    hashes are cached in `memo` (common.content_hashes), so GB-sized FineWeb shards are read once,
+    not by every ablate."""
+    shards = [(split, path) for split in SPLITS for path in list_shards(name, split)]
+    hashes = content_hashes([path for _, path in shards], memo,
+                            f"== hashing the new or changed shards of {name}")
+    h = hashlib.sha256()
+    for (split, path), digest in zip(shards, hashes):
+        h.update(f"{split} {path.name} {digest}\n".encode())
     return h.hexdigest()
 
 

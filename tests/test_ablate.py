@@ -185,9 +185,10 @@ def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
     """The same shards at other paths are the same data; a byte changed in place, with the size and
     mtime kept, is other data; an unchanged shard is not read again, unless it changed so recently
     that it could change again with the same timestamps."""
+    from nanomuon import common
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "RACY_NS", -1)  # every shard's last change is long past
+    monkeypatch.setattr(common, "RACY_NS", -1)  # every shard's last change is long past
     memo = base_copy / "memo.json"
     first = ablate.data_fingerprint("embedded", memo)
     monkeypatch.setenv("NANOMUON_BASE_DIR", str(base))
@@ -201,12 +202,12 @@ def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
     os.utime(val, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert val.stat().st_size == st.st_size and val.stat().st_mtime_ns == st.st_mtime_ns
     hashed = []
-    file_sha256 = ablate.file_sha256
-    monkeypatch.setattr(ablate, "file_sha256", lambda p: hashed.append(p) or file_sha256(p))
+    file_hash = common.file_hash
+    monkeypatch.setattr(common, "file_hash", lambda p: hashed.append(p) or file_hash(p))
     changed = ablate.data_fingerprint("embedded", memo)
     assert changed != first and hashed == [val]
     assert ablate.data_fingerprint("embedded", memo) == changed and hashed == [val]
-    monkeypatch.setattr(ablate, "RACY_NS", 10**18)  # every shard changed a moment ago
+    monkeypatch.setattr(common, "RACY_NS", 10**18)  # every shard changed a moment ago
     hashed.clear()
     for _ in range(2):
         assert ablate.data_fingerprint("embedded", base_copy / "racy.json") == changed

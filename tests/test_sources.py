@@ -21,7 +21,7 @@ import torch
 from test_dataloader import BOS, SCALE, WordTokenizer, make_docs
 from test_dataset import parquet_bytes
 
-from nanomuon import sources
+from nanomuon import common, sources
 from nanomuon.dataloader import DataLoader, reshard_states
 from nanomuon.dataset import data_dir, iter_texts, manifest_shards
 from nanomuon.sources import decode, prepare
@@ -212,7 +212,7 @@ def prepared(slug):
 def test_a_touch_changes_nothing_and_an_edit_is_seen_whatever_its_stamp(tmp_path, monkeypatch):
     """The preparation is keyed by contents: touching the files keeps the name (a run resumes, no
     second copy is made), and an edit is a new preparation even with size and mtime put back."""
-    monkeypatch.setattr(sources, "RACY_NS", 0)  # cache hashes of files written just now
+    monkeypatch.setattr(common, "RACY_NS", 0)  # cache hashes of files written just now
     docs = [f"t{k * SCALE + 1} t{k * SCALE + 2}" for k in range(30)]  # doc k: t(k, 1) t(k, 2)
     folder = write("txt", tmp_path / "notes", docs)
     name = prepare(str(folder))
@@ -234,7 +234,7 @@ def test_a_touch_changes_nothing_and_an_edit_is_seen_whatever_its_stamp(tmp_path
 
 
 def test_a_hash_is_read_once_until_the_file_changes(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "RACY_NS", 0)
+    monkeypatch.setattr(common, "RACY_NS", 0)
     folder = write("txt", tmp_path / "notes", DOCS[:20])
     hashed = []
     real = sources.hashlib.blake2b
