@@ -410,7 +410,7 @@ def lock_run_dir(run_dir: Path) -> str | None:
     line = (f"pid {os.getpid()} on {socket.gethostname()} since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
     # a rename: replaces a link at .lock, never writes through it
-    _write_text_atomic(path, line + "\n")
+    write_atomic(path, lambda tmp: tmp.write_text(line + "\n"), sync=True)
     _fsync(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
     _LOCKS[run_dir] = (fd, line)
     return (f"note: {path} was left by {previous}, which is no longer running; taking over"
@@ -425,17 +425,6 @@ def _read_small(path: Path) -> str:
         return ""
     with os.fdopen(fd, errors="replace") as f:
         return f.read(1000).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def unlock_run_dir(run_dir: Path) -> None:

@@ -39,13 +39,22 @@ def get_base_dir() -> Path:
     return base
 
 
-def write_atomic(path: Path, write) -> None:
-    """write(tmp_path), then rename into place, so readers never see a half-written file. The
-    temporary name ends in .tmp, so globs for the final suffix (*.parquet, *.png) never match it."""
+def write_atomic(path: Path, write, sync: bool = False) -> None:
+    """write(tmp_path), then rename into place, so readers never see a half-written file (sync: the
+    bytes are on disk first). The temporary name ends in .tmp, so globs for the final suffix
+    (*.parquet, *.png) never match it. It is made here as a new regular file, so a file or link
+    left at that name (a killed write's, or planted) is replaced, never written through."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # a link left at that name would be written through
+    tmp.unlink(missing_ok=True)
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         write(tmp)
+        if sync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

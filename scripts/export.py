@@ -81,15 +81,11 @@ def main(argv=None) -> Path:
         state, meta = load_checkpoint(run_dir, step, names)
 
     def write(tmp: Path) -> None:
-        # a killed export's tmp goes; O_EXCL then refuses a file or symlink planted since
-        tmp.unlink(missing_ok=True)
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+        with open(tmp, "wb") as f:  # write_atomic made it, as a new regular file
             torch.save(dict(state, meta=meta), f)
-            f.flush()
-            os.fsync(f.fileno())
         check_out(out, args.force)  # again: out may have changed during the save
     try:
-        write_atomic(out, write)  # never a half-written file
+        write_atomic(out, write, sync=True)  # never a half-written file
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         raise SystemExit(f"error: cannot write {out}: {e}") from None
     print(f"wrote {out} ({size_str(out.stat().st_size)}): {' and '.join(names)} of {run_dir} at "
