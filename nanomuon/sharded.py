@@ -14,6 +14,7 @@ to a rank. The functions take the optimizer's pieces (group, state, plan cache),
 optimizer: this file depends on the math and the plan only.
 """
 
+import contextlib
 import math
 
 import torch
@@ -23,7 +24,7 @@ from torch import Tensor
 from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
     NS_DTYPES,
-    Cut,
+    Slices,
     kernel,
     muon_apply,
     muon_direction,
@@ -31,8 +32,10 @@ from nanomuon.update_math import (
     muon_layout,
     muon_momentum,
     muon_options,
+    muon_red_dim,
     new_second_moment,
     ns_cost,
+    over_slices,
     scalars,
 )
 
@@ -298,38 +301,48 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
 
 def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
     """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact)
-    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) sums the Gram matrix
-    and norms across slices; 'blockwise' orthogonalizes each local block as its own matrix, whose
+    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) runs the direction
+    stage on each rank's slice, with the Gram matrix and norms summed across slices
+    (update_math.over_slices); 'blockwise' orthogonalizes each local block as its own matrix, whose
     shape sets its lr factor and variance reduction."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
         g = _momentum_local(group, state, p, compiled)
-        cut, matrix_shape = None, p.shape
+        slices, matrix_shape = contextlib.nullcontext(), p.shape
         if mode == "duplicated":
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
                                    stride=p.stride()).full_tensor()
         elif mode == "distributed":
-            if (cut_pg := cut_of(p)) is not None:
-                dim, pg = cut_pg
-                cut = Cut(lambda t, pg=pg: dist.all_reduce(t, group=pg), dim, tuple(p.shape))
+            if (cut := cut_of(p)) is not None:
+                dim, pg = cut
+                slices = over_slices(Slices(lambda t, pg=pg: dist.all_reduce(t, group=pg), dim,
+                                            tuple(p.shape)))
         elif not g.numel():  # blockwise, and this rank's block is empty
             continue
         else:
             matrix_shape = g.shape
-        second = None
         h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
+        second = None
         if group["beta2"] is not None:
-            # a slice's stats follow the whole matrix
-            full_shape = p.shape if mode == "distributed" else None
-            second = state[p].setdefault(
-                "second_momentum_buffer",
-                new_second_moment(g.shape, g.device, full_shape, muon_layout(group)))
-        u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype, cut)
+            second = state[p].setdefault("second_momentum_buffer",
+                                         _slice_second_moment(group, p, g, mode))
+        with slices:
+            u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype)
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)
+
+
+def _slice_second_moment(group: dict, p: DTensor, g: Tensor, mode: str) -> Tensor:
+    """Fresh variance-reduction state for g, the matrix or slice of p that this rank works on: in
+    'distributed' mode the whole matrix's stats (per row or column of p), cut like g."""
+    if mode != "distributed":
+        return new_second_moment(g.shape, g.device, muon_layout(group))
+    shape = list(g.shape)
+    shape[muon_red_dim(p.shape)] = 1
+    return torch.zeros(shape, dtype=torch.float32, device=g.device)
 
 
 def _second_moment_holders(group: dict, state: dict, plans: dict,

@@ -3,9 +3,11 @@ The update math of Muon and AdamW, written once. Imports only torch.
 
 Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank
 owns, and sharded.py on DTensor params, which runs the three Muon stages with communication
-between them: muon_momentum (elementwise), muon_direction (whole matrices or slices: the
-group's orthogonalizer between the optional norms, then variance reduction) and muon_apply
-(elementwise: weight decay and the step); muon_update() is the three in a row. The per-step
+between them: muon_momentum (elementwise), muon_direction (whole matrices: the group's
+orthogonalizer between the optional norms, then variance reduction) and muon_apply
+(elementwise: weight decay and the step); muon_update() is the three in a row. Megatron's
+'distributed' mode runs muon_direction on slices of each matrix inside over_slices(), the one
+seam it needs: sums over the cut dim (summed) then add up across ranks. The per-step
 numbers travel as MuonScalars (muon_hparams), the group's static options as a plain dict
 (muon_options); both are read from a param group in one place, so no path can disagree on an lr
 factor or a precision. Compiled (kernel()), the scalars are 0-D CPU tensors refilled every step
@@ -17,6 +19,7 @@ stack of momentum matrices (..., rows, cols), group the options dict (ns_steps, 
 """
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -65,7 +68,7 @@ NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float3
 EQUILIBRATE_MODES = (None, "row", "col", "row_col")  # MuonEq, before orthogonalizing (equilibrate)
 # Muon+, after it (post_normalize)
 POST_NORMALIZE_MODES = (None, "fro", "col", "row", "col_row", "row_col")
-# Gram Newton-Schulz recomputes R from X every 3 iterations (orthogonalize; docs/benchmarks.md)
+# Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
 # torch.cpu's probes of the CPU
 CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -87,15 +90,6 @@ class NewtonSchulz(NamedTuple):
     safety: float
     eps: float
     dtype: torch.dtype
-
-
-class Cut(NamedTuple):
-    """Each matrix is cut into slices held by several ranks (Megatron's 'distributed'
-    mode, sharded.py): reduce(t) sums t in place over those ranks; dim (-2 or -1) is the
-    cut dim; full_shape the whole's."""
-    reduce: Callable
-    dim: int
-    full_shape: tuple
 
 
 class Layout(NamedTuple):
@@ -158,50 +152,90 @@ def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tup
     return triples[:ns_steps], safety, eps
 
 
-def orthogonalize(G: Tensor, ns: NewtonSchulz, gram: bool = False,
-                  cut: Cut | None = None) -> Tensor:
-    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz.
+class Slices(NamedTuple):
+    """Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut along
+    `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over the ranks holding the slices."""
+    reduce: Callable
+    dim: int
+    whole_shape: tuple
+
+
+# what over_slices() set: None (whole matrices) on every path but sharded.py's 'distributed' mode
+_slices: Slices | None = None
+
+
+@contextmanager
+def over_slices(slices: Slices):
+    """Within, the direction stage runs on slices: sums over the cut dim add up across the ranks
+    (summed) and whole_shape() is the whole matrix's, so every rank computes exactly its slice of
+    the whole result. The one seam the Megatron mode needs; nothing else reads it."""
+    global _slices
+    before, _slices = _slices, slices
+    try:
+        yield
+    finally:
+        _slices = before
+
+
+def whole_shape(t: Tensor) -> tuple:
+    """t's shape, or over slices the whole matrix's (the last two dims)."""
+    return tuple(t.shape) if _slices is None else (*t.shape[:-2], *_slices.whole_shape[-2:])
+
+
+def summed(t: Tensor, dims: tuple) -> Tensor:
+    """t, a sum over dims of a matrix: over slices cut along one of dims, a partial sum, which is
+    added up across the ranks in place."""
+    if _slices is not None and _slices.dim in dims:
+        _slices.reduce(t)
+    return t
+
+
+def gram_matrix(X: Tensor) -> Tensor:
+    """X X^T. Over slices (newton_schulz puts the cut dim on the columns) the partial products are
+    summed in fp32, whatever X's dtype."""
+    A = X @ X.mT
+    if _slices is None:
+        return A
+    A32 = A.float()
+    _slices.reduce(A32)
+    return A32.to(A.dtype)
+
+
+def newton_schulz(G: Tensor, group: dict) -> Tensor:
+    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz with
+    the group's ns_coefficients, ns_steps and ns_precision. The registry's 'newton_schulz',
+    'gram_newton_schulz' and 'auto' (Gram where gram_pays) are this one function, which reads
+    which it is from group['orthogonalizer'].
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the
     singular values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls).
     Both methods work on the wide orientation (rows <= cols) so the Gram matrix is the smaller one.
-    gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a
+    Gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a
     polynomial in R = X X^T, so the iteration runs on m x m matrices: P = p(R), Q <- Q P,
     R <- P R P, and one final Q X. In low precision R drifts (spurious negative eigenvalues that
     the polynomials amplify), so it restarts from X = Q X every GRAM_RESTART iterations.
-
-    cut: G is this rank's slice of each matrix (Cut). The cut dim is put on the columns, so the Gram
-    matrix is a sum over slices, as is the norm: every rank computes exactly its slice of the whole
-    result (with Gram, one reduction per restart instead of one per iteration)."""
+    Over slices (over_slices) the cut dim goes on the columns, where the Gram matrix and the norm
+    sum over it (with Gram, one reduction per restart instead of one per iteration)."""
+    ns = newton_schulz_settings(group)
+    gram = uses_gram(group, whole_shape(G), ns)
     shape = G.shape
-    # an empty slice keeps its batch
-    X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])
+    X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
     # in fp32 first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
     X = X if ns.dtype == torch.float16 else X.to(ns.dtype)
-    norm = (X.norm(dim=(-2, -1), keepdim=True, dtype=torch.float32) if cut is None
-            else sq_sum(X, (-2, -1), cut).sqrt())
+    norm = (X.norm(dim=(-2, -1), keepdim=True, dtype=torch.float32) if _slices is None
+            else sq_sum(X, (-2, -1)).sqrt())
     norm = norm if ns.dtype == torch.float16 else norm.to(X.dtype)
     X = (X / (norm * ns.safety + ns.eps)).to(ns.dtype)
-    tall = shape[-2] > shape[-1] if cut is None else cut.dim == -2
+    tall = shape[-2] > shape[-1] if _slices is None else _slices.dim == -2
     if tall:
         X = X.mT.contiguous()  # a transposed view would be copied by every baddbmm that reads it
-
-    # X X^T; cut, the partial Grams are summed in fp32, whatever the iteration's dtype
-    def gram_of(X):
-        A = X @ X.mT
-        if cut is not None:
-            A32 = A.float()
-            cut.reduce(A32)
-            A = A32.to(A.dtype)
-        return A
-
     if gram:
-        R, Q = gram_of(X), None
+        R, Q = gram_matrix(X), None
         for i, (a, b, c) in enumerate(ns.coefficients):
             if i and i % GRAM_RESTART == 0:
                 X, Q = Q @ X, None
-                R = gram_of(X)
+                R = gram_matrix(X)
             P = torch.baddbmm(R, R, R, beta=b, alpha=c)
             P.diagonal(dim1=-2, dim2=-1).add_(a)  # p(R) = a I + b R + c R^2
             Q = P if Q is None else Q @ P
@@ -210,7 +244,7 @@ def orthogonalize(G: Tensor, ns: NewtonSchulz, gram: bool = False,
         X = Q @ X
     else:
         for a, b, c in ns.coefficients:
-            A = gram_of(X)
+            A = gram_matrix(X)
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)
             X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if tall:
@@ -225,65 +259,46 @@ def newton_schulz_settings(group: dict) -> NewtonSchulz:
     return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
 
 
-def newton_schulz(G: Tensor, group: dict) -> Tensor:
-    return orthogonalize(G, newton_schulz_settings(group))
-
-
-def gram_newton_schulz(G: Tensor, group: dict) -> Tensor:
-    return orthogonalize(G, newton_schulz_settings(group), gram=True)
-
-
-def auto_newton_schulz(G: Tensor, group: dict) -> Tensor:
-    """Gram Newton-Schulz where it takes fewer FLOPs
-    and is as accurate (gram_pays), else standard."""
-    ns = newton_schulz_settings(group)
-    return orthogonalize(G, ns, gram=gram_pays(G.shape, len(ns.coefficients), ns.dtype))
-
-
 # name -> f(G, group): a group's `orthogonalizer`. Add
 # an entry to try another (docs: the option table).
 ORTHOGONALIZERS = {
-    "auto": auto_newton_schulz,
+    "auto": newton_schulz,
     "newton_schulz": newton_schulz,
-    "gram_newton_schulz": gram_newton_schulz,
+    "gram_newton_schulz": newton_schulz,
 }
 
 
-def sq_sum(x: Tensor, dims: tuple, cut: Cut | None = None) -> Tensor:
-    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2. With `cut`, x is
-    a slice: partial sums over the cut dim are summed across the ranks."""
+def sq_sum(x: Tensor, dims: tuple) -> Tensor:
+    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2 (over slices,
+    the whole matrix's: summed)."""
     s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=torch.float32).square()
-    if cut is not None and cut.dim in dims:
-        cut.reduce(s)
-    return s
+    return summed(s, dims)
 
 
-def equilibrate(g: Tensor, mode, cut: Cut | None = None) -> Tensor:
+def equilibrate(g: Tensor, mode) -> Tensor:
     """MuonEq (Chang et al. 2026, arXiv 2603.28254; nanochat always applies 'row'): balance the
     momentum's rows and/or columns before orthogonalizing: diag(r) G diag(c),
     r_i = (sum_j G_ij^2 + 1e-8)^-1/2 and c likewise, both from the same G. Returns a new tensor:
     g may be the momentum buffer."""
     parts = mode.split("_") if mode else ()
-    scales = [sq_sum(g, (-1,) if part == "row" else (-2,), cut).add_(1e-8).rsqrt_().to(g.dtype)
+    scales = [sq_sum(g, (-1,) if part == "row" else (-2,)).add_(1e-8).rsqrt_().to(g.dtype)
               for part in parts]
     for scale in scales:
         g = g * scale
     return g
 
 
-def post_normalize(u: Tensor, mode, cut: Cut | None = None) -> Tensor:
+def post_normalize(u: Tensor, mode) -> Tensor:
     """Muon+ (Zhang et al. 2026, arXiv 2602.21545): normalize the orthogonalized update's
     columns ('col') or rows ('row') to unit norm, x / sqrt(sum x^2 + 1e-7), one after the other
     in the order named ('col_row'), in place. 'fro' is nanochat's variant: rescale the whole
     matrix to Frobenius norm sqrt(min(rows, cols)), the norm of an exact U V^T, which
     Newton-Schulz only approximates."""
     if mode == "fro":
-        m, n = (cut.full_shape if cut is not None else u.shape)[-2:]
-        return u.mul_((min(m, n) ** 0.5
-                       / sq_sum(u, (-2, -1), cut).sqrt().clamp_min(1e-6)).to(u.dtype))
+        m, n = whole_shape(u)[-2:]
+        return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1)).sqrt().clamp_min(1e-6)).to(u.dtype))
     for part in mode.split("_") if mode else ():
-        u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,), cut)
-                   .add_(1e-7).rsqrt_().to(u.dtype))
+        u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,)).add_(1e-7).rsqrt_().to(u.dtype))
     return u
 
 
@@ -293,23 +308,18 @@ def muon_red_dim(shape) -> int:
     return -1 if shape[-2] >= shape[-1] else -2
 
 
-def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int,
-                       cut: Cut | None = None) -> Tensor:
+def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) -> Tensor:
     """Factored second-moment normalization (NorMuon-style), as nanochat does it.
 
     Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
     column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Scales g in place and returns it. With `cut`
-    g is a slice: the partial sums along the cut dim are summed across ranks."""
-    red_size = (cut.full_shape if cut is not None else g.shape)[red_dim]
-    v_mean = sq_sum(g, (red_dim,), cut) / red_size  # g is scaled in place at the end
+    Frobenius norm it had after orthogonalization. Scales g in place and returns it."""
+    red_size = whole_shape(g)[red_dim]
+    v_mean = sq_sum(g, (red_dim,)) / red_size  # g is scaled in place at the end
+    other = (-2 if red_dim == -1 else -1,)  # v_mean's sums over the other dim: the whole matrix's
 
-    # the sum over each whole matrix; with the other dim cut, partial sums add up across ranks
     def total(t):
-        t = t.sum(dim=(-2, -1), keepdim=True)
-        if cut is not None and cut.dim != red_dim:
-            cut.reduce(t)
-        return t
+        return summed(t.sum(dim=(-2, -1), keepdim=True), other)
 
     v_norm = total(v_mean * red_size).sqrt()
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
@@ -346,9 +356,9 @@ def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
 
 
 def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, opts: dict,
-                   out_dtype: torch.dtype, cut: Cut | None = None) -> Tensor:
-    """Muon stage 2, on whole matrices (or slices, with `cut`): equilibrate, the group's
-    orthogonalizer, post_normalize, then variance reduction if second_moment is given.
+                   out_dtype: torch.dtype) -> Tensor:
+    """Muon stage 2, on whole matrices: equilibrate, the group's orthogonalizer, post_normalize,
+    then variance reduction if second_moment is given.
 
     Matrices stored (in, out) are worked on transposed; a split matrix is updated block by block,
     each exactly as a param of its own, its second moment a slice of the flat per-matrix state
@@ -357,17 +367,11 @@ def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, opts: dict,
     layout = muon_layout(opts)
     if layout is not None:
         return _by_layout(g, second_moment, beta2, opts, out_dtype, layout)
-    g = equilibrate(g, opts["equilibrate"], cut)
-    if cut is None:
-        u = ORTHOGONALIZERS[opts["orthogonalizer"]](g, opts)
-    else:  # slices: Newton-Schulz with its Gram matrices and norms summed across them
-        ns = newton_schulz_settings(opts)
-        u = orthogonalize(g, ns, uses_gram(opts, cut.full_shape, ns), cut)
-    # bf16 norms would copy to fp32
-    u = post_normalize(u.to(out_dtype), opts["post_normalize"], cut)
+    g = equilibrate(g, opts["equilibrate"])
+    u = ORTHOGONALIZERS[opts["orthogonalizer"]](g, opts)
+    u = post_normalize(u.to(out_dtype), opts["post_normalize"])  # bf16 norms would copy to fp32
     if second_moment is not None:
-        red_dim = muon_red_dim(cut.full_shape if cut is not None else u.shape)
-        u = variance_reduction(u, second_moment, beta2, red_dim, cut)
+        u = variance_reduction(u, second_moment, beta2, muon_red_dim(whole_shape(u)))
     return u
 
 
@@ -520,18 +524,17 @@ def adamw_hparams(group: dict, step: int) -> AdamWScalars:
                         wd=group["weight_decay"])
 
 
-def second_moment_shape(shape, full_shape=None, layout=None) -> tuple:
+def second_moment_shape(shape, layout=None) -> tuple:
     """The variance-reduction state of a matrix (or stack) of `shape`: one value per row (tall
-    or square) or per column (wide). full_shape: the whole matrix when `shape` is a slice of
-    it. A split matrix keeps its blocks' states flat, one after another; a transposed one the
-    state of its logical shape."""
+    or square) or per column (wide). A split matrix keeps its blocks' states flat, one after
+    another; a transposed one the state of its logical shape."""
     if layout is not None and layout.split:
         return (*shape[:-2], sum(torch.Size(second_moment_shape(b)).numel()
                                  for b in block_shapes(shape, layout)))
     if layout is not None:
         return second_moment_shape((*shape[:-2], shape[-1], shape[-2]))
     out = list(shape)
-    out[muon_red_dim(full_shape if full_shape is not None else shape)] = 1
+    out[muon_red_dim(shape)] = 1
     return tuple(out)
 
 
@@ -545,10 +548,9 @@ def muon_state_layout(p: Tensor, group: dict) -> dict:
     return layout
 
 
-def new_second_moment(shape, device, full_shape=None, layout=None) -> Tensor:
+def new_second_moment(shape, device, layout=None) -> Tensor:
     """Zeros of second_moment_shape, in fp32 whatever the param dtype: the state is tiny."""
-    return torch.zeros(second_moment_shape(shape, full_shape, layout), dtype=torch.float32,
-                       device=device)
+    return torch.zeros(second_moment_shape(shape, layout), dtype=torch.float32, device=device)
 
 
 def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:

@@ -5,7 +5,7 @@ Three measurements, on the parameter shapes of the GPT that nanomuon trains:
   1. median optimizer step time, ours vs the stock torch optimizers on identical params and grads, three
      ways (COMPARISONS): each with its defaults, as users run them; both with fp32 Newton-Schulz; and
      both doing torch's update (Jordan NS5, no variance reduction, plain decay) in the same precision;
-  2. Newton-Schulz throughput of orthogonalize() on the stacks the optimizer builds, as a fraction of
+  2. Newton-Schulz throughput of newton_schulz() on the stacks the optimizer builds, as a fraction of
      the batched-matmul rate measured on the same device in the same run (how close to the matmuls), in
      bf16 and fp32, and Gram Newton-Schulz against the standard iteration where it takes fewer FLOPs;
   3. Newton-Schulz load imbalance across ranks of DistMuonAdamW's owner plan vs nanochat's chunking
@@ -36,11 +36,9 @@ from nanomuon.optim import MuonAdamW
 from nanomuon.plan import bucket_by, owner_plan
 from nanomuon.update_math import (
     NS_DTYPES,
-    NewtonSchulz,
     gram_pays,
-    ns_coefficients,
+    newton_schulz,
     ns_flops,
-    orthogonalize,
     resolve_ns_precision,
 )
 
@@ -192,7 +190,7 @@ def stacks_of(muon_shapes) -> list[tuple]:
 
 def iteration_bmm(shape, dtype, device, args, gen) -> float:
     """Seconds for one standard Newton-Schulz iteration's matmuls on a stack, as plain bmm in the
-    wide orientation (X X^T, A A, A X): what orthogonalize would take with nothing but its
+    wide orientation (X X^T, A A, A X): what newton_schulz would take with nothing but its
     matmuls."""
     K, m, n = shape[0], *sorted(shape[1:])
     X = torch.randn(K, m, n, generator=gen).to(device, dtype)
@@ -201,16 +199,18 @@ def iteration_bmm(shape, dtype, device, args, gen) -> float:
 
 
 def bench_ns(args, device, compile, precision):
-    """Section 2: orthogonalize() FLOP/s on the optimizer's stacks vs batched matmul of the same
+    """Section 2: newton_schulz() FLOP/s on the optimizer's stacks vs batched matmul of the same
     sizes, and Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
-    ns = NewtonSchulz(*ns_coefficients("polar_express", steps), dtype)
+    standard = dict(ns_coefficients="polar_express", ns_steps=steps, ns_repeat_last=False,
+                    ns_precision=precision, orthogonalizer="newton_schulz")
+    gram = dict(standard, orthogonalizer="gram_newton_schulz")
     # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
     if compile:
         torch._dynamo.reset()
-    ortho = (torch.compile(orthogonalize, dynamic=False, fullgraph=True) if compile
-             else orthogonalize)
+    ortho = (torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compile
+             else newton_schulz)
     print(f"\n== 2. Newton-Schulz throughput, d{args.depth}, {precision}, compile {compile} ==")
     gen = torch.Generator().manual_seed(1)
     # (NS FLOPs, NS seconds, bmm FLOPs, bmm seconds) per stack; auto's seconds
@@ -218,15 +218,15 @@ def bench_ns(args, device, compile, precision):
     for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
         flops = ns_flops(shape, steps)
-        t_ns = median_time(lambda G=G: ortho(G, ns), device, args.steps, args.warmup)
+        t_ns = median_time(lambda G=G: ortho(G, standard), device, args.steps, args.warmup)
         t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
-        print(f"  {str(tuple(shape)):18s} orthogonalize {t_ns * 1e3:9.1f} ms  "
+        print(f"  {str(tuple(shape)):18s} newton_schulz {t_ns * 1e3:9.1f} ms  "
               f"{gflops(flops / t_ns):>16s}   bmm {gflops(ref_flops / t_ref):>16s}   ratio "
               f"{flops / t_ns / (ref_flops / t_ref):.3f}")
         t_gram = t_ns
         if ns_flops(shape, steps, True) < flops:
-            t_gram = median_time(lambda G=G: ortho(G, ns, True), device, args.steps, args.warmup)
+            t_gram = median_time(lambda G=G: ortho(G, gram), device, args.steps, args.warmup)
             print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster "
                   f"for {flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
         gram_total += t_gram if gram_pays(shape, steps, dtype) else t_ns
@@ -297,7 +297,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile MuonAdamW and orthogonalize (default: on for CUDA, off "
+                        help="torch.compile MuonAdamW and newton_schulz (default: on for CUDA, off "
                         "for CPU)")
     parser.add_argument("--compare", nargs="+", choices=list(COMPARISONS),
                         default=list(COMPARISONS),

@@ -8,11 +8,11 @@ DistMuonAdamW against MuonAdamW, and that LR schedules never recompile the compi
 import pytest
 import torch
 import torch.distributed as dist
-from test_optim import step_under_a_schedule
+from test_optim import orthogonalize, step_under_a_schedule
 
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.update_math import NewtonSchulz, ns_coefficients, orthogonalize
+from nanomuon.update_math import NewtonSchulz, ns_coefficients
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

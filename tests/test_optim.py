@@ -10,7 +10,7 @@ import torch
 
 from nanomuon.optim import MuonAdamW
 from nanomuon.reference import muon_step
-from nanomuon.update_math import NewtonSchulz, gram_pays, ns_coefficients, orthogonalize
+from nanomuon.update_math import NS_DTYPES, NewtonSchulz, gram_pays, newton_schulz, ns_coefficients
 
 
 def make_params(shapes, seed=0, dtype=torch.float32):
@@ -162,6 +162,18 @@ def polynomial_via_svd(G, coeffs, safety, eps):
     for a, b, c in coeffs:
         s = a * s + b * s ** 3 + c * s ** 5
     return U @ torch.diag_embed(s) @ Vh, U @ Vh
+
+
+def ns_group(ns: NewtonSchulz, orthogonalizer: str = "newton_schulz") -> dict:
+    """The options update_math.newton_schulz reads, for these settings."""
+    precision = {dtype: name for name, dtype in NS_DTYPES.items()}[ns.dtype]
+    return dict(ns_coefficients=dict(coefficients=ns.coefficients, safety=ns.safety, eps=ns.eps),
+                ns_steps=len(ns.coefficients), ns_repeat_last=False, ns_precision=precision,
+                orthogonalizer=orthogonalizer)
+
+
+def orthogonalize(G, ns: NewtonSchulz, gram: bool = False):
+    return newton_schulz(G, ns_group(ns, "gram_newton_schulz" if gram else "newton_schulz"))
 
 
 def rel_err(X, ref):
