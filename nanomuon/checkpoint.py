@@ -154,10 +154,34 @@ def alone() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+@contextlib.contextmanager
+def _full_disk_kept():
+    """Re-raise a full disk as OSError(ENOSPC) itself: DCP pickles each rank's error to rank 0,
+    which drops the context where torch.save's RuntimeError ("unexpected pos") holds it."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(e, "errno", None) != errno.ENOSPC and _no_space(e):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
+        raise
+
+
+class SafeWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter, whose full disk is still one when another rank reports it."""
+
+    def write_data(self, *args, **kwargs):
+        with _full_disk_kept():
+            return super().write_data(*args, **kwargs)
+
+    def finish(self, *args, **kwargs):
+        with _full_disk_kept():
+            return super().finish(*args, **kwargs)
+
+
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     """dcp.save or dcp.load of tensors at d, without the warning DCP gives each
     time it runs in one process."""
-    io = dict(storage_writer=dcp.FileSystemWriter(d, sync_files=True)) if fn is dcp.save else \
+    io = dict(storage_writer=SafeWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
