@@ -118,6 +118,3 @@ class TorchMuonAdamW:
                              "groups; resume with the --optimizer the run was started with")
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
-
-    # replicated: every rank holds the whole state, so the full state is the state
-    full_state_dict, load_full_state_dict = state_dict, load_state_dict

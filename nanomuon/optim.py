@@ -485,74 +485,17 @@ class MuonAdamW(torch.optim.Optimizer):
         self._all_reduce(self._ones, op=dist.ReduceOp.MAX).wait()
         return mine
 
-    # State: torch's format, the whole one, and a sharded checkpoint's.
+    # State: torch's format of the whole state (export, tools), and a sharded checkpoint's.
 
     def state_dict(self) -> dict:
-        """torch's format; data parallel, this rank's shard of it, marked as such (full_state_dict()
-        and sharded_state_dict() are the world-size-independent forms)."""
-        sd = super().state_dict()
-        if self.world_size > 1:
-            sd["nanomuon_shard"] = dict(rank=self.rank, world_size=self.world_size, cut="rows")
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load what state_dict() saved: on one rank, a whole state; data parallel, this rank's own
-        shard, saved at the same rank and world size."""
-        shard = state_dict.get("nanomuon_shard")
-        mine = dict(rank=self.rank, world_size=self.world_size, cut="rows")
-        if self.world_size == 1 and shard is not None:
-            raise ValueError(f"this optimizer state is one rank's shard (rank {shard['rank']} of "
-                             f"{shard['world_size']}) from DistMuonAdamW; save it with "
-                             "full_state_dict() to load it on one rank or at another world size")
-        if self.world_size > 1 and shard is None:
-            raise ValueError("this optimizer state is not a DistMuonAdamW shard; load a full "
-                             "(world-size-independent) state with load_full_state_dict()")
-        # before AdamW params were cut in whole rows
-        if self.world_size > 1 and shard.get("cut") != "rows":
-            raise ValueError("this shard was saved by an older nanomuon, which cut AdamW params "
-                             "elsewhere; save the state there with full_state_dict() and load "
-                             "that with load_full_state_dict()")
-        if self.world_size > 1 and shard != mine:
-            raise ValueError(f"this shard was saved by rank {shard['rank']} of "
-                             f"{shard['world_size']}, but this is rank {self.rank} of "
-                             f"{self.world_size}; to change world size, save with "
-                             "full_state_dict() and load with load_full_state_dict()")
-        if self.world_size == 1:
-            check_state_dict(self.param_groups, state_dict)
-        self._torch_load({k: v for k, v in state_dict.items() if k != "nanomuon_shard"})
-
-    def _torch_load(self, state_dict: dict) -> None:
-        """torch's load_state_dict, then: this run's structural options kept (torch restores the
-        saved group values), defaults for options newer than the checkpoint, and second moments back
-        in fp32 (torch casts state to the param dtype)."""
-        keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
-        for group, kept in zip(self.param_groups, keep):
-            group.update(kept)
-            # saved before the orthogonalizer registry
-            if (method := group.pop("ns_method", None)) is not None:
-                group.setdefault("orthogonalizer",
-                                 dict(standard="newton_schulz", gram="gram_newton_schulz")
-                                 .get(method, "auto"))
-            for key, default in OPTIONAL_KEYS[group["kind"]].items():
-                group.setdefault(key, default)
-        by_id = saved_params(self.param_groups, state_dict)
-        for pid, st in state_dict["state"].items():
-            # the saved fp32, not torch's cast copy
-            if (second := st.get("second_momentum_buffer")) is not None:
-                p = by_id[pid]
-                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32,
-                                                                    copy=True)
-        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
-
-    def full_state_dict(self) -> dict:
-        """The whole optimizer state, on every rank, in the one-rank state_dict() format: loadable
-        by load_full_state_dict() at any world size. A collective (data parallel, or with DTensor
-        params): call it on all ranks (then save from one)."""
+        """The whole optimizer state in torch's format, the same at any world size, on every rank:
+        load_state_dict() takes it at any world size. Data parallel or with DTensor params it is a
+        collective: call it on all ranks (then save from one). Training checkpoints use
+        sharded_state_dict(), where each rank writes only its pieces."""
         N = self.world_size
         params = [p for g in self.param_groups for p in g["params"]]
         if N == 1:
-            sd = self.state_dict()
+            sd = super().state_dict()
             return (full_state(self.param_groups, self.state, self._sharded_plans, sd)
                     if has_dtensors(params) else sd)
         kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
@@ -598,12 +541,33 @@ class MuonAdamW(torch.optim.Optimizer):
             sd = full_state(self.param_groups, self.state, self._sharded_plans, sd)
         return sd
 
-    def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load a full state (full_state_dict() of any of the optimizers, at any world size): each
-        rank keeps its own pieces. A collective where DTensor Muon params are planned."""
-        if "nanomuon_shard" in state_dict:
-            raise ValueError("this is one rank's shard, not a full optimizer state; save with "
-                             "full_state_dict()")
+    def _torch_load(self, state_dict: dict) -> None:
+        """torch's load_state_dict, then: this run's structural options kept (torch restores the
+        saved group values), defaults for options newer than the checkpoint, and second moments back
+        in fp32 (torch casts state to the param dtype)."""
+        keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        for group, kept in zip(self.param_groups, keep):
+            group.update(kept)
+            # saved before the orthogonalizer registry
+            if (method := group.pop("ns_method", None)) is not None:
+                group.setdefault("orthogonalizer",
+                                 dict(standard="newton_schulz", gram="gram_newton_schulz")
+                                 .get(method, "auto"))
+            for key, default in OPTIONAL_KEYS[group["kind"]].items():
+                group.setdefault(key, default)
+        by_id = saved_params(self.param_groups, state_dict)
+        for pid, st in state_dict["state"].items():
+            # the saved fp32, not torch's cast copy
+            if (second := st.get("second_momentum_buffer")) is not None:
+                p = by_id[pid]
+                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32,
+                                                                    copy=True)
+        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
+        pieces. A collective where DTensor Muon params are planned."""
         check_state_dict(self.param_groups, state_dict)
         self._torch_load(self._cut(state_dict, self._state_layout()))
 

@@ -393,9 +393,8 @@ def _check_whole_state_mode(group: dict) -> None:
             and group["beta2"] is not None):
         raise ValueError(f"{group.get('name', 'a muon group')}: with "
                          f"sharded_mode={group['sharded_mode']!r} the variance-reduction state is "
-                         "per slice and has no whole form; checkpoint with state_dict() and "
-                         "resume on the same mesh, or use sharded_mode 'owner' or 'duplicated' "
-                         "(or beta2=None)")
+                         "per slice and has no whole form to save or load; to checkpoint, use "
+                         "sharded_mode 'owner' or 'duplicated' (or beta2=None)")
 
 
 def kept_second_moments(param_groups: list[dict], plans: dict) -> set[int]:

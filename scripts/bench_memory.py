@@ -88,7 +88,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
     Path("/proc/self/clear_refs").write_text("5")
     if whole:  # the whole-state form: every rank gathers everything, rank 0 writes it
         state = dict(model={k: v.full_tensor() if isinstance(v, DTensor) else v
-                            for k, v in model.state_dict().items()}, optim=opt.full_state_dict())
+                            for k, v in model.state_dict().items()}, optim=opt.state_dict())
         if dist.get_rank() == 0:
             os.makedirs(args.tmp)
             torch.save(state, Path(args.tmp) / "whole.pt")

@@ -3,7 +3,7 @@ Export a checkpoint as one whole-state file, for tools that want plain tensors: 
 a conversion script, torch.load in a notebook. Training checkpoints are sharded (each process writes
 its own pieces through torch.distributed.checkpoint; nanomuon/checkpoint.py); this reads one back
 whole in a single process and writes {"model": the model's state_dict, "optim": the optimizer's
-world-size-independent state (MuonAdamW.full_state_dict() format), "meta": its meta.json},
+world-size-independent state (MuonAdamW.state_dict() format), "meta": its meta.json},
 atomically. It loads with torch.load(path, weights_only=True). --out must be a new path, or a
 regular file to overwrite with --force: the file is written beside it and renamed over it, which
 would put a file in place of a device, FIFO or symlink.

@@ -106,13 +106,13 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
     for p in sharded[:n]:
         assert opt.state[p]["momentum_buffer"].placements == p.placements
 
-    # full_state_dict() is MuonAdamW.state_dict() of the unsharded run; loaded into a fresh sharded optimizer,
+    # state_dict() is MuonAdamW.state_dict() of the unsharded run; loaded into a fresh sharded optimizer,
     # the run continues as the unsharded one does
-    full = opt.full_state_dict()
+    full = opt.state_dict()
     assert_state_matches(full, ref.state_dict(), atol)
     again = [torch.nn.Parameter(distribute_tensor(q.detach().clone(), m, pl)) for q, (m, pl) in zip(plain, placements)]
     resumed = MuonAdamW(groups(again[:n], again[n:], **muon_options))
-    resumed.load_full_state_dict(copy.deepcopy(full))
+    resumed.load_state_dict(copy.deepcopy(full))
     for step in range(3, 5):
         for p, q, g, (m, pl) in zip(again, plain, full_values(shapes, 100 + step), placements):
             p.grad = distribute_tensor(g.clone(), m, pl)
@@ -168,13 +168,13 @@ def _modes_worker(rank, world_size, mode, options=None):
         torch.testing.assert_close(got, q.detach(), rtol=0, atol=2e-5, msg=lambda m, k=k: f"{mode} {layout[k]}: {m}")
     if mode != "duplicated" or options:  # per-slice variance-reduction state has no whole form
         with pytest.raises(ValueError, match="has no whole form"):
-            opt.full_state_dict()
+            opt.state_dict()
         return
-    full = opt.full_state_dict()
+    full = opt.state_dict()
     assert_state_matches(full, ref.state_dict(), 2e-5)
     again = [torch.nn.Parameter(distribute_tensor(q.detach().clone(), m, pl)) for q, (_, m, pl) in zip(plain, layout)]
     resumed = MuonAdamW(groups(again, [], sharded_mode=mode))
-    resumed.load_full_state_dict(copy.deepcopy(full))
+    resumed.load_state_dict(copy.deepcopy(full))
     for step in range(3, 5):
         for p, q, g, (_, m, pl) in zip(again, plain, full_values([s for s, _, _ in layout], 100 + step), layout):
             p.grad = distribute_tensor(g.clone(), m, pl)
@@ -299,15 +299,15 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
         dist.all_gather(every, model.wte.weight.detach())
         assert all(torch.equal(e, every[0]) for e in every)
     # the whole state is the unsharded one; a fresh sharded model resumes from it (and from its weights)
-    saved = opt.full_state_dict()
-    assert_state_matches(saved, ref_opt.full_state_dict(), 2e-5)
+    saved = opt.state_dict()
+    assert_state_matches(saved, ref_opt.state_dict(), 2e-5)
     weights = {k: full(v).clone() for k, v in model.state_dict().items()}
     again = GPT(config)
     again.load_state_dict(start)
     again.load_state_dict(weights)
     again = shard(again)
     opt2 = optimizer(again)
-    opt2.load_full_state_dict(copy.deepcopy(saved))
+    opt2.load_state_dict(copy.deepcopy(saved))
     train(again, opt2, range(3, 5))
     for (name, p), q in zip(again.named_parameters(), ref.parameters()):
         assert_same(f"resumed {name}", p, q, 2e-5)
