@@ -188,16 +188,24 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
         return fn(tensors, no_dist=no_dist, **io)
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether e, its context, or (DCP) any rank's failure is a full disk."""
+def _causes(e: BaseException):
+    """e, its contexts and causes, and (DCP) every rank's failure, transitively (at most 50)."""
     todo, seen = [e], 0
     while todo and seen < 50:
         e, seen = todo.pop(), seen + 1
-        if getattr(e, "errno", None) == errno.ENOSPC:
-            return True
+        yield e
         todo += ([f[0] for f in getattr(e, "failures", {}).values()]
                  + [c for c in (e.__context__, e.__cause__) if c])
-    return False
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether e, its context, or (DCP) any rank's failure is a full disk."""
+    return any(getattr(c, "errno", None) == errno.ENOSPC for c in _causes(e))
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether e is, or (DCP wraps it) holds, a Ctrl-C."""
+    return any(isinstance(c, KeyboardInterrupt) for c in _causes(e))
 
 
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -256,13 +264,43 @@ def check_sums(d: Path) -> None:
                              "(its bytes changed on disk)")
 
 
+def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dict | None) -> None:
+    """Rank 0's part of a save, once every rank's tensors are in tmp: files, checksums, meta.json,
+    all fsynced, then tmp renamed to final (or swapped with the old one there)."""
+    for name, obj in (files or {}).items():
+        # a file object: torch.save keeps its OSError as context
+        with open(tmp / f"{name}.pt", "wb") as f:
+            torch.save(obj, f)
+    sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
+    (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
+    # text, checked on load by check_meta
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    if not final.exists():
+        os.replace(tmp, final)
+    elif _swap(tmp, final):
+        # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        # two renames: a kill between them leaves only the old one,
+        # which clean_run_dir puts back
+        old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(run_dir)
+
+
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
                     files: dict | None = None) -> Path:
     """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or
     whole tensors) through DCP, and from rank 0 meta (meta.json) and files (name -> object,
     torch.save'd to name.pt). A collective under torch.distributed: every rank calls it, and every
-    rank returns, or raises the same one-line OSError (a full disk says so). A failed save leaves no
-    temporary files, and earlier checkpoints stay."""
+    rank returns, or raises the same one-line OSError (a full disk says so), or KeyboardInterrupt
+    (a Ctrl-C on any rank). A failed save leaves no temporary files, and earlier checkpoints
+    stay."""
     run_dir = Path(run_dir)
     final = step_dir(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"  # one name on every rank: all write into it
@@ -270,43 +308,23 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
     try:
         # every rank's files fsynced, then .metadata; raises on all ranks
         _dcp(dcp.save, tensors, tmp, alone())
-    except (OSError, RuntimeError, dcp.api.CheckpointException) as e:
+    except (OSError, RuntimeError, dcp.api.CheckpointException, KeyboardInterrupt) as e:
         error = e
     if rank0 and error is None:
         try:
-            for name, obj in (files or {}).items():
-                # a file object: torch.save keeps its OSError as context
-                with open(tmp / f"{name}.pt", "wb") as f:
-                    torch.save(obj, f)
-            sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
-            (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
-            # text, checked on load by check_meta
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            for f in tmp.iterdir():
-                _fsync(f)
-            _fsync(tmp)
-            if not final.exists():
-                os.replace(tmp, final)
-            elif _swap(tmp, final):
-                # re-saving a step (a resumed run reaching it again): tmp now holds the old one
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                # two renames: a kill between them leaves only the old one,
-                # which clean_run_dir puts back
-                old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            _fsync(run_dir)
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            _finish(run_dir, tmp, final, meta, files)
+        # torch.save reports a full disk as a RuntimeError
+        except (OSError, RuntimeError, KeyboardInterrupt) as e:
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_no_space(error), _one_line(error))]
+    outcome = [error and (_interrupted(error), _no_space(error), _one_line(error))]
     # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
     if not alone():
         dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] and outcome[0][0]:
+    if outcome[0] and outcome[0][0]:  # the caller's Ctrl-C handling says where to resume from
+        raise KeyboardInterrupt
+    if outcome[0] and outcome[0][1]:
         kept = [s for s in list_steps(run_dir) if s != step]
         kept = (f"the checkpoint of step {kept[-1]} is kept" if kept
                 else "there is no earlier checkpoint")
@@ -314,7 +332,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
                       f"{step}; {kept} ({size_str(shutil.disk_usage(run_dir).free)} free): free "
                       "some space, then resume with --resume-from-step latest")
     if outcome[0]:
-        raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][1]}")
+        raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}")
     return final
 
 

@@ -4,10 +4,15 @@ job is named as one (as in one process), and an interrupt that lands inside a sa
 """
 
 import errno
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from test_dist import spawn
+from test_train import REPO, TINY, child_env
 
 from nanomuon import checkpoint
 
@@ -36,3 +41,39 @@ def _full_disk_on_rank_1(rank, world_size, path):
 
 def test_a_full_disk_on_another_rank_is_named_as_one(tmp_path):
     spawn(_full_disk_on_rank_1, 2, tmp_path)
+
+
+# base_train, whose DCP tensor writes send this process a real SIGINT in its second save
+INTERRUPTED_SAVE = textwrap.dedent("""
+    import os, signal, sys, time
+    from torch.distributed.checkpoint import filesystem
+    from nanomuon import checkpoint
+    from scripts.base_train import main
+
+    saves, write, save = [], filesystem._write_item, checkpoint.save_checkpoint
+    checkpoint.save_checkpoint = lambda *a, **k: (saves.append(1), save(*a, **k))[1]
+
+    def interrupted(*args, **kwargs):
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt lands here
+        return write(*args, **kwargs)
+
+    filesystem._write_item = interrupted
+    main(sys.argv[1:])
+""")
+
+
+def test_an_interrupt_inside_a_save_is_an_interrupt(base):
+    """Ctrl-C during a save ends the run as Ctrl-C between steps does: rc 130 and the checkpoint to
+    resume from, not 'cannot save step N' with rc 1; the half-written one is gone."""
+    run_dir = base / "runs" / "interrupted-save"
+    flags = [*TINY, "--total-batch-size", "256", "--eval-every", "-1", "--num-iterations", "4",
+             "--save-every", "2", "--run", "interrupted-save"]
+    p = subprocess.run([sys.executable, "-c", INTERRUPTED_SAVE, *flags], cwd=REPO,
+                       env=child_env(base), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr
+    assert p.stdout.strip().splitlines()[-1] == (
+        f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, 2)} (continue with "
+        "--resume-from-step latest)"), p.stdout[-2000:]
+    assert sorted(os.listdir(run_dir)) == ["step_000002"]
