@@ -4,8 +4,10 @@ Named optimizer variants: what `base_train --optimizer NAME` trains with and
 
 Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (a new
 orthogonalizer: one function registered in update_math.ORTHOGONALIZERS, and an entry naming it),
-then run `python -m scripts.ablate --variants muon,<yours>`. It lives here, not in the model file,
-so the model knows nothing of baselines.
+then run `python -m scripts.ablate --variants muon,<yours>`. An entry that sets what a flag sets
+(matrix_lr, embedding_lr, unembedding_lr, weight_decay) overrides that flag, and base_train says so;
+--lr-multiplier still scales it. It lives here, not in the model file, so the model knows nothing of
+baselines.
 """
 
 from nanomuon.baselines import TorchMuonAdamW

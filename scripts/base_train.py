@@ -369,6 +369,18 @@ def check_disk(run: Run) -> None:
     exit_if_any_failed(error)
 
 
+def optimizer_options(args, compiled: bool) -> dict:
+    """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
+    (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
+    flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
+                 matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+    variant = OPTIMIZER_VARIANTS[args.optimizer]
+    for key in sorted(flags.keys() & variant.keys()):
+        print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
+               f"(--{key.replace('_', '-')} {flags[key]} is not used)")
+    return dict(flags, compile=compiled, **variant)
+
+
 def build(args, held: contextlib.ExitStack) -> Run:
     """Process group, the run dir (locked until `held` closes), tokenizer, model, data and
     optimizer, as the flags ask; a fresh run at step 0."""
@@ -434,10 +446,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
         for block in model.blocks:  # each block's params are gathered just before it runs
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = model.setup_optimizer(embedding_lr=args.embedding_lr,
-                                      unembedding_lr=args.unembedding_lr, matrix_lr=args.matrix_lr,
-                                      weight_decay=args.weight_decay, compile=compiled,
-                                      **OPTIMIZER_VARIANTS[args.optimizer])
+    optimizer = model.setup_optimizer(**optimizer_options(args, compiled))
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
     run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device,
