@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from nanomuon.common import one_line
 from nanomuon.dataset import DATASETS, data_dir, list_shards, open_shard
 from nanomuon.sources import hold
 
@@ -63,6 +64,11 @@ def chunk_end(text: str, start: int, chunk_chars: int) -> int:
         if i >= 0:
             return i + after
     return end
+
+
+class DataError(ValueError):
+    """Bad data found as it is read, not at the start (a corrupt row group, a rank whose documents
+    are all empty); the message says what to do."""
 
 
 class _Piece:
@@ -126,19 +132,7 @@ class DataLoader:
         # a prepared source: a shared lock, so that prepare() does not remove it while it is read
         self._held = None if dataset in DATASETS else hold(data_dir(dataset))
         self.files = list_shards(dataset, split)
-        # Row-group index from the parquet footers, in windows of row groups read together: ([(file,
-        # row group)], first global doc, docs). Unshuffled, a window is one row group.
-        groups, nulls = [], 0
-        for fi, path in enumerate(self.files):
-            # unreadable file, no text column, not strings: fails here, not mid-run
-            pf = open_shard(dataset, path)
-            col = pf.schema_arrow.get_field_index("text")
-            for rg in range(pf.metadata.num_row_groups):
-                meta = pf.metadata.row_group(rg)
-                if meta.num_rows:
-                    groups.append(((fi, rg), meta.num_rows))
-                    stats = meta.column(col).statistics if col < meta.num_columns else None
-                    nulls += stats.null_count if stats is not None and stats.has_null_count else 0
+        groups, nulls, empty = self._row_groups()
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(groups)
         size = 1 if shuffle_seed is None else SHUFFLE_WINDOW
@@ -151,9 +145,10 @@ class DataLoader:
         if self.num_docs < world_size:
             raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer "
                              f"than the {world_size} ranks; use fewer processes or more data")
-        if nulls == total:
+        if nulls + empty == total:  # else found as read, per rank (_read_ahead)
+            what = "null" if not empty else "empty" if not nulls else "null or empty"
             raise ValueError(f"the {dataset} {split} split has no text: all {total} documents are "
-                             f"null; rebuild or replace its shards ({self.files[0].parent})")
+                             f"{what}; rebuild or replace its shards ({self.files[0].parent})")
         if nulls and rank == 0:
             log.warning(f"nanomuon: {nulls:,} of {total:,} documents in the {dataset} {split} "
                         "split have null text and are skipped")
@@ -166,6 +161,26 @@ class DataLoader:
         self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
     # -- reading --------------------------------------------------------------------------------
+    def _row_groups(self) -> tuple[list, int, int]:
+        """([((file, row group), docs)] of the non-empty row groups, null documents, empty ones),
+        from the parquet footers alone: the counts as far as the column statistics tell."""
+        groups, nulls, empty = [], 0, 0
+        for fi, path in enumerate(self.files):
+            # unreadable file, no text column, not strings: fails here, not mid-run
+            pf = open_shard(self.dataset, path)
+            col = pf.schema_arrow.get_field_index("text")
+            for rg in range(pf.metadata.num_row_groups):
+                meta = pf.metadata.row_group(rg)
+                if not meta.num_rows:
+                    continue
+                groups.append(((fi, rg), meta.num_rows))
+                stats = meta.column(col).statistics if col < meta.num_columns else None
+                null = stats.null_count if stats is not None and stats.has_null_count else 0
+                nulls += null
+                if stats is not None and stats.has_min_max and stats.max == "":  # all ""
+                    empty += meta.num_rows - null
+        return groups, nulls, empty
+
     def _doc_text(self, doc: int) -> str | None:
         w = bisect.bisect_right(self.starts, doc) - 1
         if w not in self._cached:
@@ -174,9 +189,9 @@ class DataLoader:
                 try:
                     table = pq.ParquetFile(self.files[fi]).read_row_group(rg, columns=["text"])
                 except (pa.ArrowException, OSError) as e:
-                    raise ValueError(f"{self.files[fi]}: row group {rg} is unreadable ({e}); "
-                                     "the shard is corrupt: delete it and download or build it "
-                                     "again") from None
+                    raise DataError(f"{self.files[fi]}: row group {rg} is unreadable, the "
+                                    "shard is corrupt: delete it and download or build it again "
+                                    f"({one_line(e)})") from None
                 texts += table.column("text").to_pylist()
             if self.shuffle_seed is not None:
                 random.Random(self.shuffle_seed * 1_000_003 + w).shuffle(texts)
@@ -220,7 +235,7 @@ class DataLoader:
                 self._counts["skipped_docs"] += 1
                 self._empty_run += 1
                 if self._empty_run > self.num_docs:
-                    raise ValueError(f"the {self.dataset} {self.split} split has no text for rank "
+                    raise DataError(f"the {self.dataset} {self.split} split has no text for rank "
                                      f"{self.rank} of {self.world_size}: a whole epoch of its "
                                      "documents is null or empty")
                 continue

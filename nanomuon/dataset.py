@@ -93,13 +93,15 @@ def list_shards(name: str, split: str) -> list[Path]:
     return shards[:-1] if split == "train" else shards[-1:]
 
 
-def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
+def read_shard(path: Path, decode: bool = False) -> tuple[pq.ParquetFile | None, str | None]:
     """(the file, None) for parquet with the string `text` column every reader needs, else (None,
-    what is wrong)."""
+    what is wrong). decode: every row group's text decodes too (it reads the whole file: a check
+    for a fresh download, too slow for each start, where the loader names a bad row group when it
+    reaches it)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        return None, f"is not a readable parquet file ({e})"
+        return None, f"is not a readable parquet file ({one_line(e)})"
     if "text" not in pf.schema_arrow.names:
         return None, f"has no 'text' column (columns: {pf.schema_arrow.names})"
     kind = pf.schema_arrow.field("text").type
@@ -107,6 +109,11 @@ def read_shard(path: Path) -> tuple[pq.ParquetFile | None, str | None]:
             or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
         return None, (f"is not text: column 'text' holds {kind}, not strings "
                       "(write the documents as strings)")
+    for rg in range(pf.num_row_groups if decode else 0):
+        try:
+            pf.read_row_group(rg, columns=["text"])
+        except (pa.ArrowException, OSError) as e:
+            return None, f"has a corrupt row group {rg} ({one_line(e)})"
     return pf, None
 
 
@@ -366,7 +373,7 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
                 raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: "
                                    f"{last} (shards are 0..{MAX_SHARD})") from None
             continue
-        problem = read_shard(path)[1]
+        problem = read_shard(path, decode=True)[1]
         if problem is None:
             return path, True
         path.unlink(missing_ok=True)

@@ -49,7 +49,7 @@ from nanomuon.common import (
     user_errors,
     write_atomic,
 )
-from nanomuon.dataloader import DataLoader, reshard_states, val_rows
+from nanomuon.dataloader import DataError, DataLoader, reshard_states, val_rows
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, train_memory
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.sources import add_data_args, prepare
@@ -649,7 +649,10 @@ def train_step(run: Run) -> Step:
     for micro in range(run.grad_accum):
         if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
             model.set_requires_gradient_sync(micro == run.grad_accum - 1)
-        x, y = run.train_loader.next_batch()
+        try:
+            x, y = run.train_loader.next_batch()
+        except DataError as e:  # bad data met mid-epoch: its line, not the loader thread's stack
+            raise SystemExit(f"error: {e}") from None
         with autocast(run.device, args.dtype):
             loss = run.train_model(x, y)
         loss_sum += loss.detach()

@@ -5,6 +5,7 @@ must leave no file behind: the base dir holds the same files before and after.
 """
 
 import base64
+import io
 import json
 import os
 import shutil
@@ -14,10 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_dataset import fetch
 from test_train import TINY
 
 from nanomuon.checkpoint import lock_run_dir
 from nanomuon.dataloader import DataLoader
+from nanomuon.dataset import HF_REPO, MAX_SHARD, shard_name
 from nanomuon.dataset import main as dataset_main
 from nanomuon.gpt import GPTConfig
 from nanomuon.optim import MuonAdamW
@@ -84,6 +87,18 @@ def own_fineweb(base, tmp_path, monkeypatch, train_shard, val_shard=None):
         path = d / f"shard_{i:05d}.parquet"
         path.write_bytes(shard) if isinstance(shard, bytes) else pq.write_table(shard, path)
     return train("--dataset", "fineweb-edu")
+
+
+def corrupt_row_group(texts=tuple(f"document {i} " * 20 for i in range(400))) -> bytes:
+    """A parquet shard whose footer is fine but whose row group 2's pages are overwritten."""
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": list(texts)}), buf, row_group_size=100, compression="zstd")
+    data = bytearray(buf.getvalue())
+    chunk = pq.ParquetFile(io.BytesIO(bytes(data))).metadata.row_group(2).column(0)
+    start = chunk.data_page_offset + 20
+    data[start:chunk.data_page_offset + chunk.total_compressed_size - 10] = b"U" * (
+        chunk.total_compressed_size - 30)
+    return bytes(data)
 
 
 def source(tmp_path, *flags):
@@ -232,7 +247,12 @@ CASES = {
                  "the fineweb-edu val split has no text: all 2 documents are null"),
     "val-empty": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, pa.table({"text": ["a document"] * 4}),
                                                     pa.table({"text": ["", ""]})),
-                  "the fineweb-edu val split has no text for rank 0 of 1"),
+                  "the fineweb-edu val split has no text: all 2 documents are empty"),
+    "train-empty": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, pa.table({"text": ["", "", ""]})),
+                    "the fineweb-edu train split has no text: all 3 documents are empty; rebuild"),
+    "train-row-group-corrupt": (lambda b, g, tmp, mp: own_fineweb(b, tmp, mp, corrupt_row_group()),
+                                "shard_00000.parquet: row group 2 is unreadable, the shard is corrupt: "
+                                "delete it and download or build it again ("),
     "no-tokenizer": (lambda b, g, tmp, mp: (mp.setenv("NANOMUON_BASE_DIR", str(tmp)), train())[1],
                      "python -m scripts.tok_train"),
     "no-checkpoints": (lambda *_: train("--resume-from-step", "latest", run="never"), "no checkpoints in"),
@@ -412,3 +432,18 @@ def test_a_variant_that_sets_an_lr_wins_and_says_so(base, monkeypatch, capsys):
     saved, _ = load_checkpoint(base / "runs" / "variant-lr", 2, ("optim",))
     matrices = [g for g in saved["optim"]["param_groups"] if g.get("name") == "matrices"]
     assert [g["initial_lr"] for g in matrices] == [0.04]
+
+
+def test_the_download_check_reads_every_row_group(fake_hub, tmp_path):
+    """A shard whose footer is fine but whose row group is corrupt is a corrupt download, fetched
+    again and then refused, naming the row group: before, it was kept and killed base_train."""
+    name = shard_name(MAX_SHARD)
+    good = io.BytesIO()
+    pq.write_table(pa.table({"text": ["a document"] * 10}), good)
+    fake_hub.files[HF_REPO] = {shard_name(0): good.getvalue(), name: corrupt_row_group()}
+    r = fetch(fake_hub, tmp_path, 1, "--retries", "1")
+    msg = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert msg.startswith(f"error: {name}: download failed after 2 attempts"), msg
+    assert "corrupt download: the file has a corrupt row group 2 (" in msg, msg
+    assert not (tmp_path / name).exists() and (tmp_path / shard_name(0)).exists()
