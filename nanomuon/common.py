@@ -192,6 +192,22 @@ def process_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
+def available_memory() -> tuple[int, int] | None:
+    """(bytes of memory free for a new process, bytes of swap free) on this machine: Linux's
+    MemAvailable, or less where a cgroup v2 limit (a container) leaves less, and SwapFree. None
+    where /proc/meminfo is missing (not Linux)."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free, swap = (int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, ValueError, KeyError):
+        return None
+    with contextlib.suppress(OSError, ValueError):  # "max": no limit
+        cgroup = Path("/sys/fs/cgroup")
+        limit, used = (int((cgroup / f).read_text()) for f in ("memory.max", "memory.current"))
+        free = min(free, limit - used)
+    return free, swap
+
+
 def reuse_freed_memory() -> None:
     """Have glibc serve every allocation from its heap and keep what is freed there. By default it
     mmaps each allocation of 32 MiB or more afresh and page-faults it in on every use; a CPU

@@ -33,6 +33,7 @@ from nanomuon.common import (
     DTYPES,
     all_finite,
     autocast,
+    available_memory,
     compute_cleanup,
     compute_init,
     evaluate_bpb,
@@ -369,6 +370,33 @@ def check_disk(run: Run) -> None:
     exit_if_any_failed(error)
 
 
+def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
+    """On a CPU, estimate training's memory (gpt.train_memory: params, grads, optimizer state,
+    bf16 copies, activations; all of this machine's processes) before any of it is allocated:
+    stop when it exceeds the free memory and swap (the OOM killer would end it, without a word,
+    after minutes of climbing), warn when only swap holds it. GPUs: auto_device_batch."""
+    if (free := available_memory()) is None:
+        return
+    parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    if args.fsdp:  # each process holds its shard of the model's state; activations are its own
+        parts = {k: v if k == "activations" else v // world_size for k, v in parts.items()}
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
+    what = (f"training this model takes about {need / gib:.1f} GiB of memory ("
+            + ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in parts.items() if v)
+            + f" GiB{f' per process, x {local} processes' if local > 1 else ''}; activations at "
+            f"--device-batch-size {args.device_batch_size}, --max-seq-len {args.max_seq_len})")
+    error = None
+    if need > mem + swap:
+        error = (f"{what}, and this machine has {mem / gib:.1f} GiB free"
+                 + (f" and {swap / gib:.1f} GiB of swap" if swap else "")
+                 + ": lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
+    elif need > mem:
+        print0(f"warning: {what}: more than the {mem / gib:.1f} GiB free, so it will swap (slow) "
+               "or be killed when memory runs out")
+    exit_if_any_failed(error)
+
+
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
@@ -408,6 +436,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          "--device-batch-size x --max-seq-len x processes = "
                          f"{args.device_batch_size} x {args.max_seq_len} x {world_size} = "
                          f"{tokens_per_fwdbwd}; pick a total batch that is")
+    if device.type == "cpu":
+        check_memory(args, config, world_size, compiled)
     # the same init on every rank; the optimizer keeps the replicas identical
     torch.manual_seed(args.seed)
     with torch.device("meta"):

@@ -220,6 +220,11 @@ CASES = {
     "depth-huge": (lambda *_: train("--depth", str(10 ** 12)), "parameters, over the memory of"),
     "head-dim-huge": (lambda *_: train("--head-dim", str(2 ** 40)),
                       "parameters, over the memory of"),
+    "cpu-memory": (lambda b, g, tmp, mp: (mp.setattr("scripts.base_train.available_memory", lambda: (4 << 30, 0)),
+                                          train("--depth", "40", "--device-batch-size", "1", "--dtype", "fp32"))[1],
+                   "about 9.1 GiB of memory (params 2.9, grads 2.9, optimizer 2.9, activations 0.3 GiB; "
+                   "activations at --device-batch-size 1, --max-seq-len 64), and this machine has 4.0 GiB free: "
+                   "lower --depth, --device-batch-size or --max-seq-len"),
     "rank-not-int": (lambda b, g, tmp, mp: (mp.setenv("RANK", "abc"), train())[1],
                      "RANK='abc' is not an integer"),
     "rank-outside-world": (lambda b, g, tmp, mp: (mp.setenv("RANK", "3"),
@@ -447,3 +452,13 @@ def test_the_download_check_reads_every_row_group(fake_hub, tmp_path):
     assert msg.startswith(f"error: {name}: download failed after 2 attempts"), msg
     assert "corrupt download: the file has a corrupt row group 2 (" in msg, msg
     assert not (tmp_path / name).exists() and (tmp_path / shard_name(0)).exists()
+
+
+def test_a_model_that_fits_only_in_swap_warns(base, monkeypatch, capsys):
+    """Training that needs more than the free memory but fits with swap runs, after a warning."""
+    monkeypatch.setattr("scripts.base_train.available_memory", lambda: (1 << 20, 64 << 30))
+    capsys.readouterr()
+    train(run="swap")()
+    out = capsys.readouterr().out
+    assert "warning: training this model takes about" in out and \
+        "more than the 0.0 GiB free, so it will swap (slow) or be killed when memory runs out" in out, out
