@@ -605,7 +605,7 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
                     map_location="cpu", meta_keys=()):
     """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is
     the model's state_dict, 'optim' the optimizer's world-size-independent state
-    (MuonAdamW.full_state_dict() format). For export and inspection; training resumes through
+    (MuonAdamW.state_dict() format). For export and inspection; training resumes through
     load_into. Unreadable: ValueError with the way out."""
     d = step_dir(run_dir, step)
     meta, out = read_meta(d, meta_keys), {}
