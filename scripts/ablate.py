@@ -2,15 +2,16 @@
 Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a
 table of means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate   # muon vs adamw vs torch-muon, 3 seeds, CPU
+    python -m scripts.ablate   # muon vs adamw, 3 seeds, about 8 minutes on a 2-core CPU
+    python -m scripts.ablate --variants muon,muon-plus --budget 20m
     python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
 
 Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimizer, --lr-multiplier,
 and --seed and --data-seed both set to the seed (init and data order). Flags this script does not
-know go to base_train after the CPU defaults below, so they override them (GPU runs: README,
+know go to base_train after the defaults below, so they override them (GPU runs: README,
 "Comparing optimizers: ablate"). Finished runs are cached in ablations/cache/, keyed by everything
 that decides them (the variant's definition, seed, multiplier, base_train flags, processes,
-tokenizer, the precision --dtype resolves to, the contents of the train and val shards and of every
+tokenizer, the device and the precision --dtype resolves to, the contents of the train and val shards and of every
 .py file in nanomuon/ and scripts/, the torch version), so a re-run or an interrupted ablation skips
 them, and an edit of code or data reruns.
 """
@@ -21,12 +22,17 @@ import hashlib
 import json
 import math
 import os
+import platform
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -46,15 +52,18 @@ from nanomuon.report import MISSING, plot_curves
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
+from scripts.base_train import parse_args as train_args
 
-# A tiny GPT (depth 4, 5M params) on the embedded corpus, 48 steps of 2,048 tokens: 3 variants x 3
-# seeds in under 10 minutes on 2 CPU cores. The val set is the speedrun's: the first 65,536 tokens
-# of the val split.
-CPU_DEFAULTS = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "4",
-                "--max-seq-len", "256", "--device-batch-size", "8", "--total-batch-size", "2048",
-                "--num-iterations", "48", "--eval-every", "16", "--eval-tokens", "65536",
-                "--warmdown-ratio", "0.3", "--embedding-lr", "0.3", "--unembedding-lr", "0.008",
-                "--matrix-lr", "0.04", "--sample-tokens", "0", "--log-every", "16"]
+# A tiny GPT (depth 4, 5M params) on the embedded corpus, speedrun.sh's CPU shape: 200 steps of
+# 4,096 tokens. muon vs adamw over 3 seeds, 2 runs at a time, take about 8 minutes on 2 CPU cores
+# (docs/benchmarks.md). The val set is the speedrun's: the first 65,536 tokens of the val split.
+DEFAULT_STEPS = 200
+DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
+                 "--device-batch-size", "8", "--total-batch-size", "4096",
+                 "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
+                 "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
+                 "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0",
+                 "--log-every", "50"]
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
         "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
@@ -163,23 +172,19 @@ def fmt(values: list[float], digits: int = 4) -> str:
                            f"{m + hw:.{d}f}]")
 
 
-def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
-    """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
-    variant, mult, seed = job
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
-             *(cache[k] for k in ("tokenizer", "dtype", "data", "code", "torch"))]
-    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
-    path = cache["dir"] / f"{key}.json"
-    label = f"{variant} x{mult:g} seed {seed}"
-    if path.exists():
-        print(f"== {label}: cached ({path.name})", flush=True)
-        return json.loads(path.read_text())
-    run = f"{name}-{variant}-x{mult:g}-s{seed}"
-    run_flags = [*flags, "--run", run, "--optimizer", variant,
-                 "--lr-multiplier", str(mult), "--seed", str(seed), "--data-seed", str(seed)]
-    launch = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-              if nproc > 1 else [])
-    cmd = [sys.executable, *launch, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
+def device_name(device: str) -> str:
+    """The device a run trains on, as precisely as torch names it (results differ across them)."""
+    name = (torch.cuda.get_device_name() if device == "cuda"
+            else platform.processor() or platform.machine())
+    return f"{device} {name}"
+
+
+def launch(label: str, run_flags: list[str], nproc: int, threads: int) -> None:
+    """Run scripts.base_train with run_flags (under torchrun when nproc > 1), echoing its progress
+    lines prefixed by label; a failure exits with its last lines."""
+    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [])
+    cmd = [sys.executable, *launcher, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
            *run_flags]
     print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -194,6 +199,22 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
                          f"lines:\n{''.join(tail)}")
+
+
+def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
+    """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
+    variant, mult, seed = job
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
+             *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+    path = cache["dir"] / f"{key}.json"
+    label = f"{variant} x{mult:g} seed {seed}"
+    if path.exists():
+        print(f"== {label}: cached ({path.name})", flush=True)
+        return json.loads(path.read_text())
+    run = f"{name}-{variant}-x{mult:g}-s{seed}"
+    launch(label, [*flags, "--run", run, "--optimizer", variant, "--lr-multiplier", str(mult),
+                   "--seed", str(seed), "--data-seed", str(seed)], nproc, threads)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -202,6 +223,81 @@ def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, c
                   seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return record
+
+
+# The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
+CALIBRATION_STEPS = 12
+MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
+EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
+HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
+
+
+class Calibration(NamedTuple):
+    """What --budget plans with, measured with `jobs` runs at once (their contention)."""
+    step_s: float  # one training step (the slowest calibration run's median)
+    fixed_s: float  # the rest of a run: start-up, building, one eval, the save and the report
+    eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
+    seconds: float  # what calibrating took
+
+
+class Plan(NamedTuple):
+    steps: int
+    seeds: int
+    eval_every: int
+    run_s: float  # one run, modeled
+    total_s: float  # every run, `jobs` at a time
+
+
+def budget_arg(s: str) -> float:
+    """argparse type for --budget: a wall time in seconds, like 600, 90s, 10m or 1.5h."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)([smh]?)", s.strip())
+    if not m or float(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a wall time: give one like 600, 90s, 10m "
+                                         "or 1.5h")
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
+
+
+def calibrate(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
+              name: str) -> Calibration:
+    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn; their
+    run dirs are removed afterwards."""
+    start, runs = time.monotonic(), [f"{name}-calibration-{j + 1}" for j in range(jobs)]
+    walls = [0.0] * jobs
+
+    def one(j: int) -> None:
+        t = time.monotonic()
+        launch(f"calibration {j + 1}/{jobs}", [
+            *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
+            "--num-iterations", str(CALIBRATION_STEPS), "--eval-every", "-1", "--save-every", "-1",
+            "--log-every", str(CALIBRATION_STEPS), "--sample-tokens", "0"], nproc, threads)
+        walls[j] = time.monotonic() - t
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, range(jobs)))
+    summaries = [json.loads((get_base_dir() / "runs" / r / "summary.json").read_text())
+                 for r in runs]
+    for r in runs:
+        shutil.rmtree(get_base_dir() / "runs" / r)
+    step_s = max(s["median_step_ms"] for s in summaries) / 1000
+    train = train_args(flags)
+    eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
+    fixed_s = max(walls) - CALIBRATION_STEPS * step_s
+    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - start)
+
+
+def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
+        seeds: int | None) -> Plan | None:
+    """The plan for budget_s seconds (less calibration): the most steps that fit, with `seeds`
+    seeds, or if None 5, 4 or 3 (the most that keep DEFAULT_STEPS steps), else 3 and fewer steps;
+    None if not even MIN_STEPS fit."""
+    left = (budget_s - cal.seconds) * HEADROOM
+    for n in [seeds] if seeds else [5, 4, 3]:
+        rounds = math.ceil(runs_per_seed * n / jobs)
+        steps = math.floor((left / rounds - cal.fixed_s - EVALS * cal.eval_s) / cal.step_s)
+        if steps >= (MIN_STEPS if seeds or n == 3 else DEFAULT_STEPS):
+            run_s = cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s
+            return Plan(steps, n, max(1, steps // EVALS), run_s, rounds * run_s)
+    return None
 
 
 def report(results: dict, variants: list[str], mults: list[float], seeds: list[int],
@@ -242,10 +338,32 @@ def report(results: dict, variants: list[str], mults: list[float], seeds: list[i
     return lines, best
 
 
+def difference_panel(results: dict, variants: list[str], seeds: list[int], best: dict,
+                     baseline: str) -> dict:
+    """The paired differences in val bpb (variant minus baseline, seed by seed) at each eval, their
+    mean with its 95% interval as a band, and around zero a band of +- the smallest final effect
+    this design detects: an interval clear of that band is a verdict."""
+    series = {}
+    for v in (v for v in variants if v != baseline):
+        pairs = [(results[v, best[v], s], results[baseline, best[baseline], s]) for s in seeds]
+        n = min(len(r["val_history"]) for pair in pairs for r in pair)
+        steps = [pairs[0][0]["val_history"][i][0] for i in range(n)]
+        stats = [mean_ci([r["val_history"][i][1] - b["val_history"][i][1] for r, b in pairs])
+                 for i in range(n)]
+        series[f"{v} - {baseline}"] = (steps, [m for m, _, _ in stats],
+                                       [m - hw for m, _, hw in stats],
+                                       [m + hw for m, _, hw in stats])
+        d = paired([r["final_val_bpb"] - b["final_val_bpb"] for r, b in pairs])["detectable"]
+        series[f"{v}: detectable +-{d:.4f}"] = (steps, [0.0] * n, [-d] * n, [d] * n)
+    return dict(title="variant - baseline, paired by seed (band: 95% CI)", xlabel="step",
+                ylabel="val bpb difference (< 0: better)", series=series)
+
+
 def plot(out, results: dict, variants: list[str], mults: list[float], seeds: list[int], best: dict,
-         title: str):
-    """val bpb by step and by training time at each variant's best lr (mean over seeds, band: min to
-    max), and final val bpb against the lr multiplier when there is a sweep."""
+         baseline: str, title: str):
+    """Each variant minus the baseline, paired by seed, with its interval and the smallest effect
+    the design detects; val bpb by step and by training time at each variant's best lr (mean over
+    seeds, band: min to max); final val bpb against the lr multiplier when there is a sweep."""
     by_step, by_time, by_lr = {}, {}, {}
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
@@ -258,7 +376,8 @@ def plot(out, results: dict, variants: list[str], mults: list[float], seeds: lis
         finals = [[results[v, m, s]["final_val_bpb"] for s in seeds] for m in mults]
         by_lr[v] = (mults, [statistics.fmean(f) for f in finals], [min(f) for f in finals],
                     [max(f) for f in finals])
-    panels = [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
+    panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
+    panels += [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
                    ylabel="bits per byte",
                    series=by_step),
               dict(title="val bpb by training time", xlabel="training seconds (no evals)",
@@ -278,12 +397,17 @@ def parse_args(argv):
                                 "base_train)",
                                 allow_abbrev=False,
                                 epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
-    p.add_argument("--variants", default="muon,adamw,torch-muon",
+    p.add_argument("--variants", default="muon,adamw",
                    help="comma-separated OPTIMIZER_VARIANTS keys")
     p.add_argument("--baseline", default=None, help="variant the others are judged against and "
                    "race to (default: adamw if compared, else the first)")
-    p.add_argument("--seeds", type=int, default=3,
-                   help="runs per variant and lr, seeds 1..N (init and data order)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="runs per variant and lr, seeds 1..N (init and data order; default 3, or "
+                   "--budget's choice)")
+    p.add_argument("--budget", type=budget_arg, default=None,
+                   help="wall time for the whole ablation (600, 90s, 10m, 1.5h): time a few steps "
+                   "here, then pick --num-iterations (and --seeds, unless given) to fit, and print "
+                   "the plan before starting")
     p.add_argument("--lr-sweep", default="1", help="lr multipliers to try per variant, e.g. "
                    "0.5,1,2; each variant is compared at its best")
     p.add_argument("--jobs", type=int, default=0,
@@ -310,7 +434,7 @@ def parse_args(argv):
             or not all(math.isfinite(m) and m > 0 for m in mults)):
         p.error("--lr-sweep needs a comma-separated list of distinct positive numbers, got "
                 f"{args.lr_sweep!r}")
-    if min(args.nproc, args.seeds) < 1 or args.jobs < 0:
+    if min(args.nproc, args.seeds or 1) < 1 or args.jobs < 0:
         p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
                 f"and {args.jobs}")
     reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed",
@@ -319,7 +443,7 @@ def parse_args(argv):
            for f in extra if f.startswith("--")):
         p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds "
                 "and --lr-sweep")
-    return args, [*CPU_DEFAULTS, *extra]
+    return args, [*DEFAULT_FLAGS, *extra]
 
 
 def ensure_tokenizer(flags: list[str]) -> None:
@@ -327,7 +451,7 @@ def ensure_tokenizer(flags: list[str]) -> None:
     corpus."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         return
-    if "fineweb-edu" in flags[len(CPU_DEFAULTS):]:
+    if "fineweb-edu" in flags[len(DEFAULT_FLAGS):]:
         raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train "
                          "--dataset fineweb-edu`")
     print("== no tokenizer yet: training a 4096-token BPE on the embedded corpus", flush=True)
@@ -339,30 +463,35 @@ def main(argv=None):
     args, flags = parse_args(argv)
     ensure_tokenizer(flags)
     q = argparse.ArgumentParser(add_help=False)
-    q.add_argument("--device-type", default="cpu")  # the last one given wins, as in base_train
+    q.add_argument("--device-type", default="auto")  # the last one given wins, as in base_train
     q.add_argument("--dtype", default="auto", choices=DTYPES)
     add_data_args(q, "embedded")
     cores = os.cpu_count() or 1
     run_flags = q.parse_known_args(flags)[0]
-    jobs = args.jobs or (max(1, cores // args.nproc) if run_flags.device_type == "cpu" else 1)
-    seeds = list(range(1, args.seeds + 1))
-    todo = [(v, m, s) for v in args.variants for m in args.mults for s in seeds]
-    jobs = min(jobs, len(todo))
+    device = check_device_type(run_flags.device_type)
+    jobs = args.jobs or (max(1, cores // args.nproc) if device == "cpu" else 1)
+    runs_per_seed = len(args.variants) * len(args.mults)
+    jobs = min(jobs, runs_per_seed * (args.seeds or 3))
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
-                 torch=torch.__version__,
+                 device=device_name(device), torch=torch.__version__,
                  tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get(
                      "fingerprint"),
-                 dtype=resolve_dtype(torch.device(check_device_type(run_flags.device_type)),
-                                     run_flags.dtype))
+                 dtype=resolve_dtype(torch.device(device), run_flags.dtype))
     with user_errors():  # prepared once here, not by every run at once
         data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
         cache["data"] = [data, data_fingerprint(data, cache["dir"] / "shards.json")]
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
+    n_seeds = args.seeds or 3
+    if args.budget is not None:
+        flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
+    seeds = list(range(1, n_seeds + 1))
+    todo = [(v, m, s) for v in args.variants for m in args.mults for s in seeds]
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.mults)} lrs x "
           f"{len(seeds)} seeds), {jobs} at a time, {threads} thread(s) each", flush=True)
+    started = time.monotonic()
     with ThreadPoolExecutor(jobs) as pool:
         futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache)
                    for job in todo}
@@ -373,7 +502,38 @@ def main(argv=None):
             pool.shutdown(cancel_futures=True)
             raise
     write_ablation(args, argv, results, todo, seeds)
+    print(f"== {len(todo)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return results
+
+
+def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
+              cache: dict) -> tuple[list[str], int]:
+    """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
+    plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
+    plans the same runs and finds them cached instead of re-timing into slightly other steps."""
+    train = train_args(flags)
+    parts = [args.budget, args.variants, args.mults, args.seeds, flags, jobs, threads, args.nproc,
+             cache["device"], cache["code"], cache["torch"]]
+    path = cache["dir"] / f"plan-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]}.json"
+    if path.exists():
+        plan, cal, how = Plan(**json.loads(path.read_text())), None, f"planned before ({path.name})"
+    else:
+        cal = calibrate(flags, args.variants, jobs, threads, args.nproc, args.name)
+        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)
+        how = (f"calibrated in {cal.seconds:.0f} s: {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s "
+               "a run besides")
+    if plan is None:
+        raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
+                         f"per run ({cal.step_s:.2f} s a step, {cal.fixed_s:.0f} s to start and "
+                         f"finish a run, {jobs} at a time); raise --budget, or cut --variants, "
+                         "--lr-sweep, --seeds or --depth")
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(plan._asdict())))
+    print(f"== plan for --budget {args.budget / 60:.1f} min ({how}): depth {train.depth}, "
+          f"{plan.steps} steps of {train.total_batch_size:,} tokens, {plan.seeds} seeds, "
+          f"{runs_per_seed} variant-lr pairs, {jobs} at a time; each run ~{plan.run_s:.0f} s, "
+          f"all ~{plan.total_s / 60:.1f} min", flush=True)
+    return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
+            str(plan.eval_every)], plan.seeds
 
 
 def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
@@ -382,7 +542,7 @@ def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table, best = report(results, args.variants, args.mults, seeds, args.baseline)
     first = results[todo[0]]
-    png = plot(out, results, args.variants, args.mults, seeds, best,
+    png = plot(out, results, args.variants, args.mults, seeds, best, args.baseline,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
                f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds")
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])

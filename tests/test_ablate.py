@@ -266,3 +266,60 @@ def test_the_paired_verdict_by_hand():
     assert said.endswith("detectable: 0.0310 (1.55%)"), said
     assert verdict([-0.020, -0.021, -0.022], 2.0).startswith("better by 0.0210 bpb (1.05%) [-0.0235, -0.0185]")
     assert verdict([0.020, 0.021, 0.022], 2.0).startswith("worse by 0.0210 bpb")
+
+
+def test_the_planner_fits_steps_and_seeds_to_the_budget():
+    """fit() against the wall-time model redone here: the plan's runs fit the budget left after calibrating
+    (with its headroom), one more step would not, and seeds are the caller's, or the most of 5, 4, 3 that
+    keep the default step count."""
+    from scripts.ablate import DEFAULT_STEPS, EVALS, HEADROOM, MIN_STEPS, Calibration, fit
+
+    cal = Calibration(step_s=0.5, fixed_s=10.0, eval_s=2.0, seconds=30.0)
+
+    def total(steps, seeds, runs_per_seed=2, jobs=2):
+        rounds = -(-runs_per_seed * seeds // jobs)
+        return rounds * (cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s)
+
+    for budget, seeds in [(600, None), (600, 3), (1800, None), (3 * 3600, None), (300, 1)]:
+        plan = fit(budget, cal, 2, 2, seeds)
+        left = (budget - cal.seconds) * HEADROOM
+        assert plan.seeds == (seeds or plan.seeds) and plan.steps >= MIN_STEPS, (budget, plan)
+        assert total(plan.steps, plan.seeds) <= left < total(plan.steps + 1, plan.seeds), (budget, plan)
+        assert abs(plan.total_s - total(plan.steps, plan.seeds)) < 1e-9
+        assert plan.eval_every == plan.steps // EVALS
+        if seeds is None and plan.seeds < 5:  # one more seed would have cost the default steps
+            assert fit(budget, cal, 2, 2, plan.seeds + 1).steps < DEFAULT_STEPS
+    assert fit(300, cal, 2, 2, None).seeds == 3 and fit(3 * 3600, cal, 2, 2, None).seeds == 5
+    assert fit(60, cal, 2, 2, None) is None  # not even MIN_STEPS fit
+
+
+@pytest.mark.parametrize("bad", ["", "ten", "-5m", "0", "5d"])
+def test_a_budget_that_is_not_a_wall_time_is_refused(bad, capsys):
+    from scripts import ablate
+
+    with pytest.raises(SystemExit):
+        ablate.parse_args([f"--budget={bad}"])
+    assert "is not a wall time: give one like 600, 90s, 10m or 1.5h" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
+    """On a tiny model, --budget 70s with one seed: calibration and both planned runs end within 70 s of
+    wall time, and the runs train for the steps the printed plan says."""
+    import time
+
+    from scripts import ablate
+
+    start = time.monotonic()
+    results = ablate.main(["--variants", "muon,adamw", "--name", "budget", "--jobs", "2", *TINY,
+                           "--total-batch-size", "256", "--seeds", "1", "--budget", "70s"])
+    wall = time.monotonic() - start
+    out = capsys.readouterr().out
+    plan = re.search(r"== plan for --budget 1.2 min \(calibrated .*\): depth 2, (\d+) steps of 256 tokens, "
+                     r"(\d) seeds", out)
+    assert plan, out
+    steps, seeds = int(plan[1]), int(plan[2])
+    assert wall <= 70, (wall, out)
+    assert steps >= ablate.MIN_STEPS and sorted({s for _, _, s in results}) == list(range(1, seeds + 1))
+    assert all(r["val_history"][-1][0] == steps for r in results.values())
+    assert not list((base / "runs").glob("budget-calibration-*"))  # calibration runs leave nothing behind
