@@ -293,9 +293,11 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
     left = (budget_s - cal.seconds) * HEADROOM
     for n in [seeds] if seeds else [5, 4, 3]:
         rounds = math.ceil(runs_per_seed * n / jobs)
-        steps = math.floor((left / rounds - cal.fixed_s - EVALS * cal.eval_s) / cal.step_s)
+        # evals at step 0, every steps // EVALS and at the end: EVALS + 1 more than calibrated
+        extra_evals = (EVALS + 1) * cal.eval_s
+        steps = math.floor((left / rounds - cal.fixed_s - extra_evals) / cal.step_s)
         if steps >= (MIN_STEPS if seeds or n == 3 else DEFAULT_STEPS):
-            run_s = cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s
+            run_s = cal.fixed_s + extra_evals + steps * cal.step_s
             return Plan(steps, n, max(1, steps // EVALS), run_s, rounds * run_s)
     return None
 

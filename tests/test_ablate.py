@@ -278,7 +278,7 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
 
     def total(steps, seeds, runs_per_seed=2, jobs=2):
         rounds = -(-runs_per_seed * seeds // jobs)
-        return rounds * (cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s)
+        return rounds * (cal.fixed_s + (EVALS + 1) * cal.eval_s + steps * cal.step_s)
 
     for budget, seeds in [(600, None), (600, 3), (1800, None), (3 * 3600, None), (300, 1)]:
         plan = fit(budget, cal, 2, 2, seeds)
