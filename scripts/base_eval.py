@@ -1,14 +1,21 @@
 """
-Evaluate a base_train checkpoint: validation bits per byte, plus a few samples; appends to the run's
-report. It evaluates on the run's own data if that is a built-in source (fineweb-edu, embedded); any
-other source (a local path, a hub dataset) takes an explicit --dataset: a checkpoint may come from
-someone else, and must not pick what is read or downloaded.
+Evaluate a base_train checkpoint: validation bits per byte, the CORE metric (nanomuon/core_eval.py,
+docs/core.md) and a few samples; appends a section to the run's report and puts `core` into its
+summary.json. bpb is measured on the run's own data if that is a built-in source (fineweb-edu,
+climbmix, embedded); any other source (a local path, a hub dataset) takes an explicit --dataset: a
+checkpoint may come from someone else, and must not pick what is read or downloaded.
+
+--eval picks any of core, bpb, sample. Its default is bpb and sample, plus core when an eval bundle
+is already in the base dir: the default never touches the network and so runs offline as before,
+while `--eval core,...` downloads the bundle once when it is missing (the GPU speedrun asks so).
 
     python -m scripts.base_eval -- --run d20
-    torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --run d20 --eval-tokens 20971520
+    python -m scripts.base_eval -- --run d20 --eval core --max-per-task 100   # a quick look
+    torchrun --standalone --nproc_per_node=8 -m scripts.base_eval -- --run d20 --eval core,bpb
 """
 
 import argparse
+import json
 import os
 import shlex
 
@@ -22,7 +29,9 @@ from nanomuon.common import (
     get_base_dir,
     print0,
     user_errors,
+    write_atomic,
 )
+from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS
 from nanomuon.sources import add_data_args, prepare
@@ -75,11 +84,31 @@ def check_report(report) -> None:
                          ) from None
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Validation bpb and samples for a nanomuon checkpoint",
-                                allow_abbrev=False)
+EVALS = ("core", "bpb", "sample")
+
+
+def evals_arg(text: str) -> list[str]:
+    """argparse type of --eval: a comma-separated subset of EVALS."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in EVALS]
+    if not names or bad:
+        what = f"{bad[0]!r} is not one of" if bad else "name at least one of"
+        raise argparse.ArgumentTypeError(f"{what} {', '.join(EVALS)} (comma-separated)")
+    return names
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Validation bpb, CORE and samples for a nanomuon "
+                                "checkpoint", allow_abbrev=False)
     add_checkpoint_args(p)
     add_data_args(p, None)  # default: the run's own data, if built in (eval_data)
+    p.add_argument("--eval", type=evals_arg, default=None, help="any of core,bpb,sample (default: "
+                   "bpb,sample, and core when an eval bundle is in the base dir; naming core "
+                   "downloads the bundle if it is missing)")
+    p.add_argument("--core-bundle", default=None, help="a CORE eval bundle to use: nanochat's "
+                   "eval_bundle.zip, or a folder of its layout (default: the base dir's)")
+    p.add_argument("--max-per-task", type=int, default=None,
+                   help="CORE: at most this many items per task, for a quick look")
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens to score (default: the run's own --eval-tokens, so the numbers "
@@ -91,12 +120,16 @@ def main(argv=None):
     if (args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1)
             or args.sample_tokens < 0):
         p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
+    if args.max_per_task is not None and args.max_per_task < 1:
+        p.error(f"--max-per-task must be >= 1, got {args.max_per_task}")
     if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
         p.error("--text-column and --val-fraction go with --dataset; without it, the run's own "
                 "data and options")
-    distributed, rank, _, world_size, device = compute_init(args.device_type)
-    model, tokenizer, meta = load_for_inference(args, device)
-    check_report(get_base_dir() / "runs" / args.run / "report.md")
+    return args
+
+
+def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[str]]:
+    """Validation bits per byte on the run's data (or --dataset), and its report line."""
     data_args = eval_data(args, meta)
     dataset = data_args.dataset
     print0(f"evaluating on {flags(data_args)}" + ("" if data_args is args else ", the run's data"))
@@ -104,34 +137,104 @@ def main(argv=None):
     with user_errors():
         data = prepare(dataset, data_args.text_column, data_args.val_fraction)
         rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
-    # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
-    dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
     print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} "
            "tokens")
-    lines = ["", f"## base_eval, step {meta['step']}", "", f"- {dataset} val bpb: {bpb:.4f}"]
-    if rank == 0 and args.sample_tokens:
+    return bpb, [f"- {dataset} val bpb: {bpb:.4f}"]
+
+
+def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, list[str]]:
+    """CORE (None when skipped) and its report lines: the speedrun's headline, then a row per
+    task."""
+    with user_errors():
+        bundle = find_bundle(args.core_bundle, fetch=args.eval is not None)
+        if bundle is None:
+            note = (f"CORE skipped: no eval bundle in {get_base_dir()} (`--eval core` downloads "
+                    f"{BUNDLE_URL} there, or pass --core-bundle PATH; docs/core.md)")
+            print0(note)
+            return None, [f"- {note}"]
+        tasks = load_tasks(bundle, args.max_per_task)
+    print0(f"CORE: {len(tasks)} tasks from {bundle.path}")
+    result = evaluate_core(model, tokenizer, tasks, device, dtype)
+    train_time = (meta.get("loop") or {}).get("train_time")
+    hours = train_time / 3600 if isinstance(train_time, (int, float)) else None
+    line = headline(result["core"], hours, len(tasks), args.max_per_task)
+    print0(line)
+    seconds = sum(r["seconds"] for r in result["tasks"].values())
+    lines = [line, "", f"- CORE: {result['core']:.4f}, the mean centered accuracy of "
+             f"{len(tasks)} tasks ({seconds:.0f} s) from {bundle.path} (sha256 {bundle.digest()})",
+             "", "| task | kind | shots | items | accuracy | random | centered | s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {k} | {r['kind']} | {r['shots']} | {r['items']} | {r['accuracy']:.4f} | "
+              f"{r['baseline'] / 100:.3f} | {r['centered']:+.4f} | {r['seconds']:.1f} |"
+              for k, r in result["tasks"].items()]
+    result.update(headline=line, max_per_task=args.max_per_task, step=meta["step"])
+    return result, lines + [""]
+
+
+def append_report(report, lines) -> None:
+    # a link there is refused, not followed
+    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+    try:
+        fd = os.open(report, append, 0o644)
+    except OSError as e:
+        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
+                         "regular file of the run's own, not a link") from None
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print0(f"appended to {report}")
+
+
+def record_core(summary, core: dict) -> None:
+    """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
+    try:
+        record = json.loads(summary.read_text())
+    except FileNotFoundError:
+        print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
+               "CORE is in the report only")
+        return
+    except (OSError, ValueError) as e:
+        print0(f"note: {summary} is unreadable ({e}); CORE is in the report only")
+        return
+    if not isinstance(record, dict):
+        print0(f"note: {summary} is not a JSON object; CORE is in the report only")
+        return
+    record.update(core=core["core"], core_step=core["step"], core_tasks=core["tasks"],
+                  core_max_per_task=core["max_per_task"], core_headline=core["headline"])
+    write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
+    distributed, rank, _, world_size, device = compute_init(args.device_type)
+    model, tokenizer, meta = load_for_inference(args, device)
+    run_dir = get_base_dir() / "runs" / args.run
+    check_report(run_dir / "report.md")
+    # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
+    dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
+    bpb, core, lines = None, None, []
+    if "bpb" in evals:
+        bpb, more = run_bpb(args, model, tokenizer, meta, device, dtype)
+        lines += more
+    if "core" in evals:
+        core, more = run_core(args, model, tokenizer, meta, device, dtype)
+        # the headline opens the section; the table, or the note of a skip, follows bpb
+        lines = (more[:2] if core else []) + lines + (more[2:] if core else more)
+    if rank == 0 and args.sample_tokens and "sample" in evals:
         for prompt in PROMPTS:
             text = sample(model, tokenizer, prompt, args.sample_tokens, temperature=0.8, top_k=50,
                           seed=0)
             print0(f"--- {prompt!r}\n{prompt}{text}")
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:
-        report = get_base_dir() / "runs" / args.run / "report.md"
-        # a link there is refused, not followed
-        append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-        try:
-            fd = os.open(report, append, 0o644)
-        except OSError as e:
-            raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
-                             "regular file of the run's own, not a link") from None
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        print0(f"appended to {report}")
+        append_report(run_dir / "report.md", ["", f"## base_eval, step {meta['step']}", ""] + lines)
+        if core:
+            record_core(run_dir / "summary.json", core)
     compute_cleanup()
     return bpb
 

@@ -1,0 +1,457 @@
+"""
+The CORE metric of the DCLM paper (arXiv 2406.11794), as nanochat reports it for "time to GPT-2":
+22 in-context tasks of three kinds, each scored few-shot as its config says, each accuracy centered
+by the task's random baseline, (acc - b/100) / (1 - b/100), and CORE the mean of those.
+
+- multiple_choice: {query, choices, gold}; the choice with the lowest mean loss over its own tokens
+  wins. schema: {context_options, continuation, gold}; the context under which the shared
+  continuation has the lowest mean loss wins. language_modeling: {context, continuation}; right
+  when greedy decoding reproduces every continuation token.
+- The eval bundle is nanochat's eval_bundle.zip (llm-foundry's task files in eval_data/, core.yaml
+  listing the tasks, eval_meta_data.csv their baselines). It downloads once into the base dir over
+  https, its sha256 and size recorded next to it and checked on every later read; a folder or a zip
+  of the same layout is accepted too. Tasks are read straight from the zip, never extracted; every
+  member name and every path core.yaml gives must stay inside the bundle. core.yaml is YAML, read
+  with yaml.safe_load: PyYAML is already installed as a dependency of huggingface_hub, datasets and
+  wandb.
+- Items, few-shot picks and prompts follow nanochat's core_eval (shuffle seed 1337 before
+  --max-per-task, few-shot seed 1234 + index), so the numbers compare with its leaderboard.
+"""
+
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanomuon.common import autocast, get_base_dir, one_line, print0, write_atomic
+from nanomuon.dataset import build_lock
+
+BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+BUNDLE_ZIP = "eval_bundle.zip"  # in the base dir, with its record next to it
+RECORD = "eval_bundle.json"  # {url, sha256, size} of the zip's first download (or first use)
+BUNDLE_DIR = "eval_bundle"  # an unzipped bundle in the base dir (nanochat keeps it so)
+KINDS = ("multiple_choice", "schema", "language_modeling")
+GPT2_CORE = 0.256525  # GPT-2 1.6B's CORE, nanochat's leaderboard line
+CORE_TASKS = 22
+MAX_FILE = 256 << 20  # bytes of one bundle file (the largest real one is ~20 MB)
+MAX_DOWNLOAD = 1 << 30
+PLACE = (f"download {BUNDLE_URL} on a machine with network and place it at {{zip}}, or pass "
+         "--core-bundle PATH (the zip, or a folder holding core.yaml, eval_meta_data.csv and "
+         "eval_data/)")
+
+
+@dataclass
+class Task:
+    label: str
+    kind: str
+    shots: int
+    delimiter: str
+    baseline: float  # percent, as eval_meta_data.csv gives it
+    items: list
+    uri: str
+
+
+# -- the bundle ------------------------------------------------------------------------------------
+def name_problem(name) -> str | None:
+    """Why a path inside the bundle (a zip member, a dataset_uri) could leave it, or None."""
+    if not isinstance(name, str) or not name or not name.isprintable():
+        return "is not a printable, non-empty name"
+    if name.startswith(("/", "~")) or "\\" in name or re.match(r"[A-Za-z]:", name):
+        return "is absolute or has a backslash"
+    if ".." in name.split("/"):
+        return "climbs out with '..'"
+    return None
+
+
+class Bundle:
+    """The files of an eval bundle read by relative name, from a folder or a zip whose files sit
+    at its root or in one top folder (nanochat's has eval_bundle/)."""
+
+    def __init__(self, path: Path):
+        self.path, self.zip, self.prefix = Path(path), None, ""
+        if self.path.is_dir():
+            self.root = self.path.resolve()
+            return
+        try:
+            self.zip = zipfile.ZipFile(self.path)
+            names = self.zip.namelist()
+        except (OSError, zipfile.BadZipFile, ValueError) as e:
+            raise ValueError(f"CORE bundle {self.path} is not a readable zip file or folder "
+                             f"({one_line(e)}); {PLACE.format(zip=self.path)}") from None
+        for name in names:
+            if problem := name_problem(name):
+                raise ValueError(f"CORE bundle {self.path} holds a member {name!r} that {problem}; "
+                                 "refusing the whole zip: use nanochat's eval_bundle.zip")
+        tops = [n[:-len("core.yaml")] for n in names
+                if n == "core.yaml" or (n.endswith("/core.yaml") and n.count("/") == 1)]
+        if len(tops) != 1:
+            raise ValueError(f"CORE bundle {self.path} has {len(tops)} core.yaml at its root or "
+                             "in one top folder, not 1: is it an eval bundle?")
+        self.prefix = tops[0]
+
+    def read(self, name: str) -> bytes:
+        """A file's bytes; a FileNotFoundError or ValueError naming the bundle and the file."""
+        if problem := name_problem(name):
+            raise ValueError(f"CORE bundle {self.path}: the path {name!r} {problem}")
+        where = f"{self.path}: {name}"
+        if self.zip is None:
+            path = (self.root / name).resolve()
+            if not path.is_relative_to(self.root):
+                raise ValueError(f"CORE bundle {where} leads outside the folder (a link)")
+            if not path.is_file():
+                raise FileNotFoundError(f"CORE bundle {where} is missing")
+            if path.stat().st_size > MAX_FILE:
+                raise ValueError(f"CORE bundle {where} is over {MAX_FILE >> 20} MiB")
+            return path.read_bytes()
+        try:
+            info = self.zip.getinfo(self.prefix + name)
+        except KeyError:
+            raise FileNotFoundError(f"CORE bundle {where} is missing") from None
+        if info.file_size > MAX_FILE:
+            raise ValueError(f"CORE bundle {where} is over {MAX_FILE >> 20} MiB")
+        try:
+            with self.zip.open(info) as f:
+                return f.read(MAX_FILE + 1)[:MAX_FILE]
+        except (OSError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as e:
+            raise ValueError(f"CORE bundle {where} does not unzip ({one_line(e)}); get the "
+                             "bundle again") from None
+
+    def digest(self) -> str:
+        """sha256 of the zip (what the report names), or 'folder'."""
+        return "folder" if self.zip is None else sha256_size(self.path)[0]
+
+
+def sha256_size(path: Path) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+class _HttpsOnly(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not newurl.lower().startswith("https://"):
+            raise urllib.error.URLError(f"redirected to {newurl}, which is not https")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> None:
+    """url -> dest (https only, at most MAX_DOWNLOAD bytes, written whole or not at all), its
+    sha256 and size recorded in RECORD next to it."""
+    if not url.lower().startswith("https://"):
+        raise ValueError(f"the CORE bundle URL {url} is not https")
+    print0(f"downloading the CORE eval bundle {url} -> {dest}")
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    opener = urllib.request.build_opener(_HttpsOnly)
+    try:
+        with opener.open(url, timeout=timeout) as r, open(tmp, "wb") as f:
+            size = 0
+            while block := r.read(1 << 20):
+                size += len(block)
+                if size > MAX_DOWNLOAD:
+                    raise ValueError(f"the CORE bundle at {url} is over {MAX_DOWNLOAD >> 20} MiB")
+                f.write(block)
+        if not zipfile.is_zipfile(tmp):
+            raise ValueError(f"{url} did not send a zip file")
+        os.replace(tmp, dest)
+    except (OSError, urllib.error.URLError) as e:
+        raise ValueError(f"cannot download the CORE bundle ({one_line(e)}): "
+                         + PLACE.format(zip=dest)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    record(dest, url)
+
+
+def record(zip_path: Path, url: str) -> None:
+    sha, size = sha256_size(zip_path)
+    text = json.dumps(dict(url=url, sha256=sha, size=size)) + "\n"
+    write_atomic(zip_path.with_name(RECORD), lambda tmp: tmp.write_text(text))
+    print0(f"CORE bundle {zip_path}: sha256 {sha}, {size:,} bytes (recorded in {RECORD})")
+
+
+def check_record(zip_path: Path) -> None:
+    """The zip must be what its record says; a zip placed by hand is recorded at first use."""
+    try:
+        want = json.loads(zip_path.with_name(RECORD).read_text())
+    except FileNotFoundError:
+        return record(zip_path, "placed by hand")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{zip_path.with_name(RECORD)} is unreadable ({one_line(e)}): delete it "
+                         f"and {zip_path.name} to download the bundle again") from None
+    sha, size = sha256_size(zip_path)
+    if not isinstance(want, dict) or [want.get("sha256"), want.get("size")] != [sha, size]:
+        raise ValueError(f"{zip_path} (sha256 {sha[:16]}, {size:,} bytes) is not the file recorded "
+                         f"in {RECORD} at its first download: delete both to download it again")
+
+
+def find_bundle(path: str | None, fetch: bool) -> Bundle | None:
+    """The bundle to use: path if given, else the base dir's zip (checked against its record),
+    else its unzipped folder, else the download if fetch, else None."""
+    if path is not None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--core-bundle {path}: no such file or folder")
+        return Bundle(Path(path))
+    base = get_base_dir()
+    with build_lock(base):  # under torchrun: one rank downloads, the others then find it
+        if (base / BUNDLE_ZIP).is_file():
+            check_record(base / BUNDLE_ZIP)
+            return Bundle(base / BUNDLE_ZIP)
+        if (base / BUNDLE_DIR / "core.yaml").is_file():
+            return Bundle(base / BUNDLE_DIR)
+        if not fetch:
+            return None
+        download_bundle(base / BUNDLE_ZIP)
+        return Bundle(base / BUNDLE_ZIP)
+
+
+# -- tasks -----------------------------------------------------------------------------------------
+FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options", "continuation"),
+          "language_modeling": ("context", "continuation")}
+
+
+def item_problem(kind: str, item) -> str | None:
+    """What is wrong with one task item for its kind, or None."""
+    if not isinstance(item, dict):
+        return "is not a JSON object"
+    for key in FIELDS[kind]:
+        value = item.get(key)
+        if key in ("choices", "context_options"):
+            if not (isinstance(value, list) and len(value) >= 2
+                    and all(isinstance(v, str) for v in value)):
+                return f"'{key}' is not a list of at least 2 strings"
+        elif not isinstance(value, str):
+            return f"'{key}' is not a string"
+    if kind != "language_modeling":
+        options = item["choices" if kind == "multiple_choice" else "context_options"]
+        gold = item.get("gold")
+        if not (isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(options)):
+            return f"'gold' is {gold!r}, not an index into its {len(options)} options"
+    return None
+
+
+def read_items(bundle: Bundle, uri: str, kind: str) -> list:
+    where = f"CORE bundle {bundle.path}: eval_data/{uri}"
+    try:
+        text = bundle.read(f"eval_data/{uri}").decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    items = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{where} line {n} is not JSON ({e})") from None
+        if problem := item_problem(kind, item):
+            raise ValueError(f"{where} line {n}: {problem} (a {kind} item)")
+        items.append(item)
+    if not items:
+        raise ValueError(f"{where} holds no items")
+    return items
+
+
+def read_baselines(bundle: Bundle) -> dict:
+    """{task label: random baseline in percent} from eval_meta_data.csv."""
+    where = f"CORE bundle {bundle.path}: eval_meta_data.csv"
+    try:
+        rows = list(csv.DictReader(io.StringIO(bundle.read("eval_meta_data.csv").decode("utf-8"))))
+        out = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
+    except (UnicodeDecodeError, KeyError, TypeError, ValueError, csv.Error) as e:
+        raise ValueError(f"{where} lacks a readable 'Eval Task' and numeric 'Random baseline' "
+                         f"column ({one_line(e)})") from None
+    if bad := [k for k, b in out.items() if not 0 <= b < 100]:
+        raise ValueError(f"{where}: the random baseline of {bad[0]} is {out[bad[0]]}, not in "
+                         "[0, 100)")
+    return out
+
+
+def task_configs(bundle: Bundle) -> list[dict]:
+    """core.yaml's icl_tasks, each checked: label, dataset_uri, num_fewshot, icl_task_type."""
+    import yaml  # installed with huggingface_hub; only CORE needs it
+
+    where = f"CORE bundle {bundle.path}: core.yaml"
+    try:
+        config = yaml.safe_load(bundle.read("core.yaml").decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"{where} is not YAML ({one_line(e)})") from None
+    tasks = config.get("icl_tasks") if isinstance(config, dict) else None
+    if not (isinstance(tasks, list) and tasks and all(isinstance(t, dict) for t in tasks)):
+        raise ValueError(f"{where} has no list of icl_tasks")
+    for t in tasks:
+        shots = t.get("num_fewshot")
+        shots = shots[0] if isinstance(shots, list) and len(shots) == 1 else shots
+        label = t.get("label")
+        problem = ("has no label" if not (isinstance(label, str) and label.isprintable()) else
+                   f"type {t.get('icl_task_type')!r} is not one of {', '.join(KINDS)}"
+                   if t.get("icl_task_type") not in KINDS else
+                   f"num_fewshot {t.get('num_fewshot')!r} is not a count (or a list of one)"
+                   if not (isinstance(shots, int) and 0 <= shots <= 100) else
+                   "continuation_delimiter is not a string"
+                   if not isinstance(t.get("continuation_delimiter", " "), str) else
+                   f"dataset_uri {t.get('dataset_uri')!r} {name_problem(t.get('dataset_uri'))}"
+                   if name_problem(t.get("dataset_uri")) else None)
+        if problem:
+            raise ValueError(f"{where}: task {label!r}: {problem}")
+        t["num_fewshot"] = shots
+    return tasks
+
+
+def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
+    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task."""
+    baselines, tasks = read_baselines(bundle), []
+    for t in task_configs(bundle):
+        if t["label"] not in baselines:
+            raise ValueError(f"CORE bundle {bundle.path}: eval_meta_data.csv has no random "
+                             f"baseline for task {t['label']}")
+        items = read_items(bundle, t["dataset_uri"], t["icl_task_type"])
+        random.Random(1337).shuffle(items)
+        tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
+                          t.get("continuation_delimiter", " "), baselines[t["label"]],
+                          items[:max_per_task] if max_per_task else items, t["dataset_uri"]))
+    return tasks
+
+
+# -- prompts and scoring ---------------------------------------------------------------------------
+def fewshot(items: list, idx: int, shots: int) -> list:
+    """nanochat's pick: `shots` other items, seeded by the item's index (fewer when the task has
+    fewer other items, as under a small --max-per-task)."""
+    others = [i for i in range(len(items)) if i != idx]
+    return [items[i] for i in random.Random(1234 + idx).sample(others, min(shots, len(others)))]
+
+
+def render(task: Task, item: dict, examples: list) -> list[str]:
+    """The prompts of one item, as llm-foundry lays them out: each example, then a blank line.
+    multiple_choice and schema: one prompt per option. language_modeling: the context alone
+    (stripped) and the context with its continuation."""
+    d = task.delimiter
+    if task.kind == "multiple_choice":
+        head = "".join(f"{e['query']}{d}{e['choices'][e['gold']]}\n\n" for e in examples)
+        return [f"{head}{item['query']}{d}{c}" for c in item["choices"]]
+    if task.kind == "schema":
+        head = "".join(f"{e['context_options'][e['gold']]}{d}{e['continuation']}\n\n"
+                       for e in examples)
+        return [f"{head}{c}{d}{item['continuation']}" for c in item["context_options"]]
+    head = "".join(f"{e['context'].strip()}{d}{e['continuation']}\n\n" for e in examples)
+    stem = f"{head}{item['context'].strip()}{d}"
+    return [stem.strip(), stem + item["continuation"]]
+
+
+def common_length(seqs: list[list[int]], from_end: bool = False) -> int:
+    """Length of the prefix (or suffix) all seqs share."""
+    n = min(map(len, seqs))
+    for i in range(n):
+        at = -1 - i if from_end else i
+        if any(s[at] != seqs[0][at] for s in seqs):
+            return i
+    return n
+
+
+def spans(kind: str, seqs: list[list[int]]) -> tuple[list, list, list]:
+    """(sequences to score, start, end): tokens start..end-1 of each are the ones scored, at
+    least one each. multiple_choice: after the shared prefix. schema: the shared suffix.
+    language_modeling: the continuation, one sequence."""
+    if kind == "language_modeling":
+        without, with_ = seqs
+        return [with_], [min(common_length(seqs), len(with_) - 1)], [len(with_)]
+    ends = [len(s) for s in seqs]
+    if kind == "multiple_choice":
+        start = common_length(seqs)
+        return seqs, [min(start, e - 1) for e in ends], ends
+    suffix = max(1, common_length(seqs, from_end=True))
+    return seqs, [max(1, e - suffix) for e in ends], ends
+
+
+def crop(seqs, starts, ends, max_len: int):
+    """Sequences longer than the model's window lose their first tokens (the scored ones are at
+    the end); at least one token of context stays before the scored span."""
+    out = [], [], []
+    for s, a, b in zip(seqs, starts, ends):
+        cut = max(0, len(s) - max_len)
+        for lst, v in zip(out, (s[cut:], max(1, a - cut), b - cut)):
+            lst.append(v)
+    return out
+
+
+@torch.no_grad()
+def score_item(model, tokenizer, task: Task, idx: int, device, dtype: str) -> bool:
+    """Whether the model gets item idx of task right."""
+    item = task.items[idx]
+    prompts = render(task, item, fewshot(task.items, idx, task.shots) if task.shots else [])
+    seqs = tokenizer.encode(prompts, prepend_bos=True)
+    seqs, starts, ends = crop(*spans(task.kind, seqs), model.config.sequence_len)
+    x = torch.full((len(seqs), max(map(len, seqs))), tokenizer.bos_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        x[i, :len(s)] = torch.tensor(s)
+    x = x.to(device)
+    with autocast(device, dtype):
+        logits = model(x)
+    if task.kind == "language_modeling":
+        a, b = starts[0], ends[0]
+        return bool((logits[0, a - 1:b - 1].argmax(-1) == x[0, a:b]).all())
+    losses = [F.cross_entropy(logits[i, a - 1:b - 1].float(), x[i, a:b]).item()
+              for i, (a, b) in enumerate(zip(starts, ends))]
+    return losses.index(min(losses)) == item["gold"]
+
+
+def evaluate_task(model, tokenizer, task: Task, device, dtype: str = "auto") -> float:
+    """Accuracy over the task's items, which the ranks share (rank r takes r, r + N, ...)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    right = torch.zeros(len(task.items), dtype=torch.float32, device=device)
+    for idx in range(rank, len(task.items), world):
+        right[idx] = float(score_item(model, tokenizer, task, idx, device, dtype))
+    if distributed:
+        dist.all_reduce(right)
+    return right.sum().item() / len(task.items)
+
+
+def centered(accuracy: float, baseline: float) -> float:
+    """Accuracy rescaled so that chance (baseline, in percent) is 0 and perfect is 1."""
+    return (accuracy - 0.01 * baseline) / (1.0 - 0.01 * baseline)
+
+
+def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "auto") -> dict:
+    """{'core': mean centered accuracy, 'tasks': {label: {kind, shots, items, accuracy,
+    baseline, centered, seconds}}}, printing a line per task."""
+    out = {}
+    for task in tasks:
+        t0 = time.perf_counter()
+        acc = evaluate_task(model, tokenizer, task, device, dtype)
+        row = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
+                   baseline=task.baseline, centered=centered(acc, task.baseline),
+                   seconds=time.perf_counter() - t0)
+        out[task.label] = row
+        print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "
+               f"items: accuracy {acc:.4f}, centered {row['centered']:+.4f}, "
+               f"{row['seconds']:.1f} s")
+    core = math.fsum(r["centered"] for r in out.values()) / len(out)
+    return dict(core=core, tasks=out)
+
+
+def headline(core: float, hours: float | None, tasks: int, max_per_task: int | None) -> str:
+    """The speedrun's one line: 'time to GPT-2: CORE X at H h (GPT-2: 0.2565)' once CORE passes
+    GPT-2's, else 'not reached: CORE X after H h'; a partial measurement says so."""
+    when = "?" if hours is None else f"{hours:.2f}"
+    line = (f"time to GPT-2: CORE {core:.4f} at {when} h (GPT-2: {GPT2_CORE:.4f})"
+            if core > GPT2_CORE else f"not reached: CORE {core:.4f} after {when} h")
+    partial = ([f"{tasks} of {CORE_TASKS} tasks"] if tasks != CORE_TASKS else []) + (
+        [f"at most {max_per_task} items per task"] if max_per_task else [])
+    return line + (f" ({', '.join(partial)}: not comparable with the leaderboard)"
+                   if partial else "")

@@ -1,0 +1,370 @@
+"""
+The CORE metric (nanomuon/core_eval.py) on a bundle the tests write in nanochat's layout (core.yaml,
+eval_meta_data.csv, eval_data/*.jsonl in llm-foundry's item formats), scored by a stub model whose
+answers are known by construction: a character-level tokenizer and a bigram model that predicts one
+next character per character. Expected accuracies and centered scores are worked out by hand below,
+not by the code under test. Also: the prompt layouts, the zip member and path checks, the base dir's
+recorded sha256, the offline error, and base_eval's report, summary.json and skip note.
+"""
+
+import csv
+import io
+import json
+import os
+import urllib.error
+import zipfile
+from fractions import Fraction
+
+import pytest
+import torch
+from test_train import TINY
+
+import nanomuon.core_eval as core_eval
+from nanomuon.core_eval import (
+    Bundle,
+    Task,
+    evaluate_core,
+    fewshot,
+    find_bundle,
+    headline,
+    load_tasks,
+    render,
+)
+
+# The stub model predicts, after character c, NEXT.get(c, c) (repeat by default), with logit 10.
+NEXT = {" ": "k", ":": " ", "z": " "}
+
+# multiple_choice, delimiter "\nAnswer: ": after " " comes "k", then "k" repeats, so a choice of
+# only k's has the lowest loss; any other first letter or change costs. 3 of 4 right.
+MC = [dict(query="Which is best?", choices=["kkkk", "abcd"], gold=0),
+      dict(query="Pick one.", choices=["xyzw", "kkkk", "kkab"], gold=1),
+      dict(query="Again?", choices=["abab", "cdcd", "kkkk", "efef"], gold=2),
+      dict(query="Wrong on purpose.", choices=["kkkk", "abcd"], gold=1)]
+# schema, delimiter " ": the scored tokens are " " + continuation; " " is cheap only after "z",
+# so the context ending in z wins. 2 of 3 right.
+SCHEMA = [dict(context_options=["It was z", "It was y"], continuation="done.", gold=0),
+          dict(context_options=["So y", "So z"], continuation="fine.", gold=1),
+          dict(context_options=["Then z", "Then y"], continuation="ok.", gold=1)]
+# language_modeling, delimiter "\nAnswer: ": ':' -> ' ' -> 'k' -> 'k'..., so greedy decoding
+# reproduces "kkk" only. 1 of 3 right.
+LM = [dict(context="Say it ", continuation="kkk"),
+      dict(context="Say it again", continuation="kkj"),
+      dict(context=" Or not", continuation="jjj")]
+BASELINES = {"mc_task": 25, "schema_task": 50, "lm_task": 0}
+ACCURACY = {"mc_task": Fraction(3, 4), "schema_task": Fraction(2, 3), "lm_task": Fraction(1, 3)}
+# (acc - b) / (1 - b), b = baseline / 100, by hand: (3/4 - 1/4) / (3/4) = 2/3,
+# (2/3 - 1/2) / (1/2) = 1/3, (1/3 - 0) / 1 = 1/3; CORE = (2/3 + 1/3 + 1/3) / 3 = 4/9
+CENTERED = {"mc_task": Fraction(2, 3), "schema_task": Fraction(1, 3), "lm_task": Fraction(1, 3)}
+CORE = Fraction(4, 9)
+
+CORE_YAML = """\
+icl_tasks:
+-
+  label: mc_task
+  dataset_uri: world_knowledge/mc.jsonl
+  num_fewshot: [2]
+  icl_task_type: multiple_choice
+  continuation_delimiter: "\\nAnswer: "
+-
+  label: schema_task
+  dataset_uri: language_understanding/schema.jsonl
+  num_fewshot: [0]
+  icl_task_type: schema
+-
+  label: lm_task
+  dataset_uri: world_knowledge/lm.jsonl
+  num_fewshot: [1]
+  icl_task_type: language_modeling
+  continuation_delimiter: "\\nAnswer: "
+  has_categories: true
+"""
+
+
+def bundle_files() -> dict:
+    """{relative name: bytes} of the fixture bundle, as nanochat's eval_bundle/ holds them."""
+    meta = io.StringIO()
+    w = csv.writer(meta)
+    w.writerow(["Eval Task", "Task Category", "Task Type", "#shots", "#datapoints",
+                "Random baseline", "Centered Metric?", "Description"])
+    for label, b in BASELINES.items():
+        w.writerow([label, "test", "test", 0, 3, b, "", "a task, for the tests"])
+    lines = lambda items: "".join(json.dumps(i) + "\n" for i in items).encode()
+    return {"core.yaml": CORE_YAML.encode(), "eval_meta_data.csv": meta.getvalue().encode(),
+            "eval_data/world_knowledge/mc.jsonl": lines(MC),
+            "eval_data/language_understanding/schema.jsonl": lines(SCHEMA),
+            "eval_data/world_knowledge/lm.jsonl": lines(LM)}
+
+
+def write_folder(d, files=None):
+    for name, data in (files or bundle_files()).items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    return d
+
+
+def write_zip(path, files=None, prefix="eval_bundle/"):
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in (files or bundle_files()).items():
+            z.writestr(prefix + name, data)
+    return path
+
+
+class CharTokenizer:
+    bos_id = 0
+
+    def encode(self, texts, prepend_bos=False):
+        assert all(0 < ord(c) < 128 for t in texts for c in t)
+        return [[0] * prepend_bos + [ord(c) for c in t] for t in texts]
+
+
+class BigramStub(torch.nn.Module):
+    def __init__(self, sequence_len=4096):
+        super().__init__()
+        self.config = type("Config", (), {"sequence_len": sequence_len})()
+        table = torch.arange(128)
+        for a, b in NEXT.items():
+            table[ord(a)] = ord(b)
+        self.register_buffer("table", table)
+
+    def forward(self, x):
+        assert x.size(1) <= self.config.sequence_len
+        return 10.0 * torch.nn.functional.one_hot(self.table[x], 128).float()
+
+
+def run_core(bundle_path, sequence_len=4096, max_per_task=None):
+    tasks = load_tasks(Bundle(bundle_path), max_per_task)
+    return evaluate_core(BigramStub(sequence_len), CharTokenizer(), tasks, torch.device("cpu"))
+
+
+def check_scores(result):
+    assert list(result["tasks"]) == ["mc_task", "schema_task", "lm_task"]
+    for label, row in result["tasks"].items():
+        assert row["accuracy"] == pytest.approx(float(ACCURACY[label]), abs=1e-9), label
+        assert row["centered"] == pytest.approx(float(CENTERED[label]), abs=1e-9), label
+        assert row["baseline"] == BASELINES[label]
+    assert result["core"] == pytest.approx(float(CORE), abs=1e-9)
+
+
+# -- the metric ------------------------------------------------------------------------------------
+def test_each_kind_and_the_centering_against_hand_worked_values(tmp_path):
+    check_scores(run_core(write_folder(tmp_path)))
+    check_scores(run_core(write_zip(tmp_path / "b.zip")))
+    check_scores(run_core(write_zip(tmp_path / "flat.zip", prefix="")))
+
+
+def test_prompts_cut_to_the_window_keep_their_scores(tmp_path):
+    """Few-shot prompts longer than the model's window lose their start, not the scored end."""
+    result = run_core(write_folder(tmp_path), sequence_len=12)
+    check_scores(result)
+
+
+def test_max_per_task_takes_the_first_items_after_the_seeded_shuffle(tmp_path):
+    tasks = load_tasks(Bundle(write_folder(tmp_path)), max_per_task=2)
+    assert [len(t.items) for t in tasks] == [2, 2, 2]
+    full = load_tasks(Bundle(tmp_path))
+    assert [t.items[:2] for t in full] == [t.items for t in tasks]
+    assert sorted(map(json.dumps, full[0].items)) == sorted(map(json.dumps, MC))
+
+
+def test_prompt_layouts():
+    """llm-foundry's layout as nanochat renders it: example, delimiter, answer, blank line."""
+    mc = Task("m", "multiple_choice", 1, "\nAnswer: ", 25, MC, "x")
+    assert render(mc, MC[0], [MC[1]]) == ["Pick one.\nAnswer: kkkk\n\nWhich is best?\nAnswer: kkkk",
+                                          "Pick one.\nAnswer: kkkk\n\nWhich is best?\nAnswer: abcd"]
+    schema = Task("s", "schema", 1, " ", 50, SCHEMA, "x")
+    assert render(schema, SCHEMA[0], [SCHEMA[1]]) == ["So z fine.\n\nIt was z done.",
+                                                      "So z fine.\n\nIt was y done."]
+    lm = Task("l", "language_modeling", 1, "\nAnswer: ", 0, LM, "x")
+    assert render(lm, LM[2], [LM[0]]) == ["Say it\nAnswer: kkk\n\nOr not\nAnswer:",
+                                          "Say it\nAnswer: kkk\n\nOr not\nAnswer: jjj"]
+
+
+def test_fewshot_picks_other_items_deterministically():
+    items = list(range(20))
+    for idx in range(20):
+        picks = fewshot(items, idx, 10)
+        assert len(picks) == 10 == len(set(picks)) and idx not in picks
+        assert picks == fewshot(items, idx, 10)
+    assert sorted(fewshot(items[:3], 0, 10)) == [1, 2]  # fewer items than shots: all the others
+
+
+def test_headline():
+    assert headline(0.2601, 1.6549, 22, None) == ("time to GPT-2: CORE 0.2601 at 1.65 h "
+                                                  "(GPT-2: 0.2565)")
+    assert headline(0.25, 2.0, 22, None) == "not reached: CORE 0.2500 after 2.00 h"
+    assert headline(0.01, None, 19, 50) == ("not reached: CORE 0.0100 after ? h (19 of 22 tasks, "
+                                            "at most 50 items per task: not comparable with the "
+                                            "leaderboard)")
+
+
+# -- untrusted bundles -----------------------------------------------------------------------------
+@pytest.mark.parametrize("member", ["../x", "eval_bundle/../../x", "/etc/x", "a\\..\\x", "C:x"])
+def test_a_zip_member_leaving_the_bundle_refuses_the_zip(tmp_path, member):
+    path = write_zip(tmp_path / "b.zip")
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr(member, b"x")
+    with pytest.raises(ValueError, match="holds a member .*refusing the whole zip"):
+        Bundle(path)
+
+
+def test_a_dataset_path_leaving_the_bundle_is_refused(tmp_path):
+    files = bundle_files()
+    files["core.yaml"] = CORE_YAML.replace("world_knowledge/mc.jsonl", "../../secret").encode()
+    for path in (write_folder(tmp_path / "d", files), write_zip(tmp_path / "b.zip", files)):
+        with pytest.raises(ValueError, match="'../../secret' climbs out with '..'"):
+            load_tasks(Bundle(path))
+    # a link inside a folder bundle that leads outside it
+    (tmp_path / "secret.jsonl").write_text(json.dumps(MC[0]) + "\n")
+    folder = write_folder(tmp_path / "e")
+    (folder / "eval_data/world_knowledge/mc.jsonl").unlink()
+    os.symlink(tmp_path / "secret.jsonl", folder / "eval_data/world_knowledge/mc.jsonl")
+    with pytest.raises(ValueError, match="leads outside the folder"):
+        load_tasks(Bundle(folder))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: f.update({"eval_data/world_knowledge/mc.jsonl": b'{"query": "q", "choices": '
+                         b'["a"], "gold": 0}\n'}),
+     "mc.jsonl line 1: 'choices' is not a list of at least 2"),
+    (lambda f: f.update({"eval_data/world_knowledge/lm.jsonl": b"not json\n"}),
+     "line 1 is not JSON"),
+    (lambda f: f.update({"eval_data/language_understanding/schema.jsonl": b'{"context_options": '
+                         b'["a", "b"], "continuation": "c", "gold": 2}\n'}), "'gold' is 2, not an"),
+    (lambda f: f.pop("eval_data/world_knowledge/lm.jsonl"), "lm.jsonl is missing"),
+    (lambda f: f.update({"core.yaml": CORE_YAML.replace("schema\n", "generation\n").encode()}),
+     "task 'schema_task': type 'generation' is not one of"),
+    (lambda f: f.update({"eval_meta_data.csv": b"Eval Task,Random baseline\nmc_task,25\n"}),
+     "no random baseline for task schema_task"),
+    (lambda f: f.update({"core.yaml": b"icl_tasks: {not: a list}\n"}), "has no list of icl_tasks"),
+])
+def test_bad_bundle_files_are_named_in_one_line(tmp_path, edit, message):
+    files = bundle_files()
+    edit(files)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_tasks(Bundle(write_zip(tmp_path / "b.zip", files)))
+
+
+# -- the base dir's bundle -------------------------------------------------------------------------
+@pytest.fixture
+def base_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path / "base"))
+    return tmp_path / "base"
+
+
+def test_a_placed_zip_is_recorded_then_checked(base_dir):
+    assert find_bundle(None, fetch=False) is None
+    zip_path = write_zip(base_dir / "eval_bundle.zip")
+    bundle = find_bundle(None, fetch=False)
+    record = json.loads((base_dir / "eval_bundle.json").read_text())
+    assert record["size"] == zip_path.stat().st_size and len(record["sha256"]) == 64
+    assert bundle.digest() == record["sha256"]
+    check_scores(evaluate_core(BigramStub(), CharTokenizer(), load_tasks(bundle),
+                               torch.device("cpu")))
+    with zipfile.ZipFile(zip_path, "a") as z:
+        z.writestr("eval_bundle/extra.txt", b"changed")
+    with pytest.raises(ValueError, match="is not the file recorded in eval_bundle.json"):
+        find_bundle(None, fetch=False)
+
+
+def test_an_unzipped_bundle_in_the_base_dir_is_found(base_dir):
+    write_folder(base_dir / "eval_bundle")
+    assert find_bundle(None, fetch=False).zip is None
+
+
+def test_download_records_the_zip_and_offline_says_what_to_do(base_dir, tmp_path, monkeypatch):
+    payload = write_zip(tmp_path / "served.zip").read_bytes()
+
+    class Opener:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def open(self, url, timeout):
+            assert url == core_eval.BUNDLE_URL
+            if self.fail:
+                raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+            return io.BytesIO(payload)
+
+    monkeypatch.setattr(core_eval.urllib.request, "build_opener", lambda *h: Opener(True))
+    with pytest.raises(ValueError) as e:
+        find_bundle(None, fetch=True)
+    line = str(e.value)
+    assert "\n" not in line and "cannot download the CORE bundle" in line
+    assert f"place it at {base_dir / 'eval_bundle.zip'}, or pass --core-bundle PATH" in line
+    assert not list(base_dir.glob("eval_bundle*"))
+    monkeypatch.setattr(core_eval.urllib.request, "build_opener", lambda *h: Opener(False))
+    bundle = find_bundle(None, fetch=True)
+    assert (base_dir / "eval_bundle.zip").read_bytes() == payload
+    assert json.loads((base_dir / "eval_bundle.json").read_text())["size"] == len(payload)
+    assert bundle.prefix == "eval_bundle/"
+
+
+def test_redirects_to_plain_http_are_refused():
+    handler = core_eval._HttpsOnly()
+    with pytest.raises(urllib.error.URLError, match="not https"):
+        handler.redirect_request(None, None, 302, "Found", {}, "http://example.com/eval_bundle.zip")
+
+
+# -- base_eval -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(base):
+    """A finished 1-step run."""
+    from scripts.base_train import main
+
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "1", "--eval-every", "-1",
+          "--run", "c"])
+    return base / "runs" / "c"
+
+
+def base_eval(*argv):
+    from scripts.base_eval import main
+
+    return main(["--run", "c", "--device-type", "cpu", "--device-batch-size", "4",
+                 "--sample-tokens", "0", *argv])
+
+
+def test_base_eval_core_report_and_summary(run, tmp_path, capsys):
+    bundle = write_zip(tmp_path / "b.zip")
+    assert base_eval("--eval", "core", "--core-bundle", str(bundle)) is None
+    out = capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    core = summary["core"]
+    assert set(summary["core_tasks"]) == set(BASELINES) and summary["core_step"] == 1
+    rows = summary["core_tasks"].values()
+    assert core == pytest.approx(sum(r["centered"] for r in rows) / 3)
+    for r in rows:
+        b = r["baseline"] / 100
+        assert r["centered"] == pytest.approx((r["accuracy"] - b) / (1 - b))
+    section = (run / "report.md").read_text().split("## base_eval, step 1")[-1]
+    first = section.strip().splitlines()[0]
+    assert first == summary["core_headline"] and first.startswith("not reached: CORE")
+    assert "(3 of 22 tasks: not comparable with the leaderboard)" in first
+    assert all(f"| {label} |" in section for label in BASELINES)
+    assert "val bpb" not in section and first in out
+
+
+def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):
+    bpb = base_eval("--eval-tokens", "512")
+    out = capsys.readouterr().out
+    assert bpb > 0 and "CORE skipped: no eval bundle in" in out and "`--eval core` downloads" in out
+    assert "CORE skipped" in (run / "report.md").read_text().split("## base_eval")[-1]
+
+
+def test_base_eval_asked_for_core_offline_stops_in_one_line(run, monkeypatch, capsys):
+    def offline(*a, **k):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(core_eval.urllib.request.OpenerDirector, "open", offline)
+    with pytest.raises(SystemExit) as e:
+        base_eval("--eval", "core,bpb")
+    assert str(e.value).startswith("error: cannot download the CORE bundle (URLError: ")
+    assert "place it at" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--eval", "core,loss"], "'loss' is not one of core"),
+    (["--eval", ","], "name at least one of"),
+    (["--max-per-task", "0"], "--max-per-task must be >= 1")])
+def test_base_eval_flags(flag, message, capsys):
+    with pytest.raises(SystemExit):
+        base_eval(*flag)
+    assert message in capsys.readouterr().err
