@@ -1,19 +1,20 @@
 """
 Pretraining text on disk: where it lives, how to get it, and how to read it back.
 
-Two named datasets, both directories of parquet shards with one string column `text` (a document per
-row), sorted by name; the last shard is the val split, all the others are train:
-- fineweb-edu: Karpathy's pre-shuffled FineWeb-Edu shards from the Hugging Face hub. download()
-  fetches them in parallel through huggingface_hub (its resume, 429 retries, HF_ENDPOINT, HF_TOKEN,
-  progress bars), all from one pinned revision, retries whatever else fails with backoff and checks
-  each file is parquet, so an interrupted run just resumes. Nothing here touches the network unless
-  a download is asked for.
+Three named datasets, all directories of parquet shards with one string column `text` (a document
+per row), sorted by name; the last shard is the val split, all the others are train:
+- fineweb-edu and climbmix: Karpathy's pre-shuffled FineWeb-Edu and NVIDIA ClimbMix shards from
+  the Hugging Face hub (HUB_DATASETS; ClimbMix is what nanochat trains on since March 2026, decoded
+  to text from its GPT-2 tokens). download() fetches them in parallel through huggingface_hub (its
+  resume, 429 retries, HF_ENDPOINT, HF_TOKEN, progress bars), all from one revision pinned at the
+  first download, retries whatever else fails with backoff and checks each file is parquet, so an
+  interrupted run just resumes. Nothing here touches the network unless a download is asked for.
 - embedded: built locally from the Python standard library's own .py sources (about 30 MB of text),
   so training and tests work with no network at all. ensure_embedded() builds it on first use.
 Custom sources (sources.py) live in source/<name>-<hash>, their train and val shards listed
 by a manifest.
 CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard),
-or `--embedded`.
+`python -m nanomuon.dataset -n 8 --dataset climbmix`, or `--embedded`.
 """
 
 import argparse
@@ -36,13 +37,17 @@ import pyarrow.parquet as pq
 
 from nanomuon.common import get_base_dir, one_line, write_atomic
 
-DATASETS = ("fineweb-edu", "embedded")
+DATASETS = ("fineweb-edu", "climbmix", "embedded")
 SPLITS = ("train", "val")
-HF_REPO = "karpathy/fineweb-edu-100b-shuffle"  # a dataset repo on the Hugging Face hub
-MAX_SHARD = 1822  # the last shard on the hub; held out as the val shard
+# name: (dataset repo on the Hugging Face hub, its last shard, held out as the val shard)
+HUB_DATASETS = {"fineweb-edu": ("karpathy/fineweb-edu-100b-shuffle", 1822),
+                "climbmix": ("karpathy/climbmix-400b-shuffle", 6542)}
+HF_REPO, MAX_SHARD = HUB_DATASETS["fineweb-edu"]
 REVISION_FILE = "revision.txt"  # in the download folder: the commit its shards come from
 FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, or train on the "
                       "embedded corpus with --dataset embedded",
+       "climbmix": "run `python -m nanomuon.dataset -n 8 --dataset climbmix` to download them, or "
+                   "train on the embedded corpus with --dataset embedded",
        "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
        "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
 # written last by build_embedded and sources.prepare: its presence marks a finished build
@@ -264,22 +269,23 @@ def ensure_embedded() -> Path:
     return d
 
 
-# -- FineWeb-Edu download --------------------------------------------------------------------------
+# -- hub downloads (FineWeb-Edu, ClimbMix) ---------------------------------------------------------
 def _hub():
     try:
         # its constants (HF_ENDPOINT, HF_HUB_OFFLINE) are read from the environment at import
         import huggingface_hub
         import huggingface_hub.constants
     except ImportError:
-        raise ValueError("downloading FineWeb-Edu needs huggingface_hub: "
+        raise ValueError("downloading a hub dataset needs huggingface_hub: "
                          "pip install huggingface_hub") from None
     return huggingface_hub
 
 
-def check_endpoint(allow_http: bool = False) -> str:
+def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu") -> str:
     """The hub endpoint (HF_ENDPOINT), refused if it is not a plain https://host[:port][/path] URL,
     or if it is plain http to another machine, unless allow_http: anyone on the path could swap the
-    files. Loopback is fine (a local mirror, the tests' fake hub)."""
+    files. Loopback is fine (a local mirror, the tests' fake hub). dataset: whose fix an offline
+    hub names."""
     import ipaddress
     import urllib.parse
 
@@ -309,7 +315,7 @@ def check_endpoint(allow_http: bool = False) -> str:
                          "you trust")
     if hub.constants.HF_HUB_OFFLINE:
         raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train "
-                         f"offline with --dataset embedded ({FIX['fineweb-edu']})")
+                         f"offline with --dataset embedded ({FIX[dataset]})")
     return endpoint
 
 
@@ -327,18 +333,18 @@ def hub_problem(e: Exception) -> tuple[int | None, str]:
                                                  "offline with --dataset embedded")
 
 
-def pin_revision(out_dir: Path, revision: str | None) -> str:
-    """The commit every shard in out_dir comes from: the one recorded by its first download,
-    else `revision` (default main) resolved to a commit and recorded, so shards fetched
+def pin_revision(out_dir: Path, revision: str | None, repo: str = HF_REPO) -> str:
+    """The commit of `repo` every shard in out_dir comes from: the one recorded by its first
+    download, else `revision` (default main) resolved to a commit and recorded, so shards fetched
     months apart still match."""
     pin = out_dir / REVISION_FILE
     pinned = pin.read_text().strip() if pin.exists() else None
     if pinned and revision in (None, pinned):
         return pinned
     try:
-        sha = _hub().HfApi().dataset_info(HF_REPO, revision=revision).sha
+        sha = _hub().HfApi().dataset_info(repo, revision=revision).sha
     except Exception as e:  # the hub's errors and network errors alike: one line, with what to do
-        raise ValueError(f"cannot reach {HF_REPO} on {_hub().constants.ENDPOINT}: "
+        raise ValueError(f"cannot reach {repo} on {_hub().constants.ENDPOINT}: "
                          f"{hub_problem(e)[1]}") from None
     if pinned and sha != pinned and any(out_dir.glob("*.parquet")):
         raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} "
@@ -348,11 +354,12 @@ def pin_revision(out_dir: Path, revision: str | None) -> str:
 
 
 def _download_shard(index: int, out_dir: Path, revision: str, retries: int, backoff: float,
-                    stop: threading.Event) -> tuple[Path, bool]:
+                    stop: threading.Event, dataset: str = "fineweb-edu") -> tuple[Path, bool]:
     """Download one shard into out_dir with hf_hub_download (which resumes cut transfers and
     retries 429s), retried on whatever else fails and checked to be parquet; returns (path, False
     if it was already there)."""
     name = shard_name(index)
+    repo, max_shard = HUB_DATASETS[dataset]
     final = out_dir / name
     if final.exists():
         return final, False
@@ -363,7 +370,7 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
         if stop.is_set():
             raise RuntimeError(f"{name}: stopped; re-run the same command to resume")
         try:
-            path = Path(_hub().hf_hub_download(HF_REPO, name, repo_type="dataset",
+            path = Path(_hub().hf_hub_download(repo, name, repo_type="dataset",
                                                revision=revision, local_dir=out_dir,
                                                force_download=corrupt))
         except Exception as e:
@@ -371,7 +378,7 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
             status, last = hub_problem(e)
             if status is not None and 400 <= status < 500 and status not in RETRY_HTTP:
                 raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: "
-                                   f"{last} (shards are 0..{MAX_SHARD})") from None
+                                   f"{last} (shards are 0..{max_shard})") from None
             continue
         problem = read_shard(path, decode=True)[1]
         if problem is None:
@@ -385,28 +392,32 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
 
 def download(num_shards: int, out_dir: Path | None = None, revision: str | None = None,
              workers: int = 4, retries: int = 5, backoff: float = 2.0,
-             allow_http: bool = False) -> list[Path]:
-    """Download FineWeb-Edu train shards 0..num_shards-1 plus shard MAX_SHARD as the val shard (it
-    sorts last, so list_shards calls it val), all from one pinned revision, through huggingface_hub
-    (HF_ENDPOINT, HF_TOKEN and progress bars as usual). Shards already present are skipped; returns
-    all their paths, sorted."""
-    if not 1 <= num_shards <= MAX_SHARD:
-        raise ValueError(f"num_shards must be in 1..{MAX_SHARD}, got {num_shards}")
+             allow_http: bool = False, dataset: str = "fineweb-edu") -> list[Path]:
+    """Download a hub dataset's (HUB_DATASETS) train shards 0..num_shards-1 plus its last shard as
+    the val shard (it sorts last, so list_shards calls it val), all from one pinned revision,
+    through huggingface_hub (HF_ENDPOINT, HF_TOKEN and progress bars as usual). Shards already
+    present are skipped; returns all their paths, sorted."""
+    if dataset not in HUB_DATASETS:
+        raise ValueError(f"unknown hub dataset {dataset!r}: choose one of "
+                         f"{', '.join(HUB_DATASETS)}")
+    repo, max_shard = HUB_DATASETS[dataset]
+    if not 1 <= num_shards <= max_shard:
+        raise ValueError(f"num_shards must be in 1..{max_shard}, got {num_shards}")
     if workers < 1 or retries < 0:
         raise ValueError(f"need workers >= 1 and retries >= 0, got workers={workers}, "
                          f"retries={retries}")
-    endpoint = check_endpoint(allow_http)
-    out_dir = Path(out_dir) if out_dir is not None else data_dir("fineweb-edu")
+    endpoint = check_endpoint(allow_http, dataset)
+    out_dir = Path(out_dir) if out_dir is not None else data_dir(dataset)
     out_dir.mkdir(parents=True, exist_ok=True)
-    revision = pin_revision(out_dir, revision)
-    indices = [*range(num_shards), MAX_SHARD]
+    revision = pin_revision(out_dir, revision, repo)
+    indices = [*range(num_shards), max_shard]
     t0, new_bytes, errors, paths = time.time(), 0, [], []
-    print(f"fineweb-edu: {num_shards} train shards + 1 val shard ({MAX_SHARD}) of "
-          f"{HF_REPO}@{revision[:12]} from {endpoint} into {out_dir}, {workers} workers")
+    print(f"{dataset}: {num_shards} train shards + 1 val shard ({max_shard}) of "
+          f"{repo}@{revision[:12]} from {endpoint} into {out_dir}, {workers} workers")
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_download_shard, i, out_dir, revision, retries, backoff, stop)
-                   for i in indices]
+        futures = [pool.submit(_download_shard, i, out_dir, revision, retries, backoff, stop,
+                               dataset) for i in indices]
         try:
             for done, fut in enumerate(as_completed(futures), start=1):
                 try:
@@ -440,10 +451,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m nanomuon.dataset",
                                 description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("-n", "--num-shards", type=int, help="download FineWeb-Edu train shards "
-                      f"0..N-1 (1..{MAX_SHARD}, ~100 MB each) plus the val shard")
+    what.add_argument("-n", "--num-shards", type=int, help="download train shards 0..N-1 of "
+                      f"--dataset (~100 MB each; up to {MAX_SHARD} for fineweb-edu, "
+                      f"{HUB_DATASETS['climbmix'][1]} for climbmix) plus its val shard")
     what.add_argument("--embedded", action="store_true",
                       help="build the embedded corpus from the Python stdlib")
+    p.add_argument("--dataset", choices=list(HUB_DATASETS), default="fineweb-edu",
+                   help="with -n: the hub dataset to download")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads")
     p.add_argument("--retries", type=int, default=5, help="retries per shard on network errors")
     p.add_argument("--backoff", type=float, default=2.0,
@@ -468,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         try:
             download(args.num_shards, args.out_dir, args.revision, args.workers, args.retries,
-                     args.backoff, allow_http=args.allow_http)
+                     args.backoff, allow_http=args.allow_http, dataset=args.dataset)
         except (RuntimeError, ValueError) as e:
             sys.exit(f"error: {e}")
 

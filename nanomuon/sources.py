@@ -59,8 +59,8 @@ HUB = re.compile(r"hf:([\w.-]+/[\w.-]+)(?::([^@]+))?(?:@(.+))?")
 BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
         (codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"),
         (codecs.BOM_UTF16_BE, "utf-16"))
-SPEC_HELP = ("fineweb-edu, embedded, a local file, directory or glob of .parquet, .jsonl, .json, "
-             ".txt or .csv files, or hf:owner/name[:config][@revision]")
+SPEC_HELP = ("fineweb-edu, climbmix, embedded, a local file, directory or glob of .parquet, .jsonl, "
+             ".json, .txt or .csv files, or hf:owner/name[:config][@revision]")
 # bytes no text file holds (but \t \n \v \f \r); Latin-1 also decodes C1 controls from 0x80-0x9f
 CONTROL = bytes([*range(9), *range(14, 32), 127])
 BINARY_SHARE = 0.1  # of control bytes: over it a file is binary, not text

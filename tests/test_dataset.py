@@ -21,6 +21,7 @@ from nanomuon.common import get_base_dir
 from nanomuon.dataset import (
     DATASETS,
     HF_REPO,
+    HUB_DATASETS,
     MAX_SHARD,
     build_embedded,
     data_dir,
@@ -63,8 +64,9 @@ def test_base_dir_and_data_dir(base_dir):
     assert not base_dir.exists()
     assert get_base_dir() == base_dir and base_dir.is_dir()
     assert data_dir("fineweb-edu") == base_dir / "data" / "fineweb-edu"
-    assert DATASETS == ("fineweb-edu", "embedded")
-    with pytest.raises(ValueError, match="unknown dataset 'owt'.*fineweb-edu, embedded"):
+    assert DATASETS == ("fineweb-edu", "climbmix", "embedded")
+    assert data_dir("climbmix") == base_dir / "data" / "climbmix"
+    with pytest.raises(ValueError, match="unknown dataset 'owt'.*fineweb-edu, climbmix, embedded"):
         data_dir("owt")
 
 
@@ -281,3 +283,33 @@ def test_no_network_unless_a_download_is_asked_for(hub, tmp_path):
                             tmp_path)), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and int(r.stdout) > 0, r.stderr
     assert hub.log == []
+
+
+def test_climbmix_downloads_like_fineweb_edu_from_its_own_repo(fake_hub, tmp_path):
+    """nanochat's current data: karpathy/climbmix-400b-shuffle, shards 0..6542, the last one val,
+    through the same pinned, resumable, parallel path as fineweb-edu."""
+    repo, last = HUB_DATASETS["climbmix"]
+    assert (repo, last) == ("karpathy/climbmix-400b-shuffle", 6542)
+    fake_hub.files[repo] = {shard_name(i): parquet_bytes([f"climbmix {i} doc {j}" for j in range(50)])
+                            for i in (0, 1, last)}
+    out = tmp_path / "cm"
+    r = fetch(fake_hub, out, 2, "--dataset", "climbmix")
+    assert r.returncode == 0, r.stderr
+    assert sorted(out.glob("*.parquet")) == [out / shard_name(i) for i in (0, 1, last)]
+    assert all(p.read_bytes() == fake_hub.files[repo][p.name] for p in out.glob("*.parquet"))
+    assert (out / "revision.txt").read_text().strip() == fake_hub.sha
+    assert f"climbmix: 2 train shards + 1 val shard ({last}) of {repo}@" in r.stdout
+    assert all(repo in path for _, path, _ in fake_hub.log), fake_hub.log
+    r = fetch(fake_hub, tmp_path / "cm2", 3, "--dataset", "climbmix")  # shard 2 is not there
+    assert r.returncode != 0 and f"(shards are 0..{last})" in r.stderr
+    r = fetch(fake_hub, tmp_path / "off", 1, "--dataset", "climbmix", env={"HF_HUB_OFFLINE": "1"})
+    assert "`python -m nanomuon.dataset -n 8 --dataset climbmix`" in r.stderr
+    with pytest.raises(ValueError, match=f"num_shards must be in 1..{last}"):
+        download(last + 1, tmp_path, dataset="climbmix")
+    with pytest.raises(ValueError, match="unknown hub dataset 'embedded'"):
+        download(1, tmp_path, dataset="embedded")
+
+
+def test_climbmix_missing_names_its_download(base_dir):
+    with pytest.raises(FileNotFoundError, match="python -m nanomuon.dataset -n 8 --dataset climbmix"):
+        list_shards("climbmix", "train")
