@@ -2,14 +2,19 @@
 # speedrun.sh: the whole nanomuon pipeline in one command: data, tokenizer, pretraining, evaluation,
 # samples, report.
 #
-#   bash speedrun.sh                # GPU node: d20 on FineWeb-Edu on every GPU (8xH100: a few hours)
+#   bash speedrun.sh                # GPU node: nanochat's time-to-GPT-2 recipe on every GPU: d24 on
+#                                   #           ClimbMix, 8 tokens per parameter, 1M-token batches, then
+#                                   #           CORE (docs/core.md); the report's line says when (or whether)
+#                                   #           CORE passed GPT-2's 0.2565. No fp8 here (nanochat has it).
 #                                   # no GPU:   the same pipeline in miniature on the embedded corpus,
-#                                   #           2 processes, a few minutes on 2 cores, no network needed
+#                                   #           2 processes, a few minutes on 2 cores, no network needed;
+#                                   #           CORE (100 items a task) only when an eval bundle is in place
 #
 # Knobs (environment variables): MODE=gpu|cpu (default: gpu when nvidia-smi sees a GPU), NPROC
-# (processes; default: all GPUs, or 2 on CPU), DEPTH (default 20 on GPU, 12 on one GPU, 4 on CPU), RUN (run name),
-# DATASET (default fineweb-edu on GPU, embedded on CPU; embedded on GPU is an offline smoke test; any
-# other --dataset value, e.g. a local folder or hf:owner/name, is your own data: README, "Train on your own data"),
+# (processes; default: all GPUs, or 2 on CPU), DEPTH (default 24 on GPU, 12 on one GPU, 4 on CPU), RUN (run name),
+# DATASET (default climbmix on GPU, embedded on CPU; fineweb-edu is the other hub dataset; embedded on GPU is
+# an offline smoke test; any other --dataset value, e.g. a local folder or hf:owner/name, is your own data:
+# README, "Train on your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
 # WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
 # Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
@@ -42,22 +47,23 @@ start=$(date +%s)
 if [ "$MODE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
     if [ "$NPROC" = 1 ]; then
-        # One GPU: a d12 (a d20 would take 8x the node's hours); the device batch fits the GPU's free memory
+        # One GPU: a d12 (a d24 would take 8x the node's hours); the device batch fits the GPU's free memory
         # (base_train prints its choice) and gradient accumulation keeps the total batch.
-        DEPTH="${DEPTH:-12}" BATCH=auto EVAL_BATCH=8
+        DEPTH="${DEPTH:-12}" EVAL_BATCH=8
     else
-        DEPTH="${DEPTH:-20}" BATCH=32 EVAL_BATCH=32  # nanochat's d20 batch on 80 GB GPUs
+        DEPTH="${DEPTH:-24}" EVAL_BATCH=16  # nanochat's d24 eval batch on 80 GB GPUs
     fi
     RUN="${RUN:-d$DEPTH}"
-    DATASET="${DATASET:-fineweb-edu}"
+    DATASET="${DATASET:-climbmix}"
     echo "== speedrun (gpu): d$DEPTH on $DATASET, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
-    if [ "$DATASET" = fineweb-edu ]; then
+    if [ "$DATASET" = climbmix ] || [ "$DATASET" = fineweb-edu ]; then
         # The first 8 shards (~2B characters) train the tokenizer; the val shard comes with them. The rest
-        # of the ~11B tokens a Chinchilla-sized d20 needs download while the tokenizer trains.
-        python -m nanomuon.dataset -n 8
-        python -m nanomuon.dataset -n 240 > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
+        # of the ~6B tokens d24 at 8 tokens per parameter needs (~110 shards; 170 as nanochat, for margin)
+        # download while the tokenizer trains.
+        python -m nanomuon.dataset -n 8 --dataset "$DATASET"
+        python -m nanomuon.dataset -n 170 --dataset "$DATASET" > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
         download=$!
-        python -m scripts.tok_train --keep-existing --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
+        python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
         echo "== waiting for the data download (log: $NANOMUON_BASE_DIR/download.log)"
         wait "$download"
     elif [ "$DATASET" = embedded ]; then
@@ -66,10 +72,18 @@ if [ "$MODE" = gpu ]; then
     else  # your own data: converted on first use by tok_train, reused by base_train
         python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
+    # nanochat's shape: 8 tokens per parameter (nanomuon counts every parameter), 1M-token steps; the device
+    # batch is the most rows that fit (base_train prints its choice), gradient accumulation makes up the rest
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
-        --depth "$DEPTH" --run "$RUN" --device-batch-size "$BATCH" --save-every 2000 --wandb "$WANDB" "$@"
+        --depth "$DEPTH" --run "$RUN" --device-batch-size auto --target-param-data-ratio 8 \
+        --total-batch-size 1048576 --save-every 2000 --wandb "$WANDB" "$@"
+    # On the hub datasets CORE is asked for, so its eval bundle downloads once (docs/core.md); other data
+    # (embedded: the offline smoke test) gets CORE only when a bundle is already in place
+    EVAL_CORE=""
+    if [ "$DATASET" = climbmix ] || [ "$DATASET" = fineweb-edu ]; then EVAL_CORE="--eval core,bpb,sample"; fi
+    # shellcheck disable=SC2086  # EVAL_CORE is zero or two words
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" \
-        --dataset "$DATASET" --device-batch-size "$EVAL_BATCH"
+        --dataset "$DATASET" --device-batch-size "$EVAL_BATCH" $EVAL_CORE
     python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
         --max-tokens 64
 else
@@ -86,11 +100,15 @@ else
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \
         --embedding-lr 0.3 --unembedding-lr 0.008 --matrix-lr 0.04 --sample-tokens 24 --log-every 10 \
         --wandb "$WANDB" "$@"
+    # CORE only with a bundle already in place (docs/core.md), else a one-line note: this stays offline
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-type cpu \
-        --dataset "$DATASET" --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24
+        --dataset "$DATASET" --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24 \
+        --max-per-task "${CORE_ITEMS:-100}"
     python -m scripts.sample --run "$RUN" --device-type cpu --prompt "def main(" --prompt "import" --max-tokens 32
 fi
 
 echo "== speedrun done in $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s"
 echo "== report: $NANOMUON_BASE_DIR/runs/$RUN/report.md"
+# the headline first: base_eval's time-to-GPT-2 line, when CORE ran
+grep -E '^(time to GPT-2|not reached):' "$NANOMUON_BASE_DIR/runs/$RUN/report.md" | tail -n 1 || true
 cat "$NANOMUON_BASE_DIR/runs/$RUN/report.md"
