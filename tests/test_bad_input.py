@@ -326,7 +326,7 @@ CASES = {
     "eval-column": (lambda *_: script("base_eval", "--run", "good", "--text-column", "body"),
                     "--text-column and --val-fraction go with --dataset"),
     "source-missing": (lambda *_: train("--dataset", "/no/such/dir"), "--dataset /no/such/dir: no such file or "
-                       "directory, and no glob; expected fineweb-edu, embedded, a local file"),
+                       "directory, and no glob; expected fineweb-edu, climbmix, embedded, a local file"),
     "source-hub": (lambda *_: train("--dataset", "hf:just-a-name"), "write a hub dataset as hf:owner/name"),
     "source-empty-glob": (lambda b, g, tmp, mp: train("--dataset", str(tmp / "*.jsonl")), "no .parquet, .jsonl"),
     "source-column": (lambda *_: train("--dataset", "embedded", "--text-column", "body"),

@@ -214,7 +214,7 @@ def test_base_eval_reads_no_data_a_checkpoint_picks(base, run, tmp_path, monkeyp
     assert not calls, f"base_eval prepared {calls}"
     shown = ascii(spec) if source == "control-characters" else spec
     assert (f"run {name}'s checkpoint names --dataset {shown}, which is not built in "
-            "(fineweb-edu, embedded)") in message, message
+            "(fineweb-edu, climbmix, embedded)") in message, message
     assert message.endswith(f"pass --dataset {shown} if you trust it"), message
 
 
