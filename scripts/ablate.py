@@ -2,7 +2,7 @@
 Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a
 table of means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate   # muon vs adamw, 3 seeds, about 8 minutes on a 2-core CPU
+    python -m scripts.ablate   # muon vs adamw, 5 seeds, about 10 minutes on a 2-core CPU
     python -m scripts.ablate --variants muon,muon-plus --budget 20m
     python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
 
@@ -54,10 +54,11 @@ from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
 
-# A tiny GPT (depth 4, 5M params) on the embedded corpus, speedrun.sh's CPU shape: 200 steps of
-# 4,096 tokens. muon vs adamw over 3 seeds, 2 runs at a time, take about 8 minutes on 2 CPU cores
-# (docs/benchmarks.md). The val set is the speedrun's: the first 65,536 tokens of the val split.
-DEFAULT_STEPS = 200
+# A tiny GPT (depth 4, 5M params) on the embedded corpus, in speedrun.sh's CPU shape (4,096 tokens a
+# step) for 150 steps, every lr at x0.25 (where muon and adamw both do best here: the sweep in
+# docs/benchmarks.md), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores, with an interval
+# narrow enough for a verdict. The val set is the speedrun's: the first 65,536 tokens of val.
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_LRS = 150, 5, "0.25"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
@@ -404,14 +405,15 @@ def parse_args(argv):
     p.add_argument("--baseline", default=None, help="variant the others are judged against and "
                    "race to (default: adamw if compared, else the first)")
     p.add_argument("--seeds", type=int, default=None,
-                   help="runs per variant and lr, seeds 1..N (init and data order; default 3, or "
-                   "--budget's choice)")
+                   help=f"runs per variant and lr, seeds 1..N (init and data order; default "
+                   f"{DEFAULT_SEEDS}, or --budget's choice)")
     p.add_argument("--budget", type=budget_arg, default=None,
                    help="wall time for the whole ablation (600, 90s, 10m, 1.5h): time a few steps "
                    "here, then pick --num-iterations (and --seeds, unless given) to fit, and print "
                    "the plan before starting")
-    p.add_argument("--lr-sweep", default="1", help="lr multipliers to try per variant, e.g. "
-                   "0.5,1,2; each variant is compared at its best")
+    p.add_argument("--lr-sweep", default=DEFAULT_LRS, help="lr multipliers to try per variant, "
+                   "e.g. 0.5,1,2; each variant is compared at its best (default: the best of muon "
+                   "and adamw at the default shape; sweep again when you change the shape)")
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",
@@ -473,7 +475,7 @@ def main(argv=None):
     device = check_device_type(run_flags.device_type)
     jobs = args.jobs or (max(1, cores // args.nproc) if device == "cpu" else 1)
     runs_per_seed = len(args.variants) * len(args.mults)
-    jobs = min(jobs, runs_per_seed * (args.seeds or 3))
+    jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
                  device=device_name(device), torch=torch.__version__,
@@ -486,7 +488,7 @@ def main(argv=None):
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
-    n_seeds = args.seeds or 3
+    n_seeds = args.seeds or DEFAULT_SEEDS
     if args.budget is not None:
         flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
     seeds = list(range(1, n_seeds + 1))
