@@ -438,7 +438,7 @@ def parse_args(argv):
             or not all(math.isfinite(m) and m > 0 for m in mults)):
         p.error("--lr-sweep needs a comma-separated list of distinct positive numbers, got "
                 f"{args.lr_sweep!r}")
-    if min(args.nproc, args.seeds or 1) < 1 or args.jobs < 0:
+    if args.nproc < 1 or (args.seeds is not None and args.seeds < 1) or args.jobs < 0:
         p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
                 f"and {args.jobs}")
     reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed",
