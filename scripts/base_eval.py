@@ -189,6 +189,19 @@ def append_report(report, lines) -> None:
     print0(f"appended to {report}")
 
 
+HEADLINE = "> CORE: "  # marks the report's headline line, so a later evaluation replaces it
+
+
+def put_headline(report, line: str) -> None:
+    """Make the report open with CORE's line (right under its title), replacing an earlier one:
+    the speedrun's result is the first thing a reader sees."""
+    lines = report.read_text().split("\n")
+    lines = [x for x in lines if not x.startswith(HEADLINE)]
+    at = 1 if lines and lines[0].startswith("# ") else 0
+    lines[at:at] = [HEADLINE + line]
+    write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines)))
+
+
 def record_core(summary, core: dict) -> None:
     """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
     try:
@@ -234,6 +247,7 @@ def main(argv=None):
     if rank == 0:
         append_report(run_dir / "report.md", ["", f"## base_eval, step {meta['step']}", ""] + lines)
         if core:
+            put_headline(run_dir / "report.md", core["headline"])
             record_core(run_dir / "summary.json", core)
     compute_cleanup()
     return bpb

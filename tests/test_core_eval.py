@@ -340,6 +340,11 @@ def test_base_eval_core_report_and_summary(run, tmp_path, capsys):
     assert "(3 of 22 tasks: not comparable with the leaderboard)" in first
     assert all(f"| {label} |" in section for label in BASELINES)
     assert "val bpb" not in section and first in out
+    # the report opens with the same line, under its title, and a second evaluation replaces it
+    report = (run / "report.md").read_text().splitlines()
+    assert report[0].startswith("# ") and report[1] == "> CORE: " + first
+    base_eval("--eval", "core", "--core-bundle", str(bundle))
+    assert sum(x.startswith("> CORE: ") for x in (run / "report.md").read_text().splitlines()) == 1
 
 
 def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):
