@@ -284,7 +284,7 @@ def read_baselines(bundle: Bundle) -> dict:
 
 def task_configs(bundle: Bundle) -> list[dict]:
     """core.yaml's icl_tasks, each checked: label, dataset_uri, num_fewshot, icl_task_type."""
-    import yaml  # installed with huggingface_hub; only CORE needs it
+    import yaml  # the eval bundle's core.yaml; datasets and huggingface_hub need it too
 
     where = f"CORE bundle {bundle.path}: core.yaml"
     try:
