@@ -16,8 +16,8 @@ from test_train import REPO, TINY, child_env
 
 from nanomuon.dataset import build_embedded, data_dir
 
-SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--lr-sweep", "1", "--jobs", "2", *TINY, "--total-batch-size", "256",
-         "--num-iterations", "4", "--eval-every", "2", "--log-every", "4"]
+SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--lr-sweep", "1", "--jobs", "2", *TINY,
+         "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4"]
 T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95% two-sided, by df
 
 
