@@ -510,6 +510,24 @@ def main(argv=None):
     return results
 
 
+def read_plan(path: Path) -> Plan | None:
+    """A kept plan, or None when there is none or it is not one (then it is planned again)."""
+    try:
+        saved = json.loads(path.read_text())
+        plan = Plan(**saved)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        print(f"== {path.name} is not a plan ({e}); planning again", flush=True)
+        return None
+    ints = [plan.steps, plan.seeds, plan.eval_every]
+    if not (all(type(v) is int and v >= 1 for v in ints)
+            and all(isinstance(v, (int, float)) and v > 0 for v in (plan.run_s, plan.total_s))):
+        print(f"== {path.name} holds a plan out of range ({saved}); planning again", flush=True)
+        return None
+    return plan
+
+
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
               cache: dict) -> tuple[list[str], int]:
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
@@ -519,8 +537,8 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     parts = [args.budget, args.variants, args.mults, args.seeds, flags, jobs, threads, args.nproc,
              cache["device"], cache["code"], cache["torch"]]
     path = cache["dir"] / f"plan-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]}.json"
-    if path.exists():
-        plan, cal, how = Plan(**json.loads(path.read_text())), None, f"planned before ({path.name})"
+    if (plan := read_plan(path)) is not None:
+        cal, how = None, f"planned before ({path.name})"
     else:
         cal = calibrate(flags, args.variants, jobs, threads, args.nproc, args.name)
         plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)

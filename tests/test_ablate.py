@@ -323,3 +323,18 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
     assert steps >= ablate.MIN_STEPS and sorted({s for _, _, s in results}) == list(range(1, seeds + 1))
     assert all(r["val_history"][-1][0] == steps for r in results.values())
     assert not list((base / "runs").glob("budget-calibration-*"))  # calibration runs leave nothing behind
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"steps": 5}', '{"steps": -1, "seeds": 3, "eval_every": 1, '
+                                  '"run_s": 1.0, "total_s": 1.0}', '{"steps": "5", "seeds": 3, "eval_every": 1, '
+                                  '"run_s": 1.0, "total_s": 1.0}'])
+def test_a_kept_plan_that_is_not_one_is_planned_again(tmp_path, text, capsys):
+    """The cache is a file like any other: a damaged plan is planned again, never trusted or a traceback."""
+    from scripts.ablate import Plan, read_plan
+
+    path = tmp_path / "plan-x.json"
+    assert read_plan(path) is None
+    path.write_text(text)
+    assert read_plan(path) is None and "planning again" in capsys.readouterr().out
+    path.write_text(json.dumps(Plan(200, 4, 50, 150.0, 600.0)._asdict()))
+    assert read_plan(path) == Plan(200, 4, 50, 150.0, 600.0)
