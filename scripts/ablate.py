@@ -2,7 +2,7 @@
 Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a
 table of means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate   # muon vs adamw, 4 seeds, about 12 minutes on a 2-core CPU
+    python -m scripts.ablate   # muon vs adamw, 5 seeds, about 12 minutes on a 2-core CPU
     python -m scripts.ablate --variants muon,muon-plus --budget 20m
     python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
 
@@ -55,16 +55,16 @@ from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
-# 4,096 tokens), every lr at x0.25 (where muon and adamw both do best here: the sweep in
-# docs/benchmarks.md), 4 seeds: muon vs adamw in about 12 minutes on 2 CPU cores, to within about
-# 0.6% of the bpb (docs/benchmarks.md). The val set is the speedrun's: the first 65,536 tokens of val.
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_LRS = 200, 4, "0.25"
+# 4,096 tokens), compiled (1.4x the eager steps here), every lr at x0.25 (where muon and adamw both do
+# best at this shape: the sweep in docs/benchmarks.md), 5 seeds: muon vs adamw in about 12 minutes on
+# 2 CPU cores, to within about 0.5% of the bpb. The val set is the speedrun's: the first 65,536 tokens.
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_LRS = 200, 5, "0.25"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
                  "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
                  "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0",
-                 "--log-every", "50"]
+                 "--log-every", "50", "--compile"]
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
         "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
@@ -231,6 +231,7 @@ CALIBRATION_STEPS = 12
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
+WRITE_UP_S = 5.0  # the table and the plot at the end
 
 
 class Calibration(NamedTuple):
@@ -238,7 +239,7 @@ class Calibration(NamedTuple):
     step_s: float  # one training step (the slowest calibration run's median)
     fixed_s: float  # the rest of a run: start-up, building, one eval, the save and the report
     eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
-    seconds: float  # what calibrating took
+    seconds: float  # spent before the runs: since ablate started, calibrating, the write-up to come
 
 
 class Plan(NamedTuple):
@@ -259,10 +260,10 @@ def budget_arg(s: str) -> float:
 
 
 def calibrate(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
-              name: str) -> Calibration:
+              name: str, started: float) -> Calibration:
     """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn; their
-    run dirs are removed afterwards."""
-    start, runs = time.monotonic(), [f"{name}-calibration-{j + 1}" for j in range(jobs)]
+    run dirs are removed afterwards. started: when ablate started (time.monotonic())."""
+    runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
     walls = [0.0] * jobs
 
     def one(j: int) -> None:
@@ -283,12 +284,12 @@ def calibrate(flags: list[str], variants: list[str], jobs: int, threads: int, np
     train = train_args(flags)
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
     fixed_s = max(walls) - CALIBRATION_STEPS * step_s
-    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - start)
+    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - started + WRITE_UP_S)
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
         seeds: int | None) -> Plan | None:
-    """The plan for budget_s seconds (less calibration): the most steps that fit, with `seeds`
+    """The plan for budget_s seconds (less cal.seconds): the most steps that fit, with `seeds`
     seeds, or if None 5, 4 or 3 (the most that keep DEFAULT_STEPS steps), else 3 and fewer steps;
     None if not even MIN_STEPS fit."""
     left = (budget_s - cal.seconds) * HEADROOM
@@ -464,7 +465,9 @@ def ensure_tokenizer(flags: list[str]) -> None:
 
 
 def main(argv=None):
+    started = time.monotonic()
     args, flags = parse_args(argv)
+    args.started = started
     ensure_tokenizer(flags)
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="auto")  # the last one given wins, as in base_train
@@ -540,10 +543,10 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     if (plan := read_plan(path)) is not None:
         cal, how = None, f"planned before ({path.name})"
     else:
-        cal = calibrate(flags, args.variants, jobs, threads, args.nproc, args.name)
+        cal = calibrate(flags, args.variants, jobs, threads, args.nproc, args.name, args.started)
         plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)
-        how = (f"calibrated in {cal.seconds:.0f} s: {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s "
-               "a run besides")
+        how = (f"calibrated: {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
+               f"{cal.seconds:.0f} s spent before the runs")
     if plan is None:
         raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
                          f"per run ({cal.step_s:.2f} s a step, {cal.fixed_s:.0f} s to start and "

@@ -17,7 +17,8 @@ from test_train import REPO, TINY, child_env
 from nanomuon.dataset import build_embedded, data_dir
 
 SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--lr-sweep", "1", "--jobs", "2", *TINY,
-         "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4"]
+         "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4",
+         "--no-compile"]
 T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95% two-sided, by df
 
 
@@ -41,7 +42,8 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     from scripts import ablate
 
     args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--lr-sweep", "1,0.5", "--jobs", "2", *TINY,
-            "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8"]
+            "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8",
+            "--no-compile"]
     results = ablate.main(args)
     out = base / "ablations" / "abl"
     table = (out / "ablation.md").read_text()
@@ -312,10 +314,10 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
 
     start = time.monotonic()
     results = ablate.main(["--variants", "muon,adamw", "--name", "budget", "--jobs", "2", *TINY,
-                           "--total-batch-size", "256", "--seeds", "1", "--budget", "70s"])
+                           "--total-batch-size", "256", "--seeds", "1", "--budget", "70s", "--no-compile"])
     wall = time.monotonic() - start
     out = capsys.readouterr().out
-    plan = re.search(r"== plan for --budget 1.2 min \(calibrated .*\): depth 2, (\d+) steps of 256 tokens, "
+    plan = re.search(r"== plan for --budget 1.2 min \(calibrated: .*\): depth 2, (\d+) steps of 256 tokens, "
                      r"(\d) seeds", out)
     assert plan, out
     steps, seeds = int(plan[1]), int(plan[2])
