@@ -326,8 +326,9 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
         second = None
         if group["beta2"] is not None:
-            second = state[p].setdefault("second_momentum_buffer",
-                                         _slice_second_moment(group, p, g, mode))
+            if "second_momentum_buffer" not in state[p]:  # made once, not every step
+                state[p]["second_momentum_buffer"] = _slice_second_moment(group, p, g, mode)
+            second = state[p]["second_momentum_buffer"]
         with slices:
             u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype)
         if mode == "duplicated":
