@@ -259,10 +259,11 @@ def budget_arg(s: str) -> float:
     return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
 
 
-def calibrate(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
+def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
               name: str, started: float) -> Calibration:
     """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn; their
-    run dirs are removed afterwards. started: when ablate started (time.monotonic())."""
+    run dirs are removed afterwards. train: base_train's args for flags; started: when ablate
+    started (time.monotonic())."""
     runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
     walls = [0.0] * jobs
 
@@ -281,7 +282,6 @@ def calibrate(flags: list[str], variants: list[str], jobs: int, threads: int, np
     for r in runs:
         shutil.rmtree(get_base_dir() / "runs" / r)
     step_s = max(s["median_step_ms"] for s in summaries) / 1000
-    train = train_args(flags)
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
     fixed_s = max(walls) - CALIBRATION_STEPS * step_s
     return Calibration(step_s, fixed_s, eval_s, time.monotonic() - started + WRITE_UP_S)
@@ -543,7 +543,8 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     if (plan := read_plan(path)) is not None:
         cal, how = None, f"planned before ({path.name})"
     else:
-        cal = calibrate(flags, args.variants, jobs, threads, args.nproc, args.name, args.started)
+        cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name,
+                        args.started)
         plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)
         how = (f"calibrated: {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
                f"{cal.seconds:.0f} s spent before the runs")
