@@ -15,8 +15,8 @@ that report one device and no primary context, registered before torch loads its
 fake device guard, registered after. Pinning host memory still asks the driver, so the loader's
 test stands a recorder in for Tensor.pin_memory. Each test runs its case in a fresh child process
 (this file run as a script), which loads the shim before `import torch`. torch.cuda's Python
-queries (is_available, mem_get_info, the device name) are patched to an 80 GB H100's. A CPU build of torch cannot make
-fake 'cuda' tensors with autograd at all: there the tests skip, saying so.
+queries (is_available, mem_get_info, the device name) are patched to an 80 GB H100's. A CPU
+build of torch cannot make fake 'cuda' tensors with autograd at all: there the tests skip.
 """
 
 import os
