@@ -347,19 +347,22 @@ class GPT(nn.Module):
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.sequence_len
 
     def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004,
-                        matrix_lr: float = 0.02, scalar_lr: float = 0.5, weight_decay: float = 0.2,
-                        adam_betas=(0.8, 0.95), muon_options: dict | None = None,
-                        adamw_matrix_lr: float | None = None, optimizer_class=None,
+                        matrix_lr: float = 0.02, adamw_matrix_lr: float = 0.004,
+                        scalar_lr: float = 0.5, weight_decay: float = 0.2,
+                        adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
+                        muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width)
         (nanochat's rule); Muon's lr needs no width scaling because its update is orthogonalized.
-        muon_options go into the Muon group; adamw_matrix_lr trains the matrices with AdamW instead
-        (width-scaled too); optimizer_class(groups) builds another optimizer on the same groups
-        (`compile` is for nanomuon's own). per_head orthogonalizes the attention matrices head by
-        head: blocks of head_dim rows of c_q, c_k, c_v and columns of c_proj (a transposed split).
-        nanomuon.variants names such choices."""
+        muon_options go into the Muon group; matrix_optimizer='adamw' trains the matrices with
+        AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
+        optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
+        attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
+        c_proj (a transposed split). nanomuon.variants names such choices."""
+        if matrix_optimizer not in ("muon", "adamw"):
+            raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
@@ -367,12 +370,12 @@ class GPT(nn.Module):
             to_muon, _ = classify(name, p, embedding=p is self.wte.weight)
             params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
-        if adamw_matrix_lr is None:
+        if matrix_optimizer == "muon":
             matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
                                      beta2=0.95, weight_decay=weight_decay), **(muon_options or {}))
         elif muon_options or per_head:
-            raise ValueError("muon_options or per_head and adamw_matrix_lr exclude each other: "
-                             "the matrices train with one optimizer")
+            raise ValueError("muon_options and per_head need matrix_optimizer='muon': the matrices "
+                             "train with one optimizer")
         else:
             matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
         groups = [dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),

@@ -5,7 +5,7 @@ Named optimizer variants: what `base_train --optimizer NAME` trains with and
 Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (a new
 orthogonalizer: one function registered in update_math.ORTHOGONALIZERS, and an entry naming it),
 then run `python -m scripts.ablate --variants muon,<yours>`. An entry that sets what a flag sets
-(matrix_lr, embedding_lr, unembedding_lr, weight_decay) overrides that flag, and base_train says so;
+(an lr, weight_decay) overrides that flag, and base_train says so;
 --lr-multiplier still scales it. It lives here, not in the model file, so the model knows nothing of
 baselines.
 """
@@ -14,7 +14,7 @@ from nanomuon.baselines import TorchMuonAdamW
 
 OPTIMIZER_VARIANTS = {
     "muon": {},  # the default: Muon (Polar Express, variance reduction, cautious wd) + AdamW
-    "adamw": dict(adamw_matrix_lr=0.004),  # the baseline: AdamW everywhere
+    "adamw": dict(matrix_optimizer="adamw"),  # the baseline: AdamW everywhere
     "muon-no-vr": dict(muon_options=dict(beta2=None)),  # without factored variance reduction
     "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
     "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),

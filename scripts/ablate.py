@@ -1,16 +1,18 @@
 """
-Compare optimizer variants on identical data and token budget, over seeds and lr multipliers: a
-table of means and 95% intervals, a verdict per variant against the baseline, and plots of val bpb.
+Compare optimizer variants on identical data and token budget, over seeds and the values of one
+swept base_train flag (an lr, usually): a table of means and 95% intervals, a verdict per variant
+against the baseline, and plots of val bpb.
 
     python -m scripts.ablate   # muon vs adamw, 5 seeds, about 12 minutes on a 2-core CPU
     python -m scripts.ablate --variants muon,muon-plus --budget 20m
-    python -m scripts.ablate --variants muon,adamw --lr-sweep 0.5,1,2 --seeds 5 --num-iterations 300
+    python -m scripts.ablate --variants muon,adamw --sweep lr-multiplier=0.5,1,2 --num-iterations 300
+    python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
 
-Each (variant, lr multiplier, seed) is one scripts.base_train run with --optimizer, --lr-multiplier,
+Each (variant, swept value, seed) is one scripts.base_train run with --optimizer, the swept flag,
 and --seed and --data-seed both set to the seed (init and data order). Flags this script does not
 know go to base_train after the defaults below, so they override them (GPU runs: README,
 "Comparing optimizers: ablate"). Finished runs are cached in ablations/cache/, keyed by everything
-that decides them (the variant's definition, seed, multiplier, base_train flags, processes,
+that decides them (the variant's definition, seed, swept flag and value, base_train flags, processes,
 tokenizer, the device and the precision --dtype resolves to, the contents of the train and val shards and of every
 .py file in nanomuon/ and scripts/, the torch version), so a re-run or an interrupted ablation skips
 them, and an edit of code or data reruns.
@@ -58,7 +60,7 @@ from scripts.base_train import parse_args as train_args
 # 4,096 tokens), compiled (1.4x the eager steps here), every lr at x0.25 (where muon and adamw both do
 # best at this shape: the sweep in docs/benchmarks.md), 5 seeds: muon vs adamw in about 12 minutes on
 # 2 CPU cores, to within about 0.5% of the bpb. The val set is the speedrun's: the first 65,536 tokens.
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_LRS = 200, 5, "0.25"
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=0.25"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
@@ -202,25 +204,26 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int) -> None:
                          f"lines:\n{''.join(tail)}")
 
 
-def run_one(job: tuple, flags: list[str], nproc: int, threads: int, name: str, cache: dict) -> dict:
-    """One base_train run, or its cached record. job = (variant, multiplier, seed)."""
-    variant, mult, seed = job
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), mult, seed, flags, nproc,
+def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, name: str,
+            cache: dict) -> dict:
+    """One base_train run, or its cached record. job = (variant, the swept flag's value, seed)."""
+    variant, value, seed = job
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, flags, nproc,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
     path = cache["dir"] / f"{key}.json"
-    label = f"{variant} x{mult:g} seed {seed}"
+    label = f"{variant} {swept} {value} seed {seed}"
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
         return json.loads(path.read_text())
-    run = f"{name}-{variant}-x{mult:g}-s{seed}"
-    launch(label, [*flags, "--run", run, "--optimizer", variant, "--lr-multiplier", str(mult),
+    run = f"{name}-{variant}-{swept}{value}-s{seed}"
+    launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
                    "--seed", str(seed), "--data-seed", str(seed)], nproc, threads)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
     summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
-    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, multiplier=mult,
+    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, value=value,
                   seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return record
@@ -304,29 +307,50 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
     return None
 
 
-def report(results: dict, variants: list[str], mults: list[float], seeds: list[int],
-           baseline: str) -> tuple:
-    """(markdown lines, the best multiplier per variant): the sweep, the comparison and the
-    verdicts."""
-    final = {(v, m): [results[v, m, s]["final_val_bpb"] for s in seeds]
-             for v in variants for m in mults}
-    best = {v: min(mults, key=lambda m: statistics.fmean(final[v, m])) for v in variants}
-    lines = []
-    if len(mults) > 1:
-        lines += ["Final val bpb per lr multiplier (mean ± std [95% CI]); the best per variant "
-                  "in bold:", "", "| variant | " + " | ".join(f"x{m:g}" for m in mults) + " |",
-                  "|---|" + "---:|" * len(mults)]
+class Sweep(NamedTuple):
+    """The base_train flag an ablation sweeps (without its dashes) and its values, as given."""
+    flag: str
+    values: list[str]
+
+
+def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int],
+                best: dict) -> list[str]:
+    """Markdown: final val bpb at each swept value, and each value minus the variant's best,
+    paired by seed, with its 95% interval: whether the best is better than its neighbours."""
+    heads = [f"{sweep.flag} {v}" for v in sweep.values]
+    lines = ["Final val bpb per swept value (mean ± std [95% CI]); the best per variant in bold:",
+             "", "| variant | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    for v in variants:
+        cells = [f"**{fmt(final[v, x])}**" if x == best[v] else fmt(final[v, x])
+                 for x in sweep.values]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    if len(seeds) > 1:
+        lines += ["", "Each value minus the variant's best, paired by seed (mean [95% CI]):", "",
+                  "| variant | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
         for v in variants:
-            cells = [f"**{fmt(final[v, m])}**" if m == best[v] else fmt(final[v, m]) for m in mults]
+            cells = []
+            for x in sweep.values:
+                c = paired([a - b for a, b in zip(final[v, x], final[v, best[v]])])
+                cells.append("(best)" if x == best[v] else
+                             f"{c['mean']:+.4f} [{c['lo']:+.4f}, {c['hi']:+.4f}]")
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
-        edge = [f"{v} (x{best[v]:g})" for v in variants if best[v] in (mults[0], mults[-1])]
-        lines += ["", f"At the edge of the sweep: {', '.join(edge)}; widen --lr-sweep to find "
-                  "their best." if edge
-                  else "Every best lies inside the sweep.", ""]
+    edge = [f"{v} ({best[v]})" for v in variants if best[v] in (sweep.values[0], sweep.values[-1])]
+    return lines + ["", f"At the edge of the sweep: {', '.join(edge)}; widen --sweep to find "
+                    "their best." if edge else "Every best lies inside the sweep.", ""]
+
+
+def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
+           baseline: str) -> tuple:
+    """(markdown lines, the best swept value per variant): the sweep, the comparison and the
+    verdicts."""
+    final = {(v, x): [results[v, x, s]["final_val_bpb"] for s in seeds]
+             for v in variants for x in sweep.values}
+    best = {v: min(sweep.values, key=lambda x: statistics.fmean(final[v, x])) for v in variants}
+    lines = sweep_table(final, variants, sweep, seeds, best) if len(sweep.values) > 1 else []
     base_runs = [results[baseline, best[baseline], s] for s in seeds]
     target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
-    lines += [f"| variant | lr x | final val bpb (mean ± std [95% CI]) | steps to {target:.4f} | "
-              f"train seconds to {target:.4f} | tok/s | vs {baseline} |",
+    lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
+              f"{target:.4f} | train seconds to {target:.4f} | tok/s | vs {baseline} |",
               "|---|---:|---:|---:|---:|---:|---|"]
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
@@ -337,7 +361,7 @@ def report(results: dict, variants: list[str], mults: list[float], seeds: list[i
         diffs = [r["final_val_bpb"] - b["final_val_bpb"] for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
         vs = "(baseline)" if v == baseline else verdict(diffs, target)
-        lines.append(f"| {v} | {best[v]:g} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | "
+        lines.append(f"| {v} | {best[v]} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
     return lines, best
 
@@ -363,12 +387,12 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
                 ylabel="val bpb difference (< 0: better)", series=series)
 
 
-def plot(out, results: dict, variants: list[str], mults: list[float], seeds: list[int], best: dict,
+def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int], best: dict,
          baseline: str, title: str):
     """Each variant minus the baseline, paired by seed, with its interval and the smallest effect
-    the design detects; val bpb by step and by training time at each variant's best lr (mean over
-    seeds, band: min to max); final val bpb against the lr multiplier when there is a sweep."""
-    by_step, by_time, by_lr = {}, {}, {}
+    the design detects; val bpb by step and by training time at each variant's best value (mean
+    over seeds, band: min to max); final val bpb against the swept value when there are several."""
+    by_step, by_time, by_value = {}, {}, {}
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
         n = min(len(r["val_history"]) for r in runs)
@@ -377,9 +401,9 @@ def plot(out, results: dict, variants: list[str], mults: list[float], seeds: lis
         by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
         by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
                       *band)
-        finals = [[results[v, m, s]["final_val_bpb"] for s in seeds] for m in mults]
-        by_lr[v] = (mults, [statistics.fmean(f) for f in finals], [min(f) for f in finals],
-                    [max(f) for f in finals])
+        finals = [[results[v, x, s]["final_val_bpb"] for s in seeds] for x in sweep.values]
+        by_value[v] = ([float(x) for x in sweep.values], [statistics.fmean(f) for f in finals],
+                       [min(f) for f in finals], [max(f) for f in finals])
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
     panels += [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
                    ylabel="bits per byte",
@@ -387,34 +411,50 @@ def plot(out, results: dict, variants: list[str], mults: list[float], seeds: lis
               dict(title="val bpb by training time", xlabel="training seconds (no evals)",
                    ylabel="bits per byte",
                    series=by_time)]
-    if len(mults) > 1:
-        panels.append(dict(title="final val bpb by lr multiplier", xlabel="lr multiplier",
-                           ylabel="bits per byte",
-                           series=by_lr, logx=True))
+    if len(sweep.values) > 1:
+        panels.append(dict(title=f"final val bpb by {sweep.flag}", xlabel=sweep.flag,
+                           ylabel="bits per byte", series=by_value,
+                           logx=all(float(x) > 0 for x in sweep.values)))
     return plot_curves(out / "val_bpb.png", panels, title=title)
 
 
+def sweep_arg(s: str) -> Sweep:
+    """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
+    flag, _, given = s.partition("=")
+    flag = flag.strip().removeprefix("--")
+    values = [v.strip() for v in given.split(",") if v.strip()]
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
+                                         "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
+    numbers = all(re.fullmatch(r"[-+.\deE]+", v) for v in values)
+    return Sweep(flag, sorted(values, key=float) if numbers else values)  # else: the order given
+
+
+RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
+
+
 def parse_args(argv):
-    """(args, flags for base_train): args.variants, args.baseline and args.mults checked and
-    resolved."""
+    """(args, flags for base_train): args.variants, args.baseline and args.sweep checked and
+    resolved; every run's flags parsed by base_train once here, so a bad one stops ablate now."""
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to "
                                 "base_train)",
                                 allow_abbrev=False,
                                 epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
     p.add_argument("--variants", default="muon,adamw",
-                   help="comma-separated OPTIMIZER_VARIANTS keys")
+                   help="comma-separated OPTIMIZER_VARIANTS keys (one is enough for a --sweep)")
     p.add_argument("--baseline", default=None, help="variant the others are judged against and "
                    "race to (default: adamw if compared, else the first)")
     p.add_argument("--seeds", type=int, default=None,
-                   help=f"runs per variant and lr, seeds 1..N (init and data order; default "
+                   help=f"runs per variant and value, seeds 1..N (init and data order; default "
                    f"{DEFAULT_SEEDS}, or --budget's choice)")
     p.add_argument("--budget", type=budget_arg, default=None,
                    help="wall time for the whole ablation (600, 90s, 10m, 1.5h): time a few steps "
                    "here, then pick --num-iterations (and --seeds, unless given) to fit, and print "
                    "the plan before starting")
-    p.add_argument("--lr-sweep", default=DEFAULT_LRS, help="lr multipliers to try per variant, "
-                   "e.g. 0.5,1,2; each variant is compared at its best (default: the best of muon "
-                   "and adamw at the default shape; sweep again when you change the shape)")
+    p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
+                   help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
+                   "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
+                   "%(default)s, the best of muon and adamw at the default shape)")
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",
@@ -423,32 +463,28 @@ def parse_args(argv):
     args, extra = p.parse_known_args(argv)
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
-    if unknown or len(args.variants) < 2 or len(set(args.variants)) != len(args.variants):
-        p.error("--variants needs two or more distinct names from "
+    fewest = 1 if len(args.sweep.values) > 1 else 2
+    if unknown or len(args.variants) < fewest or len(set(args.variants)) != len(args.variants):
+        p.error(f"--variants needs {'one' if fewest == 1 else 'two'} or more distinct names from "
                 f"{', '.join(OPTIMIZER_VARIANTS)}; got {spec!r}"
                 + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
-    try:
-        args.mults = sorted(float(x) for x in args.lr_sweep.split(",") if x.strip())
-    except ValueError:
-        args.mults = []
-    mults = args.mults
-    if (not mults or len(set(mults)) != len(mults)
-            or not all(math.isfinite(m) and m > 0 for m in mults)):
-        p.error("--lr-sweep needs a comma-separated list of distinct positive numbers, got "
-                f"{args.lr_sweep!r}")
     if args.nproc < 1 or (args.seeds is not None and args.seeds < 1) or args.jobs < 0:
         p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
                 f"and {args.jobs}")
-    reserved = ("--run", "--optimizer", "--resume-from-step", "--seed", "--data-seed",
-                "--lr-multiplier")
-    if any(len(f) > 2 and any(r.startswith(f.split("=")[0]) for r in reserved)
-           for f in extra if f.startswith("--")):
-        p.error(f"{', '.join(reserved)} are set per run by ablate; use --name, --variants, --seeds "
-                "and --lr-sweep")
-    return args, [*DEFAULT_FLAGS, *extra]
+    given = {f.split("=")[0] for f in extra if f.startswith("--") and len(f) > 2}
+    if any(f"--{r}".startswith(f) for f in given for r in RESERVED):
+        p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "
+                "--variants, --seeds and --sweep")
+    if args.sweep.flag in RESERVED or f"--{args.sweep.flag}" in given:
+        p.error(f"--sweep {args.sweep.flag} sets --{args.sweep.flag} per run: "
+                + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
+    flags = [*DEFAULT_FLAGS, *extra]
+    for value in args.sweep.values:
+        train_args([*flags, f"--{args.sweep.flag}", value])
+    return args, flags
 
 
 def ensure_tokenizer(flags: list[str]) -> None:
@@ -477,7 +513,7 @@ def main(argv=None):
     run_flags = q.parse_known_args(flags)[0]
     device = check_device_type(run_flags.device_type)
     jobs = args.jobs or (max(1, cores // args.nproc) if device == "cpu" else 1)
-    runs_per_seed = len(args.variants) * len(args.mults)
+    runs_per_seed = len(args.variants) * len(args.sweep.values)
     jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
@@ -495,12 +531,13 @@ def main(argv=None):
     if args.budget is not None:
         flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
     seeds = list(range(1, n_seeds + 1))
-    todo = [(v, m, s) for v in args.variants for m in args.mults for s in seeds]
-    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.mults)} lrs x "
+    todo = [(v, x, s) for v in args.variants for x in args.sweep.values for s in seeds]
+    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
           f"{len(seeds)} seeds), {jobs} at a time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
     with ThreadPoolExecutor(jobs) as pool:
-        futures = {job: pool.submit(run_one, job, flags, args.nproc, threads, args.name, cache)
+        futures = {job: pool.submit(run_one, job, flags, args.sweep.flag, args.nproc, threads,
+                                    args.name, cache)
                    for job in todo}
         try:
             results = {job: f.result() for job, f in futures.items()}
@@ -537,7 +574,7 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
     train = train_args(flags)
-    parts = [args.budget, args.variants, args.mults, args.seeds, flags, jobs, threads, args.nproc,
+    parts = [args.budget, args.variants, args.sweep, args.seeds, flags, jobs, threads, args.nproc,
              cache["device"], cache["code"], cache["torch"]]
     path = cache["dir"] / f"plan-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]}.json"
     if (plan := read_plan(path)) is not None:
@@ -552,11 +589,11 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
         raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
                          f"per run ({cal.step_s:.2f} s a step, {cal.fixed_s:.0f} s to start and "
                          f"finish a run, {jobs} at a time); raise --budget, or cut --variants, "
-                         "--lr-sweep, --seeds or --depth")
+                         "--sweep, --seeds or --depth")
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(plan._asdict())))
     print(f"== plan for --budget {args.budget / 60:.1f} min ({how}): depth {train.depth}, "
           f"{plan.steps} steps of {train.total_batch_size:,} tokens, {plan.seeds} seeds, "
-          f"{runs_per_seed} variant-lr pairs, {jobs} at a time; each run ~{plan.run_s:.0f} s, "
+          f"{runs_per_seed} variant-value pairs, {jobs} at a time; each run ~{plan.run_s:.0f} s, "
           f"all ~{plan.total_s / 60:.1f} min", flush=True)
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
             str(plan.eval_every)], plan.seeds
@@ -566,22 +603,22 @@ def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
     """The table (printed too), the plot and ablation.md in ablations/<name>."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    table, best = report(results, args.variants, args.mults, seeds, args.baseline)
+    table, best = report(results, args.variants, args.sweep, seeds, args.baseline)
     first = results[todo[0]]
-    png = plot(out, results, args.variants, args.mults, seeds, best, args.baseline,
+    png = plot(out, results, args.variants, args.sweep, seeds, best, args.baseline,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
                f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds")
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
-           f"- runs: {len(todo)}, named {args.name}-<variant>-x<lr multiplier>-s<seed> (each has a "
-           "report.md)",
+           f"- runs: {len(todo)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
+           "(each has a report.md)",
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for "
            "every variant",
-           f"- baseline: {args.baseline} at its best lr; steps and training time (evals excluded) "
-           "are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
+           f"- baseline: {args.baseline} at its best {args.sweep.flag}; steps and training time "
+           "(evals excluded) are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
            "at 95% confidence; 'detectable' is the smallest effect this design sees 80% of the time",
            "", *table,
-           "", "![val bpb by step, by training time and by lr](val_bpb.png)" if png
+           "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]
     write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))
     print("\n".join(table))

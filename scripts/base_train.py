@@ -137,9 +137,12 @@ def parse_args(argv=None):
     p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
     p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
+    p.add_argument("--adamw-matrix-lr", type=float, default=0.004, help="AdamW lr of the block "
+                   "matrices (at width 768), when the --optimizer variant trains them with AdamW")
+    p.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the scalars (gains)")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
-                   "--optimizer variant's own included (ablate --lr-sweep)")
+                   "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
@@ -184,8 +187,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
          "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "weight_decay", "qk_clip",
-          "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr", "scalar_lr",
+          "weight_decay", "qk_clip", "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite,
          "a finite number (or <= 0: off)"),
         (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
@@ -401,7 +404,8 @@ def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                 matrix_lr=args.matrix_lr, weight_decay=args.weight_decay)
+                 matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
+                 scalar_lr=args.scalar_lr, weight_decay=args.weight_decay)
     variant = OPTIMIZER_VARIANTS[args.optimizer]
     for key in sorted(flags.keys() & variant.keys()):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "

@@ -16,7 +16,7 @@ from test_train import REPO, TINY, child_env
 
 from nanomuon.dataset import build_embedded, data_dir
 
-SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--lr-sweep", "1", "--jobs", "2", *TINY,
+SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--sweep", "lr-multiplier=1", "--jobs", "2", *TINY,
          "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4",
          "--no-compile"]
 T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95% two-sided, by df
@@ -41,28 +41,29 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     own summaries; a re-run launches nothing, and a wider sweep launches only its new runs."""
     from scripts import ablate
 
-    args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--lr-sweep", "1,0.5", "--jobs", "2", *TINY,
+    args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--sweep", "lr-multiplier=1,0.5", "--jobs", "2",
+            *TINY,
             "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8",
             "--no-compile"]
     results = ablate.main(args)
     out = base / "ablations" / "abl"
     table = (out / "ablation.md").read_text()
     assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG") and "](val_bpb.png)" in table
-    assert sorted(results) == sorted((v, m, s) for v in ("muon", "adamw") for m in (0.5, 1.0) for s in (1, 2))
+    assert sorted(results) == sorted((v, m, s) for v in ("muon", "adamw") for m in ("0.5", "1") for s in (1, 2))
     for (v, m, s), r in results.items():
-        run = json.loads((base / "runs" / f"abl-{v}-x{m:g}-s{s}" / "summary.json").read_text())
+        run = json.loads((base / "runs" / f"abl-{v}-lr-multiplier{m}-s{s}" / "summary.json").read_text())
         assert run["optimizer"] == v and run["final_val_bpb"] == r["final_val_bpb"]
         assert [step for step, _ in run["val_history"]] == [0, 4, 8]
     step0 = {k: r["val_history"][0][1] for k, r in results.items()}
     assert len({b for (_, _, s), b in step0.items() if s == 1}) == 1  # one init per seed, whatever the variant
-    assert step0["muon", 1.0, 1] != step0["muon", 1.0, 2]
-    assert results["muon", 0.5, 1]["final_val_bpb"] != results["muon", 1.0, 1]["final_val_bpb"]
+    assert step0["muon", "1", 1] != step0["muon", "1", 2]
+    assert results["muon", "0.5", 1]["final_val_bpb"] != results["muon", "1", 1]["final_val_bpb"]
     finals = {(v, m): [results[v, m, s]["final_val_bpb"] for s in (1, 2)] for v, m, _ in results}
-    best = {v: min((0.5, 1.0), key=lambda m: sum(finals[v, m])) for v in ("muon", "adamw")}
+    best = {v: min(("0.5", "1"), key=lambda m: sum(finals[v, m])) for v in ("muon", "adamw")}
     rows = {}
     for v in ("muon", "adamw"):
         m, sd, hw = mean_sd_hw(finals[v, best[v]])
-        rows[v] = next(line for line in table.splitlines() if line.startswith(f"| {v} | {best[v]:g} |"))
+        rows[v] = next(line for line in table.splitlines() if line.startswith(f"| {v} | {best[v]} |"))
         shown = [float(x) for x in re.search(r"\| ([\d.]+) ± ([\d.]+) \[([-\d.]+), ([-\d.]+)\]", rows[v]).groups()]
         assert shown == pytest.approx([m, sd, m - hw, m + hw], abs=2e-4)  # the table's t has 3 decimals
     d, _, hw = mean_sd_hw([a - b for a, b in zip(finals["muon", best["muon"]], finals["adamw", best["adamw"]])])
@@ -70,13 +71,18 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
             else f"no difference larger than {max(abs(d - hw), abs(d + hw)):.4f} bpb")
     assert said in rows["muon"] and "(baseline)" in rows["adamw"]
     assert "At the edge of the sweep" in table  # a best of two lrs is always at an edge
+    for v in ("muon", "adamw"):  # the other value minus the best, paired by seed
+        other = ({"0.5", "1"} - {best[v]}).pop()
+        d, _, hw = mean_sd_hw([a - b for a, b in zip(finals[v, other], finals[v, best[v]])])
+        cells = {"0.5": "", "1": ""} | {best[v]: "(best)", other: f"{d:+.4f} [{d - hw:+.4f}, {d + hw:+.4f}]"}
+        assert f"| {v} | {cells['0.5']} | {cells['1']} |" in table
 
     launched = []
     popen = ablate.subprocess.Popen
     monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
     assert ablate.main(args) == results and not launched
-    ablate.main([*args[:7], "0.5,1,2", *args[8:]])
-    assert len(launched) == 4 and all(c[c.index("--lr-multiplier") + 1] == "2.0" for c in launched)
+    ablate.main([*args[:7], "lr-multiplier=0.5,1,2", *args[8:]])
+    assert len(launched) == 4 and all(c[c.index("--lr-multiplier") + 1] == "2" for c in launched)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,7 @@ def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
     for d in ("nanomuon", "scripts"):
         shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "scripts.ablate", *SMALL, "--name", "edit"]
-    summary = base / "runs" / "edit-muon-x1-s1" / "summary.json"
+    summary = base / "runs" / "edit-muon-lr-multiplier1-s1" / "summary.json"
 
     def ablate():
         p = subprocess.run(cmd, cwd=tmp_path, env=child_env(base), capture_output=True, text=True, timeout=300)
@@ -151,7 +157,7 @@ def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
     assert "cached" not in edited and edited.count("-m scripts.base_train") == 2, edited
     assert key_line(edited)[0] != key_line(first)[0] and key_line(edited)[1] == key_line(first)[1]
     bpb = json.loads(summary.read_text())["final_val_bpb"]
-    assert bpb != json.loads((base / "runs" / "small-muon-x1-s1" / "summary.json").read_text())["final_val_bpb"]
+    assert bpb != json.loads((base / "runs" / "small-muon-lr-multiplier1-s1" / "summary.json").read_text())["final_val_bpb"]
 
 
 @pytest.fixture
@@ -340,3 +346,14 @@ def test_a_kept_plan_that_is_not_one_is_planned_again(tmp_path, text, capsys):
     assert read_plan(path) is None and "planning again" in capsys.readouterr().out
     path.write_text(json.dumps(Plan(200, 4, 50, 150.0, 600.0)._asdict()))
     assert read_plan(path) == Plan(200, 4, 50, 150.0, 600.0)
+
+
+def test_sweep_takes_any_base_train_flag_and_one_variant():
+    """--sweep FLAG=values: numeric values in numeric order, as given (the run gets the string); one
+    variant is enough when there is something to sweep, two are needed when there is not."""
+    from scripts.ablate import parse_args
+
+    args, flags = parse_args(["--variants", "muon", "--sweep", "matrix-lr=0.02,0.005,1e-2"])
+    assert args.variants == ["muon"] and args.sweep == ("matrix-lr", ["0.005", "1e-2", "0.02"])
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "muon", "--sweep", "matrix-lr=0.02"])

@@ -282,8 +282,8 @@ def test_per_head_updates_each_head_as_a_matrix_of_its_own():
         torch.testing.assert_close(lin.weight.detach(), expected, rtol=0, atol=1e-6)
     assert {g["name"] for g in opt.param_groups} >= {"matrices", "matrices, 4 heads", "matrices, 2 heads",
                                                      "matrices, 4 heads by columns"}
-    with pytest.raises(ValueError, match="exclude each other"):
-        model.setup_optimizer(per_head=True, adamw_matrix_lr=0.004)
+    with pytest.raises(ValueError, match="need matrix_optimizer=.muon."):
+        model.setup_optimizer(per_head=True, matrix_optimizer="adamw")
 
 
 def hand_max_logits(model, idx):
