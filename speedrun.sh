@@ -83,7 +83,7 @@ if [ "$MODE" = gpu ]; then
     if [ "$DATASET" = climbmix ] || [ "$DATASET" = fineweb-edu ]; then EVAL_CORE="--eval core,bpb,sample"; fi
     # shellcheck disable=SC2086  # EVAL_CORE is zero or two words
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" \
-        --dataset "$DATASET" --device-batch-size "$EVAL_BATCH" $EVAL_CORE
+        --dataset "$DATASET" --device-batch-size "$EVAL_BATCH" --wandb "$WANDB" $EVAL_CORE
     python -m scripts.sample --run "$RUN" --prompt "The capital of France is" --prompt "Once upon a time" \
         --max-tokens 64
 else
@@ -103,7 +103,7 @@ else
     # CORE only with a bundle already in place (docs/core.md), else a one-line note: this stays offline
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_eval -- --run "$RUN" --device-type cpu \
         --dataset "$DATASET" --device-batch-size 8 --eval-tokens 65536 --sample-tokens 24 \
-        --max-per-task "${CORE_ITEMS:-100}"
+        --max-per-task "${CORE_ITEMS:-100}" --wandb "$WANDB"
     python -m scripts.sample --run "$RUN" --device-type cpu --prompt "def main(" --prompt "import" --max-tokens 32
 fi
 

@@ -1,8 +1,9 @@
 """
 Evaluate a base_train checkpoint: validation bits per byte, the CORE metric (nanomuon/core_eval.py,
 docs/core.md) and a few samples; appends a section to the run's report and puts `core` into its
-summary.json. bpb is measured on the run's own data if that is a built-in source (fineweb-edu,
-climbmix, embedded); any other source (a local path, a hub dataset) takes an explicit --dataset: a
+summary.json and, with --wandb, into the training's wandb run (or a new one named like the run).
+bpb is measured on the run's own data if that is a built-in source (fineweb-edu, climbmix,
+embedded); any other source (a local path, a hub dataset) takes an explicit --dataset: a
 checkpoint may come from someone else, and must not pick what is read or downloaded.
 
 --eval picks any of core, bpb, sample. Its default is bpb and sample, plus core when an eval bundle
@@ -17,6 +18,7 @@ while `--eval core,...` downloads the bundle once when it is missing (the GPU sp
 import argparse
 import json
 import os
+import re
 import shlex
 
 import torch
@@ -116,6 +118,9 @@ def parse_args(argv):
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: "
                    "what the run trained in; auto: bf16 where bf16 matmuls are fast)")
+    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
+                   help="log bpb and CORE to Weights & Biases: into the training's run when its "
+                   "summary.json names one, else a new run")
     args = p.parse_args(argv)
     if (args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1)
             or args.sample_tokens < 0):
@@ -221,6 +226,41 @@ def record_core(summary, core: dict) -> None:
     write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
 
 
+def training_wandb_id(summary) -> str | None:
+    """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
+    anything else is ignored with a note)."""
+    try:
+        wandb_id = json.loads(summary.read_text()).get("wandb_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if wandb_id is not None and not (isinstance(wandb_id, str)
+                                     and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id)):
+        print0(f"note: {summary}'s wandb_id {wandb_id!r} is not a wandb run id; logging to a "
+               "new run")
+        return None
+    return wandb_id
+
+
+def log_wandb(args, run_dir, step: int, bpb, core) -> None:
+    """bpb and CORE (each task's centered accuracy too) into the training's wandb run, resumed, or
+    a new run of the same name."""
+    try:  # imported only on request, as in base_train
+        import wandb
+    except ImportError:
+        raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install "
+                         "wandb`, or drop --wandb") from None
+    wandb_id = training_wandb_id(run_dir / "summary.json")
+    run = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, dir=str(run_dir),
+                     id=wandb_id, resume="allow" if wandb_id else None)
+    logged = {} if bpb is None else {"eval/bpb": bpb}
+    if core:
+        logged["eval/core"] = core["core"]
+        logged.update({f"eval/core/{k}": r["centered"] for k, r in core["tasks"].items()})
+    run.log({"step": step, **logged})
+    run.summary.update({k.removeprefix("eval/"): v for k, v in logged.items()})
+    run.finish()
+
+
 def main(argv=None):
     args = parse_args(argv)
     evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
@@ -249,6 +289,8 @@ def main(argv=None):
         if core:
             put_headline(run_dir / "report.md", core["headline"])
             record_core(run_dir / "summary.json", core)
+        if args.wandb != "off":
+            log_wandb(args, run_dir, meta["step"], bpb, core)
     compute_cleanup()
     return bpb
 

@@ -789,6 +789,8 @@ def report(run: Run) -> dict:
                                                                temperature=0.0)))
             samples.append((prompt, out))
             print0(f"sample: {prompt!r} -> {out!r}")
+    if run.wandb:  # so base_eval logs CORE into this run, not a new one
+        summary["wandb_id"] = run.wandb.id
     if run.rank == 0:
         write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations,
                      run.world_size, run.device, summary, loop, samples)

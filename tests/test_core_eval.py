@@ -347,6 +347,33 @@ def test_base_eval_core_report_and_summary(run, tmp_path, capsys):
     assert sum(x.startswith("> CORE: ") for x in (run / "report.md").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow  # two real (offline) wandb runs: about 30 s
+def test_base_eval_logs_core_into_the_training_wandb_run(base, tmp_path, monkeypatch):
+    """base_train records its wandb run's id in summary.json; base_eval --wandb resumes that run
+    (offline: a second offline-run dir of the same id) and logs eval/core, the value summary.json
+    holds, into it. wandb 0.31 has no Python reader of its .wandb files, so the records are found
+    in the file's bytes: each history item is its key, then its value as JSON."""
+    from scripts.base_train import main
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "1", "--eval-every", "-1",
+          "--run", "cw", "--wandb", "offline"])
+    run = base / "runs" / "cw"
+    wandb_id = json.loads((run / "summary.json").read_text())["wandb_id"]
+    bundle = write_zip(tmp_path / "b.zip")
+    from scripts.base_eval import main as base_eval_main
+
+    base_eval_main(["--run", "cw", "--device-type", "cpu", "--device-batch-size", "4",
+                    "--sample-tokens", "0", "--eval", "core", "--core-bundle", str(bundle),
+                    "--wandb", "offline"])
+    runs = sorted((run / "wandb").glob(f"offline-run-*-{wandb_id}"))
+    assert len(runs) == 2  # the training, then the evaluation resuming it
+    logged = (runs[1] / f"run-{wandb_id}.wandb").read_bytes()
+    core = json.loads((run / "summary.json").read_text())["core"]
+    at = logged.index(b"eval/core")
+    assert json.dumps(core).encode() in logged[at:at + 60]
+
+
 def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):
     bpb = base_eval("--eval-tokens", "512")
     out = capsys.readouterr().out
