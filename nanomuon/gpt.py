@@ -185,7 +185,10 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        h = F.relu(self.c_fc(x))
+        # not .square(): CUDA autocast runs pow in fp32, and backward would keep an fp32
+        # copy of this 4x-wide hidden in every layer; a mul stays in the autocast dtype
+        return self.c_proj(h * h)
 
 
 class Block(nn.Module):

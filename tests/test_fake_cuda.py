@@ -150,9 +150,6 @@ def test_d24_auto_batch_on_an_80gb_h100_fits_what_the_model_allocates(shim):
     assert f"GiB free on {H100_NAME}" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="on CUDA, autocast runs F.relu(h).square() (aten::pow) in "
-                   "fp32, so the eager MLP saves an fp32 copy of its 4x-wide hidden per layer: "
-                   "1.17x train_memory's eager activations at d24 (CPU autocast keeps it bf16)")
 def test_d24_eager_activations_on_a_gpu_fit_the_estimate(shim):
     """Stands in for: an eager (--compile off) d24 on a GPU saving more for backward than
     train_memory counts, so auto-fit picks a batch that runs out of memory."""
