@@ -91,6 +91,27 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
     return rows
 
 
+def add_optimizer_args(p: argparse.ArgumentParser) -> None:
+    """The optimizer's flags: each group's lr (AdamW's at width 768, scaled as 1/sqrt(width) by
+    GPT.setup_optimizer), weight decay, the variant, and the lr schedule."""
+    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
+    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
+    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
+    p.add_argument("--adamw-matrix-lr", type=float, default=0.004, help="AdamW lr of the block "
+                   "matrices (at width 768), when the --optimizer variant trains them with AdamW")
+    p.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the scalars (gains)")
+    p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
+    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
+                   "--optimizer variant's own included")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
+                   help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
+    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
+    p.add_argument("--warmdown-ratio", type=float, default=0.4,
+                   help="fraction of steps with linear lr decay")
+    p.add_argument("--final-lr-frac", type=float, default=0.0,
+                   help="lr at the end, as a fraction of the peak")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -133,23 +154,7 @@ def parse_args(argv=None):
                    "estimated memory fits the free GPU memory, else 32")
     p.add_argument("--total-batch-size", type=int, default=524288,
                    help="tokens per optimizer step, all processes")
-    # optimizer
-    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
-    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
-    p.add_argument("--adamw-matrix-lr", type=float, default=0.004, help="AdamW lr of the block "
-                   "matrices (at width 768), when the --optimizer variant trains them with AdamW")
-    p.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the scalars (gains)")
-    p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
-    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
-                   "--optimizer variant's own included")
-    p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
-                   help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
-    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
-    p.add_argument("--warmdown-ratio", type=float, default=0.4,
-                   help="fraction of steps with linear lr decay")
-    p.add_argument("--final-lr-frac", type=float, default=0.0,
-                   help="lr at the end, as a fraction of the peak")
+    add_optimizer_args(p)
     # evaluation and checkpoints
     p.add_argument("--eval-every", type=int, default=250,
                    help="steps between val bpb evals (-1: only at the end)")
@@ -188,7 +193,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
          "in [0, 1]"),
         (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr", "scalar_lr",
-          "weight_decay", "qk_clip", "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+          "weight_decay", "qk_clip", "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0,
+         "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite,
          "a finite number (or <= 0: off)"),
         (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
