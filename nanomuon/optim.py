@@ -1,16 +1,36 @@
 """
 Muon + AdamW in one optimizer, MuonAdamW, on one device or data parallel over a process group.
 
-Background. Muon (Keller Jordan, 2024: kellerjordan.github.io/posts/muon) trains the hidden
-matrices of a network with SGD momentum whose update is replaced by the nearest
-semi-orthogonal matrix: with momentum M = U S V^T, the step is along U V^T, so every direction
-the gradient moves gets the same step size. U V^T is approximated by a few Newton-Schulz
-iterations, odd matrix polynomials that push every singular value towards 1 using matmuls
-only, stable in bf16. nanochat (Andrej Karpathy) added the pieces nanomuon keeps as defaults:
-Polar Express coefficients (Amsel, Persson, Musco, Gower 2025), factored variance reduction
-(NorMuon-style), cautious weight decay, and a sqrt(max(1, rows/cols)) lr factor. Embeddings,
-the output head and vectors train with AdamW. nanomuon/reference.py defines the update in
-float64; update_math.py writes it once for every path; this file runs it.
+Background. Muon (Keller Jordan, 2024: https://kellerjordan.github.io/posts/muon/, first used
+in modded-nanogpt) trains the hidden matrices of a network with SGD momentum whose update is
+replaced by the nearest semi-orthogonal matrix: with momentum M = U S V^T, the step is along
+U V^T. Why: the gradient of a weight matrix is nearly low rank, so a plain step moves a few
+directions a lot and the rest hardly at all; setting every singular value to 1 gives each
+direction the same step size: steepest descent under the spectral norm, the norm that bounds how
+much a layer's output can change (Jeremy Bernstein:
+https://jeremybernste.in/writing/deriving-muon). U V^T is approximated by a few Newton-Schulz
+iterations, odd matrix polynomials that push every singular value towards 1 using matmuls only,
+stable in bf16. Embeddings, the output head and vectors (gains) train with AdamW, as in Jordan's
+Muon: an embedding is a lookup table, not a map between hidden states, and the head trained
+better with AdamW there.
+
+The defaults are nanochat's (Andrej Karpathy, https://github.com/karpathy/nanochat), one
+muon-group key each (param_groups.MUON_OPTIONS has them all):
+- nesterov=True: Nesterov momentum (momentum=0.95 in nanochat's groups), as in Jordan's Muon.
+- ns_coefficients='polar_express', ns_steps=5: one quintic per iteration from Polar Express
+  (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932), closer to U V^T in 5
+  steps than Jordan's one triple repeated.
+- ns_precision='auto': bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX).
+- beta2=0.95: factored variance reduction after orthogonalizing, an EMA of each row's (or
+  column's) mean squared update divides it, then the update's norm is restored: NorMuon's
+  neuron-wise normalization (Li et al. 2025, https://arxiv.org/abs/2510.05491) in nanochat's form.
+- cautious_wd=True: decay only where the update and the weight agree in sign (Cautious Weight
+  Decay, Chen et al. 2025, https://arxiv.org/abs/2510.12402), by the lr with its factor
+  (decay_lr='adjusted').
+- lr_scale='shape': the lr times sqrt(max(1, rows/cols)), Jordan's and torch.optim.Muon's factor.
+The alternatives (Moonlight's and Megatron's lr scales, Emerging-Optimizers' coefficient sets,
+Gram Newton-Schulz, MuonEq, Muon+) and their sources: docs/optimizer.md. nanomuon/reference.py
+defines the update in float64; update_math.py writes it once for every path; this file runs it.
 
 Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the
 optional keys are declared once, in param_groups.MUON_OPTIONS. Any group may have a 'name', used in
