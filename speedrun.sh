@@ -14,7 +14,7 @@
 # (processes; default: all GPUs, or 2 on CPU), DEPTH (default 24 on GPU, 12 on one GPU, 4 on CPU), RUN (run name),
 # DATASET (default climbmix on GPU, embedded on CPU; fineweb-edu is the other hub dataset; embedded on GPU is
 # an offline smoke test; any other --dataset value, e.g. a local folder or hf:owner/name, is your own data:
-# README, "Train on your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
+# docs/data.md, "Your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
 # WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
 # Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused

@@ -2,7 +2,7 @@
 Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the
 'adamw' groups, behind the same param-group convention as MuonAdamW, so ablations and benchmarks can
 put nanomuon's fused optimizer next to PyTorch alone in the same loop (`--optimizer torch-muon`;
-README, "Comparing optimizers: ablate"). torch.optim.Muon runs one matrix at a time and is not
+docs/research.md). torch.optim.Muon runs one matrix at a time and is not
 distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
 the whole update (replicated, like DDP).
 """

@@ -1,14 +1,14 @@
 """
 The training data loader: documents in, (inputs, targets) token batches out, every token of an
-epoch trained exactly once, in bounded memory, with exact resume. (README, "Data and
-tokenizer", has the numbers.)
+epoch trained exactly once, in bounded memory, with exact resume. (docs/data.md, "The data
+loader", has the numbers.)
 
 Why its own design rather than a torch DataLoader:
 - Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group
   sizes.
 - Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
 - Every token once per epoch, in rows of seq_len + 1 tokens that start with BOS and never mix epochs
-  (README, "Data and tokenizer", has the rules): the due continuation, else the oldest document,
+  (docs/data.md, "The data loader", has the rules): the due continuation, else the oldest document,
   opens a row (so no piece waits forever); whole documents fill it best-fit, else the oldest is cut
   and its remainder opens a row `interleave` rows later, so a long document does not fill a
   micro-batch alone.

@@ -61,7 +61,7 @@ def data_dir(name: str) -> Path:
     what sources.prepare made."""
     if name not in DATASETS and not re.fullmatch(r"source/[\w.-]+", name):
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or a "
-                         "custom source (README, 'Train on your own data')")
+                         "custom source (docs/data.md, 'Your own data')")
     return get_base_dir() / "data" / name
 
 

@@ -3,7 +3,7 @@ The GPT that nanomuon trains: small, modern, and written to be read in one sitti
 
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
 biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention. The
-size follows from --depth (README, "base_train"); setup_optimizer() is where the model meets the
+size follows from --depth (docs/training.md); setup_optimizer() is where the model meets the
 optimizer, with param_groups.classify deciding which params train with Muon.
 """
 

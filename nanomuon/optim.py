@@ -88,8 +88,8 @@ from nanomuon.update_math import (
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon for matrices, AdamW for the rest (README, "The optimizer"); with process_group, data
-    parallel (README, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and
+    """Muon for matrices, AdamW for the rest (docs/optimizer.md); with process_group, data
+    parallel (docs/optimizer.md, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and
     frees them (on return they are None, as after zero_grad()).
 
     Muon buffers are views into one stacked buffer per shape, which is how the fused update avoids

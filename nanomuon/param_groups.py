@@ -2,7 +2,7 @@
 The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and
 what a valid group holds. One home, so the GPT, other models and the optimizers agree.
 
-classify() is the rule, muon_param_groups() applies it to any model (README, "The optimizer") and
+classify() is the rule, muon_param_groups() applies it to any model (docs/optimizer.md) and
 GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
 check_group_values() re-checks hyperparameters at every step, since schedules edit them;
 check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
@@ -146,7 +146,7 @@ def any_value(v):  # checked with the keys it goes with (_check_coefficients, _c
 
 # Every optional key of a muon group, declared once: defaults fill groups (and
 # reproduce nanochat), the checks run at construction and at every step, and the
-# README's option table is made from the docs.
+# option table in docs/optimizer.md is made from the docs.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
     "cautious_wd": Option(True, a_bool, "decay only where the update and the weight agree in sign; "
@@ -191,7 +191,7 @@ MUON_OPTIONS = {
                              "matrices travel in to their owner and back"),
     "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'` (exact), "
                            "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on "
-                           "slices), `'blockwise'` (README, \"Sharded params\")"),
+                           "slices), `'blockwise'` (docs/optimizer.md, \"Sharded params\")"),
     "qkv_split": Option(None, any_value, "`(q, k, v)` row counts: split's 3-block case"),
     "split": Option(None, any_value, "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; "
                     "each block is updated exactly as a param of its own (lr factor, variance "
@@ -214,8 +214,8 @@ PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
 
 
 def options_table(kind: str = "muon") -> str:
-    """The markdown table of a kind's optional keys, from OPTIONS (the README holds it; a test
-    compares)."""
+    """The markdown table of a kind's optional keys, from OPTIONS (docs/optimizer.md holds it;
+    a test compares)."""
     rows = [f"| `{k}` | `{o.default!r}` | {o.doc} |" for k, o in OPTIONS[kind].items()]
     return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
 

@@ -1,6 +1,6 @@
 """
 Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both
-on a 2-D mesh (README, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW
+on a 2-D mesh (docs/optimizer.md, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW
 hand their DTensor params here; the math is update_math.py's, the owners plan.py's, and this file
 adds the communication. In sharded_mode='owner' (the default, exact): momentum on the local
 shard; an all_to_all gathers whole matrices on their owner, which orthogonalizes them stacked by

@@ -3,8 +3,8 @@ Training text from anywhere: `--dataset` as a local file, directory or glob of p
 json, txt or csv files, or any Hugging Face dataset as hf:owner/name[:config][@revision].
 prepare() converts a source once into dataset.py's layout (parquet shards, a document per row
 in column `text`, listed by a manifest), so the data loader's exact resume, rank-disjoint
-reading and resharding, which all count documents, work alike for every source. (README,
-"Train on your own data".)
+reading and resharding, which all count documents, work alike for every source. (docs/data.md,
+"Your own data".)
 
 - Column: --text-column, else `text`, else the only string column.
 - Validation: the source's own held-out split if it has one (on the hub validation, valid, val, dev
@@ -70,7 +70,7 @@ def add_data_args(p, default: str) -> None:
     """--dataset, --text-column and --val-fraction, the same in every script
     that reads training text."""
     p.add_argument("--dataset", type=dataset_arg, default=default,
-                   help=f"training text: {SPEC_HELP} (README, 'Train on your own data')")
+                   help=f"training text: {SPEC_HELP} (docs/data.md, 'Your own data')")
     p.add_argument("--text-column", default=None, help="custom sources: the column holding the "
                    "documents (default: `text`, else the only string column)")
     p.add_argument("--val-fraction", type=float, default=None,

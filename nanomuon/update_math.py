@@ -468,7 +468,7 @@ def resolve_ns_precision(precision: str, device) -> str:
 
 def muon_layout(group: dict) -> Layout | None:
     """How a muon group's matrices are stored: None (plain (out, in) matrices), or a Layout for
-    fused or (in, out) weights (README, "The optimizer")."""
+    fused or (in, out) weights (docs/optimizer.md)."""
     split = group["split"] or group["qkv_split"]
     if not split and not group["transposed"]:
         return None

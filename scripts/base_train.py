@@ -6,7 +6,7 @@ No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsd
 model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
 micro-batches up to --total-batch-size tokens per step; the lr follows warmup / constant / linear
 warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume bit for bit, at any process
-count; one run at a time owns its run dir (README, "base_train").
+count; one run at a time owns its run dir (docs/training.md).
 """
 
 import argparse
@@ -323,7 +323,7 @@ def main(argv=None):
 
 
 SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or "
-         "identical copies of its tokenizer and data with runs/ shared (README, 'Several nodes')")
+         "identical copies of its tokenizer and data with runs/ shared (docs/training.md, 'Several nodes')")
 
 
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
@@ -353,7 +353,7 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
                             "every process writes its part of each checkpoint into runs/<run>, so "
                             "put runs/ (or all of NANOMUON_BASE_DIR) on a filesystem every node "
-                            "mounts (README, 'Several nodes')")
+                            "mounts (docs/training.md, 'Several nodes')")
 
 
 def check_disk(run: Run) -> None:

@@ -4,8 +4,8 @@ What the data loader trains on, how fast, in how much memory, and how long it ho
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
 Per epoch of one rank's documents: coverage against the documents tokenized independently (as
-unigram counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (README, "Data and
-tokenizer"). Then how long next_batch() blocks a simulated training step, with and without the
+unigram counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (docs/data.md, "The data
+loader"). Then how long next_batch() blocks a simulated training step, with and without the
 prefetch thread (a sleep stands in for the device step, which waits on the GPU without holding the
 GIL). Needs a trained tokenizer (scripts.tok_train).
 """

@@ -2,8 +2,8 @@
 Optimizer memory benchmark: the per-rank peak memory of one data-parallel optimizer step, DistMuonAdamW (state sharded)
 against what a user would run instead, DDP-style (every grad all_reduced, then stock
 torch.optim.Muon + AdamW replicated on every rank: `--optimizer torch-muon`). Why: sharding the
-state only pays if the step's temporaries do not eat the saving (README, "Data parallel:
-DistMuonAdamW").
+state only pays if the step's temporaries do not eat the saving (docs/optimizer.md, "Data
+parallel: DistMuonAdamW").
 
 For each world size, CPU ranks are spawned (gloo); each builds the same GPT and takes a few steps
 with each optimizer on fresh grads every step, as after backward. Per rank and step: the optimizer

@@ -1,6 +1,6 @@
 """
 Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, every way nanomuon runs
-data-parallel Muon, timed in one run on the same ranks (README, "Performance"):
+data-parallel Muon, timed in one run on the same ranks (docs/benchmarks.md, "Sharded modes"):
 
     replicated   DistMuonAdamW on full params (reduces the grads itself: ZeRO-1, nanochat's design)
     owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners

@@ -41,7 +41,8 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     own summaries; a re-run launches nothing, and a wider sweep launches only its new runs."""
     from scripts import ablate
 
-    args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--sweep", "lr-multiplier=1,0.5", "--jobs", "2",
+    args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--sweep", "lr-multiplier=1,0.5",
+            "--jobs", "2",
             *TINY,
             "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8",
             "--no-compile"]
@@ -157,7 +158,8 @@ def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
     assert "cached" not in edited and edited.count("-m scripts.base_train") == 2, edited
     assert key_line(edited)[0] != key_line(first)[0] and key_line(edited)[1] == key_line(first)[1]
     bpb = json.loads(summary.read_text())["final_val_bpb"]
-    assert bpb != json.loads((base / "runs" / "small-muon-lr-multiplier1-s1" / "summary.json").read_text())["final_val_bpb"]
+    before = base / "runs" / "small-muon-lr-multiplier1-s1" / "summary.json"
+    assert bpb != json.loads(before.read_text())["final_val_bpb"]
 
 
 @pytest.fixture

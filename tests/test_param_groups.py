@@ -135,15 +135,3 @@ def test_hugging_face_models(name):
                and p.grad.abs().sum() > 0)
 
 
-def test_the_readme_option_table_is_the_declared_one():
-    """The README's table of optional muon keys is param_groups.options_table(), made from MUON_OPTIONS: a key
-    declared, renamed or re-described there changes the table, and this fails until the README follows."""
-    from pathlib import Path
-
-    from nanomuon.param_groups import MUON_OPTIONS, options_table
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("<!-- muon-options")
-    table = readme[readme.index("\n", start) + 1:readme.index("<!-- /muon-options -->")].strip()
-    assert table == options_table()
-    assert [line.split("`")[1] for line in table.splitlines()[2:]] == list(MUON_OPTIONS)

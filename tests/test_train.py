@@ -237,7 +237,7 @@ def test_sigkill_mid_run_then_resume_is_bitwise_exact(base):
     cmd = torchrun(2, "scripts.base_train", [*flags, "--run", "restarted", "--resume-from-step", "auto"])
     cmd.insert(3, "--max-restarts=1")
     # torch shares torchrun's rendezvous store with the process group, and a restarted group can read the
-    # previous round's addresses from it (pytorch/pytorch#135712); the README says to set this with restarts
+    # previous round's addresses from it (pytorch/pytorch#135712); docs/training.md says to set this with restarts
     restart_env = dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     job = subprocess.Popen(cmd, cwd=REPO, env=restart_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_checkpoints(base / "runs" / "restarted", 4, job)
