@@ -56,17 +56,17 @@ from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
 
-# A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
-# 4,096 tokens), compiled (1.4x the eager steps here), every lr at x0.25 (where muon and adamw both do
-# best at this shape: the sweep in docs/benchmarks.md), 5 seeds: muon vs adamw in about 12 minutes on
-# 2 CPU cores, to within about 0.5% of the bpb. The val set is the speedrun's: the first 65,536 tokens.
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=0.25"
+# A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape and lrs (200
+# steps of 4,096 tokens; each group's lr tuned there: docs/benchmarks.md), compiled (1.4x the eager
+# steps here), 5 seeds: muon vs adamw in about 12 minutes on 2 CPU cores. The val set is the
+# speedrun's: the first 65,536 tokens.
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=1"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
-                 "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.3",
-                 "--unembedding-lr", "0.008", "--matrix-lr", "0.04", "--sample-tokens", "0",
-                 "--log-every", "50", "--compile"]
+                 "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.075",
+                 "--unembedding-lr", "0.002", "--matrix-lr", "0.02", "--adamw-matrix-lr", "0.001",
+                 "--sample-tokens", "0", "--log-every", "50", "--compile"]
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
         "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
@@ -454,7 +454,7 @@ def parse_args(argv):
     p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
                    help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
                    "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
-                   "%(default)s, the best of muon and adamw at the default shape)")
+                   "lr-multiplier=1: the lrs tuned for the default shape)")
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",

@@ -99,7 +99,6 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
     p.add_argument("--adamw-matrix-lr", type=float, default=0.004, help="AdamW lr of the block "
                    "matrices (at width 768), when the --optimizer variant trains them with AdamW")
-    p.add_argument("--scalar-lr", type=float, default=0.5, help="AdamW lr of the scalars (gains)")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
@@ -192,7 +191,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
          "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr", "scalar_lr",
+        (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr",
           "weight_decay", "qk_clip", "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0,
          "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite,
@@ -411,7 +410,7 @@ def optimizer_options(args, compiled: bool) -> dict:
     (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
-                 scalar_lr=args.scalar_lr, weight_decay=args.weight_decay)
+                 weight_decay=args.weight_decay)
     variant = OPTIMIZER_VARIANTS[args.optimizer]
     for key in sorted(flags.keys() & variant.keys()):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
