@@ -3,7 +3,7 @@ Compare optimizer variants on identical data and token budget, over seeds and th
 swept base_train flag (an lr, usually): a table of means and 95% intervals, a verdict per variant
 against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate   # muon vs adamw, 5 seeds, about 12 minutes on a 2-core CPU
+    python -m scripts.ablate   # muon vs adamw, 5 seeds, about 10 minutes on a 2-core CPU
     python -m scripts.ablate --variants muon,muon-plus --budget 20m
     python -m scripts.ablate --variants muon,adamw --sweep lr-multiplier=0.5,1,2 --num-iterations 300
     python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
@@ -58,7 +58,7 @@ from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape and lrs (200
 # steps of 4,096 tokens; each group's lr tuned there: docs/benchmarks.md), compiled (1.4x the eager
-# steps here), 5 seeds: muon vs adamw in about 12 minutes on 2 CPU cores. The val set is the
+# steps here), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores. The val set is the
 # speedrun's: the first 65,536 tokens.
 DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=1"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
