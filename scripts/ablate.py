@@ -11,11 +11,11 @@ against the baseline, and plots of val bpb.
 Each (variant, swept value, seed) is one scripts.base_train run with --optimizer, the swept flag,
 and --seed and --data-seed both set to the seed (init and data order). Flags this script does not
 know go to base_train after the defaults below, so they override them (GPU runs:
-docs/research.md). Finished runs are cached in ablations/cache/, keyed by everything
-that decides them (the variant's definition, seed, swept flag and value, base_train flags, processes,
-tokenizer, the device and the precision --dtype resolves to, the contents of the train and val shards and of every
-.py file in nanomuon/ and scripts/, the torch version), so a re-run or an interrupted ablation skips
-them, and an edit of code or data reruns.
+docs/research.md). Finished runs are cached in ablations/cache/, keyed by everything that decides
+them (the variant's definition, seed, swept flag and value, base_train flags, processes,
+tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
+shards and of every .py file in nanomuon/ and scripts/, the torch version), so a re-run or an
+interrupted ablation skips them, and an edit of code or data reruns.
 """
 
 import argparse
