@@ -19,6 +19,7 @@ interrupted ablation skips them, and an edit of code or data reruns.
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -426,8 +427,9 @@ def sweep_arg(s: str) -> Sweep:
     if not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not values or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
-    numbers = all(re.fullmatch(r"[-+.\deE]+", v) for v in values)
-    return Sweep(flag, sorted(values, key=float) if numbers else values)  # else: the order given
+    with contextlib.suppress(ValueError):  # not all numbers (a choice flag): the order given
+        values = sorted(values, key=float)
+    return Sweep(flag, values)
 
 
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
