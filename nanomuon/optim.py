@@ -54,11 +54,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nanomuon.param_groups import (
-    OPTIONAL_KEYS,
     check_grad,
     check_group,
     check_group_values,
     check_state_dict,
+    fill_defaults,
     group_label,
     saved_params,
 )
@@ -67,9 +67,10 @@ from nanomuon.sharded import (
     DeviceMesh,
     DTensor,
     Shard,
+    check_sharded_stages,
     full_state,
     has_dtensors,
-    kept_second_moments,
+    kept_direction_state,
     local,
     muon_step_sharded,
     state_piece,
@@ -77,13 +78,15 @@ from nanomuon.sharded import (
 from nanomuon.update_math import (
     adamw_hparams,
     adamw_update,
+    fresh_state,
     kernel,
     muon_hparams,
     muon_options,
     muon_state_layout,
     muon_update,
-    ns_cost,
+    runs_eager,
     scalars,
+    update_cost,
 )
 
 
@@ -117,7 +120,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(list(param_groups), defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        # tuple of param ids -> (state layout, (momentum stack, second-moment stack or None))
+        # tuple of param ids -> (state layout, name -> stacked state)
         self._stacks = {}
         # DTensor Muon params: owners and blocks (sharded.py keeps them here)
         self._sharded_plans = {}
@@ -164,8 +167,9 @@ class MuonAdamW(torch.optim.Optimizer):
             seen[p] = (i, j)
         super().add_param_group(group)
         # state_dict() records what actually ran
-        for key, default in OPTIONAL_KEYS[group["kind"]].items():
-            self.param_groups[-1].setdefault(key, default)
+        fill_defaults(self.param_groups[-1])
+        if group["kind"] == "muon" and has_dtensors(group["params"]):
+            check_sharded_stages(group_label(i, group), self.param_groups[-1])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -234,7 +238,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     if group["kind"] == "muon" else [])
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
         buckets = []
-        for b in owner_plan(keys, [ns_cost(group, p) for p in matrices], self.world_size, loads):
+        for b in owner_plan(keys, [update_cost(group, p) for p in matrices], self.world_size, loads):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank,
             # so rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"])
@@ -339,9 +343,10 @@ class MuonAdamW(torch.optim.Optimizer):
             work, buf = reduced
             work.wait()
         if idx:
+            compiled = self.compiled and not runs_eager(group)
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
-                grads = torch.stack(grads) if self.compiled else grads
+                grads = torch.stack(grads) if compiled else grads
             else:
                 rows = self._own_chunk(buf)[:len(mine)]
                 self._finish_mean(rows)
@@ -349,23 +354,19 @@ class MuonAdamW(torch.optim.Optimizer):
             params = [mine[k] for k in idx]
             # eager: the params themselves, no copy; compiled: a stack (a list would recompile
             # per length), copied back below
-            stacked = torch.stack(params) if self.compiled else params
-            everyone, (momentum, second) = len(idx) == len(mine), self._muon_stacks(group, mine)
+            stacked = torch.stack(params) if compiled else params
+            everyone, state = len(idx) == len(mine), self._muon_stacks(group, mine)
             if not everyone:  # index_select copies: the moved state is written back below
-                sel = torch.tensor(idx, device=momentum.device)
-                m_all, s_all = momentum, second
-                momentum, second = momentum[sel], (second[sel] if second is not None else None)
-            h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device),
-                        self.compiled)
-            opts, update = muon_options(group, mine[0].device), kernel(muon_update, self.compiled)
-            for sl in self._slices(momentum):
-                update(grads[sl], stacked[sl], momentum[sl], second[sl] if second is not None
-                       else None, h, opts)
+                sel = torch.tensor(idx, device=mine[0].device)
+                whole, state = state, {name: t[sel] for name, t in state.items()}
+            h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
+            opts, update = muon_options(group, mine[0].device), kernel(muon_update, compiled)
+            for sl in self._slices(state["momentum_buffer"]):
+                update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts)
             if not everyone:
-                m_all[sel] = momentum
-                if second is not None:
-                    s_all[sel] = second
-            if self.compiled:
+                for name, t in state.items():
+                    whole[name][sel] = t
+            if compiled:
                 torch._foreach_copy_(params, list(stacked.unbind(0)))
             if reduced is not None:
                 torch._foreach_copy_([rows[k] for k in idx], params)
@@ -421,24 +422,26 @@ class MuonAdamW(torch.optim.Optimizer):
         per = max(1, self.CPU_SLICE // lead[0].numel())
         return [slice(i, i + per) for i in range(0, len(lead), per)]
 
-    def _muon_stacks(self, group: dict, params: list[Tensor]):
-        """Stacked (momentum, second moment or None) buffers for these same-shape params, as the
-        group now asks (beta2 and the layout may be edited between steps); per-param state views
-        them. A second moment of another layout restarts from zeros."""
-        layout = muon_state_layout(params[0], group)
+    def _muon_stacks(self, group: dict, params: list[Tensor]) -> dict:
+        """name -> one stacked buffer per state these same-shape params keep, as the group now
+        asks (its stages and layout may be edited between steps); per-param state views them.
+        A state of another shape starts afresh (StateSpec.init)."""
+        p0 = params[0]
+        layout = muon_state_layout(p0.shape, p0.dtype, group)
         key = tuple(id(p) for p in params)
         if key in self._stacks and self._stacks[key][0] == layout:
             return self._stacks[key][1]
-        stacks = []
-        for name, (shape, dtype) in layout.items():
-            out = torch.zeros((len(params), *shape), dtype=dtype, device=params[0].device)
+        stacks = {}
+        for name, slot in layout.items():
+            out = torch.empty((len(params), *slot.shape), dtype=slot.dtype, device=p0.device)
             for i, p in enumerate(params):
-                if name in self.state[p] and tuple(self.state[p][name].shape) == shape:
-                    out[i].copy_(self.state[p][name])
+                old = self.state[p].get(name)
+                out[i].copy_(old if old is not None and tuple(old.shape) == slot.shape
+                             else fresh_state(slot, p))
                 self.state[p][name] = out[i]
-            stacks.append(out)
-        self._stacks[key] = (layout, (stacks[0], stacks[1] if len(stacks) > 1 else None))
-        return self._stacks[key][1]
+            stacks[name] = out
+        self._stacks[key] = (layout, stacks)
+        return stacks
 
     # Communication (data parallel only).
 
@@ -543,8 +546,9 @@ class MuonAdamW(torch.optim.Optimizer):
             if not any(has[p] for p in b["params"]):
                 continue
             p0, mine = b["params"][0], [b["params"][i] for i in b["mine"]]
-            layouts = muon_state_layout(p0, self.param_groups[b["group"]])  # the same on all ranks
-            for name, (shape, dtype) in layouts.items():
+            # the same on all ranks
+            layouts = muon_state_layout(p0.shape, p0.dtype, self.param_groups[b["group"]])
+            for name, (shape, dtype, _) in layouts.items():
                 stack = torch.zeros((b["per_rank"], *shape), dtype=dtype, device=p0.device)
                 for k, p in enumerate(mine):
                     if name in self.state[p]:
@@ -563,8 +567,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _torch_load(self, state_dict: dict) -> None:
         """torch's load_state_dict, then: this run's structural options kept (torch restores the
-        saved group values), defaults for options newer than the checkpoint, and second moments back
-        in fp32 (torch casts state to the param dtype)."""
+        saved group values), defaults for options newer than the checkpoint, and stage state back
+        in its own dtype (torch casts state to the param dtype)."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         for group, kept in zip(self.param_groups, keep):
@@ -574,15 +578,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 group.setdefault("orthogonalizer",
                                  dict(standard="newton_schulz", gram="gram_newton_schulz")
                                  .get(method, "auto"))
-            for key, default in OPTIONAL_KEYS[group["kind"]].items():
-                group.setdefault(key, default)
+            fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
+        groups = {p: g for g in self.param_groups for p in g["params"]}
         for pid, st in state_dict["state"].items():
-            # the saved fp32, not torch's cast copy
-            if (second := st.get("second_momentum_buffer")) is not None:
-                p = by_id[pid]
-                self.state[p]["second_momentum_buffer"] = second.to(p.device, torch.float32,
-                                                                    copy=True)
+            p = by_id[pid]
+            if groups[p]["kind"] != "muon":
+                continue
+            slots = muon_state_layout(p.shape, p.dtype, groups[p])
+            for name, v in st.items():  # the saved dtype (fp32), not torch's cast copy
+                if name in slots and slots[name].dtype != p.dtype and isinstance(v, Tensor):
+                    self.state[p][name] = v.to(p.device, slots[name].dtype, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -597,13 +603,13 @@ class MuonAdamW(torch.optim.Optimizer):
         params' param-shaped state; or (data parallel) a slice of the flat param: Muon state
         on its owner only, large AdamW params' state as this rank's rows of p. A collective
         where DTensor Muon params are planned."""
-        kept = kept_second_moments(self.param_groups, self._sharded_plans)
+        kept = kept_direction_state(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
 
         def where(p, name, shape):
             if isinstance(p, DTensor):
-                if name == "second_momentum_buffer":  # whole, on the rank that orthogonalizes p
+                if kinds[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
                     return "whole" if id(p) in kept else None
                 return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
             if kinds[p] == "muon":

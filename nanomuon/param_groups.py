@@ -10,14 +10,12 @@ check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from nanomuon import update_math
-from nanomuon.update_math import ns_coefficients
+from nanomuon.update_math import Option, a_bool, a_number, ns_coefficients, one_of
 
 logger = logging.getLogger("nanomuon")
 
@@ -111,33 +109,19 @@ REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
 SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")
 
 
-@dataclass(frozen=True)
-class Option:
-    """An optional group key: its default, check(value) -> None if fine, else what the value must
-    be, and one line for the docs' option table (options_table())."""
-    default: object
-    check: Callable[[object], str | None]
-    doc: str
+def stage_names(key: str):
+    """The check of a stage key: names in its registry (one, or a sequence for a chain)."""
+    registry, chain = update_math.STAGE_KEYS[key], key in update_math.CHAIN_KEYS
+    where = "update_math." + next(n for n, v in vars(update_math).items() if v is registry)
 
-
-def one_of(*choices):
-    return lambda v: None if any(v is c or (type(v) is type(c) and v == c) for c in choices) else \
-        f"must be one of {list(choices)}"
-
-
-def a_bool(v):
-    return None if isinstance(v, bool) else "must be True or False"
-
-
-def a_number(v):
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    return None if ok else "must be a finite number >= 0"
-
-
-def an_orthogonalizer(v):
-    return None if v in update_math.ORTHOGONALIZERS else (
-        f"must be one of {list(update_math.ORTHOGONALIZERS)} "
-        "(update_math.ORTHOGONALIZERS: register yours there)")
+    def check(v):
+        if chain and not isinstance(v, (str, tuple, list)):
+            return "must be a name or a sequence of names"
+        bad = [n for n in (update_math.names(v) if chain else (v,))
+               if not isinstance(n, str) or n not in registry]
+        return (f"{'names ' + repr(bad) if chain else 'is'} not in {where}: use one of "
+                f"{list(registry)}, or register yours there") if bad else None
+    return check
 
 
 def any_value(v):  # checked with the keys it goes with (_check_coefficients, _check_layout)
@@ -149,9 +133,13 @@ def any_value(v):  # checked with the keys it goes with (_check_coefficients, _c
 # option table in docs/optimizer.md is made from the docs.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
-    "cautious_wd": Option(True, a_bool, "decay only where the update and the weight agree in sign; "
-                          "`False`: plain decoupled decay"),
-    "orthogonalizer": Option("auto", an_orthogonalizer, "a name in `update_math.ORTHOGONALIZERS`: "
+    "precondition": Option((), stage_names("precondition"), "names in "
+                           "`update_math.PRECONDITIONERS`, run in order on the momentum step "
+                           "before orthogonalizing: `'equilibrate_row'` (MuonEq, arXiv "
+                           "2603.28254; nanochat's; also `_col`, `_row_col`: unit rows and/or "
+                           "columns, both scales from the same matrix); `'soap'` (SOAP-Muon)"),
+    "orthogonalizer": Option("auto", stage_names("orthogonalizer"), "a name in "
+                             "`update_math.ORTHOGONALIZERS`: "
                              "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial "
                              "iterated on the m x m Gram matrix (fewer FLOPs from aspect 1.5: "
                              "1.5x at 4:1), restarted every 3 iterations; `'auto'`: Gram where "
@@ -167,16 +155,17 @@ MUON_OPTIONS = {
                            "`'bf16'`, `'fp16'`, `'fp32'`; auto: bf16 on CUDA and on CPUs with "
                            "AVX512-BF16 or AMX, fp32 elsewhere (CPUs without bf16 units run it "
                            "20-100x slower)"),
-    "equilibrate": Option(None, one_of(*update_math.EQUILIBRATE_MODES),
-                          "MuonEq (arXiv 2603.28254): `'row'`, `'col'` or `'row_col'` scales the "
-                          "momentum's rows and/or columns to unit norm before orthogonalizing "
-                          "(both scales from the same matrix). nanochat applies `'row'` always"),
-    "post_normalize": Option(None, one_of(*update_math.POST_NORMALIZE_MODES),
-                             "Muon+ (arXiv 2602.21545): `'col'`, `'row'`, `'col_row'` or "
-                             "`'row_col'` normalizes the orthogonalized update's columns and/or "
-                             "rows to unit norm, in the order named; `'fro'` is what nanochat "
-                             "calls Muon+: the whole update rescaled to Frobenius norm "
-                             "sqrt(min(rows, cols))"),
+    "post_process": Option(("variance_reduction",), stage_names("post_process"), "names in "
+                           "`update_math.POST_PROCESSORS`, run in order on the orthogonalized "
+                           "update: `'variance_reduction'` (NorMuon, with `beta2`; nothing when "
+                           "it is None); `'normalize_col'`, `_row`, `_col_row`, `_row_col` (Muon+, "
+                           "arXiv 2602.21545: unit columns and/or rows, in the order named), "
+                           "`'normalize_fro'` (nanochat's Muon+: Frobenius norm sqrt(min(rows, "
+                           "cols))); `'uw_floor'` (the u/w floor)"),
+    "apply": Option("cautious", stage_names("apply"), "a name in `update_math.APPLIERS`: "
+                    "`'cautious'`, decay only where the update and the weight agree in sign; "
+                    "`'decoupled'`, plain decoupled decay; `'hyperball'` (MuonH: the weight "
+                    "kept on the sphere of its initial norm, no decay)"),
     "lr_scale": Option("shape", one_of(*update_math.LR_SCALES), "lr factor: `'shape'` "
                        "sqrt(max(1, r/c)); `'moonlight'` 0.2 sqrt(max(r, c)), AdamW's update RMS; "
                        "`'spectral'` sqrt(max(r, c)); `'unit_rms'` sqrt(r/c)"),
@@ -206,11 +195,40 @@ ADAMW_OPTIONS = {
                        "`betas[0]` at the next step"),
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
-OPTIONAL_KEYS = {kind: {k: o.default for k, o in options.items()}
-                 for kind, options in OPTIONS.items()}
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a
 # group.
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
+
+
+def group_options(group: dict) -> dict:
+    """The optional keys of a group, key -> Option: its kind's, and (muon) the options the stages
+    it names declare (a stage's own hyperparameters)."""
+    options = dict(OPTIONS.get(group.get("kind"), {}))
+    if group.get("kind") == "muon":
+        for key in update_math.STAGE_KEYS:
+            value = group.get(key, MUON_OPTIONS[key].default)
+            if MUON_OPTIONS[key].check(value) is None:
+                for name in update_math.names(value):
+                    options.update(update_math.stage(key, name).options)
+    return options
+
+
+def fill_defaults(group: dict) -> None:
+    """Give a group every optional key it lacks, at its default (state_dict() then records what
+    ran); a stage named between steps gets its options' defaults then. Groups saved before the
+    stage keys had equilibrate, post_normalize and cautious_wd: they become stage names."""
+    if group.get("kind") == "muon" and any(k in group for k in LEGACY_KEYS):
+        eq, post = group.pop("equilibrate", None), group.pop("post_normalize", None)
+        group.setdefault("precondition", (f"equilibrate_{eq}",) if eq else ())
+        group.setdefault("post_process", ((f"normalize_{post}",) if post else ())
+                         + ("variance_reduction",))
+        group.setdefault("apply", "cautious" if group.pop("cautious_wd", True) else "decoupled")
+    for key, option in group_options(group).items():
+        group.setdefault(key, option.default)
+
+
+# muon keys that stage names replaced: fill_defaults() converts them
+LEGACY_KEYS = ("equilibrate", "post_normalize", "cautious_wd")
 
 
 def options_table(kind: str = "muon") -> str:
@@ -262,7 +280,7 @@ def check_group_values(i: int, group: dict) -> None:
     _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
     if group["beta2"] is not None:
         _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
-    for key, option in MUON_OPTIONS.items():
+    for key, option in group_options(group).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
     _check_coefficients(label, group)
@@ -295,11 +313,14 @@ def _check_layout(label: str, group: dict) -> None:
     if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
         raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 "
                          "(Megatron's num_query_groups)")
-    if group.get("sharded_mode") == "distributed" and group.get("orthogonalizer", "auto") \
-            not in ("auto", "newton_schulz", "gram_newton_schulz"):
-        raise ValueError(f"{label}: sharded_mode='distributed' runs Newton-Schulz on slices of "
-                         f"each matrix; orthogonalizer={group['orthogonalizer']!r} needs whole "
-                         "matrices: use sharded_mode 'owner' or 'duplicated'")
+    if group.get("sharded_mode") == "distributed":
+        filled = dict(group)
+        fill_defaults(filled)
+        for key, name, s in update_math.group_stages(filled):
+            if key != "apply" and not s.on_slices:
+                raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
+                                 f"slices of each matrix; {key} {name!r} needs whole matrices: "
+                                 "use sharded_mode 'owner' or 'duplicated'")
     if (qkv or split or group.get("transposed")) and \
             group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
         raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} "
@@ -316,10 +337,20 @@ def check_group(i: int, group: dict) -> None:
         raise ValueError(f"{label}: missing 'params'; "
                          "give the list of parameters this group trains")
     check_group_values(i, group)
-    kind = group["kind"]
-    unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(OPTIONAL_KEYS[kind])
+    kind, options = group["kind"], group_options(group)
+    unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(options)
+    if kind == "muon" and (legacy := sorted(unknown & set(LEGACY_KEYS))):
+        raise ValueError(f"{label}: {legacy[0]} is now a stage name: equilibrate='row' is "
+                         "precondition=('equilibrate_row',), post_normalize='col' is "
+                         "post_process=('normalize_col', 'variance_reduction'), "
+                         "cautious_wd=False is apply='decoupled'")
+    for key in sorted(unknown) if kind == "muon" else ():
+        if owner := next((f"{k} {n!r}" for k, reg in update_math.STAGE_KEYS.items() for n in reg
+                          if key in update_math.stage(k, n).options), None):
+            raise ValueError(f"{label}: {key} is an option of {owner}, which this group does "
+                             "not run; name the stage too, or drop the key")
     if unknown:
-        allowed = sorted(set(REQUIRED_KEYS[kind]) | set(OPTIONAL_KEYS[kind]) | {"name"})
+        allowed = sorted(set(REQUIRED_KEYS[kind]) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
     for j, p in enumerate(group["params"]):
         where = f"{label}, param {j}"

@@ -13,14 +13,16 @@ code: read it to learn what the optimizer does, fork it to state a new idea befo
 Per step, on a (rows, cols) matrix with gradient g:
   1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf (L2 mode adds wd p to
      g first)
-  2. MuonEq (equilibrate): divide rows and/or columns by their norms, both taken from the same
-     matrix
+  2. precondition (none by default): MuonEq ('equilibrate_row', ...) divides rows and/or columns
+     by their norms, both taken from the same matrix
   3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
      X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration
-  4. Muon+ (post_normalize): unit columns and/or rows, or nanochat's Frobenius rescale
-  5. variance reduction (beta2): an EMA of the mean squared update per row (tall/square) or column
-     (wide) divides it, and the Frobenius norm from step 4 is restored
-  6. p <- p - lr' u - decay p [where u p >= 0 when cautious], lr' = lr * factor(rows, cols)
+  4-5. post-process, in the order named: Muon+ ('normalize_col', ...): unit columns and/or rows,
+     or nanochat's Frobenius rescale; variance reduction (the default, with beta2): an EMA of the
+     mean squared update per row (tall/square) or column (wide) divides it, and the Frobenius
+     norm it had is restored
+  6. apply: p <- p - lr' u - decay p [where u p >= 0 when 'cautious'], lr' = lr * factor(rows,
+     cols)
 """
 
 import math
@@ -36,9 +38,10 @@ LR_FACTORS = {  # lr_scale: the factor on lr for a (rows, cols) matrix
     "spectral": lambda r, c: math.sqrt(max(r, c)),
     "unit_rms": lambda r, c: math.sqrt(r / c),
 }
-DEFAULTS = dict(nesterov=True, cautious_wd=True, ns_coefficients="polar_express",
-                ns_repeat_last=False, equilibrate=None, post_normalize=None, lr_scale="shape",
-                extra_scale=1.0, decay_lr="adjusted", weight_decay_mode="decoupled")
+DEFAULTS = dict(nesterov=True, precondition=(), ns_coefficients="polar_express",
+                ns_repeat_last=False, post_process=("variance_reduction",), apply="cautious",
+                lr_scale="shape", extra_scale=1.0, decay_lr="adjusted",
+                weight_decay_mode="decoupled")
 
 
 def coefficients(group: dict) -> tuple[list, float, float]:
@@ -69,37 +72,71 @@ def newton_schulz(u: Tensor, group: dict) -> Tensor:
     return X.T if rows > cols else X
 
 
+def _builtin(name: str):
+    """The float64 definition of a built-in stage name (steps 2, 4, 5 and 6 above)."""
+    kind, _, mode = name.partition("_")
+    if kind == "equilibrate":
+        def equilibrate(u, *_):
+            r = (u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in mode else 1.0
+            c = (u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in mode else 1.0
+            return u / r ** 0.5 / c ** 0.5
+        return equilibrate
+    if kind == "normalize":
+        def normalize(o, *_):
+            if mode == "fro":
+                return o * math.sqrt(min(o.shape)) / torch.linalg.matrix_norm(o)
+            for part in mode.split("_"):
+                o = o / ((o ** 2).sum(dim=0 if part == "col" else 1, keepdim=True) + 1e-7).sqrt()
+            return o
+        return normalize
+    if name == "variance_reduction":
+        return variance_reduction
+    raise ValueError(f"reference.muon_step has no float64 definition of stage {name!r}; "
+                     "pass one in `stages`")
+
+
+def variance_reduction(o: Tensor, p, g, state: dict, group: dict) -> Tensor:
+    """Step 5, nothing without beta2."""
+    if group["beta2"] is None:
+        return o
+    rows, cols = o.shape
+    v = (o ** 2).mean(dim=1 if rows >= cols else 0, keepdim=True)
+    state["v"] = group["beta2"] * state.get("v", torch.zeros_like(v)) + (1 - group["beta2"]) * v
+    scaled = o * state["v"].clamp_min(1e-10) ** -0.5
+    return scaled * (torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(scaled))
+
+
+def _names(value) -> list:
+    return [value] if isinstance(value, str) else list(value or ())
+
+
 def muon_step(p: Tensor, g: Tensor, state: dict, group: dict,
-              orthogonalize=newton_schulz) -> Tensor:
+              orthogonalize=newton_schulz, stages: dict | None = None) -> Tensor:
     """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p.
-    state (a dict, empty at first) keeps the momentum and second moment. orthogonalize(u, group):
-    step 3."""
+    state (a dict, empty at first) keeps the momentum and what the stages keep.
+    orthogonalize(u, group): step 3. stages: name -> a float64 definition of a stage the group
+    names that is not built in: precondition and post-process f(x, p, g, state, group) -> x
+    (p, g: this step's weight and raw gradient), apply f(p, o, lr, decay, state, group) -> new p."""
     group = dict(DEFAULTS, **group)
+    stages = dict(stages or {})
     p, g, m = p.double(), g.double(), group["momentum"]
-    if group["weight_decay_mode"] == "l2":
-        g = g + group["weight_decay"] * p
-    state["buf"] = m * state.get("buf", torch.zeros_like(p)) + (1 - m) * g
-    u = (1 - m) * g + m * state["buf"] if group["nesterov"] else state["buf"]
-    rows, cols = u.shape
-    eq = group["equilibrate"] or ""
-    r = ((u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in eq
-         else torch.ones(rows, 1, dtype=u.dtype))
-    c = ((u ** 2).sum(dim=0, keepdim=True) + 1e-8 if "col" in eq
-         else torch.ones(1, cols, dtype=u.dtype))
-    o = orthogonalize(u / r.sqrt() / c.sqrt(), group).double()
-    if group["post_normalize"] == "fro":
-        o = o * math.sqrt(min(rows, cols)) / torch.linalg.matrix_norm(o)
-    elif group["post_normalize"]:
-        for part in group["post_normalize"].split("_"):
-            o = o / ((o ** 2).sum(dim=0 if part == "col" else 1, keepdim=True) + 1e-7).sqrt()
-    if group["beta2"] is not None:
-        v = (o ** 2).mean(dim=1 if rows >= cols else 0, keepdim=True)
-        state["v"] = group["beta2"] * state.get("v", torch.zeros_like(v)) + (1 - group["beta2"]) * v
-        scaled = o * state["v"].clamp_min(1e-10) ** -0.5
-        o = scaled * (torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(scaled))
+    g_l2 = g + group["weight_decay"] * p if group["weight_decay_mode"] == "l2" else g
+    state["buf"] = m * state.get("buf", torch.zeros_like(p)) + (1 - m) * g_l2
+    u = (1 - m) * g_l2 + m * state["buf"] if group["nesterov"] else state["buf"]
+    for name in _names(group["precondition"]):
+        u = (stages[name] if name in stages else _builtin(name))(u, p, g, state, group)
+    o = orthogonalize(u, group).double()
+    for name in _names(group["post_process"]):
+        o = (stages[name] if name in stages else _builtin(name))(o, p, g, state, group)
+    rows, cols = o.shape
     lr = group["lr"] * LR_FACTORS[group["lr_scale"]](rows, cols) * group["extra_scale"]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
     if group["weight_decay_mode"] == "l2":
         decay = 0.0
-    mask = (o * p >= 0).double() if group["cautious_wd"] else 1.0
+    if group["apply"] in stages:
+        return stages[group["apply"]](p, o, lr, decay, state, group)
+    mask = (o * p >= 0).double() if group["apply"] == "cautious" else 1.0
+    if group["apply"] not in ("cautious", "decoupled"):
+        raise ValueError(f"reference.muon_step has no float64 definition of apply "
+                         f"{group['apply']!r}; pass one in `stages`")
     return p - lr * o - decay * p * mask

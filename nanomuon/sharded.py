@@ -8,8 +8,9 @@ shape; a second all_to_all returns each rank its block for the elementwise updat
 muon_step_modes() has Megatron's alternatives.
 
 Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer
-is sharded like its param; the second moment lives on the owner only. full_state() gathers the
-unsharded state_dict() format; state_piece() and kept_second_moments() cut it (or a checkpoint) back
+is sharded like its param; the direction stages' state (variance reduction's second moment, any
+stage's) lives on the owner only. full_state() gathers the
+unsharded state_dict() format; state_piece() and kept_direction_state() cut it (or a checkpoint) back
 to a rank. The functions take the optimizer's pieces (group, state, plan cache), never the
 optimizer: this file depends on the math and the plan only.
 """
@@ -23,20 +24,24 @@ from torch import Tensor
 
 from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
+    CHAIN_KEYS,
     NS_DTYPES,
     Slices,
+    StageContext,
+    fresh_state,
+    group_stages,
     kernel,
     muon_apply,
     muon_direction,
     muon_hparams,
-    muon_layout,
     muon_momentum,
     muon_options,
-    muon_red_dim,
-    new_second_moment,
-    ns_cost,
+    muon_state_layout,
     over_slices,
+    runs_eager,
     scalars,
+    stage_needs,
+    update_cost,
 )
 
 try:
@@ -98,7 +103,7 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
     # blocks[r][i]: rank r's block of params[i]
     dist.all_gather_object(blocks, [block_of(p) for p in params])
     buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
-                         [ns_cost(group, p) for p in params], world)
+                         [update_cost(group, p) for p in params], world)
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
@@ -111,7 +116,7 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
 
 def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
     """The group's DTensor Muon params and their plan, built once (a collective) and kept in
-    `plans` (the optimizer's cache), so owners (who hold the second moments) stay put
+    `plans` (the optimizer's cache), so owners (who hold the direction state) stay put
     whichever params have grads."""
     params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
@@ -131,34 +136,36 @@ def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm
     return dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True), recv, send
 
 
-def _gather(plan, params, wave, g_local, comm_dtype):
-    """Launch the all_to_all that sends every block of the wave's matrices to their owners."""
+def _gather(plan, params, wave, g_local, comm_dtype, per: int = 1):
+    """Launch the all_to_all that sends every block of the wave's matrices to their owners (`per`
+    tensors of each, stacked: the momentum step, and the raw gradient where a stage needs it)."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     pieces = [[] for _ in range(world)]
     for i in wave:
         offset, shape, sends = blocks[rank][i]
         if sends and math.prod(shape):
             pieces[owner[i]].append(g_local[i].reshape(-1))
-    recv_counts = [sum(math.prod(blocks[src][i][1]) for i in wave
+    recv_counts = [sum(per * math.prod(blocks[src][i][1]) for i in wave
                        if owner[i] == rank and blocks[src][i][2])
                    for src in range(world)]
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
-def _assemble(plan, params, wave, recv) -> dict:
-    """Whole matrices (in the params' dtype) from the
-    received blocks, for the wave's matrices I own."""
+def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
+    """Whole matrices (in the params' dtype) from the received blocks, for the wave's matrices I
+    own; with per > 1, (per, *shape) stacks of them."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
-    full = {i: torch.empty(params[i].shape, dtype=params[i].dtype, device=recv.device)
+    lead = (per,) if per > 1 else ()
+    full = {i: torch.empty((*lead, *params[i].shape), dtype=params[i].dtype, device=recv.device)
             for i in mine}
     at = 0
     for src in range(world):
         for i in mine:
             offset, shape, sends = blocks[src][i]
-            n = math.prod(shape)
+            n = per * math.prod(shape)
             if sends and n:
-                full[i][_slices(offset, shape)] = recv[at:at + n].view(shape)
+                full[i][(..., *_slices(offset, shape))] = recv[at:at + n].view(*lead, *shape)
                 at += n
     assert at == recv.numel()
     return full
@@ -227,21 +234,26 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: boo
                      for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
         h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay")
                           if isinstance(getattr(h, k), Tensor)})
-    kernel(muon_apply, compiled)(p.to_local(), u, h, muon_options(group, u.device))
+    kernel(muon_apply, compiled)(p.to_local(), u, StageContext({}, h, muon_options(group, u.device)))
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
     """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state
     and plan cache. Params without a grad are skipped; DTensor grads are collective results, so
     every rank skips the same ones."""
+    check_sharded_stages(group.get("name", "a muon group"), group)
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, compiled)
     params, plan = group_plan(group, plans)
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
+    compiled = compiled and not runs_eager(group)
+    per = 2 if "grad" in stage_needs(group) else 1  # the raw gradient travels too
 
     def momentum_stage(wave):
-        return {i: _momentum_local(group, state, params[i], compiled) for i in wave}
+        out = {i: _momentum_local(group, state, params[i], compiled) for i in wave}
+        return out if per == 1 else {i: torch.stack([g, local(params[i].grad, params[i])])
+                                     for i, g in out.items()}
 
     def direction_stage(full: dict) -> dict:
         by_shape = {}
@@ -249,21 +261,22 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             by_shape.setdefault(tuple(params[i].shape), []).append(i)
         out = {}
         for shape, idx in by_shape.items():
-            stacked = torch.stack([full[i] for i in idx])
-            second = None
+            stacked, raw = torch.stack([full[i] for i in idx]), None
+            if per > 1:
+                stacked, raw = stacked[:, 0], stacked[:, 1]
             h = scalars(muon_hparams(group, shape, stacked.device), compiled)
-            if group["beta2"] is not None:
-                for i in idx:
-                    state[params[i]].setdefault(
-                        "second_momentum_buffer",
-                        new_second_moment(shape, stacked.device, layout=muon_layout(group)))
-                second = torch.stack([state[params[i]]["second_momentum_buffer"] for i in idx])
-            u = kernel(muon_direction, compiled)(stacked, second, h.beta2,
-                                                 muon_options(group, stacked.device), stacked.dtype)
+            slots = direction_slots(params[idx[0]], group)
+            for i in idx:  # on the owner, whole
+                for name, slot in slots.items():
+                    state[params[i]].setdefault(name, fresh_state(slot, stacked))
+            stacks = {name: torch.stack([state[params[i]][name] for i in idx]) for name in slots}
+            u = kernel(muon_direction, compiled)(
+                stacked, StageContext(stacks, h, muon_options(group, stacked.device), raw),
+                stacked.dtype)
             for k, i in enumerate(idx):
                 out[i] = u[k]
-                if second is not None:
-                    state[params[i]]["second_momentum_buffer"].copy_(second[k])
+                for name, t in stacks.items():
+                    state[params[i]][name].copy_(t[k])
         return out
 
     def finish(pending):
@@ -280,16 +293,16 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, compiled)
 
     waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
-    pending_gather = (_gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype)
+    pending_gather = (_gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype, per)
                       if waves else None)
     pending_scatter = None
     for c, wave in enumerate(waves):
         work, recv, _send = pending_gather
         if c + 1 < len(waves):  # the next wave's gather travels while this wave computes
             pending_gather = _gather(plan, params, waves[c + 1], momentum_stage(waves[c + 1]),
-                                     comm_dtype)
+                                     comm_dtype, per)
         work.wait()
-        updates = direction_stage(_assemble(plan, params, wave, recv))
+        updates = direction_stage(_assemble(plan, params, wave, recv, per))
         scatter = (wave, _scatter(plan, params, wave, updates, comm_dtype))
         # the previous wave's scatter finished while this one computed
         if pending_scatter is not None:
@@ -310,10 +323,12 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
         g = _momentum_local(group, state, p, compiled)
+        raw = local(p.grad, p) if "grad" in stage_needs(group) else None
         slices, matrix_shape = contextlib.nullcontext(), p.shape
         if mode == "duplicated":
-            g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride()).full_tensor()
+            g, raw = (None if t is None else DTensor.from_local(
+                t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+                for t in (g, raw))
         elif mode == "distributed":
             if (cut := cut_of(p)) is not None:
                 dim, pg = cut
@@ -324,35 +339,53 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
         else:
             matrix_shape = g.shape
         h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
-        second = None
-        if group["beta2"] is not None:
-            if "second_momentum_buffer" not in state[p]:  # made once, not every step
-                state[p]["second_momentum_buffer"] = _slice_second_moment(group, p, g, mode)
-            second = state[p]["second_momentum_buffer"]
+        slots = direction_slots(p, group, g.shape if mode == "blockwise" else None)
+        for name, slot in slots.items():  # made once, not every step
+            if name not in state[p]:
+                state[p][name] = fresh_state(_cut_slot(slot, p, g, mode), g)
+        ctx = StageContext({name: state[p][name] for name in slots}, h,
+                           muon_options(group, g.device), raw)
         with slices:
-            u = muon_direction(g, second, h.beta2, muon_options(group, g.device), p.dtype)
+            u = muon_direction(g, ctx, p.dtype)
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, compiled)
 
 
-def _slice_second_moment(group: dict, p: DTensor, g: Tensor, mode: str) -> Tensor:
-    """Fresh variance-reduction state for g, the matrix or slice of p that this rank works on: in
-    'distributed' mode the whole matrix's stats (per row or column of p), cut like g."""
+def direction_slots(p: DTensor, group: dict, shape=None) -> dict:
+    """name -> StateSlot of the state p's direction stages keep, whole (or for a block of
+    `shape`): all of a DTensor param's state but its momentum (apply stages keep none here)."""
+    slots = muon_state_layout(shape or p.shape, p.dtype, group)
+    return {name: slot for name, slot in slots.items() if name != "momentum_buffer"}
+
+
+def _cut_slot(slot, p: DTensor, g: Tensor, mode: str):
+    """In 'distributed' mode, a whole matrix's per-row (or per-column) state cut like g, the
+    slice this rank works on: a dim as long as p's is cut to g's."""
     if mode != "distributed":
-        return new_second_moment(g.shape, g.device, muon_layout(group))
-    shape = list(g.shape)
-    shape[muon_red_dim(p.shape)] = 1
-    return torch.zeros(shape, dtype=torch.float32, device=g.device)
+        return slot
+    shape = [n if n != whole else cut
+             for n, whole, cut in zip(slot.shape, p.shape, g.shape)]
+    return slot._replace(shape=tuple(shape))
 
 
-def _second_moment_holders(group: dict, state: dict, plans: dict,
-                           params: list[DTensor]) -> list[int]:
-    """For each param, the rank whose second moment counts (the owner, or rank 0 in 'duplicated'
-    mode, where all hold the same), or -1 where it has none yet."""
+def check_sharded_stages(label: str, group: dict) -> None:
+    """Refuse the stages the sharded path cannot run: those that read whole weights (the
+    weights stay in blocks: only the momentum step, and the raw gradient where a stage needs
+    it, travel to a matrix's owner) and apply stages that keep state (apply runs on blocks)."""
+    for key, name, s in group_stages(group):
+        if "weight" in s.needs or (key not in CHAIN_KEYS and s.state):
+            raise ValueError(f"{label}: {key} {name!r} reads whole weight matrices, which "
+                             "sharded (FSDP2, tensor parallel) params keep in blocks; use it "
+                             "with plain (replicated) params")
+
+
+def _holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
+    """For each param, the rank whose direction state counts (the owner, or rank 0 in
+    'duplicated' mode, where all hold the same), or -1 where it has none yet."""
     device = params[0].to_local().device
-    has = torch.tensor([int("second_momentum_buffer" in state.get(p, {})) for p in params],
-                       device=device)
+    has = torch.tensor([int(any(n != "momentum_buffer" for n in state.get(p, {})))
+                        for p in params], device=device)
     every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
     dist.all_gather(every, has)
     holder = (group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner"
@@ -362,7 +395,7 @@ def _second_moment_holders(group: dict, state: dict, plans: dict,
 
 def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
     """sd (the optimizer's state_dict()) with every DTensor param's state made whole:
-    sharded tensors gathered, second moments broadcast from their owners. A collective;
+    sharded tensors gathered, direction state broadcast from its holders. A collective;
     the same result on every rank."""
     index = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
     # state_dict() shares the live per-param dicts
@@ -376,32 +409,34 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             st.update({name: v.full_tensor() for name, v in st.items() if isinstance(v, DTensor)})
         if group["kind"] != "muon" or not dparams:
             continue
-        for p, holder in zip(dparams, _second_moment_holders(group, state, plans, dparams)):
+        for p, holder in zip(dparams, _holders(group, state, plans, dparams)):
             if holder < 0:
                 continue
             st = out.setdefault(index[id(p)], {})
-            if dist.get_rank() == holder:
-                t = st["second_momentum_buffer"].to(torch.float32).clone()
-            else:
-                t = new_second_moment(p.shape, p.to_local().device, layout=muon_layout(group))
-            dist.broadcast(t, src=holder)
-            st["second_momentum_buffer"] = t
+            for name, slot in direction_slots(p, group).items():
+                device = p.to_local().device
+                t = (st[name].to(slot.dtype).clone() if dist.get_rank() == holder
+                     else torch.empty(slot.shape, dtype=slot.dtype, device=device))
+                dist.broadcast(t, src=holder)
+                st[name] = t
     return dict(sd, state=out)
 
 
 def _check_whole_state_mode(group: dict) -> None:
     if (group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed")
-            and group["beta2"] is not None):
+            and (kept := [n for n in muon_state_layout((2, 2), torch.float32, group)
+                          if n != "momentum_buffer"])):
         raise ValueError(f"{group.get('name', 'a muon group')}: with "
-                         f"sharded_mode={group['sharded_mode']!r} the variance-reduction state is "
-                         "per slice and has no whole form to save or load; to checkpoint, use "
-                         "sharded_mode 'owner' or 'duplicated' (or beta2=None)")
+                         f"sharded_mode={group['sharded_mode']!r} the state {kept} is per slice "
+                         "and has no whole form to save or load; to checkpoint, use "
+                         "sharded_mode 'owner' or 'duplicated' (or stages without state: "
+                         "beta2=None for variance reduction)")
 
 
-def kept_second_moments(param_groups: list[dict], plans: dict) -> set[int]:
-    """ids of the DTensor Muon params whose second moment this rank keeps: those it owns in
-    'owner' mode, all in 'duplicated'. Plans the groups not yet planned (a collective); refuses
-    modes whose state has no whole form."""
+def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
+    """ids of the DTensor Muon params whose direction state (variance reduction's second moment,
+    any stage's) this rank keeps: those it owns in 'owner' mode, all in 'duplicated'. Plans the
+    groups not yet planned (a collective); refuses modes whose state has no whole form."""
     kept = set()
     for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):

@@ -18,6 +18,8 @@ stack of momentum matrices (..., rows, cols), group the options dict (ns_steps, 
 ...). Register a function there and any group, DistMuonAdamW and the FSDP2 path can use it by name.
 """
 
+import functools
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -65,9 +67,6 @@ COEFFICIENT_SETS = {
     "deepseekv4": ((JORDAN_NS5,) * 8 + ((2.0, -1.5, 0.5),) * 2, 1.0, 1e-7),
 }
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-EQUILIBRATE_MODES = (None, "row", "col", "row_col")  # MuonEq, before orthogonalizing (equilibrate)
-# Muon+, after it (post_normalize)
-POST_NORMALIZE_MODES = (None, "fro", "col", "row", "col_row", "row_col")
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
 # torch.cpu's probes of the CPU
@@ -259,36 +258,154 @@ def newton_schulz_settings(group: dict) -> NewtonSchulz:
     return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
 
 
-# name -> f(G, group): a group's `orthogonalizer`. Add
-# an entry to try another (docs: the option table).
-ORTHOGONALIZERS = {
-    "auto": newton_schulz,
-    "newton_schulz": newton_schulz,
-    "gram_newton_schulz": newton_schulz,
-}
+# The Muon update's stages, each a registry (name -> Stage, or a bare function for a stage with no
+# state, options or needs). A muon group picks entries by name: `precondition` and `post_process`
+# a sequence, run in order; `orthogonalizer` and `apply` one name each. The optimizer allocates,
+# stacks, owns, saves and reshards what a stage's StateSpecs declare, and the option checks and
+# owner planning read its options and cost: to try an idea, write its function, register it and
+# name it in a variant (nanomuon/variants.py); docs/research.md walks through one.
+
+
+class Option(NamedTuple):
+    """An optional group key: its default, check(value) -> None if fine, else what the value must
+    be, and one line for the docs' option table."""
+    default: object
+    check: Callable
+    doc: str
+
+
+def one_of(*choices):
+    return lambda v: None if any(v is c or (type(v) is type(c) and v == c) for c in choices) else \
+        f"must be one of {list(choices)}"
+
+
+def a_bool(v):
+    return None if isinstance(v, bool) else "must be True or False"
+
+
+def a_number(v, hi=float("inf")):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < hi
+    return None if ok else f"must be a finite number >= 0{f' and < {hi}' if hi < 1e308 else ''}"
+
+
+def a_count(v):
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return None if ok else "must be an int >= 1"
+
+
+class StateSpec(NamedTuple):
+    """Per-matrix state a stage keeps. shape(rows, cols): its shape for one (rows, cols) matrix (a
+    precondition or post-process stage sees logical matrices: a split matrix's blocks, a transposed
+    one's (out, in); an apply stage the stored ones); dtype: at least this precision (fp64 params
+    keep fp64 state), None for the param's own; init: a number
+    to fill, or (apply stages) f(W) -> the value from the weights when first made; kept(group):
+    whether this group keeps it (None: always)."""
+    shape: Callable
+    dtype: torch.dtype | None = torch.float32
+    init: float | Callable = 0.0
+    kept: Callable | None = None
+
+
+class Stage(NamedTuple):
+    """A registry entry. fn: precondition and post-process f(x, ctx) -> x, orthogonalize f(G,
+    group) -> U, apply f(params, u, ctx) -> None (in place); state: name -> StateSpec; options: its
+    own group keys -> Option; cost(rows, cols, group): FLOPs per matrix and step, which owner
+    planning adds to Newton-Schulz's; needs: what it reads beyond its input ('grad': the raw
+    gradient, 'weight': whole weight matrices), which sharded (DTensor) params do not carry to
+    their owner; on_slices: also right on the slices of sharded_mode='distributed' (its sums go
+    through sq_sum or summed); eager: it branches on state values, so its group runs uncompiled."""
+    fn: Callable
+    state: dict = {}
+    options: dict = {}
+    cost: Callable | None = None
+    needs: tuple = ()
+    on_slices: bool = False
+    eager: bool = False
+
+
+class StageContext(NamedTuple):
+    """What a stage reads besides the matrices it transforms (a stack of them: (..., rows, cols))."""
+    state: dict  # name -> tensor: each state this param keeps, stacked like the matrices
+    h: MuonScalars  # this step's numbers
+    group: dict  # the group's static options (muon_options), stage options included
+    grad: Tensor | None = None  # the raw gradients, where a stage needs 'grad'
+    weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
 
 
 def sq_sum(x: Tensor, dims: tuple) -> Tensor:
-    """The sum of squares of x over dims (kept), in fp32 without a full-size x**2 (over slices,
-    the whole matrix's: summed)."""
-    s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=torch.float32).square()
+    """The sum of squares of x over dims (kept), in fp32 (fp64 for fp64 x) without a full-size
+    x**2 (over slices, the whole matrix's: summed)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=dtype).square()
     return summed(s, dims)
 
 
-def equilibrate(g: Tensor, mode) -> Tensor:
+def fp32(x: Tensor) -> Tensor:
+    """x in at least fp32 (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def frobenius(x: Tensor) -> Tensor:
+    """Each matrix's Frobenius norm in fp32 (or fp64), shaped to broadcast over x."""
+    return torch.linalg.matrix_norm(fp32(x), keepdim=True)
+
+
+def equilibrate(g: Tensor, ctx: StageContext, mode: str) -> Tensor:
     """MuonEq (Chang et al. 2026, arXiv 2603.28254; nanochat always applies 'row'): balance the
     momentum's rows and/or columns before orthogonalizing: diag(r) G diag(c),
     r_i = (sum_j G_ij^2 + 1e-8)^-1/2 and c likewise, both from the same G. Returns a new tensor:
     g may be the momentum buffer."""
-    parts = mode.split("_") if mode else ()
     scales = [sq_sum(g, (-1,) if part == "row" else (-2,)).add_(1e-8).rsqrt_().to(g.dtype)
-              for part in parts]
+              for part in mode.split("_")]
     for scale in scales:
         g = g * scale
     return g
 
 
-def post_normalize(u: Tensor, mode) -> Tensor:
+def soap(g: Tensor, ctx: StageContext) -> Tensor:
+    """SOAP-Muon (modded-nanogpt track 3, record #14; SOAP: arXiv 2409.11321): Adam in the
+    eigenbases Q_L, Q_R of the gradient's row and column covariances, before orthogonalizing.
+    P = Q_L^T U Q_R, V <- b V + (1 - b) P^2, U' = Q_L (P / (sqrt(V) + 1e-8)) Q_R^T rescaled to
+    ||U||_F (U: the momentum step; the first step passes it through). Then this step's gradient G
+    updates L <- b L + (1 - b) G G^T and R likewise, and the bases for the next step: eigh on the
+    first step, one power iteration and QR every precondition_frequency steps after."""
+    st, beta = ctx.state, ctx.group["soap_beta"]
+    started = (st["soap_step"] > 0)[..., None, None]
+    x = fp32(g)
+    P = st["soap_row_basis"].mT @ x @ st["soap_col_basis"]
+    V = st["soap_second_moment"]
+    V.copy_(torch.where(started, V * beta + (1 - beta) * P.square(), V))
+    pre = st["soap_row_basis"] @ (P / (V.sqrt() + 1e-8)) @ st["soap_col_basis"].mT
+    out = torch.where(started, pre * (frobenius(x) / frobenius(pre).clamp_min(1e-8)), x)
+    G = fp32(ctx.grad)
+    st["soap_row_cov"].lerp_(G @ G.mT, 1 - beta)
+    st["soap_col_cov"].lerp_(G.mT @ G, 1 - beta)
+    _soap_bases(st, ctx.group["precondition_frequency"])
+    st["soap_step"].add_(1)
+    return out.to(g.dtype)
+
+
+def _soap_bases(st: dict, frequency: int) -> None:
+    """The eigenbases after this step's covariances: eigh (eigenvalues descending) where a
+    matrix has none yet; every `frequency` steps, columns sorted by Rayleigh quotient (V's rows
+    or columns permuted alike), then Q <- qr(C Q). Batched, picked per matrix."""
+    step = st["soap_step"][..., None, None]
+    first, due = step == 0, (step > 0) & (step % frequency == 0)
+    for side, dim in (("row", -2), ("col", -1)):
+        cov, Q = st[f"soap_{side}_cov"], st[f"soap_{side}_basis"]
+        if first.any():
+            eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+            Q.copy_(torch.where(first, torch.linalg.eigh(cov + 1e-30 * eye)[1].flip(-1), Q))
+        if due.any():
+            order = torch.diagonal(Q.mT @ cov @ Q, dim1=-2, dim2=-1).argsort(-1, descending=True)
+            V = st["soap_second_moment"]
+            index = (order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)).expand_as(V)
+            V.copy_(torch.where(due, V.gather(dim, index), V))
+            sorted_Q = Q.gather(-1, order.unsqueeze(-2).expand_as(Q))
+            Q.copy_(torch.where(due, torch.linalg.qr(cov @ sorted_Q)[0], Q))
+
+
+def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
     """Muon+ (Zhang et al. 2026, arXiv 2602.21545): normalize the orthogonalized update's
     columns ('col') or rows ('row') to unit norm, x / sqrt(sum x^2 + 1e-7), one after the other
     in the order named ('col_row'), in place. 'fro' is nanochat's variant: rescale the whole
@@ -297,7 +414,7 @@ def post_normalize(u: Tensor, mode) -> Tensor:
     if mode == "fro":
         m, n = whole_shape(u)[-2:]
         return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1)).sqrt().clamp_min(1e-6)).to(u.dtype))
-    for part in mode.split("_") if mode else ():
+    for part in mode.split("_"):
         u = u.mul_(sq_sum(u, (-2,) if part == "col" else (-1,)).add_(1e-7).rsqrt_().to(u.dtype))
     return u
 
@@ -308,38 +425,170 @@ def muon_red_dim(shape) -> int:
     return -1 if shape[-2] >= shape[-1] else -2
 
 
-def variance_reduction(g: Tensor, second_moment: Tensor, beta2, red_dim: int) -> Tensor:
-    """Factored second-moment normalization (NorMuon-style), as nanochat does it.
-
-    Keeps an EMA of the mean squared update along `red_dim` (per row for tall/square matrices, per
-    column for wide ones), divides by its square root, then rescales so the update keeps the
-    Frobenius norm it had after orthogonalization. Scales g in place and returns it."""
-    red_size = whole_shape(g)[red_dim]
-    v_mean = sq_sum(g, (red_dim,)) / red_size  # g is scaled in place at the end
+def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
+    """Factored second-moment normalization (NorMuon, Li et al. 2025, arXiv 2510.05491, as
+    nanochat does it): an EMA (beta2) of the mean squared update along the rows of a tall or
+    square matrix (per row) or the columns of a wide one divides the update, which is then
+    rescaled to the Frobenius norm it had. In place; nothing without beta2."""
+    second_moment = ctx.state.get("second_momentum_buffer")
+    if second_moment is None:
+        return u
+    red_dim = muon_red_dim(whole_shape(u))
+    red_size = whole_shape(u)[red_dim]
+    v_mean = sq_sum(u, (red_dim,)) / red_size  # u is scaled in place at the end
     other = (-2 if red_dim == -1 else -1,)  # v_mean's sums over the other dim: the whole matrix's
 
     def total(t):
         return summed(t.sum(dim=(-2, -1), keepdim=True), other)
 
     v_norm = total(v_mean * red_size).sqrt()
-    second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - beta2)
+    second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - ctx.h.beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
     v_norm_new = total((v_mean * red_size) * step_size.float().square()).sqrt()
-    return g.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype))
+    return u.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(u.dtype))
 
 
-def pairs(stack: Tensor, params):
-    """(stack, params) whole when params is a tensor
-    like it, else row by row with a list of matrices."""
-    return ((stack, params),) if isinstance(params, Tensor) else zip(stack, params)
+def uw_floor(u: Tensor, ctx: StageContext) -> Tensor:
+    """The u/w floor (modded-nanogpt track 3, record #9): lift an update whose Frobenius norm is
+    below c ||W||_F to c ||W||_F (c: the group's uw_floor, 0.35 as published), u before the lr."""
+    ratio = ctx.group["uw_floor"] * frobenius(ctx.weight).clamp_min(1e-8)
+    return u.mul_((ratio / frobenius(u).clamp_min(1e-8)).clamp_min(1.0).to(u.dtype))
+
+
+def pairs(stack: Tensor, params, *states):
+    """(stack, params, *states) whole when params is a tensor like stack, else matrix by matrix
+    with a list of them."""
+    return ((stack, params, *states),) if isinstance(params, Tensor) else \
+        zip(stack, params, *states)
+
+
+def _lr_step(p: Tensor, u: Tensor, lr) -> None:
+    """p -= lr u: the lr folds into the add, or (a tensor: per row, or compiled) u was scaled."""
+    if isinstance(lr, Tensor):
+        p.sub_(u)
+    else:
+        p.add_(u, alpha=-lr)
+
+
+def apply_decoupled(params, u: Tensor, ctx: StageContext) -> None:
+    """Decoupled weight decay (h.decay: lr * weight_decay, 0 in 'l2' mode), then the step."""
+    if isinstance(ctx.h.lr, Tensor):
+        u.mul_(ctx.h.lr)
+    for ui, p in pairs(u, params):
+        p.mul_(1 - ctx.h.decay)
+        _lr_step(p, ui, ctx.h.lr)
+
+
+def apply_cautious(params, u: Tensor, ctx: StageContext) -> None:
+    """Cautious weight decay (Chen et al. 2025, arXiv 2510.12402): decay only where the update
+    and the weight agree in sign, then the step."""
+    if isinstance(ctx.h.lr, Tensor):
+        u.mul_(ctx.h.lr)
+    for ui, p in pairs(u, params):
+        p.addcmul_(p, ((ui * p) >= 0) * ctx.h.decay, value=-1)
+        _lr_step(p, ui, ctx.h.lr)
+
+
+def hyperball_radius(w: Tensor) -> Tensor:
+    """MuonH's sphere: each matrix's initial Frobenius norm; a matrix initialized at zero (an
+    output projection) gets sqrt(rows), the norm of one with unit-variance outputs, and joins it
+    at its first step."""
+    norm = frobenius(w)
+    return torch.where(norm > 0, norm, torch.full_like(norm, w.shape[-2] ** 0.5))
+
+
+def hyperball(params, u: Tensor, ctx: StageContext) -> None:
+    """MuonH (modded-nanogpt track 3, record #5; arXiv 2606.16899): each matrix stays on the
+    sphere of radius r (hyperball_radius): W' = W - lr r u / ||u||_F, then W <- W' r / ||W'||_F.
+    The lr is a relative step; weight decay has no part."""
+    for ui, p, r in pairs(u, params, ctx.state["hyperball_radius"]):
+        p.sub_((fp32(ui) * (ctx.h.lr * r / frobenius(ui).clamp_min(1e-10))).to(p.dtype))
+        p.mul_((r / frobenius(p).clamp_min(1e-10)).to(p.dtype))
+
+
+def _soap_cost(rows: int, cols: int, group: dict) -> float:
+    """Two rotations each way and the two covariances per step; a power iteration and a QR (or
+    the first eigh) per side every precondition_frequency steps."""
+    per_step = 6 * rows * cols * (rows + cols)
+    return per_step + 4 * (rows ** 3 + cols ** 3) / group["precondition_frequency"]
+
+
+def _covariance(n: int) -> Callable:
+    return lambda rows, cols: (rows, rows) if n == -2 else (cols, cols)
+
+
+PRECONDITIONERS = {
+    **{f"equilibrate_{mode}": Stage(functools.partial(equilibrate, mode=mode), on_slices=True)
+       for mode in ("row", "col", "row_col")},
+    "soap": Stage(soap, state=dict(
+        soap_row_cov=StateSpec(_covariance(-2)), soap_col_cov=StateSpec(_covariance(-1)),
+        soap_row_basis=StateSpec(_covariance(-2)), soap_col_basis=StateSpec(_covariance(-1)),
+        soap_second_moment=StateSpec(lambda rows, cols: (rows, cols)),
+        soap_step=StateSpec(lambda rows, cols: ())),
+        options=dict(soap_beta=Option(0.9, lambda v: a_number(v, 1.0), "SOAP's EMA of the "
+                                      "covariances and of the rotated second moment"),
+                     precondition_frequency=Option(10, a_count, "SOAP: steps between refreshes "
+                                                   "of the eigenbases")),
+        cost=_soap_cost, needs=("grad",), eager=True),
+}
+ORTHOGONALIZERS = {
+    "auto": Stage(newton_schulz, on_slices=True),
+    "newton_schulz": Stage(newton_schulz, on_slices=True),
+    "gram_newton_schulz": Stage(newton_schulz, on_slices=True),
+}
+POST_PROCESSORS = {
+    **{f"normalize_{mode}": Stage(functools.partial(normalize, mode=mode), on_slices=True)
+       for mode in ("fro", "col", "row", "col_row", "row_col")},
+    "variance_reduction": Stage(variance_reduction, on_slices=True, state=dict(
+        second_momentum_buffer=StateSpec(lambda rows, cols: (rows, 1) if rows >= cols else (1, cols),
+                                         kept=lambda group: group["beta2"] is not None))),
+    "uw_floor": Stage(uw_floor, options=dict(uw_floor=Option(0.35, a_number, "u/w floor: the "
+                                                             "least ||update||_F / ||W||_F")),
+                      needs=("weight",)),
+}
+APPLIERS = {
+    "decoupled": apply_decoupled,
+    "cautious": apply_cautious,
+    "hyperball": Stage(hyperball, state=dict(hyperball_radius=StateSpec(
+        lambda rows, cols: (1, 1), init=hyperball_radius)), needs=("weight",)),
+}
+# group key -> its registry; precondition and post_process take a sequence of names
+STAGE_KEYS = {"precondition": PRECONDITIONERS, "orthogonalizer": ORTHOGONALIZERS,
+              "post_process": POST_PROCESSORS, "apply": APPLIERS}
+CHAIN_KEYS = ("precondition", "post_process")
+
+
+def names(value) -> tuple:
+    """A stage key's value as a tuple of names: one name, or a sequence of them."""
+    return (value,) if isinstance(value, str) else tuple(value or ())
+
+
+def stage(key: str, name: str) -> Stage:
+    """The entry `name` of stage key's registry, as a Stage."""
+    entry = STAGE_KEYS[key][name]
+    return entry if isinstance(entry, Stage) else Stage(entry)
+
+
+def group_stages(group: dict) -> list[tuple[str, str, Stage]]:
+    """(key, name, Stage) of every stage a muon group runs, in order."""
+    return [(key, name, stage(key, name)) for key in STAGE_KEYS for name in names(group[key])]
+
+
+def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
+    """What the group's stages under `keys` read beyond their input ('grad', 'weight')."""
+    return {need for key, _, s in group_stages(group) if key in keys for need in s.needs}
+
+
+def runs_eager(group: dict) -> bool:
+    return any(s.eager for _, _, s in group_stages(group))
 
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, h: MuonScalars,
                   opts: dict) -> Tensor:
-    """Muon stage 1, elementwise (so it runs on shards too): the momentum step; returns what to
-    orthogonalize. weight_decay_mode 'l2' adds wd * params to the gradient first (L2 regularization)
-    instead of decaying the weights after the update. `grads` may be overwritten. params: stacked
-    like grads, or a list of its matrices."""
+    """Muon's momentum step, elementwise (so it runs on shards too); returns what the direction
+    stages take. weight_decay_mode 'l2' adds wd * params to the gradient first (L2
+    regularization) instead of decaying the weights after the update. `grads` may be
+    overwritten. params: stacked like grads, or a list of its matrices."""
     if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
             g.add_(p * h.wd)
@@ -355,84 +604,96 @@ def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
 
 
-def muon_direction(g: Tensor, second_moment: Tensor | None, beta2, opts: dict,
-                   out_dtype: torch.dtype) -> Tensor:
-    """Muon stage 2, on whole matrices: equilibrate, the group's orthogonalizer, post_normalize,
-    then variance reduction if second_moment is given.
+def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
+    """The update's direction from the momentum step g, on whole matrices: the group's
+    precondition stages, its orthogonalizer, then its post-process stages (variance reduction by
+    default), in out_dtype.
 
     Matrices stored (in, out) are worked on transposed; a split matrix is updated block by block,
-    each exactly as a param of its own, its second moment a slice of the flat per-matrix state
+    each exactly as a param of its own, its stage state a slice of the flat per-matrix state
     (Megatron's per-query-group QKV layout when split_groups > 1: block i is rows n_i of every
     group). Equal blocks (attention heads) run as one batch."""
+    opts = ctx.group
     layout = muon_layout(opts)
     if layout is not None:
-        return _by_layout(g, second_moment, beta2, opts, out_dtype, layout)
-    g = equilibrate(g, opts["equilibrate"])
-    u = ORTHOGONALIZERS[opts["orthogonalizer"]](g, opts)
-    u = post_normalize(u.to(out_dtype), opts["post_normalize"])  # bf16 norms would copy to fp32
-    if second_moment is not None:
-        u = variance_reduction(u, second_moment, beta2, muon_red_dim(whole_shape(u)))
+        return _by_layout(g, ctx, out_dtype, layout)
+    for name in names(opts["precondition"]):
+        g = stage("precondition", name).fn(g, ctx)
+    u = stage("orthogonalizer", opts["orthogonalizer"]).fn(g, opts)
+    u = u.to(out_dtype)  # the norms below would copy bf16 to fp32 anyway
+    for name in names(opts["post_process"]):
+        u = stage("post_process", name).fn(u, ctx)
     return u
 
 
-def _by_layout(g: Tensor, second_moment, beta2, opts: dict, out_dtype, layout: Layout) -> Tensor:
+def direction_specs(group: dict) -> dict:
+    """name -> StateSpec of every state the group's precondition and post-process stages
+    declare (whether kept or not: see muon_state_layout)."""
+    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS
+            for name, spec in s.state.items()}
+
+
+def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tensor:
     """muon_direction of a transposed or split matrix, through plain matrices (see there)."""
     split, groups, transposed = layout
-    plain = dict(opts, split=None, qkv_split=None, transposed=False)
+    plain = dict(ctx.group, split=None, qkv_split=None, transposed=False)
+    mats = {k: getattr(ctx, k) for k in ("grad", "weight") if getattr(ctx, k) is not None}
+    specs = direction_specs(ctx.group)
+    state = {name: t for name, t in ctx.state.items() if name in specs}
     if transposed:
-        return muon_direction(g.mT, second_moment, beta2,
-                              dict(plain, split=split, split_groups=groups), out_dtype).mT
+        sub = ctx._replace(group=dict(plain, split=split, split_groups=groups), state=state,
+                           **{k: t.mT for k, t in mats.items()})
+        return muon_direction(g.mT, sub, out_dtype).mT
     if groups == 1 and len(set(split)) == 1:  # (..., k * n, cols) as a batch of k (n, cols) blocks
         k, n = len(split), split[0]
-        sm = None if second_moment is None else \
-            second_moment.unflatten(-1, (k, *second_moment_shape((n, g.shape[-1]))))
-        return muon_direction(g.unflatten(-2, (k, n)), sm, beta2, plain, out_dtype).flatten(-3, -2)
+        sub = ctx._replace(group=plain, state={name: t.unflatten(-1, (k, *specs[name].shape(
+                                                   n, g.shape[-1])))
+                                               for name, t in state.items()},
+                           **{key: t.unflatten(-2, (k, n)) for key, t in mats.items()})
+        return muon_direction(g.unflatten(-2, (k, n)), sub, out_dtype).flatten(-3, -2)
     # the rows are `groups` repeats of the blocks: views
     # (..., groups, n, cols), as matrices flattened
     u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
-    sizes = [torch.Size(second_moment_shape(b)).numel() for b in block_shapes(g.shape, layout)]
-    seconds = (second_moment.split(sizes, dim=-1) if second_moment is not None
-               else [None] * len(split))
-    views = [t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2) for t in (g, u)]
-    for gb, ub, sb in zip(*views, seconds):
-        m = gb.flatten(-3, -2)
-        sb = sb.unflatten(-1, second_moment_shape(m.shape)[-2:]) if sb is not None else None
-        ub.copy_(muon_direction(m, sb, beta2, plain, out_dtype).view_as(gb))
+    shapes = [{name: specs[name].shape(*b) for name in state}
+              for b in block_shapes(g.shape, layout)]
+    flat = {name: t.split([math.prod(s[name]) for s in shapes], dim=-1)
+            for name, t in state.items()}
+    views = {key: t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2)
+             for key, t in dict(mats, g=g, u=u).items()}
+    for b in range(len(split)):
+        sub = ctx._replace(group=plain,
+                           state={name: flat[name][b].view(*flat[name][b].shape[:-1],
+                                                           *shapes[b][name]) for name in state},
+                           **{key: views[key][b].flatten(-3, -2) for key in mats})
+        m = views["g"][b].flatten(-3, -2)
+        views["u"][b].copy_(muon_direction(m, sub, out_dtype).view_as(views["g"][b]))
     return u
 
 
-def muon_apply(params, u: Tensor, h: MuonScalars, opts: dict) -> None:
-    """Muon stage 3, elementwise: weight decay and the update, in place on params (stacked like
-    u, or a list of its matrices: the model's own params, sparing a stack and a copy back); `u`
-    may be overwritten. h.lr: the step (a number, or per row of a split matrix: see
-    muon_hparams); h.decay: lr * weight_decay with the lr decay_lr names. In 'l2' mode the decay
-    went into the gradient instead."""
-    lr, decoupled = h.lr, opts["weight_decay_mode"] == "decoupled"
-    if isinstance(lr, Tensor):  # per-row, or compiled: u is a fresh buffer, scaled in place
-        u.mul_(lr)
-    for ui, p in pairs(u, params):
-        # decay only where the update and the weight agree in sign
-        if decoupled and opts["cautious_wd"]:
-            p.addcmul_(p, ((ui * p) >= 0) * h.decay, value=-1)
-        elif decoupled:
-            p.mul_(1 - h.decay)
-        if isinstance(lr, Tensor):
-            p.sub_(ui)
-        else:
-            p.add_(ui, alpha=-lr)  # the lr folds into the add: no pass to scale u
+def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
+    """The group's apply stage: weight decay and the step, in place on params (stacked like u,
+    or a list of its matrices: the model's own params, sparing a stack and a copy back); `u` may
+    be overwritten. ctx.h.lr: the step (a number, or per row of a split matrix: see
+    muon_hparams); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2' mode)."""
+    stage("apply", ctx.group["apply"]).fn(params, u, ctx)
 
 
-def muon_update(grads, params, momentum_buffer: Tensor, second_moment: Tensor | None,
-                h: MuonScalars, opts: dict) -> None:
+def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
-    stack, or a list of its K matrices; grads likewise): the three stages in a row. The sharded path
-    (sharded.py) runs the same stages with communication between."""
+    stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
+    muon_state_layout() lays it out): momentum, direction, apply. The sharded path (sharded.py)
+    runs the same three with communication between."""
     # a slice's worth: small, reused memory
     grads = torch.stack(grads) if isinstance(grads, list) else grads
-    g = muon_momentum(grads, momentum_buffer, params, h, opts)
-    # in the params' dtype
-    u = muon_direction(g, second_moment, h.beta2, opts, momentum_buffer.dtype)
-    muon_apply(params, u, h, opts)
+    needs = stage_needs(opts, CHAIN_KEYS)
+    raw = grads.clone() if "grad" in needs else None  # the momentum step overwrites grads
+    g = muon_momentum(grads, state["momentum_buffer"], params, h, opts)
+    weight = None
+    if "weight" in needs:
+        weight = params if isinstance(params, Tensor) else torch.stack(params)
+    ctx = StageContext(state, h, opts, raw, weight)
+    u = muon_direction(g, ctx, state["momentum_buffer"].dtype)  # in the params' dtype
+    muon_apply(params, u, ctx)
 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -497,6 +758,7 @@ def muon_hparams(group: dict, matrix_shape, device) -> MuonScalars:
             _row_factors[key] = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
         lr = group["lr"] * _row_factors[key]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
+    decay = 0.0 if group["weight_decay_mode"] == "l2" else decay  # it went into the gradient
     beta2 = group["beta2"] if group["beta2"] is not None else 0.0
     return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay,
                        beta2=beta2)
@@ -524,33 +786,45 @@ def adamw_hparams(group: dict, step: int) -> AdamWScalars:
                         wd=group["weight_decay"])
 
 
-def second_moment_shape(shape, layout=None) -> tuple:
-    """The variance-reduction state of a matrix (or stack) of `shape`: one value per row (tall
-    or square) or per column (wide). A split matrix keeps its blocks' states flat, one after
-    another; a transposed one the state of its logical shape."""
-    if layout is not None and layout.split:
-        return (*shape[:-2], sum(torch.Size(second_moment_shape(b)).numel()
-                                 for b in block_shapes(shape, layout)))
-    if layout is not None:
-        return second_moment_shape((*shape[:-2], shape[-1], shape[-2]))
-    out = list(shape)
-    out[muon_red_dim(shape)] = 1
-    return tuple(out)
+class StateSlot(NamedTuple):
+    """One state tensor of a Muon param: its shape (per param), dtype and initial value."""
+    shape: tuple
+    dtype: torch.dtype
+    init: float | Callable
 
 
-def muon_state_layout(p: Tensor, group: dict) -> dict:
-    """A Muon param's state, name -> (shape, dtype): the momentum like the param, and (with beta2)
-    the second moment of second_moment_shape in fp32."""
-    layout = {"momentum_buffer": (tuple(p.shape), p.dtype)}
-    if group["beta2"] is not None:
-        layout["second_momentum_buffer"] = (second_moment_shape(p.shape, layout=muon_layout(group)),
-                                            torch.float32)
-    return layout
+def muon_state_layout(shape, dtype: torch.dtype, group: dict) -> dict:
+    """The state of a Muon param of `shape` and `dtype`, name -> StateSlot: the momentum like the
+    param, then what the group's stages keep: a precondition or post-process stage's per logical
+    matrix (a split matrix's blocks flat, one after another), an apply stage's per stored one."""
+    shape = tuple(shape)
+    out = {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
+    blocks = block_shapes(shape, muon_layout(group))
+    for key, stage_name, s in group_stages(group):
+        for name, spec in s.state.items():
+            if spec.kept is not None and not spec.kept(group):
+                continue
+            if name in out:
+                raise ValueError(f"stage {stage_name!r} keeps state {name!r}, as another stage of "
+                                 "this group does; give one of them another name")
+            if key not in CHAIN_KEYS:
+                per = spec.shape(*shape[-2:])
+            elif callable(spec.init):
+                raise ValueError(f"stage {stage_name!r}: only apply stages may initialize state "
+                                 "from the weights; give its StateSpec a number as init")
+            else:
+                per = ((sum(math.prod(spec.shape(*b)) for b in blocks),) if len(blocks) > 1
+                       else spec.shape(*blocks[0]))
+            precision = dtype if spec.dtype is None else torch.promote_types(dtype, spec.dtype)
+            out[name] = StateSlot((*shape[:-2], *per), precision, spec.init)
+    return out
 
 
-def new_second_moment(shape, device, layout=None) -> Tensor:
-    """Zeros of second_moment_shape, in fp32 whatever the param dtype: the state is tiny."""
-    return torch.zeros(second_moment_shape(shape, layout), dtype=torch.float32, device=device)
+def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:
+    """A new state tensor for the param `weight`: slot.init's number, or its value from weight."""
+    if callable(slot.init):
+        return slot.init(weight).to(slot.dtype).reshape(slot.shape)
+    return torch.full(slot.shape, slot.init, dtype=slot.dtype, device=weight.device)
 
 
 def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
@@ -579,12 +853,16 @@ def uses_gram(opts: dict, shape, ns: NewtonSchulz) -> bool:
                                                                         ns.dtype)
 
 
-def ns_cost(group: dict, p: Tensor) -> float:
-    """The orthogonalizer FLOPs of one Muon param under its group's settings (owner planning). An
-    orthogonalizer the estimate does not know counts as standard Newton-Schulz."""
+def update_cost(group: dict, p: Tensor) -> float:
+    """The FLOPs of one Muon param's direction under its group's settings (owner planning): its
+    orthogonalizer (one the estimate does not know counts as standard Newton-Schulz) and the cost
+    its stages declare."""
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
-    return ns_flops(p.shape, len(ns.coefficients), uses_gram(opts, p.shape, ns))
+    flops = ns_flops(p.shape, len(ns.coefficients), uses_gram(opts, p.shape, ns))
+    batch = torch.Size(p.shape[:-2]).numel()
+    return flops + sum(batch * s.cost(*p.shape[-2:], opts) for _, _, s in group_stages(opts)
+                       if s.cost is not None)
 
 
 # Eager or compiled.

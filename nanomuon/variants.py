@@ -2,9 +2,10 @@
 Named optimizer variants: what `base_train --optimizer NAME` trains with and
 `scripts.ablate` compares.
 
-Each entry holds keyword arguments for GPT.setup_optimizer. To try an idea, add an entry (a new
-orthogonalizer: one function registered in update_math.ORTHOGONALIZERS, and an entry naming it),
-then run `python -m scripts.ablate --variants muon,<yours>`. An entry that sets what a flag sets
+Each entry holds keyword arguments for GPT.setup_optimizer, and may name base_train's lr schedule
+(schedule=). To try an idea, add an entry: a new stage of the update is one function registered in
+update_math's registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS) and an entry
+naming it; then run `python -m scripts.ablate --variants muon,<yours>`. An entry that sets what a flag sets
 (an lr, weight_decay) overrides that flag, and base_train says so;
 --lr-multiplier still scales it. It lives here, not in the model file, so the model knows nothing of
 baselines.
@@ -18,14 +19,25 @@ OPTIMIZER_VARIANTS = {
     "muon-no-vr": dict(muon_options=dict(beta2=None)),  # without factored variance reduction
     "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
     "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
-    "muon-no-cautious-wd": dict(muon_options=dict(cautious_wd=False)),
+    "muon-no-cautious-wd": dict(muon_options=dict(apply="decoupled")),
     # MuonEq's default (rows; nanochat's too)
-    "muon-eq": dict(muon_options=dict(equilibrate="row")),
-    "muon-plus": dict(muon_options=dict(post_normalize="col_row")),  # Muon+, its GPT-small setting
+    "muon-eq": dict(muon_options=dict(precondition="equilibrate_row")),
+    # Muon+, its GPT-small setting
+    "muon-plus": dict(muon_options=dict(post_process=("normalize_col_row", "variance_reduction"))),
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
     # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate
     # (update_math.use_gram), and CPUs run fp16 matmuls at a few GFLOP/s
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
+    # four from modded-nanogpt's optimization track, each one stage (update_math) or schedule
+    "muon-hyperball": dict(muon_options=dict(apply="hyperball")),  # MuonH, on NorMuon
+    "muon-uw-floor": dict(muon_options=dict(post_process=("variance_reduction", "uw_floor"))),
+    "muon-soap": dict(muon_options=dict(precondition="soap")),  # SOAP-Muon
+    "muon-powercool": dict(schedule="powercool"),  # the lr schedule (base_train.SCHEDULES)
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),
 }
+
+
+def optimizer_kwargs(name: str) -> dict:
+    """Variant `name`'s GPT.setup_optimizer arguments: all but its schedule (base_train's)."""
+    return {k: v for k, v in OPTIMIZER_VARIANTS[name].items() if k != "schedule"}

@@ -55,7 +55,7 @@ from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, tr
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
-from nanomuon.variants import OPTIMIZER_VARIANTS
+from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
@@ -104,6 +104,8 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="warmup_warmdown",
+                   help="lr schedule (SCHEDULES; the --optimizer variant may set its own)")
     p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
     p.add_argument("--warmdown-ratio", type=float, default=0.4,
                    help="fraction of steps with linear lr decay")
@@ -247,15 +249,32 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
                 "--aspect-ratio or --head-dim")
 
 
-def lr_multiplier(step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float,
-                  final_lr_frac: float) -> float:
-    warmup, warmdown = round(warmup_ratio * num_iterations), round(warmdown_ratio * num_iterations)
+def warmup_warmdown(step: int, num_iterations: int, args) -> float:
+    """nanochat's lr schedule: linear warmup over --warmup-ratio of the steps, flat, then linear
+    decay to --final-lr-frac over the last --warmdown-ratio."""
+    warmup = round(args.warmup_ratio * num_iterations)
+    warmdown = round(args.warmdown_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
     if step <= num_iterations - warmdown:
         return 1.0
     progress = (num_iterations - step) / warmdown
-    return progress + (1 - progress) * final_lr_frac
+    return progress + (1 - progress) * args.final_lr_frac
+
+
+def powercool(step: int, num_iterations: int, args) -> float:
+    """PowerCool (modded-nanogpt track 3, record #20): lr = min(lr0, c (T - step)^1.2), with c
+    set so the decay starts --warmdown-ratio of the steps before the end; warmup as above."""
+    warmdown = round(args.warmdown_ratio * num_iterations)
+    if step <= num_iterations - warmdown:
+        return warmup_warmdown(step, num_iterations, args)
+    x = ((num_iterations - step) / warmdown) ** 1.2
+    return x + (1 - x) * args.final_lr_frac
+
+
+# --schedule NAME: the lr multiplier f(step, num_iterations, args) of every group at each step;
+# a variant picks one with schedule='NAME' (nanomuon/variants.py)
+SCHEDULES = {"warmup_warmdown": warmup_warmdown, "powercool": powercool}
 
 
 def muon_momentum_schedule(step: int) -> float:
@@ -410,12 +429,18 @@ def optimizer_options(args, compiled: bool) -> dict:
     (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
-                 weight_decay=args.weight_decay)
+                 weight_decay=args.weight_decay, schedule=args.schedule)
     variant = OPTIMIZER_VARIANTS[args.optimizer]
     for key in sorted(flags.keys() & variant.keys()):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    return dict(flags, compile=compiled, **variant)
+    del flags["schedule"]  # train_step's (schedule_name), not the optimizer's
+    return dict(flags, compile=compiled, **optimizer_kwargs(args.optimizer))
+
+
+def schedule_name(args) -> str:
+    """The lr schedule this run follows: the --optimizer variant's, else --schedule."""
+    return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
@@ -696,8 +721,7 @@ def train_step(run: Run) -> Step:
             loss = run.train_model(x, y)
         loss_sum += loss.detach()
         (loss / run.grad_accum).backward()
-    lrm = lr_multiplier(step, run.num_iterations, args.warmup_ratio, args.warmdown_ratio,
-                        args.final_lr_frac)
+    lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
     for group in run.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from nanomuon import checkpoint
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.sharded import DTensor
-from nanomuon.variants import OPTIMIZER_VARIANTS
+from nanomuon.variants import optimizer_kwargs
 
 MiB = 2 ** 20
 SETUPS = {"DistMuonAdamW": "muon", "all_reduce + torch Muon + AdamW": "torch-muon"}
@@ -77,7 +77,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS["muon"])
+    opt = model.setup_optimizer(**optimizer_kwargs("muon"))
     for p in model.parameters():  # one step makes the state
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -111,7 +111,7 @@ def measure(args, variant: str) -> tuple[int, int]:
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
-    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS[variant])
+    opt = model.setup_optimizer(**optimizer_kwargs(variant))
     gen = torch.Generator().manual_seed(dist.get_rank())
     temporaries = 0
     for step in range(args.steps):

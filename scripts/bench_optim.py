@@ -108,7 +108,7 @@ COMPARISONS = {
     "defaults": ({}, "bf16"),  # what each optimizer does out of the box
     "matched-fp32": (dict(ns_precision="fp32"), "fp32"),
     # torch's own update
-    "same-math": (dict(ns_coefficients="jordan", beta2=None, cautious_wd=False), "ours"),
+    "same-math": (dict(ns_coefficients="jordan", beta2=None, apply="decoupled"), "ours"),
 }
 
 

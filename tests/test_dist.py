@@ -47,7 +47,7 @@ def groups(model):
         dict(kind="muon", params=model["muon_a"], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2,
              ns_precision="fp32"),
         dict(kind="muon", params=model["muon_b"], lr=0.03, momentum=0.9, ns_steps=5, beta2=None, weight_decay=0.1,
-             cautious_wd=False, ns_coefficients="jordan", ns_precision="fp32"),
+             apply="decoupled", ns_coefficients="jordan", ns_precision="fp32"),
         dict(kind="adamw", params=model["adamw"], lr=3e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.01),
         dict(kind="adamw", params=model["head"], lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0),
     ]

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.variants import OPTIMIZER_VARIANTS
+from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 
 def small_model(seq_len=32, vocab=97, depth=2, seed=0):
@@ -243,7 +243,7 @@ def test_compiled_model_equals_eager():
 @pytest.mark.parametrize("variant", list(OPTIMIZER_VARIANTS))
 def test_every_optimizer_variant_builds_and_steps(variant):
     model = small_model()
-    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS[variant])
+    opt = model.setup_optimizer(**optimizer_kwargs(variant))
     matrices = next(g for g in opt.param_groups if g["name"] == "matrices")
     assert matrices["kind"] == ("adamw" if variant == "adamw" else "muon")
     for key, value in OPTIMIZER_VARIANTS[variant].get("muon_options", {}).items():

@@ -66,7 +66,7 @@ def test_muon_matches_torch_muon():
     """
     decayed, tall = make_params([(48, 48), (32, 96), (32, 96)]), make_params([(96, 32), (64, 16)], seed=5)
     ref_decayed, ref_tall = clone_params(decayed), clone_params(tall)
-    common = dict(beta2=None, cautious_wd=False, ns_coefficients="jordan", ns_precision="bf16", momentum=0.9)
+    common = dict(beta2=None, apply="decoupled", ns_coefficients="jordan", ns_precision="bf16", momentum=0.9)
     opt = MuonAdamW([muon_group(decayed, weight_decay=0.1, **common), muon_group(tall, weight_decay=0.0, **common)])
     torch_opt = torch.optim.Muon([dict(params=ref_decayed, weight_decay=0.1), dict(params=ref_tall, weight_decay=0.0)],
                                  lr=0.02, momentum=0.9)
@@ -365,7 +365,8 @@ BAD_GROUPS = [
     ([muon_group([P2], ns_steps=6)], ValueError, "ns_steps=6 but ns_coefficients=polar_express has 5"),
     ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
     ([muon_group([P2], ns_precision="fp64")], ValueError, "ns_precision='fp64'"),
-    ([muon_group([P2], orthogonalizer="svd")], ValueError, "orthogonalizer='svd' must be one of ['auto',"),
+    ([muon_group([P2], orthogonalizer="svd")], ValueError,
+     "orthogonalizer='svd' is not in update_math.ORTHOGONALIZERS: use one of ['auto',"),
     ([muon_group([P2], lr_scale="sqrt")], ValueError, "lr_scale='sqrt' must be one of ['shape', 'moonlight'"),
     ([muon_group([P2], weight_decay_mode="l1")], ValueError, "weight_decay_mode='l1' must be one of"),
     ([muon_group([P2], extra_scale=-1.0)], ValueError, "extra_scale=-1.0 must be a finite number >= 0"),

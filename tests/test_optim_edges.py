@@ -15,9 +15,9 @@ from nanomuon.optim import MuonAdamW
 from nanomuon.reference import muon_step
 from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS
 
-BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, cautious_wd=True,
+BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, apply="cautious",
             ns_coefficients="polar_express", ns_repeat_last=False, lr_scale="shape", extra_scale=1.0,
-            weight_decay_mode="decoupled", decay_lr="adjusted", equilibrate=None, post_normalize=None)
+            weight_decay_mode="decoupled", decay_lr="adjusted", precondition=(), post_process=("variance_reduction",))
 MUON_REQUIRED = {k: BASE[k] for k in ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
 def block_rows(split, groups):
     """Row indices of each block of a [groups x (n1 + n2 + ...)] interleaved layout."""
@@ -28,9 +28,9 @@ def block_rows(split, groups):
     return out
 
 
-def f64_run(start, grads, cfgs, split=None, groups=1, transposed=False):
+def f64_run(start, grads, cfgs, split=None, groups=1, transposed=False, stages=None):
     """The reference trajectory of one param (any leading batch dims): per step a config, each logical
-    block (or the whole logical matrix) updated as a separate float64 param."""
+    block (or the whole logical matrix) updated as a separate float64 param (stages: muon_step's)."""
     p = start.double().clone()
     states = {}
     for g, cfg in zip(grads, cfgs):
@@ -41,7 +41,7 @@ def f64_run(start, grads, cfgs, split=None, groups=1, transposed=False):
             P, G = (batch[k].T, gb[k].T) if transposed else (batch[k], gb[k])
             P = P.clone()
             for bi, rows in enumerate(block_rows(split, groups) if split else [list(range(P.shape[0]))]):
-                P[rows] = muon_step(P[rows], G[rows], states.setdefault((k, bi), {}), cfg)
+                P[rows] = muon_step(P[rows], G[rows], states.setdefault((k, bi), {}), cfg, stages=stages)
             batch[k] = P.T if transposed else P
         p = batch.reshape(p.shape)
     return p
@@ -75,8 +75,9 @@ LAYOUTS = {
     "conv1d-wide": ((24, 64), dict(transposed=True), {}),
     "conv1d-qkv": ((16, 48), dict(transposed=True, qkv_split=(16, 16, 16)), dict(decay_lr="group")),
     # per-head orthogonalization (GPT.setup_optimizer(per_head=True)): equal blocks run as one batch
-    "per-head-rows": ((32, 24), dict(split=(8, 8, 8, 8)), dict(equilibrate="row")),
-    "per-head-columns": ((24, 32), dict(transposed=True, split=(8, 8, 8, 8)), dict(post_normalize="col_row")),
+    "per-head-rows": ((32, 24), dict(split=(8, 8, 8, 8)), dict(precondition="equilibrate_row")),
+    "per-head-columns": ((24, 32), dict(transposed=True, split=(8, 8, 8, 8)),
+                         dict(post_process=("normalize_col_row", "variance_reduction"))),
     "per-head-experts": ((3, 32, 16), dict(split=(8, 8, 8, 8)), {}),
 }
 
@@ -97,11 +98,12 @@ def test_each_block_moves_like_a_separate_param(name):
 
 # -- group edits take effect at the next step ------------------------------------------------------------
 
-EDITS = [("beta2", None), ("beta2", 0.5), ("nesterov", False), ("cautious_wd", False), ("ns_steps", 3),
+EQUILIBRATE = [("precondition", f"equilibrate_{mode}") for mode in ("row", "col", "row_col")]
+NORMALIZE = [("post_process", (f"normalize_{mode}", "variance_reduction"))
+             for mode in ("fro", "col", "row", "col_row", "row_col")]
+EDITS = [("beta2", None), ("beta2", 0.5), ("nesterov", False), ("apply", "decoupled"), ("ns_steps", 3),
          ("ns_coefficients", "jordan"), ("lr_scale", "spectral"), ("extra_scale", 0.3), ("weight_decay_mode", "l2"),
-         ("decay_lr", "group"), ("momentum", 0.8), ("lr", 0.05), ("weight_decay", 0.0), ("equilibrate", "row"),
-         ("equilibrate", "col"), ("equilibrate", "row_col"), ("post_normalize", "fro"), ("post_normalize", "col"),
-         ("post_normalize", "row"), ("post_normalize", "col_row"), ("post_normalize", "row_col")]
+         ("decay_lr", "group"), ("momentum", 0.8), ("lr", 0.05), ("weight_decay", 0.0), *EQUILIBRATE, *NORMALIZE]
 
 
 @pytest.mark.parametrize("key,value", EDITS, ids=[f"{k}={v}" for k, v in EDITS])
@@ -133,7 +135,7 @@ def test_decay_lr_group_matches_torch_muon_on_tall_matrices():
     ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt = MuonAdamW([dict(kind="muon", params=ours, lr=0.02, momentum=0.9, ns_steps=5, beta2=None, weight_decay=0.5,
-                          cautious_wd=False, ns_coefficients="jordan", ns_precision="bf16", decay_lr="group")])
+                          apply="decoupled", ns_coefficients="jordan", ns_precision="bf16", decay_lr="group")])
     torch_opt = torch.optim.Muon(ref, lr=0.02, momentum=0.9, weight_decay=0.5)
     for _ in range(6):
         for p, q in zip(ours, ref):
@@ -196,7 +198,7 @@ def test_momentum_cycling_schedulers_match_stock_torch(make):
     vec = torch.nn.Parameter(torch.randn(40, generator=gen))
     ref_mat, ref_vec = torch.nn.Parameter(mat.detach().clone()), torch.nn.Parameter(vec.detach().clone())
     opt = MuonAdamW([dict(kind="muon", params=[mat], lr=0.02, momentum=0.9, ns_steps=5, beta2=None, weight_decay=0.1,
-                          cautious_wd=False, ns_coefficients="jordan", ns_precision="bf16", decay_lr="group"),
+                          apply="decoupled", ns_coefficients="jordan", ns_precision="bf16", decay_lr="group"),
                      dict(kind="adamw", params=[vec], lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)])
     muon = torch.optim.Muon([ref_mat], lr=0.02, momentum=0.9, weight_decay=0.1)
     adamw = torch.optim.AdamW([ref_vec], lr=0.02, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -235,7 +237,7 @@ def _add_group_worker(rank, world_size):
 
     ours, ref = (model(0), later(1)), (model(0), later(1))
     # cautious decay off: its sign mask is discontinuous where grads averaged in another order could flip it
-    muon = dict(MUON_REQUIRED, cautious_wd=False)
+    muon = dict(MUON_REQUIRED, apply="decoupled")
     opt = DistMuonAdamW([dict(kind="muon", params=ours[0], **muon)])
     ref_opt = MuonAdamW([dict(opt.param_groups[0], params=ref[0])])
     owners_before = [dict(b) for b in opt._get_plan()]

@@ -76,13 +76,15 @@ def test_the_owner_plan_costs_an_unknown_orthogonalizer_as_newton_schulz(monkeyp
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
     p = torch.zeros(24, 96)
     group = dict(GROUP, params=[p], orthogonalizer="exact_polar", ns_precision="fp32", ns_coefficients="jordan",
-                 ns_repeat_last=False, split=None, qkv_split=None, transposed=False)
-    assert update_math.ns_cost(group, p) == update_math.ns_flops(p.shape, 5)
+                 ns_repeat_last=False, split=None, qkv_split=None, transposed=False, precondition=(),
+                 post_process=(), apply="cautious")
+    assert update_math.update_cost(group, p) == update_math.ns_flops(p.shape, 5)
 
 
 def test_an_unregistered_name_is_refused_with_the_registry_named():
     p = torch.nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match=r"orthogonalizer='exact_polar' must be one of \['auto', .*register"):
+    with pytest.raises(ValueError, match=r"orthogonalizer='exact_polar' is not in update_math.ORTHOGONALIZERS: "
+                                         r"use one of \['auto', .*register"):
         MuonAdamW([dict(kind="muon", params=[p], orthogonalizer="exact_polar", **GROUP)])
 
 

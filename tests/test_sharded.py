@@ -191,8 +191,10 @@ def test_tensor_parallel_modes(mode, world_size):
     spawn(_modes_worker, world_size, mode)
 
 
-@pytest.mark.parametrize("options", [dict(equilibrate="row_col", post_normalize="col_row"),
-                                     dict(equilibrate="col", post_normalize="fro")], ids=["rc-colrow", "c-fro"])
+@pytest.mark.parametrize("options", [
+    dict(precondition="equilibrate_row_col", post_process=("normalize_col_row", "variance_reduction")),
+    dict(precondition="equilibrate_col", post_process=("normalize_fro", "variance_reduction"))],
+    ids=["rc-colrow", "c-fro"])
 def test_distributed_mode_sums_the_norms_of_equilibrate_and_post_normalize(options):
     """MuonEq's and Muon+'s row, column and whole-matrix norms on slices cut either way equal the unsharded ones."""
     spawn(_modes_worker, 3, "distributed", options)

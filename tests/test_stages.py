@@ -1,0 +1,352 @@
+"""
+The Muon update's stage registries (nanomuon/update_math.py) and four techniques from modded-nanogpt's
+optimization track added through them, each one function and one entry: SOAP-Muon (a stateful precondition
+stage), the u/w floor (post-process), MuonH (a stateful apply stage) and PowerCool (base_train's schedule).
+
+Each update stage is held to a float64 re-derivation written here and run through reference.muon_step; at 2
+and 3 ranks DistMuonAdamW equals one device with bitwise identical ranks; a sharded checkpoint saved at one
+world size resumes at another as the run would have gone on; the FSDP2 path runs SOAP and refuses, in one
+line, the two stages that read whole weights, which FSDP2 keeps in blocks.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_dist import assert_replicated_tensors, spawn
+from test_optim_edges import f64_run, run_ours
+
+from nanomuon import checkpoint, update_math
+from nanomuon.optim import DistMuonAdamW, MuonAdamW
+
+BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+
+
+# -- float64 definitions, from the sources' formulas (reference.muon_step's `stages`) ------------------------
+
+
+def soap64(u, p, g, state, group):
+    """SOAP-Muon: Adam on u in the bases of the gradient covariances seen before this step; then this step's
+    gradient joins the covariances, and the bases are made (eigh) or refreshed (power step + QR, sorted)."""
+    beta, every = group.get("soap_beta", 0.9), group.get("precondition_frequency", 10)
+    k = state.get("soap_k", 0)
+    out = u
+    if k > 0:
+        P = state["QL"].T @ u @ state["QR"]
+        state["V"] = beta * state["V"] + (1 - beta) * P ** 2
+        pre = state["QL"] @ (P / (state["V"].sqrt() + 1e-8)) @ state["QR"].T
+        out = pre * torch.linalg.matrix_norm(u) / torch.linalg.matrix_norm(pre).clamp_min(1e-8)
+    state["L"] = beta * state.get("L", 0) + (1 - beta) * g @ g.T
+    state["R"] = beta * state.get("R", 0) + (1 - beta) * g.T @ g
+    if k == 0:
+        state["QL"], state["QR"] = (torch.linalg.eigh(state[c])[1].flip(-1) for c in "LR")
+        state["V"] = torch.zeros_like(u)
+    elif k % every == 0:
+        for c, q, dim in (("L", "QL", 0), ("R", "QR", 1)):
+            order = torch.argsort(torch.diag(state[q].T @ state[c] @ state[q]), descending=True)
+            state["V"] = state["V"].index_select(dim, order)
+            state[q] = torch.linalg.qr(state[c] @ state[q][:, order])[0]
+    state["soap_k"] = k + 1
+    return out
+
+
+def uw_floor64(o, p, g, state, group):
+    """The u/w floor: ||o|| lifted to c ||p|| when below it."""
+    lift = group.get("uw_floor", 0.35) * torch.linalg.matrix_norm(p).clamp_min(1e-8)
+    return o * max(1.0, (lift / torch.linalg.matrix_norm(o).clamp_min(1e-8)).item())
+
+
+def hyperball64(p, o, lr, decay, state, group):
+    """MuonH: a step of relative size lr along o, then back onto the sphere of the first weight's norm
+    (sqrt(rows) for a zero matrix)."""
+    norm = torch.linalg.matrix_norm(p).item()
+    r = state.setdefault("r", norm if norm > 0 else math.sqrt(p.shape[0]))
+    q = p - lr * r * o / torch.linalg.matrix_norm(o)
+    return q * r / torch.linalg.matrix_norm(q)
+
+
+STAGES = dict(soap=soap64, uw_floor=uw_floor64, hyperball=hyperball64)
+TECHNIQUES = {  # name -> the muon options of its variant
+    "soap": dict(precondition="soap"),
+    "uw_floor": dict(post_process=("variance_reduction", "uw_floor")),
+    "hyperball": dict(apply="hyperball"),
+}
+
+
+# SOAP's first bases come from covariances with a null space (a gradient has rank min(rows, cols)), where
+# every basis is an eigenbasis and Adam in it depends on which one LAPACK returns: a rounding apart, two runs
+# pick different ones. Integer gradients and an EMA of 1/2 keep the covariances exact on every path.
+SOAP_EXACT = dict(soap_beta=0.5, precondition_frequency=3)
+
+
+def grads_for(shape, steps, seed):
+    """Integer-valued gradients (SOAP_EXACT)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(-4, 5, shape, generator=gen).float() for _ in range(steps)]
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (32, 16), (16, 32), (2, 20, 12)], ids=str)
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_each_stage_matches_its_float64_definition(technique, shape):
+    """Eight steps of each stage on a square, tall, wide and batched matrix (SOAP refreshed every 3 steps) equal
+    the float64 definition; the stage changes the trajectory, so the comparison sees it."""
+    options = dict(TECHNIQUES[technique], **SOAP_EXACT) if technique == "soap" else TECHNIQUES[technique]
+    scale = 1.0 if technique == "uw_floor" else 0.5  # weights large enough for the floor to lift
+    start, grads = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * scale, grads_for(shape, 8, 2)
+    cfgs = [dict(BASE, **options)] * 8
+    ref = f64_run(start, grads, cfgs, stages=STAGES)
+    plain = f64_run(start, grads, [BASE] * 8)
+    assert (ref - plain).abs().max() > 1e-3
+    # SOAP in float64 on our side too: its first bases need the exact covariances (SOAP_EXACT)
+    dtype = torch.float64 if technique == "soap" else torch.float32
+    ours = run_ours(start.to(dtype), [g.to(dtype) for g in grads], cfgs)
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5)
+
+
+def test_the_floor_lifts_only_updates_below_it():
+    """With c = 0.35 the floor leaves an update of a small weight alone and lifts that of a large one to c ||W||."""
+    small, large = torch.randn(24, 40) * 0.01, torch.randn(24, 40) * 3
+    o = torch.linalg.svd(torch.randn(24, 40), full_matrices=False)
+    o = (o.U @ o.Vh).float()
+    ctx = update_math.StageContext({}, None, dict(uw_floor=0.35), weight=torch.stack([small, large]))
+    out = update_math.uw_floor(torch.stack([o, o]).clone(), ctx)
+    torch.testing.assert_close(out[0], o)
+    torch.testing.assert_close(torch.linalg.matrix_norm(out[1]), 0.35 * torch.linalg.matrix_norm(large))
+
+
+def test_hyperball_keeps_each_matrix_on_its_initial_sphere():
+    """MuonH: after every step each matrix has its initial Frobenius norm; one initialized at zero takes
+    sqrt(rows) at its first step and keeps it."""
+    ps = [torch.nn.Parameter(torch.randn(24, 40) * 0.3), torch.nn.Parameter(torch.zeros(24, 40))]
+    radius = [torch.linalg.matrix_norm(ps[0]).item(), math.sqrt(24)]
+    opt = MuonAdamW([dict(kind="muon", params=ps, apply="hyperball", **BASE)])
+    for g in grads_for((2, 24, 40), 5, 3):
+        ps[0].grad, ps[1].grad = g[0], g[1]
+        opt.step()
+        for p, r in zip(ps, radius):
+            assert abs(torch.linalg.matrix_norm(p).item() / r - 1) < 1e-5
+
+
+@pytest.mark.parametrize("layout", [dict(split=(8, 8, 8)), dict(transposed=True), dict(qkv_split=(16, 4, 4))],
+                         ids=["heads", "transposed", "gqa"])
+def test_soap_on_fused_and_transposed_matrices_is_soap_per_block(layout):
+    """SOAP's state on a split matrix lives flat in the per-param state, block after block, and each block is
+    preconditioned as a matrix of its own; on an (in, out) matrix, in its logical orientation."""
+    shape = (32, 24) if layout.get("transposed") else (24, 32)
+    start, grads = torch.randn(shape, generator=torch.Generator().manual_seed(4)), grads_for(shape, 6, 5)
+    cfgs = [dict(BASE, precondition="soap", **SOAP_EXACT)] * 6
+    split = layout.get("split") or layout.get("qkv_split")
+    ref = f64_run(start, grads, cfgs, split=split, transposed=layout.get("transposed", False), stages=STAGES)
+    ours = run_ours(start.double(), [g.double() for g in grads], cfgs, **layout)
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5)
+
+
+# -- what the optimizer does with a stage's declarations -------------------------------------------------------
+
+
+def test_a_stage_option_is_declared_by_its_stage():
+    """A stage's options are group keys with defaults (filled in, checked every step) only where it runs."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], precondition="soap", **BASE)])
+    assert opt.param_groups[0]["precondition_frequency"] == 10 and opt.param_groups[0]["soap_beta"] == 0.9
+    with pytest.raises(ValueError, match=r"precondition_frequency is an option of precondition 'soap', which"):
+        MuonAdamW([dict(kind="muon", params=[torch.nn.Parameter(torch.randn(8, 8))], precondition_frequency=2,
+                        **BASE)])
+    opt.param_groups[0]["precondition_frequency"] = 0
+    p.grad = torch.randn(8, 8)
+    with pytest.raises(ValueError, match=r"precondition_frequency=0 must be an int >= 1"):
+        opt.step()
+
+
+def test_stage_state_follows_its_declaration():
+    """The optimizer makes what the StateSpecs say: shapes from the matrix, fp32 beside bf16 params, the
+    radius from the weight; saved in fp32 and loaded back as fp32."""
+    p = torch.nn.Parameter(torch.randn(24, 16, dtype=torch.bfloat16))
+    opt = MuonAdamW([dict(kind="muon", params=[p], precondition="soap", apply="hyperball", **BASE)])
+    p.grad = torch.randn(24, 16, dtype=torch.bfloat16)
+    opt.step()
+    st = opt.state[p]
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in st.items()}
+    f32 = torch.float32
+    assert shapes == {"momentum_buffer": ((24, 16), torch.bfloat16), "soap_row_cov": ((24, 24), f32),
+                      "soap_col_cov": ((16, 16), f32), "soap_row_basis": ((24, 24), f32),
+                      "soap_col_basis": ((16, 16), f32), "soap_second_moment": ((24, 16), f32),
+                      "soap_step": ((), f32), "second_momentum_buffer": ((24, 1), f32),
+                      "hyperball_radius": ((1, 1), f32)}
+    fresh = MuonAdamW([dict(kind="muon", params=[p], precondition="soap", apply="hyperball", **BASE)])
+    fresh.load_state_dict(opt.state_dict())
+    assert all(fresh.state[p][n].dtype == t.dtype and torch.equal(fresh.state[p][n], t) for n, t in st.items())
+
+
+def test_two_stages_may_not_keep_state_of_one_name(monkeypatch):
+    spec = update_math.StateSpec(lambda rows, cols: (rows, 1))
+    clash = update_math.Stage(lambda u, ctx: u, state=dict(second_momentum_buffer=spec))
+    monkeypatch.setitem(update_math.POST_PROCESSORS, "clash", clash)
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], post_process=("variance_reduction", "clash"), **BASE)])
+    p.grad = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="keeps state 'second_momentum_buffer', as another stage"):
+        opt.step()
+
+
+def test_the_owner_plan_counts_a_stages_declared_cost():
+    p = torch.zeros(24, 16)
+    group = dict(BASE, kind="muon", params=[p])
+    MuonAdamW([group])  # fills the defaults
+    plain = update_math.update_cost(group, p)
+    group.update(precondition="soap", precondition_frequency=5, soap_beta=0.9)
+    assert update_math.update_cost(group, p) == plain + 6 * 24 * 16 * 40 + 4 * (24 ** 3 + 16 ** 3) / 5
+
+
+def test_checkpoints_from_before_the_stage_keys_load_as_what_ran():
+    """A group saved with equilibrate, post_normalize and cautious_wd loads as the stages they meant."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], **BASE)])
+    sd = opt.state_dict()
+    for key in ("precondition", "post_process", "apply"):
+        del sd["param_groups"][0][key]
+    sd["param_groups"][0].update(equilibrate="row", post_normalize="col", cautious_wd=False)
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert (group["precondition"], group["post_process"], group["apply"]) == (
+        ("equilibrate_row",), ("normalize_col", "variance_reduction"), "decoupled")
+    assert not {"equilibrate", "post_normalize", "cautious_wd"} & set(group)
+
+
+# -- PowerCool ---------------------------------------------------------------------------------------------
+
+
+def test_powercool_is_min_lr0_c_t_minus_step_to_the_1_2():
+    """base_train's powercool schedule equals the record's min(lr0, c (T - step)^1.2), with c putting the knee
+    --warmdown-ratio of the steps before the end, and the --optimizer muon-powercool variant selects it."""
+    from scripts.base_train import SCHEDULES, parse_args, schedule_name
+
+    args = parse_args(["--optimizer", "muon-powercool", "--warmdown-ratio", "0.3"])
+    assert schedule_name(args) == "powercool" and schedule_name(parse_args([])) == "warmup_warmdown"
+    T, lr0 = 400, 0.02
+    c = lr0 / (0.3 * T) ** 1.2
+    got = [lr0 * SCHEDULES["powercool"](s, T, args) for s in range(T)]
+    want = [min(lr0, c * (T - s) ** 1.2) for s in range(T)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12
+    linear = [lr0 * SCHEDULES["warmup_warmdown"](s, T, args) for s in range(T)]
+    assert max(abs(a - b) for a, b in zip(got, linear)) > 1e-3
+
+
+# -- distributed: DistMuonAdamW at 2 and 3 ranks, sharded checkpoints, FSDP2 -----------------------------------
+
+SHAPES = [(24, 24)] * 3 + [(16, 16)] * 2 + [(24, 16)]
+
+
+def _model(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.5) for s in SHAPES]
+
+
+def _groups(params, technique):
+    return [dict(kind="muon", params=params, ns_precision="fp32", **BASE, **TECHNIQUES[technique],
+                 **(SOAP_EXACT if technique == "soap" else {}))]
+
+
+def _grads(step, rank, world):
+    """Rank r's: G + (r - (N-1)/2) E, whose mean over the ranks is G at any world size; integers (and
+    halves), so the mean is G exactly however it is taken (grads_for says why SOAP needs that)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for s in SHAPES:
+        G, E = (torch.randint(-4, 5, s, generator=gen).float() for _ in range(2))
+        out.append(G + (rank - (world - 1) / 2) * E)
+    return out
+
+
+def _mean_grads(step, world):
+    return [sum(gs) / world for gs in zip(*(_grads(step, r, world) for r in range(world)))]
+
+
+def _dist_worker(rank, world, technique):
+    model, ref = _model(), _model()
+    opt, ref_opt = DistMuonAdamW(_groups(model, technique)), MuonAdamW(_groups(ref, technique))
+    for step in range(6):
+        for p, g in zip(model, _grads(step, rank, world)):
+            p.grad = g
+        for p, g in zip(ref, _mean_grads(step, world)):
+            p.grad = g
+        opt.step()
+        ref_opt.step()
+        assert_replicated_tensors(model)
+        for p, q in zip(model, ref):
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_dist_equals_single_device(technique, world):
+    spawn(_dist_worker, world, technique)
+
+
+def _resume_worker(rank, world, technique, path, mode):
+    """'save': 3 steps, then a sharded checkpoint; 'load': read it at this world size, 3 more steps."""
+    model = _model()
+    module = torch.nn.ParameterList(model)
+    opt = DistMuonAdamW(_groups(model, technique))
+    if mode == "load":
+        checkpoint.load_into(path, 3, module, opt)
+    for step in range(3) if mode == "save" else range(3, 6):
+        for p, g in zip(model, _grads(step, rank, world)):
+            p.grad = g
+        opt.step()
+    if mode == "save":
+        tensors, files = checkpoint.state_of(module, opt)
+        checkpoint.save_checkpoint(path, 3, tensors, dict(step=3), files)
+    elif rank == 0:
+        torch.save([p.detach() for p in model], path / f"{technique}.pt")
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
+    """Saved at 2 ranks (each its own pieces of the stage state), resumed at 3: the run equals an
+    uninterrupted one on one device."""
+    spawn(_resume_worker, 2, technique, tmp_path, "save")
+    spawn(_resume_worker, 3, technique, tmp_path, "load")
+    ref = _model()
+    opt = MuonAdamW(_groups(ref, technique))
+    for step in range(6):
+        for p, g in zip(ref, _mean_grads(step, 2 if step < 3 else 3)):
+            p.grad = g
+        opt.step()
+    for p, q in zip(torch.load(tmp_path / f"{technique}.pt"), ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+
+
+def test_fsdp2_runs_soap_and_refuses_stages_that_read_whole_weights():
+    """SOAP on every DTensor placement (FSDP2's Shard(0), tensor parallel's Shard(1), 2-D meshes, experts):
+    the raw gradient travels to each matrix's owner with its momentum step; state and resume as the unsharded
+    run. The u/w floor and MuonH read whole weights, which stay in blocks: one line says so."""
+    from test_sharded import _placements_worker
+
+    spawn(_placements_worker, 2, dict(precondition="soap", **SOAP_EXACT), 1e-5)
+    spawn(_refusal_worker, 2)
+
+
+def _refusal_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+    for technique in ("uw_floor", "hyperball"):
+        with pytest.raises(ValueError, match="reads whole weight matrices, which sharded .* keep in blocks"):
+            MuonAdamW(_groups([p], technique))
+
+
+def test_the_readme_counts_hold():
+    """Each technique is one function, one registry entry and one variants line: the entries exist and name
+    their function, and the variants name them."""
+    from nanomuon.variants import OPTIMIZER_VARIANTS
+
+    assert update_math.stage("precondition", "soap").fn is update_math.soap
+    assert update_math.stage("post_process", "uw_floor").fn is update_math.uw_floor
+    assert update_math.stage("apply", "hyperball").fn is update_math.hyperball
+    assert OPTIMIZER_VARIANTS["muon-soap"]["muon_options"] == dict(precondition="soap")
+    assert OPTIMIZER_VARIANTS["muon-powercool"] == dict(schedule="powercool")
+    assert Path(update_math.__file__).read_text().count("def soap(") == 1
