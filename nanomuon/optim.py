@@ -21,15 +21,18 @@ muon-group key each (param_groups.MUON_OPTIONS has them all):
   (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932), closer to U V^T in 5
   steps than Jordan's one triple repeated.
 - ns_precision='auto': bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX).
-- beta2=0.95: factored variance reduction after orthogonalizing, an EMA of each row's (or
-  column's) mean squared update divides it, then the update's norm is restored: NorMuon's
-  neuron-wise normalization (Li et al. 2025, https://arxiv.org/abs/2510.05491) in nanochat's form.
-- cautious_wd=True: decay only where the update and the weight agree in sign (Cautious Weight
+- post_process=('variance_reduction',) with beta2=0.95: factored variance reduction after
+  orthogonalizing, an EMA of each row's (or column's) mean squared update divides it, then the
+  update's norm is restored: NorMuon's neuron-wise normalization (Li et al. 2025,
+  https://arxiv.org/abs/2510.05491) in nanochat's form.
+- apply='cautious': decay only where the update and the weight agree in sign (Cautious Weight
   Decay, Chen et al. 2025, https://arxiv.org/abs/2510.12402), by the lr with its factor
   (decay_lr='adjusted').
 - lr_scale='shape': the lr times sqrt(max(1, rows/cols)), Jordan's and torch.optim.Muon's factor.
-The alternatives (Moonlight's and Megatron's lr scales, Emerging-Optimizers' coefficient sets,
-Gram Newton-Schulz, MuonEq, Muon+) and their sources: docs/optimizer.md. nanomuon/reference.py
+The update runs in stages (precondition, orthogonalize, post-process, apply), each a registry in
+update_math.py that a group picks from by name. The alternatives (Moonlight's and Megatron's lr
+scales, Emerging-Optimizers' coefficient sets, Gram Newton-Schulz, MuonEq, Muon+, SOAP-Muon, the
+u/w floor, MuonH) and their sources: docs/optimizer.md. nanomuon/reference.py
 defines the update in float64; update_math.py writes it once for every path; this file runs it.
 
 Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the

@@ -2,10 +2,10 @@
 The update math of Muon and AdamW, written once. Imports only torch.
 
 Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank
-owns, and sharded.py on DTensor params, which runs the three Muon stages with communication
-between them: muon_momentum (elementwise), muon_direction (whole matrices: the group's
-orthogonalizer between the optional norms, then variance reduction) and muon_apply
-(elementwise: weight decay and the step); muon_update() is the three in a row. Megatron's
+owns, and sharded.py on DTensor params, which runs the three parts of a Muon step with
+communication between them: muon_momentum (elementwise), muon_direction (whole matrices: the
+group's precondition stages, its orthogonalizer, its post-process stages) and muon_apply (its
+apply stage: weight decay and the step); muon_update() is the three in a row. Megatron's
 'distributed' mode runs muon_direction on slices of each matrix inside over_slices(), the one
 seam it needs: sums over the cut dim (summed) then add up across ranks. The per-step
 numbers travel as MuonScalars (muon_hparams), the group's static options as a plain dict
@@ -13,9 +13,10 @@ numbers travel as MuonScalars (muon_hparams), the group's static options as a pl
 factor or a precision. Compiled (kernel()), the scalars are 0-D CPU tensors refilled every step
 (scalars()), so LR schedules never recompile.
 
-ORTHOGONALIZERS maps a group's `orthogonalizer` to f(G, group) -> a tensor shaped like G: G is a
-stack of momentum matrices (..., rows, cols), group the options dict (ns_steps, ns_coefficients,
-...). Register a function there and any group, DistMuonAdamW and the FSDP2 path can use it by name.
+The stages are registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS): a name
+-> a function, or a Stage that also declares the state, options and cost the optimizer provides
+for it. Register one there and any group, DistMuonAdamW and the FSDP2 path can use it by name
+(docs/optimizer.md, "Stages").
 """
 
 import functools

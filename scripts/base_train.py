@@ -52,7 +52,9 @@ from nanomuon.common import (
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, val_rows
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, train_memory
+from nanomuon.param_groups import fill_defaults
 from nanomuon.report import MISSING, plot_curves, smooth
+from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
@@ -216,6 +218,13 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.fsdp and args.optimizer == "torch-muon":
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
                 "runs replicated only")
+    if args.fsdp and (options := optimizer_kwargs(args.optimizer).get("muon_options")):
+        group = dict(kind="muon", **options)
+        fill_defaults(group)
+        try:
+            check_sharded_stages(f"--optimizer {args.optimizer}", group)
+        except ValueError as e:
+            p.error(f"{e}: drop --fsdp")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error("--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got "
                 f"{args.resume_from_step}")

@@ -350,3 +350,33 @@ def test_the_readme_counts_hold():
     assert OPTIMIZER_VARIANTS["muon-soap"]["muon_options"] == dict(precondition="soap")
     assert OPTIMIZER_VARIANTS["muon-powercool"] == dict(schedule="powercool")
     assert Path(update_math.__file__).read_text().count("def soap(") == 1
+
+
+def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
+    from scripts.base_train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--fsdp", "--optimizer", "muon-uw-floor", "--num-iterations", "1"])
+    assert "post_process 'uw_floor' reads whole weight matrices" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compiled_stages_equal_eager():
+    """The u/w floor and MuonH under torch.compile (fullgraph, as on GPUs) take the eager steps; SOAP's group
+    runs eager even when compile is asked for (it branches on its step count)."""
+    options = dict(post_process=("variance_reduction", "uw_floor"), apply="hyperball")
+    runs = []
+    for compiled in (False, True):
+        params = _model()
+        opts = [MuonAdamW([dict(kind="muon", params=params[:5], ns_precision="fp32", **BASE, **options)],
+                          compile=compiled),
+                MuonAdamW([dict(kind="muon", params=params[5:], ns_precision="fp32", **BASE, precondition="soap")],
+                          compile=compiled)]
+        for step in range(3):
+            for p, g in zip(params, _mean_grads(step, 1)):
+                p.grad = g
+            for opt in opts:
+                opt.step()
+        runs.append(params)
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
