@@ -206,6 +206,7 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
+            fill_defaults(group)  # a stage named since the last step brings its options
             check_group_values(i, group)
             # set by OneCycleLR, CyclicLR
             if group["kind"] == "adamw" and group.get("momentum") is not None:
@@ -551,11 +552,12 @@ class MuonAdamW(torch.optim.Optimizer):
             p0, mine = b["params"][0], [b["params"][i] for i in b["mine"]]
             # the same on all ranks
             layouts = muon_state_layout(p0.shape, p0.dtype, self.param_groups[b["group"]])
-            for name, (shape, dtype, _) in layouts.items():
+            for name, slot in layouts.items():
+                shape, dtype = slot.shape, slot.dtype
                 stack = torch.zeros((b["per_rank"], *shape), dtype=dtype, device=p0.device)
-                for k, p in enumerate(mine):
-                    if name in self.state[p]:
-                        stack[k].copy_(self.state[p][name])
+                for k, p in enumerate(mine):  # state not made yet: what the next step makes
+                    stack[k].copy_(self.state[p][name] if name in self.state[p]
+                                   else fresh_state(slot, p))
                 out = stack.new_empty((b["per_rank"] * N, *shape))
                 self._all_gather(out, stack).wait()
                 for i, row in b["rows"]:
@@ -588,10 +590,9 @@ class MuonAdamW(torch.optim.Optimizer):
             p = by_id[pid]
             if groups[p]["kind"] != "muon":
                 continue
-            slots = muon_state_layout(p.shape, p.dtype, groups[p])
             for name, v in st.items():  # the saved dtype (fp32), not torch's cast copy
-                if name in slots and slots[name].dtype != p.dtype and isinstance(v, Tensor):
-                    self.state[p][name] = v.to(p.device, slots[name].dtype, copy=True)
+                if name != "momentum_buffer" and isinstance(v, Tensor) and v.dtype != p.dtype:
+                    self.state[p][name] = v.to(p.device, v.dtype, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
 
     def load_state_dict(self, state_dict: dict) -> None:

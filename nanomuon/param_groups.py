@@ -119,8 +119,14 @@ def stage_names(key: str):
             return "must be a name or a sequence of names"
         bad = [n for n in (update_math.names(v) if chain else (v,))
                if not isinstance(n, str) or n not in registry]
-        return (f"{'names ' + repr(bad) if chain else 'is'} not in {where}: use one of "
-                f"{list(registry)}, or register yours there") if bad else None
+        if bad:
+            return (f"{'names ' + repr(bad) if chain else 'is'} not in {where}: use one of "
+                    f"{list(registry)}, or register yours there")
+        if key == "orthogonalizer" and (update_math.stage(key, v).state or
+                                        update_math.stage(key, v).needs):
+            return ("names an orthogonalizer that declares state or needs; an orthogonalizer is "
+                    "f(G, group): give those to a precondition or post-process stage")
+        return None
     return check
 
 

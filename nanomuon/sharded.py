@@ -374,10 +374,14 @@ def check_sharded_stages(label: str, group: dict) -> None:
     weights stay in blocks: only the momentum step, and the raw gradient where a stage needs
     it, travel to a matrix's owner) and apply stages that keep state (apply runs on blocks)."""
     for key, name, s in group_stages(group):
-        if "weight" in s.needs or (key not in CHAIN_KEYS and s.state):
+        if "weight" in s.needs:
             raise ValueError(f"{label}: {key} {name!r} reads whole weight matrices, which "
                              "sharded (FSDP2, tensor parallel) params keep in blocks; use it "
                              "with plain (replicated) params")
+        if key not in CHAIN_KEYS and s.state:
+            raise ValueError(f"{label}: {key} {name!r} keeps state, which the sharded (FSDP2, "
+                             "tensor parallel) path does not keep for apply stages (they run "
+                             "on blocks); use it with plain (replicated) params")
 
 
 def _holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
@@ -412,11 +416,14 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
         for p, holder in zip(dparams, _holders(group, state, plans, dparams)):
             if holder < 0:
                 continue
-            st = out.setdefault(index[id(p)], {})
-            for name, slot in direction_slots(p, group).items():
-                device = p.to_local().device
-                t = (st[name].to(slot.dtype).clone() if dist.get_rank() == holder
-                     else torch.empty(slot.shape, dtype=slot.dtype, device=device))
+            st, mine = out.setdefault(index[id(p)], {}), dist.get_rank() == holder
+            # what the holder has (stages named since, or switched off, may differ from the group)
+            held = [[(n, tuple(v.shape), v.dtype) for n, v in st.items()
+                     if n != "momentum_buffer" and isinstance(v, Tensor)] if mine else None]
+            dist.broadcast_object_list(held, src=holder)
+            for name, shape, dtype in held[0]:
+                t = (st[name].clone() if mine
+                     else torch.empty(shape, dtype=dtype, device=p.to_local().device))
                 dist.broadcast(t, src=holder)
                 st[name] = t
     return dict(sd, state=out)

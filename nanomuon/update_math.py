@@ -364,7 +364,7 @@ def equilibrate(g: Tensor, ctx: StageContext, mode: str) -> Tensor:
 
 
 def soap(g: Tensor, ctx: StageContext) -> Tensor:
-    """SOAP-Muon (modded-nanogpt track 3, record #14; SOAP: arXiv 2409.11321): Adam in the
+    """SOAP-Muon (modded-nanogpt track 3, record 14; SOAP: arXiv 2409.11321): Adam in the
     eigenbases Q_L, Q_R of the gradient's row and column covariances, before orthogonalizing.
     P = Q_L^T U Q_R, V <- b V + (1 - b) P^2, U' = Q_L (P / (sqrt(V) + 1e-8)) Q_R^T rescaled to
     ||U||_F (U: the momentum step; the first step passes it through). Then this step's gradient G
@@ -445,12 +445,12 @@ def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
     v_norm = total(v_mean * red_size).sqrt()
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - ctx.h.beta2)
     step_size = second_moment.clamp_min(1e-10).rsqrt()
-    v_norm_new = total((v_mean * red_size) * step_size.float().square()).sqrt()
+    v_norm_new = total((v_mean * red_size) * fp32(step_size).square()).sqrt()
     return u.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(u.dtype))
 
 
 def uw_floor(u: Tensor, ctx: StageContext) -> Tensor:
-    """The u/w floor (modded-nanogpt track 3, record #9): lift an update whose Frobenius norm is
+    """The u/w floor (modded-nanogpt track 3, record 9): lift an update whose Frobenius norm is
     below c ||W||_F to c ||W||_F (c: the group's uw_floor, 0.35 as published), u before the lr."""
     ratio = ctx.group["uw_floor"] * frobenius(ctx.weight).clamp_min(1e-8)
     return u.mul_((ratio / frobenius(u).clamp_min(1e-8)).clamp_min(1.0).to(u.dtype))
@@ -472,11 +472,12 @@ def _lr_step(p: Tensor, u: Tensor, lr) -> None:
 
 
 def apply_decoupled(params, u: Tensor, ctx: StageContext) -> None:
-    """Decoupled weight decay (h.decay: lr * weight_decay, 0 in 'l2' mode), then the step."""
+    """Decoupled weight decay (h.decay: lr * weight_decay; none in 'l2' mode), then the step."""
     if isinstance(ctx.h.lr, Tensor):
         u.mul_(ctx.h.lr)
     for ui, p in pairs(u, params):
-        p.mul_(1 - ctx.h.decay)
+        if ctx.group["weight_decay_mode"] != "l2":
+            p.mul_(1 - ctx.h.decay)
         _lr_step(p, ui, ctx.h.lr)
 
 
@@ -486,7 +487,8 @@ def apply_cautious(params, u: Tensor, ctx: StageContext) -> None:
     if isinstance(ctx.h.lr, Tensor):
         u.mul_(ctx.h.lr)
     for ui, p in pairs(u, params):
-        p.addcmul_(p, ((ui * p) >= 0) * ctx.h.decay, value=-1)
+        if ctx.group["weight_decay_mode"] != "l2":
+            p.addcmul_(p, ((ui * p) >= 0) * ctx.h.decay, value=-1)
         _lr_step(p, ui, ctx.h.lr)
 
 
@@ -499,7 +501,7 @@ def hyperball_radius(w: Tensor) -> Tensor:
 
 
 def hyperball(params, u: Tensor, ctx: StageContext) -> None:
-    """MuonH (modded-nanogpt track 3, record #5; arXiv 2606.16899): each matrix stays on the
+    """MuonH (modded-nanogpt track 3, record 5; arXiv 2606.16899): each matrix stays on the
     sphere of radius r (hyperball_radius): W' = W - lr r u / ||u||_F, then W <- W' r / ||W'||_F.
     The lr is a relative step; weight decay has no part."""
     for ui, p, r in pairs(u, params, ctx.state["hyperball_radius"]):
@@ -686,11 +688,11 @@ def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
     runs the same three with communication between."""
     # a slice's worth: small, reused memory
     grads = torch.stack(grads) if isinstance(grads, list) else grads
-    needs = stage_needs(opts, CHAIN_KEYS)
-    raw = grads.clone() if "grad" in needs else None  # the momentum step overwrites grads
+    # the momentum step overwrites grads
+    raw = grads.clone() if "grad" in stage_needs(opts) else None
     g = muon_momentum(grads, state["momentum_buffer"], params, h, opts)
-    weight = None
-    if "weight" in needs:
+    weight = None  # apply stages have the params themselves
+    if "weight" in stage_needs(opts, CHAIN_KEYS):
         weight = params if isinstance(params, Tensor) else torch.stack(params)
     ctx = StageContext(state, h, opts, raw, weight)
     u = muon_direction(g, ctx, state["momentum_buffer"].dtype)  # in the params' dtype
@@ -824,7 +826,7 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict) -> dict:
 def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:
     """A new state tensor for the param `weight`: slot.init's number, or its value from weight."""
     if callable(slot.init):
-        return slot.init(weight).to(slot.dtype).reshape(slot.shape)
+        return slot.init(weight.detach()).to(slot.dtype).reshape(slot.shape)
     return torch.full(slot.shape, slot.init, dtype=slot.dtype, device=weight.device)
 
 

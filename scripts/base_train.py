@@ -272,7 +272,7 @@ def warmup_warmdown(step: int, num_iterations: int, args) -> float:
 
 
 def powercool(step: int, num_iterations: int, args) -> float:
-    """PowerCool (modded-nanogpt track 3, record #20): lr = min(lr0, c (T - step)^1.2), with c
+    """PowerCool (modded-nanogpt track 3, record 20): lr = min(lr0, c (T - step)^1.2), with c
     set so the decay starts --warmdown-ratio of the steps before the end; warmup as above."""
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step <= num_iterations - warmdown:

@@ -179,6 +179,31 @@ def test_stage_state_follows_its_declaration():
     assert all(fresh.state[p][n].dtype == t.dtype and torch.equal(fresh.state[p][n], t) for n, t in st.items())
 
 
+def test_a_stage_named_mid_run_starts_with_its_defaults():
+    """SOAP named after three steps: its options take their defaults at the next step, its state starts then,
+    and the run is the float64 definition's with SOAP from step 4 on."""
+    start, grads = torch.randn(24, 24, generator=torch.Generator().manual_seed(6)), grads_for((24, 24), 7, 7)
+    cfgs = [BASE] * 3 + [dict(BASE, precondition="soap")] * 4
+    ref = f64_run(start, grads, cfgs, stages=STAGES)
+    torch.testing.assert_close(run_ours(start.double(), [g.double() for g in grads], cfgs).double(), ref,
+                               rtol=0, atol=2e-5)
+
+
+def test_state_a_group_no_longer_keeps_loads_in_its_own_dtype():
+    """Variance reduction switched off (beta2=None) keeps its fp32 state for later; a checkpoint of bf16 params
+    brings it back in fp32, not rounded to bf16."""
+    p = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16))
+    opt = MuonAdamW([dict(kind="muon", params=[p], **BASE)])
+    p.grad = torch.randn(16, 8, dtype=torch.bfloat16)
+    opt.step()
+    opt.param_groups[0]["beta2"] = None
+    saved = opt.state_dict()
+    fresh = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, beta2=None))])
+    fresh.load_state_dict(saved)
+    got, want = fresh.state[p]["second_momentum_buffer"], opt.state[p]["second_momentum_buffer"]
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_two_stages_may_not_keep_state_of_one_name(monkeypatch):
     spec = update_math.StateSpec(lambda rows, cols: (rows, 1))
     clash = update_math.Stage(lambda u, ctx: u, state=dict(second_momentum_buffer=spec))
@@ -337,6 +362,33 @@ def _refusal_worker(rank, world):
     for technique in ("uw_floor", "hyperball"):
         with pytest.raises(ValueError, match="reads whole weight matrices, which sharded .* keep in blocks"):
             MuonAdamW(_groups([p], technique))
+    # state a group keeps no more (beta2=None) is still the holder's, and every rank's state_dict() has it
+    opt = MuonAdamW([dict(kind="muon", params=[p], **BASE)])
+    p.grad = distribute_tensor(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), mesh, [Shard(0)])
+    opt.step()
+    opt.param_groups[0]["beta2"] = None
+    second = opt.state_dict()["state"][0]["second_momentum_buffer"]
+    everyone = [torch.empty_like(second) for _ in range(world)]
+    torch.distributed.all_gather(everyone, second)
+    assert all(torch.equal(t, second) for t in everyone) and second.abs().sum() > 0
+
+
+def _switch_worker(rank, world):
+    """MuonH named between steps, saved before the step that makes its radius: the owners save the radius
+    the step would make (the weight's norm), not zeros that would wipe the weights on resume."""
+    model = _model()
+    opt = DistMuonAdamW(_groups(model, "uw_floor"))
+    for p, g in zip(model, _grads(0, rank, world)):
+        p.grad = g
+    opt.step()
+    opt.param_groups[0]["apply"] = "hyperball"
+    radius = {pid: st["hyperball_radius"] for pid, st in opt.state_dict()["state"].items()}
+    for pid, p in enumerate(model):
+        torch.testing.assert_close(radius[pid].reshape(()), torch.linalg.matrix_norm(p.detach()))
+
+
+def test_state_declared_mid_run_is_saved_as_it_will_start():
+    spawn(_switch_worker, 2)
 
 
 def test_the_readme_counts_hold():
