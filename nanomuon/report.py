@@ -26,7 +26,9 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
     """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
     title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band;
-    optional logx, logy. Returns path, or None when matplotlib is not installed."""
+    optional logx, logy, colors ({label: matplotlib color}: one thing in one color across panels)
+    and dashed (labels drawn dashed, unmarked). Returns path, or None when matplotlib is not
+    installed."""
     try:
         import matplotlib
 
@@ -41,8 +43,10 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
             if not points:
                 continue
             xs, ys, *band = zip(*points)
-            line, = ax.plot(xs, ys, label=label, marker="o" if len(xs) <= 30 else None,
-                            markersize=3, linewidth=1.5)
+            dashed = label in panel.get("dashed", ())
+            line, = ax.plot(xs, ys, label=label, linewidth=1.5, linestyle="--" if dashed else "-",
+                            marker="o" if len(xs) <= 30 and not dashed else None, markersize=3,
+                            color=panel.get("colors", {}).get(label))
             if band:
                 ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])

@@ -372,7 +372,7 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
     """The paired differences in val bpb (variant minus baseline, seed by seed) at each eval, their
     mean with its 95% interval as a band, and around zero a band of +- the smallest final effect
     this design detects: an interval clear of that band is a verdict."""
-    series = {}
+    series, colors, dashed = {}, {}, []
     for v in (v for v in variants if v != baseline):
         pairs = [(results[v, best[v], s], results[baseline, best[baseline], s]) for s in seeds]
         n = min(len(r["val_history"]) for pair in pairs for r in pair)
@@ -384,8 +384,13 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
                                        [m + hw for m, _, hw in stats])
         d = paired([r["final_val_bpb"] - b["final_val_bpb"] for r, b in pairs])["detectable"]
         series[f"{v}: detectable +-{d:.4f}"] = (steps, [0.0] * n, [-d] * n, [d] * n)
+        # the variant's color in every panel; its detectable band dashed in the same color
+        colors.update({f"{v} - {baseline}": f"C{variants.index(v)}",
+                       f"{v}: detectable +-{d:.4f}": f"C{variants.index(v)}"})
+        dashed.append(f"{v}: detectable +-{d:.4f}")
     return dict(title="variant - baseline, paired by seed (band: 95% CI)", xlabel="step",
-                ylabel="val bpb difference (< 0: better)", series=series)
+                ylabel="val bpb difference (< 0: better)", series=series, colors=colors,
+                dashed=dashed)
 
 
 def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int], best: dict,
