@@ -416,6 +416,7 @@ def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
 def test_compiled_stages_equal_eager():
     """The u/w floor and MuonH under torch.compile (fullgraph, as on GPUs) take the eager steps; SOAP's group
     runs eager even when compile is asked for (it branches on its step count)."""
+    torch._dynamo.reset()  # the recompile limit counts every graph this process compiled before
     options = dict(post_process=("variance_reduction", "uw_floor"), apply="hyperball")
     runs = []
     for compiled in (False, True):
@@ -432,3 +433,55 @@ def test_compiled_stages_equal_eager():
         runs.append(params)
     for p, q in zip(*runs):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+def _fsdp_checkpoint_worker(rank, world, path, mode):
+    """A GPT under FSDP2 (every param a DTensor) training with SOAP: 'save' after 3 steps writes a sharded
+    checkpoint (SOAP's state from each matrix's owner) and the whole state as the reference; 'load' reads it
+    at another world size, where the whole state gathers back bitwise, and trains on."""
+    from test_sharded import full
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nanomuon.gpt import GPT, config_from_depth
+
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16))
+    model.init_weights()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = model.setup_optimizer(muon_options=dict(ns_precision="fp32", precondition="soap", **SOAP_EXACT))
+
+    def train(steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(rank + 10 * step)
+            x, y = torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    if mode == "save":
+        train(range(3))
+        tensors, files = checkpoint.state_of(model, opt)
+        checkpoint.save_checkpoint(path, 3, tensors, dict(step=3), files)
+        whole = opt.state_dict()  # a collective, as full() is
+        if rank == 0:
+            torch.save(dict(opt=whole), path / "ref.pt")
+        return
+    checkpoint.load_into(path, 3, model, opt)
+    ref, again = torch.load(path / "ref.pt"), opt.state_dict()
+    names = {name for st in ref["opt"]["state"].values() for name in st}
+    assert {"soap_row_cov", "soap_col_basis", "soap_second_moment", "soap_step"} <= names
+    assert again["state"].keys() == ref["opt"]["state"].keys()
+    for pid, st in ref["opt"]["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(again["state"][pid][name]), torch.as_tensor(v)), (pid, name)
+    train(range(3, 5))
+    assert all(torch.isfinite(full(p)).all() for p in model.parameters())
+
+
+def test_fsdp2_soap_state_reshards_from_a_checkpoint(tmp_path):
+    spawn(_fsdp_checkpoint_worker, 2, tmp_path, "save")
+    spawn(_fsdp_checkpoint_worker, 3, tmp_path, "load")
