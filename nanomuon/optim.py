@@ -242,7 +242,8 @@ class MuonAdamW(torch.optim.Optimizer):
                     if group["kind"] == "muon" else [])
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
         buckets = []
-        for b in owner_plan(keys, [update_cost(group, p) for p in matrices], self.world_size, loads):
+        costs = [update_cost(group, p) for p in matrices]
+        for b in owner_plan(keys, costs, self.world_size, loads):
             # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank,
             # so rows holds (position, row of the gathered stack) for every matrix
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"])

@@ -9,10 +9,10 @@ muon_step_modes() has Megatron's alternatives.
 
 Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer
 is sharded like its param; the direction stages' state (variance reduction's second moment, any
-stage's) lives on the owner only. full_state() gathers the
-unsharded state_dict() format; state_piece() and kept_direction_state() cut it (or a checkpoint) back
-to a rank. The functions take the optimizer's pieces (group, state, plan cache), never the
-optimizer: this file depends on the math and the plan only.
+stage's) lives on the owner only. full_state() gathers the unsharded state_dict() format;
+state_piece() and kept_direction_state() cut it (or a checkpoint) back to a rank. The functions
+take the optimizer's pieces (group, state, plan cache), never the optimizer: this file depends on
+the math and the plan only.
 """
 
 import contextlib
@@ -234,7 +234,8 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: boo
                      for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
         h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay")
                           if isinstance(getattr(h, k), Tensor)})
-    kernel(muon_apply, compiled)(p.to_local(), u, StageContext({}, h, muon_options(group, u.device)))
+    ctx = StageContext({}, h, muon_options(group, u.device))  # apply stages keep no state here
+    kernel(muon_apply, compiled)(p.to_local(), u, ctx)
 
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
@@ -266,9 +267,10 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
                 stacked, raw = stacked[:, 0], stacked[:, 1]
             h = scalars(muon_hparams(group, shape, stacked.device), compiled)
             slots = direction_slots(params[idx[0]], group)
-            for i in idx:  # on the owner, whole
+            for i in idx:  # on the owner, whole; made once, not every step
                 for name, slot in slots.items():
-                    state[params[i]].setdefault(name, fresh_state(slot, stacked))
+                    if name not in state[params[i]]:
+                        state[params[i]][name] = fresh_state(slot, stacked)
             stacks = {name: torch.stack([state[params[i]][name] for i in idx]) for name in slots}
             u = kernel(muon_direction, compiled)(
                 stacked, StageContext(stacks, h, muon_options(group, stacked.device), raw),

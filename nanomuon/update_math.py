@@ -516,16 +516,14 @@ def _soap_cost(rows: int, cols: int, group: dict) -> float:
     return per_step + 4 * (rows ** 3 + cols ** 3) / group["precondition_frequency"]
 
 
-def _covariance(n: int) -> Callable:
-    return lambda rows, cols: (rows, rows) if n == -2 else (cols, cols)
-
-
 PRECONDITIONERS = {
     **{f"equilibrate_{mode}": Stage(functools.partial(equilibrate, mode=mode), on_slices=True)
        for mode in ("row", "col", "row_col")},
     "soap": Stage(soap, state=dict(
-        soap_row_cov=StateSpec(_covariance(-2)), soap_col_cov=StateSpec(_covariance(-1)),
-        soap_row_basis=StateSpec(_covariance(-2)), soap_col_basis=StateSpec(_covariance(-1)),
+        soap_row_cov=StateSpec(lambda rows, cols: (rows, rows)),
+        soap_col_cov=StateSpec(lambda rows, cols: (cols, cols)),
+        soap_row_basis=StateSpec(lambda rows, cols: (rows, rows)),
+        soap_col_basis=StateSpec(lambda rows, cols: (cols, cols)),
         soap_second_moment=StateSpec(lambda rows, cols: (rows, cols)),
         soap_step=StateSpec(lambda rows, cols: ())),
         options=dict(soap_beta=Option(0.9, lambda v: a_number(v, 1.0), "SOAP's EMA of the "
