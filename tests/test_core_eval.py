@@ -347,12 +347,33 @@ def test_base_eval_core_report_and_summary(run, tmp_path, capsys):
     assert sum(x.startswith("> CORE: ") for x in (run / "report.md").read_text().splitlines()) == 1
 
 
+def wandb_history(path) -> dict:
+    """Every history item a .wandb file holds, key -> JSON value. The file is a LevelDB-style log
+    (a 7-byte file header, 32 KiB blocks, each record a 7-byte header then data, split across
+    blocks as first/middle/last pieces) of wandb Record protobufs; wandb 0.31 ships the protobuf
+    classes but no reader of the log."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pieces, history = path.read_bytes(), 7, b"", {}
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pieces, pos = pieces + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record.FromString(pieces)
+            for item in record.history.item:
+                history["/".join([item.key, *item.nested_key]).strip("/")] = item.value_json
+            pieces = b""
+    return history
+
+
 @pytest.mark.slow  # two real (offline) wandb runs: about 30 s
 def test_base_eval_logs_core_into_the_training_wandb_run(base, tmp_path, monkeypatch):
     """base_train records its wandb run's id in summary.json; base_eval --wandb resumes that run
-    (offline: a second offline-run dir of the same id) and logs eval/core, the value summary.json
-    holds, into it. wandb 0.31 has no Python reader of its .wandb files, so the records are found
-    in the file's bytes: each history item is its key, then its value as JSON."""
+    (offline: a second offline-run dir of the same id) and logs eval/core and each task's centered
+    accuracy, the values summary.json holds, into it."""
     from scripts.base_train import main
 
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -368,10 +389,12 @@ def test_base_eval_logs_core_into_the_training_wandb_run(base, tmp_path, monkeyp
                     "--wandb", "offline"])
     runs = sorted((run / "wandb").glob(f"offline-run-*-{wandb_id}"))
     assert len(runs) == 2  # the training, then the evaluation resuming it
-    logged = (runs[1] / f"run-{wandb_id}.wandb").read_bytes()
-    core = json.loads((run / "summary.json").read_text())["core"]
-    at = logged.index(b"eval/core")
-    assert json.dumps(core).encode() in logged[at:at + 60]
+    logged = wandb_history(runs[1] / f"run-{wandb_id}.wandb")
+    summary = json.loads((run / "summary.json").read_text())
+    expected = {"eval/core": summary["core"]}
+    expected.update({f"eval/core/{k}": t["centered"] for k, t in summary["core_tasks"].items()})
+    assert len(expected) == 4 and any(abs(v) > 0.1 for v in expected.values())
+    assert {k: json.loads(logged[k]) for k in expected} == expected
 
 
 def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):
