@@ -95,12 +95,10 @@ else
     echo "== speedrun (cpu miniature): d$DEPTH on $DATASET, $NPROC processes, run $RUN"
     if [ "$DATASET" = embedded ]; then python -m nanomuon.dataset --embedded; fi
     python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 4096 --max-chars 8000000
-    # each group's lr tuned at this shape, seed-paired (docs/benchmarks.md): Muon keeps the GPU's 0.02,
-    # the AdamW groups want 0.25-0.5x their GPU values at 4,096-token steps
+    # each group's lr is the lr rule's at 4,096-token steps (nanomuon/gpt.py), where it was tuned
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" --device-type cpu \
         --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \
-        --embedding-lr 0.075 --unembedding-lr 0.002 --matrix-lr 0.02 --adamw-matrix-lr 0.001 \
         --sample-tokens 24 --log-every 10 \
         --wandb "$WANDB" "$@"
     # CORE only with a bundle already in place (docs/core.md), else a one-line note: this stays offline

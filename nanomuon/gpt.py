@@ -273,6 +273,27 @@ class SoftcapCrossEntropy(torch.autograd.Function):
                 None, None, None, None)
 
 
+# The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
+# GPU, the adamw baseline): each group's lr at width 768, tuned at RULE_BATCH tokens per step (the
+# CPU miniature's per-group sweep, docs/benchmarks.md), and how it moves with the model and batch.
+# - Width: AdamW's lrs scale as 1/sqrt(width / 768) (setup_optimizer; nanochat's rule). Muon's
+#   does not: its update is orthogonalized, so its size does not grow with the width.
+# - Batch: AdamW's lrs grow as (tokens per step / RULE_BATCH)^0.2, Muon's not at all. The
+#   exponent is what the CPU batch sweeps show and what joins the CPU-tuned lrs to nanochat's
+#   GPU-tuned ones at 128x the batch; AdamW's usual sqrt would put those 4x apart.
+RULE_BATCH = 4096
+RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02)
+RULE_BATCH_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2,
+                            matrix_lr=0.0)
+
+
+def rule_lrs(total_batch_size: int) -> dict[str, float]:
+    """Each group's lr at width 768 (setup_optimizer's arguments) for steps of total_batch_size
+    tokens, by the lr rule."""
+    return {key: lr * (total_batch_size / RULE_BATCH) ** RULE_BATCH_EXPONENTS[key]
+            for key, lr in RULE_LRS.items()}
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -349,16 +370,18 @@ class GPT(nn.Module):
         c = self.config
         return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.sequence_len
 
-    def setup_optimizer(self, embedding_lr: float = 0.2, unembedding_lr: float = 0.004,
-                        matrix_lr: float = 0.02, adamw_matrix_lr: float = 0.004,
+    def setup_optimizer(self, embedding_lr: float | None = None,
+                        unembedding_lr: float | None = None, matrix_lr: float | None = None,
+                        adamw_matrix_lr: float | None = None, total_batch_size: int = 2 ** 19,
                         scalar_lr: float = 0.5, weight_decay: float = 0.2,
                         adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Each AdamW param gets the lr of its role, tuned at width 768 and scaled as 1/sqrt(width)
-        (nanochat's rule); Muon's lr needs no width scaling because its update is orthogonalized.
+        Each param gets the lr of its role at width 768: the one given, else the lr rule's
+        (rule_lrs) at total_batch_size tokens per step; AdamW's are then scaled as 1/sqrt(width),
+        Muon's need no width scaling because its update is orthogonalized.
         muon_options go into the Muon group; matrix_optimizer='adamw' trains the matrices with
         AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
@@ -366,6 +389,9 @@ class GPT(nn.Module):
         c_proj (a transposed split). nanomuon.variants names such choices."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
+        given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
+                     matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr)
+        lr = rule_lrs(total_batch_size) | {k: v for k, v in given.items() if v is not None}
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
@@ -374,28 +400,20 @@ class GPT(nn.Module):
             params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
         if matrix_optimizer == "muon":
-            matrix_group = dict(dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
+            matrix_group = dict(dict(kind="muon", lr=lr["matrix_lr"], momentum=0.95, ns_steps=5,
                                      beta2=0.95, weight_decay=weight_decay), **(muon_options or {}))
         elif muon_options or per_head:
             raise ValueError("muon_options and per_head need matrix_optimizer='muon': the matrices "
                              "train with one optimizer")
         else:
-            matrix_group = dict(adam, lr=adamw_matrix_lr * scale)
-        groups = [dict(adam, name="lm_head", params=params["lm_head"], lr=unembedding_lr * scale),
-                  dict(adam, name="embedding", params=params["embedding"], lr=embedding_lr * scale),
+            matrix_group = dict(adam, lr=lr["adamw_matrix_lr"] * scale)
+        groups = [dict(adam, name="lm_head", params=params["lm_head"],
+                       lr=lr["unembedding_lr"] * scale),
+                  dict(adam, name="embedding", params=params["embedding"],
+                       lr=lr["embedding_lr"] * scale),
                   dict(matrix_group, name="matrices", params=params["matrices"])]
-        if per_head:  # one group per layout: (heads, by columns)
-            heads, hd = {}, self.config.n_embd // self.config.n_head
-            for a in (block.attn for block in self.blocks):
-                for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
-                                     (a.c_v, a.n_kv_head, False), (a.c_proj, a.n_head, True)):
-                    if n > 1:  # one head is the whole matrix
-                        heads.setdefault((n, cols), []).append(lin.weight)
-            per = {id(w) for ws in heads.values() for w in ws}
-            groups[2]["params"] = [w for w in params["matrices"] if id(w) not in per]
-            groups += [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
-                            params=ws, split=(hd,) * n, transposed=cols)
-                       for (n, cols), ws in heads.items()]
+        if per_head:
+            groups[2:] = self._per_head_groups(groups[2])
         if params["scalars"]:
             groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
         for g in groups:
@@ -409,6 +427,21 @@ class GPT(nn.Module):
         cls = (DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated
                else MuonAdamW)
         return cls(groups, compile=compile)
+
+    def _per_head_groups(self, matrix_group: dict) -> list[dict]:
+        """matrix_group split by layout, one group per (heads, by columns): the attention
+        matrices as blocks of head_dim rows (c_q, c_k, c_v) or columns (c_proj), the rest whole."""
+        heads, hd = {}, self.config.n_embd // self.config.n_head
+        for a in (block.attn for block in self.blocks):
+            for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
+                                 (a.c_v, a.n_kv_head, False), (a.c_proj, a.n_head, True)):
+                if n > 1:  # one head is the whole matrix
+                    heads.setdefault((n, cols), []).append(lin.weight)
+        per = {id(w) for ws in heads.values() for w in ws}
+        whole = dict(matrix_group, params=[w for w in matrix_group["params"] if id(w) not in per])
+        return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
+                               params=ws, split=(hd,) * n, transposed=cols)
+                          for (n, cols), ws in heads.items()]
 
     def track_max_logits(self, on: bool = True) -> None:
         """Start (afresh) or stop recording each attention head's max

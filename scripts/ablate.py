@@ -57,17 +57,16 @@ from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
 
-# A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape and lrs (200
-# steps of 4,096 tokens; each group's lr tuned there: docs/benchmarks.md), compiled (1.4x the eager
+# A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
+# 4,096 tokens, where the lr rule's lrs were tuned: docs/benchmarks.md), compiled (1.4x the eager
 # steps here), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores. The val set is the
 # speedrun's: the first 65,536 tokens.
 DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=1"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
-                 "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--embedding-lr", "0.075",
-                 "--unembedding-lr", "0.002", "--matrix-lr", "0.02", "--adamw-matrix-lr", "0.001",
-                 "--sample-tokens", "0", "--log-every", "50", "--compile"]
+                 "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--sample-tokens", "0",
+                 "--log-every", "50", "--compile"]
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
         "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()

@@ -94,13 +94,19 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
-    """The optimizer's flags: each group's lr (AdamW's at width 768, scaled as 1/sqrt(width) by
-    GPT.setup_optimizer), weight decay, the variant, and the lr schedule."""
-    p.add_argument("--embedding-lr", type=float, default=0.2, help="AdamW lr of the embedding (at width 768)")
-    p.add_argument("--unembedding-lr", type=float, default=0.004, help="AdamW lr of lm_head (at width 768)")
-    p.add_argument("--matrix-lr", type=float, default=0.02, help="Muon lr of the block matrices")
-    p.add_argument("--adamw-matrix-lr", type=float, default=0.004, help="AdamW lr of the block "
-                   "matrices (at width 768), when the --optimizer variant trains them with AdamW")
+    """The optimizer's flags: each group's lr (at width 768: GPT.setup_optimizer scales AdamW's as
+    1/sqrt(width); a flag left out takes the lr rule's value, nanomuon/gpt.py), weight decay, the
+    variant, and the lr schedule."""
+    rule = "default: the lr rule's at --total-batch-size"
+    p.add_argument("--embedding-lr", type=float, default=None,
+                   help=f"AdamW lr of the embedding, at width 768 ({rule})")
+    p.add_argument("--unembedding-lr", type=float, default=None,
+                   help=f"AdamW lr of lm_head, at width 768 ({rule})")
+    p.add_argument("--matrix-lr", type=float, default=None,
+                   help=f"Muon lr of the block matrices ({rule})")
+    p.add_argument("--adamw-matrix-lr", type=float, default=None, help="AdamW lr of the block "
+                   "matrices, at width 768, when the --optimizer variant trains them with AdamW "
+                   f"({rule})")
     p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
@@ -196,8 +202,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
          "in [0, 1]"),
         (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr",
-          "weight_decay", "qk_clip", "lr_multiplier"], lambda v: math.isfinite(v) and v >= 0,
-         "a finite number >= 0"),
+          "weight_decay", "qk_clip", "lr_multiplier"],
+         lambda v: v is None or (math.isfinite(v) and v >= 0), "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite,
          "a finite number (or <= 0: off)"),
         (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
@@ -440,11 +446,13 @@ def optimizer_options(args, compiled: bool) -> dict:
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
                  weight_decay=args.weight_decay, schedule=args.schedule)
     variant = OPTIMIZER_VARIANTS[args.optimizer]
-    for key in sorted(flags.keys() & variant.keys()):
+    for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
     del flags["schedule"]  # train_step's (schedule_name), not the optimizer's
-    return dict(flags, compile=compiled, **optimizer_kwargs(args.optimizer))
+    given = {k: v for k, v in flags.items() if v is not None}
+    return dict(given, total_batch_size=args.total_batch_size, compile=compiled,
+                **optimizer_kwargs(args.optimizer))
 
 
 def schedule_name(args) -> str:
@@ -659,6 +667,10 @@ def announce(run: Run) -> None:
     print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x "
            f"{args.max_seq_len} tokens x {run.world_size} processes x {run.grad_accum} "
            "accumulation steps")
+    lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
+                    for i, g in enumerate(run.optimizer.param_groups))
+    print0(f"peak lrs: {lrs} (each not given by a flag: the lr rule's at "
+           f"{args.total_batch_size:,} tokens/step, nanomuon/gpt.py)")
     print0(f"training: {run.num_iterations:,} steps, "
            f"{run.num_iterations * args.total_batch_size:,} tokens "
            f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on "

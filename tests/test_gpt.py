@@ -1,6 +1,7 @@
 """The GPT: sizing, shapes, causality, rotary, init, FLOPs against torch's flop counter, optimizer groups."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +128,50 @@ def test_setup_optimizer_groups():
         opt.step()
         model.zero_grad(set_to_none=True)
     assert model(x, x).item() < before
+
+
+# Measured, not derived from the rule: each group's tuned lr at width 768 at the CPU miniature's
+# 4,096 tokens per step (docs/benchmarks.md), and nanochat's GPU-tuned ones at 2^19 tokens per
+# step (its defaults, earlier and now: embedding 0.2 and 0.3, lm_head 0.004 and 0.008, Muon 0.02).
+TUNED_AT_4096 = dict(embedding=0.075, lm_head=0.002, matrices=0.02, adamw_matrices=0.001)
+NANOCHAT_AT_2_19 = dict(embedding=(0.2, 0.3), lm_head=(0.004, 0.008), matrices=(0.02, 0.02))
+
+
+def peak_lrs(model, **kwargs) -> dict:
+    return {g["name"]: g["lr"] for g in model.setup_optimizer(**kwargs).param_groups}
+
+
+@pytest.mark.parametrize("depth", [4, 6])  # widths 256 and 384, where the rule was checked
+def test_default_lrs_follow_the_lr_rule(depth):
+    """Every default lr is the lr rule's: the tuned lrs at 4,096 tokens per step, AdamW's growing
+    with the batch to within 10% of nanochat's GPU-tuned range at 2^19 while Muon's stays, AdamW's
+    scaled as 1/sqrt(width / 768) and Muon's not; a given lr wins over the rule."""
+    model = GPT(config_from_depth(depth, 97, 16))
+    scale = (model.config.n_embd / 768) ** -0.5
+    at = {batch: peak_lrs(model, total_batch_size=batch) for batch in (4096, 8192, 2 ** 19)}
+    assert at[4096] == pytest.approx({k: TUNED_AT_4096[k] * (1 if k == "matrices" else scale)
+                                      for k in ("embedding", "lm_head", "matrices")})
+    adamw = peak_lrs(model, total_batch_size=4096, **optimizer_kwargs("adamw"))["matrices"]
+    assert adamw == pytest.approx(TUNED_AT_4096["adamw_matrices"] * scale)
+    assert peak_lrs(model) == at[2 ** 19]  # setup_optimizer's default batch is the GPU's
+    for name, (low, high) in NANOCHAT_AT_2_19.items():
+        at_768 = at[2 ** 19][name] / (1 if name == "matrices" else scale)
+        assert low / 1.1 <= at_768 <= high * 1.1, (name, at_768)
+    for name in ("embedding", "lm_head"):
+        assert at[4096][name] < at[8192][name] < at[2 ** 19][name]
+    assert at[4096]["matrices"] == at[8192]["matrices"] == at[2 ** 19]["matrices"]
+    given = peak_lrs(model, embedding_lr=0.1, matrix_lr=0.03)
+    assert given["embedding"] == pytest.approx(0.1 * scale) and given["matrices"] == 0.03
+    assert given["lm_head"] == at[2 ** 19]["lm_head"]
+
+
+def test_speedrun_and_ablate_take_the_rules_lrs():
+    """The CPU miniature's lrs come from the rule, not from flags beside it."""
+    from scripts.ablate import DEFAULT_FLAGS
+
+    speedrun = (Path(__file__).parents[1] / "speedrun.sh").read_text()
+    assert not [f for f in DEFAULT_FLAGS if f.endswith("-lr")] and "-lr " not in speedrun
+    assert all(not k.endswith("_lr") for v in OPTIMIZER_VARIANTS.values() for k in v)
 
 
 def test_setup_optimizer_is_distributed_under_a_process_group():

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanomuon.checkpoint import file_crc32, list_steps, load_checkpoint, save_checkpoint
+from nanomuon.gpt import rule_lrs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
@@ -77,6 +78,11 @@ def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
     for k, v in at2["model"].items():
         assert torch.equal(at4["model"][k], v), k
     assert at4["optim"]["param_groups"][2]["initial_lr"] == 0.0
+    # the first run gave no lr flags: each group took the lr rule's at its 256-token steps
+    rule, scale = rule_lrs(256), (64 / 768) ** -0.5  # width 64: depth 2 x aspect ratio 32
+    assert {g["name"]: g["initial_lr"] for g in at2["optim"]["param_groups"]} == pytest.approx(dict(
+        lm_head=rule["unembedding_lr"] * scale, embedding=rule["embedding_lr"] * scale,
+        matrices=rule["matrix_lr"]))
     with pytest.raises(SystemExit, match="--eval-tokens was 1024, now 2048"):
         main([*flags, "--resume-from-step", "2", "--eval-tokens", "2048"])
 
