@@ -121,9 +121,17 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    help="lr at the end, as a fraction of the peak")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, but not None: those flags' help says what leaving them
+    out does."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     # run
     p.add_argument("--run", type=checkpoint.run_arg, default=None, help="run name: names the "
                    "checkpoint directory and the wandb run (default d<depth>)")
