@@ -275,12 +275,14 @@ class SoftcapCrossEntropy(torch.autograd.Function):
 
 # The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
 # GPU, the adamw baseline): each group's lr at width 768, tuned at RULE_BATCH tokens per step (the
-# CPU miniature's per-group sweep, docs/benchmarks.md), and how it moves with the model and batch.
+# CPU miniature's per-group sweep, docs/lr_rule.md), and how it moves with the model and batch.
 # - Width: AdamW's lrs scale as 1/sqrt(width / 768) (setup_optimizer; nanochat's rule). Muon's
 #   does not: its update is orthogonalized, so its size does not grow with the width.
-# - Batch: AdamW's lrs grow as (tokens per step / RULE_BATCH)^0.2, Muon's not at all. The
-#   exponent is what the CPU batch sweeps show and what joins the CPU-tuned lrs to nanochat's
-#   GPU-tuned ones at 128x the batch; AdamW's usual sqrt would put those 4x apart.
+# - Batch: AdamW's lrs grow as (tokens per step / RULE_BATCH)^0.2. The CPU's sweeps at 2x and
+#   4x the batch put their best there, and it joins the CPU-tuned lrs to nanochat's GPU-tuned
+#   ones at 128x the batch (AdamW's usual sqrt would put those 4x apart). Muon's is the same at
+#   both ends, 0.02, so the rule keeps it; in between it is not (its best rises at 2-4x the
+#   CPU's batch): sweep it there.
 RULE_BATCH = 4096
 RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02)
 RULE_BATCH_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2,

@@ -58,7 +58,7 @@ from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
-# 4,096 tokens, where the lr rule's lrs were tuned: docs/benchmarks.md), compiled (1.4x the eager
+# 4,096 tokens, where the lr rule's lrs were tuned: docs/lr_rule.md), compiled (1.4x the eager
 # steps here), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores. The val set is the
 # speedrun's: the first 65,536 tokens.
 DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=1"
