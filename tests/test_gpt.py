@@ -131,7 +131,7 @@ def test_setup_optimizer_groups():
 
 
 # Measured, not derived from the rule: each group's tuned lr at width 768 at the CPU miniature's
-# 4,096 tokens per step (docs/benchmarks.md), and nanochat's GPU-tuned ones at 2^19 tokens per
+# 4,096 tokens per step (docs/lr_rule.md), and nanochat's GPU-tuned ones at 2^19 tokens per
 # step (its defaults, earlier and now: embedding 0.2 and 0.3, lm_head 0.004 and 0.008, Muon 0.02).
 TUNED_AT_4096 = dict(embedding=0.075, lm_head=0.002, matrices=0.02, adamw_matrices=0.001)
 NANOCHAT_AT_2_19 = dict(embedding=(0.2, 0.3), lm_head=(0.004, 0.008), matrices=(0.02, 0.02))
