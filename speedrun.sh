@@ -3,9 +3,10 @@
 # samples, report.
 #
 #   bash speedrun.sh                # GPU node: nanochat's time-to-GPT-2 recipe on every GPU: d24 on
-#                                   #           ClimbMix, 8 tokens per parameter, 1M-token batches, then
+#                                   #           ClimbMix, 8 tokens per scaling param, 1M-token batches, then
 #                                   #           CORE (docs/core.md); the report's line says when (or whether)
-#                                   #           CORE passed GPT-2's 0.2565. No fp8 here (nanochat has it).
+#                                   #           CORE passed GPT-2's 0.2565. fp8 matmuls (--fp8) where the GPU
+#                                   #           has them (compute capability 8.9+), as nanochat.
 #                                   # no GPU:   the same pipeline in miniature on the embedded corpus,
 #                                   #           2 processes, a few minutes on 2 cores, no network needed;
 #                                   #           CORE (100 items a task) only when an eval bundle is in place
@@ -15,7 +16,8 @@
 # DATASET (default climbmix on GPU, embedded on CPU; fineweb-edu is the other hub dataset; embedded on GPU is
 # an offline smoke test; any other --dataset value, e.g. a local folder or hf:owner/name, is your own data:
 # docs/data.md, "Your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
-# WANDB=off|online|offline, NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
+# WANDB=off|online|offline, FP8=auto|on|off (GPU: default auto, on where compute capability is 8.9+),
+# NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
 # Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
 # (delete it to retrain); so a machine without rustbpe can run on a tokenizer trained elsewhere.
@@ -33,6 +35,10 @@ if [ "$MODE" != gpu ] && [ "$MODE" != cpu ]; then
         "nvidia-smi" >&2
     exit 2
 fi
+case "${FP8:-auto}" in auto|on|off) ;; *)
+    echo "error: FP8=$FP8: use FP8=auto (on where the GPU has fp8 tensor cores), on or off" >&2
+    exit 2 ;;
+esac
 # find_spec, not import: importing torch alone takes 2 s, and the steps below import what they need
 # anyway. Not matplotlib: plots are optional (the report says it skipped them), so an offline GPU
 # image without it runs as is.
@@ -55,10 +61,24 @@ if [ "$MODE" = gpu ]; then
     fi
     RUN="${RUN:-d$DEPTH}"
     DATASET="${DATASET:-climbmix}"
+    # fp8 matmuls (torchao's float8 training, nanochat's --fp8) where the GPU has fp8 tensor cores
+    FP8_FLAG=()
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)
+    if [ "${FP8:-auto}" = off ]; then
+        echo "== fp8 off: FP8=off; training in bf16"
+    elif [ "${FP8:-auto}" = auto ] && ! awk -v c="$cap" 'BEGIN { exit !(c != "" && c + 0 >= 8.9) }'; then
+        echo "== fp8 off: compute capability ${cap:-unknown (no nvidia-smi)} has no fp8 tensor cores" \
+            "(8.9+: H100, H200, L4, RTX 40xx); training in bf16"
+    elif python -c "import torchao.float8" 2>/dev/null || pip install -q torchao; then
+        echo "== fp8 on: compute capability ${cap:-unknown}, torchao's float8 training (nanochat's --fp8)"
+        FP8_FLAG=(--fp8)
+    else
+        echo "== fp8 off: torchao did not install (pip install torchao); training in bf16"
+    fi
     echo "== speedrun (gpu): d$DEPTH on $DATASET, $NPROC GPUs, run $RUN, data in $NANOMUON_BASE_DIR"
     if [ "$DATASET" = climbmix ] || [ "$DATASET" = fineweb-edu ]; then
         # The first 8 shards (~2B characters) train the tokenizer; the val shard comes with them. The rest
-        # of the ~6B tokens d24 at 8 tokens per parameter needs (~110 shards; 170 as nanochat, for margin)
+        # of the ~6B tokens d24 at 8 tokens per scaling param needs (~110 shards; 170 as nanochat, for margin)
         # download while the tokenizer trains.
         python -m nanomuon.dataset -n 8 --dataset "$DATASET"
         python -m nanomuon.dataset -n 170 --dataset "$DATASET" > "$NANOMUON_BASE_DIR/download.log" 2>&1 &
@@ -72,11 +92,13 @@ if [ "$MODE" = gpu ]; then
     else  # your own data: converted on first use by tok_train, reused by base_train
         python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
-    # nanochat's shape: 8 tokens per parameter (nanomuon counts every parameter), 1M-token steps; the device
-    # batch is the most rows that fit (base_train prints its choice), gradient accumulation makes up the rest
+    # nanochat's recipe: 8 tokens per scaling param (block matrices and lm_head, as it counts them); the batch
+    # (2^20 tokens at d24, 2^19 at d12), lrs and weight decay follow from the horizon as in nanochat
+    # (base_train prints each choice, docs/lr_rule.md); the device batch is the most rows that fit, gradient
+    # accumulation makes up the rest
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
         --depth "$DEPTH" --run "$RUN" --device-batch-size auto --target-param-data-ratio 8 \
-        --total-batch-size 1048576 --save-every 2000 --wandb "$WANDB" "$@"
+        --save-every 2000 --wandb "$WANDB" ${FP8_FLAG[@]+"${FP8_FLAG[@]}"} "$@"
     # On the hub datasets CORE is asked for, so its eval bundle downloads once (docs/core.md); other data
     # (embedded: the offline smoke test) gets CORE only when a bundle is already in place
     EVAL_CORE=""

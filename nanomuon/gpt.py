@@ -274,8 +274,9 @@ class SoftcapCrossEntropy(torch.autograd.Function):
 
 
 # The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
-# GPU, the adamw baseline): each group's lr at width 768, tuned at RULE_BATCH tokens per step (the
-# CPU miniature's per-group sweep, docs/lr_rule.md), and how it moves with the model and batch.
+# GPU, the adamw baseline), in two regimes split at NANOCHAT_BATCH tokens per step (docs/lr_rule.md).
+# Below it, the CPU-tuned rule: each group's lr at width 768, tuned at RULE_BATCH tokens per step
+# (the CPU miniature's per-group sweep), and how it moves with the model and batch.
 # - Width: AdamW's lrs scale as 1/sqrt(width / 768) (setup_optimizer; nanochat's rule). Muon's
 #   does not: its update is orthogonalized, so its size does not grow with the width.
 # - Batch: AdamW's lrs grow as (tokens per step / RULE_BATCH)^0.2. The CPU's sweeps at 2x and
@@ -283,17 +284,83 @@ class SoftcapCrossEntropy(torch.autograd.Function):
 #   ones at 128x the batch (AdamW's usual sqrt would put those 4x apart). Muon's is the same at
 #   both ends, 0.02, so the rule keeps it; in between it is not (its best rises at 2-4x the
 #   CPU's batch): sweep it there.
+# At NANOCHAT_BATCH and above, nanochat's recipe, the one its leaderboard runs reached GPT-2's CORE
+# with: every group's lr (Muon's too, an assumption nanochat states) as sqrt(B / NANOCHAT_BATCH)
+# from its value there, and weight decay scaled with batch and horizon (training_recipe). Only a
+# GPU measurement should overrule it, never a CPU extrapolation.
 RULE_BATCH = 4096
 RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02)
 RULE_BATCH_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2,
                             matrix_lr=0.0)
+NANOCHAT_BATCH = 2 ** 19  # B_ref: nanochat's measured best batch at d12's horizon
+NANOCHAT_REF_DEPTH = 12  # the model whose horizon is D_ref
+NANOCHAT_TOKENS_PER_PARAM = 10.5  # its compute-optimal tokens per scaling param (scaling_params)
+POWER_LINES_EXPONENT = 0.383  # best batch grows as D^0.383 (Power Lines, arXiv 2505.13738)
+WEIGHT_DECAY = 0.2  # Muon's weight decay at NANOCHAT_BATCH and D_ref, and below NANOCHAT_BATCH
 
 
 def rule_lrs(total_batch_size: int) -> dict[str, float]:
     """Each group's lr at width 768 (setup_optimizer's arguments) for steps of total_batch_size
-    tokens, by the lr rule."""
-    return {key: lr * (total_batch_size / RULE_BATCH) ** RULE_BATCH_EXPONENTS[key]
+    tokens: the CPU-tuned rule below NANOCHAT_BATCH, nanochat's sqrt scaling from there up."""
+    below = min(total_batch_size, NANOCHAT_BATCH)
+    above = max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5
+    return {key: lr * (below / RULE_BATCH) ** RULE_BATCH_EXPONENTS[key] * above
             for key, lr in RULE_LRS.items()}
+
+
+def scaling_params(config: GPTConfig) -> int:
+    """The parameters a horizon counts, as nanochat's scaling laws do: the block matrices and
+    lm_head, not the embedding (a lookup, no matmul)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return (sum(p.numel() for p in model.blocks.parameters())
+            + model.lm_head.weight.numel())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What training_recipe chose, and why (one line per choice, for base_train to print)."""
+    total_batch_size: int
+    lrs: dict  # each group's lr at width 768, setup_optimizer's arguments
+    weight_decay: float
+    why: tuple[str, ...]
+
+
+def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | None = None,
+                    weight_decay: float | None = None) -> Recipe:
+    """Batch, lrs and Muon's weight decay for a run of `horizon` tokens, where `ref_horizon` is
+    nanochat's D_ref (the same tokens per scaling param at depth 12). A batch left out is
+    nanochat's: NANOCHAT_BATCH x (horizon / ref_horizon)^0.383, rounded to a power of 2. A weight
+    decay left out is WEIGHT_DECAY below NANOCHAT_BATCH; from there, nanochat's
+    WEIGHT_DECAY x sqrt(B / NANOCHAT_BATCH) x ref_horizon / horizon, which holds AdamW's T_epoch
+    (arXiv 2405.13698) under sqrt lr scaling."""
+    if horizon <= 0 or ref_horizon <= 0:
+        raise ValueError(f"training_recipe needs horizons > 0 tokens, got {horizon} and "
+                         f"{ref_horizon}")
+    why = []
+    if total_batch_size is None:
+        predicted = NANOCHAT_BATCH * (horizon / ref_horizon) ** POWER_LINES_EXPONENT
+        total_batch_size = 2 ** max(0, round(math.log2(predicted)))
+        why.append(f"batch {total_batch_size:,} tokens/step: nanochat's 2^19 at d12's horizon "
+                   f"x (D / D_ref)^0.383 = {predicted:,.0f}, to a power of 2 (Power Lines)")
+    gpu = total_batch_size >= NANOCHAT_BATCH
+    if weight_decay is None:
+        weight_decay = WEIGHT_DECAY
+        if gpu:
+            weight_decay *= (total_batch_size / NANOCHAT_BATCH) ** 0.5 * ref_horizon / horizon
+            why.append(f"weight decay {weight_decay:.4g}: nanochat's {WEIGHT_DECAY} x "
+                       f"sqrt(B / 2^19) x D_ref / D (a horizon of {horizon:,.0f} tokens, "
+                       f"{horizon / ref_horizon:.3g}x d12's), T_epoch held")
+    why.append(f"lrs: nanochat's recipe, the lr rule's at 2^19 x sqrt(B / 2^19) = "
+               f"{(total_batch_size / NANOCHAT_BATCH) ** 0.5:.3g}" if gpu else
+               f"lrs: the CPU-tuned lr rule at {total_batch_size:,} tokens/step (below 2^19)")
+    lrs = rule_lrs(total_batch_size)
+    if lrs["matrix_lr"] * weight_decay >= 1:  # each step would scale the weights by <= 0
+        raise ValueError(f"Muon's weight decay {weight_decay:.4g} x lr {lrs['matrix_lr']:.3g} "
+                         f">= 1 would flip the weights' sign: a horizon of {horizon:,.0f} tokens "
+                         f"is too short for {total_batch_size:,}-token steps; give "
+                         "--weight-decay, a smaller batch or a longer horizon")
+    return Recipe(total_batch_size, lrs, weight_decay, tuple(why))
 
 
 class GPT(nn.Module):
@@ -375,7 +442,7 @@ class GPT(nn.Module):
     def setup_optimizer(self, embedding_lr: float | None = None,
                         unembedding_lr: float | None = None, matrix_lr: float | None = None,
                         adamw_matrix_lr: float | None = None, total_batch_size: int = 2 ** 19,
-                        scalar_lr: float = 0.5, weight_decay: float = 0.2,
+                        scalar_lr: float = 0.5, weight_decay: float = WEIGHT_DECAY,
                         adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False):

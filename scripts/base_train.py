@@ -51,7 +51,18 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, val_rows
-from nanomuon.gpt import GPT, GPTConfig, config_from_depth, fit_device_batch, train_memory
+from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
+from nanomuon.gpt import (
+    GPT,
+    NANOCHAT_REF_DEPTH,
+    NANOCHAT_TOKENS_PER_PARAM,
+    GPTConfig,
+    config_from_depth,
+    fit_device_batch,
+    scaling_params,
+    train_memory,
+    training_recipe,
+)
 from nanomuon.param_groups import fill_defaults
 from nanomuon.report import MISSING, plot_curves, smooth
 from nanomuon.sharded import check_sharded_stages
@@ -107,7 +118,9 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adamw-matrix-lr", type=float, default=None, help="AdamW lr of the block "
                    "matrices, at width 768, when the --optimizer variant trains them with AdamW "
                    f"({rule})")
-    p.add_argument("--weight-decay", type=float, default=0.2, help="Muon's cautious weight decay")
+    p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
+                   "decay (default: 0.2 below 2^19 tokens/step; from there nanochat's, scaled with "
+                   "the batch and the horizon: docs/lr_rule.md)")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
@@ -149,6 +162,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
                    "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
+                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
+                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
+                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
+    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
+                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
     p.add_argument("--fsdp", action="store_true",
                    help="shard params, grads and optimizer state over the torchrun processes with "
                    "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
@@ -163,14 +182,16 @@ def parse_args(argv=None):
     # horizon: the first of these that is set wins
     p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: from the next two)")
     p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
-    p.add_argument("--target-param-data-ratio", type=float, default=20.0,
-                   help="tokens per parameter (Chinchilla)")
+    p.add_argument("--target-param-data-ratio", type=float, default=NANOCHAT_TOKENS_PER_PARAM,
+                   help="tokens per scaling parameter (block matrices and lm_head, as nanochat "
+                   "counts them; Chinchilla's 20 counts every parameter)")
     # batch
     p.add_argument("--device-batch-size", type=batch_arg, default="auto",
                    help="rows per micro-batch per process; auto: on CUDA the most (up to 32) whose "
                    "estimated memory fits the free GPU memory, else 32")
-    p.add_argument("--total-batch-size", type=int, default=524288,
-                   help="tokens per optimizer step, all processes")
+    p.add_argument("--total-batch-size", type=int, default=-1,
+                   help="tokens per optimizer step, all processes (-1: nanochat's, from the "
+                   "horizon: 2^19 at d12's, growing as its 0.383th power)")
     add_optimizer_args(p)
     # evaluation and checkpoints
     p.add_argument("--eval-every", type=int, default=250,
@@ -201,9 +222,10 @@ def parse_args(argv=None):
 def check_args(p: argparse.ArgumentParser, args) -> None:
     """Every flag's value and their combinations, each refused with p.error's one line."""
     rules = [  # (flags, test, what each must be)
-        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "total_batch_size", "eval_tokens",
+        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "eval_tokens",
           "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
-        (["num_iterations"], lambda v: v >= 1 or v == -1, ">= 1 (or -1 to derive it)"),
+        (["num_iterations", "total_batch_size"], lambda v: v >= 1 or v == -1,
+         ">= 1 (or -1 to derive it)"),
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1,
          ">= 1, or -1 for only at the end"),
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
@@ -468,6 +490,30 @@ def schedule_name(args) -> str:
     return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
+def plan_horizon(args, config: GPTConfig, flops_per_token: float) -> int:
+    """The run's steps; a --total-batch-size or --weight-decay left out takes nanochat's recipe
+    (gpt.training_recipe), written back into args (saved resolved, so a resume compares like with
+    like), and printed with the reason. As in nanochat, the recipe's horizon is always the data
+    ratio's (its default when the steps come from another flag): a short --num-iterations check
+    gets the batch and weight decay of the real run."""
+    ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
+             else NANOCHAT_TOKENS_PER_PARAM)
+    params = scaling_params(config)
+    ref = scaling_params(config_from_depth(NANOCHAT_REF_DEPTH, config.vocab_size,
+                                           args.max_seq_len, args.aspect_ratio, args.head_dim))
+    batch = None if args.total_batch_size == -1 else args.total_batch_size
+    with user_errors():
+        recipe = training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
+    args.total_batch_size, args.weight_decay = recipe.total_batch_size, recipe.weight_decay
+    for line in recipe.why:
+        print0(f"recipe: {line}")
+    if args.num_iterations > 0:
+        return args.num_iterations
+    if args.target_flops > 0:
+        return max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
+    return max(1, round(ratio * params / args.total_batch_size))
+
+
 def build(args, held: contextlib.ExitStack) -> Run:
     """Process group, the run dir (locked until `held` closes), tokenizer, model, data and
     optimizer, as the flags ask; a fresh run at step 0."""
@@ -475,6 +521,9 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if args.fsdp and not distributed:
         raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with "
                          "torchrun (or drop --fsdp)")
+    if args.fp8:
+        with user_errors():  # no fp8 tensor cores here, or no torchao: before anything loads
+            check_fp8(device)
     run_dir = get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
     # a restarted job (torchrun --max-restarts) picks up where it died
@@ -487,6 +536,10 @@ def build(args, held: contextlib.ExitStack) -> Run:
     compiled = device.type == "cuda" if args.compile is None else args.compile
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
+    with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
+        model = GPT(config)
+    num_params, flops_per_token = model.num_params(), model.estimate_flops()
+    num_iterations = plan_horizon(args, config, flops_per_token)
     if args.device_batch_size == "auto":
         args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
@@ -499,19 +552,12 @@ def build(args, held: contextlib.ExitStack) -> Run:
         check_memory(args, config, world_size, compiled)
     # the same init on every rank; the optimizer keeps the replicas identical
     torch.manual_seed(args.seed)
-    with torch.device("meta"):
-        model = GPT(config)
     model.to_empty(device=device)
     model.init_weights()
-    num_params, flops_per_token = model.num_params(), model.estimate_flops()
-    if args.num_iterations > 0:
-        num_iterations = args.num_iterations
-    elif args.target_flops > 0:
-        num_iterations = max(1, round(args.target_flops
-                                      / (flops_per_token * args.total_batch_size)))
-    else:
-        num_iterations = max(1, round(args.target_param_data_ratio * num_params
-                                      / args.total_batch_size))
+    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
+        swapped = convert_to_fp8(model, args.fp8_recipe, device)
+        print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
+               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
 
     def load_data():  # missing or unreadable data
         # a custom source: converted once
@@ -618,8 +664,9 @@ def resume(run: Run) -> None:
 def evaluate(run: Run) -> None:
     """Val bits per byte at this step, recorded in the loop state."""
     run.model.eval()
-    val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size, run.token_bytes,
-                           run.args.dtype)
+    with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
+        val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size,
+                               run.token_bytes, run.args.dtype)
     run.model.train()
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
@@ -677,11 +724,11 @@ def announce(run: Run) -> None:
            "accumulation steps")
     lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
                     for i, g in enumerate(run.optimizer.param_groups))
-    print0(f"peak lrs: {lrs} (each not given by a flag: the lr rule's at "
-           f"{args.total_batch_size:,} tokens/step, nanomuon/gpt.py)")
-    print0(f"training: {run.num_iterations:,} steps, "
-           f"{run.num_iterations * args.total_batch_size:,} tokens "
-           f"({run.num_iterations * args.total_batch_size / run.num_params:.1f} per param), on "
+    print0(f"peak lrs: {lrs}, Muon weight decay {args.weight_decay:.4g} (each not given by a "
+           f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/gpt.py)")
+    tokens = run.num_iterations * args.total_batch_size
+    print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
+           f"({tokens / scaling_params(run.config):.3g} per scaling param), on "
            f"{args.dataset}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}")
@@ -838,15 +885,7 @@ def report(run: Run) -> dict:
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
-    samples = []
-    # a sharded model generates on every rank, in step
-    if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp):
-        for prompt in PROMPTS:
-            ids = run.tokenizer.encode(prompt, prepend_bos=True)
-            out = run.tokenizer.decode(list(run.model.generate(ids, args.sample_tokens,
-                                                               temperature=0.0)))
-            samples.append((prompt, out))
-            print0(f"sample: {prompt!r} -> {out!r}")
+    samples = sample_prompts(run)
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
     if run.rank == 0:
@@ -856,6 +895,21 @@ def report(run: Run) -> dict:
         run.wandb.summary.update(summary)
         run.wandb.finish()
     return summary
+
+
+def sample_prompts(run: Run) -> list[tuple[str, str]]:
+    """Greedy continuations of PROMPTS (fp8 layers in bf16, as at eval), printed; a sharded model
+    generates on every rank, in step."""
+    samples = []
+    if run.args.sample_tokens > 0 and (run.rank == 0 or run.args.fsdp):
+        with plain_linears(run.model):
+            for prompt in PROMPTS:
+                ids = run.tokenizer.encode(prompt, prepend_bos=True)
+                out = run.tokenizer.decode(list(run.model.generate(ids, run.args.sample_tokens,
+                                                                   temperature=0.0)))
+                samples.append((prompt, out))
+                print0(f"sample: {prompt!r} -> {out!r}")
+    return samples
 
 
 def appended_sections(report: Path) -> list[str]:

@@ -1,46 +1,54 @@
 #!/usr/bin/env bash
 # gpu_check.sh: validate nanomuon on one GPU, offline, and write one summary file. GPUs are lent
-# rarely and briefly, so everything a GPU must show runs from one command, or in pieces of at most
-# 9 minutes each (the dry run lists them):
+# rarely and briefly (45 minutes of device time, 10 minutes a command), so everything a GPU must
+# show runs from one command, or in pieces that each fit one command (--plan lists them):
 #
 #   bash scripts/gpu_check.sh --prepare   # on a CPU machine with rustbpe: the tokenizer (vocab
 #                                         # 32768) and the embedded corpus, into .gpu_check/
 #                                         # (carry that folder to the GPU)
+#   bash scripts/gpu_check.sh --plan      # anywhere: the pieces for the device budget, most
+#                                         # valuable first (--budget-min M, default 45)
 #   bash scripts/gpu_check.sh             # on the GPU: torch >= 2.9, tiktoken, pyarrow, pytest
 #   bash scripts/gpu_check.sh --only tests,bench_optim  # some steps: names, or prefixes before _
-#   bash scripts/gpu_check.sh --dry-run   # anywhere: lists steps and pieces, checks imports, flags
+#   bash scripts/gpu_check.sh --dry-run   # anywhere: the plan, then checks imports and flags
 #
-# Steps, each under a time limit sized for a cold compile cache; a step that fails or times out is
-# reported and the rest still run; a timeout reads "timed out after N s", a failure
-# "FAILED (exit N)":
+# Steps, most valuable first, each under a time limit sized for a cold compile cache; a step that
+# fails or times out is reported and the rest still run; a timeout reads "timed out after N s", a
+# failure "FAILED (exit N)":
 #   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
+#   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
 #   bench_optim_d20  (defaults on both sides, and the same update on both), Newton-Schulz in bf16
 #                    and fp16 (standard vs Gram)
-#   base_train_d12   base_train at d12 and d20 on one GPU, compiled: tok/s, MFU, the optimizer's
-#   base_train_d20   share of a step
+#   base_train_d20   the same as base_train_d12 at d20
 #   speedrun         speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1)
-# The summary ($OUT/gpu_check.md when $OUT is set, else .gpu_check/gpu_check.md; with --only,
-# gpu_check-<steps>.md) holds the device, the date, each command with its status and seconds, and
-# the lines that carry numbers; the full logs lie beside it. Copy it into docs/benchmarks.md.
+# Every call appends to one summary, .gpu_check.md (kept on the machine between calls while it
+# stays warm), and copies the whole of it to $OUT/gpu_check.md when $OUT is set: the device, the
+# date, each command with its status and seconds, and the lines that carry numbers; the full logs
+# lie in .gpu_check/logs. Copy it into docs/benchmarks.md with the device and date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 KIT="$PWD/.gpu_check"
-OUTDIR="${OUT:-$KIT}"
+OUTDIR="${OUT:-$KIT/logs}"  # the steps' full logs
 export NANOMUON_BASE_DIR="$KIT/base"
 export PYTHONUNBUFFERED=1
 PIECE=540  # seconds one piece may take: a 10-minute allocation less the start and the summary
+START=240  # seconds a cold device machine takes to start, counted against the budget
+BUDGET_MIN=45
 MODE=run
 ONLY=""
 ARGS="$*"
 usage() {
-    echo "usage: bash scripts/gpu_check.sh [--prepare | --dry-run] [--only STEP[,STEP]]" >&2
+    echo "usage: bash scripts/gpu_check.sh [--prepare | --plan [--budget-min M] | --dry-run]" \
+         "[--only STEP[,STEP]]" >&2
     exit 2
 }
 while [ $# -gt 0 ]; do
     case "$1" in
         --prepare) MODE=prepare ;;
+        --plan) MODE=plan ;;
         --dry-run) MODE=dry ;;
+        --budget-min) [ $# -ge 2 ] || usage; BUDGET_MIN="$2"; shift ;;
         --only) [ $# -ge 2 ] || usage; ONLY="$2"; shift ;;
         --only=*) ONLY="${1#--only=}" ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -78,20 +86,20 @@ then exit 1; fi
 TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 262144 \
 --sample-tokens 16 --save-every -1 --log-every 5 --max-seq-len 2048 --device-batch-size 32 \
 --total-batch-size 524288"
-STEPS=(
+STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
     # ~10 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
     "tests|300|python -m pytest -q --slow -m cuda tests"
+    # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a ~1.5 GB
+    # final checkpoint
+    "base_train_d12|240|python -m scripts.base_train --depth 12 --num-iterations 20 \
+--run gpu-check-d12 $TRAIN"
     # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
     "bench_optim_d12|180|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
     # 1 side, 1 precision at d20: fewer compiles, of bigger graphs
     "bench_optim_d20|150|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
 --compare defaults --ns-precision fp16"
-    # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a ~1.5 GB
-    # final checkpoint
-    "base_train_d12|240|python -m scripts.base_train --depth 12 --num-iterations 20 \
---run gpu-check-d12 $TRAIN"
-    # the same at d20: longer compiles, ~4 s steps, a ~4 GB final checkpoint
+    # the same as d12 at d20: longer compiles, ~4 s steps, a ~4 GB final checkpoint
     "base_train_d20|360|python -m scripts.base_train --depth 20 --num-iterations 10 \
 --run gpu-check-d20 $TRAIN"
     # d4 through torchrun: train (two compiles), base_eval, sample; the tokenizer is reused
@@ -135,24 +143,46 @@ run_step() {
     fi
 }
 
-if [ "$MODE" = dry ]; then
-    all=0
+# print_plan: the steps and their limits, then the calls that fit the device budget, in order
+print_plan() {
+    local all=0 budget=$((BUDGET_MIN * 60)) used=$START piece="" sum=0 n=0 s name secs cmd
     for s in "${STEPS[@]}"; do IFS='|' read -r name secs cmd <<<"$s"; all=$((all + secs)); done
-    echo "gpu_check --dry-run: steps and time limits ($all s in all; one call may take $PIECE s)"
+    echo "gpu_check plan: $BUDGET_MIN min of device time (--budget-min), one command at most" \
+         "$PIECE s; steps most valuable first ($all s of limits in all):"
     for s in "${STEPS[@]}"; do
         IFS='|' read -r name secs cmd <<<"$s"; printf '  %-16s %4ss  %s\n' "$name" "$secs" "$cmd"
     done
-    # the steps in order, cut into calls of at most $PIECE s
-    echo "in pieces of at most $PIECE s:"
-    piece=""; sum=0
+    echo "calls, in order (the first starts the machine: about $START s; send each within the" \
+         "machine's idle release, or the next starts a fresh one):"
     for s in "${STEPS[@]}" "end|$((PIECE + 1))|"; do
         IFS='|' read -r name secs cmd <<<"$s"
         if [ -n "$piece" ] && [ $((sum + secs)) -gt "$PIECE" ]; then
-            printf '  %4ss  bash scripts/gpu_check.sh --only %s\n' "$sum" "$piece"
+            n=$((n + 1)); used=$((used + sum))
+            if [ "$used" -le "$budget" ]; then
+                printf '  call %d: %4ss  bash scripts/gpu_check.sh --only %s\n' "$n" "$sum" "$piece"
+            else
+                printf '  over the budget (%d s by here): %4ss  --only %s\n' "$used" "$sum" "$piece"
+            fi
             piece=""; sum=0
         fi
         piece="${piece:+$piece,}$name"; sum=$((sum + secs))
     done
+    if [ "$used" -le "$budget" ]; then
+        echo "left after the calls: $((budget - used)) s: rerun a step that timed out, or" \
+             "base_train_d12 with --fp8 where the GPU has fp8 (compute capability 8.9+)"
+    fi
+    echo "carry: .gpu_check ($(du -sm "$KIT" 2>/dev/null | cut -f1 || echo 0) MiB of the 64 MiB;" \
+         "made by --prepare). Every call appends to .gpu_check.md and returns it whole in" \
+         "\$OUT/gpu_check.md: its numbers go into docs/benchmarks.md with the device and date"
+}
+
+if [ "$MODE" = plan ]; then
+    print_plan
+    exit 0
+fi
+
+if [ "$MODE" = dry ]; then
+    print_plan
     # how a step's end reads: a 1 s limit on a sleep, and a command that exits 3
     probe=$(mktemp -d)
     run_step 1 "sleep 5" "$probe/log" probe; echo "a step past its limit: $status"
@@ -184,8 +214,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
     exit 1
 fi
 mkdir -p "$OUTDIR"
-# a piece (--only) writes its own summary, so the pieces of one kit do not overwrite each other
-SUMMARY="$OUTDIR/gpu_check${ONLY:+-${ONLY//,/-}}.md"
+# one summary for the whole kit: every call (a piece: --only) appends its part
+SUMMARY="$PWD/.gpu_check.md"
 if [ ! -f "$NANOMUON_BASE_DIR/tokenizer/tokenizer.json" ] \
         || [ ! -d "$NANOMUON_BASE_DIR/data/embedded" ]; then
     echo "error: $KIT has no tokenizer or embedded corpus: run 'bash scripts/gpu_check.sh" \
@@ -202,7 +232,7 @@ fi
     echo "- commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), command:" \
          "bash scripts/gpu_check.sh${ARGS:+ $ARGS}"
     echo
-} >"$SUMMARY"
+} >>"$SUMMARY"
 total_start=$(date +%s)
 for s in "${STEPS[@]}"; do
     IFS='|' read -r name secs cmd <<<"$s"
@@ -226,6 +256,7 @@ for s in "${STEPS[@]}"; do
         echo
     } >>"$SUMMARY"
 done
-echo "- total: $(( $(date +%s) - total_start )) s" >>"$SUMMARY"
-echo "summary: $SUMMARY"
+{ echo "- total: $(( $(date +%s) - total_start )) s"; echo; } >>"$SUMMARY"
+if [ -n "${OUT:-}" ]; then cp "$SUMMARY" "$OUT/gpu_check.md"; fi
+echo "summary: $SUMMARY${OUT:+ (and \$OUT/gpu_check.md)}"
 cat "$SUMMARY"

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
+from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth, rule_lrs
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
@@ -163,6 +163,62 @@ def test_default_lrs_follow_the_lr_rule(depth):
     given = peak_lrs(model, embedding_lr=0.1, matrix_lr=0.03)
     assert given["embedding"] == pytest.approx(0.1 * scale) and given["matrices"] == 0.03
     assert given["lm_head"] == at[2 ** 19]["lm_head"]
+
+
+def nanochat_recipe(depth: int, total_batch_size: int | None, ratio: float = 8.0,
+                    vocab: int = 32768) -> dict:
+    """nanochat's scripts/base_train.py (its leaderboard's d24 runs), written out: the horizon is
+    ratio x (block matrices + lm_head) params, D_ref is d12's, B_ref = 2^19; a batch left out is
+    2^round(log2(B_ref (D / D_ref)^0.383)); every lr scales by sqrt(B / B_ref); weight decay
+    0.2 sqrt(B / B_ref) D_ref / D. Our GPT's matrices: 12 width^2 a block (attention 4, MLP 8)."""
+    def matrices_and_head(d: int) -> int:
+        width = d * 64  # aspect ratio 64, a multiple of head_dim 128 at even depths
+        return 12 * d * width ** 2 + vocab * width
+
+    tokens, ref_tokens = ratio * matrices_and_head(depth), ratio * matrices_and_head(12)
+    if total_batch_size is None:
+        total_batch_size = 2 ** round(math.log2(2 ** 19 * (tokens / ref_tokens) ** 0.383))
+    lr_scale = (total_batch_size / 2 ** 19) ** 0.5
+    return dict(total_batch_size=total_batch_size, lr_scale=lr_scale,
+                weight_decay=0.2 * lr_scale * ref_tokens / tokens)
+
+
+@pytest.mark.parametrize("depth", [12, 24])
+@pytest.mark.parametrize("batch", [2 ** 19, 2 ** 20, None])
+def test_gpu_recipe_is_nanochats(depth, batch):
+    """At 2^19 tokens per step and above every default is nanochat's: the batch from the horizon
+    when left out, each lr (Muon's too) the rule's at 2^19 times sqrt(B / 2^19), weight decay
+    scaled with batch and horizon; a given weight decay wins."""
+    from nanomuon.gpt import scaling_params, training_recipe
+
+    want = nanochat_recipe(depth, batch)
+    ref = scaling_params(config_from_depth(12, 32768, 2048))
+    got = training_recipe(8 * scaling_params(config_from_depth(depth, 32768, 2048)), 8 * ref,
+                          batch)
+    assert got.total_batch_size == want["total_batch_size"]
+    assert got.weight_decay == pytest.approx(want["weight_decay"], rel=1e-12)
+    at_2_19 = rule_lrs(2 ** 19)
+    assert got.lrs == pytest.approx({k: v * want["lr_scale"] for k, v in at_2_19.items()})
+    assert got.lrs["matrix_lr"] == pytest.approx(0.02 * want["lr_scale"])
+    assert training_recipe(1e9, 1e9, batch, weight_decay=0.1).weight_decay == 0.1
+    if batch is None:  # nanochat's speedrun shapes: d12 at 2^19, d24 at 2^20 (its 1M-token steps)
+        assert got.total_batch_size == {12: 2 ** 19, 24: 2 ** 20}[depth]
+
+
+def test_cpu_rule_stands_below_2_19():
+    """Below 2^19 tokens per step the CPU-tuned rule and weight decay 0.2 stand, whatever the
+    horizon; a batch from a short horizon lands below 2^19; a derived weight decay that would flip
+    the weights is refused in one line."""
+    from nanomuon.gpt import training_recipe
+
+    for batch in (4096, 2 ** 18):
+        got = training_recipe(1e6, 1e9, batch)
+        assert got.weight_decay == 0.2 and got.lrs == rule_lrs(batch)
+    assert rule_lrs(4096)["matrix_lr"] == rule_lrs(2 ** 19)["matrix_lr"] == 0.02
+    short = training_recipe(1e6, 1e9)
+    assert short.total_batch_size == 2 ** round(math.log2(2 ** 19 * 1e-3 ** 0.383))
+    with pytest.raises(ValueError, match="would flip the weights' sign.*give --weight-decay"):
+        training_recipe(2e6, 4e8, 2 ** 20)
 
 
 def test_speedrun_and_ablate_take_the_rules_lrs():

@@ -87,6 +87,33 @@ def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
         main([*flags, "--resume-from-step", "2", "--eval-tokens", "2048"])
 
 
+def test_base_train_chooses_and_prints_nanochats_recipe_at_d24(capsys):
+    """speedrun.sh's GPU flags at d24: the batch, weight decay and steps nanochat's formulas give
+    (written out here: 12 depth width^2 + vocab width scaling params, d12's horizon as D_ref),
+    each printed with its reason; a short --num-iterations check keeps the real run's batch and
+    decay; given flags win."""
+    from nanomuon.gpt import config_from_depth
+    from scripts.base_train import parse_args, plan_horizon
+
+    def scaling(depth):
+        return 12 * depth * (64 * depth) ** 2 + 32768 * 64 * depth
+
+    want_decay = 0.2 * 2 ** 0.5 * scaling(12) / scaling(24)
+    config = config_from_depth(24, 32768, 2048)
+    for extra, steps in (([], round(8 * scaling(24) / 2 ** 20)), (["--num-iterations", "20"], 20)):
+        args = parse_args(["--depth", "24", "--target-param-data-ratio", "8", *extra])
+        assert plan_horizon(args, config, 1.0) == steps
+        assert args.total_batch_size == 2 ** 20
+        assert args.weight_decay == pytest.approx(want_decay, rel=1e-12)
+        out = capsys.readouterr().out
+        assert "recipe: batch 1,048,576 tokens/step" in out and "sqrt(B / 2^19) = 1.41" in out
+        assert f"recipe: weight decay {want_decay:.4g}" in out, out
+    args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1"])
+    plan_horizon(args, config, 1.0)
+    assert (args.total_batch_size, args.weight_decay) == (524288, 0.1)
+    assert "recipe: batch" not in capsys.readouterr().out
+
+
 def test_torchrun_resume_is_bitwise_exact(base):
     """Run A trains 6 steps with 2 processes, saving at 3 and 6. Run B starts from a copy of A's step-3
     checkpoint in a fresh torchrun launch and trains to 6: model, optimizer and loader state must equal A's."""
@@ -415,15 +442,18 @@ def test_speedrun_gpu_mode_runs_offline_on_the_embedded_corpus(base, tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "reusing the tokenizer" in p.stdout and "tok_train" not in p.stdout
+    assert "== fp8 off: compute capability unknown (no nvidia-smi) has no fp8 tensor cores" in p.stdout
     final = re.search(r"final val bpb (\d+\.\d+)", p.stdout).group(1)
     assert re.search(rf"embedded val bpb {final} over 2,048 tokens", p.stdout), p.stdout[-2000:]
 
 
 def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
-    """The dry run lists every step with its limit, cuts them into calls that each fit a 9-minute
-    allocation (--only per piece), shows how a timeout reads apart from a failure, and checks the
-    imports and flags; --only keeps the steps it names, by name or prefix, and refuses others."""
-    steps = ("tests", "bench_optim_d12", "bench_optim_d20", "base_train_d12", "base_train_d20", "speedrun")
+    """The dry run lists every step with its limit, most valuable first, cuts them into calls that
+    each fit a 9-minute allocation (--only per piece) and a 45-minute device budget, shows how a
+    timeout reads apart from a failure, and checks the imports and flags; --only keeps the steps it
+    names, by name or prefix, and refuses others; --plan with a smaller budget says which calls no
+    longer fit."""
+    steps = ("tests", "base_train_d12", "bench_optim_d12", "bench_optim_d20", "base_train_d20", "speedrun")
 
     def dry(*args):
         return subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", *args], cwd=REPO, capture_output=True,
@@ -436,16 +466,22 @@ def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
         m = re.search(rf"^  {step} +(\d+)s ", p.stdout, re.M)
         assert m, step
         limits[step] = int(m.group(1))
-    pieces = re.findall(r"^ +(\d+)s  bash scripts/gpu_check.sh --only (\S+)$", p.stdout, re.M)
+    pieces = re.findall(r"^  call \d+: +(\d+)s  bash scripts/gpu_check.sh --only (\S+)$", p.stdout, re.M)
     assert [s for _, piece in pieces for s in piece.split(",")] == list(steps)  # each once, in order
     for secs, piece in pieces:  # each piece fits one call, and says what its limits add up to
         assert int(secs) == sum(limits[s] for s in piece.split(",")) <= 540, (secs, piece)
+    assert re.search(r"^left after the calls: \d+ s", p.stdout, re.M) and "carry: .gpu_check" in p.stdout
     assert "a step past its limit: timed out after 1 s" in p.stdout
     assert "a failing step: FAILED (exit 3)" in p.stdout
     assert "imports: ok" in p.stdout and "base_train flags: ok" in p.stdout and "cuda tests: collected" in p.stdout
     p = dry("--only", "base_train,tests")
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.findall(r"^  (\S+) +\d+s ", p.stdout, re.M) == ["tests", "base_train_d12", "base_train_d20"]
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", "--budget-min", "20"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "  call 1: " in p.stdout and "--only tests" in p.stdout, p.stderr
+    over = re.findall(r"^  over the budget \(\d+ s by here\): +\d+s  --only (\S+)$", p.stdout, re.M)
+    assert over and over[-1] == "speedrun" and "left after" not in p.stdout, p.stdout
     p = dry("--only", "tests,nosuch")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no step 'nosuch'" in p.stderr, p.stderr
     p = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=REPO, capture_output=True, text=True)

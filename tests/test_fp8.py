@@ -1,0 +1,154 @@
+"""base_train --fp8: torchao's float8 training, emulated on this CPU (the same rounding as fp8
+tensor cores, fp32 matmuls). Its val bpb stays near a plain run's, its checkpoints are a plain
+run's (resumed, sampled and exported either way), and distributed equals one process."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("torchao.float8", reason="--fp8 needs torchao (pip install torchao)")
+
+from test_dist import assert_replicated_tensors, spawn  # noqa: E402
+from test_train import REPO, TINY, run  # noqa: E402
+
+from nanomuon.checkpoint import load_checkpoint  # noqa: E402
+from nanomuon.fp8 import check_fp8, convert_to_fp8, plain_linears  # noqa: E402
+from nanomuon.gpt import GPT, config_from_depth  # noqa: E402
+
+FLAGS = [*TINY, "--total-batch-size", "1024", "--eval-every", "-1"]
+
+
+def train(base, name, *extra, steps=6):
+    from scripts.base_train import main
+
+    return main([*FLAGS, "--num-iterations", str(steps), "--run", name, *extra])
+
+
+def test_fp8_swaps_the_block_linears_and_keeps_their_weights():
+    """Every block Linear becomes Float8Linear on the same Parameter; lm_head stays a plain
+    Linear; plain_linears gives plain layers on the same weights, then the fp8 ones back; the
+    fp8 forward is a rounding of the plain one (close, not equal)."""
+    model = GPT(config_from_depth(2, 97, 16, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    for block in model.blocks:
+        nn.init.normal_(block.attn.c_proj.weight, std=0.05)
+        nn.init.normal_(block.mlp.c_proj.weight, std=0.05)
+    weights = {n: p for n, p in model.named_parameters()}
+    x = torch.randint(0, 97, (4, 16))
+    plain = model(x)
+    assert convert_to_fp8(model, "tensorwise", torch.device("cpu")) == 2 * 6
+    assert {n: p for n, p in model.named_parameters()} == weights  # same names, same objects
+    assert type(model.lm_head) is nn.Linear
+    assert all(type(m).__name__ == "Float8Linear"
+               for b in model.blocks for m in b.modules() if isinstance(m, nn.Linear))
+    fp8 = model(x)
+    assert not torch.equal(fp8, plain)
+    torch.testing.assert_close(fp8, plain, rtol=0, atol=0.1 * plain.abs().max().item())
+    with plain_linears(model):
+        assert not any(type(m).__name__ == "Float8Linear" for m in model.modules())
+        assert torch.equal(model(x), plain)
+    assert type(model.blocks[0].attn.c_q).__name__ == "Float8Linear"
+
+
+def test_fp8_run_is_near_the_plain_run_and_its_checkpoint_is_a_plain_one(base, capsys):
+    """A tiny model's val bpb with --fp8 is within 3% of the plain run's; the checkpoint has the
+    same keys, shapes and dtypes; the fp8 run resumes without --fp8, a plain run resumes with it,
+    and sample and export read the fp8 run's checkpoint as any other."""
+    keep = ("--save-every", "3", "--keep-checkpoints", "-1")
+    plain = train(base, "plain", *keep, steps=12)
+    fp8 = train(base, "fp8", "--fp8", *keep, steps=12)
+    out = capsys.readouterr().out
+    assert "fp8: 12 linear layers of the blocks in fp8 (tensorwise scales, emulated" in out
+    assert abs(fp8["final_val_bpb"] - plain["final_val_bpb"]) <= 0.03 * plain["final_val_bpb"]
+    assert fp8["final_val_bpb"] != plain["final_val_bpb"]  # the fp8 path really ran
+    (a, _), (b, _) = (load_checkpoint(base / "runs" / r, 12, ("model", "optim"))
+                      for r in ("plain", "fp8"))
+    assert a["model"].keys() == b["model"].keys()
+    for k, v in a["model"].items():
+        assert (b["model"][k].shape, b["model"][k].dtype) == (v.shape, v.dtype), k
+    for source, flag in (("fp8", []), ("plain", ["--fp8"])):  # each resumes from step 6 the other way
+        runs = base / "runs"
+        shutil.copytree(runs / source / "step_000006", runs / f"{source}-resumed" / "step_000006")
+        train(base, f"{source}-resumed", "--resume-from-step", "latest", *flag, steps=12)
+        assert f"resumed {runs / f'{source}-resumed'} at step 6" in capsys.readouterr().out
+    sample = run([sys.executable, "-m", "scripts.sample", "--run", "fp8", "--device-type", "cpu",
+                  "--prompt", "def", "--max-tokens", "4"], base)
+    assert "step 12" in sample.stdout
+    export = run([sys.executable, "-m", "scripts.export", "--run", "fp8", "--model-only"], base)
+    assert (base / "runs" / "fp8" / "export_step_000012.pt").is_file(), export.stdout
+
+
+def fp8_model():
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, 97, 16, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    convert_to_fp8(model, "tensorwise", torch.device("cpu"))
+    return model
+
+
+def _fp8_worker(rank, world_size, fsdp, steps, atol):
+    """The same global batch on every rank count: rank r trains rows r::world of it; the
+    reference, one process, accumulates the same rows' grads micro-batch by micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from nanomuon.optim import DistMuonAdamW, MuonAdamW
+
+    model, ref = fp8_model(), fp8_model()
+    if fsdp:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    opt = model.setup_optimizer(total_batch_size=4096)
+    assert isinstance(opt, MuonAdamW if fsdp else DistMuonAdamW)
+    ref_opt = ref.setup_optimizer(total_batch_size=4096, optimizer_class=MuonAdamW)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 97, (2 * world_size, 17), generator=g)
+        rows = [x[r::world_size] for r in range(world_size)]
+        model(rows[rank][:, :-1], rows[rank][:, 1:]).backward()
+        for part in rows:  # each micro-batch's fp8 scales are its own, as on its rank
+            (ref(part[:, :-1], part[:, 1:]) / world_size).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            whole = p.full_tensor() if fsdp else p
+            torch.testing.assert_close(whole, q, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    if not fsdp:
+        assert_replicated_tensors(list(model.parameters()))
+
+
+@pytest.mark.parametrize("world_size,fsdp", [(2, False), (2, True)])
+def test_fp8_distributed_equals_one_process(world_size, fsdp):
+    """--fp8 under DistMuonAdamW (ranks replicated, bitwise identical) and FSDP2 trains as one
+    process does on the same rows, bitwise at 2 ranks: each micro-batch's fp8 scales are its own,
+    and halving a sum of two is exact."""
+    spawn(_fp8_worker, world_size, fsdp, 4, 0.0)
+
+
+def test_fp8_at_three_ranks_differs_from_one_process_only_by_the_sum_order():
+    """At 3 ranks the mean's rounding differs from one process's (a few 1e-7 after a step, as
+    without fp8); from the next step fp8's rounding, whose last bit is 6% of a value, amplifies
+    such differences (0.06 in the embedding after 2 steps, 3e-5 without fp8), so one step."""
+    spawn(_fp8_worker, 3, False, 1, 2e-5)
+
+
+def test_fp8_refused_where_it_cannot_run(monkeypatch):
+    """One line each: a GPU without fp8 tensor cores, a device with neither, no torchao; and
+    --help names what stays in bf16."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"^--fp8 needs fp8 tensor cores .*A100-SXM4-80GB has "
+                                         r"8\.0: drop --fp8"):
+        check_fp8(torch.device("cuda"))
+    with pytest.raises(ValueError, match="not mps: drop --fp8"):
+        check_fp8(torch.device("mps"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ValueError, match=r"--fp8 needs torchao .*pip install torchao"):
+        check_fp8(torch.device("cpu"))
+    help_text = subprocess.run([sys.executable, "-m", "scripts.base_train", "--help"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout
+    assert "lm_head and the embedding stay in bf16" in " ".join(help_text.split())
