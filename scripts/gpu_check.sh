@@ -17,6 +17,7 @@
 # failure "FAILED (exit N)":
 #   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
+#   fp8_d12          the same with --fp8 (fp8 matmuls, as nanochat's speedrun)
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
 #   bench_optim_d20  (defaults on both sides, and the same update on both), Newton-Schulz in bf16
 #                    and fp16 (standard vs Gram)
@@ -63,9 +64,11 @@ if [ "$MODE" = prepare ]; then
     # the vocab of speedrun's GPU mode, so its step reuses this tokenizer
     python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 \
         --max-chars 8000000
+    # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
+    pip download -q --no-deps -d "$KIT/wheels" torchao \
+        || echo "warning: no torchao wheel: fp8_d12 needs torchao on the GPU machine"
     du -sh "$KIT"
-    echo "ready: carry .gpu_check (git ignores it: add '/.gpu_check/' to .git/info/exclude if" \
-         "it does not)"
+    echo "ready: carry .gpu_check (git ignores it)"
     exit 0
 fi
 
@@ -93,6 +96,10 @@ STEPS=(  # most valuable first: what only a GPU can show, then speed, then the r
     # final checkpoint
     "base_train_d12|240|python -m scripts.base_train --depth 12 --num-iterations 20 \
 --run gpu-check-d12 $TRAIN"
+    # the same with --fp8 (torchao's float8 training, from the prepared wheel when not installed)
+    "fp8_d12|240|{ python -c 'import torchao.float8' 2>/dev/null \
+|| pip install -q --no-deps $KIT/wheels/torchao-*.whl; } && python -m scripts.base_train \
+--depth 12 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
     # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
     "bench_optim_d12|180|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
@@ -169,7 +176,7 @@ print_plan() {
     done
     if [ "$used" -le "$budget" ]; then
         echo "left after the calls: $((budget - used)) s: rerun a step that timed out, or" \
-             "base_train_d12 with --fp8 where the GPU has fp8 (compute capability 8.9+)"
+             "time base_train_d12 and fp8_d12 again for a second measurement"
     fi
     echo "carry: .gpu_check ($(du -sm "$KIT" 2>/dev/null | cut -f1 || echo 0) MiB of the 64 MiB;" \
          "made by --prepare). Every call appends to .gpu_check.md and returns it whole in" \

@@ -453,7 +453,8 @@ def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
     timeout reads apart from a failure, and checks the imports and flags; --only keeps the steps it
     names, by name or prefix, and refuses others; --plan with a smaller budget says which calls no
     longer fit."""
-    steps = ("tests", "base_train_d12", "bench_optim_d12", "bench_optim_d20", "base_train_d20", "speedrun")
+    steps = ("tests", "base_train_d12", "fp8_d12", "bench_optim_d12", "bench_optim_d20", "base_train_d20",
+             "speedrun")
 
     def dry(*args):
         return subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", *args], cwd=REPO, capture_output=True,
