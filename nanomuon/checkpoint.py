@@ -423,6 +423,32 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
     return done
 
 
+RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
+
+
+def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
+    """Move these entries of run_dir into a new folder run_dir/<tag>.<n> (the first free n), which
+    list_steps never sees: kept, out of the way of this line of training (rank 0, holding the
+    lock). Returns the folder."""
+    run_dir = Path(run_dir)
+    n = 1
+    while (run_dir / f"{tag}.{n}").exists():
+        n += 1
+    aside = run_dir / f"{tag}.{n}"
+    aside.mkdir()
+    for name in names:
+        os.replace(run_dir / name, aside / name)
+    _fsync(run_dir)
+    return aside
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What a finished or stopped run left in run_dir: its checkpoints and results."""
+    run_dir = Path(run_dir)
+    return ([step_dir(run_dir, s).name for s in list_steps(run_dir)]
+            + [name for name in RESULTS if (run_dir / name).is_file()])
+
+
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
 
 

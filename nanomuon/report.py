@@ -1,14 +1,20 @@
 """
-Pictures for reports: line plots of training curves, written as PNG with matplotlib, for
-base_train's report and ablate's comparisons. Plots are optional: matplotlib is imported here only,
-so the optimizer, the model and training never need it; without it plot_curves() returns None and
-the report says in one line that it skipped them and why (MISSING).
+Reports: line plots of training curves, written as PNG with matplotlib, for base_train's report
+and ablate's comparisons, and the marks by which base_train and base_eval share a run's report.
+Plots are optional: matplotlib is imported here only, so the optimizer, the model and training
+never need it; without it plot_curves() returns None and the report says in one line that it
+skipped them and why (MISSING).
 """
 
 import math
 from pathlib import Path
 
 from nanomuon.common import write_atomic
+
+# base_eval's CORE line under report.md's title, replaced by a later evaluation and kept by a
+# resumed base_train, as are the summary.json keys that start with CORE_KEYS (core, core_step, ...)
+CORE_HEADLINE = "> CORE: "
+CORE_KEYS = "core"
 
 MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
            "(`pip install matplotlib` draws them)")

@@ -217,8 +217,9 @@ def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, 
         print(f"== {label}: cached ({path.name})", flush=True)
         return json.loads(path.read_text())
     run = f"{name}-{variant}-{swept}{value}-s{seed}"
+    # an uncached run over an earlier one of the same name (other code, say) keeps the earlier
     launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
-                   "--seed", str(seed), "--data-seed", str(seed)], nproc, threads)
+                   "--seed", str(seed), "--data-seed", str(seed), "--start-over"], nproc, threads)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -275,7 +276,8 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
         launch(f"calibration {j + 1}/{jobs}", [
             *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
             "--num-iterations", str(CALIBRATION_STEPS), "--eval-every", "-1", "--save-every", "-1",
-            "--log-every", str(CALIBRATION_STEPS), "--sample-tokens", "0"], nproc, threads)
+            "--log-every", str(CALIBRATION_STEPS), "--sample-tokens", "0", "--start-over"],
+            nproc, threads)
         walls[j] = time.monotonic() - t
 
     with ThreadPoolExecutor(jobs) as pool:

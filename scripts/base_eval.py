@@ -36,6 +36,7 @@ from nanomuon.common import (
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import val_rows
 from nanomuon.dataset import DATASETS
+from nanomuon.report import CORE_HEADLINE
 from nanomuon.sources import add_data_args, prepare
 from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
@@ -194,16 +195,15 @@ def append_report(report, lines) -> None:
     print0(f"appended to {report}")
 
 
-HEADLINE = "> CORE: "  # marks the report's headline line, so a later evaluation replaces it
 
 
 def put_headline(report, line: str) -> None:
     """Make the report open with CORE's line (right under its title), replacing an earlier one:
     the speedrun's result is the first thing a reader sees."""
     lines = report.read_text().split("\n")
-    lines = [x for x in lines if not x.startswith(HEADLINE)]
+    lines = [x for x in lines if not x.startswith(CORE_HEADLINE)]
     at = 1 if lines and lines[0].startswith("# ") else 0
-    lines[at:at] = [HEADLINE + line]
+    lines[at:at] = [CORE_HEADLINE + line]
     write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines)))
 
 

@@ -64,7 +64,7 @@ from nanomuon.gpt import (
     training_recipe,
 )
 from nanomuon.param_groups import fill_defaults
-from nanomuon.report import MISSING, plot_curves, smooth
+from nanomuon.report import CORE_HEADLINE, CORE_KEYS, MISSING, plot_curves, smooth
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
@@ -206,6 +206,9 @@ def parse_args(argv=None):
                    default=-1, help="continue the run from this checkpoint: a step number, "
                    "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
                    "--max-restarts); -1: start fresh")
+    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that "
+                   "already holds checkpoints or results: they move into runs/<run>/previous.N, "
+                   "kept (without it such a run is refused)")
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
@@ -261,6 +264,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
+    if args.start_over and args.resume_from_step not in (-1, "auto"):
+        p.error("--start-over trains afresh; it cannot go with --resume-from-step "
+                f"{args.resume_from_step} (drop one)")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
         p.error("--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got "
                 f"{args.resume_from_step}")
@@ -490,6 +496,40 @@ def schedule_name(args) -> str:
     return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
+def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
+    """Nothing an earlier run left is trained over: a fresh run in a run dir holding checkpoints
+    or results is refused in one line, or with --start-over moves them into previous.N."""
+    error = None
+    if rank == 0 and args.resume_from_step == -1 and (earlier := checkpoint.earlier_run(run_dir)):
+        if not args.start_over:
+            steps = checkpoint.list_steps(run_dir)
+            held = ([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else []) + \
+                [name for name in earlier if not name.startswith("step_")]
+            error = (f"{run_dir} holds an earlier run ({', '.join(held)}): continue it with "
+                     "--resume-from-step latest, pick another --run, or pass --start-over to "
+                     "move it into previous.N and train afresh")
+        else:
+            aside = checkpoint.set_aside(run_dir, earlier, "previous")
+            print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+    exit_if_any_failed(error)
+
+
+def set_aside_later_steps(run: Run, step: int) -> None:
+    """Resumed from an earlier step: the later ones are another line of training, which `latest`
+    and pruning would take for this one; they move into rewound_from_step_S.N, kept."""
+    error = None
+    if run.rank == 0 and (later := [s for s in checkpoint.list_steps(run.run_dir) if s > step]):
+        try:
+            aside = checkpoint.set_aside(
+                run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
+                f"rewound_from_step_{step}")
+            print0(f"resumed from step {step}: moved the later steps "
+                   f"{', '.join(map(str, later))} into {aside} (kept; this run goes on from {step})")
+        except OSError as e:
+            error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
+    exit_if_any_failed(error)
+
+
 def plan_horizon(args, config: GPTConfig, flops_per_token: float) -> int:
     """The run's steps; a --total-batch-size or --weight-decay left out takes nanochat's recipe
     (gpt.training_recipe), written back into args (saved resolved, so a resume compares like with
@@ -529,6 +569,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     # a restarted job (torchrun --max-restarts) picks up where it died
     if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
+    keep_earlier_runs(args, run_dir, rank)
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
@@ -659,6 +700,7 @@ def resume(run: Run) -> None:
                    "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     print0(f"resumed {run.run_dir} at step {step}")
+    set_aside_later_steps(run, step)
 
 
 def evaluate(run: Run) -> None:
@@ -912,22 +954,37 @@ def sample_prompts(run: Run) -> list[tuple[str, str]]:
     return samples
 
 
-def appended_sections(report: Path) -> list[str]:
-    """The sections other tools appended to a run's report.md (base_eval's), kept when base_train
-    rewrites it at the end of a resumed run."""
+def appended_sections(report: Path) -> tuple[list[str], list[str]]:
+    """What other tools wrote into a run's report.md (base_eval's CORE headline under the title,
+    and its sections at the end), kept when base_train rewrites it at the end of a resumed run."""
     try:
         text = report.read_text()
     except FileNotFoundError:
-        return []
+        return [], []
     at = text.find("\n## base_eval")
-    return text[at:].rstrip("\n").split("\n") if at >= 0 else []
+    headlines = [x for x in text.split("\n") if x.startswith(CORE_HEADLINE)]
+    return headlines, text[at:].rstrip("\n").split("\n") if at >= 0 else []
+
+
+def others_results(summary: Path) -> dict:
+    """The keys other tools (base_eval) wrote into summary.json, kept when base_train rewrites it;
+    an unreadable file keeps nothing, with a note."""
+    try:
+        record = json.loads(summary.read_text()) if summary.is_file() else {}
+    except (OSError, ValueError) as e:
+        print0(f"note: {summary} is unreadable ({e}); rewriting it without what it held")
+        return {}
+    return ({k: v for k, v in record.items() if k.startswith(CORE_KEYS)}
+            if isinstance(record, dict) else {})
 
 
 def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
                  loop, samples):
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine())
-    lines = [f"# nanomuon base_train report: {args.run}", "", f"- command: `{' '.join(sys.argv)}`",
+    headlines, sections = appended_sections(Path(run_dir) / "report.md")
+    lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
+             f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
              "fp32 params",
@@ -957,10 +1014,11 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     if samples:
         lines += ["", "## Samples (greedy)", ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
-    lines += appended_sections(Path(run_dir) / "report.md")
+    lines += sections
     write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     # the same numbers and curves for programs (scripts.ablate reads them)
-    record = dict(summary, run=args.run, optimizer=args.optimizer, num_params=num_params,
+    record = dict(others_results(Path(run_dir) / "summary.json"), **summary, run=args.run,
+                  optimizer=args.optimizer, num_params=num_params,
                   world_size=world_size, tokens_per_step=args.total_batch_size,
                   val_history=loop["val_history"], val_train_time=loop["val_train_time"],
                   history=loop["history"])

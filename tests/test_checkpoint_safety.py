@@ -18,6 +18,7 @@ from test_bad_input import GOOD
 from nanomuon import checkpoint
 from nanomuon.checkpoint import (
     clean_run_dir,
+    file_crc32,
     list_steps,
     load_checkpoint,
     load_step,
@@ -214,3 +215,65 @@ def test_a_resume_keeps_the_data_seed(base, capsys):
     run_main("--run", "seeded", "--num-iterations", "2", "--data-seed", "5", "--save-every", "1")
     with pytest.raises(SystemExit, match="--data-seed was 5, now None"):
         run_main("--run", "seeded", "--num-iterations", "2", "--resume-from-step", "1")
+
+
+def test_a_fresh_run_over_an_earlier_one_is_refused_or_moves_it_aside(base, capsys):
+    """A re-run of the same --run without --resume-from-step neither trains over the earlier run
+    nor prunes it: one line says how to go on; --start-over moves its checkpoints and results into
+    previous.N, where they stay whole, and trains afresh with pruning limited to its own steps."""
+    run_dir = base / "runs" / "again"
+    run_main("--run", "again", "--num-iterations", "4", "--save-every", "1", "--keep-checkpoints",
+             "2")
+    first = {s: file_crc32(step_dir(run_dir, s) / "meta.json") for s in list_steps(run_dir)}
+    report = (run_dir / "report.md").read_text()
+    with pytest.raises(SystemExit, match=r"holds an earlier run \(steps 3, 4, summary.json, "
+                                         r"report.md.*--resume-from-step latest.*--start-over"):
+        run_main("--run", "again", "--num-iterations", "4")
+    assert {s: file_crc32(step_dir(run_dir, s) / "meta.json") for s in list_steps(run_dir)} == first
+    capsys.readouterr()
+    run_main("--run", "again", "--num-iterations", "3", "--save-every", "1", "--keep-checkpoints",
+             "2", "--start-over")
+    assert "--start-over: moved the earlier run (5 entries) into" in capsys.readouterr().out
+    assert list_steps(run_dir) == [2, 3]
+    aside = run_dir / "previous.1"
+    assert list_steps(aside) == [3, 4] and (aside / "report.md").read_text() == report
+    assert {s: file_crc32(step_dir(aside, s) / "meta.json") for s in (3, 4)} == first
+    with pytest.raises(SystemExit):
+        run_main("--run", "again", "--start-over", "--resume-from-step", "latest")
+    assert "--start-over trains afresh" in capsys.readouterr().err
+
+
+def test_a_rewind_keeps_the_abandoned_steps_aside_and_prunes_only_its_own(base, capsys):
+    """Resuming from an earlier step while later checkpoints exist: the later ones move into
+    rewound_from_step_S.N (latest no longer finds them, pruning never touches them), and pruning
+    keeps the newest of the new line, the step just saved included."""
+    run_dir = base / "runs" / "rewind"
+    flags = ("--run", "rewind", "--num-iterations", "6", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    run_main(*flags[:-1], "-1")
+    later = {s: file_crc32(step_dir(run_dir, s) / "meta.json") for s in (3, 4, 5, 6)}
+    capsys.readouterr()
+    run_main(*flags[:-2], "--keep-checkpoints", "2", "--resume-from-step", "2",
+             "--num-iterations", "6")
+    out = capsys.readouterr().out
+    assert "moved the later steps 3, 4, 5, 6 into" in out, out
+    assert list_steps(run_dir) == [5, 6]  # the new line's newest two
+    aside = run_dir / "rewound_from_step_2.1"
+    assert {s: file_crc32(step_dir(aside, s) / "meta.json") for s in list_steps(aside)} == later
+
+
+def test_a_resume_keeps_what_base_eval_wrote(base):
+    """base_train resuming a finished run keeps base_eval's CORE keys in summary.json and its
+    "> CORE:" headline in report.md."""
+    run_main("--run", "scored", "--num-iterations", "2")
+    run_dir = base / "runs" / "scored"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    core = dict(core=0.12, core_step=2, core_tasks={"piqa": 0.1}, core_max_per_task=100,
+                core_headline="CORE 0.1200 at step 2")
+    (run_dir / "summary.json").write_text(json.dumps(dict(summary, **core)))
+    report = (run_dir / "report.md").read_text().split("\n")
+    (run_dir / "report.md").write_text("\n".join([report[0], "> CORE: 0.1200", *report[1:]]))
+    run_main("--run", "scored", "--num-iterations", "2", "--resume-from-step", "latest")
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert {k: after[k] for k in core} == core and after["final_val_bpb"] == summary["final_val_bpb"]
+    assert (run_dir / "report.md").read_text().split("\n")[1] == "> CORE: 0.1200"
