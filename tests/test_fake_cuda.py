@@ -166,13 +166,17 @@ def test_device_setup_and_mfu_peak_by_gpu_name(shim):
     run_case(shim, "setup")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fp8", ["plain", "fp8"])
 def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     """Stands in for: base_train's main failing on a GPU node after its parts pass: the compiled
     model and update as base_train sets them up, DistMuonAdamW under torchrun's variables, the
     device batch fitted to the H100, MFU in the step lines and the summary, the report's GPU name;
-    with --fp8, torchao's float8 layers on the GPU path (no emulation)."""
+    with --fp8, torchao's float8 layers on the GPU path (no emulation). CI's third leg runs it."""
+    import torch
+
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+        pytest.skip("torch < 2.10: its fake tensors have no kernels for c10d's collectives, and "
+                    "dynamo cannot trace under an outer fake mode")
     if fp8 == "fp8":
         pytest.importorskip("torchao.float8", reason="--fp8 needs torchao")
     out = run_case(shim, "train", str(base), fp8, timeout=600)
@@ -452,7 +456,7 @@ def case_autofit(world: str, activations: str = "0"):
     with fake_gpu():
         args = parse_args(flags)
         args.dtype = resolve_dtype(dev, args.dtype)  # as base_train's build
-        model = on_gpu(meta_gpt(24, args.max_seq_len))
+        model = on_gpu(unfaked(meta_gpt, 24, args.max_seq_len))  # built outside fake mode
         rows = auto_device_batch(args, model.config, dev, world, compiled=True)
         per_step = args.total_batch_size // (args.max_seq_len * world)
         assert rows & (rows - 1) == 0 and per_step % rows == 0, (rows, per_step)
