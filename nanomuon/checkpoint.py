@@ -43,7 +43,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from nanomuon.common import exit_unless_ranks_agree, on_every_rank, one_line, size_str, write_atomic
+from nanomuon.common import (
+    DTYPES,
+    exit_unless_ranks_agree,
+    on_every_rank,
+    one_line,
+    size_str,
+    write_atomic,
+)
 from nanomuon.gpt import GPT, GPTConfig
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -545,6 +552,17 @@ META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, to
                   world_size=int, loader=list, loop=dict)
 
 
+def _saved_args_problems(args: dict) -> list[str]:
+    """The saved flags that readers of a checkpoint use, checked as base_train checks its own."""
+    problems = []
+    if "dtype" in args and args["dtype"] not in DTYPES:
+        problems.append(f"'args.dtype' is {args['dtype']!r}, not one of {', '.join(DTYPES)}")
+    tokens = args.get("eval_tokens", 1)
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        problems.append(f"'args.eval_tokens' is {tokens!r}, not an int >= 1")
+    return problems
+
+
 def check_meta(meta, d: Path, keys) -> None:
     """A meta.json has the keys asked for, with the right types (it is text: hand edits happen)."""
     problems = []
@@ -569,6 +587,8 @@ def check_meta(meta, d: Path, keys) -> None:
         problems += [f"loader[{i}] is a{'n' * (type(s).__name__[0] in 'aeiou')} "
                      f"{type(s).__name__}, not a dict" for i, s in enumerate(meta["loader"])
                      if not isinstance(s, dict)][:1]
+    if not problems and isinstance(meta.get("args"), dict):  # base_eval and sample read them
+        problems += _saved_args_problems(meta["args"])
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
         problems += [f"'loop.{k}' is {v!r}, not a finite number" for k, v in meta["loop"].items()
                      if isinstance(v, float) and not math.isfinite(v)][:1]
@@ -697,6 +717,8 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
     def checked(s):
         meta = read_meta(step_dir(run_dir, s), meta_keys)
         check_files(step_dir(run_dir, s))
+        if not (step_dir(run_dir, s) / "checksums.json").is_file():  # deleted, or saved before
+            warn(f"note: {step_dir(run_dir, s)} has no checksums.json: its files load unverified")
         return s, meta
     if step != "latest":
         if int(step) not in steps:

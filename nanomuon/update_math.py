@@ -134,14 +134,14 @@ def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tup
         triples = tuple(tuple(float(x) for x in t) for t in d["coefficients"])
         safety, eps = float(d.get("safety", 1.0)), float(d.get("eps", 1e-7))
         ok = (set(d) <= {"coefficients", "safety", "eps"} and len(triples) >= 1
-              and safety > 0 and eps > 0)
+              and 0 < safety < float("inf") and 0 < eps < float("inf"))
         ok = ok and all(len(t) == 3 and all(abs(x) < float("inf") for x in t) for t in triples)
     except (TypeError, ValueError, KeyError):
         ok = False
     if not ok:
         raise ValueError("ns_coefficients must be a name, a non-empty list of finite (a, b, c) "
-                         "triples, or dict(coefficients=<such a list>, safety=<number > 0>, "
-                         f"eps=<number > 0>), got {spec!r}")
+                         "triples, or dict(coefficients=<such a list>, safety=<finite number > 0>, "
+                         f"eps=<finite number > 0>), got {spec!r}")
     if 1 < len(triples) < ns_steps and not repeat_last:
         raise ValueError(f"ns_steps={ns_steps} but "
                          f"ns_coefficients={spec if isinstance(spec, str) else 'list'} has "

@@ -277,3 +277,31 @@ def test_a_resume_keeps_what_base_eval_wrote(base):
     after = json.loads((run_dir / "summary.json").read_text())
     assert {k: after[k] for k in core} == core and after["final_val_bpb"] == summary["final_val_bpb"]
     assert (run_dir / "report.md").read_text().split("\n")[1] == "> CORE: 0.1200"
+
+
+@pytest.mark.parametrize("key,value,says", [("dtype", "fp16", "'args.dtype' is 'fp16', not one of"),
+                                            ("eval_tokens", -5, "'args.eval_tokens' is -5, not an int >= 1")])
+def test_base_eval_refuses_a_bad_saved_flag_in_one_line(base, key, value, says):
+    """meta.json is text: a hand-edited dtype or eval_tokens is one line naming it, not a traceback
+    or a silent 64-token eval."""
+    from scripts.base_eval import main as base_eval
+
+    run_main("--run", f"edited-{key}", "--num-iterations", "1")
+    meta_path = step_dir(base / "runs" / f"edited-{key}", 1) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["args"][key] = value
+    meta_path.write_text(json.dumps(meta))
+    (meta_path.parent / "checksums.json").unlink()  # the edit is the point here, not the checksum
+    with pytest.raises(SystemExit, match=says):
+        base_eval(["--run", f"edited-{key}", "--step", "1", "--device-type", "cpu", "--eval", "bpb"])
+
+
+def test_a_step_without_checksums_loads_with_a_note(base, capsys):
+    """Deleting checksums.json does not turn the check off in silence: the step loads, unverified,
+    and says so."""
+    run_main("--run", "unsummed", "--num-iterations", "1")
+    d = step_dir(base / "runs" / "unsummed", 1)
+    (d / "checksums.json").unlink()
+    capsys.readouterr()
+    load_step(base / "runs" / "unsummed", "latest")
+    assert f"note: {d} has no checksums.json: its files load unverified" in capsys.readouterr().out
