@@ -8,11 +8,13 @@ script reads top to bottom.
 import atexit
 import contextlib
 import ctypes
+import datetime
 import hashlib
 import json
 import math
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -162,12 +164,49 @@ def compute_init(device_type: str = "auto"):
         if device_type == "cpu":
             reuse_freed_memory()
     if distributed:
+        store = rendezvous(rank, world_size)
         if device_type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, store=store, rank=rank,
+                                    world_size=world_size)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
             atexit.register(_destroy_gloo_at_exit)
     return distributed, rank, local_rank, world_size, device
+
+
+RENDEZVOUS_TIMEOUT_S = 600  # how long the processes may take to meet (NANOMUON_RENDEZVOUS_TIMEOUT)
+
+
+def rendezvous(rank: int, world_size: int):
+    """The processes meet at MASTER_ADDR:MASTER_PORT, as torchrun sets them; the store they share.
+    Missing variables are one line, not a traceback; waiting says so after 10 s, and gives up after
+    NANOMUON_RENDEZVOUS_TIMEOUT seconds with one line naming what it waited for (torch's own
+    wait is 30 minutes, in silence). Collectives keep torch's timeout."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise SystemExit(f"error: WORLD_SIZE={world_size} asks for {world_size} processes but "
+                         f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                         "set: launch with torchrun (it sets them), or unset RANK, LOCAL_RANK and "
+                         "WORLD_SIZE to run one process")
+    timeout = float(os.environ.get("NANOMUON_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    note = threading.Timer(10, lambda: print(
+        f"rank {rank}: waiting for all {world_size} processes to meet at {where} (giving up "
+        f"after {timeout:.0f} s: NANOMUON_RENDEZVOUS_TIMEOUT)", flush=True))
+    note.daemon = True
+    note.start()
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                           timeout=datetime.timedelta(seconds=timeout)))
+    except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
+        raise SystemExit(f"error: rank {rank}: the {world_size} processes did not all meet at "
+                         f"{where} within {timeout:.0f} s ({one_line(e)}): start every "
+                         "rank, check MASTER_ADDR and MASTER_PORT, or raise "
+                         "NANOMUON_RENDEZVOUS_TIMEOUT") from None
+    finally:
+        note.cancel()
+    store.set_timeout(dist.constants.default_pg_timeout)
+    return store
 
 
 def process_env() -> tuple[int, int, int]:

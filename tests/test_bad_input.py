@@ -10,13 +10,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 from test_dataset import fetch
-from test_train import TINY
+from test_train import REPO, TINY
 
 from nanomuon.checkpoint import lock_run_dir
 from nanomuon.dataloader import DataLoader
@@ -466,3 +467,24 @@ def test_a_model_that_fits_only_in_swap_warns(base, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "warning: training this model takes about" in out and \
         "more than the 0.0 GiB free, so it will swap (slow) or be killed when memory runs out" in out, out
+
+
+def test_a_process_group_without_its_peers_is_one_line(tmp_path):
+    """WORLD_SIZE without MASTER_ADDR is one line, not a traceback; with MASTER_ADDR and no peer,
+    the rendezvous says what it waits for and gives up after NANOMUON_RENDEZVOUS_TIMEOUT with one
+    line, instead of torch's silent 30 minutes."""
+    from test_dist import _free_port
+    from test_train import child_env
+
+    env = dict(child_env(tmp_path), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+    cmd = [sys.executable, "-m", "scripts.base_train", *GOOD, "--run", "alone"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "WORLD_SIZE=2 asks for 2 processes but MASTER_ADDR and MASTER_PORT are not set" \
+        in p.stderr and "torchrun" in p.stderr
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               NANOMUON_RENDEZVOUS_TIMEOUT="12")
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "rank 0: waiting for all 2 processes to meet at 127.0.0.1:" in p.stdout
+    assert "the 2 processes did not all meet at 127.0.0.1:" in p.stderr and "within 12 s" in p.stderr

@@ -494,13 +494,15 @@ def case_train(base: str, fp8: str):
     answer 1, pinning is the identity (it needs the driver), the loader's host batches become
     fakes, the meta model is built outside fake mode, checkpoints are counted, not written."""
     import torch
+    from test_dist import _free_port
     from torch._subclasses.fake_tensor import FakeTensor
 
     import nanomuon.dataloader as dataloader
     import scripts.base_train as base_train
     from nanomuon.optim import DistMuonAdamW
 
-    os.environ.update(NANOMUON_BASE_DIR=base, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.update(NANOMUON_BASE_DIR=base, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     mode = fake_gpu()
     stand_in(torch.Tensor, "item", lambda t: 1.0 if t.dtype.is_floating_point else 1)
     stand_in(torch.Tensor, "tolist", lambda t: torch.ones(t.shape, dtype=t.dtype).tolist())
@@ -525,7 +527,7 @@ def case_train(base: str, fp8: str):
     DistMuonAdamW.step = counted_step
     init = torch.distributed.init_process_group
     nccl = []
-    torch.distributed.init_process_group = lambda backend, **kw: (
+    torch.distributed.init_process_group = lambda backend, **kw: (  # after a real rendezvous
         nccl.append((backend, kw.get("device_id"))) or fake_nccl(1, init))
     # one rank gathers its own object (the fake group moves no bytes; the object goes through
     # a tensor that fake mode would make fake)
