@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -435,6 +436,10 @@ def sweep_arg(s: str) -> Sweep:
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
     with contextlib.suppress(ValueError):  # not all numbers (a choice flag): the order given
         values = sorted(values, key=float)
+        same = [f"{a} and {b}" for a, b in zip(values, values[1:]) if float(a) == float(b)]
+        if same:
+            raise argparse.ArgumentTypeError(f"{s!r}: {same[0]} are the same value (two identical "
+                                             "runs); give each value once")
     return Sweep(flag, values)
 
 
@@ -491,8 +496,30 @@ def parse_args(argv):
                 + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
     flags = [*DEFAULT_FLAGS, *extra]
     for value in args.sweep.values:
-        train_args([*flags, f"--{args.sweep.flag}", value])
+        if problem := sweep_value_problem(flags, args.sweep.flag, value):
+            p.error(problem)
     return args, flags
+
+
+def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
+    """What base_train would refuse in this --sweep value, said before any run starts (its
+    flags, and for --dataset the source itself, which base_train reads only once it runs)."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            train = train_args([*flags, f"--{flag}", value])
+    except SystemExit:
+        why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        if why.startswith("unrecognized arguments"):
+            return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
+                    "scripts.base_train --help)")
+        return f"--sweep {flag}={value}: {why}"
+    if flag == "dataset":
+        try:
+            prepare(train.dataset, train.text_column, train.val_fraction)
+        except (ValueError, FileNotFoundError) as e:
+            return f"--sweep dataset={value}: {e}"
+    return None
 
 
 def ensure_tokenizer(flags: list[str]) -> None:

@@ -359,3 +359,20 @@ def test_sweep_takes_any_base_train_flag_and_one_variant():
     assert args.variants == ["muon"] and args.sweep == ("matrix-lr", ["0.005", "1e-2", "0.02"])
     with pytest.raises(SystemExit):
         parse_args(["--variants", "muon", "--sweep", "matrix-lr=0.02"])
+
+
+@pytest.mark.parametrize("sweep,says", [
+    ("name=a,b", "--sweep name=...: base_train has no --name"),
+    ("dataset=a b,embedded", "--sweep dataset=a b: --dataset a b: no such file or directory"),
+    ("lr-multiplier=1,1.0", "1 and 1.0 are the same value (two identical runs)"),
+    ("depth=2,x", "--sweep depth=x: argument --depth: invalid int value: 'x'"),
+])
+def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
+    """A sweep base_train would refuse, in any of its values, is one line naming --sweep when
+    ablate starts: not base_train's own words after another value has trained."""
+    from scripts.ablate import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "muon", "--sweep", sweep])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "usage: base_train" not in "\n".join(err), err
