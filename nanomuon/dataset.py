@@ -281,11 +281,13 @@ def _hub():
     return huggingface_hub
 
 
-def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu") -> str:
+def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu",
+                   offline_too: bool = True) -> str:
     """The hub endpoint (HF_ENDPOINT), refused if it is not a plain https://host[:port][/path] URL,
     or if it is plain http to another machine, unless allow_http: anyone on the path could swap the
-    files. Loopback is fine (a local mirror, the tests' fake hub). dataset: whose fix an offline
-    hub names."""
+    files. Loopback is fine (a local mirror, the tests' fake hub). Every hub fetch passes it: the
+    shard downloads here, and hub sources (sources.py). dataset: whose fix an offline hub names
+    (a hub source's spec names none); offline_too: refuse HF_HUB_OFFLINE here too."""
     import ipaddress
     import urllib.parse
 
@@ -310,12 +312,13 @@ def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu") -> st
     except ValueError:  # a host name, not an address
         loopback = False
     if scheme == "http" and not loopback and not allow_http:
-        raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the shards could be altered in "
-                         "transit; use an https mirror, or add --allow-http for a plain-http one "
-                         "you trust")
-    if hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(f"HF_ENDPOINT {endpoint} is not https, so the data could be altered in "
+                         "transit; use an https mirror" + (", or add --allow-http for a "
+                         "plain-http one you trust" if dataset in FIX else ""))
+    if offline_too and hub.constants.HF_HUB_OFFLINE:
         raise ValueError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it, or train "
-                         f"offline with --dataset embedded ({FIX[dataset]})")
+                         "offline with --dataset embedded"
+                         + (f" ({FIX[dataset]})" if dataset in FIX else ""))
     return endpoint
 
 

@@ -42,7 +42,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanomuon.common import content_hashes, get_base_dir, one_line, write_atomic
-from nanomuon.dataset import DATASETS, MANIFEST, build_lock, data_dir, hub_problem, manifest_shards
+from nanomuon.dataset import (
+    DATASETS,
+    MANIFEST,
+    build_lock,
+    check_endpoint,
+    data_dir,
+    hub_problem,
+    manifest_shards,
+)
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
 # a source's own val split: the first of these it has
@@ -388,6 +396,8 @@ def _hub_error(spec: str, e: Exception) -> ValueError:
 def _open_hub(spec: str, repo: str, config: str | None, revision: str | None) -> tuple[dict, str]:
     """({split: IterableDataset}, the commit) of a hub dataset, streamed: only
     what is read is downloaded."""
+    # https, or plain http to this machine only (offline: the hub's own error says it)
+    check_endpoint(dataset=spec, offline_too=False)
     datasets = _datasets()
     from huggingface_hub import HfApi
     try:

@@ -399,3 +399,14 @@ def test_base_train_and_base_eval_on_a_custom_source(base, base_dir, tmp_path, c
     assert f"{path} val bpb" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"--val-fraction was 0\.1, now 0\.2"):
         train_main([*flags[:-6], "--val-fraction", "0.2", *flags[-6:], "--resume-from-step", "2"])
+
+
+def test_hub_sources_refuse_plain_http_to_another_host(fake_hub, tmp_path):
+    """--dataset hf:owner/name fetches through HF_ENDPOINT, so it passes the same check as the
+    shard downloads: plain http to another machine is refused in one line before any request."""
+    fake_hub.files["owner/name"] = {"data/train.jsonl": b'{"text": "x"}\n'}
+    r = run_python("from nanomuon.sources import prepare; print(prepare('hf:owner/name'))", fake_hub,
+                   tmp_path / "b", HF_ENDPOINT="http://hub.example.com")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(
+        "ValueError: HF_ENDPOINT http://hub.example.com is not https, so the data could be altered"), r.stderr
+    assert fake_hub.log == []
