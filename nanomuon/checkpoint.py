@@ -115,11 +115,23 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "tensors holds")
 
 
+def check_regular(path: Path) -> Path:
+    """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
+    open could wait forever or read what is not ours); ValueError naming it otherwise.
+    FileNotFoundError passes through."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a symlink" if stat.S_ISLNK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        raise ValueError(f"{path} is {kind}, not the regular file nanomuon wrote: remove it")
+    return Path(path)
+
+
 def read_index(d: Path):
     """A checkpoint's DCP index (d/.metadata), unpickled with an allowlist of DCP's metadata classes
     and checked: tensors only (DCP would torch.load anything else with weights_only=False), stored
     in plain files of d. ValueError naming the file and what is wrong."""
-    path = Path(d) / ".metadata"
+    path = check_regular(Path(d) / ".metadata")
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -257,9 +269,9 @@ def check_sums(d: Path) -> None:
     file is listed; ValueError naming the first that differs. Checkpoints saved before
     checksums have no such file."""
     listed = d / "checksums.json"
-    if not listed.exists():
+    if not os.path.lexists(listed):
         return
-    sums = json.loads(listed.read_text())["crc32"]
+    sums = json.loads(check_regular(listed).read_text())["crc32"]
     for name in sorted(f.name for f in d.iterdir() if DATA_FILE.match(f.name)):
         if name not in sums:
             raise ValueError(f"{name} is not in checksums.json")
@@ -450,10 +462,13 @@ def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
 
 
 def earlier_run(run_dir: Path) -> list[str]:
-    """What a finished or stopped run left in run_dir: its checkpoints and results."""
+    """What a finished or stopped run left in run_dir: its checkpoints and results; ValueError if
+    a result is there but not a regular file (a FIFO would hang the run that reads it)."""
     run_dir = Path(run_dir)
-    return ([step_dir(run_dir, s).name for s in list_steps(run_dir)]
-            + [name for name in RESULTS if (run_dir / name).is_file()])
+    results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
+    for name in results:
+        check_regular(run_dir / name)
+    return [step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
 
 
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
@@ -602,7 +617,7 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is
     unreadable or bad."""
     try:
-        meta = json.loads((d / "meta.json").read_text())
+        meta = json.loads(check_regular(d / "meta.json").read_text())
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
                          "from an earlier step") from e
@@ -641,7 +656,7 @@ def check_files(d: Path) -> None:
         for name, end in ends.items():
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
-        torch.load(d / "optim.pt", mmap=True, weights_only=True)
+        torch.load(check_regular(d / "optim.pt"), mmap=True, weights_only=True)
         check_sums(d)
     except Exception as e:  # torch and pickle raise several types for truncated or foreign files
         raise _corrupt(d, e) from e
@@ -663,7 +678,8 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
             out["model"] = {k.split(".", 1)[1]: v
                             for k, v in wanted.items() if k.startswith("model.")}
         if "optim" in names:
-            out["optim"] = torch.load(d / "optim.pt", map_location=map_location, weights_only=True)
+            out["optim"] = torch.load(check_regular(d / "optim.pt"), map_location=map_location,
+                                      weights_only=True)
             for key, v in wanted.items():
                 if key.startswith("optim."):
                     _, idx, name = key.split(".", 2)
@@ -691,7 +707,7 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         _dcp(dcp.load, own, d, alone())
         if optimizer is None:
             return
-        rest = torch.load(d / "optim.pt", map_location=device, weights_only=True)
+        rest = torch.load(check_regular(d / "optim.pt"), map_location=device, weights_only=True)
         # a replicated optimizer: its whole state
         if not hasattr(optimizer, "load_sharded_state_dict"):
             return optimizer.load_state_dict(rest)

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import stat
 
 import torch
 
@@ -75,8 +76,13 @@ def eval_data(args, meta) -> argparse.Namespace:
 def check_report(report) -> None:
     """Exit now, before evaluating, if report cannot be appended to (every rank checks, so all
     stop together)."""
-    try:
-        os.close(os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))
+    try:  # non-blocking: a FIFO with no reader would hold the open forever
+        fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        os.close(fd)
+        if not regular:
+            raise SystemExit(f"error: {report} is not a regular file: remove it (base_eval "
+                             "appends its results there)")
     except FileNotFoundError:
         if not os.access(report.parent, os.W_OK | os.X_OK):
             raise SystemExit(f"error: cannot create {report}: {report.parent} is not writable; "

@@ -499,8 +499,13 @@ def schedule_name(args) -> str:
 def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
     """Nothing an earlier run left is trained over: a fresh run in a run dir holding checkpoints
     or results is refused in one line, or with --start-over moves them into previous.N."""
-    error = None
-    if rank == 0 and args.resume_from_step == -1 and (earlier := checkpoint.earlier_run(run_dir)):
+    error, earlier = None, []
+    if rank == 0:
+        try:  # a result file that is not a regular one (a FIFO) would hang the end of any run
+            earlier = checkpoint.earlier_run(run_dir)
+        except ValueError as e:
+            error = str(e)
+    if rank == 0 and not error and args.resume_from_step == -1 and earlier:
         if not args.start_over:
             steps = checkpoint.list_steps(run_dir)
             held = ([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else []) + \

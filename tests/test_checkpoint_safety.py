@@ -305,3 +305,38 @@ def test_a_step_without_checksums_loads_with_a_note(base, capsys):
     capsys.readouterr()
     load_step(base / "runs" / "unsummed", "latest")
     assert f"note: {d} has no checksums.json: its files load unverified" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["meta.json", "checksums.json", ".metadata", "optim.pt"])
+def test_a_fifo_in_the_newest_step_falls_back_and_never_hangs(base, capsys, name):
+    """A FIFO where a checkpoint file belongs (nothing writes to it: opening it for reading would
+    wait forever) makes that step corrupt: `latest` takes the one before, at once."""
+    run_dir = base / "runs" / f"fifo-{name.strip('.')}"
+    run_main("--run", run_dir.name, "--num-iterations", "2", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    target = step_dir(run_dir, 2) / name
+    target.unlink()
+    os.mkfifo(target)
+    capsys.readouterr()
+    assert load_step(run_dir, "latest")[0] == 1
+    assert f"{target} is a FIFO, not the regular file nanomuon wrote" in capsys.readouterr().out
+
+
+def test_a_fifo_for_a_report_is_refused_at_the_start(base, tmp_path):
+    """report.md or summary.json as a FIFO: base_train refuses at the start, before it takes hours
+    to reach them, and base_eval before it evaluates; neither waits on the FIFO."""
+    import subprocess
+    import sys
+
+    from test_train import REPO, child_env
+
+    run_main("--run", "fifo-report", "--num-iterations", "1")
+    report = base / "runs" / "fifo-report" / "report.md"
+    report.unlink()
+    os.mkfifo(report)
+    for cmd in (["scripts.base_train", *GOOD, "--run", "fifo-report", "--resume-from-step", "latest"],
+                ["scripts.base_eval", "--run", "fifo-report", "--device-type", "cpu"]):
+        p = subprocess.run([sys.executable, "-m", *cmd], cwd=REPO, env=child_env(base),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and "report.md" in p.stderr and "regular file" in p.stderr, p.stderr
+        assert p.stderr.strip().count("\n") == 0, p.stderr
