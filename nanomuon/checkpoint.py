@@ -632,6 +632,9 @@ def _corrupt(d: Path, e: BaseException) -> ValueError:
     """A checkpoint that does not read: delete it if its files are bad; not if the
     machine is (memory, I/O)."""
     first = _failure(e)[0]
+    if not Path(d).exists():
+        return ValueError(f"checkpoint {d} was removed while it was read: the run saving there "
+                          "prunes its older checkpoints (--keep-checkpoints); load a newer step")
     if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (
             isinstance(first, OSError) and not isinstance(first, FileNotFoundError)):
         return ValueError(f"cannot read checkpoint {d} ({_one_line(e)}); fix that and run again")
@@ -741,25 +744,44 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
             raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir}; saved steps: "
                                     f"{', '.join(map(str, steps))}")
         return checked(int(step))
-    for s in reversed(steps):
+    tried = set()
+    # newest first, listed again after each miss: a live run may save new steps and prune old ones
+    while untried := [s for s in list_steps(run_dir) if s not in tried]:
+        s = untried[-1]
+        tried.add(s)
         try:
             return checked(s)
         except ValueError as e:
-            warn(f"warning: step {s} does not load, trying the checkpoint before it: {e}")
-    raise ValueError(f"none of the {len(steps)} checkpoints in {run_dir} loads (each is named "
+            warn(f"note: step {s} was removed by the run saving there (it prunes older "
+                 "checkpoints) while it was read; trying the newest one left"
+                 if not step_dir(run_dir, s).exists() else
+                 f"warning: step {s} does not load, trying the checkpoint before it: {e}")
+    raise ValueError(f"none of the {len(tried)} checkpoints in {run_dir} loads (each is named "
                      "above); start the run afresh")
 
 
 def load_model(run_dir: Path, step: str | int, device):
     """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under
     torchrun, as base_eval runs: every rank loads). Returns (model, meta)."""
-    # all stop, not one
-    step, meta = on_every_rank(lambda: load_step(run_dir, step, ("model_config",)))
-    exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}",
-                            "run again when no run saves there")
-    with torch.device(device):
-        model = GPT(GPTConfig(**meta["model_config"]))
-    model.init_weights()  # fills the rotary tables; weights are overwritten next
-    load_into(run_dir, step, model)
+    asked = step
+    for _ in range(3):  # 'latest' pruned by a live run between its check and its read: the next
+        # all stop, not one
+        step, meta = on_every_rank(lambda: load_step(run_dir, asked, ("model_config",)))
+        exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}",
+                                "run again when no run saves there")
+        with torch.device(device):
+            model = GPT(GPTConfig(**meta["model_config"]))
+        model.init_weights()  # fills the rotary tables; weights are overwritten next
+        try:
+            load_into(run_dir, step, model)
+            break
+        except (ValueError, FileNotFoundError):
+            if asked != "latest" or step_dir(run_dir, step).exists():
+                raise
+            print(f"note: step {step} was removed by the run saving there while it was read; "
+                  "loading the newest one left")
+    else:
+        raise ValueError(f"the newest checkpoint in {run_dir} was pruned three times while it was "
+                         "read: load a step by number, or when the run there has stopped")
     model.eval()
     return model, meta

@@ -9,6 +9,7 @@ print as skipped, and base_eval's report sections survive a resumed base_train.
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -340,3 +341,50 @@ def test_a_fifo_for_a_report_is_refused_at_the_start(base, tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 1 and "report.md" in p.stderr and "regular file" in p.stderr, p.stderr
         assert p.stderr.strip().count("\n") == 0, p.stderr
+
+
+def test_a_reader_beside_a_pruner_says_the_step_was_removed_and_takes_the_next(base, capsys,
+                                                                                monkeypatch):
+    """A step pruned by a live run while sample reads it is not called corrupt (nor is anyone told
+    to delete it and start afresh): the note says the run removed it, and the newest one left
+    loads; read by number, the one line says so too."""
+    run_dir = base / "runs" / "pruned-under"
+    run_main("--run", "pruned-under", "--num-iterations", "3", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    real = checkpoint.check_files
+
+    def pruned_while_read(d):  # the live run prunes this step just as it is read
+        if d == step_dir(run_dir, 3):
+            shutil.move(d, base / "pruned-step-3")
+        return real(d)
+
+    monkeypatch.setattr(checkpoint, "check_files", pruned_while_read)
+    capsys.readouterr()
+    assert load_step(run_dir, "latest")[0] == 2
+    out = capsys.readouterr().out
+    assert "note: step 3 was removed by the run saving there" in out and "corrupt" not in out, out
+    shutil.move(base / "pruned-step-3", step_dir(run_dir, 3))
+    with pytest.raises(ValueError, match="was removed while it was read: the run saving there "
+                                         "prunes its older checkpoints"):
+        load_step(run_dir, 3)
+
+
+def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys, monkeypatch):
+    """load_model (sample, base_eval): 'latest' checked, then pruned before its tensors are read:
+    it says so and loads the newest step left."""
+    run_dir = base / "runs" / "pruned-mid-read"
+    run_main("--run", "pruned-mid-read", "--num-iterations", "3", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    real, moved = checkpoint.load_into, []
+
+    def pruned_before_read(rd, step, model, optimizer=None):
+        if step == 3 and not moved:
+            moved.append(shutil.move(step_dir(run_dir, 3), base / "pruned-mid-read-3"))
+        return real(rd, step, model, optimizer)
+
+    monkeypatch.setattr(checkpoint, "load_into", pruned_before_read)
+    capsys.readouterr()
+    _, meta = checkpoint.load_model(run_dir, "latest", torch.device("cpu"))
+    assert meta["step"] == 2 and moved
+    assert "note: step 3 was removed by the run saving there while it was read" in \
+        capsys.readouterr().out
