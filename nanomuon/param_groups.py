@@ -411,18 +411,52 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                              f"{saved.get('kind')} params, this optimizer's has "
                              f"{len(group['params'])} {group['kind']} params; "
                              "it was saved from a different model or optimizer setup")
-        params += [(i, j, p, group["kind"]) for j, p in enumerate(group["params"])]
+        # keys its constructor would refuse (older checkpoints' keys load as what they meant)
+        known = PASSIVE_KEYS | set(REQUIRED_KEYS[group["kind"]]) | {*LEGACY_KEYS, "ns_method"}
+        if unknown := sorted(set(saved) - known - set(group_options(saved))):
+            raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
+                             f"no {group['kind']} group takes; the file is corrupt or from "
+                             "another optimizer")
+        params += [(i, j, p, group) for j, p in enumerate(group["params"])]
     where = dict(zip([pid for g in saved_groups for pid in g["params"]], params))
     for pid, st in state_dict["state"].items():
         if pid not in where:
             raise ValueError(f"optimizer checkpoint has state for param id {pid}, "
                              "which no group lists; corrupt file?")
-        i, j, p, kind = where[pid]
-        for name in ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",):
+        i, j, p, group = where[pid]
+        if group["kind"] == "muon":
+            check_muon_state(f"optimizer checkpoint: group {i} param {j}", st, p, group)
+            continue
+        for name in ("exp_avg", "exp_avg_sq"):
             if name in st and tuple(st[name].shape) != tuple(p.shape):
                 raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape "
                                  f"{tuple(st[name].shape)}, the param has {tuple(p.shape)}; "
                                  "the checkpoint is from a different model size")
+
+
+def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
+    """A Muon param's saved state against what this group keeps (update_math.muon_state_layout):
+    every tensor of the declared shape and dtype, no state the group does not keep; a stage's
+    state missing (a stage added on resume) is made afresh at its first step, with a note."""
+    layout = update_math.muon_state_layout(p.shape, p.dtype, group, declared=True)
+    kept = update_math.muon_state_layout(p.shape, p.dtype, group)
+    for name, v in st.items():
+        slot = layout.get(name)
+        what = f"{where} state {name!r}"
+        if slot is None:
+            raise ValueError(f"{what} is not state this group keeps ({', '.join(layout)}); the "
+                             "checkpoint is from another optimizer setup")
+        if not isinstance(v, Tensor):
+            raise ValueError(f"{what} is a {type(v).__name__}, not a tensor; corrupt file?")
+        if tuple(v.shape) != tuple(slot.shape) or v.dtype != slot.dtype:
+            raise ValueError(f"{what} is {tuple(v.shape)} {v.dtype}, this group keeps "
+                             f"{tuple(slot.shape)} {slot.dtype}; the checkpoint is from another "
+                             "model or optimizer setup")
+    if st and "momentum_buffer" not in st:
+        raise ValueError(f"{where} has state but no momentum_buffer; corrupt file?")
+    if st and (missing := [name for name in kept if name not in st]):
+        logger.warning("%s: no saved %s; the stage starts it afresh at the next step", where,
+                       ", ".join(missing))
 
 
 def saved_params(param_groups: list[dict], state_dict: dict) -> dict:

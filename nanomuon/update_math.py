@@ -794,16 +794,18 @@ class StateSlot(NamedTuple):
     init: float | Callable
 
 
-def muon_state_layout(shape, dtype: torch.dtype, group: dict) -> dict:
+def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
     """The state of a Muon param of `shape` and `dtype`, name -> StateSlot: the momentum like the
     param, then what the group's stages keep: a precondition or post-process stage's per logical
-    matrix (a split matrix's blocks flat, one after another), an apply stage's per stored one."""
+    matrix (a split matrix's blocks flat, one after another), an apply stage's per stored one.
+    declared: also the state a stage declares but this group does not keep now (kept(group) is
+    false: it is held for later), as a checkpoint may carry it."""
     shape = tuple(shape)
     out = {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
     blocks = block_shapes(shape, muon_layout(group))
     for key, stage_name, s in group_stages(group):
         for name, spec in s.state.items():
-            if spec.kept is not None and not spec.kept(group):
+            if spec.kept is not None and not spec.kept(group) and not declared:
                 continue
             if name in out:
                 raise ValueError(f"stage {stage_name!r} keeps state {name!r}, as another stage of "

@@ -485,3 +485,55 @@ def _fsdp_checkpoint_worker(rank, world, path, mode):
 def test_fsdp2_soap_state_reshards_from_a_checkpoint(tmp_path):
     spawn(_fsdp_checkpoint_worker, 2, tmp_path, "save")
     spawn(_fsdp_checkpoint_worker, 3, tmp_path, "load")
+
+
+def soap_optimizer():
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], precondition=("soap",), **BASE)])
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    return opt, p
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda st: st.update(second_momentum_buffer=st["second_momentum_buffer"][:3]),
+     "state 'second_momentum_buffer' is (3, 1) torch.float32, this group keeps (16, 1)"),
+    (lambda st: st.update(soap_row_cov=st["soap_row_cov"].double()),
+     "state 'soap_row_cov' is (16, 16) torch.float64"),
+    (lambda st: st.update(soap_col_basis=st["soap_col_basis"].new_zeros(4, 4)),
+     "state 'soap_col_basis' is (4, 4)"),
+    (lambda st: st.update(mystery=torch.zeros(2)), "state 'mystery' is not state this group keeps"),
+    (lambda st: st.update(momentum_buffer=0.5), "state 'momentum_buffer' is a float, not a tensor"),
+])
+def test_load_state_dict_is_as_strict_as_the_constructor(change, says):
+    """Saved stage state of the wrong shape or dtype, state no stage keeps, or a number where a
+    tensor belongs: one line naming the param, the state and what was expected, not fresh state
+    at the next step, a silent cast, or an AttributeError."""
+    opt, p = soap_optimizer()
+    saved = opt.state_dict()
+    change(saved["state"][0])
+    fresh = MuonAdamW([dict(kind="muon", params=[p], precondition=("soap",), **BASE)])
+    with pytest.raises(ValueError, match=r"optimizer checkpoint: group 0 param 0 " + says.replace(
+            "(", r"\(").replace(")", r"\)")):
+        fresh.load_state_dict(saved)
+
+
+def test_a_saved_group_with_an_unknown_key_is_refused_and_missing_stage_state_noted(caplog):
+    """A saved group key no group takes is refused, as the constructor refuses it; a stage's
+    state missing from the checkpoint (the stage added on resume) loads, with a note, and the
+    stage starts it afresh."""
+    opt, p = soap_optimizer()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["wobble"] = 3
+    fresh = MuonAdamW([dict(kind="muon", params=[p], precondition=("soap",), **BASE)])
+    with pytest.raises(ValueError, match=r"group 0 has unknown keys \['wobble'\]"):
+        fresh.load_state_dict(saved)
+    saved = opt.state_dict()
+    for name in [n for n in saved["state"][0] if n.startswith("soap")]:
+        del saved["state"][0][name]
+    with caplog.at_level("WARNING", logger="nanomuon"):
+        fresh.load_state_dict(saved)
+    assert "no saved soap_" in caplog.text and "starts it afresh" in caplog.text
+    p.grad = torch.randn(16, 8)
+    fresh.step()
+    assert fresh.state[p]["soap_row_cov"].shape == (16, 16)
