@@ -19,6 +19,7 @@ for tests, not for speed.
 import contextlib
 import dataclasses
 import logging
+import types
 
 import torch
 import torch.nn as nn
@@ -85,21 +86,15 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
 
 @contextlib.contextmanager
 def plain_linears(model: nn.Module):
-    """Within: the model's Float8Linear layers are plain nn.Linear on the same weights (bf16
-    under autocast), as nanochat evaluates; the fp8 layers come back after. Nothing to do for a
-    model without them."""
-    swapped = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child).__name__ != "Float8Linear":
-                continue
-            plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                              device="meta")
-            plain.weight, plain.bias = child.weight, child.bias
-            setattr(parent, name, plain)
-            swapped.append((parent, name, child))
+    """Within: the model's Float8Linear layers compute as plain nn.Linear on their weights (bf16
+    under autocast), as nanochat evaluates; fp8 again after. The layers stay in place (their
+    forward is overridden on the instance), so FSDP2, which gathers a block's weights into the
+    layer objects it was given, still finds them. Nothing to do for a model without them."""
+    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    for layer in layers:
+        layer.forward = types.MethodType(nn.Linear.forward, layer)
     try:
         yield
     finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
+        for layer in layers:
+            del layer.forward

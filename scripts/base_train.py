@@ -264,7 +264,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
-    if args.start_over and args.resume_from_step not in (-1, "auto"):
+    if args.start_over and args.resume_from_step != -1:
         p.error("--start-over trains afresh; it cannot go with --resume-from-step "
                 f"{args.resume_from_step} (drop one)")
     if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
