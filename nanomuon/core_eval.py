@@ -48,6 +48,8 @@ KINDS = ("multiple_choice", "schema", "language_modeling")
 GPT2_CORE = 0.256525  # GPT-2 1.6B's CORE, nanochat's leaderboard line
 CORE_TASKS = 22
 MAX_FILE = 256 << 20  # bytes of one bundle file (the largest real one is ~20 MB)
+MAX_BUNDLE = 1 << 30  # bytes read from one bundle in all, each file once (the real one: ~100 MB)
+MAX_ITEM = 1 << 20  # bytes of one task item's line (the longest real one is ~20 KB)
 MAX_DOWNLOAD = 1 << 30
 PLACE = (f"download {BUNDLE_URL} on a machine with network and place it at {{zip}}, or pass "
          "--core-bundle PATH (the zip, or a folder holding core.yaml, eval_meta_data.csv and "
@@ -83,6 +85,7 @@ class Bundle:
 
     def __init__(self, path: Path):
         self.path, self.zip, self.prefix = Path(path), None, ""
+        self._read, self._total = {}, 0  # name -> bytes, and their sum
         if self.path.is_dir():
             self.root = self.path.resolve()
             return
@@ -104,7 +107,19 @@ class Bundle:
         self.prefix = tops[0]
 
     def read(self, name: str) -> bytes:
-        """A file's bytes; a FileNotFoundError or ValueError naming the bundle and the file."""
+        """A file's bytes, read once however many tasks list it, and at most MAX_BUNDLE bytes from
+        the whole bundle; a FileNotFoundError or ValueError naming the bundle and the file."""
+        if name not in self._read:
+            data = self._read_file(name)
+            self._total += len(data)
+            if self._total > MAX_BUNDLE:
+                raise ValueError(f"CORE bundle {self.path}: reading {name} takes it over "
+                                 f"{MAX_BUNDLE / 2 ** 20:g} MiB in all, which no eval bundle "
+                                 "needs")
+            self._read[name] = data
+        return self._read[name]
+
+    def _read_file(self, name: str) -> bytes:
         if problem := name_problem(name):
             raise ValueError(f"CORE bundle {self.path}: the path {name!r} {problem}")
         where = f"{self.path}: {name}"
@@ -191,7 +206,7 @@ def check_record(zip_path: Path) -> None:
         want = json.loads(zip_path.with_name(RECORD).read_text())
     except FileNotFoundError:
         return record(zip_path, "placed by hand")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{zip_path.with_name(RECORD)} is unreadable ({one_line(e)}): delete it "
                          f"and {zip_path.name} to download the bundle again") from None
     sha, size = sha256_size(zip_path)
@@ -245,25 +260,31 @@ def item_problem(kind: str, item) -> str | None:
     return None
 
 
-def read_items(bundle: Bundle, uri: str, kind: str) -> list:
+def read_items(bundle: Bundle, uri: str, kind: str, max_per_task: int | None = None) -> list:
+    """A task's items shuffled (seed 1337, as nanochat) and cut to max_per_task; only the lines
+    kept are parsed, each at most MAX_ITEM bytes: a huge or deeply nested line is one line of
+    error, and the items a cut drops cost nothing but their split."""
     where = f"CORE bundle {bundle.path}: eval_data/{uri}"
-    try:
-        text = bundle.read(f"eval_data/{uri}").decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    # universal newlines, as nanochat reads the file
+    lines = [(n, line) for n, line in enumerate(bundle.read(f"eval_data/{uri}").splitlines(), 1)
+             if line.strip()]
+    if not lines:
+        raise ValueError(f"{where} holds no items")
+    random.Random(1337).shuffle(lines)  # the permutation nanochat applies to the parsed items
     items = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in lines[:max_per_task] if max_per_task else lines:
+        if len(line) > MAX_ITEM:
+            raise ValueError(f"{where} line {n} is {len(line):,} bytes, over the "
+                             f"{MAX_ITEM >> 10} KiB any eval item needs")
         try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{where} line {n} is not JSON ({e})") from None
+            item = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where} line {n} is not UTF-8 ({e.reason})") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise ValueError(f"{where} line {n} is not JSON ({one_line(e)})") from None
         if problem := item_problem(kind, item):
             raise ValueError(f"{where} line {n}: {problem} (a {kind} item)")
         items.append(item)
-    if not items:
-        raise ValueError(f"{where} holds no items")
     return items
 
 
@@ -289,7 +310,7 @@ def task_configs(bundle: Bundle) -> list[dict]:
     where = f"CORE bundle {bundle.path}: core.yaml"
     try:
         config = yaml.safe_load(bundle.read("core.yaml").decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError) as e:
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
         raise ValueError(f"{where} is not YAML ({one_line(e)})") from None
     tasks = config.get("icl_tasks") if isinstance(config, dict) else None
     if not (isinstance(tasks, list) and tasks and all(isinstance(t, dict) for t in tasks)):
@@ -320,11 +341,10 @@ def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
         if t["label"] not in baselines:
             raise ValueError(f"CORE bundle {bundle.path}: eval_meta_data.csv has no random "
                              f"baseline for task {t['label']}")
-        items = read_items(bundle, t["dataset_uri"], t["icl_task_type"])
-        random.Random(1337).shuffle(items)
+        items = read_items(bundle, t["dataset_uri"], t["icl_task_type"], max_per_task)
         tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
-                          t.get("continuation_delimiter", " "), baselines[t["label"]],
-                          items[:max_per_task] if max_per_task else items, t["dataset_uri"]))
+                          t.get("continuation_delimiter", " "), baselines[t["label"]], items,
+                          t["dataset_uri"]))
     return tasks
 
 

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import random
 import urllib.error
 import zipfile
 from fractions import Fraction
@@ -242,6 +243,40 @@ def test_bad_bundle_files_are_named_in_one_line(tmp_path, edit, message):
     edit(files)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_tasks(Bundle(write_zip(tmp_path / "b.zip", files)))
+
+
+def test_a_bundle_is_bounded_in_what_it_reads_parses_and_nests(tmp_path, monkeypatch):
+    """A file many tasks list is read once; what a bundle reads in all is bounded; an item line
+    over MAX_ITEM or nested past Python's recursion limit is one line of error; the items a
+    --max-per-task cut drops are never parsed (a bad one among them costs nothing)."""
+    from nanomuon import core_eval
+
+    many = CORE_YAML + "".join("-\n  label: mc_task\n  dataset_uri: world_knowledge/mc.jsonl\n"
+                               "  num_fewshot: [0]\n  icl_task_type: multiple_choice\n"
+                               for _ in range(30))
+    files = dict(bundle_files(), **{"core.yaml": many.encode()})
+    size = sum(len(v) for v in files.values())
+    monkeypatch.setattr(core_eval, "MAX_BUNDLE", size)  # 33 reads of mc.jsonl would pass it
+    assert len(load_tasks(Bundle(write_zip(tmp_path / "many.zip", files)))) == 33
+    files["eval_data/world_knowledge/lm.jsonl"] += b" " * size
+    with pytest.raises(ValueError, match=r"takes it over .* MiB in all"):
+        load_tasks(Bundle(write_zip(tmp_path / "big.zip", files)))
+    monkeypatch.undo()
+    for line, says in ((b'{"context": "' + b"x" * (core_eval.MAX_ITEM + 1) + b'"}',
+                        r"is [\d,]+ bytes, over the 1024 KiB"),
+                       (b"[" * 100_000 + b"]" * 100_000, r"is not JSON \(RecursionError")):
+        files = dict(bundle_files(), **{"eval_data/world_knowledge/lm.jsonl": line + b"\n"})
+        with pytest.raises(ValueError, match=r"lm.jsonl line 1 " + says):
+            load_tasks(Bundle(write_zip(tmp_path / "bad.zip", files)))
+    good = bundle_files()["eval_data/world_knowledge/lm.jsonl"].splitlines()
+    kept = core_eval.read_items(Bundle(write_zip(tmp_path / "lm.zip")), "world_knowledge/lm.jsonl",
+                                "language_modeling", max_per_task=1)
+    order = list(range(3))
+    random.Random(1337).shuffle(order)
+    bad = [line if i == order[0] else b"not json" for i, line in enumerate(good)]
+    files = dict(bundle_files(), **{"eval_data/world_knowledge/lm.jsonl": b"\n".join(bad)})
+    assert core_eval.read_items(Bundle(write_zip(tmp_path / "cut.zip", files)),
+                                "world_knowledge/lm.jsonl", "language_modeling", 1) == kept
 
 
 # -- the base dir's bundle -------------------------------------------------------------------------
