@@ -31,7 +31,7 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada and Hopper
 def import_torchao():
     """torchao.float8, or one line saying how to get it. torchao logs a warning for each CUDA
     kernel library it cannot load on this machine; none of them is the float8 training path."""
-    # and torch warns once that torchao registers an Enum for compile the old way
+    # (and torch warns once that torchao registers an Enum for compile the old way)
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in quiet]
     for log in quiet:
