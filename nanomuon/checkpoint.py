@@ -115,15 +115,24 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "tensors holds")
 
 
+FILE_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+              (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+              (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, by its lstat mode, for error lines."""
+    return next((name for test, name in FILE_KINDS if test(mode)), "special file")
+
+
 def check_regular(path: Path) -> Path:
     """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
     open could wait forever or read what is not ours); ValueError naming it otherwise.
     FileNotFoundError passes through."""
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a symlink" if stat.S_ISLNK(mode) else
-                "a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        raise ValueError(f"{path} is {kind}, not the regular file nanomuon wrote: remove it")
+        raise ValueError(f"{path} is a {file_kind(mode)}, not the regular file nanomuon wrote: "
+                         "remove it")
     return Path(path)
 
 

@@ -19,11 +19,8 @@ from pathlib import Path
 
 import torch
 
-from nanomuon.checkpoint import load_checkpoint, load_step, run_arg, step_arg
+from nanomuon.checkpoint import file_kind, load_checkpoint, load_step, run_arg, step_arg
 from nanomuon.common import get_base_dir, size_str, user_errors, write_atomic
-
-KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
-         (stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -42,9 +39,8 @@ def check_out(out: Path, force: bool) -> None:
         raise SystemExit(f"error: {out} is a symlink to {os.readlink(out)}, which export would "
                          f"replace; {again}")
     if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in KINDS if test(st.st_mode)), "special file")
-        raise SystemExit(f"error: {out} is a {kind}, not a regular file, which export would "
-                         f"replace; {again}")
+        raise SystemExit(f"error: {out} is a {file_kind(st.st_mode)}, not a regular file, which "
+                         f"export would replace; {again}")
     if not force:
         raise SystemExit(f"error: {out} exists ({size_str(st.st_size)}); add --force to overwrite "
                          "it, or give another --out")
