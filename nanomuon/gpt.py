@@ -309,12 +309,9 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
 
 
 def scaling_params(config: GPTConfig) -> int:
-    """The parameters a horizon counts, as nanochat's scaling laws do: the block matrices and
-    lm_head, not the embedding (a lookup, no matmul)."""
+    """GPT.num_scaling_params of a model of this config, built on the meta device."""
     with torch.device("meta"):
-        model = GPT(config)
-    return (sum(p.numel() for p in model.blocks.parameters())
-            + model.lm_head.weight.numel())
+        return GPT(config).num_scaling_params()
 
 
 @dataclass(frozen=True)
@@ -430,6 +427,11 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def num_scaling_params(self) -> int:
+        """The parameters a horizon counts, as nanochat's scaling laws do: the block matrices and
+        lm_head, not the embedding (a lookup, no matmul)."""
+        return sum(p.numel() for p in self.blocks.parameters()) + self.lm_head.weight.numel()
 
     def estimate_flops(self) -> float:
         """Training FLOPs per token (forward + backward): 6 per matmul weight, plus attention's

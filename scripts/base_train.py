@@ -535,7 +535,7 @@ def set_aside_later_steps(run: Run, step: int) -> None:
     exit_if_any_failed(error)
 
 
-def plan_horizon(args, config: GPTConfig, flops_per_token: float) -> int:
+def plan_horizon(args, model: GPT) -> int:
     """The run's steps; a --total-batch-size or --weight-decay left out takes nanochat's recipe
     (gpt.training_recipe), written back into args (saved resolved, so a resume compares like with
     like), and printed with the reason. As in nanochat, the recipe's horizon is always the data
@@ -543,8 +543,8 @@ def plan_horizon(args, config: GPTConfig, flops_per_token: float) -> int:
     gets the batch and weight decay of the real run."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
              else NANOCHAT_TOKENS_PER_PARAM)
-    params = scaling_params(config)
-    ref = scaling_params(config_from_depth(NANOCHAT_REF_DEPTH, config.vocab_size,
+    params = model.num_scaling_params()
+    ref = scaling_params(config_from_depth(NANOCHAT_REF_DEPTH, model.config.vocab_size,
                                            args.max_seq_len, args.aspect_ratio, args.head_dim))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
     with user_errors():
@@ -555,7 +555,7 @@ def plan_horizon(args, config: GPTConfig, flops_per_token: float) -> int:
     if args.num_iterations > 0:
         return args.num_iterations
     if args.target_flops > 0:
-        return max(1, round(args.target_flops / (flops_per_token * args.total_batch_size)))
+        return max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
     return max(1, round(ratio * params / args.total_batch_size))
 
 
@@ -585,7 +585,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
-    num_iterations = plan_horizon(args, config, flops_per_token)
+    num_iterations = plan_horizon(args, model)
     if args.device_batch_size == "auto":
         args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
@@ -775,7 +775,7 @@ def announce(run: Run) -> None:
            f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/gpt.py)")
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
-           f"({tokens / scaling_params(run.config):.3g} per scaling param), on "
+           f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
            f"{args.dataset}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}")

@@ -92,24 +92,25 @@ def test_base_train_chooses_and_prints_nanochats_recipe_at_d24(capsys):
     (written out here: 12 depth width^2 + vocab width scaling params, d12's horizon as D_ref),
     each printed with its reason; a short --num-iterations check keeps the real run's batch and
     decay; given flags win."""
-    from nanomuon.gpt import config_from_depth
+    from nanomuon.gpt import GPT, config_from_depth
     from scripts.base_train import parse_args, plan_horizon
 
     def scaling(depth):
         return 12 * depth * (64 * depth) ** 2 + 32768 * 64 * depth
 
     want_decay = 0.2 * 2 ** 0.5 * scaling(12) / scaling(24)
-    config = config_from_depth(24, 32768, 2048)
+    with torch.device("meta"):
+        model = GPT(config_from_depth(24, 32768, 2048))
     for extra, steps in (([], round(8 * scaling(24) / 2 ** 20)), (["--num-iterations", "20"], 20)):
         args = parse_args(["--depth", "24", "--target-param-data-ratio", "8", *extra])
-        assert plan_horizon(args, config, 1.0) == steps
+        assert plan_horizon(args, model) == steps
         assert args.total_batch_size == 2 ** 20
         assert args.weight_decay == pytest.approx(want_decay, rel=1e-12)
         out = capsys.readouterr().out
         assert "recipe: batch 1,048,576 tokens/step" in out and "sqrt(B / 2^19) = 1.41" in out
         assert f"recipe: weight decay {want_decay:.4g}" in out, out
     args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1"])
-    plan_horizon(args, config, 1.0)
+    plan_horizon(args, model)
     assert (args.total_batch_size, args.weight_decay) == (524288, 0.1)
     assert "recipe: batch" not in capsys.readouterr().out
 
