@@ -16,7 +16,8 @@ Per step, on a (rows, cols) matrix with gradient g:
   2. precondition (none by default): MuonEq ('equilibrate_row', ...) divides rows and/or columns
      by their norms, both taken from the same matrix
   3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
-     X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration
+     X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration (Gram Newton-Schulz
+     computes the same iterates; an orthogonalizer of your own is passed in `stages`)
   4-5. post-process, in the order named: Muon+ ('normalize_col', ...): unit columns and/or rows,
      or nanochat's Frobenius rescale; variance reduction (the default, with beta2): an EMA of the
      mean squared update per row (tall/square) or column (wide) divides it, and the Frobenius
@@ -38,10 +39,10 @@ LR_FACTORS = {  # lr_scale: the factor on lr for a (rows, cols) matrix
     "spectral": lambda r, c: math.sqrt(max(r, c)),
     "unit_rms": lambda r, c: math.sqrt(r / c),
 }
-DEFAULTS = dict(nesterov=True, precondition=(), ns_coefficients="polar_express",
-                ns_repeat_last=False, post_process=("variance_reduction",), apply="cautious",
-                lr_scale="shape", extra_scale=1.0, decay_lr="adjusted",
-                weight_decay_mode="decoupled")
+DEFAULTS = dict(nesterov=True, precondition=(), orthogonalizer="auto",
+                ns_coefficients="polar_express", ns_repeat_last=False,
+                post_process=("variance_reduction",), apply="cautious", lr_scale="shape",
+                extra_scale=1.0, decay_lr="adjusted", weight_decay_mode="decoupled")
 
 
 def coefficients(group: dict) -> tuple[list, float, float]:
@@ -95,7 +96,7 @@ def _builtin(name: str):
                      "pass one in `stages`")
 
 
-def variance_reduction(o: Tensor, p, g, state: dict, group: dict) -> Tensor:
+def variance_reduction(o: Tensor, p, g, state: dict, group: dict, *_) -> Tensor:
     """Step 5, nothing without beta2."""
     if group["beta2"] is None:
         return o
@@ -110,15 +111,20 @@ def _names(value) -> list:
     return [value] if isinstance(value, str) else list(value or ())
 
 
-def muon_step(p: Tensor, g: Tensor, state: dict, group: dict,
-              orthogonalize=newton_schulz, stages: dict | None = None) -> Tensor:
+def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | None = None) -> Tensor:
     """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p.
     state (a dict, empty at first) keeps the momentum and what the stages keep.
-    orthogonalize(u, group): step 3. stages: name -> a float64 definition of a stage the group
-    names that is not built in: precondition and post-process f(x, p, g, state, group) -> x
-    (p, g: this step's weight and raw gradient), apply f(p, o, lr, decay, state, group) -> new p."""
+    stages: name -> a float64 definition of a stage the group names that is not built in:
+    precondition f(x, p, g, state, group) -> x (p, g: this step's weight and raw gradient),
+    orthogonalizer f(u, group) -> o, post-process f(o, p, g, state, group, u) -> o (u: what went
+    into the orthogonalizer), apply f(p, o, lr, decay, state, group) -> new p."""
     group = dict(DEFAULTS, **group)
     stages = dict(stages or {})
+    name = group["orthogonalizer"]
+    if name not in stages and name not in ("auto", "newton_schulz", "gram_newton_schulz"):
+        raise ValueError(f"reference.muon_step has no float64 definition of orthogonalizer "
+                         f"{name!r}; pass one in `stages`")
+    orthogonalize = stages.get(name, newton_schulz)  # Gram's iterates are the same in float64
     p, g, m = p.double(), g.double(), group["momentum"]
     g_l2 = g + group["weight_decay"] * p if group["weight_decay_mode"] == "l2" else g
     state["buf"] = m * state.get("buf", torch.zeros_like(p)) + (1 - m) * g_l2
@@ -127,7 +133,7 @@ def muon_step(p: Tensor, g: Tensor, state: dict, group: dict,
         u = (stages[name] if name in stages else _builtin(name))(u, p, g, state, group)
     o = orthogonalize(u, group).double()
     for name in _names(group["post_process"]):
-        o = (stages[name] if name in stages else _builtin(name))(o, p, g, state, group)
+        o = (stages[name] if name in stages else _builtin(name))(o, p, g, state, group, u)
     rows, cols = o.shape
     lr = group["lr"] * LR_FACTORS[group["lr_scale"]](rows, cols) * group["extra_scale"]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]

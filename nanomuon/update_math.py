@@ -201,11 +201,12 @@ def gram_matrix(X: Tensor) -> Tensor:
     return A32.to(A.dtype)
 
 
-def newton_schulz(G: Tensor, group: dict) -> Tensor:
+def newton_schulz(G: Tensor, group: dict, gram: bool | None = None) -> Tensor:
     """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz with
     the group's ns_coefficients, ns_steps and ns_precision. The registry's 'newton_schulz',
-    'gram_newton_schulz' and 'auto' (Gram where gram_pays) are this one function, which reads
-    which it is from group['orthogonalizer'].
+    'gram_newton_schulz' and 'auto' (Gram where gram_pays) are this one function; gram=None reads
+    which from group['orthogonalizer'] (uses_gram), so an orthogonalizer of yours that calls it
+    gets auto's choice; True or False forces one.
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the
     singular values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls).
@@ -217,7 +218,7 @@ def newton_schulz(G: Tensor, group: dict) -> Tensor:
     Over slices (over_slices) the cut dim goes on the columns, where the Gram matrix and the norm
     sum over it (with Gram, one reduction per restart instead of one per iteration)."""
     ns = newton_schulz_settings(group)
-    gram = uses_gram(group, whole_shape(G), ns)
+    gram = uses_gram(group, whole_shape(G), ns) if gram is None else gram
     shape = G.shape
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
@@ -331,6 +332,8 @@ class StageContext(NamedTuple):
     group: dict  # the group's static options (muon_options), stage options included
     grad: Tensor | None = None  # the raw gradients, where a stage needs 'grad'
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
+    # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
+    ortho_input: Tensor | None = None
 
 
 def sq_sum(x: Tensor, dims: tuple) -> Tensor:
@@ -456,6 +459,31 @@ def uw_floor(u: Tensor, ctx: StageContext) -> Tensor:
     return u.mul_((ratio / frobenius(u).clamp_min(1e-8)).clamp_min(1.0).to(u.dtype))
 
 
+def op_norm_estimate(G: Tensor, iterations: int = 5, eps: float = 1e-10) -> Tensor:
+    """Each matrix's largest singular value, by power iteration from the all-ones vector (fp32,
+    shaped to broadcast over G): ContraMuon's estimate, deterministic and cheap (matrix-vector)."""
+    X = fp32(G)
+    v = X.new_ones(*X.shape[:-2], X.shape[-1], 1)
+    v = v / v.norm(dim=-2, keepdim=True)
+    for _ in range(iterations):
+        w = X @ v
+        w = w / w.norm(dim=-2, keepdim=True).clamp_min(eps)
+        v = X.mT @ w
+        v = v / v.norm(dim=-2, keepdim=True).clamp_min(eps)
+    return (X @ v).norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+
+
+def contra(u: Tensor, ctx: StageContext) -> Tensor:
+    """ContraMuon (github.com/nilin/contra-muon; modded-nanogpt track 3, record 11): subtract
+    contra / 2 times the orthogonalizer's input, scaled to unit operator norm, from its output,
+    then give the update back the Frobenius norm it had. It reads the input (ctx.ortho_input), so
+    it goes with any orthogonalizer."""
+    G = ctx.ortho_input
+    norm = frobenius(u)
+    u = u.sub_((ctx.group["contra"] / 2 * fp32(G) / op_norm_estimate(G)).to(u.dtype))
+    return u.mul_((norm / frobenius(u).clamp_min(1e-10)).to(u.dtype))
+
+
 def pairs(stack: Tensor, params, *states):
     """(stack, params, *states) whole when params is a tensor like stack, else matrix by matrix
     with a list of them."""
@@ -546,6 +574,9 @@ POST_PROCESSORS = {
     "uw_floor": Stage(uw_floor, options=dict(uw_floor=Option(0.35, a_number, "u/w floor: the "
                                                              "least ||update||_F / ||W||_F")),
                       needs=("weight",)),
+    "contra": Stage(contra, options=dict(contra=Option(0.4, a_number, "ContraMuon: twice the "
+                                                       "share of the unit-operator-norm "
+                                                       "orthogonalizer input subtracted"))),
 }
 APPLIERS = {
     "decoupled": apply_decoupled,
@@ -622,6 +653,7 @@ def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tens
         g = stage("precondition", name).fn(g, ctx)
     u = stage("orthogonalizer", opts["orthogonalizer"]).fn(g, opts)
     u = u.to(out_dtype)  # the norms below would copy bf16 to fp32 anyway
+    ctx = ctx._replace(ortho_input=g)
     for name in names(opts["post_process"]):
         u = stage("post_process", name).fn(u, ctx)
     return u
@@ -850,10 +882,12 @@ def gram_pays(shape, ns_steps: int, dtype: torch.dtype) -> bool:
 
 
 def uses_gram(opts: dict, shape, ns: NewtonSchulz) -> bool:
-    """Whether the group's orthogonalizer runs Gram Newton-Schulz on a matrix of `shape`."""
+    """Whether the group's orthogonalizer runs Gram Newton-Schulz on a matrix of `shape`:
+    'gram_newton_schulz' always, 'newton_schulz' never, and any other name ('auto', or a function
+    registered by a user that calls newton_schulz) where gram_pays."""
     name = opts["orthogonalizer"]
-    return name == "gram_newton_schulz" or name == "auto" and gram_pays(shape, len(ns.coefficients),
-                                                                        ns.dtype)
+    return name != "newton_schulz" and (
+        name == "gram_newton_schulz" or gram_pays(shape, len(ns.coefficients), ns.dtype))
 
 
 def update_cost(group: dict, p: Tensor) -> float:
@@ -862,7 +896,8 @@ def update_cost(group: dict, p: Tensor) -> float:
     its stages declare."""
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
-    flops = ns_flops(p.shape, len(ns.coefficients), uses_gram(opts, p.shape, ns))
+    known = opts["orthogonalizer"] in ("auto", "newton_schulz", "gram_newton_schulz")
+    flops = ns_flops(p.shape, len(ns.coefficients), known and uses_gram(opts, p.shape, ns))
     batch = torch.Size(p.shape[:-2]).numel()
     return flops + sum(batch * s.cost(*p.shape[-2:], opts) for _, _, s in group_stages(opts)
                        if s.cost is not None)

@@ -28,10 +28,12 @@ OPTIMIZER_VARIANTS = {
     # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate
     # (update_math.use_gram), and CPUs run fp16 matmuls at a few GFLOP/s
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
-    # four from modded-nanogpt's optimization track, each one stage (update_math) or schedule
+    # five from modded-nanogpt's optimization track, each one stage (update_math) or schedule
     "muon-hyperball": dict(muon_options=dict(apply="hyperball")),  # MuonH, on NorMuon
     "muon-uw-floor": dict(muon_options=dict(post_process=("variance_reduction", "uw_floor"))),
     "muon-soap": dict(muon_options=dict(precondition="soap")),  # SOAP-Muon
+    # ContraMuon (record 11): on any orthogonalizer, before variance reduction as published
+    "muon-contra": dict(muon_options=dict(post_process=("contra", "variance_reduction"))),
     "muon-powercool": dict(schedule="powercool"),  # the lr schedule (base_train.SCHEDULES)
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),

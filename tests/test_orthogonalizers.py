@@ -13,7 +13,7 @@ from test_dist import spawn
 
 from nanomuon import update_math
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.reference import muon_step, newton_schulz
+from nanomuon.reference import muon_step
 
 SHAPES = [(40, 24), (24, 40), (32, 32), (40, 24)]  # tall, wide, square, and a repeat to stack
 GROUP = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
@@ -36,10 +36,14 @@ def start_and_grads(seed=0):
     return start, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(STEPS)]
 
 
-def reference(start, grads, orthogonalize):
+def reference(start, grads, orthogonalizer):
+    """The float64 trajectory with the group's orthogonalizer: 'auto' (Newton-Schulz) or
+    exact_polar, plugged into muon_step as a stage."""
     params, states = [p.double() for p in start], [{} for _ in start]
+    group = dict(GROUP, orthogonalizer=orthogonalizer)
     for step in grads:
-        params = [muon_step(p, g, st, GROUP, orthogonalize) for p, g, st in zip(params, step, states)]
+        params = [muon_step(p, g, st, group, stages=dict(exact_polar=exact_polar))
+                  for p, g, st in zip(params, step, states)]
     return params
 
 
@@ -59,8 +63,8 @@ def train(opt_class, start, grads, placements=None, **options):
 
 def check(ours, start, grads):
     """ours equals the float64 step with the exact polar factor, and Newton-Schulz lands elsewhere."""
-    exact = reference(start, grads, lambda u, group: exact_polar(u, group))
-    approx = reference(start, grads, newton_schulz)
+    exact = reference(start, grads, "exact_polar")
+    approx = reference(start, grads, "auto")
     for p, e, a in zip(ours, exact, approx):
         torch.testing.assert_close(p.double(), e, rtol=0, atol=2e-5)
         assert (e - a).abs().max() > 1e-3  # the registered function is what ran
@@ -119,3 +123,45 @@ def _world_worker(rank, world_size):
 
 def test_a_registered_orthogonalizer_runs_distributed_and_on_dtensors():
     spawn(_world_worker, 2)
+
+
+def test_an_orthogonalizer_that_calls_newton_schulz_keeps_autos_gram(monkeypatch):
+    """A forker's orthogonalizer that calls update_math.newton_schulz (group untouched) runs what 'auto' runs:
+    Gram Newton-Schulz on a wide fp32 matrix, where it pays, and standard on a square one; gram= forces either."""
+    G = torch.randn(3, 24, 96, generator=torch.Generator().manual_seed(0))
+    group = dict(ns_coefficients="polar_express", ns_steps=5, ns_repeat_last=False, ns_precision="fp32")
+
+    def run(name, shape_of=G, **kw):
+        return update_math.newton_schulz(shape_of, dict(group, orthogonalizer=name), **kw)
+
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "mine", lambda X, g: update_math.newton_schulz(X, g))
+    assert update_math.gram_pays(G.shape, 5, torch.float32)
+    assert torch.equal(run("mine"), run("gram_newton_schulz"))
+    assert not torch.equal(run("mine"), run("newton_schulz"))  # the two differ in rounding: the test sees which
+    assert torch.equal(run("mine", gram=False), run("newton_schulz"))
+    square = G[:, :, :24]
+    assert not update_math.gram_pays(square.shape, 5, torch.float32)
+    assert torch.equal(run("mine", square), run("newton_schulz", square))
+
+
+@pytest.mark.parametrize("layout", [{}, dict(split=(8, 8, 8)), dict(transposed=True)],
+                         ids=["plain", "heads", "transposed"])
+def test_contra_muon_reads_the_input_of_any_orthogonalizer(monkeypatch, layout):
+    """ContraMuon after exact_polar, a registered orthogonalizer, equals the float64 step with the same polar
+    factor and the same ContraMuon (tests/test_stages.py's contra64) block by block: the post-process stage
+    read what went into the registered orthogonalizer, on plain, split and transposed matrices."""
+    from test_optim_edges import f64_run, run_ours
+    from test_stages import STAGES
+
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    shape = (32, 24) if layout.get("transposed") else (24, 32)
+    gen = torch.Generator().manual_seed(3)
+    start, grads = torch.randn(shape, generator=gen) * 0.5, [torch.randn(shape, generator=gen) for _ in range(4)]
+    cfgs = [dict(GROUP, orthogonalizer="exact_polar", post_process=("contra", "variance_reduction"))] * 4
+    ref = f64_run(start, grads, cfgs, split=layout.get("split"), transposed=layout.get("transposed", False),
+                  stages=dict(STAGES, exact_polar=exact_polar))
+    without = f64_run(start, grads, [dict(c, post_process="variance_reduction") for c in cfgs],
+                      split=layout.get("split"), transposed=layout.get("transposed", False),
+                      stages=dict(exact_polar=exact_polar))
+    assert (ref - without).abs().max() > 1e-3
+    torch.testing.assert_close(run_ours(start, grads, cfgs, **layout).double(), ref, rtol=0, atol=2e-5)

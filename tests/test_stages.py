@@ -51,7 +51,7 @@ def soap64(u, p, g, state, group):
     return out
 
 
-def uw_floor64(o, p, g, state, group):
+def uw_floor64(o, p, g, state, group, u):
     """The u/w floor: ||o|| lifted to c ||p|| when below it."""
     lift = group.get("uw_floor", 0.35) * torch.linalg.matrix_norm(p).clamp_min(1e-8)
     return o * max(1.0, (lift / torch.linalg.matrix_norm(o).clamp_min(1e-8)).item())
@@ -66,11 +66,25 @@ def hyperball64(p, o, lr, decay, state, group):
     return q * r / torch.linalg.matrix_norm(q)
 
 
-STAGES = dict(soap=soap64, uw_floor=uw_floor64, hyperball=hyperball64)
+def contra64(o, p, g, state, group, u):
+    """ContraMuon: o - contra/2 u / sigma(u), sigma by 5 power iterations from the all-ones vector (as
+    published), then o's Frobenius norm restored."""
+    v = torch.ones(u.shape[1], dtype=torch.float64) / math.sqrt(u.shape[1])
+    for _ in range(5):
+        w = u @ v
+        w = w / w.norm()
+        v = u.T @ w
+        v = v / v.norm()
+    out = o - group.get("contra", 0.4) / 2 * u / (u @ v).norm()
+    return out * torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(out)
+
+
+STAGES = dict(soap=soap64, uw_floor=uw_floor64, hyperball=hyperball64, contra=contra64)
 TECHNIQUES = {  # name -> the muon options of its variant
     "soap": dict(precondition="soap"),
     "uw_floor": dict(post_process=("variance_reduction", "uw_floor")),
     "hyperball": dict(apply="hyperball"),
+    "contra": dict(post_process=("contra", "variance_reduction")),
 }
 
 
@@ -399,6 +413,8 @@ def test_the_readme_counts_hold():
     assert update_math.stage("precondition", "soap").fn is update_math.soap
     assert update_math.stage("post_process", "uw_floor").fn is update_math.uw_floor
     assert update_math.stage("apply", "hyperball").fn is update_math.hyperball
+    assert update_math.stage("post_process", "contra").fn is update_math.contra
+    assert OPTIMIZER_VARIANTS["muon-contra"]["muon_options"] == dict(post_process=("contra", "variance_reduction"))
     assert OPTIMIZER_VARIANTS["muon-soap"]["muon_options"] == dict(precondition="soap")
     assert OPTIMIZER_VARIANTS["muon-powercool"] == dict(schedule="powercool")
     assert Path(update_math.__file__).read_text().count("def soap(") == 1
