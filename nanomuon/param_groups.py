@@ -167,7 +167,7 @@ MUON_OPTIONS = {
                            "it is None); `'normalize_col'`, `_row`, `_col_row`, `_row_col` (Muon+, "
                            "arXiv 2602.21545: unit columns and/or rows, in the order named), "
                            "`'normalize_fro'` (nanochat's Muon+: Frobenius norm sqrt(min(rows, "
-                           "cols))); `'uw_floor'` (the u/w floor)"),
+                           "cols))); `'uw_floor'` (the u/w floor); `'contra'` (ContraMuon)"),
     "apply": Option("cautious", stage_names("apply"), "a name in `update_math.APPLIERS`: "
                     "`'cautious'`, decay only where the update and the weight agree in sign; "
                     "`'decoupled'`, plain decoupled decay; `'hyperball'` (MuonH: the weight "
