@@ -183,9 +183,10 @@ def device_name(device: str) -> str:
     return f"{device} {name}"
 
 
-def launch(label: str, run_flags: list[str], nproc: int, threads: int) -> None:
+def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=None) -> None:
     """Run scripts.base_train with run_flags (under torchrun when nproc > 1), echoing its progress
-    lines prefixed by label; a failure exits with its last lines."""
+    lines prefixed by label; a failure exits with its last lines. watch: a Watch (calibrate's),
+    told of the process and of every line it prints."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
@@ -194,15 +195,26 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1, env=env) as p:
+        if watch:
+            watch.started_process(p)
         tail = []
         for line in p.stdout:
             tail = (tail + [line])[-20:]
+            if watch:
+                watch.line(line)
             if line.startswith(("step ", "error", "warning", "final val")):
                 with _print_lock:
                     print(f"  [{label}] {line}", end="", flush=True)
+    if watch and watch.refusal:
+        raise SystemExit(watch.refusal)
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
                          f"lines:\n{''.join(tail)}")
+
+
+def key_of(parts: list) -> str:
+    """A cache file's key: a hash of everything that decides what it holds."""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
 def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, name: str,
@@ -211,8 +223,7 @@ def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, 
     variant, value, seed = job
     parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, flags, nproc,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
-    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
-    path = cache["dir"] / f"{key}.json"
+    path = cache["dir"] / f"{key_of(parts)}.json"
     label = f"{variant} {swept} {value} seed {seed}"
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
@@ -264,11 +275,54 @@ def budget_arg(s: str) -> float:
     return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
 
 
+class Watch:
+    """Early refusal while calibrating: from the first seconds, a lower bound on each planned run's
+    wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
+    it takes at least as long as a calibration run has so far, and at least the time to a step
+    line plus the steps left at that line's dt). When `rounds` such runs cannot fit what is left
+    of the budget, the calibration runs are stopped and the budget refused."""
+
+    def __init__(self, budget_s: float, rounds: int, started: float):
+        self.budget_s, self.rounds, self.started = budget_s, rounds, started
+        self.began = time.monotonic()
+        self.procs, self.refusal, self.run_s = [], None, 0.0  # run_s: from the step lines
+        self.lock = threading.Lock()
+
+    def started_process(self, p) -> None:
+        with self.lock:
+            self.procs.append(p)
+            if self.refusal:
+                p.terminate()
+
+    def line(self, text: str) -> None:
+        m = re.match(r"step (\d+)/\d+ .*\| dt (\d+)ms", text)
+        if m and int(m[1]) >= 3:  # the first steps compile
+            took = time.monotonic() - self.began
+            self.run_s = max(self.run_s, took + (MIN_STEPS - int(m[1])) * int(m[2]) / 1000)
+            self.check()
+
+    def check(self) -> None:
+        """Refuse (and stop the calibration runs) once the bound passes the budget."""
+        now = time.monotonic()
+        run_s = max(now - self.began, self.run_s)
+        left = (self.budget_s - (now - self.started) - WRITE_UP_S) * HEADROOM
+        with self.lock:
+            if self.refusal or self.rounds * run_s <= left:
+                return
+            self.refusal = (
+                f"error: --budget {self.budget_s:.0f}s cannot fit: {self.rounds} rounds of runs "
+                f"of at least {run_s:.0f} s each (start-up and {MIN_STEPS} steps, as calibrating "
+                f"shows after {now - self.began:.0f} s) do not fit the {left:.0f} s left; raise "
+                "--budget, or cut --variants, --sweep, --seeds or --depth")
+            for p in self.procs:
+                p.terminate()
+
+
 def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
-              name: str, started: float) -> Calibration:
-    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn; their
-    run dirs are removed afterwards. train: base_train's args for flags; started: when ablate
-    started (time.monotonic())."""
+              name: str, watch: Watch) -> Calibration:
+    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn, under
+    `watch` (which may refuse the budget before they end); their run dirs are removed afterwards.
+    train: base_train's args for flags."""
     runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
     walls = [0.0] * jobs
 
@@ -277,20 +331,34 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
         launch(f"calibration {j + 1}/{jobs}", [
             *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
             "--num-iterations", str(CALIBRATION_STEPS), "--eval-every", "-1", "--save-every", "-1",
-            "--log-every", str(CALIBRATION_STEPS), "--sample-tokens", "0", "--start-over"],
-            nproc, threads)
+            "--log-every", "1", "--sample-tokens", "0", "--start-over"], nproc, threads, watch)
         walls[j] = time.monotonic() - t
 
-    with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(one, range(jobs)))
-    summaries = [json.loads((get_base_dir() / "runs" / r / "summary.json").read_text())
-                 for r in runs]
-    for r in runs:
-        shutil.rmtree(get_base_dir() / "runs" / r)
+    done = threading.Event()
+
+    def keep_checking() -> None:  # no lines come while the runs start up and compile
+        while not done.wait(1.0):
+            watch.check()
+
+    threading.Thread(target=keep_checking, daemon=True).start()
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, range(jobs)))
+        summaries = [json.loads((get_base_dir() / "runs" / r / "summary.json").read_text())
+                     for r in runs]
+    finally:
+        done.set()
+        for r in runs:
+            shutil.rmtree(get_base_dir() / "runs" / r, ignore_errors=True)
     step_s = max(s["median_step_ms"] for s in summaries) / 1000
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
     fixed_s = max(walls) - CALIBRATION_STEPS * step_s
-    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - started + WRITE_UP_S)
+    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
+
+
+def fewest_rounds(runs_per_seed: int, jobs: int, seeds: int | None) -> int:
+    """Rounds of `jobs` runs at once in the smallest plan fit() may choose."""
+    return math.ceil(runs_per_seed * (seeds or 3) / jobs)
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
@@ -603,27 +671,48 @@ def read_plan(path: Path) -> Plan | None:
     return plan
 
 
+def read_calibration(path: Path, started: float) -> Calibration | None:
+    """A kept calibration of the same runs and code (its time before the runs is this ablate's),
+    or None when there is none or it is not one."""
+    try:
+        cal = Calibration(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        print(f"== {path.name} is not a calibration ({e}); calibrating again", flush=True)
+        return None
+    if not all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in cal):
+        print(f"== {path.name} holds numbers out of range; calibrating again", flush=True)
+        return None
+    return cal._replace(seconds=time.monotonic() - started + WRITE_UP_S)
+
+
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
               cache: dict) -> tuple[list[str], int]:
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
     plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
     train = train_args(flags)
-    parts = [args.budget, args.variants, args.sweep, args.seeds, flags, jobs, threads, args.nproc,
-             cache["device"], cache["code"], cache["torch"]]
-    path = cache["dir"] / f"plan-{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]}.json"
+    measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
+                cache["torch"]]
+    parts = [args.budget, args.sweep, args.seeds, *measured]
+    path = cache["dir"] / f"plan-{key_of(parts)}.json"
+    timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
     if (plan := read_plan(path)) is not None:
         cal, how = None, f"planned before ({path.name})"
     else:
-        cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name,
-                        args.started)
+        cal, how = read_calibration(timed, args.started), f"calibrated before ({timed.name})"
+        if cal is None:
+            watch = Watch(args.budget, fewest_rounds(runs_per_seed, jobs, args.seeds), args.started)
+            cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch)
+            write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
+            how = "calibrated"
         plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)
-        how = (f"calibrated: {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
-               f"{cal.seconds:.0f} s spent before the runs")
+        how += (f": {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
+                f"{cal.seconds:.0f} s spent before the runs")
     if plan is None:
         raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
-                         f"per run ({cal.step_s:.2f} s a step, {cal.fixed_s:.0f} s to start and "
-                         f"finish a run, {jobs} at a time); raise --budget, or cut --variants, "
+                         f"per run ({how}; {jobs} at a time); raise --budget, or cut --variants, "
                          "--sweep, --seeds or --depth")
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(plan._asdict())))
     print(f"== plan for --budget {args.budget / 60:.1f} min ({how}): depth {train.depth}, "

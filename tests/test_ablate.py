@@ -376,3 +376,84 @@ def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
         parse_args(["--variants", "muon", "--sweep", sweep])
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "usage: base_train" not in "\n".join(err), err
+
+
+class FakeProcess:
+    terminated = False
+
+    def terminate(self):
+        self.terminated = True
+
+
+def test_calibration_refuses_a_budget_from_its_first_steps():
+    """Watch: a step line at 2 s a step means a run of MIN_STEPS takes 94 s more; three rounds of that do not
+    fit 200 s, so the budget is refused and the calibration runs stopped at once; 1000 s fits, and refuses
+    nothing. Lines before the third step (compiling) and other lines bound nothing."""
+    import time
+
+    from scripts.ablate import HEADROOM, MIN_STEPS, WRITE_UP_S, Watch
+
+    line = "step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 2000ms | tok/s 128\n"
+    for budget, refused in [(200, True), (1000, False)]:
+        watch, p = Watch(budget, 3, time.monotonic()), FakeProcess()
+        watch.started_process(p)
+        for early in ["step 00001/00012 ( 8.3%) | loss 8.0 | lrm 1.00 | dt 90000ms | tok/s 1\n", "compiling\n"]:
+            watch.line(early)
+        assert watch.refusal is None
+        watch.line(line)
+        assert 3 * (MIN_STEPS - 3) * 2.0 > (200 - WRITE_UP_S) * HEADROOM  # the arithmetic the test relies on
+        assert (watch.refusal is not None) == refused == p.terminated
+    assert watch_200_says(line).startswith("error: --budget 200s cannot fit: 3 rounds of runs of at least 94 s")
+
+
+def watch_200_says(line):
+    import time
+
+    from scripts.ablate import Watch
+
+    watch = Watch(200, 3, time.monotonic())
+    watch.line(line)
+    return watch.refusal
+
+
+def test_calibration_refuses_when_start_up_alone_overruns():
+    """Before any step line: every planned run starts up as a calibration run does, so rounds x the time spent
+    so far is a bound; a process started after the refusal is stopped too."""
+    import time
+
+    from scripts.ablate import Watch
+
+    watch = Watch(100, 5, time.monotonic() - 10)
+    watch.began -= 20  # calibrating for 20 s: 5 rounds x 20 s > (100 - 30 - 5) x 0.9
+    watch.check()
+    assert watch.refusal.startswith("error: --budget 100s cannot fit: 5 rounds of runs of at least 20 s")
+    late = FakeProcess()
+    watch.started_process(late)
+    assert late.terminated
+
+
+def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
+    """Calibration is kept per runs and code, whatever the budget: a second --budget (another value) reads it
+    and refuses before any run starts; a damaged calibration file is calibrated again."""
+    from scripts import ablate
+
+    calls = []
+
+    def calibrate(*a, **k):
+        calls.append(a)
+        return ablate.Calibration(step_s=1.0, fixed_s=10.0, eval_s=0.5, seconds=3.0)
+
+    monkeypatch.setattr(ablate, "calibrate", calibrate)
+    monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("launched a run"))
+    args = ["--name", "kept", *SMALL]
+    for budget, how in [("20s", r"calibrated: 1.000 s a step"), ("30s", r"calibrated before \(calibration-")]:
+        with pytest.raises(SystemExit, match=rf"--budget {budget[:-1]}s fits fewer than 50 steps per run \({how}"):
+            ablate.main([*args, "--budget", budget])
+    assert len(calls) == 1
+    kept = list((base / "ablations" / "cache").glob("calibration-*.json"))
+    assert len(kept) == 1
+    kept[0].write_text('{"step_s": "fast"}')
+    assert ablate.read_calibration(kept[0], 0.0) is None and "calibrating again" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ablate.main([*args, "--budget", "40s"])
+    assert len(calls) == 2
