@@ -62,7 +62,7 @@ from scripts.base_train import parse_args as train_args
 # 4,096 tokens, where the lr rule's lrs were tuned: docs/lr_rule.md), compiled (1.4x the eager
 # steps here), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores. The val set is the
 # speedrun's: the first 65,536 tokens.
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP = 200, 5, "lr-multiplier=1"
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = 200, 5, "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
@@ -161,6 +161,56 @@ def verdict(diffs: list[float], base: float) -> str:
             f"[{c['lo']:+.4f}, {c['hi']:+.4f}]; {seen}")
 
 
+def bpb_per_log_step(finals: dict) -> tuple[float, float, int]:
+    """(slope, its standard error, degrees of freedom) of final bpb against ln(steps), fitted to the
+    baseline's runs of several lengths (finals: steps -> per-seed final bpbs, each length with a
+    schedule of its own), with an intercept per seed: the seeds pair the lengths as they pair the
+    variants, so init and data order drop out of the slope."""
+    lengths = sorted(finals)
+    n = len(finals[lengths[0]])
+    x = {steps: math.log(steps) for steps in lengths}
+    x_mean = statistics.fmean(x.values())
+    sxx = n * sum((x[k] - x_mean) ** 2 for k in lengths)
+    seed_mean = [statistics.fmean(finals[k][s] for k in lengths) for s in range(n)]
+    slope = sum((x[k] - x_mean) * (finals[k][s] - seed_mean[s])
+                for k in lengths for s in range(n)) / sxx
+    df = n * (len(lengths) - 1) - 1
+    rss = sum((finals[k][s] - seed_mean[s] - slope * (x[k] - x_mean)) ** 2
+              for k in lengths for s in range(n))
+    return slope, math.sqrt(rss / df / sxx) if df > 0 else math.nan, df
+
+
+def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
+    """Track 3's currency: the share of its steps a variant saves to reach the baseline's final bpb,
+    from its paired final differences (variant minus baseline) and the baseline's bpb per
+    ln(steps) (bpb_per_log_step), taking the variant's curve as the baseline's stretched in steps:
+    the baseline reaches the variant's bpb at steps * exp(diff / slope), so the variant reaches the
+    baseline's at steps * exp(-diff / slope). share = 1 - exp(-mean diff / slope) with a 95%
+    interval from the spread of the differences and the slope's error (delta method); None
+    without a slope that falls (the baseline did not gain from the longer runs)."""
+    b, b_se, b_df = slope
+    if len(diffs) < 2 or not b < 0:
+        return None
+    m, sd, _ = mean_ci(diffs)
+    n = len(diffs)
+    r = -m / b
+    r_se = math.sqrt(sd ** 2 / n / b ** 2 + (m ** 2 * b_se ** 2 / b ** 4 if b_df > 0 else 0.0))
+    hw = t_quantile(max(1, min(n - 1, b_df) if b_df > 0 else n - 1)) * r_se
+    share = [1 - math.exp(v) for v in (r, r + hw, r - hw)]  # exp(r) of the steps are needed
+    return dict(share=share[0], lo=share[1], hi=share[2], steps=steps,
+                fewer=share[0] * steps, fewer_lo=share[1] * steps, fewer_hi=share[2] * steps)
+
+
+def steps_words(v: dict | None) -> str:
+    """'reaches the baseline's final bpb in N fewer steps (X%) [lo, hi]', or why not."""
+    if v is None:
+        return "in steps: none (no baseline run at other lengths, or it did not gain from them)"
+    word = "fewer" if v["fewer"] >= 0 else "more"
+    return (f"reaches the baseline's final bpb in {abs(v['fewer']):.0f} {word} steps of "
+            f"{v['steps']} ({abs(v['share']):.1%}) [{v['fewer_lo']:+.0f}, {v['fewer_hi']:+.0f} "
+            "fewer]")
+
+
 def first_reaching(target: float, record: dict):
     """(step, training seconds) of the first eval at or below target, or None."""
     return next(((step, t)
@@ -219,16 +269,19 @@ def key_of(parts: list) -> str:
 
 def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, name: str,
             cache: dict) -> dict:
-    """One base_train run, or its cached record. job = (variant, the swept flag's value, seed)."""
-    variant, value, seed = job
+    """One base_train run, or its cached record. job = (variant, the swept flag's value, seed,
+    steps: None for the runs' own, else this many steps with a schedule of their own)."""
+    variant, value, seed, steps = job
+    if steps is not None:
+        flags = [*flags, "--num-iterations", str(steps)]
     parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, flags, nproc,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
-    label = f"{variant} {swept} {value} seed {seed}"
+    label = f"{variant} {swept} {value} seed {seed}" + (f" at {steps} steps" if steps else "")
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
         return json.loads(path.read_text())
-    run = f"{name}-{variant}-{swept}{value}-s{seed}"
+    run = f"{name}-{variant}-{swept}{value}-s{seed}" + (f"-n{steps}" if steps else "")
     # an uncached run over an earlier one of the same name (other code, say) keeps the earlier
     launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
                    "--seed", str(seed), "--data-seed", str(seed), "--start-over"], nproc, threads)
@@ -410,16 +463,31 @@ def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int]
                     "their best." if edge else "Every best lies inside the sweep.", ""]
 
 
+def baseline_finals(results: dict, lengths: dict, seeds: list[int], baseline: str,
+                    value: str) -> dict:
+    """steps -> the baseline's per-seed final bpbs at each length it ran (its own and `lengths`:
+    (seed, steps) -> record), for the lengths every seed ran."""
+    own = results[baseline, value, seeds[0]]["val_history"][-1][0]
+    finals = {own: [results[baseline, value, s]["final_val_bpb"] for s in seeds]}
+    for n in sorted({n for _, n in lengths}):
+        if all((s, n) in lengths for s in seeds):
+            finals[n] = [lengths[s, n]["final_val_bpb"] for s in seeds]
+    return finals
+
+
 def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
-           baseline: str) -> tuple:
+           baseline: str, lengths: dict | None = None) -> tuple:
     """(markdown lines, the best swept value per variant): the sweep, the comparison and the
-    verdicts."""
+    verdicts, in bpb and (with the baseline at other lengths: (seed, steps) -> record) in steps."""
     final = {(v, x): [results[v, x, s]["final_val_bpb"] for s in seeds]
              for v in variants for x in sweep.values}
     best = {v: min(sweep.values, key=lambda x: statistics.fmean(final[v, x])) for v in variants}
     lines = sweep_table(final, variants, sweep, seeds, best) if len(sweep.values) > 1 else []
     base_runs = [results[baseline, best[baseline], s] for s in seeds]
     target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
+    finals = baseline_finals(results, lengths or {}, seeds, baseline, best[baseline])
+    slope = bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
+    own = base_runs[0]["val_history"][-1][0]
     lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
               f"{target:.4f} | train seconds to {target:.4f} | tok/s | vs {baseline} |",
               "|---|---:|---:|---:|---:|---:|---|"]
@@ -431,9 +499,17 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
         secs = fmt([x[1] for x in reached], 1) + count if reached else "not reached"
         diffs = [r["final_val_bpb"] - b["final_val_bpb"] for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
-        vs = "(baseline)" if v == baseline else verdict(diffs, target)
+        vs = ("(baseline)" if v == baseline else
+              f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}")
         lines.append(f"| {v} | {best[v]} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
+    if len(finals) > 1:
+        b, b_se, _ = slope
+        lines += ["", f"Steps: {baseline} also ran {', '.join(str(n) for n in finals if n != own)} "
+                  f"steps (each with its own schedule, the same seeds); its final bpb falls by "
+                  f"{-b * math.log(2):.4f} ± {b_se * math.log(2):.4f} per doubling of the steps "
+                  f"(a line in ln(steps), an intercept per seed), which turns each difference into "
+                  "steps."]
     return lines, best
 
 
@@ -463,8 +539,32 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
                 dashed=dashed)
 
 
+def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict, baseline: str,
+                finals: dict) -> dict:
+    """The baseline's final bpb by its length (each with its own schedule; band: seeds' min to
+    max), and each variant's mean final bpb drawn from its own steps back to where the
+    baseline's line reaches it: the gap is the steps it saves."""
+    lengths = sorted(finals)
+    slope = bpb_per_log_step(finals)[0]
+    own = results[baseline, best[baseline], seeds[0]]["val_history"][-1][0]
+    series = {f"{baseline} at each length": (
+        lengths, [statistics.fmean(finals[n]) for n in lengths], [min(finals[n]) for n in lengths],
+        [max(finals[n]) for n in lengths])}
+    colors, dashed = {f"{baseline} at each length": f"C{variants.index(baseline)}"}, []
+    for v in (v for v in variants if v != baseline):
+        diff = statistics.fmean(results[v, best[v], s]["final_val_bpb"] -
+                                results[baseline, best[baseline], s]["final_val_bpb"] for s in seeds)
+        bpb = statistics.fmean(finals[own]) + diff
+        reached = own * math.exp(diff / slope) if slope < 0 else math.nan
+        series[v] = ([own, reached], [bpb, bpb])
+        colors[v] = f"C{variants.index(v)}"
+        dashed.append(v)
+    return dict(title="steps: the baseline at other lengths", xlabel="steps (log)",
+                ylabel="final val bpb", series=series, colors=colors, dashed=dashed, logx=True)
+
+
 def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int], best: dict,
-         baseline: str, title: str):
+         baseline: str, title: str, lengths: dict):
     """Each variant minus the baseline, paired by seed, with its interval and the smallest effect
     the design detects; val bpb by step and by training time at each variant's best value (mean
     over seeds, band: min to max); final val bpb against the swept value when there are several."""
@@ -481,6 +581,9 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         by_value[v] = ([float(x) for x in sweep.values], [statistics.fmean(f) for f in finals],
                        [min(f) for f in finals], [max(f) for f in finals])
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
+    finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
+    if len(finals) > 1:
+        panels.append(steps_panel(results, variants, seeds, best, baseline, finals))
     panels += [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
                    ylabel="bits per byte",
                    series=by_step),
@@ -511,6 +614,21 @@ def sweep_arg(s: str) -> Sweep:
     return Sweep(flag, values)
 
 
+def lengths_arg(s: str) -> list[float]:
+    """argparse type for --baseline-lengths: distinct fractions of the steps, each > 0 and not 1."""
+    if s.strip() == "none":
+        return []
+    try:
+        values = [float(v) for v in s.split(",")]
+    except ValueError:
+        values = []
+    if not values or len(set(values)) != len(values) or not all(0 < v < 10 and v != 1
+                                                                 for v in values):
+        raise argparse.ArgumentTypeError(f"{s!r}: give distinct fractions of the steps other than "
+                                         "1, like 0.8 or 0.7,1.4, or 'none'")
+    return values
+
+
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
 
 
@@ -536,6 +654,10 @@ def parse_args(argv):
                    help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
                    "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
                    "lr-multiplier=1: the lrs tuned for the default shape)")
+    p.add_argument("--baseline-lengths", type=lengths_arg, default=lengths_arg(DEFAULT_LENGTHS),
+                   help="the baseline also runs these fractions of the steps, each with its own "
+                   "schedule, per seed, to turn each verdict into steps saved (track 3's currency; "
+                   f"default {DEFAULT_LENGTHS}; 'none' to skip)")
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",
@@ -631,26 +753,50 @@ def main(argv=None):
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
     n_seeds = args.seeds or DEFAULT_SEEDS
-    if args.budget is not None:
-        flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
+    if args.budget is not None:  # a baseline run of another length counts as a whole run
+        flags, n_seeds = plan_runs(args, flags, runs_per_seed + len(args.baseline_lengths), jobs,
+                                   threads, cache)
     seeds = list(range(1, n_seeds + 1))
-    todo = [(v, x, s) for v in args.variants for x in args.sweep.values for s in seeds]
+    steps = train_args(flags).num_iterations
+    others = sorted({round(f * steps) for f in args.baseline_lengths})
+    if args.baseline_lengths and (steps < 1 or len(others) < len(args.baseline_lengths)
+                                  or not all(1 <= n != steps for n in others)):
+        raise SystemExit(f"error: --baseline-lengths {args.baseline_lengths} of --num-iterations "
+                         f"{steps} are not distinct step counts other than {steps}; give "
+                         "--num-iterations, other fractions, or --baseline-lengths none")
+    todo = [(v, x, s, None) for v in args.variants for x in args.sweep.values for s in seeds]
+    # the baseline's other lengths: with it now when it runs at one value, else at its best, after
+    shorter = [(args.baseline, args.sweep.values[0], s, n) for n in others for s in seeds]
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
-          f"{len(seeds)} seeds), {jobs} at a time, {threads} thread(s) each", flush=True)
+          f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths, {jobs} at a "
+          f"time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
+    one_value = len(args.sweep.values) == 1
+    results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache)
+    if not one_value and shorter:
+        main_runs = {job[:3]: r for job, r in results.items() if job[3] is None}
+        best = report(main_runs, args.variants, args.sweep, seeds, args.baseline)[1][args.baseline]
+        results |= run_all([(v, best, s, n) for v, _, s, n in shorter], flags, args, jobs,
+                           threads, cache)
+    main_runs = {job[:3]: r for job, r in results.items() if job[3] is None}
+    lengths = {(s, n): r for (_, _, s, n), r in results.items() if n is not None}
+    write_ablation(args, argv, main_runs, lengths, seeds)
+    print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
+    return main_runs
+
+
+def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: dict) -> dict:
+    """job -> record of every job in todo (run_one's), `jobs` at a time."""
     with ThreadPoolExecutor(jobs) as pool:
         futures = {job: pool.submit(run_one, job, flags, args.sweep.flag, args.nproc, threads,
                                     args.name, cache)
                    for job in todo}
         try:
-            results = {job: f.result() for job, f in futures.items()}
+            return {job: f.result() for job, f in futures.items()}
         # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-    write_ablation(args, argv, results, todo, seeds)
-    print(f"== {len(todo)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
-    return results
 
 
 def read_plan(path: Path) -> Plan | None:
@@ -723,19 +869,21 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
             str(plan.eval_every)], plan.seeds
 
 
-def write_ablation(args, argv, results: dict, todo: list, seeds: list) -> None:
-    """The table (printed too), the plot and ablation.md in ablations/<name>."""
+def write_ablation(args, argv, results: dict, lengths: dict, seeds: list) -> None:
+    """The table (printed too), the plot and ablation.md in ablations/<name>. results: (variant,
+    value, seed) -> record; lengths: the baseline's other lengths, (seed, steps) -> record."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    table, best = report(results, args.variants, args.sweep, seeds, args.baseline)
-    first = results[todo[0]]
+    table, best = report(results, args.variants, args.sweep, seeds, args.baseline, lengths)
+    first = next(iter(results.values()))
     png = plot(out, results, args.variants, args.sweep, seeds, best, args.baseline,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
-               f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds")
+               f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds", lengths)
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
-           f"- runs: {len(todo)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
-           "(each has a report.md)",
+           f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
+           "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
+                                       "(-n<steps>)" if lengths else ""),
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for "
            "every variant",
            f"- baseline: {args.baseline} at its best {args.sweep.flag}; steps and training time "

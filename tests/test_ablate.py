@@ -5,6 +5,7 @@ again), and --name, which must not write outside ablations/.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from nanomuon.dataset import build_embedded, data_dir
 
 SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--sweep", "lr-multiplier=1", "--jobs", "2", *TINY,
          "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4",
-         "--no-compile"]
+         "--no-compile", "--baseline-lengths", "none"]
 T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95% two-sided, by df
 
 
@@ -72,6 +73,7 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
             else f"no difference larger than {max(abs(d - hw), abs(d + hw)):.4f} bpb")
     assert said in rows["muon"] and "(baseline)" in rows["adamw"]
     assert "At the edge of the sweep" in table  # a best of two lrs is always at an edge
+    check_steps_verdict(base, table, finals, best, rows["muon"])
     for v in ("muon", "adamw"):  # the other value minus the best, paired by seed
         other = ({"0.5", "1"} - {best[v]}).pop()
         d, _, hw = mean_sd_hw([a - b for a, b in zip(finals[v, other], finals[v, best[v]])])
@@ -82,8 +84,30 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     popen = ablate.subprocess.Popen
     monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
     assert ablate.main(args) == results and not launched
-    ablate.main([*args[:7], "lr-multiplier=0.5,1,2", *args[8:]])
+    ablate.main([*args[:7], "lr-multiplier=0.5,1,2", *args[8:], "--baseline-lengths", "none"])
     assert len(launched) == 4 and all(c[c.index("--lr-multiplier") + 1] == "2" for c in launched)
+
+
+def check_steps_verdict(base, table, finals, best, row):
+    """The verdict in steps, redone here in closed form: with the baseline at two lengths (8 steps and
+    round(0.8 * 8) = 6, each its own schedule) the fitted slope is the mean per-seed drop over ln(8/6), its
+    error their spread / (ln(8/6) sqrt(seeds)); the variant saves 1 - exp(-diff / slope) of the steps."""
+    short = [json.loads((base / "runs" / f"abl-adamw-lr-multiplier{best['adamw']}-s{s}-n6" / "summary.json")
+                        .read_text())["final_val_bpb"] for s in (1, 2)]
+    drops = [b8 - b6 for b8, b6 in zip(finals["adamw", best["adamw"]], short)]
+    gap = math.log(8 / 6)
+    slope, slope_se = sum(drops) / 2 / gap, mean_sd_hw(drops)[1] / gap / 2 ** 0.5
+    assert f"falls by {-slope * math.log(2):.4f} ± {slope_se * math.log(2):.4f} per doubling" in table
+    if slope >= 0:
+        assert "in steps: none" in row
+        return
+    d, sd, _ = mean_sd_hw([a - b for a, b in zip(finals["muon", best["muon"]], finals["adamw", best["adamw"]])])
+    share = 1 - math.exp(-d / slope)  # the baseline reaches the variant's bpb at 8 exp(d / slope) steps
+    r_se = (sd ** 2 / 2 / slope ** 2 + d ** 2 * slope_se ** 2 / slope ** 4) ** 0.5
+    lo, hi = (8 * (1 - math.exp(-d / slope + k * T975[1] * r_se)) for k in (1, -1))
+    word = "fewer" if share >= 0 else "more"
+    assert (f"reaches the baseline's final bpb in {abs(8 * share):.0f} {word} steps of 8 ({abs(share):.1%}) "
+            f"[{lo:+.0f}, {hi:+.0f} fewer]") in row, row
 
 
 @pytest.fixture(scope="module")
@@ -457,3 +481,31 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         ablate.main([*args, "--budget", "40s"])
     assert len(calls) == 2
+
+
+def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretches():
+    """The baseline's bpb is a_s - 0.1 ln(steps) per seed (each seed its own a_s); a variant that reaches at
+    200 steps what the baseline reaches at 250 saves 1 - 200/250 = 20% of the steps: 40 fewer of 200, with
+    no spread and an exact slope, so a zero-width interval; a variant as far the other way needs 25% more."""
+    from scripts.ablate import bpb_per_log_step, steps_verdict, steps_words
+
+    a = [2.0, 2.3, 1.9]
+    finals = {n: [x - 0.1 * math.log(n) for x in a] for n in (160, 200)}
+    slope = bpb_per_log_step(finals)
+    assert slope[0] == pytest.approx(-0.1) and slope[1] == pytest.approx(0, abs=1e-12) and slope[2] == 2
+    diff = -0.1 * math.log(250 / 200)
+    v = steps_verdict([diff] * 3, slope, 200)
+    assert (v["share"], v["lo"], v["hi"], v["fewer"]) == pytest.approx((0.2, 0.2, 0.2, 40))
+    assert steps_words(v) == "reaches the baseline's final bpb in 40 fewer steps of 200 (20.0%) [+40, +40 fewer]"
+    worse = steps_verdict([-diff] * 3, slope, 200)
+    assert worse["share"] == pytest.approx(1 - 250 / 200) and "50 more steps of 200 (25.0%)" in steps_words(worse)
+    assert steps_verdict([diff] * 3, (0.01, 0.0, 2), 200) is None  # a baseline that did not gain: no steps
+
+
+def test_the_steps_interval_widens_with_the_slopes_error():
+    from scripts.ablate import steps_verdict
+
+    diffs = [-0.02, -0.03, -0.025, -0.015]
+    sure, unsure = (steps_verdict(diffs, (-0.1, se, 3), 200) for se in (0.0, 0.03))
+    assert sure["lo"] < sure["share"] < sure["hi"] or sure["hi"] < sure["share"] < sure["lo"]
+    assert abs(unsure["hi"] - unsure["lo"]) > abs(sure["hi"] - sure["lo"])
