@@ -267,24 +267,47 @@ def key_of(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
-def run_one(job: tuple, flags: list[str], swept: str, nproc: int, threads: int, name: str,
+class Job(NamedTuple):
+    """One run of an ablation: a variant at a value of the swept flag and a seed (the init's and,
+    unless data_seed says otherwise, the data order's), for the runs' own steps unless `steps`
+    gives other ones (then with a schedule of their own)."""
+    variant: str
+    value: str
+    seed: int
+    steps: int | None = None
+    data_seed: int | None = None
+    threads: int | None = None  # None: the ablation's
+
+    def name(self, prefix: str, swept: str) -> str:
+        return (f"{prefix}-{self.variant}-{swept}{self.value}-s{self.seed}"
+                + "".join(f"-{tag}{n}" for tag, n in (("d", self.data_seed), ("n", self.steps),
+                                                        ("t", self.threads)) if n is not None))
+
+
+def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, name: str,
             cache: dict) -> dict:
-    """One base_train run, or its cached record. job = (variant, the swept flag's value, seed,
-    steps: None for the runs' own, else this many steps with a schedule of their own)."""
-    variant, value, seed, steps = job
+    """One base_train run, or its cached record. The key holds the thread count: it decides the
+    order of floating-point sums, so a run at other threads is another run."""
+    variant, value, seed, steps, data_seed = job[:5]
+    threads = job.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, flags, nproc,
+    data_seed = seed if data_seed is None else data_seed
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, data_seed, flags,
+             nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
-    label = f"{variant} {swept} {value} seed {seed}" + (f" at {steps} steps" if steps else "")
+    label = (f"{variant} {swept} {value} seed {seed}" + (f" data {data_seed}" if data_seed != seed
+                                                         else "")
+             + (f" at {steps} steps" if steps else ""))
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
         return json.loads(path.read_text())
-    run = f"{name}-{variant}-{swept}{value}-s{seed}" + (f"-n{steps}" if steps else "")
+    run = job.name(name, swept)
     # an uncached run over an earlier one of the same name (other code, say) keeps the earlier
     launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
-                   "--seed", str(seed), "--data-seed", str(seed), "--start-over"], nproc, threads)
+                   "--seed", str(seed), "--data-seed", str(data_seed), "--start-over"], nproc,
+           threads)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -725,33 +748,41 @@ def ensure_tokenizer(flags: list[str]) -> None:
                     "--vocab-size", "4096", "--max-chars", "8000000"], check=True)
 
 
-def main(argv=None):
-    started = time.monotonic()
-    args, flags = parse_args(argv)
-    args.started = started
-    ensure_tokenizer(flags)
+def cache_of(flags: list[str]) -> dict:
+    """The run cache for runs with base_train `flags`: its folder and what its keys hold besides
+    each run's own settings (the code, the data's contents, tokenizer, device, precision, torch);
+    the data is prepared here, once, not by every run at once."""
     q = argparse.ArgumentParser(add_help=False)
     q.add_argument("--device-type", default="auto")  # the last one given wins, as in base_train
     q.add_argument("--dtype", default="auto", choices=DTYPES)
     add_data_args(q, "embedded")
-    cores = os.cpu_count() or 1
     run_flags = q.parse_known_args(flags)[0]
     device = check_device_type(run_flags.device_type)
-    jobs = args.jobs or (max(1, cores // args.nproc) if device == "cpu" else 1)
-    runs_per_seed = len(args.variants) * len(args.sweep.values)
-    jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
-    threads = max(1, cores // (jobs * args.nproc))
-    cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(),
+    cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(), device_type=device,
                  device=device_name(device), torch=torch.__version__,
                  tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get(
                      "fingerprint"),
                  dtype=resolve_dtype(torch.device(device), run_flags.dtype))
-    with user_errors():  # prepared once here, not by every run at once
+    with user_errors():
         data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
         cache["data"] = [data, data_fingerprint(data, cache["dir"] / "shards.json")]
     cache["dir"].mkdir(parents=True, exist_ok=True)
     print(f"== cache key: code {cache['code'][:12]}, data {cache['data'][1][:12]} ({data}), "
           f"torch {torch.__version__}", flush=True)
+    return cache
+
+
+def main(argv=None):
+    started = time.monotonic()
+    args, flags = parse_args(argv)
+    args.started = started
+    ensure_tokenizer(flags)
+    cores = os.cpu_count() or 1
+    cache = cache_of(flags)
+    jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)
+    runs_per_seed = len(args.variants) * len(args.sweep.values)
+    jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
+    threads = max(1, cores // (jobs * args.nproc))
     n_seeds = args.seeds or DEFAULT_SEEDS
     if args.budget is not None:  # a baseline run of another length counts as a whole run
         flags, n_seeds = plan_runs(args, flags, runs_per_seed + len(args.baseline_lengths), jobs,
@@ -764,9 +795,9 @@ def main(argv=None):
         raise SystemExit(f"error: --baseline-lengths {args.baseline_lengths} of --num-iterations "
                          f"{steps} are not distinct step counts other than {steps}; give "
                          "--num-iterations, other fractions, or --baseline-lengths none")
-    todo = [(v, x, s, None) for v in args.variants for x in args.sweep.values for s in seeds]
+    todo = [Job(v, x, s) for v in args.variants for x in args.sweep.values for s in seeds]
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
-    shorter = [(args.baseline, args.sweep.values[0], s, n) for n in others for s in seeds]
+    shorter = [Job(args.baseline, args.sweep.values[0], s, n) for n in others for s in seeds]
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
           f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths, {jobs} at a "
           f"time, {threads} thread(s) each", flush=True)
@@ -774,12 +805,12 @@ def main(argv=None):
     one_value = len(args.sweep.values) == 1
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache)
     if not one_value and shorter:
-        main_runs = {job[:3]: r for job, r in results.items() if job[3] is None}
+        main_runs = {job[:3]: r for job, r in results.items() if job.steps is None}
         best = report(main_runs, args.variants, args.sweep, seeds, args.baseline)[1][args.baseline]
-        results |= run_all([(v, best, s, n) for v, _, s, n in shorter], flags, args, jobs,
+        results |= run_all([job._replace(value=best) for job in shorter], flags, args, jobs,
                            threads, cache)
-    main_runs = {job[:3]: r for job, r in results.items() if job[3] is None}
-    lengths = {(s, n): r for (_, _, s, n), r in results.items() if n is not None}
+    main_runs = {job[:3]: r for job, r in results.items() if job.steps is None}
+    lengths = {(job.seed, job.steps): r for job, r in results.items() if job.steps is not None}
     write_ablation(args, argv, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs

@@ -509,3 +509,25 @@ def test_the_steps_interval_widens_with_the_slopes_error():
     sure, unsure = (steps_verdict(diffs, (-0.1, se, 3), 200) for se in (0.0, 0.03))
     assert sure["lo"] < sure["share"] < sure["hi"] or sure["hi"] < sure["share"] < sure["lo"]
     assert abs(unsure["hi"] - unsure["lo"]) > abs(sure["hi"] - sure["lo"])
+
+
+def test_noise_sources_are_the_variances_of_the_paired_differences():
+    """scripts.noise on made-up records: each source's variance is that of the paired differences across the
+    runs that vary only it, redone here with statistics.variance; the thread row is half the squared change."""
+    import statistics
+
+    from scripts import noise
+    from scripts.ablate import Job
+
+    final = {}
+    for i, d, t, v, b in [(1, 1, None, 2.00, 2.10), (2, 2, None, 2.05, 2.11), (3, 3, None, 1.90, 2.02),
+                          (2, 1, None, 2.01, 2.08), (3, 1, None, 2.02, 2.12), (1, 2, None, 1.99, 2.10),
+                          (1, 3, None, 2.03, 2.10), (1, 1, 2, 2.004, 2.10)]:
+        for variant, bpb in (("muon", v), ("adamw", b)):
+            final[Job(variant, "1", i, data_seed=d, threads=t)] = dict(val_history=[(100, bpb + 0.5), (200, bpb)])
+    got = noise.sources(final, "muon", "adamw", 3, 1)
+    assert got["seed (init and data order)"] == pytest.approx(statistics.variance([-0.10, -0.06, -0.12]))
+    assert got["init alone"] == pytest.approx(statistics.variance([-0.10, -0.07, -0.10]))
+    assert got["data order alone"] == pytest.approx(statistics.variance([-0.10, -0.11, -0.07]))
+    assert got["rounding (other thread count)"] == pytest.approx(0.004 ** 2 / 2)
+    assert got["seed, mean of the last 2 evals"] == pytest.approx(got["seed (init and data order)"])

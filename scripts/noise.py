@@ -1,0 +1,154 @@
+"""
+Where the noise in an ablation's verdict comes from: a paired difference (variant minus baseline,
+one seed for both) moves with the init, the data order, which val documents score it and the
+rounding of the sums that trained it. This runs a small design that varies one at a time and
+prints each source's share of the variance of the paired difference, so a forker sees what more
+seeds, longer runs, a larger val set or averaged evals would buy at their shape, on their machine.
+
+    python -m scripts.noise                     # muon vs adamw at ablate's default shape, 3 seeds
+    python -m scripts.noise --seeds 4 --depth 6 # other base_train flags as in ablate
+
+Runs (each for the variant and the baseline, through ablate's run cache): seeds 1..N with init
+and data order both N (ablate's design); init 2..N with data order 1; data order 2..N with init 1;
+seed 1 at another thread count (the sums' order: a rounding-level nudge whose spread is the
+trajectory's own chaos). Then every seed-pair run's final weights score the whole val split in
+slices the size of --eval-tokens: the spread of the difference over slices is what the choice of
+val documents adds. docs/research.md has the table at the default shape.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+from nanomuon.checkpoint import load_model
+from nanomuon.common import evaluate_bpb, get_base_dir, user_errors
+from nanomuon.dataloader import val_rows
+from nanomuon.sources import prepare
+from nanomuon.tokenizer import get_tokenizer
+from scripts import ablate
+
+
+def design(variants: list[str], seeds: int, threads: int) -> list[ablate.Job]:
+    """Every run the design needs (see the docstring)."""
+    pairs = [(s, s) for s in range(1, seeds + 1)]
+    pairs += [(s, 1) for s in range(2, seeds + 1)] + [(1, d) for d in range(2, seeds + 1)]
+    jobs = [ablate.Job(v, "1", i, data_seed=d) for i, d in pairs for v in variants]
+    return jobs + [ablate.Job(v, "1", 1, data_seed=1, threads=threads % 2 + 1) for v in variants]
+
+
+def variance(xs: list[float]) -> float:
+    return statistics.variance(xs) if len(xs) > 1 else math.nan
+
+
+def last_evals_mean(record: dict, k: int) -> float:
+    return statistics.fmean(bpb for _, bpb in record["val_history"][-k:])
+
+
+def sources(records: dict, variant: str, baseline: str, seeds: int, threads: int) -> dict:
+    """Name -> variance of the final paired difference, from the runs' records (job -> record)."""
+    def diff(i, d, t=None, k=1):
+        v, b = (records[ablate.Job(x, "1", i, data_seed=d, threads=t)]
+                for x in (variant, baseline))
+        return last_evals_mean(v, k) - last_evals_mean(b, k)
+
+    n = range(1, seeds + 1)
+    out = {"seed (init and data order)": variance([diff(s, s) for s in n]),
+           "init alone": variance([diff(s, 1) for s in n]),
+           "data order alone": variance([diff(1, d) for d in n]),
+           "rounding (other thread count)": (diff(1, 1) - diff(1, 1, threads % 2 + 1)) ** 2 / 2}
+    for k in (2, 3):
+        out[f"seed, mean of the last {k} evals"] = variance([diff(s, s, k=k) for s in n])
+    return out
+
+
+def val_slices(variant: str, baseline: str, seeds: int, flags, name: str,
+               max_slices: int = 0) -> tuple[float, int, float]:
+    """(variance of the paired difference over val slices of --eval-tokens, averaged over the
+    seeds; slices; the difference between two scorings of one slice, which is 0 when the eval is
+    deterministic). Each seed pair's final weights score the whole val split."""
+    train = ablate.train_args(flags)
+    tokenizer = get_tokenizer()
+    with user_errors():
+        data = prepare(train.dataset, train.text_column, train.val_fraction)
+    rows = val_rows(tokenizer, data, train.max_seq_len, 10 ** 12)
+    per = max(1, train.eval_tokens // train.max_seq_len)
+    slices = [rows[i:i + per] for i in range(0, len(rows) - per + 1, per)][:max_slices or None]
+    token_bytes = tokenizer.token_bytes()
+    per_seed, repeat = [], math.nan
+    for s in range(1, seeds + 1):
+        scores = {}
+        for v in (variant, baseline):
+            run = ablate.Job(v, "1", s, data_seed=s).name(name, "lr-multiplier")
+            model, _ = load_model(get_base_dir() / "runs" / run, "latest", "cpu")
+            model.eval()
+            scores[v] = [evaluate_bpb(model, x, train.device_batch_size, token_bytes,
+                                      train.dtype) for x in slices]
+            if s == 1 and v == variant:
+                repeat = evaluate_bpb(model, slices[0], train.device_batch_size, token_bytes,
+                                      train.dtype) - scores[v][0]
+        per_seed.append(variance([a - b for a, b in zip(scores[variant], scores[baseline])]))
+        print(f"== seed {s}: {len(slices)} val slices scored", flush=True)
+    return statistics.fmean(per_seed), len(slices), repeat
+
+
+def table(found: dict, val: tuple, base_bpb: float, seeds: int) -> list[str]:
+    """Markdown: each source's sd of the paired difference, as bpb and as a share of the bpb."""
+    var_total = found["seed (init and data order)"]
+    lines = ["| source | sd of the paired difference (bpb) | % of bpb | share of the seed "
+             "variance |", "|---|---:|---:|---:|"]
+    rows = dict(found, **{f"which val documents ({val[1]} slices)": val[0],
+                          "the eval's own sampling (one slice scored twice)": val[2] ** 2})
+    for name, var in rows.items():
+        sd = math.sqrt(var) if var == var else math.nan
+        lines.append(f"| {name} | {sd:.4f} | {sd / base_bpb:.2%} | {var / var_total:.0%} |")
+    detect = (ablate.t_quantile(seeds - 1) + ablate.t_quantile(seeds - 1, 0.80)) / math.sqrt(seeds)
+    lines += ["", f"At {seeds} seeds a paired design detects (80% power) "
+              f"{detect * math.sqrt(var_total):.4f} bpb "
+              f"({detect * math.sqrt(var_total) / base_bpb:.2%}); each source's variance is "
+              f"measured from {seeds} values, so it is rough."]
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Where an ablation's noise comes from (other flags go "
+                                "to base_train, as in ablate)")
+    p.add_argument("--variants", default="muon,adamw", help="the variant and the baseline")
+    p.add_argument("--seeds", type=int, default=3, help="values per source (>= 2)")
+    p.add_argument("--name", default="noise", type=ablate.name_arg)
+    p.add_argument("--val-slices", type=int, default=0,
+                   help="score at most this many val slices (default 0: the whole val split)")
+    args, extra = p.parse_known_args(argv)
+    variants = [v.strip() for v in args.variants.split(",")]
+    if len(variants) != 2 or any(v not in ablate.OPTIMIZER_VARIANTS for v in variants):
+        p.error(f"--variants takes two of {', '.join(ablate.OPTIMIZER_VARIANTS)}")
+    if args.seeds < 2:
+        p.error(f"--seeds must be >= 2, got {args.seeds}")
+    flags = [*ablate.DEFAULT_FLAGS, "--eval-every", "25", *extra]
+    ablate.train_args(flags)  # a bad flag stops here
+    ablate.ensure_tokenizer(flags)
+    cache = ablate.cache_of(flags)
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    started = time.monotonic()
+    todo = design(variants, args.seeds, threads)
+    with ablate.ThreadPoolExecutor(2) as pool:
+        records = dict(zip(todo, pool.map(lambda job: ablate.run_one(
+            job, flags, "lr-multiplier", 1, threads, args.name, cache), todo)))
+    found = sources(records, *variants, args.seeds, threads)
+    val = val_slices(*variants, args.seeds, flags, args.name, args.val_slices)
+    base_bpb = statistics.fmean(r["final_val_bpb"] for job, r in records.items()
+                                if job.variant == variants[1])
+    lines = table(found, val, base_bpb, args.seeds)
+    out = get_base_dir() / "ablations" / args.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "noise.md").write_text("\n".join(lines) + "\n")
+    (out / "noise.json").write_text(json.dumps(dict(found, val=val)))
+    print("\n".join(lines))
+    print(f"== {len(todo)} runs and the val slices took {(time.monotonic() - started) / 60:.1f} "
+          f"min; {out / 'noise.md'}")
+
+
+if __name__ == "__main__":
+    main()
