@@ -320,6 +320,7 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
 CALIBRATION_STEPS = 12
+CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
@@ -748,6 +749,20 @@ def ensure_tokenizer(flags: list[str]) -> None:
                     "--vocab-size", "4096", "--max-chars", "8000000"], check=True)
 
 
+def default_budget(args, flags: list[str], cache: dict) -> None:
+    """On a CPU, an ablation given neither --budget nor --num-iterations is planned to a budget for
+    the CPU it finds, and says so: CPU_BUDGETS's, by whether it has bf16 units (the default
+    shape's steps are several times slower in fp32)."""
+    given = {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
+    if args.budget is not None or cache["device_type"] != "cpu" or "--num-iterations" in given:
+        return
+    kind = "bf16" if cache["dtype"] == "bf16" else "fp32"
+    args.budget = CPU_BUDGETS[kind]
+    print(f"== this CPU trains in {kind} ({'with' if kind == 'bf16' else 'without'} bf16 units): "
+          f"the ablation is planned to --budget {args.budget / 60:.0f}m (give --budget or "
+          "--num-iterations to choose)", flush=True)
+
+
 def cache_of(flags: list[str]) -> dict:
     """The run cache for runs with base_train `flags`: its folder and what its keys hold besides
     each run's own settings (the code, the data's contents, tokenizer, device, precision, torch);
@@ -784,6 +799,7 @@ def main(argv=None):
     jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
     n_seeds = args.seeds or DEFAULT_SEEDS
+    default_budget(args, flags, cache)
     if args.budget is not None:  # a baseline run of another length counts as a whole run
         flags, n_seeds = plan_runs(args, flags, runs_per_seed + len(args.baseline_lengths), jobs,
                                    threads, cache)

@@ -531,3 +531,22 @@ def test_noise_sources_are_the_variances_of_the_paired_differences():
     assert got["data order alone"] == pytest.approx(statistics.variance([-0.10, -0.11, -0.07]))
     assert got["rounding (other thread count)"] == pytest.approx(0.004 ** 2 / 2)
     assert got["seed, mean of the last 2 evals"] == pytest.approx(got["seed (init and data order)"])
+
+
+def test_the_default_is_planned_to_the_cpus_budget(capsys):
+    """No --budget and no --num-iterations on a CPU: 15 minutes where it trains in bf16, 30 where it has no
+    bf16 units, said at the start; given either flag, or on a GPU, nothing is planned for the user."""
+    from argparse import Namespace
+
+    from scripts.ablate import DEFAULT_FLAGS, default_budget
+
+    for dtype, minutes in [("bf16", 15), ("fp32", 30)]:
+        args = Namespace(budget=None)
+        default_budget(args, list(DEFAULT_FLAGS), dict(device_type="cpu", dtype=dtype))
+        assert args.budget == minutes * 60
+        assert f"trains in {dtype}" in capsys.readouterr().out
+    for flags, device, budget in [(["--num-iterations", "300"], "cpu", None), (["--num-iterations=300"], "cpu", None),
+                                  ([], "cuda", None), ([], "cpu", 60.0)]:
+        args = Namespace(budget=budget)
+        default_budget(args, [*DEFAULT_FLAGS, *flags], dict(device_type=device, dtype="bf16"))
+        assert args.budget == budget
