@@ -3,7 +3,7 @@ Compare optimizer variants on identical data and token budget, over seeds and th
 swept base_train flag (an lr, usually): a table of means and 95% intervals, a verdict per variant
 against the baseline, and plots of val bpb.
 
-    python -m scripts.ablate   # muon vs adamw, 5 seeds, about 10 minutes on a 2-core CPU
+    python -m scripts.ablate   # muon vs adamw: planned to 15 min on 2 CPU cores (30 without bf16)
     python -m scripts.ablate --variants muon,muon-plus --budget 20m
     python -m scripts.ablate --variants muon,adamw --sweep lr-multiplier=0.5,1,2 --num-iterations 300
     python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
@@ -15,7 +15,8 @@ docs/research.md). Finished runs are cached in ablations/cache/, keyed by everyt
 them (the variant's definition, seed, swept flag and value, base_train flags, processes,
 tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
 shards and of every .py file in nanomuon/ and scripts/, the torch version), so a re-run or an
-interrupted ablation skips them, and an edit of code or data reruns.
+interrupted ablation skips them, and an edit of code or data reruns. The baseline also runs at
+--baseline-lengths of the steps, which turn each verdict into steps saved.
 """
 
 import argparse
