@@ -69,6 +69,26 @@ DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256"
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
                  "--eval-tokens", "65536", "--warmdown-ratio", "0.3", "--sample-tokens", "0",
                  "--log-every", "50", "--compile"]
+
+
+class Preset(NamedTuple):
+    """A named shape for ablate: base_train flags (after the defaults, before yours) and the vocab
+    of its own tokenizer; it lives in a base dir of its own (presets/<name>), runs and all."""
+    flags: list
+    vocab: int
+    about: str
+
+
+PRESETS = {
+    # The regime the published optimizer results come from (track 3 trains ~20 tokens per param,
+    # most in matrices): 524,288 params, 75% in Muon's block matrices (a 512-token vocab keeps the
+    # embedding and head small), 640 steps of 8,192 tokens = 10.0 tokens per param.
+    "regime": Preset(["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64", "--max-seq-len", "256",
+                      "--device-batch-size", "16", "--total-batch-size", "8192",
+                      "--num-iterations", "640", "--eval-every", "160"], 512,
+                     "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon matrices, "
+                     "10.0 tokens per param"),
+}
 KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
         "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
@@ -683,6 +703,10 @@ def parse_args(argv):
                    help="the baseline also runs these fractions of the steps, each with its own "
                    "schedule, per seed, to turn each verdict into steps saved (track 3's currency; "
                    f"default {DEFAULT_LENGTHS}; 'none' to skip)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="a named shape with a tokenizer of its own, in a base dir of its own "
+                   "(<base>/presets/NAME): " + "; ".join(f"{k}: {v.about}"
+                                                          for k, v in PRESETS.items()))
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",
@@ -709,7 +733,7 @@ def parse_args(argv):
     if args.sweep.flag in RESERVED or f"--{args.sweep.flag}" in given:
         p.error(f"--sweep {args.sweep.flag} sets --{args.sweep.flag} per run: "
                 + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
-    flags = [*DEFAULT_FLAGS, *extra]
+    flags = [*DEFAULT_FLAGS, *(PRESETS[args.preset].flags if args.preset else []), *extra]
     for value in args.sweep.values:
         if problem := sweep_value_problem(flags, args.sweep.flag, value):
             p.error(problem)
@@ -737,17 +761,17 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
     return None
 
 
-def ensure_tokenizer(flags: list[str]) -> None:
-    """A tokenizer for the runs: the base dir's, or a 4096-token BPE trained now on the embedded
-    corpus."""
+def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
+    """A tokenizer for the runs: the base dir's, or a BPE of `vocab` tokens trained now on the
+    embedded corpus."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         return
     if "fineweb-edu" in flags[len(DEFAULT_FLAGS):]:
         raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train "
                          "--dataset fineweb-edu`")
-    print("== no tokenizer yet: training a 4096-token BPE on the embedded corpus", flush=True)
+    print(f"== no tokenizer yet: training a {vocab}-token BPE on the embedded corpus", flush=True)
     subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", "embedded",
-                    "--vocab-size", "4096", "--max-chars", "8000000"], check=True)
+                    "--vocab-size", str(vocab), "--max-chars", "8000000"], check=True)
 
 
 def default_budget(args, flags: list[str], cache: dict) -> None:
@@ -792,7 +816,11 @@ def main(argv=None):
     started = time.monotonic()
     args, flags = parse_args(argv)
     args.started = started
-    ensure_tokenizer(flags)
+    if args.preset:  # every run, the tokenizer and the results live in the preset's base dir
+        base = get_base_dir() / "presets" / args.preset
+        os.environ["NANOMUON_BASE_DIR"] = str(base)
+        print(f"== preset {args.preset} ({PRESETS[args.preset].about}), in {base}", flush=True)
+    ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)

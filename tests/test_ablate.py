@@ -550,3 +550,23 @@ def test_the_default_is_planned_to_the_cpus_budget(capsys):
         args = Namespace(budget=budget)
         default_budget(args, [*DEFAULT_FLAGS, *flags], dict(device_type=device, dtype="bf16"))
         assert args.budget == budget
+
+
+def test_the_regime_preset_is_in_the_published_regime():
+    """The preset's model, built from its flags as base_train builds it: at least 75% of its params in Muon
+    matrices and at least 10 training tokens per param, as its description says."""
+    import torch
+
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts.ablate import DEFAULT_FLAGS, PRESETS, train_args
+
+    preset = PRESETS["regime"]
+    args = train_args([*DEFAULT_FLAGS, *preset.flags])
+    with torch.device("meta"):
+        model = GPT(config_from_depth(args.depth, preset.vocab, args.max_seq_len, args.aspect_ratio, args.head_dim))
+    groups = model.setup_optimizer().param_groups
+    total = sum(p.numel() for p in model.parameters())
+    muon = sum(p.numel() for g in groups if g["kind"] == "muon" for p in g["params"])
+    tokens = args.num_iterations * args.total_batch_size
+    assert muon / total >= 0.75 and tokens / total >= 10
+    assert f"{total:,} params, {muon / total:.0%} in Muon matrices, {tokens / total:.1f} tokens per param" in preset.about
