@@ -9,8 +9,9 @@ against the baseline, and plots of val bpb.
     python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
 
 Each (variant, swept value, seed) is one scripts.base_train run with --optimizer, the swept flag,
-and --seed and --data-seed both set to the seed (init and data order). Flags this script does not
-know go to base_train after the defaults below, so they override them (GPU runs:
+--seed set to the seed (the init) and --data-seed to 1 (--data-order fixed, the default: one
+order of the documents for every run, as track 3 reads its data) or to the seed. Flags this
+script does not know go to base_train after the defaults below, so they override them (GPU runs:
 docs/research.md). Finished runs are cached in ablations/cache/, keyed by everything that decides
 them (the variant's definition, seed, swept flag and value, base_train flags, processes,
 tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
@@ -302,7 +303,8 @@ class Job(NamedTuple):
     def name(self, prefix: str, swept: str) -> str:
         return (f"{prefix}-{self.variant}-{swept}{self.value}-s{self.seed}"
                 + "".join(f"-{tag}{n}" for tag, n in (("d", self.data_seed), ("n", self.steps),
-                                                        ("t", self.threads)) if n is not None))
+                                                        ("t", self.threads))
+                          if n is not None and not (tag == "d" and n == self.seed)))
 
 
 def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, name: str,
@@ -689,8 +691,13 @@ def parse_args(argv):
     p.add_argument("--baseline", default=None, help="variant the others are judged against and "
                    "race to (default: adamw if compared, else the first)")
     p.add_argument("--seeds", type=int, default=None,
-                   help=f"runs per variant and value, seeds 1..N (init and data order; default "
+                   help=f"runs per variant and value, seeds 1..N of the init (default "
                    f"{DEFAULT_SEEDS}, or --budget's choice)")
+    p.add_argument("--data-order", choices=("fixed", "seed"), default="fixed",
+                   help="fixed: every run reads the documents in one order (data seed 1), as "
+                   "track 3 does, so the verdict is at that order and the seeds vary the init "
+                   "alone (at the default shape ~20x less variance: docs/research.md); seed: "
+                   "each seed sets the data order too, a verdict across orders (default: fixed)")
     p.add_argument("--budget", type=budget_arg, default=None,
                    help="wall time for the whole ablation (600, 90s, 10m, 1.5h): time a few steps "
                    "here, then pick --num-iterations (and --seeds, unless given) to fit, and print "
@@ -840,9 +847,11 @@ def main(argv=None):
         raise SystemExit(f"error: --baseline-lengths {args.baseline_lengths} of --num-iterations "
                          f"{steps} are not distinct step counts other than {steps}; give "
                          "--num-iterations, other fractions, or --baseline-lengths none")
-    todo = [Job(v, x, s) for v in args.variants for x in args.sweep.values for s in seeds]
+    data = 1 if args.data_order == "fixed" else None  # None: the seed's
+    todo = [Job(v, x, s, data_seed=data) for v in args.variants for x in args.sweep.values
+            for s in seeds]
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
-    shorter = [Job(args.baseline, args.sweep.values[0], s, n) for n in others for s in seeds]
+    shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others for s in seeds]
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
           f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths, {jobs} at a "
           f"time, {threads} thread(s) each", flush=True)
@@ -960,8 +969,10 @@ def write_ablation(args, argv, results: dict, lengths: dict, seeds: list) -> Non
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
                                        "(-n<steps>)" if lengths else ""),
-           f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init and the data order, the same for "
-           "every variant",
+           f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init"
+           + (", on one data order (data seed 1) for every run: the verdict is at that order"
+              if args.data_order == "fixed" else " and the data order")
+           + ", the same for every variant",
            f"- baseline: {args.baseline} at its best {args.sweep.flag}; steps and training time "
            "(evals excluded) are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
            "at 95% confidence; 'detectable' is the smallest effect this design sees 80% of the time",

@@ -43,7 +43,7 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     from scripts import ablate
 
     args = ["--variants", "muon,adamw", "--name", "abl", "--seeds", "2", "--sweep", "lr-multiplier=1,0.5",
-            "--jobs", "2",
+            "--jobs", "2", "--data-order", "seed",
             *TINY,
             "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "4", "--log-every", "8",
             "--no-compile"]
@@ -570,3 +570,17 @@ def test_the_regime_preset_is_in_the_published_regime():
     tokens = args.num_iterations * args.total_batch_size
     assert muon / total >= 0.75 and tokens / total >= 10
     assert f"{total:,} params, {muon / total:.0%} in Muon matrices, {tokens / total:.1f} tokens per param" in preset.about
+
+
+def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
+    """--data-order fixed (the default): every run reads the documents in data seed 1's order and the seeds
+    set the init alone, as track 3 runs; ablation.md says the verdict is at that order."""
+    from scripts import ablate
+
+    launched = []
+    popen = ablate.subprocess.Popen
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
+    ablate.main(["--name", "fixed", *SMALL[:2], "--seeds", "2", *SMALL[4:]])
+    got = sorted((c[c.index("--seed") + 1], c[c.index("--data-seed") + 1]) for c in launched)
+    assert got == [("1", "1"), ("1", "1"), ("2", "1"), ("2", "1")]
+    assert "on one data order (data seed 1) for every run" in (base / "ablations" / "fixed" / "ablation.md").read_text()
