@@ -62,8 +62,8 @@ from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
 # 4,096 tokens, where the lr rule's lrs were tuned: docs/lr_rule.md), compiled (1.4x the eager
-# steps here), 5 seeds: muon vs adamw in about 10 minutes on 2 CPU cores. The val set is the
-# speedrun's: the first 65,536 tokens.
+# steps here), up to 5 seeds, planned on a CPU to CPU_BUDGETS. The val set is the speedrun's: the
+# first 65,536 tokens.
 DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = 200, 5, "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
@@ -84,8 +84,8 @@ PRESETS = {
     # The regime the published optimizer results come from (track 3 trains ~20 tokens per param,
     # most in matrices): 524,288 params, 75% in Muon's block matrices (a 512-token vocab keeps the
     # embedding and head small), 640 steps of 8,192 tokens = 10.0 tokens per param.
-    "regime": Preset(["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64", "--max-seq-len", "256",
-                      "--device-batch-size", "16", "--total-batch-size", "8192",
+    "regime": Preset(["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64",
+                      "--max-seq-len", "256", "--device-batch-size", "16", "--total-batch-size", "8192",
                       "--num-iterations", "640", "--eval-every", "160"], 512,
                      "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon matrices, "
                      "10.0 tokens per param"),
@@ -156,6 +156,12 @@ def mean_ci(values: list[float]) -> tuple[float, float, float]:
     return m, sd, t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
 
 
+def detectable_factor(n: int) -> float:
+    """(t_0.975 + t_0.80) / sqrt(n): times the sd of n paired differences, the smallest true
+    difference a 95% interval excludes zero for in 80% of repeats."""
+    return (t_quantile(n - 1) + t_quantile(n - 1, 0.80)) / math.sqrt(n)
+
+
 def paired(diffs: list[float]) -> dict:
     """The paired comparison of per-seed differences (variant minus baseline; one seed gives both the
     same init and data order): their mean, its 95% interval [lo, hi], and the smallest effect this
@@ -163,7 +169,7 @@ def paired(diffs: list[float]) -> dict:
     (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread and the number of seeds."""
     m, sd, hw = mean_ci(diffs)
     n = len(diffs)
-    detectable = (t_quantile(n - 1) + t_quantile(n - 1, 0.80)) * sd / math.sqrt(n) if n > 1 else math.nan
+    detectable = detectable_factor(n) * sd if n > 1 else math.nan
     return dict(mean=m, lo=m - hw, hi=m + hw, detectable=detectable)
 
 
@@ -456,9 +462,9 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
     return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
 
 
-def fewest_rounds(runs_per_seed: int, jobs: int, seeds: int | None) -> int:
-    """Rounds of `jobs` runs at once in the smallest plan fit() may choose."""
-    return math.ceil(runs_per_seed * (seeds or 3) / jobs)
+def rounds(runs_per_seed: int, seeds: int, jobs: int) -> int:
+    """Rounds of `jobs` runs at once that run every run of `seeds` seeds."""
+    return math.ceil(runs_per_seed * seeds / jobs)
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
@@ -468,13 +474,13 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
     None if not even MIN_STEPS fit."""
     left = (budget_s - cal.seconds) * HEADROOM
     for n in [seeds] if seeds else [5, 4, 3]:
-        rounds = math.ceil(runs_per_seed * n / jobs)
+        n_rounds = rounds(runs_per_seed, n, jobs)
         # evals at step 0, every steps // EVALS and at the end: EVALS + 1 more than calibrated
         extra_evals = (EVALS + 1) * cal.eval_s
-        steps = math.floor((left / rounds - cal.fixed_s - extra_evals) / cal.step_s)
+        steps = math.floor((left / n_rounds - cal.fixed_s - extra_evals) / cal.step_s)
         if steps >= (MIN_STEPS if seeds or n == 3 else DEFAULT_STEPS):
             run_s = cal.fixed_s + extra_evals + steps * cal.step_s
-            return Plan(steps, n, max(1, steps // EVALS), run_s, rounds * run_s)
+            return Plan(steps, n, max(1, steps // EVALS), run_s, n_rounds * run_s)
     return None
 
 
@@ -510,11 +516,16 @@ def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int]
                     "their best." if edge else "Every best lies inside the sweep.", ""]
 
 
+def own_steps(results: dict, variant: str, value: str, seeds: list[int]) -> int:
+    """The steps the runs trained for (their last eval's), as the baseline's first seed ran."""
+    return results[variant, value, seeds[0]]["val_history"][-1][0]
+
+
 def baseline_finals(results: dict, lengths: dict, seeds: list[int], baseline: str,
                     value: str) -> dict:
     """steps -> the baseline's per-seed final bpbs at each length it ran (its own and `lengths`:
     (seed, steps) -> record), for the lengths every seed ran."""
-    own = results[baseline, value, seeds[0]]["val_history"][-1][0]
+    own = own_steps(results, baseline, value, seeds)
     finals = {own: [results[baseline, value, s]["final_val_bpb"] for s in seeds]}
     for n in sorted({n for _, n in lengths}):
         if all((s, n) in lengths for s in seeds):
@@ -534,7 +545,7 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
     finals = baseline_finals(results, lengths or {}, seeds, baseline, best[baseline])
     slope = bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
-    own = base_runs[0]["val_history"][-1][0]
+    own = own_steps(results, baseline, best[baseline], seeds)
     lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
               f"{target:.4f} | train seconds to {target:.4f} | tok/s | vs {baseline} |",
               "|---|---:|---:|---:|---:|---:|---|"]
@@ -593,7 +604,7 @@ def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict
     baseline's line reaches it: the gap is the steps it saves."""
     lengths = sorted(finals)
     slope = bpb_per_log_step(finals)[0]
-    own = results[baseline, best[baseline], seeds[0]]["val_history"][-1][0]
+    own = own_steps(results, baseline, best[baseline], seeds)
     series = {f"{baseline} at each length": (
         lengths, [statistics.fmean(finals[n]) for n in lengths], [min(finals[n]) for n in lengths],
         [max(finals[n]) for n in lengths])}
@@ -859,15 +870,21 @@ def main(argv=None):
     one_value = len(args.sweep.values) == 1
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache)
     if not one_value and shorter:
-        main_runs = {job[:3]: r for job, r in results.items() if job.steps is None}
-        best = report(main_runs, args.variants, args.sweep, seeds, args.baseline)[1][args.baseline]
+        best = report(split_runs(results)[0], args.variants, args.sweep, seeds,
+                      args.baseline)[1][args.baseline]
         results |= run_all([job._replace(value=best) for job in shorter], flags, args, jobs,
                            threads, cache)
-    main_runs = {job[:3]: r for job, r in results.items() if job.steps is None}
-    lengths = {(job.seed, job.steps): r for job, r in results.items() if job.steps is not None}
+    main_runs, lengths = split_runs(results)
     write_ablation(args, argv, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs
+
+
+def split_runs(results: dict) -> tuple[dict, dict]:
+    """(variant, value, seed) -> record of the runs at their own steps; (seed, steps) -> record of
+    the baseline's runs at other lengths."""
+    return ({job[:3]: r for job, r in results.items() if job.steps is None},
+            {(job.seed, job.steps): r for job, r in results.items() if job.steps is not None})
 
 
 def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: dict) -> dict:
@@ -934,7 +951,8 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     else:
         cal, how = read_calibration(timed, args.started), f"calibrated before ({timed.name})"
         if cal is None:
-            watch = Watch(args.budget, fewest_rounds(runs_per_seed, jobs, args.seeds), args.started)
+            # the smallest plan fit() may choose: 3 seeds unless given
+            watch = Watch(args.budget, rounds(runs_per_seed, args.seeds or 3, jobs), args.started)
             cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch)
             write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
             how = "calibrated"

@@ -104,7 +104,7 @@ def table(found: dict, val: tuple, base_bpb: float, seeds: int) -> list[str]:
     for name, var in rows.items():
         sd = math.sqrt(var) if var == var else math.nan
         lines.append(f"| {name} | {sd:.4f} | {sd / base_bpb:.2%} | {var / var_total:.0%} |")
-    detect = (ablate.t_quantile(seeds - 1) + ablate.t_quantile(seeds - 1, 0.80)) / math.sqrt(seeds)
+    detect = ablate.detectable_factor(seeds)
     lines += ["", f"At {seeds} seeds a paired design detects (80% power) "
               f"{detect * math.sqrt(var_total):.4f} bpb "
               f"({detect * math.sqrt(var_total) / base_bpb:.2%}); each source's variance is "
