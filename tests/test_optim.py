@@ -443,6 +443,17 @@ def test_distributed_optimizer_without_process_group():
 # -- compile -------------------------------------------------------------------------------------
 
 
+def assert_equal_but_for_cautious_flips(p, q, decay, tol, flips=1e-3):
+    """Compiled and eager may round an update element that is ~0 to opposite signs, and cautious weight
+    decay then decays the weight in one and not the other: a handful of elements may differ by at most
+    the decay they could have missed (`decay`, summed over the steps); every other element within tol."""
+    diff = (q - p).abs()
+    off = diff > tol + tol * p.abs()
+    assert off.sum() <= max(1, flips * p.numel()), f"{int(off.sum())} of {p.numel()} elements differ"
+    limit = decay * torch.maximum(p.abs(), q.abs()) + tol
+    assert (diff[off] <= limit[off]).all(), f"a differing element is beyond its decay: {diff.max():.2e}"
+
+
 def step_under_a_schedule(opts, param_lists, set_grads, steps=6):
     """Step every optimizer (a muon group 0, an adamw group 1) on the same grads while a schedule changes
     lr and momentum at every step, as base_train's does."""
@@ -472,8 +483,9 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
     assert opt_c.compiled and not opt_e.compiled
     torch._dynamo.utils.counters.clear()
     step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
+    decay = sum(0.02 * (1 - k / 10) for k in range(6)) * 0.2  # lr x weight_decay, over the schedule
     for p, q in zip(eager, compiled):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+        assert_equal_but_for_cautious_flips(p, q, decay, tol=1e-5)
     # one graph per muon shape (2) and per adamw shape (2); lr changes never recompiled
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 4, frames
