@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # gpu_check.sh: validate nanomuon on one GPU, offline, and write one summary file. GPUs are lent
-# rarely and briefly (45 minutes of device time, 10 minutes a command), so everything a GPU must
+# rarely and briefly (15 minutes of device time, 10 minutes a command), so everything a GPU must
 # show runs from one command, or in pieces that each fit one command (--plan lists them):
 #
 #   bash scripts/gpu_check.sh --prepare   # on a CPU machine with rustbpe: the tokenizer (vocab
 #                                         # 32768) and the embedded corpus, into .gpu_check/
 #                                         # (carry that folder to the GPU)
 #   bash scripts/gpu_check.sh --plan      # anywhere: the pieces for the device budget, most
-#                                         # valuable first (--budget-min M, default 45)
+#                                         # valuable first (--budget-min M, default 15)
 #   bash scripts/gpu_check.sh             # on the GPU: torch >= 2.9, tiktoken, pyarrow, pytest
 #   bash scripts/gpu_check.sh --only tests,bench_optim  # some steps: names, or prefixes before _
 #   bash scripts/gpu_check.sh --dry-run   # anywhere: the plan, then checks imports and flags
 #
-# Steps, most valuable first, each under a time limit sized for a cold compile cache; a step that
+# Steps, most valuable first, each under a time limit: about 1.5x what it took on an H200 with a
+# cold compile cache (2026-11-26, docs/benchmarks.md), the plan's estimate of device time; a step that
 # fails or times out is reported and the rest still run; a timeout reads "timed out after N s", a
 # failure "FAILED (exit N)":
 #   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
@@ -34,8 +35,11 @@ OUTDIR="${OUT:-$KIT/logs}"  # the steps' full logs
 export NANOMUON_BASE_DIR="$KIT/base"
 export PYTHONUNBUFFERED=1
 PIECE=540  # seconds one piece may take: a 10-minute allocation less the start and the summary
-START=240  # seconds a cold device machine takes to start, counted against the budget
-BUDGET_MIN=45
+START=60   # seconds a lent machine took to start (30 s on 2026-11-26), counted against the budget
+BUDGET_MIN=15
+# the torchao release --prepare fetches for fp8_d12: 0.17 is the one for torch 2.11, which the lent
+# H100/H200 image holds; name another for another torch (TORCHAO=torchao==X.Y.Z)
+TORCHAO="${TORCHAO:-torchao==0.17.0}"
 MODE=run
 ONLY=""
 ARGS="$*"
@@ -58,6 +62,15 @@ while [ $# -gt 0 ]; do
     shift
 done
 
+# `python` is the interpreter that holds torch; an image with torch in a venv's python3 alone (no
+# `python` on the PATH) gets a shim: a script, since a link would lose the venv
+if ! python -c 'import torch' 2>/dev/null && python3 -c 'import torch' 2>/dev/null; then
+    mkdir -p "$KIT/bin" && printf '#!/bin/sh\nexec python3 "$@"\n' >"$KIT/bin/python"
+    chmod +x "$KIT/bin/python" && export PATH="$KIT/bin:$PATH"
+fi
+# torchao goes into a folder of the kit's: the image's site-packages may not take installs
+export PYTHONPATH="$KIT/site${PYTHONPATH:+:$PYTHONPATH}"
+
 if [ "$MODE" = prepare ]; then
     set -e
     python -m nanomuon.dataset --embedded
@@ -65,8 +78,12 @@ if [ "$MODE" = prepare ]; then
     python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 \
         --max-chars 8000000
     # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
-    pip download -q --no-deps -d "$KIT/wheels" torchao \
-        || echo "warning: no torchao wheel: fp8_d12 needs torchao on the GPU machine"
+    rm -f "$KIT"/wheels/torchao-*.whl
+    python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
+        || echo "warning: no $TORCHAO wheel: fp8_d12 needs torchao on the GPU machine"
+    # the summary names the code that was carried (the GPU machine may see another .git)
+    echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
+        2>/dev/null || echo '+changes')" >"$KIT/commit"
     du -sh "$KIT"
     echo "ready: carry .gpu_check (git ignores it)"
     exit 0
@@ -84,33 +101,34 @@ sys.exit(bool(missing))
 EOF
 then exit 1; fi
 
-# name | seconds | command. Each limit: the work, plus a cold torch.compile cache (inductor's first
-# compile of a graph: 30-120 s, longer with depth), plus ~30%.
+# name | limit | seen | command: seen is what the step took on an H200 with a cold compile cache
+# (inductor's first compile of each graph; 2026-11-26), the limit about 1.5x that and more where an
+# H100's slower memory or a deeper graph may add to it.
 TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 262144 \
 --sample-tokens 16 --save-every -1 --log-every 5 --max-seq-len 2048 --device-batch-size 32 \
 --total-batch-size 524288"
 STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
     # ~10 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
-    "tests|300|python -m pytest -q --slow -m cuda tests"
+    "tests|120|60|python -m pytest -q --slow -m cuda tests"
     # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a ~1.5 GB
     # final checkpoint
-    "base_train_d12|240|python -m scripts.base_train --depth 12 --num-iterations 20 \
+    "base_train_d12|150|79|python -m scripts.base_train --depth 12 --num-iterations 20 \
 --run gpu-check-d12 $TRAIN"
     # the same with --fp8 (torchao's float8 training, from the prepared wheel when not installed)
-    "fp8_d12|240|{ python -c 'import torchao.float8' 2>/dev/null \
-|| pip install -q --no-deps $KIT/wheels/torchao-*.whl; } && python -m scripts.base_train \
+    "fp8_d12|150|94|{ python -c 'import torchao.float8' 2>/dev/null \
+|| python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; } && python -m scripts.base_train \
 --depth 12 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
     # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
-    "bench_optim_d12|180|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
+    "bench_optim_d12|90|40|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
     # 1 side, 1 precision at d20: fewer compiles, of bigger graphs
-    "bench_optim_d20|150|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
+    "bench_optim_d20|90|47|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
 --compare defaults --ns-precision fp16"
     # the same as d12 at d20: longer compiles, ~4 s steps, a ~4 GB final checkpoint
-    "base_train_d20|360|python -m scripts.base_train --depth 20 --num-iterations 10 \
+    "base_train_d20|240|131|python -m scripts.base_train --depth 20 --num-iterations 10 \
 --run gpu-check-d20 $TRAIN"
     # d4 through torchrun: train (two compiles), base_eval, sample; the tokenizer is reused
-    "speedrun|200|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun \
+    "speedrun|180|101|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun \
 bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-size 32 \
 --max-seq-len 1024 --eval-tokens 65536"
 )
@@ -150,33 +168,37 @@ run_step() {
     fi
 }
 
-# print_plan: the steps and their limits, then the calls that fit the device budget, in order
+# print_plan: the steps and their limits, then the calls, in order: each call's limits fit one
+# command; the device budget is spent at the steps' seen seconds (limits would waste most of it)
 print_plan() {
-    local all=0 budget=$((BUDGET_MIN * 60)) used=$START piece="" sum=0 n=0 s name secs cmd
-    for s in "${STEPS[@]}"; do IFS='|' read -r name secs cmd <<<"$s"; all=$((all + secs)); done
+    local all=0 budget=$((BUDGET_MIN * 60)) used=$START piece="" sum=0 took=0 n=0
+    local s name secs seen cmd
+    for s in "${STEPS[@]}"; do IFS='|' read -r name secs seen cmd <<<"$s"; all=$((all + secs)); done
     echo "gpu_check plan: $BUDGET_MIN min of device time (--budget-min), one command at most" \
          "$PIECE s; steps most valuable first ($all s of limits in all):"
     for s in "${STEPS[@]}"; do
-        IFS='|' read -r name secs cmd <<<"$s"; printf '  %-16s %4ss  %s\n' "$name" "$secs" "$cmd"
+        IFS='|' read -r name secs seen cmd <<<"$s"
+        printf '  %-16s %4ss  (seen %3s s)  %s\n' "$name" "$secs" "$seen" "$cmd"
     done
     echo "calls, in order (the first starts the machine: about $START s; send each within the" \
          "machine's idle release, or the next starts a fresh one):"
-    for s in "${STEPS[@]}" "end|$((PIECE + 1))|"; do
-        IFS='|' read -r name secs cmd <<<"$s"
+    for s in "${STEPS[@]}" "end|$((PIECE + 1))|0|"; do
+        IFS='|' read -r name secs seen cmd <<<"$s"
         if [ -n "$piece" ] && [ $((sum + secs)) -gt "$PIECE" ]; then
-            n=$((n + 1)); used=$((used + sum))
+            n=$((n + 1)); used=$((used + took))
             if [ "$used" -le "$budget" ]; then
-                printf '  call %d: %4ss  bash scripts/gpu_check.sh --only %s\n' "$n" "$sum" "$piece"
+                printf '  call %d: %4ss (seen %3s s)  bash scripts/gpu_check.sh --only %s\n' \
+                    "$n" "$sum" "$took" "$piece"
             else
                 printf '  over the budget (%d s by here): %4ss  --only %s\n' "$used" "$sum" "$piece"
             fi
-            piece=""; sum=0
+            piece=""; sum=0; took=0
         fi
-        piece="${piece:+$piece,}$name"; sum=$((sum + secs))
+        piece="${piece:+$piece,}$name"; sum=$((sum + secs)); took=$((took + seen))
     done
     if [ "$used" -le "$budget" ]; then
-        echo "left after the calls: $((budget - used)) s: rerun a step that timed out, or" \
-             "time base_train_d12 and fp8_d12 again for a second measurement"
+        echo "left after the calls: $((budget - used)) s, if each step takes what it took on the" \
+             "H200: rerun a step that timed out, or time base_train_d12 and fp8_d12 again"
     fi
     echo "carry: .gpu_check ($(du -sm "$KIT" 2>/dev/null | cut -f1 || echo 0) MiB of the 64 MiB;" \
          "made by --prepare). Every call appends to .gpu_check.md and returns it whole in" \
@@ -236,13 +258,13 @@ fi
         --format=csv,noheader 2>/dev/null || echo none)"
     versions=$(python -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)')
     echo "- torch $versions, python $(python -V 2>&1)"
-    echo "- commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), command:" \
+    echo "- code prepared at $(cat "$KIT/commit" 2>/dev/null || echo 'an unknown commit'), command:" \
          "bash scripts/gpu_check.sh${ARGS:+ $ARGS}"
     echo
 } >>"$SUMMARY"
 total_start=$(date +%s)
 for s in "${STEPS[@]}"; do
-    IFS='|' read -r name secs cmd <<<"$s"
+    IFS='|' read -r name secs seen cmd <<<"$s"
     log="$OUTDIR/$name.log"
     echo "== $name (limit ${secs}s): $cmd"
     run_step "$secs" "$cmd" "$log" "$name"

@@ -201,6 +201,23 @@ def test_gpu_check_names_every_missing_package_before_it_starts(tmp_path):
     assert p.stderr.count("\n") == 1 and "missing here: tiktoken, pytest" in p.stderr, p.stderr
 
 
+def test_gpu_check_runs_its_steps_with_python3_where_python_lacks_torch(tmp_path):
+    """An image whose torch lives in a venv's python3 alone: gpu_check.sh's `python` becomes a shim
+    for python3 (a script, which keeps the venv), so the dry run imports everything and checks the
+    flags. Here `python` is one that can import nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "imports: ok" in p.stdout and "base_train flags: ok" in p.stdout, p.stdout
+
+
 def test_a_report_without_matplotlib_says_in_one_line_that_it_skipped_the_plots(base, monkeypatch):
     """Plots are optional: base_train without matplotlib trains, and its report says in one line
     that the plots were skipped and why."""
