@@ -723,8 +723,8 @@ def parse_args(argv):
                    f"default {DEFAULT_LENGTHS}; 'none' to skip)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="a named shape with a tokenizer of its own, in a base dir of its own "
-                   "(<base>/presets/NAME): " + "; ".join(f"{k}: {v.about}"
-                                                          for k, v in PRESETS.items()))
+                   "(<base>/presets/NAME): " + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items())
+                   .replace("%", "%%"))  # argparse formats help with %
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--name", type=name_arg, default="ablation",

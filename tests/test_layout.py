@@ -2,7 +2,8 @@
 The layout claims of the README, checked on the source: no import cycles between nanomuon modules
 (imports inside functions count), the update math imports only torch, sharded.py and plan.py never
 reach optim.py, the model file imports no baseline, every file says why it exists, no function runs over
-80 lines, lines read at 100 columns, and no comment cites an issue number.
+80 lines, lines read at 100 columns, no comment cites an issue number, and every script prints its
+--help.
 """
 
 import ast
@@ -114,3 +115,20 @@ def test_comments_cite_no_issue_numbers():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in LIBRARY + SCRIPTS + sorted((ROOT / "tests").glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if cited.search(line)]
     assert not found, f"issue numbers cited at {found}"
+
+
+def test_every_script_prints_its_help():
+    """`python -m scripts.X --help` prints the usage and exits 0 for every script: argparse formats
+    help strings with %, so a literal one (a share in a preset's description, say) would crash it."""
+    import contextlib
+    import importlib
+    import io
+
+    for path in SCRIPTS:
+        if path.stem == "__init__" or "argparse" not in path.read_text():
+            continue
+        module = importlib.import_module(f"scripts.{path.stem}")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+            module.main(["--help"])
+        assert e.value.code == 0 and "usage:" in out.getvalue(), path.stem
