@@ -13,9 +13,9 @@
 #   bash scripts/gpu_check.sh --dry-run   # anywhere: the plan, then checks imports and flags
 #
 # Steps, most valuable first, each under a time limit: about 1.5x what it took on an H200 with a
-# cold compile cache (2026-11-26, docs/benchmarks.md), the plan's estimate of device time; a step that
-# fails or times out is reported and the rest still run; a timeout reads "timed out after N s", a
-# failure "FAILED (exit N)":
+# cold compile cache (2026-11-26, docs/benchmarks.md), which the plan counts as device time. A step
+# that fails or times out is reported and the rest still run; a timeout reads "timed out after N s",
+# a failure "FAILED (exit N)":
 #   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
 #   fp8_d12          the same with --fp8 (fp8 matmuls, as nanochat's speedrun)
@@ -116,8 +116,8 @@ STEPS=(  # most valuable first: what only a GPU can show, then speed, then the r
 --run gpu-check-d12 $TRAIN"
     # the same with --fp8 (torchao's float8 training, from the prepared wheel when not installed)
     "fp8_d12|150|94|{ python -c 'import torchao.float8' 2>/dev/null \
-|| python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; } && python -m scripts.base_train \
---depth 12 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
+|| python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; } \
+&& python -m scripts.base_train --depth 12 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
     # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
     "bench_optim_d12|90|40|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
@@ -258,8 +258,8 @@ fi
         --format=csv,noheader 2>/dev/null || echo none)"
     versions=$(python -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)')
     echo "- torch $versions, python $(python -V 2>&1)"
-    echo "- code prepared at $(cat "$KIT/commit" 2>/dev/null || echo 'an unknown commit'), command:" \
-         "bash scripts/gpu_check.sh${ARGS:+ $ARGS}"
+    echo "- code prepared at $(cat "$KIT/commit" 2>/dev/null || echo 'an unknown commit')," \
+         "command: bash scripts/gpu_check.sh${ARGS:+ $ARGS}"
     echo
 } >>"$SUMMARY"
 total_start=$(date +%s)
