@@ -50,8 +50,10 @@ def test_compiled_update_equals_eager_and_schedules_do_not_recompile():
     torch._dynamo.utils.counters.clear()
     step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
     decay = sum(0.02 * (1 - k / 10) for k in range(6)) * 0.1  # lr x weight_decay, over the schedule
-    for p, q in zip(eager, compiled):
+    for p, q in zip(eager[:5], compiled[:5]):  # the muon group, under cautious decay
         assert_equal_but_for_cautious_flips(p, q, decay, tol=1e-4)
+    for p, q in zip(eager[5:], compiled[5:]):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-4)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 5, f"{frames} graphs: 4 muon shapes + 1 adamw shape, and no more for lr changes"
 

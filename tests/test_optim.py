@@ -484,8 +484,10 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
     torch._dynamo.utils.counters.clear()
     step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
     decay = sum(0.02 * (1 - k / 10) for k in range(6)) * 0.2  # lr x weight_decay, over the schedule
-    for p, q in zip(eager, compiled):
+    for p, q in zip(eager[:3], compiled[:3]):  # the muon group, under cautious decay
         assert_equal_but_for_cautious_flips(p, q, decay, tol=1e-5)
+    for p, q in zip(eager[3:], compiled[3:]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     # one graph per muon shape (2) and per adamw shape (2); lr changes never recompiled
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 4, frames
