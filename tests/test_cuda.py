@@ -8,7 +8,12 @@ DistMuonAdamW against MuonAdamW, and that LR schedules never recompile the compi
 import pytest
 import torch
 import torch.distributed as dist
-from test_optim import assert_equal_but_for_cautious_flips, orthogonalize, step_under_a_schedule
+from test_optim import (
+    assert_equal_but_for_cautious_flips,
+    orthogonalize,
+    scheduled_muon_lr,
+    step_under_a_schedule,
+)
 
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
@@ -49,7 +54,7 @@ def test_compiled_update_equals_eager_and_schedules_do_not_recompile():
     assert opt_c.compiled
     torch._dynamo.utils.counters.clear()
     step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
-    decay = sum(0.02 * (1 - k / 10) for k in range(6)) * 0.1  # lr x weight_decay, over the schedule
+    decay = sum(map(scheduled_muon_lr, range(6))) * 0.1  # lr x weight_decay, over the schedule
     for p, q in zip(eager[:5], compiled[:5]):  # the muon group, under cautious decay
         assert_equal_but_for_cautious_flips(p, q, decay, tol=1e-4)
     for p, q in zip(eager[5:], compiled[5:]):

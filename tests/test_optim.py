@@ -454,13 +454,18 @@ def assert_equal_but_for_cautious_flips(p, q, decay, tol, flips=1e-3):
     assert (diff[off] <= limit[off]).all(), f"a differing element is beyond its decay: {diff.max():.2e}"
 
 
+def scheduled_muon_lr(step):
+    """The muon group's lr at `step` under step_under_a_schedule."""
+    return 0.02 * (1 - step / 10)
+
+
 def step_under_a_schedule(opts, param_lists, set_grads, steps=6):
     """Step every optimizer (a muon group 0, an adamw group 1) on the same grads while a schedule changes
     lr and momentum at every step, as base_train's does."""
     for step in range(steps):
         set_grads(param_lists, step)
         for opt in opts:
-            opt.param_groups[0]["lr"] = 0.02 * (1 - step / 10)
+            opt.param_groups[0]["lr"] = scheduled_muon_lr(step)
             opt.param_groups[0]["momentum"] = 0.85 + 0.01 * step
             opt.param_groups[1]["lr"] = 3e-3 * (1 - step / 10)
         for opt in opts:
@@ -483,7 +488,7 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
     assert opt_c.compiled and not opt_e.compiled
     torch._dynamo.utils.counters.clear()
     step_under_a_schedule([opt_e, opt_c], [eager, compiled], set_grads)
-    decay = sum(0.02 * (1 - k / 10) for k in range(6)) * 0.2  # lr x weight_decay, over the schedule
+    decay = sum(map(scheduled_muon_lr, range(6))) * 0.2  # lr x weight_decay, over the schedule
     for p, q in zip(eager[:3], compiled[:3]):  # the muon group, under cautious decay
         assert_equal_but_for_cautious_flips(p, q, decay, tol=1e-5)
     for p, q in zip(eager[3:], compiled[3:]):
