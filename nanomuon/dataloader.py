@@ -27,6 +27,7 @@ Why its own design rather than a torch DataLoader:
 
 import bisect
 import contextlib
+import itertools
 import logging
 import queue
 import random
@@ -489,15 +490,16 @@ class DataLoader:
                     [piece(r[:4], r[4]) for r in state["open"]])
 
 
-def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
+def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int | None) -> torch.Tensor:
     """The validation set: the val split's documents in order, packed with a one-document
     buffer into num_tokens // seq_len rows (at least 1; fewer when the split runs out, never
-    repeating a document), (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream
-    whatever the process count, so val bpb measures the same tokens at any world size
-    (evaluate_bpb deals the rows out to the ranks)."""
+    repeating a document; num_tokens None: the whole split), (rows, seq_len + 1) int64 on the
+    CPU, -1 for padding. One stream whatever the process count, so val bpb measures the same
+    tokens at any world size (evaluate_bpb deals the rows out to the ranks). A smaller
+    num_tokens gives a prefix of a larger one's rows."""
     loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
     rows = array("i")
-    for _ in range(max(1, num_tokens // seq_len)):
+    for _ in itertools.count() if num_tokens is None else range(max(1, num_tokens // seq_len)):
         row, epoch = loader.next_row()
         if epoch:
             break

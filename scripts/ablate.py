@@ -90,8 +90,8 @@ PRESETS = {
                      "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon matrices, "
                      "10.0 tokens per param"),
 }
-KEPT = ("final_val_bpb", "min_val_bpb", "val_history", "val_train_time", "tok_per_s",
-        "optimizer_share", "num_params", "tokens_per_step", "run")
+KEPT = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "final_eval_tokens", "val_history",
+        "val_train_time", "tok_per_s", "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
 # The code behind a result: the library and all of scripts/ (base_train, what it imports, and
 # ablate, which decides what a record holds). Not a list of base_train's imports: it would go stale
@@ -516,6 +516,12 @@ def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int]
                     "their best." if edge else "Every best lies inside the sweep.", ""]
 
 
+def final_bpb(record: dict) -> float:
+    """What a verdict compares: the run's final weights over base_train's --final-eval-tokens
+    when it scored them (a larger val set), else its last eval."""
+    return record.get("final_eval_bpb", record["final_val_bpb"])
+
+
 def own_steps(results: dict, variant: str, value: str, seeds: list[int]) -> int:
     """The steps the runs trained for (their last eval's), as the baseline's first seed ran."""
     return results[variant, value, seeds[0]]["val_history"][-1][0]
@@ -526,10 +532,10 @@ def baseline_finals(results: dict, lengths: dict, seeds: list[int], baseline: st
     """steps -> the baseline's per-seed final bpbs at each length it ran (its own and `lengths`:
     (seed, steps) -> record), for the lengths every seed ran."""
     own = own_steps(results, baseline, value, seeds)
-    finals = {own: [results[baseline, value, s]["final_val_bpb"] for s in seeds]}
+    finals = {own: [final_bpb(results[baseline, value, s]) for s in seeds]}
     for n in sorted({n for _, n in lengths}):
         if all((s, n) in lengths for s in seeds):
-            finals[n] = [lengths[s, n]["final_val_bpb"] for s in seeds]
+            finals[n] = [final_bpb(lengths[s, n]) for s in seeds]
     return finals
 
 
@@ -537,30 +543,37 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
            baseline: str, lengths: dict | None = None) -> tuple:
     """(markdown lines, the best swept value per variant): the sweep, the comparison and the
     verdicts, in bpb and (with the baseline at other lengths: (seed, steps) -> record) in steps."""
-    final = {(v, x): [results[v, x, s]["final_val_bpb"] for s in seeds]
+    final = {(v, x): [final_bpb(results[v, x, s]) for s in seeds]
              for v in variants for x in sweep.values}
     best = {v: min(sweep.values, key=lambda x: statistics.fmean(final[v, x])) for v in variants}
     lines = sweep_table(final, variants, sweep, seeds, best) if len(sweep.values) > 1 else []
     base_runs = [results[baseline, best[baseline], s] for s in seeds]
-    target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
+    target = statistics.fmean(final_bpb(r) for r in base_runs)
+    # the curves' set: the steps and seconds to the baseline's last eval on it
+    curve_target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
     finals = baseline_finals(results, lengths or {}, seeds, baseline, best[baseline])
     slope = bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
     own = own_steps(results, baseline, best[baseline], seeds)
     lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
-              f"{target:.4f} | train seconds to {target:.4f} | tok/s | vs {baseline} |",
+              f"{curve_target:.4f} | train seconds to {curve_target:.4f} | tok/s | vs {baseline} |",
               "|---|---:|---:|---:|---:|---:|---|"]
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
-        reached = [x for x in (first_reaching(target, r) for r in runs) if x is not None]
+        reached = [x for x in (first_reaching(curve_target, r) for r in runs) if x is not None]
         count = "" if len(reached) == len(runs) else f" ({len(reached)}/{len(runs)} reached)"
         steps = fmt([float(x[0]) for x in reached], 1) + count if reached else "not reached"
         secs = fmt([x[1] for x in reached], 1) + count if reached else "not reached"
-        diffs = [r["final_val_bpb"] - b["final_val_bpb"] for r, b in zip(runs, base_runs)]
+        diffs = [final_bpb(r) - final_bpb(b) for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
         vs = ("(baseline)" if v == baseline else
               f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}")
-        lines.append(f"| {v} | {best[v]} | {fmt([r['final_val_bpb'] for r in runs])} | {steps} | "
+        lines.append(f"| {v} | {best[v]} | {fmt([final_bpb(r) for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
+    if "final_eval_bpb" in base_runs[0]:
+        lines += ["", f"Final val bpb and the verdicts: each run's final weights over "
+                  f"{base_runs[0]['final_eval_tokens']:,} val tokens (base_train "
+                  "--final-eval-tokens); the steps and seconds columns and the curves: the evals "
+                  "of --eval-tokens."]
     if len(finals) > 1:
         b, b_se, _ = slope
         lines += ["", f"Steps: {baseline} also ran {', '.join(str(n) for n in finals if n != own)} "
@@ -586,7 +599,7 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
         series[f"{v} - {baseline}"] = (steps, [m for m, _, _ in stats],
                                        [m - hw for m, _, hw in stats],
                                        [m + hw for m, _, hw in stats])
-        d = paired([r["final_val_bpb"] - b["final_val_bpb"] for r, b in pairs])["detectable"]
+        d = paired([final_bpb(r) - final_bpb(b) for r, b in pairs])["detectable"]
         series[f"{v}: detectable +-{d:.4f}"] = (steps, [0.0] * n, [-d] * n, [d] * n)
         # the variant's color in every panel; its detectable band dashed in the same color
         colors.update({f"{v} - {baseline}": f"C{variants.index(v)}",
@@ -610,8 +623,8 @@ def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict
         [max(finals[n]) for n in lengths])}
     colors, dashed = {f"{baseline} at each length": f"C{variants.index(baseline)}"}, []
     for v in (v for v in variants if v != baseline):
-        diff = statistics.fmean(results[v, best[v], s]["final_val_bpb"] -
-                                results[baseline, best[baseline], s]["final_val_bpb"] for s in seeds)
+        diff = statistics.fmean(final_bpb(results[v, best[v], s]) -
+                                final_bpb(results[baseline, best[baseline], s]) for s in seeds)
         bpb = statistics.fmean(finals[own]) + diff
         reached = own * math.exp(diff / slope) if slope < 0 else math.nan
         series[v] = ([own, reached], [bpb, bpb])
@@ -635,7 +648,7 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
         by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
                       *band)
-        finals = [[results[v, x, s]["final_val_bpb"] for s in seeds] for x in sweep.values]
+        finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
         by_value[v] = ([float(x) for x in sweep.values], [statistics.fmean(f) for f in finals],
                        [min(f) for f in finals], [max(f) for f in finals])
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []

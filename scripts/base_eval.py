@@ -121,7 +121,7 @@ def parse_args(argv):
     p.add_argument("--device-batch-size", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="val tokens to score (default: the run's own --eval-tokens, so the numbers "
-                   "compare)")
+                   "compare; -1: the whole val split)")
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: "
                    "what the run trained in; auto: bf16 where bf16 matmuls are fast)")
@@ -129,9 +129,10 @@ def parse_args(argv):
                    help="log bpb and CORE to Weights & Biases: into the training's run when its "
                    "summary.json names one, else a new run")
     args = p.parse_args(argv)
-    if (args.device_batch_size < 1 or (args.eval_tokens is not None and args.eval_tokens < 1)
-            or args.sample_tokens < 0):
-        p.error("--device-batch-size and --eval-tokens must be >= 1, --sample-tokens >= 0")
+    if args.device_batch_size < 1 or args.sample_tokens < 0:
+        p.error("--device-batch-size must be >= 1, --sample-tokens >= 0")
+    if args.eval_tokens is not None and args.eval_tokens < 1 and args.eval_tokens != -1:
+        p.error(f"--eval-tokens must be >= 1, or -1 for the whole val split; got {args.eval_tokens}")
     if args.max_per_task is not None and args.max_per_task < 1:
         p.error(f"--max-per-task must be >= 1, got {args.max_per_task}")
     if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
@@ -148,7 +149,8 @@ def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[st
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
         data = prepare(dataset, data_args.text_column, data_args.val_fraction)
-        rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
+        rows = val_rows(tokenizer, data, model.config.sequence_len,
+                        None if eval_tokens == -1 else eval_tokens)
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
     scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored

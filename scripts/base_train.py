@@ -197,6 +197,10 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250,
                    help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
+    p.add_argument("--final-eval-tokens", type=int, default=0,
+                   help="after the last step's eval, also score this many val tokens (-1: the "
+                   "whole val split; 0: none), reported as final_eval_bpb: a larger set read once, "
+                   "so a comparison does not hang on the few documents --eval-tokens holds")
     p.add_argument("--save-every", type=int, default=-1,
                    help="steps between checkpoints (-1: only at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2,
@@ -240,6 +244,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["target_flops", "target_param_data_ratio"], math.isfinite,
          "a finite number (or <= 0: off)"),
         (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
+        (["final_eval_tokens"], lambda v: v >= -1,
+         ">= 1, 0 for none, or -1 for the whole val split"),
     ]
     for names, ok, what in rules:
         for name in names:
@@ -352,6 +358,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_loader: DataLoader
     val: torch.Tensor
+    final_val: torch.Tensor | None  # --final-eval-tokens' rows, scored once after the last eval
     num_params: int
     flops_per_token: float
     num_iterations: int
@@ -612,10 +619,15 @@ def build(args, held: contextlib.ExitStack) -> Run:
                             rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(loader.close)  # its prefetch thread stops however the run ends
         # the same at any world size
-        return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)
+        val = val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)
+        final = args.final_eval_tokens
+        final = (val_rows(tokenizer, data, args.max_seq_len, None if final == -1 else final)
+                 if final else None)
+        return data, loader, val, final
 
-    data, train_loader, val = on_every_rank(load_data)
-    exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val)),
+    data, train_loader, val, final_val = on_every_rank(load_data)
+    exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val),
+                             None if final_val is None else len(final_val)),
                             "the tokenizer and data (fingerprint, dataset, train documents, "
                             "val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
@@ -634,7 +646,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
               run_dir=run_dir, tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device),
               config=config, model=model,
               train_model=torch.compile(model, dynamic=False) if compiled else model,
-              optimizer=optimizer, train_loader=train_loader, val=val, num_params=num_params,
+              optimizer=optimizer, train_loader=train_loader, val=val, final_val=final_val,
+              num_params=num_params,
               flops_per_token=flops_per_token, num_iterations=num_iterations,
               grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
     check_disk(run)
@@ -709,19 +722,28 @@ def resume(run: Run) -> None:
 
 
 def evaluate(run: Run) -> None:
-    """Val bits per byte at this step, recorded in the loop state."""
+    """Val bits per byte at this step, recorded in the loop state; after the last step also over
+    --final-eval-tokens' rows (loop's final_eval: [target tokens scored, bpb])."""
+    final = run.final_val if run.step == run.num_iterations else None
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
-        val_bpb = evaluate_bpb(run.train_model, run.val, run.args.device_batch_size,
-                               run.token_bytes, run.args.dtype)
+        val_bpb, final_bpb = (None if rows is None else evaluate_bpb(
+            run.train_model, rows, run.args.device_batch_size, run.token_bytes, run.args.dtype)
+            for rows in (run.val, final))
     run.model.train()
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
+    if final is not None:
+        run.loop["final_eval"] = [int((final[:, 1:] >= 0).sum()), final_bpb]
     if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):  # saved just before
         checkpoint.record_loop(run.run_dir, run.step, run.loop)
     print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")
+    if final is not None:
+        print0(f"step {run.step:05d} | final eval: val bpb {final_bpb:.4f} over "
+               f"{run.loop['final_eval'][0]:,} tokens")
     if run.wandb:
-        run.wandb.log({"step": run.step, "val/bpb": val_bpb})
+        run.wandb.log({"step": run.step, "val/bpb": val_bpb}
+                      | ({"val/final_eval_bpb": final_bpb} if final is not None else {}))
 
 
 def save(run: Run) -> None:
@@ -919,6 +941,8 @@ def report(run: Run) -> dict:
     summary = dict(final_val_bpb=loop["val_history"][-1][1],
                    min_val_bpb=min(v for _, v in loop["val_history"]),
                    packing=run.train_loader.packing())
+    if "final_eval" in loop:
+        summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
     print0(f"data (rank 0, this process): {summary['packing']}")
     peak = peak_flops(run.device)
     if run.step_times:
@@ -931,7 +955,9 @@ def report(run: Run) -> dict:
                f"({100 * med_opt / med_dt:.1f}%), medians over {len(run.step_times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
-    print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})")
+    print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})"
+           + (f"; over {summary['final_eval_tokens']:,} val tokens {summary['final_eval_bpb']:.4f}"
+              if "final_eval" in loop else ""))
     samples = sample_prompts(run)
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
@@ -1001,7 +1027,8 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"- training time: {loop['train_time'] / 60:.2f} min "
              "(excluding evals and the first steps)"]
     for key, fmt in (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
-                     ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}")):
+                     ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}"),
+                     ("final_eval_bpb", "{:.4f}"), ("final_eval_tokens", "{:,}")):
         if key in summary:
             lines.append(f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}")
     steps, losses = zip(*loop["history"]) if loop["history"] else ((), ())

@@ -504,6 +504,29 @@ def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretch
     assert steps_verdict([diff] * 3, (0.01, 0.0, 2), 200) is None  # a baseline that did not gain: no steps
 
 
+def test_verdicts_compare_the_final_eval_where_the_runs_scored_one():
+    """Runs with a final eval over a larger val set (base_train --final-eval-tokens) are judged by
+    it, not by their last eval on --eval-tokens: here the last evals say the variant is worse by
+    0.01 and the whole split says better by 0.02, 0.03, 0.04 (mean 0.03, sd 0.01: 95% interval
+    0.03 ± 4.303 * 0.01 / sqrt(3)); the steps-to column still reads the curves."""
+    from scripts.ablate import Sweep, report
+
+    def record(last, whole):
+        return dict(final_val_bpb=last, final_eval_bpb=whole, final_eval_tokens=123_456,
+                    val_history=[[0, 5.0], [100, last]], val_train_time=[0.0, 10.0], tok_per_s=1.0)
+
+    results = {}
+    for s, gain in zip((1, 2, 3), (0.02, 0.03, 0.04)):
+        results["muon", "1", s] = record(2.00, 2.10)
+        results["adamw", "1", s] = record(2.01, 2.10 - gain)
+    lines, _ = report(results, ["muon", "adamw"], Sweep("lr-multiplier", ["1"]), [1, 2, 3], "muon")
+    row = next(line for line in lines if line.startswith("| adamw"))
+    hw = 4.302653 * 0.01 / math.sqrt(3)
+    assert f"better by 0.0300 bpb (1.43%) [{-0.03 - hw:+.4f}, {-0.03 + hw:+.4f}]" in row, row
+    assert "| 2.0700 ± 0.0100 [" in row and "not reached" in row, row  # 2.01 never reaches 2.00
+    assert any("over 123,456 val tokens" in line for line in lines), lines
+
+
 def test_the_steps_interval_widens_with_the_slopes_error():
     from scripts.ablate import steps_verdict
 

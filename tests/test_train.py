@@ -6,6 +6,7 @@ checkpoints; speedrun.sh's CPU miniature runs end to end (slow).
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -85,6 +86,50 @@ def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
         matrices=rule["matrix_lr"]))
     with pytest.raises(SystemExit, match="--eval-tokens was 1024, now 2048"):
         main([*flags, "--resume-from-step", "2", "--eval-tokens", "2048"])
+
+
+def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsys, tmp_path):
+    """--final-eval-tokens -1: after the last eval, the final weights score every row of the val
+    split (of which --eval-tokens' rows are the first); its bpb re-derived here in float64 from the
+    logits, and base_eval --eval-tokens -1 scores the same. A small source of the corpus's
+    documents keeps the whole split small."""
+    from nanomuon.checkpoint import load_model
+    from nanomuon.dataloader import val_rows
+    from nanomuon.dataset import iter_texts
+    from nanomuon.sources import prepare
+    from nanomuon.tokenizer import get_tokenizer
+    from scripts.base_eval import main as base_eval
+    from scripts.base_train import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in iter_texts("embedded", "train", 150_000)))
+    source = ["--dataset", str(path), "--val-fraction", "0.2"]
+    main([*TINY, *source, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1",
+          "--run", "whole", "--final-eval-tokens", "-1"])
+    assert "final eval: val bpb" in capsys.readouterr().out
+    summary = json.loads((base / "runs" / "whole" / "summary.json").read_text())
+    tokenizer, data = get_tokenizer(), prepare(str(path), None, 0.2)
+    rows = val_rows(tokenizer, data, 64, None)
+    # the whole split: asking for more rows than it holds gives the same rows; --eval-tokens' set
+    # is their first rows
+    assert torch.equal(val_rows(tokenizer, data, 64, 64 * (len(rows) + 7)), rows)
+    assert torch.equal(val_rows(tokenizer, data, 64, 1024), rows[:16]) and len(rows) > 16
+    model, _ = load_model(base / "runs" / "whole", "latest", "cpu")
+    token_bytes = tokenizer.token_bytes().double()
+    nats = nbytes = 0.0
+    with torch.no_grad():
+        for batch in rows.split(32):
+            x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+            logp = torch.log_softmax(model(x).double(), -1).gather(-1, y.clamp(min=0)[..., None])
+            b = token_bytes[y.clamp(min=0)] * (y >= 0)
+            nats -= float((logp[..., 0] * (b > 0)).sum())
+            nbytes += float(b.sum())
+    assert summary["final_eval_tokens"] == int((rows[:, 1:] >= 0).sum())
+    assert summary["final_eval_bpb"] == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-5)
+    assert summary["final_eval_bpb"] != summary["final_val_bpb"]
+    base_eval(["--run", "whole", "--eval", "bpb", "--eval-tokens", "-1", "--sample-tokens", "0", *source])
+    said = f"val bpb {summary['final_eval_bpb']:.4f} over {summary['final_eval_tokens']:,} tokens"
+    assert said in capsys.readouterr().out
 
 
 def test_base_train_chooses_and_prints_nanochats_recipe_at_d24(capsys):
