@@ -197,10 +197,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=250,
                    help="steps between val bpb evals (-1: only at the end)")
     p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
-    p.add_argument("--final-eval-tokens", type=int, default=0,
-                   help="after the last step's eval, also score this many val tokens (-1: the "
-                   "whole val split; 0: none), reported as final_eval_bpb: a larger set read once, "
-                   "so a comparison does not hang on the few documents --eval-tokens holds")
+    p.add_argument("--final-eval-tokens", type=int, default=0, help="after the last eval, score "
+                   "this many val tokens once more (-1: the whole split; 0: none): final_eval_bpb")
     p.add_argument("--save-every", type=int, default=-1,
                    help="steps between checkpoints (-1: only at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2,
@@ -566,6 +564,15 @@ def plan_horizon(args, model: GPT) -> int:
     return max(1, round(ratio * params / args.total_batch_size))
 
 
+def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows every eval scores (--eval-tokens) and those the final weights score once more
+    (--final-eval-tokens; None for 0): the same at any world size."""
+    final = args.final_eval_tokens
+    return (val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens),
+            val_rows(tokenizer, data, args.max_seq_len, None if final == -1 else final)
+            if final else None)
+
+
 def build(args, held: contextlib.ExitStack) -> Run:
     """Process group, the run dir (locked until `held` closes), tokenizer, model, data and
     optimizer, as the flags ask; a fresh run at step 0."""
@@ -618,16 +625,11 @@ def build(args, held: contextlib.ExitStack) -> Run:
         loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
                             rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(loader.close)  # its prefetch thread stops however the run ends
-        # the same at any world size
-        val = val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens)
-        final = args.final_eval_tokens
-        final = (val_rows(tokenizer, data, args.max_seq_len, None if final == -1 else final)
-                 if final else None)
-        return data, loader, val, final
+        return data, loader, *val_sets(tokenizer, data, args)
 
     data, train_loader, val, final_val = on_every_rank(load_data)
     exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val),
-                             None if final_val is None else len(final_val)),
+                             final_val is not None and len(final_val)),
                             "the tokenizer and data (fingerprint, dataset, train documents, "
                             "val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
@@ -647,8 +649,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
               config=config, model=model,
               train_model=torch.compile(model, dynamic=False) if compiled else model,
               optimizer=optimizer, train_loader=train_loader, val=val, final_val=final_val,
-              num_params=num_params,
-              flops_per_token=flops_per_token, num_iterations=num_iterations,
+              num_params=num_params, flops_per_token=flops_per_token, num_iterations=num_iterations,
               grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
     check_disk(run)
     return run
