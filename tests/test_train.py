@@ -105,16 +105,16 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in iter_texts("embedded", "train", 150_000)))
     source = ["--dataset", str(path), "--val-fraction", "0.2"]
     main([*TINY, *source, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1",
-          "--run", "whole", "--final-eval-tokens", "-1"])
+          "--run", "final-eval", "--final-eval-tokens", "-1"])
     assert "final eval: val bpb" in capsys.readouterr().out
-    summary = json.loads((base / "runs" / "whole" / "summary.json").read_text())
+    summary = json.loads((base / "runs" / "final-eval" / "summary.json").read_text())
     tokenizer, data = get_tokenizer(), prepare(str(path), None, 0.2)
     rows = val_rows(tokenizer, data, 64, None)
     # the whole split: asking for more rows than it holds gives the same rows; --eval-tokens' set
     # is their first rows
     assert torch.equal(val_rows(tokenizer, data, 64, 64 * (len(rows) + 7)), rows)
     assert torch.equal(val_rows(tokenizer, data, 64, 1024), rows[:16]) and len(rows) > 16
-    model, _ = load_model(base / "runs" / "whole", "latest", "cpu")
+    model, _ = load_model(base / "runs" / "final-eval", "latest", "cpu")
     token_bytes = tokenizer.token_bytes().double()
     nats = nbytes = 0.0
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     assert summary["final_eval_tokens"] == int((rows[:, 1:] >= 0).sum())
     assert summary["final_eval_bpb"] == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-5)
     assert summary["final_eval_bpb"] != summary["final_val_bpb"]
-    base_eval(["--run", "whole", "--eval", "bpb", "--eval-tokens", "-1", "--sample-tokens", "0", *source])
+    base_eval(["--run", "final-eval", "--eval", "bpb", "--eval-tokens", "-1", "--sample-tokens", "0", *source])
     said = f"val bpb {summary['final_eval_bpb']:.4f} over {summary['final_eval_tokens']:,} tokens"
     assert said in capsys.readouterr().out
 
