@@ -490,21 +490,26 @@ class DataLoader:
                     [piece(r[:4], r[4]) for r in state["open"]])
 
 
-def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int | None) -> torch.Tensor:
+def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
     """The validation set: the val split's documents in order, packed with a one-document
     buffer into num_tokens // seq_len rows (at least 1; fewer when the split runs out, never
-    repeating a document; num_tokens None: the whole split), (rows, seq_len + 1) int64 on the
-    CPU, -1 for padding. One stream whatever the process count, so val bpb measures the same
-    tokens at any world size (evaluate_bpb deals the rows out to the ranks). A smaller
-    num_tokens gives a prefix of a larger one's rows."""
+    repeating a document; num_tokens -1, as the flags say it: the whole split), (rows,
+    seq_len + 1) int64 on the CPU, -1 for padding. One stream whatever the process count, so val
+    bpb measures the same tokens at any world size (evaluate_bpb deals the rows out to the
+    ranks). A smaller num_tokens gives a prefix of a larger one's rows."""
     loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
     rows = array("i")
-    for _ in itertools.count() if num_tokens is None else range(max(1, num_tokens // seq_len)):
+    for _ in itertools.count() if num_tokens == -1 else range(max(1, num_tokens // seq_len)):
         row, epoch = loader.next_row()
         if epoch:
             break
         rows.extend(row)
     return torch.frombuffer(rows, dtype=torch.int32).view(-1, seq_len + 1).to(torch.long)
+
+
+def scored_tokens(rows: torch.Tensor) -> int:
+    """The targets in val_rows' rows that an eval scores: every one but the padding."""
+    return int((rows[:, 1:] >= 0).sum())
 
 
 def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:

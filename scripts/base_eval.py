@@ -35,7 +35,7 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
-from nanomuon.dataloader import val_rows
+from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
 from nanomuon.report import CORE_HEADLINE
 from nanomuon.sources import add_data_args, prepare
@@ -149,11 +149,10 @@ def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[st
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
         data = prepare(dataset, data_args.text_column, data_args.val_fraction)
-        rows = val_rows(tokenizer, data, model.config.sequence_len,
-                        None if eval_tokens == -1 else eval_tokens)
+        rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
-    scored = int((rows[:, 1:] >= 0).sum())  # padding is not scored
+    scored = scored_tokens(rows)
     print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} "
            "tokens")
     return bpb, [f"- {dataset} val bpb: {bpb:.4f}"]

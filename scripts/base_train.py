@@ -50,7 +50,7 @@ from nanomuon.common import (
     user_errors,
     write_atomic,
 )
-from nanomuon.dataloader import DataError, DataLoader, reshard_states, val_rows
+from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
 from nanomuon.gpt import (
     GPT,
@@ -567,10 +567,9 @@ def plan_horizon(args, model: GPT) -> int:
 def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows every eval scores (--eval-tokens) and those the final weights score once more
     (--final-eval-tokens; None for 0): the same at any world size."""
-    final = args.final_eval_tokens
     return (val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens),
-            val_rows(tokenizer, data, args.max_seq_len, None if final == -1 else final)
-            if final else None)
+            val_rows(tokenizer, data, args.max_seq_len, args.final_eval_tokens)
+            if args.final_eval_tokens else None)
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
@@ -735,7 +734,7 @@ def evaluate(run: Run) -> None:
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
     if final is not None:
-        run.loop["final_eval"] = [int((final[:, 1:] >= 0).sum()), final_bpb]
+        run.loop["final_eval"] = [scored_tokens(final), final_bpb]
     if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):  # saved just before
         checkpoint.record_loop(run.run_dir, run.step, run.loop)
     print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")

@@ -73,7 +73,7 @@ def val_slices(variant: str, baseline: str, seeds: int, flags, name: str,
     tokenizer = get_tokenizer()
     with user_errors():
         data = prepare(train.dataset, train.text_column, train.val_fraction)
-    rows = val_rows(tokenizer, data, train.max_seq_len, None)
+    rows = val_rows(tokenizer, data, train.max_seq_len, -1)
     per = max(1, train.eval_tokens // train.max_seq_len)
     slices = [rows[i:i + per] for i in range(0, len(rows) - per + 1, per)][:max_slices or None]
     token_bytes = tokenizer.token_bytes()

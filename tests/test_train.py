@@ -109,7 +109,7 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     assert "final eval: val bpb" in capsys.readouterr().out
     summary = json.loads((base / "runs" / "final-eval" / "summary.json").read_text())
     tokenizer, data = get_tokenizer(), prepare(str(path), None, 0.2)
-    rows = val_rows(tokenizer, data, 64, None)
+    rows = val_rows(tokenizer, data, 64, -1)
     # the whole split: asking for more rows than it holds gives the same rows; --eval-tokens' set
     # is their first rows
     assert torch.equal(val_rows(tokenizer, data, 64, 64 * (len(rows) + 7)), rows)
