@@ -722,28 +722,41 @@ def resume(run: Run) -> None:
 
 
 def evaluate(run: Run) -> None:
-    """Val bits per byte at this step, recorded in the loop state; after the last step also over
-    --final-eval-tokens' rows (loop's final_eval: [target tokens scored, bpb])."""
-    final = run.final_val if run.step == run.num_iterations else None
-    run.model.eval()
-    with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
-        val_bpb, final_bpb = (None if rows is None else evaluate_bpb(
-            run.train_model, rows, run.args.device_batch_size, run.token_bytes, run.args.dtype)
-            for rows in (run.val, final))
-    run.model.train()
+    """Val bits per byte at this step, recorded in the loop state."""
+    val_bpb = score(run, run.val)
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
-    if final is not None:
-        run.loop["final_eval"] = [scored_tokens(final), final_bpb]
-    if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):  # saved just before
-        checkpoint.record_loop(run.run_dir, run.step, run.loop)
+    record_loop(run)
     print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")
-    if final is not None:
-        print0(f"step {run.step:05d} | final eval: val bpb {final_bpb:.4f} over "
-               f"{run.loop['final_eval'][0]:,} tokens")
     if run.wandb:
-        run.wandb.log({"step": run.step, "val/bpb": val_bpb}
-                      | ({"val/final_eval_bpb": final_bpb} if final is not None else {}))
+        run.wandb.log({"step": run.step, "val/bpb": val_bpb})
+
+
+def final_evaluate(run: Run) -> None:
+    """After the last step, the final weights over --final-eval-tokens' rows (loop's final_eval:
+    [target tokens scored, bpb]): also when a finished run is resumed to score them."""
+    tokens, final_bpb = scored_tokens(run.final_val), score(run, run.final_val)
+    run.loop["final_eval"] = [tokens, final_bpb]
+    record_loop(run)
+    print0(f"step {run.step:05d} | final eval: val bpb {final_bpb:.4f} over {tokens:,} tokens")
+    if run.wandb:
+        run.wandb.log({"step": run.step, "val/final_eval_bpb": final_bpb})
+
+
+def score(run: Run, rows: torch.Tensor) -> float:
+    """Val bpb of the model as it is over these rows."""
+    run.model.eval()
+    with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
+        bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
+                           run.args.dtype)
+    run.model.train()
+    return bpb
+
+
+def record_loop(run: Run) -> None:
+    """The loop state into this step's checkpoint, when one was saved just before."""
+    if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):
+        checkpoint.record_loop(run.run_dir, run.step, run.loop)
 
 
 def save(run: Run) -> None:
@@ -831,6 +844,10 @@ def train(run: Run) -> None:
         if not evaluated and (last or (args.eval_every > 0 and step % args.eval_every == 0)):
             evaluate(run)
         if last:
+            # a resumed finished run scores newly asked-for rows too
+            if run.final_val is not None and (run.loop.get("final_eval", [None])[0]
+                                              != scored_tokens(run.final_val)):
+                final_evaluate(run)
             break
         record_step(run, train_step(run), warm=step > start_step + 2)
     run.train_loader.close()

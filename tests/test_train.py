@@ -89,10 +89,10 @@ def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
 
 
 def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsys, tmp_path):
-    """--final-eval-tokens -1: after the last eval, the final weights score every row of the val
-    split (of which --eval-tokens' rows are the first); its bpb re-derived here in float64 from the
-    logits, and base_eval --eval-tokens -1 scores the same. A small source of the corpus's
-    documents keeps the whole split small."""
+    """--final-eval-tokens: after the last eval, the final weights score that many val tokens' rows
+    (-1: every row of the split, of which --eval-tokens' rows are the first), re-derived here in
+    float64 from the logits; a finished run resumed with another count scores its rows then, and
+    base_eval --eval-tokens -1 scores the same. A small source keeps the whole split small."""
     from nanomuon.checkpoint import load_model
     from nanomuon.dataloader import val_rows
     from nanomuon.dataset import iter_texts
@@ -104,31 +104,42 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in iter_texts("embedded", "train", 150_000)))
     source = ["--dataset", str(path), "--val-fraction", "0.2"]
-    main([*TINY, *source, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1",
-          "--run", "final-eval", "--final-eval-tokens", "-1"])
-    assert "final eval: val bpb" in capsys.readouterr().out
-    summary = json.loads((base / "runs" / "final-eval" / "summary.json").read_text())
     tokenizer, data = get_tokenizer(), prepare(str(path), None, 0.2)
     rows = val_rows(tokenizer, data, 64, -1)
     # the whole split: asking for more rows than it holds gives the same rows; --eval-tokens' set
     # is their first rows
     assert torch.equal(val_rows(tokenizer, data, 64, 64 * (len(rows) + 7)), rows)
     assert torch.equal(val_rows(tokenizer, data, 64, 1024), rows[:16]) and len(rows) > 16
-    model, _ = load_model(base / "runs" / "final-eval", "latest", "cpu")
     token_bytes = tokenizer.token_bytes().double()
-    nats = nbytes = 0.0
-    with torch.no_grad():
-        for batch in rows.split(32):
-            x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
-            logp = torch.log_softmax(model(x).double(), -1).gather(-1, y.clamp(min=0)[..., None])
-            b = token_bytes[y.clamp(min=0)] * (y >= 0)
-            nats -= float((logp[..., 0] * (b > 0)).sum())
-            nbytes += float(b.sum())
-    assert summary["final_eval_tokens"] == int((rows[:, 1:] >= 0).sum())
-    assert summary["final_eval_bpb"] == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-5)
-    assert summary["final_eval_bpb"] != summary["final_val_bpb"]
+
+    def float64_bpb(model, rows):
+        nats = nbytes = 0.0
+        with torch.no_grad():
+            for batch in rows.split(32):
+                x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
+                logp = torch.log_softmax(model(x).double(), -1).gather(-1, y.clamp(min=0)[..., None])
+                b = token_bytes[y.clamp(min=0)] * (y >= 0)
+                nats -= float((logp[..., 0] * (b > 0)).sum())
+                nbytes += float(b.sum())
+        return nats / (math.log(2) * nbytes)
+
+    flags = [*TINY, *source, "--total-batch-size", "256", "--num-iterations", "3",
+             "--eval-every", "-1", "--run", "final-eval"]
+    summaries = []
+    for tokens, more in (("1024", []), ("-1", ["--resume-from-step", "latest"])):
+        main([*flags, "--final-eval-tokens", tokens, *more])
+        assert "final eval: val bpb" in capsys.readouterr().out
+        summaries.append(json.loads((base / "runs" / "final-eval" / "summary.json").read_text()))
+    model, _ = load_model(base / "runs" / "final-eval", "latest", "cpu")
+    for summary, scored in zip(summaries, (rows[:16], rows)):
+        assert summary["final_eval_tokens"] == int((scored[:, 1:] >= 0).sum())
+        assert summary["final_eval_bpb"] == pytest.approx(float64_bpb(model, scored), rel=1e-5)
+    assert summaries[1]["final_eval_bpb"] != summaries[1]["final_val_bpb"]
+    # a resume that asks for rows already scored does not score them again
+    main([*flags, "--final-eval-tokens", "-1", "--resume-from-step", "latest"])
+    assert "final eval" not in capsys.readouterr().out
     base_eval(["--run", "final-eval", "--eval", "bpb", "--eval-tokens", "-1", "--sample-tokens", "0", *source])
-    said = f"val bpb {summary['final_eval_bpb']:.4f} over {summary['final_eval_tokens']:,} tokens"
+    said = f"val bpb {summaries[1]['final_eval_bpb']:.4f} over {summaries[1]['final_eval_tokens']:,} tokens"
     assert said in capsys.readouterr().out
 
 
