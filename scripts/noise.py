@@ -126,7 +126,8 @@ def main(argv=None):
         p.error(f"--variants takes two of {', '.join(ablate.OPTIMIZER_VARIANTS)}")
     if args.seeds < 2:
         p.error(f"--seeds must be >= 2, got {args.seeds}")
-    flags = [*ablate.DEFAULT_FLAGS, "--eval-every", "25", *extra]
+    # no final eval: the val slices below score the whole split
+    flags = [*ablate.DEFAULT_FLAGS, "--final-eval-tokens", "0", "--eval-every", "25", *extra]
     ablate.train_args(flags)  # a bad flag stops here
     ablate.ensure_tokenizer(flags)
     cache = ablate.cache_of(flags)
