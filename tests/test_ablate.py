@@ -18,7 +18,7 @@ from test_train import TINY as TRAIN_TINY
 
 from nanomuon.dataset import build_embedded, data_dir
 
-# without ablate's final eval over 262,144 val tokens: what it does is test_train's
+# ablate's default final eval (262,144 val tokens) off: slow at this size; test_train tests it
 TINY = [*TRAIN_TINY, "--final-eval-tokens", "0"]
 SMALL = ["--variants", "muon,adamw", "--seeds", "1", "--sweep", "lr-multiplier=1", "--jobs", "2", *TINY,
          "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "2", "--log-every", "4",
