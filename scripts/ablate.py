@@ -224,8 +224,12 @@ def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
     m, sd, _ = mean_ci(diffs)
     n = len(diffs)
     r = -m / b
-    r_se = math.sqrt(sd ** 2 / n / b ** 2 + (m ** 2 * b_se ** 2 / b ** 4 if b_df > 0 else 0.0))
-    hw = t_quantile(max(1, min(n - 1, b_df) if b_df > 0 else n - 1)) * r_se
+    # the two variances of r, each with its degrees of freedom: Welch-Satterthwaite's for the sum,
+    # rounded down (the slope may come from fewer seeds than the differences)
+    parts = [(sd ** 2 / n / b ** 2, n - 1)] + ([(m ** 2 * b_se ** 2 / b ** 4, b_df)] * (b_df > 0))
+    r_var = sum(v for v, _ in parts)
+    df = r_var ** 2 / sum(v ** 2 / d for v, d in parts) if r_var > 0 else n - 1
+    hw = t_quantile(max(1, math.floor(df))) * math.sqrt(r_var)
     share = [1 - math.exp(v) for v in (r, r + hw, r - hw)]  # exp(r) of the steps are needed
     return dict(share=share[0], lo=share[1], hi=share[2], steps=steps,
                 fewer=share[0] * steps, fewer_lo=share[1] * steps, fewer_hi=share[2] * steps)
@@ -353,7 +357,16 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 CALIBRATION_STEPS = 12
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
+# Seeds before steps: at the default shape a seed's paired difference spreads 0.37% of bpb at 79
+# steps and 0.29% at 200, at about half the cost per run, so per CPU-minute the two are about even,
+# and more seeds cut the t factor of a small sample (detectable: 3.1 sd at 3 seeds, 1.5 sd at 6).
+# So a budget buys seeds first, up to MAX_SEEDS at PLAN_STEPS steps, then steps (docs/research.md).
+PLAN_STEPS, MAX_SEEDS = 80, 16
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
+# The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
+# the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
+# budget buys more seeds of the paired differences instead, whose spread is what limits a verdict.
+LENGTH_SEEDS = 2
 HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
 WRITE_UP_S = 5.0  # the table and the plot at the end
 
@@ -464,25 +477,27 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
     return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
 
 
-def rounds(runs_per_seed: int, seeds: int, jobs: int) -> int:
-    """Rounds of `jobs` runs at once that run every run of `seeds` seeds."""
-    return math.ceil(runs_per_seed * seeds / jobs)
+def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:
+    """Rounds of `jobs` runs at once that run every run of `seeds` seeds, and the baseline at
+    `lengths` other lengths on the first LENGTH_SEEDS of them."""
+    return math.ceil((runs_per_seed * seeds + lengths * min(seeds, LENGTH_SEEDS)) / jobs)
 
 
-def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int,
-        seeds: int | None) -> Plan | None:
-    """The plan for budget_s seconds (less cal.seconds): the most steps that fit, with `seeds`
-    seeds, or if None 5, 4 or 3 (the most that keep DEFAULT_STEPS steps), else 3 and fewer steps;
+def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
+        lengths: int = 0) -> Plan | None:
+    """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
+    lengths: with `seeds` given, the most steps that fit; else the most seeds up to MAX_SEEDS
+    that keep PLAN_STEPS steps, then the most steps at those seeds (or 3 seeds and fewer steps).
     None if not even MIN_STEPS fit."""
     left = (budget_s - cal.seconds) * HEADROOM
-    for n in [seeds] if seeds else [5, 4, 3]:
-        n_rounds = rounds(runs_per_seed, n, jobs)
-        # evals at step 0, every steps // EVALS and at the end: EVALS + 1 more than calibrated
-        extra_evals = (EVALS + 1) * cal.eval_s
+    for n in [seeds] if seeds else range(MAX_SEEDS, 2, -1):
+        n_rounds = rounds(runs_per_seed, n, jobs, lengths)
+        # evals at step 0, every ceil(steps / EVALS) and at the end: EVALS more than calibrated
+        extra_evals = EVALS * cal.eval_s
         steps = math.floor((left / n_rounds - cal.fixed_s - extra_evals) / cal.step_s)
-        if steps >= (MIN_STEPS if seeds or n == 3 else DEFAULT_STEPS):
+        if steps >= (MIN_STEPS if seeds or n == 3 else PLAN_STEPS):
             run_s = cal.fixed_s + extra_evals + steps * cal.step_s
-            return Plan(steps, n, max(1, steps // EVALS), run_s, n_rounds * run_s)
+            return Plan(steps, n, math.ceil(steps / EVALS), run_s, n_rounds * run_s)
     return None
 
 
@@ -532,13 +547,13 @@ def own_steps(results: dict, variant: str, value: str, seeds: list[int]) -> int:
 def baseline_finals(results: dict, lengths: dict, seeds: list[int], baseline: str,
                     value: str) -> dict:
     """steps -> the baseline's per-seed final bpbs at each length it ran (its own and `lengths`:
-    (seed, steps) -> record), for the lengths every seed ran."""
+    (seed, steps) -> record), over the seeds that ran every length (the first LENGTH_SEEDS); its
+    own length alone, over every seed, when there are none."""
     own = own_steps(results, baseline, value, seeds)
-    finals = {own: [final_bpb(results[baseline, value, s]) for s in seeds]}
-    for n in sorted({n for _, n in lengths}):
-        if all((s, n) in lengths for s in seeds):
-            finals[n] = [final_bpb(lengths[s, n]) for s in seeds]
-    return finals
+    others = sorted({n for _, n in lengths})
+    ran = [s for s in seeds if all((s, n) in lengths for n in others)] if others else []
+    finals = {own: [final_bpb(results[baseline, value, s]) for s in ran or seeds]}
+    return finals | {n: [final_bpb(lengths[s, n]) for s in ran] for n in others if ran}
 
 
 def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
@@ -579,7 +594,8 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     if len(finals) > 1:
         b, b_se, _ = slope
         lines += ["", f"Steps: {baseline} also ran {', '.join(str(n) for n in finals if n != own)} "
-                  f"steps (each with its own schedule, the same seeds); its final bpb falls by "
+                  f"steps (each with its own schedule, on the first {len(finals[own])} seeds); its "
+                  f"final bpb falls by "
                   f"{-b * math.log(2):.4f} ± {b_se * math.log(2):.4f} per doubling of the steps "
                   f"(a line in ln(steps), an intercept per seed), which turns each difference into "
                   "steps."]
@@ -862,9 +878,8 @@ def main(argv=None):
     threads = max(1, cores // (jobs * args.nproc))
     n_seeds = args.seeds or DEFAULT_SEEDS
     default_budget(args, flags, cache)
-    if args.budget is not None:  # a baseline run of another length counts as a whole run
-        flags, n_seeds = plan_runs(args, flags, runs_per_seed + len(args.baseline_lengths), jobs,
-                                   threads, cache)
+    if args.budget is not None:
+        flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
     seeds = list(range(1, n_seeds + 1))
     steps = train_args(flags).num_iterations
     others = sorted({round(f * steps) for f in args.baseline_lengths})
@@ -877,7 +892,8 @@ def main(argv=None):
     todo = [Job(v, x, s, data_seed=data) for v in args.variants for x in args.sweep.values
             for s in seeds]
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
-    shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others for s in seeds]
+    shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others
+               for s in seeds[:LENGTH_SEEDS]]
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
           f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths, {jobs} at a "
           f"time, {threads} thread(s) each", flush=True)
@@ -955,10 +971,10 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
     plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
-    train = train_args(flags)
+    train, lengths = train_args(flags), len(args.baseline_lengths)  # a run of another length: a run
     measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
                 cache["torch"]]
-    parts = [args.budget, args.sweep, args.seeds, *measured]
+    parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]
     path = cache["dir"] / f"plan-{key_of(parts)}.json"
     timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
     if (plan := read_plan(path)) is not None:
@@ -967,11 +983,12 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
         cal, how = read_calibration(timed, args.started), f"calibrated before ({timed.name})"
         if cal is None:
             # the smallest plan fit() may choose: 3 seeds unless given
-            watch = Watch(args.budget, rounds(runs_per_seed, args.seeds or 3, jobs), args.started)
+            watch = Watch(args.budget, rounds(runs_per_seed, args.seeds or 3, jobs, lengths),
+                          args.started)
             cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch)
             write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
             how = "calibrated"
-        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds)
+        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths)
         how += (f": {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
                 f"{cal.seconds:.0f} s spent before the runs")
     if plan is None:

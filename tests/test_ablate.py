@@ -306,27 +306,33 @@ def test_the_paired_verdict_by_hand():
 
 
 def test_the_planner_fits_steps_and_seeds_to_the_budget():
-    """fit() against the wall-time model redone here: the plan's runs fit the budget left after calibrating
-    (with its headroom), one more step would not, and seeds are the caller's, or the most of 5, 4, 3 that
-    keep the default step count."""
-    from scripts.ablate import DEFAULT_STEPS, EVALS, HEADROOM, MIN_STEPS, Calibration, fit
+    """fit() against the wall-time model redone here: the plan's runs (and the baseline's runs at other
+    lengths on the first 2 seeds) fit the budget left after calibrating (with its headroom), one more step
+    would not, and seeds are the caller's, or the most up to MAX_SEEDS that keep PLAN_STEPS steps."""
+    from scripts.ablate import EVALS, HEADROOM, MAX_SEEDS, MIN_STEPS, PLAN_STEPS, Calibration, fit
 
     cal = Calibration(step_s=0.5, fixed_s=10.0, eval_s=2.0, seconds=30.0)
 
-    def total(steps, seeds, runs_per_seed=2, jobs=2):
-        rounds = -(-runs_per_seed * seeds // jobs)
-        return rounds * (cal.fixed_s + (EVALS + 1) * cal.eval_s + steps * cal.step_s)
+    def total(steps, seeds, lengths, runs_per_seed=2, jobs=2):
+        rounds = -(-(runs_per_seed * seeds + lengths * min(seeds, 2)) // jobs)
+        return rounds * (cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s)
 
-    for budget, seeds in [(600, None), (600, 3), (1800, None), (3 * 3600, None), (300, 1)]:
-        plan = fit(budget, cal, 2, 2, seeds)
+    for budget, seeds, lengths in [(600, None, 1), (600, 3, 0), (1800, None, 1), (1800, None, 0),
+                                   (3 * 3600, None, 1), (300, 1, 1), (400, None, 2)]:
+        plan = fit(budget, cal, 2, 2, seeds, lengths)
         left = (budget - cal.seconds) * HEADROOM
         assert plan.seeds == (seeds or plan.seeds) and plan.steps >= MIN_STEPS, (budget, plan)
-        assert total(plan.steps, plan.seeds) <= left < total(plan.steps + 1, plan.seeds), (budget, plan)
-        assert abs(plan.total_s - total(plan.steps, plan.seeds)) < 1e-9
-        assert plan.eval_every == plan.steps // EVALS
-        if seeds is None and plan.seeds < 5:  # one more seed would have cost the default steps
-            assert fit(budget, cal, 2, 2, plan.seeds + 1).steps < DEFAULT_STEPS
-    assert fit(300, cal, 2, 2, None).seeds == 3 and fit(3 * 3600, cal, 2, 2, None).seeds == 5
+        fits = [total(plan.steps + more, plan.seeds, lengths) <= left for more in (0, 1)]
+        assert fits == [True, False], (budget, plan)
+        assert abs(plan.total_s - total(plan.steps, plan.seeds, lengths)) < 1e-9
+        assert plan.eval_every == -(-plan.steps // EVALS)  # evals at 0, 4 more and the end at most
+        if seeds is None and plan.seeds < MAX_SEEDS:  # one more seed would have cost PLAN_STEPS
+            assert fit(budget, cal, 2, 2, plan.seeds + 1, lengths).steps < PLAN_STEPS, (budget, plan)
+        if seeds is None and plan.seeds > 3:
+            assert plan.steps >= PLAN_STEPS
+    assert fit(200, cal, 2, 2, None).seeds == 3 and fit(200, cal, 2, 2, None).steps < PLAN_STEPS
+    assert fit(3 * 3600, cal, 2, 2, None).seeds == MAX_SEEDS and fit(3 * 3600, cal, 2, 2, None).steps > 1000
+    assert fit(600, cal, 2, 2, None, 2).seeds < fit(600, cal, 2, 2, None, 0).seeds  # the lengths cost seeds
     assert fit(60, cal, 2, 2, None) is None  # not even MIN_STEPS fit
 
 
@@ -528,6 +534,51 @@ def test_verdicts_compare_the_final_eval_where_the_runs_scored_one():
     assert f"better by 0.0300 bpb (1.43%) [{-0.03 - hw:+.4f}, {-0.03 + hw:+.4f}]" in row, row
     assert "| 2.0700 ± 0.0100 [" in row and "not reached" in row, row  # 2.01 never reaches 2.00
     assert any("over 123,456 val tokens" in line for line in lines), lines
+
+
+def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verdict_reads_them(
+        base, monkeypatch):
+    """With 5 seeds the baseline runs its other length (200 of 400 steps) on seeds 1-2 only; made-up runs:
+    adamw's bpb is a_s - 0.1 ln(steps) + e_s ln(steps), e_s = 0, 0.001 on the seeds that ran both
+    lengths (a slope of about -0.1 with an error), and muon is better by 0.01 + 0.002 s. The steps
+    verdict is redone here: the share 1 - exp(-diff / slope) and an interval whose t has the
+    Welch-Satterthwaite degrees of freedom of its two variances (the differences' from 5 seeds, the
+    slope's from 2), rounded down: 4 here, where the smaller of the two would give 1."""
+    from scripts import ablate
+
+    jobs = []
+
+    def run_one(job, *a, **k):
+        jobs.append(job)
+        steps = job.steps or 400
+        tilt = {1: 0.0, 2: 0.001}.get(job.seed, 0.0)
+        bpb = 2 + 0.05 * job.seed - (0.1 - tilt) * math.log(steps)
+        bpb -= (0.01 + 0.002 * job.seed) if job.variant == "muon" else 0.0
+        return dict(final_val_bpb=bpb, val_history=[[0, 4.0], [steps, bpb]], val_train_time=[0.0, 1.0],
+                    tok_per_s=1.0, num_params=1, tokens_per_step=256)
+
+    monkeypatch.setattr(ablate, "run_one", run_one)
+    ablate.main(["--seeds", "5", "--jobs", "2", *TINY, "--total-batch-size", "256", "--num-iterations",
+                 "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths3"])
+    assert sorted((j.seed, j.steps) for j in jobs if j.steps) == [(1, 200), (2, 200)]
+    assert sorted(j.seed for j in jobs if not j.steps) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    table = (base / "ablations" / "lengths3" / "ablation.md").read_text()
+    slopes = [-(0.1 - t) for t in (0.0, 0.001)]  # per seed: two lengths, an intercept each
+    b = sum(slopes) / 2
+    b_se = math.sqrt(sum((x - b) ** 2 for x in slopes) / 1 / 2)
+    assert "also ran 200 steps (each with its own schedule, on the first 2 seeds)" in table
+    assert f"falls by {-b * math.log(2):.4f} ± {b_se * math.log(2):.4f} per doubling" in table
+    diffs = [-(0.01 + 0.002 * s) for s in range(1, 6)]
+    m = sum(diffs) / 5
+    v1 = sum((d - m) ** 2 for d in diffs) / 4 / 5 / b ** 2
+    v2 = m ** 2 * b_se ** 2 / b ** 4
+    df = (v1 + v2) ** 2 / (v1 ** 2 / 4 + v2 ** 2 / 1)
+    assert 4 <= df < 5
+    r, hw = -m / b, T975[4] * math.sqrt(v1 + v2)
+    lo, hi = (400 * (1 - math.exp(r + k * hw)) for k in (1, -1))
+    share = 1 - math.exp(r)
+    assert (f"reaches the baseline's final bpb in {400 * share:.0f} fewer steps of 400 ({share:.1%}) "
+            f"[{lo:+.0f}, {hi:+.0f} fewer]") in table, table
 
 
 def test_the_steps_interval_widens_with_the_slopes_error():
