@@ -357,11 +357,11 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 CALIBRATION_STEPS = 12
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
-# Seeds before steps: at the default shape a seed's paired difference spreads 0.37% of bpb at 79
-# steps and 0.29% at 200, at about half the cost per run, so per CPU-minute the two are about even,
-# and more seeds cut the t factor of a small sample (detectable: 3.1 sd at 3 seeds, 1.5 sd at 6).
-# So a budget buys seeds first, up to MAX_SEEDS at PLAN_STEPS steps, then steps (docs/research.md).
-PLAN_STEPS, MAX_SEEDS = 80, 16
+# A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.37% of
+# bpb at 79 steps and 0.29% at 200 (docs/research.md): about steps ** -0.26, which the planner
+# weighs against the t factor of fewer seeds.
+SPREAD_EXPONENT = 0.26
+MAX_SEEDS = 16  # then longer runs: a verdict from more training, at about the same resolution
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 # The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
 # the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
@@ -486,19 +486,21 @@ def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
         lengths: int = 0) -> Plan | None:
     """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
-    lengths: with `seeds` given, the most steps that fit; else the most seeds up to MAX_SEEDS
-    that keep PLAN_STEPS steps, then the most steps at those seeds (or 3 seeds and fewer steps).
-    None if not even MIN_STEPS fit."""
+    lengths: the most steps that fit `seeds` seeds, or if None the seeds (3 to MAX_SEEDS) whose
+    most steps give the smallest projected detectable effect, detectable_factor(seeds) *
+    steps ** -SPREAD_EXPONENT. None if not even MIN_STEPS fit."""
     left = (budget_s - cal.seconds) * HEADROOM
-    for n in [seeds] if seeds else range(MAX_SEEDS, 2, -1):
+    plans = []
+    for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
         n_rounds = rounds(runs_per_seed, n, jobs, lengths)
         # evals at step 0, every ceil(steps / EVALS) and at the end: EVALS more than calibrated
         extra_evals = EVALS * cal.eval_s
         steps = math.floor((left / n_rounds - cal.fixed_s - extra_evals) / cal.step_s)
-        if steps >= (MIN_STEPS if seeds or n == 3 else PLAN_STEPS):
+        if steps >= MIN_STEPS:
             run_s = cal.fixed_s + extra_evals + steps * cal.step_s
-            return Plan(steps, n, math.ceil(steps / EVALS), run_s, n_rounds * run_s)
-    return None
+            plans.append(Plan(steps, n, math.ceil(steps / EVALS), run_s, n_rounds * run_s))
+    return min(plans, default=None, key=lambda p: detectable_factor(max(2, p.seeds))
+               * p.steps ** -SPREAD_EXPONENT)
 
 
 class Sweep(NamedTuple):
