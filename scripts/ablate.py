@@ -17,7 +17,7 @@ them (the variant's definition, seed, swept flag and value, base_train flags, pr
 tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
 shards and of every .py file in nanomuon/ and scripts/, the torch version), so a re-run or an
 interrupted ablation skips them, and an edit of code or data reruns. The baseline also runs at
---baseline-lengths of the steps, which turn each verdict into steps saved.
+--baseline-lengths of the steps (on the first 2 seeds), which turn each verdict into steps saved.
 """
 
 import argparse
@@ -62,9 +62,9 @@ from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
 # 4,096 tokens, where the lr rule's lrs were tuned: docs/lr_rule.md), compiled (1.4x the eager
-# steps here), up to 5 seeds, planned on a CPU to CPU_BUDGETS. The curves' val set is the
-# speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as many (at 200
-# steps and 5 seeds that halved the paired spread, as much as the whole split: docs/research.md).
+# steps here), 5 seeds; on a CPU, the seeds and steps fit() plans to CPU_BUDGETS. The curves' val
+# set is the speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as
+# many (at 200 steps and 5 seeds that halved the paired spread, as much as the whole split).
 DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = 200, 5, "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
@@ -357,10 +357,11 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 CALIBRATION_STEPS = 12
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
-# A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.37% of
-# bpb at 79 steps and 0.29% at 200 (docs/research.md): about steps ** -0.26, which the planner
-# weighs against the t factor of fewer seeds.
-SPREAD_EXPONENT = 0.26
+# A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
+# bpb at 64 steps, 0.37% at 79 and 0.29% at 200 (5, 10 and 5 seeds; docs/research.md): about
+# steps ** -0.41 (fitted in log-log, weighted by degrees of freedom), which the planner weighs
+# against the t factor of fewer seeds.
+SPREAD_EXPONENT = 0.41
 MAX_SEEDS = 16  # then longer runs: a verdict from more training, at about the same resolution
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 # The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of

@@ -340,7 +340,8 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
     assert fit(200, cal, 2, 2, None).seeds == 3  # the fewest seeds, at fewer steps
     big = fit(3 * 3600, cal, 2, 2, None)
     assert big.seeds == MAX_SEEDS and big.steps > 1000  # then longer runs
-    assert fit(600, cal, 2, 2, None, 2).seeds < fit(600, cal, 2, 2, None, 0).seeds  # the lengths cost seeds
+    with_lengths, without = fit(600, cal, 2, 2, None, 2), fit(600, cal, 2, 2, None, 0)
+    assert (with_lengths.seeds, with_lengths.steps) < (without.seeds, without.steps)  # the lengths cost
     assert fit(60, cal, 2, 2, None) is None  # not even MIN_STEPS fit
 
 
