@@ -974,7 +974,7 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
     plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
-    train, lengths = train_args(flags), len(args.baseline_lengths)  # a run of another length: a run
+    train, lengths = train_args(flags), len(args.baseline_lengths)  # each a whole run, on 2 seeds
     measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
                 cache["torch"]]
     parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]

@@ -474,6 +474,26 @@ def test_calibration_refuses_when_start_up_alone_overruns():
     assert late.terminated
 
 
+def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
+    """The baseline's other lengths cost runs, so a plan kept for --baseline-lengths none is not the
+    plan for 0.8: that one is fitted again (from the kept calibration) to fewer seeds or steps."""
+    import time
+
+    from scripts import ablate
+
+    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: ablate.Calibration(1.0, 10.0, 0.5, 3.0))
+    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
+    plans = []
+    for lengths in ("none", "0.8", "none"):
+        args, flags = ablate.parse_args(["--budget", "20m", "--baseline-lengths", lengths])
+        args.started = time.monotonic()
+        plans.append(ablate.plan_runs(args, flags, 2, 2, 1, cache))
+    said = capsys.readouterr().out.splitlines()
+    assert ["calibrated:" in said[0], "calibrated before" in said[1], "planned before" in said[2]] == [True] * 3
+    (_, seeds_none), (_, seeds_08) = plans[:2]
+    assert plans[2] == plans[0] and plans[1] != plans[0] and seeds_08 <= seeds_none
+
+
 def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
     """Calibration is kept per runs and code, whatever the budget: a second --budget (another value) reads it
     and refuses before any run starts; a damaged calibration file is calibrated again."""
