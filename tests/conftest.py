@@ -1,15 +1,23 @@
-"""Test options (slow tests run only with --slow; CI passes it), the base dir the training tests share, and a
-fake Hugging Face hub on 127.0.0.1 for the download and hub-source tests."""
+"""Test options (slow tests run only with --slow; CI passes it), the base dir the training tests share, a
+fake Hugging Face hub on 127.0.0.1 for the download and hub-source tests, and Ctrl-C for the child processes."""
 
 import hashlib
 import json
 import os
 import re
+import signal
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
+
+def pytest_configure(config):
+    # A suite started in the background (`cmd &`, nohup) ignores SIGINT, and every child it starts
+    # would too: the tests that Ctrl-C a training run need it delivered
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser):

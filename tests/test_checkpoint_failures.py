@@ -60,8 +60,6 @@ INTERRUPTED_SAVE = textwrap.dedent("""
         return write(*args, **kwargs)
 
     filesystem._write_item = interrupted
-    # a suite started in the background (nohup, `cmd &`) ignores SIGINT, and so would this child
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1:])
 """)
 
