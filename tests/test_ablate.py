@@ -588,10 +588,10 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
 
     monkeypatch.setattr(ablate, "run_one", run_one)
     ablate.main(["--seeds", "5", "--jobs", "2", *TINY, "--total-batch-size", "256", "--num-iterations",
-                 "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths3"])
+                 "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths-on-2"])
     assert sorted((j.seed, j.steps) for j in jobs if j.steps) == [(1, 200), (2, 200)]
     assert sorted(j.seed for j in jobs if not j.steps) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
-    table = (base / "ablations" / "lengths3" / "ablation.md").read_text()
+    table = (base / "ablations" / "lengths-on-2" / "ablation.md").read_text()
     slopes = [-(0.1 - t) for t in (0.0, 0.001)]  # per seed: two lengths, an intercept each
     b = sum(slopes) / 2
     b_se = math.sqrt(sum((x - b) ** 2 for x in slopes) / 1 / 2)
