@@ -224,9 +224,11 @@ def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
     m, sd, _ = mean_ci(diffs)
     n = len(diffs)
     r = -m / b
-    # the two variances of r, each with its degrees of freedom: Welch-Satterthwaite's for the sum,
-    # rounded down (the slope may come from fewer seeds than the differences)
-    parts = [(sd ** 2 / n / b ** 2, n - 1)] + ([(m ** 2 * b_se ** 2 / b ** 4, b_df)] * (b_df > 0))
+    # the variances of r and their degrees of freedom: Welch-Satterthwaite's for the sum, rounded
+    # down (the slope may come from fewer seeds than the differences)
+    parts = [(sd ** 2 / n / b ** 2, n - 1)]
+    if b_df > 0:  # a slope with an error of its own
+        parts.append((m ** 2 * b_se ** 2 / b ** 4, b_df))
     r_var = sum(v for v, _ in parts)
     df = r_var ** 2 / sum(v ** 2 / d for v, d in parts) if r_var > 0 else n - 1
     hw = t_quantile(max(1, math.floor(df))) * math.sqrt(r_var)
@@ -491,11 +493,11 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds:
     most steps give the smallest projected detectable effect, detectable_factor(seeds) *
     steps ** -SPREAD_EXPONENT. None if not even MIN_STEPS fit."""
     left = (budget_s - cal.seconds) * HEADROOM
+    # evals at step 0, every ceil(steps / EVALS) and at the end: EVALS more than calibrated
+    extra_evals = EVALS * cal.eval_s
     plans = []
     for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
         n_rounds = rounds(runs_per_seed, n, jobs, lengths)
-        # evals at step 0, every ceil(steps / EVALS) and at the end: EVALS more than calibrated
-        extra_evals = EVALS * cal.eval_s
         steps = math.floor((left / n_rounds - cal.fixed_s - extra_evals) / cal.step_s)
         if steps >= MIN_STEPS:
             run_s = cal.fixed_s + extra_evals + steps * cal.step_s
@@ -598,10 +600,9 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
         b, b_se, _ = slope
         lines += ["", f"Steps: {baseline} also ran {', '.join(str(n) for n in finals if n != own)} "
                   f"steps (each with its own schedule, on the first {len(finals[own])} seeds); its "
-                  f"final bpb falls by "
-                  f"{-b * math.log(2):.4f} ± {b_se * math.log(2):.4f} per doubling of the steps "
-                  f"(a line in ln(steps), an intercept per seed), which turns each difference into "
-                  "steps."]
+                  f"final bpb falls by {-b * math.log(2):.4f} ± {b_se * math.log(2):.4f} per "
+                  "doubling of the steps (a line in ln(steps), an intercept per seed), which turns "
+                  "each difference into steps."]
     return lines, best
 
 
@@ -974,7 +975,7 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
     plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
-    train, lengths = train_args(flags), len(args.baseline_lengths)  # each a whole run, on 2 seeds
+    train, lengths = train_args(flags), len(args.baseline_lengths)  # each a whole run
     measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
                 cache["torch"]]
     parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]
