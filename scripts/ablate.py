@@ -357,6 +357,7 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
 CALIBRATION_STEPS = 12
+WARM_STEPS = 3  # the second round's, compiled: its start-up as the planned runs see it
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 # A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
@@ -401,14 +402,16 @@ def budget_arg(s: str) -> float:
 
 class Watch:
     """Early refusal while calibrating: from the first seconds, a lower bound on each planned run's
-    wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
-    it takes at least as long as a calibration run has so far, and at least the time to a step
-    line plus the steps left at that line's dt). When `rounds` such runs cannot fit what is left
-    of the budget, the calibration runs are stopped and the budget refused."""
+    wall time. Every planned run trains MIN_STEPS steps or more, so it takes at least MIN_STEPS
+    steps at a step line's dt. Once the compile cache is warm (`warm`), a planned run also starts
+    up as a calibration run does, so it takes at least as long as one has so far, and at least the
+    time to a step line plus the steps left at that line's dt; a cold compile (the first round's)
+    bounds nothing, since the planned runs find its cache. When `rounds` such runs cannot fit what
+    is left of the budget, the calibration runs are stopped and the budget refused."""
 
-    def __init__(self, budget_s: float, rounds: int, started: float):
-        self.budget_s, self.rounds, self.started = budget_s, rounds, started
-        self.began = time.monotonic()
+    def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True):
+        self.budget_s, self.rounds, self.started, self.warm = budget_s, rounds, started, warm
+        self.began = self.first = time.monotonic()  # began: this round's
         self.procs, self.refusal, self.run_s = [], None, 0.0  # run_s: from the step lines
         self.lock = threading.Lock()
 
@@ -421,14 +424,19 @@ class Watch:
     def line(self, text: str) -> None:
         m = re.match(r"step (\d+)/\d+ .*\| dt (\d+)ms", text)
         if m and int(m[1]) >= 3:  # the first steps compile
-            took = time.monotonic() - self.began
-            self.run_s = max(self.run_s, took + (MIN_STEPS - int(m[1])) * int(m[2]) / 1000)
+            step_s, took = int(m[2]) / 1000, time.monotonic() - self.began
+            bound = took + (MIN_STEPS - int(m[1])) * step_s if self.warm else MIN_STEPS * step_s
+            self.run_s = max(self.run_s, bound)
             self.check()
+
+    def rewarm(self) -> None:
+        """The next round of calibration runs starts now, with the compile cache warm."""
+        self.warm, self.began = True, time.monotonic()
 
     def check(self) -> None:
         """Refuse (and stop the calibration runs) once the bound passes the budget."""
         now = time.monotonic()
-        run_s = max(now - self.began, self.run_s)
+        run_s = max(now - self.began if self.warm else 0.0, self.run_s)
         left = (self.budget_s - (now - self.started) - WRITE_UP_S) * HEADROOM
         with self.lock:
             if self.refusal or self.rounds * run_s <= left:
@@ -436,7 +444,7 @@ class Watch:
             self.refusal = (
                 f"error: --budget {self.budget_s:.0f}s cannot fit: {self.rounds} rounds of runs "
                 f"of at least {run_s:.0f} s each (start-up and {MIN_STEPS} steps, as calibrating "
-                f"shows after {now - self.began:.0f} s) do not fit the {left:.0f} s left; raise "
+                f"shows after {now - self.first:.0f} s) do not fit the {left:.0f} s left; raise "
                 "--budget, or cut --variants, --sweep, --seeds or --depth")
             for p in self.procs:
                 p.terminate()
@@ -446,7 +454,37 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
               name: str, watch: Watch) -> Calibration:
     """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn, under
     `watch` (which may refuse the budget before they end); their run dirs are removed afterwards.
+    Compiled runs time their start-up again in a second round of WARM_STEPS steps: the first
+    round may compile cold (a minute on a CPU), while the planned runs find its compile cache.
     train: base_train's args for flags."""
+    first = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
+                              CALIBRATION_STEPS)
+    step_s = max(s["median_step_ms"] for s in first.summaries) / 1000
+    start_up = first
+    if compiles(train):
+        watch.rewarm()
+        start_up = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
+                                     WARM_STEPS)
+    eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
+    fixed_s = max(start_up.walls) - start_up.steps * step_s
+    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
+
+
+def compiles(train) -> bool:
+    """Whether base_train's args `train` compile (by default, on CUDA)."""
+    return train.compile or (train.compile is None
+                             and check_device_type(train.device_type) == "cuda")
+
+
+class CalibrationRound(NamedTuple):
+    steps: int
+    walls: list[float]  # seconds, per run
+    summaries: list[dict]  # base_train's summary.json, per run
+
+
+def calibration_round(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
+                      name: str, watch: Watch, steps: int) -> CalibrationRound:
+    """`jobs` runs of `steps` steps at once, the variants in turn, each timed, under `watch`."""
     runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
     walls = [0.0] * jobs
 
@@ -454,7 +492,7 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
         t = time.monotonic()
         launch(f"calibration {j + 1}/{jobs}", [
             *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
-            "--num-iterations", str(CALIBRATION_STEPS), "--eval-every", "-1", "--save-every", "-1",
+            "--num-iterations", str(steps), "--eval-every", "-1", "--save-every", "-1",
             "--log-every", "1", "--sample-tokens", "0", "--start-over"], nproc, threads, watch)
         walls[j] = time.monotonic() - t
 
@@ -474,10 +512,7 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
         done.set()
         for r in runs:
             shutil.rmtree(get_base_dir() / "runs" / r, ignore_errors=True)
-    step_s = max(s["median_step_ms"] for s in summaries) / 1000
-    eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
-    fixed_s = max(walls) - CALIBRATION_STEPS * step_s
-    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
+    return CalibrationRound(steps, walls, summaries)
 
 
 def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:
@@ -988,7 +1023,7 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
         if cal is None:
             # the smallest plan fit() may choose: 3 seeds unless given
             watch = Watch(args.budget, rounds(runs_per_seed, args.seeds or 3, jobs, lengths),
-                          args.started)
+                          args.started, warm=not compiles(train))
             cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch)
             write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
             how = "calibrated"
