@@ -357,7 +357,7 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
 
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
 CALIBRATION_STEPS = 12
-WARM_STEPS = 3  # the second round's, compiled: its start-up as the planned runs see it
+WARM_UP_STEPS = 3  # compiled runs' first, untimed round: it fills the compile cache
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 # A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
@@ -402,12 +402,12 @@ def budget_arg(s: str) -> float:
 
 class Watch:
     """Early refusal while calibrating: from the first seconds, a lower bound on each planned run's
-    wall time. Every planned run trains MIN_STEPS steps or more, so it takes at least MIN_STEPS
-    steps at a step line's dt. Once the compile cache is warm (`warm`), a planned run also starts
-    up as a calibration run does, so it takes at least as long as one has so far, and at least the
-    time to a step line plus the steps left at that line's dt; a cold compile (the first round's)
-    bounds nothing, since the planned runs find its cache. When `rounds` such runs cannot fit what
-    is left of the budget, the calibration runs are stopped and the budget refused."""
+    wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
+    it takes at least as long as a calibration run has so far, and at least the time to a step
+    line plus the steps left at that line's dt). When `rounds` such runs cannot fit what is left
+    of the budget, the calibration runs are stopped and the budget refused. A round that may
+    compile cold (not `warm`) bounds nothing but the time it spends: the planned runs find its
+    compile cache, and its steps are slowed by the other runs' compiling."""
 
     def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True):
         self.budget_s, self.rounds, self.started, self.warm = budget_s, rounds, started, warm
@@ -424,9 +424,9 @@ class Watch:
     def line(self, text: str) -> None:
         m = re.match(r"step (\d+)/\d+ .*\| dt (\d+)ms", text)
         if m and int(m[1]) >= 3:  # the first steps compile
-            step_s, took = int(m[2]) / 1000, time.monotonic() - self.began
-            bound = took + (MIN_STEPS - int(m[1])) * step_s if self.warm else MIN_STEPS * step_s
-            self.run_s = max(self.run_s, bound)
+            if self.warm:
+                took = time.monotonic() - self.began
+                self.run_s = max(self.run_s, took + (MIN_STEPS - int(m[1])) * int(m[2]) / 1000)
             self.check()
 
     def rewarm(self) -> None:
@@ -441,11 +441,12 @@ class Watch:
         with self.lock:
             if self.refusal or self.rounds * run_s <= left:
                 return
-            self.refusal = (
-                f"error: --budget {self.budget_s:.0f}s cannot fit: {self.rounds} rounds of runs "
-                f"of at least {run_s:.0f} s each (start-up and {MIN_STEPS} steps, as calibrating "
-                f"shows after {now - self.first:.0f} s) do not fit the {left:.0f} s left; raise "
-                "--budget, or cut --variants, --sweep, --seeds or --depth")
+            why = (f"{self.rounds} rounds of runs of at least {run_s:.0f} s each (start-up and "
+                   f"{MIN_STEPS} steps, as calibrating shows after {now - self.first:.0f} s) do "
+                   f"not fit the {left:.0f} s left" if left > 0 else
+                   f"the time before the runs has spent it ({now - self.started:.0f} s so far)")
+            self.refusal = (f"error: --budget {self.budget_s:.0f}s cannot fit: {why}; raise "
+                            "--budget, or cut --variants, --sweep, --seeds or --depth")
             for p in self.procs:
                 p.terminate()
 
@@ -454,19 +455,17 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
               name: str, watch: Watch) -> Calibration:
     """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn, under
     `watch` (which may refuse the budget before they end); their run dirs are removed afterwards.
-    Compiled runs time their start-up again in a second round of WARM_STEPS steps: the first
-    round may compile cold (a minute on a CPU), while the planned runs find its compile cache.
-    train: base_train's args for flags."""
-    first = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
-                              CALIBRATION_STEPS)
-    step_s = max(s["median_step_ms"] for s in first.summaries) / 1000
-    start_up = first
+    Compiled runs first warm the compile cache in a round of WARM_UP_STEPS steps, untimed: a cold
+    compile takes a minute on a CPU and slows the other runs' steps, while the planned runs find
+    the cache warm. train: base_train's args for flags."""
     if compiles(train):
+        calibration_round(flags, variants, jobs, threads, nproc, name, watch, WARM_UP_STEPS)
         watch.rewarm()
-        start_up = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
-                                     WARM_STEPS)
+    timed = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
+                              CALIBRATION_STEPS)
+    step_s = max(s["median_step_ms"] for s in timed.summaries) / 1000
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
-    fixed_s = max(start_up.walls) - start_up.steps * step_s
+    fixed_s = max(timed.walls) - CALIBRATION_STEPS * step_s
     return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
 
 
@@ -477,7 +476,6 @@ def compiles(train) -> bool:
 
 
 class CalibrationRound(NamedTuple):
-    steps: int
     walls: list[float]  # seconds, per run
     summaries: list[dict]  # base_train's summary.json, per run
 
@@ -512,7 +510,7 @@ def calibration_round(flags: list[str], variants: list[str], jobs: int, threads:
         done.set()
         for r in runs:
             shutil.rmtree(get_base_dir() / "runs" / r, ignore_errors=True)
-    return CalibrationRound(steps, walls, summaries)
+    return CalibrationRound(walls, summaries)
 
 
 def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:

@@ -475,32 +475,38 @@ def test_calibration_refuses_when_start_up_alone_overruns():
 
 
 def test_a_cold_compile_bounds_no_planned_run():
-    """While the first calibration round may compile cold, the time spent so far bounds nothing (the planned
-    runs find the compile cache) and a step line bounds a run by MIN_STEPS steps at its dt alone; once
-    rewarmed, the round's time so far bounds every run again, as does the time to a step line."""
+    """While the first calibration round may compile cold, neither its time so far nor its step lines bound a
+    planned run (the runs find the compile cache; its steps are slowed by the others' compiling), only the
+    budget spent counts; once rewarmed, the round's time so far bounds every run again, as does the time to a
+    step line plus the steps left at its dt."""
     import time
 
-    from scripts.ablate import MIN_STEPS, Watch
+    from scripts.ablate import Watch
 
     watch = Watch(200, 5, time.monotonic() - 70, warm=False)  # ablate started 70 s ago
     watch.began -= 60
     watch.first -= 60  # a minute of cold compile so far: 5 x 60 s would not fit
     watch.check()
-    assert watch.refusal is None
-    watch.line("step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 200ms | tok/s 128\n")
-    assert watch.refusal is None and watch.run_s == pytest.approx(MIN_STEPS * 0.2)  # 5 x 10 s fits
+    watch.line("step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 2000ms | tok/s 128\n")  # 5 x 94 s
+    assert watch.refusal is None and watch.run_s == 0
     watch.rewarm()
+    watch.line("step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 200ms | tok/s 128\n")
+    assert watch.refusal is None and 9.4 <= watch.run_s < 10  # 47 steps left at 0.2 s: 5 x 9.4 s fits
     for t in ("started", "first", "began"):  # 25 s of the warm round pass
         setattr(watch, t, getattr(watch, t) - 25)  # 5 rounds x 25 s > (200 - 95 - 5) x 0.9
     watch.check()
     assert watch.refusal.startswith("error: --budget 200s cannot fit: 5 rounds of runs of at least 25 s")
     assert "as calibrating shows after 85 s" in watch.refusal  # since calibrating began
+    spent = Watch(200, 5, time.monotonic() - 200, warm=False)  # a cold compile that ate the budget
+    spent.check()
+    assert spent.refusal.startswith(
+        "error: --budget 200s cannot fit: the time before the runs has spent it (200 s so far)")
 
 
 @pytest.mark.slow
 def test_a_compiled_calibration_times_the_start_up_the_runs_will_see(base, small, tmp_path, monkeypatch):
-    """In a fresh compile cache, the first calibration round compiles cold; the runs it plans find the
-    cache warm. The calibration's model of a run, fixed_s + steps x step_s, is checked against a real
+    """In a fresh compile cache, a first, untimed calibration round compiles cold; the runs it plans find
+    the cache warm. The calibration's model of a run, fixed_s + steps x step_s, is checked against a real
     run after it, and the cold round's start-up (what the calibration used to plan with) is longer."""
     import time
 
@@ -514,8 +520,9 @@ def test_a_compiled_calibration_times_the_start_up_the_runs_will_see(base, small
     monkeypatch.setattr(ablate, "calibration_round", lambda *a: rounds.append(real_round(*a)) or rounds[-1])
     watch = ablate.Watch(3600, 1, time.monotonic(), warm=False)
     cal = ablate.calibrate(flags, train, ["muon"], 1, 2, 1, "warm", watch)
-    assert [r.steps for r in rounds] == [ablate.CALIBRATION_STEPS, ablate.WARM_STEPS]
-    cold_fixed = rounds[0].walls[0] - ablate.CALIBRATION_STEPS * cal.step_s
+    assert [len(r.summaries[0]["history"]) for r in rounds] == [ablate.WARM_UP_STEPS,
+                                                                ablate.CALIBRATION_STEPS]
+    cold_fixed = rounds[0].walls[0] - ablate.WARM_UP_STEPS * cal.step_s
     steps = 30
     t = time.monotonic()
     ablate.launch("warm run", [*flags, "--run", "warm-run", "--optimizer", "muon", "--num-iterations",
