@@ -377,7 +377,7 @@ WRITE_UP_S = 5.0  # the table and the plot at the end
 
 class Calibration(NamedTuple):
     """What --budget plans with, measured with `jobs` runs at once (their contention)."""
-    step_s: float  # one training step (the slowest calibration run's median)
+    step_s: float  # one training step (the slowest calibration run's mean, past its first 2)
     fixed_s: float  # the rest of a run: start-up, building, one eval, the save and the report
     eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
     seconds: float  # spent before the runs: since ablate started, calibrating, the write-up to come
@@ -463,7 +463,8 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
         watch.rewarm()
     timed = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
                               CALIBRATION_STEPS)
-    step_s = max(s["median_step_ms"] for s in timed.summaries) / 1000
+    # the mean, not the median: a run's wall pays for its slow steps too
+    step_s = max(s["mean_step_ms"] for s in timed.summaries) / 1000
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
     fixed_s = max(timed.walls) - CALIBRATION_STEPS * step_s
     return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)

@@ -965,6 +965,7 @@ def report(run: Run) -> dict:
     if run.step_times:
         med_dt, med_opt = statistics.median(run.step_times), statistics.median(run.optim_times)
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
+                       mean_step_ms=1000 * statistics.fmean(run.step_times),  # the wall's pace
                        optimizer_share=med_opt / med_dt, tok_per_s=args.total_batch_size / med_dt)
         if peak:
             summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)

@@ -143,6 +143,24 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     assert said in capsys.readouterr().out
 
 
+def test_the_summary_paces_steps_as_the_step_lines_do(base, capsys):
+    """summary.json's median_step_ms and mean_step_ms (what ablate's budget plans with: a run's wall
+    pays for its slow steps) are those of the step lines' dt over the steps the summary counts."""
+    import statistics
+
+    from scripts.base_train import main
+
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "9", "--eval-every", "-1",
+          "--log-every", "1", "--run", "paced"])
+    out = capsys.readouterr().out
+    counted = int(re.search(r"medians over (\d+) steps", out)[1])
+    dts = [int(m) for m in re.findall(r"^step \d+/\d+ .*\| dt (\d+)ms", out, re.M)][-counted:]
+    summary = json.loads((base / "runs" / "paced" / "summary.json").read_text())
+    assert 5 <= counted <= 8 and len(dts) == counted
+    assert summary["mean_step_ms"] == pytest.approx(statistics.fmean(dts), abs=0.5)  # dt is rounded
+    assert summary["median_step_ms"] == pytest.approx(statistics.median(dts), abs=0.5)
+
+
 def test_base_train_chooses_and_prints_nanochats_recipe_at_d24(capsys):
     """speedrun.sh's GPU flags at d24: the batch, weight decay and steps nanochat's formulas give
     (written out here: 12 depth width^2 + vocab width scaling params, d12's horizon as D_ref),
