@@ -336,6 +336,12 @@ def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
     return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
 
 
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """--compile's default (None): on for CUDA, where it pays; off elsewhere (on a CPU the first
+    step compiles for about a minute)."""
+    return device.type == "cuda" if compile is None else compile
+
+
 def autocast(device: torch.device, dtype: str = "auto"):
     """bf16 autocast (params and optimizer stay fp32) or plain fp32, as resolve_dtype decides."""
     bf16 = resolve_dtype(device, dtype) == "bf16"

@@ -49,6 +49,7 @@ from nanomuon.common import (
     check_device_type,
     content_hashes,
     get_base_dir,
+    resolve_compile,
     resolve_dtype,
     user_errors,
     write_atomic,
@@ -471,9 +472,8 @@ def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: 
 
 
 def compiles(train) -> bool:
-    """Whether base_train's args `train` compile (by default, on CUDA)."""
-    return train.compile or (train.compile is None
-                             and check_device_type(train.device_type) == "cuda")
+    """Whether base_train's args `train` compile."""
+    return resolve_compile(train.compile, torch.device(check_device_type(train.device_type)))
 
 
 class CalibrationRound(NamedTuple):

@@ -43,6 +43,7 @@ from nanomuon.common import (
     on_every_rank,
     peak_flops,
     print0,
+    resolve_compile,
     resolve_dtype,
     size_str,
     synchronize,
@@ -592,7 +593,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
                                    args.aspect_ratio, args.head_dim, qk_norm=args.qk_norm)
-    compiled = device.type == "cuda" if args.compile is None else args.compile
+    compiled = resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit

@@ -30,7 +30,7 @@ import time
 import torch
 
 from nanomuon.baselines import TorchMuonAdamW
-from nanomuon.common import synchronize
+from nanomuon.common import resolve_compile, synchronize
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import bucket_by, owner_plan
@@ -307,7 +307,7 @@ def main(argv=None):
                         help="Newton-Schulz precisions to time in section 2")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    compile = device.type == "cuda" if args.compile is None else args.compile
+    compile = resolve_compile(args.compile, device)
     command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
     name = device_name(device)
     threads = torch.get_num_threads()
