@@ -474,6 +474,35 @@ def test_calibration_refuses_when_start_up_alone_overruns():
     assert late.terminated
 
 
+def test_the_calibration_never_trains_over_or_deletes_a_run_it_did_not_make(base):
+    """The calibration trains in runs/<name>-calibration-N and deletes them after: a user's run of that
+    name is refused in one line before anything starts, and kept whole; one a killed calibration left
+    (marked as ablate's) is trained over and removed."""
+    import time
+
+    from scripts import ablate
+
+    watch = ablate.Watch(3600, 1, time.monotonic())
+    flags = [*TINY, "--total-batch-size", "256", "--no-compile"]
+    mine = base / "runs" / "guard-calibration-2"
+    (mine / "step_000004").mkdir(parents=True)
+    (mine / "summary.json").write_text('{"final_val_bpb": 2.5}')
+    with pytest.raises(SystemExit, match=r"^error: .*guard-calibration-2 is not a calibration run of ablate's, "
+                                         r"and the calibration would train in it and delete it: move it, or pass "
+                                         r"another --name$"):
+        ablate.calibration_round(flags, ["muon", "adamw"], 2, 1, 1, "guard", watch, 2)
+    assert sorted(p.name for p in mine.iterdir()) == ["step_000004", "summary.json"]
+    assert not (base / "runs" / "guard-calibration-1").exists()  # refused before any run started
+    shutil.rmtree(mine)
+    left = base / "runs" / "guard-calibration-1"  # a calibration killed after its run finished
+    left.mkdir()
+    (left / ablate.CALIBRATION_MARK).touch()
+    (left / "summary.json").write_text('{"final_val_bpb": 9.9}')
+    timed = ablate.calibration_round(flags, ["muon", "adamw"], 2, 1, 1, "guard", watch, 2)
+    assert [s["optimizer"] for s in timed.summaries] == ["muon", "adamw"]
+    assert not list((base / "runs").glob("guard-calibration-*"))
+
+
 def test_a_cold_compile_bounds_no_planned_run():
     """While the first calibration round may compile cold, neither its time so far nor its step lines bound a
     planned run (the runs find the compile cache; its steps are slowed by the others' compiling), only the
