@@ -524,7 +524,8 @@ def claim_calibration_dirs(runs: list[str]) -> None:
     ablate left (a calibration killed before its cleanup) is ablate's to reuse."""
     for r in runs:
         run_dir = get_base_dir() / "runs" / r
-        if run_dir.is_symlink() or (run_dir.exists() and not (run_dir / CALIBRATION_MARK).is_file()):
+        ours = (run_dir / CALIBRATION_MARK).is_file()
+        if run_dir.is_symlink() or (run_dir.exists() and not ours):
             raise SystemExit(f"error: {run_dir} is not a calibration run of ablate's, and the "
                              "calibration would train in it and delete it: move it, or pass "
                              "another --name")
