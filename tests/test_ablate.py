@@ -575,10 +575,32 @@ def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkey
         args, flags = ablate.parse_args(["--budget", "20m", "--baseline-lengths", lengths])
         args.started = time.monotonic()
         plans.append(ablate.plan_runs(args, flags, 2, 2, 1, cache))
-    said = capsys.readouterr().out.splitlines()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== plan for")]
     assert ["calibrated:" in said[0], "calibrated before" in said[1], "planned before" in said[2]] == [True] * 3
     (_, seeds_none), (_, seeds_08) = plans[:2]
     assert plans[2] == plans[0] and plans[1] != plans[0] and seeds_08 <= seeds_none
+
+
+def test_a_plan_shorter_than_the_lrs_tuning_says_so(tmp_path, monkeypatch, capsys):
+    """The default's lrs were tuned at 200 steps: a plan of fewer, at those lrs, says that Muon's best
+    moved there and how to compare each at its best; a plan that sweeps, or runs the 200, says nothing."""
+    import time
+
+    from scripts import ablate
+
+    for step_s, sweep, noted in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], False),
+                                 (0.05, [], False)]:
+        cache = dict(dir=tmp_path / f"{step_s}{sweep}", device="cpu", code="c", torch="t")
+        cache["dir"].mkdir()
+        monkeypatch.setattr(ablate, "calibrate", lambda *a, s=step_s, **k: ablate.Calibration(s, 10.0, 0.1, 3.0))
+        args, flags = ablate.parse_args(["--budget", "15m", *sweep])
+        args.started = time.monotonic()
+        flags, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
+        steps = int(flags[flags.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
+        out = capsys.readouterr().out
+        assert (steps < ablate.DEFAULT_STEPS) == (step_s == 1.0), (steps, out)
+        assert ("== note: the lrs were tuned at 200 steps; at 76, Muon's best was 2x theirs and AdamW's 1x: "
+                "--sweep lr-multiplier=1,2 compares each at its best" in out) == noted, out
 
 
 def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
