@@ -1061,9 +1061,9 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
           f"all ~{plan.total_s / 60:.1f} min", flush=True)
     if not args.preset and args.sweep == sweep_arg(DEFAULT_SWEEP) and plan.steps < DEFAULT_STEPS:
         # measured at 76 steps on the default shape, 6 seeds (docs/research.md)
-        print(f"== note: the lrs were tuned at {DEFAULT_STEPS} steps; at 76, Muon's best was 2x "
-              "theirs and AdamW's 1x: --sweep lr-multiplier=1,2 compares each at its best",
-              flush=True)
+        print(f"== note: the lrs were tuned at {DEFAULT_STEPS} steps; at 76, Muon's best was "
+              "1.5-2x theirs and AdamW's 1x: --sweep lr-multiplier=1,1.5,2 compares each at its "
+              "best", flush=True)
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
             str(plan.eval_every)], plan.seeds
 
