@@ -485,7 +485,7 @@ def calibration_round(flags: list[str], variants: list[str], jobs: int, threads:
                       name: str, watch: Watch, steps: int) -> CalibrationRound:
     """`jobs` runs of `steps` steps at once, the variants in turn, each timed, under `watch`."""
     runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
-    claim_calibration_dirs(runs)
+    run_dirs = claim_calibration_dirs(runs)
     walls = [0.0] * jobs
 
     def one(j: int) -> None:
@@ -506,33 +506,33 @@ def calibration_round(flags: list[str], variants: list[str], jobs: int, threads:
     try:
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(one, range(jobs)))
-        summaries = [json.loads((get_base_dir() / "runs" / r / "summary.json").read_text())
-                     for r in runs]
+        summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
     finally:
         done.set()
-        for r in runs:
-            shutil.rmtree(get_base_dir() / "runs" / r, ignore_errors=True)
+        for d in run_dirs:
+            shutil.rmtree(d, ignore_errors=True)
     return CalibrationRound(walls, summaries)
 
 
 CALIBRATION_MARK = ".ablate-calibration"  # in a run dir that calibration_round may delete
 
 
-def claim_calibration_dirs(runs: list[str]) -> None:
-    """The calibration trains in these run dirs and deletes them after: a dir of that name that
-    ablate did not make (a user's run) is refused in one line, never trained over or deleted; one
-    ablate left (a calibration killed before its cleanup) is ablate's to reuse."""
-    for r in runs:
-        run_dir = get_base_dir() / "runs" / r
+def claim_calibration_dirs(runs: list[str]) -> list[Path]:
+    """The dirs of these calibration runs, each marked as ablate's. The calibration trains in them
+    and deletes them after: a dir of that name that ablate did not make (a user's run) is refused
+    in one line, never trained over or deleted; one ablate left (a calibration killed before its
+    cleanup) is ablate's to reuse."""
+    run_dirs = [get_base_dir() / "runs" / r for r in runs]
+    for run_dir in run_dirs:
         ours = (run_dir / CALIBRATION_MARK).is_file()
         if run_dir.is_symlink() or (run_dir.exists() and not ours):
             raise SystemExit(f"error: {run_dir} is not a calibration run of ablate's, and the "
                              "calibration would train in it and delete it: move it, or pass "
                              "another --name")
-    for r in runs:
-        run_dir = get_base_dir() / "runs" / r
+    for run_dir in run_dirs:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CALIBRATION_MARK).touch()
+    return run_dirs
 
 
 def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:
