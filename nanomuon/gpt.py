@@ -308,6 +308,26 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
             for key, lr in RULE_LRS.items()}
 
 
+# Muon's lr and the run's length. The CPU rule was tuned at RULE_STEPS steps; in shorter runs
+# Muon's matrices do best at a higher lr while AdamW's lrs stay best (at 76 steps of RULE_BATCH
+# tokens: matrices at 2x, each other group at 1x; docs/research.md). ablate, whose budgets plan
+# short runs, trains them at short_run_matrix_lr.
+RULE_STEPS = 200
+SHORT_RUN_EXPONENT = 0.7  # 2x at 76 steps: (200 / 76) ** 0.7 = 1.97
+SHORT_RUN_FLOOR = 50  # fewer steps get 50's lr (2.6x): shorter is not training, just its start
+
+
+def short_run_matrix_lr(steps: int, total_batch_size: int) -> float:
+    """Muon's matrix lr for a run of `steps` steps of total_batch_size tokens (below
+    NANOCHAT_BATCH): the rule's, times (RULE_STEPS / steps) ** SHORT_RUN_EXPONENT when shorter
+    (steps at least SHORT_RUN_FLOOR)."""
+    if not 0 < total_batch_size < NANOCHAT_BATCH or steps < 1:
+        raise ValueError(f"short_run_matrix_lr is the CPU rule's, for 1 or more steps below "
+                         f"{NANOCHAT_BATCH:,} tokens; got {steps} steps of {total_batch_size:,}")
+    return (rule_lrs(total_batch_size)["matrix_lr"]
+            * max(1.0, RULE_STEPS / max(steps, SHORT_RUN_FLOOR)) ** SHORT_RUN_EXPONENT)
+
+
 def scaling_params(config: GPTConfig) -> int:
     """GPT.num_scaling_params of a model of this config, built on the meta device."""
     with torch.device("meta"):

@@ -55,6 +55,14 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.dataset import SPLITS, list_shards
+from nanomuon.gpt import (
+    NANOCHAT_BATCH,
+    RULE_STEPS,
+    SHORT_RUN_EXPONENT,
+    SHORT_RUN_FLOOR,
+    rule_lrs,
+    short_run_matrix_lr,
+)
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
@@ -66,7 +74,7 @@ from scripts.base_train import parse_args as train_args
 # steps here), 5 seeds; on a CPU, the seeds and steps fit() plans to CPU_BUDGETS. The curves' val
 # set is the speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as
 # many (at 200 steps and 5 seeds that halved the paired spread, as much as the whole split).
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = 200, 5, "lr-multiplier=1", "0.8"
+DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = RULE_STEPS, 5, "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
@@ -896,6 +904,25 @@ def default_budget(args, flags: list[str], cache: dict) -> None:
           "--num-iterations to choose)", flush=True)
 
 
+def short_run_lrs(args, flags: list[str], steps: int) -> list[str]:
+    """flags, with Muon's matrix lr for runs of `steps` (gpt.short_run_matrix_lr) when they are
+    fewer than the lr rule was tuned at, said in a line. Unchanged where that rule does not speak:
+    --matrix-lr given or swept, a preset (its lrs were swept at its own steps), GPU-sized steps."""
+    train = train_args(flags)
+    given = {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
+    batch = train.total_batch_size
+    if (steps >= RULE_STEPS or args.preset or "--matrix-lr" in given
+            or args.sweep.flag == "matrix-lr" or not 0 < batch < NANOCHAT_BATCH):
+        return flags
+    lr = short_run_matrix_lr(steps, batch)
+    print(f"== Muon's matrix lr {lr:.4g} for {steps}-step runs: the lr rule's "
+          f"{rule_lrs(batch)['matrix_lr']:g}, tuned at {RULE_STEPS} steps, x ({RULE_STEPS} / "
+          f"{max(steps, SHORT_RUN_FLOOR)})^{SHORT_RUN_EXPONENT}, since in shorter runs its best "
+          "lr was higher and AdamW's was not (docs/research.md); --matrix-lr chooses another",
+          flush=True)
+    return [*flags, "--matrix-lr", f"{lr:.4g}"]
+
+
 def cache_of(flags: list[str]) -> dict:
     """The run cache for runs with base_train `flags`: its folder and what its keys hold besides
     each run's own settings (the code, the data's contents, tokenizer, device, precision, torch);
@@ -941,6 +968,7 @@ def main(argv=None):
         flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
     seeds = list(range(1, n_seeds + 1))
     steps = train_args(flags).num_iterations
+    flags = short_run_lrs(args, flags, steps)
     others = sorted({round(f * steps) for f in args.baseline_lengths})
     if args.baseline_lengths and (steps < 1 or len(others) < len(args.baseline_lengths)
                                   or not all(1 <= n != steps for n in others)):
@@ -1059,11 +1087,6 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
           f"{plan.steps} steps of {train.total_batch_size:,} tokens, {plan.seeds} seeds, "
           f"{runs_per_seed} variant-value pairs, {jobs} at a time; each run ~{plan.run_s:.0f} s, "
           f"all ~{plan.total_s / 60:.1f} min", flush=True)
-    if not args.preset and args.sweep == sweep_arg(DEFAULT_SWEEP) and plan.steps < DEFAULT_STEPS:
-        # measured at 76 steps on the default shape, 6 seeds (docs/research.md)
-        print(f"== note: the lrs were tuned at {DEFAULT_STEPS} steps; at 76, Muon's best was "
-              "1.5-2x theirs and AdamW's 1x: --sweep lr-multiplier=1,1.5,2 compares each at its "
-              "best", flush=True)
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
             str(plan.eval_every)], plan.seeds
 

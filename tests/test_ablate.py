@@ -581,26 +581,43 @@ def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkey
     assert plans[2] == plans[0] and plans[1] != plans[0] and seeds_08 <= seeds_none
 
 
-def test_a_plan_shorter_than_the_lrs_tuning_says_so(tmp_path, monkeypatch, capsys):
-    """The default's lrs were tuned at 200 steps: a plan of fewer, at those lrs, says that Muon's best
-    moved there and how to compare each at its best; a plan that sweeps, or runs the 200, says nothing."""
+def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, monkeypatch, capsys):
+    """The rule's lrs were tuned at 200 steps, where Muon's matrix lr is 0.02; at 76 its best was 2x
+    (docs/research.md). A budget's plan of fewer steps runs Muon's matrices at 0.02 x (200 / steps)^0.7,
+    and says so; one that runs the 200, a preset, a given or swept --matrix-lr and GPU-sized steps keep
+    the flags they had."""
     import time
 
     from scripts import ablate
 
-    for step_s, sweep, noted in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], False),
-                                 (0.05, [], False)]:
-        cache = dict(dir=tmp_path / f"{step_s}{sweep}", device="cpu", code="c", torch="t")
+    for step_s, extra, raised in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], True),
+                                  (0.05, [], False), (1.0, ["--matrix-lr", "0.01"], False),
+                                  (1.0, ["--variants", "muon", "--sweep", "matrix-lr=0.01,0.02"], False)]:
+        cache = dict(dir=tmp_path / f"{step_s}{extra}", device="cpu", code="c", torch="t")
         cache["dir"].mkdir()
         monkeypatch.setattr(ablate, "calibrate", lambda *a, s=step_s, **k: ablate.Calibration(s, 10.0, 0.1, 3.0))
-        args, flags = ablate.parse_args(["--budget", "15m", *sweep])
+        args, flags = ablate.parse_args(["--budget", "15m", *extra])
         args.started = time.monotonic()
-        flags, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
-        steps = int(flags[flags.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
+        planned, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
+        steps = int(planned[planned.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
+        got = ablate.short_run_lrs(args, planned, steps)
         out = capsys.readouterr().out
-        assert (steps < ablate.DEFAULT_STEPS) == (step_s == 1.0), (steps, out)
-        assert ("== note: the lrs were tuned at 200 steps; at 76, Muon's best was 1.5-2x theirs and AdamW's 1x: "
-                "--sweep lr-multiplier=1,1.5,2 compares each at its best" in out) == noted, out
+        assert (steps < 200) == (step_s == 1.0), (steps, out)
+        if raised:
+            lr = 0.02 * (200 / steps) ** 0.7
+            assert got == [*planned, "--matrix-lr", f"{lr:.4g}"] and 0.02 < lr < 0.06, (steps, got[-2:])
+            assert f"== Muon's matrix lr {lr:.4g} for {steps}-step runs: the lr rule's 0.02, tuned at 200" in out
+            assert ablate.train_args(got).matrix_lr == float(f"{lr:.4g}")
+        else:
+            assert got == planned and "Muon's matrix lr" not in out, out
+    args, flags = ablate.parse_args(["--num-iterations", "4"])  # not measured below 50: 50's
+    assert ablate.short_run_lrs(args, flags, 4)[-2:] == ["--matrix-lr", f"{0.02 * 4 ** 0.7:.4g}"]
+    args, flags = ablate.parse_args(["--preset", "regime", "--num-iterations", "100"])
+    assert ablate.short_run_lrs(args, flags, 100) == flags
+    args, flags = ablate.parse_args(["--total-batch-size", str(2 ** 19), "--num-iterations", "100"])
+    assert ablate.short_run_lrs(args, flags, 100) == flags
+    with pytest.raises(ValueError, match="short_run_matrix_lr is the CPU rule's"):
+        ablate.short_run_matrix_lr(100, 2 ** 19)
 
 
 def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
