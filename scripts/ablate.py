@@ -993,7 +993,7 @@ def main(argv=None):
         results |= run_all([job._replace(value=best) for job in shorter], flags, args, jobs,
                            threads, cache)
     main_runs, lengths = split_runs(results)
-    write_ablation(args, argv, main_runs, lengths, seeds)
+    write_ablation(args, argv, flags, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs
 
@@ -1091,9 +1091,11 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
             str(plan.eval_every)], plan.seeds
 
 
-def write_ablation(args, argv, results: dict, lengths: dict, seeds: list) -> None:
-    """The table (printed too), the plot and ablation.md in ablations/<name>. results: (variant,
-    value, seed) -> record; lengths: the baseline's other lengths, (seed, steps) -> record."""
+def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
+                   seeds: list) -> None:
+    """The table (printed too), the plot and ablation.md in ablations/<name>. flags: base_train's,
+    as every run got them; results: (variant, value, seed) -> record; lengths: the baseline's
+    other lengths, (seed, steps) -> record."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
     table, best = report(results, args.variants, args.sweep, seeds, args.baseline, lengths)
@@ -1106,6 +1108,9 @@ def write_ablation(args, argv, results: dict, lengths: dict, seeds: list) -> Non
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
                                        "(-n<steps>)" if lengths else ""),
+           f"- every run: `python -m scripts.base_train {' '.join(flags)}`, then its own --run, "
+           f"--optimizer, --{args.sweep.flag}, --seed and --data-seed (the last of a flag given "
+           "twice wins)",
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init"
            + (", on one data order (data seed 1) for every run: the verdict is at that order"
               if args.data_order == "fixed" else " and the data order")

@@ -55,10 +55,14 @@ def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     table = (out / "ablation.md").read_text()
     assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG") and "](val_bpb.png)" in table
     assert sorted(results) == sorted((v, m, s) for v in ("muon", "adamw") for m in ("0.5", "1") for s in (1, 2))
+    short_lr = 0.02 * (200 / 50) ** 0.7  # 8 steps: below the 200 the rule was tuned at, and below 50
     for (v, m, s), r in results.items():
         run = json.loads((base / "runs" / f"abl-{v}-lr-multiplier{m}-s{s}" / "summary.json").read_text())
         assert run["optimizer"] == v and run["final_val_bpb"] == r["final_val_bpb"]
+        meta = json.loads((base / "runs" / f"abl-{v}-lr-multiplier{m}-s{s}" / "step_000008" / "meta.json").read_text())
+        assert abs(meta["args"]["matrix_lr"] - short_lr) < 1e-4, meta["args"]["matrix_lr"]
         assert [step for step, _ in run["val_history"]] == [0, 4, 8]
+    assert f"--num-iterations 8 --eval-every 4 --log-every 8 --no-compile --matrix-lr {short_lr:.4g}`, then" in table
     step0 = {k: r["val_history"][0][1] for k, r in results.items()}
     assert len({b for (_, _, s), b in step0.items() if s == 1}) == 1  # one init per seed, whatever the variant
     assert step0["muon", "1", 1] != step0["muon", "1", 2]
