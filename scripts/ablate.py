@@ -74,7 +74,8 @@ from scripts.base_train import parse_args as train_args
 # steps here), 5 seeds; on a CPU, the seeds and steps fit() plans to CPU_BUDGETS. The curves' val
 # set is the speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as
 # many (at 200 steps and 5 seeds that halved the paired spread, as much as the whole split).
-DEFAULT_STEPS, DEFAULT_SEEDS, DEFAULT_SWEEP, DEFAULT_LENGTHS = RULE_STEPS, 5, "lr-multiplier=1", "0.8"
+DEFAULT_STEPS, DEFAULT_SEEDS = RULE_STEPS, 5
+DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
@@ -894,8 +895,8 @@ def default_budget(args, flags: list[str], cache: dict) -> None:
     """On a CPU, an ablation given neither --budget nor --num-iterations is planned to a budget for
     the CPU it finds, and says so: CPU_BUDGETS's, by whether it has bf16 units (the default
     shape's steps are several times slower in fp32)."""
-    given = {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
-    if args.budget is not None or cache["device_type"] != "cpu" or "--num-iterations" in given:
+    if (args.budget is not None or cache["device_type"] != "cpu"
+            or "--num-iterations" in given_flags(flags)):
         return
     kind = "bf16" if cache["dtype"] == "bf16" else "fp32"
     args.budget = CPU_BUDGETS[kind]
@@ -904,14 +905,18 @@ def default_budget(args, flags: list[str], cache: dict) -> None:
           "--num-iterations to choose)", flush=True)
 
 
-def short_run_lrs(args, flags: list[str], steps: int) -> list[str]:
-    """flags, with Muon's matrix lr for runs of `steps` (gpt.short_run_matrix_lr) when they are
-    fewer than the lr rule was tuned at, said in a line. Unchanged where that rule does not speak:
-    --matrix-lr given or swept, a preset (its lrs were swept at its own steps), GPU-sized steps."""
-    train = train_args(flags)
-    given = {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
-    batch = train.total_batch_size
-    if (steps >= RULE_STEPS or args.preset or "--matrix-lr" in given
+def given_flags(flags: list[str]) -> set[str]:
+    """The base_train flags given beyond DEFAULT_FLAGS (a preset's or the user's), by name."""
+    return {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
+
+
+def short_run_lrs(args, flags: list[str], train) -> list[str]:
+    """flags, with Muon's matrix lr for runs of train.num_iterations steps (train: the flags
+    parsed; gpt.short_run_matrix_lr) when they are fewer than the lr rule was tuned at, said in a
+    line. Unchanged where that rule does not speak: --matrix-lr given or swept, a preset (its lrs
+    were swept at its own steps), GPU-sized steps."""
+    steps, batch = train.num_iterations, train.total_batch_size
+    if (steps >= RULE_STEPS or args.preset or "--matrix-lr" in given_flags(flags)
             or args.sweep.flag == "matrix-lr" or not 0 < batch < NANOCHAT_BATCH):
         return flags
     lr = short_run_matrix_lr(steps, batch)
@@ -967,8 +972,9 @@ def main(argv=None):
     if args.budget is not None:
         flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
     seeds = list(range(1, n_seeds + 1))
-    steps = train_args(flags).num_iterations
-    flags = short_run_lrs(args, flags, steps)
+    train = train_args(flags)
+    steps = train.num_iterations
+    flags = short_run_lrs(args, flags, train)
     others = sorted({round(f * steps) for f in args.baseline_lengths})
     if args.baseline_lengths and (steps < 1 or len(others) < len(args.baseline_lengths)
                                   or not all(1 <= n != steps for n in others)):

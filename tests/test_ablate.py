@@ -604,7 +604,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
         args.started = time.monotonic()
         planned, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
         steps = int(planned[planned.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
-        got = ablate.short_run_lrs(args, planned, steps)
+        got = ablate.short_run_lrs(args, planned, ablate.train_args(planned))
         out = capsys.readouterr().out
         assert (steps < 200) == (step_s == 1.0), (steps, out)
         if raised:
@@ -615,11 +615,11 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
         else:
             assert got == planned and "Muon's matrix lr" not in out, out
     args, flags = ablate.parse_args(["--num-iterations", "4"])  # not measured below 50: 50's
-    assert ablate.short_run_lrs(args, flags, 4)[-2:] == ["--matrix-lr", f"{0.02 * 4 ** 0.7:.4g}"]
+    assert ablate.short_run_lrs(args, flags, ablate.train_args(flags))[-2:] == ["--matrix-lr", f"{0.02 * 4 ** 0.7:.4g}"]
     args, flags = ablate.parse_args(["--preset", "regime", "--num-iterations", "100"])
-    assert ablate.short_run_lrs(args, flags, 100) == flags
+    assert ablate.short_run_lrs(args, flags, ablate.train_args(flags)) == flags
     args, flags = ablate.parse_args(["--total-batch-size", str(2 ** 19), "--num-iterations", "100"])
-    assert ablate.short_run_lrs(args, flags, 100) == flags
+    assert ablate.short_run_lrs(args, flags, ablate.train_args(flags)) == flags
     with pytest.raises(ValueError, match="short_run_matrix_lr is the CPU rule's"):
         ablate.short_run_matrix_lr(100, 2 ** 19)
 
