@@ -12,6 +12,7 @@ import io
 import json
 import os
 import random
+import time
 import urllib.error
 import zipfile
 from fractions import Fraction
@@ -382,14 +383,13 @@ def test_base_eval_core_report_and_summary(run, tmp_path, capsys):
     assert sum(x.startswith("> CORE: ") for x in (run / "report.md").read_text().splitlines()) == 1
 
 
-def wandb_history(path) -> dict:
-    """Every history item a .wandb file holds, key -> JSON value. The file is a LevelDB-style log
-    (a 7-byte file header, 32 KiB blocks, each record a 7-byte header then data, split across
-    blocks as first/middle/last pieces) of wandb Record protobufs; wandb 0.31 ships the protobuf
-    classes but no reader of the log."""
+def wandb_records(path) -> list:
+    """The wandb Record protobufs a .wandb file holds. The file is a LevelDB-style log (a 7-byte
+    file header, 32 KiB blocks, each record a 7-byte header then data, split across blocks as
+    first/middle/last pieces); wandb 0.31 ships the protobuf classes but no reader of the log."""
     from wandb.proto import wandb_internal_pb2
 
-    data, pos, pieces, history = path.read_bytes(), 7, b"", {}
+    data, pos, pieces, records = path.read_bytes(), 7, b"", []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
@@ -397,11 +397,23 @@ def wandb_history(path) -> dict:
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
         pieces, pos = pieces + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record.FromString(pieces)
-            for item in record.history.item:
-                history["/".join([item.key, *item.nested_key]).strip("/")] = item.value_json
+            records.append(wandb_internal_pb2.Record.FromString(pieces))
             pieces = b""
-    return history
+    return records
+
+
+def wandb_history(path, timeout_s: float = 60.0) -> dict:
+    """Every history item of a finished run's .wandb file, key -> JSON value. wandb's service
+    process may still be writing the file when run.finish() returns, so this waits for the run's
+    exit record (the last one it writes) before reading the history."""
+    deadline = time.monotonic() + timeout_s
+    records = wandb_records(path)
+    while not any(r.HasField("exit") for r in records):
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s"
+        time.sleep(0.2)
+        records = wandb_records(path)
+    return {"/".join([item.key, *item.nested_key]).strip("/"): item.value_json
+            for r in records for item in r.history.item}
 
 
 @pytest.mark.slow  # two real (offline) wandb runs: about 30 s
