@@ -185,13 +185,37 @@ def paired(diffs: list[float]) -> dict:
     return dict(mean=m, lo=m - hw, hi=m + hw, detectable=detectable)
 
 
+# The effects that separate track 3's optimizer records: 0.1-0.3% of the loss at equal steps.
+RECORD_EFFECT = 0.0025
+MOST_SEEDS = 10_000  # past this, "more seeds" is no answer: the spread itself must shrink
+
+
+def seeds_to_detect(sd: float, effect: float) -> int | None:
+    """The fewest seeds whose paired differences, spreading sd, detect `effect` (80% power at 95%
+    confidence, as paired() reckons), or None past MOST_SEEDS. Bisection: the factor only falls."""
+    lo, hi = 1, 2  # lo does not detect it (one seed detects nothing); hi is tried next
+    while detectable_factor(hi) * sd > effect:
+        if hi >= MOST_SEEDS:
+            return None
+        lo, hi = hi, min(2 * hi, MOST_SEEDS)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if detectable_factor(mid) * sd <= effect else (mid, hi)
+    return hi
+
+
 def verdict(diffs: list[float], base: float) -> str:
     """'better by X [lo, hi]', 'worse by X [lo, hi]', or 'no difference larger than D' (the farther end
-    of the interval), in bpb and as a share of base, with the smallest effect the design detects."""
+    of the interval), in bpb and as a share of base, with the smallest effect the design detects and,
+    when that is larger than a record-sized effect, the seeds one would take at the spread seen."""
     if len(diffs) < 2:
         return "one seed: no verdict (use --seeds 2 or more)"
     c = paired(diffs)
     seen = f"detectable: {c['detectable']:.4f} ({c['detectable'] / base:.2%})"
+    if c["detectable"] > RECORD_EFFECT * base:
+        n = seeds_to_detect(statistics.stdev(diffs), RECORD_EFFECT * base)
+        seen += (f"; {RECORD_EFFECT:.2%} would take {n} seeds at this spread" if n else
+                 f"; {RECORD_EFFECT:.2%} would take over {MOST_SEEDS:,} seeds at this spread")
     if c["hi"] < 0 or c["lo"] > 0:
         word = "better" if c["hi"] < 0 else "worse"
         return (f"{word} by {abs(c['mean']):.4f} bpb ({abs(c['mean']) / base:.2%}) "
@@ -1123,7 +1147,9 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
            + ", the same for every variant",
            f"- baseline: {args.baseline} at its best {args.sweep.flag}; steps and training time "
            "(evals excluded) are to the first eval at or below its mean final val bpb; verdicts are paired by seed, "
-           "at 95% confidence; 'detectable' is the smallest effect this design sees 80% of the time",
+           "at 95% confidence; 'detectable' is the smallest effect this design sees 80% of the time, "
+           f"and where that is above {RECORD_EFFECT:.2%} of bpb (a record-sized effect) the seeds "
+           "of these steps that would detect one, at the spread these seeds show",
            "", *table,
            "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]

@@ -304,9 +304,25 @@ def test_the_paired_verdict_by_hand():
     assert (c["lo"], c["hi"]) == pytest.approx((-0.044843, 0.004843), abs=2e-5)
     said = verdict([-0.01, -0.02, -0.03], 2.0)
     assert said.startswith("no difference larger than 0.0448 bpb (2.24%): -0.0200 [-0.0448, +0.0048]"), said
-    assert said.endswith("detectable: 0.0310 (1.55%)"), said
+    assert "; detectable: 0.0310 (1.55%); 0.25% would take 34 seeds at this spread" in said, said
     assert verdict([-0.020, -0.021, -0.022], 2.0).startswith("better by 0.0210 bpb (1.05%) [-0.0235, -0.0185]")
     assert verdict([0.020, 0.021, 0.022], 2.0).startswith("worse by 0.0210 bpb")
+
+
+def test_a_verdict_coarser_than_a_record_says_the_seeds_one_would_take():
+    """From the t table: differences spreading 0.01 detect (t_.975 + t_.80) / sqrt(n) * 0.01, at
+    34 seeds (2.0345 + 0.8526) / sqrt(34) * 0.01 = 0.00495, within 0.25% of 2.0 = 0.005, and at 33
+    (2.0369 + 0.8530) / sqrt(33) * 0.01 = 0.00503, not; of 2.1 (0.00525) 31 seeds reach 0.00520
+    and 30 only 0.00529 (2.0452 + 0.8542 at 29 df). A verdict that already detects 0.25% says
+    nothing more, and a spread no number of seeds brings there says so."""
+    from scripts.ablate import MOST_SEEDS, seeds_to_detect, verdict
+
+    assert seeds_to_detect(0.01, 0.005) == 34
+    assert seeds_to_detect(0.01, 0.0025 * 2.1) == 31
+    assert verdict([-0.01, -0.02, -0.03], 2.1).endswith("; 0.25% would take 31 seeds at this spread")
+    assert verdict([-0.020, -0.0201, -0.0202], 2.0).endswith("detectable: 0.0003 (0.02%)")
+    assert seeds_to_detect(1.0, 0.001) is None
+    assert verdict([-1.0, 1.0, 0.5], 0.01).endswith(f"would take over {MOST_SEEDS:,} seeds at this spread")
 
 
 def test_the_planner_fits_steps_and_seeds_to_the_budget():
