@@ -395,6 +395,8 @@ def wandb_records(path) -> list:
             pos += 32768 - pos % 32768
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # still being written
+            break
         pieces, pos = pieces + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
             records.append(wandb_internal_pb2.Record.FromString(pieces))
