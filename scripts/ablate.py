@@ -178,11 +178,11 @@ def paired(diffs: list[float]) -> dict:
     """The paired comparison of per-seed differences (variant minus baseline; one seed gives both the
     same init and data order): their mean, its 95% interval [lo, hi], and the smallest effect this
     design detects: the true difference at which a 95% interval excludes zero in 80% of repeats,
-    (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread and the number of seeds."""
+    (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread sd and the number of seeds."""
     m, sd, hw = mean_ci(diffs)
     n = len(diffs)
     detectable = detectable_factor(n) * sd if n > 1 else math.nan
-    return dict(mean=m, lo=m - hw, hi=m + hw, detectable=detectable)
+    return dict(mean=m, lo=m - hw, hi=m + hw, sd=sd, detectable=detectable)
 
 
 # The effects that separate track 3's optimizer records: 0.1-0.3% of the loss at equal steps.
@@ -213,7 +213,7 @@ def verdict(diffs: list[float], base: float) -> str:
     c = paired(diffs)
     seen = f"detectable: {c['detectable']:.4f} ({c['detectable'] / base:.2%})"
     if c["detectable"] > RECORD_EFFECT * base:
-        n = seeds_to_detect(statistics.stdev(diffs), RECORD_EFFECT * base)
+        n = seeds_to_detect(c["sd"], RECORD_EFFECT * base)
         seen += (f"; {RECORD_EFFECT:.2%} would take {n} seeds at this spread" if n else
                  f"; {RECORD_EFFECT:.2%} would take over {MOST_SEEDS:,} seeds at this spread")
     if c["hi"] < 0 or c["lo"] > 0:
