@@ -778,6 +778,10 @@ def load_model(run_dir: Path, step: str | int, device):
         step, meta = on_every_rank(lambda: load_step(run_dir, asked, ("model_config",)))
         exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}",
                                 "run again when no run saves there")
+        if isinstance(seeds := meta.get("args", {}).get("seeds"), list):
+            raise ValueError(f"{run_dir} holds {len(seeds)} seeds trained as one batched model "
+                             "(base_train --seeds), and this reads one model: train the seed you "
+                             "want alone (base_train --seed N)")
         with torch.device(device):
             model = GPT(GPTConfig(**meta["model_config"]))
         model.init_weights()  # fills the rotary tables; weights are overwritten next

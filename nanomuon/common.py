@@ -389,13 +389,14 @@ def tensors_finite(tensors) -> bool:
 
 
 def all_finite(loss: torch.Tensor, params) -> bool:
-    """True when the loss and every gradient are finite on every rank (a collective)."""
-    return tensors_finite([loss.reshape(1)] + [p.grad for p in params if p.grad is not None])
+    """True when the loss (each seed's, batched) and every gradient are finite on every rank (a
+    collective)."""
+    return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None])
 
 
 @torch.no_grad()
 def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor,
-                 dtype: str = "auto") -> float:
+                 dtype: str = "auto") -> float | list[float]:
     """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks:
     rank r takes rows r, r + N, ...
 
@@ -404,12 +405,13 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     end) is ignored, and short last batches are padded with it, keeping shapes static for
     torch.compile. bpb = nats over targets that are real text / (ln 2 * their UTF-8 bytes); special
     tokens (0 bytes in token_bytes) are excluded from both sums. dtype: as in autocast(). No float64
-    on the device (MPS has none): per-batch sums in fp32, added up on the host in double."""
+    on the device (MPS has none): per-batch sums in fp32, added up on the host in double. A model
+    of batched seeds (seeds.SeedBatch: losses (seeds, B, T)) gets each seed's bpb, a list."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
     mine = rows[rank::world_size]
-    parts = []  # per batch: (nats, bytes)
+    parts, batched = [], False  # per batch: (nats of each model, bytes)
     # every rank runs the same number of batches (a sharded model's forward is a collective)
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
@@ -426,13 +428,16 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
         with autocast(device, dtype):
             loss = model(x, y, loss_reduction="none")
         b = token_bytes[y.clamp(min=0)] * (y >= 0)
-        parts.append(torch.stack([(loss.float() * (b > 0)).sum(), b.sum().float()]))
-    nats, nbytes = ((math.fsum(col) for col in zip(*torch.stack(parts).tolist())) if parts
-                    else (0.0, 0.0))
+        batched, nats = loss.dim() == 3, loss.float() * (b > 0)
+        nats = nats.sum((-2, -1)) if batched else nats.sum().reshape(1)
+        parts.append(torch.cat([nats, b.sum().float().reshape(1)]))
+    *nats, nbytes = ([math.fsum(col) for col in zip(*torch.stack(parts).tolist())] if parts
+                     else [0.0, 0.0])
     if distributed:  # in double: torch.distributed runs on CUDA and CPU, which have float64
-        sums = torch.tensor([nats, nbytes], dtype=torch.float64, device=device)
+        sums = torch.tensor([*nats, nbytes], dtype=torch.float64, device=device)
         dist.all_reduce(sums)
-        nats, nbytes = sums.tolist()
+        *nats, nbytes = sums.tolist()
     if nbytes == 0:
         raise ValueError("evaluation saw no text bytes; is the validation split empty?")
-    return nats / (math.log(2) * nbytes)
+    bpb = [n / (math.log(2) * nbytes) for n in nats]
+    return bpb if batched else bpb[0]

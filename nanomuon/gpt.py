@@ -225,10 +225,12 @@ class SoftcapCrossEntropy(torch.autograd.Function):
     in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in
     cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model keeps
     the plain expression, which inductor fuses by itself. tests/test_gpt.py checks this against
-    float64 and the compiled model against this."""
+    float64 and the compiled model against this. Returns (loss, the logits' gradient), the
+    gradient an output so that torch.func can see it (batched seeds vmap the model):
+    softcap_cross_entropy() is the loss alone."""
 
     @staticmethod
-    def forward(ctx, logits, targets, cap: float, reduction: str, make_grad: bool):
+    def forward(logits, targets, cap: float, reduction: str, make_grad: bool):
         if reduction not in ("mean", "none"):
             raise ValueError(f"loss_reduction must be 'mean' or 'none', not {reduction!r}")
         n, vocab = logits.shape
@@ -260,17 +262,44 @@ class SoftcapCrossEntropy(torch.autograd.Function):
                 p.scatter_add_(1, target[a:b], p.new_full((b - a, 1), -1.0))
                 grad[a:b] = p.mul_(x.neg_().sigmoid_().mul_(s)).mul_(scale[a:b])
         loss = loss.where(valid, 0.0)
-        if grad is not None:
-            ctx.save_for_backward(grad)
-            ctx.reduction = reduction
-        return loss.sum() / n_valid if reduction == "mean" else loss
+        return (loss.sum() / n_valid if reduction == "mean" else loss), grad
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def setup_context(ctx, inputs, output):
+        grad, ctx.reduction = output[1], inputs[3]
+        if grad is not None:
+            ctx.mark_non_differentiable(grad)
+            ctx.save_for_backward(grad)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
         # scaled in place: a second backward through the same graph is refused
         (grad,) = ctx.saved_tensors
         return (grad.mul_(grad_loss if ctx.reduction == "mean" else grad_loss.unsqueeze(1)),
                 None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, logits, targets, cap, reduction, make_grad):
+        """Under torch.vmap (batched seeds: the logits of every seed, the same targets): one
+        call on all the rows, each row's loss as its seed's own call makes it, and a mean per
+        seed."""
+        size = info.batch_size
+        logits, targets = (t.movedim(d, 0) if d is not None else t.expand(size, *t.shape)
+                           for t, d in zip((logits, targets), in_dims))
+        # a batched tensor does not show that it requires grad; the tensor under it does
+        make_grad = make_grad or (torch.is_grad_enabled() and logits.requires_grad)
+        loss, grad = SoftcapCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), cap,
+                                               "none", make_grad)
+        loss = loss.view(targets.shape)
+        if reduction == "mean":
+            loss = loss.sum(1) / (targets != -1).sum(1)
+        return (loss, grad if grad is None else grad.view(logits.shape)), (0, None if grad is None else 0)
+
+
+def softcap_cross_entropy(logits, targets, cap: float, reduction: str = "mean",
+                          make_grad: bool = True):
+    """The loss of SoftcapCrossEntropy: (n, vocab) logits, (n,) targets (-1 ignored)."""
+    return SoftcapCrossEntropy.apply(logits, targets, cap, reduction, make_grad)[0]
 
 
 # The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
@@ -391,6 +420,8 @@ class GPT(nn.Module):
         # derived from the config, never checkpointed
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # or the number of seeds stacked on dim 0 of every parameter (nanomuon/seeds.py)
+        self.seeds: int | None = None
 
     def _rotary_tables(self, seq_len: int, device=None):
         head_dim = self.config.n_embd // self.config.n_head
@@ -434,9 +465,9 @@ class GPT(nn.Module):
         cap = self.config.softcap
         # eager: softcap and loss in one pass
         if targets is not None and not torch.compiler.is_compiling():
-            loss = SoftcapCrossEntropy.apply(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                                             cap, loss_reduction,
-                                             torch.is_grad_enabled() and logits.requires_grad)
+            loss = softcap_cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                                         cap, loss_reduction,
+                                         torch.is_grad_enabled() and logits.requires_grad)
         else:  # compiled, inductor fuses the plain expression
             logits = cap * torch.tanh(logits.float() / cap)
             if targets is None:
@@ -486,8 +517,9 @@ class GPT(nn.Module):
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
-        for name, p in self.named_parameters():
-            to_muon, _ = classify(name, p, embedding=p is self.wte.weight)
+        for name, p in self.named_parameters():  # a seeded model's by one seed's shape
+            to_muon, _ = classify(name, p if self.seeds is None else p[0],
+                                  embedding=p is self.wte.weight)
             params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
         if matrix_optimizer == "muon":

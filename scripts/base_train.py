@@ -66,12 +66,31 @@ from nanomuon.gpt import (
 )
 from nanomuon.param_groups import fill_defaults
 from nanomuon.report import CORE_HEADLINE, CORE_KEYS, MISSING, plot_curves, smooth
+from nanomuon.seeds import (
+    SeedBatch,
+    check_seeds,
+    numbers_text,
+    parse_seeds,
+    per_seed,
+    seed_model,
+    seed_records,
+    seeded_gpt,
+    wandb_values,
+)
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
+
+
+def seeds_arg(s: str):
+    """argparse type for --seeds: distinct seeds, comma-separated."""
+    try:
+        return parse_seeds(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def batch_arg(s: str):
@@ -91,8 +110,9 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
         return 32
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
-    with user_errors():
-        rows = fit_device_batch(config, free, rows_per_step, compiled=compiled, bf16=bf16)
+    with user_errors():  # batched seeds: each a whole model's memory
+        rows = fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
+                                compiled=compiled, bf16=bf16)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
     if world_size > 1:
         fewest = torch.tensor([rows], device=device)
@@ -143,6 +163,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def add_seed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=42, help="seed of the init")
+    p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
+                   "(comma-separated, e.g. 1,2,3) as one batched model in one process, on the "
+                   "same batches (nanomuon/seeds.py); --seed is then not used")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="shuffle the training documents with this seed (the row groups, then the "
+                   "documents of every 8 of them; default: file order)")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=HelpFormatter)
@@ -154,10 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
     # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     add_data_args(p, "fineweb-edu")
-    p.add_argument("--seed", type=int, default=42, help="seed of the init")
-    p.add_argument("--data-seed", type=int, default=None,
-                   help="shuffle the training documents with this seed (the row groups, then the "
-                   "documents of every 8 of them; default: file order)")
+    add_seed_args(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -269,6 +296,13 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
+    if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
+        args.seed, args.seeds = args.seeds[0], None
+    if args.seeds:
+        try:
+            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer)
+        except ValueError as e:
+            p.error(str(e))
     if args.start_over and args.resume_from_step != -1:
         p.error("--start-over trains afresh; it cannot go with --resume-from-step "
                 f"{args.resume_from_step} (drop one)")
@@ -374,6 +408,7 @@ class Run:
     optim_times: list = field(default_factory=list)
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
+    copies: int = 1  # models trained at once: --seeds' count, each on every token
 
 
 def main(argv=None):
@@ -462,6 +497,7 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
     if (free := available_memory()) is None:
         return
     parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    parts = {k: v * len(args.seeds or [1]) for k, v in parts.items()}  # each seed a whole model's
     if args.fsdp:  # each process holds its shard of the model's state; activations are its own
         parts = {k: v if k == "activations" else v // world_size for k, v in parts.items()}
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
@@ -610,14 +646,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          f"{tokens_per_fwdbwd}; pick a total batch that is")
     if device.type == "cpu":
         check_memory(args, config, world_size, compiled)
-    # the same init on every rank; the optimizer keeps the replicas identical
-    torch.manual_seed(args.seed)
-    model.to_empty(device=device)
-    model.init_weights()
-    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
-        swapped = convert_to_fp8(model, args.fp8_recipe, device)
-        print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
-               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+    model = init_model(args, model, device)
 
     def load_data():  # missing or unreadable data
         # a custom source: converted once
@@ -644,15 +673,35 @@ def build(args, held: contextlib.ExitStack) -> Run:
     optimizer = model.setup_optimizer(**optimizer_options(args, compiled))
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
+    forward = SeedBatch(model) if args.seeds else model
     run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device,
               run_dir=run_dir, tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device),
               config=config, model=model,
-              train_model=torch.compile(model, dynamic=False) if compiled else model,
+              train_model=torch.compile(forward, dynamic=False) if compiled else forward,
               optimizer=optimizer, train_loader=train_loader, val=val, final_val=final_val,
               num_params=num_params, flops_per_token=flops_per_token, num_iterations=num_iterations,
               grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
+    if args.seeds:  # one value per seed
+        run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     check_disk(run)
     return run
+
+
+def init_model(args, model: GPT, device) -> GPT:
+    """The model (built on the meta device) initialized on `device`, the same on every rank (the
+    optimizer keeps the replicas identical): from --seed, or with --seeds every parameter with a
+    leading seed dim, each seed's init its own run's; with --fp8, its block linears swapped."""
+    if args.seeds:
+        model = seeded_gpt(model.config, args.seeds, device)
+    else:
+        torch.manual_seed(args.seed)
+        model.to_empty(device=device)
+        model.init_weights()
+    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
+        swapped = convert_to_fp8(model, args.fp8_recipe, device)
+        print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
+               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+    return model
 
 
 def resume(run: Run) -> None:
@@ -668,8 +717,8 @@ def resume(run: Run) -> None:
     with user_errors():  # a mismatched checkpoint
         # hand edits
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()
-                    if k in run.loop and not isinstance(
-                        v, type(run.loop[k]) if k != "smooth_loss" else (int, float))]
+                    if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
+                                                        or args.seeds else (int, float))]
         # older configs: defaults
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
             problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
@@ -682,7 +731,7 @@ def resume(run: Run) -> None:
         # loader states, the same --total-batch-size); a new --eval-tokens would mix two val sets in
         # one history
         for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer",
-                    "eval_tokens", "data_seed"):
+                    "eval_tokens", "data_seed", "seeds"):
             # runs before --optimizer
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)
             if saved != getattr(args, key):
@@ -728,9 +777,9 @@ def evaluate(run: Run) -> None:
     run.loop["val_history"].append((run.step, val_bpb))
     run.loop["val_train_time"].append(run.loop["train_time"])
     record_loop(run)
-    print0(f"step {run.step:05d} | val bpb {val_bpb:.4f}")
+    print0(f"step {run.step:05d} | val bpb {numbers_text(val_bpb)}")
     if run.wandb:
-        run.wandb.log({"step": run.step, "val/bpb": val_bpb})
+        run.wandb.log({"step": run.step, **wandb_values("val/bpb", val_bpb, run.args.seeds)})
 
 
 def final_evaluate(run: Run) -> None:
@@ -739,13 +788,15 @@ def final_evaluate(run: Run) -> None:
     tokens, final_bpb = scored_tokens(run.final_val), score(run, run.final_val)
     run.loop["final_eval"] = [tokens, final_bpb]
     record_loop(run)
-    print0(f"step {run.step:05d} | final eval: val bpb {final_bpb:.4f} over {tokens:,} tokens")
+    print0(f"step {run.step:05d} | final eval: val bpb {numbers_text(final_bpb)} over "
+           f"{tokens:,} tokens")
     if run.wandb:
-        run.wandb.log({"step": run.step, "val/final_eval_bpb": final_bpb})
+        run.wandb.log({"step": run.step,
+                       **wandb_values("val/final_eval_bpb", final_bpb, run.args.seeds)})
 
 
-def score(run: Run, rows: torch.Tensor) -> float:
-    """Val bpb of the model as it is over these rows."""
+def score(run: Run, rows: torch.Tensor) -> float | list[float]:
+    """Val bpb of the model as it is over these rows (each seed's, batched)."""
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
         bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
@@ -857,7 +908,7 @@ def train(run: Run) -> None:
 @dataclass
 class Step:
     """What one optimizer step measured (train_step), for record_step."""
-    loss: float  # this rank's mean loss over the micro-batches
+    loss: float | list  # this rank's mean loss over the micro-batches (each seed's)
     finite: bool  # False: the update was skipped
     lrm: float  # the lr multiplier it ran at
     seconds: float
@@ -870,7 +921,7 @@ def train_step(run: Run) -> Step:
     args, model, step = run.args, run.model, run.step
     synchronize(run.device)
     t0 = time.perf_counter()
-    loss_sum = torch.zeros((), device=run.device)
+    loss_sum = torch.zeros((run.copies,) if args.seeds else (), device=run.device)
     if args.qk_clip:
         model.track_max_logits()  # this step's logits decide this step's clip
     for micro in range(run.grad_accum):
@@ -883,7 +934,8 @@ def train_step(run: Run) -> Step:
         with autocast(run.device, args.dtype):
             loss = run.train_model(x, y)
         loss_sum += loss.detach()
-        (loss / run.grad_accum).backward()
+        # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
+        (loss.sum() / run.grad_accum).backward()
     lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
     for group in run.optimizer.param_groups:
         group["lr"] = group["initial_lr"] * lrm
@@ -900,7 +952,7 @@ def train_step(run: Run) -> Step:
             run.loop["qk_clipped"] = run.loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)
             model.track_max_logits(False)  # evals and samples need no logits
     model.zero_grad(set_to_none=True)
-    train_loss = (loss_sum / run.grad_accum).item()  # this rank's loss; syncs the device
+    train_loss = (loss_sum / run.grad_accum).tolist()  # this rank's (each seed's); syncs
     t2 = time.perf_counter()
     run.step += 1
     return Step(train_loss, finite, lrm, t2 - t0, t2 - t1)
@@ -930,12 +982,14 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
     # the average and its bias correction: trained steps
     beta, trained = 0.9, step - loop["skipped_steps"]
     if s.finite:
-        loop["smooth_loss"] = beta * loop["smooth_loss"] + (1 - beta) * s.loss
+        loop["smooth_loss"] = per_seed(lambda old, new: beta * old + (1 - beta) * new,
+                                       loop["smooth_loss"], s.loss)
         loop["history"].append((step, s.loss))
-    smooth_loss = loop["smooth_loss"] / (1 - beta ** trained) if trained else math.nan
-    tok_per_s = args.total_batch_size / s.seconds
+    smooth_loss = (per_seed(lambda v: v / (1 - beta ** trained), loop["smooth_loss"]) if trained
+                   else math.nan)
+    tok_per_s = args.total_batch_size * run.copies / s.seconds  # every seed's tokens
     if step % args.log_every == 0 or step == run.num_iterations:
-        shown = f"loss {smooth_loss:.4f}" if s.finite else "skipped (non-finite)"
+        shown = f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)"
         line = (f"step {step:05d}/{run.num_iterations:05d} "
                 f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
                 f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
@@ -947,7 +1001,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
             line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
         print0(line)
     if run.wandb:
-        logged = ({"train/loss": smooth_loss} if s.finite
+        logged = (wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
                   else {"train/skipped_steps": loop["skipped_steps"]})
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
@@ -956,8 +1010,8 @@ def report(run: Run) -> dict:
     """Summary lines, greedy samples, and (rank 0) report.md, curves.png and summary.json in the run
     dir."""
     args, loop = run.args, run.loop
-    summary = dict(final_val_bpb=loop["val_history"][-1][1],
-                   min_val_bpb=min(v for _, v in loop["val_history"]),
+    summary = dict(final_val_bpb=loop["val_history"][-1][1],  # batched seeds: each seed's
+                   min_val_bpb=per_seed(lambda *vs: min(vs), *(v for _, v in loop["val_history"])),
                    packing=run.train_loader.packing())
     if "final_eval" in loop:
         summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
@@ -967,16 +1021,18 @@ def report(run: Run) -> dict:
         med_dt, med_opt = statistics.median(run.step_times), statistics.median(run.optim_times)
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
                        mean_step_ms=1000 * statistics.fmean(run.step_times),  # the wall's pace
-                       optimizer_share=med_opt / med_dt, tok_per_s=args.total_batch_size / med_dt)
+                       optimizer_share=med_opt / med_dt,
+                       tok_per_s=args.total_batch_size * run.copies / med_dt)
         if peak:
             summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
         print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
                f"({100 * med_opt / med_dt:.1f}%), medians over {len(run.step_times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
-    print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})"
-           + (f"; over {summary['final_eval_tokens']:,} val tokens {summary['final_eval_bpb']:.4f}"
-              if "final_eval" in loop else ""))
+    print0(f"final val bpb {numbers_text(summary['final_val_bpb'])} (min "
+           f"{numbers_text(summary['min_val_bpb'])})"
+           + (f"; over {summary['final_eval_tokens']:,} val tokens "
+              f"{numbers_text(summary['final_eval_bpb'])}" if "final_eval" in loop else ""))
     samples = sample_prompts(run)
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
@@ -993,14 +1049,17 @@ def sample_prompts(run: Run) -> list[tuple[str, str]]:
     """Greedy continuations of PROMPTS (fp8 layers in bf16, as at eval), printed; a sharded model
     generates on every rank, in step."""
     samples = []
+    # batched seeds: the first seed's model speaks for them
+    model = seed_model(run.model, 0) if run.args.seeds else run.model
     if run.args.sample_tokens > 0 and (run.rank == 0 or run.args.fsdp):
-        with plain_linears(run.model):
+        with plain_linears(model):
             for prompt in PROMPTS:
                 ids = run.tokenizer.encode(prompt, prepend_bos=True)
-                out = run.tokenizer.decode(list(run.model.generate(ids, run.args.sample_tokens,
-                                                                   temperature=0.0)))
+                out = run.tokenizer.decode(list(model.generate(ids, run.args.sample_tokens,
+                                                               temperature=0.0)))
                 samples.append((prompt, out))
-                print0(f"sample: {prompt!r} -> {out!r}")
+                print0(f"sample{f' (seed {run.args.seeds[0]})' if run.args.seeds else ''}: "
+                       f"{prompt!r} -> {out!r}")
     return samples
 
 
@@ -1045,25 +1104,23 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"rank 0 packed {summary['packing']}",
              f"- training time: {loop['train_time'] / 60:.2f} min "
              "(excluding evals and the first steps)"]
-    for key, fmt in (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
-                     ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}"),
-                     ("final_eval_bpb", "{:.4f}"), ("final_eval_tokens", "{:,}")):
-        if key in summary:
-            lines.append(f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}")
-    steps, losses = zip(*loop["history"]) if loop["history"] else ((), ())
-    val_steps, bpbs = zip(*loop["val_history"])
-    png = plot_curves(Path(run_dir) / "curves.png", [
-        dict(title="train loss", xlabel="step", ylabel="loss (nats/token)",
-             series={"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}),
-        dict(title="validation", xlabel="step", ylabel="bits per byte",
-             series={"val bpb": (val_steps, bpbs)}),
-    ], title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, {args.dataset}")
+    if args.seeds:
+        lines.append(f"- seeds: {', '.join(map(str, args.seeds))}, trained as one batched model "
+                     "on the same batches (tok/s counts every seed's tokens)")
+    lines += result_lines(summary, args.seeds)
+    png = plot_curves(Path(run_dir) / "curves.png", curve_panels(loop, args.seeds),
+                      title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, "
+                            f"{args.dataset}")
     lines += ["", "## Curves", "",
               "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
-    lines += ["", "## Validation bits per byte", "", "| step | val bpb |", "|---:|---:|"]
-    lines += [f"| {s} | {v:.4f} |" for s, v in loop["val_history"]]
+    names = [f"seed {seed}" for seed in args.seeds] if args.seeds else ["val bpb"]
+    lines += ["", "## Validation bits per byte", "", f"| step | {' | '.join(names)} |",
+              "|---:|" + "---:|" * len(names)]
+    lines += [f"| {s} | {' | '.join(f'{x:.4f}' for x in (v if args.seeds else [v]))} |"
+              for s, v in loop["val_history"]]
     if samples:
-        lines += ["", "## Samples (greedy)", ""]
+        lines += ["", "## Samples (greedy)" + (f", seed {args.seeds[0]}" if args.seeds else ""),
+                  ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
     lines += sections
     write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
@@ -1073,9 +1130,47 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                   world_size=world_size, tokens_per_step=args.total_batch_size,
                   val_history=loop["val_history"], val_train_time=loop["val_train_time"],
                   history=loop["history"])
+    if args.seeds:  # each seed's numbers as its own run records them
+        for key in PER_SEED:
+            record.pop(key, None)
+        record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
     write_atomic(Path(run_dir) / "summary.json",
                  lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
     print0(f"report: {Path(run_dir) / 'report.md'}")
+
+
+# a batched run's summary.json holds these per seed (seeds.seed_records), not as lists
+PER_SEED = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "val_history", "history")
+RESULTS = (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
+           ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}"), ("final_eval_bpb", "{:.4f}"),
+           ("final_eval_tokens", "{:,}"))
+
+
+def result_lines(summary: dict, seeds: list[int] | None) -> list[str]:
+    """The report's result lines; batched seeds get a line each for their own numbers."""
+    shared = [(k, f) for k, f in RESULTS if k in summary and not (seeds and k in PER_SEED)]
+    lines = [f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}" for key, fmt in shared]
+    for i, seed in enumerate(seeds or []):
+        lines.append(f"- seed {seed}: " + ", ".join(
+            f"{key.replace('_', ' ')} {fmt.format(summary[key][i])}" for key, fmt in RESULTS
+            if key in summary and key in PER_SEED))
+    return lines
+
+
+def curve_panels(loop: dict, seeds: list[int] | None) -> list[dict]:
+    """The report's two panels, train loss and val bpb: a series per seed when batched."""
+    history, val_history = loop["history"], loop["val_history"]
+    steps, losses = zip(*history) if history else ((), ())
+    val_steps, bpbs = zip(*val_history)
+    if seeds:
+        train = {f"seed {s}": (steps, smooth([v[i] for v in losses])) for i, s in enumerate(seeds)}
+        val = {f"seed {s}": (val_steps, [v[i] for v in bpbs]) for i, s in enumerate(seeds)}
+    else:
+        train = {"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}
+        val = {"val bpb": (val_steps, bpbs)}
+    return [dict(title="train loss" + (", smoothed" if seeds else ""), xlabel="step",
+                 ylabel="loss (nats/token)", series=train),
+            dict(title="validation", xlabel="step", ylabel="bits per byte", series=val)]
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def test_fused_softcap_cross_entropy_against_float64(dtype, reduction):
     """The eager loss (sigmoid form, blocks of rows, gradient made in forward) against tanh + cross_entropy in float64:
     5 rows per block at this vocabulary, so 13 rows are 3 blocks, the last one short; ignored targets; a backward
     scaled by 3 (grad accumulation divides the loss) and, for 'none', by a different weight per row."""
-    from nanomuon.gpt import SoftcapCrossEntropy
+    from nanomuon.gpt import softcap_cross_entropy
 
     gen = torch.Generator().manual_seed(0)
     vocab, rows, cap = (1 << 18) // 5, 13, 15.0
@@ -274,7 +274,7 @@ def test_fused_softcap_cross_entropy_against_float64(dtype, reduction):
     ref_logits = logits.detach().double().requires_grad_()
     ref = softcap_loss_float64(ref_logits, targets, cap, reduction)
     (ref * 3 if reduction == "mean" else ref @ weight).backward()
-    loss = SoftcapCrossEntropy.apply(logits, targets, cap, reduction, True)
+    loss = softcap_cross_entropy(logits, targets, cap, reduction, True)
     (loss * 3 if reduction == "mean" else loss @ weight.to(loss.dtype)).backward()
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -287,7 +287,7 @@ def test_fused_softcap_cross_entropy_against_float64(dtype, reduction):
         assert err.max() <= 2 ** -7 + 1e-5 and err.median() <= 2 ** -9, (err.max(), err.median())  # u = 2 ** -8
     assert not logits.grad[[2, 7]].any()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # its gradient is scaled in place
-        loss = SoftcapCrossEntropy.apply(logits, targets, cap, "mean", True)
+        loss = softcap_cross_entropy(logits, targets, cap, "mean", True)
         loss.backward(retain_graph=True)
         loss.backward()
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from nanomuon.common import evaluate_bpb
 from nanomuon.dataloader import DataLoader, val_rows
 from nanomuon.dataset import data_dir
-from nanomuon.gpt import GPT, SoftcapCrossEntropy, config_from_depth, loss_block_rows
+from nanomuon.gpt import GPT, config_from_depth, loss_block_rows, softcap_cross_entropy
 from nanomuon.report import MISSING
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_softcap_loss_is_the_same_in_one_block_or_many(monkeypatch, one_block):
     ref_logits = logits.detach().clone().requires_grad_()
     ref = F.cross_entropy(15 * torch.tanh(ref_logits / 15), targets, ignore_index=-1)
     ref.backward()
-    loss = SoftcapCrossEntropy.apply(logits, targets, 15.0, "mean", True)
+    loss = softcap_cross_entropy(logits, targets, 15.0, "mean", True)
     loss.backward()
     assert chosen == [13 if one_block else 3]
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,157 @@
+"""
+Batched seeds (base_train --seeds, nanomuon/seeds.py): each seed of a batched run trains as its own
+run of that seed would, for muon, adamw and a variant of each stage family, in fp32 on the CPU; one
+batched Muon step against the float64 reference; resume is exact; under torchrun (DistMuonAdamW) it
+equals one process; what cannot be batched is refused in one line.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from test_train import TINY, run, torchrun
+
+from nanomuon.optim import MuonAdamW
+from nanomuon.reference import muon_step
+from nanomuon.seeds import SeedBatch, seed_model, seeded_gpt
+
+FLAGS = [*TINY, "--total-batch-size", "256", "--num-iterations", "6", "--eval-every", "3",
+         "--final-eval-tokens", "2048", "--dtype", "fp32", "--no-compile"]
+# muon and adamw, then one variant of each stage family: precondition (with and without state),
+# orthogonalizer, post-process, apply (with state); and the per-head layout (split, transposed)
+VARIANTS = ["muon", "adamw", *(pytest.param(v, marks=pytest.mark.slow) for v in (
+    "muon-eq", "muon-soap", "muon-gram", "muon-plus", "muon-hyperball", "muon-per-head"))]
+
+
+def summary(base, name: str) -> dict:
+    return json.loads((base / "runs" / name / "summary.json").read_text())
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_seed_of_a_batched_run_trains_as_its_own_run(base, variant):
+    """Seeds 1 and 2 batched against each trained alone: the same final val bpb, final eval and
+    val history (1e-4 relative: batched matmuls may round otherwise)."""
+    from scripts.base_train import main
+
+    flags = [*FLAGS, "--optimizer", variant]
+    main([*flags, "--seeds", "1,2", "--run", f"{variant}-batched"])
+    batched = summary(base, f"{variant}-batched")
+    assert batched["seeds"] == [1, 2] and "final_val_bpb" not in batched
+    for seed in (1, 2):
+        main([*flags, "--seed", str(seed), "--run", f"{variant}-{seed}"])
+        alone, mine = summary(base, f"{variant}-{seed}"), batched["per_seed"][str(seed)]
+        for key in ("final_val_bpb", "min_val_bpb", "final_eval_bpb"):
+            assert relative(mine[key], alone[key]) <= 1e-4, (seed, key, mine[key], alone[key])
+        assert [s for s, _ in mine["val_history"]] == [s for s, _ in alone["val_history"]]
+        assert all(relative(a, b) <= 1e-4 for (_, a), (_, b) in zip(mine["val_history"],
+                                                                    alone["val_history"]))
+        assert mine["final_eval_tokens"] == alone["final_eval_tokens"]
+    report = (base / "runs" / f"{variant}-batched" / "report.md").read_text()
+    assert "- seed 1: final val bpb" in report and "- seed 2: final val bpb" in report, report
+    assert "| step | seed 1 | seed 2 |" in report, report
+
+
+def test_a_batched_muon_step_is_each_seeds_float64_reference_step():
+    """MuonAdamW on (seeds, rows, cols) params, in float64, against nanomuon.reference.muon_step on
+    each seed's matrix: the optimizer sees no seeds, only a batch of matrices."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 12, 20), (3, 20, 12)]  # wide and tall: variance reduction per row or column
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3)
+              for s in shapes]
+    group = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+    opt = MuonAdamW([dict(kind="muon", params=params, ns_precision="fp32", **group)])
+    starts = [p.detach().clone() for p in params]
+    ref = [[p.detach()[i].clone() for i in range(3)] for p in params]
+    states = [[{} for _ in range(3)] for _ in params]
+    for _ in range(3):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for k, g in enumerate(grads):
+            for i in range(3):
+                ref[k][i] = muon_step(ref[k][i], g[i], states[k][i], group)
+    for p, start, mats in zip(params, starts, ref):
+        assert (torch.stack(mats) - start).abs().max() > 0.01  # large against the tolerance
+        # Newton-Schulz in fp32 (the float64 reference has no such rounding)
+        torch.testing.assert_close(p.detach(), torch.stack(mats), rtol=0, atol=1e-6)
+
+
+def test_seed_models_are_views_and_the_batch_runs_each_seed_alone():
+    """seed_model(i) is seed i's weights (no copy), and SeedBatch's losses are each seed model's."""
+    from nanomuon.gpt import config_from_depth
+
+    config = config_from_depth(2, 512, 32, aspect_ratio=32, head_dim=32)
+    model = seeded_gpt(config, [5, 6, 7], "cpu")
+    x = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        losses = SeedBatch(model)(x, x)
+        for i in range(3):
+            one = seed_model(model, i)
+            assert one.wte.weight.data_ptr() == model.wte.weight[i].data_ptr()
+            torch.testing.assert_close(losses[i], one(x, x), rtol=1e-6, atol=0)
+    assert len(set(losses.tolist())) == 3  # three different inits
+
+
+def test_a_batched_run_resumes_exactly(base):
+    """Saved at step 3 and resumed by another main(), a batched run ends bitwise where the
+    uninterrupted one does (model and optimizer state)."""
+    from test_train import assert_bitwise_equal
+
+    from nanomuon.checkpoint import load_checkpoint
+    from scripts.base_train import main
+
+    flags = [*FLAGS, "--seeds", "3,4", "--save-every", "3", "--keep-checkpoints", "-1"]
+    main([*flags, "--run", "whole"])
+    main([*flags, "--run", "halves", "--num-iterations", "6"])
+    (base / "runs" / "halves" / "step_000006").rename(base / "spare")
+    main([*flags, "--run", "halves", "--resume-from-step", "3"])
+    names = ("model", "optim")
+    (a, _), (b, _) = (load_checkpoint(base / "runs" / r, 6, names) for r in ("whole", "halves"))
+    assert_bitwise_equal(a, b, "step 6")
+    assert summary(base, "whole")["per_seed"] == summary(base, "halves")["per_seed"]
+
+
+def test_one_seed_is_a_plain_run_and_what_cannot_be_batched_is_refused(base, capsys):
+    """--seeds 9 is --seed 9 (the same summary, bitwise); --qk-clip, --fp8, --fsdp and torch-muon
+    are refused with --seeds in one line, as are repeated or non-integer seeds; base_eval refuses
+    a batched run's checkpoint in one line."""
+    from scripts.base_train import main
+
+    main([*FLAGS, "--seeds", "9", "--run", "one-seed"])
+    main([*FLAGS, "--seed", "9", "--run", "plain-seed"])
+    a, b = summary(base, "one-seed"), summary(base, "plain-seed")
+    assert a["final_val_bpb"] == b["final_val_bpb"] and a["history"] == b["history"]
+    for extra, what in ((["--qk-clip", "50", "--no-qk-norm"], "--qk-clip"), (["--fp8"], "--fp8"),
+                        (["--fsdp"], "--fsdp"), (["--optimizer", "torch-muon"], "torch-muon")):
+        with pytest.raises(SystemExit):
+            main([*FLAGS, "--seeds", "1,2", *extra])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "--seeds 1,2 trains the seeds as one batched model" in err and what in err, err
+    for bad in ("1,1", "1,x", "-3,2"):
+        with pytest.raises(SystemExit):
+            main([*FLAGS, "--seeds", bad])
+        assert "--seeds" in capsys.readouterr().err
+    main([*FLAGS, "--seeds", "1,2", "--run", "for-eval"])
+    p = run(["python", "-m", "scripts.base_eval", "--run", "for-eval"], base, check=False)
+    assert p.returncode != 0 and "holds 2 seeds trained as one batched model" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.slow
+def test_batched_seeds_under_torchrun_equal_one_process(base):
+    """DistMuonAdamW (2 gloo processes) on batched seeds against MuonAdamW in one process: each
+    seed's final val bpb within 1e-4 relative (the processes average their halves' gradients)."""
+    flags = [*FLAGS, "--seeds", "1,2"]
+    run(torchrun(2, "scripts.base_train", [*flags, "--run", "dist-seeds"]), base)
+    run(["python", "-m", "scripts.base_train", *flags, "--run", "one-seeds"], base)
+    dist_, one = summary(base, "dist-seeds"), summary(base, "one-seeds")
+    assert dist_["world_size"] == 2 and one["world_size"] == 1
+    for seed in ("1", "2"):
+        a, b = dist_["per_seed"][seed]["final_val_bpb"], one["per_seed"][seed]["final_val_bpb"]
+        assert math.isfinite(a) and relative(a, b) <= 1e-4, (seed, a, b)
