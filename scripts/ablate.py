@@ -348,8 +348,10 @@ class Job(NamedTuple):
     data_seed: int | None = None
     threads: int | None = None  # None: the ablation's
 
-    def name(self, prefix: str, swept: str) -> str:
-        return (f"{prefix}-{self.variant}-{swept}{self.value}-s{self.seed}"
+    def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
+        """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""
+        seeds = f"{self.seed}-{last_seed}" if last_seed is not None else self.seed
+        return (f"{prefix}-{self.variant}-{swept}{self.value}-s{seeds}"
                 + "".join(f"-{tag}{n}" for tag, n in (("d", self.data_seed), ("n", self.steps),
                                                         ("t", self.threads))
                           if n is not None and not (tag == "d" and n == self.seed)))
@@ -389,6 +391,61 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
     return record
 
 
+def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
+    """The jobs as base_train runs: with `batched`, a variant's seeds at one value, length and data
+    order train as one model in one process (base_train --seeds), on the same batches; a job whose
+    data order is its seed's own (--data-order seed) reads other batches and runs alone."""
+    groups = {}
+    for job in todo:
+        alone = not batched or job.data_seed is None
+        key = (job.variant, job.value, job.steps, job.data_seed, job.threads,
+               job.seed if alone else None)
+        groups.setdefault(key, []).append(job)
+    return list(groups.values())
+
+
+def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads: int, name: str,
+              cache: dict) -> dict:
+    """job -> record of seeds trained as one batched base_train run (batches()), or its cached
+    records; one job is run_one's. A seed's record is what its own run would record (base_train's
+    per_seed), with the run's throughput and training time as the seed's share: divided by the
+    seeds."""
+    if len(jobs) == 1:
+        return {jobs[0]: run_one(jobs[0], flags, swept, nproc, threads, name, cache)}
+    first, seeds = jobs[0], [job.seed for job in jobs]
+    variant, value, _, steps, data_seed = first[:5]
+    threads = first.threads or threads
+    if steps is not None:
+        flags = [*flags, "--num-iterations", str(steps)]
+    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seeds, data_seed,
+             flags, nproc, threads,
+             *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
+    path = cache["dir"] / f"{key_of(parts)}.json"
+    label = (f"{variant} {swept} {value} seeds {seeds[0]}-{seeds[-1]} batched"
+             + (f" at {steps} steps" if steps else ""))
+    if path.exists():
+        print(f"== {label}: cached ({path.name})", flush=True)
+        records = json.loads(path.read_text())
+        return {job: records[str(job.seed)] for job in jobs}
+    run = first.name(name, swept, seeds[-1])
+    launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
+                   "--seeds", ",".join(map(str, seeds)), "--data-seed", str(data_seed),
+                   "--start-over"], nproc, threads)
+    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
+        raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
+                         "cached; run ablate again")
+    summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+    shared = {k: summary[k] for k in KEPT if k in summary}
+    if "tok_per_s" in shared:
+        shared["tok_per_s"] /= len(seeds)
+    shared["val_train_time"] = [t / len(seeds) for t in shared["val_train_time"]]
+    records = {str(seed): dict(shared, **{k: v for k, v in summary["per_seed"][str(seed)].items()
+                                          if k in KEPT}, variant=variant, value=value, seed=seed)
+               for seed in seeds}
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(records)))
+    return {job: records[str(job.seed)] for job in jobs}
+
+
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
 CALIBRATION_STEPS = 12
 WARM_UP_STEPS = 3  # compiled runs' first, untimed round: it fills the compile cache
@@ -399,7 +456,8 @@ MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the 
 # steps ** -0.41 (fitted in log-log, weighted by degrees of freedom), which the planner weighs
 # against the t factor of fewer seeds.
 SPREAD_EXPONENT = 0.41
-MAX_SEEDS = 16  # then longer runs: a verdict from more training, at about the same resolution
+MAX_SEEDS = 32  # then longer runs: a verdict from more training, at about the same resolution
+CALIBRATION_SEEDS = 2  # batched: the seeds of a calibration run (a planned run has 2 or more)
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 # The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
 # the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
@@ -410,11 +468,14 @@ WRITE_UP_S = 5.0  # the table and the plot at the end
 
 
 class Calibration(NamedTuple):
-    """What --budget plans with, measured with `jobs` runs at once (their contention)."""
-    step_s: float  # one training step (the slowest calibration run's mean, past its first 2)
-    fixed_s: float  # the rest of a run: start-up, building, one eval, the save and the report
+    """What --budget plans with, measured with `jobs` runs at once (their contention). A run of k
+    seeds (batched; k = 1 alone) takes fixed_s + k (steps step_s + EVALS eval_s + final_s)."""
+    step_s: float  # one training step of one seed (the slowest calibration run's mean)
+    fixed_s: float  # the rest of a run: start-up, building, the save and the report (alone: and
+    # the last eval and the final eval, which final_s holds for a batched run's every seed)
     eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
     seconds: float  # spent before the runs: since ablate started, calibrating, the write-up to come
+    final_s: float = 0.0  # a batched seed's last eval and final eval
 
 
 class Plan(NamedTuple):
@@ -486,22 +547,26 @@ class Watch:
 
 
 def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
-              name: str, watch: Watch) -> Calibration:
-    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once, the variants in turn, under
-    `watch` (which may refuse the budget before they end); their run dirs are removed afterwards.
-    Compiled runs first warm the compile cache in a round of WARM_UP_STEPS steps, untimed: a cold
-    compile takes a minute on a CPU and slows the other runs' steps, while the planned runs find
-    the cache warm. train: base_train's args for flags."""
+              name: str, watch: Watch, seeds: int = 1) -> Calibration:
+    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once (of `seeds` seeds each,
+    batched), the variants in turn, under `watch` (which may refuse the budget before they end);
+    their run dirs are removed afterwards. Compiled runs first warm the compile cache in a round of
+    WARM_UP_STEPS steps, untimed: a cold compile takes a minute on a CPU and slows the other runs'
+    steps, while the planned runs find the cache warm. train: base_train's args for flags."""
     if compiles(train):
-        calibration_round(flags, variants, jobs, threads, nproc, name, watch, WARM_UP_STEPS)
+        calibration_round(flags, variants, jobs, threads, nproc, name, watch, WARM_UP_STEPS, seeds)
         watch.rewarm()
     timed = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
-                              CALIBRATION_STEPS)
+                              CALIBRATION_STEPS, seeds)
     # the mean, not the median: a run's wall pays for its slow steps too
-    step_s = max(s["mean_step_ms"] for s in timed.summaries) / 1000
+    step_s = max(s["mean_step_ms"] for s in timed.summaries) / 1000 / seeds
     eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
-    fixed_s = max(timed.walls) - CALIBRATION_STEPS * step_s
-    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S)
+    # a batched seed's share of the last eval and the final eval, which grow with the seeds
+    final_s = 0.0 if seeds == 1 else (eval_s + max(0, train.final_eval_tokens)
+                                      / train.total_batch_size * step_s / 3)
+    fixed_s = max(timed.walls) - seeds * (CALIBRATION_STEPS * step_s + final_s)
+    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S,
+                       final_s)
 
 
 def compiles(train) -> bool:
@@ -515,8 +580,9 @@ class CalibrationRound(NamedTuple):
 
 
 def calibration_round(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
-                      name: str, watch: Watch, steps: int) -> CalibrationRound:
-    """`jobs` runs of `steps` steps at once, the variants in turn, each timed, under `watch`."""
+                      name: str, watch: Watch, steps: int, seeds: int = 1) -> CalibrationRound:
+    """`jobs` runs of `steps` steps at once (`seeds` seeds each, batched), the variants in turn,
+    each timed, under `watch`."""
     runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
     run_dirs = claim_calibration_dirs(runs)
     walls = [0.0] * jobs
@@ -526,7 +592,9 @@ def calibration_round(flags: list[str], variants: list[str], jobs: int, threads:
         launch(f"calibration {j + 1}/{jobs}", [
             *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
             "--num-iterations", str(steps), "--eval-every", "-1", "--save-every", "-1",
-            "--log-every", "1", "--sample-tokens", "0", "--start-over"], nproc, threads, watch)
+            "--log-every", "1", "--sample-tokens", "0", "--start-over",
+            *(["--seeds", ",".join(map(str, range(1, seeds + 1)))] if seeds > 1 else [])],
+            nproc, threads, watch)
         walls[j] = time.monotonic() - t
 
     done = threading.Event()
@@ -568,28 +636,50 @@ def claim_calibration_dirs(runs: list[str]) -> list[Path]:
     return run_dirs
 
 
-def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0) -> int:
-    """Rounds of `jobs` runs at once that run every run of `seeds` seeds, and the baseline at
-    `lengths` other lengths on the first LENGTH_SEEDS of them."""
-    return math.ceil((runs_per_seed * seeds + lengths * min(seeds, LENGTH_SEEDS)) / jobs)
+def run_sizes(runs_per_seed: int, seeds: int, lengths: int = 0, batched: bool = False) -> list:
+    """The seeds each run trains: batched, one run of `seeds` per variant-value pair and one of the
+    first LENGTH_SEEDS per other length of the baseline; alone, a run per seed of each."""
+    sizes = [seeds] * runs_per_seed + [min(seeds, LENGTH_SEEDS)] * lengths
+    return sizes if batched else [1] * sum(sizes)
+
+
+def lanes(sizes: list[int], jobs: int) -> list[tuple[int, int]]:
+    """(runs, seeds) of each of `jobs` lanes that run the runs of these sizes, a run at a time:
+    the largest first, each to the least loaded lane (their cost grows with the seeds)."""
+    loads = [(0, 0)] * jobs
+    for size in sorted(sizes, reverse=True):
+        i = min(range(jobs), key=lambda j: (loads[j][1], loads[j][0]))
+        loads[i] = (loads[i][0] + 1, loads[i][1] + size)
+    return loads
+
+
+def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0,
+           batched: bool = False) -> int:
+    """The most runs one of `jobs` lanes runs, one after another (lanes())."""
+    return max(runs for runs, _ in lanes(run_sizes(runs_per_seed, seeds, lengths, batched), jobs))
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
-        lengths: int = 0) -> Plan | None:
+        lengths: int = 0, batched: bool = False) -> Plan | None:
     """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
     lengths: the most steps that fit `seeds` seeds, or if None the seeds (3 to MAX_SEEDS) whose
     most steps give the smallest projected detectable effect, detectable_factor(seeds) *
-    steps ** -SPREAD_EXPONENT. None if not even MIN_STEPS fit."""
+    steps ** -SPREAD_EXPONENT. None if not even MIN_STEPS fit. A run of k seeds (batched) takes
+    fixed_s + k (steps step_s + EVALS eval_s + final_s): evals at step 0, every
+    ceil(steps / EVALS) and at the end are EVALS more than calibrated."""
     left = (budget_s - cal.seconds) * HEADROOM
-    # evals at step 0, every ceil(steps / EVALS) and at the end: EVALS more than calibrated
-    extra_evals = EVALS * cal.eval_s
+    per_seed = EVALS * cal.eval_s + cal.final_s
     plans = []
     for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
-        n_rounds = rounds(runs_per_seed, n, jobs, lengths)
-        steps = math.floor((left / n_rounds - cal.fixed_s - extra_evals) / cal.step_s)
+        loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
+        steps = min(math.floor((left - runs * cal.fixed_s - k * per_seed) / (k * cal.step_s))
+                    for runs, k in loads if runs)
         if steps >= MIN_STEPS:
-            run_s = cal.fixed_s + extra_evals + steps * cal.step_s
-            plans.append(Plan(steps, n, math.ceil(steps / EVALS), run_s, n_rounds * run_s))
+            total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s)
+                        for runs, k in loads)
+            size = n if batched else 1
+            plans.append(Plan(steps, n, math.ceil(steps / EVALS),
+                              cal.fixed_s + size * (per_seed + steps * cal.step_s), total))
     return min(plans, default=None, key=lambda p: detectable_factor(max(2, p.seeds))
                * p.steps ** -SPREAD_EXPONENT)
 
@@ -850,6 +940,9 @@ def parse_args(argv):
                    .replace("%", "%%"))  # argparse formats help with %
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
+    p.add_argument("--batch-seeds", action=argparse.BooleanOptionalAction, default=True,
+                   help="train each variant's seeds as one batched model in one process "
+                   "(base_train --seeds); --no-batch-seeds: a process per seed")
     p.add_argument("--name", type=name_arg, default="ablation",
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
@@ -989,7 +1082,10 @@ def main(argv=None):
     cache = cache_of(flags)
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)
     runs_per_seed = len(args.variants) * len(args.sweep.values)
-    jobs = min(jobs, runs_per_seed * (args.seeds or DEFAULT_SEEDS))
+    # a batched run trains all of a variant's seeds: a process per variant-value pair and length
+    args.batch_seeds = args.batch_seeds and args.data_order == "fixed"
+    jobs = min(jobs, runs_per_seed + len(args.baseline_lengths) if args.batch_seeds
+               else runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
     n_seeds = args.seeds or DEFAULT_SEEDS
     default_budget(args, flags, cache)
@@ -1011,9 +1107,11 @@ def main(argv=None):
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
     shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others
                for s in seeds[:LENGTH_SEEDS]]
+    processes = len(batches(todo + shorter, args.batch_seeds))
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
-          f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths, {jobs} at a "
-          f"time, {threads} thread(s) each", flush=True)
+          f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths"
+          + (f", each variant's seeds batched: {processes} processes" if args.batch_seeds else "")
+          + f", {jobs} at a time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
     one_value = len(args.sweep.values) == 1
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache)
@@ -1036,13 +1134,12 @@ def split_runs(results: dict) -> tuple[dict, dict]:
 
 
 def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: dict) -> dict:
-    """job -> record of every job in todo (run_one's), `jobs` at a time."""
+    """job -> record of every job in todo, batched (run_batch's), `jobs` runs at a time."""
     with ThreadPoolExecutor(jobs) as pool:
-        futures = {job: pool.submit(run_one, job, flags, args.sweep.flag, args.nproc, threads,
-                                    args.name, cache)
-                   for job in todo}
+        futures = [pool.submit(run_batch, batch, flags, args.sweep.flag, args.nproc, threads,
+                               args.name, cache) for batch in batches(todo, args.batch_seeds)]
         try:
-            return {job: f.result() for job, f in futures.items()}
+            return {job: r for f in futures for job, r in f.result().items()}
         # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
         except BaseException:
             pool.shutdown(cancel_futures=True)
@@ -1090,7 +1187,7 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     plans the same runs and finds them cached instead of re-timing into slightly other steps."""
     train, lengths = train_args(flags), len(args.baseline_lengths)  # each a whole run
     measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
-                cache["torch"]]
+                cache["torch"], args.batch_seeds]
     parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]
     path = cache["dir"] / f"plan-{key_of(parts)}.json"
     timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
@@ -1099,13 +1196,15 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     else:
         cal, how = read_calibration(timed, args.started), f"calibrated before ({timed.name})"
         if cal is None:
-            # the smallest plan fit() may choose: 3 seeds unless given
-            watch = Watch(args.budget, rounds(runs_per_seed, args.seeds or 3, jobs, lengths),
-                          args.started, warm=not compiles(train))
-            cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch)
+            # the smallest plan fit() may choose: 3 seeds unless given, each batched run at least
+            # as long as a calibration run of CALIBRATION_SEEDS
+            n_rounds = rounds(runs_per_seed, args.seeds or 3, jobs, lengths, args.batch_seeds)
+            watch = Watch(args.budget, n_rounds, args.started, warm=not compiles(train))
+            cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name,
+                            watch, CALIBRATION_SEEDS if args.batch_seeds else 1)
             write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
             how = "calibrated"
-        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths)
+        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths, args.batch_seeds)
         how += (f": {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
                 f"{cal.seconds:.0f} s spent before the runs")
     if plan is None:

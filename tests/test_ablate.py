@@ -359,10 +359,36 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
         assert plan.seeds == min(projected, key=projected.get), (budget, plan, projected)
     assert fit(200, cal, 2, 2, None).seeds == 3  # the fewest seeds, at fewer steps
     big = fit(3 * 3600, cal, 2, 2, None)
-    assert big.seeds == MAX_SEEDS and big.steps > 1000  # then longer runs
+    assert big.seeds == MAX_SEEDS and big.steps > 500  # then longer runs
     with_lengths, without = fit(600, cal, 2, 2, None, 2), fit(600, cal, 2, 2, None, 0)
     assert (with_lengths.seeds, with_lengths.steps) < (without.seeds, without.steps)  # the lengths cost
     assert fit(60, cal, 2, 2, None) is None  # not even MIN_STEPS fit
+
+
+def test_the_planner_fits_batched_seeds_to_the_budget():
+    """Batched, each variant's seeds are one run: two variants on two lanes, and the baseline's other
+    length (2 seeds) after one of them. fit() against that model written out: a run of k seeds takes
+    fixed_s + k (steps step_s + EVALS eval_s + final_s); the plan fits, one more step would not, and at
+    the same budget it holds more seeds than one process per seed can."""
+    from scripts import ablate
+    from scripts.ablate import Calibration, fit
+
+    EVALS, HEADROOM = ablate.EVALS, ablate.HEADROOM
+    cal = Calibration(step_s=0.5, fixed_s=30.0, eval_s=2.0, seconds=30.0, final_s=5.0)
+
+    def total(steps, seeds, lengths):
+        run = lambda k: cal.fixed_s + k * (steps * cal.step_s + EVALS * cal.eval_s + cal.final_s)
+        return run(seeds) + (run(2) if lengths else 0)  # the longer lane: a variant, then the length
+
+    for budget, seeds, lengths in [(900, None, 1), (900, 16, 0), (1800, None, 1), (600, 4, 1)]:
+        plan = fit(budget, cal, 2, 2, seeds, lengths, batched=True)
+        left = (budget - cal.seconds) * HEADROOM
+        assert total(plan.steps, plan.seeds, lengths) <= left < total(plan.steps + 1, plan.seeds, lengths)
+        assert abs(plan.total_s - total(plan.steps, plan.seeds, lengths)) < 1e-9, plan
+        assert seeds is None or plan.seeds == seeds
+    alone = fit(900, cal._replace(final_s=0.0), 2, 2, None, 1)
+    batched = fit(900, cal, 2, 2, None, 1, batched=True)
+    assert batched.seeds > alone.seeds, (batched, alone)
 
 
 @pytest.mark.parametrize("bad", ["", "ten", "-5m", "0", "5d"])
@@ -734,7 +760,8 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
 
     monkeypatch.setattr(ablate, "run_one", run_one)
     ablate.main(["--seeds", "5", "--jobs", "2", *TINY, "--total-batch-size", "256", "--num-iterations",
-                 "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths-on-2"])
+                 "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths-on-2",
+                 "--no-batch-seeds"])  # a run per seed: made up by run_one
     assert sorted((j.seed, j.steps) for j in jobs if j.steps) == [(1, 200), (2, 200)]
     assert sorted(j.seed for j in jobs if not j.steps) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     table = (base / "ablations" / "lengths-on-2" / "ablation.md").read_text()
@@ -836,8 +863,8 @@ def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
     popen = ablate.subprocess.Popen
     monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
     ablate.main(["--name", "fixed", *SMALL[:2], "--seeds", "2", *SMALL[4:]])
-    got = sorted((c[c.index("--seed") + 1], c[c.index("--data-seed") + 1]) for c in launched
+    got = sorted((c[c.index("--seeds") + 1], c[c.index("--data-seed") + 1]) for c in launched
                  if "scripts.base_train" in c)
-    # seed 1 may be the `small` fixture's runs, cached: the same runs
-    assert got[-2:] == [("2", "1"), ("2", "1")] and {d for _, d in got} == {"1"}
+    # each variant's seeds 1 and 2 as one batched run, on data seed 1
+    assert got == [("1,2", "1"), ("1,2", "1")], got
     assert "on one data order (data seed 1) for every run" in (base / "ablations" / "fixed" / "ablation.md").read_text()
