@@ -365,13 +365,12 @@ class Run:
     compiled: bool
     step: int = 0
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
-    # at val_history[i]
+    # at val_history[i]; step_times, optim_times: each timed step's seconds, for the medians and
+    # the ETA (kept, so a resume that times no step still reports the run's throughput)
     loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[],
                                                     val_history=[], val_train_time=[],
-                                                    skipped_steps=0, nonfinite_in_a_row=0))
-    # this process's timings, for medians and the ETA
-    step_times: list = field(default_factory=list)
-    optim_times: list = field(default_factory=list)
+                                                    skipped_steps=0, nonfinite_in_a_row=0,
+                                                    step_times=[], optim_times=[]))
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
 
@@ -924,8 +923,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                              f"{where_to_resume(run).capitalize()} with lower lrs (--matrix-lr, "
                              "--embedding-lr, --unembedding-lr) or a warmup (--warmup-ratio)")
     if s.finite and warm:
-        run.step_times.append(s.seconds)
-        run.optim_times.append(s.optimizer_seconds)
+        loop["step_times"].append(s.seconds)
+        loop["optim_times"].append(s.optimizer_seconds)
         loop["train_time"] += s.seconds
     # the average and its bias correction: trained steps
     beta, trained = 0.9, step - loop["skipped_steps"]
@@ -943,8 +942,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
             line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
         if args.qk_clip:
             line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-        if run.step_times:
-            line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
+        if loop["step_times"]:
+            line += f" | eta {statistics.median(loop['step_times']) * (run.num_iterations - step) / 60:.1f}m"
         print0(line)
     if run.wandb:
         logged = ({"train/loss": smooth_loss} if s.finite
@@ -963,15 +962,15 @@ def report(run: Run) -> dict:
         summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
     print0(f"data (rank 0, this process): {summary['packing']}")
     peak = peak_flops(run.device)
-    if run.step_times:
-        med_dt, med_opt = statistics.median(run.step_times), statistics.median(run.optim_times)
+    if times := loop["step_times"]:  # the run's timed steps, those before a resume too
+        med_dt, med_opt = statistics.median(times), statistics.median(loop["optim_times"])
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
-                       mean_step_ms=1000 * statistics.fmean(run.step_times),  # the wall's pace
+                       mean_step_ms=1000 * statistics.fmean(times),  # the wall's pace
                        optimizer_share=med_opt / med_dt, tok_per_s=args.total_batch_size / med_dt)
         if peak:
             summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
         print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
-               f"({100 * med_opt / med_dt:.1f}%), medians over {len(run.step_times)} steps")
+               f"({100 * med_opt / med_dt:.1f}%), medians over {len(times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {summary['final_val_bpb']:.4f} (min {summary['min_val_bpb']:.4f})"

@@ -280,6 +280,25 @@ def test_a_resume_keeps_what_base_eval_wrote(base):
     assert (run_dir / "report.md").read_text().split("\n")[1] == "> CORE: 0.1200"
 
 
+THROUGHPUT = ("mean_step_ms", "median_step_ms", "median_optimizer_ms", "optimizer_share",
+              "tok_per_s")
+
+
+def test_a_resume_that_times_no_step_keeps_the_throughput(base):
+    """A finished run resumed (its process trains, and so times, no step) keeps summary.json's
+    throughput keys (ablate reads mean_step_ms and tok_per_s) and report.md's lines for them."""
+    run_main("--run", "timed", "--num-iterations", "6")
+    run_dir = base / "runs" / "timed"
+    before = json.loads((run_dir / "summary.json").read_text())
+    lines = [x for x in (run_dir / "report.md").read_text().split("\n")
+             if x.startswith(("- tok per s:", "- optimizer share:"))]
+    assert len(lines) == 2 and all(k in before for k in THROUGHPUT), before.keys()
+    run_main("--run", "timed", "--num-iterations", "6", "--resume-from-step", "latest")
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert {k: after.get(k) for k in THROUGHPUT} == {k: before[k] for k in THROUGHPUT}
+    assert all(x in (run_dir / "report.md").read_text().split("\n") for x in lines)
+
+
 @pytest.mark.parametrize("key,value,says", [("dtype", "fp16", "'args.dtype' is 'fp16', not one of"),
                                             ("eval_tokens", -5, "'args.eval_tokens' is -5, not an int >= 1")])
 def test_base_eval_refuses_a_bad_saved_flag_in_one_line(base, key, value, says):
