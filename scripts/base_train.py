@@ -65,7 +65,14 @@ from nanomuon.gpt import (
     training_recipe,
 )
 from nanomuon.param_groups import fill_defaults
-from nanomuon.report import CORE_HEADLINE, CORE_KEYS, MISSING, plot_curves, smooth
+from nanomuon.report import (
+    CORE_HEADLINE,
+    CORE_KEYS,
+    MISSING,
+    plot_curves,
+    smooth,
+    split_eval_results,
+)
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
@@ -526,18 +533,53 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
 
 def set_aside_later_steps(run: Run, step: int) -> None:
     """Resumed from an earlier step: the later ones are another line of training, which `latest`
-    and pruning would take for this one; they move into rewound_from_step_S.N, kept."""
+    and pruning would take for this one; they move into rewound_from_step_S.N, kept, and so do
+    base_eval's results of them (report sections, CORE), which would otherwise stand as this
+    line's."""
     error = None
-    if run.rank == 0 and (later := [s for s in checkpoint.list_steps(run.run_dir) if s > step]):
+    later = [s for s in checkpoint.list_steps(run.run_dir) if s > step] if run.rank == 0 else []
+    results = results_after(run.run_dir, step) if run.rank == 0 else None
+    if later or (results and results[-1]):
         try:
             aside = checkpoint.set_aside(
                 run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
                 f"rewound_from_step_{step}")
-            print0(f"resumed from step {step}: moved the later steps "
-                   f"{', '.join(map(str, later))} into {aside} (kept; this run goes on from {step})")
+            file_results_aside(run.run_dir, aside, step, results)
+            moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
+                if results[-1] else [])
+            print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} (kept; "
+                   f"this run goes on from {step})")
         except OSError as e:
             error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
     exit_if_any_failed(error)
+
+
+def results_after(run_dir: Path, step: int):
+    """split_eval_results of run_dir's report.md and summary.json (an unreadable summary.json
+    stays as it is: base_train says so when it rewrites it)."""
+    report, summary = run_dir / "report.md", run_dir / "summary.json"
+    lines = report.read_text().split("\n") if report.is_file() else []
+    try:
+        record = json.loads(summary.read_text()) if summary.is_file() else {}
+    except (OSError, ValueError):
+        record = {}
+    return split_eval_results(lines, record if isinstance(record, dict) else {}, step)
+
+
+def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
+    """base_eval's results of the steps after `step` into aside's report.md and summary.json,
+    then out of run_dir's (in that order: a kill between leaves them in both, never in neither)."""
+    kept, later, record, core, steps = results
+    if later:
+        title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
+                 f"set aside by a resume from step {step}")
+        write_atomic(aside / "report.md", lambda tmp: tmp.write_text("\n".join([title, "", *later])))
+        write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
+    if core:
+        write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
+        write_atomic(run_dir / "summary.json",
+                     lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
 
 
 def plan_horizon(args, model: GPT) -> int:
