@@ -519,10 +519,8 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
             error = str(e)
     if rank == 0 and not error and args.resume_from_step == -1 and earlier:
         if not args.start_over:
-            steps = checkpoint.list_steps(run_dir)
-            held = ([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else []) + \
-                [name for name in earlier if not name.startswith("step_")]
-            error = (f"{run_dir} holds an earlier run ({', '.join(held)}): continue it with "
+            held = checkpoint.held_by(run_dir, earlier)
+            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
                      "--resume-from-step latest, pick another --run, or pass --start-over to "
                      "move it into previous.N and train afresh")
         else:
