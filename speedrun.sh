@@ -18,10 +18,10 @@
 # docs/data.md, "Your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
 # WANDB=off|online|offline, FP8=auto|on|off (GPU: default auto, on where compute capability is 8.9+),
 # NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
-# Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`, but for speedrun's own
-# two: --resume continues the run in runs/$RUN from its latest checkpoint (with the same knobs and
-# arguments as before), and --start-over moves that run into runs/$RUN/previous.N and trains afresh.
-# Without either, a run dir that holds an earlier run is refused before anything starts.
+# Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`, but for two of
+# speedrun's own: --resume continues the run in runs/$RUN from its latest checkpoint (with the same
+# knobs and arguments as before), and --start-over moves that run into runs/$RUN/previous.N and
+# trains afresh. Without either, a run dir that holds an earlier run is refused before anything starts.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
 # (delete it to retrain); so a machine without rustbpe can run on a tokenizer trained elsewhere.
 set -euo pipefail

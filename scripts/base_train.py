@@ -535,19 +535,20 @@ def set_aside_later_steps(run: Run, step: int) -> None:
     base_eval's results of them (report sections, CORE), which would otherwise stand as this
     line's."""
     error = None
-    later = [s for s in checkpoint.list_steps(run.run_dir) if s > step] if run.rank == 0 else []
-    results = results_after(run.run_dir, step) if run.rank == 0 else None
-    if later or (results and results[-1]):
+    if run.rank == 0:  # the others wait for its word
         try:
-            aside = checkpoint.set_aside(
-                run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
-                f"rewound_from_step_{step}")
-            file_results_aside(run.run_dir, aside, step, results)
-            moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
-                [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
-                if results[-1] else [])
-            print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} (kept; "
-                   f"this run goes on from {step})")
+            later = [s for s in checkpoint.list_steps(run.run_dir) if s > step]
+            results = results_after(run.run_dir, step)
+            if later or results[-1]:
+                aside = checkpoint.set_aside(
+                    run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
+                    f"rewound_from_step_{step}")
+                file_results_aside(run.run_dir, aside, step, results)
+                moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                    [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
+                    if results[-1] else [])
+                print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
+                       f"(kept; this run goes on from {step})")
         except OSError as e:
             error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
     exit_if_any_failed(error)
@@ -572,7 +573,8 @@ def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
     if later:
         title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
                  f"set aside by a resume from step {step}")
-        write_atomic(aside / "report.md", lambda tmp: tmp.write_text("\n".join([title, "", *later])))
+        write_atomic(aside / "report.md",
+                     lambda tmp: tmp.write_text("\n".join([title, "", *later])))
         write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
     if core:
         write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
@@ -983,7 +985,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         if args.qk_clip:
             line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
         if loop["step_times"]:
-            line += f" | eta {statistics.median(loop['step_times']) * (run.num_iterations - step) / 60:.1f}m"
+            eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
+            line += f" | eta {eta / 60:.1f}m"
         print0(line)
     if run.wandb:
         logged = ({"train/loss": smooth_loss} if s.finite
