@@ -18,7 +18,10 @@
 # docs/data.md, "Your own data"), CORE_ITEMS (CPU: CORE items per task, default 100),
 # WANDB=off|online|offline, FP8=auto|on|off (GPU: default auto, on where compute capability is 8.9+),
 # NANOMUON_BASE_DIR (data, tokenizer and runs; default ~/.cache/nanomuon).
-# Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`.
+# Extra arguments go to base_train, e.g. `bash speedrun.sh --num-iterations 100`, but for two of
+# speedrun's own: --resume continues the run in runs/$RUN from its latest checkpoint (with the same
+# knobs and arguments as before), and --start-over moves that run into runs/$RUN/previous.N and
+# trains afresh. Without either, a run dir that holds an earlier run is refused before anything starts.
 # A tokenizer already in $NANOMUON_BASE_DIR/tokenizer with the vocab size this mode trains is reused
 # (delete it to retrain); so a machine without rustbpe can run on a tokenizer trained elsewhere.
 set -euo pipefail
@@ -49,6 +52,43 @@ sys.exit(any(u.find_spec(m) is None for m in ('nanomuon', 'torch', 'tiktoken', '
 fi
 WANDB="${WANDB:-off}"
 start=$(date +%s)
+RESUME="" ARGS=() GIVEN=""  # GIVEN: whether base_train is told what to do with an earlier run
+for arg in "$@"; do
+    case "$arg" in
+        --resume) RESUME=1 GIVEN=1 ;;
+        --start-over|--resume-from-step|--resume-from-step=*) ARGS+=("$arg") GIVEN=1 ;;
+        *) ARGS+=("$arg") ;;
+    esac
+done
+if [ -n "$RESUME" ] && [[ " ${ARGS[*]-} " == *" --start-over "* ]]; then
+    echo "error: --resume and --start-over: continue the earlier run, or move it aside and" \
+        "train afresh; pass one" >&2
+    exit 2
+fi
+set -- ${RESUME:+--resume-from-step latest} ${ARGS[@]+"${ARGS[@]}"}
+
+# base_train refuses a fresh run over an earlier one too, but only once torchrun has started
+# (under its traceback, once per process) and in its own flags: say it here first, in speedrun's
+check_run_dir() {
+    [ -z "$GIVEN" ] || [ -n "$RESUME" ] || return 0
+    python - "$NANOMUON_BASE_DIR/runs/$RUN" "$RESUME" <<'EOF'
+import sys
+from nanomuon.checkpoint import earlier_run, held_by, list_steps
+try:
+    earlier = earlier_run(sys.argv[1])
+except ValueError as e:
+    sys.exit(f"error: {e}")
+if sys.argv[2] and not list_steps(sys.argv[1]):
+    sys.exit(f"error: --resume, but {sys.argv[1]} holds no checkpoint to continue: drop --resume "
+             "to train afresh" + (", with --start-over (it moves what is there into previous.N)"
+                                  if earlier else ""))
+if not sys.argv[2] and earlier:
+    sys.exit(f"error: {sys.argv[1]} holds an earlier run ({held_by(sys.argv[1], earlier)}): "
+             "continue it with `bash speedrun.sh --resume` (the same knobs and arguments as "
+             "before), train afresh with `bash speedrun.sh --start-over` (it moves into "
+             "previous.N), or pick another RUN")
+EOF
+}
 
 if [ "$MODE" = gpu ]; then
     NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
@@ -61,6 +101,7 @@ if [ "$MODE" = gpu ]; then
     fi
     RUN="${RUN:-d$DEPTH}"
     DATASET="${DATASET:-climbmix}"
+    check_run_dir
     # fp8 matmuls (torchao's float8 training, nanochat's --fp8) where the GPU has fp8 tensor cores
     FP8_FLAG=()
     cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)
@@ -114,6 +155,7 @@ else
     RUN="${RUN:-cpu-d$DEPTH}"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process; the processes share the cores
     DATASET="${DATASET:-embedded}"
+    check_run_dir
     echo "== speedrun (cpu miniature): d$DEPTH on $DATASET, $NPROC processes, run $RUN"
     if [ "$DATASET" = embedded ]; then python -m nanomuon.dataset --embedded; fi
     python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 4096 --max-chars 8000000

@@ -480,6 +480,13 @@ def earlier_run(run_dir: Path) -> list[str]:
     return [step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
 
 
+def held_by(run_dir: Path, earlier: list[str]) -> str:
+    """What earlier_run found, for a line: the newest steps (three at most) and the results."""
+    steps = list_steps(run_dir)
+    return ", ".join(([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else [])
+                     + [name for name in earlier if not name.startswith("step_")])
+
+
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
 
 

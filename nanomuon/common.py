@@ -148,8 +148,8 @@ def compute_init(device_type: str = "auto"):
     """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
     Returns (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
-    distributed = all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     rank, local_rank, world_size = process_env()
+    distributed = "RANK" in os.environ  # process_env: all three set, or none
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise SystemExit(f"error: local rank {local_rank} but only "
@@ -209,17 +209,29 @@ def rendezvous(rank: int, world_size: int):
     return store
 
 
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
 def process_env() -> tuple[int, int, int]:
     """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0, 1 when unset), checked before
-    the process group: a rank outside the world would wait in its rendezvous forever, silently."""
+    the process group: a rank outside the world would wait in its rendezvous forever, silently.
+    torchrun sets all three: some of them alone (left in a shell) are refused, since such a process
+    would run alone while counting itself one of WORLD_SIZE, or as a rank other than 0, unlocked."""
     values = {}
-    for name, default in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+    for name, default in zip(ENV_NAMES, (0, 0, 1)):
         raw = os.environ.get(name, str(default))
         try:
             values[name] = int(raw)
         except ValueError:
             raise SystemExit(f"error: {name}={raw!r} is not an integer; unset it, or launch with "
                              "torchrun, which sets it") from None
+    given = [k for k in ENV_NAMES if k in os.environ]
+    if given and len(given) < len(ENV_NAMES):
+        missing = [k for k in ENV_NAMES if k not in given]
+        are = lambda names: f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'}"
+        raise SystemExit(f"error: {are(given)} set but {are(missing)} not: torchrun sets all "
+                         f"three; launch with torchrun, or unset {' and '.join(given)} to run "
+                         "one process")
     rank, local_rank, world_size = values.values()
     wrong = (f"WORLD_SIZE={world_size} must be >= 1" if world_size < 1
              else f"RANK={rank} is outside WORLD_SIZE={world_size} (need 0 <= RANK < WORLD_SIZE)"

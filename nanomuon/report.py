@@ -7,6 +7,7 @@ skipped them and why (MISSING).
 """
 
 import math
+import re
 from pathlib import Path
 
 from nanomuon.common import write_atomic
@@ -15,6 +16,32 @@ from nanomuon.common import write_atomic
 # resumed base_train, as are the summary.json keys that start with CORE_KEYS (core, core_step, ...)
 CORE_HEADLINE = "> CORE: "
 CORE_KEYS = "core"
+# the header of each section base_eval appends to report.md: the step it measured
+EVAL_SECTION = re.compile(r"## base_eval, step (\d+)")
+
+
+def split_eval_results(lines: list[str], record: dict, step: int):
+    """What base_eval wrote about steps after `step`, apart from the rest, for a rewind to move
+    aside: report.md's lines (its sections of those steps, and CORE's headline when the last
+    section showing it is one of them) and summary.json's CORE keys (when their core_step is one).
+    Returns (report lines kept, report lines of later steps, summary kept, its CORE keys of a
+    later step, the later steps measured)."""
+    starts = [i for i, x in enumerate(lines) if EVAL_SECTION.fullmatch(x)]
+    sections = [(int(EVAL_SECTION.fullmatch(lines[i])[1]), lines[i:j])
+                for i, j in zip(starts, [*starts[1:], len(lines)])]
+    head = lines[:starts[0]] if starts else lines
+    headline = next((x for x in head if x.startswith(CORE_HEADLINE)), None)
+    shown = [s for s, body in sections if headline and headline[len(CORE_HEADLINE):] in body]
+    headline_later = bool(shown) and shown[-1] > step
+    kept = [x for x in head if not (headline_later and x == headline)]
+    kept += [x for s, body in sections if s <= step for x in body]
+    later = [headline, ""] if headline_later else []
+    later += [x for s, body in sections if s > step for x in body]
+    core_step = record.get("core_step")
+    core = ({k: v for k, v in record.items() if k.startswith(CORE_KEYS)}
+            if isinstance(core_step, int) and core_step > step else {})
+    steps = sorted({s for s, _ in sections if s > step} | ({core_step} if core else set()))
+    return kept, later, {k: v for k, v in record.items() if k not in core}, core, steps
 
 MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
            "(`pip install matplotlib` draws them)")

@@ -2,9 +2,11 @@
 Evaluate a base_train checkpoint: validation bits per byte, the CORE metric (nanomuon/core_eval.py,
 docs/core.md) and a few samples; appends a section to the run's report and puts `core` into its
 summary.json and, with --wandb, into the training's wandb run (or a new one named like the run).
-bpb is measured on the run's own data if that is a built-in source (fineweb-edu, climbmix,
-embedded); any other source (a local path, a hub dataset) takes an explicit --dataset: a
-checkpoint may come from someone else, and must not pick what is read or downloaded.
+It holds the run dir's lock while it runs, as base_train does, so no training moves the step it
+measures away from the report it writes into. bpb is measured on the run's own data if that is a
+built-in source (fineweb-edu, climbmix, embedded); any other source (a local path, a hub dataset)
+takes an explicit --dataset: a checkpoint may come from someone else, and must not pick what is
+read or downloaded.
 
 --eval picks any of core, bpb, sample. Its default is bpb and sample, plus core when an eval bundle
 is already in the base dir: the default never touches the network and so runs offline as before,
@@ -16,6 +18,7 @@ while `--eval core,...` downloads the bundle once when it is missing (the GPU sp
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -39,7 +42,7 @@ from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
 from nanomuon.report import CORE_HEADLINE
 from nanomuon.sources import add_data_args, prepare
-from scripts.base_train import PROMPTS
+from scripts.base_train import PROMPTS, claim_run_dir
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 KEYS = ("dataset", "text_column", "val_fraction")
@@ -270,10 +273,22 @@ def log_wandb(args, run_dir, step: int, bpb, core) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
-    distributed, rank, _, world_size, device = compute_init(args.device_type)
-    model, tokenizer, meta = load_for_inference(args, device)
+    _, rank, _, _, device = compute_init(args.device_type)
     run_dir = get_base_dir() / "runs" / args.run
+    with contextlib.ExitStack() as held:
+        # the run dir is ours until the results are written: a base_train meanwhile (--start-over,
+        # a rewind) would move the step measured away from the report its results go into
+        claim_run_dir(run_dir, rank, held)
+        bpb = measure(args, run_dir, rank, device)
+    compute_cleanup()
+    return bpb
+
+
+def measure(args, run_dir, rank: int, device) -> float | None:
+    """The evaluations asked for, appended to the run's report (rank 0), CORE also into its
+    summary.json and headline; bpb, or None when not asked for."""
+    evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
+    model, tokenizer, meta = load_for_inference(args, device)
     check_report(run_dir / "report.md")
     # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
     dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
@@ -298,7 +313,6 @@ def main(argv=None):
             record_core(run_dir / "summary.json", core)
         if args.wandb != "off":
             log_wandb(args, run_dir, meta["step"], bpb, core)
-    compute_cleanup()
     return bpb
 
 

@@ -65,7 +65,14 @@ from nanomuon.gpt import (
     training_recipe,
 )
 from nanomuon.param_groups import fill_defaults
-from nanomuon.report import CORE_HEADLINE, CORE_KEYS, MISSING, plot_curves, smooth
+from nanomuon.report import (
+    CORE_HEADLINE,
+    CORE_KEYS,
+    MISSING,
+    plot_curves,
+    smooth,
+    split_eval_results,
+)
 from nanomuon.seeds import (
     SeedBatch,
     check_seeds,
@@ -399,13 +406,12 @@ class Run:
     compiled: bool
     step: int = 0
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
-    # at val_history[i]
+    # at val_history[i]; step_times, optim_times: each timed step's seconds, for the medians and
+    # the ETA (kept, so a resume that times no step still reports the run's throughput)
     loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[],
                                                     val_history=[], val_train_time=[],
-                                                    skipped_steps=0, nonfinite_in_a_row=0))
-    # this process's timings, for medians and the ETA
-    step_times: list = field(default_factory=list)
-    optim_times: list = field(default_factory=list)
+                                                    skipped_steps=0, nonfinite_in_a_row=0,
+                                                    step_times=[], optim_times=[]))
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
     copies: int = 1  # models trained at once: --seeds' count, each on every token
@@ -549,10 +555,8 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
             error = str(e)
     if rank == 0 and not error and args.resume_from_step == -1 and earlier:
         if not args.start_over:
-            steps = checkpoint.list_steps(run_dir)
-            held = ([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else []) + \
-                [name for name in earlier if not name.startswith("step_")]
-            error = (f"{run_dir} holds an earlier run ({', '.join(held)}): continue it with "
+            held = checkpoint.held_by(run_dir, earlier)
+            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
                      "--resume-from-step latest, pick another --run, or pass --start-over to "
                      "move it into previous.N and train afresh")
         else:
@@ -563,18 +567,55 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
 
 def set_aside_later_steps(run: Run, step: int) -> None:
     """Resumed from an earlier step: the later ones are another line of training, which `latest`
-    and pruning would take for this one; they move into rewound_from_step_S.N, kept."""
+    and pruning would take for this one; they move into rewound_from_step_S.N, kept, and so do
+    base_eval's results of them (report sections, CORE), which would otherwise stand as this
+    line's."""
     error = None
-    if run.rank == 0 and (later := [s for s in checkpoint.list_steps(run.run_dir) if s > step]):
+    if run.rank == 0:  # the others wait for its word
         try:
-            aside = checkpoint.set_aside(
-                run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
-                f"rewound_from_step_{step}")
-            print0(f"resumed from step {step}: moved the later steps "
-                   f"{', '.join(map(str, later))} into {aside} (kept; this run goes on from {step})")
+            later = [s for s in checkpoint.list_steps(run.run_dir) if s > step]
+            results = results_after(run.run_dir, step)
+            if later or results[-1]:
+                aside = checkpoint.set_aside(
+                    run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
+                    f"rewound_from_step_{step}")
+                file_results_aside(run.run_dir, aside, step, results)
+                moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                    [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
+                    if results[-1] else [])
+                print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
+                       f"(kept; this run goes on from {step})")
         except OSError as e:
             error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
     exit_if_any_failed(error)
+
+
+def results_after(run_dir: Path, step: int):
+    """split_eval_results of run_dir's report.md and summary.json (an unreadable summary.json
+    stays as it is: base_train says so when it rewrites it)."""
+    report, summary = run_dir / "report.md", run_dir / "summary.json"
+    lines = report.read_text().split("\n") if report.is_file() else []
+    try:
+        record = json.loads(summary.read_text()) if summary.is_file() else {}
+    except (OSError, ValueError):
+        record = {}
+    return split_eval_results(lines, record if isinstance(record, dict) else {}, step)
+
+
+def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
+    """base_eval's results of the steps after `step` into aside's report.md and summary.json,
+    then out of run_dir's (in that order: a kill between leaves them in both, never in neither)."""
+    kept, later, record, core, steps = results
+    if later:
+        title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
+                 f"set aside by a resume from step {step}")
+        write_atomic(aside / "report.md",
+                     lambda tmp: tmp.write_text("\n".join([title, "", *later])))
+        write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
+    if core:
+        write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
+        write_atomic(run_dir / "summary.json",
+                     lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
 
 
 def plan_horizon(args, model: GPT) -> int:
@@ -976,8 +1017,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                              f"{where_to_resume(run).capitalize()} with lower lrs (--matrix-lr, "
                              "--embedding-lr, --unembedding-lr) or a warmup (--warmup-ratio)")
     if s.finite and warm:
-        run.step_times.append(s.seconds)
-        run.optim_times.append(s.optimizer_seconds)
+        loop["step_times"].append(s.seconds)
+        loop["optim_times"].append(s.optimizer_seconds)
         loop["train_time"] += s.seconds
     # the average and its bias correction: trained steps
     beta, trained = 0.9, step - loop["skipped_steps"]
@@ -997,8 +1038,9 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
             line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
         if args.qk_clip:
             line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-        if run.step_times:
-            line += f" | eta {statistics.median(run.step_times) * (run.num_iterations - step) / 60:.1f}m"
+        if loop["step_times"]:
+            eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
+            line += f" | eta {eta / 60:.1f}m"
         print0(line)
     if run.wandb:
         logged = (wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
@@ -1017,16 +1059,16 @@ def report(run: Run) -> dict:
         summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
     print0(f"data (rank 0, this process): {summary['packing']}")
     peak = peak_flops(run.device)
-    if run.step_times:
-        med_dt, med_opt = statistics.median(run.step_times), statistics.median(run.optim_times)
+    if times := loop["step_times"]:  # the run's timed steps, those before a resume too
+        med_dt, med_opt = statistics.median(times), statistics.median(loop["optim_times"])
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
-                       mean_step_ms=1000 * statistics.fmean(run.step_times),  # the wall's pace
+                       mean_step_ms=1000 * statistics.fmean(times),  # the wall's pace
                        optimizer_share=med_opt / med_dt,
                        tok_per_s=args.total_batch_size * run.copies / med_dt)
         if peak:
             summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
         print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
-               f"({100 * med_opt / med_dt:.1f}%), medians over {len(run.step_times)} steps")
+               f"({100 * med_opt / med_dt:.1f}%), medians over {len(times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
                (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
     print0(f"final val bpb {numbers_text(summary['final_val_bpb'])} (min "

@@ -232,6 +232,13 @@ CASES = {
                                                   mp.setenv("WORLD_SIZE", "1"),
                                                   mp.setenv("LOCAL_RANK", "0"), train())[3],
                            "RANK=3 is outside WORLD_SIZE=1"),
+    # torchrun sets all three: a stray pair would train unlocked as rank 1, or as one of two alone
+    "rank-without-local-rank": (lambda b, g, tmp, mp: (mp.setenv("RANK", "1"), mp.setenv("WORLD_SIZE", "2"),
+                                                       train("--total-batch-size", "512", run="half-set-1"))[2],
+                                "RANK and WORLD_SIZE are set but LOCAL_RANK is not"),
+    "world-size-alone": (lambda b, g, tmp, mp: (mp.setenv("WORLD_SIZE", "2"),
+                                                train("--total-batch-size", "512", run="half-set-2"))[1],
+                         "WORLD_SIZE is set but RANK and LOCAL_RANK are not"),
     "base-dir-is-a-file": (lambda b, g, tmp, mp: ((tmp / "f").write_text("x"),
                                                   mp.setenv("NANOMUON_BASE_DIR", str(tmp / "f")),
                                                   train())[2],

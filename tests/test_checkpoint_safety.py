@@ -280,6 +280,84 @@ def test_a_resume_keeps_what_base_eval_wrote(base):
     assert (run_dir / "report.md").read_text().split("\n")[1] == "> CORE: 0.1200"
 
 
+def base_eval_main(run, *argv):
+    from scripts.base_eval import main
+
+    return main(["--run", run, "--device-type", "cpu", "--device-batch-size", "4",
+                 "--sample-tokens", "0", *argv])
+
+
+def test_a_rewind_moves_base_eval_results_of_the_later_steps_aside(base, tmp_path):
+    """CORE measured at steps 4 and 8, then a rewind to 4 that trains another step 8: step 8's
+    results (its report section, the "> CORE:" headline, summary.json's core keys) move into
+    rewound_from_step_4.1 with that step, and are not the new line's; step 4's section stays."""
+    from test_core_eval import write_zip
+
+    run_dir, bundle = base / "runs" / "rewound-eval", write_zip(tmp_path / "b.zip")
+    flags = ("--run", "rewound-eval", "--num-iterations", "8", "--save-every", "4")
+    run_main(*flags)
+    for step in (4, 8):
+        base_eval_main("rewound-eval", "--step", str(step), "--eval", "core", "--core-bundle",
+                       str(bundle))
+    measured = json.loads((run_dir / "summary.json").read_text())
+    assert measured["core_step"] == 8
+    run_main(*flags, "--resume-from-step", "4")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = (run_dir / "report.md").read_text()
+    assert not any(k.startswith("core") for k in summary), summary.keys()
+    assert "## base_eval, step 4" in report and "## base_eval, step 8" not in report
+    assert not any(x.startswith("> CORE: ") for x in report.split("\n")), report
+    aside = run_dir / "rewound_from_step_4.1"
+    kept = json.loads((aside / "summary.json").read_text())
+    assert {k: kept[k] for k in measured if k.startswith("core")} == \
+        {k: v for k, v in measured.items() if k.startswith("core")}
+    moved = (aside / "report.md").read_text()
+    assert "## base_eval, step 8" in moved and "## base_eval, step 4" not in moved
+    assert "> CORE: " + measured["core_headline"] in moved.split("\n")
+
+
+def test_base_eval_holds_the_run_dir_while_it_measures(base, monkeypatch):
+    """A --start-over while base_eval measures step 4 is refused (base_eval holds the run dir's
+    lock), so its results are filed with the run it measured, not with a new one."""
+    import scripts.base_eval as be
+
+    run_dir = base / "runs" / "measured"
+    run_main("--run", "measured", "--num-iterations", "4")
+    real, refused = be.evaluate_bpb, []
+
+    def start_over_meanwhile(*args, **kwargs):
+        try:
+            run_main("--run", "measured", "--num-iterations", "2", "--start-over")
+        except SystemExit as e:
+            refused.append(str(e.code))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(be, "evaluate_bpb", start_over_meanwhile)
+    base_eval_main("measured", "--eval", "bpb")
+    assert refused and f"is in use by pid {os.getpid()}" in refused[0], refused
+    assert not (run_dir / "previous.1").exists() and checkpoint.list_steps(run_dir) == [4]
+    assert "## base_eval, step 4" in (run_dir / "report.md").read_text()
+    assert not (run_dir / ".lock").exists()  # let go when it ends
+
+
+THROUGHPUT = ("mean_step_ms", "median_step_ms", "median_optimizer_ms", "optimizer_share",
+              "tok_per_s")
+
+
+def test_a_resume_that_times_no_step_keeps_the_throughput(base):
+    """A finished run resumed (its process trains, and so times, no step) keeps summary.json's
+    throughput keys (ablate reads mean_step_ms and tok_per_s) and report.md's lines for them."""
+    run_main("--run", "timed", "--num-iterations", "6")
+    run_dir = base / "runs" / "timed"
+    before = json.loads((run_dir / "summary.json").read_text())
+    lines = [x for x in (run_dir / "report.md").read_text().split("\n")
+             if x.startswith(("- tok per s:", "- optimizer share:"))]
+    assert len(lines) == 2 and all(k in before for k in THROUGHPUT), before.keys()
+    run_main("--run", "timed", "--num-iterations", "6", "--resume-from-step", "latest")
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert {k: after.get(k) for k in THROUGHPUT} == {k: before[k] for k in THROUGHPUT}
+    assert all(x in (run_dir / "report.md").read_text().split("\n") for x in lines)
+
+
 @pytest.mark.parametrize("key,value,says", [("dtype", "fp16", "'args.dtype' is 'fp16', not one of"),
                                             ("eval_tokens", -5, "'args.eval_tokens' is -5, not an int >= 1")])
 def test_base_eval_refuses_a_bad_saved_flag_in_one_line(base, key, value, says):

@@ -522,6 +522,69 @@ def test_speedrun_gpu_mode_runs_offline_on_the_embedded_corpus(base, tmp_path):
     assert re.search(rf"embedded val bpb {final} over 2,048 tokens", p.stdout), p.stdout[-2000:]
 
 
+def speedrun_env(base_dir, **extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "RUN", "DEPTH", "DATASET")}
+    return dict(env, NANOMUON_BASE_DIR=str(base_dir), MODE="cpu", **extra)
+
+
+def speedrun_until_it_starts(base_dir, *argv, **extra):
+    """speedrun.sh run until it ends or prints its first line (then stopped with its children):
+    (that first line, its stderr, its exit status)."""
+    job = subprocess.Popen(["bash", "speedrun.sh", *argv], cwd=REPO, env=speedrun_env(base_dir, **extra),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = job.stdout.readline()  # "" when it ended without a word
+    if first:
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=60)
+    return first, job.stderr.read(), job.returncode
+
+
+def test_speedrun_refuses_an_earlier_run_before_anything_starts(tmp_path):
+    """Re-running speedrun.sh over an interrupted run stops at once, before torchrun, in one line that
+    says how to go on in speedrun's own flags; --resume with --start-over, or with nothing to resume,
+    is refused as early."""
+    run_dir = tmp_path / "runs" / "cpu-d4"
+    (run_dir / "step_000100").mkdir(parents=True)
+    (run_dir / "report.md").write_text("# an earlier run\n")
+    first, err, rc = speedrun_until_it_starts(tmp_path)
+    assert first == "" and rc == 1, f"speedrun.sh started: {first}{err}"
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert f"{run_dir} holds an earlier run (steps 100, report.md)" in err
+    assert "`bash speedrun.sh --resume`" in err and "`bash speedrun.sh --start-over`" in err
+    assert "--resume-from-step" not in err, err
+    first, err, rc = speedrun_until_it_starts(tmp_path, "--resume", "--start-over")
+    assert first == "" and rc == 2 and "--resume and --start-over" in err.strip(), first + err
+    first, err, rc = speedrun_until_it_starts(tmp_path, "--resume", RUN="never")
+    assert first == "" and rc == 1 and err.strip().count("\n") == 0, first + err
+    assert "--resume, but" in err and "holds no checkpoint to continue" in err, err
+
+
+def test_speedrun_resume_and_start_over_reach_base_train(base, tmp_path):
+    """--resume is base_train's --resume-from-step latest, --start-over its own flag; base_eval gets
+    neither. torchrun is a stand-in that records its command and fails, so nothing trains."""
+    from nanomuon.tokenizer import Tokenizer
+
+    shutil.copytree(base / "data", tmp_path / "data")
+    pairs = [bytes([a, b]) for a in range(97, 123) for b in range(256)][:4096 - 257]
+    ranks = {bytes([i]): i for i in range(256)} | {t: 256 + i for i, t in enumerate(pairs)}
+    Tokenizer(ranks).save(tmp_path / "tokenizer")  # the CPU mode's vocab, so tok_train keeps it
+    (tmp_path / "runs" / "cpu-d4" / "step_000100").mkdir(parents=True)
+    bin_dir, log = tmp_path / "bin", tmp_path / "torchrun.log"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 3\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    for flag, passed in (("--resume", "--resume-from-step latest"), ("--start-over", "--start-over")):
+        log.unlink(missing_ok=True)
+        p = subprocess.run(["bash", "speedrun.sh", flag, "--num-iterations", "3"], cwd=REPO,
+                           env=speedrun_env(tmp_path, PATH=path), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 3 and "reusing the tokenizer" in p.stdout, p.stdout + p.stderr
+        called = log.read_text().splitlines()
+        assert len(called) == 1 and "-m scripts.base_train" in called[0], called
+        assert called[0].endswith(f"{passed} --num-iterations 3"), called
+
+
 def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
     """The dry run lists every step with its limit, most valuable first, cuts them into calls that
     each fit a 9-minute allocation (--only per piece) and a 15-minute device budget at the seconds
