@@ -120,19 +120,21 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "matrices, at width 768, when the --optimizer variant trains them with AdamW "
                    f"({rule})")
     p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
-                   "decay (default: 0.2 below 2^19 tokens/step; from there nanochat's, scaled with "
-                   "the batch and the horizon: docs/lr_rule.md)")
+                   "decay (default: the rule's, 0.2 at 4,096 tokens/step rising to nanochat's 0.28 "
+                   "at 2^19; from there scaled with the batch and the horizon: docs/lr_rule.md)")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--schedule", choices=list(SCHEDULES), default="warmup_warmdown",
                    help="lr schedule (SCHEDULES; the --optimizer variant may set its own)")
-    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
-    p.add_argument("--warmdown-ratio", type=float, default=0.4,
-                   help="fraction of steps with linear lr decay")
-    p.add_argument("--final-lr-frac", type=float, default=0.0,
-                   help="lr at the end, as a fraction of the peak")
+    recipe = "default: the recipe's, by batch: docs/lr_rule.md"
+    p.add_argument("--warmup-ratio", type=float, default=None, help="fraction of steps with "
+                   f"linear lr warmup ({recipe}; none below 2^19 tokens/step, 40 steps from there)")
+    p.add_argument("--warmdown-ratio", type=float, default=None, help="fraction of steps with "
+                   f"linear lr decay ({recipe}; 0.4 below 2^19 tokens/step, 0.65 from there)")
+    p.add_argument("--final-lr-frac", type=float, default=None, help="lr at the end, as a "
+                   f"fraction of the peak ({recipe}; 0 below 2^19 tokens/step, 0.05 from there)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -235,8 +237,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1,
          ">= 1, or -1 for only at the end"),
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
-        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
-         "in [0, 1]"),
+        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
+         lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
         (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr",
           "weight_decay", "qk_clip", "lr_multiplier"],
          lambda v: v is None or (math.isfinite(v) and v >= 0), "a finite number >= 0"),
@@ -250,7 +252,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
-    if args.warmup_ratio + args.warmdown_ratio > 1.0:
+    if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
                 "exceed 1")
     if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
@@ -542,11 +544,11 @@ def set_aside_later_steps(run: Run, step: int) -> None:
 
 
 def plan_horizon(args, model: GPT) -> int:
-    """The run's steps; a --total-batch-size or --weight-decay left out takes nanochat's recipe
-    (gpt.training_recipe), written back into args (saved resolved, so a resume compares like with
-    like), and printed with the reason. As in nanochat, the recipe's horizon is always the data
-    ratio's (its default when the steps come from another flag): a short --num-iterations check
-    gets the batch and weight decay of the real run."""
+    """The run's steps; a --total-batch-size, --weight-decay or schedule flag left out takes the
+    recipe's (gpt.training_recipe), written back into args (saved resolved, so a resume compares
+    like with like), and printed with the reason. As in nanochat, the recipe's horizon is always
+    the data ratio's (its default when the steps come from another flag): a short
+    --num-iterations check gets the batch, weight decay and schedule of the real run."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
              else NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
@@ -559,10 +561,30 @@ def plan_horizon(args, model: GPT) -> int:
     for line in recipe.why:
         print0(f"recipe: {line}")
     if args.num_iterations > 0:
-        return args.num_iterations
-    if args.target_flops > 0:
-        return max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
-    return max(1, round(ratio * params / args.total_batch_size))
+        steps = args.num_iterations
+    elif args.target_flops > 0:
+        steps = max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
+    else:
+        steps = max(1, round(ratio * params / args.total_batch_size))
+    resolve_schedule(args, recipe.schedule, steps)
+    return steps
+
+
+def resolve_schedule(args, schedule: dict, steps: int) -> None:
+    """The recipe's warmup (its steps as a fraction of the run's), warmdown and final lr for the
+    flags left out, written into args and said in a line."""
+    chosen = dict(warmup_ratio=min(1.0, schedule["warmup_steps"] / steps),
+                  warmdown_ratio=schedule["warmdown_ratio"],
+                  final_lr_frac=schedule["final_lr_frac"])
+    left_out = [key for key in chosen if getattr(args, key) is None]
+    for key in left_out:
+        setattr(args, key, chosen[key])
+    if left_out:
+        print0(f"recipe: schedule: warmup {round(args.warmup_ratio * steps)} steps, warmdown "
+               f"{args.warmdown_ratio:g} of the steps, final lr {args.final_lr_frac:g} of the peak "
+               f"({', '.join('--' + k.replace('_', '-') for k in left_out)} left out: "
+               f"{'nanochat' if schedule['warmup_steps'] else 'the CPU rule'}'s at "
+               f"{args.total_batch_size:,} tokens/step)")
 
 
 def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
