@@ -2,9 +2,10 @@
 The GPT that nanomuon trains: small, modern, and written to be read in one sitting.
 
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
-biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention. The
-size follows from --depth (docs/training.md); setup_optimizer() is where the model meets the
-optimizer, with param_groups.classify deciding which params train with Muon.
+biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention (or
+a flash attention kernel that use_attention() puts in its place: nanomuon.attention). The size
+follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer,
+with param_groups.classify deciding which params train with Muon.
 """
 
 import math
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomuon.attention import Attention, sdpa
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
@@ -143,6 +145,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
         self.max_logits = None
+        # (q, k, v) as (B, T, heads, head_dim) -> the same, in SDPA's place (GPT.use_attention)
+        self.attend = None
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -152,12 +156,10 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm:
             q, k = norm(q), norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.max_logits is not None:
-            self._track_max_logits(q, k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv_head != self.n_head)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+            self._track_max_logits(q.transpose(1, 2), k.transpose(1, 2))
+        y = (self.attend or sdpa)(q, k, v)
+        return self.c_proj(y.reshape(B, T, C))
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -576,6 +578,11 @@ class GPT(nn.Module):
         return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
                                params=ws, split=(hd,) * n, transposed=cols)
                           for (n, cols), ws in heads.items()]
+
+    def use_attention(self, attention: Attention) -> None:
+        """Every layer's attention through `attention` (nanomuon.attention.choose_attention)."""
+        for block in self.blocks:
+            block.attn.attend = attention.func
 
     def track_max_logits(self, on: bool = True) -> None:
         """Start (afresh) or stop recording each attention head's max

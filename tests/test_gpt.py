@@ -573,3 +573,48 @@ def test_fit_device_batch_takes_the_most_rows_that_fit_and_divide_the_step():
     with pytest.raises(ValueError, match=r"one row of 2048 tokens of this 12-layer model needs about .* GiB, and "
                                          r"2.0 GiB are free: lower --depth or --max-seq-len"):
         fit_device_batch(c, 2 * 2 ** 30, rows_per_step=256)
+
+
+def test_attention_off_a_gpu_is_sdpa_and_a_named_kernel_says_why_not():
+    """choose_attention off a GPU: SDPA with the reason; a kernel asked for by name is refused with
+    it, an unknown name in one line."""
+    from nanomuon.attention import choose_attention
+
+    cpu, heads = torch.device("cpu"), (2, 2, 64)
+    got = choose_attention(cpu, "bf16", heads)
+    assert (got.name, got.func) == ("sdpa", None)
+    assert got.why == "sdpa (flash kernels need a CUDA GPU, this is cpu)"
+    assert choose_attention(cpu, "fp32", heads, "sdpa").name == "sdpa"
+    for name in ("fa3", "fa4", "fa3-hub"):
+        with pytest.raises(ValueError, match=f"^--attention {name} cannot run here: flash kernels "
+                           "need a CUDA GPU, this is cpu$"):
+            choose_attention(cpu, "bf16", heads, name)
+    with pytest.raises(ValueError, match="attention 'fa2' is unknown; use one of auto, fa3"):
+        choose_attention(cpu, "bf16", heads, "fa2")
+
+
+def test_use_attention_routes_every_layer_through_the_kernel():
+    """A kernel from use_attention gets each layer's q, k, v as (B, T, heads, head_dim), the layout
+    flash kernels take, and its output is used: a kernel that computes SDPA gives the model's
+    logits exactly; one that returns zeros gives other logits."""
+    from nanomuon.attention import Attention
+
+    model = GPT(config_from_depth(2, 97, 16, aspect_ratio=64, head_dim=32))
+    model.init_weights()
+    for block in model.blocks:  # non-zero output projections, so attention reaches the logits
+        torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
+    x = torch.randint(0, 97, (2, 16))
+    plain = model(x)
+    seen = []
+
+    def attend(q, k, v):
+        seen.append(tuple(q.shape))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+    model.use_attention(Attention("test", "", attend))
+    assert torch.equal(model(x), plain) and seen == [(2, 16, 4, 32)] * 2
+    model.use_attention(Attention("zeros", "", lambda q, k, v: torch.zeros_like(q)))
+    assert not torch.allclose(model(x), plain)
+    model.use_attention(Attention("sdpa", ""))
+    assert torch.equal(model(x), plain)
