@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint
+from nanomuon.attention import CHOICES as ATTENTION_CHOICES
+from nanomuon.attention import choose_attention
 from nanomuon.common import (
     DTYPES,
     all_finite,
@@ -137,6 +139,28 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    f"fraction of the peak ({recipe}; 0 below 2^19 tokens/step, 0.05 from there)")
 
 
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """How the steps compute: compile, precision, the attention kernel, fp8, sharding."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
+                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                   help="the attention kernel; auto: on a Hopper GPU training in bf16 the first "
+                   "of fa3, fa4 and fa3-hub that is installed and runs, else sdpa "
+                   "(nanomuon/attention.py); base_train says which, and why")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
+                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
+                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
+                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
+    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
+                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard params, grads and optimizer state over the torchrun processes with "
+                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's default in its help, but not None: those flags' help says what leaving them
     out does."""
@@ -160,20 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--data-seed", type=int, default=None,
                    help="shuffle the training documents with this seed (the row groups, then the "
                    "documents of every 8 of them; default: file order)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
-                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
-    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
-                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
-                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
-                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
-    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
-                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard params, grads and optimizer state over the torchrun processes with "
-                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
+    add_compute_args(p)
     # model
     p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
@@ -587,6 +598,28 @@ def resolve_schedule(args, schedule: dict, steps: int) -> None:
                f"{args.total_batch_size:,} tokens/step)")
 
 
+def to_fp8(args, model: GPT, device: torch.device) -> None:
+    """The blocks' linear layers in fp8 (nanomuon.fp8), said in a line."""
+    swapped = convert_to_fp8(model, args.fp8_recipe, device)
+    print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
+           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+
+
+def choose(args, config: GPTConfig, device: torch.device):
+    """The attention kernel (nanomuon.attention), said in a line and saved resolved in args; one
+    that --attention names but that cannot run here stops the run in one line, as do ranks that
+    chose differently."""
+    with user_errors():
+        attention = choose_attention(device, args.dtype, (config.n_head, config.n_kv_head,
+                                                          config.n_embd // config.n_head),
+                                     args.attention)
+    print0(f"attention: {attention.why}")
+    exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
+                            "attention on every node, or pass --attention sdpa")
+    args.attention = attention.name
+    return attention
+
+
 def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows every eval scores (--eval-tokens) and those the final weights score once more
     (--final-eval-tokens; None for 0): the same at any world size."""
@@ -618,6 +651,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     compiled = resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
+    attention = choose(args, config, device)
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
@@ -636,10 +670,9 @@ def build(args, held: contextlib.ExitStack) -> Run:
     torch.manual_seed(args.seed)
     model.to_empty(device=device)
     model.init_weights()
+    model.use_attention(attention)
     if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
-        swapped = convert_to_fp8(model, args.fp8_recipe, device)
-        print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
-               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+        to_fp8(args, model, device)
 
     def load_data():  # missing or unreadable data
         # a custom source: converted once
@@ -963,6 +996,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                 f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
         if run.peak_flops:
             line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
+        line += f" | attn {args.attention}"
         if args.qk_clip:
             line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
         if run.step_times:
@@ -1059,7 +1093,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
-             "fp32 params",
+             f"fp32 params; attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in "

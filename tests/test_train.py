@@ -161,6 +161,25 @@ def test_the_summary_paces_steps_as_the_step_lines_do(base, capsys):
     assert summary["median_step_ms"] == pytest.approx(statistics.median(dts), abs=0.5)
 
 
+def test_a_run_says_which_attention_it_trains_with(base, capsys):
+    """Off a GPU attention is SDPA: base_train says why at the start, every step line and the report
+    say sdpa; a flash kernel asked for by name where it cannot run stops the run in one line."""
+    from scripts.base_train import main
+
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1",
+          "--run", "attn"])
+    out = capsys.readouterr().out
+    assert "attention: sdpa (flash kernels need a CUDA GPU, this is cpu)" in out, out
+    steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
+    assert len(steps) == 2 and all(" | attn sdpa" in line for line in steps), steps
+    report = (base / "runs" / "attn" / "report.md").read_text()
+    assert "fp32 params; attention sdpa" in report, report
+    with pytest.raises(SystemExit, match="^error: --attention fa3 cannot run here: flash kernels "
+                       "need a CUDA GPU, this is cpu$"):
+        main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--run", "attn-fa3",
+              "--attention", "fa3"])
+
+
 def speedrun_gpu_flags(depth: int) -> list[str]:
     """The flags speedrun.sh's GPU branch gives base_train, read from the script, its variables
     filled in for a d`depth` run on climbmix (no fp8 flag, no extra arguments)."""
