@@ -134,7 +134,7 @@ if [ "$MODE" = gpu ]; then
         python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
     # nanochat's recipe: 8 tokens per scaling param (block matrices and lm_head, as it counts them); the batch
-    # (2^20 tokens at d24, 2^19 at d12), lrs and weight decay follow from the horizon as in nanochat
+    # (2^20 tokens at d24, 2^19 at d12), lrs, weight decay and schedule follow from the horizon as in nanochat
     # (base_train prints each choice, docs/lr_rule.md); the device batch is the most rows that fit, gradient
     # accumulation makes up the rest
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \

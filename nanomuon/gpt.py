@@ -2,9 +2,10 @@
 The GPT that nanomuon trains: small, modern, and written to be read in one sitting.
 
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
-biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention. The
-size follows from --depth (docs/training.md); setup_optimizer() is where the model meets the
-optimizer, with param_groups.classify deciding which params train with Muon.
+biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention (or
+a flash attention kernel that use_attention() puts in its place: nanomuon.attention). The size
+follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer,
+with param_groups.classify deciding which params train with Muon.
 """
 
 import math
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomuon.attention import Attention, sdpa
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
@@ -143,6 +145,8 @@ class CausalSelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
         self.max_logits = None
+        # (q, k, v) as (B, T, heads, head_dim) -> the same, in SDPA's place (GPT.use_attention)
+        self.attend = None
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
@@ -152,12 +156,10 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm:
             q, k = norm(q), norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.max_logits is not None:
-            self._track_max_logits(q, k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv_head != self.n_head)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+            self._track_max_logits(q.transpose(1, 2), k.transpose(1, 2))
+        y = (self.attend or sdpa)(q, k, v)
+        return self.c_proj(y.reshape(B, T, C))
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -303,38 +305,68 @@ def softcap_cross_entropy(logits, targets, cap: float, reduction: str = "mean",
 
 
 # The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
-# GPU, the adamw baseline), in two regimes split at NANOCHAT_BATCH tokens per step (docs/lr_rule.md).
-# Below it, the CPU-tuned rule: each group's lr at width 768, tuned at RULE_BATCH tokens per step
-# (the CPU miniature's per-group sweep), and how it moves with the model and batch.
+# GPU, the adamw baseline): each group's lr at width 768 was measured at two batches, and the rule
+# joins them (docs/lr_rule.md).
+# - RULE_BATCH tokens per step: the CPU miniature's per-group sweep (RULE_LRS).
+# - NANOCHAT_BATCH: nanochat's recipe, tuned on its d12 at that batch, the one its leaderboard runs
+#   reached GPT-2's CORE with (NANOCHAT_LRS).
+# Between the two, each group's lr is the power law through both ends; above NANOCHAT_BATCH every
+# group's lr grows as sqrt(B / NANOCHAT_BATCH) (nanochat's rule, Muon's too: an assumption nanochat
+# states) and weight decay follows batch and horizon (training_recipe). Below RULE_BATCH nothing
+# was measured: the rule keeps the slope the CPU's sweeps at 2x and 4x its batch found
+# (CPU_EXPONENTS). Muon's lr is 0.02 at both ends, so the rule keeps it; in between it is not
+# (its best rises at 2-4x the CPU's batch): sweep it there.
 # - Width: AdamW's lrs scale as 1/sqrt(width / 768) (setup_optimizer; nanochat's rule). Muon's
 #   does not: its update is orthogonalized, so its size does not grow with the width.
-# - Batch: AdamW's lrs grow as (tokens per step / RULE_BATCH)^0.2. The CPU's sweeps at 2x and
-#   4x the batch put their best there, and it joins the CPU-tuned lrs to nanochat's GPU-tuned
-#   ones at 128x the batch (AdamW's usual sqrt would put those 4x apart). Muon's is the same at
-#   both ends, 0.02, so the rule keeps it; in between it is not (its best rises at 2-4x the
-#   CPU's batch): sweep it there.
-# At NANOCHAT_BATCH and above, nanochat's recipe, the one its leaderboard runs reached GPT-2's CORE
-# with: every group's lr (Muon's too, an assumption nanochat states) as sqrt(B / NANOCHAT_BATCH)
-# from its value there, and weight decay scaled with batch and horizon (training_recipe). Only a
-# GPU measurement should overrule it, never a CPU extrapolation.
 RULE_BATCH = 4096
-RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02)
-RULE_BATCH_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2,
-                            matrix_lr=0.0)
+RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02,
+                scalar_lr=0.5)
 NANOCHAT_BATCH = 2 ** 19  # B_ref: nanochat's measured best batch at d12's horizon
+# nanochat's scripts/base_train.py defaults; its GPT trains no matrices with AdamW, so that group
+# keeps its CPU slope up to NANOCHAT_BATCH too. The CPU's scalar lr was never tuned (nanomuon's
+# GPT has no gains), so the rule holds nanochat's there.
+NANOCHAT_LRS = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5)
+CPU_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2, matrix_lr=0.0,
+                     scalar_lr=0.0)
 NANOCHAT_REF_DEPTH = 12  # the model whose horizon is D_ref
 NANOCHAT_TOKENS_PER_PARAM = 10.5  # its compute-optimal tokens per scaling param (scaling_params)
 POWER_LINES_EXPONENT = 0.383  # best batch grows as D^0.383 (Power Lines, arXiv 2505.13738)
-WEIGHT_DECAY = 0.2  # Muon's weight decay at NANOCHAT_BATCH and D_ref, and below NANOCHAT_BATCH
+# Muon's weight decay at RULE_BATCH (the CPU's, never swept) and nanochat's at NANOCHAT_BATCH and
+# D_ref; in between the same power law as the lrs
+WEIGHT_DECAY = 0.2
+NANOCHAT_WEIGHT_DECAY = 0.28
+
+
+def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float:
+    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat), at
+    total_batch_size (between the two)."""
+    exponent = math.log(at_nanochat / at_rule) / math.log(NANOCHAT_BATCH / RULE_BATCH)
+    return at_rule * (total_batch_size / RULE_BATCH) ** exponent
 
 
 def rule_lrs(total_batch_size: int) -> dict[str, float]:
     """Each group's lr at width 768 (setup_optimizer's arguments) for steps of total_batch_size
-    tokens: the CPU-tuned rule below NANOCHAT_BATCH, nanochat's sqrt scaling from there up."""
-    below = min(total_batch_size, NANOCHAT_BATCH)
+    tokens: the CPU's below RULE_BATCH, the power law from it to nanochat's up to NANOCHAT_BATCH,
+    nanochat's sqrt scaling from there up."""
+    if total_batch_size < 1:
+        raise ValueError(f"the lr rule needs 1 or more tokens per step, got {total_batch_size}")
+    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
+    below = min(total_batch_size / RULE_BATCH, 1.0)
     above = max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5
-    return {key: lr * (below / RULE_BATCH) ** RULE_BATCH_EXPONENTS[key] * above
-            for key, lr in RULE_LRS.items()}
+    lrs = {}
+    for key, lr in RULE_LRS.items():
+        gpu = NANOCHAT_LRS.get(key, lr * (NANOCHAT_BATCH / RULE_BATCH) ** CPU_EXPONENTS[key])
+        lrs[key] = _between(lr, gpu, between) * below ** CPU_EXPONENTS[key] * above
+    return lrs
+
+
+def rule_weight_decay(total_batch_size: int) -> float:
+    """Muon's weight decay at total_batch_size tokens per step before training_recipe's horizon
+    scaling: WEIGHT_DECAY up to RULE_BATCH, the power law to nanochat's at NANOCHAT_BATCH, and
+    nanochat's sqrt(B / NANOCHAT_BATCH) above."""
+    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
+    return (_between(WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, between)
+            * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
 
 
 # Muon's lr and the run's length. The CPU rule was tuned at RULE_STEPS steps; in shorter runs
@@ -363,23 +395,30 @@ def scaling_params(config: GPTConfig) -> int:
         return GPT(config).num_scaling_params()
 
 
+# The lr schedule each regime was measured with: the CPU miniature's below NANOCHAT_BATCH;
+# nanochat's, tuned on d12 together with NANOCHAT_LRS and NANOCHAT_WEIGHT_DECAY, from there
+RECIPE_SCHEDULES = {False: dict(warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0),
+                    True: dict(warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What training_recipe chose, and why (one line per choice, for base_train to print)."""
     total_batch_size: int
     lrs: dict  # each group's lr at width 768, setup_optimizer's arguments
     weight_decay: float
+    schedule: dict  # warmup_steps, warmdown_ratio, final_lr_frac
     why: tuple[str, ...]
 
 
 def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | None = None,
                     weight_decay: float | None = None) -> Recipe:
-    """Batch, lrs and Muon's weight decay for a run of `horizon` tokens, where `ref_horizon` is
-    nanochat's D_ref (the same tokens per scaling param at depth 12). A batch left out is
-    nanochat's: NANOCHAT_BATCH x (horizon / ref_horizon)^0.383, rounded to a power of 2. A weight
-    decay left out is WEIGHT_DECAY below NANOCHAT_BATCH; from there, nanochat's
-    WEIGHT_DECAY x sqrt(B / NANOCHAT_BATCH) x ref_horizon / horizon, which holds AdamW's T_epoch
-    (arXiv 2405.13698) under sqrt lr scaling."""
+    """Batch, lrs, Muon's weight decay and lr schedule for a run of `horizon` tokens, where
+    `ref_horizon` is nanochat's D_ref (the same tokens per scaling param at depth 12). A batch left
+    out is nanochat's: NANOCHAT_BATCH x (horizon / ref_horizon)^0.383, rounded to a power of 2. A
+    weight decay left out is rule_weight_decay's below NANOCHAT_BATCH; from there, nanochat's
+    NANOCHAT_WEIGHT_DECAY x sqrt(B / NANOCHAT_BATCH) x ref_horizon / horizon, which holds AdamW's
+    T_epoch (arXiv 2405.13698) under sqrt lr scaling."""
     if horizon <= 0 or ref_horizon <= 0:
         raise ValueError(f"training_recipe needs horizons > 0 tokens, got {horizon} and "
                          f"{ref_horizon}")
@@ -390,23 +429,28 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
         why.append(f"batch {total_batch_size:,} tokens/step: nanochat's 2^19 at d12's horizon "
                    f"x (D / D_ref)^0.383 = {predicted:,.0f}, to a power of 2 (Power Lines)")
     gpu = total_batch_size >= NANOCHAT_BATCH
+    scale = (total_batch_size / NANOCHAT_BATCH) ** 0.5
     if weight_decay is None:
-        weight_decay = WEIGHT_DECAY
+        weight_decay = rule_weight_decay(total_batch_size)
         if gpu:
-            weight_decay *= (total_batch_size / NANOCHAT_BATCH) ** 0.5 * ref_horizon / horizon
-            why.append(f"weight decay {weight_decay:.4g}: nanochat's {WEIGHT_DECAY} x "
+            weight_decay *= ref_horizon / horizon
+            why.append(f"weight decay {weight_decay:.4g}: nanochat's {NANOCHAT_WEIGHT_DECAY} x "
                        f"sqrt(B / 2^19) x D_ref / D (a horizon of {horizon:,.0f} tokens, "
                        f"{horizon / ref_horizon:.3g}x d12's), T_epoch held")
-    why.append(f"lrs: nanochat's recipe, the lr rule's at 2^19 x sqrt(B / 2^19) = "
-               f"{(total_batch_size / NANOCHAT_BATCH) ** 0.5:.3g}" if gpu else
-               f"lrs: the CPU-tuned lr rule at {total_batch_size:,} tokens/step (below 2^19)")
     lrs = rule_lrs(total_batch_size)
+    shown = ", ".join(f"{name} {lrs[key]:.4g}" for name, key in (
+        ("embedding", "embedding_lr"), ("lm_head", "unembedding_lr"), ("Muon", "matrix_lr"),
+        ("scalars", "scalar_lr")))
+    why.append(f"lrs at width 768: {shown}: " + (
+        f"nanochat's at 2^19 x sqrt(B / 2^19) = {scale:.3g}" if gpu else
+        f"the lr rule's at {total_batch_size:,} tokens/step (the CPU's tuned at {RULE_BATCH:,}, "
+        "nanochat's at 2^19, a power law between)"))
     if lrs["matrix_lr"] * weight_decay >= 1:  # each step would scale the weights by <= 0
         raise ValueError(f"Muon's weight decay {weight_decay:.4g} x lr {lrs['matrix_lr']:.3g} "
                          f">= 1 would flip the weights' sign: a horizon of {horizon:,.0f} tokens "
                          f"is too short for {total_batch_size:,}-token steps; give "
                          "--weight-decay, a smaller batch or a longer horizon")
-    return Recipe(total_batch_size, lrs, weight_decay, tuple(why))
+    return Recipe(total_batch_size, lrs, weight_decay, dict(RECIPE_SCHEDULES[gpu]), tuple(why))
 
 
 class GPT(nn.Module):
@@ -495,15 +539,15 @@ class GPT(nn.Module):
     def setup_optimizer(self, embedding_lr: float | None = None,
                         unembedding_lr: float | None = None, matrix_lr: float | None = None,
                         adamw_matrix_lr: float | None = None, total_batch_size: int = 2 ** 19,
-                        scalar_lr: float = 0.5, weight_decay: float = WEIGHT_DECAY,
+                        scalar_lr: float | None = None, weight_decay: float = WEIGHT_DECAY,
                         adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         Each param gets the lr of its role at width 768: the one given, else the lr rule's
-        (rule_lrs) at total_batch_size tokens per step; AdamW's are then scaled as 1/sqrt(width),
-        Muon's need no width scaling because its update is orthogonalized.
+        (rule_lrs) at total_batch_size tokens per step; AdamW's but the scalars' are then scaled as
+        1/sqrt(width), Muon's need no width scaling because its update is orthogonalized.
         muon_options go into the Muon group; matrix_optimizer='adamw' trains the matrices with
         AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
@@ -512,7 +556,7 @@ class GPT(nn.Module):
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
-                     matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr)
+                     matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
         lr = rule_lrs(total_batch_size) | {k: v for k, v in given.items() if v is not None}
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
@@ -538,7 +582,8 @@ class GPT(nn.Module):
         if per_head:
             groups[2:] = self._per_head_groups(groups[2])
         if params["scalars"]:
-            groups.append(dict(adam, name="scalars", params=params["scalars"], lr=scalar_lr))
+            groups.append(dict(adam, name="scalars", params=params["scalars"],
+                               lr=lr["scalar_lr"]))
         for g in groups:
             g["initial_lr"] = g["lr"]
         if optimizer_class is not None:
@@ -565,6 +610,11 @@ class GPT(nn.Module):
         return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
                                params=ws, split=(hd,) * n, transposed=cols)
                           for (n, cols), ws in heads.items()]
+
+    def use_attention(self, attention: Attention) -> None:
+        """Every layer's attention through `attention` (nanomuon.attention.choose_attention)."""
+        for block in self.blocks:
+            block.attn.attend = attention.func
 
     def track_max_logits(self, on: bool = True) -> None:
         """Start (afresh) or stop recording each attention head's max

@@ -41,13 +41,16 @@ def parse_seeds(s: str) -> list[int]:
     return seeds
 
 
-def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimizer: str) -> None:
+def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimizer: str,
+                attention: str = "auto") -> None:
     """Refuse what batched seeds cannot train, in one line (ValueError)."""
     refused = [(qk_clip, "--qk-clip (it tracks each head's logits in the model's modules)"),
                (fp8, "--fp8 (it swaps the linear layers for torchao's)"),
                (fsdp, "--fsdp (it shards one model's layers)"),
                (optimizer == "torch-muon", "--optimizer torch-muon (torch.optim.Muon takes 2-D "
-                                           "matrices only)")]
+                                           "matrices only)"),
+               (attention not in ("auto", "sdpa"), f"--attention {attention} (vmap batches SDPA; "
+                                                   "the flash kernels are not batched)")]
     for given, what in refused:
         if given:
             raise ValueError(f"--seeds {','.join(map(str, seeds))} trains the seeds as one "

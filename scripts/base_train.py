@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint
+from nanomuon.attention import CHOICES as ATTENTION_CHOICES
+from nanomuon.attention import choose_attention
 from nanomuon.common import (
     DTYPES,
     all_finite,
@@ -147,19 +149,43 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "matrices, at width 768, when the --optimizer variant trains them with AdamW "
                    f"({rule})")
     p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
-                   "decay (default: 0.2 below 2^19 tokens/step; from there nanochat's, scaled with "
-                   "the batch and the horizon: docs/lr_rule.md)")
+                   "decay (default: the rule's, 0.2 at 4,096 tokens/step rising to nanochat's 0.28 "
+                   "at 2^19; from there scaled with the batch and the horizon: docs/lr_rule.md)")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
     p.add_argument("--schedule", choices=list(SCHEDULES), default="warmup_warmdown",
                    help="lr schedule (SCHEDULES; the --optimizer variant may set its own)")
-    p.add_argument("--warmup-ratio", type=float, default=0.0, help="fraction of steps with linear lr warmup")
-    p.add_argument("--warmdown-ratio", type=float, default=0.4,
-                   help="fraction of steps with linear lr decay")
-    p.add_argument("--final-lr-frac", type=float, default=0.0,
-                   help="lr at the end, as a fraction of the peak")
+    recipe = "default: the recipe's, by batch: docs/lr_rule.md"
+    p.add_argument("--warmup-ratio", type=float, default=None, help="fraction of steps with "
+                   f"linear lr warmup ({recipe}; none below 2^19 tokens/step, 40 steps from there)")
+    p.add_argument("--warmdown-ratio", type=float, default=None, help="fraction of steps with "
+                   f"linear lr decay ({recipe}; 0.4 below 2^19 tokens/step, 0.65 from there)")
+    p.add_argument("--final-lr-frac", type=float, default=None, help="lr at the end, as a "
+                   f"fraction of the peak ({recipe}; 0 below 2^19 tokens/step, 0.05 from there)")
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """How the steps compute: compile, precision, the attention kernel, fp8, sharding."""
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
+                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                   help="the attention kernel; auto: on a Hopper GPU training in bf16 the first "
+                   "of fa3, fa4 and fa3-hub that is installed and runs, else sdpa "
+                   "(nanomuon/attention.py); base_train says which, and why")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
+                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
+                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
+                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
+    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
+                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard params, grads and optimizer state over the torchrun processes with "
+                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -192,20 +218,7 @@ def parse_args(argv=None):
     # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     add_data_args(p, "fineweb-edu")
     add_seed_args(p)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
-                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
-    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
-                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
-                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
-                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
-    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
-                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard params, grads and optimizer state over the torchrun processes with "
-                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
+    add_compute_args(p)
     # model
     p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
@@ -269,8 +282,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["eval_every", "save_every"], lambda v: v >= 1 or v == -1,
          ">= 1, or -1 for only at the end"),
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
-        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"], lambda v: 0.0 <= v <= 1.0,
-         "in [0, 1]"),
+        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
+         lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
         (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr",
           "weight_decay", "qk_clip", "lr_multiplier"],
          lambda v: v is None or (math.isfinite(v) and v >= 0), "a finite number >= 0"),
@@ -284,7 +297,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
-    if args.warmup_ratio + args.warmdown_ratio > 1.0:
+    if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
                 "exceed 1")
     if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
@@ -307,7 +320,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         args.seed, args.seeds = args.seeds[0], None
     if args.seeds:
         try:
-            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer)
+            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer,
+                        args.attention)
         except ValueError as e:
             p.error(str(e))
     if args.start_over and args.resume_from_step != -1:
@@ -619,11 +633,11 @@ def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
 
 
 def plan_horizon(args, model: GPT) -> int:
-    """The run's steps; a --total-batch-size or --weight-decay left out takes nanochat's recipe
-    (gpt.training_recipe), written back into args (saved resolved, so a resume compares like with
-    like), and printed with the reason. As in nanochat, the recipe's horizon is always the data
-    ratio's (its default when the steps come from another flag): a short --num-iterations check
-    gets the batch and weight decay of the real run."""
+    """The run's steps; a --total-batch-size, --weight-decay or schedule flag left out takes the
+    recipe's (gpt.training_recipe), written back into args (saved resolved, so a resume compares
+    like with like), and printed with the reason. As in nanochat, the recipe's horizon is always
+    the data ratio's (its default when the steps come from another flag): a short
+    --num-iterations check gets the batch, weight decay and schedule of the real run."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
              else NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
@@ -636,10 +650,55 @@ def plan_horizon(args, model: GPT) -> int:
     for line in recipe.why:
         print0(f"recipe: {line}")
     if args.num_iterations > 0:
-        return args.num_iterations
-    if args.target_flops > 0:
-        return max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
-    return max(1, round(ratio * params / args.total_batch_size))
+        steps = args.num_iterations
+    elif args.target_flops > 0:
+        steps = max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
+    else:
+        steps = max(1, round(ratio * params / args.total_batch_size))
+    resolve_schedule(args, recipe.schedule, steps)
+    return steps
+
+
+def resolve_schedule(args, schedule: dict, steps: int) -> None:
+    """The recipe's warmup (its steps as a fraction of the run's), warmdown and final lr for the
+    flags left out, written into args and said in a line."""
+    chosen = dict(warmup_ratio=min(1.0, schedule["warmup_steps"] / steps),
+                  warmdown_ratio=schedule["warmdown_ratio"],
+                  final_lr_frac=schedule["final_lr_frac"])
+    left_out = [key for key in chosen if getattr(args, key) is None]
+    for key in left_out:
+        setattr(args, key, chosen[key])
+    if left_out:
+        print0(f"recipe: schedule: warmup {round(args.warmup_ratio * steps)} steps, warmdown "
+               f"{args.warmdown_ratio:g} of the steps, final lr {args.final_lr_frac:g} of the peak "
+               f"({', '.join('--' + k.replace('_', '-') for k in left_out)} left out: "
+               f"{'nanochat' if schedule['warmup_steps'] else 'the CPU rule'}'s at "
+               f"{args.total_batch_size:,} tokens/step)")
+
+
+def to_fp8(args, model: GPT, device: torch.device) -> None:
+    """The blocks' linear layers in fp8 (nanomuon.fp8), said in a line."""
+    swapped = convert_to_fp8(model, args.fp8_recipe, device)
+    print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
+           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+
+
+SEEDS_SDPA = "sdpa (batched seeds: vmap batches SDPA; the flash kernels are not batched)"
+
+
+def choose(args, config: GPTConfig, device: torch.device):
+    """The attention kernel (nanomuon.attention), said in a line and saved resolved in args; one
+    that --attention names but that cannot run here stops the run in one line, as do ranks that
+    chose differently."""
+    with user_errors():
+        attention = choose_attention(device, args.dtype, (config.n_head, config.n_kv_head,
+                                                          config.n_embd // config.n_head),
+                                     "sdpa" if args.seeds else args.attention)
+    print0(f"attention: {SEEDS_SDPA if args.seeds else attention.why}")
+    exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
+                            "attention on every node, or pass --attention sdpa")
+    args.attention = attention.name
+    return attention
 
 
 def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -673,6 +732,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     compiled = resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
+    attention = choose(args, config, device)
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
@@ -688,6 +748,9 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if device.type == "cpu":
         check_memory(args, config, world_size, compiled)
     model = init_model(args, model, device)
+    model.use_attention(attention)
+    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
+        to_fp8(args, model, device)
 
     def load_data():  # missing or unreadable data
         # a custom source: converted once
@@ -731,17 +794,12 @@ def build(args, held: contextlib.ExitStack) -> Run:
 def init_model(args, model: GPT, device) -> GPT:
     """The model (built on the meta device) initialized on `device`, the same on every rank (the
     optimizer keeps the replicas identical): from --seed, or with --seeds every parameter with a
-    leading seed dim, each seed's init its own run's; with --fp8, its block linears swapped."""
+    leading seed dim, each seed's init its own run's."""
     if args.seeds:
-        model = seeded_gpt(model.config, args.seeds, device)
-    else:
-        torch.manual_seed(args.seed)
-        model.to_empty(device=device)
-        model.init_weights()
-    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
-        swapped = convert_to_fp8(model, args.fp8_recipe, device)
-        print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
-               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+        return seeded_gpt(model.config, args.seeds, device)
+    torch.manual_seed(args.seed)
+    model.to_empty(device=device)
+    model.init_weights()
     return model
 
 
@@ -1036,6 +1094,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                 f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
         if run.peak_flops:
             line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
+        line += f" | attn {args.attention}"
         if args.qk_clip:
             line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
         if loop["step_times"]:
@@ -1138,7 +1197,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
-             "fp32 params",
+             f"fp32 params; attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in "

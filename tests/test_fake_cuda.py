@@ -166,12 +166,27 @@ def test_device_setup_and_mfu_peak_by_gpu_name(shim):
     run_case(shim, "setup")
 
 
+def test_attention_on_a_fake_h100_is_the_first_flash_kernel_that_runs(shim):
+    """Stands in for: a GPU node with FA3 or FA4 (torch's flash attention registry) or nanochat's
+    hub kernel installed still training through SDPA's own kernels, a Hopper-only kernel tried on
+    another GPU, or the hub kernel given the wrong layout or dtype."""
+    run_case(shim, "attention_choice")
+
+
+def test_attention_on_a_fake_h100_falls_back_to_sdpa_saying_why(shim):
+    """Stands in for: a GPU node without a flash kernel, or with one that fails to load or refuses
+    the model's shape, stopping at step 1 instead of training through SDPA, or not saying why."""
+    run_case(shim, "attention_fallback")
+
+
 @pytest.mark.parametrize("fp8", ["plain", "fp8"])
 def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     """Stands in for: base_train's main failing on a GPU node after its parts pass: the compiled
     model and update as base_train sets them up, DistMuonAdamW under torchrun's variables, the
     device batch fitted to the H100, MFU in the step lines and the summary, the report's GPU name;
-    with --fp8, torchao's float8 layers on the GPU path (no emulation). CI's third leg runs it."""
+    with --fp8, torchao's float8 layers on the GPU path (no emulation). The plain run's node has
+    FA3 in torch's registry, the fp8 run's no flash kernel: the step lines and the report say so.
+    CI's third leg runs it."""
     import torch
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
@@ -183,8 +198,11 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     assert f"GiB free on {H100_NAME}" in out and "(compiled)" in out, out
     assert re.search(r"step 00004/00004 .*\| mfu \d+\.\d+%", out), out
     assert "throughput:" in out and ", mfu " in out, out
+    attn = "fa3" if fp8 == "plain" else "sdpa"
+    steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
+    assert len(steps) == 4 and all(f" | attn {attn}" in line for line in steps), steps
     report = (base / "runs" / f"fake-h100-{fp8}" / "report.md").read_text()
-    assert f"cuda ({H100_NAME})" in report, report
+    assert f"cuda ({H100_NAME})" in report and f"attention {attn}" in report, report
     assert ("fp8: 12 linear layers of the blocks in fp8 (tensorwise scales); lm_head in bf16"
             in out) == (fp8 == "fp8"), out
 
@@ -204,15 +222,16 @@ def load_shim(lib: str):
     return ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
-def fake_gpu(free: int = H100_FREE, total: int = H100_TOTAL, name: str = H100_NAME):
+def fake_gpu(free: int = H100_FREE, total: int = H100_TOTAL, name: str = H100_NAME,
+             capability: tuple[int, int] = (9, 0)):
     """torch.cuda's Python queries answered as one idle GPU would; a FakeTensorMode to enter."""
     import types
 
     import torch
     from torch._subclasses import fake_tensor
 
-    props = types.SimpleNamespace(name=name, total_memory=total, major=9, minor=0,
-                                  multi_processor_count=132)
+    props = types.SimpleNamespace(name=name, total_memory=total, major=capability[0],
+                                  minor=capability[1], multi_processor_count=132)
     c = torch.cuda
     c.is_available, c.device_count, c.current_device = lambda: True, lambda: 1, lambda: 0
     c.is_bf16_supported = lambda *a, **k: True
@@ -231,6 +250,10 @@ def fake_gpu(free: int = H100_FREE, total: int = H100_TOTAL, name: str = H100_NA
     return fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
 
 
+# flash_attention's calls (whether SDPA's math backend was on for each) and what it raises instead
+FLASH = dict(calls=[], fail=None)
+
+
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
     """F.scaled_dot_product_attention as an H100 runs the model's call: autocast's cast to bf16
@@ -240,6 +263,10 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
     assert attn_mask is None and not dropout_p and q.size(-3) == k.size(-3), \
         "the model's attention changed: its flash stand-in needs updating"
+    if not torch.compiler.is_compiling():  # counted in eager runs only: no side effects to trace
+        FLASH["calls"].append(torch.backends.cuda.math_sdp_enabled())
+        if FLASH["fail"]:
+            raise FLASH["fail"]
     if torch.is_autocast_enabled("cuda"):
         dt = torch.get_autocast_dtype("cuda")
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
@@ -503,6 +530,9 @@ def case_train(base: str, fp8: str):
 
     os.environ.update(NANOMUON_BASE_DIR=base, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    hide_flash_packages()
+    if fp8 == "plain":
+        fa3 = stub_registry("FA3")
     mode = fake_gpu()
     stand_in(torch.Tensor, "item", lambda t: 1.0 if t.dtype.is_floating_point else 1)
     stand_in(torch.Tensor, "tolist", lambda t: torch.ones(t.shape, dtype=t.dtype).tolist())
@@ -551,7 +581,172 @@ def case_train(base: str, fp8: str):
     assert steps == [DistMuonAdamW] * 4 and saved == [4], (steps, saved)
     assert summary["mfu"] > 0 and summary["tok_per_s"] > 0, summary
     assert not any(isinstance(v, FakeTensor) for v in summary.values()), summary
+    assert fp8 != "plain" or fa3 == ["activated"], fa3
     print("train ok")
+
+
+def hide_flash_packages():
+    """Imports of the flash attention packages fail as on a node where none is installed,
+    whatever this environment holds."""
+    class Missing:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("flash_attn_interface", "flash_attn", "kernels"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, Missing())
+
+
+def stub_registry(impl: str, fail: Exception | None = None) -> list:
+    """A flash attention provider under `impl` in torch's registry, registered through its public
+    API as FA3's or FA4's package is: activating it is recorded (and raises `fail`), as is the
+    handle's removal. The kernel itself is SDPA's flash op, which fake tensors run as its shape."""
+    from torch.nn.attention import register_flash_attention_impl
+
+    calls = []
+
+    class Handle:
+        def remove(self):
+            calls.append("removed")
+
+    def register():
+        calls.append("activated")
+        if fail is not None:
+            raise fail
+        return Handle()
+
+    register_flash_attention_impl(impl, register_fn=register)
+    return calls
+
+
+def stub_hub(calls: list) -> None:
+    """The `kernels` package, its get_kernel answering nanochat's FA3 with a flash_attn_func that
+    records its inputs and computes SDPA."""
+    import types
+
+    from nanomuon.attention import sdpa
+
+    def flash_attn_func(q, k, v, causal=False):
+        calls.append((tuple(q.shape), q.dtype, k.dtype, v.dtype, causal))
+        return sdpa(q, k, v)
+
+    kernel = types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(
+        flash_attn_func=flash_attn_func))
+    module = types.ModuleType("kernels")
+    module.get_kernel = lambda repo: calls.append(repo) or kernel
+    sys.modules["kernels"] = module
+
+
+def train_through(model, attention) -> None:
+    """Forward and backward of the model under bf16 autocast on the fake GPU through attention."""
+    import torch
+
+    from nanomuon.common import autocast
+
+    model.use_attention(attention)
+    x, y = batch(model, 2)
+    with autocast(torch.device("cuda")):
+        loss = model(x, y)
+    loss.backward()
+    check_grads(model)
+    model.zero_grad(set_to_none=True)
+
+
+def heads_of(model) -> tuple[int, int, int]:
+    c = model.config
+    return c.n_head, c.n_kv_head, c.n_embd // c.n_head
+
+
+def case_attention_choice():
+    """On an H100 with FA3 in torch's registry: FA3, held to SDPA's flash backend in the probe,
+    then every layer through SDPA's flash op. On an A100 none (each is a Hopper or Blackwell
+    build); on a B200 FA4. With only nanochat's hub kernel: it, called in (B, T, heads, head_dim)
+    with bf16 q, k, v (autocast leaves q and k fp32)."""
+    import torch
+    from torch.nn.attention import current_flash_attention_impl
+
+    from nanomuon.attention import HUB_KERNEL, choose_attention, deactivate
+
+    hide_flash_packages()
+    dev, model, fa3 = torch.device("cuda"), meta_gpt(2, 256), stub_registry("FA3")
+    with fake_gpu():
+        on_gpu(model)
+        heads, layers = heads_of(model), model.config.n_layer
+        got = choose_attention(dev, "bf16", heads)
+        assert (got.name, got.func, fa3) == ("fa3", None, ["activated"]), (got, fa3)
+        assert current_flash_attention_impl() == "FA3" and FLASH["calls"] == [False], FLASH
+        FLASH["calls"].clear()
+        train_through(model, got)
+        assert len(FLASH["calls"]) == layers, FLASH
+        deactivate()
+        assert fa3 == ["activated", "removed"] and current_flash_attention_impl() is None
+        fa4 = stub_registry("FA4")
+        fake_gpu(name="NVIDIA A100-SXM4-80GB", capability=(8, 0))
+        got = choose_attention(dev, "bf16", heads)
+        assert got.name == "sdpa" and fa4 == [] and len(fa3) == 2, (got, fa3, fa4)
+        assert got.why == ("sdpa (fa3 needs compute capability 9.x, not 8.0; fa4 needs compute "
+                           "capability 9.x or 10.x, not 8.0; fa3-hub needs compute capability "
+                           "9.x, not 8.0)"), got.why
+        fake_gpu(name="NVIDIA B200", capability=(10, 0))
+        assert choose_attention(dev, "bf16", heads).name == "fa4" and fa4 == ["activated"]
+        deactivate()
+        fake_gpu()
+        for impl in ("FA3", "FA4"):
+            stub_registry(impl, fail=ModuleNotFoundError("no module", name=f"{impl} package"))
+        hub = []
+        stub_hub(hub)
+        got = choose_attention(dev, "bf16", heads)
+        probed = ((1, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True)
+        assert got.name == "fa3-hub" and hub == [HUB_KERNEL, probed], (got, hub)
+        hub.clear()
+        train_through(model, got)
+        assert hub == [((2, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True)] * layers, hub
+    print("attention choice ok")
+
+
+def case_attention_fallback():
+    """On an H100 with no flash kernel installed: SDPA, saying why for each; with FA3 failing to
+    load and FA4 refusing the shape in the probe: SDPA, each reason said, FA4 removed again; one
+    asked for by name that cannot run: a ValueError with its reason; fp32: SDPA."""
+    import torch
+    from torch.nn.attention import current_flash_attention_impl
+
+    from nanomuon.attention import choose_attention
+
+    hide_flash_packages()
+    dev, model = torch.device("cuda"), meta_gpt(2, 256)
+    with fake_gpu():
+        on_gpu(model)
+        heads = heads_of(model)
+        got = choose_attention(dev, "bf16", heads)
+        assert (got.name, got.func) == ("sdpa", None), got
+        assert got.why == (
+            "sdpa (fa3: flash_attn_interface is not installed (build FA3 from flash-attention's "
+            "hopper/ folder); fa4: flash_attn is not installed (pip install 'nanomuon[fa4]'); "
+            "fa3-hub: kernels is not installed (pip install kernels))"), got.why
+        assert current_flash_attention_impl() is None and FLASH["calls"] == [], FLASH
+        train_through(model, got)  # SDPA's own flash kernel, as on any H100
+        assert len(FLASH["calls"]) == model.config.n_layer, FLASH
+        stub_registry("FA3", fail=RuntimeError("FA3 was built for\n another CUDA"))
+        fa4 = stub_registry("FA4")
+        FLASH["fail"] = RuntimeError("FA4 flash_attention forward unsupported: head_dim 128")
+        got = choose_attention(dev, "bf16", heads)
+        assert got.name == "sdpa" and fa4 == ["activated", "removed"], (got, fa4)
+        assert current_flash_attention_impl() is None
+        assert got.why.startswith("sdpa (fa3: RuntimeError: FA3 was built for another CUDA; fa4: "
+                                  "RuntimeError: FA4 flash_attention forward unsupported: head_dim "
+                                  "128; fa3-hub: kernels is not installed"), got.why
+        try:
+            choose_attention(dev, "bf16", heads, "fa4")
+            raise AssertionError("--attention fa4 ran with a kernel that refuses the shape")
+        except ValueError as e:
+            assert str(e) == ("--attention fa4 cannot run here: fa4: RuntimeError: FA4 "
+                              "flash_attention forward unsupported: head_dim 128"), e
+        FLASH["fail"] = None
+        got = choose_attention(dev, "fp32", heads)
+        assert got.why == "sdpa (flash kernels need bf16, this run trains in fp32)", got.why
+        assert fa4 == ["activated", "removed"] * 2, fa4
+    print("attention fallback ok")
 
 
 def stand_in(cls, name: str, answer):
@@ -613,7 +808,8 @@ def case_setup():
 
 
 CASES = {"model": case_model, "step": case_step, "loader": case_loader, "autofit": case_autofit,
-         "setup": case_setup, "train": case_train}
+         "setup": case_setup, "train": case_train, "attention_choice": case_attention_choice,
+         "attention_fallback": case_attention_fallback}
 
 
 if __name__ == "__main__":

@@ -131,10 +131,13 @@ def test_setup_optimizer_groups():
 
 
 # Measured, not derived from the rule: each group's tuned lr at width 768 at the CPU miniature's
-# 4,096 tokens per step (docs/lr_rule.md), and nanochat's GPU-tuned ones at 2^19 tokens per
-# step (its defaults, earlier and now: embedding 0.2 and 0.3, lm_head 0.004 and 0.008, Muon 0.02).
+# 4,096 tokens per step (docs/lr_rule.md), and nanochat's at 2^19 tokens per step, tuned on its
+# d12 (its scripts/base_train.py defaults, nanochat 92d63d4): the two ends the rule joins.
 TUNED_AT_4096 = dict(embedding=0.075, lm_head=0.002, matrices=0.02, adamw_matrices=0.001)
-NANOCHAT_AT_2_19 = dict(embedding=(0.2, 0.3), lm_head=(0.004, 0.008), matrices=(0.02, 0.02))
+NANOCHAT_AT_2_19 = dict(embedding=0.3, lm_head=0.008, matrices=0.02, scalars=0.5)
+NANOCHAT_WEIGHT_DECAY, CPU_WEIGHT_DECAY = 0.28, 0.2
+RULE_KEYS = dict(embedding="embedding_lr", lm_head="unembedding_lr", matrices="matrix_lr",
+                 scalars="scalar_lr", adamw_matrices="adamw_matrix_lr")
 
 
 def peak_lrs(model, **kwargs) -> dict:
@@ -143,9 +146,9 @@ def peak_lrs(model, **kwargs) -> dict:
 
 @pytest.mark.parametrize("depth", [4, 6])  # widths 256 and 384, where the rule was checked
 def test_default_lrs_follow_the_lr_rule(depth):
-    """Every default lr is the lr rule's: the tuned lrs at 4,096 tokens per step, AdamW's growing
-    with the batch to within 10% of nanochat's GPU-tuned range at 2^19 while Muon's stays, AdamW's
-    scaled as 1/sqrt(width / 768) and Muon's not; a given lr wins over the rule."""
+    """Every default lr is the lr rule's: the tuned lrs at 4,096 tokens per step, nanochat's at
+    2^19, AdamW's growing with the batch in between while Muon's stays, AdamW's scaled as
+    1/sqrt(width / 768) and Muon's not; a given lr wins over the rule."""
     model = GPT(config_from_depth(depth, 97, 16))
     scale = (model.config.n_embd / 768) ** -0.5
     at = {batch: peak_lrs(model, total_batch_size=batch) for batch in (4096, 8192, 2 ** 19)}
@@ -154,9 +157,9 @@ def test_default_lrs_follow_the_lr_rule(depth):
     adamw = peak_lrs(model, total_batch_size=4096, **optimizer_kwargs("adamw"))["matrices"]
     assert adamw == pytest.approx(TUNED_AT_4096["adamw_matrices"] * scale)
     assert peak_lrs(model) == at[2 ** 19]  # setup_optimizer's default batch is the GPU's
-    for name, (low, high) in NANOCHAT_AT_2_19.items():
-        at_768 = at[2 ** 19][name] / (1 if name == "matrices" else scale)
-        assert low / 1.1 <= at_768 <= high * 1.1, (name, at_768)
+    for name in ("embedding", "lm_head", "matrices"):
+        want = NANOCHAT_AT_2_19[name] * (1 if name == "matrices" else scale)
+        assert at[2 ** 19][name] == pytest.approx(want, rel=1e-12), name
     for name in ("embedding", "lm_head"):
         assert at[4096][name] < at[8192][name] < at[2 ** 19][name]
     assert at[4096]["matrices"] == at[8192]["matrices"] == at[2 ** 19]["matrices"]
@@ -165,12 +168,57 @@ def test_default_lrs_follow_the_lr_rule(depth):
     assert given["lm_head"] == at[2 ** 19]["lm_head"]
 
 
+def between(at_4096: float, at_2_19: float, batch: int) -> float:
+    """A power law through both ends, written as a weighted geometric mean: log2(batch) lies
+    w of the way from 12 (4,096) to 19 (2^19)."""
+    w = (math.log2(batch) - 12) / 7
+    return at_4096 ** (1 - w) * at_2_19 ** w
+
+
+@pytest.mark.parametrize("batch", [2 ** 13, 2 ** 17, 2 ** 18])
+def test_lr_rule_joins_the_cpus_tuned_lrs_to_nanochats(batch):
+    """Between 4,096 and 2^19 tokens per step each group's lr and Muon's weight decay lie on the
+    power law through the CPU's tuned value and nanochat's, not on an extrapolation from one end;
+    the adamw variant's matrices, which nanochat does not train with AdamW, keep the CPU's B^0.2.
+    At 2^17 nanochat's own sqrt rule would give 0.15 and 0.004: the rule is above it."""
+    from nanomuon.gpt import rule_weight_decay
+
+    got = rule_lrs(batch)
+    for name in ("embedding", "lm_head", "matrices"):
+        want = between(TUNED_AT_4096[name], NANOCHAT_AT_2_19[name], batch)
+        assert got[RULE_KEYS[name]] == pytest.approx(want, rel=1e-12), name
+    assert got["matrix_lr"] == 0.02 and got["scalar_lr"] == 0.5
+    assert got["adamw_matrix_lr"] == pytest.approx(0.001 * (batch / 4096) ** 0.2, rel=1e-12)
+    assert rule_weight_decay(batch) == pytest.approx(
+        between(CPU_WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, batch), rel=1e-12)
+    if batch == 2 ** 17:  # 0.075^(2/7) 0.3^(5/7) and 0.002^(2/7) 0.008^(5/7)
+        assert got["embedding_lr"] == pytest.approx(0.2019, abs=1e-4)
+        assert got["unembedding_lr"] == pytest.approx(0.005383, abs=1e-6)
+
+
+def test_lr_rule_below_4096_keeps_the_cpus_slope():
+    """Below the CPU's tuned batch nothing was measured: AdamW's lrs follow (B / 4,096)^0.2, the
+    slope the CPU's sweeps found just above it, Muon's and the weight decay stay."""
+    from nanomuon.gpt import rule_weight_decay
+
+    for batch in (256, 1024, 4096):
+        got = rule_lrs(batch)
+        for name, lr in TUNED_AT_4096.items():
+            want = lr * (batch / 4096) ** (0 if name == "matrices" else 0.2)
+            assert got[RULE_KEYS[name]] == pytest.approx(want, rel=1e-12), (batch, name)
+        assert rule_weight_decay(batch) == 0.2
+    with pytest.raises(ValueError, match="1 or more tokens per step, got 0"):
+        rule_lrs(0)
+
+
 def nanochat_recipe(depth: int, total_batch_size: int | None, ratio: float = 8.0,
                     vocab: int = 32768) -> dict:
-    """nanochat's scripts/base_train.py (its leaderboard's d24 runs), written out: the horizon is
-    ratio x (block matrices + lm_head) params, D_ref is d12's, B_ref = 2^19; a batch left out is
-    2^round(log2(B_ref (D / D_ref)^0.383)); every lr scales by sqrt(B / B_ref); weight decay
-    0.2 sqrt(B / B_ref) D_ref / D. Our GPT's matrices: 12 width^2 a block (attention 4, MLP 8)."""
+    """nanochat's scripts/base_train.py (92d63d4), written out: the horizon is ratio x (block
+    matrices + lm_head) params, D_ref is d12's, B_ref = 2^19; a batch left out is
+    2^round(log2(B_ref (D / D_ref)^0.383)); its default lrs (embedding 0.3, lm_head 0.008, Muon
+    0.02, scalars 0.5) scale by sqrt(B / B_ref); weight decay 0.28 sqrt(B / B_ref) D_ref / D;
+    warmup 40 steps, warmdown 0.65, final lr 0.05. Our GPT's matrices: 12 width^2 a block
+    (attention 4, MLP 8)."""
     def matrices_and_head(d: int) -> int:
         width = d * 64  # aspect ratio 64, a multiple of head_dim 128 at even depths
         return 12 * d * width ** 2 + vocab * width
@@ -180,15 +228,18 @@ def nanochat_recipe(depth: int, total_batch_size: int | None, ratio: float = 8.0
         total_batch_size = 2 ** round(math.log2(2 ** 19 * (tokens / ref_tokens) ** 0.383))
     lr_scale = (total_batch_size / 2 ** 19) ** 0.5
     return dict(total_batch_size=total_batch_size, lr_scale=lr_scale,
-                weight_decay=0.2 * lr_scale * ref_tokens / tokens)
+                lrs=dict(embedding_lr=0.3 * lr_scale, unembedding_lr=0.008 * lr_scale,
+                         matrix_lr=0.02 * lr_scale, scalar_lr=0.5 * lr_scale),
+                weight_decay=0.28 * lr_scale * ref_tokens / tokens,
+                schedule=dict(warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05))
 
 
 @pytest.mark.parametrize("depth", [12, 24])
 @pytest.mark.parametrize("batch", [2 ** 19, 2 ** 20, None])
 def test_gpu_recipe_is_nanochats(depth, batch):
     """At 2^19 tokens per step and above every default is nanochat's: the batch from the horizon
-    when left out, each lr (Muon's too) the rule's at 2^19 times sqrt(B / 2^19), weight decay
-    scaled with batch and horizon; a given weight decay wins."""
+    when left out, each lr (Muon's and the scalars' too) its default times sqrt(B / 2^19), weight
+    decay scaled with batch and horizon, its schedule; a given weight decay wins."""
     from nanomuon.gpt import scaling_params, training_recipe
 
     want = nanochat_recipe(depth, batch)
@@ -197,24 +248,30 @@ def test_gpu_recipe_is_nanochats(depth, batch):
                           batch)
     assert got.total_batch_size == want["total_batch_size"]
     assert got.weight_decay == pytest.approx(want["weight_decay"], rel=1e-12)
-    at_2_19 = rule_lrs(2 ** 19)
-    assert got.lrs == pytest.approx({k: v * want["lr_scale"] for k, v in at_2_19.items()})
-    assert got.lrs["matrix_lr"] == pytest.approx(0.02 * want["lr_scale"])
+    assert {k: got.lrs[k] for k in want["lrs"]} == pytest.approx(want["lrs"], rel=1e-12)
+    assert got.schedule == want["schedule"]
     assert training_recipe(1e9, 1e9, batch, weight_decay=0.1).weight_decay == 0.1
     if batch is None:  # nanochat's speedrun shapes: d12 at 2^19, d24 at 2^20 (its 1M-token steps)
         assert got.total_batch_size == {12: 2 ** 19, 24: 2 ** 20}[depth]
+    if (depth, batch) == (12, 2 ** 19):  # the point nanochat tuned: its defaults as they are
+        assert got.lrs == pytest.approx(dict(embedding_lr=0.3, unembedding_lr=0.008,
+                                             matrix_lr=0.02, scalar_lr=0.5,
+                                             adamw_matrix_lr=got.lrs["adamw_matrix_lr"]))
+        assert got.weight_decay == pytest.approx(0.28)
 
 
-def test_cpu_rule_stands_below_2_19():
-    """Below 2^19 tokens per step the CPU-tuned rule and weight decay 0.2 stand, whatever the
-    horizon; a batch from a short horizon lands below 2^19; a derived weight decay that would flip
-    the weights is refused in one line."""
+def test_cpu_recipe_below_2_19():
+    """Below 2^19 tokens per step the weight decay is the rule's, whatever the horizon, and the
+    schedule the CPU's; at 4,096 they are the CPU's as tuned; a batch from a short horizon lands
+    below 2^19; a derived weight decay that would flip the weights is refused in one line."""
     from nanomuon.gpt import training_recipe
 
-    for batch in (4096, 2 ** 18):
-        got = training_recipe(1e6, 1e9, batch)
-        assert got.weight_decay == 0.2 and got.lrs == rule_lrs(batch)
-    assert rule_lrs(4096)["matrix_lr"] == rule_lrs(2 ** 19)["matrix_lr"] == 0.02
+    got = training_recipe(1e6, 1e9, 4096)
+    assert got.weight_decay == 0.2 and got.lrs == rule_lrs(4096)
+    assert got.schedule == dict(warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0)
+    got = training_recipe(1e6, 1e9, 2 ** 18)
+    assert got.weight_decay == pytest.approx(0.2 ** (1 / 7) * 0.28 ** (6 / 7), rel=1e-12)
+    assert got.schedule["warmdown_ratio"] == 0.4
     short = training_recipe(1e6, 1e9)
     assert short.total_batch_size == 2 ** round(math.log2(2 ** 19 * 1e-3 ** 0.383))
     with pytest.raises(ValueError, match="would flip the weights' sign.*give --weight-decay"):
@@ -516,3 +573,48 @@ def test_fit_device_batch_takes_the_most_rows_that_fit_and_divide_the_step():
     with pytest.raises(ValueError, match=r"one row of 2048 tokens of this 12-layer model needs about .* GiB, and "
                                          r"2.0 GiB are free: lower --depth or --max-seq-len"):
         fit_device_batch(c, 2 * 2 ** 30, rows_per_step=256)
+
+
+def test_attention_off_a_gpu_is_sdpa_and_a_named_kernel_says_why_not():
+    """choose_attention off a GPU: SDPA with the reason; a kernel asked for by name is refused with
+    it, an unknown name in one line."""
+    from nanomuon.attention import choose_attention
+
+    cpu, heads = torch.device("cpu"), (2, 2, 64)
+    got = choose_attention(cpu, "bf16", heads)
+    assert (got.name, got.func) == ("sdpa", None)
+    assert got.why == "sdpa (flash kernels need a CUDA GPU, this is cpu)"
+    assert choose_attention(cpu, "fp32", heads, "sdpa").name == "sdpa"
+    for name in ("fa3", "fa4", "fa3-hub"):
+        with pytest.raises(ValueError, match=f"^--attention {name} cannot run here: flash kernels "
+                           "need a CUDA GPU, this is cpu$"):
+            choose_attention(cpu, "bf16", heads, name)
+    with pytest.raises(ValueError, match="attention 'fa2' is unknown; use one of auto, fa3"):
+        choose_attention(cpu, "bf16", heads, "fa2")
+
+
+def test_use_attention_routes_every_layer_through_the_kernel():
+    """A kernel from use_attention gets each layer's q, k, v as (B, T, heads, head_dim), the layout
+    flash kernels take, and its output is used: a kernel that computes SDPA gives the model's
+    logits exactly; one that returns zeros gives other logits."""
+    from nanomuon.attention import Attention
+
+    model = GPT(config_from_depth(2, 97, 16, aspect_ratio=64, head_dim=32))
+    model.init_weights()
+    for block in model.blocks:  # non-zero output projections, so attention reaches the logits
+        torch.nn.init.normal_(block.attn.c_proj.weight, std=0.1)
+    x = torch.randint(0, 97, (2, 16))
+    plain = model(x)
+    seen = []
+
+    def attend(q, k, v):
+        seen.append(tuple(q.shape))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+    model.use_attention(Attention("test", "", attend))
+    assert torch.equal(model(x), plain) and seen == [(2, 16, 4, 32)] * 2
+    model.use_attention(Attention("zeros", "", lambda q, k, v: torch.zeros_like(q)))
+    assert not torch.allclose(model(x), plain)
+    model.use_attention(Attention("sdpa", ""))
+    assert torch.equal(model(x), plain)

@@ -261,7 +261,8 @@ def test_powercool_is_min_lr0_c_t_minus_step_to_the_1_2():
     --warmdown-ratio of the steps before the end, and the --optimizer muon-powercool variant selects it."""
     from scripts.base_train import SCHEDULES, parse_args, schedule_name
 
-    args = parse_args(["--optimizer", "muon-powercool", "--warmdown-ratio", "0.3"])
+    args = parse_args(["--optimizer", "muon-powercool", "--warmdown-ratio", "0.3", "--warmup-ratio", "0",
+                       "--final-lr-frac", "0"])
     assert schedule_name(args) == "powercool" and schedule_name(parse_args([])) == "warmup_warmdown"
     T, lr0 = 400, 0.02
     c = lr0 / (0.3 * T) ** 1.2

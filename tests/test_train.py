@@ -161,31 +161,97 @@ def test_the_summary_paces_steps_as_the_step_lines_do(base, capsys):
     assert summary["median_step_ms"] == pytest.approx(statistics.median(dts), abs=0.5)
 
 
-def test_base_train_chooses_and_prints_nanochats_recipe_at_d24(capsys):
-    """speedrun.sh's GPU flags at d24: the batch, weight decay and steps nanochat's formulas give
-    (written out here: 12 depth width^2 + vocab width scaling params, d12's horizon as D_ref),
-    each printed with its reason; a short --num-iterations check keeps the real run's batch and
-    decay; given flags win."""
+def test_a_run_says_which_attention_it_trains_with(base, capsys):
+    """Off a GPU attention is SDPA: base_train says why at the start, every step line and the report
+    say sdpa; a flash kernel asked for by name where it cannot run stops the run in one line."""
+    from scripts.base_train import main
+
+    main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1",
+          "--run", "attn"])
+    out = capsys.readouterr().out
+    assert "attention: sdpa (flash kernels need a CUDA GPU, this is cpu)" in out, out
+    steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
+    assert len(steps) == 2 and all(" | attn sdpa" in line for line in steps), steps
+    report = (base / "runs" / "attn" / "report.md").read_text()
+    assert "fp32 params; attention sdpa" in report, report
+    with pytest.raises(SystemExit, match="^error: --attention fa3 cannot run here: flash kernels "
+                       "need a CUDA GPU, this is cpu$"):
+        main([*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--run", "attn-fa3",
+              "--attention", "fa3"])
+
+
+def speedrun_gpu_flags(depth: int) -> list[str]:
+    """The flags speedrun.sh's GPU branch gives base_train, read from the script, its variables
+    filled in for a d`depth` run on climbmix (no fp8 flag, no extra arguments)."""
+    import shlex
+
+    text = (REPO / "speedrun.sh").read_text()
+    gpu = text[text.index('if [ "$MODE" = gpu ]'):text.index("\nelse\n")]
+    start = gpu.index("-m scripts.base_train --") + len("-m scripts.base_train --")
+    line = re.match(r"(.*?[^\\])\n", gpu[start:].replace("\\\n", " "), re.S).group(1)
+    values = dict(DATASET="climbmix", DEPTH=str(depth), RUN=f"d{depth}", WANDB="off")
+    flags = [re.sub(r"\$(\w+)", lambda m: values[m.group(1)], t) for t in shlex.split(line)
+             if not t.startswith("${FP8_FLAG") and t != "$@"]
+    assert "--target-param-data-ratio" in flags and "--depth" in flags, flags
+    return flags
+
+
+def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
+    """speedrun.sh's GPU run at d24: the batch, each group's peak lr, the weight decay, the
+    schedule and the steps nanochat's scripts/base_train.py (92d63d4) gives the same shape,
+    written out here (12 depth width^2 + vocab width scaling params, d12's horizon as D_ref; lrs
+    0.3, 0.008, 0.02 x sqrt(B / 2^19), AdamW's x (width / 768)^-1/2; weight decay 0.28 x sqrt(B /
+    2^19) x D_ref / D), each printed; a short --num-iterations check keeps the real run's batch,
+    decay and schedule; given flags win."""
+    from types import SimpleNamespace
+
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import parse_args, plan_horizon
+    from scripts.base_train import announce, optimizer_options, parse_args, plan_horizon
 
     def scaling(depth):
         return 12 * depth * (64 * depth) ** 2 + 32768 * 64 * depth
 
-    want_decay = 0.2 * 2 ** 0.5 * scaling(12) / scaling(24)
+    batch = 2 ** round(math.log2(2 ** 19 * (scaling(24) / scaling(12)) ** 0.383))
+    assert batch == 2 ** 20
+    lr_scale, width_scale = (batch / 2 ** 19) ** 0.5, (24 * 64 / 768) ** -0.5
+    want_decay = 0.28 * lr_scale * scaling(12) / scaling(24)
+    want_lrs = dict(lm_head=0.008 * lr_scale * width_scale, embedding=0.3 * lr_scale * width_scale,
+                    matrices=0.02 * lr_scale)
     with torch.device("meta"):
         model = GPT(config_from_depth(24, 32768, 2048))
-    for extra, steps in (([], round(8 * scaling(24) / 2 ** 20)), (["--num-iterations", "20"], 20)):
-        args = parse_args(["--depth", "24", "--target-param-data-ratio", "8", *extra])
+    flags = speedrun_gpu_flags(24)
+    for extra, steps in (([], round(8 * scaling(24) / batch)), (["--num-iterations", "20"], 20)):
+        args = parse_args([*flags, *extra])
         assert plan_horizon(args, model) == steps
-        assert args.total_batch_size == 2 ** 20
+        assert args.total_batch_size == batch
         assert args.weight_decay == pytest.approx(want_decay, rel=1e-12)
+        assert args.warmdown_ratio == 0.65 and args.final_lr_frac == 0.05
+        assert round(args.warmup_ratio * steps) == min(40, steps)
+        opt = model.setup_optimizer(**optimizer_options(args, compiled=False))
+        got = {g["name"]: g["initial_lr"] for g in opt.param_groups}
+        assert got == pytest.approx(want_lrs, rel=1e-12)
+        run = SimpleNamespace(args=args, device=torch.device("cpu"), config=model.config,
+                              num_params=1, flops_per_token=1.0, world_size=8, grad_accum=4,
+                              optimizer=opt, num_iterations=steps, model=model, compiled=True,
+                              rank=0)
+        args.device_batch_size = 16
+        announce(run)
         out = capsys.readouterr().out
+        assert f"batch: {batch:,} tokens/step" in out, out
         assert "recipe: batch 1,048,576 tokens/step" in out and "sqrt(B / 2^19) = 1.41" in out
         assert f"recipe: weight decay {want_decay:.4g}" in out, out
-    args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1"])
+        assert f"Muon weight decay {want_decay:.4g}" in out, out
+        assert (f"lrs at width 768: embedding {0.3 * lr_scale:.4g}, lm_head "
+                f"{0.008 * lr_scale:.4g}, Muon {0.02 * lr_scale:.4g}") in out, out
+        shown = ", ".join(f"{k} {v:.3g}" for k, v in want_lrs.items())
+        assert f"peak lrs: {shown}," in out, out
+        assert (f"recipe: schedule: warmup {min(40, steps)} steps, warmdown 0.65 of the steps, "
+                "final lr 0.05 of the peak") in out, out
+    args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1",
+                       "--warmdown-ratio", "0.5"])
     plan_horizon(args, model)
-    assert (args.total_batch_size, args.weight_decay) == (524288, 0.1)
+    assert (args.total_batch_size, args.weight_decay, args.warmdown_ratio) == (524288, 0.1, 0.5)
+    assert (args.final_lr_frac, round(args.warmup_ratio * plan_horizon(args, model))) == (0.05, 40)
     assert "recipe: batch" not in capsys.readouterr().out
 
 
