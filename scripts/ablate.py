@@ -8,12 +8,14 @@ against the baseline, and plots of val bpb.
     python -m scripts.ablate --variants muon,adamw --sweep lr-multiplier=0.5,1,2 --num-iterations 300
     python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
 
-Each (variant, swept value, seed) is one scripts.base_train run with --optimizer, the swept flag,
+Each (variant, swept value, seed) is a scripts.base_train run with --optimizer, the swept flag,
 --seed set to the seed (the init) and --data-seed to 1 (--data-order fixed, the default: one
-order of the documents for every run, as track 3 reads its data) or to the seed. Flags this
-script does not know go to base_train after the defaults below, so they override them (GPU runs:
-docs/research.md). Finished runs are cached in ablations/cache/, keyed by everything that decides
-them (the variant's definition, seed, swept flag and value, base_train flags, processes,
+order of the documents for every run, as track 3 reads its data) or to the seed. On one data
+order a variant's seeds at a value train as one batched model in one process (base_train
+--seeds; --no-batch-seeds: a process each). Flags this script does not know go to base_train
+after the defaults below, so they override them (GPU runs: docs/research.md). Finished runs are
+cached in ablations/cache/, keyed by everything that decides
+them (the variant's definition, seeds, swept flag and value, base_train flags, processes,
 tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
 shards and of every .py file in nanomuon/ and scripts/, the torch version), so a re-run or an
 interrupted ablation skips them, and an edit of code or data reruns. The baseline also runs at
@@ -75,6 +77,10 @@ from scripts.base_train import parse_args as train_args
 # set is the speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as
 # many (at 200 steps and 5 seeds that halved the paired spread, as much as the whole split).
 DEFAULT_STEPS, DEFAULT_SEEDS = RULE_STEPS, 5
+# On a GPU a batched run of the default shape's seeds fills the device where one seed's 4,096
+# tokens a step leave it idle: 64 seeds, each variant's in one process (scripts/gpu_check.sh's
+# ablate step measures what they resolve and how long they take)
+GPU_SEEDS = 64
 DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
 DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
@@ -916,7 +922,7 @@ def parse_args(argv):
                    "race to (default: adamw if compared, else the first)")
     p.add_argument("--seeds", type=int, default=None,
                    help=f"runs per variant and value, seeds 1..N of the init (default "
-                   f"{DEFAULT_SEEDS}, or --budget's choice)")
+                   f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched)")
     p.add_argument("--data-order", choices=("fixed", "seed"), default="fixed",
                    help="fixed: every run reads the documents in one order (data seed 1), as "
                    "track 3 does, so the verdict is at that order and the seeds vary the init "
@@ -1022,6 +1028,16 @@ def default_budget(args, flags: list[str], cache: dict) -> None:
           "--num-iterations to choose)", flush=True)
 
 
+def default_seeds(args, cache: dict) -> int:
+    """The seeds when --seeds is not given: GPU_SEEDS on a GPU with batched seeds (said in a
+    line), else DEFAULT_SEEDS (a --budget plans its own)."""
+    if cache["device_type"] != "cuda" or not args.batch_seeds or args.budget is not None:
+        return DEFAULT_SEEDS
+    print(f"== on a GPU: {GPU_SEEDS} seeds, each variant's batched in one process (--seeds "
+          "chooses)", flush=True)
+    return GPU_SEEDS
+
+
 def given_flags(flags: list[str]) -> set[str]:
     """The base_train flags given beyond DEFAULT_FLAGS (a preset's or the user's), by name."""
     return {f.split("=")[0] for f in flags[len(DEFAULT_FLAGS):]}
@@ -1087,7 +1103,7 @@ def main(argv=None):
     jobs = min(jobs, runs_per_seed + len(args.baseline_lengths) if args.batch_seeds
                else runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
-    n_seeds = args.seeds or DEFAULT_SEEDS
+    n_seeds = args.seeds or default_seeds(args, cache)
     default_budget(args, flags, cache)
     if args.budget is not None:
         flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)

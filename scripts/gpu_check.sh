@@ -17,6 +17,9 @@
 # that fails or times out is reported and the rest still run; a timeout reads "timed out after N s",
 # a failure "FAILED (exit N)":
 #   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
+#   ablate           scripts.ablate's default on the GPU: muon vs adamw, 64 seeds of 200 steps,
+#                    each variant's seeds batched in one process; its verdict, detectable effect
+#                    and wall time
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
 #   fp8_d12          the same with --fp8 (fp8 matmuls, as nanochat's speedrun)
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
@@ -77,6 +80,11 @@ if [ "$MODE" = prepare ]; then
     # the vocab of speedrun's GPU mode, so its step reuses this tokenizer
     python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 \
         --max-chars 8000000
+    # ablate's default shape has a 4,096-token vocab: a base dir of its own; its corpus is rebuilt
+    # on the GPU (the carry holds 64 MiB)
+    NANOMUON_BASE_DIR="$KIT/ablate" python -m scripts.tok_train --keep-existing --dataset \
+        embedded --vocab-size 4096 --max-chars 8000000
+    rm -rf "$KIT/ablate/data"
     # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
     rm -f "$KIT"/wheels/torchao-*.whl
     python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
@@ -112,6 +120,11 @@ STEPS=(  # most valuable first: what only a GPU can show, then speed, then the r
     # 8 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
     # (d20's alone took 44 s with the cache warm)
     "tests|240|150|python -m pytest -q --slow -m cuda tests"
+    # never run on a GPU: the limit is a guess (two compiles of a 64-seed d4, 2 x 200 steps of
+    # 262,144 tokens, the evals); --baseline-lengths none: the verdict in bpb only
+    "ablate|360|240|NANOMUON_BASE_DIR=$KIT/ablate python -m nanomuon.dataset --embedded \
+&& NANOMUON_BASE_DIR=$KIT/ablate python -m scripts.ablate --name gpu-check --device-type cuda \
+--device-batch-size 16 --baseline-lengths none"
     # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a ~1.5 GB
     # final checkpoint
     "base_train_d12|150|95|python -m scripts.base_train --depth 12 --num-iterations 20 \
@@ -279,7 +292,8 @@ for s in "${STEPS[@]}"; do
         # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
         if [ $rc -eq 0 ]; then
             grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul)|throughput:|optimizer step:" \
-                -e "final val bpb|passed|skipped|speedrun done" "$log" | tail -n 12
+                -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw) |runs took" \
+                "$log" | tail -n 12
         else
             tail -n 8 "$log"
         fi

@@ -179,14 +179,15 @@ def test_attention_on_a_fake_h100_falls_back_to_sdpa_saying_why(shim):
     run_case(shim, "attention_fallback")
 
 
-@pytest.mark.parametrize("fp8", ["plain", "fp8"])
+@pytest.mark.parametrize("fp8", ["plain", "fp8", "seeds"])
 def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     """Stands in for: base_train's main failing on a GPU node after its parts pass: the compiled
     model and update as base_train sets them up, DistMuonAdamW under torchrun's variables, the
     device batch fitted to the H100, MFU in the step lines and the summary, the report's GPU name;
-    with --fp8, torchao's float8 layers on the GPU path (no emulation). The plain run's node has
-    FA3 in torch's registry, the fp8 run's no flash kernel: the step lines and the report say so.
-    CI's third leg runs it."""
+    with --fp8, torchao's float8 layers on the GPU path (no emulation); with --seeds 1,2,3, the
+    batched seeds (vmap over the compiled model, each seed's memory in the batch fit, SDPA). The
+    plain run's node has FA3 in torch's registry, the others no flash kernel: the step lines and
+    the report say so. CI's third leg runs it."""
     import torch
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
@@ -198,6 +199,8 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     assert f"GiB free on {H100_NAME}" in out and "(compiled)" in out, out
     assert re.search(r"step 00004/00004 .*\| mfu \d+\.\d+%", out), out
     assert "throughput:" in out and ", mfu " in out, out
+    if fp8 == "seeds":
+        assert "attention: sdpa (batched seeds" in out and "(mean of 3 seeds" in out, out
     attn = "fa3" if fp8 == "plain" else "sdpa"
     steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
     assert len(steps) == 4 and all(f" | attn {attn}" in line for line in steps), steps
@@ -525,6 +528,7 @@ def case_train(base: str, fp8: str):
     from torch._subclasses.fake_tensor import FakeTensor
 
     import nanomuon.dataloader as dataloader
+    import nanomuon.seeds as seeds
     import scripts.base_train as base_train
     from nanomuon.optim import DistMuonAdamW
 
@@ -533,6 +537,8 @@ def case_train(base: str, fp8: str):
     hide_flash_packages()
     if fp8 == "plain":
         fa3 = stub_registry("FA3")
+    # batched seeds: each seed's init, before fake mode's model is stacked
+    seed_flags = ["--seeds", "1,2,3"] if fp8 == "seeds" else []
     mode = fake_gpu()
     stand_in(torch.Tensor, "item", lambda t: 1.0 if t.dtype.is_floating_point else 1)
     stand_in(torch.Tensor, "tolist", lambda t: torch.ones(t.shape, dtype=t.dtype).tolist())
@@ -544,7 +550,7 @@ def case_train(base: str, fp8: str):
     make_batch = dataloader.DataLoader._make_batch
     dataloader.DataLoader._make_batch = lambda self: fake_rows(mode, make_batch(self))
     gpt = base_train.GPT
-    base_train.GPT = lambda config: unfaked(gpt, config)
+    base_train.GPT = seeds.GPT = lambda config: unfaked(gpt, config)
     saved, steps = [], []
     base_train.checkpoint.save_checkpoint = lambda run_dir, step, *a, **k: (
         saved.append(step) or base_train.checkpoint.step_dir(run_dir, step))
@@ -574,7 +580,7 @@ def case_train(base: str, fp8: str):
     flags = ["--dataset", "embedded", "--depth", "2", "--max-seq-len", "256",
              "--total-batch-size", "4096", "--num-iterations", "4", "--eval-every", "2",
              "--eval-tokens", "4096", "--log-every", "1", "--sample-tokens", "0",
-             "--run", f"fake-h100-{fp8}"] + ["--fp8"] * (fp8 == "fp8")
+             "--run", f"fake-h100-{fp8}"] + ["--fp8"] * (fp8 == "fp8") + seed_flags
     with mode:
         summary = base_train.main(flags)
     assert nccl == [("nccl", torch.device("cuda", 0))], nccl
