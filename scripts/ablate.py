@@ -86,7 +86,7 @@ DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256"
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
                  "--eval-tokens", "65536", "--final-eval-tokens", "262144", "--warmdown-ratio",
-                 "0.3", "--sample-tokens", "0", "--log-every", "50", "--compile"]
+                 "0.3", "--sample-tokens", "0", "--compile"]
 
 
 class Preset(NamedTuple):
@@ -309,26 +309,35 @@ def device_name(device: str) -> str:
     return f"{device} {name}"
 
 
+PROGRESS_S = 30  # a run's step lines are echoed this often at most (its evals and the last: all)
+
+
 def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=None) -> None:
     """Run scripts.base_train with run_flags (under torchrun when nproc > 1), echoing its progress
-    lines prefixed by label; a failure exits with its last lines. watch: a Watch (calibrate's),
-    told of the process and of every line it prints."""
+    lines prefixed by label: a step line every PROGRESS_S seconds at most (base_train prints each,
+    so a batched run of slow steps still shows progress), every eval, warning and error; a failure
+    exits with its last lines. watch: a Watch (calibrate's), told of the process and of every line
+    it prints."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
-           *run_flags]
+           *run_flags, "--log-every", "1"]
     print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           bufsize=1, env=env) as p:
         if watch:
             watch.started_process(p)
-        tail = []
+        tail, shown = [], -math.inf
         for line in p.stdout:
             tail = (tail + [line])[-20:]
             if watch:
                 watch.line(line)
+            step = re.match(r"step (\d+)/(\d+) ", line)
+            if step and step[1] != step[2] and time.monotonic() - shown < PROGRESS_S:
+                continue
             if line.startswith(("step ", "error", "warning", "final val")):
+                shown = time.monotonic() if step else shown
                 with _print_lock:
                     print(f"  [{label}] {line}", end="", flush=True)
     if watch and watch.refusal:

@@ -391,6 +391,38 @@ def test_the_planner_fits_batched_seeds_to_the_budget():
     assert batched.seeds > alone.seeds, (batched, alone)
 
 
+def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsys):
+    """launch() asks base_train for every step line and echoes one each PROGRESS_S seconds at most,
+    so a batched run of slow steps still says where it is; evals, the last step and errors always.
+    A process stands in for base_train here, its lines 10 s apart."""
+    from scripts import ablate
+
+    lines = [f"step {i:05d}/00010 ( 10.0%) | loss 5.0 | dt 10000ms\n" for i in range(1, 11)]
+    lines[5:5] = ["step 00005 | val bpb 2.5000\n"]
+    lines += ["step 00010 | val bpb 2.0000\n", "final val bpb 2.0000\n"]
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(ablate.time, "monotonic", lambda: next(clock))
+
+    class Process:
+        def __init__(self, cmd, **kw):
+            self.cmd, self.stdout, self.returncode = cmd, iter(lines), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    launched = []
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or Process(cmd))
+    ablate.launch("run", ["--num-iterations", "10"], 1, 1)
+    echoed = [x.split("] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("  [run]")]
+    assert launched[0][-2:] == ["--log-every", "1"]
+    want = [lines[0], lines[3], lines[5], lines[7], lines[10], *lines[11:]]
+    assert echoed == [x.rstrip("\n") for x in want], echoed
+    assert ablate.PROGRESS_S == 30
+
+
 @pytest.mark.parametrize("bad", ["", "ten", "-5m", "0", "5d"])
 def test_a_budget_that_is_not_a_wall_time_is_refused(bad, capsys):
     from scripts import ablate
