@@ -148,7 +148,9 @@ def test_batched_seeds_under_torchrun_equal_one_process(base):
     """DistMuonAdamW (2 gloo processes) on batched seeds against MuonAdamW in one process: each
     seed's final val bpb within 1e-4 relative (the processes average their halves' gradients)."""
     flags = [*FLAGS, "--seeds", "1,2"]
-    run(torchrun(2, "scripts.base_train", [*flags, "--run", "dist-seeds"]), base)
+    # each step's 4 rows: 2 a process, or all 4 in one micro-batch (the same rows)
+    run(torchrun(2, "scripts.base_train", [*flags, "--device-batch-size", "2", "--run", "dist-seeds"]),
+        base)
     run(["python", "-m", "scripts.base_train", *flags, "--run", "one-seeds"], base)
     dist_, one = summary(base, "dist-seeds"), summary(base, "one-seeds")
     assert dist_["world_size"] == 2 and one["world_size"] == 1
