@@ -11,8 +11,8 @@ matrix is its seeds' matrices, each orthogonalized alone; AdamW is elementwise.
 
 The model code is unchanged: GPT.forward runs per seed under vmap (its fused loss has a vmap rule,
 gpt.SoftcapCrossEntropy). What a per-seed forward cannot share is refused (check_seeds): QK-clip
-tracks logits in the modules, fp8 swaps the layers, FSDP shards them, and torch.optim.Muon takes
-2-D matrices only.
+tracks logits in the modules, fp8 swaps the layers, FSDP shards them, torch.optim.Muon takes 2-D
+matrices only, and the flash attention kernels have no vmap rule (SDPA has).
 """
 
 import statistics
@@ -51,11 +51,12 @@ def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimiz
                                            "matrices only)"),
                (attention not in ("auto", "sdpa"), f"--attention {attention} (vmap batches SDPA; "
                                                    "the flash kernels are not batched)")]
+    named = (",".join(map(str, seeds)) if len(seeds) <= 8
+             else f"{seeds[0]},...,{seeds[-1]} ({len(seeds)} seeds)")
     for given, what in refused:
         if given:
-            raise ValueError(f"--seeds {','.join(map(str, seeds))} trains the seeds as one "
-                             f"batched model, which cannot take {what}: train each seed alone "
-                             "with --seed, or drop it")
+            raise ValueError(f"--seeds {named} trains the seeds as one batched model, which "
+                             f"cannot take {what}: train each seed alone with --seed, or drop it")
 
 
 def seeded_gpt(config: GPTConfig, seeds: list[int], device) -> GPT:
