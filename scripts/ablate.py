@@ -278,13 +278,16 @@ def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
 
 
 def steps_words(v: dict | None) -> str:
-    """'reaches the baseline's final bpb in N fewer steps (X%) [lo, hi]', or why not."""
+    """'reaches the baseline's final bpb in N fewer steps of S (X%) [a to b fewer]' (or more, and
+    an interval from so many more to so many fewer where it holds both), or why not."""
     if v is None:
         return "in steps: none (no baseline run at other lengths, or it did not gain from them)"
+    lo, hi = round(v["fewer_lo"]), round(v["fewer_hi"])
+    span = (f"{lo} to {hi} fewer" if lo >= 0 else f"{-hi} to {-lo} more" if hi <= 0
+            else f"{-lo} more to {hi} fewer")
     word = "fewer" if v["fewer"] >= 0 else "more"
     return (f"reaches the baseline's final bpb in {abs(v['fewer']):.0f} {word} steps of "
-            f"{v['steps']} ({abs(v['share']):.1%}) [{v['fewer_lo']:+.0f}, {v['fewer_hi']:+.0f} "
-            "fewer]")
+            f"{v['steps']} ({abs(v['share']):.1%}) [{span}]")
 
 
 def first_reaching(target: float, record: dict):

@@ -114,7 +114,14 @@ def check_steps_verdict(base, table, finals, best, row):
     lo, hi = (8 * (1 - math.exp(-d / slope + k * T975[1] * r_se)) for k in (1, -1))
     word = "fewer" if share >= 0 else "more"
     assert (f"reaches the baseline's final bpb in {abs(8 * share):.0f} {word} steps of 8 ({abs(share):.1%}) "
-            f"[{lo:+.0f}, {hi:+.0f} fewer]") in row, row
+            f"[{in_words(round(lo), round(hi))}]") in row, row
+
+
+def in_words(lo: int, hi: int) -> str:
+    """An interval of steps saved, lo <= hi (negative: more steps), as the verdict words it."""
+    if lo >= 0:
+        return f"{lo} to {hi} fewer"
+    return f"{-hi} to {-lo} more" if hi <= 0 else f"{-lo} more to {hi} fewer"
 
 
 @pytest.fixture(scope="module")
@@ -740,9 +747,13 @@ def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretch
     diff = -0.1 * math.log(250 / 200)
     v = steps_verdict([diff] * 3, slope, 200)
     assert (v["share"], v["lo"], v["hi"], v["fewer"]) == pytest.approx((0.2, 0.2, 0.2, 40))
-    assert steps_words(v) == "reaches the baseline's final bpb in 40 fewer steps of 200 (20.0%) [+40, +40 fewer]"
+    assert steps_words(v) == "reaches the baseline's final bpb in 40 fewer steps of 200 (20.0%) [40 to 40 fewer]"
     worse = steps_verdict([-diff] * 3, slope, 200)
-    assert worse["share"] == pytest.approx(1 - 250 / 200) and "50 more steps of 200 (25.0%)" in steps_words(worse)
+    assert worse["share"] == pytest.approx(1 - 250 / 200)
+    assert "50 more steps of 200 (25.0%) [50 to 50 more]" in steps_words(worse)
+    both = dict(v, fewer=-9, share=-9 / 50, steps=50, fewer_lo=-13.2, fewer_hi=4.6)
+    assert steps_words(both).endswith("in 9 more steps of 50 (18.0%) [13 more to 5 fewer]")
+    assert steps_words(dict(both, fewer_hi=-5.4)).endswith("(18.0%) [5 to 13 more]")
     assert steps_verdict([diff] * 3, (0.01, 0.0, 2), 200) is None  # a baseline that did not gain: no steps
 
 
@@ -812,7 +823,7 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
     lo, hi = (400 * (1 - math.exp(r + k * hw)) for k in (1, -1))
     share = 1 - math.exp(r)
     assert (f"reaches the baseline's final bpb in {400 * share:.0f} fewer steps of 400 ({share:.1%}) "
-            f"[{lo:+.0f}, {hi:+.0f} fewer]") in table, table
+            f"[{in_words(round(lo), round(hi))}]") in table, table
 
 
 def test_the_steps_interval_widens_with_the_slopes_error():
