@@ -518,12 +518,15 @@ class Watch:
     wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
     it takes at least as long as a calibration run has so far, and at least the time to a step
     line plus the steps left at that line's dt). When `rounds` such runs cannot fit what is left
-    of the budget, the calibration runs are stopped and the budget refused. A round that may
-    compile cold (not `warm`) bounds nothing but the time it spends: the planned runs find its
-    compile cache, and its steps are slowed by the other runs' compiling."""
+    of the budget, the calibration runs are stopped and the budget refused (with `refuse`; the
+    default budget is never refused, its calibration runs to the end). A round that may compile
+    cold (not `warm`) bounds nothing but the time it spends: the planned runs find its compile
+    cache, and its steps are slowed by the other runs' compiling."""
 
-    def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True):
+    def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True,
+                 refuse: bool = True):
         self.budget_s, self.rounds, self.started, self.warm = budget_s, rounds, started, warm
+        self.refuse, self.bound_s = refuse, 0.0  # bound_s: the run wall time that refused
         self.began = self.first = time.monotonic()  # began: this round's
         self.procs, self.refusal, self.run_s = [], None, 0.0  # run_s: from the step lines
         self.lock = threading.Lock()
@@ -552,16 +555,26 @@ class Watch:
         run_s = max(now - self.began if self.warm else 0.0, self.run_s)
         left = (self.budget_s - (now - self.started) - WRITE_UP_S) * HEADROOM
         with self.lock:
-            if self.refusal or self.rounds * run_s <= left:
+            if self.refusal or not self.refuse or self.rounds * run_s <= left:
                 return
-            why = (f"{self.rounds} rounds of runs of at least {run_s:.0f} s each (start-up and "
-                   f"{MIN_STEPS} steps, as calibrating shows after {now - self.first:.0f} s) do "
-                   f"not fit the {left:.0f} s left" if left > 0 else
-                   f"the time before the runs has spent it ({now - self.started:.0f} s so far)")
-            self.refusal = (f"error: --budget {self.budget_s:.0f}s cannot fit: {why}; raise "
-                            "--budget, or cut --variants, --sweep, --seeds or --depth")
+            self.bound_s = run_s
+            self.refusal = budget_refusal(self.budget_s, self.rounds, run_s, now - self.started,
+                                          f"as calibrating shows after {now - self.first:.0f} s")
             for p in self.procs:
                 p.terminate()
+
+
+def budget_refusal(budget_s: float, n_rounds: int, run_s: float, spent_s: float,
+                   seen: str) -> str:
+    """The line that refuses --budget budget_s: n_rounds rounds of runs of run_s seconds at least
+    do not fit it, with spent_s gone before the runs; it names a budget that fits them."""
+    left = (budget_s - spent_s - WRITE_UP_S) * HEADROOM
+    need = n_rounds * run_s / HEADROOM + spent_s + WRITE_UP_S
+    why = (f"{n_rounds} rounds of runs of at least {run_s:.0f} s each (start-up and {MIN_STEPS} "
+           f"steps, {seen}) do not fit the {left:.0f} s left" if left > 0 else
+           f"the time before the runs has spent it ({spent_s:.0f} s so far)")
+    return (f"error: --budget {budget_s:.0f}s cannot fit: {why}; --budget "
+            f"{math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or --depth")
 
 
 def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
@@ -678,26 +691,32 @@ def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0,
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
-        lengths: int = 0, batched: bool = False) -> Plan | None:
+        lengths: int = 0, batched: bool = False, at_least: bool = False) -> Plan | None:
     """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
     lengths: the most steps that fit `seeds` seeds, or if None the seeds (3 to MAX_SEEDS) whose
     most steps give the smallest projected detectable effect, detectable_factor(seeds) *
-    steps ** -SPREAD_EXPONENT. None if not even MIN_STEPS fit. A run of k seeds (batched) takes
-    fixed_s + k (steps step_s + EVALS eval_s + final_s): evals at step 0, every
-    ceil(steps / EVALS) and at the end are EVALS more than calibrated."""
+    steps ** -SPREAD_EXPONENT. If not even MIN_STEPS fit: None, or with at_least the smallest
+    plan (MIN_STEPS, `seeds` or 3), however long. A run of k seeds (batched) takes fixed_s +
+    k (steps step_s + EVALS eval_s + final_s): evals at step 0, every ceil(steps / EVALS) and at
+    the end are EVALS more than calibrated."""
     left = (budget_s - cal.seconds) * HEADROOM
     per_seed = EVALS * cal.eval_s + cal.final_s
+
+    def plan(n: int, steps: int) -> Plan:
+        loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
+        total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s) for runs, k in loads)
+        run_s = cal.fixed_s + (n if batched else 1) * (per_seed + steps * cal.step_s)
+        return Plan(steps, n, math.ceil(steps / EVALS), run_s, total)
+
     plans = []
     for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
         loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
         steps = min(math.floor((left - runs * cal.fixed_s - k * per_seed) / (k * cal.step_s))
                     for runs, k in loads if runs)
         if steps >= MIN_STEPS:
-            total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s)
-                        for runs, k in loads)
-            size = n if batched else 1
-            plans.append(Plan(steps, n, math.ceil(steps / EVALS),
-                              cal.fixed_s + size * (per_seed + steps * cal.step_s), total))
+            plans.append(plan(n, steps))
+    if not plans and at_least:
+        plans.append(plan(seeds or 3, MIN_STEPS))
     return min(plans, default=None, key=lambda p: detectable_factor(max(2, p.seeds))
                * p.steps ** -SPREAD_EXPONENT)
 
@@ -965,6 +984,7 @@ def parse_args(argv):
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
+    args.budget_default = False  # default_budget's: a budget that plans but never refuses
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
     fewest = 1 if len(args.sweep.values) > 1 else 2
@@ -1034,7 +1054,7 @@ def default_budget(args, flags: list[str], cache: dict) -> None:
             or "--num-iterations" in given_flags(flags)):
         return
     kind = "bf16" if cache["dtype"] == "bf16" else "fp32"
-    args.budget = CPU_BUDGETS[kind]
+    args.budget, args.budget_default = CPU_BUDGETS[kind], True
     print(f"== this CPU trains in {kind} ({'with' if kind == 'bf16' else 'without'} bf16 units): "
           f"the ablation is planned to --budget {args.budget / 60:.0f}m (give --budget or "
           "--num-iterations to choose)", flush=True)
@@ -1208,6 +1228,40 @@ def read_calibration(path: Path, started: float) -> Calibration | None:
     return cal._replace(seconds=time.monotonic() - started + WRITE_UP_S)
 
 
+def timed_runs(args, flags: list[str], train, runs_per_seed: int, jobs: int, threads: int,
+               measured: list, cache: dict) -> tuple[Calibration, str]:
+    """(the calibration of these runs, how it was had): kept from before, or timed now and kept.
+    A --budget given that a calibration refused (Watch) is remembered with the run time that
+    refused it, so the same budget, or a smaller one, is refused at once the next time."""
+    timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
+    refused = cache["dir"] / f"refused-{key_of(measured)}.json"
+    if (cal := read_calibration(timed, args.started)) is not None:
+        return cal, f"calibrated before ({timed.name})"
+    # the smallest plan fit() may choose: 3 seeds unless given, each batched run at least as
+    # long as a calibration run of CALIBRATION_SEEDS
+    n_rounds = rounds(runs_per_seed, args.seeds or 3, jobs, len(args.baseline_lengths),
+                      args.batch_seeds)
+    spent = time.monotonic() - args.started
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        bound = float(json.loads(refused.read_text())["run_s"])
+        if (not args.budget_default and 0 < bound < math.inf
+                and n_rounds * bound > (args.budget - spent - WRITE_UP_S) * HEADROOM):
+            raise SystemExit(budget_refusal(args.budget, n_rounds, bound, spent,
+                                            f"as calibrating showed before ({refused.name})"))
+    watch = Watch(args.budget, n_rounds, args.started, warm=not compiles(train),
+                  refuse=not args.budget_default)
+    try:
+        cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch,
+                        CALIBRATION_SEEDS if args.batch_seeds else 1)
+    except SystemExit:
+        if watch.refusal:  # kept: the next --budget this short is answered at once
+            write_atomic(refused, lambda tmp: tmp.write_text(json.dumps(dict(
+                run_s=watch.bound_s))))
+        raise
+    write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
+    return cal, "calibrated"
+
+
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
               cache: dict) -> tuple[list[str], int]:
     """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
@@ -1218,24 +1272,20 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
                 cache["torch"], args.batch_seeds]
     parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]
     path = cache["dir"] / f"plan-{key_of(parts)}.json"
-    timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
     if (plan := read_plan(path)) is not None:
-        cal, how = None, f"planned before ({path.name})"
+        how = f"planned before ({path.name})"
     else:
-        cal, how = read_calibration(timed, args.started), f"calibrated before ({timed.name})"
-        if cal is None:
-            # the smallest plan fit() may choose: 3 seeds unless given, each batched run at least
-            # as long as a calibration run of CALIBRATION_SEEDS
-            n_rounds = rounds(runs_per_seed, args.seeds or 3, jobs, lengths, args.batch_seeds)
-            watch = Watch(args.budget, n_rounds, args.started, warm=not compiles(train))
-            cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name,
-                            watch, CALIBRATION_SEEDS if args.batch_seeds else 1)
-            write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
-            how = "calibrated"
-        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths, args.batch_seeds)
+        cal, how = timed_runs(args, flags, train, runs_per_seed, jobs, threads, measured, cache)
+        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths, args.batch_seeds,
+                   at_least=args.budget_default)
         how += (f": {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
                 f"{cal.seconds:.0f} s spent before the runs")
-    if plan is None:
+        if plan is not None and plan.total_s > (args.budget - cal.seconds) * HEADROOM:
+            print(f"== the default plan does not fit {args.budget / 60:.0f} minutes on this "
+                  f"machine: the smallest one ({plan.seeds} seeds of {plan.steps} steps) takes "
+                  f"~{(plan.total_s + cal.seconds) / 60:.0f}; --budget or --num-iterations "
+                  "chooses another", flush=True)
+    if plan is None:  # only a --budget given: the default plans its smallest instead
         raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
                          f"per run ({how}; {jobs} at a time); raise --budget, or cut --variants, "
                          "--sweep, --seeds or --depth")

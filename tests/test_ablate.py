@@ -666,6 +666,62 @@ def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkey
     assert plans[2] == plans[0] and plans[1] != plans[0] and seeds_08 <= seeds_none
 
 
+def test_the_default_budget_plans_what_fits_and_a_given_one_refuses(tmp_path, monkeypatch, capsys):
+    """A calibration no 15 minutes can hold (50 s steps): a --budget given is refused in one line, while the
+    default budget (ablate without flags on a CPU) plans its smallest runs anyway, 3 seeds of 50 steps, and
+    says how long they take instead of ending without a verdict."""
+    import time
+
+    from scripts import ablate
+
+    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: ablate.Calibration(50.0, 10.0, 1.0, 3.0))
+    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
+    args, flags = ablate.parse_args(["--budget", "15m"])
+    args.started = time.monotonic()
+    with pytest.raises(SystemExit, match="fits fewer than 50 steps per run"):
+        ablate.plan_runs(args, flags, 2, 2, 1, cache)
+    args, flags = ablate.parse_args([])
+    args.started, args.budget, args.budget_default = time.monotonic(), 900.0, True
+    planned, seeds = ablate.plan_runs(args, flags, 2, 2, 1, cache)
+    assert seeds == 3 and planned[-4:-2] == ["--num-iterations", "50"], planned[-4:]
+    out = capsys.readouterr().out
+    assert "the default plan does not fit 15 minutes on this machine: the smallest one (3 seeds of 50 steps)" in out
+
+
+def test_a_refused_budget_is_refused_at_once_the_next_time(tmp_path, monkeypatch):
+    """A calibration that refuses --budget 10m early (its runs would take at least 400 s) keeps that bound:
+    the same budget is refused again at once, naming a budget that fits, without calibrating; a larger one
+    calibrates."""
+    import time
+
+    from scripts import ablate
+
+    calls = []
+
+    def refusing(*a, **k):
+        watch = a[7]
+        calls.append(watch.budget_s)
+        if watch.budget_s < 3600:
+            watch.bound_s, watch.refusal = 400.0, "error: --budget cannot fit (made up)"
+            raise SystemExit(watch.refusal)
+        return ablate.Calibration(0.5, 10.0, 0.1, 3.0)
+
+    monkeypatch.setattr(ablate, "calibrate", refusing)
+    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
+    for budget, expect in (("10m", "made up"), ("10m", "as calibrating showed before"),
+                           ("9m", "as calibrating showed before")):
+        args, flags = ablate.parse_args(["--budget", budget])
+        args.started = time.monotonic()
+        with pytest.raises(SystemExit, match=expect) as e:
+            ablate.plan_runs(args, flags, 2, 2, 1, cache)
+    # 2 rounds of at least 400 s: 800 s / 0.9 and the few seconds spent, 15 minutes
+    assert calls == [600.0] and "--budget 15m would" in str(e.value), (calls, e.value)
+    args, flags = ablate.parse_args(["--budget", "2h"])
+    args.started = time.monotonic()
+    ablate.plan_runs(args, flags, 2, 2, 1, cache)
+    assert calls == [600.0, 7200.0]
+
+
 def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, monkeypatch, capsys):
     """The rule's lrs were tuned at 200 steps, where Muon's matrix lr is 0.02; at 76 its best was 2x
     (docs/research.md). A budget's plan of fewer steps runs Muon's matrices at 0.02 x (200 / steps)^0.7,
