@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh --prepare   # on a CPU machine with rustbpe: the tokenizer (vocab
 #                                         # 32768) and the embedded corpus, into .gpu_check/
 #                                         # (carry that folder to the GPU)
+#   NANOCHAT=~/nanochat bash scripts/gpu_check.sh --prepare  # the same, and a copy of that
+#                                         # nanochat checkout's package and its commit, for h2h
 #   bash scripts/gpu_check.sh --plan      # anywhere: the pieces for the device budget, most
 #                                         # valuable first (--budget-min M, default 15)
 #   bash scripts/gpu_check.sh             # on the GPU: torch >= 2.9, tiktoken, pyarrow, pytest
@@ -21,16 +23,27 @@
 #                    each variant's seeds batched in one process; its verdict, detectable effect
 #                    and wall time
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
-#   fp8_d12          the same with --fp8 (fp8 matmuls, as nanochat's speedrun)
+#   h2h_d12          scripts.bench_nanochat: nanomuon and nanochat in one harness at d12 (2^19
+#                    tokens a step, the same batch, sequence, vocab, compile, SDPA, random tokens
+#                    made on the device), bf16 then fp8 (each project's own): tok/s, MFU, the
+#                    optimizer's ms and peak memory side by side, and nanochat's commit
+#   fp8_d12          base_train_d12 with --fp8 (fp8 matmuls, as nanochat's speedrun)
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
 #   bench_optim_d20  (defaults on both sides, and the same update on both), Newton-Schulz in bf16
 #                    and fp16 (standard vs Gram)
+#   h2h_d24_bf16     h2h_d12 at d24 (2^18 tokens a step), bf16 only
 #   base_train_d20   the same as base_train_d12 at d20
+#   h2h_d24_fp8      h2h_d12 at d24, fp8 only
 #   speedrun         speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1)
 # Every call appends to one summary, .gpu_check.md (kept on the machine between calls while it
 # stays warm), and copies the whole of it to $OUT/gpu_check.md when $OUT is set: the device, the
 # date, each command with its status and seconds, and the lines that carry numbers; the full logs
 # lie in .gpu_check/logs. Copy it into docs/benchmarks.md with the device and date.
+#
+# nanochat's code is never part of nanomuon: the h2h steps import the copy --prepare made of the
+# checkout NANOCHAT names (its nanochat/*.py and LICENSE, about 200 KB; its commit in
+# .gpu_check/nanochat/COMMIT). PyPI's `nanochat` holds only its tokenizer (rustbpe), no model, so
+# it cannot stand in. Without NANOCHAT the h2h steps fail in one line and the rest run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 KIT="$PWD/.gpu_check"
@@ -74,6 +87,40 @@ fi
 # torchao goes into a folder of the kit's: the image's site-packages may not take installs
 export PYTHONPATH="$KIT/site${PYTHONPATH:+:$PYTHONPATH}"
 
+# prepare_nanochat: $NANOCHAT's package and license into the kit, with its commit (git's, when it
+# is a checkout's top, else the COMMIT file it holds); without NANOCHAT an earlier copy stays
+prepare_nanochat() {
+    local src="${NANOCHAT:-}" top commit
+    if [ -z "$src" ]; then
+        if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
+            echo "nanochat: keeping the copy of $(cat "$KIT/nanochat/COMMIT") (NANOCHAT=path" \
+                 "replaces it)"
+        else
+            echo "note: no NANOCHAT=path: the h2h steps will fail (PyPI's nanochat is only its" \
+                 "tokenizer); NANOCHAT=path/to/nanochat bash scripts/gpu_check.sh --prepare"
+        fi
+        return 0
+    fi
+    if [ ! -f "$src/nanochat/gpt.py" ]; then
+        echo "error: NANOCHAT=$src holds no nanochat/gpt.py: name a nanochat checkout" >&2
+        return 1
+    fi
+    src="$(cd "$src" && pwd -P)"
+    top="$(git -C "$src" rev-parse --show-toplevel 2>/dev/null || true)"
+    if [ -n "$top" ] && [ "$(cd "$top" && pwd -P)" = "$src" ]; then
+        commit="$(git -C "$src" rev-parse HEAD)$(git -C "$src" diff --quiet HEAD -- nanochat \
+            || echo '+changes')"
+    else
+        commit="$(cat "$src/COMMIT" 2>/dev/null || echo unknown)"
+    fi
+    rm -rf "$KIT/nanochat"
+    mkdir -p "$KIT/nanochat/nanochat"
+    cp "$src"/nanochat/*.py "$KIT/nanochat/nanochat/"
+    cp "$src/LICENSE" "$KIT/nanochat/" 2>/dev/null || true
+    echo "$commit" >"$KIT/nanochat/COMMIT"
+    echo "nanochat: $commit from $src, $(du -sk "$KIT/nanochat" | cut -f1) KB"
+}
+
 if [ "$MODE" = prepare ]; then
     set -e
     python -m nanomuon.dataset --embedded
@@ -89,6 +136,7 @@ if [ "$MODE" = prepare ]; then
     rm -f "$KIT"/wheels/torchao-*.whl
     python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
         || echo "warning: no $TORCHAO wheel: fp8_d12 needs torchao on the GPU machine"
+    prepare_nanochat
     # the summary names the code that was carried (the GPU machine may see another .git)
     echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
         2>/dev/null || echo '+changes')" >"$KIT/commit"
@@ -116,6 +164,12 @@ then exit 1; fi
 TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 262144 \
 --sample-tokens 16 --save-every -1 --log-every 5 --max-seq-len 2048 --device-batch-size 32 \
 --total-batch-size 524288"
+# torchao for nanomuon's fp8: installed from the prepared wheel where the image lacks it
+TORCHAO_READY="{ python -c 'import torchao.float8' 2>/dev/null \
+|| python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; }"
+# the head-to-head harness on the kit's nanochat: 5 timed steps after 2 that compile, both sides
+H2H="python -m scripts.bench_nanochat --nanochat $KIT/nanochat --max-seq-len 2048 --steps 5 \
+--warmup 2"
 STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
     # 8 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
     # (d20's alone took 44 s with the cache warm)
@@ -129,19 +183,31 @@ STEPS=(  # most valuable first: what only a GPU can show, then speed, then the r
     # final checkpoint
     "base_train_d12|150|95|python -m scripts.base_train --depth 12 --num-iterations 20 \
 --run gpu-check-d12 $TRAIN"
-    # the same with --fp8 (torchao's float8 training, from the prepared wheel when not installed)
-    "fp8_d12|180|117|{ python -c 'import torchao.float8' 2>/dev/null \
-|| python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; } \
-&& python -m scripts.base_train --depth 12 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
+    # never run on a GPU: the limit is a guess. 4 model compiles (each side in bf16, then fp8),
+    # each about base_train_d12's, and 7 steps of 0.5M tokens (~1 s) each; nanomuon's fp8 without
+    # torchao is n/a and nanochat's still runs
+    "h2h_d12|400|260|$TORCHAO_READY; $H2H --depth 12 --device-batch-size 32 \
+--total-batch-size 524288 --precision bf16 fp8"
+    # base_train_d12 with --fp8 (torchao's float8 training, from the prepared wheel when not
+    # installed)
+    "fp8_d12|180|117|$TORCHAO_READY && python -m scripts.base_train --depth 12 \
+--num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
     # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
     "bench_optim_d12|90|44|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
     # 1 side, 1 precision at d20: fewer compiles, of bigger graphs
     "bench_optim_d20|90|59|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
 --compare defaults --ns-precision fp16"
+    # a guess too: 2 compiles of d24 (d20's took ~70 s) and 7 steps of 2^18 tokens (~2.4 s) each
+    "h2h_d24_bf16|330|210|$H2H --depth 24 --device-batch-size 16 --total-batch-size 262144 \
+--precision bf16"
     # the same as d12 at d20: longer compiles, ~4 s steps, a ~4 GB final checkpoint
     "base_train_d20|240|131|python -m scripts.base_train --depth 20 --num-iterations 10 \
 --run gpu-check-d20 $TRAIN"
+    # a guess: nanochat's own fp8 alone at d24 took over 150 s to compile and run 5 steps (on an
+    # H200, measured outside the kit)
+    "h2h_d24_fp8|510|330|$TORCHAO_READY; $H2H --depth 24 --device-batch-size 16 \
+--total-batch-size 262144 --precision fp8"
     # d4 through torchrun: train (two compiles), base_eval, sample; the tokenizer is reused
     "speedrun|180|115|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun \
 bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-size 32 \
@@ -236,7 +302,7 @@ if [ "$MODE" = dry ]; then
 import importlib
 for m in ("torch", "tiktoken", "pyarrow", "nanomuon.optim", "nanomuon.gpt",
           "nanomuon.dataloader", "scripts.bench_optim", "scripts.base_train", "scripts.base_eval",
-          "scripts.sample"):
+          "scripts.sample", "scripts.bench_nanochat"):
     importlib.import_module(m)
 print("imports: ok")
 EOF
@@ -248,6 +314,21 @@ for depth, n in ((12, 20), (20, 10)):
     parse_args(["--depth", str(depth), "--num-iterations", str(n), *shlex.split(sys.argv[1])])
 print("base_train flags: ok")
 EOF
+    # every h2h command line parses; the kit's nanochat, or why the h2h steps will fail
+    python - "$H2H" <<'EOF' || exit 1
+import shlex, sys
+from scripts.bench_nanochat import parse_args
+for depth, rows, tokens in ((12, 32, 2 ** 19), (24, 16, 2 ** 18)):
+    parse_args([*shlex.split(sys.argv[1])[3:], "--depth", str(depth), "--device-batch-size",
+                str(rows), "--total-batch-size", str(tokens), "--precision", "bf16", "fp8"])
+print("bench_nanochat flags: ok")
+EOF
+    if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
+        echo "nanochat in the kit: $(cat "$KIT/nanochat/COMMIT" 2>/dev/null || echo 'no COMMIT')"
+    else
+        echo "nanochat: none in the kit, so the h2h steps will fail (NANOCHAT=path/to/nanochat" \
+             "bash scripts/gpu_check.sh --prepare)"
+    fi
     python -m pytest -q --collect-only -m cuda tests >/dev/null && echo "cuda tests: collected"
     exit 0
 fi
@@ -291,7 +372,8 @@ for s in "${STEPS[@]}"; do
         echo "$cmd"
         # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
         if [ $rc -eq 0 ]; then
-            grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul)|throughput:|optimizer step:" \
+            grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h )|throughput:" \
+                -e "optimizer step:" \
                 -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw) |runs took" \
                 "$log" | tail -n 12
         else

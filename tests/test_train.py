@@ -657,8 +657,8 @@ def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
     the steps took on an H200, shows how a timeout reads apart from a failure, and checks the imports
     and flags; --only keeps the steps it names, by name or prefix, and refuses others; --plan with a
     smaller budget says which calls no longer fit."""
-    steps = ("tests", "ablate", "base_train_d12", "fp8_d12", "bench_optim_d12", "bench_optim_d20",
-             "base_train_d20", "speedrun")
+    steps = ("tests", "ablate", "base_train_d12", "h2h_d12", "fp8_d12", "bench_optim_d12",
+             "bench_optim_d20", "h2h_d24_bf16", "base_train_d20", "h2h_d24_fp8", "speedrun")
 
     def dry(*args):
         return subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", *args], cwd=REPO, capture_output=True,
@@ -684,14 +684,20 @@ def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
     assert "a step past its limit: timed out after 1 s" in p.stdout
     assert "a failing step: FAILED (exit 3)" in p.stdout
     assert "imports: ok" in p.stdout and "base_train flags: ok" in p.stdout and "cuda tests: collected" in p.stdout
+    assert "bench_nanochat flags: ok" in p.stdout and re.search(r"^nanochat( in the kit: |: none)", p.stdout, re.M)
     p = dry("--only", "base_train,tests")
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.findall(r"^  (\S+) +\d+s ", p.stdout, re.M) == ["tests", "base_train_d12", "base_train_d20"]
+    # the head-to-head alone fits the 15 minutes, one call per step
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", "--only", "h2h"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert re.findall(r"^  call \d+: .* --only (\S+)$", p.stdout, re.M) == ["h2h_d12", "h2h_d24_bf16", "h2h_d24_fp8"]
+    assert "over the budget" not in p.stdout and "left after the calls" in p.stdout, p.stdout
     p = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", "--budget-min", "8"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "  call 1: " in p.stdout and "--only tests" in p.stdout, p.stderr
     over = re.findall(r"^  over the budget \(\d+ s by here\): +\d+s  --only (\S+)$", p.stdout, re.M)
-    assert over and over[-1].endswith(",speedrun") and "left after" not in p.stdout, p.stdout
+    assert over and over[-1].split(",")[-1] == "speedrun" and "left after" not in p.stdout, p.stdout
     p = dry("--only", "tests,nosuch")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no step 'nosuch'" in p.stderr, p.stderr
     p = subprocess.run(["bash", "scripts/gpu_check.sh", "--help"], cwd=REPO, capture_output=True, text=True)

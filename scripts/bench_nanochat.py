@@ -1,0 +1,436 @@
+"""
+Head to head with nanochat: nanomuon and Karpathy's nanochat, each training its own GPT with its own
+optimizer, in one process on one device, on the same work, measured the same way.
+
+nanochat's code is never copied into nanomuon: --nanochat PATH (or NANOCHAT=PATH) names a checkout
+of https://github.com/karpathy/nanochat, which is put first on sys.path and imported as it is. Its
+commit is read from a COMMIT file there (what gpu_check.sh --prepare writes beside its copy) or from
+git, and printed. PyPI's `nanochat` holds only the tokenizer (rustbpe), not the model.
+
+Both models get the same depth, width (nanochat's sizing: depth x aspect ratio, rounded up to the
+head dim), heads, sequence length and vocab; the same micro-batch and gradient accumulation over
+random tokens made on the device; the same precision (bf16: nanomuon's autocast, nanochat's own
+casts, told by NANOCHAT_DTYPE; or fp32); the same compile (the model through torch.compile with
+dynamic=False, as both base_trains do; each optimizer as its project compiles it; off: everything
+eager, nanochat's fused steps too); the same attention (SDPA in both by default; nanochat's window
+pattern L, full context, since SDPA has no sliding window). Each optimizer is the one its project's
+GPT.setup_optimizer builds, at its base_train's learning rates. fp8: nanochat's own fp8 linears
+(nanochat/fp8.py) and nanomuon's --fp8 (torchao's), on a GPU with fp8 tensor cores.
+
+Per side and precision: tok/s (tokens a step over the median step), MFU (each model's own FLOPs a
+token, against nanomuon.common's peak table), the optimizer step's median ms and the peak memory
+(torch.cuda.max_memory_allocated; none on a CPU); then the ratios nanomuon / nanochat. The sides run
+one after the other, each freed before the next is built.
+
+    python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 12            # a GPU
+    python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 24 --device-batch-size 16 \\
+        --total-batch-size 262144 --precision bf16 fp8
+    python -m scripts.bench_nanochat --nanochat ~/nanochat --device cpu --precision fp32 \\
+        --depth 2 --aspect-ratio 32 --head-dim 32 --max-seq-len 64 --vocab-size 512 \\
+        --device-batch-size 2 --total-batch-size 256 --steps 2 --warmup 1    # a CPU, tiny
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nanomuon.attention import choose_attention
+from nanomuon.common import (
+    autocast,
+    one_line,
+    peak_flops,
+    resolve_compile,
+    resolve_dtype,
+    synchronize,
+)
+from nanomuon.fp8 import MIN_CAPABILITY, check_fp8, convert_to_fp8
+from nanomuon.gpt import GPT, config_from_depth
+from scripts.bench_optim import device_name
+
+SIDES = ("nanomuon", "nanochat")
+# nanochat's scripts/base_train.py defaults (its commit 92d63d4), what it passes setup_optimizer;
+# the lrs change what a step computes with, not how long it takes
+NANOCHAT_OPTIM = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5,
+                      weight_decay=0.28)
+GiB = 2 ** 30
+
+
+@dataclasses.dataclass
+class Side:
+    """One project's model, ready to train: what the timing loop calls."""
+    name: str
+    model: torch.nn.Module
+    train: Callable  # the model, or its torch.compile wrapper
+    optimizers: list
+    flops_per_token: float
+    context: Callable  # the precision context each forward runs in
+    params: int
+    notes: str  # attention, fp8 layers
+
+
+def locate(given: str | None) -> Path:
+    """The nanochat checkout from --nanochat or NANOCHAT, or one line saying what is wrong."""
+    raw = given or os.environ.get("NANOCHAT")
+    if not raw:
+        raise SystemExit("error: no nanochat: pass --nanochat PATH or set NANOCHAT=PATH, a "
+                         "checkout of https://github.com/karpathy/nanochat (PyPI's nanochat holds only its "
+                         "tokenizer)")
+    root = Path(raw).expanduser().resolve()
+    if root.name == "nanochat" and (root / "gpt.py").is_file():  # the package folder itself
+        root = root.parent
+    if not (root / "nanochat" / "gpt.py").is_file():
+        raise SystemExit(f"error: {raw} holds no nanochat/gpt.py: point --nanochat (or NANOCHAT) "
+                         "at a nanochat checkout, the folder that holds nanochat/")
+    return root
+
+
+def commit_of(root: Path) -> str:
+    """nanochat's commit: its COMMIT file (gpu_check.sh --prepare), else git's HEAD when root is a
+    checkout's top (not a folder inside another repository), '+changes' if its package differs."""
+    if (root / "COMMIT").is_file():
+        return (root / "COMMIT").read_text().strip() or "unknown (empty COMMIT file)"
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=30)
+
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+            head = git("rev-parse", "HEAD").stdout.strip()
+            dirty = git("diff", "--quiet", "HEAD", "--", "nanochat").returncode != 0
+            return head + ("+changes" if dirty else "")
+    return "unknown (no COMMIT file, not a git checkout)"
+
+
+def import_nanochat(root: Path, dtype: str, attention: str):
+    """nanochat.gpt from root, computing in `dtype`; with attention 'sdpa' its FA3 is neither
+    fetched (the hub offline) nor used."""
+    os.environ["NANOCHAT_DTYPE"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    if attention == "sdpa":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(root))
+    try:
+        gpt = importlib.import_module("nanochat.gpt")
+    except Exception as e:
+        raise SystemExit(f"error: nanochat at {root} does not import here: {one_line(e)}") from None
+    if not Path(gpt.__file__).resolve().is_relative_to(root):
+        raise SystemExit(f"error: another nanochat was imported ({gpt.__file__}), not {root}'s")
+    flash = sys.modules.get("nanochat.flash_attention")
+    if attention == "sdpa" and hasattr(flash, "USE_FA3"):
+        flash.USE_FA3 = False  # read at each call
+    return gpt
+
+
+def nanochat_attention(args) -> str:
+    flash = sys.modules.get("nanochat.flash_attention")
+    fa3 = bool(getattr(flash, "USE_FA3", False))
+    return f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {args.window_pattern}"
+
+
+def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
+    config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                               args.head_dim)
+    with torch.device("meta"):
+        model = GPT(config)
+    torch.manual_seed(args.seed)
+    model.to_empty(device=device)
+    model.init_weights()
+    heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
+    attention = choose_attention(device, args.dtype, heads, args.attention)
+    model.use_attention(attention)
+    notes = f"attention {attention.name}"
+    if fp8:
+        notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
+    optimizer = model.setup_optimizer(total_batch_size=args.total_batch_size, compile=args.compile)
+    train = torch.compile(model, dynamic=False) if args.compile else model
+    return Side("nanomuon", model, train, [optimizer], model.estimate_flops(),
+                lambda: autocast(device, args.dtype), model.num_params(), notes)
+
+
+def nanochat_fp8(model) -> int:
+    """nanochat's own fp8 linears, on the layers its base_train picks: both sizes multiples of 16,
+    the smaller at least 128 (lm_head included)."""
+    fp8 = importlib.import_module("nanochat.fp8")
+
+    def eligible(module, fqn):
+        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+                and min(module.in_features, module.out_features) >= 128)
+
+    config = fp8.Float8LinearConfig.from_recipe_name("tensorwise")
+    fp8.convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    return sum("Float8" in type(m).__name__ for m in model.modules())
+
+
+def nanochat_optimizers(model) -> list:
+    """What nanochat's GPT builds: setup_optimizer (one MuonAdamW) or, in older checkouts,
+    setup_optimizers (a list), given the base_train values it takes."""
+    setup = getattr(model, "setup_optimizer", None) or getattr(model, "setup_optimizers", None)
+    if setup is None:
+        raise RuntimeError("nanochat's GPT has neither setup_optimizer nor setup_optimizers")
+    accepted = inspect.signature(setup).parameters
+    built = setup(**{k: v for k, v in NANOCHAT_OPTIM.items() if k in accepted})
+    return list(built) if isinstance(built, (list, tuple)) else [built]
+
+
+def build_nanochat(nc, args, device: torch.device, fp8: bool) -> Side:
+    ref = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                            args.head_dim)  # the same sizes, nanochat's rule
+    want = dict(sequence_len=ref.sequence_len, vocab_size=ref.vocab_size, n_layer=ref.n_layer,
+                n_head=ref.n_head, n_kv_head=ref.n_kv_head, n_embd=ref.n_embd,
+                window_pattern=args.window_pattern)
+    fields = {f.name for f in dataclasses.fields(nc.GPTConfig)}
+    with torch.device("meta"):
+        model = nc.GPT(nc.GPTConfig(**{k: v for k, v in want.items() if k in fields}))
+    torch.manual_seed(args.seed)
+    model.to_empty(device=device)
+    model.init_weights()
+    notes = nanochat_attention(args)
+    if fp8:
+        notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
+    optimizers = nanochat_optimizers(model)
+    train = torch.compile(model, dynamic=False) if args.compile else model
+    return Side("nanochat", model, train, optimizers, model.estimate_flops(),
+                contextlib.nullcontext, sum(p.numel() for p in model.parameters()), notes)
+
+
+def make_batches(args, device: torch.device) -> list:
+    """One step's micro-batches of random tokens, made on the device: (inputs, targets) pairs."""
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    rows = args.total_batch_size // args.max_seq_len
+    tokens = torch.randint(0, args.vocab_size, (rows, args.max_seq_len + 1), device=device,
+                           generator=gen)
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+            for chunk in tokens.split(args.device_batch_size)]
+
+
+def train_step(side: Side, batches: list, device: torch.device) -> tuple[float, float, float]:
+    """(step seconds, optimizer seconds, last micro-batch's loss) of one optimizer step."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    for x, y in batches:
+        with side.context():
+            loss = side.train(x, y)
+        (loss / len(batches)).backward()
+    synchronize(device)
+    t1 = time.perf_counter()
+    for optimizer in side.optimizers:
+        optimizer.step()
+    synchronize(device)
+    t2 = time.perf_counter()
+    side.model.zero_grad(set_to_none=True)
+    return t2 - t0, t2 - t1, loss.item()
+
+
+def measure(build, args, device: torch.device, batches: list) -> dict:
+    """Build one side and train it: the warmup steps (which compile) timed together, then the
+    timed steps' medians and the peak memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    side = build()
+    steps = [train_step(side, batches, device) for _ in range(args.warmup)]
+    warm = time.perf_counter() - t0
+    steps += [train_step(side, batches, device) for _ in range(args.steps)]
+    timed = steps[args.warmup:]
+    step_s = statistics.median(s for s, _, _ in timed)
+    tokens = len(batches) * args.device_batch_size * args.max_seq_len
+    peak = peak_flops(device)
+    out = dict(notes=side.notes, params=side.params, flops=side.flops_per_token, warm=warm,
+               step=step_s, optimizer=statistics.median(o for _, o, _ in timed),
+               tok_s=tokens / step_s, losses=[loss for _, _, loss in steps],
+               mfu=side.flops_per_token * tokens / step_s / peak if peak else None,
+               peak=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+    del side
+    torch._dynamo.reset()  # the next side compiles afresh, and its graphs let this one's go
+    return out
+
+
+def fp8_missing(device: torch.device, side: str) -> str | None:
+    """Why `side` cannot train in fp8 here, or None."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        return (f"fp8 needs a CUDA GPU with fp8 tensor cores (compute capability "
+                f"{'.'.join(map(str, MIN_CAPABILITY))}+), this is {device_name(device)}")
+    if side == "nanomuon":
+        try:
+            check_fp8(device)
+        except ValueError as e:
+            return str(e)
+    elif importlib.util.find_spec("nanochat.fp8") is None:
+        return "this nanochat has no nanochat/fp8.py"
+    return None
+
+
+def run_side(name: str, precision: str, nc, args, device, batches) -> dict:
+    """One side at one precision: its measurements, or n/a (it cannot run here) or error."""
+    fp8 = precision == "fp8"
+    if fp8 and (why := fp8_missing(device, name)):
+        return dict(na=why)
+    build = ((lambda: build_nanomuon(args, device, fp8)) if name == "nanomuon"
+             else (lambda: build_nanochat(nc, args, device, fp8)))
+    try:
+        res = measure(build, args, device, batches)
+    except Exception as e:  # out of memory, an API this checkout lacks: the other side still runs
+        traceback.print_exc()
+        torch._dynamo.reset()
+        return dict(error=one_line(e))
+    if not all(map(math.isfinite, res["losses"])):
+        res["error"] = f"a loss was not finite: {res['losses']}"
+    return res
+
+
+def describe(res: dict, args) -> str:
+    """A side's full line in the log."""
+    if "na" in res or "error" in res:
+        return cell(res)
+    losses = res["losses"]
+    return (f"{res['params'] / 1e6:.1f}M params, {res['flops']:.3g} FLOPs a token, "
+            f"{res['notes']}; build, compile and warmup ({args.warmup} steps) {res['warm']:.1f} s; "
+            f"{args.steps} steps: median {res['step'] * 1e3:.1f} ms, {cell(res)}; "
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def cell(res: dict) -> str:
+    """A side's numbers in the summary."""
+    if "na" in res:
+        return f"n/a ({res['na']})"
+    if "error" in res and "tok_s" not in res:
+        return f"FAILED ({res['error']})"
+    mfu = f"MFU {res['mfu']:.1%}" if res["mfu"] is not None else "MFU n/a"
+    peak = f"peak {res['peak'] / GiB:.1f} GiB" if res["peak"] is not None else "peak n/a"
+    failed = f" FAILED ({res['error']})" if "error" in res else ""
+    return (f"{res['tok_s']:,.0f} tok/s, {mfu}, optimizer {res['optimizer'] * 1e3:.1f} ms, "
+            f"{peak}, build+warmup {res['warm']:.0f} s{failed}")
+
+
+def summary_line(args, precision: str, pair: dict) -> str:
+    """Both sides at one precision and their ratios, nanomuon / nanochat."""
+    parts = [f"{name} {cell(pair[name])}" for name in SIDES]
+    a, b = pair["nanomuon"], pair["nanochat"]
+    if "tok_s" in a and "tok_s" in b:
+        ratios = [f"tok/s {a['tok_s'] / b['tok_s']:.3f}",
+                  f"optimizer {a['optimizer'] / b['optimizer']:.3f}"]
+        if a["peak"] and b["peak"]:
+            ratios.append(f"peak {a['peak'] / b['peak']:.3f}")
+        parts.append("nanomuon/nanochat " + ", ".join(ratios))
+    return f"h2h d{args.depth} {precision}: " + "; ".join(parts)
+
+
+def shape_line(args) -> str:
+    c = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                          args.head_dim)
+    rows = args.total_batch_size // args.max_seq_len
+    return (f"d{args.depth}: width {c.n_embd}, {c.n_head} heads of {c.n_embd // c.n_head}, "
+            f"{args.max_seq_len:,} tokens a row, vocab {args.vocab_size:,}; "
+            f"{args.total_batch_size:,} tokens a step ({rows // args.device_batch_size} "
+            f"micro-batches of {args.device_batch_size} rows), random; compile "
+            f"{'on' if args.compile else 'off'}, {args.dtype}, attention {args.attention}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--nanochat", help="a nanochat checkout (default: $NANOCHAT)")
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth x this, rounded "
+                   "up to the head dim")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens a row")
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--device-batch-size", type=int, default=32, help="rows a micro-batch")
+    p.add_argument("--total-batch-size", type=int, default=2 ** 19, help="tokens a step")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (medians reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (they compile)")
+    p.add_argument("--precision", nargs="+", choices=("bf16", "fp32", "fp8"),
+                   help="what to run, in order (default: bf16 and fp8 on a GPU, elsewhere bf16 "
+                   "or fp32 as nanomuon picks); fp8 computes the rest in bf16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile both (default: on for CUDA)")
+    p.add_argument("--attention", choices=("sdpa", "auto"), default="sdpa",
+                   help="sdpa in both, or each project's own choice (FA3 where it loads)")
+    p.add_argument("--window-pattern", default="L", help="nanochat's sliding windows (L: none)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    sizes = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size",
+             "device_batch_size", "total_batch_size", "steps", "warmup")
+    if bad := [f"--{k.replace('_', '-')}" for k in sizes if getattr(args, k) < 1]:
+        p.error(f"{', '.join(bad)} must be >= 1")
+    if args.total_batch_size % (args.device_batch_size * args.max_seq_len):
+        p.error(f"--total-batch-size {args.total_batch_size} is not a multiple of "
+                "--device-batch-size x --max-seq-len = "
+                f"{args.device_batch_size * args.max_seq_len}")
+    return args
+
+
+def resolve(args) -> torch.device:
+    """The device, the precisions and the dtype both compute in (nanochat fixes its own once)."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"error: --device {args.device}: {one_line(e)}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but torch sees no CUDA device here")
+    if not args.precision:
+        args.precision = ["bf16", "fp8"] if device.type == "cuda" else [resolve_dtype(device)]
+    args.precision = list(dict.fromkeys(args.precision))
+    if "fp32" in args.precision and len(args.precision) > 1:
+        raise SystemExit("error: --precision fp32 runs alone: nanochat's dtype is set once a "
+                         "process, and fp8 computes the rest in bf16")
+    args.dtype = "fp32" if args.precision == ["fp32"] else "bf16"
+    args.compile = resolve_compile(args.compile, device)
+    return device
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = resolve(args)
+    root = locate(args.nanochat)
+    commit = commit_of(root)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as both base_trains
+    nc = import_nanochat(root, args.dtype, args.attention)
+    command = " ".join(["python -m scripts.bench_nanochat",
+                        *(sys.argv[1:] if argv is None else argv)])
+    header = (f"nanochat {commit} ({root}); {device_name(device)} ({device.type}), torch "
+              f"{torch.__version__}, {torch.get_num_threads()} threads, "
+              f"{datetime.date.today().isoformat()}")
+    print(f"{command}\n{header}\n{shape_line(args)}")
+    batches = make_batches(args, device)
+    results = {}
+    # compile off: nanochat's optimizer, which compiles its fused steps itself, runs eager too
+    with contextlib.nullcontext() if args.compile else torch.compiler.set_stance("force_eager"):
+        for precision in args.precision:
+            print(f"\n== {precision} ==")
+            for name in SIDES:
+                res = run_side(name, precision, nc, args, device, batches)
+                results.setdefault(precision, {})[name] = res
+                print(f"  {name:9s} {describe(res, args)}", flush=True)
+    print(f"\n== summary ==\nh2h {header}\nh2h {shape_line(args)}")
+    for precision, pair in results.items():
+        print(summary_line(args, precision, pair))
+    return int(any("error" in res for pair in results.values() for res in pair.values()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

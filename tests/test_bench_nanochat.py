@@ -1,0 +1,86 @@
+"""
+scripts/bench_nanochat.py, the head to head with nanochat: end to end on the CPU at a tiny shape
+against a real nanochat checkout (NANOCHAT, else /tmp/nanochat; skipped without one), and its
+refusals of a missing or wrong checkout, each in one line, before anything is built.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_nanochat import commit_of, main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+        "--max-seq-len", "64", "--vocab-size", "512", "--device-batch-size", "2",
+        "--total-batch-size", "256", "--steps", "2", "--warmup", "1"]
+
+
+def checkout() -> Path | None:
+    for raw in (os.environ.get("NANOCHAT"), "/tmp/nanochat"):
+        if raw and (Path(raw) / "nanochat" / "gpt.py").is_file():
+            return Path(raw).resolve()
+    return None
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "scripts.bench_nanochat", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+NUMBERS = r"([\d,]+) tok/s, MFU n/a, optimizer ([\d.]+) ms, peak n/a, build\+warmup \d+ s"
+
+
+def test_both_projects_train_side_by_side_on_the_cpu():
+    """Both GPTs train 1 + 2 steps of the same random tokens at d2 in bf16, from the same flat
+    start (the loss of uniform logits, ln 512); the summary holds each side's tok/s and optimizer
+    ms and their ratios, fp8 is n/a on a CPU for both with the reason, and nanochat's commit and
+    path are said."""
+    root = checkout()
+    if root is None:
+        pytest.skip("no nanochat checkout: set NANOCHAT=path (or clone it to /tmp/nanochat)")
+    p = run("--nanochat", str(root), *TINY, "--precision", "bf16", "fp8")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"h2h nanochat {commit_of(root)} ({root}); " in p.stdout
+    m = re.search(rf"^h2h d2 bf16: nanomuon {NUMBERS}; nanochat {NUMBERS}; nanomuon/nanochat "
+                  r"tok/s ([\d.]+), optimizer ([\d.]+)$", p.stdout, re.M)
+    assert m, p.stdout
+    ours, ours_opt, theirs, theirs_opt, ratio, opt_ratio = (
+        float(g.replace(",", "")) for g in m.groups())
+    assert ratio == pytest.approx(ours / theirs, rel=0.01, abs=0.002)
+    assert opt_ratio == pytest.approx(ours_opt / theirs_opt, rel=0.02, abs=0.002)
+    starts = re.findall(r"^  nano(?:muon|chat) .*; loss ([\d.]+) -> ([\d.]+)$", p.stdout, re.M)
+    assert len(starts) == 2 and all(abs(float(a) - math.log(512)) < 0.05 for a, _ in starts)
+    fp8 = re.search(r"^h2h d2 fp8: nanomuon n/a \((.*)\); nanochat n/a \((.*)\)$", p.stdout, re.M)
+    assert fp8 and all("fp8 tensor cores" in why for why in fp8.groups()), p.stdout
+
+
+def test_a_missing_or_wrong_checkout_is_refused_in_one_line(tmp_path, monkeypatch):
+    """No --nanochat and no NANOCHAT, a path that does not exist, a folder without nanochat/gpt.py:
+    each one line naming what to pass, before any model is built."""
+    monkeypatch.delenv("NANOCHAT", raising=False)
+    for argv, said in (([], "no nanochat: pass --nanochat PATH or set NANOCHAT=PATH"),
+                       (["--nanochat", str(tmp_path / "nosuch")], "holds no nanochat/gpt.py"),
+                       (["--nanochat", str(tmp_path)], "holds no nanochat/gpt.py")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, *TINY])
+        assert said in str(e.value) and "\n" not in str(e.value), argv
+    p = run(*TINY, env=dict(os.environ, NANOCHAT=str(tmp_path)))
+    assert p.returncode == 1 and p.stdout == "", p.stdout
+    assert p.stderr.count("\n") == 1 and "holds no nanochat/gpt.py" in p.stderr, p.stderr
+
+
+def test_the_commit_is_the_checkouts_own(tmp_path):
+    """A COMMIT file (what gpu_check.sh --prepare writes) names the commit; a copy inside another
+    repository (the kit lies in nanomuon's) is not given that repository's HEAD."""
+    outer = tmp_path / "outer"
+    (outer / "kit" / "nanochat").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    assert commit_of(outer / "kit").startswith("unknown")
+    (outer / "kit" / "COMMIT").write_text("92d63d4e8bb4df75c3b71618f31ddde2378b2bcd\n")
+    assert commit_of(outer / "kit") == "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
