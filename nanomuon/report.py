@@ -58,7 +58,8 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
     """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
-    title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band;
+    title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band
+    (of one point: an error bar);
     optional logx, logy, colors ({label: matplotlib color}: one thing in one color across panels)
     and dashed (labels drawn dashed, unmarked). Returns path, or None when matplotlib is not
     installed."""
@@ -80,7 +81,11 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
             line, = ax.plot(xs, ys, label=label, linewidth=1.5, linestyle="--" if dashed else "-",
                             marker="o" if len(xs) <= 30 and not dashed else None, markersize=3,
                             color=panel.get("colors", {}).get(label))
-            if band:
+            if band and len(xs) == 1:  # one point: its interval as an error bar
+                line.set_marker("s")
+                ax.errorbar(xs, ys, yerr=[[ys[0] - band[0][0]], [band[1][0] - ys[0]]],
+                            color=line.get_color(), capsize=4, linewidth=1.5)
+            elif band:
                 ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
         for axis in ("x", "y"):

@@ -824,8 +824,10 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
 def difference_panel(results: dict, variants: list[str], seeds: list[int], best: dict,
                      baseline: str) -> dict:
     """The paired differences in val bpb (variant minus baseline, seed by seed) at each eval, their
-    mean with its 95% interval as a band, and around zero a band of +- the smallest final effect
-    this design detects: an interval clear of that band is a verdict."""
+    mean with its 95% interval as a band, around zero a band of +- the smallest final effect this
+    design detects, and at the last step the verdict's own difference with its interval (the
+    final weights over the larger val set, where the runs scored one): the panel agrees with the
+    table beside it."""
     series, colors, dashed = {}, {}, []
     for v in (v for v in variants if v != baseline):
         pairs = [(results[v, best[v], s], results[baseline, best[baseline], s]) for s in seeds]
@@ -836,11 +838,16 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
         series[f"{v} - {baseline}"] = (steps, [m for m, _, _ in stats],
                                        [m - hw for m, _, hw in stats],
                                        [m + hw for m, _, hw in stats])
-        d = paired([final_bpb(r) - final_bpb(b) for r, b in pairs])["detectable"]
+        c = paired([final_bpb(r) - final_bpb(b) for r, b in pairs])
+        d = c["detectable"]
         series[f"{v}: detectable +-{d:.4f}"] = (steps, [0.0] * n, [-d] * n, [d] * n)
+        # the verdict's own numbers: the final weights over --final-eval-tokens, at the last step
+        verdict_label = f"{v} - {baseline}: the verdict's final eval"
+        series[verdict_label] = ([steps[-1]], [c["mean"]], [c["lo"]], [c["hi"]])
         # the variant's color in every panel; its detectable band dashed in the same color
         colors.update({f"{v} - {baseline}": f"C{variants.index(v)}",
-                       f"{v}: detectable +-{d:.4f}": f"C{variants.index(v)}"})
+                       f"{v}: detectable +-{d:.4f}": f"C{variants.index(v)}",
+                       verdict_label: f"C{variants.index(v)}"})
         dashed.append(f"{v}: detectable +-{d:.4f}")
     return dict(title="variant - baseline, paired by seed (band: 95% CI)", xlabel="step",
                 ylabel="val bpb difference (< 0: better)", series=series, colors=colors,

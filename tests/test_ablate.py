@@ -967,3 +967,26 @@ def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
     # each variant's seeds 1 and 2 as one batched run, on data seed 1
     assert got == [("1,2", "1"), ("1,2", "1")], got
     assert "on one data order (data seed 1) for every run" in (base / "ablations" / "fixed" / "ablation.md").read_text()
+
+
+def test_the_difference_panel_shows_the_verdicts_own_interval(tmp_path):
+    """The curves compare the evals of --eval-tokens, the verdict the final weights over more tokens: the
+    first panel also draws the verdict's difference and 95% interval at the last step, worked out here
+    (t_0.975 at 2 degrees of freedom), so it cannot disagree with the table; the plot draws it."""
+    from nanomuon.report import plot_curves
+    from scripts.ablate import difference_panel
+
+    def record(last, final):
+        return dict(val_history=[[0, 4.0], [50, last]], final_val_bpb=last, final_eval_bpb=final)
+
+    finals = {"muon": [2.00, 2.02, 2.01], "adamw": [2.05, 2.06, 2.07]}
+    results = {(v, "1", s): record(2.03, finals[v][s - 1]) for v in finals for s in (1, 2, 3)}
+    panel = difference_panel(results, ["muon", "adamw"], [1, 2, 3], {"muon": "1", "adamw": "1"}, "adamw")
+    xs, ys, lo, hi = panel["series"]["muon - adamw: the verdict's final eval"]
+    diffs = [a - b for a, b in zip(finals["muon"], finals["adamw"])]
+    m = sum(diffs) / 3
+    hw = T975[2] * math.sqrt(sum((d - m) ** 2 for d in diffs) / 2 / 3)
+    assert xs == [50] and ys == [pytest.approx(m)]
+    assert lo == [pytest.approx(m - hw, rel=1e-4)] and hi == [pytest.approx(m + hw, rel=1e-4)]  # a 4-digit t
+    assert panel["series"]["muon - adamw"][1] == [0.0, 0.0]  # the curves' evals: no difference there
+    assert plot_curves(tmp_path / "p.png", [panel]).stat().st_size > 0
