@@ -197,10 +197,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_seed_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=42, help="seed of the init")
+    p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
     p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
                    "(comma-separated, e.g. 1,2,3) as one batched model in one process, on the "
-                   "same batches (nanomuon/seeds.py); --seed is then not used")
+                   "same batches (nanomuon/seeds.py), instead of --seed's one")
     p.add_argument("--data-seed", type=int, default=None,
                    help="shuffle the training documents with this seed (the row groups, then the "
                    "documents of every 8 of them; default: file order)")
@@ -316,8 +316,11 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
+    if args.seeds is not None and args.seed is not None:
+        p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
         args.seed, args.seeds = args.seeds[0], None
+    args.seed = 42 if args.seed is None else args.seed
     if args.seeds:
         try:
             check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer,

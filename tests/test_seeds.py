@@ -119,8 +119,8 @@ def test_a_batched_run_resumes_exactly(base):
 
 def test_one_seed_is_a_plain_run_and_what_cannot_be_batched_is_refused(base, capsys):
     """--seeds 9 is --seed 9 (the same summary, bitwise); --qk-clip, --fp8, --fsdp and torch-muon
-    are refused with --seeds in one line, as are repeated or non-integer seeds; base_eval refuses
-    a batched run's checkpoint in one line."""
+    are refused with --seeds in one line, as are --seed beside it and repeated or non-integer
+    seeds; base_eval refuses a batched run's checkpoint in one line."""
     from scripts.base_train import main
 
     main([*FLAGS, "--seeds", "9", "--run", "one-seed"])
@@ -133,6 +133,9 @@ def test_one_seed_is_a_plain_run_and_what_cannot_be_batched_is_refused(base, cap
             main([*FLAGS, "--seeds", "1,2", *extra])
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "--seeds 1,2 trains the seeds as one batched model" in err and what in err, err
+    with pytest.raises(SystemExit):
+        main([*FLAGS, "--seeds", "1,2", "--seed", "3"])
+    assert "--seed 3 and --seeds: give one" in capsys.readouterr().err
     for bad in ("1,1", "1,x", "-3,2"):
         with pytest.raises(SystemExit):
             main([*FLAGS, "--seeds", bad])
