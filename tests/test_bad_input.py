@@ -184,6 +184,26 @@ def speedrun(tmp_path, mode):
     return call
 
 
+def torchrun_env(mp, timeout: str | None):
+    """What torchrun sets for rank 0 of 2 (no peer comes), and NANOMUON_RENDEZVOUS_TIMEOUT."""
+    from test_dist import _free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        mp.setenv(key, value)
+    if timeout is not None:
+        mp.setenv("NANOMUON_RENDEZVOUS_TIMEOUT", timeout)
+
+
+def rendezvous_timeout(mp, timeout: str, alone: bool = False):
+    """base_train with NANOMUON_RENDEZVOUS_TIMEOUT set, under torchrun's variables or alone."""
+    if alone:
+        mp.setenv("NANOMUON_RENDEZVOUS_TIMEOUT", timeout)
+    else:
+        torchrun_env(mp, timeout)
+    return train("--total-batch-size", "512", run="meet")
+
+
 def muon_group_without_kind():
     return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
 
@@ -239,6 +259,13 @@ CASES = {
     "world-size-alone": (lambda b, g, tmp, mp: (mp.setenv("WORLD_SIZE", "2"),
                                                 train("--total-batch-size", "512", run="half-set-2"))[1],
                          "WORLD_SIZE is set but RANK and LOCAL_RANK are not"),
+    **{f"rendezvous-timeout-{value or 'empty'}": (
+        lambda b, g, tmp, mp, value=value: rendezvous_timeout(mp, value),
+        f"NANOMUON_RENDEZVOUS_TIMEOUT={value!r} is not a number of seconds in (0, 86,400]")
+       for value in ("abc", "", "inf", "1e20", "nan", "-5", "0")},
+    # read only under torchrun, but a bad one is a mistake to say, not to ignore
+    "rendezvous-timeout-alone": (lambda b, g, tmp, mp: rendezvous_timeout(mp, "10 min", alone=True),
+                                 "NANOMUON_RENDEZVOUS_TIMEOUT='10 min' is not a number of seconds"),
     "base-dir-is-a-file": (lambda b, g, tmp, mp: ((tmp / "f").write_text("x"),
                                                   mp.setenv("NANOMUON_BASE_DIR", str(tmp / "f")),
                                                   train())[2],
@@ -496,3 +523,18 @@ def test_a_process_group_without_its_peers_is_one_line(tmp_path):
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
     assert "rank 0: waiting for all 2 processes to meet at 127.0.0.1:" in p.stdout
     assert "the 2 processes did not all meet at 127.0.0.1:" in p.stderr and "within 12 s" in p.stderr
+
+
+def test_a_rank_whose_peer_never_listens_is_one_line(tmp_path):
+    """Rank 1 connects to rank 0's store, which never opens: c10d logs each failed try with its C++
+    stack (40-odd lines); the run says what it waited for in one line, nothing more."""
+    from test_dist import _free_port
+    from test_train import child_env
+
+    env = dict(child_env(tmp_path), RANK="1", LOCAL_RANK="1", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               NANOMUON_RENDEZVOUS_TIMEOUT="1")
+    cmd = [sys.executable, "-m", "scripts.base_train", *GOOD, "--run", "peerless"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "rank 1: the 2 processes did not all meet at 127.0.0.1:" in p.stderr, p.stderr
