@@ -93,6 +93,10 @@ from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
+# More steps than any run here takes (a year at the CPU miniature's 30 ms a step): a horizon that
+# plans more is a typo in a ratio or a budget, not a plan
+MAX_STEPS = 10 ** 9
+
 
 def seeds_arg(s: str):
     """argparse type for --seeds: distinct seeds, comma-separated."""
@@ -297,6 +301,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
+    if args.num_iterations > MAX_STEPS:
+        p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
+                "run may take")
     if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
                 "exceed 1")
@@ -655,6 +662,13 @@ def plan_horizon(args, model: GPT) -> int:
         steps = max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
     else:
         steps = max(1, round(ratio * params / args.total_batch_size))
+    if steps > MAX_STEPS:
+        flag, value = (("--target-flops", args.target_flops) if args.target_flops > 0
+                       else ("--target-param-data-ratio", ratio))
+        raise SystemExit(f"error: {flag} {value:g} plans {steps:.3g} steps of "
+                         f"{args.total_batch_size:,} tokens, more than the {MAX_STEPS:,} a run "
+                         f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
+                         "--num-iterations")
     resolve_schedule(args, recipe.schedule, steps)
     return steps
 

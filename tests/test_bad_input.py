@@ -225,6 +225,18 @@ CASES = {
                          "--target-flops must be a finite number"),
     "data-ratio-nan": (lambda *_: train("--target-param-data-ratio", "nan"),
                        "--target-param-data-ratio must be a finite"),
+    # a horizon no run reaches: a typo in a ratio or budget, refused before it plans 1e32 steps
+    "data-ratio-huge": (lambda *_: train("--num-iterations", "-1", "--target-param-data-ratio", "1e30"),
+                        "--target-param-data-ratio 1e+30 plans 5.12e+32 steps of 256 tokens, more than "
+                        "the 1,000,000,000 a run may take: give at most 1.95e+06"),
+    "target-flops-huge": (lambda *_: train("--num-iterations", "-1", "--target-flops", "1e40"),
+                          "--target-flops 1e+40 plans 4.42e+31 steps of 256 tokens, more than the"),
+    "iterations-huge": (lambda *_: train("--num-iterations", str(10 ** 12)),
+                        "--num-iterations 1000000000000 is more than the 1,000,000,000 steps a run may take"),
+    # the flag was given: the way out is a smaller one, not to give it
+    "weight-decay-huge": (lambda *_: train("--weight-decay", "1e30"),
+                          "--weight-decay 1e+30 x Muon's lr 0.02 >= 1 would flip the weights' sign at "
+                          "every step: give a --weight-decay below 50"),
     "seed-huge": (lambda *_: train("--seed", str(2 ** 70)), "--seed must be in [0, 2**64)"),
     "data-seed-negative": (lambda *_: train("--data-seed", "-1"), "--data-seed must be in [0, 2**64)"),
     "lr-multiplier-negative": (lambda *_: train("--lr-multiplier", "-2"), "--lr-multiplier must be a finite number"),
