@@ -114,9 +114,10 @@ def shown(text: str, limit: int = 200, quote: bool = True) -> str:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message
-    (hub errors run to several)."""
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    """An exception as one line: its type and the first line of its message (hub errors run to
+    several), escaped and bounded as shown() does (messages quote what they read)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {shown(first, 300, quote=False)}"
 
 
 def size_str(num_bytes: float) -> str:
