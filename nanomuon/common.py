@@ -12,12 +12,14 @@ import datetime
 import hashlib
 import json
 import math
+import netrc
 import os
 import socket
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -133,6 +135,30 @@ def user_errors():
         yield
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+WANDB_HOST = "https://api.wandb.ai"  # wandb's cloud, unless WANDB_BASE_URL names another
+
+
+def wandb_key_problem(mode: str) -> str | None:
+    """Why --wandb `mode` cannot log from here, else None: online needs an API key, which wandb
+    looks for in WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), then in the netrc file ($NETRC, else
+    ~/.netrc) under its host, where `wandb login` puts it. Looked up as wandb does, without the
+    network, so a run without one stops before it starts, not in wandb.init's traceback."""
+    if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get(
+            "WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):  # none, or unreadable: wandb finds no key there either
+        entry = None
+    if entry and entry[2]:
+        return None
+    return (f"--wandb online needs a W&B API key, and wandb finds none here (no WANDB_API_KEY, "
+            f"nor a key for {shown(host, 80, quote=False)} in {shown(str(path), 120, quote=False)})"
+            ": run `wandb login` or set WANDB_API_KEY, or use --wandb offline")
 
 
 def print0(*args, **kwargs):

@@ -51,6 +51,7 @@ from nanomuon.common import (
     synchronize,
     tensors_finite,
     user_errors,
+    wandb_key_problem,
     write_atomic,
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
@@ -93,6 +94,11 @@ from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
+# The largest lr a flag may ask for, --lr-multiplier included: over 1,000x the tuned ones (below
+# 1), far past where training diverges, and with any factor the update math puts on an lr (sqrt of
+# a dimension, 1/(1 - beta1)) far inside fp32, where the step's scalar must fit (past 3.4e38 it
+# overflows, a traceback at the first step)
+MAX_LR = 1000.0
 # More steps than any run here takes (a year at the CPU miniature's 30 ms a step): a horizon that
 # plans more is a typo in a ratio or a budget, not a plan
 MAX_STEPS = 10 ** 9
@@ -301,6 +307,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
+    check_lrs(p, args)
+    if (problem := wandb_key_problem(args.wandb)) is not None:
+        p.error(problem)
     if args.num_iterations > MAX_STEPS:
         p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
                 "run may take")
@@ -344,6 +353,22 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
                 f"--max-seq-len), got {args.sample_tokens}")
     check_model_fits(p, args)
+
+
+def check_lrs(p: argparse.ArgumentParser, args) -> None:
+    """Each lr flag times --lr-multiplier, and the multiplier itself (the rule's lrs are below 1),
+    at most MAX_LR."""
+    if args.lr_multiplier > MAX_LR:
+        p.error(f"--lr-multiplier {args.lr_multiplier:g} is over {MAX_LR:,g}: no lr that large "
+                "trains (the tuned ones are below 1), and near 3e38 the step overflows fp32; "
+                "give a smaller one")
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr"):
+        lr = getattr(args, name)
+        if lr is not None and lr * args.lr_multiplier > MAX_LR:
+            p.error(f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} "
+                    f"= {lr * args.lr_multiplier:,g} is over {MAX_LR:,g}: no lr that large trains "
+                    "(the tuned ones are below 1), and near 3e38 the step overflows fp32; give "
+                    "a smaller one")
 
 
 def check_model_fits(p: argparse.ArgumentParser, args) -> None:

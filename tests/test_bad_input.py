@@ -204,6 +204,14 @@ def rendezvous_timeout(mp, timeout: str, alone: bool = False):
     return train("--total-batch-size", "512", run="meet")
 
 
+def no_wandb_key(mp, tmp):
+    """An environment in which wandb finds no API key: none in the environment, an empty netrc."""
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        mp.delenv(key, raising=False)
+    (tmp / "netrc").write_text("")
+    mp.setenv("NETRC", str(tmp / "netrc"))
+
+
 def muon_group_without_kind():
     return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
 
@@ -239,6 +247,19 @@ CASES = {
                           "every step: give a --weight-decay below 50"),
     "seed-huge": (lambda *_: train("--seed", str(2 ** 70)), "--seed must be in [0, 2**64)"),
     "data-seed-negative": (lambda *_: train("--data-seed", "-1"), "--data-seed must be in [0, 2**64)"),
+    # so large the optimizer's step scalar overflows fp32 at the first step (a 35-line traceback)
+    "lr-multiplier-huge": (lambda *_: train("--lr-multiplier", "1e308"),
+                           "--lr-multiplier 1e+308 is over 1,000"),
+    "matrix-lr-huge": (lambda *_: train("--matrix-lr", "1e300"),
+                       "--matrix-lr 1e+300 x --lr-multiplier 1 = 1e+300 is over 1,000"),
+    "lr-times-multiplier-huge": (lambda *_: train("--embedding-lr", "10", "--lr-multiplier", "200"),
+                                 "--embedding-lr 10 x --lr-multiplier 200 = 2,000 is over 1,000"),
+    "wandb-online-no-key": (lambda b, g, tmp, mp: (no_wandb_key(mp, tmp), train("--wandb", "online"))[1],
+                            "--wandb online needs a W&B API key, and wandb finds none here"),
+    "eval-wandb-online-no-key": (lambda b, g, tmp, mp: (no_wandb_key(mp, tmp),
+                                                        script("base_eval", "--run", "good", "--wandb",
+                                                               "online"))[1],
+                                 "--wandb online needs a W&B API key, and wandb finds none here"),
     "lr-multiplier-negative": (lambda *_: train("--lr-multiplier", "-2"), "--lr-multiplier must be a finite number"),
     "abbreviation": (lambda *_: train("--num-iter", "3"), "unrecognized arguments: --num-iter"),
     "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
