@@ -878,7 +878,10 @@ def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
     flag, _, given = s.partition("=")
     flag = flag.strip().removeprefix("--")
-    values = [v.strip() for v in given.split(",") if v.strip()]
+    values = [v.strip() for v in given.split(",")] if given.strip() else []
+    if empty := [i for i, v in enumerate(values, 1) if not v]:
+        raise argparse.ArgumentTypeError(f"{s!r}: value {empty[0]} is empty; give each value "
+                                         "between commas, like lr-multiplier=0.5,1,2")
     if not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not values or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
@@ -989,6 +992,9 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
             train = train_args([*flags, f"--{flag}", value])
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        if why.startswith("unrecognized arguments") and takes_no_value(flags, flag):
+            return (f"--sweep {flag}=...: --{flag} is a switch, it takes no value; run one "
+                    f"ablation with --{flag} and one without it")
         if why.startswith("unrecognized arguments"):
             return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
                     "scripts.base_train --help)")
@@ -999,6 +1005,16 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
         except (ValueError, FileNotFoundError) as e:
             return f"--sweep dataset={value}: {e}"
     return None
+
+
+def takes_no_value(flags: list[str], flag: str) -> bool:
+    """Whether base_train's --flag is a switch (--fp8, --compile): given alone, it parses."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            train_args([*flags, f"--{flag}"])
+    except SystemExit:
+        return False
+    return True
 
 
 def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:

@@ -454,6 +454,10 @@ def test_sweep_takes_any_base_train_flag_and_one_variant():
     ("dataset=a b,embedded", "--sweep dataset=a b: --dataset a b: no such file or directory"),
     ("lr-multiplier=1,1.0", "1 and 1.0 are the same value (two identical runs)"),
     ("depth=2,x", "--sweep depth=x: argument --depth: invalid int value: 'x'"),
+    ("lr-multiplier=1,", "'lr-multiplier=1,': value 2 is empty"),
+    ("fp8=1,2", "--sweep fp8=...: --fp8 is a switch, it takes no value"),
+    ("compile=1,2", "--sweep compile=...: --compile is a switch, it takes no value"),
+    ("lr-multiplier=1,1e308", "--sweep lr-multiplier=1e308: --lr-multiplier 1e+308 is over 1,000"),
 ])
 def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
     """A sweep base_train would refuse, in any of its values, is one line naming --sweep when
@@ -464,6 +468,23 @@ def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
         parse_args(["--variants", "muon", "--sweep", sweep])
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "usage: base_train" not in "\n".join(err), err
+
+
+def test_a_wandb_sweep_without_a_key_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """wandb=off,online with no API key: refused when ablate starts, not by wandb's traceback after
+    the first value has trained."""
+    from scripts.ablate import parse_args
+
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "muon", "--sweep", "wandb=off,online"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--sweep wandb=online: --wandb online needs a W&B API key" in err[-1], err
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert parse_args(["--variants", "muon", "--sweep", "wandb=off,online"])[0].sweep.values == ["off", "online"]
 
 
 class FakeProcess:
