@@ -487,6 +487,55 @@ def test_a_wandb_sweep_without_a_key_is_refused_before_anything_runs(tmp_path, m
     assert parse_args(["--variants", "muon", "--sweep", "wandb=off,online"])[0].sweep.values == ["off", "online"]
 
 
+def test_a_swept_value_that_is_no_run_name_is_named_by_a_slug_and_a_hash():
+    """Run names are built from the swept values: a value a run name cannot hold (every local path
+    has '/', a hub dataset ':') goes in as a bounded slug and a hash of the whole; a value that can
+    goes in as itself."""
+    from nanomuon.checkpoint import run_arg
+    from scripts.ablate import Job
+
+    values = ["my data", "/corpora/my data", "/other/my data", "hf:owner/name@main", "x" * 500,
+              "embedded", "0.02", "1e-3"]
+    names = [Job("muon", v, 1).name("abl", "dataset") for v in values]
+    assert all(run_arg(n) == n and len(n) <= 64 for n in names) and len(set(names)) == len(names)
+    assert re.fullmatch(r"abl-muon-datasetmy-data-[0-9a-f]{8}-s1", names[0]), names[0]
+    assert re.fullmatch(r"abl-muon-datasetcorpora-my-data-[0-9a-f]{8}-s1", names[1]), names[1]
+    assert names[5:] == ["abl-muon-datasetembedded-s1", "abl-muon-dataset0.02-s1", "abl-muon-dataset1e-3-s1"]
+
+
+def test_a_swept_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, monkeypatch):
+    """dataset=<a local folder>,embedded: both train (the folder under its slug's run name) and are
+    compared; with a file of the folder edited, the folder's run trains again and embedded's is
+    cached (the swept data's contents are in the key, as the flags' data is)."""
+    from scripts import ablate
+
+    folder = tmp_path / "my data"
+    folder.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(300)))
+    flags = [f for f in TINY if f not in ("--dataset", "embedded")]
+    args = ["--variants", "muon", "--seeds", "1", "--sweep", f"dataset={folder},embedded", "--jobs", "2",
+            "--name", "local", *flags, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1",
+            "--no-compile", "--baseline-lengths", "none"]
+    results = ablate.main(args)
+    assert sorted(results) == [("muon", str(folder), 1), ("muon", "embedded", 1)]
+    run = ablate.Job("muon", str(folder), 1).name("local", "dataset")
+    meta = json.loads((base / "runs" / run / "step_000002" / "meta.json").read_text())
+    assert meta["args"]["dataset"] == str(folder)
+    out = base / "ablations" / "local"
+    doc = (out / "ablation.md").read_text()
+    assert f"| dataset {folder} | dataset embedded |" in doc and f"`{folder}` as {ablate.value_tag(str(folder))}" in doc
+    assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG")
+    launched = []
+    popen = ablate.subprocess.Popen
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
+    (folder / "doc00.txt").write_text("an edited document " * 100)
+    ablate.main(args)
+    assert [c[c.index("--dataset", c.index("--run")) + 1] for c in launched if "scripts.base_train" in c] == \
+        [str(folder)], launched
+
+
 class FakeProcess:
     terminated = False
 
