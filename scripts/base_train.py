@@ -308,12 +308,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
-    check_lrs(p, args)
-    if (problem := wandb_key_problem(args.wandb)) is not None:
-        p.error(problem)
-    if args.num_iterations > MAX_STEPS:
-        p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
-                "run may take")
+    check_reach(p, args)
     if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
                 "exceed 1")
@@ -356,9 +351,15 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     check_model_fits(p, args)
 
 
-def check_lrs(p: argparse.ArgumentParser, args) -> None:
-    """Each lr flag times --lr-multiplier, and the multiplier itself (the rule's lrs are below 1),
-    at most MAX_LR."""
+def check_reach(p: argparse.ArgumentParser, args) -> None:
+    """Values that parse but cannot run: an lr flag times --lr-multiplier, or the multiplier itself
+    (the rule's lrs are below 1), over MAX_LR; --num-iterations over MAX_STEPS; --wandb online
+    without an API key."""
+    if (problem := wandb_key_problem(args.wandb)) is not None:
+        p.error(problem)
+    if args.num_iterations > MAX_STEPS:
+        p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
+                "run may take")
     if args.lr_multiplier > MAX_LR:
         p.error(f"--lr-multiplier {args.lr_multiplier:g} is over {MAX_LR:,g}: no lr that large "
                 "trains (the tuned ones are below 1), and near 3e38 the step overflows fp32; "
@@ -737,9 +738,12 @@ def precision_words(dtype, recipe) -> str:
     return words + (f" with fp8 block matmuls ({recipe} scales)" if recipe else "")
 
 
-def precision_problems(history, step: int) -> list[str]:
+def precision_problems(loop: dict, step: int) -> list[str]:
     """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
-    oldest first), a hand edit: it is read into lines of the report."""
+    oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
+    if "precision" not in loop:
+        return []
+    history = loop["precision"]
     ok = isinstance(history, list) and history and all(
         isinstance(h, list) and len(h) == 3 and type(h[0]) is int and 0 <= h[0] <= step
         and h[1] in ("bf16", "fp32") and h[2] in (None, *RECIPES) for h in history)
@@ -903,8 +907,7 @@ def resume(run: Run) -> None:
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
                                                         or args.seeds else (int, float))]
-        if "precision" in meta["loop"] and not problems:
-            problems += precision_problems(meta["loop"]["precision"], step)
+        problems = problems or precision_problems(meta["loop"], step)
         # older configs: defaults
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
             problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
