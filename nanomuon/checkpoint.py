@@ -34,6 +34,7 @@ import stat
 import sys
 import time
 import warnings
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -658,6 +659,26 @@ def _corrupt(d: Path, e: BaseException) -> ValueError:
                       "resume from an earlier step")
 
 
+def read_optim(d: Path, **kwargs):
+    """d/optim.pt through torch's safe loader (tensors and plain values only), kwargs to
+    torch.load. A file that is not what torch.save writes, or that the safe loader refuses, is a
+    ValueError in nanomuon's words: torch's messages advise loading it with weights_only=False or
+    saving it again, neither of which is the way out of a damaged or foreign checkpoint."""
+    path = check_regular(d / "optim.pt")
+    if not zipfile.is_zipfile(path):
+        raise ValueError("optim.pt is not a zip archive, as every one nanomuon saves is (its bytes "
+                         "are damaged, or it is another file)")
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError:
+        raise ValueError("optim.pt holds what the safe loader refuses: more than tensors and plain "
+                         "values, or a damaged pickle") from None
+    except (OSError, MemoryError, torch.OutOfMemoryError):
+        raise  # the machine's trouble, not the file's: _corrupt tells them apart
+    except Exception as e:  # torch raises several types for a damaged archive
+        raise ValueError(f"optim.pt does not load ({one_line(e)})") from None
+
+
 def _saved_tensors(d: Path) -> dict:
     """name -> (shape, dtype) of every tensor in a sharded checkpoint (its DCP .metadata)."""
     md = read_index(d).state_dict_metadata
@@ -675,7 +696,7 @@ def check_files(d: Path) -> None:
         for name, end in ends.items():
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
-        torch.load(check_regular(d / "optim.pt"), mmap=True, weights_only=True)
+        read_optim(d, mmap=True)
         check_sums(d)
     except Exception as e:  # torch and pickle raise several types for truncated or foreign files
         raise _corrupt(d, e) from e
@@ -697,8 +718,7 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
             out["model"] = {k.split(".", 1)[1]: v
                             for k, v in wanted.items() if k.startswith("model.")}
         if "optim" in names:
-            out["optim"] = torch.load(check_regular(d / "optim.pt"), map_location=map_location,
-                                      weights_only=True)
+            out["optim"] = read_optim(d, map_location=map_location)
             for key, v in wanted.items():
                 if key.startswith("optim."):
                     _, idx, name = key.split(".", 2)
@@ -726,7 +746,7 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         _dcp(dcp.load, own, d, alone())
         if optimizer is None:
             return
-        rest = torch.load(check_regular(d / "optim.pt"), map_location=device, weights_only=True)
+        rest = read_optim(d, map_location=device)
         # a replicated optimizer: its whole state
         if not hasattr(optimizer, "load_sharded_state_dict"):
             return optimizer.load_state_dict(rest)

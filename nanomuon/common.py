@@ -12,11 +12,14 @@ import datetime
 import hashlib
 import json
 import math
+import netrc
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -104,10 +107,19 @@ def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> li
     return out
 
 
+def shown(text: str, limit: int = 200, quote: bool = True) -> str:
+    """text to quote in a message: as Python writes a string (quote) or bare, with what is not
+    printable escaped (it may come from a file or the environment: no byte of it may move the
+    terminal's cursor), and at most `limit` characters, then '...'."""
+    out = repr(text) if quote else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return out if len(out) <= limit else out[:limit] + "..."
+
+
 def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message
-    (hub errors run to several)."""
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    """An exception as one line: its type and the first line of its message (hub errors run to
+    several), escaped and bounded as shown() does (messages quote what they read)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {shown(first, 300, quote=False)}"
 
 
 def size_str(num_bytes: float) -> str:
@@ -123,6 +135,30 @@ def user_errors():
         yield
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+WANDB_HOST = "https://api.wandb.ai"  # wandb's cloud, unless WANDB_BASE_URL names another
+
+
+def wandb_key_problem(mode: str) -> str | None:
+    """Why --wandb `mode` cannot log from here, else None: online needs an API key, which wandb
+    looks for in WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), then in the netrc file ($NETRC, else
+    ~/.netrc) under its host, where `wandb login` puts it. Looked up as wandb does, without the
+    network, so a run without one stops before it starts, not in wandb.init's traceback."""
+    if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get(
+            "WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):  # none, or unreadable: wandb finds no key there either
+        entry = None
+    if entry and entry[2]:
+        return None
+    return (f"--wandb online needs a W&B API key, and wandb finds none here (no WANDB_API_KEY, "
+            f"nor a key for {shown(host, 80, quote=False)} in {shown(str(path), 120, quote=False)})"
+            ": run `wandb login` or set WANDB_API_KEY, or use --wandb offline")
 
 
 def print0(*args, **kwargs):
@@ -149,6 +185,7 @@ def compute_init(device_type: str = "auto"):
     Returns (distributed, rank, local_rank, world_size, device)."""
     device_type = check_device_type(device_type)
     rank, local_rank, world_size = process_env()
+    timeout = rendezvous_timeout()
     distributed = "RANK" in os.environ  # process_env: all three set, or none
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
@@ -164,7 +201,7 @@ def compute_init(device_type: str = "auto"):
         if device_type == "cpu":
             reuse_freed_memory()
     if distributed:
-        store = rendezvous(rank, world_size)
+        store = rendezvous(rank, world_size, timeout)
         if device_type == "cuda":
             dist.init_process_group("nccl", device_id=device, store=store, rank=rank,
                                     world_size=world_size)
@@ -175,32 +212,68 @@ def compute_init(device_type: str = "auto"):
 
 
 RENDEZVOUS_TIMEOUT_S = 600  # how long the processes may take to meet (NANOMUON_RENDEZVOUS_TIMEOUT)
+MAX_RENDEZVOUS_TIMEOUT_S = 86_400  # a day: longer is a hung job, and c10d counts it in int32 ms
 
 
-def rendezvous(rank: int, world_size: int):
+def rendezvous_timeout() -> float:
+    """NANOMUON_RENDEZVOUS_TIMEOUT in seconds (RENDEZVOUS_TIMEOUT_S if unset). Anything but a
+    number of seconds in (0, a day] is refused in one line, set or not under torchrun: c10d
+    would fail on it with a traceback or its C++ stack, or wait forever."""
+    raw = os.environ.get("NANOMUON_RENDEZVOUS_TIMEOUT")
+    if raw is None:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_RENDEZVOUS_TIMEOUT_S:  # nan too
+        raise SystemExit(f"error: NANOMUON_RENDEZVOUS_TIMEOUT={shown(raw)} is not a number of "
+                         f"seconds in (0, {MAX_RENDEZVOUS_TIMEOUT_S:,}]: how long torchrun's "
+                         "processes may take to meet; set one (the default is "
+                         f"{RENDEZVOUS_TIMEOUT_S}), or unset it")
+    return seconds
+
+
+@contextlib.contextmanager
+def c10d_quiet():
+    """Within: what is written to stderr's file descriptor goes nowhere. c10d logs every failed
+    try to reach the store with its C++ stack (tens of lines), even when a later try meets; the
+    caller says in one line if the meeting fails."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def rendezvous(rank: int, world_size: int, timeout: float = RENDEZVOUS_TIMEOUT_S):
     """The processes meet at MASTER_ADDR:MASTER_PORT, as torchrun sets them; the store they share.
     Missing variables are one line, not a traceback; waiting says so after 10 s, and gives up after
-    NANOMUON_RENDEZVOUS_TIMEOUT seconds with one line naming what it waited for (torch's own
-    wait is 30 minutes, in silence). Collectives keep torch's timeout."""
+    `timeout` seconds (NANOMUON_RENDEZVOUS_TIMEOUT) with one line naming what it waited for
+    (torch's own wait is 30 minutes, in silence). Collectives keep torch's timeout."""
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise SystemExit(f"error: WORLD_SIZE={world_size} asks for {world_size} processes but "
                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                          "set: launch with torchrun (it sets them), or unset RANK, LOCAL_RANK and "
                          "WORLD_SIZE to run one process")
-    timeout = float(os.environ.get("NANOMUON_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    where = shown(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", quote=False)
     note = threading.Timer(10, lambda: print(
         f"rank {rank}: waiting for all {world_size} processes to meet at {where} (giving up "
-        f"after {timeout:.0f} s: NANOMUON_RENDEZVOUS_TIMEOUT)", flush=True))
+        f"after {timeout:g} s: NANOMUON_RENDEZVOUS_TIMEOUT)", flush=True))
     note.daemon = True
     note.start()
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank, world_size,
-                                           timeout=datetime.timedelta(seconds=timeout)))
+        with c10d_quiet():
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                               timeout=datetime.timedelta(seconds=timeout)))
     except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
         raise SystemExit(f"error: rank {rank}: the {world_size} processes did not all meet at "
-                         f"{where} within {timeout:.0f} s ({one_line(e)}): start every "
+                         f"{where} within {timeout:g} s ({one_line(e)}): start every "
                          "rank, check MASTER_ADDR and MASTER_PORT, or raise "
                          "NANOMUON_RENDEZVOUS_TIMEOUT") from None
     finally:

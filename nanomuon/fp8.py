@@ -6,10 +6,10 @@ Each nn.Linear of the blocks becomes torchao's Float8Linear: around every matmul
 input and weight to float8 e4m3 and the output's gradient to e5m2, with scales computed on the fly
 per tensor ('tensorwise', nanochat's default) or per row ('rowwise'). The weights stay the same fp32
 Parameters, so the optimizer, its groups and the checkpoints do not change: an fp8 run saves what a
-plain run saves and resumes, samples and exports without --fp8. lm_head stays in bf16, as in
-nanochat (the logits are the matmul most sensitive to precision), and so does the embedding (a
-lookup, no matmul); evaluation runs the blocks in bf16 too (plain_linears), so val bpb compares
-with a plain run's.
+plain run saves and resumes, samples and exports without --fp8. lm_head stays in the run's dtype
+(bf16 autocast on a GPU, as in nanochat: the logits are the matmul most sensitive to precision),
+and so does the embedding (a lookup, no matmul); evaluation runs the blocks in that dtype too
+(plain_linears), so val bpb compares with a plain run's.
 
 On a GPU with compute capability 8.9 or more (H100, H200, L4, RTX 40xx) the matmuls run on fp8
 tensor cores. On a CPU torchao emulates them: the same rounding, fp32 matmuls, slower than plain:
@@ -66,7 +66,7 @@ def check_fp8(device: torch.device) -> None:
 
 def fp8_linear(module: nn.Module, fqn: str) -> bool:
     """Which layers go fp8: the blocks' Linears whose sizes fp8 matmuls take (multiples of 16);
-    lm_head, whose logits are the most sensitive to precision, stays in bf16."""
+    lm_head, whose logits are the most sensitive to precision, stays in the run's dtype."""
     return (isinstance(module, nn.Linear) and fqn.startswith("blocks.")
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 

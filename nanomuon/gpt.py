@@ -422,7 +422,7 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
     if horizon <= 0 or ref_horizon <= 0:
         raise ValueError(f"training_recipe needs horizons > 0 tokens, got {horizon} and "
                          f"{ref_horizon}")
-    why = []
+    why, given = [], weight_decay is not None
     if total_batch_size is None:
         predicted = NANOCHAT_BATCH * (horizon / ref_horizon) ** POWER_LINES_EXPONENT
         total_batch_size = 2 ** max(0, round(math.log2(predicted)))
@@ -445,11 +445,16 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
         f"nanochat's at 2^19 x sqrt(B / 2^19) = {scale:.3g}" if gpu else
         f"the lr rule's at {total_batch_size:,} tokens/step (the CPU's tuned at {RULE_BATCH:,}, "
         "nanochat's at 2^19, a power law between)"))
-    if lrs["matrix_lr"] * weight_decay >= 1:  # each step would scale the weights by <= 0
-        raise ValueError(f"Muon's weight decay {weight_decay:.4g} x lr {lrs['matrix_lr']:.3g} "
-                         f">= 1 would flip the weights' sign: a horizon of {horizon:,.0f} tokens "
-                         f"is too short for {total_batch_size:,}-token steps; give "
-                         "--weight-decay, a smaller batch or a longer horizon")
+    lr = lrs["matrix_lr"]
+    if lr * weight_decay >= 1:  # each step would scale the weights by <= 0
+        if given:
+            raise ValueError(f"--weight-decay {weight_decay:g} x Muon's lr {lr:.3g} >= 1 would "
+                             "flip the weights' sign at every step: give a --weight-decay below "
+                             f"{1 / lr:.3g}")
+        raise ValueError(f"Muon's weight decay {weight_decay:.4g} x lr {lr:.3g} >= 1 would flip "
+                         f"the weights' sign: a horizon of {horizon:,.0f} tokens is too short for "
+                         f"{total_batch_size:,}-token steps; give --weight-decay, a smaller batch "
+                         "or a longer horizon")
     return Recipe(total_batch_size, lrs, weight_decay, dict(RECIPE_SCHEDULES[gpu]), tuple(why))
 
 

@@ -59,10 +59,10 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
     """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
     title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band
-    (of one point: an error bar);
-    optional logx, logy, colors ({label: matplotlib color}: one thing in one color across panels)
-    and dashed (labels drawn dashed, unmarked). Returns path, or None when matplotlib is not
-    installed."""
+    (of one point: an error bar); optional logx, logy, colors ({label: matplotlib color}: one
+    thing in one color across panels), dashed (labels drawn dashed, unmarked) and xticks
+    ((positions, labels): values that are not numbers, at positions). Returns path, or None when
+    matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -91,6 +91,8 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
         for axis in ("x", "y"):
             if panel.get(f"log{axis}"):
                 getattr(ax, f"set_{axis}scale")("log")
+        if "xticks" in panel:
+            ax.set_xticks(*panel["xticks"])
         ax.grid(alpha=0.3)
         if len(panel["series"]) > 1:
             ax.legend()

@@ -355,6 +355,16 @@ def key_of(parts: list) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
 
 
+def value_tag(value: str) -> str:
+    """A swept value as run names hold it: itself when it is a short run name's letters (0.02,
+    1e-3, embedded); else (a local path has '/', a hub dataset ':') the end of it in those letters,
+    at most 24, and a hash of the whole, so two values never share a run."""
+    if re.fullmatch(r"[A-Za-z0-9._-]{1,32}", value):
+        return value
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[-24:].strip("-.")
+    return f"{slug}-{hashlib.sha256(value.encode()).hexdigest()[:8]}".lstrip("-")
+
+
 class Job(NamedTuple):
     """One run of an ablation: a variant at a value of the swept flag and a seed (the init's and,
     unless data_seed says otherwise, the data order's), for the runs' own steps unless `steps`
@@ -369,7 +379,7 @@ class Job(NamedTuple):
     def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
         """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""
         seeds = f"{self.seed}-{last_seed}" if last_seed is not None else self.seed
-        return (f"{prefix}-{self.variant}-{swept}{self.value}-s{seeds}"
+        return (f"{prefix}-{self.variant}-{swept}{value_tag(self.value)}-s{seeds}"
                 + "".join(f"-{tag}{n}" for tag, n in (("d", self.data_seed), ("n", self.steps),
                                                         ("t", self.threads))
                           if n is not None and not (tag == "d" and n == self.seed)))
@@ -384,8 +394,8 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
     data_seed = seed if data_seed is None else data_seed
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, data_seed, flags,
-             nproc, threads,
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value,
+             cache.get("swept", {}).get(value), seed, data_seed, flags, nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     label = (f"{variant} {swept} {value} seed {seed}" + (f" data {data_seed}" if data_seed != seed
@@ -435,8 +445,8 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
-    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seeds, data_seed,
-             flags, nproc, threads,
+    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value,
+             cache.get("swept", {}).get(value), seeds, data_seed, flags, nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     label = (f"{variant} {swept} {value} seeds {seeds[0]}-{seeds[-1]} batched"
@@ -893,7 +903,7 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
                       *band)
         finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
-        by_value[v] = ([float(x) for x in sweep.values], [statistics.fmean(f) for f in finals],
+        by_value[v] = (value_axis(sweep.values)[0], [statistics.fmean(f) for f in finals],
                        [min(f) for f in finals], [max(f) for f in finals])
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
     finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
@@ -908,15 +918,29 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
     if len(sweep.values) > 1:
         panels.append(dict(title=f"final val bpb by {sweep.flag}", xlabel=sweep.flag,
                            ylabel="bits per byte", series=by_value,
-                           logx=all(float(x) > 0 for x in sweep.values)))
+                           **value_axis(sweep.values)[1]))
     return plot_curves(out / "val_bpb.png", panels, title=title)
+
+
+def value_axis(values: list[str]) -> tuple[list[float], dict]:
+    """The swept values' x positions and the panel's axis options: numbers where they are (log
+    when all are > 0), else one place each, labelled as run names hold them (a dataset's path)."""
+    try:
+        xs = [float(x) for x in values]
+    except ValueError:
+        return list(range(len(values))), dict(xticks=(list(range(len(values))),
+                                                      [value_tag(x) for x in values]))
+    return xs, dict(logx=all(x > 0 for x in xs))
 
 
 def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
     flag, _, given = s.partition("=")
     flag = flag.strip().removeprefix("--")
-    values = [v.strip() for v in given.split(",") if v.strip()]
+    values = [v.strip() for v in given.split(",")] if given.strip() else []
+    if empty := [i for i, v in enumerate(values, 1) if not v]:
+        raise argparse.ArgumentTypeError(f"{s!r}: value {empty[0]} is empty; give each value "
+                                         "between commas, like lr-multiplier=0.5,1,2")
     if not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not values or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
@@ -945,6 +969,7 @@ def lengths_arg(s: str) -> list[float]:
 
 
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
+DATA_FLAGS = ("dataset", "text-column", "val-fraction")  # base_train's flags that pick the data
 
 
 def parse_args(argv):
@@ -1028,16 +1053,44 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
             train = train_args([*flags, f"--{flag}", value])
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        if why.startswith("unrecognized arguments") and takes_no_value(flags, flag):
+            return (f"--sweep {flag}=...: --{flag} is a switch, it takes no value; run one "
+                    f"ablation with --{flag} and one without it")
         if why.startswith("unrecognized arguments"):
             return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
                     "scripts.base_train --help)")
         return f"--sweep {flag}={value}: {why}"
-    if flag == "dataset":
+    if flag in DATA_FLAGS:
         try:
             prepare(train.dataset, train.text_column, train.val_fraction)
         except (ValueError, FileNotFoundError) as e:
-            return f"--sweep dataset={value}: {e}"
+            return f"--sweep {flag}={value}: {e}"
     return None
+
+
+def swept_data(flags: list[str], sweep: Sweep, memo: Path) -> dict:
+    """value -> [the data its runs read, its fingerprint], when the sweep is of a flag that picks
+    the data: their cache keys hold what it holds, as for the flags' own data (cache_of), so an
+    edit of a swept folder's files trains its runs again."""
+    if sweep.flag not in DATA_FLAGS:
+        return {}
+    out = {}
+    for value in sweep.values:
+        train = train_args([*flags, f"--{sweep.flag}", value])
+        with user_errors():
+            data = prepare(train.dataset, train.text_column, train.val_fraction)
+        out[value] = [data, data_fingerprint(data, memo)]
+    return out
+
+
+def takes_no_value(flags: list[str], flag: str) -> bool:
+    """Whether base_train's --flag is a switch (--fp8, --compile): given alone, it parses."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            train_args([*flags, f"--{flag}"])
+    except SystemExit:
+        return False
+    return True
 
 
 def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
@@ -1135,6 +1188,7 @@ def main(argv=None):
     ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
+    cache["swept"] = swept_data(flags, args.sweep, cache["dir"] / "shards.json")
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)
     runs_per_seed = len(args.variants) * len(args.sweep.values)
     # a batched run trains all of a variant's seeds: a process per variant-value pair and length
@@ -1305,6 +1359,12 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
             str(plan.eval_every)], plan.seeds
 
 
+def renamed(sweep: Sweep) -> str:
+    """The swept values that run names hold as value_tag's slug and hash, each with its tag."""
+    tags = [f"`{v}` as {value_tag(v)}" for v in sweep.values if value_tag(v) != v]
+    return f"; in the names, {', '.join(tags)}" if tags else ""
+
+
 def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
                    seeds: list) -> None:
     """The table (printed too), the plot and ablation.md in ablations/<name>. flags: base_train's,
@@ -1321,7 +1381,7 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
-                                       "(-n<steps>)" if lengths else ""),
+                                       "(-n<steps>)" if lengths else "") + renamed(args.sweep),
            f"- every run: `python -m scripts.base_train {' '.join(flags)}`, then its own --run, "
            f"--optimizer, --{args.sweep.flag}, --seed and --data-seed (the last of a flag given "
            "twice wins)",

@@ -35,6 +35,7 @@ from nanomuon.common import (
     get_base_dir,
     print0,
     user_errors,
+    wandb_key_problem,
     write_atomic,
 )
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
@@ -141,6 +142,8 @@ def parse_args(argv):
     if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
         p.error("--text-column and --val-fraction go with --dataset; without it, the run's own "
                 "data and options")
+    if (problem := wandb_key_problem(args.wandb)) is not None:  # before the evals, not after
+        p.error(problem)
     return args
 
 

@@ -47,10 +47,12 @@ from nanomuon.common import (
     print0,
     resolve_compile,
     resolve_dtype,
+    shown,
     size_str,
     synchronize,
     tensors_finite,
     user_errors,
+    wandb_key_problem,
     write_atomic,
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
@@ -92,6 +94,15 @@ from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
+
+# The largest lr a flag may ask for, --lr-multiplier included: over 1,000x the tuned ones (below
+# 1), far past where training diverges, and with any factor the update math puts on an lr (sqrt of
+# a dimension, 1/(1 - beta1)) far inside fp32, where the step's scalar must fit (past 3.4e38 it
+# overflows, a traceback at the first step)
+MAX_LR = 1000.0
+# More steps than any run here takes (a year at the CPU miniature's 30 ms a step): a horizon that
+# plans more is a typo in a ratio or a budget, not a plan
+MAX_STEPS = 10 ** 9
 
 
 def seeds_arg(s: str):
@@ -179,8 +190,8 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    "(nanomuon/attention.py); base_train says which, and why")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
                    "through torchao's float8 training (GPUs with compute capability 8.9+; "
-                   "emulated on CPU, slowly); lm_head and the embedding stay in bf16, as in "
-                   "nanochat, and evaluation runs in bf16; checkpoints are the same as without")
+                   "emulated on CPU, slowly); lm_head, the embedding and evaluation stay in "
+                   "--dtype (bf16 on a GPU, as in nanochat); checkpoints are the same as without")
     p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
     p.add_argument("--fsdp", action="store_true",
@@ -297,6 +308,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         for name in names:
             if not ok(getattr(args, name)):
                 p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
+    check_reach(p, args)
     if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
         p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
                 "exceed 1")
@@ -340,6 +352,28 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
                 f"--max-seq-len), got {args.sample_tokens}")
     check_model_fits(p, args)
+
+
+def check_reach(p: argparse.ArgumentParser, args) -> None:
+    """Values that parse but cannot run: an lr flag times --lr-multiplier, or the multiplier itself
+    (the rule's lrs are below 1), over MAX_LR; --num-iterations over MAX_STEPS; --wandb online
+    without an API key."""
+    if (problem := wandb_key_problem(args.wandb)) is not None:
+        p.error(problem)
+    if args.num_iterations > MAX_STEPS:
+        p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
+                "run may take")
+    if args.lr_multiplier > MAX_LR:
+        p.error(f"--lr-multiplier {args.lr_multiplier:g} is over {MAX_LR:,g}: no lr that large "
+                "trains (the tuned ones are below 1), and near 3e38 the step overflows fp32; "
+                "give a smaller one")
+    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr"):
+        lr = getattr(args, name)
+        if lr is not None and lr * args.lr_multiplier > MAX_LR:
+            p.error(f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} "
+                    f"= {lr * args.lr_multiplier:,g} is over {MAX_LR:,g}: no lr that large trains "
+                    "(the tuned ones are below 1), and near 3e38 the step overflows fp32; give "
+                    "a smaller one")
 
 
 def check_model_fits(p: argparse.ArgumentParser, args) -> None:
@@ -658,6 +692,13 @@ def plan_horizon(args, model: GPT) -> int:
         steps = max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
     else:
         steps = max(1, round(ratio * params / args.total_batch_size))
+    if steps > MAX_STEPS:
+        flag, value = (("--target-flops", args.target_flops) if args.target_flops > 0
+                       else ("--target-param-data-ratio", ratio))
+        raise SystemExit(f"error: {flag} {value:g} plans {steps:.3g} steps of "
+                         f"{args.total_batch_size:,} tokens, more than the {MAX_STEPS:,} a run "
+                         f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
+                         "--num-iterations")
     resolve_schedule(args, recipe.schedule, steps)
     return steps
 
@@ -680,10 +721,57 @@ def resolve_schedule(args, schedule: dict, steps: int) -> None:
 
 
 def to_fp8(args, model: GPT, device: torch.device) -> None:
-    """The blocks' linear layers in fp8 (nanomuon.fp8), said in a line."""
+    """The blocks' linear layers in fp8 (nanomuon.fp8), said in a line with what stays in the
+    run's --dtype (resolved: fp32 where bf16 is not fast)."""
     swapped = convert_to_fp8(model, args.fp8_recipe, device)
     print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
-           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in bf16")
+           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in {args.dtype}")
+
+
+def precision_of(args) -> list:
+    """[dtype, fp8 recipe or None]: what a run computes in; args: its flags, or a checkpoint's
+    saved ones (a dict)."""
+    get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
+    return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
+
+
+def precision_words(dtype, recipe) -> str:
+    """A precision_of in words, as the step lines and the report say it."""
+    words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
+    return words + (f" with fp8 block matmuls ({recipe} scales)" if recipe else "")
+
+
+def precision_problems(loop: dict, step: int) -> list[str]:
+    """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
+    oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
+    if "precision" not in loop:
+        return []
+    history = loop["precision"]
+    ok = isinstance(history, list) and history and all(
+        isinstance(h, list) and len(h) == 3 and type(h[0]) is int and 0 <= h[0] <= step
+        and h[1] in ("bf16", "fp32") and h[2] in (None, *RECIPES) for h in history)
+    return [] if ok else [f"loop.precision is {shown(repr(history), 120, quote=False)} in its "
+                          "meta.json"]
+
+
+def resumed_precision(run: Run, meta: dict, step: int) -> None:
+    """The precisions the run trained in, into the loop state: the checkpoint's (or, saved before
+    they were kept, its flags'), and from `step` this resume's if it is another, said in a line:
+    allowed (an fp8 checkpoint is a plain one), but the curves change there."""
+    history = meta["loop"].get("precision") or [[0, *precision_of(meta["args"])]]
+    now = precision_of(run.args)
+    if history[-1][1:] != now:
+        print0(f"note: resume: the run trained in {precision_words(*history[-1][1:])} to step "
+               f"{step} and goes on in {precision_words(*now)} (--dtype, --fp8 and --fp8-recipe "
+               "as given now); the report says both")
+        history = [*history, [step, *now]]
+    run.loop["precision"] = history
+
+
+def precision_text(history: list) -> str:
+    """loop.precision for the report: each precision, to the step the next took over."""
+    return ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
+                          for h, after in zip(history, [*history[1:], None]))
 
 
 SEEDS_SDPA = "sdpa (batched seeds: vmap batches SDPA; the flash kernels are not batched)"
@@ -790,6 +878,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
               grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
+    run.loop["precision"] = [[0, *precision_of(args)]]  # a resume reads the run's own
     check_disk(run)
     return run
 
@@ -821,6 +910,7 @@ def resume(run: Run) -> None:
         problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
                                                         or args.seeds else (int, float))]
+        problems = problems or precision_problems(meta["loop"], step)
         # older configs: defaults
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
             problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
@@ -869,6 +959,7 @@ def resume(run: Run) -> None:
             print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} "
                    "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
+    resumed_precision(run, meta, step)
     print0(f"resumed {run.run_dir} at step {step}")
     set_aside_later_steps(run, step)
 
@@ -967,7 +1058,7 @@ def announce(run: Run) -> None:
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
            f"{args.dataset}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
-           f"{'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}")
+           f"{precision_words(*precision_of(args))}")
     if args.wandb != "off" and run.rank == 0:
         try:  # imported only on request: it is slow to import and needs an account for online
             import wandb
@@ -1199,8 +1290,8 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
              f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
-             f"{platform.python_version()}; {'bf16 autocast' if args.dtype == 'bf16' else 'fp32'}, "
-             f"fp32 params; attention {args.attention}",
+             f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
+             f"attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
              f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in "

@@ -493,6 +493,10 @@ def test_sweep_takes_any_base_train_flag_and_one_variant():
     ("dataset=a b,embedded", "--sweep dataset=a b: --dataset a b: no such file or directory"),
     ("lr-multiplier=1,1.0", "1 and 1.0 are the same value (two identical runs)"),
     ("depth=2,x", "--sweep depth=x: argument --depth: invalid int value: 'x'"),
+    ("lr-multiplier=1,", "'lr-multiplier=1,': value 2 is empty"),
+    ("fp8=1,2", "--sweep fp8=...: --fp8 is a switch, it takes no value"),
+    ("compile=1,2", "--sweep compile=...: --compile is a switch, it takes no value"),
+    ("lr-multiplier=1,1e308", "--sweep lr-multiplier=1e308: --lr-multiplier 1e+308 is over 1,000"),
 ])
 def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
     """A sweep base_train would refuse, in any of its values, is one line naming --sweep when
@@ -503,6 +507,72 @@ def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
         parse_args(["--variants", "muon", "--sweep", sweep])
     err = capsys.readouterr().err.strip().splitlines()
     assert says in err[-1] and "usage: base_train" not in "\n".join(err), err
+
+
+def test_a_wandb_sweep_without_a_key_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """wandb=off,online with no API key: refused when ablate starts, not by wandb's traceback after
+    the first value has trained."""
+    from scripts.ablate import parse_args
+
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "muon", "--sweep", "wandb=off,online"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--sweep wandb=online: --wandb online needs a W&B API key" in err[-1], err
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert parse_args(["--variants", "muon", "--sweep", "wandb=off,online"])[0].sweep.values == ["off", "online"]
+
+
+def test_a_swept_value_that_is_no_run_name_is_named_by_a_slug_and_a_hash():
+    """Run names are built from the swept values: a value a run name cannot hold (every local path
+    has '/', a hub dataset ':') goes in as a bounded slug and a hash of the whole; a value that can
+    goes in as itself."""
+    from nanomuon.checkpoint import run_arg
+    from scripts.ablate import Job
+
+    values = ["my data", "/corpora/my data", "/other/my data", "hf:owner/name@main", "x" * 500,
+              "embedded", "0.02", "1e-3"]
+    names = [Job("muon", v, 1).name("abl", "dataset") for v in values]
+    assert all(run_arg(n) == n and len(n) <= 64 for n in names) and len(set(names)) == len(names)
+    assert re.fullmatch(r"abl-muon-datasetmy-data-[0-9a-f]{8}-s1", names[0]), names[0]
+    assert re.fullmatch(r"abl-muon-datasetcorpora-my-data-[0-9a-f]{8}-s1", names[1]), names[1]
+    assert names[5:] == ["abl-muon-datasetembedded-s1", "abl-muon-dataset0.02-s1", "abl-muon-dataset1e-3-s1"]
+
+
+def test_a_swept_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, monkeypatch):
+    """dataset=<a local folder>,embedded: both train (the folder under its slug's run name) and are
+    compared; with a file of the folder edited, the folder's run trains again and embedded's is
+    cached (the swept data's contents are in the key, as the flags' data is)."""
+    from scripts import ablate
+
+    folder = tmp_path / "my data"
+    folder.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(300)))
+    flags = [f for f in TINY if f not in ("--dataset", "embedded")]
+    args = ["--variants", "muon", "--seeds", "1", "--sweep", f"dataset={folder},embedded", "--jobs", "2",
+            "--name", "local", *flags, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1",
+            "--no-compile", "--baseline-lengths", "none"]
+    results = ablate.main(args)
+    assert sorted(results) == [("muon", str(folder), 1), ("muon", "embedded", 1)]
+    run = ablate.Job("muon", str(folder), 1).name("local", "dataset")
+    meta = json.loads((base / "runs" / run / "step_000002" / "meta.json").read_text())
+    assert meta["args"]["dataset"] == str(folder)
+    out = base / "ablations" / "local"
+    doc = (out / "ablation.md").read_text()
+    assert f"| dataset {folder} | dataset embedded |" in doc and f"`{folder}` as {ablate.value_tag(str(folder))}" in doc
+    assert (out / "val_bpb.png").read_bytes().startswith(b"\x89PNG")
+    launched = []
+    popen = ablate.subprocess.Popen
+    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or popen(cmd, **kw))
+    (folder / "doc00.txt").write_text("an edited document " * 100)
+    ablate.main(args)
+    assert [c[c.index("--dataset", c.index("--run")) + 1] for c in launched if "scripts.base_train" in c] == \
+        [str(folder)], launched
 
 
 class FakeProcess:

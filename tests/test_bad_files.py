@@ -7,11 +7,13 @@ is first read with one line naming the file and the way out; a damaged last chec
 import json
 import os
 import shutil
+import struct
+import zipfile
 
 import pytest
 from test_bad_input import GOOD
 
-from nanomuon.checkpoint import load_step
+from nanomuon.checkpoint import load_checkpoint, load_step
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 
 DEEP = '{"a":' * 200_000 + "1" + "}" * 200_000
@@ -105,3 +107,39 @@ def test_base_eval_checks_report_before_evaluating(good, monkeypatch, capsys):
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if p == report.parent else real(p, mode))
     assert f"{report.parent} is not writable" in one_line(lambda: main(argv), capsys)
+
+
+def zero_member(path, name):
+    """Zero the stored bytes of one record of a torch.save zip archive, its framing kept."""
+    data = bytearray(path.read_bytes())
+    info = next(i for i in zipfile.ZipFile(path).infolist() if i.filename.endswith(name))
+    names, extra = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + names + extra
+    data[start:start + info.compress_size] = bytes(info.compress_size)
+    path.write_bytes(bytes(data))
+
+
+ZEROED = {
+    "every byte": lambda path: path.write_bytes(bytes(path.stat().st_size)),
+    "the pickle": lambda path: zero_member(path, "/data.pkl"),
+    "the byte order": lambda path: zero_member(path, "/byteorder"),
+}
+
+
+@pytest.mark.parametrize("what", list(ZEROED))
+def test_a_zeroed_optimizer_file_is_not_told_to_load_unsafely(good, what, capsys):
+    """optim.pt with bytes zeroed and no checksums.json to catch it: torch's safe loader refuses
+    it, and its message advises weights_only=False (or another torch.save): the line says what is
+    wrong with the file in nanomuon's words, escaped (no NUL of it reaches the terminal), and the
+    way out."""
+    run = good.parent / f"zeroed-{what.replace(' ', '-')}"
+    shutil.copytree(good, run)
+    for step in ("step_000001", "step_000002"):
+        (run / step / "checksums.json").unlink()
+        ZEROED[what](run / step / "optim.pt")
+    for call in (lambda: load_step(run, 2), lambda: load_checkpoint(run, 2, ("optim",))):
+        message = one_line(call, capsys)
+        assert "optim.pt" in message and f"delete {run / 'step_000002'}" in message, message
+        assert message.isprintable() and len(message) < 400, message
+        for advice in ("weights_only", "torch.save", "trust"):
+            assert advice not in message, message

@@ -184,6 +184,34 @@ def speedrun(tmp_path, mode):
     return call
 
 
+def torchrun_env(mp, timeout: str | None):
+    """What torchrun sets for rank 0 of 2 (no peer comes), and NANOMUON_RENDEZVOUS_TIMEOUT."""
+    from test_dist import _free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        mp.setenv(key, value)
+    if timeout is not None:
+        mp.setenv("NANOMUON_RENDEZVOUS_TIMEOUT", timeout)
+
+
+def rendezvous_timeout(mp, timeout: str, alone: bool = False):
+    """base_train with NANOMUON_RENDEZVOUS_TIMEOUT set, under torchrun's variables or alone."""
+    if alone:
+        mp.setenv("NANOMUON_RENDEZVOUS_TIMEOUT", timeout)
+    else:
+        torchrun_env(mp, timeout)
+    return train("--total-batch-size", "512", run="meet")
+
+
+def no_wandb_key(mp, tmp):
+    """An environment in which wandb finds no API key: none in the environment, an empty netrc."""
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        mp.delenv(key, raising=False)
+    (tmp / "netrc").write_text("")
+    mp.setenv("NETRC", str(tmp / "netrc"))
+
+
 def muon_group_without_kind():
     return MuonAdamW([dict(params=[torch.nn.Parameter(torch.ones(4, 4))], lr=0.02)])
 
@@ -205,8 +233,33 @@ CASES = {
                          "--target-flops must be a finite number"),
     "data-ratio-nan": (lambda *_: train("--target-param-data-ratio", "nan"),
                        "--target-param-data-ratio must be a finite"),
+    # a horizon no run reaches: a typo in a ratio or budget, refused before it plans 1e32 steps
+    "data-ratio-huge": (lambda *_: train("--num-iterations", "-1", "--target-param-data-ratio", "1e30"),
+                        "--target-param-data-ratio 1e+30 plans 5.12e+32 steps of 256 tokens, more than "
+                        "the 1,000,000,000 a run may take: give at most 1.95e+06"),
+    "target-flops-huge": (lambda *_: train("--num-iterations", "-1", "--target-flops", "1e40"),
+                          "--target-flops 1e+40 plans 4.42e+31 steps of 256 tokens, more than the"),
+    "iterations-huge": (lambda *_: train("--num-iterations", str(10 ** 12)),
+                        "--num-iterations 1000000000000 is more than the 1,000,000,000 steps a run may take"),
+    # the flag was given: the way out is a smaller one, not to give it
+    "weight-decay-huge": (lambda *_: train("--weight-decay", "1e30"),
+                          "--weight-decay 1e+30 x Muon's lr 0.02 >= 1 would flip the weights' sign at "
+                          "every step: give a --weight-decay below 50"),
     "seed-huge": (lambda *_: train("--seed", str(2 ** 70)), "--seed must be in [0, 2**64)"),
     "data-seed-negative": (lambda *_: train("--data-seed", "-1"), "--data-seed must be in [0, 2**64)"),
+    # so large the optimizer's step scalar overflows fp32 at the first step (a 35-line traceback)
+    "lr-multiplier-huge": (lambda *_: train("--lr-multiplier", "1e308"),
+                           "--lr-multiplier 1e+308 is over 1,000"),
+    "matrix-lr-huge": (lambda *_: train("--matrix-lr", "1e300"),
+                       "--matrix-lr 1e+300 x --lr-multiplier 1 = 1e+300 is over 1,000"),
+    "lr-times-multiplier-huge": (lambda *_: train("--embedding-lr", "10", "--lr-multiplier", "200"),
+                                 "--embedding-lr 10 x --lr-multiplier 200 = 2,000 is over 1,000"),
+    "wandb-online-no-key": (lambda b, g, tmp, mp: (no_wandb_key(mp, tmp), train("--wandb", "online"))[1],
+                            "--wandb online needs a W&B API key, and wandb finds none here"),
+    "eval-wandb-online-no-key": (lambda b, g, tmp, mp: (no_wandb_key(mp, tmp),
+                                                        script("base_eval", "--run", "good", "--wandb",
+                                                               "online"))[1],
+                                 "--wandb online needs a W&B API key, and wandb finds none here"),
     "lr-multiplier-negative": (lambda *_: train("--lr-multiplier", "-2"), "--lr-multiplier must be a finite number"),
     "abbreviation": (lambda *_: train("--num-iter", "3"), "unrecognized arguments: --num-iter"),
     "optimizer": (lambda *_: train("--optimizer", "sgd"), "invalid choice: 'sgd'"),
@@ -239,6 +292,13 @@ CASES = {
     "world-size-alone": (lambda b, g, tmp, mp: (mp.setenv("WORLD_SIZE", "2"),
                                                 train("--total-batch-size", "512", run="half-set-2"))[1],
                          "WORLD_SIZE is set but RANK and LOCAL_RANK are not"),
+    **{f"rendezvous-timeout-{value or 'empty'}": (
+        lambda b, g, tmp, mp, value=value: rendezvous_timeout(mp, value),
+        f"NANOMUON_RENDEZVOUS_TIMEOUT={value!r} is not a number of seconds in (0, 86,400]")
+       for value in ("abc", "", "inf", "1e20", "nan", "-5", "0")},
+    # read only under torchrun, but a bad one is a mistake to say, not to ignore
+    "rendezvous-timeout-alone": (lambda b, g, tmp, mp: rendezvous_timeout(mp, "10 min", alone=True),
+                                 "NANOMUON_RENDEZVOUS_TIMEOUT='10 min' is not a number of seconds"),
     "base-dir-is-a-file": (lambda b, g, tmp, mp: ((tmp / "f").write_text("x"),
                                                   mp.setenv("NANOMUON_BASE_DIR", str(tmp / "f")),
                                                   train())[2],
@@ -294,6 +354,8 @@ CASES = {
                         "'step' is '2', not an int"),
     "meta-loop-type": (lambda b, g, *_: resume_edited(b, g, "loop", lambda m: m["loop"].update(history=7)),
                        "loop.history is 7 in its meta.json"),
+    "meta-loop-precision": (lambda b, g, *_: resume_edited(b, g, "prec", lambda m: m["loop"].update(
+        precision=[[0, "\x1b[2J", None]])), "loop.precision is [[0, '\\x1b[2J', None]] in its meta.json"),
     "meta-loader-position": (lambda b, g, *_: resume_edited(b, g, "pos", lambda m: m["loader"][0].update(doc=10**9)),
                              "data loader state of rank 0 is out of range"),
     "run-dir-locked": (lambda b, g, tmp, mp: locked_run(b, tmp, mp), "is in use by pid"),
@@ -496,3 +558,18 @@ def test_a_process_group_without_its_peers_is_one_line(tmp_path):
     assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
     assert "rank 0: waiting for all 2 processes to meet at 127.0.0.1:" in p.stdout
     assert "the 2 processes did not all meet at 127.0.0.1:" in p.stderr and "within 12 s" in p.stderr
+
+
+def test_a_rank_whose_peer_never_listens_is_one_line(tmp_path):
+    """Rank 1 connects to rank 0's store, which never opens: c10d logs each failed try with its C++
+    stack (40-odd lines); the run says what it waited for in one line, nothing more."""
+    from test_dist import _free_port
+    from test_train import child_env
+
+    env = dict(child_env(tmp_path), RANK="1", LOCAL_RANK="1", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               NANOMUON_RENDEZVOUS_TIMEOUT="1")
+    cmd = [sys.executable, "-m", "scripts.base_train", *GOOD, "--run", "peerless"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "rank 1: the 2 processes did not all meet at 127.0.0.1:" in p.stderr, p.stderr

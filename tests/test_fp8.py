@@ -139,6 +139,39 @@ def test_fp8_at_three_ranks_differs_from_one_process_only_by_the_sum_order():
     spawn(_fp8_worker, 3, False, 1, 2e-5)
 
 
+def test_fp8_in_fp32_says_so_and_the_report_says_fp8(base, capsys):
+    """Where the run computes in fp32 (a CPU without bf16 units, or --dtype fp32) lm_head runs in
+    fp32, and the fp8 line says so; the training line and the report say fp8, not only the
+    command line does."""
+    capsys.readouterr()
+    train(base, "fp8-fp32", "--fp8", "--dtype", "fp32", steps=2)
+    out = capsys.readouterr().out
+    assert "; lm_head in fp32" in out and "lm_head in bf16" not in out, out
+    assert "1 x cpu, fp32 with fp8 block matmuls (tensorwise scales)" in out, out
+    report = (base / "runs" / "fp8-fp32" / "report.md").read_text().splitlines()
+    said = [line for line in report if "fp8" in line and not line.startswith(("- command:", "# "))]
+    assert said and "fp32 with fp8 block matmuls (tensorwise scales), fp32 params" in said[0], report
+
+
+def test_a_resume_in_another_precision_says_so_and_the_report_keeps_both(base, capsys):
+    """An fp8 checkpoint resumes without --fp8, or with another --fp8-recipe (it is a plain
+    one), but not silently: a note at the resume, and the report says what each part trained in."""
+    train(base, "fp8-then", "--fp8", "--dtype", "fp32", "--save-every", "2", steps=4)
+    run = base / "runs" / "fp8-then"
+    capsys.readouterr()
+    train(base, "fp8-then", "--dtype", "fp32", "--resume-from-step", "2", steps=4)
+    out = capsys.readouterr().out
+    assert ("note: resume: the run trained in fp32 with fp8 block matmuls (tensorwise scales) to step "
+            "2 and goes on in fp32 (--dtype, --fp8 and --fp8-recipe as given now)") in out, out
+    assert "; fp32 with fp8 block matmuls (tensorwise scales) to step 2, then fp32, fp32 params" in \
+        (run / "report.md").read_text()
+    train(base, "fp8-then", "--fp8", "--fp8-recipe", "rowwise", "--dtype", "fp32", "--resume-from-step", "2",
+          steps=4)
+    assert "and goes on in fp32 with fp8 block matmuls (rowwise scales)" in capsys.readouterr().out
+    assert ("; fp32 with fp8 block matmuls (tensorwise scales) to step 2, then fp32 with fp8 block matmuls "
+            "(rowwise scales), fp32 params") in (run / "report.md").read_text()
+
+
 def test_fp8_refused_where_it_cannot_run(monkeypatch):
     """One line each: a GPU without fp8 tensor cores, a device with neither, no torchao; and
     --help names what stays in bf16."""
