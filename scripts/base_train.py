@@ -838,10 +838,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          f"{tokens_per_fwdbwd}; pick a total batch that is")
     if device.type == "cpu":
         check_memory(args, config, world_size, compiled)
-    model = init_model(args, model, device)
-    model.use_attention(attention)
-    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
-        to_fp8(args, model, device)
+    model = init_model(args, model, device, attention)
 
     def load_data():  # missing or unreadable data
         # a custom source: converted once
@@ -883,15 +880,20 @@ def build(args, held: contextlib.ExitStack) -> Run:
     return run
 
 
-def init_model(args, model: GPT, device) -> GPT:
+def init_model(args, model: GPT, device, attention) -> GPT:
     """The model (built on the meta device) initialized on `device`, the same on every rank (the
     optimizer keeps the replicas identical): from --seed, or with --seeds every parameter with a
-    leading seed dim, each seed's init its own run's."""
+    leading seed dim, each seed's init its own run's; attending through `attention`, with --fp8
+    its block linears in fp8."""
     if args.seeds:
-        return seeded_gpt(model.config, args.seeds, device)
-    torch.manual_seed(args.seed)
-    model.to_empty(device=device)
-    model.init_weights()
+        model = seeded_gpt(model.config, args.seeds, device)
+    else:
+        torch.manual_seed(args.seed)
+        model.to_empty(device=device)
+        model.init_weights()
+    model.use_attention(attention)
+    if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
+        to_fp8(args, model, device)
     return model
 
 
