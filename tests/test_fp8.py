@@ -174,7 +174,7 @@ def test_a_resume_in_another_precision_says_so_and_the_report_keeps_both(base, c
 
 def test_fp8_refused_where_it_cannot_run(monkeypatch):
     """One line each: a GPU without fp8 tensor cores, a device with neither, no torchao; and
-    --help names what stays in bf16."""
+    --help names what stays in the run's dtype."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match=r"^--fp8 needs fp8 tensor cores .*A100-SXM4-80GB has "
@@ -187,7 +187,7 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
         check_fp8(torch.device("cpu"))
     help_text = subprocess.run([sys.executable, "-m", "scripts.base_train", "--help"], cwd=REPO,
                                capture_output=True, text=True, check=True).stdout
-    assert "lm_head and the embedding stay in bf16" in " ".join(help_text.split())
+    assert "lm_head, the embedding and evaluation stay in --dtype" in " ".join(help_text.split())
 
 
 @pytest.mark.slow  # two torchrun launches
