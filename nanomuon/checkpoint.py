@@ -491,8 +491,9 @@ def held_by(run_dir: Path, earlier: list[str]) -> str:
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
 
 
-def lock_run_dir(run_dir: Path) -> str | None:
-    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it.
+def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
+    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it
+    (and saying to pick `other`).
     The lock is a flock on the run dir itself, which no file deletion can take away, and which the
     kernel drops when the process dies: never stale. .lock says who holds it. Returns a note when
     the previous holder died without releasing it."""
@@ -507,7 +508,7 @@ def lock_run_dir(run_dir: Path) -> str | None:
             os.close(fd)
             holder = _read_small(path) or "another process"
             raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
-                               "(or stop it), or pick another --run") from None
+                               f"(or stop it), or pick {other}") from None
         # the holder removes an empty run dir as it lets go
         with contextlib.suppress(FileNotFoundError):
             if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:

@@ -24,7 +24,6 @@ interrupted ablation skips them, and an edit of code or data reruns. The baselin
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -33,9 +32,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,25 @@ from typing import NamedTuple
 import torch
 
 import nanomuon
-from nanomuon.checkpoint import run_arg
+from nanomuon.budget import (
+    CALIBRATION_SEEDS,
+    CALIBRATION_STEPS,
+    CPU_BUDGETS,
+    HEADROOM,
+    LENGTH_SEEDS,
+    MIN_STEPS,
+    WARM_UP_STEPS,
+    WRITE_UP_S,
+    Calibration,
+    Watch,
+    budget_arg,
+    budget_refusal,
+    fit,
+    read_calibration,
+    read_plan,
+    rounds,
+)
+from nanomuon.checkpoint import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.common import (
     DTYPES,
     check_device_type,
@@ -67,6 +86,16 @@ from nanomuon.gpt import (
 )
 from nanomuon.report import MISSING, plot_curves
 from nanomuon.sources import add_data_args, prepare
+from nanomuon.stats import (
+    RECORD_EFFECT,
+    bpb_per_log_step,
+    fmt,
+    mean_ci,
+    paired,
+    steps_verdict,
+    steps_words,
+    verdict,
+)
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.base_train import parse_args as train_args
@@ -111,6 +140,7 @@ PRESETS = {
 KEPT = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "final_eval_tokens", "val_history",
         "val_train_time", "tok_per_s", "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
+RUNNING = {}  # the base_train processes running now -> their labels: a stop ends them
 # The code behind a result: the library and all of scripts/ (base_train, what it imports, and
 # ablate, which decides what a record holds). Not a list of base_train's imports: it would go stale
 # unnoticed when an import is added, and a needless re-run only costs time.
@@ -147,162 +177,11 @@ def data_fingerprint(name: str, memo: Path) -> str:
     return h.hexdigest()
 
 
-@functools.cache  # 100k density evaluations; a table asks for the same few df many times
-def t_quantile(df: int, p: float = 0.975) -> float:
-    """Student's t quantile (p = 0.975: the half-width factor of a 95% interval), by bisection on
-    the CDF, integrated with Simpson's rule; the standard library has no t distribution."""
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-
-    def mass(x, n=2000):  # P(0 <= T <= x)
-        f = [c * (1 + (x * i / n) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
-        return x / n / 3 * (f[0] + f[n] + 4 * sum(f[1:n:2]) + 2 * sum(f[2:n:2]))
-
-    lo, hi = 0.0, 1000.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mass(mid) < p - 0.5 else (lo, mid)
-    return (lo + hi) / 2
-
-
-def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """(mean, sample std, half-width of the 95% interval of the mean); std and half-width are nan
-    for one value."""
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return m, math.nan, math.nan
-    sd = statistics.stdev(values)
-    return m, sd, t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
-
-
-def detectable_factor(n: int) -> float:
-    """(t_0.975 + t_0.80) / sqrt(n): times the sd of n paired differences, the smallest true
-    difference a 95% interval excludes zero for in 80% of repeats."""
-    return (t_quantile(n - 1) + t_quantile(n - 1, 0.80)) / math.sqrt(n)
-
-
-def paired(diffs: list[float]) -> dict:
-    """The paired comparison of per-seed differences (variant minus baseline; one seed gives both the
-    same init and data order): their mean, its 95% interval [lo, hi], and the smallest effect this
-    design detects: the true difference at which a 95% interval excludes zero in 80% of repeats,
-    (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread sd and the number of seeds."""
-    m, sd, hw = mean_ci(diffs)
-    n = len(diffs)
-    detectable = detectable_factor(n) * sd if n > 1 else math.nan
-    return dict(mean=m, lo=m - hw, hi=m + hw, sd=sd, detectable=detectable)
-
-
-# The effects that separate track 3's optimizer records: 0.1-0.3% of the loss at equal steps.
-RECORD_EFFECT = 0.0025
-MOST_SEEDS = 10_000  # past this, "more seeds" is no answer: the spread itself must shrink
-
-
-def seeds_to_detect(sd: float, effect: float) -> int | None:
-    """The fewest seeds whose paired differences, spreading sd, detect `effect` (80% power at 95%
-    confidence, as paired() reckons), or None past MOST_SEEDS. Bisection: the factor only falls."""
-    lo, hi = 1, 2  # lo does not detect it (one seed detects nothing); hi is tried next
-    while detectable_factor(hi) * sd > effect:
-        if hi >= MOST_SEEDS:
-            return None
-        lo, hi = hi, min(2 * hi, MOST_SEEDS)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if detectable_factor(mid) * sd <= effect else (mid, hi)
-    return hi
-
-
-def verdict(diffs: list[float], base: float) -> str:
-    """'better by X [lo, hi]', 'worse by X [lo, hi]', or 'no difference larger than D' (the farther end
-    of the interval), in bpb and as a share of base, with the smallest effect the design detects and,
-    when that is larger than a record-sized effect, the seeds one would take at the spread seen."""
-    if len(diffs) < 2:
-        return "one seed: no verdict (use --seeds 2 or more)"
-    c = paired(diffs)
-    seen = f"detectable: {c['detectable']:.4f} ({c['detectable'] / base:.2%})"
-    if c["detectable"] > RECORD_EFFECT * base:
-        n = seeds_to_detect(c["sd"], RECORD_EFFECT * base)
-        seen += (f"; {RECORD_EFFECT:.2%} would take {n} seeds at this spread" if n else
-                 f"; {RECORD_EFFECT:.2%} would take over {MOST_SEEDS:,} seeds at this spread")
-    if c["hi"] < 0 or c["lo"] > 0:
-        word = "better" if c["hi"] < 0 else "worse"
-        return (f"{word} by {abs(c['mean']):.4f} bpb ({abs(c['mean']) / base:.2%}) "
-                f"[{c['lo']:+.4f}, {c['hi']:+.4f}]; {seen}")
-    bound = max(abs(c["lo"]), abs(c["hi"]))
-    return (f"no difference larger than {bound:.4f} bpb ({bound / base:.2%}): {c['mean']:+.4f} "
-            f"[{c['lo']:+.4f}, {c['hi']:+.4f}]; {seen}")
-
-
-def bpb_per_log_step(finals: dict) -> tuple[float, float, int]:
-    """(slope, its standard error, degrees of freedom) of final bpb against ln(steps), fitted to the
-    baseline's runs of several lengths (finals: steps -> per-seed final bpbs, each length with a
-    schedule of its own), with an intercept per seed: the seeds pair the lengths as they pair the
-    variants, so init and data order drop out of the slope."""
-    lengths = sorted(finals)
-    n = len(finals[lengths[0]])
-    x = {steps: math.log(steps) for steps in lengths}
-    x_mean = statistics.fmean(x.values())
-    sxx = n * sum((x[k] - x_mean) ** 2 for k in lengths)
-    seed_mean = [statistics.fmean(finals[k][s] for k in lengths) for s in range(n)]
-    slope = sum((x[k] - x_mean) * (finals[k][s] - seed_mean[s])
-                for k in lengths for s in range(n)) / sxx
-    df = n * (len(lengths) - 1) - 1
-    rss = sum((finals[k][s] - seed_mean[s] - slope * (x[k] - x_mean)) ** 2
-              for k in lengths for s in range(n))
-    return slope, math.sqrt(rss / df / sxx) if df > 0 else math.nan, df
-
-
-def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
-    """Track 3's currency: the share of its steps a variant saves to reach the baseline's final bpb,
-    from its paired final differences (variant minus baseline) and the baseline's bpb per
-    ln(steps) (bpb_per_log_step), taking the variant's curve as the baseline's stretched in steps:
-    the baseline reaches the variant's bpb at steps * exp(diff / slope), so the variant reaches the
-    baseline's at steps * exp(-diff / slope). share = 1 - exp(-mean diff / slope) with a 95%
-    interval from the spread of the differences and the slope's error (delta method); None
-    without a slope that falls (the baseline did not gain from the longer runs)."""
-    b, b_se, b_df = slope
-    if len(diffs) < 2 or not b < 0:
-        return None
-    m, sd, _ = mean_ci(diffs)
-    n = len(diffs)
-    r = -m / b
-    # the variances of r and their degrees of freedom: Welch-Satterthwaite's for the sum, rounded
-    # down (the slope may come from fewer seeds than the differences)
-    parts = [(sd ** 2 / n / b ** 2, n - 1)]
-    if b_df > 0:  # a slope with an error of its own
-        parts.append((m ** 2 * b_se ** 2 / b ** 4, b_df))
-    r_var = sum(v for v, _ in parts)
-    df = r_var ** 2 / sum(v ** 2 / d for v, d in parts) if r_var > 0 else n - 1
-    hw = t_quantile(max(1, math.floor(df))) * math.sqrt(r_var)
-    share = [1 - math.exp(v) for v in (r, r + hw, r - hw)]  # exp(r) of the steps are needed
-    return dict(share=share[0], lo=share[1], hi=share[2], steps=steps,
-                fewer=share[0] * steps, fewer_lo=share[1] * steps, fewer_hi=share[2] * steps)
-
-
-def steps_words(v: dict | None) -> str:
-    """'reaches the baseline's final bpb in N fewer steps of S (X%) [a to b fewer]' (or more, and
-    an interval from so many more to so many fewer where it holds both), or why not."""
-    if v is None:
-        return "in steps: none (no baseline run at other lengths, or it did not gain from them)"
-    lo, hi = round(v["fewer_lo"]), round(v["fewer_hi"])
-    span = (f"{lo} to {hi} fewer" if lo >= 0 else f"{-hi} to {-lo} more" if hi <= 0
-            else f"{-lo} more to {hi} fewer")
-    word = "fewer" if v["fewer"] >= 0 else "more"
-    return (f"reaches the baseline's final bpb in {abs(v['fewer']):.0f} {word} steps of "
-            f"{v['steps']} ({abs(v['share']):.1%}) [{span}]")
-
-
 def first_reaching(target: float, record: dict):
     """(step, training seconds) of the first eval at or below target, or None."""
     return next(((step, t)
                  for (step, bpb), t in zip(record["val_history"], record["val_train_time"])
                  if bpb <= target), None)
-
-
-def fmt(values: list[float], digits: int = 4) -> str:
-    """mean ± std [95% CI], or the one value."""
-    m, sd, hw = mean_ci(values)
-    d = digits
-    return f"{m:.{d}f}" + ("" if math.isnan(sd) else f" ± {sd:.{d}f} [{m - hw:.{d}f}, "
-                           f"{m + hw:.{d}f}]")
 
 
 def device_name(device: str) -> str:
@@ -319,35 +198,70 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
     """Run scripts.base_train with run_flags (under torchrun when nproc > 1), echoing its progress
     lines prefixed by label: a step line every PROGRESS_S seconds at most (base_train prints each,
     so a batched run of slow steps still shows progress), every eval, warning and error; a failure
-    exits with its last lines. watch: a Watch (calibrate's), told of the process and of every line
-    it prints."""
+    exits with its last lines. base_train's step records (--step-record) say which lines are step
+    lines and feed `watch` (calibrate's Watch), which is also told of the process."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [])
-    cmd = [sys.executable, *launcher, "-m", "scripts.base_train", *(["--"] if nproc > 1 else []),
-           *run_flags, "--log-every", "1"]
-    print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1, env=env) as p:
-        if watch:
-            watch.started_process(p)
-        tail, shown = [], -math.inf
-        for line in p.stdout:
-            tail = (tail + [line])[-20:]
+    with tempfile.TemporaryDirectory(prefix="ablate-") as tmp:
+        records = StepRecords(Path(tmp) / "steps.jsonl")
+        cmd = [sys.executable, *launcher, "-m", "scripts.base_train",
+               *(["--"] if nproc > 1 else []), *run_flags, "--log-every", "1",
+               "--step-record", str(records.path)]
+        print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              bufsize=1, env=env) as p:
             if watch:
-                watch.line(line)
-            step = re.match(r"step (\d+)/(\d+) ", line)
-            if step and step[1] != step[2] and time.monotonic() - shown < PROGRESS_S:
-                continue
-            if line.startswith(("step ", "error", "warning", "final val")):
-                shown = time.monotonic() if step else shown
-                with _print_lock:
-                    print(f"  [{label}] {line}", end="", flush=True)
+                watch.started_process(p)
+            RUNNING[p] = label
+            try:
+                tail = echo(label, p.stdout, records, watch)
+            finally:
+                RUNNING.pop(p, None)
     if watch and watch.refusal:
         raise SystemExit(watch.refusal)
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
                          f"lines:\n{''.join(tail)}")
+
+
+class StepRecords:
+    """The step records a base_train run appends to `path` (--step-record), read as they come."""
+
+    def __init__(self, path: Path):
+        self.path, self.read, self.partial = path, 0, ""
+
+    def new(self) -> list[dict]:
+        """The records written since the last call; a line still being written waits."""
+        try:
+            with open(self.path) as f:
+                f.seek(self.read)
+                text = self.partial + f.read()
+                self.read = f.tell()
+        except FileNotFoundError:  # no step yet
+            return []
+        *lines, self.partial = text.split("\n")
+        return [json.loads(line) for line in lines]
+
+
+def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
+    """Echo a run's lines as launch() says, its step lines (those its records hold, written before
+    each is printed) PROGRESS_S apart but the last; returns its last 20 lines."""
+    tail, shown, steps = [], -math.inf, {}
+    for line in lines:
+        tail = (tail + [line])[-20:]
+        for record in records.new():
+            steps[record["line"]] = record
+            if watch:
+                watch.step(record)
+        step = steps.pop(line.rstrip("\n"), None)
+        if step and step["step"] < step["steps"] and time.monotonic() - shown < PROGRESS_S:
+            continue
+        if step or line.startswith(("step ", "error", "warning", "final val")):
+            shown = time.monotonic() if step else shown
+            with _print_lock:
+                print(f"  [{label}] {line}", end="", flush=True)
+    return tail
 
 
 def key_of(parts: list) -> str:
@@ -405,18 +319,23 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
         print(f"== {label}: cached ({path.name})", flush=True)
         return json.loads(path.read_text())
     run = job.name(name, swept)
-    # an uncached run over an earlier one of the same name (other code, say) keeps the earlier
-    launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
-                   "--seed", str(seed), "--data-seed", str(data_seed), "--start-over"], nproc,
-           threads)
-    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
-        raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
-                         "cached; run ablate again")
-    summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+    summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seed",
+                                   str(seed), "--data-seed", str(data_seed)], nproc, threads, cache)
     record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, value=value,
                   seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return record
+
+
+def trained(label: str, run: str, run_flags: list[str], nproc: int, threads: int,
+            cache: dict) -> dict:
+    """The summary.json of base_train --run `run` with run_flags, trained afresh: an uncached run
+    over an earlier one of the same name (other code, say) keeps the earlier one."""
+    launch(label, [*run_flags, "--run", run, "--start-over"], nproc, threads)
+    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
+        raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
+                         "cached; run ablate again")
+    return json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
 
 
 def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
@@ -456,13 +375,9 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
         records = json.loads(path.read_text())
         return {job: records[str(job.seed)] for job in jobs}
     run = first.name(name, swept, seeds[-1])
-    launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value,
-                   "--seeds", ",".join(map(str, seeds)), "--data-seed", str(data_seed),
-                   "--start-over"], nproc, threads)
-    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
-        raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
-                         "cached; run ablate again")
-    summary = json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+    summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seeds",
+                                   ",".join(map(str, seeds)), "--data-seed", str(data_seed)],
+                      nproc, threads, cache)
     shared = {k: summary[k] for k in KEPT if k in summary}
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
@@ -472,119 +387,6 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
                for seed in seeds}
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(records)))
     return {job: records[str(job.seed)] for job in jobs}
-
-
-# The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
-CALIBRATION_STEPS = 12
-WARM_UP_STEPS = 3  # compiled runs' first, untimed round: it fills the compile cache
-CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
-MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
-# A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
-# bpb at 64 steps, 0.37% at 79 and 0.29% at 200 (5, 10 and 5 seeds; docs/research.md): about
-# steps ** -0.41 (fitted in log-log, weighted by degrees of freedom), which the planner weighs
-# against the t factor of fewer seeds.
-SPREAD_EXPONENT = 0.41
-MAX_SEEDS = 32  # then longer runs: a verdict from more training, at about the same resolution
-CALIBRATION_SEEDS = 2  # batched: the seeds of a calibration run (a planned run has 2 or more)
-EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
-# The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
-# the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
-# budget buys more seeds of the paired differences instead, whose spread is what limits a verdict.
-LENGTH_SEEDS = 2
-HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
-WRITE_UP_S = 5.0  # the table and the plot at the end
-
-
-class Calibration(NamedTuple):
-    """What --budget plans with, measured with `jobs` runs at once (their contention). A run of k
-    seeds (batched; k = 1 alone) takes fixed_s + k (steps step_s + EVALS eval_s + final_s)."""
-    step_s: float  # one training step of one seed (the slowest calibration run's mean)
-    fixed_s: float  # the rest of a run: start-up, building, the save and the report (alone: and
-    # the last eval and the final eval, which final_s holds for a batched run's every seed)
-    eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
-    seconds: float  # spent before the runs: since ablate started, calibrating, the write-up to come
-    final_s: float = 0.0  # a batched seed's last eval and final eval
-
-
-class Plan(NamedTuple):
-    steps: int
-    seeds: int
-    eval_every: int
-    run_s: float  # one run, modeled
-    total_s: float  # every run, `jobs` at a time
-
-
-def budget_arg(s: str) -> float:
-    """argparse type for --budget: a wall time in seconds, like 600, 90s, 10m or 1.5h."""
-    m = re.fullmatch(r"(\d+(?:\.\d*)?)([smh]?)", s.strip())
-    if not m or float(m[1]) <= 0:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a wall time: give one like 600, 90s, 10m "
-                                         "or 1.5h")
-    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
-
-
-class Watch:
-    """Early refusal while calibrating: from the first seconds, a lower bound on each planned run's
-    wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
-    it takes at least as long as a calibration run has so far, and at least the time to a step
-    line plus the steps left at that line's dt). When `rounds` such runs cannot fit what is left
-    of the budget, the calibration runs are stopped and the budget refused (with `refuse`; the
-    default budget is never refused, its calibration runs to the end). A round that may compile
-    cold (not `warm`) bounds nothing but the time it spends: the planned runs find its compile
-    cache, and its steps are slowed by the other runs' compiling."""
-
-    def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True,
-                 refuse: bool = True):
-        self.budget_s, self.rounds, self.started, self.warm = budget_s, rounds, started, warm
-        self.refuse, self.bound_s = refuse, 0.0  # bound_s: the run wall time that refused
-        self.began = self.first = time.monotonic()  # began: this round's
-        self.procs, self.refusal, self.run_s = [], None, 0.0  # run_s: from the step lines
-        self.lock = threading.Lock()
-
-    def started_process(self, p) -> None:
-        with self.lock:
-            self.procs.append(p)
-            if self.refusal:
-                p.terminate()
-
-    def line(self, text: str) -> None:
-        m = re.match(r"step (\d+)/\d+ .*\| dt (\d+)ms", text)
-        if m and int(m[1]) >= 3:  # the first steps compile
-            if self.warm:
-                took = time.monotonic() - self.began
-                self.run_s = max(self.run_s, took + (MIN_STEPS - int(m[1])) * int(m[2]) / 1000)
-            self.check()
-
-    def rewarm(self) -> None:
-        """The next round of calibration runs starts now, with the compile cache warm."""
-        self.warm, self.began = True, time.monotonic()
-
-    def check(self) -> None:
-        """Refuse (and stop the calibration runs) once the bound passes the budget."""
-        now = time.monotonic()
-        run_s = max(now - self.began if self.warm else 0.0, self.run_s)
-        left = (self.budget_s - (now - self.started) - WRITE_UP_S) * HEADROOM
-        with self.lock:
-            if self.refusal or not self.refuse or self.rounds * run_s <= left:
-                return
-            self.bound_s = run_s
-            self.refusal = budget_refusal(self.budget_s, self.rounds, run_s, now - self.started,
-                                          f"as calibrating shows after {now - self.first:.0f} s")
-            for p in self.procs:
-                p.terminate()
-
-
-def budget_refusal(budget_s: float, n_rounds: int, run_s: float, spent_s: float,
-                   seen: str) -> str:
-    """The line that refuses --budget budget_s: n_rounds rounds of runs of run_s seconds at least
-    do not fit it, with spent_s gone before the runs; it names a budget that fits them."""
-    left = (budget_s - spent_s - WRITE_UP_S) * HEADROOM
-    need = n_rounds * run_s / HEADROOM + spent_s + WRITE_UP_S
-    why = (f"{n_rounds} rounds of runs of at least {run_s:.0f} s each (start-up and {MIN_STEPS} "
-           f"steps, {seen}) do not fit the {left:.0f} s left" if left > 0 else
-           f"the time before the runs has spent it ({spent_s:.0f} s so far)")
-    return (f"error: --budget {budget_s:.0f}s cannot fit: {why}; --budget "
-            f"{math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or --depth")
 
 
 def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
@@ -675,60 +477,6 @@ def claim_calibration_dirs(runs: list[str]) -> list[Path]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / CALIBRATION_MARK).touch()
     return run_dirs
-
-
-def run_sizes(runs_per_seed: int, seeds: int, lengths: int = 0, batched: bool = False) -> list:
-    """The seeds each run trains: batched, one run of `seeds` per variant-value pair and one of the
-    first LENGTH_SEEDS per other length of the baseline; alone, a run per seed of each."""
-    sizes = [seeds] * runs_per_seed + [min(seeds, LENGTH_SEEDS)] * lengths
-    return sizes if batched else [1] * sum(sizes)
-
-
-def lanes(sizes: list[int], jobs: int) -> list[tuple[int, int]]:
-    """(runs, seeds) of each of `jobs` lanes that run the runs of these sizes, a run at a time:
-    the largest first, each to the least loaded lane (their cost grows with the seeds)."""
-    loads = [(0, 0)] * jobs
-    for size in sorted(sizes, reverse=True):
-        i = min(range(jobs), key=lambda j: (loads[j][1], loads[j][0]))
-        loads[i] = (loads[i][0] + 1, loads[i][1] + size)
-    return loads
-
-
-def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0,
-           batched: bool = False) -> int:
-    """The most runs one of `jobs` lanes runs, one after another (lanes())."""
-    return max(runs for runs, _ in lanes(run_sizes(runs_per_seed, seeds, lengths, batched), jobs))
-
-
-def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
-        lengths: int = 0, batched: bool = False, at_least: bool = False) -> Plan | None:
-    """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
-    lengths: the most steps that fit `seeds` seeds, or if None the seeds (3 to MAX_SEEDS) whose
-    most steps give the smallest projected detectable effect, detectable_factor(seeds) *
-    steps ** -SPREAD_EXPONENT. If not even MIN_STEPS fit: None, or with at_least the smallest
-    plan (MIN_STEPS, `seeds` or 3), however long. A run of k seeds (batched) takes fixed_s +
-    k (steps step_s + EVALS eval_s + final_s): evals at step 0, every ceil(steps / EVALS) and at
-    the end are EVALS more than calibrated."""
-    left = (budget_s - cal.seconds) * HEADROOM
-    per_seed = EVALS * cal.eval_s + cal.final_s
-
-    def plan(n: int, steps: int) -> Plan:
-        loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
-        total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s) for runs, k in loads)
-        run_s = cal.fixed_s + (n if batched else 1) * (per_seed + steps * cal.step_s)
-        return Plan(steps, n, math.ceil(steps / EVALS), run_s, total)
-
-    plans = []
-    for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
-        loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
-        steps = min(math.floor((left - runs * cal.fixed_s - k * per_seed) / (k * cal.step_s))
-                    for runs, k in loads if runs)
-        if steps >= MIN_STEPS:
-            plans.append(plan(n, steps))
-    if not plans and at_least:
-        plans.append(plan(seeds or 3, MIN_STEPS))
-    return min(plans, default=None, key=lambda p: detectable_factor(max(2, p.seeds))
-               * p.steps ** -SPREAD_EXPONENT)
 
 
 class Sweep(NamedTuple):
@@ -1178,6 +926,32 @@ def cache_of(flags: list[str]) -> dict:
 
 
 def main(argv=None):
+    """ablate, stoppable: Ctrl-C or SIGTERM ends the runs it started (a run's newest checkpoint is
+    whole) and says in one line what is kept; finished runs are cached, so the same command goes
+    on from them."""
+    ended = []
+
+    def stop(signum, frame):
+        ended.extend(RUNNING.values())
+        for p in list(RUNNING):
+            p.terminate()
+        raise KeyboardInterrupt(128 + signum)
+
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run_ablation(argv)
+    except KeyboardInterrupt as e:
+        print(f"== ablate stopped; the runs it was training, ended: {', '.join(ended) or 'none'}. "
+              f"Finished runs are cached in {get_base_dir() / 'ablations' / 'cache'}: the same "
+              "command goes on from them", flush=True)
+        raise SystemExit(e.args[0] if e.args else 130) from None
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def run_ablation(argv=None):
+    """Parse, then plan, run and write up the ablation under its name's lock."""
     started = time.monotonic()
     args, flags = parse_args(argv)
     args.started = started
@@ -1185,6 +959,21 @@ def main(argv=None):
         base = get_base_dir() / "presets" / args.preset
         os.environ["NANOMUON_BASE_DIR"] = str(base)
         print(f"== preset {args.preset} ({PRESETS[args.preset].about}), in {base}", flush=True)
+    out = get_base_dir() / "ablations" / args.name
+    try:  # two ablations of one name would train the same runs, each stopped by the other's locks
+        note = lock_run_dir(out, "another --name")
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    if note:
+        print(f"== {note}", flush=True)
+    try:
+        return ablation(args, flags, argv)
+    finally:
+        unlock_run_dir(out)
+
+
+def ablation(args, flags: list[str], argv):
+    """The ablation itself: its runs planned (--budget), run (cached) and written up."""
     ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
@@ -1253,40 +1042,6 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-
-
-def read_plan(path: Path) -> Plan | None:
-    """A kept plan, or None when there is none or it is not one (then it is planned again)."""
-    try:
-        saved = json.loads(path.read_text())
-        plan = Plan(**saved)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as e:
-        print(f"== {path.name} is not a plan ({e}); planning again", flush=True)
-        return None
-    ints = [plan.steps, plan.seeds, plan.eval_every]
-    if not (all(type(v) is int and v >= 1 for v in ints)
-            and all(isinstance(v, (int, float)) and v > 0 for v in (plan.run_s, plan.total_s))):
-        print(f"== {path.name} holds a plan out of range ({saved}); planning again", flush=True)
-        return None
-    return plan
-
-
-def read_calibration(path: Path, started: float) -> Calibration | None:
-    """A kept calibration of the same runs and code (its time before the runs is this ablate's),
-    or None when there is none or it is not one."""
-    try:
-        cal = Calibration(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as e:
-        print(f"== {path.name} is not a calibration ({e}); calibrating again", flush=True)
-        return None
-    if not all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in cal):
-        print(f"== {path.name} holds numbers out of range; calibrating again", flush=True)
-        return None
-    return cal._replace(seconds=time.monotonic() - started + WRITE_UP_S)
 
 
 def timed_runs(args, flags: list[str], train, runs_per_seed: int, jobs: int, threads: int,

@@ -273,6 +273,9 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
+    p.add_argument("--step-record", type=Path, default=None, help="append each step line's "
+                   "numbers to this file as a JSON line (step, steps, loss, dt_ms, tok_per_s, "
+                   "the line): what ablate follows a run by; the log's text is for people")
     p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
                    "step (Kimi K2's MuonClip; needs --no-qk-norm; 0: off)")
     p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a "
@@ -351,7 +354,19 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if not 0 <= args.sample_tokens <= args.max_seq_len:
         p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
                 f"--max-seq-len), got {args.sample_tokens}")
+    check_step_record(p, args.step_record)
     check_model_fits(p, args)
+
+
+def check_step_record(p: argparse.ArgumentParser, path: Path | None) -> None:
+    """--step-record names a regular file (or none yet) in a folder that exists."""
+    if path is None:
+        return
+    if not path.parent.is_dir():
+        p.error(f"--step-record {path}: its folder {path.parent} does not exist; create it or "
+                "name a file in another")
+    if path.exists() and not path.is_file():
+        p.error(f"--step-record {path} is not a regular file; name a file")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:
@@ -1184,23 +1199,35 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                    else math.nan)
     tok_per_s = args.total_batch_size * run.copies / s.seconds  # every seed's tokens
     if step % args.log_every == 0 or step == run.num_iterations:
-        shown = f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)"
-        line = (f"step {step:05d}/{run.num_iterations:05d} "
-                f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
-                f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
-        if run.peak_flops:
-            line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
-        line += f" | attn {args.attention}"
-        if args.qk_clip:
-            line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-        if loop["step_times"]:
-            eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
-            line += f" | eta {eta / 60:.1f}m"
+        line = step_line(run, s, smooth_loss, tok_per_s)
+        if args.step_record and run.rank == 0:  # before the line: whoever reads it finds its record
+            with open(args.step_record, "a") as f:
+                f.write(json.dumps(dict(step=step, steps=run.num_iterations, loss=smooth_loss,
+                                        dt_ms=1000 * s.seconds, tok_per_s=tok_per_s,
+                                        finite=s.finite, line=line)) + "\n")
         print0(line)
     if run.wandb:
         logged = (wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
                   else {"train/skipped_steps": loop["skipped_steps"]})
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
+
+
+def step_line(run: Run, s: Step, smooth_loss, tok_per_s: float) -> str:
+    """The step's progress line: loss (each seed's), lr multiplier, time, throughput, MFU, ETA."""
+    args, loop, step = run.args, run.loop, run.step
+    shown = f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)"
+    line = (f"step {step:05d}/{run.num_iterations:05d} "
+            f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
+            f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
+    if run.peak_flops:
+        line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
+    line += f" | attn {args.attention}"
+    if args.qk_clip:
+        line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
+    if loop["step_times"]:
+        eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
+        line += f" | eta {eta / 60:.1f}m"
+    return line
 
 
 def report(run: Run) -> dict:

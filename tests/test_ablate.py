@@ -16,6 +16,7 @@ import pytest
 from test_train import REPO, child_env
 from test_train import TINY as TRAIN_TINY
 
+from nanomuon import budget as planner
 from nanomuon.dataset import build_embedded, data_dir
 
 # ablate's default final eval (262,144 val tokens) off: slow at this size; test_train tests it
@@ -27,7 +28,7 @@ T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95%
 
 
 def test_t_quantile_matches_the_t_table():
-    from scripts.ablate import t_quantile
+    from nanomuon.stats import t_quantile
 
     for df, t in T975.items():
         assert abs(t_quantile(df) - t) < 1e-3, df
@@ -294,7 +295,7 @@ T80 = {1: 1.376, 2: 1.061, 4: 0.941, 9: 0.883, 30: 0.854}  # the t table: one-si
 
 
 def test_t_quantile_matches_the_80_percent_t_table():
-    from scripts.ablate import t_quantile
+    from nanomuon.stats import t_quantile
 
     for df, t in T80.items():
         assert abs(t_quantile(df, 0.80) - t) < 1e-3, df
@@ -304,7 +305,7 @@ def test_the_paired_verdict_by_hand():
     """Three seeds whose differences are -0.01, -0.02, -0.03 bpb: mean -0.02, sd 0.01, so the 95%
     interval is -0.02 ± 4.303 * 0.01 / sqrt(3) = [-0.04484, +0.00484] (it holds zero), and the design
     detects (4.303 + 1.061) * 0.01 / sqrt(3) = 0.03097; a third seed at -0.021 makes it 'better'."""
-    from scripts.ablate import paired, verdict
+    from nanomuon.stats import paired, verdict
 
     c = paired([-0.01, -0.02, -0.03])
     assert c["mean"] == pytest.approx(-0.02) and c["detectable"] == pytest.approx(0.030969, abs=2e-5)
@@ -322,7 +323,7 @@ def test_a_verdict_coarser_than_a_record_says_the_seeds_one_would_take():
     (2.0369 + 0.8530) / sqrt(33) * 0.01 = 0.00503, not; of 2.1 (0.00525) 31 seeds reach 0.00520
     and 30 only 0.00529 (2.0452 + 0.8542 at 29 df). A verdict that already detects 0.25% says
     nothing more, and a spread no number of seeds brings there says so."""
-    from scripts.ablate import MOST_SEEDS, seeds_to_detect, verdict
+    from nanomuon.stats import MOST_SEEDS, seeds_to_detect, verdict
 
     assert seeds_to_detect(0.01, 0.005) == 34
     assert seeds_to_detect(0.01, 0.0025 * 2.1) == 31
@@ -337,10 +338,10 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
     lengths on the first 2 seeds) fit the budget left after calibrating (with its headroom), one more step
     would not, and the seeds are the caller's, or of 3 to MAX_SEEDS those whose most steps give the
     smallest (t_0.975 + t_0.80) / sqrt(seeds) * steps ** -SPREAD_EXPONENT, found here by trying each."""
-    from scripts import ablate
-    from scripts.ablate import Calibration, detectable_factor, fit
+    from nanomuon.budget import Calibration, fit
+    from nanomuon.stats import detectable_factor
 
-    EVALS, HEADROOM, MAX_SEEDS, MIN_STEPS = ablate.EVALS, ablate.HEADROOM, ablate.MAX_SEEDS, ablate.MIN_STEPS
+    EVALS, HEADROOM, MAX_SEEDS, MIN_STEPS = planner.EVALS, planner.HEADROOM, planner.MAX_SEEDS, planner.MIN_STEPS
 
     cal = Calibration(step_s=0.5, fixed_s=10.0, eval_s=2.0, seconds=30.0)
 
@@ -361,7 +362,7 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
         if seeds:
             assert plan.seeds == seeds
             continue
-        projected = {n: detectable_factor(n) * most_steps(budget, n, lengths) ** -ablate.SPREAD_EXPONENT
+        projected = {n: detectable_factor(n) * most_steps(budget, n, lengths) ** -planner.SPREAD_EXPONENT
                      for n in range(3, MAX_SEEDS + 1) if most_steps(budget, n, lengths) >= MIN_STEPS}
         assert plan.seeds == min(projected, key=projected.get), (budget, plan, projected)
     assert fit(200, cal, 2, 2, None).seeds == 3  # the fewest seeds, at fewer steps
@@ -377,10 +378,9 @@ def test_the_planner_fits_batched_seeds_to_the_budget():
     length (2 seeds) after one of them. fit() against that model written out: a run of k seeds takes
     fixed_s + k (steps step_s + EVALS eval_s + final_s); the plan fits, one more step would not, and at
     the same budget it holds more seeds than one process per seed can."""
-    from scripts import ablate
-    from scripts.ablate import Calibration, fit
+    from nanomuon.budget import Calibration, fit
 
-    EVALS, HEADROOM = ablate.EVALS, ablate.HEADROOM
+    EVALS, HEADROOM = planner.EVALS, planner.HEADROOM
     cal = Calibration(step_s=0.5, fixed_s=30.0, eval_s=2.0, seconds=30.0, final_s=5.0)
 
     def total(steps, seeds, lengths):
@@ -410,9 +410,17 @@ def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsy
     clock = iter(range(0, 1000, 10))
     monkeypatch.setattr(ablate.time, "monotonic", lambda: next(clock))
 
-    class Process:
+    class Process:  # writes each step line's record before the line, as base_train does
         def __init__(self, cmd, **kw):
-            self.cmd, self.stdout, self.returncode = cmd, iter(lines), 0
+            self.cmd, self.stdout, self.returncode = cmd, self.printed(cmd[-1]), 0
+
+        def printed(self, record_path):
+            for line in lines:
+                if "/" in line:
+                    step, steps = map(int, line.split()[1].split("/"))
+                    with open(record_path, "a") as f:
+                        f.write(json.dumps(dict(step=step, steps=steps, line=line.rstrip("\n"))) + "\n")
+                yield line
 
         def __enter__(self):
             return self
@@ -424,7 +432,7 @@ def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsy
     monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or Process(cmd))
     ablate.launch("run", ["--num-iterations", "10"], 1, 1)
     echoed = [x.split("] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("  [run]")]
-    assert launched[0][-2:] == ["--log-every", "1"]
+    assert launched[0][-4:-1] == ["--log-every", "1", "--step-record"]
     want = [lines[0], lines[3], lines[5], lines[7], lines[10], *lines[11:]]
     assert echoed == [x.rstrip("\n") for x in want], echoed
     assert ablate.PROGRESS_S == 30
@@ -457,7 +465,7 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
     assert plan, out
     steps, seeds = int(plan[1]), int(plan[2])
     assert wall <= 70, (wall, out)
-    assert steps >= ablate.MIN_STEPS and sorted({s for _, _, s in results}) == list(range(1, seeds + 1))
+    assert steps >= planner.MIN_STEPS and sorted({s for _, _, s in results}) == list(range(1, seeds + 1))
     assert all(r["val_history"][-1][0] == steps for r in results.values())
     assert not list((base / "runs").glob("budget-calibration-*"))  # calibration runs leave nothing behind
 
@@ -467,7 +475,7 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
                                   '"run_s": 1.0, "total_s": 1.0}'])
 def test_a_kept_plan_that_is_not_one_is_planned_again(tmp_path, text, capsys):
     """The cache is a file like any other: a damaged plan is planned again, never trusted or a traceback."""
-    from scripts.ablate import Plan, read_plan
+    from nanomuon.budget import Plan, read_plan
 
     path = tmp_path / "plan-x.json"
     assert read_plan(path) is None
@@ -583,21 +591,20 @@ class FakeProcess:
 
 
 def test_calibration_refuses_a_budget_from_its_first_steps():
-    """Watch: a step line at 2 s a step means a run of MIN_STEPS takes 94 s more; three rounds of that do not
-    fit 200 s, so the budget is refused and the calibration runs stopped at once; 1000 s fits, and refuses
-    nothing. Lines before the third step (compiling) and other lines bound nothing."""
+    """Watch: a step record at 2 s a step means a run of MIN_STEPS takes 94 s more; three rounds of that do
+    not fit 200 s, so the budget is refused and the calibration runs stopped at once; 1000 s fits, and
+    refuses nothing. Records before the third step (compiling) bound nothing."""
     import time
 
-    from scripts.ablate import HEADROOM, MIN_STEPS, WRITE_UP_S, Watch
+    from nanomuon.budget import HEADROOM, MIN_STEPS, WRITE_UP_S, Watch
 
-    line = "step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 2000ms | tok/s 128\n"
+    line = dict(step=3, steps=12, dt_ms=2000.0)
     for budget, refused in [(200, True), (1000, False)]:
         watch, p = Watch(budget, 3, time.monotonic()), FakeProcess()
         watch.started_process(p)
-        for early in ["step 00001/00012 ( 8.3%) | loss 8.0 | lrm 1.00 | dt 90000ms | tok/s 1\n", "compiling\n"]:
-            watch.line(early)
+        watch.step(dict(step=1, steps=12, dt_ms=90000.0))
         assert watch.refusal is None
-        watch.line(line)
+        watch.step(line)
         assert 3 * (MIN_STEPS - 3) * 2.0 > (200 - WRITE_UP_S) * HEADROOM  # the arithmetic the test relies on
         assert (watch.refusal is not None) == refused == p.terminated
     assert watch_200_says(line).startswith("error: --budget 200s cannot fit: 3 rounds of runs of at least 94 s")
@@ -606,10 +613,10 @@ def test_calibration_refuses_a_budget_from_its_first_steps():
 def watch_200_says(line):
     import time
 
-    from scripts.ablate import Watch
+    from nanomuon.budget import Watch
 
     watch = Watch(200, 3, time.monotonic())
-    watch.line(line)
+    watch.step(line)
     return watch.refusal
 
 
@@ -618,7 +625,7 @@ def test_calibration_refuses_when_start_up_alone_overruns():
     so far is a bound; a process started after the refusal is stopped too."""
     import time
 
-    from scripts.ablate import Watch
+    from nanomuon.budget import Watch
 
     watch = Watch(100, 5, time.monotonic() - 10)
     watch.began -= 20  # calibrating for 20 s: 5 rounds x 20 s > (100 - 30 - 5) x 0.9
@@ -637,7 +644,7 @@ def test_the_calibration_never_trains_over_or_deletes_a_run_it_did_not_make(base
 
     from scripts import ablate
 
-    watch = ablate.Watch(3600, 1, time.monotonic())
+    watch = planner.Watch(3600, 1, time.monotonic())
     flags = [*TINY, "--total-batch-size", "256", "--no-compile"]
     mine = base / "runs" / "guard-calibration-2"
     (mine / "step_000004").mkdir(parents=True)
@@ -665,16 +672,16 @@ def test_a_cold_compile_bounds_no_planned_run():
     step line plus the steps left at its dt."""
     import time
 
-    from scripts.ablate import Watch
+    from nanomuon.budget import Watch
 
     watch = Watch(200, 5, time.monotonic() - 70, warm=False)  # ablate started 70 s ago
     watch.began -= 60
     watch.first -= 60  # a minute of cold compile so far: 5 x 60 s would not fit
     watch.check()
-    watch.line("step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 2000ms | tok/s 128\n")  # 5 x 94 s
+    watch.step(dict(step=3, steps=12, dt_ms=2000.0))  # 5 x 94 s
     assert watch.refusal is None and watch.run_s == 0
     watch.rewarm()
-    watch.line("step 00003/00012 ( 25.0%) | loss 7.1 | lrm 1.00 | dt 200ms | tok/s 128\n")
+    watch.step(dict(step=3, steps=12, dt_ms=200.0))
     assert watch.refusal is None and 9.4 <= watch.run_s < 10  # 47 steps left at 0.2 s: 5 x 9.4 s fits
     for t in ("started", "first", "began"):  # 25 s of the warm round pass
         setattr(watch, t, getattr(watch, t) - 25)  # 5 rounds x 25 s > (200 - 95 - 5) x 0.9
@@ -702,11 +709,11 @@ def test_a_compiled_calibration_times_the_start_up_the_runs_will_see(base, small
     rounds = []
     real_round = ablate.calibration_round
     monkeypatch.setattr(ablate, "calibration_round", lambda *a: rounds.append(real_round(*a)) or rounds[-1])
-    watch = ablate.Watch(3600, 1, time.monotonic(), warm=False)
+    watch = planner.Watch(3600, 1, time.monotonic(), warm=False)
     cal = ablate.calibrate(flags, train, ["muon"], 1, 2, 1, "warm", watch)
-    assert [len(r.summaries[0]["history"]) for r in rounds] == [ablate.WARM_UP_STEPS,
-                                                                ablate.CALIBRATION_STEPS]
-    cold_fixed = rounds[0].walls[0] - ablate.WARM_UP_STEPS * cal.step_s
+    assert [len(r.summaries[0]["history"]) for r in rounds] == [planner.WARM_UP_STEPS,
+                                                                planner.CALIBRATION_STEPS]
+    cold_fixed = rounds[0].walls[0] - planner.WARM_UP_STEPS * cal.step_s
     steps = 30
     t = time.monotonic()
     ablate.launch("warm run", [*flags, "--run", "warm-run", "--optimizer", "muon", "--num-iterations",
@@ -723,7 +730,7 @@ def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkey
 
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: ablate.Calibration(1.0, 10.0, 0.5, 3.0))
+    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: planner.Calibration(1.0, 10.0, 0.5, 3.0))
     cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
     plans = []
     for lengths in ("none", "0.8", "none"):
@@ -744,7 +751,7 @@ def test_the_default_budget_plans_what_fits_and_a_given_one_refuses(tmp_path, mo
 
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: ablate.Calibration(50.0, 10.0, 1.0, 3.0))
+    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: planner.Calibration(50.0, 10.0, 1.0, 3.0))
     cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
     args, flags = ablate.parse_args(["--budget", "15m"])
     args.started = time.monotonic()
@@ -774,7 +781,7 @@ def test_a_refused_budget_is_refused_at_once_the_next_time(tmp_path, monkeypatch
         if watch.budget_s < 3600:
             watch.bound_s, watch.refusal = 400.0, "error: --budget cannot fit (made up)"
             raise SystemExit(watch.refusal)
-        return ablate.Calibration(0.5, 10.0, 0.1, 3.0)
+        return planner.Calibration(0.5, 10.0, 0.1, 3.0)
 
     monkeypatch.setattr(ablate, "calibrate", refusing)
     cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
@@ -806,7 +813,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
                                   (1.0, ["--variants", "muon", "--sweep", "matrix-lr=0.01,0.02"], False)]:
         cache = dict(dir=tmp_path / f"{step_s}{extra}", device="cpu", code="c", torch="t")
         cache["dir"].mkdir()
-        monkeypatch.setattr(ablate, "calibrate", lambda *a, s=step_s, **k: ablate.Calibration(s, 10.0, 0.1, 3.0))
+        monkeypatch.setattr(ablate, "calibrate", lambda *a, s=step_s, **k: planner.Calibration(s, 10.0, 0.1, 3.0))
         args, flags = ablate.parse_args(["--budget", "15m", *extra])
         args.started = time.monotonic()
         planned, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
@@ -840,7 +847,7 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
 
     def calibrate(*a, **k):
         calls.append(a)
-        return ablate.Calibration(step_s=1.0, fixed_s=10.0, eval_s=0.5, seconds=3.0)
+        return planner.Calibration(step_s=1.0, fixed_s=10.0, eval_s=0.5, seconds=3.0)
 
     monkeypatch.setattr(ablate, "calibrate", calibrate)
     monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("launched a run"))
@@ -854,7 +861,7 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
     kept = sorted(set(cache.glob("calibration-*.json")) - before)
     assert len(kept) == 1
     kept[0].write_text('{"step_s": "fast"}')
-    assert ablate.read_calibration(kept[0], 0.0) is None and "calibrating again" in capsys.readouterr().out
+    assert planner.read_calibration(kept[0], 0.0) is None and "calibrating again" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ablate.main([*args, "--budget", "40s"])
     assert len(calls) == 2
@@ -864,7 +871,7 @@ def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretch
     """The baseline's bpb is a_s - 0.1 ln(steps) per seed (each seed its own a_s); a variant that reaches at
     200 steps what the baseline reaches at 250 saves 1 - 200/250 = 20% of the steps: 40 fewer of 200, with
     no spread and an exact slope, so a zero-width interval; a variant as far the other way needs 25% more."""
-    from scripts.ablate import bpb_per_log_step, steps_verdict, steps_words
+    from nanomuon.stats import bpb_per_log_step, steps_verdict, steps_words
 
     a = [2.0, 2.3, 1.9]
     finals = {n: [x - 0.1 * math.log(n) for x in a] for n in (160, 200)}
@@ -953,7 +960,7 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
 
 
 def test_the_steps_interval_widens_with_the_slopes_error():
-    from scripts.ablate import steps_verdict
+    from nanomuon.stats import steps_verdict
 
     diffs = [-0.02, -0.03, -0.025, -0.015]
     sure, unsure = (steps_verdict(diffs, (-0.1, se, 3), 200) for se in (0.0, 0.03))
@@ -1060,3 +1067,59 @@ def test_the_difference_panel_shows_the_verdicts_own_interval(tmp_path):
     assert lo == [pytest.approx(m - hw, rel=1e-4)] and hi == [pytest.approx(m + hw, rel=1e-4)]  # a 4-digit t
     assert panel["series"]["muon - adamw"][1] == [0.0, 0.0]  # the curves' evals: no difference there
     assert plot_curves(tmp_path / "p.png", [panel]).stat().st_size > 0
+
+
+def children_of(pid):
+    """The pids of pid's child processes (Linux /proc)."""
+    from pathlib import Path
+
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_ablate_ends_its_runs_and_says_what_is_kept(base, sig):
+    """SIGTERM, or SIGINT sent to ablate alone (not its process group), ends the base_train run it
+    launched (never left training, holding the run's lock) and ablate says in one line what is kept,
+    no traceback; its exit status is 128 + the signal's."""
+    import signal
+    import time
+
+    sig = getattr(signal, sig)
+    cmd = [sys.executable, "-m", "scripts.ablate", *SMALL, "--jobs", "1", "--num-iterations", "5000",
+           "--name", f"stop{int(sig)}"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=child_env(base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("  [") and "step 0" in line:  # a run is training
+            break
+    runs = children_of(p.pid)
+    assert len(runs) == 1, "".join(out)
+    p.send_signal(sig)
+    out += p.stdout.readlines()
+    assert p.wait(timeout=60) == 128 + sig, "".join(out)
+    assert out[-1].startswith("== ablate stopped; the runs it was training, ended: muon lr-multiplier 1 seed 1")
+    assert "Traceback" not in "".join(out)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in runs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in runs), "its run trains on"
+
+
+def test_two_ablates_of_one_name_do_not_run_at_once(base):
+    """ablate holds ablations/<name>: a second one of that name is refused in one line before it
+    trains anything (its runs would hit the first's run locks)."""
+    from nanomuon.checkpoint import lock_run_dir, unlock_run_dir
+    from scripts import ablate
+
+    held = base / "ablations" / "twice"
+    lock_run_dir(held)  # as a running ablate holds it
+    try:
+        with pytest.raises(SystemExit, match=r"^error: .*ablations/twice is in use by pid \d+ .*; wait for "
+                                             r"that run to end \(or stop it\), or pick another --name$"):
+            ablate.main([*SMALL, "--name", "twice"])
+    finally:
+        unlock_run_dir(held)
+    assert not list((base / "runs").glob("twice-*"))
