@@ -273,7 +273,7 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
-    p.add_argument("--step-record", type=Path, default=None, help="append each step line's "
+    p.add_argument("--step-record", default=None, help="append each step line's "
                    "numbers to this file as a JSON line (step, steps, loss, dt_ms, tok_per_s, "
                    "the line): what ablate follows a run by; the log's text is for people")
     p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
@@ -358,10 +358,11 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     check_model_fits(p, args)
 
 
-def check_step_record(p: argparse.ArgumentParser, path: Path | None) -> None:
+def check_step_record(p: argparse.ArgumentParser, name: str | None) -> None:
     """--step-record names a regular file (or none yet) in a folder that exists."""
-    if path is None:
+    if name is None:
         return
+    path = Path(name)
     if not path.parent.is_dir():
         p.error(f"--step-record {path}: its folder {path.parent} does not exist; create it or "
                 "name a file in another")
