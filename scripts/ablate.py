@@ -549,6 +549,9 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     finals = baseline_finals(results, lengths or {}, seeds, baseline, best[baseline])
     slope = bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
     own = own_steps(results, baseline, best[baseline], seeds)
+    # a new idea judged at the baseline's tuned lrs may lose for its lr alone: say so where it is
+    untuned = ("" if len(sweep.values) > 1 else f"; each variant at {sweep.flag} "
+               f"{sweep.values[0]} only, not at its own best (--sweep {sweep.flag}=a,b,c)")
     lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
               f"{curve_target:.4f} | train seconds to {curve_target:.4f} | tok/s | vs {baseline} |",
               "|---|---:|---:|---:|---:|---:|---|"]
@@ -561,7 +564,8 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
         diffs = [final_bpb(r) - final_bpb(b) for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
         vs = ("(baseline)" if v == baseline else
-              f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}")
+              f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}"
+              + untuned)
         lines.append(f"| {v} | {best[v]} | {fmt([final_bpb(r) for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
     if "final_eval_bpb" in base_runs[0]:
