@@ -620,6 +620,38 @@ def test_base_eval_logs_core_into_the_training_wandb_run(base, tmp_path, monkeyp
     assert {k: json.loads(logged[k]) for k in expected} == expected
 
 
+def test_base_eval_refuses_a_bundle_that_is_a_device_in_one_line(run):
+    with no_hang(), pytest.raises(SystemExit) as e:
+        base_eval("--eval", "core", "--core-bundle", "/dev/null")
+    assert str(e.value).startswith("error: CORE bundle /dev/null is a character device, not a "
+                                   "zip file or a folder: use nanochat's eval_bundle.zip (")
+    assert "place it at" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_fifo_for_summary_json_is_refused_before_core_is_evaluated(run, tmp_path, capsys):
+    """base_eval adds CORE to summary.json after evaluating: a FIFO there stops it before, in one
+    line; read for the wandb run's id, it is noted, not waited on."""
+    from scripts.base_eval import training_wandb_id
+
+    bundle = write_zip(tmp_path / "b.zip")
+    summary, report = run / "summary.json", (run / "report.md").read_text()
+    os.rename(summary, tmp_path / "summary.json")
+    os.mkfifo(summary)
+    try:
+        with no_hang(120), pytest.raises(SystemExit) as e:
+            base_eval("--eval", "core", "--core-bundle", str(bundle))
+        assert str(e.value) == (f"error: {summary} is a FIFO, not the summary base_train writes: "
+                                "remove it (base_eval adds CORE to it)")
+        assert (run / "report.md").read_text() == report and "CORE" not in capsys.readouterr().out
+        with no_hang():
+            assert training_wandb_id(summary) is None
+        assert f"note: {summary} is unreadable (ValueError: {summary} is a FIFO" in (
+            capsys.readouterr().out)
+    finally:
+        summary.unlink()
+        os.rename(tmp_path / "summary.json", summary)
+
+
 def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):
     bpb = base_eval("--eval-tokens", "512")
     out = capsys.readouterr().out
