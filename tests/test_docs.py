@@ -127,6 +127,68 @@ def test_benchmarks_hold_current_numbers_only():
     assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 220
 
 
+# Prose is read at nanochat's pace: its README averages about 22 words a sentence by this count.
+SENTENCE_WORDS = 24
+ARCHIVE = ROOT / "docs" / "archive"  # history kept for the record, which no reader has to read
+ABBREVIATIONS = re.compile(r"\b(e\.g|i\.e|et al|vs|cf|etc)\.", re.IGNORECASE)
+
+
+def sentences(text: str) -> list[str]:
+    """A page's prose as sentences: fenced code, headings, tables, images and HTML comments are
+    left out, and so are list items with no full stop or colon (labels, as table cells are); a code
+    span counts as one word and a link as its text; a paragraph or a list item ends a sentence,
+    as does . ! or ? before a space."""
+    text = re.sub(r"^ *```.*?^ *```[^\n]*$", "", text, flags=re.MULTILINE | re.DOTALL)
+    paragraphs, current = [], []
+    for line in text.splitlines():
+        s = line.strip()
+        item = re.match(r"([-*+]|\d+\.)\s+(.*)", s)
+        if not s or s.startswith(("#", "|", "![", "<")) or item:
+            paragraphs.append(" ".join(current))
+            current = ["\0" + item.group(2)] if item else []
+        else:
+            current.append(s)
+    paragraphs.append(" ".join(current))
+    out = []
+    for p in paragraphs:
+        p = re.sub(r"`[^`]*`", "code", p)
+        p = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", p)
+        p = ABBREVIATIONS.sub(r"\1", p)
+        if p.startswith("\0") and not re.search(r"[.!?:][\"')\]]*$|[.!?] ", p):
+            continue  # a list item with no full stop is a label, as a table's cell is
+        out += [s for s in re.split(r"(?<=[.!?])[\"')\]]*\s+", p.lstrip("\0")) if words(s)]
+    return out
+
+
+def words(sentence: str) -> int:
+    return sum(1 for w in sentence.split() if re.search(r"[A-Za-z0-9]", w))
+
+
+def pace(page: Path) -> tuple[float, float]:
+    """Words per sentence, and opening parentheses per 100 words, over a page's prose."""
+    found = sentences(page.read_text())
+    n = sum(words(s) for s in found)
+    return n / max(len(found), 1), 100 * sum(s.count("(") for s in found) / max(n, 1)
+
+
+def test_the_sentence_count_reads_prose_only():
+    text = ("# A heading of many words that are not a sentence at all\n\n"
+            "One two three. Four five `a long code span` six, e.g. seven.\n"
+            "- an item.\n- [a link](x.md) here (aside)!\n- a label\n\n| a | table |\n"
+            "```\nnot. read.\n```\n")
+    assert sentences(text) == ["One two three.", "Four five code six, e.g seven.", "an item.",
+                               "a link here (aside)!"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_sentences_are_short(page):
+    """Sentences average at most SENTENCE_WORDS words on every page but the archive's."""
+    length, parens = pace(page)
+    print(f"{page.relative_to(ROOT)}: {length:.1f} words a sentence, {parens:.1f} ( per 100 words")
+    assert length <= SENTENCE_WORDS, (
+        f"{page.relative_to(ROOT)}: sentences average {length:.1f} words (at most "
+        f"{SENTENCE_WORDS}): split the long ones")
+
 
 def measured(text: str) -> list[tuple[str, float, int]]:
     """Each number in text as written, its value and its decimals (570k is 570,000 to the
