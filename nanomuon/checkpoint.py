@@ -126,15 +126,32 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in FILE_KINDS if test(mode)), "special file")
 
 
-def check_regular(path: Path) -> Path:
+def check_regular(path: Path, what: str = "the regular file nanomuon wrote",
+                  fix: str = "remove it") -> Path:
     """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
-    open could wait forever or read what is not ours); ValueError naming it otherwise.
-    FileNotFoundError passes through."""
+    open could wait forever or read what is not ours); ValueError naming it otherwise: `path is a
+    FIFO, not {what}: {fix}`. FileNotFoundError passes through."""
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{path} is a {file_kind(mode)}, not the regular file nanomuon wrote: "
-                         "remove it")
+        raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
     return Path(path)
+
+
+def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
+                 fix: str = "remove it") -> bytes:
+    """The bytes of path, a regular file (check_regular) of at most limit bytes; ValueError naming
+    it otherwise. The open follows no link and waits on no FIFO, so a file swapped in after the
+    check cannot hang it either. FileNotFoundError passes through."""
+    check_regular(path, what, fix)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit:,} bytes, more than {what} ever holds: {fix}")
+    return data
 
 
 def read_index(d: Path):

@@ -12,8 +12,8 @@ by the task's random baseline, (acc - b/100) / (1 - b/100), and CORE the mean of
   https, its sha256 and size recorded next to it and checked on every later read; a folder or a zip
   of the same layout is accepted too. Tasks are read straight from the zip, never extracted; every
   member name and every path core.yaml gives must stay inside the bundle. core.yaml is YAML, read
-  with yaml.safe_load: PyYAML is already installed as a dependency of huggingface_hub, datasets and
-  wandb.
+  with PyYAML's safe loader: PyYAML is already installed as a dependency of huggingface_hub,
+  datasets and wandb. Every file is bounded (the MAX_* below) before it is parsed or split.
 - Items, few-shot picks and prompts follow nanochat's core_eval (shuffle seed 1337 before
   --max-per-task, few-shot seed 1234 + index), so the numbers compare with its leaderboard.
 """
@@ -26,6 +26,7 @@ import math
 import os
 import random
 import re
+import stat
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanomuon.checkpoint import file_kind, read_regular
 from nanomuon.common import autocast, get_base_dir, one_line, print0, write_atomic
 from nanomuon.dataset import build_lock
 
@@ -50,10 +52,19 @@ CORE_TASKS = 22
 MAX_FILE = 256 << 20  # bytes of one bundle file (the largest real one is ~20 MB)
 MAX_BUNDLE = 1 << 30  # bytes read from one bundle in all, each file once (the real one: ~100 MB)
 MAX_ITEM = 1 << 20  # bytes of one task item's line (the longest real one is ~20 KB)
+# Bounds on what the small files make the loader build; the real bundle sits far inside each
+MAX_CONFIG = 64 << 10  # bytes of core.yaml (nanochat's: ~4 KB; YAML parses slowly)
+MAX_META = 1 << 20  # bytes of eval_meta_data.csv (nanochat's: ~10 KB)
+MAX_TASKS = 100  # tasks core.yaml lists (CORE: 22)
+MAX_LINES = 100_000  # lines of one task file (the largest real task: ~20,000 items)
+MAX_OPTIONS = 100  # choices or context options of one item (real ones: a dozen at most)
+MAX_PROMPT = 4 << 20  # characters of one item's prompts, examples and all options together
+SIZE_LIMITS = {"core.yaml": MAX_CONFIG, "eval_meta_data.csv": MAX_META}
 MAX_DOWNLOAD = 1 << 30
+LAYOUT = "the zip, or a folder holding core.yaml, eval_meta_data.csv and eval_data/"
 PLACE = (f"download {BUNDLE_URL} on a machine with network and place it at {{zip}}, or pass "
-         "--core-bundle PATH (the zip, or a folder holding core.yaml, eval_meta_data.csv and "
-         "eval_data/)")
+         f"--core-bundle PATH ({LAYOUT})")
+USE = f"use nanochat's eval_bundle.zip ({LAYOUT})"
 
 
 @dataclass
@@ -86,15 +97,27 @@ class Bundle:
     def __init__(self, path: Path):
         self.path, self.zip, self.prefix = Path(path), None, ""
         self._read, self._total = {}, 0  # name -> bytes, and their sum
-        if self.path.is_dir():
-            self.root = self.path.resolve()
-            return
+        self._lines, self._items = {}, {}  # a task file's shuffled lines, and its parsed items
+        try:  # stat, not open: a FIFO or a device would hang the open or read forever
+            mode = os.stat(self.path).st_mode
+            if stat.S_ISDIR(mode):
+                self.root = self.path.resolve(strict=True)
+                return
+        except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before Python 3.13
+            raise ValueError(f"CORE bundle {self.path} cannot be read ({one_line(e)}): "
+                             f"{USE}") from None
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"CORE bundle {self.path} is a {file_kind(mode)}, not a zip file or "
+                             f"a folder: {USE}")
+        self._open_zip()
+
+    def _open_zip(self) -> None:
         try:
             self.zip = zipfile.ZipFile(self.path)
             names = self.zip.namelist()
         except (OSError, zipfile.BadZipFile, ValueError) as e:
             raise ValueError(f"CORE bundle {self.path} is not a readable zip file or folder "
-                             f"({one_line(e)}); {PLACE.format(zip=self.path)}") from None
+                             f"({one_line(e)}): {USE}") from None
         for name in names:
             if problem := name_problem(name):
                 raise ValueError(f"CORE bundle {self.path} holds a member {name!r} that {problem}; "
@@ -110,7 +133,7 @@ class Bundle:
         """A file's bytes, read once however many tasks list it, and at most MAX_BUNDLE bytes from
         the whole bundle; a FileNotFoundError or ValueError naming the bundle and the file."""
         if name not in self._read:
-            data = self._read_file(name)
+            data = self._read_file(name, SIZE_LIMITS.get(name, MAX_FILE))
             self._total += len(data)
             if self._total > MAX_BUNDLE:
                 raise ValueError(f"CORE bundle {self.path}: reading {name} takes it over "
@@ -119,31 +142,47 @@ class Bundle:
             self._read[name] = data
         return self._read[name]
 
-    def _read_file(self, name: str) -> bytes:
+    def _read_file(self, name: str, limit: int) -> bytes:
         if problem := name_problem(name):
             raise ValueError(f"CORE bundle {self.path}: the path {name!r} {problem}")
         where = f"{self.path}: {name}"
+        over = (f"CORE bundle {where} is over {limit:,} bytes, more than any eval bundle's "
+                f"{name.rpartition('/')[0] or name} needs: {USE}")
         if self.zip is None:
-            path = (self.root / name).resolve()
-            if not path.is_relative_to(self.root):
-                raise ValueError(f"CORE bundle {where} leads outside the folder (a link)")
-            if not path.is_file():
-                raise FileNotFoundError(f"CORE bundle {where} is missing")
-            if path.stat().st_size > MAX_FILE:
-                raise ValueError(f"CORE bundle {where} is over {MAX_FILE >> 20} MiB")
-            return path.read_bytes()
+            return self._read_folder_file(name, limit, over)
         try:
             info = self.zip.getinfo(self.prefix + name)
         except KeyError:
             raise FileNotFoundError(f"CORE bundle {where} is missing") from None
-        if info.file_size > MAX_FILE:
-            raise ValueError(f"CORE bundle {where} is over {MAX_FILE >> 20} MiB")
+        if info.file_size > limit:
+            raise ValueError(over)
         try:
             with self.zip.open(info) as f:
-                return f.read(MAX_FILE + 1)[:MAX_FILE]
+                data = f.read(limit + 1)
         except (OSError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as e:
             raise ValueError(f"CORE bundle {where} does not unzip ({one_line(e)}); get the "
                              "bundle again") from None
+        if len(data) > limit:  # the size its header gave was a lie
+            raise ValueError(over)
+        return data
+
+    def _read_folder_file(self, name: str, limit: int, over: str) -> bytes:
+        where = f"{self.path}: {name}"
+        try:
+            path = (self.root / name).resolve()
+        except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before Python 3.13
+            raise ValueError(f"CORE bundle {where} cannot be followed ({one_line(e)}): "
+                             f"{USE}") from None
+        if not path.is_relative_to(self.root):
+            raise ValueError(f"CORE bundle {where} leads outside the folder (a link)")
+        try:
+            if path.stat().st_size > limit:
+                raise ValueError(over)
+            return read_regular(path, limit, "a file of an eval bundle", USE)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"CORE bundle {where} is missing") from None
+        except OSError as e:
+            raise ValueError(f"CORE bundle {where} cannot be read ({one_line(e)})") from None
 
     def digest(self) -> str:
         """sha256 of the zip (what the report names), or 'folder'."""
@@ -202,13 +241,18 @@ def record(zip_path: Path, url: str) -> None:
 
 def check_record(zip_path: Path) -> None:
     """The zip must be what its record says; a zip placed by hand is recorded at first use."""
-    try:
-        want = json.loads(zip_path.with_name(RECORD).read_text())
+    path = zip_path.with_name(RECORD)
+    redo = f"delete it and {zip_path.name} to download the bundle again"
+    try:  # a FIFO or a device there is refused in one line (ValueError), never waited on
+        data = read_regular(path, 1 << 16, "the record nanomuon writes", redo)
     except FileNotFoundError:
         return record(zip_path, "placed by hand")
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
-        raise ValueError(f"{zip_path.with_name(RECORD)} is unreadable ({one_line(e)}): delete it "
-                         f"and {zip_path.name} to download the bundle again") from None
+    except OSError as e:
+        raise ValueError(f"{path} is unreadable ({one_line(e)}): {redo}") from None
+    try:
+        want = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise ValueError(f"{path} is unreadable ({one_line(e)}): {redo}") from None
     sha, size = sha256_size(zip_path)
     if not isinstance(want, dict) or [want.get("sha256"), want.get("size")] != [sha, size]:
         raise ValueError(f"{zip_path} (sha256 {sha[:16]}, {size:,} bytes) is not the file recorded "
@@ -241,7 +285,9 @@ FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options",
 
 
 def item_problem(kind: str, item) -> str | None:
-    """What is wrong with one task item for its kind, or None."""
+    """What is wrong with one task item for its kind, or None. An item whose answer is scored on
+    nothing (an empty option or continuation) or whose options all tie (all the same) would count
+    as right for the first option whatever the model says: it is refused, not scored."""
     if not isinstance(item, dict):
         return "is not a JSON object"
     for key in FIELDS[kind]:
@@ -250,8 +296,16 @@ def item_problem(kind: str, item) -> str | None:
             if not (isinstance(value, list) and len(value) >= 2
                     and all(isinstance(v, str) for v in value)):
                 return f"'{key}' is not a list of at least 2 strings"
+            if len(value) > MAX_OPTIONS:
+                return f"'{key}' has {len(value):,} options, over the {MAX_OPTIONS} any item has"
+            if "" in value:
+                return f"'{key}' holds an empty option, which leaves nothing to score"
+            if len(set(value)) == 1:
+                return f"'{key}' are all the same option, so they all tie"
         elif not isinstance(value, str):
             return f"'{key}' is not a string"
+        elif key == "continuation" and not value:
+            return "'continuation' is empty, which leaves nothing to score"
     if kind != "language_modeling":
         options = item["choices" if kind == "multiple_choice" else "context_options"]
         gold = item.get("gold")
@@ -260,18 +314,37 @@ def item_problem(kind: str, item) -> str | None:
     return None
 
 
+def task_lines(bundle: Bundle, uri: str) -> list:
+    """The non-blank lines of a task file, numbered from 1 and shuffled (seed 1337) as nanochat
+    shuffles its items. Split and shuffled once per file, however many tasks list it; a file of
+    more than MAX_LINES lines is refused before it is split."""
+    if uri not in bundle._lines:
+        where = f"CORE bundle {bundle.path}: eval_data/{uri}"
+        data = bundle.read(f"eval_data/{uri}")
+        # universal newlines, as nanochat reads the file: \n, \r\n or \r ends a line
+        ends = data.count(b"\n") + data.count(b"\r") - data.count(b"\r\n")
+        count = ends + (not data.endswith((b"\n", b"\r")))
+        if count > MAX_LINES:
+            raise ValueError(f"{where} has {count:,} lines, over the {MAX_LINES:,} any eval task "
+                             f"needs (the largest real one has ~20,000 items): {USE}")
+        lines = [(n, line) for n, line in enumerate(data.splitlines(), 1) if line.strip()]
+        if not lines:
+            raise ValueError(f"{where} holds no items")
+        random.Random(1337).shuffle(lines)  # the permutation nanochat applies to the parsed items
+        bundle._lines[uri] = lines
+    return bundle._lines[uri]
+
+
 def read_items(bundle: Bundle, uri: str, kind: str, max_per_task: int | None = None) -> list:
     """A task's items shuffled (seed 1337, as nanochat) and cut to max_per_task; only the lines
     kept are parsed, each at most MAX_ITEM bytes: a huge or deeply nested line is one line of
-    error, and the items a cut drops cost nothing but their split."""
+    error, and the items a cut drops cost nothing but their split. Parsed once per file and kind,
+    however many tasks list the file."""
+    key = (uri, kind, max_per_task)
+    if key in bundle._items:
+        return list(bundle._items[key])
     where = f"CORE bundle {bundle.path}: eval_data/{uri}"
-    # universal newlines, as nanochat reads the file
-    lines = [(n, line) for n, line in enumerate(bundle.read(f"eval_data/{uri}").splitlines(), 1)
-             if line.strip()]
-    if not lines:
-        raise ValueError(f"{where} holds no items")
-    random.Random(1337).shuffle(lines)  # the permutation nanochat applies to the parsed items
-    items = []
+    lines, items = task_lines(bundle, uri), []
     for n, line in lines[:max_per_task] if max_per_task else lines:
         if len(line) > MAX_ITEM:
             raise ValueError(f"{where} line {n} is {len(line):,} bytes, over the "
@@ -285,14 +358,16 @@ def read_items(bundle: Bundle, uri: str, kind: str, max_per_task: int | None = N
         if problem := item_problem(kind, item):
             raise ValueError(f"{where} line {n}: {problem} (a {kind} item)")
         items.append(item)
-    return items
+    bundle._items[key] = items
+    return list(items)
 
 
 def read_baselines(bundle: Bundle) -> dict:
     """{task label: random baseline in percent} from eval_meta_data.csv."""
     where = f"CORE bundle {bundle.path}: eval_meta_data.csv"
+    data = bundle.read("eval_meta_data.csv")
     try:
-        rows = list(csv.DictReader(io.StringIO(bundle.read("eval_meta_data.csv").decode("utf-8"))))
+        rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
         out = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
     except (UnicodeDecodeError, KeyError, TypeError, ValueError, csv.Error) as e:
         raise ValueError(f"{where} lacks a readable 'Eval Task' and numeric 'Random baseline' "
@@ -308,13 +383,17 @@ def task_configs(bundle: Bundle) -> list[dict]:
     import yaml  # the eval bundle's core.yaml; datasets and huggingface_hub need it too
 
     where = f"CORE bundle {bundle.path}: core.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, when built: 6x faster
     try:
-        config = yaml.safe_load(bundle.read("core.yaml").decode("utf-8"))
+        config = yaml.load(bundle.read("core.yaml").decode("utf-8"), Loader=loader)
     except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
         raise ValueError(f"{where} is not YAML ({one_line(e)})") from None
     tasks = config.get("icl_tasks") if isinstance(config, dict) else None
     if not (isinstance(tasks, list) and tasks and all(isinstance(t, dict) for t in tasks)):
         raise ValueError(f"{where} has no list of icl_tasks")
+    if len(tasks) > MAX_TASKS:
+        raise ValueError(f"{where} lists {len(tasks):,} tasks, over the {MAX_TASKS} an eval "
+                         f"bundle needs (CORE has {CORE_TASKS}): {USE}")
     for t in tasks:
         shots = t.get("num_fewshot")
         shots = shots[0] if isinstance(shots, list) and len(shots) == 1 else shots
@@ -335,7 +414,8 @@ def task_configs(bundle: Bundle) -> list[dict]:
 
 
 def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
-    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task."""
+    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task, each
+    item's prompts within MAX_PROMPT characters."""
     baselines, tasks = read_baselines(bundle), []
     for t in task_configs(bundle):
         if t["label"] not in baselines:
@@ -345,15 +425,50 @@ def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
         tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
                           t.get("continuation_delimiter", " "), baselines[t["label"]], items,
                           t["dataset_uri"]))
+        check_prompts(bundle, tasks[-1])
+    bundle._lines.clear()  # the split lines are not needed while the tasks are scored
     return tasks
+
+
+def prompt_chars(task: Task, idx: int) -> int:
+    """The characters of item idx's prompts (all options, with its few-shot examples), counted
+    from the fields' lengths as render() lays them out (at most that: render strips some)."""
+    item, d = task.items[idx], len(task.delimiter)
+    examples = fewshot(task.items, idx, task.shots) if task.shots else []
+    if task.kind == "multiple_choice":
+        head = sum(len(e["query"]) + d + len(e["choices"][e["gold"]]) + 2 for e in examples)
+        stem, options = len(item["query"]) + d, item["choices"]
+    elif task.kind == "schema":
+        head = sum(len(e["context_options"][e["gold"]]) + d + len(e["continuation"]) + 2
+                   for e in examples)
+        stem, options = d + len(item["continuation"]), item["context_options"]
+    else:
+        head = sum(len(e["context"]) + d + len(e["continuation"]) + 2 for e in examples)
+        stem, options = len(item["context"]) + d, ["", item["continuation"]]
+    return len(options) * (head + stem) + sum(map(len, options))
+
+
+def check_prompts(bundle: Bundle, task: Task) -> None:
+    """Each item's prompts, all of which are tokenized before the window crops them, within
+    MAX_PROMPT characters: few-shot examples and options multiply an item's size."""
+    for idx in range(len(task.items)):
+        if (n := prompt_chars(task, idx)) > MAX_PROMPT:
+            raise ValueError(f"CORE bundle {bundle.path}: task {task.label} (eval_data/"
+                             f"{task.uri}): an item's prompts, {task.shots}-shot, come to {n:,} "
+                             f"characters, over the {MAX_PROMPT:,} any eval item needs: "
+                             "shorten its items or lower its num_fewshot")
 
 
 # -- prompts and scoring ---------------------------------------------------------------------------
 def fewshot(items: list, idx: int, shots: int) -> list:
     """nanochat's pick: `shots` other items, seeded by the item's index (fewer when the task has
     fewer other items, as under a small --max-per-task)."""
-    others = [i for i in range(len(items)) if i != idx]
-    return [items[i] for i in random.Random(1234 + idx).sample(others, min(shots, len(others)))]
+    # nanochat samples from the list of the other indices; range(n - 1), each pick past idx
+    # shifted by one, is the same sequence to sample() (it reads only its length and entries)
+    # without building that list for every item
+    n = len(items) - 1
+    picks = random.Random(1234 + idx).sample(range(n), min(shots, n))
+    return [items[i + (i >= idx)] for i in picks]
 
 
 def render(task: Task, item: dict, examples: list) -> list[str]:

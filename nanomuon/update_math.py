@@ -264,8 +264,7 @@ def newton_schulz_settings(group: dict) -> NewtonSchulz:
 # state, options or needs). A muon group picks entries by name: `precondition` and `post_process`
 # a sequence, run in order; `orthogonalizer` and `apply` one name each. The optimizer allocates,
 # stacks, owns, saves and reshards what a stage's StateSpecs declare, and the option checks and
-# owner planning read its options and cost: to try an idea, write its function, register it and
-# name it in a variant (nanomuon/variants.py); docs/research.md walks through one.
+# owner planning read its options and cost. How to try an idea: README.md, "Trying an idea".
 
 
 class Option(NamedTuple):

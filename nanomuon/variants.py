@@ -3,12 +3,9 @@ Named optimizer variants: what `base_train --optimizer NAME` trains with and
 `scripts.ablate` compares.
 
 Each entry holds keyword arguments for GPT.setup_optimizer, and may name base_train's lr schedule
-(schedule=). To try an idea, add an entry: a new stage of the update is one function registered in
-update_math's registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS) and an entry
-naming it; then run `python -m scripts.ablate --variants muon,<yours>`. An entry that sets what a
-flag sets (an lr, weight_decay) overrides that flag, and base_train says so; --lr-multiplier still
-scales it. It lives here, not in the model file, so the model knows nothing of
-baselines.
+(schedule=). How to try an idea with a new entry: README.md, "Trying an idea". An entry that sets
+what a flag sets (an lr, weight_decay) overrides that flag, and base_train says so; --lr-multiplier
+still scales it. It lives here, not in the model file, so the model knows nothing of baselines.
 """
 
 from nanomuon.baselines import TorchMuonAdamW

@@ -27,12 +27,14 @@ import stat
 
 import torch
 
+from nanomuon.checkpoint import check_regular, read_regular
 from nanomuon.common import (
     DTYPES,
     compute_cleanup,
     compute_init,
     evaluate_bpb,
     get_base_dir,
+    one_line,
     print0,
     user_errors,
     wandb_key_problem,
@@ -47,6 +49,8 @@ from scripts.base_train import PROMPTS, claim_run_dir
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 KEYS = ("dataset", "text_column", "val_fraction")
+MAX_SUMMARY = 16 << 20  # bytes of summary.json read back (base_train writes a few KB)
+SUMMARY = "the summary base_train writes"
 
 
 def quoted(value) -> str:
@@ -210,10 +214,26 @@ def append_report(report, lines) -> None:
 
 
 
+def check_summary(summary) -> None:
+    """Exit now, before evaluating, if summary.json is there but no regular file (a FIFO would
+    hang the read that records CORE in it)."""
+    try:
+        check_regular(summary, SUMMARY, "remove it (base_eval adds CORE to it)")
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def put_headline(report, line: str) -> None:
     """Make the report open with CORE's line (right under its title), replacing an earlier one:
     the speedrun's result is the first thing a reader sees."""
-    lines = report.read_text().split("\n")
+    try:  # just appended to; a FIFO swapped in since would hang a plain read
+        text = read_regular(report, 1 << 30, "the report base_train writes").decode()
+    except (OSError, ValueError) as e:
+        print0(f"note: {report} is unreadable ({one_line(e)}); its CORE line stays in its section")
+        return
+    lines = text.split("\n")
     lines = [x for x in lines if not x.startswith(CORE_HEADLINE)]
     at = 1 if lines and lines[0].startswith("# ") else 0
     lines[at:at] = [CORE_HEADLINE + line]
@@ -223,13 +243,13 @@ def put_headline(report, line: str) -> None:
 def record_core(summary, core: dict) -> None:
     """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
     try:
-        record = json.loads(summary.read_text())
+        record = json.loads(read_regular(summary, MAX_SUMMARY, SUMMARY))
     except FileNotFoundError:
         print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
                "CORE is in the report only")
         return
     except (OSError, ValueError) as e:
-        print0(f"note: {summary} is unreadable ({e}); CORE is in the report only")
+        print0(f"note: {summary} is unreadable ({one_line(e)}); CORE is in the report only")
         return
     if not isinstance(record, dict):
         print0(f"note: {summary} is not a JSON object; CORE is in the report only")
@@ -243,8 +263,11 @@ def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
     anything else is ignored with a note)."""
     try:
-        wandb_id = json.loads(summary.read_text()).get("wandb_id")
-    except (OSError, ValueError, AttributeError):
+        wandb_id = json.loads(read_regular(summary, MAX_SUMMARY, SUMMARY)).get("wandb_id")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        print0(f"note: {summary} is unreadable ({one_line(e)}); logging to a new wandb run")
         return None
     if wandb_id is not None and not (isinstance(wandb_id, str)
                                      and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id)):
@@ -293,6 +316,8 @@ def measure(args, run_dir, rank: int, device) -> float | None:
     evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
     model, tokenizer, meta = load_for_inference(args, device)
     check_report(run_dir / "report.md")
+    if "core" in evals:
+        check_summary(run_dir / "summary.json")
     # runs from before --dtype autocast on CUDA only, as evaluate_bpb did
     dtype = args.dtype or meta["args"].get("dtype") or ("bf16" if device.type == "cuda" else "fp32")
     bpb, core, lines = None, None, []

@@ -7,11 +7,13 @@ not by the code under test. Also: the prompt layouts, the zip member and path ch
 recorded sha256, the offline error, and base_eval's report, summary.json and skip note.
 """
 
+import contextlib
 import csv
 import io
 import json
 import os
 import random
+import signal
 import time
 import urllib.error
 import zipfile
@@ -280,6 +282,167 @@ def test_a_bundle_is_bounded_in_what_it_reads_parses_and_nests(tmp_path, monkeyp
                                 "world_knowledge/lm.jsonl", "language_modeling", 1) == kept
 
 
+def test_a_task_file_is_bounded_in_lines_before_it_is_split(tmp_path, monkeypatch):
+    """Lines are counted as nanochat's universal newlines end them (\\n, \\r\\n, \\r; blank ones
+    too) before the file is split into a list: a file over MAX_LINES is one line of error, not
+    a tuple per line."""
+    monkeypatch.setattr(core_eval, "MAX_LINES", 4)
+    mixed = [json.dumps(i).encode() for i in LM]
+    files = dict(bundle_files(), **{"eval_data/world_knowledge/lm.jsonl":
+                                    mixed[0] + b"\r\n" + mixed[1] + b"\r" + mixed[2] + b"\n\n"})
+    assert len(load_tasks(Bundle(write_zip(tmp_path / "four.zip", files)))[2].items) == 3
+    files["eval_data/world_knowledge/lm.jsonl"] += b"\n"
+    with pytest.raises(ValueError, match=r"lm.jsonl has 5 lines, over the 4 any eval task needs"):
+        load_tasks(Bundle(write_zip(tmp_path / "five.zip", files)))
+
+
+def test_a_file_many_tasks_list_is_split_shuffled_and_parsed_once(tmp_path, monkeypatch):
+    many = CORE_YAML + "".join("-\n  label: mc_task\n  dataset_uri: world_knowledge/mc.jsonl\n"
+                               "  num_fewshot: [0]\n  icl_task_type: multiple_choice\n"
+                               for _ in range(30))
+    bundle = Bundle(write_zip(tmp_path / "many.zip", dict(bundle_files(),
+                                                         **{"core.yaml": many.encode()})))
+    seeds, parsed, real_random, real_loads = [], [], random.Random, json.loads
+
+    class Random(real_random):
+        def __init__(self, seed=None):
+            seeds.append(seed)
+            super().__init__(seed)
+
+    monkeypatch.setattr(core_eval.random, "Random", Random)
+    monkeypatch.setattr(core_eval.json, "loads", lambda s: parsed.append(s) or real_loads(s))
+    tasks = load_tasks(bundle)
+    monkeypatch.undo()
+    assert len(tasks) == 33 and seeds.count(1337) == 3  # one shuffle per file, not per task
+    assert len(parsed) == len(MC) + len(SCHEMA) + len(LM)
+    assert all(t.items == tasks[0].items for t in tasks[3:])
+    check_scores(evaluate_core(BigramStub(), CharTokenizer(), tasks[:3], torch.device("cpu")))
+
+
+def test_fewshot_samples_as_nanochat_does_without_listing_the_others():
+    """nanochat samples from the list of the other indices; the picks are the same, item by
+    item, for every task size and shot count."""
+    def nanochat(items, idx, shots):
+        others = [i for i in range(len(items)) if i != idx]
+        return [items[i] for i in random.Random(1234 + idx).sample(others, min(shots, len(others)))]
+
+    for n in (1, 2, 3, 21, 22, 60, 1000):
+        for shots in (0, 1, 5, 6, 10, 100):
+            assert all(fewshot(list(range(n)), idx, shots) == nanochat(list(range(n)), idx, shots)
+                       for idx in range(0, n, max(1, n // 25)))
+
+
+def test_an_item_s_options_and_prompts_are_bounded(tmp_path, monkeypatch):
+    """An item has at most MAX_OPTIONS options, and its prompts (an option each, each with the
+    few-shot examples) at most MAX_PROMPT characters: all are tokenized before any cropping."""
+    many = dict(query="q", choices=[f"c{i}" for i in range(core_eval.MAX_OPTIONS + 1)], gold=0)
+    files = dict(bundle_files(), **{"eval_data/world_knowledge/mc.jsonl":
+                                    (json.dumps(many) + "\n").encode()})
+    with pytest.raises(ValueError, match=r"mc.jsonl line 1: 'choices' has 101 options, over the "
+                                         r"100 any item has \(a multiple_choice item\)"):
+        load_tasks(Bundle(write_zip(tmp_path / "many.zip", files)))
+    tasks = load_tasks(Bundle(write_zip(tmp_path / "b.zip")))
+    for task in tasks:  # the count is what render() makes, at most (it strips lm contexts)
+        for idx, item in enumerate(task.items):
+            rendered = sum(map(len, render(task, item, fewshot(task.items, idx, task.shots))))
+            bound = core_eval.prompt_chars(task, idx)
+            assert bound == rendered if task.kind != "language_modeling" else bound >= rendered
+    largest = max(core_eval.prompt_chars(t, i) for t in tasks for i in range(len(t.items)))
+    monkeypatch.setattr(core_eval, "MAX_PROMPT", largest)
+    load_tasks(Bundle(tmp_path / "b.zip"))
+    monkeypatch.setattr(core_eval, "MAX_PROMPT", largest - 1)
+    with pytest.raises(ValueError, match=rf"task \w+ \(eval_data/[\w/]+.jsonl\): an item's "
+                                         rf"prompts, \d-shot, come to {largest:,} characters, "
+                                         r"over the [\d,]+ .*lower its num_fewshot"):
+        load_tasks(Bundle(tmp_path / "b.zip"))
+
+
+@pytest.mark.parametrize("name, item, message", [
+    ("mc", dict(query="q", choices=["", ""], gold=0), "'choices' holds an empty option"),
+    ("mc", dict(query="q", choices=["kkkk", ""], gold=0), "'choices' holds an empty option"),
+    ("mc", dict(query="q", choices=["ab", "ab", "ab"], gold=1), "'choices' are all the same"),
+    ("schema", dict(context_options=["", ""], continuation="c", gold=0),
+     "'context_options' holds an empty option"),
+    ("schema", dict(context_options=["a", "b"], continuation="", gold=0),
+     "'continuation' is empty"),
+    ("lm", dict(context="c", continuation=""), "'continuation' is empty")])
+def test_an_item_that_would_score_whatever_the_model_says_is_refused(tmp_path, name, item,
+                                                                       message):
+    """Empty options leave identical prompts, which tie, and a tie goes to the first option:
+    a bundle of such items scored CORE 1.0 with any model."""
+    path = next(k for k in bundle_files() if k.endswith(f"/{name}.jsonl"))
+    files = dict(bundle_files(), **{path: (json.dumps(item) + "\n").encode()})
+    with pytest.raises(ValueError, match=rf"{name}.jsonl line 1: {message}"):
+        load_tasks(Bundle(write_zip(tmp_path / "b.zip", files)))
+
+
+def test_core_yaml_and_eval_meta_data_are_bounded(tmp_path):
+    """Bounded in bytes before they are parsed (YAML parses at ~25 KB/s, a CSV row becomes a
+    dict), and core.yaml in tasks."""
+    for name, limit in (("core.yaml", core_eval.MAX_CONFIG),
+                        ("eval_meta_data.csv", core_eval.MAX_META)):
+        files = bundle_files()
+        files[name] += (b"# " if name == "core.yaml" else b"x,1\n") * (limit // 2)
+        for path in (write_zip(tmp_path / f"{name}.zip", files), write_folder(tmp_path / name,
+                                                                              files)):
+            with pytest.raises(ValueError, match=rf"{name} is over {limit:,} bytes, more than "
+                                                 "any eval bundle's .* needs: use nanochat's"):
+                load_tasks(Bundle(path))
+    extra = "".join("-\n  label: mc_task\n  dataset_uri: world_knowledge/mc.jsonl\n"
+                    "  num_fewshot: [0]\n  icl_task_type: multiple_choice\n"
+                    for _ in range(core_eval.MAX_TASKS - 2))
+    files = dict(bundle_files(), **{"core.yaml": (CORE_YAML + extra).encode()})
+    with pytest.raises(ValueError, match=r"core.yaml lists 101 tasks, over the 100 an eval "
+                                         r"bundle needs \(CORE has 22\)"):
+        load_tasks(Bundle(write_zip(tmp_path / "tasks.zip", files)))
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 30):
+    """A call that waits on a FIFO fails the test instead of hanging it."""
+    def stop(*_):
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_bundle_that_is_no_file_or_folder_or_a_loop_is_one_line(tmp_path):
+    """A FIFO or a device as the bundle, or as a file of a folder bundle, is refused at a stat,
+    never opened; a symlink loop in a folder bundle is one line, not a traceback."""
+    os.mkfifo(tmp_path / "fifo")
+    for path, kind in ((tmp_path / "fifo", "FIFO"), ("/dev/null", "character device"),
+                       ("/dev/zero", "character device")):
+        with no_hang(), pytest.raises(ValueError) as e:
+            Bundle(path)
+        assert str(e.value).startswith(f"CORE bundle {path} is a {kind}, not a zip file or a "
+                                       "folder: use nanochat's eval_bundle.zip (the zip, or a")
+        assert "place it at" not in str(e.value) and "\n" not in str(e.value)
+    folder = write_folder(tmp_path / "d")
+    (folder / "core.yaml").unlink()
+    os.mkfifo(folder / "core.yaml")
+    with no_hang(), pytest.raises(ValueError, match=r"core.yaml is a FIFO, not a file of an eval "
+                                                    "bundle: use nanochat's eval_bundle.zip"):
+        load_tasks(Bundle(folder))
+    folder = write_folder(tmp_path / "e")
+    target = folder / "eval_data/world_knowledge/mc.jsonl"
+    target.unlink()
+    os.symlink(folder / "loop", target)
+    os.symlink(target, folder / "loop")
+    with pytest.raises(ValueError, match=r"e: eval_data/world_knowledge/mc.jsonl cannot be "
+                                         r"followed \(\w+Error: "):
+        load_tasks(Bundle(folder))
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    with pytest.raises(ValueError, match=r"loop1 cannot be read \(OSError: .*Too many levels"):
+        Bundle(tmp_path / "loop1")
+
+
 # -- the base dir's bundle -------------------------------------------------------------------------
 @pytest.fixture
 def base_dir(tmp_path, monkeypatch):
@@ -300,6 +463,17 @@ def test_a_placed_zip_is_recorded_then_checked(base_dir):
         z.writestr("eval_bundle/extra.txt", b"changed")
     with pytest.raises(ValueError, match="is not the file recorded in eval_bundle.json"):
         find_bundle(None, fetch=False)
+
+
+def test_a_fifo_for_the_record_is_refused_in_one_line(base_dir):
+    base_dir.mkdir()
+    write_zip(base_dir / "eval_bundle.zip")
+    os.mkfifo(base_dir / "eval_bundle.json")
+    with no_hang(), pytest.raises(ValueError) as e:
+        find_bundle(None, fetch=False)
+    assert str(e.value) == (f"{base_dir / 'eval_bundle.json'} is a FIFO, not the record "
+                            "nanomuon writes: delete it and eval_bundle.zip to download the "
+                            "bundle again")
 
 
 def test_an_unzipped_bundle_in_the_base_dir_is_found(base_dir):
@@ -444,6 +618,38 @@ def test_base_eval_logs_core_into_the_training_wandb_run(base, tmp_path, monkeyp
     expected.update({f"eval/core/{k}": t["centered"] for k, t in summary["core_tasks"].items()})
     assert len(expected) == 4 and any(abs(v) > 0.1 for v in expected.values())
     assert {k: json.loads(logged[k]) for k in expected} == expected
+
+
+def test_base_eval_refuses_a_bundle_that_is_a_device_in_one_line(run):
+    with no_hang(), pytest.raises(SystemExit) as e:
+        base_eval("--eval", "core", "--core-bundle", "/dev/null")
+    assert str(e.value).startswith("error: CORE bundle /dev/null is a character device, not a "
+                                   "zip file or a folder: use nanochat's eval_bundle.zip (")
+    assert "place it at" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_fifo_for_summary_json_is_refused_before_core_is_evaluated(run, tmp_path, capsys):
+    """base_eval adds CORE to summary.json after evaluating: a FIFO there stops it before, in one
+    line; read for the wandb run's id, it is noted, not waited on."""
+    from scripts.base_eval import training_wandb_id
+
+    bundle = write_zip(tmp_path / "b.zip")
+    summary, report = run / "summary.json", (run / "report.md").read_text()
+    os.rename(summary, tmp_path / "summary.json")
+    os.mkfifo(summary)
+    try:
+        with no_hang(120), pytest.raises(SystemExit) as e:
+            base_eval("--eval", "core", "--core-bundle", str(bundle))
+        assert str(e.value) == (f"error: {summary} is a FIFO, not the summary base_train writes: "
+                                "remove it (base_eval adds CORE to it)")
+        assert (run / "report.md").read_text() == report and "CORE" not in capsys.readouterr().out
+        with no_hang():
+            assert training_wandb_id(summary) is None
+        assert f"note: {summary} is unreadable (ValueError: {summary} is a FIFO" in (
+            capsys.readouterr().out)
+    finally:
+        summary.unlink()
+        os.rename(tmp_path / "summary.json", summary)
 
 
 def test_base_eval_without_a_bundle_skips_core_in_one_line(run, capsys):

@@ -125,3 +125,139 @@ def test_the_license_is_the_declared_one():
 def test_benchmarks_hold_current_numbers_only():
     """benchmarks.md stays short (about 200 lines): today's numbers; their history is log.md's."""
     assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 220
+
+
+# Prose is read at nanochat's pace: its README averages about 22 words a sentence by this count.
+SENTENCE_WORDS = 24
+ARCHIVE = ROOT / "docs" / "archive"  # history kept for the record, which no reader has to read
+ABBREVIATIONS = re.compile(r"\b(e\.g|i\.e|et al|vs|cf|etc)\.", re.IGNORECASE)
+
+
+def sentences(text: str) -> list[str]:
+    """A page's prose as sentences: fenced code, headings, tables, images and HTML comments are
+    left out, and so are list items with no full stop or colon (labels, as table cells are); a code
+    span counts as one word and a link as its text; a paragraph or a list item ends a sentence,
+    as does . ! or ? before a space."""
+    text = re.sub(r"^ *```.*?^ *```[^\n]*$", "", text, flags=re.MULTILINE | re.DOTALL)
+    paragraphs, current = [], []
+    for line in text.splitlines():
+        s = line.strip()
+        item = re.match(r"([-*+]|\d+\.)\s+(.*)", s)
+        if not s or s.startswith(("#", "|", "![", "<")) or item:
+            paragraphs.append(" ".join(current))
+            current = ["\0" + item.group(2)] if item else []
+        else:
+            current.append(s)
+    paragraphs.append(" ".join(current))
+    out = []
+    for p in paragraphs:
+        p = re.sub(r"`[^`]*`", "code", p)
+        p = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", p)
+        p = ABBREVIATIONS.sub(r"\1", p)
+        if p.startswith("\0") and not re.search(r"[.!?:][\"')\]]*$|[.!?] ", p):
+            continue  # a list item with no full stop is a label, as a table's cell is
+        out += [s for s in re.split(r"(?<=[.!?])[\"')\]]*\s+", p.lstrip("\0")) if words(s)]
+    return out
+
+
+def words(sentence: str) -> int:
+    return sum(1 for w in sentence.split() if re.search(r"[A-Za-z0-9]", w))
+
+
+def pace(page: Path) -> tuple[float, float]:
+    """Words per sentence, and opening parentheses per 100 words, over a page's prose."""
+    found = sentences(page.read_text())
+    n = sum(words(s) for s in found)
+    return n / max(len(found), 1), 100 * sum(s.count("(") for s in found) / max(n, 1)
+
+
+def test_the_sentence_count_reads_prose_only():
+    text = ("# A heading of many words that are not a sentence at all\n\n"
+            "One two three. Four five `a long code span` six, e.g. seven.\n"
+            "- an item.\n- [a link](x.md) here (aside)!\n- a label\n\n| a | table |\n"
+            "```\nnot. read.\n```\n")
+    assert sentences(text) == ["One two three.", "Four five code six, e.g seven.", "an item.",
+                               "a link here (aside)!"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_sentences_are_short(page):
+    """Sentences average at most SENTENCE_WORDS words on every page but the archive's."""
+    length, parens = pace(page)
+    print(f"{page.relative_to(ROOT)}: {length:.1f} words a sentence, {parens:.1f} ( per 100 words")
+    assert length <= SENTENCE_WORDS, (
+        f"{page.relative_to(ROOT)}: sentences average {length:.1f} words (at most "
+        f"{SENTENCE_WORDS}): split the long ones")
+
+
+def measured(text: str) -> list[tuple[str, float, int]]:
+    """Each number in text as written, its value and its decimals (570k is 570,000 to the
+    thousand); commas are thousands."""
+    out = []
+    for m in re.finditer(r"(?<![\w.])(-?\d[\d,]*(?:\.(\d+))?)([kM]?)(?![\w-])", text):
+        scale = {"k": 1e3, "M": 1e6}.get(m.group(3), 1)
+        out.append((m.group(0), float(m.group(1).replace(",", "")) * scale,
+                    len(m.group(2) or "") - {1e3: 3, 1e6: 6}.get(scale, 0)))
+    return out
+
+
+def evidence(page: str) -> list[str]:
+    """A page cut where one measurement's numbers stay together: a paragraph or list item, or a
+    table row with the paragraph that introduces its table."""
+    out, intro, para = [], "", []
+    for line in page.splitlines() + [""]:
+        if line.startswith("|"):
+            out.append(intro + " " + line)
+            continue
+        if line.strip() and not line.startswith(("#", "- ")):
+            para.append(line)
+            continue
+        if para:
+            intro = " ".join(para)
+            out.append(intro)
+        para = [line] if line.startswith("- ") else []
+    return out
+
+
+def test_the_readme_quotes_benchmarks():
+    """Every number in the result column of the README's table of measured runs is one of
+    benchmarks.md's, rounded as the README rounds it, and all of a row's numbers are in one
+    paragraph or table row there (with the row's date on the page): the README quotes, and
+    benchmarks.md is where a number changes."""
+    text = README.read_text()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    blocks = [[v for _, v, _ in measured(b)] for b in evidence(bench)]
+    table = text[text.index("## What you get"):text.index("## The optimizer")]
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in table.splitlines()[4:] if line.startswith("|")]
+    wrong = []
+    for row in rows:
+        if not row[2]:
+            continue  # not yet measured
+        if row[2] not in bench:
+            wrong.append(f"{row[0]}: date {row[2]}")
+        quoted = measured(row[-1])
+        if not any(all(any(round(v, d) == round(x, d) for v in values) for _, x, d in quoted)
+                   for values in blocks):
+            wrong.append(f"{row[0]}: {row[-1]}")
+    assert rows and not wrong, f"README rows that docs/benchmarks.md does not hold: {wrong}"
+
+
+def test_the_stages_table_lists_every_registered_stage():
+    """docs/optimizer.md's Stages table names, per registry, every built-in entry and no other
+    (`equilibrate_row`, `_col` is equilibrate_row and equilibrate_col)."""
+    from nanomuon import update_math
+
+    page = (ROOT / "docs" / "optimizer.md").read_text()
+    section = page[page.index("### Stages"):]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4 and cells[1].strip("`").isupper():
+            names, prefix = set(), ""
+            for span in re.findall(r"`([^`]+)`", cells[3]):
+                if span.startswith("_"):
+                    span = prefix + span
+                prefix = span.split("_")[0]
+                names.add(span)
+            registry = getattr(update_math, cells[1].strip("`"))
+            assert names == set(registry), f"{cells[1]}: the table lists {sorted(names)}"
