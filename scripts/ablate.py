@@ -64,12 +64,13 @@ from nanomuon.budget import (
     read_plan,
     rounds,
 )
-from nanomuon.checkpoint import lock_run_dir, run_arg, unlock_run_dir
+from nanomuon.checkpoint import lock_run_dir, read_regular, run_arg, unlock_run_dir
 from nanomuon.common import (
     DTYPES,
     check_device_type,
     content_hashes,
     get_base_dir,
+    one_line,
     resolve_compile,
     resolve_dtype,
     user_errors,
@@ -317,7 +318,7 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
              + (f" at {steps} steps" if steps else ""))
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
-        return json.loads(path.read_text())
+        return read_json(path, "a record ablate cached")
     run = job.name(name, swept)
     summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seed",
                                    str(seed), "--data-seed", str(data_seed)], nproc, threads, cache)
@@ -325,6 +326,23 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
                   seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
     return record
+
+
+RECORD_BYTES = 1 << 26  # a summary.json or cached record of 32 batched seeds holds far less
+
+
+def read_json(path: Path, what: str):
+    """A JSON record read back, bounded (never a FIFO or a link): one that is not `what` ends
+    ablate in one line naming it."""
+    try:
+        data = read_regular(path, RECORD_BYTES, what, "remove it, and ablate runs it again")
+    except ValueError as e:  # it names the file and what it is
+        raise SystemExit(f"error: {e}") from None
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise SystemExit(f"error: {path} is not {what} ({one_line(e)}): remove it, and ablate "
+                         "runs it again") from None
 
 
 def trained(label: str, run: str, run_flags: list[str], nproc: int, threads: int,
@@ -335,7 +353,7 @@ def trained(label: str, run: str, run_flags: list[str], nproc: int, threads: int
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
-    return json.loads((get_base_dir() / "runs" / run / "summary.json").read_text())
+    return read_json(get_base_dir() / "runs" / run / "summary.json", "the summary base_train wrote")
 
 
 def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
@@ -372,7 +390,7 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
              + (f" at {steps} steps" if steps else ""))
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
-        records = json.loads(path.read_text())
+        records = read_json(path, "a record ablate cached")
         return {job: records[str(job.seed)] for job in jobs}
     run = first.name(name, swept, seeds[-1])
     summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seeds",
@@ -450,7 +468,8 @@ def calibration_round(flags: list[str], variants: list[str], jobs: int, threads:
     try:
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(one, range(jobs)))
-        summaries = [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+        summaries = [read_json(d / "summary.json", "the summary base_train wrote")
+                     for d in run_dirs]
     finally:
         done.set()
         for d in run_dirs:
@@ -1063,7 +1082,7 @@ def timed_runs(args, flags: list[str], train, runs_per_seed: int, jobs: int, thr
                       args.batch_seeds)
     spent = time.monotonic() - args.started
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        bound = float(json.loads(refused.read_text())["run_s"])
+        bound = float(json.loads(read_regular(refused, RECORD_BYTES))["run_s"])
         if (not args.budget_default and 0 < bound < math.inf
                 and n_rounds * bound > (args.budget - spent - WRITE_UP_S) * HEADROOM):
             raise SystemExit(budget_refusal(args.budget, n_rounds, bound, spent,
