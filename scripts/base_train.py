@@ -43,7 +43,6 @@ from nanomuon.common import (
     exit_unless_ranks_agree,
     get_base_dir,
     on_every_rank,
-    peak_flops,
     print0,
     resolve_compile,
     resolve_dtype,
@@ -58,6 +57,7 @@ from nanomuon.common import (
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, scaling_params
+from nanomuon.hardware import peak_flops
 from nanomuon.param_groups import fill_defaults
 from nanomuon.recipe import (
     NANOCHAT_REF_DEPTH,

@@ -794,7 +794,8 @@ def case_setup():
     peak_flops finds under each GPU's name."""
     import torch
 
-    from nanomuon.common import check_device_type, compute_init, peak_flops
+    from nanomuon.common import check_device_type, compute_init
+    from nanomuon.hardware import peak_flops
 
     fake_gpu()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
