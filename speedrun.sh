@@ -159,7 +159,7 @@ else
     echo "== speedrun (cpu miniature): d$DEPTH on $DATASET, $NPROC processes, run $RUN"
     if [ "$DATASET" = embedded ]; then python -m nanomuon.dataset --embedded; fi
     python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 4096 --max-chars 8000000
-    # each group's lr is the lr rule's at 4,096-token steps (nanomuon/gpt.py), where it was tuned
+    # each group's lr is the lr rule's at 4,096-token steps (nanomuon/recipe.py), where it was tuned
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" --device-type cpu \
         --depth "$DEPTH" --run "$RUN" --max-seq-len 256 --device-batch-size 8 --total-batch-size 4096 \
         --num-iterations 200 --eval-every 50 --eval-tokens 65536 --save-every 100 --warmdown-ratio 0.3 \

@@ -1,7 +1,7 @@
 """
 Plumbing shared by the library and the scripts: where files live (get_base_dir), atomic writes,
 files' content hashes (cached by their stamps), process group setup and teardown, device choice,
-rank-0 printing, peak FLOPs for MFU, and the bits-per-byte evaluation. Kept in one file so each
+rank-0 printing, and the bits-per-byte evaluation. Kept in one file so each
 script reads top to bottom.
 """
 
@@ -24,8 +24,12 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from nanomuon.sharded import DTensor
-from nanomuon.update_math import bf16_matmuls_fast
+from nanomuon.hardware import bf16_matmuls_fast
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed support: no DTensors to meet
+    DTensor = ()
 
 
 def get_base_dir() -> Path:
@@ -414,8 +418,8 @@ DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and 
 
 
 def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
-    """'auto' is bf16 where bf16 matmuls are fast (update_math.bf16_matmuls_fast, the optimizer's
-    rule), else fp32."""
+    """'auto' is bf16 where bf16 matmuls are fast (hardware.bf16_matmuls_fast, the rule Newton-Schulz's
+    'auto' precision follows too), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
@@ -438,23 +442,6 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
     elif device.type == "mps":  # step times and tok/s would otherwise time the queueing
         torch.mps.synchronize()
-
-
-# Dense bf16 tensor-core peak per GPU, from vendor data sheets. Most specific names first.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12), ("H200", 989e12),
-                   ("H100", 989e12), ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12),
-                   ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-                   ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
-                   ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("V100", 125e12)]
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is
-    then omitted, never guessed)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
 @torch.no_grad()

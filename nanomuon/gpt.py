@@ -4,8 +4,9 @@ The GPT that nanomuon trains: small, modern, and written to be read in one sitti
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
 biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention (or
 a flash attention kernel that use_attention() puts in its place: nanomuon.attention). The size
-follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer,
-with param_groups.classify deciding which params train with Muon.
+follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer:
+its param groups by role, param_groups.classify deciding which params train with Muon, each lr the
+one given or the lr rule's (nanomuon.recipe, which holds the rest of the training recipe).
 """
 
 import math
@@ -20,6 +21,7 @@ from nanomuon.attention import Attention, sdpa
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
+from nanomuon.recipe import WEIGHT_DECAY, rule_lrs
 from nanomuon.sharded import DTensor
 
 
@@ -68,55 +70,6 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
     n_head = n_embd // head_dim
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
-
-
-# Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with
-# fused attention (no T x T scores): per layer and unit of width, and per vocabulary entry (the
-# logits). Fitted to the peak RSS of training steps on CPU at d3 and d4 (d6 and d8 come out 1.2-1.3x
-# over, a 3.5 MB d2 0.83x under; tests/test_gpt.py checks the bound on CPU, tests/test_cuda.py on a
-# GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
-# compiled -> (per layer x width, per vocab entry)
-ACTIVATION_BYTES = {False: (50, 3), True: (36, 5)}
-
-
-def train_memory(config: GPTConfig, rows: int, compiled: bool = True,
-                 bf16: bool = True) -> dict[str, int]:
-    """Estimated peak bytes of training on one device with micro-batches of `rows` rows of
-    sequence_len tokens, by part: fp32 params and grads, the optimizer state (Muon momentum, AdamW
-    moments), the bf16 weight copies autocast makes, and the activations (what autograd keeps plus
-    backward's largest temporaries). A pure function of the sizes, so fit_device_batch can run
-    before anything is allocated. fp32 (bf16=False) counts activations twice."""
-    c = config
-    kv = c.n_kv_head * (c.n_embd // c.n_head)
-    matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)
-    vocab = c.vocab_size * c.n_embd  # the embedding and the lm_head each: AdamW
-    per_layer, per_vocab = ACTIVATION_BYTES[compiled]
-    per_token = (per_layer * c.n_layer * c.n_embd + per_vocab * c.vocab_size) * (1 if bf16 else 2)
-    return dict(params=4 * (matrices + 2 * vocab), grads=4 * (matrices + 2 * vocab),
-                # + Muon's per-row second moment
-                optimizer=4 * matrices + 4 * 12 * c.n_layer * c.n_embd + 16 * vocab,
-                bf16_copies=2 * (matrices + vocab) if bf16 else 0,
-                activations=rows * c.sequence_len * per_token)
-
-
-def fit_device_batch(config: GPTConfig, free_bytes: int, rows_per_step: int, cap: int = 32,
-                     compiled: bool = True, bf16: bool = True) -> int:
-    """The most rows per micro-batch, a power of two up to cap that divides rows_per_step (the
-    optimizer step's rows per process, so gradient accumulation makes up the rest), whose
-    train_memory fits in free_bytes less 1 GiB and 15% (the CUDA context, kernel workspaces,
-    allocator fragmentation). A ValueError that says what to change when not even one row fits."""
-    budget = 0.85 * free_bytes - 2 ** 30
-    rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
-    while rows > 1 and (rows_per_step % rows
-                        or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
-        rows //= 2
-    need = sum(train_memory(config, rows, compiled, bf16).values())
-    if need > budget:
-        raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer "
-                         f"model needs about {need / 2 ** 30:.1f} GiB, and "
-                         f"{free_bytes / 2 ** 30:.1f} GiB are free: lower --depth or "
-                         "--max-seq-len, or use a GPU with more memory (or --fsdp over several)")
-    return rows
 
 
 def norm(x):
@@ -304,158 +257,10 @@ def softcap_cross_entropy(logits, targets, cap: float, reduction: str = "mean",
     return SoftcapCrossEntropy.apply(logits, targets, cap, reduction, make_grad)[0]
 
 
-# The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
-# GPU, the adamw baseline): each group's lr at width 768 was measured at two batches, and the rule
-# joins them (docs/lr_rule.md).
-# - RULE_BATCH tokens per step: the CPU miniature's per-group sweep (RULE_LRS).
-# - NANOCHAT_BATCH: nanochat's recipe, tuned on its d12 at that batch, the one its leaderboard runs
-#   reached GPT-2's CORE with (NANOCHAT_LRS).
-# Between the two, each group's lr is the power law through both ends; above NANOCHAT_BATCH every
-# group's lr grows as sqrt(B / NANOCHAT_BATCH) (nanochat's rule, Muon's too: an assumption nanochat
-# states) and weight decay follows batch and horizon (training_recipe). Below RULE_BATCH nothing
-# was measured: the rule keeps the slope the CPU's sweeps at 2x and 4x its batch found
-# (CPU_EXPONENTS). Muon's lr is 0.02 at both ends, so the rule keeps it; in between it is not
-# (its best rises at 2-4x the CPU's batch): sweep it there.
-# - Width: AdamW's lrs scale as 1/sqrt(width / 768) (setup_optimizer; nanochat's rule). Muon's
-#   does not: its update is orthogonalized, so its size does not grow with the width.
-RULE_BATCH = 4096
-RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02,
-                scalar_lr=0.5)
-NANOCHAT_BATCH = 2 ** 19  # B_ref: nanochat's measured best batch at d12's horizon
-# nanochat's scripts/base_train.py defaults; its GPT trains no matrices with AdamW, so that group
-# keeps its CPU slope up to NANOCHAT_BATCH too. The CPU's scalar lr was never tuned (nanomuon's
-# GPT has no gains), so the rule holds nanochat's there.
-NANOCHAT_LRS = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5)
-CPU_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2, matrix_lr=0.0,
-                     scalar_lr=0.0)
-NANOCHAT_REF_DEPTH = 12  # the model whose horizon is D_ref
-NANOCHAT_TOKENS_PER_PARAM = 10.5  # its compute-optimal tokens per scaling param (scaling_params)
-POWER_LINES_EXPONENT = 0.383  # best batch grows as D^0.383 (Power Lines, arXiv 2505.13738)
-# Muon's weight decay at RULE_BATCH (the CPU's, never swept) and nanochat's at NANOCHAT_BATCH and
-# D_ref; in between the same power law as the lrs
-WEIGHT_DECAY = 0.2
-NANOCHAT_WEIGHT_DECAY = 0.28
-
-
-def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float:
-    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat), at
-    total_batch_size (between the two)."""
-    exponent = math.log(at_nanochat / at_rule) / math.log(NANOCHAT_BATCH / RULE_BATCH)
-    return at_rule * (total_batch_size / RULE_BATCH) ** exponent
-
-
-def rule_lrs(total_batch_size: int) -> dict[str, float]:
-    """Each group's lr at width 768 (setup_optimizer's arguments) for steps of total_batch_size
-    tokens: the CPU's below RULE_BATCH, the power law from it to nanochat's up to NANOCHAT_BATCH,
-    nanochat's sqrt scaling from there up."""
-    if total_batch_size < 1:
-        raise ValueError(f"the lr rule needs 1 or more tokens per step, got {total_batch_size}")
-    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
-    below = min(total_batch_size / RULE_BATCH, 1.0)
-    above = max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5
-    lrs = {}
-    for key, lr in RULE_LRS.items():
-        gpu = NANOCHAT_LRS.get(key, lr * (NANOCHAT_BATCH / RULE_BATCH) ** CPU_EXPONENTS[key])
-        lrs[key] = _between(lr, gpu, between) * below ** CPU_EXPONENTS[key] * above
-    return lrs
-
-
-def rule_weight_decay(total_batch_size: int) -> float:
-    """Muon's weight decay at total_batch_size tokens per step before training_recipe's horizon
-    scaling: WEIGHT_DECAY up to RULE_BATCH, the power law to nanochat's at NANOCHAT_BATCH, and
-    nanochat's sqrt(B / NANOCHAT_BATCH) above."""
-    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
-    return (_between(WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, between)
-            * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
-
-
-# Muon's lr and the run's length. The CPU rule was tuned at RULE_STEPS steps; in shorter runs
-# Muon's matrices do best at a higher lr while AdamW's lrs stay best (at 76 steps of RULE_BATCH
-# tokens: matrices at 2x, each other group at 1x; docs/research.md). ablate, whose budgets plan
-# short runs, trains them at short_run_matrix_lr.
-RULE_STEPS = 200
-SHORT_RUN_EXPONENT = 0.7  # 2x at 76 steps: (200 / 76) ** 0.7 = 1.97
-SHORT_RUN_FLOOR = 50  # fewer steps get 50's lr (2.6x): shorter is not training, just its start
-
-
-def short_run_matrix_lr(steps: int, total_batch_size: int) -> float:
-    """Muon's matrix lr for a run of `steps` steps of total_batch_size tokens (below
-    NANOCHAT_BATCH): the rule's, times (RULE_STEPS / steps) ** SHORT_RUN_EXPONENT when shorter
-    (steps at least SHORT_RUN_FLOOR)."""
-    if not 0 < total_batch_size < NANOCHAT_BATCH or steps < 1:
-        raise ValueError(f"short_run_matrix_lr is the CPU rule's, for 1 or more steps below "
-                         f"{NANOCHAT_BATCH:,} tokens; got {steps} steps of {total_batch_size:,}")
-    return (rule_lrs(total_batch_size)["matrix_lr"]
-            * max(1.0, RULE_STEPS / max(steps, SHORT_RUN_FLOOR)) ** SHORT_RUN_EXPONENT)
-
-
 def scaling_params(config: GPTConfig) -> int:
     """GPT.num_scaling_params of a model of this config, built on the meta device."""
     with torch.device("meta"):
         return GPT(config).num_scaling_params()
-
-
-# The lr schedule each regime was measured with: the CPU miniature's below NANOCHAT_BATCH;
-# nanochat's, tuned on d12 together with NANOCHAT_LRS and NANOCHAT_WEIGHT_DECAY, from there
-RECIPE_SCHEDULES = {False: dict(warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0),
-                    True: dict(warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)}
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What training_recipe chose, and why (one line per choice, for base_train to print)."""
-    total_batch_size: int
-    lrs: dict  # each group's lr at width 768, setup_optimizer's arguments
-    weight_decay: float
-    schedule: dict  # warmup_steps, warmdown_ratio, final_lr_frac
-    why: tuple[str, ...]
-
-
-def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | None = None,
-                    weight_decay: float | None = None) -> Recipe:
-    """Batch, lrs, Muon's weight decay and lr schedule for a run of `horizon` tokens, where
-    `ref_horizon` is nanochat's D_ref (the same tokens per scaling param at depth 12). A batch left
-    out is nanochat's: NANOCHAT_BATCH x (horizon / ref_horizon)^0.383, rounded to a power of 2. A
-    weight decay left out is rule_weight_decay's below NANOCHAT_BATCH; from there, nanochat's
-    NANOCHAT_WEIGHT_DECAY x sqrt(B / NANOCHAT_BATCH) x ref_horizon / horizon, which holds AdamW's
-    T_epoch (arXiv 2405.13698) under sqrt lr scaling."""
-    if horizon <= 0 or ref_horizon <= 0:
-        raise ValueError(f"training_recipe needs horizons > 0 tokens, got {horizon} and "
-                         f"{ref_horizon}")
-    why, given = [], weight_decay is not None
-    if total_batch_size is None:
-        predicted = NANOCHAT_BATCH * (horizon / ref_horizon) ** POWER_LINES_EXPONENT
-        total_batch_size = 2 ** max(0, round(math.log2(predicted)))
-        why.append(f"batch {total_batch_size:,} tokens/step: nanochat's 2^19 at d12's horizon "
-                   f"x (D / D_ref)^0.383 = {predicted:,.0f}, to a power of 2 (Power Lines)")
-    gpu = total_batch_size >= NANOCHAT_BATCH
-    scale = (total_batch_size / NANOCHAT_BATCH) ** 0.5
-    if weight_decay is None:
-        weight_decay = rule_weight_decay(total_batch_size)
-        if gpu:
-            weight_decay *= ref_horizon / horizon
-            why.append(f"weight decay {weight_decay:.4g}: nanochat's {NANOCHAT_WEIGHT_DECAY} x "
-                       f"sqrt(B / 2^19) x D_ref / D (a horizon of {horizon:,.0f} tokens, "
-                       f"{horizon / ref_horizon:.3g}x d12's), T_epoch held")
-    lrs = rule_lrs(total_batch_size)
-    shown = ", ".join(f"{name} {lrs[key]:.4g}" for name, key in (
-        ("embedding", "embedding_lr"), ("lm_head", "unembedding_lr"), ("Muon", "matrix_lr"),
-        ("scalars", "scalar_lr")))
-    why.append(f"lrs at width 768: {shown}: " + (
-        f"nanochat's at 2^19 x sqrt(B / 2^19) = {scale:.3g}" if gpu else
-        f"the lr rule's at {total_batch_size:,} tokens/step (the CPU's tuned at {RULE_BATCH:,}, "
-        "nanochat's at 2^19, a power law between)"))
-    lr = lrs["matrix_lr"]
-    if lr * weight_decay >= 1:  # each step would scale the weights by <= 0
-        if given:
-            raise ValueError(f"--weight-decay {weight_decay:g} x Muon's lr {lr:.3g} >= 1 would "
-                             "flip the weights' sign at every step: give a --weight-decay below "
-                             f"{1 / lr:.3g}")
-        raise ValueError(f"Muon's weight decay {weight_decay:.4g} x lr {lr:.3g} >= 1 would flip "
-                         f"the weights' sign: a horizon of {horizon:,.0f} tokens is too short for "
-                         f"{total_batch_size:,}-token steps; give --weight-decay, a smaller batch "
-                         "or a longer horizon")
-    return Recipe(total_batch_size, lrs, weight_decay, dict(RECIPE_SCHEDULES[gpu]), tuple(why))
 
 
 class GPT(nn.Module):

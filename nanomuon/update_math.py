@@ -1,5 +1,5 @@
 """
-The update math of Muon and AdamW, written once. Imports only torch.
+The update math of Muon and AdamW, written once. Imports only torch (and hardware.py's one rule).
 
 Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank
 owns, and sharded.py on DTensor params, which runs the three parts of a Muon step with
@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from nanomuon.hardware import bf16_matmuls_fast
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932): one quintic
 # (a, b, c) per iteration, computed for 5 iterations with safety factor 2e-2 and cushion 2.
@@ -70,8 +72,6 @@ COEFFICIENT_SETS = {
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
-# torch.cpu's probes of the CPU
-CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
 LR_SCALES = {
@@ -741,19 +741,9 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     p.addcdiv_(exp_avg, denom, value=-h.lr / bias1)
 
 
-def bf16_matmuls_fast(device) -> bool:
-    """Whether bf16 matmuls beat fp32 here: on CUDA, and on CPUs with AVX512-BF16 or AMX (2-5x their
-    fp32 rate); not on CPUs without them (20-100x slower than fp32), nor on MPS (not measured).
-    Hardware flags, not a timing probe, so every rank agrees. The one rule for Newton-Schulz's
-    'auto' precision and for training's autocast."""
-    kind = torch.device(device).type
-    return kind == "cuda" or kind == "cpu" and any(getattr(torch.cpu, f, lambda: False)()
-                                                   for f in CPU_BF16_FLAGS)
-
-
 def resolve_ns_precision(precision: str, device) -> str:
     """A group's ns_precision on this device: 'auto'
-    is bf16 where bf16 matmuls are fast, else fp32."""
+    is bf16 where bf16 matmuls are fast (hardware.bf16_matmuls_fast), else fp32."""
     if precision != "auto":
         return precision
     return "bf16" if bf16_matmuls_fast(device) else "fp32"

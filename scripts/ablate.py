@@ -77,7 +77,7 @@ from nanomuon.common import (
     write_atomic,
 )
 from nanomuon.dataset import SPLITS, list_shards
-from nanomuon.gpt import (
+from nanomuon.recipe import (
     NANOCHAT_BATCH,
     RULE_STEPS,
     SHORT_RUN_EXPONENT,
@@ -908,7 +908,7 @@ def given_flags(flags: list[str]) -> set[str]:
 
 def short_run_lrs(args, flags: list[str], train) -> list[str]:
     """flags, with Muon's matrix lr for runs of train.num_iterations steps (train: the flags
-    parsed; gpt.short_run_matrix_lr) when they are fewer than the lr rule was tuned at, said in a
+    parsed; recipe.short_run_matrix_lr) when they are fewer than the lr rule was tuned at, said in a
     line. Unchanged where that rule does not speak: --matrix-lr given or swept, a preset (its lrs
     were swept at its own steps), GPU-sized steps."""
     steps, batch = train.num_iterations, train.total_batch_size

@@ -43,7 +43,6 @@ from nanomuon.common import (
     exit_unless_ranks_agree,
     get_base_dir,
     on_every_rank,
-    peak_flops,
     print0,
     resolve_compile,
     resolve_dtype,
@@ -57,18 +56,16 @@ from nanomuon.common import (
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
-from nanomuon.gpt import (
-    GPT,
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth, scaling_params
+from nanomuon.hardware import peak_flops
+from nanomuon.param_groups import fill_defaults
+from nanomuon.recipe import (
     NANOCHAT_REF_DEPTH,
     NANOCHAT_TOKENS_PER_PARAM,
-    GPTConfig,
-    config_from_depth,
     fit_device_batch,
-    scaling_params,
     train_memory,
     training_recipe,
 )
-from nanomuon.param_groups import fill_defaults
 from nanomuon.report import (
     CORE_HEADLINE,
     CORE_KEYS,
@@ -122,7 +119,7 @@ def batch_arg(s: str):
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
     """--device-batch-size auto: on CUDA the most rows that fit the free memory
-    (gpt.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes up
+    (recipe.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes up
     --total-batch-size either way."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
@@ -147,7 +144,7 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     """The optimizer's flags: each group's lr (at width 768: GPT.setup_optimizer scales AdamW's as
-    1/sqrt(width); a flag left out takes the lr rule's value, nanomuon/gpt.py), weight decay, the
+    1/sqrt(width); a flag left out takes the lr rule's value, nanomuon/recipe.py), weight decay, the
     variant, and the lr schedule."""
     rule = "default: the lr rule's at --total-batch-size"
     p.add_argument("--embedding-lr", type=float, default=None,
@@ -563,7 +560,7 @@ def check_disk(run: Run) -> None:
 
 
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
-    """On a CPU, estimate training's memory (gpt.train_memory: params, grads, optimizer state,
+    """On a CPU, estimate training's memory (recipe.train_memory: params, grads, optimizer state,
     bf16 copies, activations; all of this machine's processes) before any of it is allocated:
     stop when it exceeds the free memory and swap (the OOM killer would end it, without a word,
     after minutes of climbing), warn when only swap holds it. GPUs: auto_device_batch."""
@@ -687,7 +684,7 @@ def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
 
 def plan_horizon(args, model: GPT) -> int:
     """The run's steps; a --total-batch-size, --weight-decay or schedule flag left out takes the
-    recipe's (gpt.training_recipe), written back into args (saved resolved, so a resume compares
+    recipe's (recipe.training_recipe), written back into args (saved resolved, so a resume compares
     like with like), and printed with the reason. As in nanochat, the recipe's horizon is always
     the data ratio's (its default when the steps come from another flag): a short
     --num-iterations check gets the batch, weight decay and schedule of the real run."""
@@ -1070,7 +1067,7 @@ def announce(run: Run) -> None:
     lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
                     for i, g in enumerate(run.optimizer.param_groups))
     print0(f"peak lrs: {lrs}, Muon weight decay {args.weight_decay:.4g} (each not given by a "
-           f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/gpt.py)")
+           f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/recipe.py)")
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "

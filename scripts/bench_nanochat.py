@@ -54,13 +54,13 @@ from nanomuon.attention import choose_attention
 from nanomuon.common import (
     autocast,
     one_line,
-    peak_flops,
     resolve_compile,
     resolve_dtype,
     synchronize,
 )
 from nanomuon.fp8 import MIN_CAPABILITY, check_fp8, convert_to_fp8
 from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.hardware import peak_flops
 from scripts.bench_optim import device_name
 
 SIDES = ("nanomuon", "nanochat")

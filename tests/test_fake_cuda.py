@@ -477,7 +477,7 @@ def case_autofit(world: str, activations: str = "0"):
     import torch
 
     from nanomuon.common import autocast, resolve_dtype
-    from nanomuon.gpt import fit_device_batch, train_memory
+    from nanomuon.recipe import fit_device_batch, train_memory
     from scripts.base_train import auto_device_batch, parse_args
 
     world, dev = int(world), torch.device("cuda")
@@ -794,7 +794,8 @@ def case_setup():
     peak_flops finds under each GPU's name."""
     import torch
 
-    from nanomuon.common import check_device_type, compute_init, peak_flops
+    from nanomuon.common import check_device_type, compute_init
+    from nanomuon.hardware import peak_flops
 
     fake_gpu()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):

@@ -1,7 +1,9 @@
 """
 The layout claims of the README, checked on the source: no import cycles between nanomuon modules
-(imports inside functions count), the update math imports only torch, sharded.py and plan.py never
-reach optim.py, the model file imports no baseline, every file says why it exists, no function runs over
+(imports inside functions count), each library file imports only files above it in the README's
+layout, the update math imports only torch and hardware.py, sharded.py and plan.py never reach
+optim.py, the model file imports no baseline, the plumbing (common.py) imports nothing from the
+optimizer, the recipe imports no other module, every file says why it exists, no function runs over
 80 lines, lines read at 100 columns, no comment cites an issue number, and every script prints its
 --help.
 """
@@ -39,6 +41,11 @@ def library_graph() -> dict[str, set[str]]:
     return graph
 
 
+def reaches(graph: dict[str, set[str]], m: str, seen=()) -> set[str]:
+    """Every module m imports, directly or through others."""
+    return set(graph[m]) | {x for d in graph[m] if d not in seen for x in reaches(graph, d, (*seen, m))}
+
+
 def test_no_import_cycles_lazy_imports_included():
     graph = library_graph()
     done, on_path = set(), []
@@ -68,17 +75,41 @@ def test_the_cycle_check_sees_lazy_imports(tmp_path, monkeypatch):
 
 
 def test_math_and_plan_stand_alone():
-    math_imports = {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "update_math.py")}
+    math_imports = {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "update_math.py")
+                    if not m.startswith("nanomuon.hardware")}
     assert math_imports <= {"torch", "typing", "collections", "contextlib", "functools", "math"}  # and stdlib
+    assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "hardware.py")} == {"torch"}
     assert not any(m.startswith("nanomuon") for m in imports(ROOT / "nanomuon" / "plan.py"))
     graph = library_graph()
 
-    def reaches(m, seen=()):
-        return set(graph[m]) | {x for d in graph[m] if d not in seen for x in reaches(d, (*seen, m))}
-
     for module in ("sharded", "plan", "update_math", "param_groups"):
-        assert "optim" not in reaches(module), f"{module}.py depends on optim.py"
-    assert "baselines" not in reaches("gpt"), "the model file imports an optimizer baseline"
+        assert "optim" not in reaches(graph, module), f"{module}.py depends on optim.py"
+    assert "baselines" not in reaches(graph, "gpt"), "the model file imports an optimizer baseline"
+
+
+OPTIMIZER = {"optim", "update_math", "sharded", "plan", "param_groups", "baselines", "variants",
+             "reference"}
+
+
+def test_the_plumbing_imports_nothing_from_the_optimizer():
+    """common.py sits below the optimizer: what both need (the bf16 rule) lives in hardware.py."""
+
+    found = reaches(library_graph(), "common") & OPTIMIZER
+    assert not found, f"common.py reaches {found}"
+
+
+def test_the_recipe_imports_no_model_and_no_optimizer():
+    """recipe.py is pure functions of sizes and token counts, which gpt.py reads for its default lrs."""
+    assert not library_graph()["recipe"], library_graph()["recipe"]
+
+
+def test_each_library_file_imports_only_files_above_it_in_the_readme():
+    """The README's layout lists the library bottom up: a reader meets no name before its file."""
+    listed = re.findall(r"^nanomuon/(\w+)\.py ", (ROOT / "README.md").read_text(), re.MULTILINE)
+    graph = library_graph()
+    assert set(listed) == set(graph) - {"__init__"}, set(graph) ^ set(listed)
+    late = {m: sorted(d for d in graph[m] if listed.index(d) > listed.index(m)) for m in listed}
+    assert not any(late.values()), {m: d for m, d in late.items() if d}
 
 
 def test_every_file_says_why_it_exists():

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanomuon.checkpoint import file_crc32, list_steps, load_checkpoint, save_checkpoint
-from nanomuon.gpt import rule_lrs
+from nanomuon.recipe import rule_lrs
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
@@ -735,7 +735,7 @@ def test_train_and_eval_make_no_float64_tensor(base, capsys, dtype):
 
 def test_device_batch_auto_is_32_rows_off_cuda(base, capsys):
     """--device-batch-size auto (the default) fits the free memory on CUDA (tests/test_cuda.py checks the estimate
-    there; tests/test_gpt.py the fit); on the CPU it is 32 rows, as the flag's default was."""
+    there; tests/test_recipe.py the fit); on the CPU it is 32 rows, as the flag's default was."""
     from scripts.base_train import main
 
     main([*TINY, "--device-batch-size", "auto", "--total-batch-size", "4096", "--num-iterations", "1", "--run", "auto"])
