@@ -1077,7 +1077,7 @@ def children_of(pid):
             for c in (task / "children").read_text().split()}
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_a_stopped_ablate_ends_its_runs_and_says_what_is_kept(base, sig):
     """SIGTERM, or SIGINT sent to ablate alone (not its process group), ends the base_train run it
     launched (never left training, holding the run's lock) and ablate says in one line what is kept,
