@@ -320,8 +320,9 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
         print(f"== {label}: cached ({path.name})", flush=True)
         return read_json(path, "a record ablate cached")
     run = job.name(name, swept)
-    summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seed",
-                                   str(seed), "--data-seed", str(data_seed)], nproc, threads, cache)
+    summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seed",
+                                          str(seed), "--data-seed", str(data_seed)],
+                      nproc, threads, cache)
     record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, value=value,
                   seed=seed)
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
@@ -345,11 +346,11 @@ def read_json(path: Path, what: str):
                          "runs it again") from None
 
 
-def trained(label: str, run: str, run_flags: list[str], nproc: int, threads: int,
-            cache: dict) -> dict:
-    """The summary.json of base_train --run `run` with run_flags, trained afresh: an uncached run
-    over an earlier one of the same name (other code, say) keeps the earlier one."""
-    launch(label, [*run_flags, "--run", run, "--start-over"], nproc, threads)
+def trained(label: str, flags: list[str], run: str, run_flags: list[str], nproc: int,
+            threads: int, cache: dict) -> dict:
+    """The summary.json of base_train with flags, --run `run` and run_flags, trained afresh: an
+    uncached run over an earlier one of the same name (other code, say) keeps the earlier one."""
+    launch(label, [*flags, "--run", run, *run_flags, "--start-over"], nproc, threads)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -393,9 +394,9 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
         records = read_json(path, "a record ablate cached")
         return {job: records[str(job.seed)] for job in jobs}
     run = first.name(name, swept, seeds[-1])
-    summary = trained(label, run, [*flags, "--optimizer", variant, f"--{swept}", value, "--seeds",
-                                   ",".join(map(str, seeds)), "--data-seed", str(data_seed)],
-                      nproc, threads, cache)
+    summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seeds",
+                                          ",".join(map(str, seeds)), "--data-seed",
+                                          str(data_seed)], nproc, threads, cache)
     shared = {k: summary[k] for k in KEPT if k in summary}
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
