@@ -46,10 +46,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from nanomuon.common import (
     DTYPES,
+    FILLED,
     exit_unless_ranks_agree,
+    filled,
     on_every_rank,
     one_line,
     size_str,
+    what_filled,
     write_atomic,
 )
 from nanomuon.gpt import GPT, GPTConfig
@@ -185,13 +188,14 @@ def alone() -> bool:
 
 @contextlib.contextmanager
 def _full_disk_kept():
-    """Re-raise a full disk as OSError(ENOSPC) itself: DCP pickles each rank's error to rank 0,
-    which drops the context where torch.save's RuntimeError ("unexpected pos") holds it."""
+    """Re-raise a full disk (or quota, or file-size limit) as that OSError itself: DCP pickles each
+    rank's error to rank 0, which drops the context where torch.save's RuntimeError ("unexpected
+    pos") holds it."""
     try:
         yield
     except Exception as e:
-        if getattr(e, "errno", None) != errno.ENOSPC and _no_space(e):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
+        if getattr(e, "errno", None) is None and (code := filled(e)):
+            raise OSError(code, os.strerror(code)) from e
         raise
 
 
@@ -227,9 +231,10 @@ def _causes(e: BaseException):
                  + [c for c in (e.__context__, e.__cause__) if c])
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether e, its context, or (DCP) any rank's failure is a full disk."""
-    return any(getattr(c, "errno", None) == errno.ENOSPC for c in _causes(e))
+def _no_room(e: BaseException) -> int | None:
+    """The FILLED errno (a full disk, quota or file-size limit) that e, its context, or (DCP) any
+    rank's failure is; None if none is."""
+    return next((c.errno for c in _causes(e) if getattr(c, "errno", None) in FILLED), None)
 
 
 def _interrupted(e: BaseException) -> bool:
@@ -347,22 +352,21 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_interrupted(error), _no_space(error), _one_line(error))]
+    outcome = [error and (_interrupted(error), _no_room(error), _one_line(error))]
     # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
     if not alone():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] and outcome[0][0]:  # the caller's Ctrl-C handling says where to resume from
         raise KeyboardInterrupt
-    if outcome[0] and outcome[0][1]:
-        kept = [s for s in list_steps(run_dir) if s != step]
-        kept = (f"the checkpoint of step {kept[-1]} is kept" if kept
-                else "there is no earlier checkpoint")
-        raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step "
-                      f"{step}; {kept} ({size_str(shutil.disk_usage(run_dir).free)} free): free "
-                      "some space, then resume with --resume-from-step latest")
-    if outcome[0]:
-        raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}")
-    return final
+    if not outcome[0]:
+        return final
+    kept = [s for s in list_steps(run_dir) if s != step]
+    kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
+    if code := outcome[0][1]:
+        what, fix = what_filled(code, run_dir)
+        raise OSError(code, f"{what} while saving step {step}; {kept}: {fix}, then resume with "
+                      "--resume-from-step latest")
+    raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}; {kept}")
 
 
 # What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
