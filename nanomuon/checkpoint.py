@@ -24,6 +24,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import pickle
@@ -211,14 +212,25 @@ class SafeWriter(dcp.FileSystemWriter):
             return super().finish(*args, **kwargs)
 
 
+def _no_index_logs(record: logging.LogRecord) -> bool:
+    """False for DCP's logs of an index it cannot read (with their tracebacks, on the root logger):
+    the error it raises next says so, and a step pruned while it is read is no error at all."""
+    return "metadata is not found" not in str(record.msg)
+
+
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     """dcp.save or dcp.load of tensors at d, without the warning DCP gives each
     time it runs in one process."""
     io = dict(storage_writer=SafeWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
+    root = logging.getLogger()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
-        return fn(tensors, no_dist=no_dist, **io)
+        root.addFilter(_no_index_logs)
+        try:
+            return fn(tensors, no_dist=no_dist, **io)
+        finally:
+            root.removeFilter(_no_index_logs)
 
 
 def _causes(e: BaseException):

@@ -467,3 +467,26 @@ def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys,
     assert meta["step"] == 2 and moved
     assert "note: step 3 was removed by the run saving there while it was read" in \
         capsys.readouterr().out
+
+
+def test_a_step_pruned_as_dcp_reads_it_logs_no_traceback(base, caplog, capsys, monkeypatch):
+    """DCP logs an index it cannot read, with its traceback, before it raises: a step pruned just
+    as its tensors are read gets load_model's one-line note and nothing else."""
+    run_dir = base / "runs" / "pruned-in-dcp"
+    run_main("--run", "pruned-in-dcp", "--num-iterations", "3", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    real = checkpoint.SafeReader.read_metadata
+
+    def pruned_as_read(self, *args, **kwargs):  # DCP's signature: it also tries a rank's index
+        if str(self.path) == str(step_dir(run_dir, 3)) and step_dir(run_dir, 3).exists():
+            shutil.move(step_dir(run_dir, 3), base / "pruned-in-dcp-3")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.SafeReader, "read_metadata", pruned_as_read)
+    capsys.readouterr()
+    with caplog.at_level("DEBUG"):
+        _, meta = checkpoint.load_model(run_dir, "latest", torch.device("cpu"))
+    out, err = capsys.readouterr()
+    assert meta["step"] == 2 and "Traceback" not in out + err, out + err
+    assert "note: step 3 was removed by the run saving there while it was read" in out, out
+    assert not [r for r in caplog.records if "metadata" in r.getMessage()], caplog.text
