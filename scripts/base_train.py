@@ -608,8 +608,12 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
                      "--resume-from-step latest, pick another --run, or pass --start-over to "
                      "move it into previous.N and train afresh")
         else:
-            aside = checkpoint.set_aside(run_dir, earlier, "previous")
-            print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+            try:
+                earlier += checkpoint.run_extras(run_dir)
+                aside = checkpoint.set_aside(run_dir, earlier, "previous")
+                print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+            except OSError as e:
+                error = f"--start-over cannot move the earlier run aside: {e.strerror}"
     exit_if_any_failed(error)
 
 
@@ -622,13 +626,15 @@ def set_aside_later_steps(run: Run, step: int) -> None:
     if run.rank == 0:  # the others wait for its word
         try:
             later = [s for s in checkpoint.list_steps(run.run_dir) if s > step]
+            # their exports too: models of another line than the steps this run will save
+            exports = [name for s, name in checkpoint.exports(run.run_dir).items() if s > step]
             results = results_after(run.run_dir, step)
-            if later or results[-1]:
-                aside = checkpoint.set_aside(
-                    run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
-                    f"rewound_from_step_{step}")
+            if later or exports or results[-1]:
+                names = [checkpoint.step_dir(run.run_dir, s).name for s in later] + exports
+                aside = checkpoint.set_aside(run.run_dir, names, f"rewound_from_step_{step}")
                 file_results_aside(run.run_dir, aside, step, results)
                 moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                    [", ".join(exports)] if exports else []) + (
                     [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
                     if results[-1] else [])
                 print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
