@@ -595,7 +595,7 @@ def muown_direction(grad: Tensor, ctx: StageContext) -> Tensor:
 def muown_apply(W: Tensor, u: Tensor, ctx: StageContext) -> None:
     """Muown's apply stage, on logical matrices: v = ||v|| W / g steps along the orthogonalized u
     by ctx.h.lr (the record's lr x direction_scale x sqrt(max(rows, cols)): lr_scale='spectral',
-    extra_scale=0.2), the gain by Adam (muown_betas, eps 1e-8, the group lr), then
+    extra_scale=0.2), the gain by Adam (muown_betas, eps 1e-8, the group lr x muown_gain_lr), then
     W = g v / ||v||. Then ||v|| follows the v-norm schedule, from its start to
     muown_v_norm_target as ((step - 1) / (horizon - 1))^muown_v_norm_power: a longer v turns less
     for the same step, so the angular step shrinks as the run goes on. No weight decay."""
@@ -606,7 +606,8 @@ def muown_apply(W: Tensor, u: Tensor, ctx: StageContext) -> None:
     m.lerp_(grad_gain, 1 - beta1)
     s2.mul_(beta2).addcmul_(grad_gain, grad_gain, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** ctx.step, 1 - beta2 ** ctx.step
-    gain.sub_(ctx.h.group_lr * (m / bias1) / ((s2 / bias2).sqrt() + 1e-8))
+    lr = ctx.h.group_lr * ctx.group["muown_gain_lr"]
+    gain.sub_(lr * (m / bias1) / ((s2 / bias2).sqrt() + 1e-8))
     norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-12)
     W.copy_((gain * v / norm).to(W.dtype))
     target = ctx.group["muown_v_norm_target"]
@@ -695,6 +696,7 @@ APPLIERS = {
         muown_v_norm_start=_row_spec(muown_row_norms), muown_gain_exp_avg=_row_spec(),
         muown_gain_exp_avg_sq=_row_spec()), reads=("muown_gain_grad",), options=dict(
         muown_betas=Option((0.9, 0.95), a_pair_of_betas, "Muown: Adam's betas on the gains"),
+        muown_gain_lr=Option(1.0, a_number, "Muown: the gains' lr as a factor on the group lr"),
         muown_v_norm_target=Option(2.496, none_or(a_number), "Muown: the row norm of v the "
                                    "schedule ends at (None: no schedule)"),
         muown_v_norm_power=Option(1.2, a_number, "Muown: the schedule's power")),

@@ -105,7 +105,7 @@ def muown_apply64(p, o, lr, decay, state, group):
     b1, b2 = group.get("muown_betas", (0.9, 0.95))
     state["m_g"] = b1 * state["m_g"] + (1 - b1) * state["dg"]
     state["v_g"] = b2 * state["v_g"] + (1 - b2) * state["dg"] ** 2
-    state["gain"] = state["gain"] - group["lr"] * (state["m_g"] / (1 - b1 ** k)) / (
+    state["gain"] = state["gain"] - group["lr"] * group.get("muown_gain_lr", 1.0) * (state["m_g"] / (1 - b1 ** k)) / (
         (state["v_g"] / (1 - b2 ** k)).sqrt() + 1e-8)
     target, T = group.get("muown_v_norm_target", 2.496), group["horizon"]
     if target is not None:
@@ -123,7 +123,7 @@ TECHNIQUES = {  # name -> the muon options of its variant
     "contra": dict(post_process=("contra", "variance_reduction")),
     # the record's step: lr x 0.2 x sqrt(max(rows, cols)); a v-norm target the schedule visibly moves to
     "muown": dict(precondition="muown", post_process=(), apply="muown", lr_scale="spectral", extra_scale=0.2,
-                  horizon=8, muown_v_norm_target=6.0),
+                  horizon=8, muown_v_norm_target=6.0, muown_gain_lr=0.5),
 }
 
 
@@ -593,6 +593,30 @@ def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--fsdp", "--optimizer", "muon-uw-floor", "--num-iterations", "1"])
     assert "post_process 'uw_floor' reads whole weight matrices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant,says", [
+    ("muon", "Muon weight decay 0.2"),
+    ("muon-muown", "Muon weight decay: not applied by --optimizer muon-muown's apply stage 'muown'"),
+    ("muon-hyperball", "Muon weight decay: not applied by --optimizer muon-hyperball's apply stage"),
+    ("adamw", "no Muon weight decay (--optimizer adamw trains no Muon group)"),
+    ("torch-muon", "Muon weight decay 0.2"),
+])
+def test_the_run_header_says_what_the_stages_use(variant, says):
+    """base_train's header names the weight decay only where a stage applies it, and each muon group's
+    stages, who keeps the momentum, and the horizon the stages see (the run's steps)."""
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts.base_train import muon_decay_words, optimizer_options, parse_args
+
+    args = parse_args(["--optimizer", variant, "--weight-decay", "0.2", "--num-iterations", "7",
+                       "--total-batch-size", "4096"])
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16))
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=7)
+    assert muon_decay_words(args, opt) == says or muon_decay_words(args, opt).startswith(says)
+    for group in (g for g in opt.param_groups if g.get("kind") == "muon" and "apply" in g):
+        assert group["horizon"] == 7
+        assert ("momentum kept by precondition 'muown'" in update_math.stages_used(group)) == (
+            variant == "muon-muown")
 
 
 @pytest.mark.slow
