@@ -1,13 +1,13 @@
 """
-The Muon update's stage registries (nanomuon/update_math.py) and four techniques from modded-nanogpt's
-optimization track added through them, each one function and one entry: SOAP-Muon (a stateful precondition
-stage), the u/w floor (post-process), MuonH (a stateful apply stage) and PowerCool (base_train's schedule).
+The Muon update's stage registries (nanomuon/update_math.py) and techniques from modded-nanogpt's optimization
+track added through them: SOAP-Muon (a stateful precondition stage), the u/w floor and ContraMuon (post-process),
+MuonH (a stateful apply stage), Muown (a precondition that owns the momentum and a logical apply stage sharing
+state with it, on the step and horizon) and PowerCool (base_train's schedule).
 
-Each update stage is held to a float64 re-derivation written here and run through reference.muon_step; at 2
-and 3 ranks DistMuonAdamW equals one device with bitwise identical ranks; a sharded checkpoint saved at one
-world size resumes at another as the run would have gone on; the FSDP2 path runs SOAP and refuses, in one
-line, the two stages that read whole weights, which FSDP2 keeps in blocks.
-"""
+Each update stage is held to a float64 re-derivation written here and run through reference.muon_step (Muown's
+on split and transposed layouts too); at 2 and 3 ranks DistMuonAdamW equals one device with bitwise identical
+ranks; a sharded checkpoint saved at one world size resumes at another as the run would have gone on; the FSDP2
+path runs SOAP and refuses, in one line, the stages that read whole weights, which FSDP2 keeps in blocks."""
 
 import math
 from pathlib import Path
