@@ -642,6 +642,26 @@ def test_compiled_stages_equal_eager():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_muown_equals_eager():
+    """Muown under torch.compile (its step a 0-D tensor, its apply stage block by block on a split matrix) takes
+    the eager steps."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        params = _model()
+        opt = MuonAdamW([dict(kind="muon", params=params[:5], ns_precision="fp32", **BASE, **TECHNIQUES["muown"]),
+                         dict(kind="muon", params=params[5:], ns_precision="fp32", split=(8, 8, 8), **BASE,
+                              **TECHNIQUES["muown"])], compile=compiled)
+        for step in range(3):
+            for p, g in zip(params, _mean_grads(step, 1)):
+                p.grad = g
+            opt.step()
+        runs.append(params)
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
 def _fsdp_checkpoint_worker(rank, world, path, mode):
     """A GPT under FSDP2 (every param a DTensor) training with SOAP: 'save' after 3 steps writes a sharded
     checkpoint (SOAP's state from each matrix's owner) and the whole state as the reference; 'load' reads it
