@@ -48,9 +48,9 @@ class TorchMuonAdamW:
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
     group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups
-    beta2=None (no variance reduction, as in torch); name, initial_lr and horizon ride along. ns_precision
-    'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16 where bf16
-    matmuls are fast, fp32 elsewhere."""
+    beta2=None (no variance reduction, as in torch); name, initial_lr and horizon ride along.
+    ns_precision 'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16
+    where bf16 matmuls are fast, fp32 elsewhere."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")

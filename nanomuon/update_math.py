@@ -627,8 +627,8 @@ def _muown_check(group: dict) -> str | None:
 
 
 def a_pair_of_betas(v):
-    ok = (isinstance(v, (tuple, list)) and len(v) == 2
-          and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v))
+    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
     return None if ok else "must be a pair of numbers in [0, 1)"
 
 
