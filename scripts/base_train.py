@@ -88,6 +88,7 @@ from nanomuon.seeds import (
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
+from nanomuon.update_math import applies_weight_decay, stages_used
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
@@ -865,7 +866,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
         for block in model.blocks:  # each block's params are gathered just before it runs
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = model.setup_optimizer(**optimizer_options(args, compiled))
+    optimizer = model.setup_optimizer(**optimizer_options(args, compiled), horizon=num_iterations)
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
     forward = SeedBatch(model) if args.seeds else model
@@ -943,8 +944,8 @@ def resume(run: Run) -> None:
                              + "; ".join(problems))
         # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...):
         # keep this run's, so a resume with new lrs uses them. lr and momentum follow the schedule
-        # at every step.
-        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
+        # at every step; the step count (StageContext.step) is the checkpoint's.
+        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum", "step")}
                  for g in run.optimizer.param_groups]
         # each rank reads its pieces
         checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
@@ -1046,6 +1047,19 @@ def where_to_resume(run: Run) -> str:
            "(--resume-from-step latest),"
 
 
+def muon_decay_words(args, optimizer) -> str:
+    """What the header says of Muon's weight decay: its value where a stage applies it, else that
+    the variant's stages do not (MuonH's and Muown's apply stages keep no decay)."""
+    muon = [g for g in optimizer.param_groups if g.get("kind") == "muon"]
+    if not muon:
+        return f"no Muon weight decay (--optimizer {args.optimizer} trains no Muon group)"
+    # torch-muon's groups (torch.optim.Muon) decay as 'decoupled' does
+    if all("apply" in g and not applies_weight_decay(g) for g in muon):
+        return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
+                f"{muon[0]['apply']!r}")
+    return f"Muon weight decay {args.weight_decay:.4g}"
+
+
 def announce(run: Run) -> None:
     """What is about to train, and (on request, rank 0) the wandb run."""
     args, run.peak_flops = run.args, peak_flops(run.device)
@@ -1056,8 +1070,10 @@ def announce(run: Run) -> None:
            "accumulation steps")
     lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
                     for i, g in enumerate(run.optimizer.param_groups))
-    print0(f"peak lrs: {lrs}, Muon weight decay {args.weight_decay:.4g} (each not given by a "
+    print0(f"peak lrs: {lrs}, {muon_decay_words(args, run.optimizer)} (each not given by a "
            f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/recipe.py)")
+    for group in (g for g in run.optimizer.param_groups if "apply" in g):
+        print0(f"Muon update ({group.get('name', 'muon')}): {stages_used(group)}")
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
