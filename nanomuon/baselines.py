@@ -48,9 +48,9 @@ class TorchMuonAdamW:
 
     param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
     group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups
-    beta2=None (no variance reduction, as in torch); name and initial_lr ride along. ns_precision
-    'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16 where bf16
-    matmuls are fast, fp32 elsewhere."""
+    beta2=None (no variance reduction, as in torch); name, initial_lr and horizon ride along.
+    ns_precision 'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16
+    where bf16 matmuls are fast, fp32 elsewhere."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -65,7 +65,7 @@ class TorchMuonAdamW:
                 raise ValueError(f"param group {i}: kind={kind!r}; set kind='muon' or kind='adamw'")
             allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
             dropped = {k for k in group
-                       if k not in allowed + ("params", "kind", "name", "initial_lr")
+                       if k not in allowed + ("params", "kind", "name", "initial_lr", "horizon")
                        and not (kind == "muon" and k in self.SAME_AS_TORCH
                                 and group[k] is self.SAME_AS_TORCH[k])}
             if dropped:

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import pickle
@@ -46,10 +47,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from nanomuon.common import (
     DTYPES,
+    FILLED,
     exit_unless_ranks_agree,
+    filled,
     on_every_rank,
     one_line,
     size_str,
+    what_filled,
     write_atomic,
 )
 from nanomuon.gpt import GPT, GPTConfig
@@ -202,13 +206,14 @@ def alone() -> bool:
 
 @contextlib.contextmanager
 def _full_disk_kept():
-    """Re-raise a full disk as OSError(ENOSPC) itself: DCP pickles each rank's error to rank 0,
-    which drops the context where torch.save's RuntimeError ("unexpected pos") holds it."""
+    """Re-raise a full disk (or quota, or file-size limit) as that OSError itself: DCP pickles each
+    rank's error to rank 0, which drops the context where torch.save's RuntimeError ("unexpected
+    pos") holds it."""
     try:
         yield
     except Exception as e:
-        if getattr(e, "errno", None) != errno.ENOSPC and _no_space(e):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
+        if getattr(e, "errno", None) is None and (code := filled(e)):
+            raise OSError(code, os.strerror(code)) from e
         raise
 
 
@@ -224,14 +229,25 @@ class SafeWriter(dcp.FileSystemWriter):
             return super().finish(*args, **kwargs)
 
 
+def _no_index_logs(record: logging.LogRecord) -> bool:
+    """False for DCP's logs of an index it cannot read (with their tracebacks, on the root logger):
+    the error it raises next says so, and a step pruned while it is read is no error at all."""
+    return "metadata is not found" not in str(record.msg)
+
+
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     """dcp.save or dcp.load of tensors at d, without the warning DCP gives each
     time it runs in one process."""
     io = dict(storage_writer=SafeWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
+    root = logging.getLogger()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
-        return fn(tensors, no_dist=no_dist, **io)
+        root.addFilter(_no_index_logs)
+        try:
+            return fn(tensors, no_dist=no_dist, **io)
+        finally:
+            root.removeFilter(_no_index_logs)
 
 
 def _causes(e: BaseException):
@@ -244,9 +260,10 @@ def _causes(e: BaseException):
                  + [c for c in (e.__context__, e.__cause__) if c])
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether e, its context, or (DCP) any rank's failure is a full disk."""
-    return any(getattr(c, "errno", None) == errno.ENOSPC for c in _causes(e))
+def _no_room(e: BaseException) -> int | None:
+    """The FILLED errno (a full disk, quota or file-size limit) that e, its context, or (DCP) any
+    rank's failure is; None if none is."""
+    return next((c.errno for c in _causes(e) if getattr(c, "errno", None) in FILLED), None)
 
 
 def _interrupted(e: BaseException) -> bool:
@@ -364,22 +381,21 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_interrupted(error), _no_space(error), _one_line(error))]
+    outcome = [error and (_interrupted(error), _no_room(error), _one_line(error))]
     # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
     if not alone():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] and outcome[0][0]:  # the caller's Ctrl-C handling says where to resume from
         raise KeyboardInterrupt
-    if outcome[0] and outcome[0][1]:
-        kept = [s for s in list_steps(run_dir) if s != step]
-        kept = (f"the checkpoint of step {kept[-1]} is kept" if kept
-                else "there is no earlier checkpoint")
-        raise OSError(errno.ENOSPC, f"no space left on the device of {run_dir} while saving step "
-                      f"{step}; {kept} ({size_str(shutil.disk_usage(run_dir).free)} free): free "
-                      "some space, then resume with --resume-from-step latest")
-    if outcome[0]:
-        raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}")
-    return final
+    if not outcome[0]:
+        return final
+    kept = [s for s in list_steps(run_dir) if s != step]
+    kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
+    if code := outcome[0][1]:
+        what, fix = what_filled(code, run_dir)
+        raise OSError(code, f"{what} while saving step {step}; {kept}: {fix}, then resume with "
+                      "--resume-from-step latest")
+    raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}; {kept}")
 
 
 # What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
@@ -433,8 +449,9 @@ def record_loop(run_dir: Path, step: int, loop: dict) -> None:
 def clean_run_dir(run_dir: Path) -> list[str]:
     """Clear what an interrupted save of ours left in run_dir (call it holding the lock):
     half-written checkpoints are deleted, a step whose re-save died between its two renames gets its
-    old checkpoint back. Only our exact names, and only directories that hold nothing but checkpoint
-    files: anything else is the user's. Returns one line per thing done."""
+    old checkpoint back, a set_aside stopped midway is finished. Only our exact names, and only
+    directories that hold nothing but checkpoint files (or set_aside's list): anything else is the
+    user's. Returns one line per thing done."""
     run_dir, done = Path(run_dir), []
     if not run_dir.is_dir():
         return done
@@ -451,6 +468,8 @@ def clean_run_dir(run_dir: Path) -> list[str]:
         elif ATOMIC_LEFTOVER.match(d.name) and (d.is_symlink() or d.is_file()):
             d.unlink()
             done.append(f"removed {d.name} left by an interrupted write")
+        elif (m := ASIDE.match(d.name)) and m.group(1) and d.is_dir() and not d.is_symlink():
+            done.append(finish_set_aside(run_dir, d))
     return done
 
 
@@ -470,32 +489,124 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
 
 
 RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
+EXPORT = re.compile(r"^export_step_(\d{6,})\.pt$")  # scripts/export.py's file of one step
+# set_aside's folders: previous.N (--start-over), rewound_from_step_S.N (a rewind); while it fills
+# one, .tmp_<that name>, holding MOVING: the entries that go in
+ASIDE = re.compile(r"^(\.tmp_)?((previous|rewound_from_step_\d+)\.(\d+))$")
+MOVING = ".moving.json"
+LIST_LEFTOVER = re.compile(re.escape(MOVING) + r"\.\d+\.tmp")  # write_atomic's, of MOVING
+
+
+def exports(run_dir: Path) -> dict[int, str]:
+    """step -> the name of its export_step_N.pt in run_dir."""
+    return {int(m.group(1)): m.group(0) for p in sorted(Path(run_dir).iterdir())
+            if (m := EXPORT.match(p.name))} if Path(run_dir).is_dir() else {}
+
+
+def _movable(name: str) -> bool:
+    """Whether set_aside moves entries so named: steps, results, exports, wandb's folder and
+    rewinds' folders (what a run leaves in its run dir, but for its lock and earlier runs)."""
+    m = ASIDE.match(name)
+    return bool(STEP_DIR.match(name) or name in RESULTS or EXPORT.match(name) or name == "wandb"
+                or (m and not m.group(1) and m.group(3) != "previous"))
 
 
 def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
-    """Move these entries of run_dir into a new folder run_dir/<tag>.<n> (the first free n), which
-    list_steps never sees: kept, out of the way of this line of training (rank 0, holding the
-    lock). Returns the folder."""
-    run_dir = Path(run_dir)
-    n = 1
-    while (run_dir / f"{tag}.{n}").exists():
+    """Move these entries of run_dir into a new folder run_dir/<tag>.<n>, which list_steps never
+    sees: kept, out of the way of this line of training (rank 0, holding the lock). n is the first
+    that nothing holds (not even a dangling link). They go into .tmp_<tag>.<n>, which lists them
+    (MOVING) and is renamed once all are in: a kill midway leaves a move that clean_run_dir
+    finishes. Returns the folder; an entry that does not move: OSError naming it, all put back."""
+    run_dir, n = Path(run_dir), 1
+    while any(os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")):
         n += 1
-    aside = run_dir / f"{tag}.{n}"
-    aside.mkdir()
-    for name in names:
-        os.replace(run_dir / name, aside / name)
+    moving = run_dir / f".tmp_{tag}.{n}"
+    try:
+        moving.mkdir()
+        write_atomic(moving / MOVING, lambda tmp: tmp.write_text(json.dumps(names)), sync=True)
+        _fsync(moving)
+    except OSError as e:
+        shutil.rmtree(moving, ignore_errors=True)
+        raise OSError(e.errno, f"cannot create {moving} ({e.strerror}); nothing was moved: make "
+                      f"{run_dir} writable and run again") from None
+    return _fill_aside(run_dir, moving, names)
+
+
+def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
+    """set_aside's moves into `moving` (those not made yet), then its rename."""
+    final = run_dir / moving.name[len(".tmp_"):]
+    try:
+        for name in names:
+            if os.path.lexists(run_dir / name):
+                os.replace(run_dir / name, moving / name)
+        tag, n = final.name.rsplit(".", 1)
+        while os.path.lexists(final):  # made since the move began
+            n = int(n) + 1
+            final = run_dir / f"{tag}.{n}"
+        os.replace(moving, final)
+    except OSError as e:
+        undone = (f"all is back in {run_dir} as it was" if _put_back(run_dir, moving, names)
+                  else f"what moved stays in {moving}: the next start tries again")
+        raise OSError(e.errno, f"{e.filename} does not move into {final.name} ({e.strerror}); "
+                      f"{undone}: make it movable (chattr -i, if lsattr shows it immutable) and "
+                      "run again") from None
+    (final / MOVING).unlink(missing_ok=True)
     _fsync(run_dir)
-    return aside
+    return final
+
+
+def _put_back(run_dir: Path, moving: Path, names: list[str]) -> bool:
+    """Undo a set_aside that failed: its entries back into run_dir, its folder gone; False if
+    something would not move back (its folder stays, with its list: the next start finishes)."""
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.path.lexists(moving / name) and not os.path.lexists(run_dir / name):
+                os.replace(moving / name, run_dir / name)
+    if any(os.path.lexists(moving / name) for name in names):
+        return False
+    shutil.rmtree(moving, ignore_errors=True)
+    return True
+
+
+def finish_set_aside(run_dir: Path, moving: Path) -> str:
+    """Finish a set_aside that was stopped midway (clean_run_dir), or clear its folder if it
+    stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
+    try:
+        with open(check_regular(moving / MOVING)) as f:
+            names = json.loads(f.read(1 << 24))
+    except (OSError, ValueError, RecursionError):
+        names = None
+    if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
+        # (the list's own temporary file: the move stopped as it was written)
+        if any(not LIST_LEFTOVER.fullmatch(p.name) for p in moving.iterdir()):
+            return f"note: left {moving} as it is: it holds no list of entries nanomuon wrote"
+        shutil.rmtree(moving)
+        return f"removed an empty {moving.name} left by a move that was stopped"
+    try:
+        final = _fill_aside(run_dir, moving, names)
+    except OSError as e:
+        raise ValueError(f"cannot finish a move of an earlier run that was stopped: "
+                         f"{e.strerror}") from None
+    return (f"finished moving the earlier run ({len(names)} entries) into {final}: the "
+            "--start-over or rewind that moved it was stopped midway")
 
 
 def earlier_run(run_dir: Path) -> list[str]:
-    """What a finished or stopped run left in run_dir: its checkpoints and results; ValueError if
-    a result is there but not a regular file (a FIFO would hang the run that reads it)."""
+    """What a finished or stopped run left in run_dir: its checkpoints, results and exports;
+    ValueError if a result is there but not a regular file (a FIFO would hang the run that reads
+    it)."""
     run_dir = Path(run_dir)
     results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
     for name in results:
         check_regular(run_dir / name)
-    return [step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
+    return ([step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
+            + list(exports(run_dir).values()))
+
+
+def run_extras(run_dir: Path) -> list[str]:
+    """What moves with an earlier run, but alone is none: wandb's folder and its rewinds'."""
+    return sorted(p.name for p in Path(run_dir).iterdir()
+                  if _movable(p.name) and (p.name == "wandb" or ASIDE.match(p.name)))
 
 
 def held_by(run_dir: Path, earlier: list[str]) -> str:
@@ -775,6 +886,23 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         raise _corrupt(d, e) from None
 
 
+def aside_steps(run_dir: Path) -> str:
+    """The checkpoints set_aside's folders in run_dir hold and the way to load one, for the line
+    that finds none in run_dir itself; '' if they hold none."""
+    if not Path(run_dir).is_dir():
+        return ""
+    held = sorted((int(m.group(4)), m.group(2), steps) for p in sorted(Path(run_dir).iterdir())
+                  if (m := ASIDE.match(p.name)) and not m.group(1) and (steps := list_steps(p)))
+    if not held:
+        return ""
+    said = [f"{name} holds step{'s' * (len(steps) > 1)} "
+            + (", ".join(map(str, steps)) if len(steps) < 7 else
+               f"{steps[0]}, ..., {steps[-1]} ({len(steps)})") for _, name, steps in held]
+    newest = step_dir(Path(run_dir) / held[-1][1], held[-1][2][-1])
+    return (f", but {'; '.join(said)} (set aside by --start-over or a rewind): move one back to "
+            f"load it (mv {newest} {run_dir}/)")
+
+
 def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple[int, dict]:
     """Pick a step number or 'latest' -> (step, meta), its meta and files checked
     (check_files). 'latest' falls back to the newest checkpoint that checks out, warn()ing
@@ -783,9 +911,9 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
     check_links(run_dir)
     steps = list_steps(run_dir)
     if not steps:
-        raise FileNotFoundError(f"no checkpoints in {run_dir}; check --run (and "
-                                "NANOMUON_BASE_DIR), or train one with "
-                                "`python -m scripts.base_train`")
+        raise FileNotFoundError(f"no checkpoints in {run_dir}" + (aside_steps(run_dir) or (
+            "; check --run (and NANOMUON_BASE_DIR), or train one with "
+            "`python -m scripts.base_train`")))
 
     def checked(s):
         meta = read_meta(step_dir(run_dir, s), meta_keys)

@@ -9,11 +9,13 @@ import atexit
 import contextlib
 import ctypes
 import datetime
+import errno
 import hashlib
 import json
 import math
 import netrc
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -128,6 +130,42 @@ def one_line(e: BaseException) -> str:
 
 def size_str(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.1f} MB"
+
+
+# the errors of a write that found no more room: a full disk, a spent quota, a file-size limit
+FILLED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def filled(e: BaseException) -> int | None:
+    """The FILLED errno that e is, or was raised while handling (torch.save's "unexpected pos"
+    holds the write's OSError as its context); None if neither."""
+    seen = 0
+    while e is not None and seen < 20:
+        if getattr(e, "errno", None) in FILLED:
+            return e.errno
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def what_filled(code: int, where: Path) -> tuple[str, str]:
+    """(what filled up, what to do about it), for a FILLED errno met while writing in `where`."""
+    if code == errno.EFBIG:
+        import resource  # Unix only, as EFBIG from a limit is
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit == resource.RLIM_INFINITY:
+            return (f"a file grew past the largest one the filesystem of {where} holds",
+                    "put it on another filesystem")
+        size = f"{limit:,} bytes" if limit < 1e6 else size_str(limit)
+        return (f"a file in {where} reached this process's file-size limit ({size}, ulimit -f)",
+                "raise the limit (ulimit -f unlimited)")
+    if code == errno.EDQUOT:
+        return f"the disk quota of {where} ran out", "free some space or raise the quota"
+    try:
+        free = f" ({size_str(shutil.disk_usage(where).free)} free now)"
+    except OSError:
+        free = ""
+    return f"no space left on the device of {where}", f"free some space{free}"
 
 
 @contextlib.contextmanager

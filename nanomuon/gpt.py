@@ -352,7 +352,8 @@ class GPT(nn.Module):
                         scalar_lr: float | None = None, weight_decay: float = WEIGHT_DECAY,
                         adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
-                        compile: bool | None = None, per_head: bool = False):
+                        compile: bool | None = None, per_head: bool = False,
+                        horizon: int | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         Each param gets the lr of its role at width 768: the one given, else the lr rule's
@@ -362,7 +363,8 @@ class GPT(nn.Module):
         AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
         attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
-        c_proj (a transposed split). nanomuon.variants names such choices."""
+        c_proj (a transposed split). horizon: the steps the run plans, which the Muon group's
+        stages read (ctx.horizon: a schedule's length). nanomuon.variants names such choices."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
@@ -377,8 +379,10 @@ class GPT(nn.Module):
             params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
         adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
         if matrix_optimizer == "muon":
-            matrix_group = dict(dict(kind="muon", lr=lr["matrix_lr"], momentum=0.95, ns_steps=5,
-                                     beta2=0.95, weight_decay=weight_decay), **(muon_options or {}))
+            matrix_group = {**dict(kind="muon", lr=lr["matrix_lr"], momentum=0.95, ns_steps=5,
+                                   beta2=0.95, weight_decay=weight_decay),
+                            **({} if horizon is None else dict(horizon=horizon)),
+                            **(muon_options or {})}
         elif muon_options or per_head:
             raise ValueError("muon_options and per_head need matrix_optimizer='muon': the matrices "
                              "train with one optimizer")

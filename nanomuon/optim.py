@@ -183,6 +183,9 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
         active = dict(zip(params, self._has_grad(params)))
+        for group in self.param_groups:  # StageContext.step: the same on every rank
+            if group["kind"] == "muon" and any(active[p] for p in group["params"]):
+                group["step"] += 1
         reductions = self._launch_reductions(buckets, active)  # 1: start every reduction
         gathers = []  # 2: group by group, wait, update what this rank owns, start the gathers
         for gi, group in enumerate(self.param_groups):
@@ -366,7 +369,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 whole, state = state, {name: t[sel] for name, t in state.items()}
             h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
             opts, update = muon_options(group, mine[0].device), kernel(muon_update, compiled)
-            for sl in self._slices(state["momentum_buffer"]):
+            for sl in self._slices(len(idx), mine[0]):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts)
             if not everyone:
                 for name, t in state.items():
@@ -411,21 +414,21 @@ class MuonAdamW(torch.optim.Optimizer):
             tensors = tuple(t.view(-1) for t in tensors)
         h = scalars(adamw_hparams(group, state["step"]), self.compiled)
         update = kernel(adamw_update, self.compiled)
-        for sl in self._slices(tensors[0]):
+        for sl in self._slices(len(tensors[0]), tensors[0][0]):
             update(*(t[sl] for t in tensors), h)
 
-    def _slices(self, lead: Tensor) -> list[slice]:
-        """The dim-0 slices an update of tensors like `lead` runs in: one on GPUs, slices of
-        <= CPU_SLICE elements on CPU.
+    def _slices(self, count: int, like: Tensor) -> list[slice]:
+        """The dim-0 slices an update of a stack of `count` tensors like `like` runs in: one on
+        GPUs, slices of <= CPU_SLICE elements on CPU.
 
         On CPU the update is compute- or bandwidth-bound either way, but temporaries above
         glibc's 32 MB mmap threshold are page-faulted afresh on every call (13% of a d12
         Muon step on a 2-core VM); small slices keep them in reusable heap memory. CUDA's
         caching allocator has no such cost."""
-        if lead.is_cuda or lead.numel() <= self.CPU_SLICE:
+        if like.is_cuda or count * like.numel() <= self.CPU_SLICE:
             return [slice(None)]
-        per = max(1, self.CPU_SLICE // lead[0].numel())
-        return [slice(i, i + per) for i in range(0, len(lead), per)]
+        per = max(1, self.CPU_SLICE // like.numel())
+        return [slice(i, i + per) for i in range(0, count, per)]
 
     def _muon_stacks(self, group: dict, params: list[Tensor]) -> dict:
         """name -> one stacked buffer per state these same-shape params keep, as the group now

@@ -195,6 +195,9 @@ MUON_OPTIONS = {
                            "per-query-group QKV layout"),
     "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor "
                          "and statistics follow the logical `(out, in)`"),
+    "horizon": Option(None, lambda v: None if v is None else update_math.a_count(v),
+                      "the steps the run plans, which stages read as `ctx.horizon` (a schedule's "
+                      "length); `GPT.setup_optimizer(horizon=)` and base_train set it"),
 }
 ADAMW_OPTIONS = {
     "momentum": Option(None, any_value, "set (by OneCycleLR or CyclicLR, say), it becomes "
@@ -202,8 +205,8 @@ ADAMW_OPTIONS = {
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
 # Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a
-# group.
-PASSIVE_KEYS = {"params", "kind", "name", "initial_lr"}
+# group; the optimizer counts a muon group's updates in 'step' (StageContext.step).
+PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "step"}
 
 
 def group_options(group: dict) -> dict:
@@ -231,6 +234,8 @@ def fill_defaults(group: dict) -> None:
         group.setdefault("apply", "cautious" if group.pop("cautious_wd", True) else "decoupled")
     for key, option in group_options(group).items():
         group.setdefault(key, option.default)
+    if group.get("kind") == "muon":
+        group.setdefault("step", 0)
 
 
 # muon keys that stage names replaced: fill_defaults() converts them
@@ -291,6 +296,20 @@ def check_group_values(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
     _check_coefficients(label, group)
     _check_layout(label, group)
+    _check_stages(label, group)
+
+
+def _check_stages(label: str, group: dict) -> None:
+    """What a stage's check says of the whole group (options that depend on each other), and
+    the step count the optimizer keeps."""
+    step = group.get("step", 0)
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise ValueError(f"{label}: step={step!r} must be an int >= 0 (the updates so far)")
+    filled = dict(group)
+    fill_defaults(filled)
+    for key, name, s in update_math.group_stages(filled):
+        if s.check is not None and (wrong := s.check(filled)):
+            raise ValueError(f"{label}: {key} {name!r}: {wrong}")
 
 
 def _check_coefficients(label: str, group: dict) -> None:
@@ -452,7 +471,7 @@ def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
             raise ValueError(f"{what} is {tuple(v.shape)} {v.dtype}, this group keeps "
                              f"{tuple(slot.shape)} {slot.dtype}; the checkpoint is from another "
                              "model or optimizer setup")
-    if st and "momentum_buffer" not in st:
+    if st and "momentum_buffer" in layout and "momentum_buffer" not in st:
         raise ValueError(f"{where} has state but no momentum_buffer; corrupt file?")
     if st and (missing := [name for name in kept if name not in st]):
         logger.warning("%s: no saved %s; the stage starts it afresh at the next step", where,

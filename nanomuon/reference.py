@@ -107,6 +107,13 @@ def variance_reduction(o: Tensor, p, g, state: dict, group: dict, *_) -> Tensor:
     return scaled * (torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(scaled))
 
 
+def _stage(stages: dict, slot: str, name: str):
+    """The float64 definition of stage `name` in `slot`: stages' 'slot:name' (for two slots'
+    stages of one name), its 'name', or the built-in one."""
+    fn = stages.get(f"{slot}:{name}", stages.get(name))
+    return fn if fn is not None else _builtin(name)
+
+
 def _names(value) -> list:
     return [value] if isinstance(value, str) else list(value or ())
 
@@ -114,7 +121,8 @@ def _names(value) -> list:
 def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | None = None) -> Tensor:
     """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p.
     state (a dict, empty at first) keeps the momentum and what the stages keep.
-    stages: name -> a float64 definition of a stage the group names that is not built in:
+    stages: name (or 'slot:name', where two slots' stages share a name) -> a float64 definition
+    of a stage the group names that is not built in:
     precondition f(x, p, g, state, group) -> x (p, g: this step's weight and raw gradient),
     orthogonalizer f(u, group) -> o, post-process f(o, p, g, state, group, u) -> o (u: what went
     into the orthogonalizer), apply f(p, o, lr, decay, state, group) -> new p."""
@@ -130,17 +138,17 @@ def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | Non
     state["buf"] = m * state.get("buf", torch.zeros_like(p)) + (1 - m) * g_l2
     u = (1 - m) * g_l2 + m * state["buf"] if group["nesterov"] else state["buf"]
     for name in _names(group["precondition"]):
-        u = (stages[name] if name in stages else _builtin(name))(u, p, g, state, group)
+        u = _stage(stages, "precondition", name)(u, p, g, state, group)
     o = orthogonalize(u, group).double()
     for name in _names(group["post_process"]):
-        o = (stages[name] if name in stages else _builtin(name))(o, p, g, state, group, u)
+        o = _stage(stages, "post_process", name)(o, p, g, state, group, u)
     rows, cols = o.shape
     lr = group["lr"] * LR_FACTORS[group["lr_scale"]](rows, cols) * group["extra_scale"]
     decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
     if group["weight_decay_mode"] == "l2":
         decay = 0.0
-    if group["apply"] in stages:
-        return stages[group["apply"]](p, o, lr, decay, state, group)
+    if (apply := stages.get(f"apply:{group['apply']}", stages.get(group["apply"]))) is not None:
+        return apply(p, o, lr, decay, state, group)
     mask = (o * p >= 0).double() if group["apply"] == "cautious" else 1.0
     if group["apply"] not in ("cautious", "decoupled"):
         raise ValueError(f"reference.muon_step has no float64 definition of apply "

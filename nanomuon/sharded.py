@@ -374,11 +374,16 @@ def _cut_slot(slot, p: DTensor, g: Tensor, mode: str):
 def check_sharded_stages(label: str, group: dict) -> None:
     """Refuse the stages the sharded path cannot run: those that read whole weights (the
     weights stay in blocks: only the momentum step, and the raw gradient where a stage needs
-    it, travel to a matrix's owner) and apply stages that keep state (apply runs on blocks)."""
+    it, travel to a matrix's owner), a stage that owns the momentum (it runs on blocks) and apply
+    stages that keep state (apply runs on blocks)."""
     for key, name, s in group_stages(group):
         if "weight" in s.needs:
             raise ValueError(f"{label}: {key} {name!r} reads whole weight matrices, which "
                              "sharded (FSDP2, tensor parallel) params keep in blocks; use it "
+                             "with plain (replicated) params")
+        if s.owns_momentum:
+            raise ValueError(f"{label}: {key} {name!r} owns the momentum, which the sharded "
+                             "(FSDP2, tensor parallel) path keeps on each rank's block; use it "
                              "with plain (replicated) params")
         if key not in CHAIN_KEYS and s.state:
             raise ValueError(f"{label}: {key} {name!r} keeps state, which the sharded (FSDP2, "

@@ -41,7 +41,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import content_hashes, get_base_dir, one_line, write_atomic
+from nanomuon.common import (
+    content_hashes,
+    filled,
+    get_base_dir,
+    one_line,
+    what_filled,
+    write_atomic,
+)
 from nanomuon.dataset import (
     DATASETS,
     MANIFEST,
@@ -142,8 +149,13 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
         if manifest_shards(d) is None:
             try:
                 _build(spec, source, d, text_column, val_fraction, slot)
-            except BaseException:  # bad input, Ctrl-C: leave no half-prepared folder behind
+            except BaseException as e:  # bad input, Ctrl-C: leave no half-prepared folder behind
                 shutil.rmtree(d, ignore_errors=True)
+                if isinstance(e, OSError) and (code := filled(e)):
+                    what, fix = what_filled(code, d.parent)
+                    raise ValueError(f"cannot prepare {spec}: {what}; the half-prepared {d.name} "
+                                     f"is removed and the source is untouched: {fix}, then run "
+                                     "again") from None
                 raise
         _remove_older(folder, d, slot)
     return name

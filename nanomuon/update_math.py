@@ -107,6 +107,8 @@ class MuonScalars(NamedTuple):
     wd: float  # weight_decay, for L2 mode's gradient term
     decay: float | Tensor  # lr * weight_decay, with the lr decay_lr names
     beta2: float  # variance reduction's EMA (0 when off)
+    step: float  # the group's updates so far, this one included (StageContext.step)
+    group_lr: float  # the group's lr, without its factor (an lr of a stage's own Adam, say)
 
 
 class AdamWScalars(NamedTuple):
@@ -297,8 +299,8 @@ def a_count(v):
 class StateSpec(NamedTuple):
     """Per-matrix state a stage keeps. shape(rows, cols): its shape for one (rows, cols) matrix (a
     precondition or post-process stage sees logical matrices: a split matrix's blocks, a transposed
-    one's (out, in); an apply stage the stored ones); dtype: at least this precision (fp64 params
-    keep fp64 state), None for the param's own; init: a number
+    one's (out, in); an apply stage the stored ones, unless it is a logical one); dtype: at least
+    this precision (fp64 params keep fp64 state), None for the param's own; init: a number
     to fill, or (apply stages) f(W) -> the value from the weights when first made; kept(group):
     whether this group keeps it (None: always)."""
     shape: Callable
@@ -309,30 +311,59 @@ class StateSpec(NamedTuple):
 
 class Stage(NamedTuple):
     """A registry entry. fn: precondition and post-process f(x, ctx) -> x, orthogonalize f(G,
-    group) -> U, apply f(params, u, ctx) -> None (in place); state: name -> StateSpec; options: its
-    own group keys -> Option; cost(rows, cols, group): FLOPs per matrix and step, which owner
-    planning adds to Newton-Schulz's; needs: what it reads beyond its input ('grad': the raw
-    gradient, 'weight': whole weight matrices), which sharded (DTensor) params do not carry to
-    their owner; on_slices: also right on the slices of sharded_mode='distributed' (its sums go
-    through sq_sum or summed); eager: it branches on state values, so its group runs uncompiled."""
+    group) -> U, apply f(params, u, ctx) -> None (in place); state: name -> StateSpec; reads:
+    names of state another stage of the group declares, which this one sees in ctx.state too
+    (one technique's stages sharing state); options: its own group keys -> Option; check(group):
+    None, or what is wrong with the group for this stage (options that depend on each other);
+    cost(rows, cols, group): FLOPs per matrix and step, which owner planning adds to
+    Newton-Schulz's; needs: what it reads beyond its input ('grad': the raw gradient, 'weight':
+    whole weight matrices), which sharded (DTensor) params do not carry to their owner;
+    on_slices: also right on the slices of sharded_mode='distributed' (its sums go through sq_sum
+    or summed); eager: it branches on state values, so its group runs uncompiled.
+    owns_momentum (a precondition): it keeps its own momentum, so the group keeps no
+    momentum_buffer and the stage's input is the gradient (with 'l2' mode's term).
+    logical (an apply stage): it runs on logical matrices, as the direction stages do, and its
+    state is per logical matrix, so a precondition or post-process may share it.
+    weight_decay (an apply stage): whether it applies the group's weight_decay."""
     fn: Callable
     state: dict = {}
+    reads: tuple = ()
     options: dict = {}
+    check: Callable | None = None
     cost: Callable | None = None
     needs: tuple = ()
     on_slices: bool = False
     eager: bool = False
+    owns_momentum: bool = False
+    logical: bool = False
+    weight_decay: bool = True
 
 
 class StageContext(NamedTuple):
     """What a stage reads besides the matrices it transforms (a stack of them: (..., rows, cols))."""
-    state: dict  # name -> tensor: each state this param keeps, stacked like the matrices
+    state: dict  # name -> tensor: the state this stage keeps and reads, stacked like the matrices
     h: MuonScalars  # this step's numbers
     group: dict  # the group's static options (muon_options), stage options included
     grad: Tensor | None = None  # the raw gradients, where a stage needs 'grad'
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
     # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
     ortho_input: Tensor | None = None
+
+    @property
+    def step(self):
+        """The group's updates so far, this one included (1 at the first), the same on every
+        rank; a 0-D tensor when compiled."""
+        return self.h.step
+
+    @property
+    def horizon(self) -> int | None:
+        """The steps the run plans (the group's horizon; base_train sets it), or None."""
+        return self.group.get("horizon")
+
+    def only(self, s: Stage) -> "StageContext":
+        """This context with the state stage s keeps or reads, and nothing else."""
+        return self._replace(state={n: t for n, t in self.state.items()
+                                    if n in s.state or n in s.reads})
 
 
 def sq_sum(x: Tensor, dims: tuple) -> Tensor:
@@ -536,6 +567,78 @@ def hyperball(params, u: Tensor, ctx: StageContext) -> None:
         p.mul_((r / frobenius(p).clamp_min(1e-10)).to(p.dtype))
 
 
+def muown_row_norms(w: Tensor) -> Tensor:
+    """Muown's gain and ||v|| at the start: each row's norm (fp32); a zero row (an output
+    projection) takes 1, a row's norm under nanomuon's init, std 1/sqrt(cols) (the record's
+    0.33^0.5 is its own init's)."""
+    norm = torch.linalg.vector_norm(fp32(w), dim=-1, keepdim=True)
+    return torch.where(norm > 1e-12, norm, torch.ones_like(norm))
+
+
+def muown_direction(grad: Tensor, ctx: StageContext) -> Tensor:
+    """Muown (arXiv 2605.10797; modded-nanogpt track 3, record 23), its precondition: each row of
+    W is a gain times a direction, W = g v / ||v||, u = W / g its unit rows. The gradient splits
+    into the gain's, dL/dg = sum_j dL/dW_ij u_ij, left for the apply stage (muown_gain_grad),
+    and the direction's, dL/dv = (g / ||v||) (dL/dW - u dL/dg), which gets Muon's momentum here
+    (the stage owns it: its input is the gradient) and goes on to the orthogonalizer."""
+    st = ctx.state
+    gain, v_norm, m = st["muown_gain"], st["muown_v_norm"], st["muown_momentum"]
+    u, G = fp32(ctx.weight) / gain, fp32(grad)
+    grad_gain = (G * u).sum(dim=-1, keepdim=True)
+    st["muown_gain_grad"].copy_(grad_gain)
+    grad_v = ((gain / v_norm) * (G - u * grad_gain)).to(m.dtype)
+    m.lerp_(grad_v, 1 - ctx.h.momentum)
+    return grad_v.lerp_(m, ctx.h.momentum) if ctx.group["nesterov"] else m
+
+
+def muown_apply(W: Tensor, u: Tensor, ctx: StageContext) -> None:
+    """Muown's apply stage, on logical matrices: v = ||v|| W / g steps along the orthogonalized u
+    by ctx.h.lr (the record's lr x direction_scale x sqrt(max(rows, cols)): lr_scale='spectral',
+    extra_scale=0.2), the gain by Adam (muown_betas, eps 1e-8, the group lr x muown_gain_lr), then
+    W = g v / ||v||. Then ||v|| follows the v-norm schedule, from its start to
+    muown_v_norm_target as ((step - 1) / (horizon - 1))^muown_v_norm_power: a longer v turns less
+    for the same step, so the angular step shrinks as the run goes on. No weight decay."""
+    st, (beta1, beta2) = ctx.state, ctx.group["muown_betas"]
+    gain, v_norm = st["muown_gain"], st["muown_v_norm"]
+    v = fp32(W) / gain * v_norm - fp32(u) * ctx.h.lr
+    grad_gain, m, s2 = st["muown_gain_grad"], st["muown_gain_exp_avg"], st["muown_gain_exp_avg_sq"]
+    m.lerp_(grad_gain, 1 - beta1)
+    s2.mul_(beta2).addcmul_(grad_gain, grad_gain, value=1 - beta2)
+    bias1, bias2 = 1 - beta1 ** ctx.step, 1 - beta2 ** ctx.step
+    lr = ctx.h.group_lr * ctx.group["muown_gain_lr"]
+    gain.sub_(lr * (m / bias1) / ((s2 / bias2).sqrt() + 1e-8))
+    norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-12)
+    W.copy_((gain * v / norm).to(W.dtype))
+    target = ctx.group["muown_v_norm_target"]
+    if target is not None:
+        span = ctx.horizon - 1
+        t = torch.as_tensor(1.0 if span < 1 else (ctx.step - 1) / span, dtype=torch.float64)
+        t = t.clamp(0, 1) ** ctx.group["muown_v_norm_power"]
+        start = st["muown_v_norm_start"]
+        v_norm.copy_(start + (target - start) * t.to(start.dtype))
+
+
+def _muown_check(group: dict) -> str | None:
+    if group["muown_v_norm_target"] is not None and group["horizon"] is None:
+        return ("Muown's v-norm schedule needs the run's length: set the group's horizon (steps; "
+                "GPT.setup_optimizer(horizon=), base_train sets it), or muown_v_norm_target=None")
+    return None
+
+
+def a_pair_of_betas(v):
+    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+    return None if ok else "must be a pair of numbers in [0, 1)"
+
+
+def none_or(check):
+    return lambda v: None if v is None else check(v)
+
+
+def _row_spec(init=0.0):
+    return StateSpec(lambda rows, cols: (rows, 1), init=init)
+
+
 def _soap_cost(rows: int, cols: int, group: dict) -> float:
     """Two rotations each way and the two covariances per step; a power iteration and a QR (or
     the first eigh) per side every precondition_frequency steps."""
@@ -558,6 +661,10 @@ PRECONDITIONERS = {
                      precondition_frequency=Option(10, a_count, "SOAP: steps between refreshes "
                                                    "of the eigenbases")),
         cost=_soap_cost, needs=("grad",), eager=True),
+    "muown": Stage(muown_direction, state=dict(
+        muown_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
+        muown_gain_grad=_row_spec()), reads=("muown_gain", "muown_v_norm"), needs=("weight",),
+        owns_momentum=True),
 }
 ORTHOGONALIZERS = {
     "auto": Stage(newton_schulz, on_slices=True),
@@ -581,7 +688,18 @@ APPLIERS = {
     "decoupled": apply_decoupled,
     "cautious": apply_cautious,
     "hyperball": Stage(hyperball, state=dict(hyperball_radius=StateSpec(
-        lambda rows, cols: (1, 1), init=hyperball_radius)), needs=("weight",)),
+        lambda rows, cols: (1, 1), init=hyperball_radius)), needs=("weight",),
+        weight_decay=False),
+    "muown": Stage(muown_apply, state=dict(
+        muown_gain=_row_spec(muown_row_norms), muown_v_norm=_row_spec(muown_row_norms),
+        muown_v_norm_start=_row_spec(muown_row_norms), muown_gain_exp_avg=_row_spec(),
+        muown_gain_exp_avg_sq=_row_spec()), reads=("muown_gain_grad",), options=dict(
+        muown_betas=Option((0.9, 0.95), a_pair_of_betas, "Muown: Adam's betas on the gains"),
+        muown_gain_lr=Option(1.0, a_number, "Muown: the gains' lr as a factor on the group lr"),
+        muown_v_norm_target=Option(2.496, none_or(a_number), "Muown: the row norm of v the "
+                                   "schedule ends at (None: no schedule)"),
+        muown_v_norm_power=Option(1.2, a_number, "Muown: the schedule's power")),
+        check=_muown_check, logical=True, weight_decay=False),
 }
 # group key -> its registry; precondition and post_process take a sequence of names
 STAGE_KEYS = {"precondition": PRECONDITIONERS, "orthogonalizer": ORTHOGONALIZERS,
@@ -610,19 +728,39 @@ def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
     return {need for key, _, s in group_stages(group) if key in keys for need in s.needs}
 
 
+def applies_weight_decay(group: dict) -> bool:
+    """Whether the group's weight_decay acts: in the gradient ('l2' mode), or through an apply
+    stage that decays (MuonH's and Muown's do not)."""
+    return group["weight_decay_mode"] == "l2" or stage("apply", group["apply"]).weight_decay
+
+
+def stages_used(group: dict) -> str:
+    """What a muon group's update runs, in one line: its stages by slot, and who keeps the
+    momentum and whether the weight decay acts (a run's header says it)."""
+    parts = [f"{key} {', '.join(names(group[key])) or 'none'}" for key in STAGE_KEYS]
+    owner = next((n for k, n, s in group_stages(group) if s.owns_momentum), None)
+    parts.append(f"momentum kept by precondition {owner!r}" if owner else "Muon's momentum")
+    if not applies_weight_decay(group):
+        parts.append(f"weight decay not applied (apply stage {group['apply']!r})")
+    return "; ".join(parts)
+
+
 def runs_eager(group: dict) -> bool:
     return any(s.eager for _, _, s in group_stages(group))
 
 
-def muon_momentum(grads: Tensor, momentum_buffer: Tensor, params, h: MuonScalars,
+def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: MuonScalars,
                   opts: dict) -> Tensor:
     """Muon's momentum step, elementwise (so it runs on shards too); returns what the direction
     stages take. weight_decay_mode 'l2' adds wd * params to the gradient first (L2
-    regularization) instead of decaying the weights after the update. `grads` may be
-    overwritten. params: stacked like grads, or a list of its matrices."""
+    regularization) instead of decaying the weights after the update. No momentum_buffer: a
+    precondition owns the momentum (Stage.owns_momentum) and takes the gradient itself. `grads`
+    may be overwritten. params: stacked like grads, or a list of its matrices."""
     if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
             g.add_(p * h.wd)
+    if momentum_buffer is None:
+        return grads
     momentum_buffer.lerp_(grads, 1 - h.momentum)
     return grads.lerp_(momentum_buffer, h.momentum) if opts["nesterov"] else momentum_buffer
 
@@ -638,7 +776,7 @@ def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
     """The update's direction from the momentum step g, on whole matrices: the group's
     precondition stages, its orthogonalizer, then its post-process stages (variance reduction by
-    default), in out_dtype.
+    default), in out_dtype. Each stage sees the state it keeps and reads (StageContext.only).
 
     Matrices stored (in, out) are worked on transposed; a split matrix is updated block by block,
     each exactly as a param of its own, its stage state a slice of the flat per-matrix state
@@ -649,20 +787,47 @@ def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tens
     if layout is not None:
         return _by_layout(g, ctx, out_dtype, layout)
     for name in names(opts["precondition"]):
-        g = stage("precondition", name).fn(g, ctx)
+        s = stage("precondition", name)
+        g = s.fn(g, ctx.only(s))
     u = stage("orthogonalizer", opts["orthogonalizer"]).fn(g, opts)
     u = u.to(out_dtype)  # the norms below would copy bf16 to fp32 anyway
     ctx = ctx._replace(ortho_input=g)
     for name in names(opts["post_process"]):
-        u = stage("post_process", name).fn(u, ctx)
+        s = stage("post_process", name)
+        u = s.fn(u, ctx.only(s))
     return u
 
 
-def direction_specs(group: dict) -> dict:
-    """name -> StateSpec of every state the group's precondition and post-process stages
-    declare (whether kept or not: see muon_state_layout)."""
-    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS
+def logical_specs(group: dict) -> dict:
+    """name -> StateSpec of every state kept per logical matrix: the precondition and
+    post-process stages' and a logical apply stage's (whether kept or not: see
+    muon_state_layout)."""
+    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.logical
             for name, spec in s.state.items()}
+
+
+def block_state(state: dict, specs: dict, shape, layout: Layout) -> list[dict]:
+    """Per-logical-matrix state (name -> stack) of stored matrices of `shape`, as one dict per
+    logical block: views of the flat state, block after block (muon_state_layout)."""
+    blocks = block_shapes(shape, layout)
+    if len(blocks) == 1:
+        return [dict(state)]
+    out = [{} for _ in blocks]
+    for name, t in state.items():
+        shapes = [specs[name].shape(*b) for b in blocks]
+        for b, piece in enumerate(t.split([math.prod(s) for s in shapes], dim=-1)):
+            out[b][name] = piece.view(*piece.shape[:-1], *shapes[b])
+    return out
+
+
+def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
+    """Views of t's logical blocks, (..., groups, n, cols) each (of t.mT when transposed); t may
+    also be per-row numbers of the stored matrix ((rows, 1), or (1, rows) transposed)."""
+    split, groups, transposed = layout
+    t = t.mT if transposed else t
+    if not split:
+        return [t.unsqueeze(-3)]
+    return list(t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2))
 
 
 def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tensor:
@@ -670,7 +835,7 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
     split, groups, transposed = layout
     plain = dict(ctx.group, split=None, qkv_split=None, transposed=False)
     mats = {k: getattr(ctx, k) for k in ("grad", "weight") if getattr(ctx, k) is not None}
-    specs = direction_specs(ctx.group)
+    specs = logical_specs(ctx.group)
     state = {name: t for name, t in ctx.state.items() if name in specs}
     if transposed:
         sub = ctx._replace(group=dict(plain, split=split, split_groups=groups), state=state,
@@ -686,16 +851,10 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
     # the rows are `groups` repeats of the blocks: views
     # (..., groups, n, cols), as matrices flattened
     u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
-    shapes = [{name: specs[name].shape(*b) for name in state}
-              for b in block_shapes(g.shape, layout)]
-    flat = {name: t.split([math.prod(s[name]) for s in shapes], dim=-1)
-            for name, t in state.items()}
-    views = {key: t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2)
-             for key, t in dict(mats, g=g, u=u).items()}
+    states = block_state(state, specs, g.shape, layout)
+    views = {key: logical_blocks(t, layout) for key, t in dict(mats, g=g, u=u).items()}
     for b in range(len(split)):
-        sub = ctx._replace(group=plain,
-                           state={name: flat[name][b].view(*flat[name][b].shape[:-1],
-                                                           *shapes[b][name]) for name in state},
+        sub = ctx._replace(group=plain, state=states[b],
                            **{key: views[key][b].flatten(-3, -2) for key in mats})
         m = views["g"][b].flatten(-3, -2)
         views["u"][b].copy_(muon_direction(m, sub, out_dtype).view_as(views["g"][b]))
@@ -706,8 +865,35 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
     """The group's apply stage: weight decay and the step, in place on params (stacked like u,
     or a list of its matrices: the model's own params, sparing a stack and a copy back); `u` may
     be overwritten. ctx.h.lr: the step (a number, or per row of a split matrix: see
-    muon_hparams); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2' mode)."""
-    stage("apply", ctx.group["apply"]).fn(params, u, ctx)
+    muon_hparams); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2' mode).
+    A logical apply stage gets the params stacked, as logical matrices (_apply_by_layout)."""
+    s = stage("apply", ctx.group["apply"])
+    ctx = ctx.only(s)
+    if not s.logical:
+        return s.fn(params, u, ctx)
+    W = params if isinstance(params, Tensor) else torch.stack(params)
+    layout = muon_layout(ctx.group)
+    if layout is None:
+        s.fn(W, u, ctx)
+    else:
+        _apply_by_layout(s, W, u, ctx, layout)
+    if not isinstance(params, Tensor):
+        torch._foreach_copy_(params, list(W.unbind(0)))
+
+
+def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: Layout) -> None:
+    """A logical apply stage on transposed or split matrices W: block by block, each as a plain
+    matrix with its own lr and state, written back into W."""
+    plain = dict(ctx.group, split=None, qkv_split=None, transposed=False)
+    states = block_state(ctx.state, logical_specs(ctx.group), W.shape, layout)
+    per_row = {k: logical_blocks(v, layout) for k, v in ctx.h._asdict().items()
+               if isinstance(v, Tensor) and v.dim() == 2}  # a split matrix's lr and decay
+    for b, (view, ub) in enumerate(zip(logical_blocks(W, layout), logical_blocks(u, layout))):
+        w = view.flatten(-3, -2)  # a copy where the block's rows repeat across groups
+        h = ctx.h._replace(**{k: v[b].flatten(-3, -2) for k, v in per_row.items()})
+        s.fn(w, ub.flatten(-3, -2), ctx._replace(group=plain, state=states[b], h=h))
+        if layout.split and layout.groups > 1:
+            view.copy_(w.view_as(view))
 
 
 def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
@@ -719,12 +905,13 @@ def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
     grads = torch.stack(grads) if isinstance(grads, list) else grads
     # the momentum step overwrites grads
     raw = grads.clone() if "grad" in stage_needs(opts) else None
-    g = muon_momentum(grads, state["momentum_buffer"], params, h, opts)
+    out_dtype = grads.dtype  # the params'
+    g = muon_momentum(grads, state.get("momentum_buffer"), params, h, opts)
     weight = None  # apply stages have the params themselves
     if "weight" in stage_needs(opts, CHAIN_KEYS):
         weight = params if isinstance(params, Tensor) else torch.stack(params)
     ctx = StageContext(state, h, opts, raw, weight)
-    u = muon_direction(g, ctx, state["momentum_buffer"].dtype)  # in the params' dtype
+    u = muon_direction(g, ctx, out_dtype)
     muon_apply(params, u, ctx)
 
 
@@ -783,14 +970,14 @@ def muon_hparams(group: dict, matrix_shape, device) -> MuonScalars:
     decay = 0.0 if group["weight_decay_mode"] == "l2" else decay  # it went into the gradient
     beta2 = group["beta2"] if group["beta2"] is not None else 0.0
     return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay,
-                       beta2=beta2)
+                       beta2=beta2, step=group.get("step", 0), group_lr=group["lr"])
 
 
 # What the math reads of a group: everything but the params, the per-step numbers
 # (MuonScalars), labels and the options only the sharded path reads, so groups that differ
 # in those share compiled graphs.
 NOT_MATH = ("params", "kind", "name", "initial_lr", "lr", "momentum", "weight_decay", "beta2",
-            "sharded_mode", "comm_precision")
+            "step", "sharded_mode", "comm_precision")
 
 
 def muon_options(group: dict, device) -> dict:
@@ -817,31 +1004,75 @@ class StateSlot(NamedTuple):
 
 def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
     """The state of a Muon param of `shape` and `dtype`, name -> StateSlot: the momentum like the
-    param, then what the group's stages keep: a precondition or post-process stage's per logical
-    matrix (a split matrix's blocks flat, one after another), an apply stage's per stored one.
-    declared: also the state a stage declares but this group does not keep now (kept(group) is
-    false: it is held for later), as a checkpoint may carry it."""
-    shape = tuple(shape)
-    out = {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
-    blocks = block_shapes(shape, muon_layout(group))
-    for key, stage_name, s in group_stages(group):
+    param (unless a precondition owns it), then what the group's stages keep: a precondition,
+    post-process or logical apply stage's per logical matrix (a split matrix's blocks flat, one
+    after another), another apply stage's per stored one. declared: also the state a stage
+    declares but this group does not keep now (kept(group) is false: it is held for later), as a
+    checkpoint may carry it."""
+    shape, stages = tuple(shape), group_stages(group)
+    check_shared_state(stages)
+    out = {} if owns_momentum(group) else {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
+    layout = muon_layout(group)
+    blocks = block_shapes(shape, layout)
+    for key, stage_name, s in stages:
         for name, spec in s.state.items():
             if spec.kept is not None and not spec.kept(group) and not declared:
                 continue
             if name in out:
                 raise ValueError(f"stage {stage_name!r} keeps state {name!r}, as another stage of "
                                  "this group does; give one of them another name")
-            if key not in CHAIN_KEYS:
+            init = spec.init
+            if key not in CHAIN_KEYS and not s.logical:
                 per = spec.shape(*shape[-2:])
-            elif callable(spec.init):
+            elif callable(spec.init) and key in CHAIN_KEYS:
                 raise ValueError(f"stage {stage_name!r}: only apply stages may initialize state "
                                  "from the weights; give its StateSpec a number as init")
             else:
                 per = ((sum(math.prod(spec.shape(*b)) for b in blocks),) if len(blocks) > 1
                        else spec.shape(*blocks[0]))
+                init = LogicalInit(init, layout) if callable(init) and layout else init
             precision = dtype if spec.dtype is None else torch.promote_types(dtype, spec.dtype)
-            out[name] = StateSlot((*shape[:-2], *per), precision, spec.init)
+            out[name] = StateSlot((*shape[:-2], *per), precision, init)
     return out
+
+
+def owns_momentum(group: dict) -> bool:
+    """Whether a precondition of the group keeps its own momentum (no momentum_buffer)."""
+    return any(s.owns_momentum for _, _, s in group_stages(group))
+
+
+def check_shared_state(stages: list) -> None:
+    """Refuse, in one line, stages that read state no other stage of the group declares or
+    declares in another layout (per stored matrix against per logical one), and momentum owned
+    by anything but the first precondition."""
+    keeper = {name: (stage_name, key in CHAIN_KEYS or s.logical)
+              for key, stage_name, s in stages for name in s.state}
+    for i, (key, stage_name, s) in enumerate(stages):
+        if s.owns_momentum and (key != "precondition" or i != 0):
+            raise ValueError(f"{key} {stage_name!r} owns the momentum, which only the first "
+                             "precondition may: its input is the gradient")
+        for name in s.reads:
+            if name not in keeper or name in s.state:
+                raise ValueError(f"{key} {stage_name!r} reads state {name!r}, which no other "
+                                 "stage of this group declares; name the stage that keeps it")
+            if keeper[name][1] != (key in CHAIN_KEYS or s.logical):
+                raise ValueError(f"{key} {stage_name!r} reads state {name!r}, which "
+                                 f"{keeper[name][0]!r} keeps per stored matrix; a state shared "
+                                 "with a direction stage needs a logical apply stage "
+                                 "(Stage(logical=True))")
+
+
+class LogicalInit(NamedTuple):
+    """A logical apply stage's init from the weights, on a stored matrix of `layout`: its value
+    for each logical block, flat, one after another (comparable, so layouts compare equal)."""
+    init: Callable
+    layout: Layout
+
+    def __call__(self, w: Tensor) -> Tensor:
+        parts = [self.init(b.flatten(-3, -2)) for b in logical_blocks(w, self.layout)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([t.reshape(*w.shape[:-2], -1) for t in parts], dim=-1)
 
 
 def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:

@@ -25,13 +25,23 @@ OPTIMIZER_VARIANTS = {
     # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate
     # (update_math.use_gram), and CPUs run fp16 matmuls at a few GFLOP/s
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
-    # five from modded-nanogpt's optimization track, each one stage (update_math) or schedule
+    # six from modded-nanogpt's optimization track, each one or two stages (update_math) or a
+    # schedule
     "muon-hyperball": dict(muon_options=dict(apply="hyperball")),  # MuonH, on NorMuon
     "muon-uw-floor": dict(muon_options=dict(post_process=("variance_reduction", "uw_floor"))),
     "muon-soap": dict(muon_options=dict(precondition="soap")),  # SOAP-Muon
     # ContraMuon (record 11): on any orthogonalizer, before variance reduction as published
     "muon-contra": dict(muon_options=dict(post_process=("contra", "variance_reduction"))),
     "muon-powercool": dict(schedule="powercool"),  # the lr schedule (base_train.SCHEDULES)
+    # Muown (record 23): rows as gain x direction, Muon on the direction (its momentum the
+    # precondition's own), Adam on the gain, the v-norm schedule over the run; no variance
+    # reduction, no weight decay. The record's lrs as factors on Muon's matrix lr (its 0.00325
+    # against its Muon's 0.02): the direction's step lr x 0.1625 x 0.2 x sqrt(max(rows, cols)),
+    # the gain's lr x 0.1625. Polar Express at nanomuon's 5 steps (the record runs 12), one
+    # v-norm target for every matrix (the record's mlp.proj takes 3.33x)
+    "muon-muown": dict(muon_options=dict(precondition="muown", post_process=(), apply="muown",
+                                         lr_scale="spectral", extra_scale=0.1625 * 0.2,
+                                         muown_gain_lr=0.1625)),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),
 }

@@ -88,6 +88,7 @@ from nanomuon.seeds import (
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
+from nanomuon.update_math import applies_weight_decay, stages_used
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
@@ -624,8 +625,12 @@ def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
                      "--resume-from-step latest, pick another --run, or pass --start-over to "
                      "move it into previous.N and train afresh")
         else:
-            aside = checkpoint.set_aside(run_dir, earlier, "previous")
-            print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+            try:
+                earlier += checkpoint.run_extras(run_dir)
+                aside = checkpoint.set_aside(run_dir, earlier, "previous")
+                print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+            except OSError as e:
+                error = f"--start-over cannot move the earlier run aside: {e.strerror}"
     exit_if_any_failed(error)
 
 
@@ -638,13 +643,15 @@ def set_aside_later_steps(run: Run, step: int) -> None:
     if run.rank == 0:  # the others wait for its word
         try:
             later = [s for s in checkpoint.list_steps(run.run_dir) if s > step]
+            # their exports too: models of another line than the steps this run will save
+            exports = [name for s, name in checkpoint.exports(run.run_dir).items() if s > step]
             results = results_after(run.run_dir, step)
-            if later or results[-1]:
-                aside = checkpoint.set_aside(
-                    run.run_dir, [checkpoint.step_dir(run.run_dir, s).name for s in later],
-                    f"rewound_from_step_{step}")
+            if later or exports or results[-1]:
+                names = [checkpoint.step_dir(run.run_dir, s).name for s in later] + exports
+                aside = checkpoint.set_aside(run.run_dir, names, f"rewound_from_step_{step}")
                 file_results_aside(run.run_dir, aside, step, results)
                 moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                    [", ".join(exports)] if exports else []) + (
                     [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
                     if results[-1] else [])
                 print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
@@ -875,7 +882,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
         for block in model.blocks:  # each block's params are gathered just before it runs
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = model.setup_optimizer(**optimizer_options(args, compiled))
+    optimizer = model.setup_optimizer(**optimizer_options(args, compiled), horizon=num_iterations)
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
     forward = SeedBatch(model) if args.seeds else model
@@ -953,8 +960,8 @@ def resume(run: Run) -> None:
                              + "; ".join(problems))
         # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...):
         # keep this run's, so a resume with new lrs uses them. lr and momentum follow the schedule
-        # at every step.
-        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum")}
+        # at every step; the step count (StageContext.step) is the checkpoint's.
+        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum", "step")}
                  for g in run.optimizer.param_groups]
         # each rank reads its pieces
         checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
@@ -1056,6 +1063,19 @@ def where_to_resume(run: Run) -> str:
            "(--resume-from-step latest),"
 
 
+def muon_decay_words(args, optimizer) -> str:
+    """What the header says of Muon's weight decay: its value where a stage applies it, else that
+    the variant's stages do not (MuonH's and Muown's apply stages keep no decay)."""
+    muon = [g for g in optimizer.param_groups if g.get("kind") == "muon"]
+    if not muon:
+        return f"no Muon weight decay (--optimizer {args.optimizer} trains no Muon group)"
+    # torch-muon's groups (torch.optim.Muon) decay as 'decoupled' does
+    if all("apply" in g and not applies_weight_decay(g) for g in muon):
+        return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
+                f"{muon[0]['apply']!r}")
+    return f"Muon weight decay {args.weight_decay:.4g}"
+
+
 def announce(run: Run) -> None:
     """What is about to train, and (on request, rank 0) the wandb run."""
     args, run.peak_flops = run.args, peak_flops(run.device)
@@ -1066,8 +1086,10 @@ def announce(run: Run) -> None:
            "accumulation steps")
     lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
                     for i, g in enumerate(run.optimizer.param_groups))
-    print0(f"peak lrs: {lrs}, Muon weight decay {args.weight_decay:.4g} (each not given by a "
+    print0(f"peak lrs: {lrs}, {muon_decay_words(args, run.optimizer)} (each not given by a "
            f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/recipe.py)")
+    for group in (g for g in run.optimizer.param_groups if "apply" in g):
+        print0(f"Muon update ({group.get('name', 'muon')}): {stages_used(group)}")
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "

@@ -77,3 +77,42 @@ def test_an_interrupt_inside_a_save_is_an_interrupt(base):
         f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, 2)} (continue with "
         "--resume-from-step latest)"), p.stdout[-2000:]
     assert sorted(os.listdir(run_dir)) == ["step_000002"]
+
+
+# base_train, under a file-size limit (ulimit -f) from its second save on; SIGXFSZ ignored (as
+# Python does), so a write past the limit fails with EFBIG
+LIMITED_SAVE = textwrap.dedent("""
+    import resource, signal, sys
+    from nanomuon import checkpoint
+    from scripts.base_train import main
+
+    saves, save = [], checkpoint.save_checkpoint
+
+    def limited(*args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            limit = int(sys.argv[1])
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return save(*args, **kwargs)
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    checkpoint.save_checkpoint = limited
+    main(sys.argv[2:])
+""")
+
+
+def test_a_file_size_limit_at_a_save_is_named_and_keeps_the_last_checkpoint(base):
+    """A save that reaches the file-size limit (which torch reports as "unexpected pos") stops the
+    run with one line that says so, keeps the checkpoint before it, and leaves nothing
+    half-written: as a full disk does."""
+    name, limit = "limited", 1000
+    run_dir = base / "runs" / name
+    flags = [*TINY, "--total-batch-size", "256", "--eval-every", "-1", "--num-iterations", "4",
+             "--save-every", "2", "--run", name]
+    p = subprocess.run([sys.executable, "-c", LIMITED_SAVE, str(limit), *flags], cwd=REPO,
+                       env=child_env(base), capture_output=True, text=True, timeout=300)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr
+    assert f"file-size limit ({limit:,} bytes, ulimit -f) while saving step 4" in last, last
+    assert "the checkpoint of step 2 is kept" in last and "ulimit -f unlimited" in last, last
+    assert sorted(os.listdir(run_dir)) == ["step_000002"]

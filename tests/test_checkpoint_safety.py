@@ -6,15 +6,20 @@ left, old checkpoints are pruned, the final checkpoint is saved before the final
 print as skipped, and base_eval's report sections survive a resumed base_train.
 """
 
+import errno
 import json
 import os
 import pickle
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from test_bad_input import GOOD
+from test_train import REPO, child_env
 
 from nanomuon import checkpoint
 from nanomuon.checkpoint import (
@@ -254,14 +259,19 @@ def test_a_rewind_keeps_the_abandoned_steps_aside_and_prunes_only_its_own(base, 
              "--keep-checkpoints", "-1")
     run_main(*flags[:-1], "-1")
     later = {s: file_crc32(step_dir(run_dir, s) / "meta.json") for s in (3, 4, 5, 6)}
+    for s in (2, 6):  # scripts.export's files: step 6's is a model of the abandoned line
+        (run_dir / f"export_step_{s:06d}.pt").write_bytes(b"export")
     capsys.readouterr()
     run_main(*flags[:-2], "--keep-checkpoints", "2", "--resume-from-step", "2",
              "--num-iterations", "6")
     out = capsys.readouterr().out
-    assert "moved the later steps 3, 4, 5, 6 into" in out, out
+    assert "moved the later steps 3, 4, 5, 6 and export_step_000006.pt into" in out, out
     assert list_steps(run_dir) == [5, 6]  # the new line's newest two
     aside = run_dir / "rewound_from_step_2.1"
     assert {s: file_crc32(step_dir(aside, s) / "meta.json") for s in list_steps(aside)} == later
+    assert (aside / "export_step_000006.pt").is_file()
+    assert (run_dir / "export_step_000002.pt").is_file()
+    assert not (run_dir / "export_step_000006.pt").exists()
 
 
 def test_a_resume_keeps_what_base_eval_wrote(base):
@@ -467,3 +477,126 @@ def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys,
     assert meta["step"] == 2 and moved
     assert "note: step 3 was removed by the run saving there while it was read" in \
         capsys.readouterr().out
+
+
+def test_a_step_pruned_as_dcp_reads_it_logs_no_traceback(base, caplog, capsys, monkeypatch):
+    """DCP logs an index it cannot read, with its traceback, before it raises: a step pruned just
+    as its tensors are read gets load_model's one-line note and nothing else."""
+    run_dir = base / "runs" / "pruned-in-dcp"
+    run_main("--run", "pruned-in-dcp", "--num-iterations", "3", "--save-every", "1",
+             "--keep-checkpoints", "-1")
+    real = checkpoint.SafeReader.read_metadata
+
+    def pruned_as_read(self, *args, **kwargs):  # DCP's signature: it also tries a rank's index
+        if str(self.path) == str(step_dir(run_dir, 3)) and step_dir(run_dir, 3).exists():
+            shutil.move(step_dir(run_dir, 3), base / "pruned-in-dcp-3")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.SafeReader, "read_metadata", pruned_as_read)
+    capsys.readouterr()
+    with caplog.at_level("DEBUG"):
+        _, meta = checkpoint.load_model(run_dir, "latest", torch.device("cpu"))
+    out, err = capsys.readouterr()
+    assert meta["step"] == 2 and "Traceback" not in out + err, out + err
+    assert "note: step 3 was removed by the run saving there while it was read" in out, out
+    assert not [r for r in caplog.records if "metadata" in r.getMessage()], caplog.text
+
+
+def test_start_over_takes_all_of_the_earlier_run_past_a_dangling_link(base, capsys):
+    """--start-over picks the first previous.N that nothing holds (a dangling link holds its name)
+    and moves everything of the earlier run: its exports, wandb's folder and its rewinds' folders
+    too, which would otherwise stand beside the new run's steps."""
+    run_dir = base / "runs" / "whole"
+    run_main("--run", "whole", "--num-iterations", "2", "--save-every", "1")
+    (run_dir / "export_step_000002.pt").write_bytes(b"export")
+    (run_dir / "wandb").mkdir()
+    (run_dir / "wandb" / "run.log").write_text("logged")
+    (run_dir / "rewound_from_step_1.1").mkdir()
+    (run_dir / "previous.1").symlink_to(base / "nowhere")
+    capsys.readouterr()
+    run_main("--run", "whole", "--num-iterations", "1", "--start-over")
+    out = capsys.readouterr().out
+    assert f"moved the earlier run (8 entries) into {run_dir / 'previous.2'}" in out, out
+    aside = run_dir / "previous.2"
+    assert list_steps(aside) == [1, 2] and (aside / "wandb" / "run.log").read_text() == "logged"
+    assert (aside / "export_step_000002.pt").is_file()
+    assert (aside / "rewound_from_step_1.1").is_dir()
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "curves.png", "previous.1", "previous.2", "report.md", "step_000001", "summary.json"]
+
+
+def test_a_set_aside_that_cannot_move_an_entry_puts_all_back(tmp_path, monkeypatch):
+    """An entry that will not move (an immutable file) stops the move with one line naming it, and
+    everything moved so far goes back: no empty or half-filled previous.N is left."""
+    run_dir = saved(tmp_path / "run", 1, 2)
+    (run_dir / "report.md").write_text("report")
+    before = sorted(p.name for p in run_dir.iterdir())
+    real = os.replace
+
+    def immutable(src, dst):
+        if os.path.basename(src) == "report.md" and "previous" in str(dst):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(src), None, str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", immutable)
+    with pytest.raises(OSError) as e:
+        checkpoint.set_aside(run_dir, ["step_000001", "step_000002", "report.md"], "previous")
+    line = e.value.strerror
+    assert line.startswith(f"{run_dir / 'report.md'} does not move into previous.1 (Operation "
+                           f"not permitted); all is back in {run_dir} as it was"), line
+    assert "chattr -i" in line and "\n" not in line
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert load_checkpoint(run_dir, 2)[0]["model"]["w"].eq(2).all()
+
+
+SET_ASIDE_KILLED = """
+import os, signal, sys
+from nanomuon import checkpoint
+real, calls = os.replace, []
+
+def killed(src, dst):  # the first rename writes the list of entries; the moves follow
+    calls.append(src)
+    if len(calls) == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst)
+
+os.replace = killed
+checkpoint.set_aside(sys.argv[1], ["step_000001", "step_000002", "report.md"], "previous")
+"""
+
+
+@pytest.mark.parametrize("kill_at", [1, 3])  # before the list is written; after one move
+def test_a_set_aside_killed_midway_is_finished_at_the_next_start(tmp_path, kill_at):
+    """A --start-over killed in the middle of its move leaves no run split over previous.N and
+    the run dir: the next start (clean_run_dir) finishes the move, or clears a folder that holds
+    nothing yet, and says so."""
+    run_dir = saved(tmp_path / "run", 1, 2)
+    (run_dir / "report.md").write_text("report")
+    p = subprocess.run([sys.executable, "-c", SET_ASIDE_KILLED, str(run_dir), str(kill_at)],
+                       cwd=REPO, env=child_env(tmp_path), timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    done = clean_run_dir(run_dir)
+    if kill_at == 1:
+        assert done == ["removed an empty .tmp_previous.1 left by a move that was stopped"]
+        assert sorted(p.name for p in run_dir.iterdir()) == ["report.md", "step_000001",
+                                                             "step_000002"]
+        return
+    assert done == [f"finished moving the earlier run (3 entries) into {run_dir / 'previous.1'}: "
+                    "the --start-over or rewind that moved it was stopped midway"], done
+    aside = run_dir / "previous.1"
+    assert [p.name for p in run_dir.iterdir()] == ["previous.1"]
+    assert sorted(p.name for p in aside.iterdir()) == ["report.md", "step_000001", "step_000002"]
+    assert load_checkpoint(aside, 2)[0]["model"]["w"].eq(2).all()
+
+
+def test_no_checkpoints_names_the_ones_set_aside_and_how_to_load_them(tmp_path):
+    run_dir = tmp_path / "run"
+    saved(run_dir / "previous.1", 1, 2, 3, 4)
+    saved(run_dir / "rewound_from_step_2.1", *range(3, 13))
+    with pytest.raises(FileNotFoundError) as e:
+        load_step(run_dir, "latest")
+    assert str(e.value) == (
+        f"no checkpoints in {run_dir}, but previous.1 holds steps 1, 2, 3, 4; "
+        "rewound_from_step_2.1 holds steps 3, ..., 12 (10) (set aside by --start-over or a "
+        f"rewind): move one back to load it (mv {run_dir}/rewound_from_step_2.1/step_000012 "
+        f"{run_dir}/)")

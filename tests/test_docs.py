@@ -261,3 +261,30 @@ def test_the_stages_table_lists_every_registered_stage():
                 names.add(span)
             registry = getattr(update_math, cells[1].strip("`"))
             assert names == set(registry), f"{cells[1]}: the table lists {sorted(names)}"
+
+
+# a variant's name as the docs write it; `muon-mine` is research.md's example of one to add
+VARIANT = re.compile(r"(?:muon|adamw|torch-muon)(?:-[a-z0-9]+)*")
+EXAMPLES = {"muon-mine"}
+
+
+def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
+    """A variant named in inline code or in a --variants / --optimizer / --baseline list on any page is an
+    OPTIMIZER_VARIANTS entry (a rename or removal leaves none behind), and research.md's list of the
+    variants already there names every entry, so a variant added without it fails here."""
+    from nanomuon.variants import OPTIMIZER_VARIANTS
+
+    wrong = []
+    for page in PAGES:
+        text = page.read_text()
+        named = re.findall(r"`([^`\n]+)`", text)
+        named += [n for m in re.findall(r"--(?:variants|optimizer|baseline)[ =]([\w,.-]+)", text)
+                  for n in m.split(",")]
+        wrong += [f"{page.name}: {n}" for n in named
+                  if VARIANT.fullmatch(n) and n not in OPTIMIZER_VARIANTS and n not in EXAMPLES]
+    assert not wrong, f"names that are not variants: {wrong}"
+    text = (ROOT / "docs" / "research.md").read_text()
+    start = text.index("The variants already there:")
+    listed = set(re.findall(r"`([^`\n]+)`", text[start:text.index("--optimizer NAME", start)]))
+    assert listed & set(OPTIMIZER_VARIANTS) == set(OPTIMIZER_VARIANTS), (
+        f"research.md's list lacks {sorted(set(OPTIMIZER_VARIANTS) - listed)}")

@@ -8,6 +8,7 @@ and need no network once prepared; the data loader resumes and reshards exactly 
 import csv
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -410,3 +411,27 @@ def test_hub_sources_refuse_plain_http_to_another_host(fake_hub, tmp_path):
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith(
         "ValueError: HF_ENDPOINT http://hub.example.com is not https, so the data could be altered"), r.stderr
     assert fake_hub.log == []
+
+
+def test_a_file_size_limit_while_preparing_is_one_line(tmp_path):
+    """Preparing a source that reaches the file-size limit (ulimit -f) stops in one line saying what
+    filled up and that nothing half-prepared is kept; the source stays as it was."""
+    import resource
+
+    rng = random.Random(0)  # text zstd cannot squeeze under the limit
+    docs = [" ".join(f"{rng.getrandbits(32):x}" for _ in range(500)) for _ in range(40)]
+    path = write("jsonl", tmp_path / "src", docs)
+    before = path.read_bytes()
+    limit = 8192  # under one shard of these documents, over the source's hash list
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    r = subprocess.run([sys.executable, "-m", "scripts.tok_train", "--dataset", str(path)], cwd=ROOT,
+                       env=dict(os.environ, NANOMUON_BASE_DIR=str(tmp_path / "b")), timeout=300,
+                       capture_output=True, text=True, preexec_fn=limited)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot prepare {path}: a file in {tmp_path / 'b'}"), last
+    assert f"file-size limit ({limit:,} bytes, ulimit -f); the half-prepared" in last, last
+    assert "ulimit -f unlimited" in last and path.read_bytes() == before
+    assert not list((tmp_path / "b" / "data" / "source").glob("docs-*"))

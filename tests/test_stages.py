@@ -1,13 +1,13 @@
 """
-The Muon update's stage registries (nanomuon/update_math.py) and four techniques from modded-nanogpt's
-optimization track added through them, each one function and one entry: SOAP-Muon (a stateful precondition
-stage), the u/w floor (post-process), MuonH (a stateful apply stage) and PowerCool (base_train's schedule).
+The Muon update's stage registries (nanomuon/update_math.py) and techniques from modded-nanogpt's optimization
+track added through them: SOAP-Muon (a stateful precondition stage), the u/w floor and ContraMuon (post-process),
+MuonH (a stateful apply stage), Muown (a precondition that owns the momentum and a logical apply stage sharing
+state with it, on the step and horizon) and PowerCool (base_train's schedule).
 
-Each update stage is held to a float64 re-derivation written here and run through reference.muon_step; at 2
-and 3 ranks DistMuonAdamW equals one device with bitwise identical ranks; a sharded checkpoint saved at one
-world size resumes at another as the run would have gone on; the FSDP2 path runs SOAP and refuses, in one
-line, the two stages that read whole weights, which FSDP2 keeps in blocks.
-"""
+Each update stage is held to a float64 re-derivation written here and run through reference.muon_step (Muown's
+on split and transposed layouts too); at 2 and 3 ranks DistMuonAdamW equals one device with bitwise identical
+ranks; a sharded checkpoint saved at one world size resumes at another as the run would have gone on; the FSDP2
+path runs SOAP and refuses, in one line, the stages that read whole weights, which FSDP2 keeps in blocks."""
 
 import math
 from pathlib import Path
@@ -79,12 +79,51 @@ def contra64(o, p, g, state, group, u):
     return out * torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(out)
 
 
-STAGES = dict(soap=soap64, uw_floor=uw_floor64, hyperball=hyperball64, contra=contra64)
+def muown_direction64(x, p, g, state, group):
+    """Muown as the record writes it: W = gain v / ||v|| row by row (gain and ||v|| start at the row
+    norms, 1 for a zero row); the gradient splits into the gain's and the direction's, and the
+    direction's gets momentum in the record's form, m = mu m + dv, Nesterov dv + mu m (Muon's EMA
+    is this times 1 - mu, which the orthogonalizer's normalization cancels). x is not used: the
+    stage owns the momentum."""
+    if "gain" not in state:
+        norm = p.norm(dim=1, keepdim=True)
+        norm = torch.where(norm > 1e-12, norm, torch.ones_like(norm))
+        state.update(gain=norm.clone(), v_norm=norm.clone(), start=norm.clone(), m_v=torch.zeros_like(p),
+                     m_g=0.0, v_g=0.0, k=0)
+    u = p / state["gain"]
+    state["dg"] = (g * u).sum(dim=1, keepdim=True)
+    dv = state["gain"] / state["v_norm"] * (g - u * state["dg"])
+    state["m_v"] = group["momentum"] * state["m_v"] + dv
+    return dv + group["momentum"] * state["m_v"]
+
+
+def muown_apply64(p, o, lr, decay, state, group):
+    """v = ||v|| W / gain steps by lr along o, the gain by bias-corrected Adam at the group lr, W = gain v / ||v||;
+    then ||v|| goes from its start towards the target as ((k - 1) / (T - 1))^power. No weight decay."""
+    state["k"] = k = state["k"] + 1
+    v = p / state["gain"] * state["v_norm"] - lr * o
+    b1, b2 = group.get("muown_betas", (0.9, 0.95))
+    state["m_g"] = b1 * state["m_g"] + (1 - b1) * state["dg"]
+    state["v_g"] = b2 * state["v_g"] + (1 - b2) * state["dg"] ** 2
+    state["gain"] = state["gain"] - group["lr"] * group.get("muown_gain_lr", 1.0) * (state["m_g"] / (1 - b1 ** k)) / (
+        (state["v_g"] / (1 - b2 ** k)).sqrt() + 1e-8)
+    target, T = group.get("muown_v_norm_target", 2.496), group["horizon"]
+    if target is not None:
+        progress = 1.0 if T <= 1 else min(max((k - 1) / (T - 1), 0.0), 1.0) ** group.get("muown_v_norm_power", 1.2)
+        state["v_norm"] = state["start"] + (target - state["start"]) * progress
+    return state["gain"] * v / v.norm(dim=1, keepdim=True)
+
+
+STAGES = {"soap": soap64, "uw_floor": uw_floor64, "hyperball": hyperball64, "contra": contra64,
+          "precondition:muown": muown_direction64, "apply:muown": muown_apply64}
 TECHNIQUES = {  # name -> the muon options of its variant
     "soap": dict(precondition="soap"),
     "uw_floor": dict(post_process=("variance_reduction", "uw_floor")),
     "hyperball": dict(apply="hyperball"),
     "contra": dict(post_process=("contra", "variance_reduction")),
+    # the record's step: lr x 0.2 x sqrt(max(rows, cols)); a v-norm target the schedule visibly moves to
+    "muown": dict(precondition="muown", post_process=(), apply="muown", lr_scale="spectral", extra_scale=0.2,
+                  horizon=8, muown_v_norm_target=6.0, muown_gain_lr=0.5),
 }
 
 
@@ -154,6 +193,133 @@ def test_soap_on_fused_and_transposed_matrices_is_soap_per_block(layout):
     ref = f64_run(start, grads, cfgs, split=split, transposed=layout.get("transposed", False), stages=STAGES)
     ours = run_ours(start.double(), [g.double() for g in grads], cfgs, **layout)
     torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", [dict(split=(8, 8, 8)), dict(transposed=True), dict(qkv_split=(16, 4, 4)),
+                                    dict(split=(8, 4, 4), split_groups=2),
+                                    dict(transposed=True, split=(8, 8, 8))],
+                         ids=["heads", "transposed", "gqa", "interleaved-groups", "transposed-heads"])
+def test_muown_shares_its_state_per_block_on_every_layout(layout):
+    """Muown's precondition reads the gain and ||v|| its apply stage keeps, and the apply stage the gain's
+    gradient the precondition leaves: each block of a split matrix (of an (in, out) one, by its logical rows)
+    keeps its own and moves as a separate param of the float64 record, its zero rows included."""
+    split = layout.get("split") or layout.get("qkv_split")
+    rows = sum(split) * layout.get("split_groups", 1) if split else 24
+    shape = (20, rows) if layout.get("transposed") else (rows, 20)
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(8)) * 0.5
+    (start.T if layout.get("transposed") else start)[:4] = 0  # a zero row's gain starts at 1
+    grads = grads_for(shape, 6, 9)
+    cfgs = [dict(BASE, **dict(TECHNIQUES["muown"], horizon=6))] * 6
+    ref = f64_run(start, grads, cfgs, split=split, groups=layout.get("split_groups", 1),
+                  transposed=layout.get("transposed", False), stages=STAGES)
+    ours = run_ours(start.double(), [g.double() for g in grads], cfgs, **layout)
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=1e-5)  # eps of NS: EMA vs sum momentum
+    whole = f64_run(start, grads, cfgs, transposed=layout.get("transposed", False), stages=STAGES)
+    assert not split or (whole - ref).abs().max() > 1e-3  # per block is not the whole matrix's
+
+
+def test_muown_keeps_no_momentum_buffer_and_applies_no_weight_decay():
+    """The precondition owns the momentum: the optimizer makes no momentum_buffer, so Muown keeps one
+    matrix-sized buffer (its direction's momentum, in the param's dtype) and six numbers per row; its apply
+    stage says it applies no weight decay, and a weight_decay changes nothing."""
+    runs = []
+    for wd in (0.0, 0.5):
+        p = torch.nn.Parameter(torch.randn(24, 16, generator=torch.Generator().manual_seed(0)).bfloat16())
+        opt = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, weight_decay=wd), **TECHNIQUES["muown"])])
+        for g in grads_for((24, 16), 3, 1):
+            p.grad = g.bfloat16()
+            opt.step()
+        runs.append(p.detach().clone())
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in opt.state[p].items()}
+    rows = ((24, 1), torch.float32)
+    assert shapes == {"muown_momentum": ((24, 16), torch.bfloat16), "muown_gain_grad": rows, "muown_gain": rows,
+                      "muown_v_norm": rows, "muown_v_norm_start": rows, "muown_gain_exp_avg": rows,
+                      "muown_gain_exp_avg_sq": rows}
+    assert torch.equal(runs[0], runs[1])
+    group = opt.param_groups[0]
+    assert not update_math.applies_weight_decay(group)
+    assert "weight decay not applied (apply stage 'muown')" in update_math.stages_used(group)
+    assert "momentum kept by precondition 'muown'" in update_math.stages_used(group)
+    assert update_math.applies_weight_decay(dict(group, apply="cautious"))
+
+
+def test_muowns_schedule_needs_a_horizon():
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    options = dict(TECHNIQUES["muown"], horizon=None)
+    with pytest.raises(ValueError, match=r"apply 'muown': Muown's v-norm schedule needs the run's length"):
+        MuonAdamW([dict(kind="muon", params=[p], **BASE, **options)])
+    MuonAdamW([dict(kind="muon", params=[p], **BASE, **dict(options, muown_v_norm_target=None))])
+
+
+def _probe(seen):
+    """A precondition that records the step and horizon it sees, and changes nothing."""
+    def fn(g, ctx):
+        seen.append((float(ctx.step), ctx.horizon))
+        return g
+    return update_math.Stage(fn)
+
+
+def test_a_stage_sees_the_step_and_the_horizon(monkeypatch):
+    """ctx.step counts the group's updates, 1 at the first; it goes on across a state_dict() round trip and
+    does not count a step in which none of the group's params had a grad. ctx.horizon is the group's."""
+    seen = []
+    monkeypatch.setitem(update_math.PRECONDITIONERS, "probe", _probe(seen))
+    p, q = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+    groups = lambda: [dict(kind="muon", params=[p], precondition="probe", horizon=40, **BASE),
+                      dict(kind="adamw", params=[q], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)]
+    opt = MuonAdamW(groups())
+    for step in range(3):
+        p.grad = torch.randn(8, 8) if step != 1 else None
+        q.grad = torch.randn(8)
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["step"] == 2
+    fresh = MuonAdamW(groups())
+    fresh.load_state_dict(saved)
+    p.grad = torch.randn(8, 8)
+    fresh.step()
+    assert seen == [(1.0, 40), (2.0, 40), (3.0, 40)]
+    del saved["param_groups"][0]["step"]  # a checkpoint from before the count
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["step"] == 0
+
+
+def _step_worker(rank, world):
+    """Under DistMuonAdamW every rank's stages see the same step, whichever matrices the rank owns."""
+    seen = []
+    update_math.PRECONDITIONERS["probe"] = _probe(seen)
+    model = _model()
+    opt = DistMuonAdamW([dict(kind="muon", params=model, precondition="probe", horizon=5, **BASE)])
+    for step in range(3):
+        for p, g in zip(model, _grads(step, rank, world)):
+            p.grad = g
+        opt.step()
+    assert set(seen) == {(1.0, 5), (2.0, 5), (3.0, 5)} and opt.param_groups[0]["step"] == 3
+
+
+def test_the_step_is_the_same_on_every_rank():
+    spawn(_step_worker, 2)
+
+
+@pytest.mark.parametrize("stages,says", [
+    (dict(post_process=("reader",)), r"post_process 'reader' reads state 'nowhere', which no other stage"),
+    (dict(post_process=("radius_reader",), apply="hyperball"),
+     r"post_process 'radius_reader' reads state 'hyperball_radius', which 'hyperball' keeps per stored matrix"),
+    (dict(precondition=("equilibrate_row", "muown"), apply="muown", post_process=()),
+     r"precondition 'muown' owns the momentum, which only the first precondition may"),
+])
+def test_shared_state_and_owned_momentum_are_checked(monkeypatch, stages, says):
+    """A stage that reads state no other stage declares, a direction stage that reads state an apply stage
+    keeps per stored matrix, and momentum owned by a precondition after another: one line each."""
+    monkeypatch.setitem(update_math.POST_PROCESSORS, "reader", update_math.Stage(lambda u, ctx: u,
+                                                                                 reads=("nowhere",)))
+    monkeypatch.setitem(update_math.POST_PROCESSORS, "radius_reader", update_math.Stage(
+        lambda u, ctx: u, reads=("hyperball_radius",)))
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, horizon=4), **stages)])
+    p.grad = torch.randn(8, 8)
+    with pytest.raises(ValueError, match=says):
+        opt.step()
 
 
 # -- what the optimizer does with a stage's declarations -------------------------------------------------------
@@ -374,7 +540,7 @@ def _refusal_worker(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
-    for technique in ("uw_floor", "hyperball"):
+    for technique in ("uw_floor", "hyperball", "muown"):
         with pytest.raises(ValueError, match="reads whole weight matrices, which sharded .* keep in blocks"):
             MuonAdamW(_groups([p], technique))
     # state a group keeps no more (beta2=None) is still the holder's, and every rank's state_dict() has it
@@ -429,6 +595,30 @@ def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
     assert "post_process 'uw_floor' reads whole weight matrices" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("variant,says", [
+    ("muon", "Muon weight decay 0.2"),
+    ("muon-muown", "Muon weight decay: not applied by --optimizer muon-muown's apply stage 'muown'"),
+    ("muon-hyperball", "Muon weight decay: not applied by --optimizer muon-hyperball's apply stage"),
+    ("adamw", "no Muon weight decay (--optimizer adamw trains no Muon group)"),
+    ("torch-muon", "Muon weight decay 0.2"),
+])
+def test_the_run_header_says_what_the_stages_use(variant, says):
+    """base_train's header names the weight decay only where a stage applies it, and each muon group's
+    stages, who keeps the momentum, and the horizon the stages see (the run's steps)."""
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts.base_train import muon_decay_words, optimizer_options, parse_args
+
+    args = parse_args(["--optimizer", variant, "--weight-decay", "0.2", "--num-iterations", "7",
+                       "--total-batch-size", "4096"])
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16))
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=7)
+    assert muon_decay_words(args, opt) == says or muon_decay_words(args, opt).startswith(says)
+    for group in (g for g in opt.param_groups if g.get("kind") == "muon" and "apply" in g):
+        assert group["horizon"] == 7
+        assert ("momentum kept by precondition 'muown'" in update_math.stages_used(group)) == (
+            variant == "muon-muown")
+
+
 @pytest.mark.slow
 def test_compiled_stages_equal_eager():
     """The u/w floor and MuonH under torch.compile (fullgraph, as on GPUs) take the eager steps; SOAP's group
@@ -447,6 +637,26 @@ def test_compiled_stages_equal_eager():
                 p.grad = g
             for opt in opts:
                 opt.step()
+        runs.append(params)
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_muown_equals_eager():
+    """Muown under torch.compile (its step a 0-D tensor, its apply stage block by block on a split matrix) takes
+    the eager steps."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        params = _model()
+        opt = MuonAdamW([dict(kind="muon", params=params[:5], ns_precision="fp32", **BASE, **TECHNIQUES["muown"]),
+                         dict(kind="muon", params=params[5:], ns_precision="fp32", split=(8, 8, 8), **BASE,
+                              **TECHNIQUES["muown"])], compile=compiled)
+        for step in range(3):
+            for p, g in zip(params, _mean_grads(step, 1)):
+                p.grad = g
+            opt.step()
         runs.append(params)
     for p, q in zip(*runs):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
