@@ -1034,10 +1034,11 @@ def save(run: Run) -> None:
 def where_to_resume(run: Run, before: int | None = None) -> str:
     """The way back for a run that stopped: its newest checkpoint (of a step before `before`), or
     none."""
-    steps = [s for s in checkpoint.list_steps(run.run_dir) if before is None or s < before]
+    steps = checkpoint.list_steps(run.run_dir)
     if not steps:
-        return ("there is no checkpoint yet: start the run afresh" if before is None else
-                f"there is no checkpoint from before step {before}: start the run afresh")
+        return "there is no checkpoint yet: start the run afresh"
+    if not (steps := [s for s in steps if before is None or s < before]):
+        return f"there is no checkpoint from before step {before}: start the run afresh"
     if before is not None:
         return (f"resume from {checkpoint.step_dir(run.run_dir, steps[-1])} (--resume-from-step "
                 f"{steps[-1]}),")
