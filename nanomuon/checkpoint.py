@@ -52,11 +52,13 @@ from nanomuon.common import (
     filled,
     on_every_rank,
     one_line,
+    shown,
     size_str,
     what_filled,
     write_atomic,
 )
 from nanomuon.gpt import GPT, GPTConfig
+from nanomuon.param_groups import DamagedState
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -308,23 +310,46 @@ def file_crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def check_sums(d: Path) -> None:
-    """Every file checksums.json lists has the CRC it had when saved, and every tensor
-    file is listed; ValueError naming the first that differs. Checkpoints saved before
-    checksums have no such file."""
-    listed = d / "checksums.json"
-    if not os.path.lexists(listed):
-        return
-    sums = json.loads(check_regular(listed).read_text())["crc32"]
-    for name in sorted(f.name for f in d.iterdir() if DATA_FILE.match(f.name)):
-        if name not in sums:
-            raise ValueError(f"{name} is not in checksums.json")
+CRC = re.compile(r"^[0-9a-f]{8}$")
+SUMS_MAX = 1 << 20  # bytes: ours list a few files in under 1 KB
+
+
+def _read_sums(listed: Path) -> dict:
+    """checksums.json's name -> CRC map, bounded and checked as data (its values are quoted in
+    lines: never raw, never huge)."""
+    if check_regular(listed).stat().st_size > SUMS_MAX:
+        raise ValueError(f"checksums.json is {size_str(listed.stat().st_size)}, not the few lines "
+                         "nanomuon writes")
+    sums = json.loads(listed.read_text(errors="replace"))
+    if not isinstance(sums := sums.get("crc32") if isinstance(sums, dict) else None, dict):
+        raise ValueError("checksums.json holds no map of file names to CRC-32s")
     for name, crc in sums.items():
         if not (DATA_FILE.match(name) or name in CHECKPOINT_FILES):
-            raise ValueError(f"checksums.json names {name!r}, not a checkpoint file")
+            raise ValueError(f"checksums.json names {shown(name, 80)}, not a checkpoint file")
+        if not (isinstance(crc, str) and CRC.match(crc)):
+            raise ValueError(f"checksums.json gives {name} the CRC-32 "
+                             f"{shown(repr(crc), 80, quote=False)}, not 8 hex digits")
+    return sums
+
+
+def check_sums(d: Path) -> list[str]:
+    """Every file checksums.json lists has the CRC it had when saved, and every tensor file is
+    listed; ValueError naming the first that differs. Returns the step's files it does not vouch
+    for (all of them without a checksums.json, as checkpoints saved before checksums have none;
+    meta.json is checked by check_meta, and rewritten after evals)."""
+    files = sorted(f.name for f in d.iterdir() if f.name not in ("checksums.json", "meta.json"))
+    listed = d / "checksums.json"
+    if not os.path.lexists(listed):
+        return files
+    sums = _read_sums(listed)
+    for name in files:
+        if DATA_FILE.match(name) and name not in sums:
+            raise ValueError(f"{name} is not in checksums.json")
+    for name, crc in sums.items():
         if (now := file_crc32(d / name)) != crc:
             raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
                              "(its bytes changed on disk)")
+    return [name for name in files if name not in sums]
 
 
 def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dict | None) -> None:
@@ -634,7 +659,7 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            holder = _read_small(path) or "another process"
+            holder = lock_holder(run_dir) or "another process"
             raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
                                f"(or stop it), or pick {other}") from None
         # the holder removes an empty run dir as it lets go
@@ -642,7 +667,7 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
             if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
                 break
         os.close(fd)
-    previous = _read_small(path)
+    previous = lock_holder(run_dir)
     line = (f"pid {os.getpid()} on {socket.gethostname()} since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
     # a rename: replaces a link at .lock, never writes through it
@@ -651,6 +676,11 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
     _LOCKS[run_dir] = (fd, line)
     return (f"note: {path} was left by {previous}, which is no longer running; taking over"
             if previous else None)
+
+
+def lock_holder(run_dir: Path) -> str:
+    """Who .lock says holds run_dir, escaped and bounded (anyone may have written it); ''."""
+    return shown(_read_small(Path(run_dir) / ".lock"), 300, quote=False)
 
 
 def _read_small(path: Path) -> str:
@@ -724,6 +754,53 @@ def _saved_args_problems(args: dict) -> list[str]:
     return problems
 
 
+def _num(v, lo=-math.inf, hi=math.inf) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and lo <= v <= hi)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _value(v) -> bool:
+    """A loss or a bpb: a finite number, or (--seeds) a list of them, one per seed."""
+    return _num(v) or (isinstance(v, list) and len(v) > 0 and all(_num(x) for x in v))
+
+
+def _pairs(v) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(x, list) and len(x) == 2 and _count(x[0]) and _value(x[1]) for x in v)
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, list) and all(_num(x, 0, SECONDS) for x in v)
+
+
+SECONDS = 1e9  # 31 years: more time than any run trains
+# meta.json's loop state, field -> (check, what it must be): a resume reads each into the lines,
+# summary and report at the end of the run, hours after the load
+LOOP_FIELDS = dict(
+    smooth_loss=(_value, "a finite number (with --seeds, a list of them)"),
+    train_time=(lambda v: _num(v, 0, SECONDS), f"a number of seconds in [0, {SECONDS:g}]"),
+    history=(_pairs, "a list of [step, train loss] pairs"),
+    val_history=(_pairs, "a list of [step, val bpb] pairs"),
+    val_train_time=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
+    step_times=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
+    optim_times=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
+    skipped_steps=(_count, "an int >= 0"),
+    nonfinite_in_a_row=(_count, "an int >= 0"),
+    qk_clipped=(_count, "an int >= 0"),
+    final_eval=(lambda v: isinstance(v, list) and len(v) == 2 and _count(v[0]) and _value(v[1]),
+                "[val tokens scored, val bpb]"))
+
+
+def _loop_problems(loop: dict) -> list[str]:
+    """The first loop field that is not what a run saves there (base_train checks precision)."""
+    return [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"
+            for k, (ok, what) in LOOP_FIELDS.items() if k in loop and not ok(loop[k])][:1]
+
+
 def check_meta(meta, d: Path, keys) -> None:
     """A meta.json has the keys asked for, with the right types (it is text: hand edits happen)."""
     problems = []
@@ -751,8 +828,7 @@ def check_meta(meta, d: Path, keys) -> None:
     if not problems and isinstance(meta.get("args"), dict):  # base_eval and sample read them
         problems += _saved_args_problems(meta["args"])
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
-        problems += [f"'loop.{k}' is {v!r}, not a finite number" for k, v in meta["loop"].items()
-                     if isinstance(v, float) and not math.isfinite(v)][:1]
+        problems += _loop_problems(meta["loop"])
     if problems:
         raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json "
                          f"({'; '.join(problems)}); restore it, or delete {d} and resume from an "
@@ -814,9 +890,10 @@ def _saved_tensors(d: Path) -> dict:
     return {k: (tuple(m.size), m.properties.dtype) for k, m in md.items() if hasattr(m, "chunks")}
 
 
-def check_files(d: Path) -> None:
+def check_files(d: Path) -> list[str]:
     """A checkpoint's tensor files are all there, whole enough to hold what its index says (read
-    lazily: no tensor is loaded); ValueError with the way out if not."""
+    lazily: no tensor is loaded); ValueError with the way out if not. Returns the files no
+    checksum vouches for (check_sums)."""
     try:
         ends = {}
         for info in read_index(d).storage_data.values():
@@ -826,9 +903,51 @@ def check_files(d: Path) -> None:
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
         read_optim(d, mmap=True)
-        check_sums(d)
+        return check_sums(d)
     except Exception as e:  # torch and pickle raise several types for truncated or foreign files
         raise _corrupt(d, e) from e
+
+
+class Unusable(ValueError):
+    """A checkpoint that reads, but holds what no run saves: refused as it is, not as corrupt."""
+
+
+def _earlier(run_dir: Path, step: int) -> str:
+    """The way back from an unusable step: the steps saved before it, or none."""
+    earlier = [s for s in list_steps(run_dir) if s < step]
+    return (f"load an earlier step instead (saved: {', '.join(map(str, earlier[-5:]))})"
+            if earlier else "no earlier step is saved: start the run afresh")
+
+
+def _nonfinite(tensors: dict, collective: bool) -> str | None:
+    """The name of the first tensor holding NaN or inf (one isfinite each; a DTensor by its local
+    shard), None if none; collective: every rank learns whether any rank found one."""
+    found = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(
+        torch.isfinite(v.to_local() if hasattr(v, "to_local") else v).all())), None)
+    if collective:
+        device = next((v.device for v in tensors.values()), "cpu")
+        flag = torch.tensor([found is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found = found or ("a tensor another process holds" if flag.item() else None)
+    return found
+
+
+def _check_values(d: Path, tensors: dict, collective: bool = False) -> None:
+    """Refuse a step whose weights or state hold NaN or inf: every step after it would too."""
+    if (name := _nonfinite(tensors, collective)) is not None:
+        raise Unusable(f"checkpoint {d}: {shown(name, 120, quote=False)} holds NaN or infinite "
+                         "values (a diverged or damaged step; every step from it would be too); "
+                         f"{_earlier(d.parent, int(d.name[len('step_'):]))}")
+
+
+def _check_dtypes(d: Path, saved: dict, want) -> None:
+    """The saved tensors' dtypes: want(name, dtype) -> what it should be, or None if fine. A load
+    casts to the model's dtype in silence, so an int64 or fp16 tensor is refused here."""
+    for name, (_, dtype) in saved.items():
+        if (should := want(name, dtype)) is not None:
+            raise Unusable(f"checkpoint {d}: {shown(name, 120, quote=False)} is saved as "
+                             f"{dtype}, where nanomuon saves {should} (a tampered or foreign "
+                             f"checkpoint); {_earlier(d.parent, int(d.name[len('step_'):]))}")
 
 
 def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",),
@@ -836,13 +955,17 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
     """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is
     the model's state_dict, 'optim' the optimizer's world-size-independent state
     (MuonAdamW.state_dict() format). For export and inspection; training resumes through
-    load_into. Unreadable: ValueError with the way out."""
+    load_into. Unreadable, or holding what no run saves (NaN, integers): ValueError with the way
+    out."""
     d = step_dir(run_dir, step)
     meta, out = read_meta(d, meta_keys), {}
     try:
+        saved = _saved_tensors(d)
+        _check_dtypes(d, saved, lambda _, dtype: None if dtype.is_floating_point else "floats")
         wanted = {k: torch.empty(shape, dtype=dtype, device=map_location)
-                  for k, (shape, dtype) in _saved_tensors(d).items() if k.split(".", 1)[0] in names}
+                  for k, (shape, dtype) in saved.items() if k.split(".", 1)[0] in names}
         _dcp(dcp.load, wanted, d, no_dist=True)
+        _check_values(d, wanted)
         if "model" in names:
             out["model"] = {k.split(".", 1)[1]: v
                             for k, v in wanted.items() if k.startswith("model.")}
@@ -852,6 +975,8 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
                 if key.startswith("optim."):
                     _, idx, name = key.split(".", 2)
                     out["optim"]["state"].setdefault(int(idx), {})[name] = v
+    except Unusable:
+        raise
     except (Exception, dcp.api.CheckpointException) as e:
         raise _corrupt(d, e) from e
     return out, meta
@@ -870,9 +995,12 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
     if (mine := {k: tuple(v.shape) for k, v in own.items()}) != theirs:
         diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
         raise ValueError(f"checkpoint {d} holds another model: these (name, shape) are in one "
-                         f"but not the other: {diff}")
+                         f"but not the other: {shown(str(diff), 300, quote=False)}")
+    _check_dtypes(d, {k: v for k, v in saved.items() if k in own},
+                  lambda k, dtype: None if dtype == own[k].dtype else own[k].dtype)
     try:
         _dcp(dcp.load, own, d, alone())
+        _check_values(d, own, collective=not alone())
         if optimizer is None:
             return
         rest = read_optim(d, map_location=device)
@@ -882,6 +1010,8 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         shapes = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("optim.")}
         optimizer.load_sharded_state_dict(shapes, rest, lambda targets: _dcp(
             dcp.load, {f"optim.{k}": v for k, v in targets.items()}, d, alone()))
+    except DamagedState as e:
+        raise Unusable(f"checkpoint {d}: {e}; {_earlier(run_dir, step)}") from None
     except dcp.api.CheckpointException as e:
         raise _corrupt(d, e) from None
 
@@ -917,9 +1047,14 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
 
     def checked(s):
         meta = read_meta(step_dir(run_dir, s), meta_keys)
-        check_files(step_dir(run_dir, s))
+        unverified = check_files(step_dir(run_dir, s))
         if not (step_dir(run_dir, s) / "checksums.json").is_file():  # deleted, or saved before
             warn(f"note: {step_dir(run_dir, s)} has no checksums.json: its files load unverified")
+        elif unverified:  # a list that leaves files out vouches for them no more than none
+            names = [shown(n, 60, quote=False) for n in unverified[:4]]
+            more = f" and {len(unverified) - 4} more" if len(unverified) > 4 else ""
+            warn(f"note: {step_dir(run_dir, s)}/checksums.json does not list "
+                 f"{', '.join(names)}{more}: they load unverified")
         return s, meta
     if step != "latest":
         if int(step) not in steps:

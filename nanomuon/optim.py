@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nanomuon.param_groups import (
+    DamagedState,
     check_grad,
     check_group,
     check_group_values,
@@ -64,6 +65,7 @@ from nanomuon.param_groups import (
     fill_defaults,
     group_label,
     saved_params,
+    state_values_problem,
 )
 from nanomuon.plan import bucket_by, flat_shard, owner_plan
 from nanomuon.sharded import (
@@ -603,6 +605,9 @@ class MuonAdamW(torch.optim.Optimizer):
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
         pieces. A collective where DTensor Muon params are planned."""
         check_state_dict(self.param_groups, state_dict)
+        # the whole state, the same on every rank: all raise alike
+        if problem := state_values_problem(self.param_groups, state_dict):
+            raise DamagedState(problem)
         self._torch_load(self._cut(state_dict, self._state_layout()))
 
     def _state_layout(self):
@@ -686,6 +691,13 @@ class MuonAdamW(torch.optim.Optimizer):
                                               where(by_id[pid], name, by_id[pid].shape))
               for pid, st in cut["state"].items() for name, v in st.items()
               if isinstance(v, Tensor)})
+        # each rank read its own pieces: one that finds a bad value stops them all
+        problem = state_values_problem(self.param_groups, cut)
+        shared = self.world_size > 1 or has_dtensors(by_id.values())
+        if shared and self._any_rank([problem is not None])[0] and problem is None:
+            problem = "optimizer state: another process's piece of it is damaged"
+        if problem:
+            raise DamagedState(problem)
         self._torch_load(cut)
 
 

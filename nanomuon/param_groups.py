@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from nanomuon import update_math
+from nanomuon.common import shown
+from nanomuon.sharded import DTensor
 from nanomuon.update_math import Option, a_bool, a_number, ns_coefficients, one_of
 
 logger = logging.getLogger("nanomuon")
@@ -316,11 +318,16 @@ def _check_coefficients(label: str, group: dict) -> None:
     steps = group["ns_steps"]
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
         raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
+    spec = group.get("ns_coefficients", "polar_express")
     try:
-        ns_coefficients(group.get("ns_coefficients", "polar_express"), steps,
-                        group.get("ns_repeat_last", False))
+        triples, safety, _ = ns_coefficients(spec, steps, group.get("ns_repeat_last", False))
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
+    if (peak := update_math.ns_growth(triples, safety)) > update_math.NS_GROWTH_MAX:
+        raise ValueError(f"{label}: ns_coefficients={shown(repr(spec), 120, quote=False)} take a "
+                         f"normalized input's singular values to {peak:.3g} within {steps} steps, "
+                         f"where they must stay near 1 (at most {update_math.NS_GROWTH_MAX:g}, as "
+                         "every named set does): larger ones overflow fp32 in the update")
 
 
 def _check_layout(label: str, group: dict) -> None:
@@ -476,6 +483,58 @@ def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
     if st and (missing := [name for name in kept if name not in st]):
         logger.warning("%s: no saved %s; the stage starts it afresh at the next step", where,
                        ", ".join(missing))
+
+
+def _bad_values(v: Tensor, nonnegative: bool) -> str | None:
+    """What is wrong with a state tensor's values (this rank's piece of a DTensor): one isfinite
+    and, for a second moment or a count, one min."""
+    v = v.to_local() if isinstance(v, DTensor) else v
+    if v.is_meta or not v.is_floating_point() or v.numel() == 0:
+        return None
+    if bad := int((~torch.isfinite(v)).sum()):
+        return f"holds {bad} NaN or infinite value{'s' * (bad > 1)} of {v.numel()}"
+    if nonnegative and (low := float(v.min())) < 0:
+        return f"holds negative values (down to {low:.3g}), where it can only be >= 0"
+    return None
+
+
+def _bad_step(step) -> str | None:
+    """An AdamW step count: an int >= 0, or a finite one-element tensor >= 0 (torch's AdamW)."""
+    if isinstance(step, Tensor):
+        ok = (step.numel() == 1 and not step.is_complex() and not step.is_meta
+              and math.isfinite(float(step)) and float(step) >= 0)
+    else:
+        ok = isinstance(step, int) and not isinstance(step, bool) and step >= 0
+    return None if ok else (f"is {shown(repr(step), 60, quote=False)}, not a step count "
+                             "(an int >= 0)")
+
+
+class DamagedState(ValueError):
+    """Optimizer state whose values would poison the next step: the state, not this setup, is at
+    fault (a checkpoint reader points to an earlier one)."""
+
+
+def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | None:
+    """The first state value that would poison the next step (NaN or inf, a negative second
+    moment, a step count that is not one), as a line; None if there is none. Structure and shapes
+    are check_state_dict's."""
+    by_id = saved_params(param_groups, state_dict)
+    where = {p: (i, j, g) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    for pid, st in state_dict["state"].items():
+        p = by_id[pid]
+        i, j, group = where[p]
+        slots = (update_math.muon_state_layout(p.shape, p.dtype, group, declared=True)
+                 if group["kind"] == "muon" else {})
+        for name, v in st.items():
+            if group["kind"] == "adamw" and name == "step":
+                wrong = _bad_step(v)
+            else:
+                wrong = isinstance(v, Tensor) and _bad_values(v, name == "exp_avg_sq" or getattr(
+                    slots.get(name), "nonnegative", False))
+            if wrong:
+                return (f"optimizer state: {group_label(i, group)}, param {j}: {name!r} {wrong}; "
+                        "the saved state is damaged and would poison the next step")
+    return None
 
 
 def saved_params(param_groups: list[dict], state_dict: dict) -> dict:

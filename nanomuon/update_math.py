@@ -154,6 +154,24 @@ def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tup
     return triples[:ns_steps], safety, eps
 
 
+NS_GROWTH_MAX = 100.0  # every named set keeps singular values under 2 (docs/optimizer.md)
+
+
+@functools.lru_cache(maxsize=64)
+def ns_growth(triples: tuple, safety: float) -> float:
+    """The largest singular value any iterate of these Newton-Schulz polynomials reaches from a
+    normalized input (singular values in [0, 1 / safety]), in float64 on a grid: inf where it
+    overflows. Coefficients that pass the finiteness check can still overflow fp32 at the first
+    step (a = 1e30); checked once per distinct set."""
+    xs, peak = [i / (256 * safety) for i in range(257)], 0.0
+    for a, b, c in triples:
+        xs = [a * x + b * x * x * x + c * x * x * x * x * x for x in xs]
+        peak = max(peak, *(abs(x) for x in xs))
+        if not math.isfinite(peak) or peak > 1e100:  # inf - inf is nan: stop before it
+            return math.inf
+    return peak
+
+
 class Slices(NamedTuple):
     """Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut along
     `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over the ranks holding the slices."""
@@ -307,6 +325,7 @@ class StateSpec(NamedTuple):
     dtype: torch.dtype | None = torch.float32
     init: float | Callable = 0.0
     kept: Callable | None = None
+    nonnegative: bool = False  # a second moment, a count: a loaded negative value is refused
 
 
 class Stage(NamedTuple):
@@ -654,8 +673,8 @@ PRECONDITIONERS = {
         soap_col_cov=StateSpec(lambda rows, cols: (cols, cols)),
         soap_row_basis=StateSpec(lambda rows, cols: (rows, rows)),
         soap_col_basis=StateSpec(lambda rows, cols: (cols, cols)),
-        soap_second_moment=StateSpec(lambda rows, cols: (rows, cols)),
-        soap_step=StateSpec(lambda rows, cols: ())),
+        soap_second_moment=StateSpec(lambda rows, cols: (rows, cols), nonnegative=True),
+        soap_step=StateSpec(lambda rows, cols: (), nonnegative=True)),
         options=dict(soap_beta=Option(0.9, lambda v: a_number(v, 1.0), "SOAP's EMA of the "
                                       "covariances and of the rotated second moment"),
                      precondition_frequency=Option(10, a_count, "SOAP: steps between refreshes "
@@ -676,7 +695,8 @@ POST_PROCESSORS = {
        for mode in ("fro", "col", "row", "col_row", "row_col")},
     "variance_reduction": Stage(variance_reduction, on_slices=True, state=dict(
         second_momentum_buffer=StateSpec(lambda rows, cols: (rows, 1) if rows >= cols else (1, cols),
-                                         kept=lambda group: group["beta2"] is not None))),
+                                         kept=lambda group: group["beta2"] is not None,
+                                         nonnegative=True))),
     "uw_floor": Stage(uw_floor, options=dict(uw_floor=Option(0.35, a_number, "u/w floor: the "
                                                              "least ||update||_F / ||W||_F")),
                       needs=("weight",)),
@@ -688,7 +708,8 @@ APPLIERS = {
     "decoupled": apply_decoupled,
     "cautious": apply_cautious,
     "hyperball": Stage(hyperball, state=dict(hyperball_radius=StateSpec(
-        lambda rows, cols: (1, 1), init=hyperball_radius)), needs=("weight",),
+        lambda rows, cols: (1, 1), init=hyperball_radius, nonnegative=True)),
+        needs=("weight",),
         weight_decay=False),
     "muown": Stage(muown_apply, state=dict(
         muown_gain=_row_spec(muown_row_norms), muown_v_norm=_row_spec(muown_row_norms),
@@ -1000,6 +1021,7 @@ class StateSlot(NamedTuple):
     shape: tuple
     dtype: torch.dtype
     init: float | Callable
+    nonnegative: bool = False
 
 
 def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
@@ -1032,7 +1054,7 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
                        else spec.shape(*blocks[0]))
                 init = LogicalInit(init, layout) if callable(init) and layout else init
             precision = dtype if spec.dtype is None else torch.promote_types(dtype, spec.dtype)
-            out[name] = StateSlot((*shape[:-2], *per), precision, init)
+            out[name] = StateSlot((*shape[:-2], *per), precision, init, spec.nonnegative)
     return out
 
 

@@ -526,11 +526,7 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
     exit_if_any_failed(error)
     # every rank writes its part of each checkpoint there, so every rank must see the directory rank
     # 0 locked
-    lock = run_dir / ".lock"
-    try:
-        seen = lock.read_text().strip()
-    except OSError as e:
-        seen = f"{lock}: {e.strerror}"
+    seen = checkpoint.lock_holder(run_dir) or f"no {run_dir / '.lock'}"
     exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
                             "every process writes its part of each checkpoint into runs/<run>, so "
                             "put runs/ (or all of NANOMUON_BASE_DIR) on a filesystem every node "
@@ -929,7 +925,8 @@ def resume(run: Run) -> None:
     exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
     with user_errors():  # a mismatched checkpoint
         # hand edits
-        problems = [f"loop.{k} is {v!r} in its meta.json" for k, v in meta["loop"].items()
+        problems = [f"loop.{k} is {shown(repr(v), 120, quote=False)} in its meta.json"
+                    for k, v in meta["loop"].items()
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
                                                         or args.seeds else (int, float))]
         problems = problems or precision_problems(meta["loop"], step)
@@ -1054,11 +1051,17 @@ def save(run: Run) -> None:
     exit_if_any_failed(error)
 
 
-def where_to_resume(run: Run) -> str:
-    """The way back for a run that stopped: its newest checkpoint, or none."""
+def where_to_resume(run: Run, before: int | None = None) -> str:
+    """The way back for a run that stopped: its newest checkpoint (of a step before `before`), or
+    none."""
     steps = checkpoint.list_steps(run.run_dir)
     if not steps:
         return "there is no checkpoint yet: start the run afresh"
+    if not (steps := [s for s in steps if before is None or s < before]):
+        return f"there is no checkpoint from before step {before}: start the run afresh"
+    if before is not None:
+        return (f"resume from {checkpoint.step_dir(run.run_dir, steps[-1])} (--resume-from-step "
+                f"{steps[-1]}),")
     return f"resume from its last checkpoint, {checkpoint.step_dir(run.run_dir, steps[-1])} " \
            "(--resume-from-step latest),"
 
@@ -1201,10 +1204,14 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                f"({loop['nonfinite_in_a_row']} in a row, {loop['skipped_steps']} in this run)")
         if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
             compute_cleanup()
+            # the weights that gave the first bad step's loss are those of the step before it
+            # (and, updates skipped, of every step since): a checkpoint from before those
+            held = step - loop["nonfinite_in_a_row"]
             raise SystemExit(f"error: {loop['nonfinite_in_a_row']} steps in a row, through step "
                              f"{step}, had a non-finite loss or gradients: the run diverged. "
-                             f"{where_to_resume(run).capitalize()} with lower lrs (--matrix-lr, "
-                             "--embedding-lr, --unembedding-lr) or a warmup (--warmup-ratio)")
+                             f"{where_to_resume(run, before=held).capitalize()} with lower lrs "
+                             "(--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
+                             "(--warmup-ratio)")
     if s.finite and warm:
         loop["step_times"].append(s.seconds)
         loop["optim_times"].append(s.optimizer_seconds)

@@ -353,7 +353,7 @@ CASES = {
     "meta-wrong-type": (lambda b, g, *_: resume_edited(b, g, "strstep", lambda m: m.update(step="2")),
                         "'step' is '2', not an int"),
     "meta-loop-type": (lambda b, g, *_: resume_edited(b, g, "loop", lambda m: m["loop"].update(history=7)),
-                       "loop.history is 7 in its meta.json"),
+                       "'loop.history' is 7, not a list of [step, train loss] pairs"),
     "meta-loop-precision": (lambda b, g, *_: resume_edited(b, g, "prec", lambda m: m["loop"].update(
         precision=[[0, "\x1b[2J", None]])), "loop.precision is [[0, '\\x1b[2J', None]] in its meta.json"),
     "meta-loader-position": (lambda b, g, *_: resume_edited(b, g, "pos", lambda m: m["loader"][0].update(doc=10**9)),

@@ -329,6 +329,74 @@ def io_round_trip(obj):
     return torch.load(buf)
 
 
+def nan_fill(name):
+    return lambda st: st[name].fill_(float("nan"))
+
+
+# param 0 is Muon's, 3 an AdamW one of 20 values (build: shapes (16, 24), (16, 24), (24, 8), (7,))
+DAMAGED = {
+    "NaN exp_avg_sq": (3, nan_fill("exp_avg_sq"), r"'exp_avg_sq' holds 7 NaN or infinite values of 7"),
+    "negative exp_avg_sq": (3, lambda st: st["exp_avg_sq"].fill_(-1.0),
+                            r"'exp_avg_sq' holds negative values \(down to -1\)"),
+    "inf exp_avg": (3, lambda st: st["exp_avg"].fill_(float("inf")), r"'exp_avg' holds 7 NaN"),
+    "step 'x'": (3, lambda st: st.update(step="x"), r"'step' is 'x', not a step count"),
+    "step -5": (3, lambda st: st.update(step=-5), r"'step' is -5, not a step count"),
+    "step 2.5": (3, lambda st: st.update(step=2.5), r"'step' is 2.5, not a step count"),
+    "NaN momentum": (0, nan_fill("momentum_buffer"), r"param 0: 'momentum_buffer' holds 384 NaN"),
+    "negative second moment": (0, lambda st: st["second_momentum_buffer"].fill_(-2.0),
+                               r"'second_momentum_buffer' holds negative values"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_damaged_state_is_refused_at_load_and_loads_nothing(name):
+    """NaN, inf or a negative second moment would poison every step after the load, and a step count
+    that is not one fails inside the math: each is refused in one line naming the value, before the
+    optimizer takes any of it."""
+    idx, edit, says = DAMAGED[name]
+    params = make_params([(16, 24), (16, 24), (24, 8), (7,)])
+    opt = build(params)
+    run_steps(opt, params, 1)
+    saved = io_round_trip(opt.state_dict())
+    edit(saved["state"][idx])
+    fresh = build(clone_params(params))
+    with pytest.raises(ValueError, match="optimizer state: param group .*" + says) as e:
+        fresh.load_state_dict(saved)
+    assert "\n" not in str(e.value) and "poison the next step" in str(e.value)
+    assert not fresh.state
+
+
+def test_a_saved_torch_style_tensor_step_still_loads():
+    params = make_params([(16, 24), (16, 24), (24, 8), (7,)])
+    opt = build(params)
+    run_steps(opt, params, 1)
+    saved = io_round_trip(opt.state_dict())
+    saved["state"][3]["step"] = torch.tensor(1.0)
+    fresh = build(clone_params(params))
+    fresh.load_state_dict(saved)
+    run_steps(fresh, fresh.param_groups[1]["params"], 1)
+
+
+@pytest.mark.parametrize("coefficients", [[(1e308, 0, 0)], [(3.0, -3.0, 1e30)], [(3.0, 0.0, 0.0)]])
+def test_coefficients_that_overflow_are_refused_before_the_math(coefficients):
+    """Finite coefficients can still overflow at the first step (1e308 is inf in fp32, c = 1e30 squares
+    past it by the second iteration); the check follows the singular values through the iterations
+    (a = 3 takes them to 243, past the bound of 100), at construction and, for a loaded or edited
+    group, before the step changes anything."""
+    with pytest.raises(ValueError, match=r"ns_coefficients=.* take a normalized input's singular "
+                                         r"values to \S+ within 5 steps, where they must stay near 1"):
+        MuonAdamW([muon_group(make_params([(8, 8)]), ns_coefficients=coefficients)])
+    params = make_params([(8, 8)])
+    opt = MuonAdamW([muon_group(params)])
+    saved = opt.state_dict()
+    saved["param_groups"][0]["ns_coefficients"] = coefficients
+    opt.load_state_dict(saved)
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match="overflow fp32 in the update"):
+        run_steps(opt, params, 1)
+    assert torch.equal(params[0], before) and not opt.state
+
+
 def test_lr_scheduler_drives_group_lr():
     a = make_params([(16, 24), (30,)])
     b = clone_params(a)

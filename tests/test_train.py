@@ -23,7 +23,7 @@ from test_dist import _free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanomuon.checkpoint import file_crc32, list_steps, load_checkpoint, save_checkpoint
+from nanomuon.checkpoint import list_steps, load_checkpoint, save_checkpoint
 from nanomuon.recipe import rule_lrs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -482,48 +482,44 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]
 
 
-def poison_checkpoint(run_dir, step):
-    """Put a NaN into lm_head, as a diverged run would have: every later loss and gradient is NaN."""
-    d = run_dir / f"step_{step:06d}"
-    saved = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
-    dcp.load(state, checkpoint_id=d, no_dist=True)
-    state["model.lm_head.weight"][0, 0] = float("nan")
-    for f in [*d.glob("*.distcp"), d / ".metadata"]:  # rewritten by one process: one file
-        f.unlink()
-    dcp.save(state, checkpoint_id=d, no_dist=True)
-    sums = {f.name: file_crc32(f) for f in sorted(d.iterdir()) if f.name not in ("meta.json", "checksums.json")}
-    (d / "checksums.json").write_text(json.dumps(dict(crc32=sums)))  # as saved: a legitimate, diverged state
-
-
 def test_nonfinite_steps_are_skipped_then_the_run_stops(base, capsys, monkeypatch):
+    """Skipped steps never run the optimizer; the stop names a checkpoint from before the weights
+    that gave the first non-finite loss (those of step 3, and, updates skipped, of 4 and 5 too)."""
+    import scripts.base_train as bt
     from nanomuon.optim import MuonAdamW
-    from scripts.base_train import main
 
     flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "8", "--eval-every", "-1", "--run", "nan",
-             "--keep-checkpoints", "-1"]
-    main([*flags, "--save-every", "2"])
-    poison_checkpoint(base / "runs" / "nan", 2)
+             "--keep-checkpoints", "-1", "--save-every", "1"]
+    bt.main(flags)
     capsys.readouterr()
     steps_taken = []
     real_step = MuonAdamW.step
     monkeypatch.setattr(MuonAdamW, "step", lambda self: steps_taken.append(1) or real_step(self))
-    with pytest.raises(SystemExit, match=r"3 steps in a row, through step 5, had a non-finite loss.*--resume-from"):
-        main([*flags, "--resume-from-step", "2", "--max-nonfinite-steps", "3"])
+    monkeypatch.setattr(bt, "all_finite", lambda *_: False)  # from step 4 on, as a diverged run
+    with pytest.raises(SystemExit, match=r"3 steps in a row, through step 6, had a non-finite loss") as e:
+        bt.main([*flags, "--resume-from-step", "3", "--max-nonfinite-steps", "3"])
     out = capsys.readouterr().out
     assert out.count("update skipped") == 3 and "(3 in a row, 3 in this run)" in out
     assert not steps_taken  # skipped means the optimizer never ran
+    assert "Resume from " + str(base / "runs" / "nan" / "step_000002") + " (--resume-from-step 2), with lower" \
+        in str(e.value.code), e.value.code
 
 
-def test_nonfinite_model_is_never_checkpointed(base):
-    from scripts.base_train import main
+def test_nonfinite_model_is_never_checkpointed(base, monkeypatch):
+    import scripts.base_train as bt
 
     flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "-1", "--run", "nan-save"]
-    main([*flags, "--save-every", "2"])
-    poison_checkpoint(base / "runs" / "nan-save", 2)
+    bt.main([*flags, "--save-every", "2"])
     shutil.rmtree(base / "runs" / "nan-save" / "step_000004")
+    real_load = bt.checkpoint.load_into
+
+    def poisoned(run_dir, step, model, optimizer=None):  # a NaN the gradient check lets through
+        real_load(run_dir, step, model, optimizer)
+        model.lm_head.weight.data[0, 0] = float("nan")
+    monkeypatch.setattr(bt.checkpoint, "load_into", poisoned)
+    monkeypatch.setattr(bt, "all_finite", lambda *_: True)
     with pytest.raises(SystemExit, match="non-finite parameters at step 3; not checkpointing"):
-        main([*flags, "--save-every", "1", "--resume-from-step", "2"])
+        bt.main([*flags, "--save-every", "1", "--resume-from-step", "2"])
     assert list_steps(base / "runs" / "nan-save") == [2]
 
 
