@@ -275,7 +275,7 @@ def test_compiled_model_equals_eager():
 @pytest.mark.parametrize("variant", list(OPTIMIZER_VARIANTS))
 def test_every_optimizer_variant_builds_and_steps(variant):
     model = small_model()
-    opt = model.setup_optimizer(**optimizer_kwargs(variant))
+    opt = model.setup_optimizer(**optimizer_kwargs(variant), horizon=10)  # Muown's schedule needs one
     matrices = next(g for g in opt.param_groups if g["name"] == "matrices")
     assert matrices["kind"] == ("adamw" if variant == "adamw" else "muon")
     for key, value in OPTIMIZER_VARIANTS[variant].get("muon_options", {}).items():
