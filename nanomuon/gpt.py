@@ -21,7 +21,7 @@ from nanomuon.attention import Attention, sdpa
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
-from nanomuon.recipe import WEIGHT_DECAY, rule_lrs
+from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
 
 
@@ -353,12 +353,13 @@ class GPT(nn.Module):
                         adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False,
-                        horizon: int | None = None):
+                        horizon: int | None = None, lrs: PeakLRs | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Each param gets the lr of its role at width 768: the one given, else the lr rule's
-        (rule_lrs) at total_batch_size tokens per step; AdamW's but the scalars' are then scaled as
-        1/sqrt(width), Muon's need no width scaling because its update is orthogonalized.
+        Each param gets the lr of its role at width 768 from `lrs` (base_train's, decided from its
+        flags), else the one given, else the lr rule's (rule_lrs) at total_batch_size tokens per
+        step; AdamW's but the scalars' are then scaled as 1/sqrt(width), Muon's need no width
+        scaling because its update is orthogonalized; lrs.multiplier then scales every group's.
         muon_options go into the Muon group; matrix_optimizer='adamw' trains the matrices with
         AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
@@ -369,7 +370,9 @@ class GPT(nn.Module):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
                      matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
-        lr = rule_lrs(total_batch_size) | {k: v for k, v in given.items() if v is not None}
+        if lrs is not None and any(v is not None for v in given.values()):
+            raise ValueError("give the lrs either as lrs= or one by one, not both")
+        lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
         scale = (self.config.n_embd / 768) ** -0.5
         roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
         params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
@@ -398,8 +401,8 @@ class GPT(nn.Module):
         if params["scalars"]:
             groups.append(dict(adam, name="scalars", params=params["scalars"],
                                lr=lr["scalar_lr"]))
-        for g in groups:
-            g["initial_lr"] = g["lr"]
+        for g in groups:  # the one place the multiplier applies
+            g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
         if optimizer_class is not None:
             return optimizer_class(groups)
         # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their

@@ -10,6 +10,7 @@ of sizes and token counts: nothing here builds a model or touches a device, so t
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
 # GPU, the adamw baseline): each group's lr at width 768 was measured at two batches, and the rule
@@ -65,6 +66,26 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
         gpu = NANOCHAT_LRS.get(key, lr * (NANOCHAT_BATCH / RULE_BATCH) ** CPU_EXPONENTS[key])
         lrs[key] = _between(lr, gpu, between) * below ** CPU_EXPONENTS[key] * above
     return lrs
+
+
+class PeakLRs(NamedTuple):
+    """Each group's peak lr, decided once before the optimizer is built: the lr of each role at
+    width 768 (GPT.setup_optimizer scales AdamW's but the scalars' as 1/sqrt(width / 768)), and
+    `multiplier` (--lr-multiplier), which setup_optimizer applies once to every group's lr, a
+    variant's own included. A group's initial_lr is its lr here x width scale x multiplier."""
+    embedding_lr: float
+    unembedding_lr: float
+    matrix_lr: float
+    adamw_matrix_lr: float
+    scalar_lr: float
+    multiplier: float = 1.0
+
+
+def peak_lrs(total_batch_size: int, multiplier: float = 1.0, **given: float | None) -> PeakLRs:
+    """The PeakLRs of a run of total_batch_size tokens per step: each lr given (not None), else
+    the lr rule's (rule_lrs), all scaled by `multiplier`."""
+    chosen = {k: v for k, v in given.items() if v is not None}
+    return PeakLRs(**(rule_lrs(total_batch_size) | chosen), multiplier=multiplier)
 
 
 def rule_weight_decay(total_batch_size: int) -> float:

@@ -62,7 +62,9 @@ from nanomuon.param_groups import fill_defaults
 from nanomuon.recipe import (
     NANOCHAT_REF_DEPTH,
     NANOCHAT_TOKENS_PER_PARAM,
+    PeakLRs,
     fit_device_batch,
+    peak_lrs,
     train_memory,
     training_recipe,
 )
@@ -586,7 +588,8 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
 
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
-    (a variant that sets an lr is tuned for it); each flag a variant overrides is said."""
+    (a variant that sets an lr is tuned for it); each flag a variant overrides is said. Every lr
+    is decided here, once, as one PeakLRs (run_lrs)."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
                  weight_decay=args.weight_decay, schedule=args.schedule)
@@ -594,10 +597,18 @@ def optimizer_options(args, compiled: bool) -> dict:
     for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    del flags["schedule"]  # train_step's (schedule_name), not the optimizer's
-    given = {k: v for k, v in flags.items() if v is not None}
-    return dict(given, total_batch_size=args.total_batch_size, compile=compiled,
-                **optimizer_kwargs(args.optimizer))
+    kwargs = optimizer_kwargs(args.optimizer)
+    own = {k: v for k, v in kwargs.items() if k not in PeakLRs._fields}
+    decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
+    return dict(decay, lrs=run_lrs(args), compile=compiled, **own)
+
+
+def run_lrs(args) -> PeakLRs:
+    """This run's peak lrs: each lr flag given, the --optimizer variant's own lr over it, the lr
+    rule's at --total-batch-size for the rest, and --lr-multiplier over all of them."""
+    variant = optimizer_kwargs(args.optimizer)
+    given = {k: variant.get(k, getattr(args, k, None)) for k in PeakLRs._fields[:-1]}
+    return peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
 
 
 def schedule_name(args) -> str:
@@ -879,8 +890,6 @@ def build(args, held: contextlib.ExitStack) -> Run:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = model.setup_optimizer(**optimizer_options(args, compiled), horizon=num_iterations)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] = group["lr"] * args.lr_multiplier
     forward = SeedBatch(model) if args.seeds else model
     run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device,
               run_dir=run_dir, tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device),
@@ -955,21 +964,7 @@ def resume(run: Run) -> None:
         if problems:
             raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: "
                              + "; ".join(problems))
-        # torch's load_state_dict restores the saved group values (initial_lr, weight_decay, ...):
-        # keep this run's, so a resume with new lrs uses them. lr and momentum follow the schedule
-        # at every step; the step count (StageContext.step) is the checkpoint's.
-        flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum", "step")}
-                 for g in run.optimizer.param_groups]
-        # each rank reads its pieces
-        checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
-        # tuples may come back from a save as lists
-        plain = lambda v: list(v) if isinstance(v, tuple) else v
-        for group, wanted in zip(run.optimizer.param_groups, flags):
-            for key, value in wanted.items():
-                if plain(group.get(key)) != plain(value):
-                    print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} "
-                           f"in the checkpoint, {value!r} now (the flags win)")
-                group[key] = value
+        load_flags_win(run, step)
         if meta["world_size"] == run.world_size:
             run.train_loader.load_state_dict(meta["loader"][run.rank])
         else:
@@ -981,6 +976,25 @@ def resume(run: Run) -> None:
     resumed_precision(run, meta, step)
     print0(f"resumed {run.run_dir} at step {step}")
     set_aside_later_steps(run, step)
+
+
+def load_flags_win(run: Run, step: int) -> None:
+    """The model and optimizer state of checkpoint `step`, each rank reading its pieces, under the
+    rule for which wins: the resumed command's flags. Every group value the flags decided
+    (initial_lr, so every lr and --lr-multiplier, weight_decay and the rest) is this run's, not
+    the saved one torch's load_state_dict restores; each that differs is said. lr and momentum
+    follow the schedule at every step; the step count (StageContext.step) is the checkpoint's."""
+    flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum", "step")}
+             for g in run.optimizer.param_groups]
+    checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
+    # tuples may come back from a save as lists
+    plain = lambda v: list(v) if isinstance(v, tuple) else v
+    for group, wanted in zip(run.optimizer.param_groups, flags):
+        for key, value in wanted.items():
+            if plain(group.get(key)) != plain(value):
+                print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} "
+                       f"in the checkpoint, {value!r} now (the flags win)")
+            group[key] = value
 
 
 def evaluate(run: Run) -> None:
@@ -1170,7 +1184,7 @@ def train_step(run: Run) -> Step:
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
     lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
-    for group in run.optimizer.param_groups:
+    for group in run.optimizer.param_groups:  # initial_lr: the peak, --lr-multiplier in it
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
             group["momentum"] = muon_momentum_schedule(step)

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.recipe import PeakLRs
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 
@@ -131,6 +132,26 @@ def test_setup_optimizer_groups():
     assert model(x, x).item() < before
 
 
+
+
+def test_setup_optimizer_applies_the_multiplier_once():
+    """A PeakLRs is each group's lr at width 768 and one multiplier: every group's lr and
+    initial_lr are its role's lr x width scale (AdamW's but the scalars') x the multiplier, once;
+    lrs= and lrs one by one are refused together."""
+    model = small_model()
+    lrs = PeakLRs(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, adamw_matrix_lr=0.001,
+                  scalar_lr=0.5, multiplier=0.25)
+    scale = (model.config.n_embd / 768) ** -0.5
+    want = dict(embedding=0.2 * scale * 0.25, lm_head=0.004 * scale * 0.25, matrices=0.02 * 0.25,
+                scalars=0.5 * 0.25)
+    for options, matrices in (({}, want["matrices"]), (optimizer_kwargs("muon-per-head"), None),
+                              (optimizer_kwargs("adamw"), 0.001 * scale * 0.25)):
+        for g in model.setup_optimizer(lrs=lrs, **options).param_groups:
+            name = "matrices" if g["name"].startswith("matrices") else g["name"]
+            expected = want[name] if matrices is None or name != "matrices" else matrices
+            assert g["initial_lr"] == g["lr"] == pytest.approx(expected, rel=1e-12), g["name"]
+    with pytest.raises(ValueError, match="not both"):
+        model.setup_optimizer(lrs=lrs, matrix_lr=0.03)
 
 
 def peak_lrs(model, **kwargs) -> dict:

@@ -88,6 +88,48 @@ def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
         main([*flags, "--resume-from-step", "2", "--eval-tokens", "2048"])
 
 
+def test_the_lr_multiplier_scales_each_groups_peak_lr_once():
+    """--lr-multiplier is decided with the other lrs, before the optimizer is built: each group's
+    initial_lr is the lr rule's at 4,096 tokens per step (written out) x width scale x the
+    multiplier, a variant's groups too, and the schedule then scales initial_lr alone."""
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts.base_train import optimizer_options, parse_args
+
+    with torch.device("meta"):
+        model = GPT(config_from_depth(4, 97, 64))
+    scale = (model.config.n_embd / 768) ** -0.5
+    rule = dict(embedding=0.075 * scale, lm_head=0.002 * scale, matrices=0.02, scalars=0.5)
+    for variant, matrices in (("muon", 0.02), ("muon-muown", 0.02), ("adamw", 0.001 * scale)):
+        args = parse_args([*TINY, "--total-batch-size", "4096", "--lr-multiplier", "3",
+                           "--optimizer", variant])
+        opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=10)
+        for g in opt.param_groups:
+            want = matrices if g["name"] == "matrices" else rule[g["name"]]
+            assert g["initial_lr"] == g["lr"] == pytest.approx(want * 3, rel=1e-12), (variant, g)
+
+
+def test_a_resume_takes_the_lr_multiplier_from_the_flags(base, capsys):
+    """A resume with another --lr-multiplier trains at the flags' lrs, not the checkpoint's, and
+    says so (the flags win, as for every lr flag)."""
+    from scripts.base_train import main
+
+    flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "4", "--eval-every", "-1",
+             "--run", "newmult"]
+    main([*flags, "--save-every", "2", "--lr-multiplier", "2"])
+    shutil.rmtree(base / "runs" / "newmult" / "step_000004")
+    capsys.readouterr()
+    main([*flags, "--resume-from-step", "2", "--lr-multiplier", "0.5"])
+    out = capsys.readouterr().out
+    rule, scale = rule_lrs(256), (64 / 768) ** -0.5  # width 64: depth 2 x aspect ratio 32
+    want = dict(lm_head=rule["unembedding_lr"] * scale, embedding=rule["embedding_lr"] * scale,
+                matrices=rule["matrix_lr"])
+    assert f"matrices initial_lr was {want['matrices'] * 2!r} in the checkpoint" in out, out
+    for step, multiplier in ((2, 2), (4, 0.5)):
+        saved, _ = load_checkpoint(base / "runs" / "newmult", step, ("optim",))
+        got = {g["name"]: g["initial_lr"] for g in saved["optim"]["param_groups"]}
+        assert got == pytest.approx({k: v * multiplier for k, v in want.items()}, rel=1e-12)
+
+
 def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsys, tmp_path):
     """--final-eval-tokens: after the last eval, the final weights score that many val tokens' rows
     (-1: every row of the split, of which --eval-tokens' rows are the first), re-derived here in
