@@ -89,6 +89,7 @@ from nanomuon.update_math import (
     muon_options,
     muon_state_layout,
     muon_update,
+    orthogonalizer_running,
     runs_eager,
     scalars,
     update_cost,
@@ -586,9 +587,7 @@ class MuonAdamW(torch.optim.Optimizer):
             group.update(kept)
             # saved before the orthogonalizer registry
             if (method := group.pop("ns_method", None)) is not None:
-                group.setdefault("orthogonalizer",
-                                 dict(standard="newton_schulz", gram="gram_newton_schulz")
-                                 .get(method, "auto"))
+                group.setdefault("orthogonalizer", orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
         groups = {p: g for g in self.param_groups for p in g["params"]}

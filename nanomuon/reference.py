@@ -2,8 +2,9 @@
 The definition of nanomuon's Muon update: one step on one matrix, in float64, in plain loops.
 
 This is what the fused, stacked, sharded and compiled paths (update_math.py and its callers) must
-equal; the tests hold every path to it. It shares only facts with them (the coefficient sets), never
-code: read it to learn what the optimizer does, fork it to state a new idea before making it fast.
+equal; the tests hold every path to it. It shares only facts with them (the coefficient sets, the
+Newton-Schulz method an orthogonalizer's registry entry names), never code: read it to learn what
+the optimizer does, fork it to state a new idea before making it fast.
 
     from nanomuon.reference import muon_step
     state = {}
@@ -17,7 +18,8 @@ Per step, on a (rows, cols) matrix with gradient g:
      by their norms, both taken from the same matrix
   3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
      X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration (Gram Newton-Schulz
-     computes the same iterates; an orthogonalizer of your own is passed in `stages`)
+     computes the same iterates, as does any orthogonalizer whose entry names a method; one of
+     your own is passed in `stages`)
   4-5. post-process, in the order named: Muon+ ('normalize_col', ...): unit columns and/or rows,
      or nanochat's Frobenius rescale; variance reduction (the default, with beta2): an EMA of the
      mean squared update per row (tall/square) or column (wide) divides it, and the Frobenius
@@ -31,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon.update_math import COEFFICIENT_SETS
+from nanomuon.update_math import COEFFICIENT_SETS, orthogonalizer_method
 
 LR_FACTORS = {  # lr_scale: the factor on lr for a (rows, cols) matrix
     "shape": lambda r, c: math.sqrt(max(1.0, r / c)),
@@ -129,10 +131,11 @@ def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | Non
     group = dict(DEFAULTS, **group)
     stages = dict(stages or {})
     name = group["orthogonalizer"]
-    if name not in stages and name not in ("auto", "newton_schulz", "gram_newton_schulz"):
+    if name not in stages and orthogonalizer_method(group) is None:
         raise ValueError(f"reference.muon_step has no float64 definition of orthogonalizer "
                          f"{name!r}; pass one in `stages`")
-    orthogonalize = stages.get(name, newton_schulz)  # Gram's iterates are the same in float64
+    # an entry with a Newton-Schulz method, whichever: Gram's iterates are the same in float64
+    orthogonalize = stages.get(name, newton_schulz)
     p, g, m = p.double(), g.double(), group["momentum"]
     g_l2 = g + group["weight_decay"] * p if group["weight_decay_mode"] == "l2" else g
     state["buf"] = m * state.get("buf", torch.zeros_like(p)) + (1 - m) * g_l2

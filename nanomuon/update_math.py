@@ -72,6 +72,9 @@ COEFFICIENT_SETS = {
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
+# an orthogonalizer's Newton-Schulz (Stage.method): 'standard', 'gram' (on the Gram matrix: the same
+# iterates, fewer FLOPs where the matrix is not square) or 'auto' (Gram where gram_pays)
+NS_METHODS = ("standard", "gram", "auto")
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
 LR_SCALES = {
@@ -221,12 +224,14 @@ def gram_matrix(X: Tensor) -> Tensor:
     return A32.to(A.dtype)
 
 
-def newton_schulz(G: Tensor, group: dict, gram: bool | None = None) -> Tensor:
+def newton_schulz(G: Tensor, group: dict, gram: bool | None = None,
+                  method: str | None = None) -> Tensor:
     """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz with
     the group's ns_coefficients, ns_steps and ns_precision. The registry's 'newton_schulz',
-    'gram_newton_schulz' and 'auto' (Gram where gram_pays) are this one function; gram=None reads
-    which from group['orthogonalizer'] (uses_gram), so an orthogonalizer of yours that calls it
-    gets auto's choice; True or False forces one.
+    'gram_newton_schulz' and 'auto' are this one function, each with its `method` bound (see
+    NS_METHODS). method=None reads the method of the group's orthogonalizer entry (uses_gram), so
+    an orthogonalizer of yours that calls it runs what its entry says ('auto' where the entry
+    names none); gram=True or False forces one.
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the
     singular values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls).
@@ -238,7 +243,7 @@ def newton_schulz(G: Tensor, group: dict, gram: bool | None = None) -> Tensor:
     Over slices (over_slices) the cut dim goes on the columns, where the Gram matrix and the norm
     sum over it (with Gram, one reduction per restart instead of one per iteration)."""
     ns = newton_schulz_settings(group)
-    gram = uses_gram(group, whole_shape(G), ns) if gram is None else gram
+    gram = uses_gram(group, whole_shape(G), ns, method) if gram is None else gram
     shape = G.shape
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
@@ -343,7 +348,11 @@ class Stage(NamedTuple):
     momentum_buffer and the stage's input is the gradient (with 'l2' mode's term).
     logical (an apply stage): it runs on logical matrices, as the direction stages do, and its
     state is per logical matrix, so a precondition or post-process may share it.
-    weight_decay (an apply stage): whether it applies the group's weight_decay."""
+    weight_decay (an apply stage): whether it applies the group's weight_decay.
+    method (an orthogonalizer): the Newton-Schulz it runs (NS_METHODS), which the cost, the float64
+    reference and old checkpoints read; None: not Newton-Schulz (costed as standard Newton-Schulz
+    plus its cost, and the reference needs its float64 definition). A wrapper of Newton-Schulz
+    keeps the method of what it wraps by naming it here."""
     fn: Callable
     state: dict = {}
     reads: tuple = ()
@@ -356,6 +365,7 @@ class Stage(NamedTuple):
     owns_momentum: bool = False
     logical: bool = False
     weight_decay: bool = True
+    method: str | None = None
 
 
 class StageContext(NamedTuple):
@@ -685,11 +695,10 @@ PRECONDITIONERS = {
         muown_gain_grad=_row_spec()), reads=("muown_gain", "muown_v_norm"), needs=("weight",),
         owns_momentum=True),
 }
-ORTHOGONALIZERS = {
-    "auto": Stage(newton_schulz, on_slices=True),
-    "newton_schulz": Stage(newton_schulz, on_slices=True),
-    "gram_newton_schulz": Stage(newton_schulz, on_slices=True),
-}
+ORTHOGONALIZERS = {name: Stage(functools.partial(newton_schulz, method=method), on_slices=True,
+                                method=method)
+                   for name, method in (("auto", "auto"), ("newton_schulz", "standard"),
+                                        ("gram_newton_schulz", "gram"))}
 POST_PROCESSORS = {
     **{f"normalize_{mode}": Stage(functools.partial(normalize, mode=mode), on_slices=True)
        for mode in ("fro", "col", "row", "col_row", "row_col")},
@@ -1123,23 +1132,36 @@ def gram_pays(shape, ns_steps: int, dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 and ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
 
 
-def uses_gram(opts: dict, shape, ns: NewtonSchulz) -> bool:
-    """Whether the group's orthogonalizer runs Gram Newton-Schulz on a matrix of `shape`:
-    'gram_newton_schulz' always, 'newton_schulz' never, and any other name ('auto', or a function
-    registered by a user that calls newton_schulz) where gram_pays."""
-    name = opts["orthogonalizer"]
-    return name != "newton_schulz" and (
-        name == "gram_newton_schulz" or gram_pays(shape, len(ns.coefficients), ns.dtype))
+def orthogonalizer_method(group: dict) -> str | None:
+    """The Newton-Schulz method of the group's orthogonalizer: its registry entry's (Stage.method),
+    None for an entry that names none."""
+    return getattr(ORTHOGONALIZERS.get(group["orthogonalizer"]), "method", None)
+
+
+def orthogonalizer_running(method: str) -> str:
+    """The first registered orthogonalizer whose entry runs `method` ('auto' for none)."""
+    return next((name for name, entry in ORTHOGONALIZERS.items()
+                 if getattr(entry, "method", None) == method), "auto")
+
+
+def uses_gram(opts: dict, shape, ns: NewtonSchulz, method: str | None = None) -> bool:
+    """Whether Newton-Schulz by `method` (default: orthogonalizer_method) runs Gram on a matrix of
+    `shape`: 'gram' always, 'standard' never, 'auto' where gram_pays. An entry that names no method
+    (a function of yours that calls newton_schulz) counts as 'auto'."""
+    method = method or orthogonalizer_method(opts) or "auto"
+    return method == "gram" or (
+        method == "auto" and gram_pays(shape, len(ns.coefficients), ns.dtype))
 
 
 def update_cost(group: dict, p: Tensor) -> float:
-    """The FLOPs of one Muon param's direction under its group's settings (owner planning): its
-    orthogonalizer (one the estimate does not know counts as standard Newton-Schulz) and the cost
-    its stages declare."""
+    """The FLOPs of one Muon param's direction under its group's settings (owner planning):
+    Newton-Schulz by its orthogonalizer's method (an entry with none counts as standard) and the
+    cost its stages declare."""
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
-    known = opts["orthogonalizer"] in ("auto", "newton_schulz", "gram_newton_schulz")
-    flops = ns_flops(p.shape, len(ns.coefficients), known and uses_gram(opts, p.shape, ns))
+    method = orthogonalizer_method(opts)
+    gram = method is not None and uses_gram(opts, p.shape, ns, method)
+    flops = ns_flops(p.shape, len(ns.coefficients), gram)
     batch = torch.Size(p.shape[:-2]).numel()
     return flops + sum(batch * s.cost(*p.shape[-2:], opts) for _, _, s in group_stages(opts)
                        if s.cost is not None)

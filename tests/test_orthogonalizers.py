@@ -165,3 +165,46 @@ def test_contra_muon_reads_the_input_of_any_orthogonalizer(monkeypatch, layout):
                       stages=dict(exact_polar=exact_polar))
     assert (ref - without).abs().max() > 1e-3
     torch.testing.assert_close(run_ours(start, grads, cfgs, **layout).double(), ref, rtol=0, atol=2e-5)
+
+
+def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
+    """A wrapper of standard Newton-Schulz runs standard Newton-Schulz, not 'auto''s Gram, where Gram pays
+    (SHAPES' wide and tall matrices in fp32): registered with the method it wraps, the same params to the bit in
+    MuonAdamW and in the float64 reference, and the same owner-plan cost; a bare wrapper of the entry's
+    function keeps it too."""
+    entry = update_math.ORTHOGONALIZERS["newton_schulz"]
+    assert entry.method == "standard"
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
+        lambda G, group: update_math.newton_schulz(G, group) * 1.0, on_slices=True, method="standard"))
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "bare_ns", lambda G, group: entry.fn(G, group) * 1.0)
+    start, grads = start_and_grads()
+    standard = train(MuonAdamW, start, grads, orthogonalizer="newton_schulz")
+    assert any(not torch.equal(a, s) for a, s in
+               zip(train(MuonAdamW, start, grads, orthogonalizer="auto"), standard))  # the test sees which
+    for name in ("my_ns", "bare_ns"):
+        assert all(map(torch.equal, train(MuonAdamW, start, grads, orthogonalizer=name), standard)), name
+    assert all(map(torch.equal, reference(start, grads, "my_ns"), reference(start, grads, "newton_schulz")))
+
+    p = torch.zeros(24, 96)
+    group = dict(GROUP, params=[p], ns_precision="fp32", ns_coefficients="jordan", ns_repeat_last=False,
+                 split=None, qkv_split=None, transposed=False, precondition=(), post_process=(),
+                 apply="cautious")
+    cost = {name: update_math.update_cost(dict(group, orthogonalizer=name), p)
+            for name in ("my_ns", "newton_schulz", "auto")}
+    assert cost["my_ns"] == cost["newton_schulz"] == update_math.ns_flops(p.shape, 5) > cost["auto"]
+
+
+@pytest.mark.parametrize("method,name", [("standard", "newton_schulz"), ("gram", "gram_newton_schulz"),
+                                         ("auto", "auto"), ("unknown", "auto")])
+def test_a_checkpoint_from_before_the_registry_loads_its_method(method, name, monkeypatch):
+    """A group saved with ns_method (before the orthogonalizer registry) loads as the built-in entry that runs
+    that method, a registered wrapper with the same method notwithstanding."""
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
+        lambda G, group: update_math.newton_schulz(G, group), on_slices=True, method="standard"))
+    p = torch.nn.Parameter(torch.zeros(8, 4))
+    opt = MuonAdamW([dict(kind="muon", params=[p], **GROUP)])
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["orthogonalizer"]
+    sd["param_groups"][0]["ns_method"] = method
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["orthogonalizer"] == name and "ns_method" not in opt.param_groups[0]
