@@ -15,8 +15,7 @@ import torch
 from torch import Tensor
 
 from nanomuon import update_math
-from nanomuon.common import shown
-from nanomuon.sharded import DTensor
+from nanomuon.common import DTensor, shown
 from nanomuon.update_math import Option, a_bool, a_number, ns_coefficients, one_of
 
 logger = logging.getLogger("nanomuon")
