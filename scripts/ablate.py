@@ -937,8 +937,8 @@ def cache_of(flags: list[str]) -> dict:
     device = check_device_type(run_flags.device_type)
     cache = dict(dir=get_base_dir() / "ablations" / "cache", code=code_hash(), device_type=device,
                  device=device_name(device), torch=torch.__version__,
-                 tokenizer=json.loads((tokenizer_dir() / "tokenizer.json").read_text()).get(
-                     "fingerprint"),
+                 tokenizer=read_json(tokenizer_dir() / "tokenizer.json",
+                                     "the tokenizer's record").get("fingerprint"),
                  dtype=resolve_dtype(torch.device(device), run_flags.dtype))
     with user_errors():
         data = prepare(run_flags.dataset, run_flags.text_column, run_flags.val_fraction)
