@@ -232,9 +232,11 @@ class SafeWriter(dcp.FileSystemWriter):
 
 
 def _no_index_logs(record: logging.LogRecord) -> bool:
-    """False for DCP's logs of an index it cannot read (with their tracebacks, on the root logger):
-    the error it raises next says so, and a step pruned while it is read is no error at all."""
-    return "metadata is not found" not in str(record.msg)
+    """False for DCP's logs of an index it cannot read, with their tracebacks (the root logger's
+    "metadata is not found"; torch 2.9's DCP logger, "assert metadata is not None"): the error
+    it raises next says so, and a step pruned while it is read is no error at all."""
+    msg = str(record.msg)
+    return "metadata is not found" not in msg and "metadata is not None" not in msg
 
 
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
@@ -242,14 +244,19 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     time it runs in one process."""
     io = dict(storage_writer=SafeWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
-    root = logging.getLogger()
+    # A logger's filter sees only records logged on it, so DCP's own logger gets one too.
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in
+                                       list(logging.root.manager.loggerDict)
+                                       if name.endswith("dcp_logger")]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
-        root.addFilter(_no_index_logs)
+        for logger in loggers:
+            logger.addFilter(_no_index_logs)
         try:
             return fn(tensors, no_dist=no_dist, **io)
         finally:
-            root.removeFilter(_no_index_logs)
+            for logger in loggers:
+                logger.removeFilter(_no_index_logs)
 
 
 def _causes(e: BaseException):
