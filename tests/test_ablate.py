@@ -40,6 +40,7 @@ def mean_sd_hw(xs):
     return m, sd, T975[len(xs) - 1] * sd / len(xs) ** 0.5
 
 
+@pytest.mark.slow
 def test_ablate_seeds_lr_sweep_verdict_and_cache(base, monkeypatch):
     """Two variants x two lrs x two seeds, two at a time. Each seed sets the init (and data order) for every
     variant; the table's best lr, mean ± std [95% CI] and paired verdict are recomputed here from the runs'

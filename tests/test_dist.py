@@ -333,7 +333,8 @@ def _sharded_checkpoint_worker(rank, world_size, mode, path):
     assert_replicated(model)
 
 
-@pytest.mark.parametrize("saved_at, loaded_at", [(3, 2), pytest.param(8, 3, marks=pytest.mark.slow), (2, 8)])
+@pytest.mark.parametrize("saved_at, loaded_at", [(3, 2), pytest.param(8, 3, marks=pytest.mark.slow),
+                                               pytest.param(2, 8, marks=pytest.mark.slow)])
 def test_sharded_checkpoint_loads_at_any_world_size(tmp_path, saved_at, loaded_at):
     """Each rank writes only its pieces (DistMuonAdamW's owned Muon state, its rows of each large AdamW param; at 8
     ranks, some hold no rows of the 3-row param) and reads back only its new pieces at another world size, or all
@@ -377,6 +378,7 @@ def _killed_worker(rank, world_size, marker, always):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_spawn_retries_a_worker_killed_by_a_signal_once(tmp_path):
     with pytest.warns(UserWarning, match="retrying once"):
         spawn(_killed_worker, 2, tmp_path / "died", False)

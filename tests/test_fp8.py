@@ -53,6 +53,7 @@ def test_fp8_swaps_the_block_linears_and_keeps_their_weights():
     assert torch.equal(model(x), fp8) and type(model.blocks[0].attn.c_q).__name__ == "Float8Linear"
 
 
+@pytest.mark.slow
 def test_fp8_run_is_near_the_plain_run_and_its_checkpoint_is_a_plain_one(base, capsys):
     """A tiny model's val bpb with --fp8 is within 3% of the plain run's; the checkpoint has the
     same keys, shapes and dtypes; the fp8 run resumes without --fp8, a plain run resumes with it,

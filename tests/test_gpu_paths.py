@@ -201,6 +201,7 @@ def test_gpu_check_names_every_missing_package_before_it_starts(tmp_path):
     assert p.stderr.count("\n") == 1 and "missing here: tiktoken, pytest" in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_its_steps_with_python3_where_python_lacks_torch(tmp_path):
     """An image whose torch lives in a venv's python3 alone: gpu_check.sh's `python` becomes a shim
     for python3 (a script, which keeps the venv), so the dry run imports everything and checks the

@@ -186,7 +186,7 @@ def _modes_worker(rank, world_size, mode, options=None):
 
 
 @pytest.mark.parametrize("mode", ["duplicated", "distributed", "blockwise"])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_modes(mode, world_size):
     spawn(_modes_worker, world_size, mode)
 
@@ -367,7 +367,8 @@ def _tp_worker(rank, world_size, mode):
         assert_same(name, p, q, 2e-5)
 
 
-@pytest.mark.parametrize("world_size, mode", [(4, "owner"), (4, "distributed"), (4, "duplicated"),
+@pytest.mark.parametrize("world_size, mode", [pytest.param(4, "owner", marks=pytest.mark.slow), (4, "distributed"),
+                                              pytest.param(4, "duplicated", marks=pytest.mark.slow),
                                               pytest.param(8, "owner", marks=pytest.mark.slow)])
 def test_fsdp2_x_tensor_parallel_equals_unsharded(world_size, mode):
     """FSDP2 over TP: "up" is (_StridedShard(0), Shard(0)) on the 2-D mesh, so 'distributed' must sum

@@ -484,7 +484,7 @@ def _dist_worker(rank, world, technique):
             torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("technique", TECHNIQUES)
 def test_dist_equals_single_device(technique, world):
     spawn(_dist_worker, world, technique)
@@ -508,7 +508,8 @@ def _resume_worker(rank, world, technique, path, mode):
         torch.save([p.detach() for p in model], path / f"{technique}.pt")
 
 
-@pytest.mark.parametrize("technique", TECHNIQUES)
+@pytest.mark.parametrize("technique", [t if t in ("soap", "muown") else pytest.param(t, marks=pytest.mark.slow)
+                                       for t in TECHNIQUES])  # a stage with state, one owning momentum
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
     """Saved at 2 ranks (each its own pieces of the stage state), resumed at 3: the run equals an
     uninterrupted one on one device."""

@@ -297,6 +297,7 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     assert "recipe: batch" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_torchrun_resume_is_bitwise_exact(base):
     """Run A trains 6 steps with 2 processes, saving at 3 and 6. Run B starts from a copy of A's step-3
     checkpoint in a fresh torchrun launch and trains to 6: model, optimizer and loader state must equal A's."""
@@ -689,6 +690,7 @@ def test_speedrun_resume_and_start_over_reach_base_train(base, tmp_path):
         assert called[0].endswith(f"{passed} --num-iterations 3"), called
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_lists_the_steps_and_checks_the_flags():
     """The dry run lists every step with its limit, most valuable first, cuts them into calls that
     each fit a 9-minute allocation (--only per piece) and a 15-minute device budget at the seconds
