@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nanomuon.checkpoint import read_regular
+from nanomuon.common import read_regular
 from nanomuon.stats import detectable_factor
 
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.

@@ -48,10 +48,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from nanomuon.common import (
     DTYPES,
     FILLED,
+    check_regular,
     exit_unless_ranks_agree,
     filled,
+    load_json,
     on_every_rank,
     one_line,
+    read_regular,
     shown,
     size_str,
     what_filled,
@@ -120,44 +123,6 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it asks for {module}.{name}, which no checkpoint index of "
                                      "tensors holds")
-
-
-FILE_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
-              (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-              (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
-
-
-def file_kind(mode: int) -> str:
-    """What a non-regular file is, by its lstat mode, for error lines."""
-    return next((name for test, name in FILE_KINDS if test(mode)), "special file")
-
-
-def check_regular(path: Path, what: str = "the regular file nanomuon wrote",
-                  fix: str = "remove it") -> Path:
-    """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
-    open could wait forever or read what is not ours); ValueError naming it otherwise: `path is a
-    FIFO, not {what}: {fix}`. FileNotFoundError passes through."""
-    mode = os.lstat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
-    return Path(path)
-
-
-def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
-                 fix: str = "remove it") -> bytes:
-    """The bytes of path, a regular file (check_regular) of at most limit bytes; ValueError naming
-    it otherwise. The open follows no link and waits on no FIFO, so a file swapped in after the
-    check cannot hang it either. FileNotFoundError passes through."""
-    check_regular(path, what, fix)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path} is over {limit:,} bytes, more than {what} ever holds: {fix}")
-    return data
 
 
 def read_index(d: Path):
@@ -319,6 +284,7 @@ def file_crc32(path: Path) -> str:
 
 CRC = re.compile(r"^[0-9a-f]{8}$")
 SUMS_MAX = 1 << 20  # bytes: ours list a few files in under 1 KB
+META_BYTES = 1 << 26  # a meta.json holds the config, flags and loop state: kilobytes
 
 
 def _read_sums(listed: Path) -> dict:
@@ -327,7 +293,7 @@ def _read_sums(listed: Path) -> dict:
     if check_regular(listed).stat().st_size > SUMS_MAX:
         raise ValueError(f"checksums.json is {size_str(listed.stat().st_size)}, not the few lines "
                          "nanomuon writes")
-    sums = json.loads(listed.read_text(errors="replace"))
+    sums = json.loads(read_regular(listed, SUMS_MAX).decode(errors="replace"))
     if not isinstance(sums := sums.get("crc32") if isinstance(sums, dict) else None, dict):
         raise ValueError("checksums.json holds no map of file names to CRC-32s")
     for name, crc in sums.items():
@@ -604,8 +570,7 @@ def finish_set_aside(run_dir: Path, moving: Path) -> str:
     """Finish a set_aside that was stopped midway (clean_run_dir), or clear its folder if it
     stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
     try:
-        with open(check_regular(moving / MOVING)) as f:
-            names = json.loads(f.read(1 << 24))
+        names = load_json(moving / MOVING, 1 << 24, "the list of what a set-aside moves")
     except (OSError, ValueError, RecursionError):
         names = None
     if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
@@ -846,7 +811,7 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is
     unreadable or bad."""
     try:
-        meta = json.loads(check_regular(d / "meta.json").read_text())
+        meta = load_json(d / "meta.json", META_BYTES, "a checkpoint's meta.json")
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
                          "from an earlier step") from e

@@ -1,8 +1,8 @@
 """
 Plumbing shared by the library and the scripts: where files live (get_base_dir), atomic writes,
-files' content hashes (cached by their stamps), process group setup and teardown, device choice,
-rank-0 printing, and the bits-per-byte evaluation. Kept in one file so each
-script reads top to bottom.
+bounded reads of what nanomuon wrote (read_regular: never a FIFO, a link or a huge file), files'
+content hashes (cached by their stamps), process group setup and teardown, device choice, rank-0
+printing, and the bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
 """
 
 import atexit
@@ -17,6 +17,7 @@ import netrc
 import os
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
@@ -83,13 +84,63 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+FILE_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+              (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+              (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, by its lstat mode, for error lines."""
+    return next((name for test, name in FILE_KINDS if test(mode)), "special file")
+
+
+def check_regular(path: Path, what: str = "the regular file nanomuon wrote",
+                  fix: str = "remove it") -> Path:
+    """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
+    open could wait forever or read what is not ours); ValueError naming it otherwise: `path is a
+    FIFO, not {what}: {fix}`. FileNotFoundError passes through."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
+    return Path(path)
+
+
+def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
+                 fix: str = "remove it") -> bytes:
+    """The bytes of path, a regular file (check_regular) of at most limit bytes; ValueError naming
+    it otherwise. The open follows no link and waits on no FIFO, so a file swapped in after the
+    check cannot hang it either. FileNotFoundError passes through."""
+    check_regular(path, what, fix)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit:,} bytes, more than {what} ever holds: {fix}")
+    return data
+
+
+def load_json(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
+              fix: str = "remove it"):
+    """The JSON value in path, read by read_regular; ValueError naming path when it is not JSON
+    or nests deeper than the parser recurses."""
+    try:
+        return json.loads(read_regular(path, limit, what, fix))
+    except RecursionError:
+        raise ValueError(f"{path} nests too deep to be {what}: {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not {what} ({e.msg} at byte {e.pos}): {fix}") from None
+
+
 def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> list[str]:
     """file_hash of each path, cached in memo (json: path -> [size, mtime, ctime, inode, hash]). A
     cached hash stands while those four do (a write changes ctime even when mtime is put back), so
     GB-sized files are read once; one changed within RACY_NS is not cached (a write in the same
     tick would hide). note: printed once, before the first file is read."""
     try:
-        cache = json.loads(memo.read_text())
+        cache = load_json(memo, 1 << 26, "a memo of content hashes")
     except (OSError, ValueError):
         cache = {}
     before = cache if isinstance(cache, dict) else {}

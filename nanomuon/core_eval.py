@@ -38,8 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanomuon.checkpoint import file_kind, read_regular
-from nanomuon.common import autocast, get_base_dir, one_line, print0, write_atomic
+from nanomuon.common import (
+    autocast,
+    file_kind,
+    get_base_dir,
+    one_line,
+    print0,
+    read_regular,
+    write_atomic,
+)
 from nanomuon.dataset import build_lock
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"

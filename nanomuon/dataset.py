@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from nanomuon.common import get_base_dir, one_line, write_atomic
+from nanomuon.common import get_base_dir, load_json, one_line, read_regular, write_atomic
 
 DATASETS = ("fineweb-edu", "climbmix", "embedded")
 SPLITS = ("train", "val")
@@ -52,6 +52,7 @@ FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, o
        "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
 # written last by build_embedded and sources.prepare: its presence marks a finished build
 MANIFEST = "manifest.json"
+MANIFEST_BYTES = 1 << 24  # a manifest lists shard names: far less even for 1,823 shards
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
@@ -69,7 +70,7 @@ def manifest_shards(d: Path) -> dict | None:
     """{split: [shard names]} of a prepared custom source in d, None if it
     is not (completely) there."""
     try:
-        shards = json.loads((d / MANIFEST).read_text())["shards"]
+        shards = load_json(d / MANIFEST, MANIFEST_BYTES, "a manifest nanomuon wrote")["shards"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return shards if all((d / n).is_file() for split in SPLITS for n in shards[split]) else None
@@ -232,7 +233,7 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
 
 def _embedded_complete(d: Path) -> bool:
     try:
-        names = json.loads((d / MANIFEST).read_text())["shards"]
+        names = load_json(d / MANIFEST, MANIFEST_BYTES, "a manifest nanomuon wrote")["shards"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return len(names) >= 2 and all((d / n).is_file() for n in names)
@@ -341,7 +342,8 @@ def pin_revision(out_dir: Path, revision: str | None, repo: str = HF_REPO) -> st
     download, else `revision` (default main) resolved to a commit and recorded, so shards fetched
     months apart still match."""
     pin = out_dir / REVISION_FILE
-    pinned = pin.read_text().strip() if pin.exists() else None
+    pinned = read_regular(pin, 256, "the commit nanomuon pinned", f"remove {pin}").decode().strip() \
+        if pin.exists() else None
     if pinned and revision in (None, pinned):
         return pinned
     try:
@@ -478,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         out, t0 = args.out_dir or data_dir("embedded"), time.time()
         with build_lock(out):
             paths = build_embedded(out, shard_chars=args.shard_chars)
-        m = json.loads((out / MANIFEST).read_text())
+        m = load_json(out / MANIFEST, MANIFEST_BYTES, "the manifest just written")
         print(f"embedded: {m['files']} stdlib files, {m['chars'] / 1e6:.1f}M chars -> "
               f"{len(paths)} shards ({len(paths) - 1} train + 1 val) in {out}, "
               f"{time.time() - t0:.1f} s")

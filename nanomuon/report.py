@@ -15,6 +15,8 @@ from nanomuon.common import write_atomic
 # base_eval's CORE line under report.md's title, replaced by a later evaluation and kept by a
 # resumed base_train, as are the summary.json keys that start with CORE_KEYS (core, core_step, ...)
 CORE_HEADLINE = "> CORE: "
+REPORT_BYTES = 1 << 30  # a run's report.md read back by the other tool: megabytes at most
+SUMMARY_BYTES = 16 << 20  # a run's summary.json read back: base_train writes a few KB
 CORE_KEYS = "core"
 # the header of each section base_eval appends to report.md: the step it measured
 EVAL_SECTION = re.compile(r"## base_eval, step (\d+)")

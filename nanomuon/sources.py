@@ -45,6 +45,7 @@ from nanomuon.common import (
     content_hashes,
     filled,
     get_base_dir,
+    load_json,
     one_line,
     what_filled,
     write_atomic,
@@ -52,6 +53,7 @@ from nanomuon.common import (
 from nanomuon.dataset import (
     DATASETS,
     MANIFEST,
+    MANIFEST_BYTES,
     build_lock,
     check_endpoint,
     data_dir,
@@ -190,7 +192,8 @@ def _remove_older(folder: Path, keep: Path, slot: str) -> None:
         return
     for d in sorted(folder.iterdir()):
         try:
-            manifest = json.loads((d / MANIFEST).read_text()) if PREPARED.fullmatch(d.name) else {}
+            manifest = load_json(d / MANIFEST, MANIFEST_BYTES, "a manifest nanomuon wrote") \
+                if PREPARED.fullmatch(d.name) else {}
             if d == keep or d.is_symlink() or manifest.get("slot") != slot:
                 continue
             ours = {MANIFEST, IN_USE, *manifest["shards"]["train"], *manifest["shards"]["val"]}

@@ -18,7 +18,7 @@ import regex  # tiktoken's own dependency: its pattern syntax
 import tiktoken
 import torch
 
-from nanomuon.common import get_base_dir, write_atomic
+from nanomuon.common import get_base_dir, load_json, read_regular, write_atomic
 
 # GPT-4's split pattern with digit runs of at most 2 (as in nanochat: fewer number tokens
 # wasted on small vocabularies).
@@ -91,12 +91,9 @@ class Tokenizer:
                                     "train one with `python -m scripts.tok_train --dataset "
                                     "embedded` (or --dataset fineweb-edu)")
         try:
-            try:
-                meta = json.loads((directory / "tokenizer.json").read_text())
-            except RecursionError:  # json's parser recurses once per nesting level
-                raise ValueError("tokenizer.json nests too deep to be one") from None
-            lines = (line.split()
-                     for line in (directory / "tokenizer.bpe").read_text().splitlines())
+            meta = load_json(directory / "tokenizer.json", 1 << 16, "a tokenizer's metadata")
+            bpe = read_regular(directory / "tokenizer.bpe", 1 << 26, "a tokenizer's merges")
+            lines = (line.split() for line in bpe.decode().splitlines())
             ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
             check_pattern(meta["pattern"])
             tok = cls(ranks, meta["pattern"])

@@ -64,13 +64,14 @@ from nanomuon.budget import (
     read_plan,
     rounds,
 )
-from nanomuon.checkpoint import lock_run_dir, read_regular, run_arg, unlock_run_dir
+from nanomuon.checkpoint import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.common import (
     DTYPES,
     check_device_type,
     content_hashes,
     get_base_dir,
     one_line,
+    read_regular,
     resolve_compile,
     resolve_dtype,
     user_errors,

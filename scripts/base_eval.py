@@ -27,15 +27,16 @@ import stat
 
 import torch
 
-from nanomuon.checkpoint import check_regular, read_regular
 from nanomuon.common import (
     DTYPES,
+    check_regular,
     compute_cleanup,
     compute_init,
     evaluate_bpb,
     get_base_dir,
     one_line,
     print0,
+    read_regular,
     user_errors,
     wandb_key_problem,
     write_atomic,
@@ -43,13 +44,12 @@ from nanomuon.common import (
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
-from nanomuon.report import CORE_HEADLINE
+from nanomuon.report import CORE_HEADLINE, REPORT_BYTES, SUMMARY_BYTES
 from nanomuon.sources import add_data_args, prepare
 from scripts.base_train import PROMPTS, claim_run_dir
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 KEYS = ("dataset", "text_column", "val_fraction")
-MAX_SUMMARY = 16 << 20  # bytes of summary.json read back (base_train writes a few KB)
 SUMMARY = "the summary base_train writes"
 
 
@@ -229,7 +229,7 @@ def put_headline(report, line: str) -> None:
     """Make the report open with CORE's line (right under its title), replacing an earlier one:
     the speedrun's result is the first thing a reader sees."""
     try:  # just appended to; a FIFO swapped in since would hang a plain read
-        text = read_regular(report, 1 << 30, "the report base_train writes").decode()
+        text = read_regular(report, REPORT_BYTES, "the report base_train writes").decode()
     except (OSError, ValueError) as e:
         print0(f"note: {report} is unreadable ({one_line(e)}); its CORE line stays in its section")
         return
@@ -243,7 +243,7 @@ def put_headline(report, line: str) -> None:
 def record_core(summary, core: dict) -> None:
     """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
     try:
-        record = json.loads(read_regular(summary, MAX_SUMMARY, SUMMARY))
+        record = json.loads(read_regular(summary, SUMMARY_BYTES, SUMMARY))
     except FileNotFoundError:
         print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
                "CORE is in the report only")
@@ -263,7 +263,7 @@ def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
     anything else is ignored with a note)."""
     try:
-        wandb_id = json.loads(read_regular(summary, MAX_SUMMARY, SUMMARY)).get("wandb_id")
+        wandb_id = json.loads(read_regular(summary, SUMMARY_BYTES, SUMMARY)).get("wandb_id")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, AttributeError) as e:

@@ -42,8 +42,10 @@ from nanomuon.common import (
     exit_if_any_failed,
     exit_unless_ranks_agree,
     get_base_dir,
+    load_json,
     on_every_rank,
     print0,
+    read_regular,
     resolve_compile,
     resolve_dtype,
     shown,
@@ -72,6 +74,8 @@ from nanomuon.report import (
     CORE_HEADLINE,
     CORE_KEYS,
     MISSING,
+    REPORT_BYTES,
+    SUMMARY_BYTES,
     plot_curves,
     smooth,
     split_eval_results,
@@ -665,6 +669,8 @@ def set_aside_later_steps(run: Run, step: int) -> None:
                        f"(kept; this run goes on from {step})")
         except OSError as e:
             error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
+        except ValueError as e:  # a report or summary that is not base_train's: it names which
+            error = str(e)
     exit_if_any_failed(error)
 
 
@@ -672,9 +678,13 @@ def results_after(run_dir: Path, step: int):
     """split_eval_results of run_dir's report.md and summary.json (an unreadable summary.json
     stays as it is: base_train says so when it rewrites it)."""
     report, summary = run_dir / "report.md", run_dir / "summary.json"
-    lines = report.read_text().split("\n") if report.is_file() else []
     try:
-        record = json.loads(summary.read_text()) if summary.is_file() else {}
+        lines = read_regular(report, REPORT_BYTES, "the report base_train writes").decode(
+            errors="replace").split("\n")
+    except FileNotFoundError:
+        lines = []
+    try:
+        record = load_json(summary, SUMMARY_BYTES, "the summary base_train writes")
     except (OSError, ValueError):
         record = {}
     return split_eval_results(lines, record if isinstance(record, dict) else {}, step)
@@ -1332,8 +1342,12 @@ def appended_sections(report: Path) -> tuple[list[str], list[str]]:
     """What other tools wrote into a run's report.md (base_eval's CORE headline under the title,
     and its sections at the end), kept when base_train rewrites it at the end of a resumed run."""
     try:
-        text = report.read_text()
+        text = read_regular(report, REPORT_BYTES, "the report base_train writes").decode(
+            errors="replace")
     except FileNotFoundError:
+        return [], []
+    except ValueError as e:  # swapped for a FIFO or a huge file mid-run: the new report replaces it
+        print0(f"note: {e}; base_train writes its report without what was in it")
         return [], []
     at = text.find("\n## base_eval")
     headlines = [x for x in text.split("\n") if x.startswith(CORE_HEADLINE)]

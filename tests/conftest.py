@@ -1,4 +1,4 @@
-"""Test options (slow tests run only with --slow; CI passes it), the base dir the training tests share, a
+"""Test options (slow tests run only with --slow), the base dir the training tests share, a
 fake Hugging Face hub on 127.0.0.1 for the download and hub-source tests, and Ctrl-C for the child processes."""
 
 import hashlib
@@ -21,7 +21,7 @@ def pytest_configure(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run tests marked slow (CI does)")
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -77,11 +77,69 @@ def test_meta_loop_number_not_finite(good, value, capsys):
     assert "'loop.smooth_loss' is" in message and "not a finite number" in message, message
 
 
-def test_tokenizer_json_nested_too_deep(base, tmp_path, capsys):
+@pytest.mark.parametrize("text,says", [('{"a":' * 10_000 + "1" + "}" * 10_000, "nests too deep"),
+                                       ("{}" + " " * 70_000, "is over 65,536 bytes")],
+                         ids=["deep", "huge"])
+def test_tokenizer_json_nested_too_deep_or_too_big(base, tmp_path, text, says, capsys):
     get_tokenizer().save(tmp_path / "t")
-    (tmp_path / "t" / "tokenizer.json").write_text(DEEP)
+    (tmp_path / "t" / "tokenizer.json").write_text(text)
     message = one_line(lambda: Tokenizer.load(tmp_path / "t"), capsys)
-    assert "tokenizer.json nests too deep" in message and "scripts.tok_train" in message
+    assert f"tokenizer.json {says}" in message and "scripts.tok_train" in message, message
+
+
+def within(seconds, call):
+    """call()'s result or exception, from a thread: a read that waits on a FIFO fails the test in
+    `seconds` instead of hanging it."""
+    import threading
+
+    got = {}
+
+    def run():
+        try:
+            got["value"] = call()
+        except Exception as e:  # noqa: BLE001 -- handed to the test to check
+            got["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{call} still waits after {seconds} s (it opened a FIFO)"
+    return got
+
+
+def test_what_the_project_reads_back_is_never_a_fifo_or_unbounded(good, tmp_path):
+    """Every file nanomuon wrote and reads again (manifests, the hash memo, the pinned revision,
+    a run's report and summary, a checkpoint's meta.json) is read by read_regular: a FIFO put in
+    its place is refused at once, never waited on, and a huge one is never read whole."""
+    from nanomuon.checkpoint import read_meta
+    from nanomuon.common import content_hashes, file_hash
+    from nanomuon.dataset import MANIFEST, REVISION_FILE, manifest_shards, pin_revision
+    from scripts.base_train import results_after
+
+    run = good.parent / "fifos"
+    shutil.copytree(good, run)
+    for path in (run / "summary.json", run / "step_000002" / "meta.json", tmp_path / MANIFEST,
+                 tmp_path / "memo.json", tmp_path / REVISION_FILE):
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    assert within(10, lambda: manifest_shards(tmp_path)) == {"value": None}
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"tokens")
+    assert within(10, lambda: content_hashes([data], tmp_path / "memo.json"))["value"] == \
+        [file_hash(data)]
+    assert "is a FIFO, not the commit nanomuon pinned" in str(
+        within(10, lambda: pin_revision(tmp_path, None))["error"])
+    assert "unreadable meta.json" in str(within(10, lambda: read_meta(run / "step_000002"))["error"])
+    assert within(10, lambda: results_after(run, 1))["value"][-1] == []  # the summary: not ours
+    os.replace(run / "summary.json", tmp_path / "was-a-fifo")
+    os.mkfifo(run / "report.md.fifo")
+    os.replace(run / "report.md.fifo", run / "report.md")
+    assert "is a FIFO, not the report base_train writes" in str(
+        within(10, lambda: results_after(run, 1))["error"])
+    os.unlink(run / "report.md")
+    with open(run / "report.md", "wb") as f:
+        f.truncate((1 << 30) + 1)  # sparse: a report no run writes, never read whole
+    assert "is over 1,073,741,824 bytes" in str(within(60, lambda: results_after(run, 1))["error"])
 
 
 @pytest.mark.parametrize("pattern", ["", "a*", "x|(?=y)"])
