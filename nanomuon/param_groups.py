@@ -127,6 +127,11 @@ def stage_names(key: str):
                                         update_math.stage(key, v).needs):
             return ("names an orthogonalizer that declares state or needs; an orthogonalizer is "
                     "f(G, group): give those to a precondition or post-process stage")
+        if key == "orthogonalizer" and (method := update_math.stage(key, v).method) not in (
+                None, *update_math.NS_METHODS):
+            return (f"names an orthogonalizer whose method {method!r} is not one of "
+                    f"{update_math.NS_METHODS}: name the Newton-Schulz it runs, or None for "
+                    "another orthogonalizer")
         return None
     return check
 

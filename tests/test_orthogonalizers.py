@@ -194,6 +194,16 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     assert cost["my_ns"] == cost["newton_schulz"] == update_math.ns_flops(p.shape, 5) > cost["auto"]
 
 
+def test_an_orthogonalizer_naming_no_known_method_is_refused_at_construction(monkeypatch):
+    """A registered entry's method decides the cost, the reference and old checkpoints' reading:
+    one that names no Newton-Schulz method (a typo) is refused where the group is checked."""
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "typo_ns", update_math.Stage(
+        update_math.newton_schulz, on_slices=True, method="grma"))
+    with pytest.raises(ValueError, match="method 'grma' is not one of .'standard', 'gram', 'auto'."):
+        MuonAdamW([dict(GROUP, kind="muon", params=[torch.nn.Parameter(torch.zeros(8, 8))],
+                        orthogonalizer="typo_ns")])
+
+
 @pytest.mark.parametrize("method,name", [("standard", "newton_schulz"), ("gram", "gram_newton_schulz"),
                                          ("auto", "auto"), ("unknown", "auto")])
 def test_a_checkpoint_from_before_the_registry_loads_its_method(method, name, monkeypatch):
