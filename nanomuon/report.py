@@ -22,6 +22,17 @@ CORE_KEYS = "core"
 EVAL_SECTION = re.compile(r"## base_eval, step (\d+)")
 
 
+def eval_heading(step: int) -> str:
+    """The header base_eval gives its section of report.md about `step` (EVAL_SECTION's form)."""
+    return f"## base_eval, step {step}"
+
+
+def eval_part(lines: list[str]) -> list[str]:
+    """report.md's lines from base_eval's first section on, after a blank line; [] if none."""
+    at = next((i for i, x in enumerate(lines) if i and EVAL_SECTION.fullmatch(x)), None)
+    return [] if at is None else ["", *lines[at:]]
+
+
 def split_eval_results(lines: list[str], record: dict, step: int):
     """What base_eval wrote about steps after `step`, apart from the rest, for a rewind to move
     aside: report.md's lines (its sections of those steps, and CORE's headline when the last

@@ -44,7 +44,7 @@ from nanomuon.common import (
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
-from nanomuon.report import CORE_HEADLINE, REPORT_BYTES, SUMMARY_BYTES
+from nanomuon.report import CORE_HEADLINE, REPORT_BYTES, SUMMARY_BYTES, eval_heading
 from nanomuon.sources import add_data_args, prepare
 from scripts.base_train import PROMPTS, claim_run_dir
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
@@ -335,7 +335,7 @@ def measure(args, run_dir, rank: int, device) -> float | None:
             print0(f"--- {prompt!r}\n{prompt}{text}")
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:
-        append_report(run_dir / "report.md", ["", f"## base_eval, step {meta['step']}", ""] + lines)
+        append_report(run_dir / "report.md", ["", eval_heading(meta["step"]), ""] + lines)
         if core:
             put_headline(run_dir / "report.md", core["headline"])
             record_core(run_dir / "summary.json", core)

@@ -76,6 +76,7 @@ from nanomuon.report import (
     MISSING,
     REPORT_BYTES,
     SUMMARY_BYTES,
+    eval_part,
     plot_curves,
     smooth,
     split_eval_results,
@@ -1349,9 +1350,8 @@ def appended_sections(report: Path) -> tuple[list[str], list[str]]:
     except ValueError as e:  # swapped for a FIFO or a huge file mid-run: the new report replaces it
         print0(f"note: {e}; base_train writes its report without what was in it")
         return [], []
-    at = text.find("\n## base_eval")
     headlines = [x for x in text.split("\n") if x.startswith(CORE_HEADLINE)]
-    return headlines, text[at:].rstrip("\n").split("\n") if at >= 0 else []
+    return headlines, eval_part(text.rstrip("\n").split("\n"))
 
 
 def others_results(summary: Path) -> dict:
