@@ -811,7 +811,7 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is
     unreadable or bad."""
     try:
-        meta = load_json(d / "meta.json", META_BYTES, "a checkpoint's meta.json")
+        meta = load_json(d / "meta.json", META_BYTES)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
                          "from an earlier step") from e
