@@ -10,7 +10,6 @@ would need cannot fit.
 """
 
 import argparse
-import json
 import math
 import re
 import threading
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nanomuon.common import read_regular
+from nanomuon.common import load_json
 from nanomuon.stats import detectable_factor
 
 # The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
@@ -192,7 +191,7 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds:
 def read_plan(path: Path) -> Plan | None:
     """A kept plan, or None when there is none or it is not one (then it is planned again)."""
     try:
-        saved = json.loads(read_regular(path, 1 << 16, "a plan ablate wrote"))
+        saved = load_json(path, 1 << 16, "a plan ablate wrote")
         plan = Plan(**saved)
     except FileNotFoundError:
         return None
@@ -211,7 +210,7 @@ def read_calibration(path: Path, started: float) -> Calibration | None:
     """A kept calibration of the same runs and code (its time before the runs is this ablate's),
     or None when there is none or it is not one."""
     try:
-        cal = Calibration(**json.loads(read_regular(path, 1 << 16, "a calibration ablate wrote")))
+        cal = Calibration(**load_json(path, 1 << 16, "a calibration ablate wrote"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as e:

@@ -571,7 +571,7 @@ def finish_set_aside(run_dir: Path, moving: Path) -> str:
     stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
     try:
         names = load_json(moving / MOVING, 1 << 24, "the list of what a set-aside moves")
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         names = None
     if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
         # (the list's own temporary file: the move stopped as it was written)
@@ -812,7 +812,7 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     unreadable or bad."""
     try:
         meta = load_json(d / "meta.json", META_BYTES)
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+    except (OSError, ValueError) as e:  # load_json: nested too deep is a ValueError too
         raise ValueError(f"checkpoint {d} has an unreadable meta.json ({e}); delete {d} and resume "
                          "from an earlier step") from e
     if not isinstance(meta, dict):

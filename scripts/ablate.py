@@ -70,8 +70,7 @@ from nanomuon.common import (
     check_device_type,
     content_hashes,
     get_base_dir,
-    one_line,
-    read_regular,
+    load_json,
     resolve_compile,
     resolve_dtype,
     user_errors,
@@ -337,14 +336,9 @@ def read_json(path: Path, what: str):
     """A JSON record read back, bounded (never a FIFO or a link): one that is not `what` ends
     ablate in one line naming it."""
     try:
-        data = read_regular(path, RECORD_BYTES, what, "remove it, and ablate runs it again")
+        return load_json(path, RECORD_BYTES, what, "remove it, and ablate runs it again")
     except ValueError as e:  # it names the file and what it is
         raise SystemExit(f"error: {e}") from None
-    try:
-        return json.loads(data)
-    except ValueError as e:
-        raise SystemExit(f"error: {path} is not {what} ({one_line(e)}): remove it, and ablate "
-                         "runs it again") from None
 
 
 def trained(label: str, flags: list[str], run: str, run_flags: list[str], nproc: int,
@@ -1084,7 +1078,7 @@ def timed_runs(args, flags: list[str], train, runs_per_seed: int, jobs: int, thr
                       args.batch_seeds)
     spent = time.monotonic() - args.started
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        bound = float(json.loads(read_regular(refused, RECORD_BYTES))["run_s"])
+        bound = float(load_json(refused, RECORD_BYTES)["run_s"])
         if (not args.budget_default and 0 < bound < math.inf
                 and n_rounds * bound > (args.budget - spent - WRITE_UP_S) * HEADROOM):
             raise SystemExit(budget_refusal(args.budget, n_rounds, bound, spent,

@@ -34,6 +34,7 @@ from nanomuon.common import (
     compute_init,
     evaluate_bpb,
     get_base_dir,
+    load_json,
     one_line,
     print0,
     read_regular,
@@ -243,7 +244,7 @@ def put_headline(report, line: str) -> None:
 def record_core(summary, core: dict) -> None:
     """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
     try:
-        record = json.loads(read_regular(summary, SUMMARY_BYTES, SUMMARY))
+        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
     except FileNotFoundError:
         print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
                "CORE is in the report only")
@@ -263,7 +264,7 @@ def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
     anything else is ignored with a note)."""
     try:
-        wandb_id = json.loads(read_regular(summary, SUMMARY_BYTES, SUMMARY)).get("wandb_id")
+        wandb_id = load_json(summary, SUMMARY_BYTES, SUMMARY).get("wandb_id")
     except FileNotFoundError:
         return None
     except (OSError, ValueError, AttributeError) as e:

@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def single_process_in(base) -> pytest.MonkeyPatch:
+    """NANOMUON_BASE_DIR set to base and torchrun's variables unset, undone by .undo()."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("NANOMUON_BASE_DIR", str(base))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        mp.delenv(key, raising=False)
+    return mp
+
+
 @pytest.fixture(scope="session")
 def base_template(tmp_path_factory):
     """The embedded corpus and a small tokenizer trained on it, built once a session: each
@@ -42,10 +51,7 @@ def base_template(tmp_path_factory):
     from nanomuon.tokenizer import Tokenizer
 
     template = tmp_path_factory.mktemp("template")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOMUON_BASE_DIR", str(template))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        mp.delenv(key, raising=False)
+    mp = single_process_in(template)
     Tokenizer.train(iter_texts("embedded", "train", 1_000_000), vocab_size=512).save(
         template / "tokenizer")
     mp.undo()
@@ -57,10 +63,7 @@ def base(tmp_path_factory, base_template):
     """A NANOMUON_BASE_DIR of its module's own with the embedded corpus and the small tokenizer."""
     base = tmp_path_factory.mktemp("nanomuon")
     shutil.copytree(base_template, base, dirs_exist_ok=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOMUON_BASE_DIR", str(base))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        mp.delenv(key, raising=False)
+    mp = single_process_in(base)
     yield base
     mp.undo()
 
