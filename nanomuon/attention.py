@@ -1,7 +1,7 @@
 """
-Which kernel computes attention. The model calls scaled_dot_product_attention (SDPA) everywhere;
-on a Hopper GPU (compute capability 9.x) training in bf16, a faster flash attention takes its
-place where one is installed, tried in this order:
+Which kernel computes attention. The model calls scaled_dot_product_attention (SDPA, gpt.sdpa)
+everywhere; on a Hopper GPU (compute capability 9.x) training in bf16, a faster flash attention
+takes its place where one is installed, tried in this order:
 
 - fa3: Flash Attention 3 through PyTorch's flash attention registry: activate_flash_attention_impl
   ("FA3") loads FA3's Hopper build (its flash_attn_interface module) into SDPA's flash backend;
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from nanomuon.gpt import sdpa
 
 CHOICES = ("auto", "fa3", "fa4", "fa3-hub", "sdpa")
 # the compute capabilities (major) each kernel is built for
@@ -38,13 +39,6 @@ class Attention:
     # fa3-hub's call, (q, k, v) as (B, T, heads, head_dim) -> the same; None: SDPA, whose flash
     # backend is the registry's kernel where one is active
     func: Callable | None = None
-
-
-def sdpa(q, k, v):
-    """Causal SDPA on (B, T, heads, head_dim) tensors, as the flash kernels take them."""
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True, enable_gqa=k.size(2) != q.size(2))
-    return y.transpose(1, 2)
 
 
 def choose_attention(device: torch.device, dtype: str, heads: tuple[int, int, int],

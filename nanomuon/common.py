@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import datetime
 import errno
+import functools
 import hashlib
 import json
 import math
@@ -21,6 +22,7 @@ import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -526,33 +528,14 @@ def autocast(device: torch.device, dtype: str = "auto"):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def synchronize(device: torch.device):
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """The call that waits for `device`'s queued work, so step times and tok/s time the work and
+    not its queueing; chosen once, called every step (a CPU runs each op as it is called, and
+    torch.cpu.synchronize does nothing)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":  # step times and tok/s would otherwise time the queueing
-        torch.mps.synchronize()
+        return functools.partial(torch.cuda.synchronize, device)
+    return torch.mps.synchronize if device.type == "mps" else torch.cpu.synchronize
 
-
-@torch.no_grad()
-def tensors_finite(tensors) -> bool:
-    """True when every tensor is finite on every rank (a collective under torch.distributed, so all
-    ranks take the same branch; DTensors are checked by their local shards). A norm is non-finite
-    exactly when an element is (short of a finite tensor with norm > 3e38, which is broken anyway),
-    and _foreach_norm is a few kernels, not two per tensor."""
-    local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
-    ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
-    if nonempty := [t for t in local if t.numel()]:
-        ok = (torch.stack([n.float() for n in torch._foreach_norm(nonempty)])
-              .isfinite().all().to(torch.int32))
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
-def all_finite(loss: torch.Tensor, params) -> bool:
-    """True when the loss (each seed's, batched) and every gradient are finite on every rank (a
-    collective)."""
-    return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None])
 
 
 @torch.no_grad()

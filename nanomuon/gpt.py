@@ -3,13 +3,14 @@ The GPT that nanomuon trains: small, modern, and written to be read in one sitti
 
 Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
 biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention (or
-a flash attention kernel that use_attention() puts in its place: nanomuon.attention). The size
+a flash attention kernel that use_attention() puts in its place: nanomuon.attention chooses). The size
 follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer:
 its param groups by role, param_groups.classify deciding which params train with Muon, each lr the
 one given or the lr rule's (nanomuon.recipe, which holds the rest of the training recipe).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -17,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanomuon.attention import Attention, sdpa
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
@@ -83,6 +83,13 @@ def apply_rotary(x, cos, sin):
     # on CPU. The tables follow x's dtype so that under bf16 autocast q and k stay bf16 instead of
     # being promoted to fp32.
     return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, dims=-1) * sin.to(x.dtype)
+
+
+def sdpa(q, k, v):
+    """Causal SDPA on (B, T, heads, head_dim) tensors, as the flash kernels take them."""
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, enable_gqa=k.size(2) != q.size(2))
+    return y.transpose(1, 2)
 
 
 class CausalSelfAttention(nn.Module):
@@ -428,10 +435,11 @@ class GPT(nn.Module):
                                params=ws, split=(hd,) * n, transposed=cols)
                           for (n, cols), ws in heads.items()]
 
-    def use_attention(self, attention: Attention) -> None:
-        """Every layer's attention through `attention` (nanomuon.attention.choose_attention)."""
+    def use_attention(self, func: Callable | None) -> None:
+        """Every layer's attention through `func`, (q, k, v) as (B, T, heads, head_dim) -> the same
+        (nanomuon.attention.choose_attention's Attention.func); None: SDPA."""
         for block in self.blocks:
-            block.attn.attend = attention.func
+            block.attn.attend = func
 
     def track_max_logits(self, on: bool = True) -> None:
         """Start (afresh) or stop recording each attention head's max

@@ -1,10 +1,12 @@
 """
 What the hardware does fast: whether bf16 matmuls beat fp32 on a device, the one rule that
 Newton-Schulz's 'auto' precision (update_math.py) and training's bf16 autocast (common.py) both
-follow, and each GPU's peak bf16 FLOP/s, for MFU. It imports only torch and sits below both, so
-the update math needs no other nanomuon module and the plumbing never imports the optimizer to
-learn a fact about the hardware.
+follow, and each GPU's peak bf16 FLOP/s, for MFU. It imports only torch (and the stdlib) and sits
+below both, so the update math needs no other nanomuon module and the plumbing never imports the
+optimizer to learn a fact about the hardware.
 """
+
+import functools
 
 import torch
 
@@ -12,6 +14,7 @@ import torch
 CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 
+@functools.cache  # keyed by the device; the CPU's flags are fixed for the life of the process
 def bf16_matmuls_fast(device) -> bool:
     """Whether bf16 matmuls beat fp32 here: on CUDA, and on CPUs with AVX512-BF16 or AMX (2-5x their
     fp32 rate); not on CPUs without them (20-100x slower than fp32), nor on MPS (not measured).

@@ -64,17 +64,17 @@ from nanomuon.param_groups import (
     check_state_dict,
     fill_defaults,
     group_label,
+    has_dtensors,
     saved_params,
     state_values_problem,
 )
-from nanomuon.plan import bucket_by, flat_shard, owner_plan
+from nanomuon.plan import owner_plan
 from nanomuon.sharded import (
     DeviceMesh,
     DTensor,
     Shard,
     check_sharded_stages,
     full_state,
-    has_dtensors,
     kept_direction_state,
     local,
     muon_step_sharded,
@@ -94,6 +94,16 @@ from nanomuon.update_math import (
     scalars,
     update_cost,
 )
+
+
+def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
+    """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row` elements, cut
+    into world_size equal shards of whole rows, as DTensor's Shard(0) cuts dim 0 (so a checkpoint
+    saves each piece as a block of the param); the last shards are short or empty when the rows
+    do not divide. AdamW is elementwise: each rank updates its own piece."""
+    shard = -(-(numel // row) // world_size) * row
+    lo = min(numel, rank * shard)
+    return shard, lo, min(numel, lo + shard)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -279,10 +289,10 @@ class MuonAdamW(torch.optim.Optimizer):
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw"
                  for p in g["params"] if active[p]]
-        small = []  # (params, flat buffer, work): one coalesced all_reduce per dtype
-        small_params = [p for p in adamw if self._adamw_route(p) == "small"]
-        for ps in ([small_params[i] for i in b]
-                   for b in bucket_by([p.dtype for p in small_params])):
+        small, by_dtype = [], {}  # (params, flat buffer, work): one coalesced all_reduce per dtype
+        for p in (p for p in adamw if self._adamw_route(p) == "small"):
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for ps in by_dtype.values():
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
         sharded = {}  # param -> (work, flat grad: reduced in place)

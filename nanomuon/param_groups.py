@@ -49,6 +49,11 @@ def _names(parts: list[str], key: str) -> bool:
     return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
 
 
+def has_dtensors(params) -> bool:
+    """Whether any of these params is a DTensor (FSDP2, tensor parallel): sharded.py updates those."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("experts",),
              embedding: bool = False):
     """(True for Muon / False for AdamW, the reason) for one named parameter."""

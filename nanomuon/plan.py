@@ -4,9 +4,8 @@ Who updates what: the owner plan, shared by DistMuonAdamW and the DTensor path (
 Muon needs whole matrices, so each one is orthogonalized by a single owner rank. Same-shape
 matrices form a bucket, stacked into one batched call; owner_plan() splits every bucket over the
 ranks by Newton-Schulz cost. The plan depends on shapes alone, so every rank computes the same
-one without talking. AdamW is elementwise and needs no owner: flat_shard() cuts a param into
-equal pieces of whole rows, as DTensor's Shard(0) cuts dim 0, so a checkpoint can save each
-piece as a block of the param.
+one without talking, and keeps it: a step reads the plan, never this file. AdamW is elementwise
+and needs no owner (optim.flat_shard cuts each param into equal pieces of whole rows).
 """
 
 
@@ -52,12 +51,3 @@ def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> l
     slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size, loads)
     return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]])
             for b, s in zip(buckets, slots)]
-
-
-def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
-    """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row`
-    elements, cut into world_size equal shards of whole rows; the last shards are short or
-    empty when the rows do not divide."""
-    shard = -(-(numel // row) // world_size) * row
-    lo = min(numel, rank * shard)
-    return shard, lo, min(numel, lo + shard)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanomuon.param_groups import has_dtensors
 from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
     CHAIN_KEYS,
@@ -55,11 +56,6 @@ except ImportError:
 
 # matrices each owner orthogonalizes per wave: enough to stack, few enough to overlap
 WAVE_PER_RANK = 4
-
-
-def has_dtensors(params) -> bool:
-    """Whether any of these params is a DTensor (FSDP2, tensor parallel): those are updated here."""
-    return any(isinstance(p, DTensor) for p in params)
 
 
 def local(t: Tensor, like: DTensor) -> Tensor:

@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.attention import choose_attention
 from nanomuon.common import (
     DTYPES,
-    all_finite,
+    DTensor,
     autocast,
     available_memory,
     compute_cleanup,
@@ -50,8 +51,7 @@ from nanomuon.common import (
     resolve_dtype,
     shown,
     size_str,
-    synchronize,
-    tensors_finite,
+    synchronizer,
     user_errors,
     wandb_key_problem,
     write_atomic,
@@ -476,6 +476,8 @@ class Run:
     num_iterations: int
     grad_accum: int
     compiled: bool
+    autocast: contextlib.AbstractContextManager  # bf16 autocast or none, made once for every step
+    synchronize: Callable[[], None]  # waits for the device's queued work (common.synchronizer)
     step: int = 0
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
     # at val_history[i]; step_times, optim_times: each timed step's seconds, for the medians and
@@ -908,7 +910,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
               train_model=torch.compile(forward, dynamic=False) if compiled else forward,
               optimizer=optimizer, train_loader=train_loader, val=val, final_val=final_val,
               num_params=num_params, flops_per_token=flops_per_token, num_iterations=num_iterations,
-              grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled)
+              grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled,
+              autocast=autocast(device, args.dtype), synchronize=synchronizer(device))
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *precision_of(args)]]  # a resume reads the run's own
@@ -927,7 +930,7 @@ def init_model(args, model: GPT, device, attention) -> GPT:
         torch.manual_seed(args.seed)
         model.to_empty(device=device)
         model.init_weights()
-    model.use_attention(attention)
+    model.use_attention(attention.func)
     if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
         to_fp8(args, model, device)
     return model
@@ -1163,6 +1166,28 @@ def train(run: Run) -> None:
     run.train_loader.close()
 
 
+@torch.no_grad()
+def tensors_finite(tensors) -> bool:
+    """True when every tensor is finite on every rank (a collective under torch.distributed, so all
+    ranks take the same branch; DTensors are checked by their local shards). A norm is non-finite
+    exactly when an element is (short of a finite tensor with norm > 3e38, which is broken anyway),
+    and _foreach_norm is a few kernels, not two per tensor."""
+    local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
+    ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
+    if nonempty := [t for t in local if t.numel()]:
+        ok = (torch.stack([n.float() for n in torch._foreach_norm(nonempty)])
+              .isfinite().all().to(torch.int32))
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def all_finite(loss: torch.Tensor, params) -> bool:
+    """True when the loss (each seed's, batched) and every gradient are finite on every rank (a
+    collective)."""
+    return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None])
+
+
 @dataclass
 class Step:
     """What one optimizer step measured (train_step), for record_step."""
@@ -1177,7 +1202,7 @@ def train_step(run: Run) -> Step:
     """One optimizer step over grad_accum micro-batches at the scheduled lr and momentum; skipped,
     on every rank alike, when any loss or gradient is not finite."""
     args, model, step = run.args, run.model, run.step
-    synchronize(run.device)
+    run.synchronize()
     t0 = time.perf_counter()
     loss_sum = torch.zeros((run.copies,) if args.seeds else (), device=run.device)
     if args.qk_clip:
@@ -1189,7 +1214,7 @@ def train_step(run: Run) -> Step:
             x, y = run.train_loader.next_batch()
         except DataError as e:  # bad data met mid-epoch: its line, not the loader thread's stack
             raise SystemExit(f"error: {e}") from None
-        with autocast(run.device, args.dtype):
+        with run.autocast:
             loss = run.train_model(x, y)
         loss_sum += loss.detach()
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
@@ -1202,7 +1227,7 @@ def train_step(run: Run) -> Step:
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
     finite = all_finite(loss_sum, model.parameters())
-    synchronize(run.device)
+    run.synchronize()
     t1 = time.perf_counter()
     if finite:
         run.optimizer.step()

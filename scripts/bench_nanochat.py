@@ -56,7 +56,7 @@ from nanomuon.common import (
     one_line,
     resolve_compile,
     resolve_dtype,
-    synchronize,
+    synchronizer,
 )
 from nanomuon.fp8 import MIN_CAPABILITY, check_fp8, convert_to_fp8
 from nanomuon.gpt import GPT, config_from_depth
@@ -154,7 +154,7 @@ def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
     model.init_weights()
     heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
     attention = choose_attention(device, args.dtype, heads, args.attention)
-    model.use_attention(attention)
+    model.use_attention(attention.func)
     notes = f"attention {attention.name}"
     if fp8:
         notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
@@ -223,17 +223,18 @@ def make_batches(args, device: torch.device) -> list:
 
 def train_step(side: Side, batches: list, device: torch.device) -> tuple[float, float, float]:
     """(step seconds, optimizer seconds, last micro-batch's loss) of one optimizer step."""
-    synchronize(device)
+    sync = synchronizer(device)
+    sync()
     t0 = time.perf_counter()
     for x, y in batches:
         with side.context():
             loss = side.train(x, y)
         (loss / len(batches)).backward()
-    synchronize(device)
+    sync()
     t1 = time.perf_counter()
     for optimizer in side.optimizers:
         optimizer.step()
-    synchronize(device)
+    sync()
     t2 = time.perf_counter()
     side.model.zero_grad(set_to_none=True)
     return t2 - t0, t2 - t1, loss.item()

@@ -30,7 +30,7 @@ import time
 import torch
 
 from nanomuon.baselines import TorchMuonAdamW
-from nanomuon.common import resolve_compile, synchronize
+from nanomuon.common import resolve_compile, synchronizer
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.plan import bucket_by, owner_plan
@@ -63,10 +63,11 @@ def gpt_shapes(depth: int):
 
 
 def timed(fn, device: torch.device) -> float:
-    synchronize(device)
+    sync = synchronizer(device)
+    sync()
     t0 = time.perf_counter()
     fn()
-    synchronize(device)
+    sync()
     return time.perf_counter() - t0
 
 

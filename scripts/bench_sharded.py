@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from nanomuon.common import compute_cleanup, compute_init, synchronize
+from nanomuon.common import compute_cleanup, compute_init, synchronizer
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from scripts.bench_optim import gpt_shapes
 
@@ -53,18 +53,18 @@ def run(args, device):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     shapes = [s for s in gpt_shapes(args.depth)[2] if len(s) == 2]  # the block matrices
-    times = {}
+    times, sync = {}, synchronizer(device)
     for mode in MODES:
         opt, params, grads = make_optimizer(mode, shapes, device, mesh)
         samples = []
         for i in range(args.warmup + args.steps):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
-            synchronize(device)
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             opt.step()
-            synchronize(device)
+            sync()
             dist.barrier()
             if i >= args.warmup:
                 samples.append(time.perf_counter() - t0)

@@ -642,7 +642,7 @@ def stub_hub(calls: list) -> None:
     records its inputs and computes SDPA."""
     import types
 
-    from nanomuon.attention import sdpa
+    from nanomuon.gpt import sdpa
 
     def flash_attn_func(q, k, v, causal=False):
         calls.append((tuple(q.shape), q.dtype, k.dtype, v.dtype, causal))
@@ -661,7 +661,7 @@ def train_through(model, attention) -> None:
 
     from nanomuon.common import autocast
 
-    model.use_attention(attention)
+    model.use_attention(attention.func)
     x, y = batch(model, 2)
     with autocast(torch.device("cuda")):
         loss = model(x, y)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = sorted((ROOT / "nanomuon").glob("*.py"))
@@ -78,7 +79,8 @@ def test_math_and_plan_stand_alone():
     math_imports = {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "update_math.py")
                     if not m.startswith("nanomuon.hardware")}
     assert math_imports <= {"torch", "typing", "collections", "contextlib", "functools", "math"}  # and stdlib
-    assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "hardware.py")} == {"torch"}
+    assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "hardware.py")} <= {"torch",
+                                                                                    "functools"}
     assert not any(m.startswith("nanomuon") for m in imports(ROOT / "nanomuon" / "plan.py"))
     graph = library_graph()
 
@@ -163,3 +165,72 @@ def test_every_script_prints_its_help():
         with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
             module.main(["--help"])
         assert e.value.code == 0 and "usage:" in out.getvalue(), path.stem
+
+
+# What a reader opens to follow one training step: the loop, the loader, the model, the optimizer,
+# its groups' convention and the update math (on one process and under torchrun alike).
+STEP_FILES = {"scripts/base_train.py", "nanomuon/dataloader.py", "nanomuon/gpt.py",
+              "nanomuon/optim.py", "nanomuon/param_groups.py", "nanomuon/update_math.py"}
+
+
+def files_run(fn):
+    """fn()'s result and the library and script files whose functions it ran (on this thread)."""
+    seen, before = set(), sys.gettrace()
+
+    def tracer(frame, event, arg):  # call events only: no line tracing
+        path = Path(frame.f_code.co_filename)
+        if path.is_relative_to(ROOT) and path.parent.name in ("nanomuon", "scripts"):
+            seen.add(path.relative_to(ROOT).as_posix())
+
+    sys.settrace(tracer)
+    try:
+        return fn(), seen
+    finally:
+        sys.settrace(before)
+
+
+def test_a_training_step_reads_in_six_files(base, monkeypatch):
+    """A base_train step (past the first two, which compile and warm up) runs code of STEP_FILES
+    only: no plumbing, hardware facts, attention choice or DTensor path on the way."""
+    from test_train import TINY
+
+    import scripts.base_train as bt
+
+    real, found = bt.train_step, []
+
+    def traced(run):
+        if run.step != 2:
+            return real(run)
+        step, seen = files_run(lambda: real(run))
+        found.append(seen)
+        return step
+
+    monkeypatch.setattr(bt, "train_step", traced)
+    bt.main([*TINY, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1",
+             "--run", "step-files"])
+    assert len(found) == 1 and "nanomuon/gpt.py" in found[0], found
+    assert found[0] <= STEP_FILES, f"a step also runs {sorted(found[0] - STEP_FILES)}"
+
+
+def _dist_step_worker(rank, world_size):
+    from nanomuon.gpt import GPT, config_from_depth
+    from nanomuon.optim import DistMuonAdamW
+
+    model = GPT(config_from_depth(2, 97, 16, aspect_ratio=64, head_dim=32))
+    model.init_weights()
+    optimizer = model.setup_optimizer()
+    assert isinstance(optimizer, DistMuonAdamW)
+    for step in range(3):
+        x = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(rank * 10 + step))
+        model(x[:, :-1], x[:, 1:]).backward()
+        _, seen = files_run(optimizer.step)
+        optimizer.zero_grad(set_to_none=True)
+    assert seen <= {"nanomuon/optim.py", "nanomuon/param_groups.py", "nanomuon/update_math.py"}, seen
+
+
+def test_a_data_parallel_step_reads_no_more_files():
+    """DistMuonAdamW's step at world 2 stays in optim, param_groups and update_math: the owner plan
+    is made once and kept, AdamW's shard cut is optim's own."""
+    from test_dist import spawn
+
+    spawn(_dist_step_worker, 2)

@@ -567,7 +567,7 @@ def test_nonfinite_model_is_never_checkpointed(base, monkeypatch):
 
 
 def _all_finite_worker(rank, world_size):
-    from nanomuon.common import all_finite
+    from scripts.base_train import all_finite
 
     params = [torch.nn.Parameter(torch.ones(shape)) for shape in ((3, 4), (5,), (2,))]
     for p in params[:2]:
