@@ -1,6 +1,6 @@
 """
-Checkpoints: one directory per step, sharded, written atomically and validated on
-load; one run per directory.
+Checkpoints: one directory per step, sharded, written atomically and validated on load. What
+else a run dir holds, and its lock, belong to nanomuon/run.py.
 
 Layout: <run dir>/step_000123/ holds a torch.distributed.checkpoint (DCP) of the model and optimizer
 tensors: each process writes the pieces it holds (FSDP2 shards, DistMuonAdamW's state; a tensor
@@ -11,18 +11,16 @@ replicated optimizer's whole state) and meta.json (config, loop and data loader 
 Everything is written into a hidden temporary directory, fsynced, and only then renamed into place,
 so a directory named step_* is always whole. A re-save swaps the new directory with the old in one
 rename (Linux, macOS), so step_N is never missing; elsewhere a kill between two renames is repaired
-by clean_run_dir at the next start. scripts/export.py writes one whole-state file for other tools.
-Each checkpoint records a CRC-32 of its files (checksums.json), checked at load. Everything loaded is
-untrusted: DCP's index is unpickled with an allowlist (read_index), and a symlink where a run reads
-or writes is refused (check_links). A training run holds a lock (flock) on the run dir itself
-(lock_run_dir; .lock says who), which the kernel drops when the process dies: a lock is never stale.
+by run.clean_run_dir at the next start. scripts/export.py writes one whole-state file for other
+tools. Each checkpoint records a CRC-32 of its files (checksums.json), checked at load. Everything
+loaded is untrusted: DCP's index is unpickled with an allowlist (read_index), and a symlink where a
+run reads or writes is refused (run.check_links).
 """
 
 import argparse
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import logging
 import math
@@ -30,10 +28,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
-import stat
-import sys
-import time
 import warnings
 import zipfile
 import zlib
@@ -62,20 +56,15 @@ from nanomuon.common import (
 )
 from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.param_groups import DamagedState
-
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / f"step_{step:06d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from nanomuon.run import (
+    CHECKPOINT_FILES,
+    DATA_FILE,
+    aside_steps,
+    check_links,
+    fsync_path,
+    list_steps,
+    step_dir,
+)
 
 
 def _libc_swap():
@@ -111,9 +100,6 @@ METADATA_CLASSES = {
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
      ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
-# The names DCP's FileSystemWriter gives the data files: a plain name in the
-# checkpoint's own directory.
-DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -337,8 +323,8 @@ def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dic
     # text, checked on load by check_meta
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     if not final.exists():
         os.replace(tmp, final)
     elif _swap(tmp, final):
@@ -351,7 +337,7 @@ def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dic
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync(run_dir)
+    fsync_path(run_dir)
 
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
@@ -396,45 +382,6 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
     raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}; {kept}")
 
 
-# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
-# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
-# in a run dir.
-SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
-ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
-CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
-# what runs write beside their checkpoints
-RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")
-
-
-def _looks_like_checkpoint(d: Path) -> bool:
-    """A real directory holding nothing but what save_checkpoint writes."""
-    return not d.is_symlink() and d.is_dir() and all(
-        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name))
-        and not f.is_symlink() and f.is_file()
-        for f in d.iterdir())
-
-
-def check_links(run_dir: Path) -> None:
-    """Refuse a symlink where a run writes or reads its own files: following it would write to, or
-    read from, whatever it points at. ValueError naming the link and the way out."""
-    run_dir = Path(run_dir)
-    if run_dir.is_symlink():
-        raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be "
-                         "a directory of its own: remove the link, or move the directory there")
-    if not run_dir.is_dir():
-        return
-    for p in sorted(run_dir.iterdir()):
-        # (leftover links: clean_run_dir unlinks them)
-        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)
-        inner = ([f for f in p.iterdir() if f.is_symlink()]
-                 if STEP_DIR.match(p.name) and p.is_dir() else [])
-        link = p if p.is_symlink() and ours else (inner[0] if inner else None)
-        if link is not None:
-            raise ValueError(f"{link} is a symlink (to {os.readlink(link)}); nanomuon reads and "
-                             "writes only real files in a run dir: replace it with a copy (cp -L), "
-                             f"or remove it")
-
-
 def record_loop(run_dir: Path, step: int, loop: dict) -> None:
     """Put the loop state into a saved step's meta.json (rank 0): an eval run after the save is then
     part of the checkpoint, and a resume from it does not run it again."""
@@ -442,33 +389,6 @@ def record_loop(run_dir: Path, step: int, loop: dict) -> None:
     meta = read_meta(d)
     meta["loop"] = loop
     write_atomic(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-
-
-def clean_run_dir(run_dir: Path) -> list[str]:
-    """Clear what an interrupted save of ours left in run_dir (call it holding the lock):
-    half-written checkpoints are deleted, a step whose re-save died between its two renames gets its
-    old checkpoint back, a set_aside stopped midway is finished. Only our exact names, and only
-    directories that hold nothing but checkpoint files (or set_aside's list): anything else is the
-    user's. Returns one line per thing done."""
-    run_dir, done = Path(run_dir), []
-    if not run_dir.is_dir():
-        return done
-    for d in sorted(run_dir.iterdir()):
-        m = SAVE_LEFTOVER.match(d.name)
-        if m and m.group(1) == "old_" and not step_dir(run_dir, int(m.group(2)[5:])).exists() \
-                and _looks_like_checkpoint(d):
-            os.replace(d, run_dir / m.group(2))
-            done.append(f"restored {m.group(2)} from {d.name} (a re-save was interrupted)")
-        elif m and (_looks_like_checkpoint(d) or d.is_symlink()):
-            size = 0 if d.is_symlink() else sum(f.stat().st_size for f in d.iterdir())
-            d.unlink() if d.is_symlink() else shutil.rmtree(d)
-            done.append(f"removed {d.name} ({size_str(size)}) left by an interrupted save")
-        elif ATOMIC_LEFTOVER.match(d.name) and (d.is_symlink() or d.is_file()):
-            d.unlink()
-            done.append(f"removed {d.name} left by an interrupted write")
-        elif (m := ASIDE.match(d.name)) and m.group(1) and d.is_dir() and not d.is_symlink():
-            done.append(finish_set_aside(run_dir, d))
-    return done
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
@@ -482,222 +402,8 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
         shutil.rmtree(doomed)
         done.append(f"removed the checkpoint of step {s} (--keep-checkpoints {keep})")
     if done:
-        _fsync(run_dir)
+        fsync_path(run_dir)
     return done
-
-
-RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
-EXPORT = re.compile(r"^export_step_(\d{6,})\.pt$")  # scripts/export.py's file of one step
-# set_aside's folders: previous.N (--start-over), rewound_from_step_S.N (a rewind); while it fills
-# one, .tmp_<that name>, holding MOVING: the entries that go in
-ASIDE = re.compile(r"^(\.tmp_)?((previous|rewound_from_step_\d+)\.(\d+))$")
-MOVING = ".moving.json"
-LIST_LEFTOVER = re.compile(re.escape(MOVING) + r"\.\d+\.tmp")  # write_atomic's, of MOVING
-
-
-def exports(run_dir: Path) -> dict[int, str]:
-    """step -> the name of its export_step_N.pt in run_dir."""
-    return {int(m.group(1)): m.group(0) for p in sorted(Path(run_dir).iterdir())
-            if (m := EXPORT.match(p.name))} if Path(run_dir).is_dir() else {}
-
-
-def _movable(name: str) -> bool:
-    """Whether set_aside moves entries so named: steps, results, exports, wandb's folder and
-    rewinds' folders (what a run leaves in its run dir, but for its lock and earlier runs)."""
-    m = ASIDE.match(name)
-    return bool(STEP_DIR.match(name) or name in RESULTS or EXPORT.match(name) or name == "wandb"
-                or (m and not m.group(1) and m.group(3) != "previous"))
-
-
-def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
-    """Move these entries of run_dir into a new folder run_dir/<tag>.<n>, which list_steps never
-    sees: kept, out of the way of this line of training (rank 0, holding the lock). n is the first
-    that nothing holds (not even a dangling link). They go into .tmp_<tag>.<n>, which lists them
-    (MOVING) and is renamed once all are in: a kill midway leaves a move that clean_run_dir
-    finishes. Returns the folder; an entry that does not move: OSError naming it, all put back."""
-    run_dir, n = Path(run_dir), 1
-    while any(os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")):
-        n += 1
-    moving = run_dir / f".tmp_{tag}.{n}"
-    try:
-        moving.mkdir()
-        write_atomic(moving / MOVING, lambda tmp: tmp.write_text(json.dumps(names)), sync=True)
-        _fsync(moving)
-    except OSError as e:
-        shutil.rmtree(moving, ignore_errors=True)
-        raise OSError(e.errno, f"cannot create {moving} ({e.strerror}); nothing was moved: make "
-                      f"{run_dir} writable and run again") from None
-    return _fill_aside(run_dir, moving, names)
-
-
-def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
-    """set_aside's moves into `moving` (those not made yet), then its rename."""
-    final = run_dir / moving.name[len(".tmp_"):]
-    try:
-        for name in names:
-            if os.path.lexists(run_dir / name):
-                os.replace(run_dir / name, moving / name)
-        tag, n = final.name.rsplit(".", 1)
-        while os.path.lexists(final):  # made since the move began
-            n = int(n) + 1
-            final = run_dir / f"{tag}.{n}"
-        os.replace(moving, final)
-    except OSError as e:
-        undone = (f"all is back in {run_dir} as it was" if _put_back(run_dir, moving, names)
-                  else f"what moved stays in {moving}: the next start tries again")
-        raise OSError(e.errno, f"{e.filename} does not move into {final.name} ({e.strerror}); "
-                      f"{undone}: make it movable (chattr -i, if lsattr shows it immutable) and "
-                      "run again") from None
-    (final / MOVING).unlink(missing_ok=True)
-    _fsync(run_dir)
-    return final
-
-
-def _put_back(run_dir: Path, moving: Path, names: list[str]) -> bool:
-    """Undo a set_aside that failed: its entries back into run_dir, its folder gone; False if
-    something would not move back (its folder stays, with its list: the next start finishes)."""
-    for name in names:
-        with contextlib.suppress(OSError):
-            if os.path.lexists(moving / name) and not os.path.lexists(run_dir / name):
-                os.replace(moving / name, run_dir / name)
-    if any(os.path.lexists(moving / name) for name in names):
-        return False
-    shutil.rmtree(moving, ignore_errors=True)
-    return True
-
-
-def finish_set_aside(run_dir: Path, moving: Path) -> str:
-    """Finish a set_aside that was stopped midway (clean_run_dir), or clear its folder if it
-    stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
-    try:
-        names = load_json(moving / MOVING, 1 << 24, "the list of what a set-aside moves")
-    except (OSError, ValueError):
-        names = None
-    if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
-        # (the list's own temporary file: the move stopped as it was written)
-        if any(not LIST_LEFTOVER.fullmatch(p.name) for p in moving.iterdir()):
-            return f"note: left {moving} as it is: it holds no list of entries nanomuon wrote"
-        shutil.rmtree(moving)
-        return f"removed an empty {moving.name} left by a move that was stopped"
-    try:
-        final = _fill_aside(run_dir, moving, names)
-    except OSError as e:
-        raise ValueError(f"cannot finish a move of an earlier run that was stopped: "
-                         f"{e.strerror}") from None
-    return (f"finished moving the earlier run ({len(names)} entries) into {final}: the "
-            "--start-over or rewind that moved it was stopped midway")
-
-
-def earlier_run(run_dir: Path) -> list[str]:
-    """What a finished or stopped run left in run_dir: its checkpoints, results and exports;
-    ValueError if a result is there but not a regular file (a FIFO would hang the run that reads
-    it)."""
-    run_dir = Path(run_dir)
-    results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
-    for name in results:
-        check_regular(run_dir / name)
-    return ([step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
-            + list(exports(run_dir).values()))
-
-
-def run_extras(run_dir: Path) -> list[str]:
-    """What moves with an earlier run, but alone is none: wandb's folder and its rewinds'."""
-    return sorted(p.name for p in Path(run_dir).iterdir()
-                  if _movable(p.name) and (p.name == "wandb" or ASIDE.match(p.name)))
-
-
-def held_by(run_dir: Path, earlier: list[str]) -> str:
-    """What earlier_run found, for a line: the newest steps (three at most) and the results."""
-    steps = list_steps(run_dir)
-    return ", ".join(([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else [])
-                     + [name for name in earlier if not name.startswith("step_")])
-
-
-_LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
-
-
-def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
-    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it
-    (and saying to pick `other`).
-    The lock is a flock on the run dir itself, which no file deletion can take away, and which the
-    kernel drops when the process dies: never stale. .lock says who holds it. Returns a note when
-    the previous holder died without releasing it."""
-    run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
-    check_links(run_dir)
-    while True:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = lock_holder(run_dir) or "another process"
-            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
-                               f"(or stop it), or pick {other}") from None
-        # the holder removes an empty run dir as it lets go
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
-                break
-        os.close(fd)
-    previous = lock_holder(run_dir)
-    line = (f"pid {os.getpid()} on {socket.gethostname()} since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
-    # a rename: replaces a link at .lock, never writes through it
-    write_atomic(path, lambda tmp: tmp.write_text(line + "\n"), sync=True)
-    _fsync(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
-    _LOCKS[run_dir] = (fd, line)
-    return (f"note: {path} was left by {previous}, which is no longer running; taking over"
-            if previous else None)
-
-
-def lock_holder(run_dir: Path) -> str:
-    """Who .lock says holds run_dir, escaped and bounded (anyone may have written it); ''."""
-    return shown(_read_small(Path(run_dir) / ".lock"), 300, quote=False)
-
-
-def _read_small(path: Path) -> str:
-    """A small text file of ours, read without following a symlink ('' if absent or not ours)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    with os.fdopen(fd, errors="replace") as f:
-        return f.read(1000).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
-
-
-def unlock_run_dir(run_dir: Path) -> None:
-    """Release the lock taken by this process, if any: .lock goes if it still names us
-    (never another run's), and the run dir too if nothing else is in it (a run that failed
-    at start leaves nothing)."""
-    fd, line = _LOCKS.pop(Path(run_dir), (None, None))
-    if fd is None:
-        return
-    path = Path(run_dir) / ".lock"
-    if _read_small(path) == line:
-        path.unlink(missing_ok=True)
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        Path(run_dir).rmdir()
-
-
-def list_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete checkpoint in run_dir, ascending."""
-    if not Path(run_dir).is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
-                  if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
-
-
-def run_arg(s: str) -> str:
-    """argparse type for a run name: it names a directory under runs/, so
-    nothing that walks out of it, and short enough to be one (ablate adds suffixes)."""
-    if len(s) > 200:
-        raise argparse.ArgumentTypeError(f"{s[:20]!r}... is {len(s)} characters: a run name is at "
-                                         "most 200 (it names a directory under runs/)")
-    if not s.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only "
-                                         "(it names a directory under runs/)")
-    return s
 
 
 def step_arg(s: str, words=("latest",)):
@@ -986,23 +692,6 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         raise Unusable(f"checkpoint {d}: {e}; {_earlier(run_dir, step)}") from None
     except dcp.api.CheckpointException as e:
         raise _corrupt(d, e) from None
-
-
-def aside_steps(run_dir: Path) -> str:
-    """The checkpoints set_aside's folders in run_dir hold and the way to load one, for the line
-    that finds none in run_dir itself; '' if they hold none."""
-    if not Path(run_dir).is_dir():
-        return ""
-    held = sorted((int(m.group(4)), m.group(2), steps) for p in sorted(Path(run_dir).iterdir())
-                  if (m := ASIDE.match(p.name)) and not m.group(1) and (steps := list_steps(p)))
-    if not held:
-        return ""
-    said = [f"{name} holds step{'s' * (len(steps) > 1)} "
-            + (", ".join(map(str, steps)) if len(steps) < 7 else
-               f"{steps[0]}, ..., {steps[-1]} ({len(steps)})") for _, name, steps in held]
-    newest = step_dir(Path(run_dir) / held[-1][1], held[-1][2][-1])
-    return (f", but {'; '.join(said)} (set aside by --start-over or a rewind): move one back to "
-            f"load it (mv {newest} {run_dir}/)")
 
 
 def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple[int, dict]:

@@ -1,60 +1,14 @@
 """
 Reports: line plots of training curves, written as PNG with matplotlib, for base_train's report
-and ablate's comparisons, and the marks by which base_train and base_eval share a run's report.
-Plots are optional: matplotlib is imported here only, so the optimizer, the model and training
+and ablate's comparisons (who writes which part of a run's report: nanomuon/run.py). Plots are optional: matplotlib is imported here only, so the optimizer, the model and training
 never need it; without it plot_curves() returns None and the report says in one line that it
 skipped them and why (MISSING).
 """
 
 import math
-import re
 from pathlib import Path
 
 from nanomuon.common import write_atomic
-
-# base_eval's CORE line under report.md's title, replaced by a later evaluation and kept by a
-# resumed base_train, as are the summary.json keys that start with CORE_KEYS (core, core_step, ...)
-CORE_HEADLINE = "> CORE: "
-REPORT_BYTES = 1 << 30  # a run's report.md read back by the other tool: megabytes at most
-SUMMARY_BYTES = 16 << 20  # a run's summary.json read back: base_train writes a few KB
-CORE_KEYS = "core"
-# the header of each section base_eval appends to report.md: the step it measured
-EVAL_SECTION = re.compile(r"## base_eval, step (\d+)")
-
-
-def eval_heading(step: int) -> str:
-    """The header base_eval gives its section of report.md about `step` (EVAL_SECTION's form)."""
-    return f"## base_eval, step {step}"
-
-
-def eval_part(lines: list[str]) -> list[str]:
-    """report.md's lines from base_eval's first section on, after a blank line; [] if none."""
-    at = next((i for i, x in enumerate(lines) if i and EVAL_SECTION.fullmatch(x)), None)
-    return [] if at is None else ["", *lines[at:]]
-
-
-def split_eval_results(lines: list[str], record: dict, step: int):
-    """What base_eval wrote about steps after `step`, apart from the rest, for a rewind to move
-    aside: report.md's lines (its sections of those steps, and CORE's headline when the last
-    section showing it is one of them) and summary.json's CORE keys (when their core_step is one).
-    Returns (report lines kept, report lines of later steps, summary kept, its CORE keys of a
-    later step, the later steps measured)."""
-    starts = [i for i, x in enumerate(lines) if EVAL_SECTION.fullmatch(x)]
-    sections = [(int(EVAL_SECTION.fullmatch(lines[i])[1]), lines[i:j])
-                for i, j in zip(starts, [*starts[1:], len(lines)])]
-    head = lines[:starts[0]] if starts else lines
-    headline = next((x for x in head if x.startswith(CORE_HEADLINE)), None)
-    shown = [s for s, body in sections if headline and headline[len(CORE_HEADLINE):] in body]
-    headline_later = bool(shown) and shown[-1] > step
-    kept = [x for x in head if not (headline_later and x == headline)]
-    kept += [x for s, body in sections if s <= step for x in body]
-    later = [headline, ""] if headline_later else []
-    later += [x for s, body in sections if s > step for x in body]
-    core_step = record.get("core_step")
-    core = ({k: v for k, v in record.items() if k.startswith(CORE_KEYS)}
-            if isinstance(core_step, int) and core_step > step else {})
-    steps = sorted({s for s, _ in sections if s > step} | ({core_step} if core else set()))
-    return kept, later, {k: v for k, v in record.items() if k not in core}, core, steps
 
 MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
            "(`pip install matplotlib` draws them)")

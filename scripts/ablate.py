@@ -64,7 +64,6 @@ from nanomuon.budget import (
     read_plan,
     rounds,
 )
-from nanomuon.checkpoint import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.common import (
     DTYPES,
     check_device_type,
@@ -86,6 +85,7 @@ from nanomuon.recipe import (
     short_run_matrix_lr,
 )
 from nanomuon.report import MISSING, plot_curves
+from nanomuon.run import StepRecords, lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.stats import (
     RECORD_EFFECT,
@@ -224,25 +224,6 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
                          f"lines:\n{''.join(tail)}")
-
-
-class StepRecords:
-    """The step records a base_train run appends to `path` (--step-record), read as they come."""
-
-    def __init__(self, path: Path):
-        self.path, self.read, self.partial = path, 0, ""
-
-    def new(self) -> list[dict]:
-        """The records written since the last call; a line still being written waits."""
-        try:
-            with open(self.path) as f:
-                f.seek(self.read)
-                text = self.partial + f.read()
-                self.read = f.tell()
-        except FileNotFoundError:  # no step yet
-            return []
-        *lines, self.partial = text.split("\n")
-        return [json.loads(line) for line in lines]
 
 
 def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:

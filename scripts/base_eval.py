@@ -19,17 +19,13 @@ while `--eval core,...` downloads the bundle once when it is missing (the GPU sp
 
 import argparse
 import contextlib
-import json
-import os
 import re
 import shlex
-import stat
 
 import torch
 
 from nanomuon.common import (
     DTYPES,
-    check_regular,
     compute_cleanup,
     compute_init,
     evaluate_bpb,
@@ -37,21 +33,27 @@ from nanomuon.common import (
     load_json,
     one_line,
     print0,
-    read_regular,
     user_errors,
     wandb_key_problem,
-    write_atomic,
 )
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
-from nanomuon.report import CORE_HEADLINE, REPORT_BYTES, SUMMARY_BYTES, eval_heading
+from nanomuon.run import (
+    SUMMARY,
+    SUMMARY_BYTES,
+    append_section,
+    check_report,
+    check_summary,
+    claim_run_dir,
+    merge_summary,
+    put_headline,
+)
 from nanomuon.sources import add_data_args, prepare
-from scripts.base_train import PROMPTS, claim_run_dir
+from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 KEYS = ("dataset", "text_column", "val_fraction")
-SUMMARY = "the summary base_train writes"
 
 
 def quoted(value) -> str:
@@ -80,26 +82,6 @@ def eval_data(args, meta) -> argparse.Namespace:
                          "base_eval reads or downloads other data only when asked: pass --dataset "
                          f"{quoted(data.dataset)} if you trust it")
     return data
-
-
-def check_report(report) -> None:
-    """Exit now, before evaluating, if report cannot be appended to (every rank checks, so all
-    stop together)."""
-    try:  # non-blocking: a FIFO with no reader would hold the open forever
-        fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        os.close(fd)
-        if not regular:
-            raise SystemExit(f"error: {report} is not a regular file: remove it (base_eval "
-                             "appends its results there)")
-    except FileNotFoundError:
-        if not os.access(report.parent, os.W_OK | os.X_OK):
-            raise SystemExit(f"error: cannot create {report}: {report.parent} is not writable; "
-                             "make it writable, or copy the run into a writable base dir") from None
-    except OSError as e:
-        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): make it a writable "
-                         "regular file (not a link), or copy the run into a writable base dir"
-                         ) from None
 
 
 EVALS = ("core", "bpb", "sample")
@@ -198,68 +180,6 @@ def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, 
     return result, lines + [""]
 
 
-def append_report(report, lines) -> None:
-    # a link there is refused, not followed
-    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-    try:
-        fd = os.open(report, append, 0o644)
-    except OSError as e:
-        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
-                         "regular file of the run's own, not a link") from None
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    print0(f"appended to {report}")
-
-
-
-
-def check_summary(summary) -> None:
-    """Exit now, before evaluating, if summary.json is there but no regular file (a FIFO would
-    hang the read that records CORE in it)."""
-    try:
-        check_regular(summary, SUMMARY, "remove it (base_eval adds CORE to it)")
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def put_headline(report, line: str) -> None:
-    """Make the report open with CORE's line (right under its title), replacing an earlier one:
-    the speedrun's result is the first thing a reader sees."""
-    try:  # just appended to; a FIFO swapped in since would hang a plain read
-        text = read_regular(report, REPORT_BYTES, "the report base_train writes").decode()
-    except (OSError, ValueError) as e:
-        print0(f"note: {report} is unreadable ({one_line(e)}); its CORE line stays in its section")
-        return
-    lines = text.split("\n")
-    lines = [x for x in lines if not x.startswith(CORE_HEADLINE)]
-    at = 1 if lines and lines[0].startswith("# ") else 0
-    lines[at:at] = [CORE_HEADLINE + line]
-    write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines)))
-
-
-def record_core(summary, core: dict) -> None:
-    """Put CORE into the run's summary.json (base_train writes it at the end of training)."""
-    try:
-        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
-    except FileNotFoundError:
-        print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
-               "CORE is in the report only")
-        return
-    except (OSError, ValueError) as e:
-        print0(f"note: {summary} is unreadable ({one_line(e)}); CORE is in the report only")
-        return
-    if not isinstance(record, dict):
-        print0(f"note: {summary} is not a JSON object; CORE is in the report only")
-        return
-    record.update(core=core["core"], core_step=core["step"], core_tasks=core["tasks"],
-                  core_max_per_task=core["max_per_task"], core_headline=core["headline"])
-    write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
-
-
 def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
     anything else is ignored with a note)."""
@@ -336,10 +256,12 @@ def measure(args, run_dir, rank: int, device) -> float | None:
             print0(f"--- {prompt!r}\n{prompt}{text}")
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:
-        append_report(run_dir / "report.md", ["", eval_heading(meta["step"]), ""] + lines)
+        append_section(run_dir, "base_eval", meta["step"], lines)
         if core:
-            put_headline(run_dir / "report.md", core["headline"])
-            record_core(run_dir / "summary.json", core)
+            put_headline(run_dir, "base_eval", core["headline"])
+            merge_summary(run_dir, "base_eval", dict(
+                core=core["core"], core_step=core["step"], core_tasks=core["tasks"],
+                core_max_per_task=core["max_per_task"], core_headline=core["headline"]))
         if args.wandb != "off":
             log_wandb(args, run_dir, meta["step"], bpb, core)
     return bpb

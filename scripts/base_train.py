@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import sys
 import time
@@ -43,10 +42,8 @@ from nanomuon.common import (
     exit_if_any_failed,
     exit_unless_ranks_agree,
     get_base_dir,
-    load_json,
     on_every_rank,
     print0,
-    read_regular,
     resolve_compile,
     resolve_dtype,
     shown,
@@ -71,15 +68,19 @@ from nanomuon.recipe import (
     training_recipe,
 )
 from nanomuon.report import (
-    CORE_HEADLINE,
-    CORE_KEYS,
     MISSING,
-    REPORT_BYTES,
-    SUMMARY_BYTES,
-    eval_part,
     plot_curves,
     smooth,
-    split_eval_results,
+)
+from nanomuon.run import (
+    append_step_record,
+    check_disk,
+    claim_run_dir,
+    keep_earlier_runs,
+    others_report,
+    others_summary,
+    run_arg,
+    set_aside_later_steps,
 )
 from nanomuon.seeds import (
     SeedBatch,
@@ -226,7 +227,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=HelpFormatter)
     # run
-    p.add_argument("--run", type=checkpoint.run_arg, default=None, help="run name: names the "
+    p.add_argument("--run", type=run_arg, default=None, help="run name: names the "
                    "checkpoint directory and the wandb run (default d<depth>)")
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
                    help="log to Weights & Biases")
@@ -516,55 +517,6 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
          "identical copies of its tokenizer and data with runs/ shared (docs/training.md, 'Several nodes')")
 
 
-def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
-    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an
-    interrupted run left there; every rank stops with one line if it cannot, or if it does not see
-    that directory."""
-    error = None
-    if rank == 0:
-        try:
-            note = checkpoint.lock_run_dir(run_dir)
-            held.callback(checkpoint.unlock_run_dir, run_dir)
-            for line in filter(None, [note, *checkpoint.clean_run_dir(run_dir)]):
-                print0(line)
-        except (RuntimeError, ValueError) as e:  # in use; a symlink where the run writes
-            error = str(e)
-        except OSError as e:
-            error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point "
-                     "NANOMUON_BASE_DIR at a writable directory")
-    exit_if_any_failed(error)
-    # every rank writes its part of each checkpoint there, so every rank must see the directory rank
-    # 0 locked
-    seen = checkpoint.lock_holder(run_dir) or f"no {run_dir / '.lock'}"
-    exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
-                            "every process writes its part of each checkpoint into runs/<run>, so "
-                            "put runs/ (or all of NANOMUON_BASE_DIR) on a filesystem every node "
-                            "mounts (docs/training.md, 'Several nodes')")
-
-
-def check_disk(run: Run) -> None:
-    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first
-    save."""
-    # weights + optimizer states
-    need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)
-               for g in run.optimizer.param_groups for p in g["params"])
-    saves = 1 + (run.num_iterations // run.args.save_every if run.args.save_every > 0 else 0)
-    keep = run.args.keep_checkpoints
-    # +1: saved before the oldest goes
-    saves, error = saves if keep == -1 else min(saves, keep + 1), None
-    if run.rank == 0:
-        free = shutil.disk_usage(run.run_dir).free
-        if free < need:
-            error = (f"a checkpoint of this model takes about {size_str(need)}, and {run.run_dir} "
-                     f"has {size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a "
-                     "bigger disk")
-        elif free < need * saves:
-            print0(f"warning: {saves} checkpoints of about {size_str(need)} each "
-                   f"(--keep-checkpoints {keep}, and the one being saved) will not all fit in the "
-                   f"{size_str(free)} free on the disk of {run.run_dir}")
-    exit_if_any_failed(error)
-
-
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
     """On a CPU, estimate training's memory (recipe.train_memory: params, grads, optimizer state,
     bf16 copies, activations; all of this machine's processes) before any of it is allocated:
@@ -621,92 +573,6 @@ def run_lrs(args) -> PeakLRs:
 def schedule_name(args) -> str:
     """The lr schedule this run follows: the --optimizer variant's, else --schedule."""
     return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
-
-
-def keep_earlier_runs(args, run_dir: Path, rank: int) -> None:
-    """Nothing an earlier run left is trained over: a fresh run in a run dir holding checkpoints
-    or results is refused in one line, or with --start-over moves them into previous.N."""
-    error, earlier = None, []
-    if rank == 0:
-        try:  # a result file that is not a regular one (a FIFO) would hang the end of any run
-            earlier = checkpoint.earlier_run(run_dir)
-        except ValueError as e:
-            error = str(e)
-    if rank == 0 and not error and args.resume_from_step == -1 and earlier:
-        if not args.start_over:
-            held = checkpoint.held_by(run_dir, earlier)
-            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
-                     "--resume-from-step latest, pick another --run, or pass --start-over to "
-                     "move it into previous.N and train afresh")
-        else:
-            try:
-                earlier += checkpoint.run_extras(run_dir)
-                aside = checkpoint.set_aside(run_dir, earlier, "previous")
-                print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
-            except OSError as e:
-                error = f"--start-over cannot move the earlier run aside: {e.strerror}"
-    exit_if_any_failed(error)
-
-
-def set_aside_later_steps(run: Run, step: int) -> None:
-    """Resumed from an earlier step: the later ones are another line of training, which `latest`
-    and pruning would take for this one; they move into rewound_from_step_S.N, kept, and so do
-    base_eval's results of them (report sections, CORE), which would otherwise stand as this
-    line's."""
-    error = None
-    if run.rank == 0:  # the others wait for its word
-        try:
-            later = [s for s in checkpoint.list_steps(run.run_dir) if s > step]
-            # their exports too: models of another line than the steps this run will save
-            exports = [name for s, name in checkpoint.exports(run.run_dir).items() if s > step]
-            results = results_after(run.run_dir, step)
-            if later or exports or results[-1]:
-                names = [checkpoint.step_dir(run.run_dir, s).name for s in later] + exports
-                aside = checkpoint.set_aside(run.run_dir, names, f"rewound_from_step_{step}")
-                file_results_aside(run.run_dir, aside, step, results)
-                moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
-                    [", ".join(exports)] if exports else []) + (
-                    [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
-                    if results[-1] else [])
-                print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
-                       f"(kept; this run goes on from {step})")
-        except OSError as e:
-            error = f"cannot move the steps after {step} aside in {run.run_dir}: {e.strerror}"
-        except ValueError as e:  # a report or summary that is not base_train's: it names which
-            error = str(e)
-    exit_if_any_failed(error)
-
-
-def results_after(run_dir: Path, step: int):
-    """split_eval_results of run_dir's report.md and summary.json (an unreadable summary.json
-    stays as it is: base_train says so when it rewrites it)."""
-    report, summary = run_dir / "report.md", run_dir / "summary.json"
-    try:
-        lines = read_regular(report, REPORT_BYTES, "the report base_train writes").decode(
-            errors="replace").split("\n")
-    except FileNotFoundError:
-        lines = []
-    try:
-        record = load_json(summary, SUMMARY_BYTES, "the summary base_train writes")
-    except (OSError, ValueError):
-        record = {}
-    return split_eval_results(lines, record if isinstance(record, dict) else {}, step)
-
-
-def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
-    """base_eval's results of the steps after `step` into aside's report.md and summary.json,
-    then out of run_dir's (in that order: a kill between leaves them in both, never in neither)."""
-    kept, later, record, core, steps = results
-    if later:
-        title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
-                 f"set aside by a resume from step {step}")
-        write_atomic(aside / "report.md",
-                     lambda tmp: tmp.write_text("\n".join([title, "", *later])))
-        write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
-    if core:
-        write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
-        write_atomic(run_dir / "summary.json",
-                     lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
 
 
 def plan_horizon(args, model: GPT) -> int:
@@ -855,7 +721,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     # a restarted job (torchrun --max-restarts) picks up where it died
     if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
-    keep_earlier_runs(args, run_dir, rank)
+    keep_earlier_runs(run_dir, rank, fresh=args.resume_from_step == -1, start_over=args.start_over)
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
@@ -915,7 +781,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *precision_of(args)]]  # a resume reads the run's own
-    check_disk(run)
+    check_disk(run_dir, rank, optimizer, num_iterations, args.save_every, args.keep_checkpoints)
     return run
 
 
@@ -989,7 +855,7 @@ def resume(run: Run) -> None:
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
     resumed_precision(run, meta, step)
     print0(f"resumed {run.run_dir} at step {step}")
-    set_aside_later_steps(run, step)
+    set_aside_later_steps(run.run_dir, run.rank, step)
 
 
 def load_flags_win(run: Run, step: int) -> None:
@@ -1278,10 +1144,9 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
     if step % args.log_every == 0 or step == run.num_iterations:
         line = step_line(run, s, smooth_loss, tok_per_s)
         if args.step_record and run.rank == 0:  # before the line: whoever reads it finds its record
-            with open(args.step_record, "a") as f:
-                f.write(json.dumps(dict(step=step, steps=run.num_iterations, loss=smooth_loss,
-                                        dt_ms=1000 * s.seconds, tok_per_s=tok_per_s,
-                                        finite=s.finite, line=line)) + "\n")
+            append_step_record(args.step_record, step=step, steps=run.num_iterations,
+                               loss=smooth_loss, dt_ms=1000 * s.seconds, tok_per_s=tok_per_s,
+                               finite=s.finite, line=line)
         print0(line)
     if run.wandb:
         logged = (wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
@@ -1364,38 +1229,11 @@ def sample_prompts(run: Run) -> list[tuple[str, str]]:
     return samples
 
 
-def appended_sections(report: Path) -> tuple[list[str], list[str]]:
-    """What other tools wrote into a run's report.md (base_eval's CORE headline under the title,
-    and its sections at the end), kept when base_train rewrites it at the end of a resumed run."""
-    try:
-        text = read_regular(report, REPORT_BYTES, "the report base_train writes").decode(
-            errors="replace")
-    except FileNotFoundError:
-        return [], []
-    except ValueError as e:  # swapped for a FIFO or a huge file mid-run: the new report replaces it
-        print0(f"note: {e}; base_train writes its report without what was in it")
-        return [], []
-    headlines = [x for x in text.split("\n") if x.startswith(CORE_HEADLINE)]
-    return headlines, eval_part(text.rstrip("\n").split("\n"))
-
-
-def others_results(summary: Path) -> dict:
-    """The keys other tools (base_eval) wrote into summary.json, kept when base_train rewrites it;
-    an unreadable file keeps nothing, with a note."""
-    try:
-        record = json.loads(summary.read_text()) if summary.is_file() else {}
-    except (OSError, ValueError) as e:
-        print0(f"note: {summary} is unreadable ({e}); rewriting it without what it held")
-        return {}
-    return ({k: v for k, v in record.items() if k.startswith(CORE_KEYS)}
-            if isinstance(record, dict) else {})
-
-
 def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
                  loop, samples):
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine())
-    headlines, sections = appended_sections(Path(run_dir) / "report.md")
+    headlines, sections = others_report(Path(run_dir) / "report.md")
     lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
              f"- command: `{' '.join(sys.argv)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
@@ -1429,7 +1267,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     lines += sections
     write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     # the same numbers and curves for programs (scripts.ablate reads them)
-    record = dict(others_results(Path(run_dir) / "summary.json"), **summary, run=args.run,
+    record = dict(others_summary(Path(run_dir) / "summary.json"), **summary, run=args.run,
                   optimizer=args.optimizer, num_params=num_params,
                   world_size=world_size, tokens_per_step=args.total_batch_size,
                   val_history=loop["val_history"], val_train_time=loop["val_train_time"],

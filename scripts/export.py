@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from nanomuon.checkpoint import load_checkpoint, load_step, run_arg, step_arg
+from nanomuon.checkpoint import load_checkpoint, load_step, step_arg
 from nanomuon.common import file_kind, get_base_dir, size_str, user_errors, write_atomic
+from nanomuon.run import run_arg
 
 
 def check_out(out: Path, force: bool) -> None:

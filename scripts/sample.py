@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import torch
 
-from nanomuon.checkpoint import load_model, run_arg, step_arg
+from nanomuon.checkpoint import load_model, step_arg
 from nanomuon.common import check_device_type, get_base_dir, user_errors
+from nanomuon.run import run_arg
 from nanomuon.tokenizer import get_tokenizer
 
 

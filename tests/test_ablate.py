@@ -539,7 +539,7 @@ def test_a_swept_value_that_is_no_run_name_is_named_by_a_slug_and_a_hash():
     """Run names are built from the swept values: a value a run name cannot hold (every local path
     has '/', a hub dataset ':') goes in as a bounded slug and a hash of the whole; a value that can
     goes in as itself."""
-    from nanomuon.checkpoint import run_arg
+    from nanomuon.run import run_arg
     from scripts.ablate import Job
 
     values = ["my data", "/corpora/my data", "/other/my data", "hf:owner/name@main", "x" * 500,
@@ -1112,7 +1112,7 @@ def test_a_stopped_ablate_ends_its_runs_and_says_what_is_kept(base, sig):
 def test_two_ablates_of_one_name_do_not_run_at_once(base):
     """ablate holds ablations/<name>: a second one of that name is refused in one line before it
     trains anything (its runs would hit the first's run locks)."""
-    from nanomuon.checkpoint import lock_run_dir, unlock_run_dir
+    from nanomuon.run import lock_run_dir, unlock_run_dir
     from scripts import ablate
 
     held = base / "ablations" / "twice"

@@ -114,7 +114,7 @@ def test_what_the_project_reads_back_is_never_a_fifo_or_unbounded(good, tmp_path
     from nanomuon.checkpoint import read_meta
     from nanomuon.common import content_hashes, file_hash
     from nanomuon.dataset import MANIFEST, REVISION_FILE, manifest_shards, pin_revision
-    from scripts.base_train import results_after
+    from nanomuon.run import results_after
 
     run = good.parent / "fifos"
     shutil.copytree(good, run)

@@ -19,12 +19,12 @@ import torch
 from test_dataset import fetch
 from test_train import REPO, TINY
 
-from nanomuon.checkpoint import lock_run_dir
 from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import HF_REPO, MAX_SHARD, shard_name
 from nanomuon.dataset import main as dataset_main
 from nanomuon.gpt import GPTConfig
 from nanomuon.optim import MuonAdamW
+from nanomuon.run import lock_run_dir
 from nanomuon.tokenizer import Tokenizer, get_tokenizer, tokenizer_dir
 
 GOOD = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "-1"]

@@ -22,18 +22,17 @@ from test_bad_input import GOOD
 from test_train import REPO, child_env
 
 from nanomuon import checkpoint
+from nanomuon import run as run_dirs
 from nanomuon.checkpoint import (
-    clean_run_dir,
     file_crc32,
     list_steps,
     load_checkpoint,
     load_step,
-    lock_run_dir,
     prune_checkpoints,
     save_checkpoint,
     step_dir,
-    unlock_run_dir,
 )
+from nanomuon.run import clean_run_dir, lock_run_dir, unlock_run_dir
 
 PAYLOAD = b"cos\nsystem\n(S'touch {marker}'\ntR0"  # runs os.system, then pops its result off the stack
 
@@ -541,7 +540,7 @@ def test_a_set_aside_that_cannot_move_an_entry_puts_all_back(tmp_path, monkeypat
 
     monkeypatch.setattr(os, "replace", immutable)
     with pytest.raises(OSError) as e:
-        checkpoint.set_aside(run_dir, ["step_000001", "step_000002", "report.md"], "previous")
+        run_dirs.set_aside(run_dir, ["step_000001", "step_000002", "report.md"], "previous")
     line = e.value.strerror
     assert line.startswith(f"{run_dir / 'report.md'} does not move into previous.1 (Operation "
                            f"not permitted); all is back in {run_dir} as it was"), line
@@ -552,7 +551,7 @@ def test_a_set_aside_that_cannot_move_an_entry_puts_all_back(tmp_path, monkeypat
 
 SET_ASIDE_KILLED = """
 import os, signal, sys
-from nanomuon import checkpoint
+from nanomuon import run
 real, calls = os.replace, []
 
 def killed(src, dst):  # the first rename writes the list of entries; the moves follow
@@ -562,7 +561,7 @@ def killed(src, dst):  # the first rename writes the list of entries; the moves 
     return real(src, dst)
 
 os.replace = killed
-checkpoint.set_aside(sys.argv[1], ["step_000001", "step_000002", "report.md"], "previous")
+run.set_aside(sys.argv[1], ["step_000001", "step_000002", "report.md"], "previous")
 """
 
 

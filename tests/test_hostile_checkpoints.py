@@ -13,14 +13,8 @@ import torch
 from test_bad_input import GOOD
 from test_checkpoint_safety import saved
 
-from nanomuon.checkpoint import (
-    load_checkpoint,
-    load_step,
-    lock_run_dir,
-    save_checkpoint,
-    step_dir,
-    unlock_run_dir,
-)
+from nanomuon.checkpoint import load_checkpoint, load_step, save_checkpoint, step_dir
+from nanomuon.run import lock_run_dir, unlock_run_dir
 
 ESCAPES = "\x1b[2J\x1b]0;PWNED\x07"
 

@@ -17,7 +17,8 @@ import time
 import pytest
 from test_train import REPO, TINY, assert_bitwise_equal, child_env, run
 
-from nanomuon.checkpoint import clean_run_dir, list_steps, load_checkpoint, step_dir
+from nanomuon.checkpoint import list_steps, load_checkpoint, step_dir
+from nanomuon.run import clean_run_dir
 
 FLAGS = [*TINY, "--total-batch-size", "256", "--eval-every", "-1"]
 

@@ -1,0 +1,720 @@
+"""
+A run's directory, runs/<run>/: one owner for everything in it but the inside of a checkpoint.
+
+- Its names: step_N (checkpoint.py writes what is inside), the results (report.md, summary.json,
+  curves.png), exports, the folders earlier runs are set aside into, and what an interrupted write
+  leaves (clean_run_dir clears it at the next start).
+- Its lock: one run per directory (lock_run_dir; .lock says who holds it), taken by base_train and
+  base_eval through claim_run_dir, with the disk check a run makes before its first save.
+- Earlier runs: a fresh run refuses to train over one, or with --start-over sets it aside
+  (previous.N); a rewind sets the later steps aside (rewound_from_step_S.N), with the results
+  about them.
+- report.md and summary.json, which several tools write: base_train writes both whole when
+  training ends, and each other writer (WRITERS: base_eval) adds its own part, found by its mark
+  here, never by another tool's text.
+- The step record: a JSON line per logged step (base_train --step-record), read by ablate as a run
+  trains.
+"""
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from nanomuon.common import (
+    check_regular,
+    exit_if_any_failed,
+    exit_unless_ranks_agree,
+    load_json,
+    one_line,
+    print0,
+    read_regular,
+    shown,
+    size_str,
+    write_atomic,
+)
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"step_{step:06d}"
+
+
+def fsync_path(path: Path) -> None:
+    """Make a directory's (or file's) entries durable: a rename is only as safe as this."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# The names DCP's FileSystemWriter gives the data files: a plain name in the
+# checkpoint's own directory.
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
+# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
+# in a run dir.
+SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
+
+
+ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
+
+
+CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
+
+
+# what runs write beside their checkpoints
+RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")
+
+
+def _looks_like_checkpoint(d: Path) -> bool:
+    """A real directory holding nothing but what save_checkpoint writes."""
+    return not d.is_symlink() and d.is_dir() and all(
+        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name))
+        and not f.is_symlink() and f.is_file()
+        for f in d.iterdir())
+
+
+def check_links(run_dir: Path) -> None:
+    """Refuse a symlink where a run writes or reads its own files: following it would write to, or
+    read from, whatever it points at. ValueError naming the link and the way out."""
+    run_dir = Path(run_dir)
+    if run_dir.is_symlink():
+        raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be "
+                         "a directory of its own: remove the link, or move the directory there")
+    if not run_dir.is_dir():
+        return
+    for p in sorted(run_dir.iterdir()):
+        # (leftover links: clean_run_dir unlinks them)
+        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)
+        inner = ([f for f in p.iterdir() if f.is_symlink()]
+                 if STEP_DIR.match(p.name) and p.is_dir() else [])
+        link = p if p.is_symlink() and ours else (inner[0] if inner else None)
+        if link is not None:
+            raise ValueError(f"{link} is a symlink (to {os.readlink(link)}); nanomuon reads and "
+                             "writes only real files in a run dir: replace it with a copy (cp -L), "
+                             f"or remove it")
+
+
+def clean_run_dir(run_dir: Path) -> list[str]:
+    """Clear what an interrupted save of ours left in run_dir (call it holding the lock):
+    half-written checkpoints are deleted, a step whose re-save died between its two renames gets its
+    old checkpoint back, a set_aside stopped midway is finished. Only our exact names, and only
+    directories that hold nothing but checkpoint files (or set_aside's list): anything else is the
+    user's. Returns one line per thing done."""
+    run_dir, done = Path(run_dir), []
+    if not run_dir.is_dir():
+        return done
+    for d in sorted(run_dir.iterdir()):
+        m = SAVE_LEFTOVER.match(d.name)
+        if m and m.group(1) == "old_" and not step_dir(run_dir, int(m.group(2)[5:])).exists() \
+                and _looks_like_checkpoint(d):
+            os.replace(d, run_dir / m.group(2))
+            done.append(f"restored {m.group(2)} from {d.name} (a re-save was interrupted)")
+        elif m and (_looks_like_checkpoint(d) or d.is_symlink()):
+            size = 0 if d.is_symlink() else sum(f.stat().st_size for f in d.iterdir())
+            d.unlink() if d.is_symlink() else shutil.rmtree(d)
+            done.append(f"removed {d.name} ({size_str(size)}) left by an interrupted save")
+        elif ATOMIC_LEFTOVER.match(d.name) and (d.is_symlink() or d.is_file()):
+            d.unlink()
+            done.append(f"removed {d.name} left by an interrupted write")
+        elif (m := ASIDE.match(d.name)) and m.group(1) and d.is_dir() and not d.is_symlink():
+            done.append(finish_set_aside(run_dir, d))
+    return done
+
+
+RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
+
+
+EXPORT = re.compile(r"^export_step_(\d{6,})\.pt$")  # scripts/export.py's file of one step
+
+
+# set_aside's folders: previous.N (--start-over), rewound_from_step_S.N (a rewind); while it fills
+# one, .tmp_<that name>, holding MOVING: the entries that go in
+ASIDE = re.compile(r"^(\.tmp_)?((previous|rewound_from_step_\d+)\.(\d+))$")
+
+
+MOVING = ".moving.json"
+
+
+LIST_LEFTOVER = re.compile(re.escape(MOVING) + r"\.\d+\.tmp")  # write_atomic's, of MOVING
+
+
+def exports(run_dir: Path) -> dict[int, str]:
+    """step -> the name of its export_step_N.pt in run_dir."""
+    return {int(m.group(1)): m.group(0) for p in sorted(Path(run_dir).iterdir())
+            if (m := EXPORT.match(p.name))} if Path(run_dir).is_dir() else {}
+
+
+def _movable(name: str) -> bool:
+    """Whether set_aside moves entries so named: steps, results, exports, wandb's folder and
+    rewinds' folders (what a run leaves in its run dir, but for its lock and earlier runs)."""
+    m = ASIDE.match(name)
+    return bool(STEP_DIR.match(name) or name in RESULTS or EXPORT.match(name) or name == "wandb"
+                or (m and not m.group(1) and m.group(3) != "previous"))
+
+
+def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
+    """Move these entries of run_dir into a new folder run_dir/<tag>.<n>, which list_steps never
+    sees: kept, out of the way of this line of training (rank 0, holding the lock). n is the first
+    that nothing holds (not even a dangling link). They go into .tmp_<tag>.<n>, which lists them
+    (MOVING) and is renamed once all are in: a kill midway leaves a move that clean_run_dir
+    finishes. Returns the folder; an entry that does not move: OSError naming it, all put back."""
+    run_dir, n = Path(run_dir), 1
+    while any(os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")):
+        n += 1
+    moving = run_dir / f".tmp_{tag}.{n}"
+    try:
+        moving.mkdir()
+        write_atomic(moving / MOVING, lambda tmp: tmp.write_text(json.dumps(names)), sync=True)
+        fsync_path(moving)
+    except OSError as e:
+        shutil.rmtree(moving, ignore_errors=True)
+        raise OSError(e.errno, f"cannot create {moving} ({e.strerror}); nothing was moved: make "
+                      f"{run_dir} writable and run again") from None
+    return _fill_aside(run_dir, moving, names)
+
+
+def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
+    """set_aside's moves into `moving` (those not made yet), then its rename."""
+    final = run_dir / moving.name[len(".tmp_"):]
+    try:
+        for name in names:
+            if os.path.lexists(run_dir / name):
+                os.replace(run_dir / name, moving / name)
+        tag, n = final.name.rsplit(".", 1)
+        while os.path.lexists(final):  # made since the move began
+            n = int(n) + 1
+            final = run_dir / f"{tag}.{n}"
+        os.replace(moving, final)
+    except OSError as e:
+        undone = (f"all is back in {run_dir} as it was" if _put_back(run_dir, moving, names)
+                  else f"what moved stays in {moving}: the next start tries again")
+        raise OSError(e.errno, f"{e.filename} does not move into {final.name} ({e.strerror}); "
+                      f"{undone}: make it movable (chattr -i, if lsattr shows it immutable) and "
+                      "run again") from None
+    (final / MOVING).unlink(missing_ok=True)
+    fsync_path(run_dir)
+    return final
+
+
+def _put_back(run_dir: Path, moving: Path, names: list[str]) -> bool:
+    """Undo a set_aside that failed: its entries back into run_dir, its folder gone; False if
+    something would not move back (its folder stays, with its list: the next start finishes)."""
+    for name in names:
+        with contextlib.suppress(OSError):
+            if os.path.lexists(moving / name) and not os.path.lexists(run_dir / name):
+                os.replace(moving / name, run_dir / name)
+    if any(os.path.lexists(moving / name) for name in names):
+        return False
+    shutil.rmtree(moving, ignore_errors=True)
+    return True
+
+
+def finish_set_aside(run_dir: Path, moving: Path) -> str:
+    """Finish a set_aside that was stopped midway (clean_run_dir), or clear its folder if it
+    stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
+    try:
+        names = load_json(moving / MOVING, 1 << 24, "the list of what a set-aside moves")
+    except (OSError, ValueError):
+        names = None
+    if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
+        # (the list's own temporary file: the move stopped as it was written)
+        if any(not LIST_LEFTOVER.fullmatch(p.name) for p in moving.iterdir()):
+            return f"note: left {moving} as it is: it holds no list of entries nanomuon wrote"
+        shutil.rmtree(moving)
+        return f"removed an empty {moving.name} left by a move that was stopped"
+    try:
+        final = _fill_aside(run_dir, moving, names)
+    except OSError as e:
+        raise ValueError(f"cannot finish a move of an earlier run that was stopped: "
+                         f"{e.strerror}") from None
+    return (f"finished moving the earlier run ({len(names)} entries) into {final}: the "
+            "--start-over or rewind that moved it was stopped midway")
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What a finished or stopped run left in run_dir: its checkpoints, results and exports;
+    ValueError if a result is there but not a regular file (a FIFO would hang the run that reads
+    it)."""
+    run_dir = Path(run_dir)
+    results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
+    for name in results:
+        check_regular(run_dir / name)
+    return ([step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
+            + list(exports(run_dir).values()))
+
+
+def run_extras(run_dir: Path) -> list[str]:
+    """What moves with an earlier run, but alone is none: wandb's folder and its rewinds'."""
+    return sorted(p.name for p in Path(run_dir).iterdir()
+                  if _movable(p.name) and (p.name == "wandb" or ASIDE.match(p.name)))
+
+
+def held_by(run_dir: Path, earlier: list[str]) -> str:
+    """What earlier_run found, for a line: the newest steps (three at most) and the results."""
+    steps = list_steps(run_dir)
+    return ", ".join(([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else [])
+                     + [name for name in earlier if not name.startswith("step_")])
+
+
+_LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
+
+
+def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
+    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it
+    (and saying to pick `other`).
+    The lock is a flock on the run dir itself, which no file deletion can take away, and which the
+    kernel drops when the process dies: never stale. .lock says who holds it. Returns a note when
+    the previous holder died without releasing it."""
+    run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
+    check_links(run_dir)
+    while True:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = lock_holder(run_dir) or "another process"
+            raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
+                               f"(or stop it), or pick {other}") from None
+        # the holder removes an empty run dir as it lets go
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)
+    previous = lock_holder(run_dir)
+    line = (f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
+    # a rename: replaces a link at .lock, never writes through it
+    write_atomic(path, lambda tmp: tmp.write_text(line + "\n"), sync=True)
+    fsync_path(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
+    _LOCKS[run_dir] = (fd, line)
+    return (f"note: {path} was left by {previous}, which is no longer running; taking over"
+            if previous else None)
+
+
+def lock_holder(run_dir: Path) -> str:
+    """Who .lock says holds run_dir, escaped and bounded (anyone may have written it); ''."""
+    return shown(_read_small(Path(run_dir) / ".lock"), 300, quote=False)
+
+
+def _read_small(path: Path) -> str:
+    """A small text file of ours, read without following a symlink ('' if absent or not ours)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with os.fdopen(fd, errors="replace") as f:
+        return f.read(1000).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release the lock taken by this process, if any: .lock goes if it still names us
+    (never another run's), and the run dir too if nothing else is in it (a run that failed
+    at start leaves nothing)."""
+    fd, line = _LOCKS.pop(Path(run_dir), (None, None))
+    if fd is None:
+        return
+    path = Path(run_dir) / ".lock"
+    if _read_small(path) == line:
+        path.unlink(missing_ok=True)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        Path(run_dir).rmdir()
+
+
+def list_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint in run_dir, ascending."""
+    if not Path(run_dir).is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
+                  if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
+
+
+def run_arg(s: str) -> str:
+    """argparse type for a run name: it names a directory under runs/, so
+    nothing that walks out of it, and short enough to be one (ablate adds suffixes)."""
+    if len(s) > 200:
+        raise argparse.ArgumentTypeError(f"{s[:20]!r}... is {len(s)} characters: a run name is at "
+                                         "most 200 (it names a directory under runs/)")
+    if not s.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise argparse.ArgumentTypeError(f"{s!r}: use letters, digits, '-', '_' and '.' only "
+                                         "(it names a directory under runs/)")
+    return s
+
+
+def aside_steps(run_dir: Path) -> str:
+    """The checkpoints set_aside's folders in run_dir hold and the way to load one, for the line
+    that finds none in run_dir itself; '' if they hold none."""
+    if not Path(run_dir).is_dir():
+        return ""
+    held = sorted((int(m.group(4)), m.group(2), steps) for p in sorted(Path(run_dir).iterdir())
+                  if (m := ASIDE.match(p.name)) and not m.group(1) and (steps := list_steps(p)))
+    if not held:
+        return ""
+    said = [f"{name} holds step{'s' * (len(steps) > 1)} "
+            + (", ".join(map(str, steps)) if len(steps) < 7 else
+               f"{steps[0]}, ..., {steps[-1]} ({len(steps)})") for _, name, steps in held]
+    newest = step_dir(Path(run_dir) / held[-1][1], held[-1][2][-1])
+    return (f", but {'; '.join(said)} (set aside by --start-over or a rewind): move one back to "
+            f"load it (mv {newest} {run_dir}/)")
+
+
+# -- the lifecycle: claiming the dir, earlier runs, the disk ---------------------------------------
+
+
+def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
+    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an
+    interrupted run left there; every rank stops with one line if it cannot, or if it does not see
+    that directory."""
+    error = None
+    if rank == 0:
+        try:
+            note = lock_run_dir(run_dir)
+            held.callback(unlock_run_dir, run_dir)
+            for line in filter(None, [note, *clean_run_dir(run_dir)]):
+                print0(line)
+        except (RuntimeError, ValueError) as e:  # in use; a symlink where the run writes
+            error = str(e)
+        except OSError as e:
+            error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point "
+                     "NANOMUON_BASE_DIR at a writable directory")
+    exit_if_any_failed(error)
+    # every rank writes its part of each checkpoint there, so every rank must see the directory rank
+    # 0 locked
+    seen = lock_holder(run_dir) or f"no {run_dir / '.lock'}"
+    exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
+                            "every process writes its part of each checkpoint into runs/<run>, so "
+                            "put runs/ (or all of NANOMUON_BASE_DIR) on a filesystem every node "
+                            "mounts (docs/training.md, 'Several nodes')")
+
+
+def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -> None:
+    """Nothing an earlier run left is trained over: a fresh run in a run dir holding checkpoints
+    or results is refused in one line, or with --start-over moves them into previous.N."""
+    error, earlier = None, []
+    if rank == 0:
+        try:  # a result file that is not a regular one (a FIFO) would hang the end of any run
+            earlier = earlier_run(run_dir)
+        except ValueError as e:
+            error = str(e)
+    if rank == 0 and not error and fresh and earlier:
+        if not start_over:
+            held = held_by(run_dir, earlier)
+            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
+                     "--resume-from-step latest, pick another --run, or pass --start-over to "
+                     "move it into previous.N and train afresh")
+        else:
+            try:
+                earlier += run_extras(run_dir)
+                aside = set_aside(run_dir, earlier, "previous")
+                print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+            except OSError as e:
+                error = f"--start-over cannot move the earlier run aside: {e.strerror}"
+    exit_if_any_failed(error)
+
+
+def set_aside_later_steps(run_dir: Path, rank: int, step: int) -> None:
+    """Resumed from an earlier step: the later ones are another line of training, which `latest`
+    and pruning would take for this one; they move into rewound_from_step_S.N, kept, and so do
+    base_eval's results of them (report sections, CORE), which would otherwise stand as this
+    line's."""
+    error = None
+    if rank == 0:  # the others wait for its word
+        try:
+            later = [s for s in list_steps(run_dir) if s > step]
+            # their exports too: models of another line than the steps this run will save
+            exported = [name for s, name in exports(run_dir).items() if s > step]
+            results = results_after(run_dir, step)
+            if later or exported or results[-1]:
+                names = [step_dir(run_dir, s).name for s in later] + exported
+                aside = set_aside(run_dir, names, f"rewound_from_step_{step}")
+                file_results_aside(run_dir, aside, step, results)
+                moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
+                    [", ".join(exported)] if exported else []) + (
+                    [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
+                    if results[-1] else [])
+                print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
+                       f"(kept; this run goes on from {step})")
+        except OSError as e:
+            error = f"cannot move the steps after {step} aside in {run_dir}: {e.strerror}"
+        except ValueError as e:  # a report or summary that is not base_train's: it names which
+            error = str(e)
+    exit_if_any_failed(error)
+
+
+def check_disk(run_dir: Path, rank: int, optimizer, num_iterations: int, save_every: int,
+               keep: int) -> None:
+    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first
+    save (saves every `save_every` steps of `num_iterations`, `keep` kept: --keep-checkpoints)."""
+    # weights + optimizer states
+    need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)
+               for g in optimizer.param_groups for p in g["params"])
+    saves = 1 + (num_iterations // save_every if save_every > 0 else 0)
+    # +1: saved before the oldest goes
+    saves, error = saves if keep == -1 else min(saves, keep + 1), None
+    if rank == 0:
+        free = shutil.disk_usage(run_dir).free
+        if free < need:
+            error = (f"a checkpoint of this model takes about {size_str(need)}, and {run_dir} "
+                     f"has {size_str(free)} free: free some space, or point NANOMUON_BASE_DIR at a "
+                     "bigger disk")
+        elif free < need * saves:
+            print0(f"warning: {saves} checkpoints of about {size_str(need)} each "
+                   f"(--keep-checkpoints {keep}, and the one being saved) will not all fit in the "
+                   f"{size_str(free)} free on the disk of {run_dir}")
+    exit_if_any_failed(error)
+
+# -- report.md and summary.json: base_train's, with the parts other tools add --------------------
+
+
+class Writer(NamedTuple):
+    """What a tool other than base_train adds to a run's report.md and summary.json; base_train
+    owns the rest, and keeps these parts when it rewrites the files."""
+    keys: tuple[str, ...]  # its summary.json keys
+    step_key: str  # the one of them that names the step its results are about
+    headline: str  # the mark of its line right under report.md's title (replaced as it writes)
+
+
+WRITERS = {"base_eval": Writer(keys=("core", "core_step", "core_tasks", "core_max_per_task",
+                                     "core_headline"),
+                               step_key="core_step", headline="> CORE: ")}
+# the header of each section another writer appends to report.md: who, and the step measured
+SECTION = re.compile(r"## (" + "|".join(map(re.escape, WRITERS)) + r"), step (\d+)")
+REPORT_BYTES = 1 << 30  # a run's report.md read back: megabytes at most
+SUMMARY_BYTES = 16 << 20  # a run's summary.json read back: base_train writes a few KB
+REPORT, SUMMARY = "the report base_train writes", "the summary base_train writes"
+
+
+def section_heading(writer: str, step: int) -> str:
+    """The header `writer` gives its section of report.md about `step` (SECTION's form)."""
+    return f"## {writer}, step {step}"
+
+
+def others_part(lines: list[str]) -> list[str]:
+    """report.md's lines from the first section another writer appended on, after a blank line;
+    [] if none."""
+    at = next((i for i, x in enumerate(lines) if i and SECTION.fullmatch(x)), None)
+    return [] if at is None else ["", *lines[at:]]
+
+
+def split_results(lines: list[str], record: dict, step: int):
+    """What base_eval wrote about steps after `step`, apart from the rest, for a rewind to move
+    aside: report.md's lines (its sections of those steps, and its headline when the last
+    section showing it is one of them) and its summary.json keys (when their step is one).
+    Returns (report lines kept, report lines of later steps, summary kept, its keys of a later
+    step, the later steps measured)."""
+    writer = WRITERS["base_eval"]
+    starts = [i for i, x in enumerate(lines) if SECTION.fullmatch(x)]
+    sections = [(int(SECTION.fullmatch(lines[i])[2]), lines[i:j])
+                for i, j in zip(starts, [*starts[1:], len(lines)])]
+    head = lines[:starts[0]] if starts else lines
+    headline = next((x for x in head if x.startswith(writer.headline)), None)
+    shown_in = [s for s, body in sections if headline and headline[len(writer.headline):] in body]
+    headline_later = bool(shown_in) and shown_in[-1] > step
+    kept = [x for x in head if not (headline_later and x == headline)]
+    kept += [x for s, body in sections if s <= step for x in body]
+    later = [headline, ""] if headline_later else []
+    later += [x for s, body in sections if s > step for x in body]
+    measured = record.get(writer.step_key)
+    moved = ({k: v for k, v in record.items() if k in writer.keys}
+             if isinstance(measured, int) and measured > step else {})
+    steps = sorted({s for s, _ in sections if s > step} | ({measured} if moved else set()))
+    return kept, later, {k: v for k, v in record.items() if k not in moved}, moved, steps
+
+
+def results_after(run_dir: Path, step: int):
+    """split_results of run_dir's report.md and summary.json (an unreadable summary.json
+    stays as it is: base_train says so when it rewrites it)."""
+    report, summary = run_dir / "report.md", run_dir / "summary.json"
+    try:
+        lines = read_regular(report, REPORT_BYTES, REPORT).decode(
+            errors="replace").split("\n")
+    except FileNotFoundError:
+        lines = []
+    try:
+        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
+    except (OSError, ValueError):
+        record = {}
+    return split_results(lines, record if isinstance(record, dict) else {}, step)
+
+
+def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
+    """base_eval's results of the steps after `step` into aside's report.md and summary.json,
+    then out of run_dir's (in that order: a kill between leaves them in both, never in neither)."""
+    kept, later, record, core, steps = results
+    if later:
+        title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
+                 f"set aside by a resume from step {step}")
+        write_atomic(aside / "report.md",
+                     lambda tmp: tmp.write_text("\n".join([title, "", *later])))
+        write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
+    if core:
+        write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
+        write_atomic(run_dir / "summary.json",
+                     lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+
+
+def others_report(report: Path) -> tuple[list[str], list[str]]:
+    """What other writers put into a run's report.md (their headlines under the title, and their
+    sections at the end), kept when base_train rewrites it at the end of a resumed run."""
+    try:
+        text = read_regular(report, REPORT_BYTES, REPORT).decode(errors="replace")
+    except FileNotFoundError:
+        return [], []
+    except ValueError as e:  # swapped for a FIFO or a huge file mid-run: the new report replaces it
+        print0(f"note: {e}; base_train writes its report without what was in it")
+        return [], []
+    marks = tuple(w.headline for w in WRITERS.values())
+    headlines = [x for x in text.split("\n") if x.startswith(marks)]
+    return headlines, others_part(text.rstrip("\n").split("\n"))
+
+
+def others_summary(summary: Path) -> dict:
+    """The keys other writers put into summary.json, kept when base_train rewrites it; an
+    unreadable file keeps nothing, with a note."""
+    try:
+        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print0(f"note: {summary} is unreadable ({one_line(e)}); rewriting it without what it held")
+        return {}
+    theirs = {k for w in WRITERS.values() for k in w.keys}
+    return {k: v for k, v in record.items() if k in theirs} if isinstance(record, dict) else {}
+
+
+def check_report(report) -> None:
+    """Exit now, before evaluating, if report cannot be appended to (every rank checks, so all
+    stop together)."""
+    try:  # non-blocking: a FIFO with no reader would hold the open forever
+        fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        os.close(fd)
+        if not regular:
+            raise SystemExit(f"error: {report} is not a regular file: remove it (base_eval "
+                             "appends its results there)")
+    except FileNotFoundError:
+        if not os.access(report.parent, os.W_OK | os.X_OK):
+            raise SystemExit(f"error: cannot create {report}: {report.parent} is not writable; "
+                             "make it writable, or copy the run into a writable base dir") from None
+    except OSError as e:
+        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): make it a writable "
+                         "regular file (not a link), or copy the run into a writable base dir"
+                         ) from None
+
+
+def check_summary(summary) -> None:
+    """Exit now, before evaluating, if summary.json is there but no regular file (a FIFO would
+    hang the read that records CORE in it)."""
+    try:
+        check_regular(summary, SUMMARY, "remove it (base_eval adds CORE to it)")
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> None:
+    """`writer`'s section about `step` at the end of the run's report.md, created if need be;
+    a link there is refused, not followed."""
+    report = Path(run_dir) / "report.md"
+    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+    try:
+        fd = os.open(report, append, 0o644)
+    except OSError as e:
+        raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
+                         "regular file of the run's own, not a link") from None
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(["", section_heading(writer, step), "", *lines]) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print0(f"appended to {report}")
+
+
+def put_headline(run_dir: Path, writer: str, line: str) -> None:
+    """Make the report open with `writer`'s line (right under its title), replacing its earlier
+    one: the speedrun's result is the first thing a reader sees."""
+    report, mark = Path(run_dir) / "report.md", WRITERS[writer].headline
+    try:  # just appended to; a FIFO swapped in since would hang a plain read
+        text = read_regular(report, REPORT_BYTES, REPORT).decode()
+    except (OSError, ValueError) as e:
+        print0(f"note: {report} is unreadable ({one_line(e)}); its {writer} line stays in its "
+               "section")
+        return
+    lines = [x for x in text.split("\n") if not x.startswith(mark)]
+    at = 1 if lines and lines[0].startswith("# ") else 0
+    lines[at:at] = [mark + line]
+    write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines)))
+
+
+def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
+    """Put `writer`'s values (its WRITERS keys, all of them) into the run's summary.json, which
+    base_train writes at the end of training; a note, and nothing written, where there is none
+    that reads as one."""
+    summary = Path(run_dir) / "summary.json"
+    if set(values) != set(WRITERS[writer].keys):
+        raise ValueError(f"{writer} writes {sorted(WRITERS[writer].keys)} into summary.json, "
+                         f"not {sorted(values)}")
+    try:
+        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
+    except FileNotFoundError:
+        print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
+               f"{writer}'s results are in the report only")
+        return
+    except (OSError, ValueError) as e:
+        print0(f"note: {summary} is unreadable ({one_line(e)}); {writer}'s results are in the "
+               "report only")
+        return
+    if not isinstance(record, dict):
+        print0(f"note: {summary} is not a JSON object; {writer}'s results are in the report only")
+        return
+    record.update(values)
+    write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+
+
+# -- the step record -------------------------------------------------------------------------------
+
+
+def append_step_record(path: Path, *, step: int, steps: int, loss, dt_ms: float,
+                       tok_per_s: float, finite: bool, line: str) -> None:
+    """One logged step as a JSON line at the end of `path` (base_train --step-record, rank 0),
+    written before its line is printed: whoever reads the line finds its record. loss: the
+    smoothed loss (each seed's, batched); line: the step line as printed."""
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(step=step, steps=steps, loss=loss, dt_ms=dt_ms,
+                                tok_per_s=tok_per_s, finite=finite, line=line)) + "\n")
+
+
+class StepRecords:
+    """The step records a base_train run appends to `path` (--step-record), read as they come."""
+
+    def __init__(self, path: Path):
+        self.path, self.read, self.partial = path, 0, ""
+
+    def new(self) -> list[dict]:
+        """The records written since the last call; a line still being written waits."""
+        try:
+            with open(self.path) as f:
+                f.seek(self.read)
+                text = self.partial + f.read()
+                self.read = f.tell()
+        except FileNotFoundError:  # no step yet
+            return []
+        *lines, self.partial = text.split("\n")
+        return [json.loads(line) for line in lines]
