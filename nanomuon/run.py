@@ -494,22 +494,27 @@ class Writer(NamedTuple):
 WRITERS = {"base_eval": Writer(keys=("core", "core_step", "core_tasks", "core_max_per_task",
                                      "core_headline"),
                                step_key="core_step", headline="> CORE: ")}
-# the header of each section another writer appends to report.md: who, and the step measured
-SECTION = re.compile(r"## (" + "|".join(map(re.escape, WRITERS)) + r"), step (\d+)")
 REPORT_BYTES = 1 << 30  # a run's report.md read back: megabytes at most
 SUMMARY_BYTES = 16 << 20  # a run's summary.json read back: base_train writes a few KB
 REPORT, SUMMARY = "the report base_train writes", "the summary base_train writes"
 
 
 def section_heading(writer: str, step: int) -> str:
-    """The header `writer` gives its section of report.md about `step` (SECTION's form)."""
+    """The header `writer` gives each section it appends to report.md: who, and the step measured."""
     return f"## {writer}, step {step}"
+
+
+def section_step(line: str) -> int | None:
+    """The step a report.md line heads a section about, if another writer's section_heading; else
+    None."""
+    m = re.fullmatch(r"## (.+), step (\d+)", line)
+    return int(m[2]) if m and m[1] in WRITERS else None
 
 
 def others_part(lines: list[str]) -> list[str]:
     """report.md's lines from the first section another writer appended on, after a blank line;
     [] if none."""
-    at = next((i for i, x in enumerate(lines) if i and SECTION.fullmatch(x)), None)
+    at = next((i for i, x in enumerate(lines) if i and section_step(x) is not None), None)
     return [] if at is None else ["", *lines[at:]]
 
 
@@ -520,8 +525,8 @@ def split_results(lines: list[str], record: dict, step: int):
     Returns (report lines kept, report lines of later steps, summary kept, its keys of a later
     step, the later steps measured)."""
     writer = WRITERS["base_eval"]
-    starts = [i for i, x in enumerate(lines) if SECTION.fullmatch(x)]
-    sections = [(int(SECTION.fullmatch(lines[i])[2]), lines[i:j])
+    starts = [i for i, x in enumerate(lines) if section_step(x) is not None]
+    sections = [(section_step(lines[i]), lines[i:j])
                 for i, j in zip(starts, [*starts[1:], len(lines)])]
     head = lines[:starts[0]] if starts else lines
     headline = next((x for x in head if x.startswith(writer.headline)), None)

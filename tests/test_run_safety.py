@@ -5,6 +5,7 @@ complete checkpoint, `latest` falling back past a corrupt checkpoint to a bitwis
 disk at start and mid-run (a tmpfs in a user namespace), and Ctrl-C.
 """
 
+import json
 import os
 import random
 import shutil
@@ -188,3 +189,32 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(base):
     assert not (run_dir / ".lock").exists()
     load_checkpoint(run_dir, last, ("model", "optim"))
     assert os.listdir(run_dir)
+
+
+def test_each_writers_part_is_found_by_its_own_mark(tmp_path, monkeypatch):
+    """What a tool in run.WRITERS wrote into report.md and summary.json (its keys, its headline, its
+    sections) is what a rewriting base_train keeps: a second writer registered there is kept with
+    no other change, and a key no writer declares (though it starts like CORE's) is base_train's."""
+    from nanomuon import run
+
+    probe = run.Writer(keys=("probe_bpb", "probe_step"), step_key="probe_step", headline="> probe: ")
+    monkeypatch.setitem(run.WRITERS, "probe", probe)
+    (tmp_path / "summary.json").write_text(json.dumps(dict(
+        final_val_bpb=2.0, core=0.1, core_step=4, probe_bpb=1.5, probe_step=4, core_like=3)))
+    report = ["# a run", "> CORE: 0.1", "> probe: 1.5", "", "- base_train's line", "", "## Curves",
+              "", "## base_eval, step 4", "", "- CORE 0.1", "## probe, step 4", "", "- bpb 1.5",
+              "## no writer, step 4", "- inside probe's section"]
+    (tmp_path / "report.md").write_text("\n".join(report))
+    assert run.others_summary(tmp_path / "summary.json") == dict(core=0.1, core_step=4,
+                                                                 probe_bpb=1.5, probe_step=4)
+    assert run.others_report(tmp_path / "report.md") == (report[1:3], ["", *report[8:]])
+    with pytest.raises(ValueError, match=r"probe writes \['probe_bpb', 'probe_step'\]"):
+        run.merge_summary(tmp_path, "probe", dict(probe_bpb=1.4))
+    run.merge_summary(tmp_path, "probe", dict(probe_bpb=1.4, probe_step=6))
+    run.append_section(tmp_path, "probe", 6, ["- bpb 1.4"])
+    run.put_headline(tmp_path, "probe", "1.4")
+    record = json.loads((tmp_path / "summary.json").read_text())
+    assert record["probe_bpb"] == 1.4 and record["final_val_bpb"] == 2.0
+    headlines, sections = run.others_report(tmp_path / "report.md")
+    assert headlines == ["> probe: 1.4", "> CORE: 0.1"] and sections[-3:] == ["## probe, step 6", "",
+                                                                                 "- bpb 1.4"]
