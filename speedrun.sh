@@ -73,7 +73,7 @@ check_run_dir() {
     [ -z "$GIVEN" ] || [ -n "$RESUME" ] || return 0
     python - "$NANOMUON_BASE_DIR/runs/$RUN" "$RESUME" <<'EOF'
 import sys
-from nanomuon.checkpoint import earlier_run, held_by, list_steps
+from nanomuon.run import earlier_run, held_by, list_steps
 try:
     earlier = earlier_run(sys.argv[1])
 except ValueError as e:
