@@ -1,8 +1,9 @@
 """
 Reports: line plots of training curves, written as PNG with matplotlib, for base_train's report
-and ablate's comparisons (who writes which part of a run's report: nanomuon/run.py). Plots are optional: matplotlib is imported here only, so the optimizer, the model and training
-never need it; without it plot_curves() returns None and the report says in one line that it
-skipped them and why (MISSING).
+and ablate's comparisons (which tool writes which part of a run's report: nanomuon/run.py). Plots
+are optional: matplotlib is imported here only, so the optimizer, the model and training never need
+it; without it plot_curves() returns None and the report says in one line that it skipped them and
+why (MISSING).
 """
 
 import math

@@ -43,11 +43,30 @@ from nanomuon.common import (
     write_atomic,
 )
 
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
+# -- what a run dir holds -------------------------------------------------------------------------
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")  # a checkpoint: checkpoint.py writes what is inside
+# what a checkpoint's directory holds: DCP's data files (plain names, in its own directory), these
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
+RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")  # what runs write beside them
+# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
+# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
+# in a run dir.
+SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
+ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"step_{step:06d}"
+
+
+def list_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint in run_dir, ascending."""
+    if not Path(run_dir).is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
+                  if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
 
 
 def fsync_path(path: Path) -> None:
@@ -57,27 +76,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# The names DCP's FileSystemWriter gives the data files: a plain name in the
-# checkpoint's own directory.
-DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-
-
-# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
-# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
-# in a run dir.
-SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
-
-
-ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
-
-
-CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
-
-
-# what runs write beside their checkpoints
-RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")
 
 
 def _looks_like_checkpoint(d: Path) -> bool:
@@ -135,6 +133,8 @@ def clean_run_dir(run_dir: Path) -> list[str]:
             done.append(finish_set_aside(run_dir, d))
     return done
 
+
+# -- earlier runs: kept, refused or set aside, never trained over -------------------------------
 
 RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
 
@@ -271,6 +271,8 @@ def held_by(run_dir: Path, earlier: list[str]) -> str:
                      + [name for name in earlier if not name.startswith("step_")])
 
 
+# -- the lock: one run per directory ---------------------------------------------------------------
+
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
 
 
@@ -338,14 +340,6 @@ def unlock_run_dir(run_dir: Path) -> None:
         Path(run_dir).rmdir()
 
 
-def list_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete checkpoint in run_dir, ascending."""
-    if not Path(run_dir).is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
-                  if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
-
-
 def run_arg(s: str) -> str:
     """argparse type for a run name: it names a directory under runs/, so
     nothing that walks out of it, and short enough to be one (ablate adds suffixes)."""
@@ -375,7 +369,7 @@ def aside_steps(run_dir: Path) -> str:
             f"load it (mv {newest} {run_dir}/)")
 
 
-# -- the lifecycle: claiming the dir, earlier runs, the disk ---------------------------------------
+# -- a run's start: the claim, a fresh start over an earlier run, a rewind, the disk --------------
 
 
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
