@@ -498,42 +498,46 @@ def section_heading(writer: str, step: int) -> str:
     return f"## {writer}, step {step}"
 
 
-def section_step(line: str) -> int | None:
-    """The step a report.md line heads a section about, if another writer's section_heading; else
-    None."""
+def section_of(line: str) -> tuple[str, int] | None:
+    """(writer, step) of a report.md line that heads another writer's section (section_heading's
+    form); None for any other line."""
     m = re.fullmatch(r"## (.+), step (\d+)", line)
-    return int(m[2]) if m and m[1] in WRITERS else None
+    return (m[1], int(m[2])) if m and m[1] in WRITERS else None
 
 
 def others_part(lines: list[str]) -> list[str]:
     """report.md's lines from the first section another writer appended on, after a blank line;
     [] if none."""
-    at = next((i for i, x in enumerate(lines) if i and section_step(x) is not None), None)
+    at = next((i for i, x in enumerate(lines) if i and section_of(x)), None)
     return [] if at is None else ["", *lines[at:]]
 
 
 def split_results(lines: list[str], record: dict, step: int):
-    """What base_eval wrote about steps after `step`, apart from the rest, for a rewind to move
-    aside: report.md's lines (its sections of those steps, and its headline when the last
-    section showing it is one of them) and its summary.json keys (when their step is one).
+    """What the other writers wrote about steps after `step`, apart from the rest, for a rewind to
+    move aside: report.md's lines (their sections of those steps, and a writer's headline when its
+    last section showing it is one of them) and their summary.json keys (when their step is one).
     Returns (report lines kept, report lines of later steps, summary kept, its keys of a later
     step, the later steps measured)."""
-    writer = WRITERS["base_eval"]
-    starts = [i for i, x in enumerate(lines) if section_step(x) is not None]
-    sections = [(section_step(lines[i]), lines[i:j])
+    starts = [i for i, x in enumerate(lines) if section_of(x)]
+    sections = [(*section_of(lines[i]), lines[i:j])  # (writer, step, lines)
                 for i, j in zip(starts, [*starts[1:], len(lines)])]
     head = lines[:starts[0]] if starts else lines
-    headline = next((x for x in head if x.startswith(writer.headline)), None)
-    shown_in = [s for s, body in sections if headline and headline[len(writer.headline):] in body]
-    headline_later = bool(shown_in) and shown_in[-1] > step
-    kept = [x for x in head if not (headline_later and x == headline)]
-    kept += [x for s, body in sections if s <= step for x in body]
-    later = [headline, ""] if headline_later else []
-    later += [x for s, body in sections if s > step for x in body]
-    measured = record.get(writer.step_key)
-    moved = ({k: v for k, v in record.items() if k in writer.keys}
-             if isinstance(measured, int) and measured > step else {})
-    steps = sorted({s for s, _ in sections if s > step} | ({measured} if moved else set()))
+    later_head, moved, measured_later = [], {}, set()
+    for name, writer in WRITERS.items():
+        headline = next((x for x in head if x.startswith(writer.headline)), None)
+        shown_in = [s for w, s, body in sections
+                    if w == name and headline and headline[len(writer.headline):] in body]
+        if shown_in and shown_in[-1] > step:
+            later_head.append(headline)
+        measured = record.get(writer.step_key)
+        if isinstance(measured, int) and measured > step:
+            moved.update({k: v for k, v in record.items() if k in writer.keys})
+            measured_later.add(measured)
+    kept = [x for x in head if x not in later_head]
+    kept += [x for _, s, body in sections if s <= step for x in body]
+    later = [*later_head, ""] if later_head else []
+    later += [x for _, s, body in sections if s > step for x in body]
+    steps = sorted({s for _, s, _ in sections if s > step} | measured_later)
     return kept, later, {k: v for k, v in record.items() if k not in moved}, moved, steps
 
 

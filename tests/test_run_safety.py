@@ -202,12 +202,19 @@ def test_each_writers_part_is_found_by_its_own_mark(tmp_path, monkeypatch):
     (tmp_path / "summary.json").write_text(json.dumps(dict(
         final_val_bpb=2.0, core=0.1, core_step=4, probe_bpb=1.5, probe_step=4, core_like=3)))
     report = ["# a run", "> CORE: 0.1", "> probe: 1.5", "", "- base_train's line", "", "## Curves",
-              "", "## base_eval, step 4", "", "- CORE 0.1", "## probe, step 4", "", "- bpb 1.5",
+              "", "## base_eval, step 4", "", "0.1", "## probe, step 4", "", "1.5",
               "## no writer, step 4", "- inside probe's section"]
     (tmp_path / "report.md").write_text("\n".join(report))
     assert run.others_summary(tmp_path / "summary.json") == dict(core=0.1, core_step=4,
                                                                  probe_bpb=1.5, probe_step=4)
     assert run.others_report(tmp_path / "report.md") == (report[1:3], ["", *report[8:]])
+    # a rewind to step 3 moves each writer's part about step 4 aside (a headline with the section
+    # that shows it), probe's as base_eval's
+    kept, later, record, moved, steps = run.split_results(
+        report, json.loads((tmp_path / "summary.json").read_text()), 3)
+    assert kept == [report[0], *report[3:8]] and later == [*report[1:3], "", *report[8:]]
+    assert record == dict(final_val_bpb=2.0, core_like=3) and steps == [4]
+    assert moved == dict(core=0.1, core_step=4, probe_bpb=1.5, probe_step=4)
     with pytest.raises(ValueError, match=r"probe writes \['probe_bpb', 'probe_step'\]"):
         run.merge_summary(tmp_path, "probe", dict(probe_bpb=1.4))
     run.merge_summary(tmp_path, "probe", dict(probe_bpb=1.4, probe_step=6))
