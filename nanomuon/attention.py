@@ -108,11 +108,12 @@ def load_hub() -> Attention:
 
     fa3 = get_kernel(HUB_KERNEL).flash_attn_interface
 
-    def attend(q, k, v):
+    def attend(q, k, v, window=None):
         if v.dtype not in (torch.bfloat16, torch.float16):  # fp32 outside autocast: no FA3
-            return sdpa(q, k, v)
+            return sdpa(q, k, v, window)
         # under autocast q and k leave their RMS norm in fp32
-        out = fa3.flash_attn_func(q.to(v.dtype), k.to(v.dtype), v, causal=True)
+        out = fa3.flash_attn_func(q.to(v.dtype), k.to(v.dtype), v, causal=True,
+                                  window_size=(-1 if window is None else window, 0))
         return out[0] if isinstance(out, tuple) else out  # some builds add the log-sum-exp
 
     return Attention("fa3-hub", f"fa3-hub: Flash Attention 3 from the kernel hub ({HUB_KERNEL}), "

@@ -24,6 +24,18 @@ from nanomuon.qk_clip import qk_clip_
 from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
 
+# The two models GPTConfig.arch names, each a generation of nanochat's GPT (docs/training.md):
+# - "nanochat": nanochat 92d63d4's, which its leaderboard reached GPT-2 with: value embeddings on
+#   alternating layers, sliding-window attention, per-layer residual and x0 lambdas, smear, backout,
+#   a QK scale of 1.2, RoPE base 100,000. What the GPU speedrun trains.
+# - "classic": its late-2025 model, the plain transformer alone: what the CPU miniature, ablate
+#   and its lr rule were measured with.
+ARCHS = ("nanochat", "classic")
+ROPE_BASE = {"nanochat": 100000.0, "classic": 10000.0}
+VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels of a block's input
+SMEAR_CHANNELS = 24  # the smear gate reads the first 24 channels of the embedding
+QK_SCALE = 1.2  # q and k are each scaled after QK-norm: sharper attention (nanochat's)
+
 
 @dataclass
 class GPTConfig:
@@ -34,11 +46,17 @@ class GPTConfig:
     n_kv_head: int = 6
     n_embd: int = 768
     softcap: float = 15.0
-    rope_base: float = 10000.0
+    rope_base: float | None = None  # None: the arch's (ROPE_BASE)
     # RMS-normalize q and k; without it, logits can grow (QK-clip: GPT.qk_clip_)
     qk_norm: bool = True
+    arch: str = "classic"
+    # per layer, tiled: L attends to the whole context, S to the last quarter (window_sizes); the
+    # last layer is always L. "classic" takes only "L"
+    window_pattern: str = "L"
 
     def __post_init__(self):
+        if self.rope_base is None:
+            self.rope_base = ROPE_BASE.get(self.arch, 10000.0)
         problems = []
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
@@ -51,25 +69,57 @@ class GPTConfig:
         problems += [f"{key}={getattr(self, key)} must be >= 1"
                      for key in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd")
                      if getattr(self, key) < 1]
+        problems += self._arch_problems()
         if problems:
             raise ValueError("bad GPTConfig: " + "; ".join(problems))
+
+    def _arch_problems(self) -> list[str]:
+        if self.arch not in ARCHS:
+            return [f"arch={self.arch!r} is not one of {ARCHS}"]
+        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+            return [f"window_pattern={self.window_pattern!r} must be letters S and L"]
+        if self.arch == "classic" and set(self.window_pattern.upper()) != {"L"}:
+            return [f"window_pattern={self.window_pattern!r} needs arch='nanochat'"]
+        if self.arch == "nanochat" and self.n_embd < SMEAR_CHANNELS:
+            return [f"n_embd={self.n_embd} is below the {SMEAR_CHANNELS} channels arch='nanochat' "
+                    "gates the smear by"]
+        return []
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def window_sizes(self) -> list[int | None]:
+        """Each layer's attention window, as keys before the query (FA3's left window), or None for
+        the whole context: L is the whole, S ceil(sequence_len / 4 / 128) x 128 tokens (FA3's tile),
+        the pattern tiled over the layers and the last one always L (nanochat's)."""
+        short = -(-self.sequence_len // 4 // 128) * 128
+        pattern = self.window_pattern.upper()
+        sizes = [short if pattern[i % len(pattern)] == "S" else None for i in range(self.n_layer)]
+        sizes[-1] = None
+        return [None if w is not None and w >= self.sequence_len else w for w in sizes]
+
 
 def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
-                      head_dim: int = 128, qk_norm: bool = True) -> GPTConfig:
-    """nanochat's sizing: width = depth * aspect_ratio rounded up to
-    head_dim; one head per head_dim."""
+                      head_dim: int = 128, qk_norm: bool = True, arch: str = "classic",
+                      window_pattern: str | None = None) -> GPTConfig:
+    """nanochat's sizing: width = depth * aspect_ratio rounded up to head_dim; one head per
+    head_dim. arch 'nanochat' tiles windows SSSL unless window_pattern says otherwise."""
     if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
         raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, "
                          f"head_dim={head_dim} (need depth >= 1, aspect_ratio >= 1, an even "
                          "head_dim >= 2)")
     n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
     n_head = n_embd // head_dim
+    pattern = window_pattern or ("SSSL" if arch == "nanochat" else "L")
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm)
+                     n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm, arch=arch,
+                     window_pattern=pattern)
+
+
+def has_value_embedding(layer: int, n_layer: int) -> bool:
+    """Whether layer `layer` adds a value embedding (arch 'nanochat'): every other layer, the last
+    one included."""
+    return layer % 2 == (n_layer - 1) % 2
 
 
 def norm(x):
@@ -85,15 +135,26 @@ def apply_rotary(x, cos, sin):
     return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, dims=-1) * sin.to(x.dtype)
 
 
-def sdpa(q, k, v):
-    """Causal SDPA on (B, T, heads, head_dim) tensors, as the flash kernels take them."""
+def window_mask(T: int, window: int, device) -> torch.Tensor:
+    """(T, T) bool: query i sees keys i - window .. i (FA3's window_size=(window, 0))."""
+    i = torch.arange(T, device=device)
+    behind = i[:, None] - i[None, :]
+    return (behind >= 0) & (behind <= window)
+
+
+def sdpa(q, k, v, window: int | None = None):
+    """Causal SDPA on (B, T, heads, head_dim) tensors, as the flash kernels take them; a window
+    (keys before the query) that cuts the context becomes an explicit mask."""
+    T = q.size(1)
+    cut = window is not None and window < T - 1
+    masking = dict(attn_mask=window_mask(T, window, q.device)) if cut else dict(is_causal=True)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       is_causal=True, enable_gqa=k.size(2) != q.size(2))
+                                       enable_gqa=k.size(2) != q.size(2), **masking)
     return y.transpose(1, 2)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
@@ -103,22 +164,34 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, kv, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         self.qk_norm = config.qk_norm
+        nanochat = config.arch == "nanochat"
+        self.qk_scale = QK_SCALE if nanochat else 1.0
+        self.window = config.window_sizes()[layer]
+        # the value embedding's gate per kv head: 3 sigmoid(W x[:12]) (ResFormer's value residual)
+        self.ve_gate = (nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False)
+                        if nanochat and has_value_embedding(layer, config.n_layer) else None)
         # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
         self.max_logits = None
-        # (q, k, v) as (B, T, heads, head_dim) -> the same, in SDPA's place (GPT.use_attention)
+        # (q, k, v, window) as (B, T, heads, head_dim) -> the same, in SDPA's place
+        # (GPT.use_attention)
         self.attend = None
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, ve=None):
         B, T, C = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view_as(v)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm:
             q, k = norm(q), norm(k)
+        if self.qk_scale != 1.0:
+            q, k = q * self.qk_scale, k * self.qk_scale
         if self.max_logits is not None:
             self._track_max_logits(q.transpose(1, 2), k.transpose(1, 2))
-        y = (self.attend or sdpa)(q, k, v)
+        y = (self.attend or sdpa)(q, k, v, self.window)
         return self.c_proj(y.reshape(B, T, C))
 
     @torch.compiler.disable
@@ -133,9 +206,9 @@ class CausalSelfAttention(nn.Module):
         groups = H // self.n_kv_head
         qg = q.float().reshape(B, self.n_kv_head, groups, T, D)
         kf = k.float().unsqueeze(2)
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        hidden = (~window_mask(T, T if self.window is None else self.window, q.device))
         for b in range(B):
-            scores = (qg[b] @ kf[b].mT).masked_fill_(future, float("-inf"))
+            scores = (qg[b] @ kf[b].mT).masked_fill_(hidden, float("-inf"))
             torch.maximum(self.max_logits, scores.amax(dim=(-2, -1)).reshape(H) * D ** -0.5,
                           out=self.max_logits)
 
@@ -154,13 +227,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(norm(x), cos, sin)
+    def forward(self, x, cos, sin, ve=None):
+        x = x + self.attn(norm(x), cos, sin, ve)
         return x + self.mlp(norm(x))
 
 
@@ -275,14 +348,31 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.arch == "nanochat":
+            self._add_nanochat_parts(config)
         cos, sin = self._rotary_tables(config.sequence_len)
         # derived from the config, never checkpointed
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         # or the number of seeds stacked on dim 0 of every parameter (nanomuon/seeds.py)
         self.seeds: int | None = None
+
+    def _add_nanochat_parts(self, config: GPTConfig) -> None:
+        """What arch 'nanochat' adds (modded-nanogpt's ideas, as nanochat 92d63d4 has them)."""
+        L, kv = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
+        # each layer's input: resid_lambdas[i] x + x0_lambdas[i] x0 (x0: the embedding after smear)
+        self.resid_lambdas = nn.Parameter(torch.ones(L))
+        self.x0_lambdas = nn.Parameter(torch.zeros(L))
+        # smear: the previous token's embedding mixed in, through a gate on the first 24 channels
+        self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+        self.smear_lambda = nn.Parameter(torch.zeros(1))
+        # backout: this fraction of the middle layer's output is taken away before the head
+        self.backout_lambda = nn.Parameter(torch.zeros(1))
+        # value embeddings, added to v (ResFormer): every other layer, the last included
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv)
+                                           for i in range(L) if has_value_embedding(i, L)})
 
     def _rotary_tables(self, seq_len: int, device=None):
         head_dim = self.config.n_embd // self.config.n_head
@@ -297,18 +387,38 @@ class GPT(nn.Module):
     def init_weights(self):
         """Hidden matrices ~ std 1/sqrt(fan_in) (uniform, so no outliers); projections into the
         residual stream start at zero, so each block starts as the identity; a small lm_head keeps
-        early logits flat."""
-        nn.init.normal_(self.wte.weight, std=1.0)
+        early logits flat. Arch 'nanochat' as nanochat inits it: the embedding at std 0.8, c_fc at
+        0.4x, the lambdas by depth, value embeddings as c_v, gates slightly open."""
+        nanochat = self.config.arch == "nanochat"
+        nn.init.normal_(self.wte.weight, std=0.8 if nanochat else 1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         bound = math.sqrt(3.0 / self.config.n_embd)
         for block in self.blocks:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
                 nn.init.uniform_(lin.weight, -bound, bound)
+            fc = bound * (0.4 if nanochat else 1.0)
+            nn.init.uniform_(block.mlp.c_fc.weight, -fc, fc)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+        if nanochat:
+            self._init_nanochat_parts(bound)
         cos, sin = self._rotary_tables(self.config.sequence_len, device=self.wte.weight.device)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
+
+    def _init_nanochat_parts(self, bound: float) -> None:
+        depth = torch.arange(self.config.n_layer, dtype=torch.float32) / max(
+            self.config.n_layer - 1, 1)
+        self.resid_lambdas.copy_(1.15 - 0.10 * depth)  # a stronger residual in early layers
+        self.x0_lambdas.copy_(0.20 - 0.15 * depth)  # more of the embedding in early layers
+        nn.init.zeros_(self.smear_lambda)
+        nn.init.constant_(self.backout_lambda, 0.2)
+        nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
+        for ve in self.value_embeds.values():
+            nn.init.uniform_(ve.weight, -bound, bound)
+        for block in self.blocks:
+            if block.attn.ve_gate is not None:
+                nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean"):
         """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss
@@ -320,9 +430,31 @@ class GPT(nn.Module):
                              f"{self.config.sequence_len}")
         cos, sin = self.cos[:, :T], self.sin[:, :T]
         x = norm(self.wte(idx))
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        logits = self.lm_head(norm(x))
+        if self.config.arch == "nanochat":
+            x = self._trunk_nanochat(idx, x, cos, sin)
+        else:
+            for block in self.blocks:
+                x = block(x, cos, sin)
+        return self._head(norm(x), targets, loss_reduction)
+
+    def _trunk_nanochat(self, idx, x, cos, sin):
+        """Smear, then the blocks, each fed resid_lambdas[i] x + x0_lambdas[i] x0 and its value
+        embedding, then backout: the middle layer's output times backout_lambda taken away."""
+        if x.size(1) > 1:
+            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+            x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+        x0, middle, mid = x, None, self.config.n_layer // 2
+        for i, block in enumerate(self.blocks):
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            x = block(x, cos, sin, ve)
+            if i == mid:
+                middle = x
+        return x if middle is None else x - self.backout_lambda * middle
+
+    def _head(self, x, targets, loss_reduction: str):
+        logits = self.lm_head(x)
+        B, T = x.shape[:2]
         cap = self.config.softcap
         # eager: softcap and loss in one pass
         if targets is not None and not torch.compiler.is_compiling():
@@ -342,22 +474,24 @@ class GPT(nn.Module):
 
     def num_scaling_params(self) -> int:
         """The parameters a horizon counts, as nanochat's scaling laws do: the block matrices and
-        lm_head, not the embedding (a lookup, no matmul)."""
+        lm_head, not the embeddings (lookups, no matmul) nor the scalars."""
         return sum(p.numel() for p in self.blocks.parameters()) + self.lm_head.weight.numel()
 
     def estimate_flops(self) -> float:
-        """Training FLOPs per token (forward + backward): 6 per matmul weight, plus attention's
-        scores and values, 12 * layers * width * sequence_len (causal masking is not discounted, as
-        in PaLM's MFU)."""
-        matmul_params = self.num_params() - self.wte.weight.numel()
+        """Training FLOPs per token (forward + backward), as nanochat counts them: 6 per weight of
+        a linear layer, plus attention's scores and values, 12 * width * the keys each layer sees
+        (sequence_len, or its window; causal masking is not discounted, as in PaLM's MFU)."""
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         c = self.config
-        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.sequence_len
+        keys = sum(c.sequence_len if w is None else min(w, c.sequence_len)
+                   for w in c.window_sizes())
+        return 6 * matmul + 12 * c.n_embd * keys
 
     def setup_optimizer(self, embedding_lr: float | None = None,
                         unembedding_lr: float | None = None, matrix_lr: float | None = None,
                         adamw_matrix_lr: float | None = None, total_batch_size: int = 2 ** 19,
                         scalar_lr: float | None = None, weight_decay: float = WEIGHT_DECAY,
-                        adam_betas=(0.8, 0.95), matrix_optimizer: str = "muon",
+                        adam_betas=None, matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False,
                         horizon: int | None = None, lrs: PeakLRs | None = None):
@@ -372,42 +506,39 @@ class GPT(nn.Module):
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
         attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
         c_proj (a transposed split). horizon: the steps the run plans, which the Muon group's
-        stages read (ctx.horizon: a schedule's length). nanomuon.variants names such choices."""
+        stages read (ctx.horizon: a schedule's length). nanomuon.variants names such choices.
+        Each group's betas, decay and Muon stages are the arch's (_adamw_groups, _muon_recipe);
+        adam_betas replaces the classic arch's one pair."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
                      matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
         if lrs is not None and any(v is not None for v in given.values()):
             raise ValueError("give the lrs either as lrs= or one by one, not both")
+        if adam_betas is not None and self.config.arch == "nanochat":
+            raise ValueError("adam_betas is the classic arch's one pair: arch 'nanochat' sets "
+                             "each AdamW group's own betas (GPT._adamw_groups)")
         lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
         scale = (self.config.n_embd / 768) ** -0.5
-        roles = {id(self.lm_head.weight): "lm_head", id(self.wte.weight): "embedding"}
-        params = dict(lm_head=[], embedding=[], matrices=[], scalars=[])
-        for name, p in self.named_parameters():  # a seeded model's by one seed's shape
-            to_muon, _ = classify(name, p if self.seeds is None else p[0],
-                                  embedding=p is self.wte.weight)
-            params["matrices" if to_muon else roles.get(id(p), "scalars")].append(p)
-        adam = dict(kind="adamw", betas=tuple(adam_betas), eps=1e-10, weight_decay=0.0)
+        groups = self._adamw_groups(lr, scale, adam_betas or (0.8, 0.95))
+        matrices = [p for name, p in self.named_parameters()  # a seeded model's by one seed's
+                    if classify(name, p if self.seeds is None else p[0],
+                                embedding=p is self.wte.weight)[0]
+                    and not any(p is q for g in groups for q in g["params"])]
         if matrix_optimizer == "muon":
-            matrix_group = {**dict(kind="muon", lr=lr["matrix_lr"], momentum=0.95, ns_steps=5,
-                                   beta2=0.95, weight_decay=weight_decay),
+            matrix_group = {**self._muon_recipe(lr["matrix_lr"], weight_decay),
                             **({} if horizon is None else dict(horizon=horizon)),
                             **(muon_options or {})}
         elif muon_options or per_head:
             raise ValueError("muon_options and per_head need matrix_optimizer='muon': the matrices "
                              "train with one optimizer")
         else:
-            matrix_group = dict(adam, lr=lr["adamw_matrix_lr"] * scale)
-        groups = [dict(adam, name="lm_head", params=params["lm_head"],
-                       lr=lr["unembedding_lr"] * scale),
-                  dict(adam, name="embedding", params=params["embedding"],
-                       lr=lr["embedding_lr"] * scale),
-                  dict(matrix_group, name="matrices", params=params["matrices"])]
-        if per_head:
-            groups[2:] = self._per_head_groups(groups[2])
-        if params["scalars"]:
-            groups.append(dict(adam, name="scalars", params=params["scalars"],
-                               lr=lr["scalar_lr"]))
+            matrix_group = dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale,
+                                betas=tuple(adam_betas or (0.8, 0.95)), eps=1e-10,
+                                weight_decay=0.0)
+        matrix_group = dict(matrix_group, name="matrices", params=matrices)
+        groups += self._per_head_groups(matrix_group) if per_head else [matrix_group]
+        groups = [g for g in groups if g["params"]]
         for g in groups:  # the one place the multiplier applies
             g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
         if optimizer_class is not None:
@@ -419,6 +550,47 @@ class GPT(nn.Module):
         cls = (DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated
                else MuonAdamW)
         return cls(groups, compile=compile)
+
+    def _adamw_groups(self, lr: dict, scale: float, betas) -> list[dict]:
+        """The AdamW groups by role, each lr at width 768 times `scale` (1/sqrt(width / 768)) but
+        the scalars'. Arch 'nanochat': nanochat 92d63d4's groups, each with its own betas and
+        decay; the smear's lr is a constant there. Classic: one pair of betas and no decay."""
+        adam = dict(kind="adamw", eps=1e-10)
+        if self.config.arch == "classic":
+            adam.update(betas=tuple(betas), weight_decay=0.0)
+            scalars = [p for n, p in self.named_parameters()
+                       if (p if self.seeds is None else p[0]).ndim < 2]
+            return [dict(adam, name="lm_head", params=[self.lm_head.weight],
+                         lr=lr["unembedding_lr"] * scale),
+                    dict(adam, name="embedding", params=[self.wte.weight],
+                         lr=lr["embedding_lr"] * scale),
+                    dict(adam, name="scalars", params=scalars, lr=lr["scalar_lr"])]
+        smear = [self.smear_gate.weight, self.smear_lambda, self.backout_lambda]
+        return [
+            dict(adam, name="lm_head", params=[self.lm_head.weight],
+                 lr=lr["unembedding_lr"] * scale, betas=(0.8, 0.96), weight_decay=0.01),
+            dict(adam, name="embedding", params=[self.wte.weight],
+                 lr=lr["embedding_lr"] * scale, betas=(0.8, 0.995), weight_decay=0.001),
+            dict(adam, name="value_embeds", params=list(self.value_embeds.parameters()),
+                 lr=lr["embedding_lr"] * scale * 0.5, betas=(0.8, 0.995), weight_decay=0.01),
+            dict(adam, name="resid_lambdas", params=[self.resid_lambdas],
+                 lr=lr["scalar_lr"] * 0.01, betas=(0.8, 0.95), weight_decay=0.05),
+            dict(adam, name="x0_lambdas", params=[self.x0_lambdas],
+                 lr=lr["scalar_lr"], betas=(0.96, 0.95), weight_decay=0.0),
+            dict(adam, name="smear", params=smear, lr=0.2, betas=(0.8, 0.95), weight_decay=0.0),
+        ]
+
+    def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
+        """The Muon group's settings. Arch 'nanochat': nanochat 92d63d4's fused step, MuonEq's rows
+        scaled to their mean norm before Polar Express, Muon+'s Frobenius rescale after it, then
+        variance reduction at beta2 0.9. Classic: Polar Express and variance reduction at 0.95.
+        Both decay cautiously; base_train's schedules move momentum and weight decay."""
+        muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
+                    weight_decay=weight_decay)
+        if self.config.arch == "classic":
+            return dict(muon, beta2=0.95)
+        return dict(muon, beta2=0.9, precondition=("equilibrate_row_mean",),
+                    post_process=("normalize_fro", "variance_reduction"))
 
     def _per_head_groups(self, matrix_group: dict) -> list[dict]:
         """matrix_group split by layout, one group per (heads, by columns): the attention
@@ -436,7 +608,8 @@ class GPT(nn.Module):
                           for (n, cols), ws in heads.items()]
 
     def use_attention(self, func: Callable | None) -> None:
-        """Every layer's attention through `func`, (q, k, v) as (B, T, heads, head_dim) -> the same
+        """Every layer's attention through `func`: (q, k, v) as (B, T, heads, head_dim) and the
+        layer's window (keys before the query, None: all) -> the same
         (nanomuon.attention.choose_attention's Attention.func); None: SDPA."""
         for block in self.blocks:
             block.attn.attend = func

@@ -153,8 +153,9 @@ MUON_OPTIONS = {
     "precondition": Option((), stage_names("precondition"), "names in "
                            "`update_math.PRECONDITIONERS`, run in order on the momentum step "
                            "before orthogonalizing: `'equilibrate_row'` (MuonEq, arXiv "
-                           "2603.28254; nanochat's; also `_col`, `_row_col`: unit rows and/or "
-                           "columns, both scales from the same matrix); `'soap'` (SOAP-Muon)"),
+                           "2603.28254; also `_col`, `_row_col`: unit rows and/or "
+                           "columns, both scales from the same matrix); `'equilibrate_row_mean'` "
+                           "(nanochat's: rows scaled to their mean norm); `'soap'` (SOAP-Muon)"),
     "orthogonalizer": Option("auto", stage_names("orthogonalizer"), "a name in "
                              "`update_math.ORTHOGONALIZERS`: "
                              "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial "

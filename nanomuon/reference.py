@@ -15,7 +15,8 @@ Per step, on a (rows, cols) matrix with gradient g:
   1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf (L2 mode adds wd p to
      g first)
   2. precondition (none by default): MuonEq ('equilibrate_row', ...) divides rows and/or columns
-     by their norms, both taken from the same matrix
+     by their norms, both taken from the same matrix; 'equilibrate_row_mean' (nanochat's) scales
+     each row to the mean row norm instead
   3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
      X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration (Gram Newton-Schulz
      computes the same iterates, as does any orthogonalizer whose entry names a method; one of
@@ -78,6 +79,11 @@ def newton_schulz(u: Tensor, group: dict) -> Tensor:
 def _builtin(name: str):
     """The float64 definition of a built-in stage name (steps 2, 4, 5 and 6 above)."""
     kind, _, mode = name.partition("_")
+    if name == "equilibrate_row_mean":
+        def to_mean(u, *_):
+            mean_row_norm = torch.linalg.matrix_norm(u) / math.sqrt(u.shape[0])
+            return u * mean_row_norm / u.norm(dim=1, keepdim=True).clamp_min(1e-6)
+        return to_mean
     if kind == "equilibrate":
         def equilibrate(u, *_):
             r = (u ** 2).sum(dim=1, keepdim=True) + 1e-8 if "row" in mode else 1.0

@@ -5,7 +5,8 @@ on CPU).
 No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the
 model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
 micro-batches up to --total-batch-size tokens per step; the lr follows warmup / constant / linear
-warmdown, Muon's momentum warms up from 0.85 to 0.95. Checkpoints resume bit for bit, at any process
+warmdown, Muon's momentum and weight decay follow the arch's schedules (nanomuon/recipe.py). --arch
+picks nanochat 92d63d4's model or the classic one (nanomuon/gpt.py). Checkpoints resume bit for bit, at any process
 count; one run at a time owns its run dir (docs/training.md).
 """
 
@@ -55,7 +56,7 @@ from nanomuon.common import (
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
-from nanomuon.gpt import GPT, GPTConfig, config_from_depth, scaling_params
+from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
 from nanomuon.hardware import peak_flops
 from nanomuon.param_groups import fill_defaults
 from nanomuon.recipe import (
@@ -63,6 +64,8 @@ from nanomuon.recipe import (
     NANOCHAT_TOKENS_PER_PARAM,
     PeakLRs,
     fit_device_batch,
+    muon_momentum,
+    muon_weight_decay,
     peak_lrs,
     train_memory,
     training_recipe,
@@ -241,6 +244,14 @@ def parse_args(argv=None):
     p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--arch", choices=("auto",) + ARCHS, default="auto", help="the model: "
+                   "nanochat (92d63d4's: value embeddings, sliding windows, residual and x0 "
+                   "lambdas, smear, backout, its per-group AdamW and Muon recipe) or classic (its "
+                   "late-2025 plain GPT, what the CPU miniature is tuned for); auto: nanochat on "
+                   "CUDA, classic elsewhere (docs/training.md)")
+    p.add_argument("--window-pattern", default=None, help="sliding windows, tiled over the "
+                   "layers: L the whole context, S a quarter of it; the last layer is always L "
+                   "(default: SSSL for --arch nanochat, L for classic, which takes nothing else)")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to "
                    "try --qk-clip)")
@@ -447,12 +458,6 @@ def powercool(step: int, num_iterations: int, args) -> float:
 SCHEDULES = {"warmup_warmdown": warmup_warmdown, "powercool": powercool}
 
 
-def muon_momentum_schedule(step: int) -> float:
-    """Muon's momentum warms up from 0.85 to 0.95 over the first 300 steps."""
-    frac = min(step / 300, 1.0)
-    return (1 - frac) * 0.85 + frac * 0.95
-
-
 @dataclass
 class Run:
     """What the stages share: made by build(), restored by resume(), advanced by train(), read by
@@ -585,7 +590,8 @@ def plan_horizon(args, model: GPT) -> int:
              else NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
     ref = scaling_params(config_from_depth(NANOCHAT_REF_DEPTH, model.config.vocab_size,
-                                           args.max_seq_len, args.aspect_ratio, args.head_dim))
+                                           args.max_seq_len, args.aspect_ratio, args.head_dim,
+                                           arch=model.config.arch))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
     with user_errors():
         recipe = training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
@@ -683,6 +689,22 @@ def precision_text(history: list) -> str:
 SEEDS_SDPA = "sdpa (batched seeds: vmap batches SDPA; the flash kernels are not batched)"
 
 
+def resolve_arch(args, device: torch.device) -> str:
+    """The model --arch names (auto: nanochat on CUDA, classic elsewhere), said in a line and
+    saved resolved in args."""
+    if args.arch == "auto":
+        args.arch = "nanochat" if device.type == "cuda" else "classic"
+        why = f"--arch auto on {device.type}"
+    else:
+        why = f"--arch {args.arch}"
+    print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
+    return args.arch
+
+
+ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
+              "classic": "the classic GPT (nanochat's of late 2025) and its recipe"}
+
+
 def choose(args, config: GPTConfig, device: torch.device):
     """The attention kernel (nanomuon.attention), said in a line and saved resolved in args; one
     that --attention names but that cannot run here stops the run in one line, as do ranks that
@@ -725,7 +747,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
     with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
         config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
-                                   args.aspect_ratio, args.head_dim, qk_norm=args.qk_norm)
+                                   args.aspect_ratio, args.head_dim, qk_norm=args.qk_norm,
+                                   arch=resolve_arch(args, device), window_pattern=args.window_pattern)
     compiled = resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
@@ -970,7 +993,8 @@ def muon_decay_words(args, optimizer) -> str:
     if all("apply" in g and not applies_weight_decay(g) for g in muon):
         return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
                 f"{muon[0]['apply']!r}")
-    return f"Muon weight decay {args.weight_decay:.4g}"
+    cosine = " on a cosine to 0" if muon_weight_decay(1, 2, 1.0, args.arch) < 1 else ""
+    return f"Muon weight decay {args.weight_decay:.4g}{cosine}"
 
 
 def announce(run: Run) -> None:
@@ -1086,10 +1110,12 @@ def train_step(run: Run) -> Step:
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
     lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
+    arch, steps = run.config.arch, run.num_iterations
     for group in run.optimizer.param_groups:  # initial_lr: the peak, --lr-multiplier in it
         group["lr"] = group["initial_lr"] * lrm
         if group["kind"] == "muon":
-            group["momentum"] = muon_momentum_schedule(step)
+            group["momentum"] = muon_momentum(step, steps, args.warmdown_ratio, arch)
+            group["weight_decay"] = muon_weight_decay(step, steps, args.weight_decay, arch)
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
     finite = all_finite(loss_sum, model.parameters())

@@ -409,14 +409,14 @@ def test_use_attention_routes_every_layer_through_the_kernel():
     plain = model(x)
     seen = []
 
-    def attend(q, k, v):
+    def attend(q, k, v, window):
         seen.append(tuple(q.shape))
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), is_causal=True).transpose(1, 2)
 
     model.use_attention(attend)
     assert torch.equal(model(x), plain) and seen == [(2, 16, 4, 32)] * 2
-    model.use_attention(lambda q, k, v: torch.zeros_like(q))
+    model.use_attention(lambda q, k, v, window: torch.zeros_like(q))
     assert not torch.allclose(model(x), plain)
     model.use_attention(None)
     assert torch.equal(model(x), plain)
