@@ -407,10 +407,13 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def _init_nanochat_parts(self, bound: float) -> None:
-        depth = torch.arange(self.config.n_layer, dtype=torch.float32) / max(
-            self.config.n_layer - 1, 1)
-        self.resid_lambdas.copy_(1.15 - 0.10 * depth)  # a stronger residual in early layers
-        self.x0_lambdas.copy_(0.20 - 0.15 * depth)  # more of the embedding in early layers
+        # in Python floats, rounded to fp32 once: nanochat's values to the bit (fp32 arithmetic
+        # on the tensors would be an ulp off)
+        L = self.config.n_layer
+        last = max(L - 1, 1)
+        # a stronger residual in early layers, more of the embedding in early layers
+        self.resid_lambdas.copy_(torch.tensor([1.15 - 0.10 * i / last for i in range(L)]))
+        self.x0_lambdas.copy_(torch.tensor([0.20 - 0.15 * i / last for i in range(L)]))
         nn.init.zeros_(self.smear_lambda)
         nn.init.constant_(self.backout_lambda, 0.2)
         nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)

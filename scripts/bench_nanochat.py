@@ -372,7 +372,15 @@ def parse_args(argv=None):
                    help="sdpa in both, or each project's own choice (FA3 where it loads)")
     p.add_argument("--window-pattern", default="L", help="nanochat's sliding windows (L: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parity", action="store_true", help="instead of timing: prove nanomuon's "
+                   "arch 'nanochat' equals nanochat's model and recipe, on the CPU in fp32, at "
+                   "its own shapes (scripts/nanochat_parity.py); takes --nanochat alone")
     args = p.parse_args(argv)
+    if args.parity:
+        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)
+                 if a.startswith("--") and a.split("=")[0] not in ("--parity", "--nanochat")]
+        if given:
+            p.error(f"--parity runs at its own shapes, on the CPU in fp32: drop {', '.join(given)}")
     sizes = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size",
              "device_batch_size", "total_batch_size", "steps", "warmup")
     if bad := [f"--{k.replace('_', '-')}" for k in sizes if getattr(args, k) < 1]:
@@ -405,6 +413,13 @@ def resolve(args) -> torch.device:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.parity:
+        from scripts.nanochat_parity import run_parity
+
+        root = locate(args.nanochat)
+        print(f"parity with nanochat {commit_of(root)} ({root}); torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {datetime.date.today().isoformat()}")
+        return run_parity(import_nanochat(root, "fp32", "sdpa"))
     device = resolve(args)
     root = locate(args.nanochat)
     commit = commit_of(root)

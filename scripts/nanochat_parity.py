@@ -1,0 +1,336 @@
+"""
+Parity with nanochat: nanomuon's arch 'nanochat' against nanochat's own code, step by step, on the
+CPU in fp32. Run it as `python -m scripts.bench_nanochat --parity --nanochat PATH`.
+
+nanochat's code is imported from the checkout, never copied. Its training-loop formulas live inside
+its scripts/base_train.py, which runs on import, so they are written out here (NanochatRecipe) and
+compared with what nanomuon's base_train computes through its own functions. Four checks:
+1. Both GPTs at a small shape (SHAPE): nanochat's initialized weights go into nanomuon's model by a
+   name map (NAME_MAP). The forward losses on one batch agree within 1e-5, relative.
+2. TRAIN_STEPS steps, each repo with its own optimizer and its own schedules, on the same cycled
+   batches: every step's loss agrees within 1e-4. The lrs are nanochat's d12-tuned defaults times
+   LR_SCALE, its sqrt batch rule at 2^17 tokens a step: at the full lrs this tiny model's training
+   is chaotic (nanochat against itself with one weight nudged by 1e-7 differs by 6e-3 at step 17),
+   at half it is not, and the loss still falls from 6.2 to 2. Warmup is 5 steps. The same run of
+   nanochat against its nudged self is printed as the floor of what agreement can mean.
+3. At d24 and 2^20 tokens a step, 8 tokens per scaling param (its speedrun), every param group's
+   lr, betas and weight decay, and Muon's momentum and weight decay, at the steps in TABLE_STEPS.
+   nanomuon's come from base_train's plan_horizon, optimizer_options and schedules; nanochat's
+   from its own GPT.setup_optimizer (on the meta device) and its loop's formulas.
+4. Parameter counts and FLOPs a token at d4, d12 and d24.
+The last line holds "parity"; the exit status is 0 only when everything agrees.
+"""
+
+import contextlib
+import copy
+import io
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.recipe import PeakLRs, muon_momentum, muon_weight_decay
+
+# depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
+# one), rows a batch; the row is long enough for the short windows (128 tokens) to cut it
+SHAPE = dict(depth=4, aspect_ratio=32, head_dim=32, seq=256, vocab=512, rows=2)
+TRAIN_STEPS = 20
+WARMUP_STEPS = 5
+BATCHES = 4  # distinct batches, cycled, so the loss falls
+# nanochat's scripts/base_train.py defaults at 92d63d4 (its setup_optimizer's arguments)
+D12_LRS = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5)
+LR_SCALE = 0.5  # sqrt(2^17 / 2^19)
+WEIGHT_DECAY = 0.28
+TABLE_STEPS = (0, 39, 399, 1000, 2500, 4000, 5567)
+FORWARD_TOL, TRAIN_TOL = 1e-5, 1e-4
+
+
+def nanochat_name(name: str) -> str:
+    """nanomuon's param name -> nanochat's."""
+    if name.startswith("wte."):
+        return "transformer." + name
+    if name.startswith("blocks."):
+        return "transformer.h." + name[len("blocks."):]
+    return name
+
+
+@dataclass
+class NanochatRecipe:
+    """nanochat 92d63d4's scripts/base_train.py formulas for one run, written out."""
+    num_iterations: int
+    warmup_steps: int = 40
+    warmdown_ratio: float = 0.65
+    final_lr_frac: float = 0.05
+    weight_decay: float = WEIGHT_DECAY  # already scaled to the batch and horizon
+
+    def lr_multiplier(self, it: int) -> float:
+        warmdown = round(self.warmdown_ratio * self.num_iterations)
+        if it < self.warmup_steps:
+            return (it + 1) / self.warmup_steps
+        if it <= self.num_iterations - warmdown:
+            return 1.0
+        progress = (self.num_iterations - it) / warmdown
+        return progress + (1 - progress) * self.final_lr_frac
+
+    def momentum(self, it: int) -> float:
+        warmdown = round(self.warmdown_ratio * self.num_iterations)
+        start = self.num_iterations - warmdown
+        if it < 400:
+            return (1 - it / 400) * 0.85 + it / 400 * 0.97
+        if it >= start:
+            progress = (it - start) / warmdown
+            return 0.97 * (1 - progress) + 0.90 * progress
+        return 0.97
+
+    def muon_weight_decay(self, it: int) -> float:
+        return self.weight_decay * 0.5 * (1 + math.cos(math.pi * it / self.num_iterations))
+
+
+def nanochat_gpt(nc, depth: int, vocab: int, seq: int, aspect_ratio: int, head_dim: int,
+                 device: str):
+    """nanochat's GPT as its base_train builds it (build_model_meta), initialized on `device`
+    (or left on the meta device)."""
+    c = config_from_depth(depth, vocab, seq, aspect_ratio, head_dim, arch="nanochat")
+    with torch.device("meta"):
+        model = nc.GPT(nc.GPTConfig(sequence_len=seq, vocab_size=vocab, n_layer=depth,
+                                    n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd,
+                                    window_pattern="SSSL"))
+    if device != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+def twin_models(nc):
+    """(nanochat's GPT, nanomuon's) at SHAPE, nanomuon's holding nanochat's initial weights."""
+    s = SHAPE
+    theirs = nanochat_gpt(nc, s["depth"], s["vocab"], s["seq"], s["aspect_ratio"],
+                          s["head_dim"], "cpu")
+    # Zero projections make every block start as the identity, so the residual stays a multiple
+    # of the embedding and the final norm cancels it: the lambdas' first gradients are exactly
+    # zero, and Adam turns their rounding noise into full-size steps that no two codes share.
+    # Small projections, set before the copy, give them real gradients.
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    ours = GPT(config_from_depth(s["depth"], s["vocab"], s["seq"], s["aspect_ratio"],
+                                 s["head_dim"], arch="nanochat"))
+    ours.init_weights()
+    state = theirs.state_dict()
+    mapped = {name: state[nanochat_name(name)] for name in ours.state_dict()}
+    if len(mapped) != len(state):
+        raise RuntimeError(f"the name map covers {len(mapped)} of nanochat's {len(state)} tensors")
+    ours.load_state_dict(mapped, strict=True)
+    return theirs, ours
+
+
+def batches() -> list:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, SHAPE["vocab"], (BATCHES, SHAPE["rows"], SHAPE["seq"] + 1),
+                           generator=gen)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def train_lrs() -> dict:
+    return {key: lr * LR_SCALE for key, lr in D12_LRS.items()}
+
+
+def our_optimizer(model: GPT):
+    """nanomuon's optimizer with the given lrs (base_train's lr flags) and weight decay."""
+    lrs = PeakLRs(adamw_matrix_lr=0.0, **train_lrs())
+    # nanochat runs Polar Express in its compute dtype, fp32 here; nanomuon's auto would pick bf16
+    # on a CPU with bf16 units
+    return model.setup_optimizer(lrs=lrs, weight_decay=WEIGHT_DECAY, compile=False,
+                                 muon_options=dict(ns_precision="fp32"))
+
+
+def train_side(model, optimizer, schedule, data) -> list[float]:
+    """TRAIN_STEPS steps; schedule(group, step) sets a group's scheduled values. The losses."""
+    losses = []
+    for step in range(TRAIN_STEPS):
+        x, y = data[step % len(data)]
+        loss = model(x, y)
+        loss.backward()
+        for group in optimizer.param_groups:
+            schedule(group, step)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def check_training(nc) -> list[str]:
+    """Checks 1 and 2: the forward loss, then every step's."""
+    theirs, ours = twin_models(nc)
+    data = batches()
+    with torch.no_grad():
+        a, b = theirs(*data[0]).item(), ours(*data[0]).item()
+    problems = [] if abs(a - b) <= FORWARD_TOL * abs(a) else [f"forward loss {b} vs {a}"]
+    print(f"parity forward loss: nanomuon {b:.7f}, nanochat {a:.7f}, "
+          f"relative difference {abs(a - b) / abs(a):.1e} (tolerance {FORWARD_TOL:g})")
+    nudged = copy.deepcopy(theirs)
+    with torch.no_grad():
+        w = nudged.transformer.h[0].mlp.c_fc.weight
+        w.mul_(1 + 1e-7 * torch.randn(w.shape, generator=torch.Generator().manual_seed(2)))
+    args = base_train_args(TRAIN_STEPS, warmup_ratio=WARMUP_STEPS / TRAIN_STEPS)
+    theirs_losses, nudged_losses = (train_side(m, their_optimizer(m), their_schedule(), data)
+                                    for m in (theirs, nudged))
+    ours_losses = train_side(ours, our_optimizer(ours), our_schedule(args, TRAIN_STEPS), data)
+    print(f"parity training, {TRAIN_STEPS} steps: step, nanomuon loss, nanochat loss, relative "
+          "difference; nanochat with one weight nudged by 1e-7, its relative difference")
+    for step, (b, a, c) in enumerate(zip(ours_losses, theirs_losses, nudged_losses)):
+        rel = abs(a - b) / abs(a)
+        print(f"  {step:2d}  {b:.7f}  {a:.7f}  {rel:.1e}    {c:.7f}  {abs(a - c) / abs(a):.1e}")
+        if not rel <= TRAIN_TOL:
+            problems.append(f"step {step} loss {b} vs {a}")
+    return problems
+
+
+def their_optimizer(model):
+    with contextlib.redirect_stdout(io.StringIO()):  # its lr scaling line
+        return model.setup_optimizer(**train_lrs(), weight_decay=WEIGHT_DECAY)
+
+
+def their_schedule():
+    """nanochat's loop's schedule of a group, as a function of (group, step)."""
+    recipe = NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS)
+
+    def schedule(group, step):
+        group["lr"] = group["initial_lr"] * recipe.lr_multiplier(step)
+        if group["kind"] == "muon":
+            group["momentum"] = recipe.momentum(step)
+            group["weight_decay"] = recipe.muon_weight_decay(step)
+    return schedule
+
+
+def base_train_args(num_iterations: int, **schedule):
+    """base_train's parsed flags for the schedules (its --warmup-ratio and the rest)."""
+    from scripts.base_train import parse_args
+
+    args = parse_args(["--arch", "nanochat", "--weight-decay", str(WEIGHT_DECAY),
+                       "--num-iterations", str(num_iterations)])
+    args.warmup_ratio = schedule.get("warmup_ratio")
+    args.warmdown_ratio, args.final_lr_frac = 0.65, 0.05
+    return args
+
+
+def our_schedule(args, num_iterations: int):
+    """base_train's train_step's schedule of a group, as a function of (group, step)."""
+    from scripts.base_train import SCHEDULES
+
+    def schedule(group, step):
+        group["lr"] = group["initial_lr"] * SCHEDULES["warmup_warmdown"](step, num_iterations,
+                                                                        args)
+        if group["kind"] == "muon":
+            group["momentum"] = muon_momentum(step, num_iterations, args.warmdown_ratio,
+                                              "nanochat")
+            group["weight_decay"] = muon_weight_decay(step, num_iterations, args.weight_decay,
+                                                      "nanochat")
+    return schedule
+
+
+def our_table(depth: int, batch: int, ratio: float):
+    """(steps, optimizer, flags) as nanomuon's base_train plans a speedrun of this depth."""
+    from scripts.base_train import optimizer_options, parse_args, plan_horizon
+
+    args = parse_args(["--arch", "nanochat", "--depth", str(depth), "--total-batch-size",
+                       str(batch), "--target-param-data-ratio", str(ratio)])
+    with torch.device("meta"):
+        model = GPT(config_from_depth(depth, 32768, 2048, arch="nanochat"))
+    with contextlib.redirect_stdout(io.StringIO()):  # its recipe lines
+        steps = plan_horizon(args, model)
+    return steps, model.setup_optimizer(**optimizer_options(args, compiled=False)), args
+
+
+def their_table(nc, depth: int, batch: int, ratio: float):
+    """(NanochatRecipe, optimizer) as nanochat's base_train sets up the same run."""
+    def scaling(d):
+        counts = nanochat_gpt(nc, d, 32768, 2048, 64, 128, "meta").num_scaling_params()
+        return counts["transformer_matrices"] + counts["lm_head"]
+
+    target, ref = int(ratio * scaling(depth)), ratio * scaling(12)
+    lr_scale = (batch / 2 ** 19) ** 0.5
+    decay = WEIGHT_DECAY * lr_scale * ref / target
+    model = nanochat_gpt(nc, depth, 32768, 2048, 64, 128, "meta")
+    with contextlib.redirect_stdout(io.StringIO()):  # its lr scaling line
+        optimizer = model.setup_optimizer(**{k: v * lr_scale for k, v in D12_LRS.items()},
+                                          weight_decay=decay)
+    return NanochatRecipe(target // batch, weight_decay=decay), optimizer
+
+
+def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -> list[str]:
+    """Check 3: every group's hyperparameters at TABLE_STEPS, printed side by side."""
+    from scripts.base_train import SCHEDULES
+
+    steps, ours, args = our_table(depth, batch, ratio)
+    recipe, theirs = their_table(nc, depth, batch, ratio)
+    print(f"parity hyperparameters at d{depth}, {batch:,} tokens a step, {ratio:g} tokens per "
+          "scaling param: nanomuon | nanochat")
+    rows = [("steps", steps, recipe.num_iterations)]
+    order = ["lm_head", "embedding", "value_embeds", "resid_lambdas", "x0_lambdas", "smear"]
+    for group in ours.param_groups:
+        mine = ([order.index(group["name"])] if group["name"] in order else
+                [i for i, g in enumerate(theirs.param_groups) if g["kind"] == "muon"])
+        for i in mine:
+            other = theirs.param_groups[i]
+            keys = (("lr", "betas", "eps", "weight_decay") if group["kind"] == "adamw"
+                    else ("lr", "ns_steps", "beta2"))
+            rows += [(f"{group['name']} {key}", group[key], other[key]) for key in keys]
+    muon = next(g for g in ours.param_groups if g["kind"] == "muon")
+    for step in TABLE_STEPS:
+        rows += [(f"step {step} lr multiplier",
+                  SCHEDULES["warmup_warmdown"](step, steps, args), recipe.lr_multiplier(step)),
+                 (f"step {step} Muon momentum",
+                  muon_momentum(step, steps, args.warmdown_ratio, "nanochat"),
+                  recipe.momentum(step)),
+                 (f"step {step} Muon weight decay",
+                  muon_weight_decay(step, steps, muon["weight_decay"], "nanochat"),
+                  recipe.muon_weight_decay(step))]
+    return compare_rows(rows)
+
+
+def check_sizes(nc) -> list[str]:
+    """Check 4: params and FLOPs a token at d4, d12 and d24."""
+    print("parity sizes (vocab 32,768, 2,048 tokens): nanomuon | nanochat")
+    rows = []
+    for depth in (4, 12, 24):
+        with torch.device("meta"):
+            ours = GPT(config_from_depth(depth, 32768, 2048, arch="nanochat"))
+        theirs = nanochat_gpt(nc, depth, 32768, 2048, 64, 128, "meta")
+        rows += [(f"d{depth} params", ours.num_params(), sum(p.numel() for p in
+                                                              theirs.parameters())),
+                 (f"d{depth} FLOPs a token", ours.estimate_flops(), theirs.estimate_flops())]
+    return compare_rows(rows)
+
+
+def compare_rows(rows) -> list[str]:
+    """Print (label, ours, theirs) rows; the ones that differ beyond float rounding."""
+    problems = []
+    for label, mine, other in rows:
+        same = (mine == other if not isinstance(mine, float) else
+                math.isclose(mine, other, rel_tol=1e-12, abs_tol=1e-15))
+        shown = (f"{mine:,}" if isinstance(mine, int) else f"{mine:.6g}"
+                 if isinstance(mine, float) else str(tuple(mine)))
+        theirs = (f"{other:,}" if isinstance(other, int) else f"{other:.6g}"
+                  if isinstance(other, float) else str(tuple(other)))
+        print(f"  {label:34s} {shown:>16s} | {theirs:<16s}{'' if same else '  DIFFERS'}")
+        if not same:
+            problems.append(f"{label}: {shown} vs {theirs}")
+    return problems
+
+
+def run_parity(nc) -> int:
+    """All four checks; the last line says parity or not. 0 when everything agrees."""
+    torch.manual_seed(0)
+    with torch.compiler.set_stance("force_eager"):  # nanochat's fused steps run eager too
+        problems = check_training(nc) + check_table(nc) + check_sizes(nc)
+    if problems:
+        print(f"parity: FAILED, {len(problems)} differences: {'; '.join(problems[:5])}")
+        return 1
+    print(f"parity: nanomuon's arch 'nanochat' equals nanochat's model and recipe (forward "
+          f"within {FORWARD_TOL:g}, {TRAIN_STEPS} steps within {TRAIN_TOL:g}, hyperparameters "
+          "and sizes equal)")
+    return 0
