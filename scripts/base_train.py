@@ -603,7 +603,7 @@ def plan_horizon(args, model: GPT) -> int:
     elif args.target_flops > 0:
         steps = max(1, round(args.target_flops / (model.estimate_flops() * args.total_batch_size)))
     else:
-        steps = max(1, round(ratio * params / args.total_batch_size))
+        steps = max(1, int(ratio * params) // args.total_batch_size)  # nanochat's floor
     if steps > MAX_STEPS:
         flag, value = (("--target-flops", args.target_flops) if args.target_flops > 0
                        else ("--target-param-data-ratio", ratio))

@@ -37,7 +37,6 @@ import datetime
 import gc
 import importlib
 import importlib.util
-import inspect
 import math
 import os
 import statistics
@@ -62,12 +61,16 @@ from nanomuon.fp8 import MIN_CAPABILITY, check_fp8, convert_to_fp8
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.hardware import peak_flops
 from scripts.bench_optim import device_name
+from scripts.nanochat_parity import (
+    nanochat_gpt,
+    our_schedule,
+    our_table,
+    recipe_schedule,
+    their_table,
+)
 
 SIDES = ("nanomuon", "nanochat")
-# nanochat's scripts/base_train.py defaults (its commit 92d63d4), what it passes setup_optimizer;
-# the lrs change what a step computes with, not how long it takes
-NANOCHAT_OPTIM = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, scalar_lr=0.5,
-                      weight_decay=0.28)
+SPEEDRUN_RATIO = 8  # tokens per scaling param of both speedruns: each side's horizon and decay
 GiB = 2 ** 30
 
 
@@ -80,6 +83,7 @@ class Side:
     optimizers: list
     flops_per_token: float
     context: Callable  # the precision context each forward runs in
+    schedule: Callable  # (group, step): the lr, momentum and decay its base_train sets
     params: int
     notes: str  # attention, fp8 layers
 
@@ -146,7 +150,7 @@ def nanochat_attention(args) -> str:
 
 def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
     config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
-                               args.head_dim)
+                               args.head_dim, arch="nanochat", window_pattern=args.window_pattern)
     with torch.device("meta"):
         model = GPT(config)
     torch.manual_seed(args.seed)
@@ -155,13 +159,17 @@ def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
     heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
     attention = choose_attention(device, args.dtype, heads, args.attention)
     model.use_attention(attention.func)
-    notes = f"attention {attention.name}"
+    notes = f"attention {attention.name}, windows {args.window_pattern}"
+    flops = model.estimate_flops()
     if fp8:
         notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
-    optimizer = model.setup_optimizer(total_batch_size=args.total_batch_size, compile=args.compile)
+    shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
+    steps, optimizer, flags = our_table(args.depth, args.total_batch_size, SPEEDRUN_RATIO,
+                                        shape, model, args.compile)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side("nanomuon", model, train, [optimizer], model.estimate_flops(),
-                lambda: autocast(device, args.dtype), model.num_params(), notes)
+    return Side("nanomuon", model, train, [optimizer], flops,
+                lambda: autocast(device, args.dtype), our_schedule(flags, steps),
+                model.num_params(), notes)
 
 
 def nanochat_fp8(model) -> int:
@@ -179,36 +187,22 @@ def nanochat_fp8(model) -> int:
     return sum("Float8" in type(m).__name__ for m in model.modules())
 
 
-def nanochat_optimizers(model) -> list:
-    """What nanochat's GPT builds: setup_optimizer (one MuonAdamW) or, in older checkouts,
-    setup_optimizers (a list), given the base_train values it takes."""
-    setup = getattr(model, "setup_optimizer", None) or getattr(model, "setup_optimizers", None)
-    if setup is None:
-        raise RuntimeError("nanochat's GPT has neither setup_optimizer nor setup_optimizers")
-    accepted = inspect.signature(setup).parameters
-    built = setup(**{k: v for k, v in NANOCHAT_OPTIM.items() if k in accepted})
-    return list(built) if isinstance(built, (list, tuple)) else [built]
-
-
 def build_nanochat(nc, args, device: torch.device, fp8: bool) -> Side:
-    ref = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
-                            args.head_dim)  # the same sizes, nanochat's rule
-    want = dict(sequence_len=ref.sequence_len, vocab_size=ref.vocab_size, n_layer=ref.n_layer,
-                n_head=ref.n_head, n_kv_head=ref.n_kv_head, n_embd=ref.n_embd,
-                window_pattern=args.window_pattern)
-    fields = {f.name for f in dataclasses.fields(nc.GPTConfig)}
-    with torch.device("meta"):
-        model = nc.GPT(nc.GPTConfig(**{k: v for k, v in want.items() if k in fields}))
+    model = nanochat_gpt(nc, args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                         args.head_dim, "meta", args.window_pattern)
     torch.manual_seed(args.seed)
     model.to_empty(device=device)
     model.init_weights()
     notes = nanochat_attention(args)
+    flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
     if fp8:
         notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
-    optimizers = nanochat_optimizers(model)
+    shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
+    recipe, optimizer = their_table(nc, args.depth, args.total_batch_size, SPEEDRUN_RATIO, shape,
+                                    model)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side("nanochat", model, train, optimizers, model.estimate_flops(),
-                contextlib.nullcontext, sum(p.numel() for p in model.parameters()), notes)
+    return Side("nanochat", model, train, [optimizer], flops, contextlib.nullcontext,
+                recipe_schedule(recipe), sum(p.numel() for p in model.parameters()), notes)
 
 
 def make_batches(args, device: torch.device) -> list:
@@ -221,8 +215,10 @@ def make_batches(args, device: torch.device) -> list:
             for chunk in tokens.split(args.device_batch_size)]
 
 
-def train_step(side: Side, batches: list, device: torch.device) -> tuple[float, float, float]:
-    """(step seconds, optimizer seconds, last micro-batch's loss) of one optimizer step."""
+def train_step(side: Side, batches: list, device: torch.device,
+               step: int) -> tuple[float, float, float]:
+    """(step seconds, optimizer seconds, last micro-batch's loss) of optimizer step `step`, at
+    the lr, momentum and weight decay its base_train would set."""
     sync = synchronizer(device)
     sync()
     t0 = time.perf_counter()
@@ -233,6 +229,8 @@ def train_step(side: Side, batches: list, device: torch.device) -> tuple[float, 
     sync()
     t1 = time.perf_counter()
     for optimizer in side.optimizers:
+        for group in optimizer.param_groups:
+            side.schedule(group, step)
         optimizer.step()
     sync()
     t2 = time.perf_counter()
@@ -249,9 +247,9 @@ def measure(build, args, device: torch.device, batches: list) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     side = build()
-    steps = [train_step(side, batches, device) for _ in range(args.warmup)]
+    steps = [train_step(side, batches, device, i) for i in range(args.warmup)]
     warm = time.perf_counter() - t0
-    steps += [train_step(side, batches, device) for _ in range(args.steps)]
+    steps += [train_step(side, batches, device, args.warmup + i) for i in range(args.steps)]
     timed = steps[args.warmup:]
     step_s = statistics.median(s for s, _, _ in timed)
     tokens = len(batches) * args.device_batch_size * args.max_seq_len
@@ -370,7 +368,8 @@ def parse_args(argv=None):
                    help="torch.compile both (default: on for CUDA)")
     p.add_argument("--attention", choices=("sdpa", "auto"), default="sdpa",
                    help="sdpa in both, or each project's own choice (FA3 where it loads)")
-    p.add_argument("--window-pattern", default="L", help="nanochat's sliding windows (L: none)")
+    p.add_argument("--window-pattern", default="SSSL", help="both models' sliding windows, tiled "
+                   "over the layers (L: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parity", action="store_true", help="instead of timing: prove nanomuon's "
                    "arch 'nanochat' equals nanochat's model and recipe, on the CPU in fp32, at "

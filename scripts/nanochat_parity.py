@@ -88,14 +88,14 @@ class NanochatRecipe:
 
 
 def nanochat_gpt(nc, depth: int, vocab: int, seq: int, aspect_ratio: int, head_dim: int,
-                 device: str):
+                 device: str, window_pattern: str = "SSSL"):
     """nanochat's GPT as its base_train builds it (build_model_meta), initialized on `device`
     (or left on the meta device)."""
     c = config_from_depth(depth, vocab, seq, aspect_ratio, head_dim, arch="nanochat")
     with torch.device("meta"):
         model = nc.GPT(nc.GPTConfig(sequence_len=seq, vocab_size=vocab, n_layer=depth,
                                     n_head=c.n_head, n_kv_head=c.n_kv_head, n_embd=c.n_embd,
-                                    window_pattern="SSSL"))
+                                    window_pattern=window_pattern))
     if device != "meta":
         model.to_empty(device=device)
         model.init_weights()
@@ -195,15 +195,8 @@ def their_optimizer(model):
 
 
 def their_schedule():
-    """nanochat's loop's schedule of a group, as a function of (group, step)."""
-    recipe = NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS)
-
-    def schedule(group, step):
-        group["lr"] = group["initial_lr"] * recipe.lr_multiplier(step)
-        if group["kind"] == "muon":
-            group["momentum"] = recipe.momentum(step)
-            group["weight_decay"] = recipe.muon_weight_decay(step)
-    return schedule
+    """nanochat's loop's schedule for the training check."""
+    return recipe_schedule(NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS))
 
 
 def base_train_args(num_iterations: int, **schedule):
@@ -232,33 +225,52 @@ def our_schedule(args, num_iterations: int):
     return schedule
 
 
-def our_table(depth: int, batch: int, ratio: float):
-    """(steps, optimizer, flags) as nanomuon's base_train plans a speedrun of this depth."""
+def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128), model=None,
+              compiled: bool = False):
+    """(steps, optimizer, flags) as nanomuon's base_train plans a run of this depth and batch;
+    shape: (vocab, sequence, aspect ratio, head dim). The optimizer is `model`'s, or a meta-device
+    GPT's."""
     from scripts.base_train import optimizer_options, parse_args, plan_horizon
 
+    vocab, seq, aspect, head_dim = shape
     args = parse_args(["--arch", "nanochat", "--depth", str(depth), "--total-batch-size",
-                       str(batch), "--target-param-data-ratio", str(ratio)])
-    with torch.device("meta"):
-        model = GPT(config_from_depth(depth, 32768, 2048, arch="nanochat"))
+                       str(batch), "--target-param-data-ratio", str(ratio), "--max-seq-len",
+                       str(seq), "--aspect-ratio", str(aspect), "--head-dim", str(head_dim)])
+    if model is None:
+        with torch.device("meta"):
+            model = GPT(config_from_depth(depth, vocab, seq, aspect, head_dim, arch="nanochat"))
     with contextlib.redirect_stdout(io.StringIO()):  # its recipe lines
         steps = plan_horizon(args, model)
-    return steps, model.setup_optimizer(**optimizer_options(args, compiled=False)), args
+    return steps, model.setup_optimizer(**optimizer_options(args, compiled=compiled)), args
 
 
-def their_table(nc, depth: int, batch: int, ratio: float):
-    """(NanochatRecipe, optimizer) as nanochat's base_train sets up the same run."""
+def their_table(nc, depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128),
+                model=None):
+    """(NanochatRecipe, optimizer) as nanochat's base_train sets up a run of this depth and batch
+    at `ratio` tokens per scaling param; shape: (vocab, sequence, aspect ratio, head dim). The
+    optimizer is `model`'s, or a meta-device GPT's."""
     def scaling(d):
-        counts = nanochat_gpt(nc, d, 32768, 2048, 64, 128, "meta").num_scaling_params()
+        counts = nanochat_gpt(nc, d, *shape, "meta").num_scaling_params()
         return counts["transformer_matrices"] + counts["lm_head"]
 
     target, ref = int(ratio * scaling(depth)), ratio * scaling(12)
     lr_scale = (batch / 2 ** 19) ** 0.5
     decay = WEIGHT_DECAY * lr_scale * ref / target
-    model = nanochat_gpt(nc, depth, 32768, 2048, 64, 128, "meta")
+    model = model or nanochat_gpt(nc, depth, *shape, "meta")
     with contextlib.redirect_stdout(io.StringIO()):  # its lr scaling line
         optimizer = model.setup_optimizer(**{k: v * lr_scale for k, v in D12_LRS.items()},
                                           weight_decay=decay)
-    return NanochatRecipe(target // batch, weight_decay=decay), optimizer
+    return NanochatRecipe(max(1, target // batch), weight_decay=decay), optimizer
+
+
+def recipe_schedule(recipe: NanochatRecipe):
+    """nanochat's loop's schedule of a group, as a function of (group, step)."""
+    def schedule(group, step):
+        group["lr"] = group["initial_lr"] * recipe.lr_multiplier(step)
+        if group["kind"] == "muon":
+            group["momentum"] = recipe.momentum(step)
+            group["weight_decay"] = recipe.muon_weight_decay(step)
+    return schedule
 
 
 def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -> list[str]:

@@ -84,3 +84,24 @@ def test_the_commit_is_the_checkouts_own(tmp_path):
     assert commit_of(outer / "kit").startswith("unknown")
     (outer / "kit" / "COMMIT").write_text("92d63d4e8bb4df75c3b71618f31ddde2378b2bcd\n")
     assert commit_of(outer / "kit") == "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
+
+
+def test_parity_with_nanochats_own_code():
+    """--parity against a real checkout: the forward loss, 20 steps, the d24 table and the sizes
+    agree (its last line says so and it exits 0); every printed loss pair is within 1e-4."""
+    root = checkout()
+    if root is None:
+        pytest.skip("no nanochat checkout: set NANOCHAT=path (or clone it to /tmp/nanochat)")
+    p = run("--parity", "--nanochat", str(root))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.splitlines()[-1].startswith("parity: nanomuon's arch 'nanochat' equals")
+    steps = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+\S+\s+[\d.]+\s+\S+$", p.stdout, re.M)
+    assert len(steps) == 20
+    assert all(abs(float(a) - float(b)) <= 1e-4 * float(b) for _, a, b in steps)
+    assert "DIFFERS" not in p.stdout
+
+
+def test_parity_takes_no_shape_flags():
+    """--parity runs at its own shapes: a shape flag beside it is refused in one line."""
+    with pytest.raises(SystemExit):
+        main(["--parity", "--depth", "4"])
