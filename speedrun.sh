@@ -133,12 +133,12 @@ if [ "$MODE" = gpu ]; then
     else  # your own data: converted on first use by tok_train, reused by base_train
         python -m scripts.tok_train --keep-existing --dataset "$DATASET" --vocab-size 32768 --max-chars 2000000000
     fi
-    # nanochat's recipe: 8 tokens per scaling param (block matrices and lm_head, as it counts them); the batch
+    # nanochat 92d63d4's model and recipe (--arch nanochat, docs/training.md): 8 tokens per scaling param (block matrices and lm_head, as it counts them); the batch
     # (2^20 tokens at d24, 2^19 at d12), lrs, weight decay and schedule follow from the horizon as in nanochat
     # (base_train prints each choice, docs/lr_rule.md); the device batch is the most rows that fit, gradient
     # accumulation makes up the rest
     torchrun --standalone --nproc_per_node="$NPROC" -m scripts.base_train -- --dataset "$DATASET" \
-        --depth "$DEPTH" --run "$RUN" --device-batch-size auto --target-param-data-ratio 8 \
+        --arch nanochat --depth "$DEPTH" --run "$RUN" --device-batch-size auto --target-param-data-ratio 8 \
         --save-every 2000 --wandb "$WANDB" ${FP8_FLAG[@]+"${FP8_FLAG[@]}"} "$@"
     # On the hub datasets CORE is asked for, so its eval bundle downloads once (docs/core.md); other data
     # (embedded: the offline smoke test) gets CORE only when a bundle is already in place

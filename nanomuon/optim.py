@@ -14,8 +14,11 @@ stable in bf16. Embeddings, the output head and vectors (gains) train with AdamW
 Muon: an embedding is a lookup table, not a map between hidden states, and the head trained
 better with AdamW there.
 
-The defaults are nanochat's (Andrej Karpathy, https://github.com/karpathy/nanochat), one
-muon-group key each (param_groups.MUON_OPTIONS has them all):
+The defaults are those of nanochat's late-2025 Muon (Andrej Karpathy,
+https://github.com/karpathy/nanochat), one muon-group key each (param_groups.MUON_OPTIONS has them
+all); GPT.setup_optimizer's arch 'nanochat' adds what nanochat 92d63d4 runs on top of them:
+MuonEq's rows scaled to their mean norm before orthogonalizing ('equilibrate_row_mean'), Muon+'s
+Frobenius rescale after it ('normalize_fro') and beta2=0.9:
 - nesterov=True: Nesterov momentum (momentum=0.95 in nanochat's groups), as in Jordan's Muon.
 - ns_coefficients='polar_express', ns_steps=5: one quintic per iteration from Polar Express
   (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932), closer to U V^T in 5
