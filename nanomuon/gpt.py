@@ -55,7 +55,7 @@ class GPTConfig:
     window_pattern: str = "L"
 
     def __post_init__(self):
-        if self.rope_base is None:
+        if self.rope_base is None and isinstance(self.arch, str):
             self.rope_base = ROPE_BASE.get(self.arch, 10000.0)
         problems = []
         if self.n_embd % self.n_head:
@@ -74,9 +74,10 @@ class GPTConfig:
             raise ValueError("bad GPTConfig: " + "; ".join(problems))
 
     def _arch_problems(self) -> list[str]:
-        if self.arch not in ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
             return [f"arch={self.arch!r} is not one of {ARCHS}"]
-        if not self.window_pattern or set(self.window_pattern.upper()) - {"S", "L"}:
+        if (not isinstance(self.window_pattern, str) or not self.window_pattern
+                or set(self.window_pattern.upper()) - {"S", "L"}):
             return [f"window_pattern={self.window_pattern!r} must be letters S and L"]
         if self.arch == "classic" and set(self.window_pattern.upper()) != {"L"}:
             return [f"window_pattern={self.window_pattern!r} needs arch='nanochat'"]
@@ -544,6 +545,8 @@ class GPT(nn.Module):
         groups = [g for g in groups if g["params"]]
         for g in groups:  # the one place the multiplier applies
             g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
+            if g["kind"] == "muon":  # the peak a weight decay schedule scales
+                g["initial_weight_decay"] = g["weight_decay"]
         if optimizer_class is not None:
             return optimizer_class(groups)
         # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their

@@ -216,9 +216,10 @@ ADAMW_OPTIONS = {
                        "`betas[0]` at the next step"),
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
-# Keys other code legitimately adds to groups: LR schedulers write initial_lr; 'name' labels a
-# group; the optimizer counts a muon group's updates in 'step' (StageContext.step).
-PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "step"}
+# Keys other code legitimately adds to groups: LR schedulers write initial_lr (and base_train's
+# weight decay schedule initial_weight_decay); 'name' labels a group; the optimizer counts a muon
+# group's updates in 'step' (StageContext.step).
+PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay", "step"}
 
 
 def group_options(group: dict) -> dict:

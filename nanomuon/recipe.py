@@ -6,7 +6,6 @@ weight decay and schedule for a horizon (training_recipe), and the memory a trai
 (train_memory), which picks the micro-batch that fits a device (fit_device_batch). Pure functions
 of sizes and token counts: nothing here builds a model or touches a device, so the model
 (nanomuon/gpt.py) takes its default lrs from here and base_train plans a run before allocating.
-Muon's momentum and weight decay schedules (muon_momentum, muon_weight_decay) are the arch's.
 """
 
 import math
@@ -122,31 +121,6 @@ def short_run_matrix_lr(steps: int, total_batch_size: int) -> float:
 # nanochat's, tuned on d12 together with NANOCHAT_LRS and NANOCHAT_WEIGHT_DECAY, from there
 RECIPE_SCHEDULES = {False: dict(warmup_steps=0, warmdown_ratio=0.4, final_lr_frac=0.0),
                     True: dict(warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)}
-
-
-def muon_momentum(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
-    """Muon's momentum at `step`. Arch 'nanochat' (nanochat 92d63d4): 0.85 -> 0.97 over the first
-    400 steps, then 0.97 down to 0.90 across the lr warmdown. Classic: 0.85 -> 0.95 over 300 steps,
-    then flat."""
-    if arch == "classic":
-        frac = min(step / 300, 1.0)
-        return (1 - frac) * 0.85 + frac * 0.95
-    warmdown = round(warmdown_ratio * num_iterations)
-    if step < 400:
-        frac = step / 400
-        return (1 - frac) * 0.85 + frac * 0.97
-    if step >= num_iterations - warmdown:
-        progress = (step - (num_iterations - warmdown)) / warmdown
-        return 0.97 * (1 - progress) + 0.90 * progress
-    return 0.97
-
-
-def muon_weight_decay(step: int, num_iterations: int, peak: float, arch: str) -> float:
-    """Muon's weight decay at `step`: arch 'nanochat' follows a cosine from `peak` to zero over the
-    run (nanochat 92d63d4); classic keeps `peak`."""
-    if arch == "classic":
-        return peak
-    return peak * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
 
 
 @dataclass(frozen=True)

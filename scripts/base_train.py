@@ -64,8 +64,6 @@ from nanomuon.recipe import (
     NANOCHAT_TOKENS_PER_PARAM,
     PeakLRs,
     fit_device_batch,
-    muon_momentum,
-    muon_weight_decay,
     peak_lrs,
     train_memory,
     training_recipe,
@@ -453,6 +451,41 @@ def powercool(step: int, num_iterations: int, args) -> float:
     return x + (1 - x) * args.final_lr_frac
 
 
+def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
+    """Muon's momentum at `step`. Arch 'nanochat' (nanochat 92d63d4): 0.85 -> 0.97 over the first
+    400 steps, then 0.97 down to 0.90 across the lr warmdown. Classic: 0.85 -> 0.95 over 300 steps,
+    then flat."""
+    if arch == "classic":
+        frac = min(step / 300, 1.0)
+        return (1 - frac) * 0.85 + frac * 0.95
+    warmdown = round(warmdown_ratio * num_iterations)
+    if step < 400:
+        frac = step / 400
+        return (1 - frac) * 0.85 + frac * 0.97
+    if step >= num_iterations - warmdown:
+        progress = (step - (num_iterations - warmdown)) / warmdown
+        return 0.97 * (1 - progress) + 0.90 * progress
+    return 0.97
+
+
+def weight_decay_schedule(step: int, num_iterations: int, peak: float, arch: str) -> float:
+    """Muon's weight decay at `step`: arch 'nanochat' follows a cosine from `peak` to zero over the
+    run (nanochat 92d63d4); classic keeps `peak`."""
+    if arch == "classic":
+        return peak
+    return peak * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
+
+
+def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str) -> None:
+    """A param group's values at `step`: its lr (initial_lr, the peak with --lr-multiplier in it,
+    times the schedule's multiplier), and a Muon group's momentum and weight decay."""
+    group["lr"] = group["initial_lr"] * SCHEDULES[schedule_name(args)](step, num_iterations, args)
+    if group["kind"] == "muon":
+        group["momentum"] = momentum_schedule(step, num_iterations, args.warmdown_ratio, arch)
+        group["weight_decay"] = weight_decay_schedule(step, num_iterations,
+                                                      group["initial_weight_decay"], arch)
+
+
 # --schedule NAME: the lr multiplier f(step, num_iterations, args) of every group at each step;
 # a variant picks one with schedule='NAME' (nanomuon/variants.py)
 SCHEDULES = {"warmup_warmdown": warmup_warmdown, "powercool": powercool}
@@ -708,11 +741,13 @@ ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
 def choose(args, config: GPTConfig, device: torch.device):
     """The attention kernel (nanomuon.attention), said in a line and saved resolved in args; one
     that --attention names but that cannot run here stops the run in one line, as do ranks that
-    chose differently."""
+    chose differently. A model with sliding windows gets a kernel that runs them (SDPA takes a
+    window only as a mask, which rules out its flash backend)."""
+    windowed = any(w is not None for w in config.window_sizes())
     with user_errors():
         attention = choose_attention(device, args.dtype, (config.n_head, config.n_kv_head,
                                                           config.n_embd // config.n_head),
-                                     "sdpa" if args.seeds else args.attention)
+                                     "sdpa" if args.seeds else args.attention, windowed)
     print0(f"attention: {SEEDS_SDPA if args.seeds else attention.why}")
     exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
                             "attention on every node, or pass --attention sdpa")
@@ -885,9 +920,12 @@ def load_flags_win(run: Run, step: int) -> None:
     """The model and optimizer state of checkpoint `step`, each rank reading its pieces, under the
     rule for which wins: the resumed command's flags. Every group value the flags decided
     (initial_lr, so every lr and --lr-multiplier, weight_decay and the rest) is this run's, not
-    the saved one torch's load_state_dict restores; each that differs is said. lr and momentum
-    follow the schedule at every step; the step count (StageContext.step) is the checkpoint's."""
-    flags = [{k: v for k, v in g.items() if k not in ("params", "lr", "momentum", "step")}
+    the saved one torch's load_state_dict restores; each that differs is said. lr, momentum and a
+    Muon group's weight decay follow the schedule at every step from their initial values; the step
+    count (StageContext.step) is the checkpoint's."""
+    scheduled = ("params", "lr", "momentum", "step")
+    flags = [{k: v for k, v in g.items()
+              if k not in scheduled and not (k == "weight_decay" and "initial_weight_decay" in g)}
              for g in run.optimizer.param_groups]
     checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
     # tuples may come back from a save as lists
@@ -993,7 +1031,7 @@ def muon_decay_words(args, optimizer) -> str:
     if all("apply" in g and not applies_weight_decay(g) for g in muon):
         return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
                 f"{muon[0]['apply']!r}")
-    cosine = " on a cosine to 0" if muon_weight_decay(1, 2, 1.0, args.arch) < 1 else ""
+    cosine = " on a cosine to 0" if weight_decay_schedule(1, 2, 1.0, args.arch) < 1 else ""
     return f"Muon weight decay {args.weight_decay:.4g}{cosine}"
 
 
@@ -1110,12 +1148,8 @@ def train_step(run: Run) -> Step:
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
     lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
-    arch, steps = run.config.arch, run.num_iterations
-    for group in run.optimizer.param_groups:  # initial_lr: the peak, --lr-multiplier in it
-        group["lr"] = group["initial_lr"] * lrm
-        if group["kind"] == "muon":
-            group["momentum"] = muon_momentum(step, steps, args.warmdown_ratio, arch)
-            group["weight_decay"] = muon_weight_decay(step, steps, args.weight_decay, arch)
+    for group in run.optimizer.param_groups:
+        schedule_group(group, step, run.num_iterations, args, run.config.arch)
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
     finite = all_finite(loss_sum, model.parameters())

@@ -24,8 +24,9 @@
 #                    and wall time
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
 #   h2h_d12          scripts.bench_nanochat: nanomuon and nanochat in one harness at d12 (2^19
-#                    tokens a step, the same batch, sequence, vocab, compile, SDPA, random tokens
-#                    made on the device), bf16 then fp8 (each project's own): tok/s, MFU, the
+#                    tokens a step, nanochat's model on both sides, the same batch, sequence,
+#                    vocab, compile, random tokens made on the device, each side's best attention
+#                    for its windows), bf16 then fp8 (each project's own): tok/s, MFU, the
 #                    optimizer's ms and peak memory side by side, and nanochat's commit
 #   fp8_d12          base_train_d12 with --fp8 (fp8 matmuls, as nanochat's speedrun)
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
@@ -168,8 +169,9 @@ TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 26214
 TORCHAO_READY="{ python -c 'import torchao.float8' 2>/dev/null \
 || python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; }"
 # the head-to-head harness on the kit's nanochat: 5 timed steps after 2 that compile, both sides
+# nanochat's model with its SSSL windows, each in its best attention
 H2H="python -m scripts.bench_nanochat --nanochat $KIT/nanochat --max-seq-len 2048 --steps 5 \
---warmup 2"
+--warmup 2 --attention auto"
 STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
     # 8 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
     # (d20's alone took 44 s with the cache warm)

@@ -30,7 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from nanomuon.gpt import GPT, config_from_depth
-from nanomuon.recipe import PeakLRs, muon_momentum, muon_weight_decay
+from nanomuon.recipe import PeakLRs
+from scripts.base_train import (
+    SCHEDULES,
+    momentum_schedule,
+    optimizer_options,
+    parse_args,
+    plan_horizon,
+    schedule_group,
+    weight_decay_schedule,
+)
 
 # depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
 # one), rows a batch; the row is long enough for the short windows (128 tokens) to cut it
@@ -201,8 +210,6 @@ def their_schedule():
 
 def base_train_args(num_iterations: int, **schedule):
     """base_train's parsed flags for the schedules (its --warmup-ratio and the rest)."""
-    from scripts.base_train import parse_args
-
     args = parse_args(["--arch", "nanochat", "--weight-decay", str(WEIGHT_DECAY),
                        "--num-iterations", str(num_iterations)])
     args.warmup_ratio = schedule.get("warmup_ratio")
@@ -212,17 +219,7 @@ def base_train_args(num_iterations: int, **schedule):
 
 def our_schedule(args, num_iterations: int):
     """base_train's train_step's schedule of a group, as a function of (group, step)."""
-    from scripts.base_train import SCHEDULES
-
-    def schedule(group, step):
-        group["lr"] = group["initial_lr"] * SCHEDULES["warmup_warmdown"](step, num_iterations,
-                                                                        args)
-        if group["kind"] == "muon":
-            group["momentum"] = muon_momentum(step, num_iterations, args.warmdown_ratio,
-                                              "nanochat")
-            group["weight_decay"] = muon_weight_decay(step, num_iterations, args.weight_decay,
-                                                      "nanochat")
-    return schedule
+    return lambda group, step: schedule_group(group, step, num_iterations, args, "nanochat")
 
 
 def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128), model=None,
@@ -230,8 +227,6 @@ def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128)
     """(steps, optimizer, flags) as nanomuon's base_train plans a run of this depth and batch;
     shape: (vocab, sequence, aspect ratio, head dim). The optimizer is `model`'s, or a meta-device
     GPT's."""
-    from scripts.base_train import optimizer_options, parse_args, plan_horizon
-
     vocab, seq, aspect, head_dim = shape
     args = parse_args(["--arch", "nanochat", "--depth", str(depth), "--total-batch-size",
                        str(batch), "--target-param-data-ratio", str(ratio), "--max-seq-len",
@@ -275,8 +270,6 @@ def recipe_schedule(recipe: NanochatRecipe):
 
 def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -> list[str]:
     """Check 3: every group's hyperparameters at TABLE_STEPS, printed side by side."""
-    from scripts.base_train import SCHEDULES
-
     steps, ours, args = our_table(depth, batch, ratio)
     recipe, theirs = their_table(nc, depth, batch, ratio)
     print(f"parity hyperparameters at d{depth}, {batch:,} tokens a step, {ratio:g} tokens per "
@@ -296,10 +289,10 @@ def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -
         rows += [(f"step {step} lr multiplier",
                   SCHEDULES["warmup_warmdown"](step, steps, args), recipe.lr_multiplier(step)),
                  (f"step {step} Muon momentum",
-                  muon_momentum(step, steps, args.warmdown_ratio, "nanochat"),
+                  momentum_schedule(step, steps, args.warmdown_ratio, "nanochat"),
                   recipe.momentum(step)),
                  (f"step {step} Muon weight decay",
-                  muon_weight_decay(step, steps, muon["weight_decay"], "nanochat"),
+                  weight_decay_schedule(step, steps, muon["initial_weight_decay"], "nanochat"),
                   recipe.muon_weight_decay(step))]
     return compare_rows(rows)
 
