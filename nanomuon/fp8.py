@@ -2,14 +2,15 @@
 fp8 matmuls for training, nanochat's --fp8, through torchao's float8 training (the library PyTorch
 maintains for it; an optional dependency, `pip install torchao`).
 
-Each nn.Linear of the blocks becomes torchao's Float8Linear: around every matmul it casts the
+Each nn.Linear whose sizes fp8 matmuls take becomes torchao's Float8Linear, as nanochat's --fp8
+picks them: the blocks' and lm_head (the gates' few channels stay). Around every matmul it casts the
 input and weight to float8 e4m3 and the output's gradient to e5m2, with scales computed on the fly
 per tensor ('tensorwise', nanochat's default) or per row ('rowwise'). The weights stay the same fp32
 Parameters, so the optimizer, its groups and the checkpoints do not change: an fp8 run saves what a
-plain run saves and resumes, samples and exports without --fp8. lm_head stays in the run's dtype
-(bf16 autocast on a GPU, as in nanochat: the logits are the matmul most sensitive to precision),
-and so does the embedding (a lookup, no matmul); evaluation runs the blocks in that dtype too
-(plain_linears), so val bpb compares with a plain run's.
+plain run saves and resumes, samples and exports without --fp8. The embedding (a lookup, no
+matmul) and attention stay in the run's dtype (bf16 autocast on a GPU); evaluation runs every
+linear layer in that dtype too (plain_linears, nanochat's disable_fp8), so val bpb compares with a
+plain run's. lm_head in fp8 is nanochat 92d63d4's choice: at d12 it is a fifth of the matmul FLOPs.
 
 On a GPU with compute capability 8.9 or more (H100, H200, L4, RTX 40xx) the matmuls run on fp8
 tensor cores. On a CPU torchao emulates them: the same rounding, fp32 matmuls, slower than plain:
@@ -65,15 +66,16 @@ def check_fp8(device: torch.device) -> None:
 
 
 def fp8_linear(module: nn.Module, fqn: str) -> bool:
-    """Which layers go fp8: the blocks' Linears whose sizes fp8 matmuls take (multiples of 16);
-    lm_head, whose logits are the most sensitive to precision, stays in the run's dtype."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("blocks.")
+    """Which layers go fp8: every Linear whose sizes fp8 matmuls take (multiples of 16), lm_head
+    included, as nanochat's --fp8 (which also skips layers under 128 wide: none at d2 and up but
+    toy widths, which the CPU's tests use)."""
+    return (isinstance(module, nn.Linear)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
-    """Swap the blocks' Linears for Float8Linear in place (before torch.compile and FSDP), keeping
-    their weight Parameters; emulated off CUDA. Returns how many were swapped."""
+    """Swap the Linears fp8_linear picks for Float8Linear in place (before torch.compile and FSDP),
+    keeping their weight Parameters; emulated off CUDA. Returns how many were swapped."""
     if recipe not in RECIPES:
         raise ValueError(f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     float8 = import_torchao()

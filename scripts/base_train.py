@@ -195,10 +195,10 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    help="the attention kernel; auto: on a Hopper GPU training in bf16 the first "
                    "of fa3, fa4 and fa3-hub that is installed and runs, else sdpa "
                    "(nanomuon/attention.py); base_train says which, and why")
-    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
-                   "through torchao's float8 training (GPUs with compute capability 8.9+; "
-                   "emulated on CPU, slowly); lm_head, the embedding and evaluation stay in "
-                   "--dtype (bf16 on a GPU, as in nanochat); checkpoints are the same as without")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the linear layers, the "
+                   "blocks' and lm_head as in nanochat, through torchao's float8 training (GPUs "
+                   "with compute capability 8.9+; emulated on CPU, slowly); the embedding, "
+                   "attention and evaluation stay in --dtype; checkpoints are the same as without")
     p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
     p.add_argument("--fsdp", action="store_true",
@@ -666,11 +666,13 @@ def resolve_schedule(args, schedule: dict, steps: int) -> None:
 
 
 def to_fp8(args, model: GPT, device: torch.device) -> None:
-    """The blocks' linear layers in fp8 (nanomuon.fp8), said in a line with what stays in the
-    run's --dtype (resolved: fp32 where bf16 is not fast)."""
+    """The linear layers in fp8 (nanomuon.fp8), said in a line with what stays in the run's
+    --dtype (resolved: fp32 where bf16 is not fast)."""
     swapped = convert_to_fp8(model, args.fp8_recipe, device)
-    print0(f"fp8: {swapped} linear layers of the blocks in fp8 ({args.fp8_recipe} scales"
-           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); lm_head in {args.dtype}")
+    head = "lm_head" if type(model.lm_head).__name__ == "Float8Linear" else "not lm_head"
+    print0(f"fp8: {swapped} linear layers in fp8, {head} among them ({args.fp8_recipe} scales"
+           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); the embedding and "
+           f"attention in {args.dtype}")
 
 
 def precision_of(args) -> list:
@@ -683,7 +685,7 @@ def precision_of(args) -> list:
 def precision_words(dtype, recipe) -> str:
     """A precision_of in words, as the step lines and the report say it."""
     words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
-    return words + (f" with fp8 block matmuls ({recipe} scales)" if recipe else "")
+    return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
 
 
 def precision_problems(loop: dict, step: int) -> list[str]:

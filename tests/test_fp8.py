@@ -29,9 +29,9 @@ def train(base, name, *extra, steps=6):
 
 
 def test_fp8_swaps_the_block_linears_and_keeps_their_weights():
-    """Every block Linear becomes Float8Linear on the same Parameter; lm_head stays a plain
-    Linear; within plain_linears the model computes as the plain one, then as fp8 again; the
-    fp8 forward is a rounding of the plain one (close, not equal)."""
+    """Every block Linear becomes Float8Linear on the same Parameter; lm_head, 97 outputs (not
+    a multiple of 16), stays a plain Linear; within plain_linears the model computes as the plain
+    one, then as fp8 again; the fp8 forward is a rounding of the plain one (close, not equal)."""
     model = GPT(config_from_depth(2, 97, 16, aspect_ratio=32, head_dim=32))
     model.init_weights()
     for block in model.blocks:
@@ -62,7 +62,7 @@ def test_fp8_run_is_near_the_plain_run_and_its_checkpoint_is_a_plain_one(base, c
     plain = train(base, "plain", *keep, steps=12)
     fp8 = train(base, "fp8", "--fp8", *keep, steps=12)
     out = capsys.readouterr().out
-    assert "fp8: 12 linear layers of the blocks in fp8 (tensorwise scales, emulated" in out
+    assert "fp8: 13 linear layers in fp8, lm_head among them (tensorwise scales, emulated" in out
     assert abs(fp8["final_val_bpb"] - plain["final_val_bpb"]) <= 0.03 * plain["final_val_bpb"]
     assert fp8["final_val_bpb"] != plain["final_val_bpb"]  # the fp8 path really ran
     (a, _), (b, _) = (load_checkpoint(base / "runs" / r, 12, ("model", "optim"))
@@ -141,17 +141,17 @@ def test_fp8_at_three_ranks_differs_from_one_process_only_by_the_sum_order():
 
 
 def test_fp8_in_fp32_says_so_and_the_report_says_fp8(base, capsys):
-    """Where the run computes in fp32 (a CPU without bf16 units, or --dtype fp32) lm_head runs in
-    fp32, and the fp8 line says so; the training line and the report say fp8, not only the
+    """Where the run computes in fp32 (a CPU without bf16 units, or --dtype fp32) the embedding and
+    attention run in fp32, and the fp8 line says so; the training line and the report say fp8, not only the
     command line does."""
     capsys.readouterr()
     train(base, "fp8-fp32", "--fp8", "--dtype", "fp32", steps=2)
     out = capsys.readouterr().out
-    assert "; lm_head in fp32" in out and "lm_head in bf16" not in out, out
-    assert "1 x cpu, fp32 with fp8 block matmuls (tensorwise scales)" in out, out
+    assert "; the embedding and attention in fp32" in out and "in bf16" not in out, out
+    assert "1 x cpu, fp32 with fp8 matmuls (tensorwise scales)" in out, out
     report = (base / "runs" / "fp8-fp32" / "report.md").read_text().splitlines()
     said = [line for line in report if "fp8" in line and not line.startswith(("- command:", "# "))]
-    assert said and "fp32 with fp8 block matmuls (tensorwise scales), fp32 params" in said[0], report
+    assert said and "fp32 with fp8 matmuls (tensorwise scales), fp32 params" in said[0], report
 
 
 def test_a_resume_in_another_precision_says_so_and_the_report_keeps_both(base, capsys):
@@ -162,14 +162,14 @@ def test_a_resume_in_another_precision_says_so_and_the_report_keeps_both(base, c
     capsys.readouterr()
     train(base, "fp8-then", "--dtype", "fp32", "--resume-from-step", "2", steps=4)
     out = capsys.readouterr().out
-    assert ("note: resume: the run trained in fp32 with fp8 block matmuls (tensorwise scales) to step "
+    assert ("note: resume: the run trained in fp32 with fp8 matmuls (tensorwise scales) to step "
             "2 and goes on in fp32 (--dtype, --fp8 and --fp8-recipe as given now)") in out, out
-    assert "; fp32 with fp8 block matmuls (tensorwise scales) to step 2, then fp32, fp32 params" in \
+    assert "; fp32 with fp8 matmuls (tensorwise scales) to step 2, then fp32, fp32 params" in \
         (run / "report.md").read_text()
     train(base, "fp8-then", "--fp8", "--fp8-recipe", "rowwise", "--dtype", "fp32", "--resume-from-step", "2",
           steps=4)
-    assert "and goes on in fp32 with fp8 block matmuls (rowwise scales)" in capsys.readouterr().out
-    assert ("; fp32 with fp8 block matmuls (tensorwise scales) to step 2, then fp32 with fp8 block matmuls "
+    assert "and goes on in fp32 with fp8 matmuls (rowwise scales)" in capsys.readouterr().out
+    assert ("; fp32 with fp8 matmuls (tensorwise scales) to step 2, then fp32 with fp8 matmuls "
             "(rowwise scales), fp32 params") in (run / "report.md").read_text()
 
 
@@ -188,7 +188,7 @@ def test_fp8_refused_where_it_cannot_run(monkeypatch):
         check_fp8(torch.device("cpu"))
     help_text = subprocess.run([sys.executable, "-m", "scripts.base_train", "--help"], cwd=REPO,
                                capture_output=True, text=True, check=True).stdout
-    assert "lm_head, the embedding and evaluation stay in --dtype" in " ".join(help_text.split())
+    assert "the embedding, attention and evaluation stay in --dtype" in " ".join(help_text.split())
 
 
 @pytest.mark.slow  # two torchrun launches
