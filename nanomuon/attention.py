@@ -14,84 +14,163 @@ takes its place where one is installed, tried in this order:
 None is a dependency: each is imported only when tried, on a GPU that can run it. A choice stands
 only after a forward and backward pass of the model's head shape through it (probe), so a kernel
 that refuses the shape falls back here, with its reason, rather than failing at step 1.
+
+Sliding windows (arch 'nanochat', GPTConfig.window_sizes: query i sees keys i - window .. i). SDPA
+takes a window only as an explicit mask, which rules out its flash backend and computes all T x T
+scores, so a windowed model (choose_attention's `windowed`) attends its windowed layers with:
+- fa3, fa4: the registry kernel through torch.nn.attention.varlen.varlen_attn, whose window_size
+  reaches it: varlen_attn calls aten._flash_attention_forward, which the registry replaces along
+  with SDPA's flash op (SDPA's own flash call has no window argument). A torch whose varlen_attn
+  takes no window passes the registry kernels over;
+- fa3-hub: FA3's own window_size;
+- flex: on a CUDA GPU without those (or training in fp32), flex_attention with a sliding-window
+  BlockMask, compiled (fused and block-sparse only when compiled);
+- chunked: off CUDA, SDPA over chunks of queries, each against its own keys and the chunk's before:
+  about half the scores of the masked SDPA, and faster on a CPU (flex_attention has no backward
+  there). SDPA with the window as a mask is the last resort, or what --attention sdpa asks for.
+Full-context layers go through SDPA, whose flash backend is the registry kernel where one is active.
 """
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanomuon.gpt import sdpa
 
-CHOICES = ("auto", "fa3", "fa4", "fa3-hub", "sdpa")
+CHOICES = ("auto", "fa3", "fa4", "fa3-hub", "flex", "chunked", "sdpa")
+FLASH = ("fa3", "fa4", "fa3-hub")
 # the compute capabilities (major) each kernel is built for
 MAJORS = {"fa3": (9,), "fa4": (9, 10), "fa3-hub": (9,)}
 REGISTRY = {"fa3": "FA3", "fa4": "FA4"}
 HUB_KERNEL = "varunneal/flash-attention-3"  # nanochat's FA3 for Hopper
 INSTALL = {"fa3": "build FA3 from flash-attention's hopper/ folder",
            "fa4": "pip install 'nanomuon[fa4]'", "fa3-hub": "pip install kernels"}
+# the fewest queries in a chunk of the chunked kernel: smaller chunks cost more calls than they save
+CHUNK_MIN = 64
 
 
 @dataclass(frozen=True)
 class Attention:
     name: str  # one of CHOICES but auto
     why: str  # one line: what runs, and why not something faster
-    # fa3-hub's call, (q, k, v) as (B, T, heads, head_dim) -> the same; None: SDPA, whose flash
-    # backend is the registry's kernel where one is active
+    # the call that replaces gpt.sdpa: (q, k, v) as (B, T, heads, head_dim) and the layer's window
+    # -> the same; None: SDPA, whose flash backend is the registry's kernel where one is active
     func: Callable | None = None
 
 
+class Unsupported(RuntimeError):
+    """A kernel that cannot run this model here, said in words (no exception name)."""
+
+
 def choose_attention(device: torch.device, dtype: str, heads: tuple[int, int, int],
-                     want: str = "auto") -> Attention:
+                     want: str = "auto", windowed: bool = False) -> Attention:
     """The attention `want` names, or for 'auto' the first of fa3, fa4 and fa3-hub that loads on
     this GPU and passes probe at heads = (n_head, n_kv_head, head_dim), else SDPA with the reason
-    for each. A kernel asked for by name that cannot run is a ValueError with its reason."""
+    for each. windowed: the model has sliding-window layers, which each kernel then attends with
+    its window (the module's docstring); without a flash kernel they go through flex on CUDA and
+    chunked elsewhere. A kernel asked for by name that cannot run is a ValueError with its
+    reason."""
     if want not in CHOICES:
         raise ValueError(f"attention {want!r} is unknown; use one of {', '.join(CHOICES)}")
     if want == "sdpa":
         return Attention("sdpa", "sdpa, as asked (--attention sdpa)")
+    reasons = []
+    if want in ("auto", *FLASH):
+        attention, reasons = first_flash(device, dtype, heads, want, windowed)
+        if attention is not None:
+            return attention
+        if want != "auto":
+            raise ValueError(f"--attention {want} cannot run here: {'; '.join(reasons)}")
+        if not windowed:
+            return Attention("sdpa", f"sdpa ({'; '.join(reasons)})")
+    name = want if want != "auto" else "flex" if device.type == "cuda" else "chunked"
+    return windows_without_flash(name, device, dtype, heads, reasons, asked=want != "auto")
+
+
+def first_flash(device: torch.device, dtype: str, heads: tuple[int, int, int], want: str,
+                windowed: bool) -> tuple[Attention | None, list[str]]:
+    """The first flash kernel (of all for 'auto', else `want`) that loads and passes probe, or
+    None; and why each one before it did not."""
     if device.type != "cuda":
-        reasons = [f"flash kernels need a CUDA GPU, this is {device.type}"]
-    elif dtype != "bf16":
-        reasons = ["flash kernels need bf16, this run trains in fp32"]
-    else:
-        reasons = []
-        major, minor = torch.cuda.get_device_capability(device)
-        for name in MAJORS if want == "auto" else (want,):
-            if major not in MAJORS[name]:
-                reasons.append(f"{name} needs compute capability "
-                               f"{' or '.join(f'{m}.x' for m in MAJORS[name])}, not {major}.{minor}")
-                continue
-            try:
-                attention = load_hub() if name == "fa3-hub" else activate(name)
-                probe(attention, device, *heads)
-                return attention
-            except Exception as e:  # a kernel that will not load or run here: the next one
-                deactivate()
-                reasons.append(f"{name}: {failure(name, e)}")
-    if want != "auto":
-        raise ValueError(f"--attention {want} cannot run here: {'; '.join(reasons)}")
-    return Attention("sdpa", f"sdpa ({'; '.join(reasons)})")
+        return None, [f"flash kernels need a CUDA GPU, this is {device.type}"]
+    if dtype != "bf16":
+        return None, ["flash kernels need bf16, this run trains in fp32"]
+    reasons = []
+    major, minor = torch.cuda.get_device_capability(device)
+    for name in FLASH if want == "auto" else (want,):
+        if major not in MAJORS[name]:
+            reasons.append(f"{name} needs compute capability "
+                           f"{' or '.join(f'{m}.x' for m in MAJORS[name])}, not {major}.{minor}")
+            continue
+        try:
+            attention = load_hub() if name == "fa3-hub" else activate(name, windowed)
+            probe(attention, device, *heads, windows=(None, 128) if windowed else (None,))
+            return attention, reasons
+        except Exception as e:  # a kernel that will not load or run here: the next one
+            deactivate()
+            reasons.append(f"{name}: {failure(name, e)}")
+    return None, reasons
+
+
+def windows_without_flash(name: str, device: torch.device, dtype: str,
+                          heads: tuple[int, int, int], reasons: list[str],
+                          asked: bool) -> Attention:
+    """flex (probed) or chunked for a windowed model that no flash kernel runs (`reasons` says
+    why); flex that cannot run leaves SDPA with the window as a mask, or a ValueError if asked."""
+    behind = f" ({'; '.join(reasons)})" if reasons else ""
+    if name == "chunked":
+        return Attention("chunked", "chunked: windowed layers as SDPA over chunks of queries, each "
+                         "against its own and the previous chunk's keys, not the whole context"
+                         f"{behind}", chunked_attend)
+    try:
+        if device.type != "cuda":
+            raise Unsupported(f"flex_attention has no backward on {device.type} in torch "
+                              f"{torch.__version__}; it trains on a CUDA GPU")
+        attention = Attention("flex", "flex: windowed layers through flex_attention with a "
+                              f"sliding-window block mask, compiled{behind}", windowed_flex())
+        probe(attention, device, *heads, windows=(128,),
+              dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+        return attention
+    except Exception as e:
+        if asked:
+            raise ValueError(f"--attention flex cannot run here: {failure('flex', e)}") from e
+        reasons = [*reasons, f"flex: {failure('flex', e)}"]
+    return Attention("sdpa", f"sdpa, windows as a mask ({'; '.join(reasons)})")
 
 
 def failure(name: str, e: Exception) -> str:
     """Why a kernel did not load or run, in one line."""
+    if isinstance(e, Unsupported):
+        return str(e)
     if isinstance(e, ModuleNotFoundError):
-        return f"{e.name} is not installed ({INSTALL[name]})"
+        return f"{e.name} is not installed" + (f" ({INSTALL[name]})" if name in INSTALL else "")
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
-def activate(name: str) -> Attention:
-    """The registry's kernel `name` in SDPA's flash backend, for this process."""
+def activate(name: str, windowed: bool = False) -> Attention:
+    """The registry's kernel `name` in SDPA's flash backend, for this process; windowed: also
+    for the windows, through varlen_attn (registry_attend)."""
     from torch.nn import attention as registry
 
     impl = REGISTRY[name]
     if impl not in getattr(registry, "list_flash_attention_impls", list)():
         raise RuntimeError(f"torch {torch.__version__} has no {impl} in its flash attention "
                            "registry")
+    if windowed and not varlen_windows():
+        raise Unsupported(f"torch {torch.__version__} reaches it through SDPA only, which takes a "
+                          "window as a mask that rules out the flash backend (its varlen_attn "
+                          "has no window_size)")
     registry.activate_flash_attention_impl(impl)
-    return Attention(name, f"{name}: Flash Attention {impl[-1]} in SDPA's flash backend, through "
-                     "torch's flash attention registry")
+    why = (f"{name}: Flash Attention {impl[-1]} in SDPA's flash backend, through torch's flash "
+           "attention registry")
+    if not windowed:
+        return Attention(name, why)
+    return Attention(name, why + "; its windows through varlen_attn's window_size (SDPA's flash "
+                     "call takes none)", registry_attend)
 
 
 def deactivate() -> None:
@@ -109,10 +188,10 @@ def load_hub() -> Attention:
     fa3 = get_kernel(HUB_KERNEL).flash_attn_interface
 
     def attend(q, k, v, window=None):
-        if v.dtype not in (torch.bfloat16, torch.float16):  # fp32 outside autocast: no FA3
+        qkv = half(q, k, v)
+        if qkv is None:  # fp32 outside autocast: no FA3
             return sdpa(q, k, v, window)
-        # under autocast q and k leave their RMS norm in fp32
-        out = fa3.flash_attn_func(q.to(v.dtype), k.to(v.dtype), v, causal=True,
+        out = fa3.flash_attn_func(*qkv, causal=True,
                                   window_size=(-1 if window is None else window, 0))
         return out[0] if isinstance(out, tuple) else out  # some builds add the log-sum-exp
 
@@ -121,19 +200,159 @@ def load_hub() -> Attention:
 
 
 def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: int,
-          head_dim: int, seq_len: int = 256) -> None:
-    """A causal forward and backward in bf16 of the model's head shape through `attention`; for a
-    registry kernel with SDPA held to its flash backend, so what passes is what will run."""
+          head_dim: int, seq_len: int = 256, windows: tuple = (None,),
+          dtype: torch.dtype = torch.bfloat16) -> None:
+    """A causal forward and backward of the model's head shape through `attention`, once per
+    window in `windows` (None: the whole context); for a registry kernel with SDPA held to its
+    flash backend, so what passes is what will run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def make(heads):
-        return torch.randn(1, seq_len, heads, head_dim, device=device, dtype=torch.bfloat16,
+        return torch.randn(1, seq_len, heads, head_dim, device=device, dtype=dtype,
                            requires_grad=True)
 
-    q, k, v = make(n_head), make(n_kv_head), make(n_kv_head)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = (attention.func or sdpa)(q, k, v)
-    if out.shape != q.shape:
-        raise RuntimeError(f"{attention.name} returned shape {tuple(out.shape)} for "
-                           f"{tuple(q.shape)}")
-    out.float().sum().backward()
+    for window in windows:
+        q, k, v = make(n_head), make(n_kv_head), make(n_kv_head)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = (attention.func or sdpa)(q, k, v, window)
+        if out.shape != q.shape:
+            raise RuntimeError(f"{attention.name} returned shape {tuple(out.shape)} for "
+                               f"{tuple(q.shape)}")
+        out.float().sum().backward()
+
+
+def half(q, k, v) -> tuple | None:
+    """q, k and v in the 16-bit dtype a flash kernel computes in: autocast's where it is on, else
+    v's; None where that is fp32. Under autocast they can arrive in fp32: q and k from their RMS
+    norm, v where it adds a value embedding (arch 'nanochat'); a kernel called in SDPA's place is
+    not cast by autocast."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def cuts(window: int | None, T: int) -> bool:
+    """Whether a window (keys before the query) hides some of a T-token causal context."""
+    return window is not None and window < T - 1
+
+
+# The windowed kernels: each takes (q, k, v) as (B, T, heads, head_dim) and a layer's window, as
+# gpt.sdpa does, and sends a layer without a window to SDPA.
+
+
+def varlen_windows() -> bool:
+    """Whether this torch's varlen_attn takes a window and GQA: the public call that hands a
+    window to the kernel that the flash attention registry installs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters)
+
+
+def registry_attend(q, k, v, window=None):
+    """A window through the registry's kernel: the batch as B sequences of T tokens to
+    varlen_attn, window_size (window, 0). The rest, and fp32 outside autocast, through SDPA."""
+    from torch.nn.attention import varlen
+
+    B, T, H, D = q.shape
+    qkv = half(q, k, v) if cuts(window, T) else None
+    if qkv is None:
+        return sdpa(q, k, v, window)
+    starts = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    q, k, v = (x.reshape(B * T, x.size(2), D) for x in qkv)
+    out = varlen.varlen_attn(q, k, v, starts, starts, T, T, window_size=(window, 0),
+                             enable_gqa=k.size(1) != H)
+    return out.view(B, T, H, D)
+
+
+def windowed_flex(compiled: bool = True) -> Callable:
+    """The flex kernel: a window through flex_attention with window_block_mask's BlockMask,
+    compiled (uncompiled, flex_attention materializes every score: for tests). Inside a compiled
+    model the outer compile traces through the inner one, into the model's graph."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention) if compiled else flex_attention
+
+    def attend(q, k, v, window=None):
+        T = q.size(1)
+        if not cuts(window, T):
+            return sdpa(q, k, v, window)
+        q, k, v = half(q, k, v) or (q, k, v)  # fp32 outside autocast: as they are
+        out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                   block_mask=window_block_mask(T, window, q.device),
+                   enable_gqa=k.size(2) != q.size(2))
+        return out.transpose(1, 2)
+
+    return attend
+
+
+def window_block_mask(T: int, window: int, device: torch.device):
+    """flex_attention's BlockMask for query i seeing keys i - window .. i: made once per (T,
+    window, device) in eager runs; a compiled graph makes it in the graph (a few small kernels),
+    as a cache cannot be read while tracing."""
+    if torch.compiler.is_compiling():
+        return make_block_mask(T, window, device)
+    return cached_block_mask(T, window, device)
+
+
+def make_block_mask(T: int, window: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding(b, h, q, k):
+        return (k <= q) & (q - k <= window)
+
+    return create_block_mask(sliding, None, None, T, T, device=device)
+
+
+cached_block_mask = functools.lru_cache(maxsize=64)(make_block_mask)
+
+
+def chunked_attend(q, k, v, window=None):
+    """A window as SDPA over chunks of c = max(window, CHUNK_MIN) queries, each against its own
+    chunk's keys and the chunk's before (2c keys, with chunk_mask's mask; zeros before the first):
+    what query i sees, i - window .. i, lies in those. 2c T scores instead of T^2. Chunks and
+    their heads go as SDPA's heads, chunk by chunk, so that GQA pairs each with its own."""
+    B, T, H, D = q.shape
+    c = max(window or 0, CHUNK_MIN)
+    if not cuts(window, T) or 2 * c >= T:  # two chunks or fewer: no scores to save
+        return sdpa(q, k, v, window)
+    n, Hk = -(-T // c), k.size(2)
+    pad = n * c - T
+
+    def chunks(x):  # (B, T, h, D) -> (B, n, h, c, D)
+        x = F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x
+        return x.reshape(B, n, c, x.size(2), D).transpose(2, 3)
+
+    def pairs(x):  # (B, n, h, 2c, D): the chunk before (zeros for the first), then the chunk
+        x = chunks(x)
+        return torch.cat([F.pad(x[:, :-1], (0, 0, 0, 0, 0, 0, 1, 0)), x], dim=3)
+
+    y = F.scaled_dot_product_attention(
+        chunks(q).reshape(B, n * H, c, D), pairs(k).reshape(B, n * Hk, 2 * c, D),
+        pairs(v).reshape(B, n * Hk, 2 * c, D), attn_mask=chunk_mask(n, c, window, H, q.device),
+        enable_gqa=Hk != H)
+    return y.view(B, n, H, c, D).transpose(2, 3).reshape(B, n * c, H, D)[:, :T]
+
+
+def chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device) -> torch.Tensor:
+    """chunked_attend's (1, n * heads, c, 2c) bool mask: query a of chunk j (token jc + a) sees key
+    b of its pair (token (j - 1)c + b) when 0 <= a + c - b <= window and the key is a token (the
+    first chunk's pair starts with zeros). Made once per shape, but in a compiled graph."""
+    if torch.compiler.is_compiling():
+        return make_chunk_mask(n, c, window, heads, device)
+    return cached_chunk_mask(n, c, window, heads, device)
+
+
+def make_chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device):
+    a = torch.arange(c, device=device)[:, None]
+    b = torch.arange(2 * c, device=device)
+    behind = a + c - b
+    padding = (torch.arange(n, device=device) == 0)[:, None, None] & (b < c)
+    seen = (behind >= 0) & (behind <= window) & ~padding  # (n, c, 2c)
+    return seen[:, None].expand(n, heads, c, 2 * c).reshape(1, n * heads, c, 2 * c)
+
+
+cached_chunk_mask = functools.lru_cache(maxsize=64)(make_chunk_mask)

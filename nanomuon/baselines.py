@@ -54,8 +54,8 @@ class TorchMuonAdamW:
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
-    # muon keys whose value says what torch.optim.Muon does anyway: no VR
-    SAME_AS_TORCH = {"beta2": None}
+    # muon keys whose value says what torch.optim.Muon does anyway: no VR, no stages around it
+    SAME_AS_TORCH = {"beta2": None, "precondition": (), "post_process": ()}
 
     def __init__(self, param_groups, ns_precision: str = "auto"):
         muon, adamw = [], []
@@ -65,9 +65,10 @@ class TorchMuonAdamW:
                 raise ValueError(f"param group {i}: kind={kind!r}; set kind='muon' or kind='adamw'")
             allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
             dropped = {k for k in group
-                       if k not in allowed + ("params", "kind", "name", "initial_lr", "horizon")
+                       if k not in allowed + ("params", "kind", "name", "initial_lr",
+                                              "initial_weight_decay", "horizon")
                        and not (kind == "muon" and k in self.SAME_AS_TORCH
-                                and group[k] is self.SAME_AS_TORCH[k])}
+                                and group[k] == self.SAME_AS_TORCH[k])}
             if dropped:
                 raise ValueError(f"param group {i} ({kind}): torch.optim."
                                  f"{'Muon' if kind == 'muon' else 'AdamW'} has no option "

@@ -184,7 +184,8 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * ve.view_as(v)
+            # in v's dtype: under autocast the fp32 embedding would otherwise promote v to fp32
+            v = v + gate.unsqueeze(-1) * ve.view_as(v).to(v.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm:
             q, k = norm(q), norm(k)

@@ -43,7 +43,8 @@ OPTIMIZER_VARIANTS = {
                                          lr_scale="spectral", extra_scale=0.1625 * 0.2,
                                          muown_gain_lr=0.1625)),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
-    "torch-muon": dict(optimizer_class=TorchMuonAdamW, muon_options=dict(beta2=None)),
+    "torch-muon": dict(optimizer_class=TorchMuonAdamW,
+                       muon_options=dict(beta2=None, precondition=(), post_process=())),
 }
 
 

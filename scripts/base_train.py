@@ -193,7 +193,8 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
                    help="the attention kernel; auto: on a Hopper GPU training in bf16 the first "
-                   "of fa3, fa4 and fa3-hub that is installed and runs, else sdpa "
+                   "of fa3, fa4 and fa3-hub that is installed and runs; else, for a model with "
+                   "sliding windows, flex on CUDA and chunked on a CPU; else sdpa "
                    "(nanomuon/attention.py); base_train says which, and why")
     p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the linear layers, the "
                    "blocks' and lm_head as in nanochat, through torchao's float8 training (GPUs "

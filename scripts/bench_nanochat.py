@@ -157,7 +157,8 @@ def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
     model.to_empty(device=device)
     model.init_weights()
     heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
-    attention = choose_attention(device, args.dtype, heads, args.attention)
+    windowed = any(w is not None for w in config.window_sizes())
+    attention = choose_attention(device, args.dtype, heads, args.attention, windowed)
     model.use_attention(attention.func)
     notes = f"attention {attention.name}, windows {args.window_pattern}"
     flops = model.estimate_flops()
@@ -367,7 +368,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile both (default: on for CUDA)")
     p.add_argument("--attention", choices=("sdpa", "auto"), default="sdpa",
-                   help="sdpa in both, or each project's own choice (FA3 where it loads)")
+                   help="sdpa in both (windows as masks), or each project's own choice (FA3 "
+                   "where it loads; nanomuon's flex or chunked windows)")
     p.add_argument("--window-pattern", default="SSSL", help="both models' sliding windows, tiled "
                    "over the layers (L: none)")
     p.add_argument("--seed", type=int, default=0)

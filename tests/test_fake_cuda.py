@@ -191,6 +191,17 @@ def test_attention_on_a_fake_h100_falls_back_to_sdpa_saying_why(shim):
     run_case(shim, "attention_fallback")
 
 
+def test_windowed_attention_on_a_fake_h100_runs_each_kernel_with_its_windows(shim):
+    """Stands in for: a model with sliding windows (arch 'nanochat') on a GPU node attending its
+    windows through SDPA with a mask (no flash backend, every score computed) while a flash kernel
+    or flex_attention could run them: FA3 from torch's registry given its windows through
+    varlen_attn, the hub's FA3 through window_size, flex_attention (compiled) without either;
+    a kernel that gets fp32 under autocast (a value embedding in v) and falls back; a full-context
+    model no longer choosing as before."""
+    skip_without_flash_registry()
+    run_case(shim, "attention_windows")
+
+
 @pytest.mark.parametrize("fp8", ["plain", "fp8", "seeds"])
 def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     """Stands in for: base_train's main failing on a GPU node after its parts pass: the compiled
@@ -198,8 +209,10 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     device batch fitted to the H100, MFU in the step lines and the summary, the report's GPU name;
     with --fp8, torchao's float8 layers on the GPU path (no emulation); with --seeds 1,2,3, the
     batched seeds (vmap over the compiled model, each seed's memory in the batch fit, SDPA). The
-    plain run's node has FA3 in torch's registry, the others no flash kernel: the step lines and
-    the report say so. CI's third leg runs it."""
+    plain run's node has FA3 in torch's registry, which also runs the windows of arch 'nanochat'
+    (auto on CUDA); the others no flash kernel: fp8's windows run through flex_attention, the
+    seeds' through SDPA with a mask. The step lines and the report say so. CI's third leg runs
+    it."""
     import torch
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
@@ -213,13 +226,15 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     assert "throughput:" in out and ", mfu " in out, out
     if fp8 == "seeds":
         assert "attention: sdpa (batched seeds" in out and "(mean of 3 seeds" in out, out
-    attn = "fa3" if fp8 == "plain" else "sdpa"
+    attn = dict(plain="fa3", fp8="flex", seeds="sdpa")[fp8]
+    assert (f"attention: {attn}: " in out) == (fp8 != "seeds"), out
+    assert ("its windows through varlen_attn's window_size" in out) == (fp8 == "plain"), out
     steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
     assert len(steps) == 4 and all(f" | attn {attn}" in line for line in steps), steps
     report = (base / "runs" / f"fake-h100-{fp8}" / "report.md").read_text()
     assert f"cuda ({H100_NAME})" in report and f"attention {attn}" in report, report
-    assert ("fp8: 12 linear layers of the blocks in fp8 (tensorwise scales); lm_head in bf16"
-            in out) == (fp8 == "fp8"), out
+    assert ("fp8: 13 linear layers in fp8, lm_head among them (tensorwise scales); the "
+            "embedding and attention in bf16" in out) == (fp8 == "fp8"), out
 
 
 # The child process: loads the shim, then torch, then runs one case on the fake GPU.
@@ -265,26 +280,34 @@ def fake_gpu(free: int = H100_FREE, total: int = H100_TOTAL, name: str = H100_NA
     return fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
 
 
-# flash_attention's calls (whether SDPA's math backend was on for each) and what it raises instead
-FLASH = dict(calls=[], fail=None)
+# flash_attention's calls (whether SDPA's math backend was on for each), what it raises instead,
+# and its masked calls (their shapes)
+FLASH = dict(calls=[], fail=None, masked=[])
 
 
 def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
     """F.scaled_dot_product_attention as an H100 runs the model's call: autocast's cast to bf16
     (SDPA is on its lower-precision list), then the flash kernel, which saves only its output and
-    the log-sum-exp for backward."""
+    the log-sum-exp for backward. A mask (a sliding window in gpt.sdpa) rules the flash kernel
+    out: such a call is counted and runs as SDPA's math path (the shapes and dtypes of the fused
+    kernel an H100 picks then, which keeps every score)."""
     import torch
 
-    assert attn_mask is None and not dropout_p and q.size(-3) == k.size(-3), \
+    if torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if attn_mask is not None:
+        if not torch.compiler.is_compiling():
+            FLASH["masked"].append(tuple(q.shape))
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+    assert not dropout_p and q.size(-3) == k.size(-3), \
         "the model's attention changed: its flash stand-in needs updating"
     if not torch.compiler.is_compiling():  # counted in eager runs only: no side effects to trace
         FLASH["calls"].append(torch.backends.cuda.math_sdp_enabled())
         if FLASH["fail"]:
             raise FLASH["fail"]
-    if torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal,
                                                               scale=scale)[0]
 
@@ -313,7 +336,7 @@ def device_log():
     return DeviceLog()
 
 
-def meta_gpt(depth: int, seq_len: int, vocab: int = 32768):
+def meta_gpt(depth: int, seq_len: int, vocab: int = 32768, arch: str = "classic"):
     """base_train's first half of building: the GPT on the meta device (outside fake mode: a fake
     mode cannot swap an nn.Module's parameters it made itself)."""
     import torch
@@ -321,7 +344,7 @@ def meta_gpt(depth: int, seq_len: int, vocab: int = 32768):
     from nanomuon.gpt import GPT, config_from_depth
 
     with torch.device("meta"):
-        return GPT(config_from_depth(depth, vocab, seq_len))
+        return GPT(config_from_depth(depth, vocab, seq_len, arch=arch))
 
 
 def on_gpu(model):
@@ -581,14 +604,7 @@ def case_train(base: str, fp8: str):
     # a tensor that fake mode would make fake)
     torch.distributed.all_gather_object = lambda out, obj, group=None: out.__setitem__(
         slice(None), [obj] * len(out))
-    # dynamo saves and restores the CUDA RNG around each frame it compiles: there is none
-    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
-    torch.cuda.set_rng_state = lambda state, device="cuda": None
-    torch.cuda._lazy_init = lambda: None
-    torch.cuda.is_current_stream_capturing = lambda: False
-    torch.accelerator.current_device_index = lambda: 0
-    compile_ = torch.compile
-    torch.compile = lambda fn=None, **kw: compile_(fn, **dict(kw, backend="aot_eager"))
+    compile_on_fake_gpu()
     flags = ["--dataset", "embedded", "--depth", "2", "--max-seq-len", "256",
              "--total-batch-size", "4096", "--num-iterations", "4", "--eval-every", "2",
              "--eval-tokens", "4096", "--log-every", "1", "--sample-tokens", "0",
@@ -601,6 +617,21 @@ def case_train(base: str, fp8: str):
     assert not any(isinstance(v, FakeTensor) for v in summary.values()), summary
     assert fp8 != "plain" or fa3 == ["activated"], fa3
     print("train ok")
+
+
+def compile_on_fake_gpu():
+    """torch.compile with dynamo and AOTAutograd (aot_eager: inductor needs a real GPU to build
+    kernels); dynamo saves and restores the CUDA RNG around each frame it compiles: there is
+    none."""
+    import torch
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.zeros(16, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda state, device="cuda": None
+    torch.cuda._lazy_init = lambda: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.accelerator.current_device_index = lambda: 0
+    compile_ = torch.compile
+    torch.compile = lambda fn=None, **kw: compile_(fn, **dict(kw, backend="aot_eager"))
 
 
 def hide_flash_packages():
@@ -639,14 +670,15 @@ def stub_registry(impl: str, fail: Exception | None = None) -> list:
 
 def stub_hub(calls: list) -> None:
     """The `kernels` package, its get_kernel answering nanochat's FA3 with a flash_attn_func that
-    records its inputs and computes SDPA."""
+    records its inputs and computes SDPA (window_size (left, 0): query i sees keys i - left .. i,
+    all before it for -1)."""
     import types
 
     from nanomuon.gpt import sdpa
 
-    def flash_attn_func(q, k, v, causal=False):
-        calls.append((tuple(q.shape), q.dtype, k.dtype, v.dtype, causal))
-        return sdpa(q, k, v)
+    def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1)):
+        calls.append((tuple(q.shape), q.dtype, k.dtype, v.dtype, causal, window_size))
+        return sdpa(q, k, v, None if window_size[0] < 0 else window_size[0])
 
     kernel = types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(
         flash_attn_func=flash_attn_func))
@@ -714,12 +746,140 @@ def case_attention_choice():
         hub = []
         stub_hub(hub)
         got = choose_attention(dev, "bf16", heads)
-        probed = ((1, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True)
+        probed = ((1, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True, (-1, 0))
         assert got.name == "fa3-hub" and hub == [HUB_KERNEL, probed], (got, hub)
         hub.clear()
         train_through(model, got)
-        assert hub == [((2, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True)] * layers, hub
+        assert hub == [((2, 256, heads[0], heads[2]), *[torch.bfloat16] * 3, True, (-1, 0))] \
+            * layers, hub
     print("attention choice ok")
+
+
+def record_varlen(calls: list) -> None:
+    """torch's varlen_attn, each call's window_size and q, k, v dtypes recorded (it runs as its
+    fake kernel here); its signature kept, which nanomuon.attention.varlen_windows reads."""
+    import functools
+
+    from torch.nn.attention import varlen
+
+    real = varlen.varlen_attn
+
+    @functools.wraps(real)
+    def varlen_attn(q, k, v, *args, window_size=(-1, -1), **kwargs):
+        calls.append((window_size, q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, *args, window_size=window_size, **kwargs)
+
+    varlen.varlen_attn = varlen_attn
+
+
+def case_attention_windows():
+    """A d4 of arch 'nanochat' (windows 128, 128, 128 and the whole context; value embeddings on
+    layers 1 and 3, fp32 under autocast) on an H100: with FA3 in torch's registry, FA3 for the full
+    layer through SDPA and for the windows through varlen_attn, all in bf16, and for a model
+    without windows FA3 in SDPA alone, as before; with a torch whose varlen_attn took no window,
+    the hub's FA3 with window_size; with no flash kernel, on an A100 or in fp32, flex_attention,
+    compiled; flex failing too, SDPA with the windows as masks, saying why."""
+    import torch
+
+    import nanomuon.attention as attention
+    from nanomuon.attention import choose_attention, deactivate
+
+    hide_flash_packages()
+    compile_on_fake_gpu()
+    dev, model, fa3 = torch.device("cuda"), meta_gpt(4, 256, arch="nanochat"), stub_registry("FA3")
+    varlen = []
+    record_varlen(varlen)
+    with fake_gpu():
+        on_gpu(model)
+        heads, bf16 = heads_of(model), torch.bfloat16
+        assert model.config.window_sizes() == [128, 128, 128, None]
+        got = choose_attention(dev, "bf16", heads, windowed=True)
+        assert (got.name, got.func, fa3) == ("fa3", attention.registry_attend, ["activated"]), \
+            (got, fa3)
+        assert FLASH["calls"] == [False] and varlen == [((128, 0), *[bf16] * 3)], (FLASH, varlen)
+        FLASH["calls"].clear()
+        varlen.clear()
+        train_through(model, got)
+        assert len(FLASH["calls"]) == 1 and not FLASH["masked"], FLASH
+        assert varlen == [((128, 0), *[bf16] * 3)] * 3, varlen
+        deactivate()
+        got = choose_attention(dev, "bf16", heads)  # no windows: as before
+        deactivate()
+        assert (got.name, got.func) == ("fa3", None) and fa3 == ["activated", "removed"] * 2
+        windows_by_hub(model, heads)
+        windows_by_flex(model, heads)
+    print("attention windows ok")
+
+
+def windows_by_hub(model, heads) -> None:
+    """A torch whose varlen_attn takes no window: the registry kernels passed over, saying why;
+    the hub's FA3 gets each layer's window."""
+    import torch
+
+    import nanomuon.attention as attention
+    from nanomuon.attention import choose_attention
+
+    stub_registry("FA4")
+    hub = []
+    stub_hub(hub)
+    windows, attention.varlen_windows = attention.varlen_windows, lambda: False
+    got = choose_attention(torch.device("cuda"), "bf16", heads, windowed=True)
+    attention.varlen_windows = windows
+    assert got.name == "fa3-hub" and got.func is not None, got
+    hub.clear()
+    train_through(model, got)
+    seen = [(window, dtypes) for _, *dtypes, causal, window in hub]
+    bf16 = [torch.bfloat16] * 3
+    assert seen == [((128, 0), bf16)] * 3 + [((-1, 0), bf16)], hub
+    del sys.modules["kernels"]
+
+
+def windows_by_flex(model, heads) -> None:
+    """No flash kernel loads: flex_attention, on an H100, an A100 and in fp32; flex failing too:
+    SDPA with the windows as masks, or a ValueError where --attention flex asked for it."""
+    import torch
+
+    import nanomuon.attention as attention
+    from nanomuon.attention import choose_attention
+
+    dev = torch.device("cuda")
+    for impl in ("FA3", "FA4"):
+        stub_registry(impl, fail=ModuleNotFoundError("no module", name=f"{impl} package"))
+    got = choose_attention(dev, "bf16", heads, windowed=True)
+    assert got.name == "flex" and got.why.startswith(
+        "flex: windowed layers through flex_attention with a sliding-window block mask, compiled "
+        "(fa3: FA3 package is not installed"), got.why
+    FLASH["calls"].clear()
+    FLASH["masked"].clear()
+    train_through(model, got)
+    assert len(FLASH["calls"]) == 1 and not FLASH["masked"], FLASH  # the full-context layer
+    fake_gpu(name="NVIDIA A100-SXM4-80GB", capability=(8, 0))
+    got = choose_attention(dev, "bf16", heads, windowed=True)
+    assert got.name == "flex" and "fa3-hub needs compute capability 9.x, not 8.0)" in got.why
+    fake_gpu()
+    got = choose_attention(dev, "fp32", heads, windowed=True)
+    assert got.why.endswith("(flash kernels need bf16, this run trains in fp32)"), got.why
+    flex, attention.windowed_flex = attention.windowed_flex, lambda: failing_flex
+    got = choose_attention(dev, "bf16", heads, windowed=True)
+    assert got == attention.Attention("sdpa", "sdpa, windows as a mask (fa3: FA3 package is not "
+                                      "installed (build FA3 from flash-attention's hopper/ folder); "
+                                      "fa4: FA4 package is not installed (pip install "
+                                      "'nanomuon[fa4]'); fa3-hub: kernels is not installed (pip "
+                                      "install kernels); flex: RuntimeError: no triton)"), got
+    FLASH["calls"].clear()
+    FLASH["masked"].clear()
+    train_through(model, got)
+    assert len(FLASH["calls"]) == 1 and FLASH["masked"] == [(2, 2, 256, 128)] * 3, FLASH
+    try:
+        choose_attention(dev, "bf16", heads, "flex", windowed=True)
+        raise AssertionError("--attention flex ran with a flex_attention that fails")
+    except ValueError as e:
+        assert str(e) == "--attention flex cannot run here: RuntimeError: no triton", e
+    attention.windowed_flex = flex
+
+
+def failing_flex(q, k, v, window=None):
+    raise RuntimeError("no triton")
 
 
 def case_attention_fallback():
@@ -828,7 +988,7 @@ def case_setup():
 
 CASES = {"model": case_model, "step": case_step, "loader": case_loader, "autofit": case_autofit,
          "setup": case_setup, "train": case_train, "attention_choice": case_attention_choice,
-         "attention_fallback": case_attention_fallback}
+         "attention_fallback": case_attention_fallback, "attention_windows": case_attention_windows}
 
 
 if __name__ == "__main__":
@@ -838,3 +998,8 @@ if __name__ == "__main__":
     shim_lib.use_fake_cuda_guard()
     sys.path.insert(0, str(REPO))
     CASES[sys.argv[2]](*sys.argv[3:])
+    # past here the interpreter's exit can abort (rc -6, "terminate called without an active
+    # exception") in the autograd engine's thread for the fake device: the case passed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
