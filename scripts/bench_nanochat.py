@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -106,21 +107,36 @@ def locate(given: str | None) -> Path:
 
 def commit_of(root: Path) -> str:
     """nanochat's commit: its COMMIT file (gpu_check.sh --prepare), else git's HEAD when root is a
-    checkout's top (not a folder inside another repository), '+changes' if its package differs."""
-    if (root / "COMMIT").is_file():
-        return (root / "COMMIT").read_text().strip() or "unknown (empty COMMIT file)"
+    checkout's top (not a folder inside another repository), '+changes' if its package differs.
+    Read as letters, digits and ._+- only; git runs none of the checkout's hooks, fsmonitor or
+    filters (blobs are compared by hash-object --no-filters, not by git diff)."""
+    if (root / "COMMIT").is_file() and not (root / "COMMIT").is_symlink():
+        with contextlib.suppress(OSError), open(root / "COMMIT", "rb") as f:
+            return clean_commit(f.read(256).decode("latin-1")) or "unknown (COMMIT file empty)"
 
     def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=30)
+        return subprocess.run(["git", "-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null",
+                               "--no-optional-locks", "-C", str(root), *args],
+                              capture_output=True, text=True, timeout=30)
 
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         top = git("rev-parse", "--show-toplevel")
         if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
-            head = git("rev-parse", "HEAD").stdout.strip()
-            dirty = git("diff", "--quiet", "HEAD", "--", "nanochat").returncode != 0
-            return head + ("+changes" if dirty else "")
+            head = clean_commit(git("rev-parse", "--verify", "-q", "HEAD").stdout)
+            files = {*git("ls-tree", "--name-only", "HEAD", "--", "nanochat/").stdout.split(),
+                     *(str(p.relative_to(root)) for p in (root / "nanochat").glob("*.py")
+                       if p.is_file() and not p.is_symlink())}
+            dirty = any(not (root / f).is_file() or (root / f).is_symlink()  # a FIFO: unread
+                        or git("rev-parse", "-q", "--verify", f"HEAD:{f}").stdout
+                        != git("hash-object", "--no-filters", "--", f).stdout
+                        for f in sorted(files) if f.endswith(".py"))
+            return (head or "unknown") + ("+changes" if dirty else "")
     return "unknown (no COMMIT file, not a git checkout)"
+
+
+def clean_commit(text: str) -> str:
+    """A commit as letters, digits and ._+- only (64 at most): no escape reaches a terminal."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "", text)[:64]
 
 
 def import_nanochat(root: Path, dtype: str, attention: str):
@@ -136,6 +152,10 @@ def import_nanochat(root: Path, dtype: str, attention: str):
         raise SystemExit(f"error: nanochat at {root} does not import here: {one_line(e)}") from None
     if not Path(gpt.__file__).resolve().is_relative_to(root):
         raise SystemExit(f"error: another nanochat was imported ({gpt.__file__}), not {root}'s")
+    if missing := [name for name in ("GPT", "GPTConfig") if not hasattr(gpt, name)]:
+        raise SystemExit(f"error: nanochat at {root} has no {' or '.join(missing)} in "
+                         "nanochat/gpt.py: name a nanochat checkout of 2026 (this compares with "
+                         "92d63d4)")
     flash = sys.modules.get("nanochat.flash_attention")
     if attention == "sdpa" and hasattr(flash, "USE_FA3"):
         flash.USE_FA3 = False  # read at each call

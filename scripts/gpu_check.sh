@@ -65,11 +65,18 @@ usage() {
          "[--only STEP[,STEP]]" >&2
     exit 2
 }
+# refuse: one line on stderr, exit 2, before anything runs
+refuse() { echo "error: $*" >&2; exit 2; }
+# set_mode MODE: one of --prepare, --plan, --dry-run, once
+set_mode() {
+    [ "$MODE" = run ] || [ "$MODE" = "$1" ] || refuse "--prepare, --plan and --dry-run go alone"
+    MODE="$1"
+}
 while [ $# -gt 0 ]; do
     case "$1" in
-        --prepare) MODE=prepare ;;
-        --plan) MODE=plan ;;
-        --dry-run) MODE=dry ;;
+        --prepare) set_mode prepare ;;
+        --plan) set_mode plan ;;
+        --dry-run) set_mode dry ;;
         --budget-min) [ $# -ge 2 ] || usage; BUDGET_MIN="$2"; shift ;;
         --only) [ $# -ge 2 ] || usage; ONLY="$2"; shift ;;
         --only=*) ONLY="${1#--only=}" ;;
@@ -78,6 +85,16 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+# numbers as numbers, before any arithmetic reads them (bash arithmetic would run a subscript)
+if ! [[ "$BUDGET_MIN" =~ ^[0-9]{1,4}$ ]] || [ $((10#$BUDGET_MIN)) -lt 1 ]; then
+    refuse "--budget-min takes whole minutes, 1 to 9999; got '$(printf %q "$BUDGET_MIN")'"
+fi
+BUDGET_MIN=$((10#$BUDGET_MIN))
+# step names as names: letters, digits and _, comma-separated (matched exactly or by prefix later)
+if [ -n "$ONLY" ] && ! [[ "$ONLY" =~ ^[a-z0-9_]+(,[a-z0-9_]+)*$ ]]; then
+    refuse "--only takes step names separated by commas (a-z, 0-9, _); got" \
+           "'$(printf %q "$ONLY")'"
+fi
 
 # `python` is the interpreter that holds torch; an image with torch in a venv's python3 alone (no
 # `python` on the PATH) gets a shim: a script, since a link would lose the venv
@@ -88,13 +105,41 @@ fi
 # torchao goes into a folder of the kit's: the image's site-packages may not take installs
 export PYTHONPATH="$KIT/site${PYTHONPATH:+:$PYTHONPATH}"
 
+# safe_git DIR ARGS: git on another's checkout that runs nothing of it: no fsmonitor, no hooks
+safe_git() {
+    local dir="$1"; shift
+    git -c core.fsmonitor=false -c core.hooksPath=/dev/null --no-optional-locks -C "$dir" "$@"
+}
+
+# checkout_commit SRC: its HEAD, +changes where its nanochat/*.py differ from HEAD's; compared by
+# blob hashes (hash-object --no-filters), not git diff, whose filters and drivers the checkout sets
+checkout_commit() {
+    local src="$1" head f changed=""
+    head="$(safe_git "$src" rev-parse --verify -q HEAD)" || return 1
+    while IFS= read -r f; do
+        # a tracked file that is no regular file now (gone, a link, a FIFO a read would hang on):
+        # changed, unread; untracked ones count only when regular, the files the kit copies
+        if [ ! -f "$src/$f" ] || [ -L "$src/$f" ] \
+            || [ "$(safe_git "$src" rev-parse -q --verify "HEAD:$f" 2>/dev/null)" \
+                 != "$(safe_git "$src" hash-object --no-filters -- "$f" 2>/dev/null)" ]; then
+            changed=1
+        fi
+    done < <(safe_git "$src" ls-tree --name-only HEAD -- nanochat/ | grep '\.py$'; \
+             cd "$src" && find nanochat -maxdepth 1 -name '*.py' -type f)
+    echo "$head${changed:++changes}"
+}
+
+# clean_commit: a commit read from a file, as letters, digits and ._+- only, 64 at most
+clean_commit() { LC_ALL=C tr -cd 'A-Za-z0-9._+-' | head -c 64; }
+
 # prepare_nanochat: $NANOCHAT's package and license into the kit, with its commit (git's, when it
-# is a checkout's top, else the COMMIT file it holds); without NANOCHAT an earlier copy stays
+# is a checkout's top, else the COMMIT file it holds); without NANOCHAT an earlier copy stays. It
+# copies regular files only, and replaces the earlier copy only once the new one is whole.
 prepare_nanochat() {
-    local src="${NANOCHAT:-}" top commit
+    local src="${NANOCHAT:-}" top commit new="$KIT/nanochat.new" f
     if [ -z "$src" ]; then
         if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
-            echo "nanochat: keeping the copy of $(cat "$KIT/nanochat/COMMIT") (NANOCHAT=path" \
+            echo "nanochat: keeping the copy of $(clean_commit <"$KIT/nanochat/COMMIT") (NANOCHAT=path" \
                  "replaces it)"
         else
             echo "note: no NANOCHAT=path: the h2h steps will fail (PyPI's nanochat is only its" \
@@ -102,24 +147,35 @@ prepare_nanochat() {
         fi
         return 0
     fi
-    if [ ! -f "$src/nanochat/gpt.py" ]; then
-        echo "error: NANOCHAT=$src holds no nanochat/gpt.py: name a nanochat checkout" >&2
+    if [ ! -f "$src/nanochat/gpt.py" ] || [ -L "$src/nanochat/gpt.py" ]; then
+        echo "error: NANOCHAT=$(printf %q "$src") holds no nanochat/gpt.py: name a nanochat" \
+             "checkout" >&2
         return 1
     fi
     src="$(cd "$src" && pwd -P)"
-    top="$(git -C "$src" rev-parse --show-toplevel 2>/dev/null || true)"
+    top="$(safe_git "$src" rev-parse --show-toplevel 2>/dev/null || true)"
     if [ -n "$top" ] && [ "$(cd "$top" && pwd -P)" = "$src" ]; then
-        commit="$(git -C "$src" rev-parse HEAD)$(git -C "$src" diff --quiet HEAD -- nanochat \
-            || echo '+changes')"
+        commit="$(checkout_commit "$src" || echo unknown)"
     else
-        commit="$(cat "$src/COMMIT" 2>/dev/null || echo unknown)"
+        commit="$( { [ -f "$src/COMMIT" ] && head -c 256 "$src/COMMIT"; } 2>/dev/null \
+                   | clean_commit)"
     fi
-    rm -rf "$KIT/nanochat"
-    mkdir -p "$KIT/nanochat/nanochat"
-    cp "$src"/nanochat/*.py "$KIT/nanochat/nanochat/"
-    cp "$src/LICENSE" "$KIT/nanochat/" 2>/dev/null || true
-    echo "$commit" >"$KIT/nanochat/COMMIT"
-    echo "nanochat: $commit from $src, $(du -sk "$KIT/nanochat" | cut -f1) KB"
+    rm -rf "$new"
+    mkdir -p "$new/nanochat"
+    # regular files only: a FIFO would hang cp, a link could lead out of the checkout
+    while IFS= read -r -d '' f; do
+        cp -- "$f" "$new/nanochat/" || { rm -rf "$new"; return 1; }
+    done < <(find "$src/nanochat" -maxdepth 1 -name '*.py' -type f -print0)
+    if [ ! -f "$new/nanochat/gpt.py" ]; then
+        rm -rf "$new"
+        echo "error: no regular nanochat/gpt.py copied from $(printf %q "$src")" >&2
+        return 1
+    fi
+    if [ -f "$src/LICENSE" ] && [ ! -L "$src/LICENSE" ]; then cp -- "$src/LICENSE" "$new/"; fi
+    echo "${commit:-unknown}" >"$new/COMMIT"
+    rm -rf "$KIT/nanochat" && mv "$new" "$KIT/nanochat"
+    echo "nanochat: ${commit:-unknown} from $(printf %q "$src")," \
+         "$(du -sk "$KIT/nanochat" | cut -f1) KB"
 }
 
 if [ "$MODE" = prepare ]; then
@@ -219,8 +275,12 @@ bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-siz
 # --only: the steps named, exactly or by a prefix before _ (bench_optim: both), in the kit's order
 if [ -n "$ONLY" ]; then
     IFS=',' read -r -a wanted <<<"$ONLY"
+    # names_step NAME WANTED: the step NAME is WANTED, or WANTED is its prefix before a _
+    names_step() { [ "$1" = "$2" ] || [[ "$1" == "${2}_"* ]]; }
     for w in "${wanted[@]}"; do
-        if ! printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | grep -qx -e "$w" -e "${w}_.*"; then
+        found=""
+        for s in "${STEPS[@]}"; do names_step "${s%%|*}" "$w" && found=1; done
+        if [ -z "$found" ]; then
             echo "error: --only names no step '$w'; the steps:" \
                  "$(printf '%s\n' "${STEPS[@]}" | cut -d'|' -f1 | paste -sd' ' -)" >&2
             exit 2
@@ -229,7 +289,7 @@ if [ -n "$ONLY" ]; then
     kept=()
     for s in "${STEPS[@]}"; do
         for w in "${wanted[@]}"; do
-            if [ "${s%%|*}" = "$w" ] || [[ "${s%%|*}" == "${w}_"* ]]; then kept+=("$s"); break; fi
+            if names_step "${s%%|*}" "$w"; then kept+=("$s"); break; fi
         done
     done
     STEPS=("${kept[@]}")
@@ -288,13 +348,14 @@ print_plan() {
          "\$OUT/gpu_check.md: its numbers go into docs/benchmarks.md with the device and date"
 }
 
+# in a subshell: whatever fails in it, --plan and --dry-run stop here and start no step
 if [ "$MODE" = plan ]; then
-    print_plan
-    exit 0
+    (print_plan)
+    exit
 fi
 
 if [ "$MODE" = dry ]; then
-    print_plan
+    (print_plan) || exit 1
     # how a step's end reads: a 1 s limit on a sleep, and a command that exits 3
     probe=$(mktemp -d)
     run_step 1 "sleep 5" "$probe/log" probe; echo "a step past its limit: $status"
@@ -326,7 +387,8 @@ for depth, rows, tokens in ((12, 32, 2 ** 19), (24, 16, 2 ** 18)):
 print("bench_nanochat flags: ok")
 EOF
     if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
-        echo "nanochat in the kit: $(cat "$KIT/nanochat/COMMIT" 2>/dev/null || echo 'no COMMIT')"
+        echo "nanochat in the kit: $(clean_commit <"$KIT/nanochat/COMMIT" 2>/dev/null \
+            || echo 'no COMMIT')"
     else
         echo "nanochat: none in the kit, so the h2h steps will fail (NANOCHAT=path/to/nanochat" \
              "bash scripts/gpu_check.sh --prepare)"

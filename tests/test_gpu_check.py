@@ -1,0 +1,173 @@
+"""scripts/gpu_check.sh against hostile or careless input: arguments checked as what they are
+before any arithmetic or step, --plan and --dry-run that never start a step, and a --prepare that
+runs nothing of the nanochat checkout it copies (no hooks, fsmonitor or filters), copies regular
+files only, keeps the earlier copy until the new one is whole, and escapes its commit."""
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kit(tmp_path: Path) -> Path:
+    """A copy of the script in a folder of its own (its kit is .gpu_check beside scripts/), and a
+    bin/ whose `python` records each call and does nothing: no step can run for real."""
+    # every step runs `python -m ...`; the import checks before them run `python -c` or `python -`
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "gpu_check.sh", tmp_path / "scripts")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    python = bin_ / "python"
+    python.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/python-calls\nexit 0\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def gpu_check(root: Path, *args, **env) -> subprocess.CompletedProcess:
+    path = f"{root / 'bin'}:{os.environ['PATH']}"
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=root, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PATH": path, **env})
+
+
+@pytest.mark.parametrize("minutes", ["1e3", "PIECE[$(touch PWNED)]", "0", "-1", "abc", "",
+                                     "12345", "5.5"])
+def test_a_budget_that_is_not_whole_minutes_is_refused_before_anything(tmp_path, minutes):
+    """Every --budget-min that is not 1-9999 whole minutes: exit 2 and one line naming it, no
+    command run (the subscript's command substitution included), nothing started."""
+    root = kit(tmp_path)
+    for mode in ("--plan", "--dry-run", None):
+        p = gpu_check(root, *([mode] if mode else []), "--budget-min", minutes)
+        assert p.returncode == 2 and p.stdout == "", (mode, p.stdout)
+        assert p.stderr.count("\n") == 1 and "--budget-min takes whole minutes" in p.stderr
+    assert not (root / "PWNED").exists() and not (root / "python-calls").exists()
+
+
+def modules_run(root: Path) -> str:
+    calls = root / "python-calls"
+    return calls.read_text() if calls.exists() else ""
+
+
+def test_a_leading_zero_is_a_number_and_the_plan_starts_nothing(tmp_path):
+    """08 minutes is 8 (not bash's octal error); --plan prints the plan and starts no step."""
+    root = kit(tmp_path)
+    p = gpu_check(root, "--plan", "--budget-min", "08")
+    assert p.returncode == 0 and "gpu_check plan: 8 min of device time" in p.stdout, p.stderr
+    assert "-m " not in modules_run(root)
+
+
+@pytest.mark.parametrize("only", [".*", "h2h.*", "h2h,", ",tests", "tests;true", "H2H", "d12"])
+def test_only_takes_step_names_exactly_or_by_prefix(tmp_path, only):
+    """--only is names, not patterns: a regex, an empty name, a name that is no step and no
+    prefix before a _ of one: refused in one line."""
+    p = gpu_check(kit(tmp_path), "--plan", "--only", only)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert "--only" in p.stderr
+
+
+def test_only_by_name_and_by_prefix(tmp_path):
+    root = kit(tmp_path)
+    steps = lambda out: [line.split()[0] for line in out.splitlines()  # noqa: E731
+                         if line.startswith("  ") and "s  (seen" in line]
+    assert steps(gpu_check(root, "--plan", "--only", "h2h").stdout) == [
+        "h2h_d12", "h2h_d24_bf16", "h2h_d24_fp8"]
+    assert steps(gpu_check(root, "--plan", "--only", "tests,bench_optim_d20").stdout) == [
+        "tests", "bench_optim_d20"]
+
+
+@pytest.mark.parametrize("modes", [("--plan", "--prepare"), ("--dry-run", "--plan"),
+                                   ("--prepare", "--dry-run")])
+def test_modes_go_alone(tmp_path, modes):
+    """Two of --prepare, --plan and --dry-run: refused, neither runs."""
+    root = kit(tmp_path)
+    p = gpu_check(root, *modes)
+    assert p.returncode == 2 and "go alone" in p.stderr and p.stdout == ""
+    assert not (root / "python-calls").exists()
+
+
+def git(cwd: Path, *args) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def hostile_checkout(root: Path) -> Path:
+    """A nanochat checkout whose git config runs commands: fsmonitor, a hook, a clean filter and
+    an external diff, each touching a file in root if it ever runs; and a FIFO among its .py."""
+    src = root / "evil"
+    (src / "nanochat").mkdir(parents=True)
+    (src / "nanochat" / "gpt.py").write_text("class GPT: pass\nclass GPTConfig: pass\n")
+    (src / "LICENSE").write_text("MIT\n")
+    git(src, "init", "-q")
+    git(src, "add", ".")
+    git(src, "commit", "-q", "-m", "one")
+    for key, value in (("core.fsmonitor", f"touch {root}/PWNED-fsmonitor; false"),
+                       ("filter.evil.clean", f"touch {root}/PWNED-filter; cat"),
+                       ("diff.external", f"touch {root}/PWNED-diff")):
+        git(src, "config", key, value)
+    (src / ".gitattributes").write_text("*.py filter=evil\n")
+    hook = src / ".git" / "hooks" / "post-checkout"
+    hook.write_text(f"#!/bin/sh\ntouch {root}/PWNED-hook\n")
+    hook.chmod(0o755)
+    os.mkfifo(src / "nanochat" / "fifo.py")
+    return src
+
+
+def test_prepare_runs_nothing_of_the_checkout_and_copies_regular_files(tmp_path):
+    """--prepare on a hostile checkout: none of its commands run, the FIFO is left behind (no
+    hang), gpt.py and the license are copied, and the commit is git's HEAD; an edited gpt.py then
+    makes it HEAD+changes, still without running anything."""
+    root = kit(tmp_path)
+    src = hostile_checkout(root)
+    head = git(src, "rev-parse", "HEAD")
+    p = gpu_check(root, "--prepare", NANOCHAT=str(src))
+    assert p.returncode == 0, p.stdout + p.stderr
+    copy = root / ".gpu_check" / "nanochat"
+    assert sorted(f.name for f in (copy / "nanochat").iterdir()) == ["gpt.py"]
+    assert (copy / "LICENSE").is_file() and (copy / "COMMIT").read_text().strip() == head
+    (src / "nanochat" / "gpt.py").write_text("class GPT: pass\nclass GPTConfig: pass\n# edit\n")
+    assert gpu_check(root, "--prepare", NANOCHAT=str(src)).returncode == 0
+    assert (copy / "COMMIT").read_text().strip() == head + "+changes"
+    assert not list(root.glob("PWNED*")), list(root.glob("PWNED*"))
+
+
+def test_a_failed_prepare_keeps_the_earlier_copy_and_the_commit_is_escaped(tmp_path):
+    """A COMMIT file's escape sequences never reach the kit or the terminal; a checkout whose
+    gpt.py is a link is refused in one line, and the copy made before stays whole."""
+    root = kit(tmp_path)
+    src = root / "plain"
+    (src / "nanochat").mkdir(parents=True)
+    (src / "nanochat" / "gpt.py").write_text("class GPT: pass\nclass GPTConfig: pass\n")
+    (src / "COMMIT").write_bytes(b"\x1b[31mabc123\x07\n\x1b]0;title\x07")
+    p = gpu_check(root, "--prepare", NANOCHAT=str(src))
+    assert p.returncode == 0 and "\x1b" not in p.stdout + p.stderr, p.stderr
+    commit = (root / ".gpu_check" / "nanochat" / "COMMIT").read_text().strip()
+    assert commit == "31mabc1230title", commit
+    bad = root / "linked"
+    (bad / "nanochat").mkdir(parents=True)
+    (bad / "nanochat" / "gpt.py").symlink_to(src / "nanochat" / "gpt.py")
+    p = gpu_check(root, "--prepare", NANOCHAT=str(bad))
+    assert p.returncode != 0 and "holds no nanochat/gpt.py" in p.stderr, p.stderr
+    assert (root / ".gpu_check" / "nanochat" / "nanochat" / "gpt.py").is_file()
+    assert (root / ".gpu_check" / "nanochat" / "COMMIT").read_text().strip() == commit
+
+
+def test_bench_nanochat_reads_a_commit_as_plain_text_and_runs_no_git_hook(tmp_path):
+    """bench_nanochat's commit_of: a COMMIT file's escapes removed; on a hostile checkout git runs
+    none of its commands, and an edit shows as +changes."""
+    from scripts.bench_nanochat import commit_of
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "COMMIT").write_bytes(b"\x1b[2Jdeadbeef\n")
+    assert commit_of(plain) == "2Jdeadbeef"
+    src = hostile_checkout(tmp_path)
+    os.unlink(src / "nanochat" / "fifo.py")
+    head = git(src, "rev-parse", "HEAD")
+    assert commit_of(src) == head
+    (src / "nanochat" / "gpt.py").write_text("# edited\n")
+    assert commit_of(src) == head + "+changes"
+    assert not list(tmp_path.glob("PWNED*")), list(tmp_path.glob("PWNED*"))
