@@ -346,11 +346,14 @@ def c10d_quiet():
 
 
 def rendezvous(rank: int, world_size: int, timeout: float = RENDEZVOUS_TIMEOUT_S):
-    """The processes meet at MASTER_ADDR:MASTER_PORT, as torchrun sets them; the store they share.
-    Missing variables are one line, not a traceback; waiting says so after 10 s, and gives up after
-    `timeout` seconds (NANOMUON_RENDEZVOUS_TIMEOUT) with one line naming what it waited for
-    (torch's own wait is 30 minutes, in silence). Collectives keep torch's timeout."""
+    """The processes meet at MASTER_ADDR:MASTER_PORT, as torchrun sets them; the store they share
+    (a world of one needs neither: its own store). Missing variables are one line, not a
+    traceback; waiting says so after 10 s, and gives up after `timeout` seconds
+    (NANOMUON_RENDEZVOUS_TIMEOUT) with one line naming what it waited for (torch's own wait is 30
+    minutes, in silence). Collectives keep torch's timeout."""
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and world_size == 1:  # one process meets no other: a store of its own
+        return dist.HashStore()
     if missing:
         raise SystemExit(f"error: WORLD_SIZE={world_size} asks for {world_size} processes but "
                          f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "

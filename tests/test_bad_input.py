@@ -560,6 +560,20 @@ def test_a_process_group_without_its_peers_is_one_line(tmp_path):
     assert "the 2 processes did not all meet at 127.0.0.1:" in p.stderr and "within 12 s" in p.stderr
 
 
+def test_a_world_of_one_needs_no_master_addr(base):
+    """RANK=0 LOCAL_RANK=5 WORLD_SIZE=1 without MASTER_ADDR (a shell's leftovers, or a scheduler's
+    one-task job): one process has no peer to meet, so it trains, in a process group of its own."""
+    from test_train import child_env
+
+    env = dict(child_env(base), RANK="0", LOCAL_RANK="5", WORLD_SIZE="1")
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "scripts.base_train", *GOOD, "--run", "one"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "final val bpb" in p.stdout and "MASTER_ADDR" not in p.stdout + p.stderr
+
+
 def test_a_rank_whose_peer_never_listens_is_one_line(tmp_path):
     """Rank 1 connects to rank 0's store, which never opens: c10d logs each failed try with its C++
     stack (40-odd lines); the run says what it waited for in one line, nothing more."""
