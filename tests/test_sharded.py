@@ -293,16 +293,20 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
 
+    # A mean over 3 ranks rounds differently from the reference's (halving and quartering are
+    # exact), and AdamW scales an element whose grad nearly cancels up to its lr: 4e-5 seen after
+    # 5 steps, against the 1e-2 a wrong shard's update would move an element by.
+    atol = 1e-4 if world_size == 3 else 2e-5
     train(model, opt, range(3))
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_same(name, p, q, 2e-5)
+        assert_same(name, p, q, atol)
     if not shard_root:  # replicated params stay bitwise identical across ranks
         every = [torch.empty_like(model.wte.weight) for _ in range(world_size)]
         dist.all_gather(every, model.wte.weight.detach())
         assert all(torch.equal(e, every[0]) for e in every)
     # the whole state is the unsharded one; a fresh sharded model resumes from it (and from its weights)
     saved = opt.state_dict()
-    assert_state_matches(saved, ref_opt.state_dict(), 2e-5)
+    assert_state_matches(saved, ref_opt.state_dict(), atol)
     weights = {k: full(v).clone() for k, v in model.state_dict().items()}
     again = GPT(config)
     again.load_state_dict(start)
@@ -312,7 +316,7 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
     opt2.load_state_dict(copy.deepcopy(saved))
     train(again, opt2, range(3, 5))
     for (name, p), q in zip(again.named_parameters(), ref.parameters()):
-        assert_same(f"resumed {name}", p, q, 2e-5)
+        assert_same(f"resumed {name}", p, q, atol)
 
 
 @pytest.mark.parametrize("shard_root", [True, False], ids=["all-fsdp", "fsdp-blocks-replicated-rest"])
