@@ -115,9 +115,12 @@ def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon 
     check_regular(path, what, fix)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is a {file_kind(info.st_mode)}, not {what}: {fix}")
+        if info.st_size > limit:  # a sparse file's size costs no disk: never read it whole
+            raise ValueError(f"{path} is over {limit:,} bytes ({info.st_size:,}), more than "
+                             f"{what} ever holds: {fix}")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path} is over {limit:,} bytes, more than {what} ever holds: {fix}")

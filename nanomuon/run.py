@@ -19,6 +19,7 @@ A run's directory, runs/<run>/: one owner for everything in it but the inside of
 import argparse
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -488,8 +489,9 @@ class Writer(NamedTuple):
 WRITERS = {"base_eval": Writer(keys=("core", "core_step", "core_tasks", "core_max_per_task",
                                      "core_headline"),
                                step_key="core_step", headline="> CORE: ")}
-REPORT_BYTES = 1 << 30  # a run's report.md read back: megabytes at most
-SUMMARY_BYTES = 16 << 20  # a run's summary.json read back: base_train writes a few KB
+REPORT_BYTES = 4 << 20  # a run's report.md read back: base_train and base_eval write a few KB
+SUMMARY_BYTES = 1 << 20  # a run's summary.json read back: base_train writes a few KB
+MAX_STEP_DIGITS = 12  # a section's step: more digits than any run takes is no section
 REPORT, SUMMARY = "the report base_train writes", "the summary base_train writes"
 
 
@@ -501,7 +503,7 @@ def section_heading(writer: str, step: int) -> str:
 def section_of(line: str) -> tuple[str, int] | None:
     """(writer, step) of a report.md line that heads another writer's section (section_heading's
     form); None for any other line."""
-    m = re.fullmatch(r"## (.+), step (\d+)", line)
+    m = re.fullmatch(rf"## (.+), step (\d{{1,{MAX_STEP_DIGITS}}})", line)
     return (m[1], int(m[2])) if m and m[1] in WRITERS else None
 
 
@@ -530,9 +532,13 @@ def split_results(lines: list[str], record: dict, step: int):
         if shown_in and shown_in[-1] > step:
             later_head.append(headline)
         measured = record.get(writer.step_key)
-        if isinstance(measured, int) and measured > step:
+        counted = isinstance(measured, int) and not isinstance(measured, bool)
+        # a step that is no step (a string, a bool): which step it measured is unknown, so a
+        # rewind moves its keys aside with the later ones rather than keep them as current
+        if writer.step_key in record and (not counted or measured > step):
             moved.update({k: v for k, v in record.items() if k in writer.keys})
-            measured_later.add(measured)
+            if counted:
+                measured_later.add(measured)
     kept = [x for x in head if x not in later_head]
     kept += [x for _, s, body in sections if s <= step for x in body]
     later = [*later_head, ""] if later_head else []
@@ -580,12 +586,26 @@ def others_report(report: Path) -> tuple[list[str], list[str]]:
         text = read_regular(report, REPORT_BYTES, REPORT).decode(errors="replace")
     except FileNotFoundError:
         return [], []
-    except ValueError as e:  # swapped for a FIFO or a huge file mid-run: the new report replaces it
-        print0(f"note: {e}; base_train writes its report without what was in it")
+    except ValueError as e:  # swapped for a FIFO or a huge file mid-run: kept aside, not read
+        print0(f"note: {one_line(e)}; {set_report_aside(report)}")
         return [], []
     marks = tuple(w.headline for w in WRITERS.values())
     headlines = [x for x in text.split("\n") if x.startswith(marks)]
     return headlines, others_part(text.rstrip("\n").split("\n"))
+
+
+def set_report_aside(report: Path) -> str:
+    """Move an unreadable report.md (too big, not a regular file) to report.md.aside.N, the first N
+    free, so the report base_train writes next destroys nothing; says what it did."""
+    for n in itertools.count(1):
+        aside = report.with_name(f"{report.name}.aside.{n}")
+        if not aside.exists() and not aside.is_symlink():
+            break
+    try:
+        os.rename(report, aside)
+    except OSError as e:
+        return f"it could not be moved aside ({e.strerror}): base_train's report replaces it"
+    return f"moved to {aside.name}, kept; base_train writes its report anew"
 
 
 def others_summary(summary: Path) -> dict:

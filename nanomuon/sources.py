@@ -47,6 +47,7 @@ from nanomuon.common import (
     get_base_dir,
     load_json,
     one_line,
+    shown,
     what_filled,
     write_atomic,
 )
@@ -236,7 +237,8 @@ def _local_files(spec: str) -> tuple[str, list[Path], list[Path]]:
 
 
 def _names(paths: list[Path]) -> str:
-    return ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+    return (", ".join(shown(p.name, 100, quote=False) for p in paths[:3])
+            + (" ..." if len(paths) > 3 else ""))
 
 
 def _holds_nothing(p: Path) -> bool:
@@ -522,11 +524,12 @@ def _write_shards(d: Path, train_docs, val_docs, fraction: float, t0: float):
 def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fraction: float | None,
            slot: str) -> None:
     t0, counts = time.time(), {}
-    print(f"nanomuon: preparing {spec} in {d}", file=sys.stderr)
+    named = shown(spec, 300, quote=False)  # a path may hold newlines or terminal escapes
+    print(f"nanomuon: preparing {named} in {d}", file=sys.stderr)
     opener = _open_hub_source if source[0] == "hub" else _open_local_source
     train_docs, val_docs, held, revision = opener(spec, source, text_column, counts)
     if held and val_fraction is not None:
-        raise ValueError(f"{spec} has its own {held!r} split, so --val-fraction does not apply "
+        raise ValueError(f"{named} has its own {held!r} split, so --val-fraction does not apply "
                          "to it: drop it")
     fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
 
@@ -534,7 +537,7 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
     (d / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
     train, val = _write_shards(d, train_docs, val_docs, fraction, t0)
     if not train.docs or not val.docs:
-        raise ValueError(f"--dataset {spec} gave {train.docs} documents with text to train on and "
+        raise ValueError(f"--dataset {named} gave {train.docs} documents with text to train on and "
                          f"{val.docs} to validate on: it needs at least one of each "
                          "(a text file is one document)")
     for stale in set(d.glob("*.parquet")) - {d / n for n in train.names + val.names}:
@@ -547,7 +550,7 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
                     slot=slot)
     write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
     # the files skipped, guessed at or left out, and rows without text, were said as they were read
-    print(f"nanomuon: prepared {spec}: {train.docs:,} train and {val.docs:,} val documents "
+    print(f"nanomuon: prepared {named}: {train.docs:,} train and {val.docs:,} val documents "
           f"({manifest['val_split']}),"
           f" {(train.chars + val.chars) / 1e6:,.1f}M chars in {time.time() - t0:.1f} s"
           + (f"; {counts['empty']:,} empty documents left out" if counts.get("empty") else ""),

@@ -33,6 +33,7 @@ from nanomuon.common import (
     load_json,
     one_line,
     print0,
+    shown,
     user_errors,
     wandb_key_problem,
 )
@@ -146,9 +147,9 @@ def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[st
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
     scored = scored_tokens(rows)
-    print0(f"run {args.run} step {meta['step']}: {dataset} val bpb {bpb:.4f} over {scored:,} "
-           "tokens")
-    return bpb, [f"- {dataset} val bpb: {bpb:.4f}"]
+    named = shown(dataset, 500, quote=False)  # a path's newline or escape: escaped, in the report too
+    print0(f"run {args.run} step {meta['step']}: {named} val bpb {bpb:.4f} over {scored:,} tokens")
+    return bpb, [f"- {named} val bpb: {bpb:.4f}"]
 
 
 def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, list[str]]:

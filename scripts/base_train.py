@@ -821,7 +821,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
                             "the tokenizer and data (fingerprint, dataset, train documents, "
                             "val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
-        print0(f"note: the {args.dataset} val split holds only {len(val)} rows of "
+        print0(f"note: the {shown(args.dataset, 300, quote=False)} val split holds only "
+               f"{len(val)} rows of "
                f"{args.max_seq_len} tokens, fewer than --eval-tokens {args.eval_tokens:,} asks "
                "for; evaluating on all of it")
     if args.fsdp:
@@ -1055,7 +1056,7 @@ def announce(run: Run) -> None:
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
-           f"{args.dataset}, {run.world_size} x "
+           f"{shown(args.dataset, 300, quote=False)}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{precision_words(*precision_of(args))}")
     if args.wandb != "off" and run.rank == 0:
@@ -1298,13 +1299,15 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
            else platform.processor() or platform.machine())
     headlines, sections = others_report(Path(run_dir) / "report.md")
     lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
-             f"- command: `{' '.join(sys.argv)}`",
+             # what a user typed or named is escaped: no newline of it starts a line here
+             f"- command: `{shown(' '.join(sys.argv), 2000, quote=False)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
              f"attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
-             f"- data: {args.dataset}, {num_iterations * args.total_batch_size:,} tokens in "
+             f"- data: {shown(args.dataset, 500, quote=False)}, "
+             f"{num_iterations * args.total_batch_size:,} tokens in "
              f"{num_iterations} steps of {args.total_batch_size:,}; "
              f"rank 0 packed {summary['packing']}",
              f"- training time: {loop['train_time'] / 60:.2f} min "
@@ -1315,7 +1318,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     lines += result_lines(summary, args.seeds)
     png = plot_curves(Path(run_dir) / "curves.png", curve_panels(loop, args.seeds),
                       title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, "
-                            f"{args.dataset}")
+                            f"{shown(args.dataset, 80, quote=False)}")
     lines += ["", "## Curves", "",
               "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
     names = [f"seed {seed}" for seed in args.seeds] if args.seeds else ["val bpb"]

@@ -139,7 +139,9 @@ def test_what_the_project_reads_back_is_never_a_fifo_or_unbounded(good, tmp_path
     os.unlink(run / "report.md")
     with open(run / "report.md", "wb") as f:
         f.truncate((1 << 30) + 1)  # sparse: a report no run writes, never read whole
-    assert "is over 1,073,741,824 bytes" in str(within(60, lambda: results_after(run, 1))["error"])
+    # refused by its size, unread: within a second
+    assert "is over 4,194,304 bytes (1,073,741,825)" in str(
+        within(1, lambda: results_after(run, 1))["error"])
 
 
 @pytest.mark.parametrize("pattern", ["", "a*", "x|(?=y)"])

@@ -225,3 +225,53 @@ def test_each_writers_part_is_found_by_its_own_mark(tmp_path, monkeypatch):
     headlines, sections = run.others_report(tmp_path / "report.md")
     assert headlines == ["> probe: 1.4", "> CORE: 0.1"] and sections[-3:] == ["## probe, step 6", "",
                                                                                  "- bpb 1.4"]
+
+
+def test_no_text_in_report_md_is_read_as_another_writers_section(tmp_path):
+    """A section's step is bounded (a 5,000-digit one is plain text, not a resume-breaking int), a
+    summary.json step of the wrong type is moved aside by a rewind rather than kept as current,
+    and a report or summary over the limits is never read: refused by its size, and report.md set
+    aside (kept) before base_train writes its own."""
+    from nanomuon import run
+
+    huge = "## base_eval, step " + "9" * 5000
+    assert run.section_of(huge) is None and run.section_of("## base_eval, step 12") == (
+        "base_eval", 12)
+    kept, later, record, moved, steps = run.split_results(
+        ["# a run", "", huge, "## base_eval, step 2", "0.1"],
+        dict(final_val_bpb=2.0, core=0.1, core_step="8"), 3)
+    assert kept == ["# a run", "", huge, "## base_eval, step 2", "0.1"] and later == []
+    assert moved == dict(core=0.1, core_step="8") and record == dict(final_val_bpb=2.0)
+    report = tmp_path / "report.md"
+    with open(report, "wb") as f:  # sparse: 1 GiB of size, no disk
+        f.truncate(1 << 30)
+    t0 = time.perf_counter()
+    assert run.others_report(report) == ([], [])
+    assert time.perf_counter() - t0 < 1, "a sparse 1 GiB report.md was read"
+    assert not report.exists() and (tmp_path / "report.md.aside.1").stat().st_size == 1 << 30
+    summary = tmp_path / "summary.json"
+    with open(summary, "wb") as f:
+        f.truncate(1 << 30)
+    assert run.others_summary(summary) == {}
+    with pytest.raises(ValueError, match="1,073,741,824 bytes, more than"):
+        run.load_json(summary, run.SUMMARY_BYTES)
+
+
+def test_a_dataset_path_with_a_newline_and_escapes_is_escaped_everywhere(base, tmp_path):
+    """--dataset naming a folder whose name holds a newline, a forged base_eval heading and
+    terminal escapes: the run trains, nothing of the name reaches the terminal or report.md raw, and
+    a resume finds no base_eval section of a step that was never measured."""
+    folder = tmp_path / "data\n## base_eval, step 99\n\x1b[31mred"
+    folder.mkdir()
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly box".split()
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(" ".join(words[(i * j) % 13] for j in range(300)))
+    flags = [f for f in FLAGS if f not in ("--dataset", "embedded")]
+    cmd = [sys.executable, "-m", "scripts.base_train", *flags, "--dataset", str(folder),
+           "--run", "named", "--num-iterations", "2", "--save-every", "1"]
+    first = run(cmd, base)
+    text = (base / "runs" / "named" / "report.md").read_text()
+    assert "\x1b" not in first.stdout + first.stderr + text
+    assert "## base_eval, step 99" not in text.splitlines(), text
+    again = run([*cmd, "--resume-from-step", "1"], base)
+    assert "base_eval's results" not in again.stdout and "\x1b" not in again.stdout, again.stdout
