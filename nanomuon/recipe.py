@@ -182,30 +182,49 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
 
 # Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with
 # fused attention (no T x T scores): per layer and unit of width, and per vocabulary entry (the
-# logits). Fitted to the peak RSS of training steps on CPU at d3 and d4 (d6 and d8 come out 1.2-1.3x
-# over, a 3.5 MB d2 0.83x under; tests/test_recipe.py checks the bound on CPU, tests/test_cuda.py on a
-# GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
-# compiled -> (per layer x width, per vocab entry)
-ACTIVATION_BYTES = {False: (50, 3), True: (36, 5)}
+# logits). The classic GPT's were fitted to the peak RSS of training steps on CPU at d3 and d4 (d6
+# and d8 come out 1.2-1.3x over, a 3.5 MB d2 0.83x under; tests/test_recipe.py checks the bound on
+# CPU, tests/test_cuda.py on a GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
+# Arch 'nanochat' keeps more (its fp32 residual mixes with x0 at every layer, value embeddings,
+# gates): eager, 77 bytes a layer and unit of width were measured on the fake H100 at d24
+# (tests/test_fake_cuda.py); compiled is the classic's scaled alike (36 x 80 / 50), until
+# tests/test_cuda.py measures it on a GPU.
+# arch -> compiled -> (per layer x width, per vocab entry)
+ACTIVATION_BYTES = {"classic": {False: (50, 3), True: (36, 5)},
+                    "nanochat": {False: (80, 3), True: (58, 5)}}
 
 
-def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
-    """Estimated peak bytes of training a GPT of this GPTConfig (nanomuon.gpt; only its sizes are
-    read) on one device with micro-batches of `rows` rows of sequence_len tokens, by part: fp32
-    params and grads, the optimizer state (Muon momentum, AdamW moments), the bf16 weight copies
-    autocast makes, and the activations (what autograd keeps plus backward's largest
-    temporaries). A pure function of the sizes, so fit_device_batch can run before anything is
-    allocated. fp32 (bf16=False) counts activations twice."""
+def param_counts(config) -> dict[str, int]:
+    """A GPT's parameters by how they train: Muon's block matrices, AdamW's vocabulary-sized tables
+    (the embedding, lm_head and arch 'nanochat''s value embeddings) and its scalars and gates."""
     c = config
     kv = c.n_kv_head * (c.n_embd // c.n_head)
     matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)
-    vocab = c.vocab_size * c.n_embd  # the embedding and the lm_head each: AdamW
-    per_layer, per_vocab = ACTIVATION_BYTES[compiled]
+    tables, small = 2 * c.vocab_size * c.n_embd, 0
+    if getattr(c, "arch", "classic") == "nanochat":
+        with_ve = (c.n_layer + 1) // 2  # every other layer, the last included
+        matrices += with_ve * 12 * c.n_kv_head  # the value embeddings' gates
+        tables += with_ve * c.vocab_size * kv
+        small = 2 * c.n_layer + 24 + 2  # resid and x0 lambdas, the smear gate, two lambdas
+    return dict(matrices=matrices, tables=tables, small=small)
+
+
+def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
+    """Estimated peak bytes of training a GPT of this GPTConfig (nanomuon.gpt; only its sizes and
+    arch are read) on one device with micro-batches of `rows` rows of sequence_len tokens, by part:
+    fp32 params and grads, the optimizer state (Muon momentum, AdamW moments), the bf16 weight
+    copies autocast makes, and the activations (what autograd keeps plus backward's largest
+    temporaries). A pure function of the sizes, so fit_device_batch can run before anything is
+    allocated. fp32 (bf16=False) counts activations twice."""
+    c, n = config, param_counts(config)
+    every = n["matrices"] + n["tables"] + n["small"]
+    per_layer, per_vocab = ACTIVATION_BYTES[getattr(c, "arch", "classic")][compiled]
     per_token = (per_layer * c.n_layer * c.n_embd + per_vocab * c.vocab_size) * (1 if bf16 else 2)
-    return dict(params=4 * (matrices + 2 * vocab), grads=4 * (matrices + 2 * vocab),
-                # + Muon's per-row second moment
-                optimizer=4 * matrices + 4 * 12 * c.n_layer * c.n_embd + 16 * vocab,
-                bf16_copies=2 * (matrices + vocab) if bf16 else 0,
+    # Muon: momentum and a per-row second moment; AdamW: two moments of each table and scalar
+    optimizer = 4 * n["matrices"] + 4 * 12 * c.n_layer * c.n_embd + 8 * (n["tables"] + n["small"])
+    # autocast copies the matrices and lm_head to bf16; lookups are not copied
+    copies = 2 * (n["matrices"] + c.vocab_size * c.n_embd) if bf16 else 0
+    return dict(params=4 * every, grads=4 * every, optimizer=optimizer, bf16_copies=copies,
                 activations=rows * c.sequence_len * per_token)
 
 

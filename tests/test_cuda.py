@@ -161,15 +161,16 @@ def test_nccl_dist_optimizer_equals_single_device():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("arch", ["nanochat", "classic"])
 @pytest.mark.parametrize("depth", [12, 20])
-def test_train_memory_estimate_bounds_a_real_step(depth):
+def test_train_memory_estimate_bounds_a_real_step(depth, arch):
     """The estimate that --device-batch-size auto fits to the free memory, against torch's own peak count of a
     compiled bf16 training step (forward, backward, optimizer step) at d12 and d20 with 4 rows of 2048 tokens:
     at most the estimate, and not so far under it that the fit wastes most of the GPU."""
     from nanomuon.recipe import train_memory
 
     torch.manual_seed(0)
-    config = config_from_depth(depth, 32768, 2048)
+    config = config_from_depth(depth, 32768, 2048, arch=arch)
     model = GPT(config).cuda()
     model.init_weights()
     opt = model.setup_optimizer(compile=True)
@@ -183,5 +184,6 @@ def test_train_memory_estimate_bounds_a_real_step(depth):
         opt.step()
         model.zero_grad(set_to_none=True)
     peak, estimate = torch.cuda.max_memory_allocated(), sum(train_memory(config, 4).values())
-    print(f"d{depth}, 4 x 2048 tokens: peak {peak / 2 ** 30:.2f} GiB, estimate {estimate / 2 ** 30:.2f} GiB")
+    print(f"d{depth} {arch}, 4 x 2048 tokens: peak {peak / 2 ** 30:.2f} GiB, estimate "
+          f"{estimate / 2 ** 30:.2f} GiB")
     assert peak <= estimate <= 2 * peak, (peak, estimate)

@@ -521,7 +521,8 @@ def case_autofit(world: str, activations: str = "0"):
     with fake_gpu():
         args = parse_args(flags)
         args.dtype = resolve_dtype(dev, args.dtype)  # as base_train's build
-        model = on_gpu(unfaked(meta_gpt, 24, args.max_seq_len))  # built outside fake mode
+        # the speedrun's model, built outside fake mode
+        model = on_gpu(unfaked(meta_gpt, 24, args.max_seq_len, arch="nanochat"))
         rows = auto_device_batch(args, model.config, dev, world, compiled=True)
         per_step = args.total_batch_size // (args.max_seq_len * world)
         assert rows & (rows - 1) == 0 and per_step % rows == 0, (rows, per_step)
@@ -547,7 +548,8 @@ def case_autofit(world: str, activations: str = "0"):
         assert measured["activations"] <= est["activations"] + est["bf16_copies"], (measured, est)
     fitted = sum(train_memory(model.config, rows, compiled=True, bf16=True).values())
     assert fitted <= 0.85 * H100_FREE - 2 ** 30 < 2 * fitted, (rows, fitted / 2 ** 30)
-    print(f"autofit ok: {rows} rows compiled, {eager_rows} eager; measured {measured}")
+    print(f"autofit ok: {rows} rows compiled, {eager_rows} eager; measured {measured}, "
+          f"estimated {est}")
 
 
 def case_train(base: str, fp8: str):
