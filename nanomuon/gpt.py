@@ -544,6 +544,9 @@ class GPT(nn.Module):
         matrix_group = dict(matrix_group, name="matrices", params=matrices)
         groups += self._per_head_groups(matrix_group) if per_head else [matrix_group]
         groups = [g for g in groups if g["params"]]
+        if sum(len(g["params"]) for g in groups) != len(list(self.parameters())):
+            raise RuntimeError("a parameter is in no group or in two: GPT._adamw_groups and "
+                               "classify must cover the model's own")
         for g in groups:  # the one place the multiplier applies
             g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
             if g["kind"] == "muon":  # the peak a weight decay schedule scales
