@@ -98,9 +98,10 @@ def test_seed_models_are_views_and_the_batch_runs_each_seed_alone():
     assert len(set(losses.tolist())) == 3  # three different inits
 
 
-def test_a_batched_run_resumes_exactly(base):
+def test_a_batched_run_resumes_exactly(base, capsys):
     """Saved at step 3 and resumed by another main(), a batched run ends bitwise where the
-    uninterrupted one does (model and optimizer state)."""
+    uninterrupted one does (model and optimizer state); export writes it and says it holds the
+    seeds' models stacked."""
     from test_train import assert_bitwise_equal
 
     from nanomuon.checkpoint import load_checkpoint
@@ -115,6 +116,13 @@ def test_a_batched_run_resumes_exactly(base):
     (a, _), (b, _) = (load_checkpoint(base / "runs" / r, 6, names) for r in ("whole", "halves"))
     assert_bitwise_equal(a, b, "step 6")
     assert summary(base, "whole")["per_seed"] == summary(base, "halves")["per_seed"]
+    # export writes the stacked models, and says so
+    from scripts.export import main as export
+
+    out = export(["--run", "whole", "--model-only"])
+    assert out.is_file()
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "2 seeds' models stacked on dim 0 of every tensor" in said, said
 
 
 def test_one_seed_is_a_plain_run_and_what_cannot_be_batched_is_refused(base, capsys):
