@@ -374,11 +374,12 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
     if not outcome[0]:
         return final
     kept = [s for s in list_steps(run_dir) if s != step]
+    then = ("then resume with --resume-from-step latest" if kept else
+            "then start the run again (there is nothing to resume from)")
     kept = f"the checkpoint of step {kept[-1]} is kept" if kept else "there is no earlier checkpoint"
     if code := outcome[0][1]:
         what, fix = what_filled(code, run_dir)
-        raise OSError(code, f"{what} while saving step {step}; {kept}: {fix}, then resume with "
-                      "--resume-from-step latest")
+        raise OSError(code, f"{what} while saving step {step}; {kept}: {fix}, {then}")
     raise OSError(errno.EIO, f"cannot save step {step} in {run_dir}: {outcome[0][2]}; {kept}")
 
 

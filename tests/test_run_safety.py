@@ -275,3 +275,14 @@ def test_a_dataset_path_with_a_newline_and_escapes_is_escaped_everywhere(base, t
     assert "## base_eval, step 99" not in text.splitlines(), text
     again = run([*cmd, "--resume-from-step", "1"], base)
     assert "base_eval's results" not in again.stdout and "\x1b" not in again.stdout, again.stdout
+
+
+def test_a_file_size_limit_at_the_first_save_advises_starting_again(base):
+    """EFBIG (ulimit -f) at the first save: one line that says so, and that there is nothing to
+    resume from, not --resume-from-step latest."""
+    cmd = " ".join(train_cmd("--run", "efbig", "--num-iterations", "3", "--save-every", "1"))
+    p = subprocess.run(["bash", "-c", f'trap "" XFSZ; ulimit -f 400; exec {cmd}'], cwd=REPO,
+                       env=child_env(base), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip().count("\n") == 0, p.stderr[-2000:]
+    assert "file-size limit" in p.stderr and "there is no earlier checkpoint" in p.stderr
+    assert "start the run again" in p.stderr and "--resume-from-step" not in p.stderr, p.stderr
