@@ -112,7 +112,9 @@ DEFAULT_STEPS, DEFAULT_SEEDS = RULE_STEPS, 5
 # ablate step measures what they resolve and how long they take)
 GPU_SEEDS = 64
 DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
-DEFAULT_FLAGS = ["--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
+# --arch classic: the model ablate's defaults and the lr rule were measured on, on a GPU too
+# (base_train's auto would train arch 'nanochat' there); give --arch nanochat to ablate that one
+DEFAULT_FLAGS = ["--arch", "classic", "--dataset", "embedded", "--depth", "4", "--max-seq-len", "256",
                  "--device-batch-size", "8", "--total-batch-size", "4096",
                  "--num-iterations", str(DEFAULT_STEPS), "--eval-every", "50",
                  "--eval-tokens", "65536", "--final-eval-tokens", "262144", "--warmdown-ratio",
