@@ -6,7 +6,7 @@ nanochat's code is imported from the checkout, never copied. Its training-loop f
 its scripts/base_train.py, which runs on import, so they are written out here (NanochatRecipe) and
 compared with what nanomuon's base_train computes through its own functions. Four checks:
 1. Both GPTs at a small shape (SHAPE): nanochat's initialized weights go into nanomuon's model by a
-   name map (NAME_MAP). The forward losses on one batch agree within 1e-5, relative.
+   name map (nanochat_name). The forward losses on one batch agree within 1e-5, relative.
 2. TRAIN_STEPS steps, each repo with its own optimizer and its own schedules, on the same cycled
    batches: every step's loss agrees within 1e-4. The lrs are nanochat's d12-tuned defaults times
    LR_SCALE, its sqrt batch rule at 2^17 tokens a step: at the full lrs this tiny model's training
