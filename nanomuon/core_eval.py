@@ -63,9 +63,12 @@ MAX_ITEM = 1 << 20  # bytes of one task item's line (the longest real one is ~20
 MAX_CONFIG = 64 << 10  # bytes of core.yaml (nanochat's: ~4 KB; YAML parses slowly)
 MAX_META = 1 << 20  # bytes of eval_meta_data.csv (nanochat's: ~10 KB)
 MAX_TASKS = 100  # tasks core.yaml lists (CORE: 22)
-MAX_LINES = 100_000  # lines of one task file (the largest real task: ~20,000 items)
+MAX_LINES = 50_000  # lines of one task file (the largest real task: ~20,000 items)
+MAX_ITEMS = 250_000  # items of all tasks together (CORE's 22: ~91,000)
+MAX_WORK = 10 ** 10  # characters of every item's prompts together, each tokenized and run
+PROGRESS_S = 30  # a line at least this often while a bundle is read or scored
 MAX_OPTIONS = 100  # choices or context options of one item (real ones: a dozen at most)
-MAX_PROMPT = 4 << 20  # characters of one item's prompts, examples and all options together
+MAX_PROMPT = 1 << 20  # characters of one item's prompts, examples and options (real: ~0.2M)
 SIZE_LIMITS = {"core.yaml": MAX_CONFIG, "eval_meta_data.csv": MAX_META}
 MAX_DOWNLOAD = 1 << 30
 LAYOUT = "the zip, or a folder holding core.yaml, eval_meta_data.csv and eval_data/"
@@ -422,19 +425,45 @@ def task_configs(bundle: Bundle) -> list[dict]:
 
 def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
     """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task, each
-    item's prompts within MAX_PROMPT characters."""
-    baselines, tasks = read_baselines(bundle), []
-    for t in task_configs(bundle):
+    item's prompts within MAX_PROMPT characters, all tasks' items within MAX_ITEMS and their
+    prompts within MAX_WORK characters (counted before a task's items are parsed); a line at
+    least every PROGRESS_S seconds."""
+    baselines, tasks, configs = read_baselines(bundle), [], task_configs(bundle)
+    count = work = 0
+    tick = every(PROGRESS_S)
+    for t in configs:
+        where = f"CORE bundle {bundle.path}"
         if t["label"] not in baselines:
-            raise ValueError(f"CORE bundle {bundle.path}: eval_meta_data.csv has no random "
-                             f"baseline for task {t['label']}")
+            raise ValueError(f"{where}: eval_meta_data.csv has no random baseline for task "
+                             f"{t['label']}")
+        count += min(len(task_lines(bundle, t["dataset_uri"])), max_per_task or MAX_LINES)
+        if count > MAX_ITEMS:
+            raise ValueError(f"{where}: its tasks hold over {MAX_ITEMS:,} items together (CORE's "
+                             f"22 hold ~91,000): {USE}")
         items = read_items(bundle, t["dataset_uri"], t["icl_task_type"], max_per_task)
         tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
                           t.get("continuation_delimiter", " "), baselines[t["label"]], items,
                           t["dataset_uri"]))
-        check_prompts(bundle, tasks[-1])
+        work += check_prompts(bundle, tasks[-1])
+        if work > MAX_WORK:
+            raise ValueError(f"{where}: its prompts come to over {MAX_WORK:,} characters "
+                             f"together, more than CORE's tasks take: {USE}")
+        if tick():
+            print0(f"CORE: read {len(tasks)} of {len(configs)} tasks, {count:,} items")
     bundle._lines.clear()  # the split lines are not needed while the tasks are scored
     return tasks
+
+
+def every(seconds: float):
+    """A function that answers True at most once every `seconds` (the first call: False)."""
+    last = [time.monotonic()]
+
+    def due() -> bool:
+        if time.monotonic() - last[0] < seconds:
+            return False
+        last[0] = time.monotonic()
+        return True
+    return due
 
 
 def prompt_chars(task: Task, idx: int) -> int:
@@ -455,15 +484,19 @@ def prompt_chars(task: Task, idx: int) -> int:
     return len(options) * (head + stem) + sum(map(len, options))
 
 
-def check_prompts(bundle: Bundle, task: Task) -> None:
+def check_prompts(bundle: Bundle, task: Task) -> int:
     """Each item's prompts, all of which are tokenized before the window crops them, within
-    MAX_PROMPT characters: few-shot examples and options multiply an item's size."""
+    MAX_PROMPT characters: few-shot examples and options multiply an item's size. Returns the
+    task's characters in all."""
+    total = 0
     for idx in range(len(task.items)):
         if (n := prompt_chars(task, idx)) > MAX_PROMPT:
             raise ValueError(f"CORE bundle {bundle.path}: task {task.label} (eval_data/"
                              f"{task.uri}): an item's prompts, {task.shots}-shot, come to {n:,} "
                              f"characters, over the {MAX_PROMPT:,} any eval item needs: "
                              "shorten its items or lower its num_fewshot")
+        total += n
+    return total
 
 
 # -- prompts and scoring ---------------------------------------------------------------------------
@@ -557,8 +590,13 @@ def evaluate_task(model, tokenizer, task: Task, device, dtype: str = "auto") -> 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     right = torch.zeros(len(task.items), dtype=torch.float32, device=device)
-    for idx in range(rank, len(task.items), world):
+    tick, t0, mine = every(PROGRESS_S), time.perf_counter(), range(rank, len(task.items), world)
+    for done, idx in enumerate(mine, 1):
         right[idx] = float(score_item(model, tokenizer, task, idx, device, dtype))
+        if tick():  # rank 0's share, as the others pace alike
+            left = (time.perf_counter() - t0) / done * (len(mine) - done)
+            print0(f"CORE {task.label}: {done:,} of {len(mine):,} items on this rank, "
+                   f"~{left / 60:.1f} min left for the task")
     if distributed:
         dist.all_reduce(right)
     return right.sum().item() / len(task.items)

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import time
 import urllib.error
@@ -678,3 +679,32 @@ def test_base_eval_flags(flag, message, capsys):
     with pytest.raises(SystemExit):
         base_eval(*flag)
     assert message in capsys.readouterr().err
+
+
+def test_all_tasks_together_are_bounded_in_items_and_characters(tmp_path, monkeypatch):
+    """A bundle whose tasks hold more items, or more prompt characters, than CORE's own is one
+    line of error, said as its tasks are read (before the items over the bound are parsed)."""
+    path = write_zip(tmp_path / "b.zip")
+    tasks = load_tasks(Bundle(path))
+    items = sum(len(t.items) for t in tasks)
+    chars = sum(core_eval.prompt_chars(t, i) for t in tasks for i in range(len(t.items)))
+    monkeypatch.setattr(core_eval, "MAX_ITEMS", items)
+    monkeypatch.setattr(core_eval, "MAX_WORK", chars)
+    assert len(load_tasks(Bundle(path))) == 3  # at the bounds: accepted
+    monkeypatch.setattr(core_eval, "MAX_ITEMS", items - 1)
+    with pytest.raises(ValueError, match=rf"hold over {items - 1:,} items together"):
+        load_tasks(Bundle(path))
+    monkeypatch.setattr(core_eval, "MAX_ITEMS", items)
+    monkeypatch.setattr(core_eval, "MAX_WORK", chars - 1)
+    with pytest.raises(ValueError, match=rf"prompts come to over {chars - 1:,} characters"):
+        load_tasks(Bundle(path))
+
+
+def test_reading_and_scoring_say_how_far_they_are(tmp_path, monkeypatch, capsys):
+    """What a bundle takes long to read or score shows a line at least every PROGRESS_S seconds:
+    the tasks read, and each task's items scored with the time left."""
+    monkeypatch.setattr(core_eval, "PROGRESS_S", 0)
+    check_scores(run_core(write_zip(tmp_path / "b.zip")))
+    out = capsys.readouterr().out
+    assert "CORE: read 1 of 3 tasks" in out and "CORE: read 3 of 3 tasks" in out, out
+    assert re.search(r"CORE mc_task: 1 of \d+ items on this rank, ~[\d.]+ min left", out), out
