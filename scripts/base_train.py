@@ -556,6 +556,12 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
          "identical copies of its tokenizer and data with runs/ shared (docs/training.md, 'Several nodes')")
 
 
+# A batched model's memory over its seeds' estimate (train_memory each): peak RSS of 2 compiled
+# steps at ablate's shape (d4, 8 x 256 tokens, bf16) grew 0.25 GiB a seed at 1, 8 and 40 seeds
+# (0.79, 2.55, 10.52 GiB), where train_memory says 0.18 (AMD EPYC, 2026-11-28)
+SEEDS_MEMORY = 1.4
+
+
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
     """On a CPU, estimate training's memory (recipe.train_memory: params, grads, optimizer state,
     bf16 copies, activations; all of this machine's processes) before any of it is allocated:
@@ -564,7 +570,9 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
     if (free := available_memory()) is None:
         return
     parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
-    parts = {k: v * len(args.seeds or [1]) for k, v in parts.items()}  # each seed a whole model's
+    # each seed a whole model's, and a batched model's vmapped steps keep more (SEEDS_MEMORY)
+    copies = len(args.seeds) * SEEDS_MEMORY if args.seeds else 1
+    parts = {k: int(v * copies) for k, v in parts.items()}
     if args.fsdp:  # each process holds its shard of the model's state; activations are its own
         parts = {k: v if k == "activations" else v // world_size for k, v in parts.items()}
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
@@ -575,9 +583,11 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
             f"--device-batch-size {args.device_batch_size}, --max-seq-len {args.max_seq_len})")
     error = None
     if need > mem + swap:
+        fits = int(len(args.seeds) * (mem + swap) / need) if args.seeds else 0
+        lower = (f"train at most {fits} seeds at once (--seeds of {fits})" if fits
+                 else "lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
         error = (f"{what}, and this machine has {mem / gib:.1f} GiB free"
-                 + (f" and {swap / gib:.1f} GiB of swap" if swap else "")
-                 + ": lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
+                 + (f" and {swap / gib:.1f} GiB of swap" if swap else "") + f": {lower}")
     elif need > mem:
         print0(f"warning: {what}: more than the {mem / gib:.1f} GiB free, so it will swap (slow) "
                "or be killed when memory runs out")
