@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from test_dist import assert_replicated_tensors, spawn
-from test_seeds import relative, summary
+from test_seeds import each_seed_is_its_own_run, relative, summary
 from test_train import TINY, assert_bitwise_equal
 
 from nanomuon import reference, update_math
@@ -538,14 +538,7 @@ def test_batched_seeds_train_as_their_own_runs(base, monkeypatch):
     main([*FLAGS, "--seeds", "1,2", "--run", "nc-batched"])
     batched = summary(base, "nc-batched")
     assert batched["seeds"] == [1, 2]
-    for seed in (1, 2):
-        main([*FLAGS, "--seed", str(seed), "--run", f"nc-{seed}"])
-        alone, mine = summary(base, f"nc-{seed}"), batched["per_seed"][str(seed)]
-        for key in ("final_val_bpb", "min_val_bpb", "final_eval_bpb"):
-            assert relative(mine[key], alone[key]) <= 1e-4, (seed, key, mine[key], alone[key])
-        assert [s for s, _ in mine["val_history"]] == [s for s, _ in alone["val_history"]]
-        assert all(relative(a, b) <= 1e-4 for (_, a), (_, b) in zip(mine["val_history"],
-                                                                    alone["val_history"]))
+    each_seed_is_its_own_run(base, FLAGS, batched, "nc")
     assert batched["per_seed"]["1"]["final_val_bpb"] != batched["per_seed"]["2"]["final_val_bpb"]
 
 

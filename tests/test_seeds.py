@@ -32,6 +32,23 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def each_seed_is_its_own_run(base, flags: list[str], batched: dict, prefix: str) -> None:
+    """Train each seed of a batched run's summary alone (runs prefix-SEED) and assert that its
+    final val bpb, final eval and val history are the batched run's for it, within 1e-4 relative
+    (batched matmuls may round otherwise)."""
+    from scripts.base_train import main
+
+    for seed in batched["seeds"]:
+        main([*flags, "--seed", str(seed), "--run", f"{prefix}-{seed}"])
+        alone, mine = summary(base, f"{prefix}-{seed}"), batched["per_seed"][str(seed)]
+        for key in ("final_val_bpb", "min_val_bpb", "final_eval_bpb"):
+            assert relative(mine[key], alone[key]) <= 1e-4, (seed, key, mine[key], alone[key])
+        assert [s for s, _ in mine["val_history"]] == [s for s, _ in alone["val_history"]]
+        assert all(relative(a, b) <= 1e-4 for (_, a), (_, b) in zip(mine["val_history"],
+                                                                    alone["val_history"]))
+        assert mine["final_eval_tokens"] == alone["final_eval_tokens"]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_seed_of_a_batched_run_trains_as_its_own_run(base, variant):
     """Seeds 1 and 2 batched against each trained alone: the same final val bpb, final eval and
@@ -42,15 +59,7 @@ def test_each_seed_of_a_batched_run_trains_as_its_own_run(base, variant):
     main([*flags, "--seeds", "1,2", "--run", f"{variant}-batched"])
     batched = summary(base, f"{variant}-batched")
     assert batched["seeds"] == [1, 2] and "final_val_bpb" not in batched
-    for seed in (1, 2):
-        main([*flags, "--seed", str(seed), "--run", f"{variant}-{seed}"])
-        alone, mine = summary(base, f"{variant}-{seed}"), batched["per_seed"][str(seed)]
-        for key in ("final_val_bpb", "min_val_bpb", "final_eval_bpb"):
-            assert relative(mine[key], alone[key]) <= 1e-4, (seed, key, mine[key], alone[key])
-        assert [s for s, _ in mine["val_history"]] == [s for s, _ in alone["val_history"]]
-        assert all(relative(a, b) <= 1e-4 for (_, a), (_, b) in zip(mine["val_history"],
-                                                                    alone["val_history"]))
-        assert mine["final_eval_tokens"] == alone["final_eval_tokens"]
+    each_seed_is_its_own_run(base, flags, batched, variant)
     report = (base / "runs" / f"{variant}-batched" / "report.md").read_text()
     assert "- seed 1: final val bpb" in report and "- seed 2: final val bpb" in report, report
     assert "| step | seed 1 | seed 2 |" in report, report
