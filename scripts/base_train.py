@@ -5,9 +5,9 @@ on CPU).
 No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the
 model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
 micro-batches up to --total-batch-size tokens per step; the lr follows warmup / constant / linear
-warmdown, Muon's momentum and weight decay follow the arch's schedules (nanomuon/recipe.py). --arch
-picks nanochat 92d63d4's model or the classic one (nanomuon/gpt.py). Checkpoints resume bit for bit, at any process
-count; one run at a time owns its run dir (docs/training.md).
+warmdown, Muon's momentum and weight decay follow the arch's schedules (schedule_group). --arch
+picks nanochat 92d63d4's model or the classic one (nanomuon/gpt.py). Checkpoints resume bit for
+bit, at any process count; one run at a time owns its run dir (docs/training.md).
 """
 
 import argparse
