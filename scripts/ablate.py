@@ -292,8 +292,8 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
     data_seed = seed if data_seed is None else data_seed
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value,
-             cache.get("swept", {}).get(value), seed, data_seed, flags, nproc, threads,
+    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, data_seed, flags,
+             nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     label = (f"{variant} {swept} {value} seed {seed}" + (f" data {data_seed}" if data_seed != seed
@@ -361,8 +361,8 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
-    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value,
-             cache.get("swept", {}).get(value), seeds, data_seed, flags, nproc, threads,
+    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seeds,
+             data_seed, flags, nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     label = (f"{variant} {swept} {value} seeds {seeds[0]}-{seeds[-1]} batched"
@@ -784,6 +784,9 @@ def parse_args(argv):
     if any(f"--{r}".startswith(f) for f in given for r in RESERVED):
         p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "
                 "--variants, --seeds and --sweep")
+    if args.sweep.flag in DATA_FLAGS:
+        p.error(f"--sweep {args.sweep.flag}: each value would be judged on its own val set, so "
+                "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
     if args.sweep.flag in RESERVED or f"--{args.sweep.flag}" in given:
         p.error(f"--sweep {args.sweep.flag} sets --{args.sweep.flag} per run: "
                 + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
@@ -795,12 +798,11 @@ def parse_args(argv):
 
 
 def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
-    """What base_train would refuse in this --sweep value, said before any run starts (its
-    flags, and for --dataset the source itself, which base_train reads only once it runs)."""
+    """What base_train would refuse in this --sweep value, said before any run starts."""
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            train = train_args([*flags, f"--{flag}", value])
+            train_args([*flags, f"--{flag}", value])
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
         if why.startswith("unrecognized arguments") and takes_no_value(flags, flag):
@@ -810,27 +812,7 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
             return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
                     "scripts.base_train --help)")
         return f"--sweep {flag}={value}: {why}"
-    if flag in DATA_FLAGS:
-        try:
-            prepare(train.dataset, train.text_column, train.val_fraction)
-        except (ValueError, FileNotFoundError) as e:
-            return f"--sweep {flag}={value}: {e}"
     return None
-
-
-def swept_data(flags: list[str], sweep: Sweep, memo: Path) -> dict:
-    """value -> [the data its runs read, its fingerprint], when the sweep is of a flag that picks
-    the data: their cache keys hold what it holds, as for the flags' own data (cache_of), so an
-    edit of a swept folder's files trains its runs again."""
-    if sweep.flag not in DATA_FLAGS:
-        return {}
-    out = {}
-    for value in sweep.values:
-        train = train_args([*flags, f"--{sweep.flag}", value])
-        with user_errors():
-            data = prepare(train.dataset, train.text_column, train.val_fraction)
-        out[value] = [data, data_fingerprint(data, memo)]
-    return out
 
 
 def takes_no_value(flags: list[str], flag: str) -> bool:
@@ -979,7 +961,6 @@ def ablation(args, flags: list[str], argv):
     ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
-    cache["swept"] = swept_data(flags, args.sweep, cache["dir"] / "shards.json")
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)
     runs_per_seed = len(args.variants) * len(args.sweep.values)
     # a batched run trains all of a variant's seeds: a process per variant-value pair and length
