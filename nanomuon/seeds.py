@@ -10,23 +10,23 @@ needs nothing new: Muon treats leading dims as a batch of matrices (update_math)
 matrix is its seeds' matrices, each orthogonalized alone; AdamW is elementwise.
 
 The model code is unchanged: GPT.forward runs per seed under vmap (its fused loss has a vmap rule,
-gpt.SoftcapCrossEntropy). What a per-seed forward cannot share is refused (check_seeds): QK-clip
-tracks logits in the modules, fp8 swaps the layers, FSDP shards them, torch.optim.Muon takes 2-D
-matrices only, and the flash attention kernels have no vmap rule (SDPA has).
+gpt.SoftcapCrossEntropy). Attention leaves vmap: each layer calls the kernel a single run would
+(SDPA, FA3, flex, chunked: nanomuon.attention) once, on every seed's rows folded into its batch
+(seed_attention). vmap's own rule for SDPA would pick a kernel per shape (on an H200, cuDNN's,
+whose compiled graph broke), and the flash kernels have none. What a per-seed forward cannot share
+is refused (check_seeds): QK-clip tracks logits in the modules, fp8 swaps the layers, FSDP shards
+them, and torch.optim.Muon takes 2-D matrices only.
 """
 
 import statistics
-import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from torch.func import functional_call
 
-from nanomuon.gpt import GPT, GPTConfig
-
-# vmap runs CPU flash attention seed by seed, as the seeds' own runs would: nothing to warn about
-warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet "
-                        "implemented the batching rule for aten::_scaled_dot_product")
+from nanomuon.gpt import GPT, GPTConfig, sdpa
 
 
 def parse_seeds(s: str) -> list[int]:
@@ -41,16 +41,13 @@ def parse_seeds(s: str) -> list[int]:
     return seeds
 
 
-def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimizer: str,
-                attention: str = "auto") -> None:
+def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimizer: str) -> None:
     """Refuse what batched seeds cannot train, in one line (ValueError)."""
     refused = [(qk_clip, "--qk-clip (it tracks each head's logits in the model's modules)"),
                (fp8, "--fp8 (it swaps the linear layers for torchao's)"),
                (fsdp, "--fsdp (it shards one model's layers)"),
                (optimizer == "torch-muon", "--optimizer torch-muon (torch.optim.Muon takes 2-D "
-                                           "matrices only)"),
-               (attention not in ("auto", "sdpa"), f"--attention {attention} (vmap batches SDPA; "
-                                                   "the flash kernels are not batched)")]
+                                           "matrices only)")]
     named = (",".join(map(str, seeds)) if len(seeds) <= 8
              else f"{seeds[0]},...,{seeds[-1]} ({len(seeds)} seeds)")
     for given, what in refused:
@@ -96,17 +93,97 @@ def seed_model(model: GPT, i: int) -> GPT:
     return one
 
 
+# The attention kernels seed_attention runs, by name: the model's own, registered by SeedBatch.
+# A name, not the function, goes into the compiled graph, so the compile cache holds across runs.
+KERNELS: dict[str, Callable] = {}
+
+
+def kernel_name(attend: Callable) -> str:
+    """attend's name in KERNELS, registering it: its qualified name, numbered past the first when
+    another kernel of this process holds it (two closures of one factory)."""
+    base = f"{attend.__module__}.{getattr(attend, '__qualname__', type(attend).__name__)}"
+    for n in range(1, len(KERNELS) + 2):
+        name = base if n == 1 else f"{base}#{n}"
+        if KERNELS.setdefault(name, attend) is attend:
+            return name
+    raise AssertionError("unreachable: a free name is among len(KERNELS) + 1")
+
+
+@torch.library.custom_op("nanomuon::seed_attention", mutates_args=())
+def seed_attention(q: Tensor, k: Tensor, v: Tensor, window: int, kernel: str) -> Tensor:
+    """KERNELS[kernel] on (B, T, heads, head_dim) q, k, v (window < 0: the whole context). Under
+    vmap, one call on the seeds' rows folded into B (fold_seeds); an op of its own, so that
+    torch.compile keeps it whole rather than tracing the kernel through vmap's rules."""
+    return KERNELS[kernel](q, k, v, None if window < 0 else window).contiguous()
+
+
+@seed_attention.register_fake
+def _(q, k, v, window, kernel):
+    return q.new_empty((*q.shape[:-1], v.size(-1)))
+
+
+@torch.library.custom_op("nanomuon::seed_attention_backward", mutates_args=())
+def seed_attention_backward(q: Tensor, k: Tensor, v: Tensor, grad: Tensor, window: int,
+                            kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of q, k and v through KERNELS[kernel], its forward run again: any kernel's
+    own backward, for one more forward pass of attention (no output or log-sum-exp is kept)."""
+    attend = KERNELS[kernel]
+    _, pull = torch.func.vjp(lambda *qkv: attend(*qkv, None if window < 0 else window), q, k, v)
+    return tuple(g.contiguous() for g in pull(grad))
+
+
+@seed_attention_backward.register_fake
+def _(q, k, v, grad, window, kernel):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_inputs(ctx, inputs, output):
+    q, k, v, ctx.window, ctx.kernel = inputs
+    ctx.save_for_backward(q, k, v)
+
+
+def _backward(ctx, grad):
+    return (*seed_attention_backward(*ctx.saved_tensors, grad, ctx.window, ctx.kernel), None, None)
+
+
+def fold_seeds(info, in_dims, q, k, v, window, kernel):
+    """seed_attention's vmap rule: the seed dim folded into the batch, one kernel call."""
+    q, k, v = (t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+               for t, d in zip((q, k, v), in_dims))
+    out = seed_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), window, kernel)
+    return out.unflatten(0, q.shape[:2]), 0
+
+
+seed_attention.register_autograd(_backward, setup_context=_save_inputs)
+seed_attention.register_vmap(fold_seeds)
+
+
+def folded(attend: Callable) -> Callable:
+    """attend as a layer's kernel (GPT.use_attention) whose seeds are folded into its batch."""
+    attend = getattr(attend, "kernel", attend)  # folded once only
+    kernel = kernel_name(attend)
+
+    def attend_folded(q, k, v, window=None):
+        return seed_attention(q, k, v, -1 if window is None else window, kernel)
+
+    attend_folded.kernel = attend
+    return attend_folded
+
+
 class SeedBatch(nn.Module):
     """The forward of a seeded GPT (seeded_gpt): GPT.forward run per seed under torch.vmap, on the
-    same batch. With targets, each seed's mean loss, (seeds,) (sum them to backward: each seed's
-    gradient is its own), or with loss_reduction='none' the per-token losses (seeds, B, T);
-    without, the logits (seeds, B, T, vocab)."""
+    same batch, each layer's attention kernel (set by use_attention before) folded. With targets,
+    each seed's mean loss, (seeds,) (sum them to backward: each seed's gradient is its own), or
+    with loss_reduction='none' the per-token losses (seeds, B, T); without, the logits
+    (seeds, B, T, vocab)."""
 
     def __init__(self, model: GPT):
         super().__init__()
         if not getattr(model, "seeds", None):
             raise ValueError("SeedBatch takes a seeded GPT (nanomuon.seeds.seeded_gpt)")
         self.model = model
+        for attn in (block.attn for block in model.blocks):  # the kernel GPT.use_attention set
+            attn.attend = folded(attn.attend or sdpa)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean"):
         buffers = dict(self.model.named_buffers())

@@ -354,8 +354,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     args.seed = 42 if args.seed is None else args.seed
     if args.seeds:
         try:
-            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer,
-                        args.attention)
+            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer)
         except ValueError as e:
             p.error(str(e))
     if args.start_over and args.resume_from_step != -1:
@@ -732,9 +731,6 @@ def precision_text(history: list) -> str:
                           for h, after in zip(history, [*history[1:], None]))
 
 
-SEEDS_SDPA = "sdpa (batched seeds: vmap batches SDPA; the flash kernels are not batched)"
-
-
 def resolve_arch(args, device: torch.device) -> str:
     """The model --arch names (auto: nanochat on CUDA, classic elsewhere), said in a line and
     saved resolved in args."""
@@ -760,8 +756,9 @@ def choose(args, config: GPTConfig, device: torch.device):
     with user_errors():
         attention = choose_attention(device, args.dtype, (config.n_head, config.n_kv_head,
                                                           config.n_embd // config.n_head),
-                                     "sdpa" if args.seeds else args.attention, windowed)
-    print0(f"attention: {SEEDS_SDPA if args.seeds else attention.why}")
+                                     args.attention, windowed)
+    folded = " (batched seeds: each call takes every seed's rows)" if args.seeds else ""
+    print0(f"attention: {attention.why}{folded}")
     exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
                             "attention on every node, or pass --attention sdpa")
     args.attention = attention.name

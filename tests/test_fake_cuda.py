@@ -202,17 +202,24 @@ def test_windowed_attention_on_a_fake_h100_runs_each_kernel_with_its_windows(shi
     run_case(shim, "attention_windows")
 
 
+def test_batched_seeds_on_a_fake_h100_fold_into_the_single_runs_kernel(shim):
+    """Stands in for: batched seeds' compiled graph on a GPU handing attention to vmap's rule for
+    SDPA, which picks its own kernel for the stacked shape (cuDNN's on an H200, whose compiled
+    graph failed), rather than the flash kernel a single run's graph calls."""
+    run_case(shim, "seed_fold")
+
+
 @pytest.mark.parametrize("fp8", ["plain", "fp8", "seeds"])
 def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     """Stands in for: base_train's main failing on a GPU node after its parts pass: the compiled
     model and update as base_train sets them up, DistMuonAdamW under torchrun's variables, the
     device batch fitted to the H100, MFU in the step lines and the summary, the report's GPU name;
     with --fp8, torchao's float8 layers on the GPU path (no emulation); with --seeds 1,2,3, the
-    batched seeds (vmap over the compiled model, each seed's memory in the batch fit, SDPA). The
-    plain run's node has FA3 in torch's registry, which also runs the windows of arch 'nanochat'
-    (auto on CUDA); the others no flash kernel: fp8's windows run through flex_attention, the
-    seeds' through SDPA with a mask. The step lines and the report say so. CI's third leg runs
-    it."""
+    batched seeds (vmap over the compiled model, each seed's memory in the batch fit, each layer's
+    kernel called once on every seed's rows). The plain run's node has FA3 in torch's registry,
+    which also runs the windows of arch 'nanochat' (auto on CUDA); the others no flash kernel:
+    their windows run through flex_attention. The step lines and the report say so. CI's third
+    leg runs it."""
     import torch
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
@@ -225,9 +232,10 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     assert re.search(r"step 00004/00004 .*\| mfu \d+\.\d+%", out), out
     assert "throughput:" in out and ", mfu " in out, out
     if fp8 == "seeds":
-        assert "attention: sdpa (batched seeds" in out and "(mean of 3 seeds" in out, out
-    attn = dict(plain="fa3", fp8="flex", seeds="sdpa")[fp8]
-    assert (f"attention: {attn}: " in out) == (fp8 != "seeds"), out
+        assert "(batched seeds: each call takes every seed's rows)" in out, out
+        assert "(mean of 3 seeds" in out, out
+    attn = dict(plain="fa3", fp8="flex", seeds="flex")[fp8]
+    assert f"attention: {attn}: " in out, out
     assert ("its windows through varlen_attn's window_size" in out) == (fp8 == "plain"), out
     steps = re.findall(r"^step \d+/\d+ .*$", out, re.M)
     assert len(steps) == 4 and all(f" | attn {attn}" in line for line in steps), steps
@@ -621,6 +629,40 @@ def case_train(base: str, fp8: str):
     print("train ok")
 
 
+def case_seed_fold():
+    """3 batched seeds of a d2 on the fake H100 under bf16 autocast, compiled: each layer's
+    attention is one seed_attention call on the 3 x 2 rows, forward and backward; the kernel it
+    runs on them calls SDPA's flash op, as the single run's compiled graph does."""
+    import torch
+    from test_seeds import attention_calls, compiled_graphs
+
+    import nanomuon.seeds as seeds
+    from nanomuon.common import autocast
+
+    hide_flash_packages()
+    mode, compile_ = fake_gpu(), torch.compile
+    compile_on_fake_gpu()
+    torch.compile = compile_  # compiled_graphs keeps the graphs and runs them itself
+    gpt = seeds.GPT
+    seeds.GPT = lambda config: unfaked(gpt, config)
+    single = meta_gpt(2, 256)
+    with mode, autocast(torch.device("cuda")):
+        model = seeds.seeded_gpt(single.config, [1, 2, 3], "cuda")
+        x, y = batch(single, 2)
+        forward, backward = compiled_graphs(seeds.SeedBatch(model), x, y)
+        one = compiled_graphs(on_gpu(single), x, y)[0]
+        log = device_log()
+        with log:
+            q = torch.randn(6, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+            seeds.KERNELS["nanomuon.gpt.sdpa"](q, q, q, None)
+    assert attention_calls(forward) == [("nanomuon.seed_attention.default", 6)] * 2, forward
+    assert attention_calls(backward) == [("nanomuon.seed_attention_backward.default", 6)] * 2
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    assert attention_calls(one) == [(flash, 2)] * 2, attention_calls(one)
+    assert [op for op in log.ops if "attention" in op] == [flash], log.ops
+    print("seed fold ok")
+
+
 def compile_on_fake_gpu():
     """torch.compile with dynamo and AOTAutograd (aot_eager: inductor needs a real GPU to build
     kernels); dynamo saves and restores the CUDA RNG around each frame it compiles: there is
@@ -990,7 +1032,8 @@ def case_setup():
 
 CASES = {"model": case_model, "step": case_step, "loader": case_loader, "autofit": case_autofit,
          "setup": case_setup, "train": case_train, "attention_choice": case_attention_choice,
-         "attention_fallback": case_attention_fallback, "attention_windows": case_attention_windows}
+         "attention_fallback": case_attention_fallback, "attention_windows": case_attention_windows,
+         "seed_fold": case_seed_fold}
 
 
 if __name__ == "__main__":

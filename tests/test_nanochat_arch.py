@@ -518,12 +518,12 @@ def test_data_parallel_equals_one_process(world_size):
 
 # depth 4 (at 2, backout would take the last layer's output, which the final norm makes a
 # no-op: its lambda's gradient is rounding noise), 256 tokens: the first 3 layers' window of 128
-# cuts the context. SDPA, the kernel batched seeds run, on both sides (nanomuon.attention's
-# choices have tests of their own)
+# cuts the context. The CPU's windowed kernel (chunked) on both sides: batched seeds fold theirs
+# into its batch (nanomuon.attention's choices have tests of their own)
 FLAGS = [*TINY, "--depth", "4", "--aspect-ratio", "16", "--max-seq-len", "256",
          "--device-batch-size", "2", "--total-batch-size", "512", "--eval-tokens", "512",
          "--num-iterations", "4", "--eval-every", "2", "--final-eval-tokens", "1024",
-         "--dtype", "fp32", "--no-compile", "--arch", "nanochat", "--attention", "sdpa"]
+         "--dtype", "fp32", "--no-compile", "--arch", "nanochat", "--attention", "chunked"]
 
 
 def test_batched_seeds_train_as_their_own_runs(base, monkeypatch):

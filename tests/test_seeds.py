@@ -107,6 +107,68 @@ def test_seed_models_are_views_and_the_batch_runs_each_seed_alone():
     assert len(set(losses.tolist())) == 3  # three different inits
 
 
+def compiled_graphs(module, *args) -> tuple[list, list]:
+    """module(*args) compiled whole, then backward from its sum: (forward graphs, backward
+    graphs) as AOT autograd hands them to inductor."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    forward, backward = [], []
+
+    def backend(gm, inputs):
+        def keep(into):
+            return lambda g, _: into.append(g) or make_boxed_func(g.forward)
+        return aot_module_simplified(gm, inputs, fw_compiler=keep(forward),
+                                     bw_compiler=keep(backward))
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*args).sum().backward()
+    return forward, backward
+
+
+def attention_calls(graphs: list) -> list[tuple[str, int]]:
+    """(op, batch) of every attention call in the graphs."""
+    return [(str(n.target), n.args[0].meta["val"].shape[0]) for g in graphs for n in g.graph.nodes
+            if n.op == "call_function" and "attention" in str(n.target)]
+
+
+@pytest.mark.parametrize("arch", ["classic", "nanochat"])
+def test_compiled_seeds_call_the_single_runs_kernel_once_on_every_seeds_rows(arch):
+    """The compiled graph of 3 batched seeds holds, per layer, one call of seed_attention on the
+    3 x 2 rows, forward and backward, and no attention traced through vmap's rules. Its kernel is
+    the one the single run's graph holds: the op it calls on those 6 rows is the op that graph
+    calls on its 2. Each seed's loss and gradients are its own model's (eager, unfolded)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from nanomuon.gpt import GPT, config_from_depth, sdpa
+    from nanomuon.seeds import KERNELS
+
+    # at 256 tokens nanochat's short window (128) cuts the context: SDPA with a mask
+    config = config_from_depth(2, 97, 256, aspect_ratio=32, head_dim=16, arch=arch,
+                               window_pattern="SL" if arch == "nanochat" else None)
+    model, x = seeded_gpt(config, [1, 2, 3], "cpu"), torch.randint(0, 97, (2, 256))
+    forward, backward = compiled_graphs(SeedBatch(model), x, x)
+    assert attention_calls(forward) == [("nanomuon.seed_attention.default", 6)] * 2, forward
+    assert attention_calls(backward) == [("nanomuon.seed_attention_backward.default", 6)] * 2
+    assert {a.attend.kernel for a in (b.attn for b in model.blocks)} == {sdpa}
+    single = GPT(config)
+    single.init_weights()
+    one = compiled_graphs(single, x, x)[0]
+    q = torch.randn(6, 256, 2, 16)
+    for window in config.window_sizes():
+        inner = make_fx(lambda q: KERNELS["nanomuon.gpt.sdpa"](q, q, q, window))(q)
+        assert {op for op, _ in attention_calls([inner])} == {op for op, _ in attention_calls(one)}
+    model.zero_grad()
+    SeedBatch(model)(x, x).sum().backward()
+    for i in range(3):
+        alone = seed_model(model, i)
+        for p in alone.parameters():
+            p.requires_grad_(True)
+        grads = torch.autograd.grad(alone(x, x), list(alone.parameters()))
+        for (name, p), g in zip(model.named_parameters(), grads):
+            torch.testing.assert_close(p.grad[i], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_batched_run_resumes_exactly(base, capsys):
     """Saved at step 3 and resumed by another main(), a batched run ends bitwise where the
     uninterrupted one does (model and optimizer state); export writes it and says it holds the
