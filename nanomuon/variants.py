@@ -23,7 +23,7 @@ OPTIMIZER_VARIANTS = {
     "muon-plus": dict(muon_options=dict(post_process=("normalize_col_row", "variance_reduction"))),
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
     # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate
-    # (update_math.use_gram), and CPUs run fp16 matmuls at a few GFLOP/s
+    # (update_math.gram_pays), and CPUs run fp16 matmuls at a few GFLOP/s
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
     # six from modded-nanogpt's optimization track, each one or two stages (update_math) or a
     # schedule

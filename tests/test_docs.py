@@ -1,12 +1,17 @@
 """
-The docs, checked against the tree they describe: every relative link (and #anchor) in README.md and
-docs/*.md resolves, the option table in docs/optimizer.md is the one param_groups declares, the
-README keeps its shape (at most 250 lines, its sections in order, the test command CI reads, a link
-to every docs page), and no page cites an internal issue number. Docs drift silently otherwise: a
-renamed file or option leaves a dead link or a wrong table that no other test reads.
+The docs, checked against the tree they describe: every relative link (and #anchor) in README.md
+and docs/*.md resolves, the option table in docs/optimizer.md is the one param_groups declares, and
+every module.name the docs, docstrings and comments cite exists. The README keeps its shape (at
+most 250 lines, its sections in order, the test command CI reads, a link to every docs page). No
+page cites an internal issue number, and prose keeps nanochat's pace. Docs drift silently
+otherwise: a renamed file or option leaves a dead link or a wrong table that no other test reads.
 """
-
+import ast
+import importlib
+import inspect
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -277,9 +282,10 @@ EXAMPLES = {"muon-mine"}
 
 
 def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
-    """A variant named in inline code or in a --variants / --optimizer / --baseline list on any page is an
-    OPTIMIZER_VARIANTS entry (a rename or removal leaves none behind), and research.md's list of the
-    variants already there names every entry, so a variant added without it fails here."""
+    """A variant named in inline code or in a --variants / --optimizer / --baseline list on any
+    page is an OPTIMIZER_VARIANTS entry (a rename or removal leaves none behind), and research.md's
+    list of the variants already there names every entry, so a variant added without it fails
+    here."""
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
     wrong = []
@@ -296,3 +302,85 @@ def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
     listed = set(re.findall(r"`([^`\n]+)`", text[start:text.index("--optimizer NAME", start)]))
     assert listed & set(OPTIMIZER_VARIANTS) == set(OPTIMIZER_VARIANTS), (
         f"research.md's list lacks {sorted(set(OPTIMIZER_VARIANTS) - listed)}")
+
+
+# A citation of the code is a module and a dotted name after it: `update_math.muon_update`,
+# `nanomuon.optim.MuonAdamW`, `gpt.GPT.setup_optimizer`, `scripts.ablate`. A module name with a
+# file's extension after it is a file (`gpt.py`, `report.md.aside.N`), not a citation.
+MODULES = {p.stem: pkg for pkg in ("nanomuon", "scripts")
+           for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
+HEADS = "|".join(sorted({*MODULES, "nanomuon", "scripts"}, key=len, reverse=True))
+DOTTED = re.compile(rf"(?<![\w./\\-])(?:{HEADS})(?:\.[A-Za-z_]\w*)+")
+EXTENSIONS = {"py", "md", "json", "jsonl", "sh", "pt", "txt", "csv", "yaml", "png", "parquet",
+              "zip", "toml", "lock", "bpe", "log"}
+FOREIGN = {"attention.output.dense"}  # BERT's module path, which param_groups keeps a Muon matrix
+
+
+def citations(text: str) -> list[str]:
+    names = [m.group(0) for m in DOTTED.finditer(text)]
+    return [n for n in names if n.split(".")[1] not in EXTENSIONS and n not in FOREIGN]
+
+
+def cited_text(path: Path) -> list[str]:
+    """What of a file cites the code: a page's code spans and blocks; a Python file's docstrings
+    and comments, where names go without backticks."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        blocks = re.findall(r"^ *```[^\n]*\n(.*?)^ *```", text, flags=re.MULTILINE | re.DOTALL)
+        text = re.sub(r"^ *```.*?^ *```[^\n]*$", "", text, flags=re.MULTILINE | re.DOTALL)
+        return blocks + re.findall(r"`([^`\n]+)`", text)
+    nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    out = [ast.get_docstring(n, clean=False) or "" for n in ast.walk(ast.parse(text))
+           if isinstance(n, nodes)]
+    return out + [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                  if t.type == tokenize.COMMENT]
+
+
+def declared(cls: type, attr: str) -> bool:
+    """Whether instances of cls have attr though the class does not: a dataclass field or an
+    annotation without a default, or an attribute __init__ (or another method) sets."""
+    if attr in getattr(cls, "__dataclass_fields__", {}) or any(
+            attr in vars(k).get("__annotations__", {}) for k in cls.__mro__):
+        return True
+    try:
+        return re.search(rf"\bself\.{attr}\b", inspect.getsource(cls)) is not None
+    except (OSError, TypeError):
+        return False
+
+
+def resolves(name: str) -> bool:
+    """Whether a cited name exists: its module imports as nanomuon.<module> (or scripts.<name>)
+    and each name after it is an attribute of the one before."""
+    parts = name.split(".")
+    package = parts.pop(0) if parts[0] in ("nanomuon", "scripts") else MODULES[parts[0]]
+    if not parts:
+        return True
+    try:
+        obj = importlib.import_module(f"{package}.{parts[0]}")
+    except ModuleNotFoundError:
+        return False
+    for attr in parts[1:]:
+        if not hasattr(obj, attr):
+            return inspect.isclass(obj) and declared(obj, attr)
+        obj = getattr(obj, attr)
+    return True
+
+
+def test_the_citation_check_reads_names_not_files():
+    assert citations("see `update_math.muon_update()`, gpt.py, report.md.aside.N, "
+                     "scripts/base_train.py, torch.optim.Muon, -m scripts.ablate, the plan.") == [
+        "update_math.muon_update", "scripts.ablate"]
+    assert resolves("nanomuon.optim.MuonAdamW.step") and resolves("gpt.GPTConfig.arch")
+    assert resolves("scripts.ablate") and resolves("gpt.GPT.lm_head")
+    assert not resolves("update_math.use_gram") and not resolves("optim.MuonAdamW.nope")
+
+
+def test_every_cited_name_exists():
+    """Every module.name the README, docs/*.md and the library's and scripts' docstrings and
+    comments cite is in the code: a rename or removal leaves no citation behind."""
+    files = [*PAGES, *sorted((ROOT / "nanomuon").glob("*.py")),
+             *sorted((ROOT / "scripts").glob("*.py"))]
+    stale = sorted({f"{path.relative_to(ROOT)}: {name}" for path in files
+                    for text in cited_text(path) for name in citations(text)
+                    if not resolves(name)})
+    assert not stale, f"cited names the code does not have: {stale}"
