@@ -5,6 +5,7 @@ batched Muon step against the float64 reference; resume is exact; under torchrun
 equals one process; what cannot be batched is refused in one line.
 """
 
+import functools
 import json
 import math
 
@@ -156,7 +157,7 @@ def test_compiled_seeds_call_the_single_runs_kernel_once_on_every_seeds_rows(arc
     one = compiled_graphs(single, x, x)[0]
     q = torch.randn(6, 256, 2, 16)
     for window in config.window_sizes():
-        inner = make_fx(lambda q: KERNELS["nanomuon.gpt.sdpa"](q, q, q, window))(q)
+        inner = make_fx(functools.partial(KERNELS["nanomuon.gpt.sdpa"], window=window))(q, q, q)
         assert {op for op, _ in attention_calls([inner])} == {op for op, _ in attention_calls(one)}
     model.zero_grad()
     SeedBatch(model)(x, x).sum().backward()
