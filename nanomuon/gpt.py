@@ -117,6 +117,12 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
                      window_pattern=pattern)
 
 
+# The block matrices by role (GPT.setup_optimizer's roles: a record's per-role lrs and decay):
+# each role's modules within a block
+MATRIX_ROLES = {"attn.qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "attn.proj": ("attn.c_proj",),
+                "mlp.fc": ("mlp.c_fc",), "mlp.proj": ("mlp.c_proj",)}
+
+
 def has_value_embedding(layer: int, n_layer: int) -> bool:
     """Whether layer `layer` adds a value embedding (arch 'nanochat'): every other layer, the last
     one included."""
@@ -499,7 +505,8 @@ class GPT(nn.Module):
                         adam_betas=None, matrix_optimizer: str = "muon",
                         muon_options: dict | None = None, optimizer_class=None,
                         compile: bool | None = None, per_head: bool = False,
-                        horizon: int | None = None, lrs: PeakLRs | None = None):
+                        horizon: int | None = None, lrs: PeakLRs | None = None,
+                        roles: dict | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
         Each param gets the lr of its role at width 768 from `lrs` (base_train's, decided from its
@@ -511,7 +518,10 @@ class GPT(nn.Module):
         optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
         attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
         c_proj (a transposed split). horizon: the steps the run plans, which the Muon group's
-        stages read (ctx.horizon: a schedule's length). nanomuon.variants names such choices.
+        stages read (ctx.horizon: a schedule's length). roles: MATRIX_ROLES name -> dict(lr_factor=,
+        weight_decay=), each role's matrices a Muon group of their own at lr_factor times the
+        matrix lr, with that decay (a record that tunes them per role). nanomuon.variants names
+        such choices.
         Each group's betas, decay and Muon stages are the arch's (_adamw_groups, _muon_recipe);
         adam_betas replaces the classic arch's one pair."""
         if matrix_optimizer not in ("muon", "adamw"):
@@ -534,15 +544,16 @@ class GPT(nn.Module):
             matrix_group = {**self._muon_recipe(lr["matrix_lr"], weight_decay),
                             **({} if horizon is None else dict(horizon=horizon)),
                             **(muon_options or {})}
-        elif muon_options or per_head:
-            raise ValueError("muon_options and per_head need matrix_optimizer='muon': the matrices "
-                             "train with one optimizer")
+        elif muon_options or per_head or roles:
+            raise ValueError("muon_options, per_head and roles need matrix_optimizer='muon': the "
+                             "matrices train with one optimizer")
         else:
             matrix_group = dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale,
                                 betas=tuple(adam_betas or (0.8, 0.95)), eps=1e-10,
                                 weight_decay=0.0)
         matrix_group = dict(matrix_group, name="matrices", params=matrices)
-        groups += self._per_head_groups(matrix_group) if per_head else [matrix_group]
+        matrix_groups = self._per_head_groups(matrix_group) if per_head else [matrix_group]
+        groups += [r for g in matrix_groups for r in self._role_groups(g, roles or {})]
         groups = [g for g in groups if g["params"]]
         if sum(len(g["params"]) for g in groups) != len(list(self.parameters())):
             raise RuntimeError("a parameter is in no group or in two: GPT._adamw_groups and "
@@ -616,6 +627,28 @@ class GPT(nn.Module):
         return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
                                params=ws, split=(hd,) * n, transposed=cols)
                           for (n, cols), ws in heads.items()]
+
+    def _role_groups(self, group: dict, roles: dict) -> list[dict]:
+        """group, less the matrices of each role in `roles` (setup_optimizer's), which go to a group
+        of their own: lr_factor times its lr, and its weight_decay where given."""
+        if unknown := set(roles) - set(MATRIX_ROLES):
+            raise ValueError(f"roles: {sorted(unknown)} are not matrix roles; the roles are "
+                             f"{list(MATRIX_ROLES)}")
+        out, taken = [], set()
+        for role, tuning in roles.items():
+            if not isinstance(tuning, dict) or set(tuning) - {"lr_factor", "weight_decay"} or any(
+                    not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e3
+                    for v in tuning.values()):
+                raise ValueError(f"roles[{role!r}]={tuning!r}: give a dict of lr_factor (times the "
+                                 "matrix lr) and weight_decay, each a number in [0, 1000)")
+            mine = {id(block.get_submodule(path).weight) for block in self.blocks
+                    for path in MATRIX_ROLES[role]}
+            params = [p for p in group["params"] if id(p) in mine]
+            taken |= {id(p) for p in params}
+            out.append(dict(group, name=f"{group['name']}, {role}", params=params,
+                            lr=group["lr"] * tuning.get("lr_factor", 1.0),
+                            weight_decay=tuning.get("weight_decay", group["weight_decay"])))
+        return [dict(group, params=[p for p in group["params"] if id(p) not in taken]), *out]
 
     def use_attention(self, func: Callable | None) -> None:
         """Every layer's attention through `func`: (q, k, v) as (B, T, heads, head_dim) and the

@@ -145,8 +145,8 @@ def any_value(v):  # checked with the keys it goes with (_check_coefficients, _c
     return None
 
 
-# Every optional key of a muon group, declared once: defaults fill groups (and
-# reproduce nanochat), the checks run at construction and at every step, and the
+# Every optional key of a muon group, declared once: defaults fill groups (late-2025 nanochat's
+# Muon), the checks run at construction and at every step, and the
 # option table in docs/optimizer.md is made from the docs.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
@@ -307,6 +307,11 @@ def check_group_values(i: int, group: dict) -> None:
     for key, option in group_options(group).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
+        if (option.check is update_math.an_interval and isinstance(group.get(key), float)
+                and group.get("horizon") is None):
+            raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
+                             "this group does not know: give it horizon= (GPT.setup_optimizer's "
+                             "horizon; base_train sets it), or the interval in steps")
     _check_coefficients(label, group)
     _check_layout(label, group)
     _check_stages(label, group)

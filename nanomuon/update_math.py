@@ -319,6 +319,21 @@ def a_count(v):
     return None if ok else "must be an int >= 1"
 
 
+def an_interval(v):
+    """An interval or schedule length: steps (an int >= 1), or a fraction of the run's horizon
+    (0 < f < 1: 0.05 is every twentieth of the run), which interval_steps resolves."""
+    steps = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    share = isinstance(v, float) and 0 < v < 1
+    return None if steps or share else ("must be steps (an int >= 1) or a fraction of the run's "
+                                        "horizon (a float between 0 and 1)")
+
+
+def interval_steps(value, horizon: int | None) -> int:
+    """an_interval's value in steps: an int as given; a fraction of the horizon, rounded, at
+    least 1 (a group with a fraction has a horizon: param_groups checks it)."""
+    return value if isinstance(value, int) else max(1, round(value * horizon))
+
+
 class StateSpec(NamedTuple):
     """Per-matrix state a stage keeps. shape(rows, cols): its shape for one (rows, cols) matrix (a
     precondition or post-process stage sees logical matrices: a split matrix's blocks, a transposed
@@ -451,7 +466,7 @@ def soap(g: Tensor, ctx: StageContext) -> Tensor:
     G = fp32(ctx.grad)
     st["soap_row_cov"].lerp_(G @ G.mT, 1 - beta)
     st["soap_col_cov"].lerp_(G.mT @ G, 1 - beta)
-    _soap_bases(st, ctx.group["precondition_frequency"])
+    _soap_bases(st, interval_steps(ctx.group["precondition_frequency"], ctx.horizon))
     st["soap_step"].add_(1)
     return out.to(g.dtype)
 
@@ -680,7 +695,8 @@ def _soap_cost(rows: int, cols: int, group: dict) -> float:
     """Two rotations each way and the two covariances per step; a power iteration and a QR (or
     the first eigh) per side every precondition_frequency steps."""
     per_step = 6 * rows * cols * (rows + cols)
-    return per_step + 4 * (rows ** 3 + cols ** 3) / group["precondition_frequency"]
+    every = interval_steps(group["precondition_frequency"], group.get("horizon"))
+    return per_step + 4 * (rows ** 3 + cols ** 3) / every
 
 
 PRECONDITIONERS = {
@@ -696,8 +712,9 @@ PRECONDITIONERS = {
         soap_step=StateSpec(lambda rows, cols: (), nonnegative=True)),
         options=dict(soap_beta=Option(0.9, lambda v: a_number(v, 1.0), "SOAP's EMA of the "
                                       "covariances and of the rotated second moment"),
-                     precondition_frequency=Option(10, a_count, "SOAP: steps between refreshes "
-                                                   "of the eigenbases")),
+                     precondition_frequency=Option(10, an_interval, "SOAP: steps between "
+                                                   "refreshes of the eigenbases, or a fraction "
+                                                   "of the run")),
         cost=_soap_cost, needs=("grad",), eager=True),
     "muown": Stage(muown_direction, state=dict(
         muown_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),

@@ -154,6 +154,48 @@ def test_setup_optimizer_applies_the_multiplier_once():
         model.setup_optimizer(lrs=lrs, matrix_lr=0.03)
 
 
+def test_roles_give_each_role_its_own_lr_and_decay():
+    """roles=: each role named gets its matrices in a Muon group of its own, at lr_factor times
+    the matrix lr (the multiplier once) and with its decay, head by head too; the other matrices
+    keep the matrix group's. In a step a role at lr 0 and decay 0 does not move while every other
+    matrix does. An unknown role, an unknown key or a bad number is refused in one line."""
+    model = small_model()
+    lrs = PeakLRs(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, adamw_matrix_lr=0.001,
+                  scalar_lr=0.5, multiplier=0.5)
+    roles = {"mlp.fc": dict(lr_factor=0.0, weight_decay=0.0),
+             "attn.qkv": dict(lr_factor=2.0, weight_decay=0.05)}
+    opt = model.setup_optimizer(lrs=lrs, weight_decay=0.2, roles=roles)
+    groups = {g["name"]: g for g in opt.param_groups}
+    attn, mlp = [b.attn for b in model.blocks], [b.mlp for b in model.blocks]
+    members = {name: {id(p) for p in groups[name]["params"]} for name in groups}
+    assert members["matrices, attn.qkv"] == {id(lin.weight) for a in attn
+                                             for lin in (a.c_q, a.c_k, a.c_v)}
+    assert members["matrices, mlp.fc"] == {id(m.c_fc.weight) for m in mlp}
+    assert members["matrices"] == {id(w) for a, m in zip(attn, mlp)
+                                   for w in (a.c_proj.weight, m.c_proj.weight)}
+    for name, lr, decay in (("matrices, attn.qkv", 0.02, 0.05), ("matrices, mlp.fc", 0.0, 0.0),
+                            ("matrices", 0.01, 0.2)):
+        g = groups[name]
+        assert g["lr"] == g["initial_lr"] == pytest.approx(lr, rel=1e-12), name
+        assert g["weight_decay"] == g["initial_weight_decay"] == decay, name
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, 97, (2, 16))
+    model(x, x).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        if n.startswith("blocks.") and p.ndim == 2:
+            assert torch.equal(p, before[n]) == (".mlp.c_fc." in n), n
+    heads = {g["name"] for g in model.setup_optimizer(per_head=True, roles=roles).param_groups}
+    assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
+    for bad, says in (({"attn.o": {}}, r"\['attn.o'\] are not matrix roles; the roles are"),
+                      ({"mlp.fc": dict(lr=2.0)}, r"give a dict of lr_factor"),
+                      ({"mlp.fc": dict(lr_factor=-1.0)}, r"each a number in \[0, 1000\)")):
+        with pytest.raises(ValueError, match=says):
+            model.setup_optimizer(roles=bad)
+    with pytest.raises(ValueError, match="roles need matrix_optimizer='muon'"):
+        model.setup_optimizer(roles=roles, **optimizer_kwargs("adamw"))
+
+
 def peak_lrs(model, **kwargs) -> dict:
     return {g["name"]: g["lr"] for g in model.setup_optimizer(**kwargs).param_groups}
 

@@ -157,6 +157,28 @@ def test_each_stage_matches_its_float64_definition(technique, shape):
     torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-5)
 
 
+def test_an_interval_given_as_a_fraction_of_the_run_is_that_many_steps():
+    """SOAP refreshed every 0.3 of a 10-step horizon equals the float64 definition refreshed every 3
+    steps (and differs from every 10); a fraction in a group without a horizon, and a value that is
+    neither steps nor a fraction, are refused in one line."""
+    shape = (24, 16)
+    start, grads = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.5, grads_for(shape, 8, 2)
+    cfgs = [dict(BASE, precondition="soap", soap_beta=0.5, precondition_frequency=0.3, horizon=10)] * 8
+    ours = run_ours(start.double(), [g.double() for g in grads], cfgs)
+    every = {n: f64_run(start, grads, [dict(c, precondition_frequency=n) for c in cfgs], stages=STAGES)
+             for n in (3, 10)}
+    torch.testing.assert_close(ours, every[3], rtol=0, atol=2e-5)
+    assert (every[3] - every[10]).abs().max() > 1e-3
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match=r"precondition_frequency=0.3 is a fraction of the run, which this group "
+                                         r"does not know: give it horizon="):
+        MuonAdamW([dict(BASE, kind="muon", params=[p], precondition="soap", precondition_frequency=0.3)])
+    for bad in (0.0, 1.0, 1.5, 0, True, "0.1"):
+        with pytest.raises(ValueError, match=r"must be steps \(an int >= 1\) or a fraction of the run's horizon"):
+            MuonAdamW([dict(BASE, kind="muon", params=[p], precondition="soap", precondition_frequency=bad,
+                            horizon=10)])
+
+
 def test_the_floor_lifts_only_updates_below_it():
     """With c = 0.35 the floor leaves an update of a small weight alone and lifts that of a large one to c ||W||."""
     small, large = torch.randn(24, 40) * 0.01, torch.randn(24, 40) * 3
