@@ -121,6 +121,7 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
 # each role's modules within a block
 MATRIX_ROLES = {"attn.qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "attn.proj": ("attn.c_proj",),
                 "mlp.fc": ("mlp.c_fc",), "mlp.proj": ("mlp.c_proj",)}
+ROLE_FACTORS = ("lr_factor", "weight_decay_factor")  # what a role may scale
 
 
 def has_value_embedding(layer: int, n_layer: int) -> bool:
@@ -519,9 +520,9 @@ class GPT(nn.Module):
         attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
         c_proj (a transposed split). horizon: the steps the run plans, which the Muon group's
         stages read (ctx.horizon: a schedule's length). roles: MATRIX_ROLES name -> dict(lr_factor=,
-        weight_decay=), each role's matrices a Muon group of their own at lr_factor times the
-        matrix lr, with that decay (a record that tunes them per role). nanomuon.variants names
-        such choices.
+        weight_decay_factor=), each role's matrices a Muon group of their own, its lr and decay
+        the matrix group's times these (a record that tunes them per role). nanomuon.variants
+        names such choices.
         Each group's betas, decay and Muon stages are the arch's (_adamw_groups, _muon_recipe);
         adam_betas replaces the classic arch's one pair."""
         if matrix_optimizer not in ("muon", "adamw"):
@@ -630,24 +631,26 @@ class GPT(nn.Module):
 
     def _role_groups(self, group: dict, roles: dict) -> list[dict]:
         """group, less the matrices of each role in `roles` (setup_optimizer's), which go to a group
-        of their own: lr_factor times its lr, and its weight_decay where given."""
+        of their own: its lr times lr_factor, its weight decay times weight_decay_factor."""
         if unknown := set(roles) - set(MATRIX_ROLES):
             raise ValueError(f"roles: {sorted(unknown)} are not matrix roles; the roles are "
                              f"{list(MATRIX_ROLES)}")
         out, taken = [], set()
         for role, tuning in roles.items():
-            if not isinstance(tuning, dict) or set(tuning) - {"lr_factor", "weight_decay"} or any(
+            if not isinstance(tuning, dict) or set(tuning) - set(ROLE_FACTORS) or any(
                     not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e3
                     for v in tuning.values()):
-                raise ValueError(f"roles[{role!r}]={tuning!r}: give a dict of lr_factor (times the "
-                                 "matrix lr) and weight_decay, each a number in [0, 1000)")
+                raise ValueError(f"roles[{role!r}]={tuning!r}: give a dict of lr_factor and "
+                                 "weight_decay_factor (times the matrix group's), each a number "
+                                 "in [0, 1000)")
             mine = {id(block.get_submodule(path).weight) for block in self.blocks
                     for path in MATRIX_ROLES[role]}
             params = [p for p in group["params"] if id(p) in mine]
             taken |= {id(p) for p in params}
             out.append(dict(group, name=f"{group['name']}, {role}", params=params,
                             lr=group["lr"] * tuning.get("lr_factor", 1.0),
-                            weight_decay=tuning.get("weight_decay", group["weight_decay"])))
+                            weight_decay=group["weight_decay"] * tuning.get("weight_decay_factor",
+                                                                            1.0)))
         return [dict(group, params=[p for p in group["params"] if id(p) not in taken]), *out]
 
     def use_attention(self, func: Callable | None) -> None:

@@ -155,15 +155,15 @@ def test_setup_optimizer_applies_the_multiplier_once():
 
 
 def test_roles_give_each_role_its_own_lr_and_decay():
-    """roles=: each role named gets its matrices in a Muon group of its own, at lr_factor times
-    the matrix lr (the multiplier once) and with its decay, head by head too; the other matrices
+    """roles=: each role named gets its matrices in a Muon group of its own, its lr and decay the
+    matrix group's times its factors (the multiplier once), head by head too; the other matrices
     keep the matrix group's. In a step a role at lr 0 and decay 0 does not move while every other
     matrix does. An unknown role, an unknown key or a bad number is refused in one line."""
     model = small_model()
     lrs = PeakLRs(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, adamw_matrix_lr=0.001,
                   scalar_lr=0.5, multiplier=0.5)
-    roles = {"mlp.fc": dict(lr_factor=0.0, weight_decay=0.0),
-             "attn.qkv": dict(lr_factor=2.0, weight_decay=0.05)}
+    roles = {"mlp.fc": dict(lr_factor=0.0, weight_decay_factor=0.0),
+             "attn.qkv": dict(lr_factor=2.0, weight_decay_factor=0.25)}
     opt = model.setup_optimizer(lrs=lrs, weight_decay=0.2, roles=roles)
     groups = {g["name"]: g for g in opt.param_groups}
     attn, mlp = [b.attn for b in model.blocks], [b.mlp for b in model.blocks]
@@ -188,7 +188,7 @@ def test_roles_give_each_role_its_own_lr_and_decay():
     heads = {g["name"] for g in model.setup_optimizer(per_head=True, roles=roles).param_groups}
     assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
     for bad, says in (({"attn.o": {}}, r"\['attn.o'\] are not matrix roles; the roles are"),
-                      ({"mlp.fc": dict(lr=2.0)}, r"give a dict of lr_factor"),
+                      ({"mlp.fc": dict(weight_decay=0.1)}, r"give a dict of lr_factor and"),
                       ({"mlp.fc": dict(lr_factor=-1.0)}, r"each a number in \[0, 1000\)")):
         with pytest.raises(ValueError, match=says):
             model.setup_optimizer(roles=bad)
