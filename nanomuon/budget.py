@@ -1,16 +1,20 @@
 """
-How many seeds and steps of an ablation fit a wall time (ablate's --budget), and the early
-refusal of one that cannot fit.
+How many seeds and steps of an ablation fit a wall time (ablate's --budget), and how the plan is
+refined from the planned runs' own steps: no run is spent on calibration alone.
 
-ablate times a few steps of the runs as they will run (calibrate, in scripts/ablate.py) and hands
-the measures here as a Calibration; fit() then picks the plan whose projected detectable effect
-is smallest, trading the seeds' t factor against the spread that longer runs shrink. A Watch
-follows the calibration runs' step records and refuses an explicit budget as soon as the runs it
-would need cannot fit.
+The first plan comes at once. It is fitted from a calibration kept on this machine (ablate keys it
+by what decides it; at_load scales it to the load now), or, where nothing has timed these runs
+here, it is the smallest plan. A Tracker then reads the planned runs' step records (base_train
+--step-record) and walls as they come. The Calibration they measure replaces the estimate, is
+kept for the next ablate, and sizes the seeds that join where the budget has room (grow). An
+explicit budget that not even the smallest plan fits at the pace the runs show is refused then.
+fit() picks the plan whose projected detectable effect is smallest, trading the seeds' t factor
+against the spread that longer runs shrink.
 """
 
 import argparse
 import math
+import os
 import re
 import threading
 import time
@@ -20,18 +24,15 @@ from typing import NamedTuple
 from nanomuon.common import load_json
 from nanomuon.stats import detectable_factor
 
-# The budget planner (--budget): time a few steps as the runs will see them, then fit the plan.
-CALIBRATION_STEPS = 12
-WARM_UP_STEPS = 3  # compiled runs' first, untimed round: it fills the compile cache
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 # A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
 # bpb at 64 steps, 0.37% at 79 and 0.29% at 200 (5, 10 and 5 seeds; docs/research.md): about
-# steps ** -0.41 (fitted in log-log, weighted by degrees of freedom), which the planner weighs
-# against the t factor of fewer seeds.
-SPREAD_EXPONENT = 0.41
+# SPREAD_SCALE * steps ** -SPREAD_EXPONENT (fitted in log-log, weighted by degrees of freedom).
+# The planner weighs it against the t factor of fewer seeds; the plan line projects from it.
+SPREAD_EXPONENT, SPREAD_SCALE = 0.41, 0.0243
 MAX_SEEDS = 32  # then longer runs: a verdict from more training, at about the same resolution
-CALIBRATION_SEEDS = 2  # batched: the seeds of a calibration run (a planned run has 2 or more)
+FIRST_SEEDS = 3  # the fewest a plan takes: the smallest plan's, unless --seeds says
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 # The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
 # the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
@@ -39,16 +40,18 @@ EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 LENGTH_SEEDS = 2
 HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
 WRITE_UP_S = 5.0  # the table and the plot at the end
+WARM_UP_STEPS = 3  # a run's first steps compile: their time is its start-up, not a step's
+PACE_RECORDS = 3  # warm step records before the runs' own pace replaces an estimate
 
 
 class Calibration(NamedTuple):
-    """What --budget plans with, measured with `jobs` runs at once (their contention). A run of k
-    seeds (batched; k = 1 alone) takes fixed_s + k (steps step_s + EVALS eval_s + final_s)."""
-    step_s: float  # one training step of one seed (the slowest calibration run's mean)
-    fixed_s: float  # the rest of a run: start-up, building, the save and the report (alone: and
-    # the last eval and the final eval, which final_s holds for a batched run's every seed)
-    eval_s: float  # one more eval: eval tokens at a third of a training token's time (forward)
-    seconds: float  # spent before the runs: since ablate started, calibrating, the write-up to come
+    """What a plan is fitted with, at `jobs` runs at once (their contention), in seconds. A run of
+    k seeds (batched; k = 1 alone) takes fixed_s + k (steps step_s + EVALS eval_s + final_s)."""
+    step_s: float  # one training step of one seed
+    fixed_s: float  # the rest of a run: start-up and compile, the save and the report (alone:
+    # and the last eval and the final eval, which final_s holds for a batched run's every seed)
+    eval_s: float  # one more eval
+    seconds: float  # spent before the runs: since ablate started, and the write-up to come
     final_s: float = 0.0  # a batched seed's last eval and final eval
 
 
@@ -56,8 +59,9 @@ class Plan(NamedTuple):
     steps: int
     seeds: int
     eval_every: int
-    run_s: float  # one run, modeled
-    total_s: float  # every run, `jobs` at a time
+    run_s: float  # the longest run, modeled (seconds); 0: not timed yet
+    total_s: float  # every run, `jobs` at a time, modeled (seconds); 0: not timed yet
+    groups: tuple = ()  # the seeds of each batch of a variant's runs, in order; (): one batch
 
 
 def budget_arg(s: str) -> float:
@@ -69,75 +73,21 @@ def budget_arg(s: str) -> float:
     return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[m[2]]
 
 
-class Watch:
-    """Early refusal while calibrating: from the first seconds, a lower bound on each planned run's
-    wall time (it starts up as a calibration run does and then trains MIN_STEPS steps or more, so
-    it takes at least as long as a calibration run has so far, and at least the time to a step
-    plus the steps left at that step's time). When `rounds` such runs cannot fit what is left
-    of the budget, the calibration runs are stopped and the budget refused (with `refuse`; the
-    default budget is never refused, its calibration runs to the end). A round that may compile
-    cold (not `warm`) bounds nothing but the time it spends: the planned runs find its compile
-    cache, and its steps are slowed by the other runs' compiling."""
-
-    def __init__(self, budget_s: float, rounds: int, started: float, warm: bool = True,
-                 refuse: bool = True):
-        self.budget_s, self.rounds, self.started, self.warm = budget_s, rounds, started, warm
-        self.refuse, self.bound_s = refuse, 0.0  # bound_s: the run wall time that refused
-        self.began = self.first = time.monotonic()  # began: this round's
-        self.procs, self.refusal, self.run_s = [], None, 0.0  # run_s: from the step records
-        self.lock = threading.Lock()
-
-    def started_process(self, p) -> None:
-        with self.lock:
-            self.procs.append(p)
-            if self.refusal:
-                p.terminate()
-
-    def step(self, record: dict) -> None:
-        """A calibration run's step record (base_train --step-record)."""
-        if record["step"] >= 3:  # the first steps compile
-            if self.warm:
-                took = time.monotonic() - self.began
-                left = (MIN_STEPS - record["step"]) * record["dt_ms"] / 1000
-                self.run_s = max(self.run_s, took + left)
-            self.check()
-
-    def rewarm(self) -> None:
-        """The next round of calibration runs starts now, with the compile cache warm."""
-        self.warm, self.began = True, time.monotonic()
-
-    def check(self) -> None:
-        """Refuse (and stop the calibration runs) once the bound passes the budget."""
-        now = time.monotonic()
-        run_s = max(now - self.began if self.warm else 0.0, self.run_s)
-        left = (self.budget_s - (now - self.started) - WRITE_UP_S) * HEADROOM
-        with self.lock:
-            if self.refusal or not self.refuse or self.rounds * run_s <= left:
-                return
-            self.bound_s = run_s
-            self.refusal = budget_refusal(self.budget_s, self.rounds, run_s, now - self.started,
-                                          f"as calibrating shows after {now - self.first:.0f} s")
-            for p in self.procs:
-                p.terminate()
+def eval_times(step_s: float, eval_tokens: int, final_tokens: int, batch: int,
+               batched: bool) -> tuple[float, float]:
+    """(eval_s, final_s) at step_s: eval tokens at a third of a training token's time (forward
+    only); a batched seed's last eval and final eval grow with the seeds, so final_s holds them."""
+    eval_s = eval_tokens / batch * step_s / 3
+    return eval_s, (eval_s + max(0, final_tokens) / batch * step_s / 3 if batched else 0.0)
 
 
-def budget_refusal(budget_s: float, n_rounds: int, run_s: float, spent_s: float,
-                   seen: str) -> str:
-    """The line that refuses --budget budget_s: n_rounds rounds of runs of run_s seconds at least
-    do not fit it, with spent_s gone before the runs; it names a budget that fits them."""
-    left = (budget_s - spent_s - WRITE_UP_S) * HEADROOM
-    need = n_rounds * run_s / HEADROOM + spent_s + WRITE_UP_S
-    why = (f"{n_rounds} rounds of runs of at least {run_s:.0f} s each (start-up and {MIN_STEPS} "
-           f"steps, {seen}) do not fit the {left:.0f} s left" if left > 0 else
-           f"the time before the runs has spent it ({spent_s:.0f} s so far)")
-    return (f"error: --budget {budget_s:.0f}s cannot fit: {why}; --budget "
-            f"{math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or --depth")
-
-
-def run_sizes(runs_per_seed: int, seeds: int, lengths: int = 0, batched: bool = False) -> list:
-    """The seeds each run trains: batched, one run of `seeds` per variant-value pair and one of the
-    first LENGTH_SEEDS per other length of the baseline; alone, a run per seed of each."""
-    sizes = [seeds] * runs_per_seed + [min(seeds, LENGTH_SEEDS)] * lengths
+def run_sizes(runs_per_seed: int, seeds: int, lengths: int = 0, batched: bool = False,
+              groups: tuple = ()) -> list:
+    """The seeds each run trains: batched, one run per group of seeds (all of them if no groups)
+    per variant-value pair and one of the first LENGTH_SEEDS per other length of the baseline;
+    alone, a run per seed of each."""
+    sizes = ([g for g in groups or (seeds,) for _ in range(runs_per_seed)]
+             + [min(seeds, LENGTH_SEEDS)] * lengths)
     return sizes if batched else [1] * sum(sizes)
 
 
@@ -151,41 +101,220 @@ def lanes(sizes: list[int], jobs: int) -> list[tuple[int, int]]:
     return loads
 
 
-def rounds(runs_per_seed: int, seeds: int, jobs: int, lengths: int = 0,
-           batched: bool = False) -> int:
-    """The most runs one of `jobs` lanes runs, one after another (lanes())."""
-    return max(runs for runs, _ in lanes(run_sizes(runs_per_seed, seeds, lengths, batched), jobs))
+def modeled(cal: Calibration, steps: int, seeds: int, runs_per_seed: int, jobs: int,
+            lengths: int = 0, batched: bool = False, groups: tuple = ()) -> tuple[float, float]:
+    """(the longest run, every run `jobs` at a time) in seconds, as cal models them."""
+    per_seed = EVALS * cal.eval_s + cal.final_s
+    sizes = run_sizes(runs_per_seed, seeds, lengths, batched, groups)
+    total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s)
+                for runs, k in lanes(sizes, jobs))
+    return cal.fixed_s + max(sizes) * (per_seed + steps * cal.step_s), total
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
         lengths: int = 0, batched: bool = False, at_least: bool = False) -> Plan | None:
     """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
-    lengths: the most steps that fit `seeds` seeds, or if None the seeds (3 to MAX_SEEDS) whose
-    most steps give the smallest projected detectable effect, detectable_factor(seeds) *
+    lengths: the most steps that fit `seeds` seeds, or if None the seeds (FIRST_SEEDS to MAX_SEEDS)
+    whose most steps give the smallest projected detectable effect, detectable_factor(seeds) *
     steps ** -SPREAD_EXPONENT. If not even MIN_STEPS fit: None, or with at_least the smallest
-    plan (MIN_STEPS, `seeds` or 3), however long. A run of k seeds (batched) takes fixed_s +
-    k (steps step_s + EVALS eval_s + final_s): evals at step 0, every ceil(steps / EVALS) and at
-    the end are EVALS more than calibrated."""
+    plan (MIN_STEPS, `seeds` or FIRST_SEEDS), however long. Evals at step 0, every
+    ceil(steps / EVALS) and at the end are EVALS more than step 0's (modeled())."""
     left = (budget_s - cal.seconds) * HEADROOM
     per_seed = EVALS * cal.eval_s + cal.final_s
 
     def plan(n: int, steps: int) -> Plan:
-        loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
-        total = max(runs * cal.fixed_s + k * (per_seed + steps * cal.step_s) for runs, k in loads)
-        run_s = cal.fixed_s + (n if batched else 1) * (per_seed + steps * cal.step_s)
+        run_s, total = modeled(cal, steps, n, runs_per_seed, jobs, lengths, batched)
         return Plan(steps, n, math.ceil(steps / EVALS), run_s, total)
 
     plans = []
-    for n in [seeds] if seeds else range(3, MAX_SEEDS + 1):
+    for n in [seeds] if seeds else range(FIRST_SEEDS, MAX_SEEDS + 1):
         loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
         steps = min(math.floor((left - runs * cal.fixed_s - k * per_seed) / (k * cal.step_s))
                     for runs, k in loads if runs)
         if steps >= MIN_STEPS:
             plans.append(plan(n, steps))
     if not plans and at_least:
-        plans.append(plan(seeds or 3, MIN_STEPS))
-    return min(plans, default=None, key=lambda p: detectable_factor(max(2, p.seeds))
-               * p.steps ** -SPREAD_EXPONENT)
+        plans.append(plan(seeds or FIRST_SEEDS, MIN_STEPS))
+    return min(plans, default=None, key=lambda p: projected_detectable(max(2, p.seeds), p.steps))
+
+
+def smallest(seeds: int | None) -> Plan:
+    """The smallest plan, not yet timed: what runs first where nothing has timed the runs."""
+    return Plan(MIN_STEPS, seeds or FIRST_SEEDS, math.ceil(MIN_STEPS / EVALS), 0.0, 0.0)
+
+
+def grow(budget_s: float, cal: Calibration, plan: Plan, runs_per_seed: int, jobs: int,
+         lengths: int = 0, batched: bool = False) -> int:
+    """How many seeds (MAX_SEEDS in all at most) can join `plan` as one more batch of each
+    variant's runs and still fit budget_s at cal, as fit() counts; 0 if none can."""
+    left = (budget_s - cal.seconds) * HEADROOM
+    groups = plan.groups or (plan.seeds,)
+    for more in range(MAX_SEEDS - plan.seeds, 0, -1):
+        if modeled(cal, plan.steps, plan.seeds + more, runs_per_seed, jobs, lengths, batched,
+                   (*groups, more))[1] <= left:
+            return more
+    return 0
+
+
+def projected_detectable(seeds: int, steps: int) -> float:
+    """The effect (a fraction of bpb) that `seeds` seeds of `steps` steps detect 80% of the time,
+    at the spread a seed's difference showed at ablate's default shape (SPREAD_SCALE)."""
+    return detectable_factor(seeds) * SPREAD_SCALE * steps ** -SPREAD_EXPONENT
+
+
+def machine_load() -> float:
+    """The machine's 1-minute load average: the runnable processes a step shares the cores with
+    (0 where the OS has none to say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def contention(load: float, used: int, cores: int) -> float:
+    """How much slower a step runs beside `load` other runnable processes, the runs' own `used`
+    threads on `cores` cores: not at all while every thread has a core, then in proportion."""
+    return max(1.0, (load + used) / max(1, cores))
+
+
+def at_load(cal: Calibration, then: float, now: float, used: int,
+            cores: int) -> tuple[Calibration, float]:
+    """(cal timed at load `then`, scaled to load `now`; the factor): every part of a run is CPU
+    time, so all of it scales; the seconds spent before the runs do not."""
+    f = contention(now, used, cores) / contention(then, used, cores)
+    return cal._replace(step_s=cal.step_s * f, fixed_s=cal.fixed_s * f, eval_s=cal.eval_s * f,
+                        final_s=cal.final_s * f), f
+
+
+def budget_refusal(budget_s: float, floor_s: float, spent_s: float, seen: str) -> str:
+    """The line that refuses --budget budget_s: the smallest plan's steps alone take floor_s
+    seconds, and spent_s went before the runs; it names a budget that fits them."""
+    left = (budget_s - spent_s) * HEADROOM
+    need = floor_s / HEADROOM + spent_s
+    return (f"error: --budget {budget_s:.0f}s cannot fit: the smallest plan's steps alone take "
+            f"{floor_s:.0f} s ({seen}), and {max(0.0, left):.0f} s are left for the runs; --budget "
+            f"{math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or --depth")
+
+
+class RunWatch:
+    """One planned run's step records as launch() reads them (its `watch`): its warm steps'
+    seconds and its wall once it ends, for the Tracker."""
+
+    def __init__(self, tracker: "Tracker", seeds: int, label: str):
+        self.tracker, self.seeds, self.label = tracker, seeds, label
+        self.began = time.monotonic()
+        self.dts, self.steps, self.at, self.wall = [], 0, (0, self.began), None
+
+    @property
+    def refusal(self) -> str | None:
+        return self.tracker.refusal
+
+    def started_process(self, p) -> None:
+        self.tracker.started_process(p)
+
+    def step(self, record: dict) -> None:
+        """A step record (base_train --step-record); the first WARM_UP_STEPS are start-up."""
+        if record["step"] > WARM_UP_STEPS:
+            with self.tracker.lock:
+                self.dts.append(record["dt_ms"] / 1000)
+                self.steps, self.at = record["steps"], (record["step"], time.monotonic())
+            self.tracker.stepped()
+
+    def ended(self) -> None:
+        with self.tracker.lock:
+            self.wall = time.monotonic() - self.began
+        self.tracker.ended(self)
+
+
+class Tracker:
+    """The planned runs' pace from their step records as they come, from any lane's thread: the
+    Calibration they measure, handed to paced() once PACE_RECORDS warm steps have come and to
+    finished() as each run ends (a subclass says and keeps them), and the refusal of an explicit
+    budget as soon as not even the smallest plan's steps fit at that pace. floor: that plan's
+    seconds at a Calibration (modeled()); None never refuses (the default budget)."""
+
+    def __init__(self, budget_s: float, seconds: float, evals, floor=None):
+        self.budget_s, self.seconds, self.evals, self.floor = budget_s, seconds, evals, floor
+        self.lock = threading.Lock()
+        self.runs, self.procs, self.refusal, self.told = [], [], None, False
+
+    def watch(self, seeds: int, label: str) -> RunWatch:
+        """A new run's watch, for launch()."""
+        run = RunWatch(self, seeds, label)
+        with self.lock:
+            self.runs.append(run)
+        return run
+
+    def started_process(self, p) -> None:
+        with self.lock:
+            self.procs.append(p)
+            if self.refusal:
+                p.terminate()
+
+    def measured(self) -> Calibration | None:
+        """The runs' calibration so far, None before PACE_RECORDS warm step records. A seed's
+        step: the records' seconds over the seed-steps they hold. A run's rest: its wall less its
+        steps at its own pace (start-up, evals, save), never below zero: the evals' model shrinks
+        where a rest is shorter. A run still going gives its start-up so far."""
+        with self.lock:
+            runs = [(r.seeds, list(r.dts), r.steps, r.at, r.began, r.wall)
+                    for r in self.runs if r.dts]
+        if sum(len(dts) for _, dts, *_ in runs) < PACE_RECORDS:
+            return None
+        step_s = sum(sum(dts) for _, dts, *_ in runs) / sum(k * len(dts) for k, dts, *_ in runs)
+        eval_s, final_s = self.evals(step_s)
+        per_seed = EVALS * eval_s + final_s
+        rests = [(k, max(0.0, wall - steps * sum(dts) / len(dts)))
+                 for k, dts, steps, _, _, wall in runs if wall is not None]
+        share = min([1.0] + [rest / (k * per_seed) for k, rest in rests if per_seed > 0])
+        fixed = (max(rest - k * per_seed * share for k, rest in rests) if rests else
+                 max(at - began - step * sum(dts) / len(dts)
+                     for _, dts, _, (step, at), began, _ in runs))
+        return Calibration(step_s, max(0.0, fixed), eval_s * share, self.seconds, final_s * share)
+
+    def stepped(self) -> None:
+        cal = self.measured()
+        if cal is None:
+            return
+        with self.lock:
+            first, self.told = not self.told, True
+        if first:
+            self.paced(cal)
+        self.check(cal)
+
+    def check(self, cal: Calibration) -> None:
+        """Refuse the budget and stop the runs once the smallest plan's steps alone at cal (no
+        start-up, no evals: a bound from below) cannot fit what the budget leaves the runs."""
+        if self.floor is None:
+            return
+        floor = self.floor(cal._replace(fixed_s=0.0, eval_s=0.0, final_s=0.0))
+        with self.lock:
+            if self.refusal or floor <= (self.budget_s - self.seconds) * HEADROOM:
+                return
+            self.refusal = budget_refusal(self.budget_s, floor, self.seconds,
+                                          f"{cal.step_s:.3f} s a step of a seed, as the runs' "
+                                          "first steps show")
+            for p in self.procs:
+                p.terminate()
+        self.refused(cal)
+
+    def ended(self, run: RunWatch) -> None:
+        if (cal := self.measured()) is not None:
+            self.finished(run, cal)
+
+    def done(self) -> bool:
+        """Whether a run has ended, so its rest is measured too."""
+        with self.lock:
+            return any(r.wall is not None for r in self.runs)
+
+    def paced(self, cal: Calibration) -> None:
+        """The runs' first pace (a subclass says it)."""
+
+    def finished(self, run: RunWatch, cal: Calibration) -> None:
+        """A run ended; cal: every run so far (a subclass says and keeps it)."""
+
+    def refused(self, cal: Calibration) -> None:
+        """The budget was refused at cal's pace (a subclass keeps it)."""
 
 
 def read_plan(path: Path) -> Plan | None:
@@ -193,30 +322,37 @@ def read_plan(path: Path) -> Plan | None:
     try:
         saved = load_json(path, 1 << 16, "a plan ablate wrote")
         plan = Plan(**saved)
+        plan = plan._replace(groups=tuple(plan.groups))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as e:
         print(f"== {path.name} is not a plan ({e}); planning again", flush=True)
         return None
-    ints = [plan.steps, plan.seeds, plan.eval_every]
+    ints = [plan.steps, plan.seeds, plan.eval_every, *plan.groups]
     if not (all(type(v) is int and v >= 1 for v in ints)
-            and all(isinstance(v, (int, float)) and v > 0 for v in (plan.run_s, plan.total_s))):
+            and all(isinstance(v, (int, float)) and v > 0 for v in (plan.run_s, plan.total_s))
+            and (not plan.groups or sum(plan.groups) == plan.seeds)):
         print(f"== {path.name} holds a plan out of range ({saved}); planning again", flush=True)
         return None
     return plan
 
 
-def read_calibration(path: Path, started: float) -> Calibration | None:
-    """A kept calibration of the same runs and code (its time before the runs is this ablate's),
-    or None when there is none or it is not one."""
+def read_calibration(path: Path, complain: bool = True) -> tuple[Calibration, dict] | None:
+    """A kept calibration and what it was timed with (`about`: the machine's key, the load beside
+    the runs, when), or None when there is none or it is not one (said, where complain)."""
     try:
-        cal = Calibration(**load_json(path, 1 << 16, "a calibration ablate wrote"))
+        kept = load_json(path, 1 << 16, "a calibration ablate kept")
+        cal, about = Calibration(**kept["calibration"]), dict(kept["about"])
+        ok = (all(type(v) in (int, float) and 0 <= v < math.inf for v in cal) and cal.step_s > 0
+              and all(type(about.get(k)) in (int, float) and about[k] >= 0
+                      for k in ("load", "when")))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, TypeError) as e:
-        print(f"== {path.name} is not a calibration ({e}); calibrating again", flush=True)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        if complain:
+            print(f"== {path.name} is not a calibration ablate kept; planning without it",
+                  flush=True)
         return None
-    if not all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in cal):
-        print(f"== {path.name} holds numbers out of range; calibrating again", flush=True)
-        return None
-    return cal._replace(seconds=time.monotonic() - started + WRITE_UP_S)
+    return cal, about

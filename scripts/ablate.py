@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,22 +46,27 @@ import torch
 
 import nanomuon
 from nanomuon.budget import (
-    CALIBRATION_SEEDS,
-    CALIBRATION_STEPS,
     CPU_BUDGETS,
+    FIRST_SEEDS,
     HEADROOM,
     LENGTH_SEEDS,
     MIN_STEPS,
-    WARM_UP_STEPS,
     WRITE_UP_S,
     Calibration,
-    Watch,
+    Plan,
+    Tracker,
+    at_load,
     budget_arg,
     budget_refusal,
+    eval_times,
     fit,
+    grow,
+    machine_load,
+    modeled,
+    projected_detectable,
     read_calibration,
     read_plan,
-    rounds,
+    smallest,
 )
 from nanomuon.common import (
     DTYPES,
@@ -70,7 +74,6 @@ from nanomuon.common import (
     content_hashes,
     get_base_dir,
     load_json,
-    resolve_compile,
     resolve_dtype,
     user_errors,
     write_atomic,
@@ -90,6 +93,7 @@ from nanomuon.sources import add_data_args, prepare
 from nanomuon.stats import (
     RECORD_EFFECT,
     bpb_per_log_step,
+    detectable_factor,  # noqa: F401 (scripts/noise.py reads it here)
     fmt,
     mean_ci,
     paired,
@@ -188,10 +192,17 @@ def first_reaching(target: float, record: dict):
 
 
 def device_name(device: str) -> str:
-    """The device a run trains on, as precisely as torch names it (results differ across them)."""
-    name = (torch.cuda.get_device_name() if device == "cuda"
-            else platform.processor() or platform.machine())
-    return f"{device} {name}"
+    """The device a run trains on, as precisely as torch or the OS names it: results and step
+    times differ across them."""
+    return f"{device} {torch.cuda.get_device_name() if device == 'cuda' else cpu_model()}"
+
+
+def cpu_model() -> str:
+    """This CPU's model as Linux names it (/proc/cpuinfo), else as platform guesses it."""
+    with contextlib.suppress(OSError):
+        if m := re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M):
+            return m[1].strip()
+    return platform.processor() or platform.machine()
 
 
 PROGRESS_S = 30  # a run's step lines are echoed this often at most (its evals and the last: all)
@@ -202,7 +213,8 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
     lines prefixed by label: a step line every PROGRESS_S seconds at most (base_train prints each,
     so a batched run of slow steps still shows progress), every eval, warning and error; a failure
     exits with its last lines. base_train's step records (--step-record) say which lines are step
-    lines and feed `watch` (calibrate's Watch), which is also told of the process."""
+    lines and feed `watch` (a budget.RunWatch: the plan's Refiner), told of the process and of
+    the run's end too."""
     launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [])
     with tempfile.TemporaryDirectory(prefix="ablate-") as tmp:
@@ -210,7 +222,7 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
         cmd = [sys.executable, *launcher, "-m", "scripts.base_train",
                *(["--"] if nproc > 1 else []), *run_flags, "--log-every", "1",
                "--step-record", str(records.path)]
-        print(f"== {label}: {' '.join(cmd[1:])}", flush=True)
+        tell(f"== {label}: {' '.join(cmd[1:])}")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               bufsize=1, env=env) as p:
@@ -226,6 +238,8 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
     if p.returncode != 0:
         raise SystemExit(f"error: {label} failed (exit {p.returncode}); its last "
                          f"lines:\n{''.join(tail)}")
+    if watch:
+        watch.ended()
 
 
 def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
@@ -273,6 +287,7 @@ class Job(NamedTuple):
     steps: int | None = None
     data_seed: int | None = None
     threads: int | None = None  # None: the ablation's
+    group: int = 0  # which batch of its variant's seeds: seeds a plan adds train in their own
 
     def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
         """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""
@@ -284,9 +299,10 @@ class Job(NamedTuple):
 
 
 def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, name: str,
-            cache: dict) -> dict:
+            cache: dict, refiner: Tracker | None = None) -> dict:
     """One base_train run, or its cached record. The key holds the thread count: it decides the
-    order of floating-point sums, so a run at other threads is another run."""
+    order of floating-point sums, so a run at other threads is another run. A run trained is
+    followed by `refiner` (a budget's)."""
     variant, value, seed, steps, data_seed = job[:5]
     threads = job.threads or threads
     if steps is not None:
@@ -305,10 +321,10 @@ def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, na
     run = job.name(name, swept)
     summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seed",
                                           str(seed), "--data-seed", str(data_seed)],
-                      nproc, threads, cache)
+                      nproc, threads, cache, refiner and refiner.watch(1, label))
     record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, value=value,
                   seed=seed)
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(record)))
+    write_json(path, record)
     return record
 
 
@@ -325,10 +341,11 @@ def read_json(path: Path, what: str):
 
 
 def trained(label: str, flags: list[str], run: str, run_flags: list[str], nproc: int,
-            threads: int, cache: dict) -> dict:
-    """The summary.json of base_train with flags, --run `run` and run_flags, trained afresh: an
-    uncached run over an earlier one of the same name (other code, say) keeps the earlier one."""
-    launch(label, [*flags, "--run", run, *run_flags, "--start-over"], nproc, threads)
+            threads: int, cache: dict, watch=None) -> dict:
+    """The summary.json of base_train with flags, --run `run` and run_flags, trained afresh (under
+    launch's `watch`): an uncached run over an earlier one of the same name (other code, say)
+    keeps the earlier one."""
+    launch(label, [*flags, "--run", run, *run_flags, "--start-over"], nproc, threads, watch)
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -337,25 +354,26 @@ def trained(label: str, flags: list[str], run: str, run_flags: list[str], nproc:
 
 def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
     """The jobs as base_train runs: with `batched`, a variant's seeds at one value, length and data
-    order train as one model in one process (base_train --seeds), on the same batches; a job whose
-    data order is its seed's own (--data-order seed) reads other batches and runs alone."""
+    order train as one model in one process (base_train --seeds), on the same batches (those of
+    one group: seeds a plan adds are a batch of their own); a job whose data order is its seed's
+    own (--data-order seed) reads other batches and runs alone."""
     groups = {}
     for job in todo:
         alone = not batched or job.data_seed is None
-        key = (job.variant, job.value, job.steps, job.data_seed, job.threads,
+        key = (job.variant, job.value, job.steps, job.data_seed, job.threads, job.group,
                job.seed if alone else None)
         groups.setdefault(key, []).append(job)
     return list(groups.values())
 
 
 def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads: int, name: str,
-              cache: dict) -> dict:
+              cache: dict, refiner: Tracker | None = None) -> dict:
     """job -> record of seeds trained as one batched base_train run (batches()), or its cached
     records; one job is run_one's. A seed's record is what its own run would record (base_train's
     per_seed), with the run's throughput and training time as the seed's share: divided by the
-    seeds."""
+    seeds. A run trained is followed by `refiner` (a budget's)."""
     if len(jobs) == 1:
-        return {jobs[0]: run_one(jobs[0], flags, swept, nproc, threads, name, cache)}
+        return {jobs[0]: run_one(jobs[0], flags, swept, nproc, threads, name, cache, refiner)}
     first, seeds = jobs[0], [job.seed for job in jobs]
     variant, value, _, steps, data_seed = first[:5]
     threads = first.threads or threads
@@ -374,7 +392,8 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
     run = first.name(name, swept, seeds[-1])
     summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seeds",
                                           ",".join(map(str, seeds)), "--data-seed",
-                                          str(data_seed)], nproc, threads, cache)
+                                          str(data_seed)], nproc, threads, cache,
+                      refiner and refiner.watch(len(seeds), label))
     shared = {k: summary[k] for k in KEPT if k in summary}
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
@@ -382,99 +401,8 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
     records = {str(seed): dict(shared, **{k: v for k, v in summary["per_seed"][str(seed)].items()
                                           if k in KEPT}, variant=variant, value=value, seed=seed)
                for seed in seeds}
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(records)))
+    write_json(path, records)
     return {job: records[str(job.seed)] for job in jobs}
-
-
-def calibrate(flags: list[str], train, variants: list[str], jobs: int, threads: int, nproc: int,
-              name: str, watch: Watch, seeds: int = 1) -> Calibration:
-    """Time `jobs` base_train runs of CALIBRATION_STEPS steps at once (of `seeds` seeds each,
-    batched), the variants in turn, under `watch` (which may refuse the budget before they end);
-    their run dirs are removed afterwards. Compiled runs first warm the compile cache in a round of
-    WARM_UP_STEPS steps, untimed: a cold compile takes a minute on a CPU and slows the other runs'
-    steps, while the planned runs find the cache warm. train: base_train's args for flags."""
-    if compiles(train):
-        calibration_round(flags, variants, jobs, threads, nproc, name, watch, WARM_UP_STEPS, seeds)
-        watch.rewarm()
-    timed = calibration_round(flags, variants, jobs, threads, nproc, name, watch,
-                              CALIBRATION_STEPS, seeds)
-    # the mean, not the median: a run's wall pays for its slow steps too
-    step_s = max(s["mean_step_ms"] for s in timed.summaries) / 1000 / seeds
-    eval_s = train.eval_tokens / train.total_batch_size * step_s / 3
-    # a batched seed's share of the last eval and the final eval, which grow with the seeds
-    final_s = 0.0 if seeds == 1 else (eval_s + max(0, train.final_eval_tokens)
-                                      / train.total_batch_size * step_s / 3)
-    fixed_s = max(timed.walls) - seeds * (CALIBRATION_STEPS * step_s + final_s)
-    return Calibration(step_s, fixed_s, eval_s, time.monotonic() - watch.started + WRITE_UP_S,
-                       final_s)
-
-
-def compiles(train) -> bool:
-    """Whether base_train's args `train` compile."""
-    return resolve_compile(train.compile, torch.device(check_device_type(train.device_type)))
-
-
-class CalibrationRound(NamedTuple):
-    walls: list[float]  # seconds, per run
-    summaries: list[dict]  # base_train's summary.json, per run
-
-
-def calibration_round(flags: list[str], variants: list[str], jobs: int, threads: int, nproc: int,
-                      name: str, watch: Watch, steps: int, seeds: int = 1) -> CalibrationRound:
-    """`jobs` runs of `steps` steps at once (`seeds` seeds each, batched), the variants in turn,
-    each timed, under `watch`."""
-    runs = [f"{name}-calibration-{j + 1}" for j in range(jobs)]
-    run_dirs = claim_calibration_dirs(runs)
-    walls = [0.0] * jobs
-
-    def one(j: int) -> None:
-        t = time.monotonic()
-        launch(f"calibration {j + 1}/{jobs}", [
-            *flags, "--run", runs[j], "--optimizer", variants[j % len(variants)],
-            "--num-iterations", str(steps), "--eval-every", "-1", "--save-every", "-1",
-            "--log-every", "1", "--sample-tokens", "0", "--start-over",
-            *(["--seeds", ",".join(map(str, range(1, seeds + 1)))] if seeds > 1 else [])],
-            nproc, threads, watch)
-        walls[j] = time.monotonic() - t
-
-    done = threading.Event()
-
-    def keep_checking() -> None:  # no lines come while the runs start up and compile
-        while not done.wait(1.0):
-            watch.check()
-
-    threading.Thread(target=keep_checking, daemon=True).start()
-    try:
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(one, range(jobs)))
-        summaries = [read_json(d / "summary.json", "the summary base_train wrote")
-                     for d in run_dirs]
-    finally:
-        done.set()
-        for d in run_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-    return CalibrationRound(walls, summaries)
-
-
-CALIBRATION_MARK = ".ablate-calibration"  # in a run dir that calibration_round may delete
-
-
-def claim_calibration_dirs(runs: list[str]) -> list[Path]:
-    """The dirs of these calibration runs, each marked as ablate's. The calibration trains in them
-    and deletes them after: a dir of that name that ablate did not make (a user's run) is refused
-    in one line, never trained over or deleted; one ablate left (a calibration killed before its
-    cleanup) is ablate's to reuse."""
-    run_dirs = [get_base_dir() / "runs" / r for r in runs]
-    for run_dir in run_dirs:
-        ours = (run_dir / CALIBRATION_MARK).is_file()
-        if run_dir.is_symlink() or (run_dir.exists() and not ours):
-            raise SystemExit(f"error: {run_dir} is not a calibration run of ablate's, and the "
-                             "calibration would train in it and delete it: move it, or pass "
-                             "another --name")
-    for run_dir in run_dirs:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CALIBRATION_MARK).touch()
-    return run_dirs
 
 
 class Sweep(NamedTuple):
@@ -742,9 +670,10 @@ def parse_args(argv):
                    "alone (at the default shape ~20x less variance: docs/research.md); seed: "
                    "each seed sets the data order too, a verdict across orders (default: fixed)")
     p.add_argument("--budget", type=budget_arg, default=None,
-                   help="wall time for the whole ablation (600, 90s, 10m, 1.5h): time a few steps "
-                   "here, then pick --num-iterations (and --seeds, unless given) to fit, and print "
-                   "the plan before starting")
+                   help="wall time for the whole ablation (600, 90s, 10m, 1.5h): --num-iterations "
+                   "(and --seeds, unless given) are planned to fit it from the runs' times kept on "
+                   "this machine, or the smallest plan runs first and its own steps time it; the "
+                   "plan is printed before the runs start and refined as they go")
     p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
                    help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
                    "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
@@ -968,10 +897,11 @@ def ablation(args, flags: list[str], argv):
     jobs = min(jobs, runs_per_seed + len(args.baseline_lengths) if args.batch_seeds
                else runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
-    n_seeds = args.seeds or default_seeds(args, cache)
+    n_seeds, refiner = args.seeds or default_seeds(args, cache), None
     default_budget(args, flags, cache)
     if args.budget is not None:
-        flags, n_seeds = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
+        flags, refiner = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
+        n_seeds = refiner.plan.seeds
     seeds = list(range(1, n_seeds + 1))
     train = train_args(flags)
     steps = train.num_iterations
@@ -983,8 +913,16 @@ def ablation(args, flags: list[str], argv):
                          f"{steps} are not distinct step counts other than {steps}; give "
                          "--num-iterations, other fractions, or --baseline-lengths none")
     data = 1 if args.data_order == "fixed" else None  # None: the seed's
-    todo = [Job(v, x, s, data_seed=data) for v in args.variants for x in args.sweep.values
-            for s in seeds]
+
+    def main_jobs(of_seeds: list[int], group: int = 0) -> list[Job]:
+        return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
+                for x in args.sweep.values for s in of_seeds]
+
+    todo = [job for group, of_seeds in enumerate(seed_groups(refiner.plan if refiner else None,
+                                                             n_seeds))
+            for job in main_jobs(of_seeds, group)]
+    if refiner:
+        refiner.make_jobs = main_jobs
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
     shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others
                for s in seeds[:LENGTH_SEEDS]]
@@ -995,16 +933,28 @@ def ablation(args, flags: list[str], argv):
           + f", {jobs} at a time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
     one_value = len(args.sweep.values) == 1
-    results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache)
+    results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache,
+                      refiner)
+    seeds = list(range(1, (refiner.plan.seeds if refiner else n_seeds) + 1))  # with any added
     if not one_value and shorter:
         best = report(split_runs(results)[0], args.variants, args.sweep, seeds,
                       args.baseline)[1][args.baseline]
         results |= run_all([job._replace(value=best) for job in shorter], flags, args, jobs,
-                           threads, cache)
+                           threads, cache, refiner)
     main_runs, lengths = split_runs(results)
     write_ablation(args, argv, flags, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs
+
+
+def seed_groups(plan: Plan | None, seeds: int) -> list[list[int]]:
+    """The seeds of each batch of a variant's runs: the plan's groups, else one of all."""
+    groups, first = (plan.groups if plan else ()) or (seeds,), 1
+    out = []
+    for n in groups:
+        out.append(list(range(first, first + n)))
+        first += n
+    return out
 
 
 def split_runs(results: dict) -> tuple[dict, dict]:
@@ -1014,12 +964,25 @@ def split_runs(results: dict) -> tuple[dict, dict]:
             {(job.seed, job.steps): r for job, r in results.items() if job.steps is not None})
 
 
-def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: dict) -> dict:
-    """job -> record of every job in todo, batched (run_batch's), `jobs` runs at a time."""
+def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: dict,
+            refiner: "Refiner | None" = None) -> dict:
+    """job -> record of every job in todo, batched (run_batch's), `jobs` runs at a time, and of
+    the jobs `refiner` adds as runs end (Refiner.more), in the order they were asked for."""
     with ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(run_batch, batch, flags, args.sweep.flag, args.nproc, threads,
-                               args.name, cache) for batch in batches(todo, args.batch_seeds)]
+        def submit(batch: list[Job]):
+            return pool.submit(run_batch, batch, flags, args.sweep.flag, args.nproc, threads,
+                               args.name, cache, refiner)
+
+        futures = [submit(batch) for batch in batches(todo, args.batch_seeds)]
+        pending = set(futures)
         try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # a failed run stops the ablation now
+                more = [submit(b) for b in batches(refiner.more() if refiner else [],
+                                                   args.batch_seeds)]
+                futures, pending = futures + more, pending | set(more)
             return {job: r for f in futures for job, r in f.result().items()}
         # a failed run, or Ctrl-C: finish (and cache) the running ones, start no more
         except BaseException:
@@ -1027,74 +990,220 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
             raise
 
 
-def timed_runs(args, flags: list[str], train, runs_per_seed: int, jobs: int, threads: int,
-               measured: list, cache: dict) -> tuple[Calibration, str]:
-    """(the calibration of these runs, how it was had): kept from before, or timed now and kept.
-    A --budget given that a calibration refused (Watch) is remembered with the run time that
-    refused it, so the same budget, or a smaller one, is refused at once the next time."""
-    timed = cache["dir"] / f"calibration-{key_of(measured)}.json"  # any budget, seeds or sweep
-    refused = cache["dir"] / f"refused-{key_of(measured)}.json"
-    if (cal := read_calibration(timed, args.started)) is not None:
-        return cal, f"calibrated before ({timed.name})"
-    # the smallest plan fit() may choose: 3 seeds unless given, each batched run at least as
-    # long as a calibration run of CALIBRATION_SEEDS
-    n_rounds = rounds(runs_per_seed, args.seeds or 3, jobs, len(args.baseline_lengths),
-                      args.batch_seeds)
-    spent = time.monotonic() - args.started
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        bound = float(load_json(refused, RECORD_BYTES)["run_s"])
-        if (not args.budget_default and 0 < bound < math.inf
-                and n_rounds * bound > (args.budget - spent - WRITE_UP_S) * HEADROOM):
-            raise SystemExit(budget_refusal(args.budget, n_rounds, bound, spent,
-                                            f"as calibrating showed before ({refused.name})"))
-    watch = Watch(args.budget, n_rounds, args.started, warm=not compiles(train),
-                  refuse=not args.budget_default)
-    try:
-        cal = calibrate(flags, train, args.variants, jobs, threads, args.nproc, args.name, watch,
-                        CALIBRATION_SEEDS if args.batch_seeds else 1)
-    except SystemExit:
-        if watch.refusal:  # kept: the next --budget this short is answered at once
-            write_atomic(refused, lambda tmp: tmp.write_text(json.dumps(dict(
-                run_s=watch.bound_s))))
-        raise
-    write_atomic(timed, lambda tmp: tmp.write_text(json.dumps(cal._asdict())))
-    return cal, "calibrated"
+class Keys(NamedTuple):
+    """Where a budget's plan, the runs' calibration and a refusal's pace are kept, each keyed by
+    what decides it; `machine`: the key of everything but the code, torch and the variants."""
+    plan: Path
+    calibration: Path
+    refused: Path
+    machine: str
+
+
+def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
+    """The files plan_runs reads and the Refiner keeps. A calibration is the runs' flags, their
+    processes and threads, `jobs` at once (their contention), the device and CPU model, the
+    batching, the variants, the code and torch; a plan is that and the budget, sweep, seeds and
+    lengths it was fitted to."""
+    machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
+                      args.batch_seeds])
+    exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
+    plan = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
+    return Keys(cache["dir"] / f"plan-{plan}.json", cache["dir"] / f"calibration-{exact}.json",
+                cache["dir"] / f"refused-{exact}.json", machine)
+
+
+def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]:
+    """(the calibration kept for these runs, else the newest an ablate of other code, torch or
+    variants kept on this machine, scaled to the load now, or None; what the runs' own is kept
+    with; how it was had, in words). used: the threads the runs take."""
+    kept, how = read_calibration(keys.calibration), f"timed here before ({keys.calibration.name})"
+    if kept is None:
+        found = [(k, p) for p in sorted(keys.calibration.parent.glob("calibration-*.json"))
+                 if (k := read_calibration(p, complain=False)) and k[1].get("machine") == keys.machine]
+        if found:
+            kept, path = max(found, key=lambda kp: kp[0][1]["when"])
+            how = (f"an estimate: timed here by an ablate of other code, torch or variants "
+                   f"({path.name})")
+    load, cores = machine_load(), os.cpu_count() or 1
+    about = dict(machine=keys.machine, load=load, cores=cores, used=used)
+    if kept is None:
+        return None, about, "nothing has timed these runs here yet"
+    cal, factor = at_load(kept[0], kept[1]["load"], load, used, cores)
+    if abs(factor - 1) >= 0.05:
+        how += (f", at a load of {kept[1]['load']:.1f} (now {load:.1f}: steps x{factor:.2f}, an "
+                "estimate)")
+    return cal, about, how
 
 
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
-              cache: dict) -> tuple[list[str], int]:
-    """--budget: calibrate, fit and print the plan; (flags with its steps and evals, seeds). The
-    plan is kept in the cache, keyed by all it was fitted to, so a re-run (or an interrupted one)
-    plans the same runs and finds them cached instead of re-timing into slightly other steps."""
-    train, lengths = train_args(flags), len(args.baseline_lengths)  # each a whole run
-    measured = [args.variants, flags, jobs, threads, args.nproc, cache["device"], cache["code"],
-                cache["torch"], args.batch_seeds]
-    parts = [args.budget, args.sweep, args.seeds, args.baseline_lengths, *measured]
-    path = cache["dir"] / f"plan-{key_of(parts)}.json"
-    if (plan := read_plan(path)) is not None:
-        how = f"planned before ({path.name})"
+              cache: dict) -> tuple[list[str], "Refiner"]:
+    """--budget: the plan, printed before any run starts: kept from before, fitted to the
+    calibration kept on this machine (kept_estimate), or, with none, the smallest plan, which its
+    runs' own steps then time. (flags with its steps and evals, the Refiner that follows the runs
+    and refines the plan.) What is kept is keyed by what decides it, so a re-run (or an
+    interrupted one) plans the same runs and finds them cached."""
+    train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
+                                        args.batch_seeds)
+    keys = plan_keys(args, flags, jobs, threads, cache)
+    estimate, about, how = kept_estimate(keys, jobs * threads * args.nproc)
+    seconds = time.monotonic() - args.started + WRITE_UP_S
+    estimate = estimate and estimate._replace(seconds=seconds)
+    if (plan := read_plan(keys.plan)) is not None:
+        how = f"planned before ({keys.plan.name}); {how}"
+    elif estimate is None:
+        plan = smallest(args.seeds)
+        refuse_at_once(args, keys, layout, seconds)
     else:
-        cal, how = timed_runs(args, flags, train, runs_per_seed, jobs, threads, measured, cache)
-        plan = fit(args.budget, cal, runs_per_seed, jobs, args.seeds, lengths, args.batch_seeds,
+        plan = fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
                    at_least=args.budget_default)
-        how += (f": {cal.step_s:.3f} s a step, {cal.fixed_s:.0f} s a run besides, "
-                f"{cal.seconds:.0f} s spent before the runs")
-        if plan is not None and plan.total_s > (args.budget - cal.seconds) * HEADROOM:
-            print(f"== the default plan does not fit {args.budget / 60:.0f} minutes on this "
-                  f"machine: the smallest one ({plan.seeds} seeds of {plan.steps} steps) takes "
-                  f"~{(plan.total_s + cal.seconds) / 60:.0f}; --budget or --num-iterations "
-                  "chooses another", flush=True)
-    if plan is None:  # only a --budget given: the default plans its smallest instead
-        raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} steps "
-                         f"per run ({how}; {jobs} at a time); raise --budget, or cut --variants, "
-                         "--sweep, --seeds or --depth")
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(plan._asdict())))
-    print(f"== plan for --budget {args.budget / 60:.1f} min ({how}): depth {train.depth}, "
-          f"{plan.steps} steps of {train.total_batch_size:,} tokens, {plan.seeds} seeds, "
-          f"{runs_per_seed} variant-value pairs, {jobs} at a time; each run ~{plan.run_s:.0f} s, "
-          f"all ~{plan.total_s / 60:.1f} min", flush=True)
+        if plan is None:  # only a --budget given: the default plans its smallest instead
+            raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} "
+                             f"steps per run ({how}: {in_words(estimate)}; {jobs} at a time); "
+                             "raise --budget, or cut --variants, --sweep, --seeds or --depth")
+    shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
+    refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape)
+    refiner.say(how + (f": {in_words(estimate)}; the runs' own steps correct it" if estimate
+                       else ""))
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
-            str(plan.eval_every)], plan.seeds
+            str(plan.eval_every)], refiner
+
+
+def in_words(cal: Calibration) -> str:
+    """A calibration's numbers, each with its unit."""
+    return (f"{cal.step_s:.3f} s a step of a seed, {cal.fixed_s:.0f} s a run's start-up, save and "
+            f"report, {cal.seconds - WRITE_UP_S:.0f} s spent before the runs")
+
+
+def refuse_at_once(args, keys: Keys, layout: tuple, seconds: float) -> None:
+    """A --budget given that runs here showed too short before (their pace is kept) and that is
+    no longer: refused now, before any run starts."""
+    if args.budget_default:
+        return
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        step_s = float(load_json(keys.refused, RECORD_BYTES)["step_s"])
+        floor = modeled(Calibration(step_s, 0.0, 0.0, seconds), MIN_STEPS,
+                        args.seeds or FIRST_SEEDS, *layout)[1]
+        if 0 < step_s < math.inf and floor > (args.budget - seconds) * HEADROOM:
+            raise SystemExit(budget_refusal(args.budget, floor, seconds,
+                                            f"{step_s:.3f} s a step of a seed, as runs here "
+                                            f"showed before ({keys.refused.name})"))
+
+
+class Refiner(Tracker):
+    """A budget's plan as its runs go (budget.Tracker reads their step records). It says their
+    first pace and each run's end, with the plan's end at the pace measured so far. It keeps that
+    calibration and the timed plan for the next ablate, and the pace that refused a --budget
+    given. At the first run's end it adds the seeds the budget has room for (more())."""
+
+    def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
+                 estimate: Calibration | None, seconds: float, shape: bool):
+        def evals(step_s: float) -> tuple[float, float]:
+            return eval_times(step_s, train.eval_tokens, train.final_eval_tokens,
+                              train.total_batch_size, args.batch_seeds)
+
+        def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
+            return modeled(cal, MIN_STEPS, args.seeds or FIRST_SEEDS, *layout)[1]
+
+        super().__init__(args.budget, seconds, evals, None if args.budget_default else floor)
+        self.args, self.train, self.plan, self.layout, self.keys = args, train, plan, layout, keys
+        self.about, self.estimate, self.shape = about, estimate, shape
+        self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
+
+    def words(self, plan: Plan) -> str:
+        """The plan in words, each number with its unit."""
+        runs_per_seed, jobs = self.layout[:2]
+        timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} min in "
+                 "all" if plan.total_s else "its time follows the runs' first steps")
+        return (f"depth {self.train.depth}, {plan.steps} steps of "
+                f"{self.train.total_batch_size:,} tokens, {plan.seeds} seeds, {runs_per_seed} "
+                f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(plan)}")
+
+    def detects(self, plan: Plan) -> str:
+        """The effect the plan detects, projected where the spread at its shape was measured."""
+        return (f"; detects ~{projected_detectable(max(2, plan.seeds), plan.steps):.2%} of bpb "
+                "(projected from the spread measured at this shape)" if self.shape else "")
+
+    def say(self, how: str) -> None:
+        """The plan, said before any run starts: first whether the default's fits."""
+        if self.estimate is not None:
+            self.overrun(self.estimate)
+        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
+        if self.plan.total_s:
+            write_json(self.keys.plan, self.plan._asdict())
+
+    def ends(self, cal: Calibration) -> tuple[float, bool]:
+        """(seconds after ablate began that the plan ends at cal, whether that fits the budget)."""
+        p = self.plan
+        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
+        return self.seconds + total, total <= (self.budget_s - self.seconds) * HEADROOM
+
+    def overrun(self, cal: Calibration) -> None:
+        """The default's plan that cannot fit its budget at cal, said with its time."""
+        end, fits = self.ends(cal)
+        if self.args.budget_default and not fits:
+            tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
+                 f"machine: the smallest one ({self.plan.seeds} seeds of {self.plan.steps} steps) "
+                 f"takes ~{end / 60:.0f} min{self.detects(self.plan)}; --budget or "
+                 "--num-iterations chooses another")
+
+    def end_words(self, cal: Calibration) -> str:
+        end, fits = self.ends(cal)
+        return (f"the plan ends ~{end / 60:.1f} min after ablate began, of a "
+                f"{self.budget_s / 60:.1f}-minute budget" + ("" if fits else ", past it"))
+
+    def paced(self, cal: Calibration) -> None:
+        assumed = (f"the plan assumed {self.estimate.step_s:.3f}" if self.estimate else
+                   "the first timing of these runs here")
+        tell(f"== the runs' own pace: {cal.step_s:.3f} s a step of a seed ({assumed}); "
+             f"{self.end_words(cal)}")
+        if self.estimate is None:
+            self.overrun(cal)
+
+    def finished(self, run, cal: Calibration) -> None:
+        with self.lock:
+            p = self.plan
+            self.plan = p._replace(**dict(zip(("run_s", "total_s"), modeled(
+                cal, p.steps, p.seeds, *self.layout, p.groups))))
+            plan = self.plan
+        write_json(self.keys.plan, plan._asdict())
+        write_json(self.keys.calibration, dict(calibration=cal._asdict(),
+                                               about=dict(self.about, when=time.time())))
+        tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
+             f"{self.end_words(cal)}")
+
+    def refused(self, cal: Calibration) -> None:
+        write_json(self.keys.refused, dict(step_s=cal.step_s))
+
+    def more(self) -> list:
+        """At the first run's end, once: the Jobs of the seeds the budget has room for at the
+        runs' own pace (budget.grow), a batch of each variant's; none where --seeds is given."""
+        if self.grown or not self.done():
+            return []
+        self.grown, cal = True, self.measured()
+        if self.args.seeds or cal is None or len(self.plan.groups) > 1:
+            return []
+        if not (added := grow(self.budget_s, cal, self.plan, *self.layout)):
+            return []
+        with self.lock:
+            p = self.plan
+            groups = (*(p.groups or (p.seeds,)), added)
+            run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
+            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
+                                   total_s=total)
+        write_json(self.keys.plan, self.plan._asdict())
+        tell(f"== the budget has room at the runs' own pace: seeds {p.seeds + 1}-{self.plan.seeds} "
+             f"join, a batch of each variant's; the plan now: {self.words(self.plan)}")
+        return self.make_jobs(list(range(p.seeds + 1, self.plan.seeds + 1)), len(groups) - 1)
+
+
+def tell(line: str) -> None:
+    """A line of ablate's own, whole among the runs' echoed lines."""
+    with _print_lock:
+        print(line, flush=True)
+
+
+def write_json(path: Path, obj) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj)))
 
 
 def renamed(sweep: Sweep) -> str:

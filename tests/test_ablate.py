@@ -450,8 +450,8 @@ def test_a_budget_that_is_not_a_wall_time_is_refused(bad, capsys):
 
 @pytest.mark.slow
 def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
-    """On a tiny model, --budget 70s with one seed: calibration and both planned runs end within 70 s of
-    wall time, and the runs train for the steps the printed plan says."""
+    """On a tiny model, --budget 70s with one seed: the plan is said before any run starts, and its runs end
+    within 70 s of wall time, training the steps the plan says; they are the only runs launched."""
     import time
 
     from scripts import ablate
@@ -461,14 +461,13 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
                            "--total-batch-size", "256", "--seeds", "1", "--budget", "70s", "--no-compile"])
     wall = time.monotonic() - start
     out = capsys.readouterr().out
-    plan = re.search(r"== plan for --budget 1.2 min \(calibrated: .*\): depth 2, (\d+) steps of 256 tokens, "
-                     r"(\d) seeds", out)
-    assert plan, out
+    plan = re.search(r"== plan for --budget 1.2 min \(.*\): depth 2, (\d+) steps of 256 tokens, (\d) seeds", out)
+    assert plan and out.index("== plan for") < out.index("scripts.base_train"), out
     steps, seeds = int(plan[1]), int(plan[2])
     assert wall <= 70, (wall, out)
     assert steps >= planner.MIN_STEPS and sorted({s for _, _, s in results}) == list(range(1, seeds + 1))
     assert all(r["val_history"][-1][0] == steps for r in results.values())
-    assert not list((base / "runs").glob("budget-calibration-*"))  # calibration runs leave nothing behind
+    assert out.count("-m scripts.base_train") == 3  # muon, adamw and adamw at 0.8: no calibration runs
 
 
 @pytest.mark.parametrize("text", ["{", "[]", '{"steps": 5}', '{"steps": -1, "seeds": 3, "eval_every": 1, '
@@ -583,220 +582,50 @@ def test_a_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, m
     assert len([c for c in launched if "scripts.base_train" in c]) == 2, launched
 
 
-class FakeProcess:
-    terminated = False
-
-    def terminate(self):
-        self.terminated = True
+def cache_at(tmp_path, code="c"):
+    """What plan_runs reads of a run cache, in tmp_path."""
+    return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t")
 
 
-def test_calibration_refuses_a_budget_from_its_first_steps():
-    """Watch: a step record at 2 s a step means a run of MIN_STEPS takes 94 s more; three rounds of that do
-    not fit 200 s, so the budget is refused and the calibration runs stopped at once; 1000 s fits, and
-    refuses nothing. Records before the third step (compiling) bound nothing."""
-    import time
+def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
+    """A calibration kept for the runs of ablate argv, as if they had run here at `load`."""
+    from scripts import ablate
 
-    from nanomuon.budget import HEADROOM, MIN_STEPS, WRITE_UP_S, Watch
-
-    line = dict(step=3, steps=12, dt_ms=2000.0)
-    for budget, refused in [(200, True), (1000, False)]:
-        watch, p = Watch(budget, 3, time.monotonic()), FakeProcess()
-        watch.started_process(p)
-        watch.step(dict(step=1, steps=12, dt_ms=90000.0))
-        assert watch.refusal is None
-        watch.step(line)
-        assert 3 * (MIN_STEPS - 3) * 2.0 > (200 - WRITE_UP_S) * HEADROOM  # the arithmetic the test relies on
-        assert (watch.refusal is not None) == refused == p.terminated
-    assert watch_200_says(line).startswith("error: --budget 200s cannot fit: 3 rounds of runs of at least 94 s")
+    args, flags = ablate.parse_args(argv)
+    keys = ablate.plan_keys(args, flags, jobs, threads, cache)
+    keys.calibration.write_text(json.dumps(dict(calibration=cal._asdict(),
+                                                about=dict(machine=keys.machine, load=load, when=1.0))))
 
 
-def watch_200_says(line):
-    import time
-
-    from nanomuon.budget import Watch
-
-    watch = Watch(200, 3, time.monotonic())
-    watch.step(line)
-    return watch.refusal
-
-
-def test_calibration_refuses_when_start_up_alone_overruns():
-    """Before any step line: every planned run starts up as a calibration run does, so rounds x the time spent
-    so far is a bound; a process started after the refusal is stopped too."""
-    import time
-
-    from nanomuon.budget import Watch
-
-    watch = Watch(100, 5, time.monotonic() - 10)
-    watch.began -= 20  # calibrating for 20 s: 5 rounds x 20 s > (100 - 30 - 5) x 0.9
-    watch.check()
-    assert watch.refusal.startswith("error: --budget 100s cannot fit: 5 rounds of runs of at least 20 s")
-    late = FakeProcess()
-    watch.started_process(late)
-    assert late.terminated
-
-
-def test_the_calibration_never_trains_over_or_deletes_a_run_it_did_not_make(base):
-    """The calibration trains in runs/<name>-calibration-N and deletes them after: a user's run of that
-    name is refused in one line before anything starts, and kept whole; one a killed calibration left
-    (marked as ablate's) is trained over and removed."""
+def planned(argv, cache, jobs=2, threads=1):
+    """plan_runs on ablate argv, started now (no argv: the default's CPU budget): (flags, Refiner)."""
     import time
 
     from scripts import ablate
 
-    watch = planner.Watch(3600, 1, time.monotonic())
-    flags = [*TINY, "--total-batch-size", "256", "--no-compile"]
-    mine = base / "runs" / "guard-calibration-2"
-    (mine / "step_000004").mkdir(parents=True)
-    (mine / "summary.json").write_text('{"final_val_bpb": 2.5}')
-    with pytest.raises(SystemExit, match=r"^error: .*guard-calibration-2 is not a calibration run of ablate's, "
-                                         r"and the calibration would train in it and delete it: move it, or pass "
-                                         r"another --name$"):
-        ablate.calibration_round(flags, ["muon", "adamw"], 2, 1, 1, "guard", watch, 2)
-    assert sorted(p.name for p in mine.iterdir()) == ["step_000004", "summary.json"]
-    assert not (base / "runs" / "guard-calibration-1").exists()  # refused before any run started
-    shutil.rmtree(mine)
-    left = base / "runs" / "guard-calibration-1"  # a calibration killed after its run finished
-    left.mkdir()
-    (left / ablate.CALIBRATION_MARK).touch()
-    (left / "summary.json").write_text('{"final_val_bpb": 9.9}')
-    timed = ablate.calibration_round(flags, ["muon", "adamw"], 2, 1, 1, "guard", watch, 2)
-    assert [s["optimizer"] for s in timed.summaries] == ["muon", "adamw"]
-    assert not list((base / "runs").glob("guard-calibration-*"))
-
-
-def test_a_cold_compile_bounds_no_planned_run():
-    """While the first calibration round may compile cold, neither its time so far nor its step lines bound a
-    planned run (the runs find the compile cache; its steps are slowed by the others' compiling), only the
-    budget spent counts; once rewarmed, the round's time so far bounds every run again, as does the time to a
-    step line plus the steps left at its dt."""
-    import time
-
-    from nanomuon.budget import Watch
-
-    watch = Watch(200, 5, time.monotonic() - 70, warm=False)  # ablate started 70 s ago
-    watch.began -= 60
-    watch.first -= 60  # a minute of cold compile so far: 5 x 60 s would not fit
-    watch.check()
-    watch.step(dict(step=3, steps=12, dt_ms=2000.0))  # 5 x 94 s
-    assert watch.refusal is None and watch.run_s == 0
-    watch.rewarm()
-    watch.step(dict(step=3, steps=12, dt_ms=200.0))
-    assert watch.refusal is None and 9.4 <= watch.run_s < 10  # 47 steps left at 0.2 s: 5 x 9.4 s fits
-    for t in ("started", "first", "began"):  # 25 s of the warm round pass
-        setattr(watch, t, getattr(watch, t) - 25)  # 5 rounds x 25 s > (200 - 95 - 5) x 0.9
-    watch.check()
-    assert watch.refusal.startswith("error: --budget 200s cannot fit: 5 rounds of runs of at least 25 s")
-    assert "as calibrating shows after 85 s" in watch.refusal  # since calibrating began
-    spent = Watch(200, 5, time.monotonic() - 200, warm=False)  # a cold compile that ate the budget
-    spent.check()
-    assert spent.refusal.startswith(
-        "error: --budget 200s cannot fit: the time before the runs has spent it (200 s so far)")
-
-
-@pytest.mark.slow
-def test_a_compiled_calibration_times_the_start_up_the_runs_will_see(base, small, tmp_path, monkeypatch):
-    """In a fresh compile cache, a first, untimed calibration round compiles cold; the runs it plans find
-    the cache warm. The calibration's model of a run, fixed_s + steps x step_s, is checked against a real
-    run after it, and the cold round's start-up (what the calibration used to plan with) is longer."""
-    import time
-
-    from scripts import ablate
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    flags = [*TINY, "--total-batch-size", "256", "--compile", "--eval-tokens", "4096"]
-    train = ablate.train_args(flags)
-    rounds = []
-    real_round = ablate.calibration_round
-    monkeypatch.setattr(ablate, "calibration_round", lambda *a: rounds.append(real_round(*a)) or rounds[-1])
-    watch = planner.Watch(3600, 1, time.monotonic(), warm=False)
-    cal = ablate.calibrate(flags, train, ["muon"], 1, 2, 1, "warm", watch)
-    assert [len(r.summaries[0]["history"]) for r in rounds] == [planner.WARM_UP_STEPS,
-                                                                planner.CALIBRATION_STEPS]
-    cold_fixed = rounds[0].walls[0] - planner.WARM_UP_STEPS * cal.step_s
-    steps = 30
-    t = time.monotonic()
-    ablate.launch("warm run", [*flags, "--run", "warm-run", "--optimizer", "muon", "--num-iterations",
-                               str(steps), "--eval-every", "-1", "--save-every", "-1"], 1, 2)
-    wall = time.monotonic() - t
-    assert abs(cal.fixed_s + steps * cal.step_s - wall) < 0.25 * wall, (cal, wall)
-    assert cold_fixed > cal.fixed_s + 0.25 * wall, (cold_fixed, cal, wall)
+    args, flags = ablate.parse_args(argv)
+    args.started = time.monotonic()
+    if not argv:
+        args.budget, args.budget_default = 900.0, True
+    return ablate.plan_runs(args, flags, 2, jobs, threads, cache)
 
 
 def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
     """The baseline's other lengths cost runs, so a plan kept for --baseline-lengths none is not the
     plan for 0.8: that one is fitted again (from the kept calibration) to fewer seeds or steps."""
-    import time
-
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: planner.Calibration(1.0, 10.0, 0.5, 3.0))
-    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
+    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    cal = planner.Calibration(1.0, 10.0, 0.5, 3.0)
     plans = []
     for lengths in ("none", "0.8", "none"):
-        args, flags = ablate.parse_args(["--budget", "20m", "--baseline-lengths", lengths])
-        args.started = time.monotonic()
-        plans.append(ablate.plan_runs(args, flags, 2, 2, 1, cache))
+        argv = ["--budget", "20m", "--baseline-lengths", lengths]
+        keep(cache_at(tmp_path), argv, cal)
+        plans.append(planned(argv, cache_at(tmp_path))[1].plan)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== plan for")]
-    assert ["calibrated:" in said[0], "calibrated before" in said[1], "planned before" in said[2]] == [True] * 3
-    (_, seeds_none), (_, seeds_08) = plans[:2]
-    assert plans[2] == plans[0] and plans[1] != plans[0] and seeds_08 <= seeds_none
-
-
-def test_the_default_budget_plans_what_fits_and_a_given_one_refuses(tmp_path, monkeypatch, capsys):
-    """A calibration no 15 minutes can hold (50 s steps): a --budget given is refused in one line, while the
-    default budget (ablate without flags on a CPU) plans its smallest runs anyway, 3 seeds of 50 steps, and
-    says how long they take instead of ending without a verdict."""
-    import time
-
-    from scripts import ablate
-
-    monkeypatch.setattr(ablate, "calibrate", lambda *a, **k: planner.Calibration(50.0, 10.0, 1.0, 3.0))
-    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
-    args, flags = ablate.parse_args(["--budget", "15m"])
-    args.started = time.monotonic()
-    with pytest.raises(SystemExit, match="fits fewer than 50 steps per run"):
-        ablate.plan_runs(args, flags, 2, 2, 1, cache)
-    args, flags = ablate.parse_args([])
-    args.started, args.budget, args.budget_default = time.monotonic(), 900.0, True
-    planned, seeds = ablate.plan_runs(args, flags, 2, 2, 1, cache)
-    assert seeds == 3 and planned[-4:-2] == ["--num-iterations", "50"], planned[-4:]
-    out = capsys.readouterr().out
-    assert "the default plan does not fit 15 minutes on this machine: the smallest one (3 seeds of 50 steps)" in out
-
-
-def test_a_refused_budget_is_refused_at_once_the_next_time(tmp_path, monkeypatch):
-    """A calibration that refuses --budget 10m early (its runs would take at least 400 s) keeps that bound:
-    the same budget is refused again at once, naming a budget that fits, without calibrating; a larger one
-    calibrates."""
-    import time
-
-    from scripts import ablate
-
-    calls = []
-
-    def refusing(*a, **k):
-        watch = a[7]
-        calls.append(watch.budget_s)
-        if watch.budget_s < 3600:
-            watch.bound_s, watch.refusal = 400.0, "error: --budget cannot fit (made up)"
-            raise SystemExit(watch.refusal)
-        return planner.Calibration(0.5, 10.0, 0.1, 3.0)
-
-    monkeypatch.setattr(ablate, "calibrate", refusing)
-    cache = dict(dir=tmp_path, device="cpu", code="c", torch="t")
-    for budget, expect in (("10m", "made up"), ("10m", "as calibrating showed before"),
-                           ("9m", "as calibrating showed before")):
-        args, flags = ablate.parse_args(["--budget", budget])
-        args.started = time.monotonic()
-        with pytest.raises(SystemExit, match=expect) as e:
-            ablate.plan_runs(args, flags, 2, 2, 1, cache)
-    # 2 rounds of at least 400 s: 800 s / 0.9 and the few seconds spent, 15 minutes
-    assert calls == [600.0] and "--budget 15m would" in str(e.value), (calls, e.value)
-    args, flags = ablate.parse_args(["--budget", "2h"])
-    args.started = time.monotonic()
-    ablate.plan_runs(args, flags, 2, 2, 1, cache)
-    assert calls == [600.0, 7200.0]
+    assert ["timed here before" in said[0], "planned before" in said[2]] == [True] * 2
+    assert "planned before" not in said[1]
+    assert plans[2] == plans[0] and plans[1] != plans[0] and plans[1].seeds <= plans[0].seeds
 
 
 def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, monkeypatch, capsys):
@@ -808,26 +637,27 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
 
     from scripts import ablate
 
+    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
     for step_s, extra, raised in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], True),
                                   (0.05, [], False), (1.0, ["--matrix-lr", "0.01"], False),
                                   (1.0, ["--variants", "muon", "--sweep", "matrix-lr=0.01,0.02"], False)]:
-        cache = dict(dir=tmp_path / f"{step_s}{extra}", device="cpu", code="c", torch="t")
+        cache = cache_at(tmp_path / f"{step_s}{extra}")
         cache["dir"].mkdir()
-        monkeypatch.setattr(ablate, "calibrate", lambda *a, s=step_s, **k: planner.Calibration(s, 10.0, 0.1, 3.0))
+        keep(cache, ["--budget", "15m", *extra], planner.Calibration(step_s, 10.0, 0.1, 3.0))
         args, flags = ablate.parse_args(["--budget", "15m", *extra])
         args.started = time.monotonic()
-        planned, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
-        steps = int(planned[planned.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
-        got = ablate.short_run_lrs(args, planned, ablate.train_args(planned))
+        got_flags, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
+        steps = int(got_flags[got_flags.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
+        got = ablate.short_run_lrs(args, got_flags, ablate.train_args(got_flags))
         out = capsys.readouterr().out
         assert (steps < 200) == (step_s == 1.0), (steps, out)
         if raised:
             lr = 0.02 * (200 / steps) ** 0.7
-            assert got == [*planned, "--matrix-lr", f"{lr:.4g}"] and 0.02 < lr < 0.06, (steps, got[-2:])
+            assert got == [*got_flags, "--matrix-lr", f"{lr:.4g}"] and 0.02 < lr < 0.06, (steps, got[-2:])
             assert f"== Muon's matrix lr {lr:.4g} for {steps}-step runs: the lr rule's 0.02, tuned at 200" in out
             assert ablate.train_args(got).matrix_lr == float(f"{lr:.4g}")
         else:
-            assert got == planned and "Muon's matrix lr" not in out, out
+            assert got == got_flags and "Muon's matrix lr" not in out, out
     args, flags = ablate.parse_args(["--num-iterations", "4"])  # not measured below 50: 50's
     assert ablate.short_run_lrs(args, flags, ablate.train_args(flags))[-2:] == ["--matrix-lr", f"{0.02 * 4 ** 0.7:.4g}"]
     args, flags = ablate.parse_args(["--preset", "regime", "--num-iterations", "100"])
@@ -839,32 +669,39 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
 
 
 def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
-    """Calibration is kept per runs and code, whatever the budget: a second --budget (another value) reads it
-    and refuses before any run starts; a damaged calibration file is calibrated again."""
+    """A calibration kept here for these runs, whatever budget they ran under: a --budget it cannot fit is
+    refused before any run starts, naming it; a damaged one is said, and planned without (the smallest
+    plan's runs start at once)."""
     from scripts import ablate
 
-    calls = []
+    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    keys, launched = [], []
+    plan_keys = ablate.plan_keys
+    monkeypatch.setattr(ablate, "plan_keys", lambda *a: keys.append(plan_keys(*a)) or keys[-1])
 
-    def calibrate(*a, **k):
-        calls.append(a)
-        return planner.Calibration(step_s=1.0, fixed_s=10.0, eval_s=0.5, seconds=3.0)
+    def launch(label, flags, *a, **k):
+        launched.append(flags)
+        raise SystemExit("no runs here")
 
-    monkeypatch.setattr(ablate, "calibrate", calibrate)
-    monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("launched a run"))
+    monkeypatch.setattr(ablate, "launch", launch)
     args = ["--name", "kept", *SMALL]
-    cache = base / "ablations" / "cache"
-    before = set(cache.glob("calibration-*.json"))  # the base is shared: other tests calibrate too
-    for budget, how in [("20s", r"calibrated: 1.000 s a step"), ("30s", r"calibrated before \(calibration-")]:
-        with pytest.raises(SystemExit, match=rf"--budget {budget[:-1]}s fits fewer than 50 steps per run \({how}"):
-            ablate.main([*args, "--budget", budget])
-    assert len(calls) == 1
-    kept = sorted(set(cache.glob("calibration-*.json")) - before)
-    assert len(kept) == 1
-    kept[0].write_text('{"step_s": "fast"}')
-    assert planner.read_calibration(kept[0], 0.0) is None and "calibrating again" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="no runs here"):  # nothing kept: the smallest plan runs
+        ablate.main([*args, "--budget", "20s"])
+    assert launched[0][len(launched[0]) - launched[0][::-1].index("--num-iterations")] == "50"  # the last
+    ran = len(launched)  # muon's and adamw's, started at once
+    cal = planner.Calibration(step_s=1.0, fixed_s=10.0, eval_s=0.5, seconds=0.0)
+    keys[0].calibration.write_text(json.dumps(dict(calibration=cal._asdict(), about=dict(
+        machine=keys[0].machine, load=0.0, when=1.0))))
+    with pytest.raises(SystemExit, match=r"--budget 30s fits fewer than 50 steps per run \(timed here before "
+                                         r"\(calibration-.*: 1.000 s a step of a seed, 10 s a run's start-up"):
+        ablate.main([*args, "--budget", "30s"])
+    assert len(launched) == ran
+    keys[0].calibration.write_text('{"calibration": {"step_s": "fast"}}')
+    assert planner.read_calibration(keys[0].calibration) is None
+    assert "is not a calibration ablate kept; planning without it" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no runs here"):
         ablate.main([*args, "--budget", "40s"])
-    assert len(calls) == 2
+    assert len(launched) > ran
 
 
 def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretches():
