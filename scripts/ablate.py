@@ -24,6 +24,7 @@ interrupted ablation skips them, and an edit of code or data reruns. The baselin
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -671,9 +672,9 @@ def parse_args(argv):
                    "each seed sets the data order too, a verdict across orders (default: fixed)")
     p.add_argument("--budget", type=budget_arg, default=None,
                    help="wall time for the whole ablation (600, 90s, 10m, 1.5h): --num-iterations "
-                   "(and --seeds, unless given) are planned to fit it from the runs' times kept on "
-                   "this machine, or the smallest plan runs first and its own steps time it; the "
-                   "plan is printed before the runs start and refined as they go")
+                   "(and --seeds, unless given) are planned to fit it from the runs' times kept "
+                   "on this machine, or the smallest plan runs first and its own steps time it; "
+                   "the plan is printed before the runs start and refined as they go")
     p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
                    help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
                    "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
@@ -913,11 +914,7 @@ def ablation(args, flags: list[str], argv):
                          f"{steps} are not distinct step counts other than {steps}; give "
                          "--num-iterations, other fractions, or --baseline-lengths none")
     data = 1 if args.data_order == "fixed" else None  # None: the seed's
-
-    def main_jobs(of_seeds: list[int], group: int = 0) -> list[Job]:
-        return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
-                for x in args.sweep.values for s in of_seeds]
-
+    main_jobs = functools.partial(jobs_of, args, data)
     todo = [job for group, of_seeds in enumerate(seed_groups(refiner.plan if refiner else None,
                                                              n_seeds))
             for job in main_jobs(of_seeds, group)]
@@ -945,6 +942,12 @@ def ablation(args, flags: list[str], argv):
     write_ablation(args, argv, flags, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs
+
+
+def jobs_of(args, data_seed: int | None, seeds: list[int], group: int = 0) -> list[Job]:
+    """The runs at their own steps of these seeds, a batch `group` of each variant's."""
+    return [Job(v, x, s, data_seed=data_seed, group=group) for v in args.variants
+            for x in args.sweep.values for s in seeds]
 
 
 def seed_groups(plan: Plan | None, seeds: int) -> list[list[int]]:
@@ -1019,7 +1022,8 @@ def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]
     kept, how = read_calibration(keys.calibration), f"timed here before ({keys.calibration.name})"
     if kept is None:
         found = [(k, p) for p in sorted(keys.calibration.parent.glob("calibration-*.json"))
-                 if (k := read_calibration(p, complain=False)) and k[1].get("machine") == keys.machine]
+                 if (k := read_calibration(p, complain=False))
+                 and k[1].get("machine") == keys.machine]
         if found:
             kept, path = max(found, key=lambda kp: kp[0][1]["when"])
             how = (f"an estimate: timed here by an ablate of other code, torch or variants "
@@ -1140,11 +1144,13 @@ class Refiner(Tracker):
     def overrun(self, cal: Calibration) -> None:
         """The default's plan that cannot fit its budget at cal, said with its time."""
         end, fits = self.ends(cal)
+        p = self.plan
+        which = ("the smallest one" if (p.steps, p.seeds) == (MIN_STEPS, self.args.seeds
+                                                               or FIRST_SEEDS) else "its plan")
         if self.args.budget_default and not fits:
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
-                 f"machine: the smallest one ({self.plan.seeds} seeds of {self.plan.steps} steps) "
-                 f"takes ~{end / 60:.0f} min{self.detects(self.plan)}; --budget or "
-                 "--num-iterations chooses another")
+                 f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
+                 f"min{self.detects(p)}; --budget or --num-iterations chooses another")
 
     def end_words(self, cal: Calibration) -> str:
         end, fits = self.ends(cal)
@@ -1191,8 +1197,9 @@ class Refiner(Tracker):
             self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
                                    total_s=total)
         write_json(self.keys.plan, self.plan._asdict())
-        tell(f"== the budget has room at the runs' own pace: seeds {p.seeds + 1}-{self.plan.seeds} "
-             f"join, a batch of each variant's; the plan now: {self.words(self.plan)}")
+        tell(f"== the budget has room at the runs' own pace: seeds {p.seeds + 1}-"
+             f"{self.plan.seeds} join, a batch of each variant's; the plan now: "
+             f"{self.words(self.plan)}")
         return self.make_jobs(list(range(p.seeds + 1, self.plan.seeds + 1)), len(groups) - 1)
 
 
