@@ -192,8 +192,9 @@ def budget_refusal(budget_s: float, floor_s: float, spent_s: float, seen: str) -
     left = (budget_s - spent_s) * HEADROOM
     need = floor_s / HEADROOM + spent_s
     return (f"error: --budget {budget_s:.0f}s cannot fit: the smallest plan's steps alone take "
-            f"{floor_s:.0f} s ({seen}), and {max(0.0, left):.0f} s are left for the runs; --budget "
-            f"{math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or --depth")
+            f"{floor_s:.0f} s ({seen}), and {max(0.0, left):.0f} s are left for the runs; "
+            f"--budget {math.ceil(need / 60)}m would, or cut --variants, --sweep, --seeds or "
+            "--depth")
 
 
 class RunWatch:
@@ -273,6 +274,9 @@ class Tracker:
         return Calibration(step_s, max(0.0, fixed), eval_s * share, self.seconds, final_s * share)
 
     def stepped(self) -> None:
+        with self.lock:
+            if self.told and self.floor is None:  # said, and nothing to refuse: no more to do
+                return
         cal = self.measured()
         if cal is None:
             return

@@ -1018,7 +1018,7 @@ def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> K
 def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]:
     """(the calibration kept for these runs, else the newest an ablate of other code, torch or
     variants kept on this machine, scaled to the load now, or None; what the runs' own is kept
-    with; how it was had, in words). used: the threads the runs take."""
+    with; how it was had, in words). used: the threads the runs take (0: none scales)."""
     kept, how = read_calibration(keys.calibration), f"timed here before ({keys.calibration.name})"
     if kept is None:
         found = [(k, p) for p in sorted(keys.calibration.parent.glob("calibration-*.json"))
@@ -1032,7 +1032,7 @@ def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]
     about = dict(machine=keys.machine, load=load, cores=cores, used=used)
     if kept is None:
         return None, about, "nothing has timed these runs here yet"
-    cal, factor = at_load(kept[0], kept[1]["load"], load, used, cores)
+    cal, factor = at_load(kept[0], kept[1]["load"], load, used, cores) if used else (kept[0], 1)
     if abs(factor - 1) >= 0.05:
         how += (f", at a load of {kept[1]['load']:.1f} (now {load:.1f}: steps x{factor:.2f}, an "
                 "estimate)")
@@ -1049,7 +1049,9 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
     keys = plan_keys(args, flags, jobs, threads, cache)
-    estimate, about, how = kept_estimate(keys, jobs * threads * args.nproc)
+    # a GPU's steps do not wait on the CPU's other processes: no load to scale by
+    used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
+    estimate, about, how = kept_estimate(keys, used)
     seconds = time.monotonic() - args.started + WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
     if (plan := read_plan(keys.plan)) is not None:
@@ -1166,16 +1168,24 @@ class Refiner(Tracker):
             self.overrun(cal)
 
     def finished(self, run, cal: Calibration) -> None:
-        with self.lock:
-            p = self.plan
-            self.plan = p._replace(**dict(zip(("run_s", "total_s"), modeled(
-                cal, p.steps, p.seeds, *self.layout, p.groups))))
-            plan = self.plan
-        write_json(self.keys.plan, plan._asdict())
+        self.replan(cal)
         write_json(self.keys.calibration, dict(calibration=cal._asdict(),
                                                about=dict(self.about, when=time.time())))
         tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
              f"{self.end_words(cal)}")
+
+    def replan(self, cal: Calibration, added: int = 0) -> Plan:
+        """The plan timed at cal, with `added` seeds as a batch of their own, kept; under the lock,
+        so a run's end and the seeds added, in two threads, keep the plan both made. Returns the
+        plan before."""
+        with self.lock:
+            p = self.plan
+            groups = (*(p.groups or (p.seeds,)), added) if added else p.groups
+            run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
+            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
+                                   total_s=total)
+            write_json(self.keys.plan, self.plan._asdict())
+        return p
 
     def refused(self, cal: Calibration) -> None:
         write_json(self.keys.refused, dict(step_s=cal.step_s))
@@ -1190,17 +1200,10 @@ class Refiner(Tracker):
             return []
         if not (added := grow(self.budget_s, cal, self.plan, *self.layout)):
             return []
-        with self.lock:
-            p = self.plan
-            groups = (*(p.groups or (p.seeds,)), added)
-            run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
-            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
-                                   total_s=total)
-        write_json(self.keys.plan, self.plan._asdict())
-        tell(f"== the budget has room at the runs' own pace: seeds {p.seeds + 1}-"
-             f"{self.plan.seeds} join, a batch of each variant's; the plan now: "
-             f"{self.words(self.plan)}")
-        return self.make_jobs(list(range(p.seeds + 1, self.plan.seeds + 1)), len(groups) - 1)
+        before, plan = self.replan(cal, added), self.plan
+        tell(f"== the budget has room at the runs' own pace: seeds {before.seeds + 1}-"
+             f"{plan.seeds} join, a batch of each variant's; the plan now: {self.words(plan)}")
+        return self.make_jobs(list(range(before.seeds + 1, plan.seeds + 1)), len(plan.groups) - 1)
 
 
 def tell(line: str) -> None:
