@@ -90,6 +90,10 @@ class TorchMuonAdamW:
     def state(self):
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
+    def wants_inputs(self) -> bool:
+        """torch.optim.Muon reads no layer inputs (MuonAdamW.wants_inputs)."""
+        return False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)

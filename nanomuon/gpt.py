@@ -23,6 +23,7 @@ from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
 from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
+from nanomuon.update_math import input_block, input_covariance
 
 # The two models GPTConfig.arch names, each a generation of nanochat's GPT (docs/training.md):
 # - "nanochat": nanochat 92d63d4's, which its leaderboard reached GPT-2 with: value embeddings on
@@ -161,6 +162,19 @@ def sdpa(q, k, v, window: int | None = None):
     return y.transpose(1, 2)
 
 
+def inputs_of(x: torch.Tensor, **linears) -> dict:
+    """name -> the input covariance of each linear layer x feeds (update_math.input_covariance,
+    what Newton-Muon reads), made once per block size."""
+    out, made = {}, {}
+    for name, lin in linears.items():
+        rows, cols = lin.weight.shape[-2:]
+        b = input_block(rows, cols)
+        if b not in made:
+            made[b] = input_covariance(x, rows, cols)
+        out[f"{name}.weight"] = made[b]
+    return out
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
@@ -184,12 +198,16 @@ class CausalSelfAttention(nn.Module):
         # (GPT.use_attention)
         self.attend = None
 
-    def forward(self, x, cos, sin, ve=None):
+    def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
         B, T, C = x.shape
+        if stats is not None:  # each matrix's inputs (GPT.forward's input_stats)
+            stats.update(inputs_of(x, c_q=self.c_q, c_k=self.c_k, c_v=self.c_v))
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
+            if stats is not None:
+                stats.update(inputs_of(x[..., :VE_GATE_CHANNELS], ve_gate=self.ve_gate))
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             # in v's dtype: under autocast the fp32 embedding would otherwise promote v to fp32
             v = v + gate.unsqueeze(-1) * ve.view_as(v).to(v.dtype)
@@ -200,8 +218,10 @@ class CausalSelfAttention(nn.Module):
             q, k = q * self.qk_scale, k * self.qk_scale
         if self.max_logits is not None:
             self._track_max_logits(q.transpose(1, 2), k.transpose(1, 2))
-        y = (self.attend or sdpa)(q, k, v, self.window)
-        return self.c_proj(y.reshape(B, T, C))
+        y = (self.attend or sdpa)(q, k, v, self.window).reshape(B, T, C)
+        if stats is not None:
+            stats.update(inputs_of(y, c_proj=self.c_proj))
+        return self.c_proj(y)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -228,11 +248,14 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, stats: dict | None = None):
         h = F.relu(self.c_fc(x))
         # not .square(): CUDA autocast runs pow in fp32, and backward would keep an fp32
         # copy of this 4x-wide hidden in every layer; a mul stays in the autocast dtype
-        return self.c_proj(h * h)
+        h = h * h
+        if stats is not None:  # each matrix's inputs (GPT.forward's input_stats)
+            stats.update(inputs_of(x, c_fc=self.c_fc) | inputs_of(h, c_proj=self.c_proj))
+        return self.c_proj(h)
 
 
 class Block(nn.Module):
@@ -241,9 +264,15 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, ve=None):
-        x = x + self.attn(norm(x), cos, sin, ve)
-        return x + self.mlp(norm(x))
+    def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
+        """stats: a dict to fill with each matrix's input covariance, by its name in the block."""
+        attn, mlp = (None, None) if stats is None else ({}, {})
+        x = x + self.attn(norm(x), cos, sin, ve, attn)
+        x = x + self.mlp(norm(x), mlp)
+        if stats is not None:
+            stats.update({f"attn.{k}": v for k, v in attn.items()})
+            stats.update({f"mlp.{k}": v for k, v in mlp.items()})
+        return x
 
 
 # fp32 copies of a block that SoftcapCrossEntropy holds at once: the scaled logits, their
@@ -432,34 +461,45 @@ class GPT(nn.Module):
             if block.attn.ve_gate is not None:
                 nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
 
-    def forward(self, idx, targets=None, loss_reduction: str = "mean"):
+    def forward(self, idx, targets=None, loss_reduction: str = "mean", input_stats: bool = False):
         """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss
         (targets of -1 are ignored); loss_reduction='none' gives the per-token loss (B, T),
-        which bits-per-byte needs."""
+        which bits-per-byte needs. input_stats: (that, param name -> the input covariance of
+        each block matrix over these tokens), which a stage that needs 'inputs' reads
+        (MuonAdamW.give_inputs)."""
         B, T = idx.shape
         if idx.size(1) > self.cos.size(1):
             raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
                              f"{self.config.sequence_len}")
         cos, sin = self.cos[:, :T], self.sin[:, :T]
-        x = norm(self.wte(idx))
+        x, stats = norm(self.wte(idx)), {} if input_stats else None
         if self.config.arch == "nanochat":
-            x = self._trunk_nanochat(idx, x, cos, sin)
+            x = self._trunk_nanochat(idx, x, cos, sin, stats)
         else:
-            for block in self.blocks:
-                x = block(x, cos, sin)
-        return self._head(norm(x), targets, loss_reduction)
+            for i in range(len(self.blocks)):
+                x = self._block(i, x, cos, sin, None, stats)
+        out = self._head(norm(x), targets, loss_reduction)
+        return out if stats is None else (out, stats)
 
-    def _trunk_nanochat(self, idx, x, cos, sin):
+    def _block(self, i: int, x, cos, sin, ve, stats: dict | None):
+        """Block i, its matrices' input covariances into stats under their param names."""
+        layer = None if stats is None else {}
+        x = self.blocks[i](x, cos, sin, ve, layer)
+        if stats is not None:
+            stats.update({f"blocks.{i}.{name}": v for name, v in layer.items()})
+        return x
+
+    def _trunk_nanochat(self, idx, x, cos, sin, stats: dict | None = None):
         """Smear, then the blocks, each fed resid_lambdas[i] x + x0_lambdas[i] x0 and its value
         embedding, then backout: the middle layer's output times backout_lambda taken away."""
         if x.size(1) > 1:
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
             x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
         x0, middle, mid = x, None, self.config.n_layer // 2
-        for i, block in enumerate(self.blocks):
+        for i in range(len(self.blocks)):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
-            x = block(x, cos, sin, ve)
+            x = self._block(i, x, cos, sin, ve, stats)
             if i == mid:
                 middle = x
         return x if middle is None else x - self.backout_lambda * middle

@@ -87,6 +87,7 @@ from nanomuon.update_math import (
     adamw_hparams,
     adamw_update,
     fresh_state,
+    inputs_due,
     kernel,
     muon_hparams,
     muon_options,
@@ -147,6 +148,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._plan = []
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
+        self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is not None:
             self._join(process_group)
@@ -190,6 +192,32 @@ class MuonAdamW(torch.optim.Optimizer):
         if group["kind"] == "muon" and has_dtensors(group["params"]):
             check_sharded_stages(group_label(i, group), self.param_groups[-1])
 
+    def wants_inputs(self) -> bool:
+        """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon, every
+        input_interval steps): the loop then collects them (GPT.forward(input_stats=True)) and
+        hands them over with give_inputs() before step()."""
+        return any(g["kind"] == "muon" and inputs_due(g) for g in self.param_groups)
+
+    @torch.no_grad()
+    def give_inputs(self, inputs: dict) -> None:
+        """This step's input covariances, param -> (..., blocks, b, b)
+        (update_math.input_covariance, its leading dims the param's), each this rank's mean over
+        its tokens; averaged over the ranks here, so each matrix's owner reads them all."""
+        params = [p for g in self.param_groups if g["kind"] == "muon" and inputs_due(g)
+                  for p in g["params"]]
+        if missing := [i for i, p in enumerate(params) if p not in inputs]:
+            raise ValueError(f"give_inputs: {len(missing)} of the {len(params)} matrices whose "
+                             "stage reads its inputs this step have none; collect every "
+                             "matrix's (GPT.forward(input_stats=True))")
+        stats = [inputs[p].detach().float() for p in params]
+        if self.world_size > 1:
+            flat = torch.cat([t.flatten() for t in stats])
+            self._all_reduce(flat).wait()
+            self._finish_mean(flat)
+            stats = list(flat.split([t.numel() for t in stats]))
+            stats = [t.view_as(inputs[p]) for t, p in zip(stats, params)]
+        self._inputs = dict(zip(params, stats))
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every param with a grad (on any rank), in three phases; on one rank
@@ -215,6 +243,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if has_dtensors(group["params"]):  # FSDP2 / TP params
                 muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
         self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
+        self._inputs = {}
         return loss
 
     def _begin_step(self, closure):
@@ -233,6 +262,12 @@ class MuonAdamW(torch.optim.Optimizer):
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(i, group, j, p)
+            if group["kind"] == "muon" and inputs_due(group) and group["params"][0] not in \
+                    self._inputs:
+                raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
+                                 "this step (input_interval); collect them with "
+                                 "GPT.forward(input_stats=True) and pass them to give_inputs() "
+                                 "before step()")
         return loss
 
     def _get_plan(self) -> list[dict]:
@@ -385,8 +420,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 whole, state = state, {name: t[sel] for name, t in state.items()}
             h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
             opts, update = muon_options(group, mine[0].device), kernel(muon_update, compiled)
+            inputs = (torch.stack([self._inputs[p] for p in params]) if params[0] in self._inputs
+                      else None)
             for sl in self._slices(len(idx), mine[0]):
-                update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts)
+                update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts,
+                       None if inputs is None else inputs[sl])
             if not everyone:
                 for name, t in state.items():
                     whole[name][sel] = t

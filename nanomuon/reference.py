@@ -131,7 +131,8 @@ def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | Non
     state (a dict, empty at first) keeps the momentum and what the stages keep.
     stages: name (or 'slot:name', where two slots' stages share a name) -> a float64 definition
     of a stage the group names that is not built in:
-    precondition f(x, p, g, state, group) -> x (p, g: this step's weight and raw gradient),
+    precondition f(x, p, g, state, group) -> x (p, g: this step's weight and raw gradient;
+    group['inputs']: the matrix's input covariance on the steps a stage reads it, else None),
     orthogonalizer f(u, group) -> o, post-process f(o, p, g, state, group, u) -> o (u: what went
     into the orthogonalizer), apply f(p, o, lr, decay, state, group) -> new p."""
     group = dict(DEFAULTS, **group)

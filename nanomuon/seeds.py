@@ -175,7 +175,7 @@ class SeedBatch(nn.Module):
     same batch, each layer's attention kernel (set by use_attention before) folded. With targets,
     each seed's mean loss, (seeds,) (sum them to backward: each seed's gradient is its own), or
     with loss_reduction='none' the per-token losses (seeds, B, T); without, the logits
-    (seeds, B, T, vocab)."""
+    (seeds, B, T, vocab). input_stats: (that, each matrix's input covariances, seeds first)."""
 
     def __init__(self, model: GPT):
         super().__init__()
@@ -185,12 +185,12 @@ class SeedBatch(nn.Module):
         for attn in (block.attn for block in model.blocks):  # the kernel GPT.use_attention set
             attn.attend = folded(attn.attend or sdpa)
 
-    def forward(self, idx, targets=None, loss_reduction: str = "mean"):
+    def forward(self, idx, targets=None, loss_reduction: str = "mean", input_stats: bool = False):
         buffers = dict(self.model.named_buffers())
 
         def one_seed(params, idx, targets):
             return functional_call(self.model, (params, buffers), (idx, targets),
-                                   dict(loss_reduction=loss_reduction))
+                                   dict(loss_reduction=loss_reduction, input_stats=input_stats))
 
         params = dict(self.model.named_parameters())
         return torch.vmap(one_seed, in_dims=(0, None, None), randomness="error")(params, idx,

@@ -334,16 +334,22 @@ def interval_steps(value, horizon: int | None) -> int:
     return value if isinstance(value, int) else max(1, round(value * horizon))
 
 
+class Diagonal(NamedTuple):
+    """A StateSpec init: `value` on the diagonal of the last two dims (value x I per matrix), 0
+    elsewhere; a preconditioner's start (Newton-Muon's 0.001 I) with no counter to make it."""
+    value: float
+
+
 class StateSpec(NamedTuple):
     """Per-matrix state a stage keeps. shape(rows, cols): its shape for one (rows, cols) matrix (a
     precondition or post-process stage sees logical matrices: a split matrix's blocks, a transposed
     one's (out, in); an apply stage the stored ones, unless it is a logical one); dtype: at least
     this precision (fp64 params keep fp64 state), None for the param's own; init: a number
-    to fill, or (apply stages) f(W) -> the value from the weights when first made; kept(group):
-    whether this group keeps it (None: always)."""
+    to fill, a Diagonal, or (apply stages) f(W) -> the value from the weights when first made;
+    kept(group): whether this group keeps it (None: always)."""
     shape: Callable
     dtype: torch.dtype | None = torch.float32
-    init: float | Callable = 0.0
+    init: float | Diagonal | Callable = 0.0
     kept: Callable | None = None
     nonnegative: bool = False  # a second moment, a count: a loaded negative value is refused
 
@@ -356,7 +362,8 @@ class Stage(NamedTuple):
     None, or what is wrong with the group for this stage (options that depend on each other);
     cost(rows, cols, group): FLOPs per matrix and step, which owner planning adds to
     Newton-Schulz's; needs: what it reads beyond its input ('grad': the raw gradient, 'weight':
-    whole weight matrices), which sharded (DTensor) params do not carry to their owner;
+    whole weight matrices, which sharded (DTensor) params do not carry to their owner; 'inputs':
+    each matrix's input covariance, every input_interval steps: StageContext.inputs);
     on_slices: also right on the slices of sharded_mode='distributed' (its sums go through sq_sum
     or summed); eager: it branches on state values, so its group runs uncompiled.
     owns_momentum (a precondition): it keeps its own momentum, so the group keeps no
@@ -392,6 +399,9 @@ class StageContext(NamedTuple):
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
     # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
     ortho_input: Tensor | None = None
+    # where a stage needs 'inputs', on the steps they were collected: each matrix's input
+    # covariance x^T x / tokens in blocks (input_block), (..., blocks, b, b); else None
+    inputs: Tensor | None = None
 
     @property
     def step(self):
@@ -489,6 +499,64 @@ def _soap_bases(st: dict, frequency: int) -> None:
             V.copy_(torch.where(due, V.gather(dim, index), V))
             sorted_Q = Q.gather(-1, order.unsqueeze(-2).expand_as(Q))
             Q.copy_(torch.where(due, torch.linalg.qr(cov @ sorted_Q)[0], Q))
+
+
+def input_block(rows: int, cols: int) -> int:
+    """The block size of a (rows, cols) matrix's input covariance (StageContext.inputs): inputs
+    wider than the outputs by a whole factor in blocks of the output width (an MLP's output
+    projection: 4 blocks, as Newton-Muon's record keeps them), else whole."""
+    return rows if cols > rows and cols % rows == 0 else cols
+
+
+def input_covariance(x: Tensor, rows: int, cols: int) -> Tensor:
+    """x^T x / tokens of a (rows, cols) matrix's inputs x (..., cols), in fp32 and in blocks of
+    input_block: (cols / b, b, b). What a stage that needs 'inputs' reads."""
+    b = input_block(rows, cols)
+    x = x.detach().reshape(-1, cols // b, b).float().transpose(0, 1)  # (blocks, tokens, b)
+    with torch.autocast(x.device.type, enabled=False):
+        return x.mT @ x / x.size(1)
+
+
+def newton(grad: Tensor, ctx: StageContext) -> Tensor:
+    """Newton-Muon (arXiv 2604.01472; modded-nanogpt track 3, record 15), a precondition that
+    owns the momentum: the gradient right-multiplied by the inverse covariance of its matrix's
+    inputs, block by block (input_block), then Muon's momentum. On the steps that bring inputs
+    (every input_interval), C <- lerp(C, inputs, newton_lerp) and K = (C + r I)^-1 by Cholesky,
+    r = newton_damping x trace(C) / b + 1e-8; where the factorization fails, K = I. C starts at
+    0.001 I and K at I (plain Muon until the first refresh), as in the record."""
+    st, opts = ctx.state, ctx.group
+    cov, inv, m = st["newton_cov"], st["newton_inv"], st["newton_momentum"]
+    if ctx.inputs is not None:
+        cov.lerp_(ctx.inputs.to(cov.dtype), opts["newton_lerp"])
+        eye = torch.eye(cov.size(-1), dtype=cov.dtype, device=cov.device)
+        trace = cov.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True).unsqueeze(-1)
+        damped = cov + (trace / cov.size(-1) * opts["newton_damping"] + 1e-8) * eye
+        L, info = torch.linalg.cholesky_ex(damped)
+        inv.copy_(torch.where((info == 0)[..., None, None], torch.cholesky_inverse(L), eye))
+    blocks = fp32(grad).unflatten(-1, inv.shape[-3:-2] + inv.shape[-1:]).transpose(-3, -2)
+    pre = (blocks @ inv).transpose(-3, -2).flatten(-2).to(m.dtype)
+    m.lerp_(pre, 1 - ctx.h.momentum)
+    return pre.lerp_(m, ctx.h.momentum) if opts["nesterov"] else m
+
+
+def _newton_check(group: dict) -> str | None:
+    if muon_layout(group) is not None:
+        return ("preconditions whole matrices by their inputs: not split or transposed "
+                "(per_head, split, qkv_split, transposed)")
+    return None
+
+
+def _newton_spec(init) -> StateSpec:
+    return StateSpec(lambda rows, cols: (cols // input_block(rows, cols),
+                                         input_block(rows, cols), input_block(rows, cols)),
+                     init=init)
+
+
+def inputs_due(group: dict) -> bool:
+    """Whether a muon group's next step reads its matrices' inputs: a stage needs 'inputs', and
+    the step is a multiple of the group's input_interval (an_interval)."""
+    return ("inputs" in stage_needs(group) and (group.get("step", 0) + 1)
+            % interval_steps(group["input_interval"], group.get("horizon")) == 0)
 
 
 def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
@@ -716,6 +784,17 @@ PRECONDITIONERS = {
                                                    "refreshes of the eigenbases, or a fraction "
                                                    "of the run")),
         cost=_soap_cost, needs=("grad",), eager=True),
+    "newton": Stage(newton, state=dict(
+        newton_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
+        newton_cov=_newton_spec(Diagonal(0.001)), newton_inv=_newton_spec(Diagonal(1.0))),
+        options=dict(input_interval=Option(64, an_interval, "Newton-Muon: steps between "
+                                           "refreshes of the inverse input covariance, or a "
+                                           "fraction of the run (the record: 64 steps)"),
+                     newton_lerp=Option(0.05, lambda v: a_number(v, 1.0), "Newton-Muon: the "
+                                        "covariance's EMA weight on a refresh's inputs"),
+                     newton_damping=Option(0.2, a_number, "Newton-Muon: the diagonal damping, "
+                                           "a share of the covariance's mean eigenvalue")),
+        check=_newton_check, needs=("inputs",), owns_momentum=True, eager=True),
     "muown": Stage(muown_direction, state=dict(
         muown_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
         muown_gain_grad=_row_spec()), reads=("muown_gain", "muown_v_norm"), needs=("weight",),
@@ -780,7 +859,8 @@ def group_stages(group: dict) -> list[tuple[str, str, Stage]]:
 
 
 def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
-    """What the group's stages under `keys` read beyond their input ('grad', 'weight')."""
+    """What the group's stages under `keys` read beyond their input ('grad', 'weight',
+    'inputs')."""
     return {need for key, _, s in group_stages(group) if key in keys for need in s.needs}
 
 
@@ -952,10 +1032,12 @@ def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: 
             view.copy_(w.view_as(view))
 
 
-def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
+def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict,
+                inputs: Tensor | None = None) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
     stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
-    muon_state_layout() lays it out): momentum, direction, apply. The sharded path (sharded.py)
+    muon_state_layout() lays it out): momentum, direction, apply. inputs: the matrices' input
+    covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path (sharded.py)
     runs the same three with communication between."""
     # a slice's worth: small, reused memory
     grads = torch.stack(grads) if isinstance(grads, list) else grads
@@ -966,7 +1048,7 @@ def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict) -> None:
     weight = None  # apply stages have the params themselves
     if "weight" in stage_needs(opts, CHAIN_KEYS):
         weight = params if isinstance(params, Tensor) else torch.stack(params)
-    ctx = StageContext(state, h, opts, raw, weight)
+    ctx = StageContext(state, h, opts, raw, weight, inputs=inputs)
     u = muon_direction(g, ctx, out_dtype)
     muon_apply(params, u, ctx)
 
@@ -1133,9 +1215,14 @@ class LogicalInit(NamedTuple):
 
 
 def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:
-    """A new state tensor for the param `weight`: slot.init's number, or its value from weight."""
+    """A new state tensor for the param `weight`: slot.init's number or Diagonal, or its value
+    from weight."""
     if callable(slot.init):
         return slot.init(weight.detach()).to(slot.dtype).reshape(slot.shape)
+    if isinstance(slot.init, Diagonal):
+        out = torch.zeros(slot.shape, dtype=slot.dtype, device=weight.device)
+        out.diagonal(dim1=-2, dim2=-1).fill_(slot.init.value)
+        return out
     return torch.full(slot.shape, slot.init, dtype=slot.dtype, device=weight.device)
 
 

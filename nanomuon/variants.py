@@ -42,6 +42,15 @@ OPTIMIZER_VARIANTS = {
     "muon-muown": dict(muon_options=dict(precondition="muown", post_process=(), apply="muown",
                                          lr_scale="spectral", extra_scale=0.1625 * 0.2,
                                          muown_gain_lr=0.1625)),
+    # Newton-Muon (record 15): each matrix's gradient times the inverse covariance of its inputs,
+    # refreshed every 64 of the record's 3,275 steps (0.02 of the run here), then plain Muon
+    # (no variance reduction, decoupled decay). Its lrs and decays per role as ratios to q/k/v's
+    # (0.020 and 0.025): attn.proj 0.025, mlp.fc 0.030 and 0.0375, mlp.proj 0.030
+    "muon-newton": dict(muon_options=dict(precondition="newton", input_interval=0.02,
+                                          post_process=(), apply="decoupled"),
+                        roles={"attn.proj": dict(lr_factor=1.25),
+                               "mlp.fc": dict(lr_factor=1.5, weight_decay_factor=1.5),
+                               "mlp.proj": dict(lr_factor=1.5)}),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW,
                        muon_options=dict(beta2=None, precondition=(), post_process=())),

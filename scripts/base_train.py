@@ -1146,6 +1146,8 @@ def train_step(run: Run) -> Step:
     loss_sum = torch.zeros((run.copies,) if args.seeds else (), device=run.device)
     if args.qk_clip:
         model.track_max_logits()  # this step's logits decide this step's clip
+    # a stage that reads its matrices' inputs this step (Newton-Muon): their mean covariances
+    inputs = {} if run.optimizer.wants_inputs() else None
     for micro in range(run.grad_accum):
         if args.fsdp:  # reduce-scatter the grads once per step, after the last micro-batch
             model.set_requires_gradient_sync(micro == run.grad_accum - 1)
@@ -1154,7 +1156,11 @@ def train_step(run: Run) -> Step:
         except DataError as e:  # bad data met mid-epoch: its line, not the loader thread's stack
             raise SystemExit(f"error: {e}") from None
         with run.autocast:
-            loss = run.train_model(x, y)
+            loss = run.train_model(x, y, input_stats=inputs is not None)
+        if inputs is not None:
+            loss, stats = loss
+            for name, cov in stats.items():
+                inputs[name] = inputs.get(name, 0) + cov / run.grad_accum
         loss_sum += loss.detach()
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
@@ -1167,6 +1173,9 @@ def train_step(run: Run) -> Step:
     run.synchronize()
     t1 = time.perf_counter()
     if finite:
+        if inputs is not None:
+            named = dict(model.named_parameters())
+            run.optimizer.give_inputs({named[name]: cov for name, cov in inputs.items()})
         run.optimizer.step()
         if args.qk_clip:
             run.loop["qk_clipped"] = run.loop.get("qk_clipped", 0) + model.qk_clip_(args.qk_clip)

@@ -48,11 +48,15 @@ def f64_run(start, grads, cfgs, split=None, groups=1, transposed=False, stages=N
 
 
 def run_ours(start, grads, cfgs, **layout):
+    """The optimizer's trajectory of one param: per step a config, whose "inputs" (a stage's input
+    covariances, where one reads them) go to give_inputs rather than into the group."""
     p = torch.nn.Parameter(start.clone())
-    group = dict(kind="muon", params=[p], ns_precision="fp32", **cfgs[0], **layout)
-    opt = MuonAdamW([group])
-    for g, cfg in zip(grads, cfgs):
-        opt.param_groups[0].update(cfg)
+    opts = [{k: v for k, v in cfg.items() if k != "inputs"} for cfg in cfgs]
+    opt = MuonAdamW([dict(kind="muon", params=[p], ns_precision="fp32", **opts[0], **layout)])
+    for g, cfg, options in zip(grads, cfgs, opts):
+        opt.param_groups[0].update(options)
+        if cfg.get("inputs") is not None:
+            opt.give_inputs({p: cfg["inputs"]})
         p.grad = g.clone()
         opt.step()
     return p.detach()

@@ -357,7 +357,7 @@ def test_a_stage_option_is_declared_by_its_stage():
                         **BASE)])
     opt.param_groups[0]["precondition_frequency"] = 0
     p.grad = torch.randn(8, 8)
-    with pytest.raises(ValueError, match=r"precondition_frequency=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"precondition_frequency=0 must be steps \(an int >= 1\)"):
         opt.step()
 
 
