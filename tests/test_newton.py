@@ -140,7 +140,7 @@ def _dist_worker(rank, world):
             torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_equals_one_device_given_the_mean_inputs(world):
     """Each rank gives its own inputs; the owners read their mean over the ranks, so the run equals
     one device given the mean, and the ranks stay bitwise identical."""
