@@ -1,18 +1,38 @@
 """
-Reports: line plots of training curves, written as PNG with matplotlib, for base_train's report
-and ablate's comparisons (which tool writes which part of a run's report: nanomuon/run.py). Plots
-are optional: matplotlib is imported here only, so the optimizer, the model and training never need
-it; without it plot_curves() returns None and the report says in one line that it skipped them and
-why (MISSING).
+Reports: what a base_train run leaves when it ends, and the plots of training curves.
+
+- report.md, curves.png and summary.json, as base_train writes them whole at the end of training
+  (write_report): the run's numbers (summarize), its samples of PROMPTS, its precision, its val
+  history. What other tools add (base_eval's sections and headline) is read back through run.py,
+  which owns the run dir and those parts: rewriting keeps them. What a user typed or named is
+  escaped (common.shown), so no line of it moves the report's structure.
+- PROMPTS, the texts every report samples: base_train greedily, base_eval at a temperature.
+- The wandb run a script logs into, imported only on request (start_wandb).
+- Line plots (plot_curves), for base_train's report and ablate's comparisons. Plots are optional:
+  matplotlib is imported here only, so the optimizer, the model and training never need it;
+  without it plot_curves() returns None and the report says in one line that it skipped them and
+  why (MISSING).
+
+A script keeps its loop; what it says about a run, and in what words, lives here, once.
 """
 
+import json
 import math
+import platform
+import statistics
+import sys
 from pathlib import Path
 
-from nanomuon.common import write_atomic
+import torch
+
+from nanomuon.common import print0, shown, write_atomic
+from nanomuon.fp8 import plain_linears
+from nanomuon.run import others_report, others_summary
+from nanomuon.seeds import numbers_text, per_seed, seed_model, seed_records
 
 MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
            "(`pip install matplotlib` draws them)")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
 
 def smooth(values: list[float], beta: float = 0.9) -> list[float]:
@@ -71,3 +91,160 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
+
+
+def start_wandb(mode: str, name: str, run_dir: Path, **init):
+    """wandb.init of a nanomuon run (init: its config, or the id of one to resume), imported only
+    on request: it is slow to import and needs an account for online."""
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit(f"error: --wandb {mode} needs the wandb package: `pip install "
+                         "wandb`, or drop --wandb") from None
+    return wandb.init(project="nanomuon", name=name, mode=mode, dir=str(run_dir), **init)
+
+
+def precision_words(dtype, recipe) -> str:
+    """A precision ([dtype, fp8 recipe or None]) in words, as the step lines and the report say
+    it."""
+    words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
+    return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
+
+
+def precision_text(history: list) -> str:
+    """loop.precision for the report: each precision, to the step the next took over."""
+    return ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
+                          for h, after in zip(history, [*history[1:], None]))
+
+
+def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: float,
+              peak: float | None, world_size: int) -> dict:
+    """A run's numbers from its loop state, printed: final and min val bpb (each seed's), the final
+    eval, the medians of its timed steps, throughput (tokens_per_step: every seed's) and MFU (peak:
+    one device's FLOP/s, None where unknown)."""
+    summary = dict(final_val_bpb=loop["val_history"][-1][1],  # batched seeds: each seed's
+                   min_val_bpb=per_seed(lambda *vs: min(vs), *(v for _, v in loop["val_history"])),
+                   packing=packing)
+    if "final_eval" in loop:
+        summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
+    print0(f"data (rank 0, this process): {summary['packing']}")
+    if times := loop["step_times"]:  # the run's timed steps, those before a resume too
+        med_dt, med_opt = statistics.median(times), statistics.median(loop["optim_times"])
+        summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
+                       mean_step_ms=1000 * statistics.fmean(times),  # the wall's pace
+                       optimizer_share=med_opt / med_dt, tok_per_s=tokens_per_step / med_dt)
+        if peak:
+            summary["mfu"] = flops_per_token * summary["tok_per_s"] / (peak * world_size)
+        print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
+               f"({100 * med_opt / med_dt:.1f}%), medians over {len(times)} steps")
+        print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
+               (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
+    print0(f"final val bpb {numbers_text(summary['final_val_bpb'])} (min "
+           f"{numbers_text(summary['min_val_bpb'])})"
+           + (f"; over {summary['final_eval_tokens']:,} val tokens "
+              f"{numbers_text(summary['final_eval_bpb'])}" if "final_eval" in loop else ""))
+    return summary
+
+
+def greedy_samples(model, tokenizer, tokens: int, seeds: list[int] | None) -> list[tuple[str, str]]:
+    """Greedy continuations of PROMPTS (fp8 layers in bf16, as at eval), printed; a sharded model
+    generates on every rank, in step. Batched seeds: the first seed's model speaks for them."""
+    samples = []
+    model = seed_model(model, 0) if seeds else model
+    with plain_linears(model):
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt, prepend_bos=True)
+            out = tokenizer.decode(list(model.generate(ids, tokens, temperature=0.0)))
+            samples.append((prompt, out))
+            print0(f"sample{f' (seed {seeds[0]})' if seeds else ''}: {prompt!r} -> {out!r}")
+    return samples
+
+
+def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
+                 loop, samples):
+    """report.md and curves.png, then summary.json (which scripts.ablate reads), into run_dir:
+    written whole, keeping what other writers added (run.py)."""
+    gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else platform.processor() or platform.machine())
+    headlines, sections = others_report(Path(run_dir) / "report.md")
+    lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
+             # what a user typed or named is escaped: no newline of it starts a line here
+             f"- command: `{shown(' '.join(sys.argv), 2000, quote=False)}`",
+             f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
+             f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
+             f"attention {args.attention}",
+             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
+             f"optimizer {args.optimizer}",
+             f"- data: {shown(args.dataset, 500, quote=False)}, "
+             f"{num_iterations * args.total_batch_size:,} tokens in "
+             f"{num_iterations} steps of {args.total_batch_size:,}; "
+             f"rank 0 packed {summary['packing']}",
+             f"- training time: {loop['train_time'] / 60:.2f} min "
+             "(excluding evals and the first steps)"]
+    if args.seeds:
+        lines.append(f"- seeds: {', '.join(map(str, args.seeds))}, trained as one batched model "
+                     "on the same batches (tok/s counts every seed's tokens)")
+    lines += result_lines(summary, args.seeds)
+    png = plot_curves(Path(run_dir) / "curves.png", curve_panels(loop, args.seeds),
+                      title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, "
+                            f"{shown(args.dataset, 80, quote=False)}")
+    lines += ["", "## Curves", "",
+              "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
+    names = [f"seed {seed}" for seed in args.seeds] if args.seeds else ["val bpb"]
+    lines += ["", "## Validation bits per byte", "", f"| step | {' | '.join(names)} |",
+              "|---:|" + "---:|" * len(names)]
+    lines += [f"| {s} | {' | '.join(f'{x:.4f}' for x in (v if args.seeds else [v]))} |"
+              for s, v in loop["val_history"]]
+    if samples:
+        lines += ["", "## Samples (greedy)" + (f", seed {args.seeds[0]}" if args.seeds else ""),
+                  ""]
+        lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
+    lines += sections
+    write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    # the same numbers and curves for programs (scripts.ablate reads them)
+    record = dict(others_summary(Path(run_dir) / "summary.json"), **summary, run=args.run,
+                  optimizer=args.optimizer, num_params=num_params,
+                  world_size=world_size, tokens_per_step=args.total_batch_size,
+                  val_history=loop["val_history"], val_train_time=loop["val_train_time"],
+                  history=loop["history"])
+    if args.seeds:  # each seed's numbers as its own run records them
+        for key in PER_SEED:
+            record.pop(key, None)
+        record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
+    write_atomic(Path(run_dir) / "summary.json",
+                 lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    print0(f"report: {Path(run_dir) / 'report.md'}")
+
+
+# a batched run's summary.json holds these per seed (seeds.seed_records), not as lists
+PER_SEED = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "val_history", "history")
+RESULTS = (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
+           ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}"), ("final_eval_bpb", "{:.4f}"),
+           ("final_eval_tokens", "{:,}"))
+
+
+def result_lines(summary: dict, seeds: list[int] | None) -> list[str]:
+    """The report's result lines; batched seeds get a line each for their own numbers."""
+    shared = [(k, f) for k, f in RESULTS if k in summary and not (seeds and k in PER_SEED)]
+    lines = [f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}" for key, fmt in shared]
+    for i, seed in enumerate(seeds or []):
+        lines.append(f"- seed {seed}: " + ", ".join(
+            f"{key.replace('_', ' ')} {fmt.format(summary[key][i])}" for key, fmt in RESULTS
+            if key in summary and key in PER_SEED))
+    return lines
+
+
+def curve_panels(loop: dict, seeds: list[int] | None) -> list[dict]:
+    """The report's two panels, train loss and val bpb: a series per seed when batched."""
+    history, val_history = loop["history"], loop["val_history"]
+    steps, losses = zip(*history) if history else ((), ())
+    val_steps, bpbs = zip(*val_history)
+    if seeds:
+        train = {f"seed {s}": (steps, smooth([v[i] for v in losses])) for i, s in enumerate(seeds)}
+        val = {f"seed {s}": (val_steps, [v[i] for v in bpbs]) for i, s in enumerate(seeds)}
+    else:
+        train = {"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}
+        val = {"val bpb": (val_steps, bpbs)}
+    return [dict(title="train loss" + (", smoothed" if seeds else ""), xlabel="step",
+                 ylabel="loss (nats/token)", series=train),
+            dict(title="validation", xlabel="step", ylabel="bits per byte", series=val)]

@@ -40,6 +40,7 @@ from nanomuon.common import (
 from nanomuon.core_eval import BUNDLE_URL, evaluate_core, find_bundle, headline, load_tasks
 from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
+from nanomuon.report import PROMPTS, start_wandb
 from nanomuon.run import (
     SUMMARY,
     SUMMARY_BYTES,
@@ -51,7 +52,6 @@ from nanomuon.run import (
     put_headline,
 )
 from nanomuon.sources import add_data_args, prepare
-from scripts.base_train import PROMPTS
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
 
 KEYS = ("dataset", "text_column", "val_fraction")
@@ -202,14 +202,9 @@ def training_wandb_id(summary) -> str | None:
 def log_wandb(args, run_dir, step: int, bpb, core) -> None:
     """bpb and CORE (each task's centered accuracy too) into the training's wandb run, resumed, or
     a new run of the same name."""
-    try:  # imported only on request, as in base_train
-        import wandb
-    except ImportError:
-        raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install "
-                         "wandb`, or drop --wandb") from None
     wandb_id = training_wandb_id(run_dir / "summary.json")
-    run = wandb.init(project="nanomuon", name=args.run, mode=args.wandb, dir=str(run_dir),
-                     id=wandb_id, resume="allow" if wandb_id else None)
+    run = start_wandb(args.wandb, args.run, run_dir, id=wandb_id,
+                      resume="allow" if wandb_id else None)
     logged = {} if bpb is None else {"eval/bpb": bpb}
     if core:
         logged["eval/core"] = core["core"]

@@ -13,10 +13,8 @@ bit, at any process count; one run at a time owns its run dir (docs/training.md)
 import argparse
 import contextlib
 import functools
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,7 +50,6 @@ from nanomuon.common import (
     synchronizer,
     user_errors,
     wandb_key_problem,
-    write_atomic,
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
@@ -68,18 +65,12 @@ from nanomuon.recipe import (
     train_memory,
     training_recipe,
 )
-from nanomuon.report import (
-    MISSING,
-    plot_curves,
-    smooth,
-)
+from nanomuon.report import greedy_samples, precision_words, start_wandb, summarize, write_report
 from nanomuon.run import (
     append_step_record,
     check_disk,
     claim_run_dir,
     keep_earlier_runs,
-    others_report,
-    others_summary,
     run_arg,
     set_aside_later_steps,
 )
@@ -89,8 +80,6 @@ from nanomuon.seeds import (
     numbers_text,
     parse_seeds,
     per_seed,
-    seed_model,
-    seed_records,
     seeded_gpt,
     wandb_values,
 )
@@ -99,8 +88,6 @@ from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.update_math import applies_weight_decay, stages_used
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
-
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\n", "In the beginning"]
 
 # The largest lr a flag may ask for, --lr-multiplier included: over 1,000x the tuned ones (below
 # 1), far past where training diverges, and with any factor the update math puts on an lr (sqrt of
@@ -692,12 +679,6 @@ def precision_of(args) -> list:
     return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
 
 
-def precision_words(dtype, recipe) -> str:
-    """A precision_of in words, as the step lines and the report say it."""
-    words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
-    return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
-
-
 def precision_problems(loop: dict, step: int) -> list[str]:
     """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
     oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
@@ -723,12 +704,6 @@ def resumed_precision(run: Run, meta: dict, step: int) -> None:
                "as given now); the report says both")
         history = [*history, [step, *now]]
     run.loop["precision"] = history
-
-
-def precision_text(history: list) -> str:
-    """loop.precision for the report: each precision, to the step the next took over."""
-    return ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
-                          for h, after in zip(history, [*history[1:], None]))
 
 
 def resolve_arch(args, device: torch.device) -> str:
@@ -1067,14 +1042,8 @@ def announce(run: Run) -> None:
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{precision_words(*precision_of(args))}")
     if args.wandb != "off" and run.rank == 0:
-        try:  # imported only on request: it is slow to import and needs an account for online
-            import wandb
-        except ImportError:
-            raise SystemExit(f"error: --wandb {args.wandb} needs the wandb package: `pip install "
-                             "wandb`, or drop --wandb") from None
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.wandb = wandb.init(project="nanomuon", name=args.run, mode=args.wandb,
-                               config=vars(args), dir=str(run.run_dir))
+        run.wandb = start_wandb(args.wandb, args.run, run.run_dir, config=vars(args))
 
 
 def train(run: Run) -> None:
@@ -1253,148 +1222,22 @@ def step_line(run: Run, s: Step, smooth_loss, tok_per_s: float) -> str:
 
 
 def report(run: Run) -> dict:
-    """Summary lines, greedy samples, and (rank 0) report.md, curves.png and summary.json in the run
-    dir."""
-    args, loop = run.args, run.loop
-    summary = dict(final_val_bpb=loop["val_history"][-1][1],  # batched seeds: each seed's
-                   min_val_bpb=per_seed(lambda *vs: min(vs), *(v for _, v in loop["val_history"])),
-                   packing=run.train_loader.packing())
-    if "final_eval" in loop:
-        summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
-    print0(f"data (rank 0, this process): {summary['packing']}")
-    peak = peak_flops(run.device)
-    if times := loop["step_times"]:  # the run's timed steps, those before a resume too
-        med_dt, med_opt = statistics.median(times), statistics.median(loop["optim_times"])
-        summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
-                       mean_step_ms=1000 * statistics.fmean(times),  # the wall's pace
-                       optimizer_share=med_opt / med_dt,
-                       tok_per_s=args.total_batch_size * run.copies / med_dt)
-        if peak:
-            summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
-        print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
-               f"({100 * med_opt / med_dt:.1f}%), medians over {len(times)} steps")
-        print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
-               (f", mfu {100 * summary['mfu']:.1f}%" if peak else ""))
-    print0(f"final val bpb {numbers_text(summary['final_val_bpb'])} (min "
-           f"{numbers_text(summary['min_val_bpb'])})"
-           + (f"; over {summary['final_eval_tokens']:,} val tokens "
-              f"{numbers_text(summary['final_eval_bpb'])}" if "final_eval" in loop else ""))
-    samples = sample_prompts(run)
+    """The run's numbers, greedy samples, and (rank 0) report.md, curves.png and summary.json in the
+    run dir (nanomuon/report.py)."""
+    args = run.args
+    summary = summarize(run.loop, run.train_loader.packing(), args.total_batch_size * run.copies,
+                        run.flops_per_token, run.peak_flops, run.world_size)
+    samples = (greedy_samples(run.model, run.tokenizer, args.sample_tokens, args.seeds)
+               if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp) else [])
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
     if run.rank == 0:
         write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations,
-                     run.world_size, run.device, summary, loop, samples)
+                     run.world_size, run.device, summary, run.loop, samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()
     return summary
-
-
-def sample_prompts(run: Run) -> list[tuple[str, str]]:
-    """Greedy continuations of PROMPTS (fp8 layers in bf16, as at eval), printed; a sharded model
-    generates on every rank, in step."""
-    samples = []
-    # batched seeds: the first seed's model speaks for them
-    model = seed_model(run.model, 0) if run.args.seeds else run.model
-    if run.args.sample_tokens > 0 and (run.rank == 0 or run.args.fsdp):
-        with plain_linears(model):
-            for prompt in PROMPTS:
-                ids = run.tokenizer.encode(prompt, prepend_bos=True)
-                out = run.tokenizer.decode(list(model.generate(ids, run.args.sample_tokens,
-                                                               temperature=0.0)))
-                samples.append((prompt, out))
-                print0(f"sample{f' (seed {run.args.seeds[0]})' if run.args.seeds else ''}: "
-                       f"{prompt!r} -> {out!r}")
-    return samples
-
-
-def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
-                 loop, samples):
-    gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
-           else platform.processor() or platform.machine())
-    headlines, sections = others_report(Path(run_dir) / "report.md")
-    lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
-             # what a user typed or named is escaped: no newline of it starts a line here
-             f"- command: `{shown(' '.join(sys.argv), 2000, quote=False)}`",
-             f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
-             f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
-             f"attention {args.attention}",
-             f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
-             f"optimizer {args.optimizer}",
-             f"- data: {shown(args.dataset, 500, quote=False)}, "
-             f"{num_iterations * args.total_batch_size:,} tokens in "
-             f"{num_iterations} steps of {args.total_batch_size:,}; "
-             f"rank 0 packed {summary['packing']}",
-             f"- training time: {loop['train_time'] / 60:.2f} min "
-             "(excluding evals and the first steps)"]
-    if args.seeds:
-        lines.append(f"- seeds: {', '.join(map(str, args.seeds))}, trained as one batched model "
-                     "on the same batches (tok/s counts every seed's tokens)")
-    lines += result_lines(summary, args.seeds)
-    png = plot_curves(Path(run_dir) / "curves.png", curve_panels(loop, args.seeds),
-                      title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, "
-                            f"{shown(args.dataset, 80, quote=False)}")
-    lines += ["", "## Curves", "",
-              "![train loss and val bpb](curves.png)" if png else f"({MISSING})"]
-    names = [f"seed {seed}" for seed in args.seeds] if args.seeds else ["val bpb"]
-    lines += ["", "## Validation bits per byte", "", f"| step | {' | '.join(names)} |",
-              "|---:|" + "---:|" * len(names)]
-    lines += [f"| {s} | {' | '.join(f'{x:.4f}' for x in (v if args.seeds else [v]))} |"
-              for s, v in loop["val_history"]]
-    if samples:
-        lines += ["", "## Samples (greedy)" + (f", seed {args.seeds[0]}" if args.seeds else ""),
-                  ""]
-        lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
-    lines += sections
-    write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
-    # the same numbers and curves for programs (scripts.ablate reads them)
-    record = dict(others_summary(Path(run_dir) / "summary.json"), **summary, run=args.run,
-                  optimizer=args.optimizer, num_params=num_params,
-                  world_size=world_size, tokens_per_step=args.total_batch_size,
-                  val_history=loop["val_history"], val_train_time=loop["val_train_time"],
-                  history=loop["history"])
-    if args.seeds:  # each seed's numbers as its own run records them
-        for key in PER_SEED:
-            record.pop(key, None)
-        record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
-    write_atomic(Path(run_dir) / "summary.json",
-                 lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
-    print0(f"report: {Path(run_dir) / 'report.md'}")
-
-
-# a batched run's summary.json holds these per seed (seeds.seed_records), not as lists
-PER_SEED = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "val_history", "history")
-RESULTS = (("tok_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("optimizer_share", "{:.1%}"),
-           ("final_val_bpb", "{:.4f}"), ("min_val_bpb", "{:.4f}"), ("final_eval_bpb", "{:.4f}"),
-           ("final_eval_tokens", "{:,}"))
-
-
-def result_lines(summary: dict, seeds: list[int] | None) -> list[str]:
-    """The report's result lines; batched seeds get a line each for their own numbers."""
-    shared = [(k, f) for k, f in RESULTS if k in summary and not (seeds and k in PER_SEED)]
-    lines = [f"- {key.replace('_', ' ')}: {fmt.format(summary[key])}" for key, fmt in shared]
-    for i, seed in enumerate(seeds or []):
-        lines.append(f"- seed {seed}: " + ", ".join(
-            f"{key.replace('_', ' ')} {fmt.format(summary[key][i])}" for key, fmt in RESULTS
-            if key in summary and key in PER_SEED))
-    return lines
-
-
-def curve_panels(loop: dict, seeds: list[int] | None) -> list[dict]:
-    """The report's two panels, train loss and val bpb: a series per seed when batched."""
-    history, val_history = loop["history"], loop["val_history"]
-    steps, losses = zip(*history) if history else ((), ())
-    val_steps, bpbs = zip(*val_history)
-    if seeds:
-        train = {f"seed {s}": (steps, smooth([v[i] for v in losses])) for i, s in enumerate(seeds)}
-        val = {f"seed {s}": (val_steps, [v[i] for v in bpbs]) for i, s in enumerate(seeds)}
-    else:
-        train = {"per step": (steps, losses), "smoothed": (steps, smooth(list(losses)))}
-        val = {"val bpb": (val_steps, bpbs)}
-    return [dict(title="train loss" + (", smoothed" if seeds else ""), xlabel="step",
-                 ylabel="loss (nats/token)", series=train),
-            dict(title="validation", xlabel="step", ylabel="bits per byte", series=val)]
 
 
 if __name__ == "__main__":
