@@ -87,6 +87,7 @@ from nanomuon.update_math import (
     adamw_hparams,
     adamw_update,
     fresh_state,
+    input_block,
     inputs_due,
     kernel,
     muon_hparams,
@@ -209,6 +210,13 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"give_inputs: {len(missing)} of the {len(params)} matrices whose "
                              "stage reads its inputs this step have none; collect every "
                              "matrix's (GPT.forward(input_stats=True))")
+        for p in params:
+            rows, cols = p.shape[-2:]
+            b = input_block(rows, cols)
+            if tuple(inputs[p].shape) != (*p.shape[:-2], cols // b, b, b):
+                raise ValueError(f"give_inputs: a {tuple(p.shape)} matrix's inputs are "
+                                 f"{tuple(inputs[p].shape)}, not {(*p.shape[:-2], cols // b, b, b)}"
+                                 " (update_math.input_covariance of this model's own inputs)")
         stats = [inputs[p].detach().float() for p in params]
         if self.world_size > 1:
             flat = torch.cat([t.flatten() for t in stats])
@@ -222,7 +230,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         """One step of every param with a grad (on any rank), in three phases; on one rank
         the first and the last do nothing."""
-        loss = self._begin_step(closure)
+        inputs, self._inputs = self._inputs, {}  # this step's alone, used or not
+        loss = self._begin_step(closure, inputs)
         buckets = self._get_plan()
         params = [p for g in self.param_groups for p in g["params"]]
         # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
@@ -239,14 +248,13 @@ class MuonAdamW(torch.optim.Optimizer):
             for bi, b in enumerate(buckets):
                 if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
                     gathers.append(self._update_muon_bucket(group, b, active,
-                                                            reductions["muon"].get(bi)))
+                                                            reductions["muon"].get(bi), inputs))
             if has_dtensors(group["params"]):  # FSDP2 / TP params
                 muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
         self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
-        self._inputs = {}
         return loss
 
-    def _begin_step(self, closure):
+    def _begin_step(self, closure, inputs: dict):
         """The closure's loss (None without one), then every check that can fail, before any
         math runs, so a bad step changes nothing."""
         loss = None
@@ -262,8 +270,7 @@ class MuonAdamW(torch.optim.Optimizer):
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(i, group, j, p)
-            if group["kind"] == "muon" and inputs_due(group) and group["params"][0] not in \
-                    self._inputs:
+            if group["kind"] == "muon" and inputs_due(group) and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
                                  "this step (input_interval); collect them with "
                                  "GPT.forward(input_stats=True) and pass them to give_inputs() "
@@ -391,11 +398,13 @@ class MuonAdamW(torch.optim.Optimizer):
         flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
         return self._gather(flat, p.numel(), p), p, flat
 
-    def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced) -> tuple | None:
+    def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced,
+                            inputs: dict) -> tuple | None:
         """Muon on the bucket's matrices this rank owns, in place, one stacked call per slice (see
         _slices). reduced: None on one rank (the grads are where autograd left them), else (work,
         buffer) of the reduction: then the new values go into this rank's chunk of the buffer (the
-        grads there are spent), and the gather of every chunk starts."""
+        grads there are spent), and the gather of every chunk starts. inputs: this step's input
+        covariances (give_inputs), where a stage reads them."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
@@ -420,8 +429,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 whole, state = state, {name: t[sel] for name, t in state.items()}
             h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
             opts, update = muon_options(group, mine[0].device), kernel(muon_update, compiled)
-            inputs = (torch.stack([self._inputs[p] for p in params]) if params[0] in self._inputs
-                      else None)
+            inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
             for sl in self._slices(len(idx), mine[0]):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts,
                        None if inputs is None else inputs[sl])

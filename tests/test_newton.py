@@ -177,8 +177,9 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
 
 
 def test_what_it_cannot_take_is_refused_in_one_line():
-    """A due step with no inputs given, inputs for only some of the matrices, and a split layout
-    are refused, each in one line that says what to do."""
+    """A due step with no inputs given, inputs for only some of the matrices or of the wrong
+    shape, and a split layout are refused, each in one line that says what to do. Inputs given
+    to a step that then fails are gone: the next try must give them again."""
     params = _model()
     opt = MuonAdamW(_groups(params))
     grads, inputs = _step_data(1, 0, 1)
@@ -189,6 +190,18 @@ def test_what_it_cannot_take_is_refused_in_one_line():
         opt.step()
     with pytest.raises(ValueError, match=r"give_inputs: 1 of the 5 matrices .* have none"):
         opt.give_inputs(dict(zip(params[:4], inputs)))
+    wrong = dict(zip(params, inputs))
+    wrong[params[2]] = inputs[2][:2]
+    with pytest.raises(ValueError, match=r"a \(16, 64\) matrix's inputs are \(2, 16, 16\), not "
+                                         r"\(4, 16, 16\)"):
+        opt.give_inputs(wrong)
+    opt.give_inputs(dict(zip(params, inputs)))
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    opt.param_groups[0]["lr"] = NEWTON["lr"]
+    with pytest.raises(ValueError, match=r"reads its matrices' inputs this step"):
+        opt.step()
     with pytest.raises(ValueError, match=r"newton.*preconditions whole matrices"):
         MuonAdamW([dict(_groups(params)[0], split=(12, 12), params=params[:2])])
 
