@@ -4,10 +4,12 @@ refined from the planned runs' own steps: no run is spent on calibration alone.
 
 The first plan comes at once. It is fitted from a calibration kept on this machine (ablate keys it
 by what decides it; at_load scales it to the load now), or, where nothing has timed these runs
-here, it is the smallest plan. A Tracker then reads the planned runs' step records (base_train
---step-record) and walls as they come. The Calibration they measure replaces the estimate, is
-kept for the next ablate, and sizes the seeds that join where the budget has room (grow). An
-explicit budget that not even the smallest plan fits at the pace the runs show is refused then.
+here, it is the smallest plan, timed by a prior: probe_step's eager step of one seed, timed here in
+a few seconds, scaled by what compiled runs took against it (PRIOR_STEP_RATIO). A Tracker then
+reads the planned runs' step records (base_train --step-record) and walls as they come. The
+Calibration they measure replaces the estimate, is kept for the next ablate, and sizes the seeds
+that join where the budget has room (grow). An explicit budget that not even the smallest plan
+fits at the pace the runs show is refused then.
 fit() picks the plan whose projected detectable effect is smallest, trading the seeds' t factor
 against the spread that longer runs shrink.
 """
@@ -16,6 +18,7 @@ import argparse
 import math
 import os
 import re
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -42,6 +45,12 @@ HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not cont
 WRITE_UP_S = 5.0  # the table and the plot at the end
 WARM_UP_STEPS = 3  # a run's first steps compile: their time is its start-up, not a step's
 PACE_RECORDS = 3  # warm step records before the runs' own pace replaces an estimate
+# The prior, where nothing has timed these runs here: a compiled run's step of a seed over
+# probe_step's eager one, and a run's start-up (a cold compile, the step-0 eval, the save) in probe
+# steps, compiled or not. Measured at ablate's default on a 2-core AMD EPYC with AVX512-BF16
+# (docs/research.md, "A budget"): an estimate, which the runs' own steps then replace.
+PRIOR_STEP_RATIO = 1.0
+PRIOR_START_STEPS = {True: 60.0, False: 10.0}
 
 
 class Calibration(NamedTuple):
@@ -160,6 +169,73 @@ def projected_detectable(seeds: int, steps: int) -> float:
     """The effect (a fraction of bpb) that `seeds` seeds of `steps` steps detect 80% of the time,
     at the spread a seed's difference showed at ablate's default shape (SPREAD_SCALE)."""
     return detectable_factor(seeds) * SPREAD_SCALE * steps ** -SPREAD_EXPONENT
+
+
+def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype: str,
+               threads: int) -> float:
+    """Seconds of one eager training step of one seed of a GPT of `config` on this CPU, at
+    `threads` threads and `dtype`: a micro-batch of `rows` sequences forward and backward (the
+    second, the first warms the allocator) times micro_batches, and the mean of each variant's
+    optimizer step (its second: the first makes its state). A few seconds at ablate's default."""
+    import torch
+
+    from nanomuon.common import autocast
+    from nanomuon.gpt import GPT
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        x, y = torch.randint(config.vocab_size, (2, rows, config.sequence_len))
+        cast = autocast(torch.device("cpu"), dtype)
+
+        def micro():
+            with cast:
+                model(x, y).backward()
+
+        micro()
+        t0 = time.perf_counter()
+        micro()
+        forward_backward = time.perf_counter() - t0
+        return micro_batches * forward_backward + statistics.fmean(
+            optimizer_step(model, v, x, cast) for v in variants)
+    finally:
+        torch.set_num_threads(before)
+
+
+def optimizer_step(model, variant: str, x, cast) -> float:
+    """Seconds of variant's second eager optimizer step on model's gradients; a stage that reads
+    its matrices' inputs (Newton-Muon) gets them from a forward of x, timed with the step."""
+    import torch
+
+    from nanomuon.variants import optimizer_kwargs
+
+    opt = model.setup_optimizer(**optimizer_kwargs(variant), compile=False, horizon=MIN_STEPS)
+    named = {p: name for name, p in model.named_parameters()}
+    seconds = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        if getattr(opt, "wants_inputs", lambda: False)():
+            with torch.no_grad(), cast:
+                stats = model(x, input_stats=True)[1]
+            opt.give_inputs({p: stats[name] for p, name in named.items() if name in stats})
+        opt.step()
+        seconds = time.perf_counter() - t0
+    return seconds
+
+
+def prior(probe_s: float, compiled: bool, evals, factor: float, seconds: float) -> Calibration:
+    """The Calibration a probe_step of probe_s seconds predicts for runs that compile or not,
+    `factor` slower for the load they add (contention's ratio); evals: step_s -> (eval_s, final_s)
+    as eval_times counts them."""
+    step_s = probe_s * (PRIOR_STEP_RATIO if compiled else 1.0) * factor
+    eval_s, final_s = evals(step_s)
+    return Calibration(step_s, PRIOR_START_STEPS[compiled] * probe_s * factor, eval_s, seconds,
+                       final_s)
 
 
 def machine_load() -> float:

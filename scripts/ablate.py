@@ -52,6 +52,7 @@ from nanomuon.budget import (
     HEADROOM,
     LENGTH_SEEDS,
     MIN_STEPS,
+    PRIOR_STEP_RATIO,
     WRITE_UP_S,
     Calibration,
     Plan,
@@ -59,11 +60,14 @@ from nanomuon.budget import (
     at_load,
     budget_arg,
     budget_refusal,
+    contention,
     eval_times,
     fit,
     grow,
     machine_load,
     modeled,
+    prior,
+    probe_step,
     projected_detectable,
     read_calibration,
     read_plan,
@@ -75,11 +79,13 @@ from nanomuon.common import (
     content_hashes,
     get_base_dir,
     load_json,
+    resolve_compile,
     resolve_dtype,
     user_errors,
     write_atomic,
 )
 from nanomuon.dataset import SPLITS, list_shards
+from nanomuon.gpt import config_from_depth
 from nanomuon.recipe import (
     NANOCHAT_BATCH,
     RULE_STEPS,
@@ -1052,9 +1058,16 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
     # a GPU's steps do not wait on the CPU's other processes: no load to scale by
     used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
     estimate, about, how = kept_estimate(keys, used)
+    evals = functools.partial(eval_times, eval_tokens=train.eval_tokens,
+                              final_tokens=train.final_eval_tokens,
+                              batch=train.total_batch_size, batched=args.batch_seeds)
+    guess, plan = None, read_plan(keys.plan)
+    if estimate is None and plan is None:
+        guess, how = prior_estimate(args, train, jobs, threads, cache, evals)
     seconds = time.monotonic() - args.started + WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
-    if (plan := read_plan(keys.plan)) is not None:
+    guess = guess and guess._replace(seconds=seconds)
+    if plan is not None:
         how = f"planned before ({keys.plan.name}); {how}"
     elif estimate is None:
         plan = smallest(args.seeds)
@@ -1067,17 +1080,50 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
                              f"steps per run ({how}: {in_words(estimate)}; {jobs} at a time); "
                              "raise --budget, or cut --variants, --sweep, --seeds or --depth")
     shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
-    refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape)
+    refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape, guess)
     refiner.say(how + (f": {in_words(estimate)}; the runs' own steps correct it" if estimate
                        else ""))
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
             str(plan.eval_every)], refiner
 
 
-def in_words(cal: Calibration) -> str:
+def prior_estimate(args, train, jobs: int, threads: int, cache: dict,
+                   evals) -> tuple[Calibration | None, str]:
+    """(The prior, how it was had, in words) where nothing has timed these runs here: one eager
+    step of a seed at their shape timed now (budget.probe_step, a few seconds on a CPU), scaled
+    by what compiled runs took against it and by the load the runs add. None on a GPU, or where
+    the probe cannot run; then the runs' first steps time the plan alone."""
+    none = "nothing has timed these runs here yet"
+    if cache.get("device_type") != "cpu" or not isinstance(train.device_batch_size, int):
+        return None, none
+    vocab = read_json(tokenizer_dir() / "tokenizer.json", "the tokenizer's record")["vocab_size"]
+    micro = max(1, train.total_batch_size // (train.device_batch_size * train.max_seq_len
+                                              * args.nproc))
+    try:
+        config = config_from_depth(train.depth, vocab, train.max_seq_len, train.aspect_ratio,
+                                   train.head_dim, qk_norm=train.qk_norm, window_pattern=
+                                   train.window_pattern, arch="classic" if train.arch == "auto"
+                                   else train.arch)
+        probe_s = probe_step(config, args.variants, train.device_batch_size, micro,
+                             cache["dtype"], threads)
+    except (RuntimeError, ValueError, TypeError, MemoryError) as e:
+        return None, f"{none}; no prior ({type(e).__name__}: {str(e)[:120]})"
+    load, cores = machine_load(), os.cpu_count() or 1
+    factor = (contention(load, jobs * threads * args.nproc, cores)
+              / contention(load, threads, cores))
+    compiled = resolve_compile(train.compile, torch.device("cpu"))
+    guess = prior(probe_s, compiled, evals, factor, 0.0)
+    return guess, (f"{none}; a prior estimate: one eager step of a seed timed now, {probe_s:.3f} "
+                   + (f"s, x{PRIOR_STEP_RATIO:g} for a compiled one" if compiled else "s")
+                   + (f", x{factor:.2f} for the load {jobs} runs add" if factor > 1.01 else "")
+                   + f": {in_words(guess, spent=False)}")
+
+
+def in_words(cal: Calibration, spent: bool = True) -> str:
     """A calibration's numbers, each with its unit."""
     return (f"{cal.step_s:.3f} s a step of a seed, {cal.fixed_s:.0f} s a run's start-up, save and "
-            f"report, {cal.seconds - WRITE_UP_S:.0f} s spent before the runs")
+            "report" + (f", {cal.seconds - WRITE_UP_S:.0f} s spent before the runs" if spent
+                        else ""))
 
 
 def refuse_at_once(args, keys: Keys, layout: tuple, seconds: float) -> None:
@@ -1102,7 +1148,8 @@ class Refiner(Tracker):
     given. At the first run's end it adds the seeds the budget has room for (more())."""
 
     def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
-                 estimate: Calibration | None, seconds: float, shape: bool):
+                 estimate: Calibration | None, seconds: float, shape: bool,
+                 guess: Calibration | None = None):
         def evals(step_s: float) -> tuple[float, float]:
             return eval_times(step_s, train.eval_tokens, train.final_eval_tokens,
                               train.total_batch_size, args.batch_seeds)
@@ -1113,13 +1160,21 @@ class Refiner(Tracker):
         super().__init__(args.budget, seconds, evals, None if args.budget_default else floor)
         self.args, self.train, self.plan, self.layout, self.keys = args, train, plan, layout, keys
         self.about, self.estimate, self.shape = about, estimate, shape
+        self.guess = guess  # the prior (prior_estimate), where nothing has timed these runs
         self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
 
     def words(self, plan: Plan) -> str:
         """The plan in words, each number with its unit."""
         runs_per_seed, jobs = self.layout[:2]
-        timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} min in "
-                 "all" if plan.total_s else "its time follows the runs' first steps")
+        if plan.total_s:
+            timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} "
+                     "min in all")
+        elif self.guess is not None:
+            run_s, total = modeled(self.guess, plan.steps, plan.seeds, *self.layout, plan.groups)
+            timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all by "
+                     "the prior, until the runs' first steps time it")
+        else:
+            timed = "its time follows the runs' first steps"
         return (f"depth {self.train.depth}, {plan.steps} steps of "
                 f"{self.train.total_batch_size:,} tokens, {plan.seeds} seeds, {runs_per_seed} "
                 f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(plan)}")
@@ -1131,8 +1186,8 @@ class Refiner(Tracker):
 
     def say(self, how: str) -> None:
         """The plan, said before any run starts: first whether the default's fits."""
-        if self.estimate is not None:
-            self.overrun(self.estimate)
+        if self.estimate is not None or self.guess is not None:
+            self.overrun(self.estimate or self.guess, "" if self.estimate else " by the prior")
         tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
         if self.plan.total_s:
             write_json(self.keys.plan, self.plan._asdict())
@@ -1143,8 +1198,10 @@ class Refiner(Tracker):
         total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
         return self.seconds + total, total <= (self.budget_s - self.seconds) * HEADROOM
 
-    def overrun(self, cal: Calibration) -> None:
-        """The default's plan that cannot fit its budget at cal, said with its time."""
+    def overrun(self, cal: Calibration, by: str = "") -> None:
+        """The default's plan that cannot fit its budget at cal, said with its time; by: what
+        timed cal, where it is the prior. A --budget given whose smallest plan's steps alone
+        overrun it by the prior: said, as the runs' first steps will refuse it."""
         end, fits = self.ends(cal)
         p = self.plan
         which = ("the smallest one" if (p.steps, p.seeds) == (MIN_STEPS, self.args.seeds
@@ -1152,7 +1209,11 @@ class Refiner(Tracker):
         if self.args.budget_default and not fits:
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
                  f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
-                 f"min{self.detects(p)}; --budget or --num-iterations chooses another")
+                 f"min{by}{self.detects(p)}; --budget or --num-iterations chooses another")
+        elif by and self.floor is not None and self.floor(cal._replace(
+                fixed_s=0.0, eval_s=0.0, final_s=0.0)) > (self.budget_s - self.seconds) * HEADROOM:
+            tell(f"== by the prior, --budget {self.budget_s / 60:.1f}m may not fit even the "
+                 "smallest plan's steps; the runs' first steps decide, and refuse it then")
 
     def end_words(self, cal: Calibration) -> str:
         end, fits = self.ends(cal)
@@ -1161,6 +1222,7 @@ class Refiner(Tracker):
 
     def paced(self, cal: Calibration) -> None:
         assumed = (f"the plan assumed {self.estimate.step_s:.3f}" if self.estimate else
+                   f"the prior estimated {self.guess.step_s:.3f}" if self.guess else
                    "the first timing of these runs here")
         tell(f"== the runs' own pace: {cal.step_s:.3f} s a step of a seed ({assumed}); "
              f"{self.end_words(cal)}")
@@ -1169,8 +1231,9 @@ class Refiner(Tracker):
 
     def finished(self, run, cal: Calibration) -> None:
         self.replan(cal)
+        prior_s = {} if self.guess is None else dict(prior_step_s=self.guess.step_s)
         write_json(self.keys.calibration, dict(calibration=cal._asdict(),
-                                               about=dict(self.about, when=time.time())))
+                                               about=dict(self.about, when=time.time(), **prior_s)))
         tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
              f"{self.end_words(cal)}")
 

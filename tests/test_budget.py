@@ -19,6 +19,7 @@ from nanomuon import budget as planner
 
 # the fake base_train's seconds: a step of one seed, a run's start-up, and its evals, save and report
 STEP_S, START_S, REST_S = 1.0, 30.0, 10.0
+PROBE_S = 0.8  # what the prior's eager step took, as Fake has it
 FLAGS = ["--variants", "muon,adamw", "--sweep", "lr-multiplier=1", "--jobs", "1", *TINY,
          "--total-batch-size", "256", "--no-compile", "--baseline-lengths", "none"]
 
@@ -98,6 +99,8 @@ class Fake:
         self.clock, self.runs, self.lines, self.capsys = Clock(), [], [], capsys
         monkeypatch.setattr(time, "monotonic", self.clock)
         monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+        # the prior's eager step, as if timed here: PROBE_S (the runs take STEP_S)
+        monkeypatch.setattr(ablate, "probe_step", lambda *a, **k: PROBE_S)
 
         def popen(cmd, **kw):
             assert "scripts.base_train" in cmd, cmd
@@ -135,6 +138,10 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     first = runs[0].said_before
     assert said_plan(first) and "nothing has timed these runs here yet" in said_plan(first)[0], first
     assert "50 steps of 256 tokens, 3 seeds" in said_plan(first)[0]
+    # the prior times the plan before any run (the fake's runs do not compile: the probe's step)
+    assert f"a prior estimate: one eager step of a seed timed now, {PROBE_S:.3f} s:" in said_plan(first)[0]
+    assert re.search(r"min in all by the prior, until the runs' first steps time it", said_plan(first)[0])
+    assert f"the runs' own pace: {STEP_S:.3f} s a step of a seed (the prior estimated {PROBE_S:.3f})" in out
     launched = sorted((last(r.cmd, "--optimizer"), last(r.cmd, "--seeds")) for r in runs)
     assert launched == [("adamw", "1,2,3"), ("adamw", "4,5,6"), ("muon", "1,2,3"), ("muon", "4,5,6")], launched
     assert "the budget has room at the runs' own pace: seeds 4-6 join" in out
@@ -144,6 +151,7 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     assert len(kept) == 1
     cal = planner.Calibration(**kept[0]["calibration"])
     assert cal.step_s == STEP_S and cal.fixed_s >= 0
+    assert kept[0]["about"]["prior_step_s"] == PROBE_S  # the prior's error stays readable
     per_seed = planner.EVALS * cal.eval_s + cal.final_s
     assert cal.fixed_s + 3 * (per_seed + 50 * cal.step_s) == pytest.approx(START_S + 3 * 50 * STEP_S + REST_S)
     assert not re.search(r"-\d+ s a run's", out)
@@ -155,8 +163,8 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     assert "1.000 s a step of a seed" in said_plan(again)[0]
 
 
-def cache_at(tmp_path, code="c"):
-    return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t")
+def cache_at(tmp_path, code="c", **more):
+    return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t", **more)
 
 
 def planned(argv, cache, jobs=2, threads=1):
@@ -318,3 +326,80 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
     run = default.watch(3, "muon")
     records(run, clock, 7, 6.0)
     assert run.refusal is None
+
+
+def prior_said(monkeypatch, tmp_path, argv, probe_s=20.0, device="cpu"):
+    """plan_runs of argv with nothing timed here, on 2 cores at load 0, its prior's eager step
+    probe_s: (its flags, its Refiner, the probe's calls)."""
+    from scripts import ablate
+
+    calls = []
+    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(ablate.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr(ablate, "probe_step", lambda *a, **k: calls.append(a) or probe_s)
+    flags, refiner = planned(argv, cache_at(tmp_path, device_type=device, dtype="bf16"))
+    return flags, refiner, calls
+
+
+def test_the_first_default_that_cannot_fit_says_so_from_a_prior_before_any_run(base, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Nothing has timed these runs here: one eager step of a seed at the runs' own shape (depth 4, 8 rows of
+    256 tokens, 2 micro-batches to 4,096 tokens, bf16, 1 thread each, both variants' optimizers) is timed
+    before any run, 20 s here. A compiled run's step is PRIOR_STEP_RATIO of it, and its start-up
+    PRIOR_START_STEPS; evals at a third of a token's step. At that the smallest plan (2 lanes: a 3-seed run,
+    then the baseline's 2 at 0.8; beside it the other 3-seed run) overruns 15 minutes, and the default says so
+    with its minutes and its detectable effect, then the plan, whose flags are the smallest plan's."""
+    flags, refiner, calls = prior_said(monkeypatch, tmp_path, [])
+    out = capsys.readouterr().out.splitlines()
+    (config, variants, rows, micro, dtype, threads), = calls
+    assert (config.n_layer, config.sequence_len, config.vocab_size) == (4, 256, 512)
+    assert (variants, rows, micro, dtype, threads) == (["muon", "adamw"], 8, 2, "bf16", 1)
+    step = 20.0 * planner.PRIOR_STEP_RATIO  # 2 runs of 1 thread on 2 idle cores: no contention
+    start = 20.0 * planner.PRIOR_START_STEPS[True]
+    eval_s = 65536 / 4096 * step / 3
+    per_seed = 4 * eval_s + eval_s + 262144 / 4096 * step / 3  # 4 evals, then the last and the final
+    run = lambda k: k * (per_seed + 50 * step)  # noqa: E731
+    minutes = (refiner.seconds + max(2 * start + run(3) + run(2), start + run(3))) / 60
+    assert re.fullmatch(rf"== the default plan does not fit 15 minutes on this machine: the smallest one \(3 "
+                        rf"seeds of 50 steps\) takes ~{minutes:.0f} min by the prior; detects ~([\d.]+)% of bpb "
+                        r"\(projected from the spread measured at this shape\); --budget or --num-iterations "
+                        r"chooses another", out[-2]), out
+    assert out[-1].startswith("== plan for --budget 15.0 min (nothing has timed these runs here yet; a prior "
+                              f"estimate: one eager step of a seed timed now, 20.000 s, x{planner.PRIOR_STEP_RATIO:g} "
+                              f"for a compiled one: {step:.3f} s a step of a seed, {start:.0f} s a run's start-up")
+    assert f"~{minutes:.1f} min in all by the prior" in out[-1]
+    assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.plan.total_s == 0
+    assert not list(tmp_path.glob("plan-*.json"))  # a prior's plan is not kept as one timed
+
+
+def test_a_budget_given_is_told_by_the_prior_and_refused_only_by_the_runs(base, tmp_path, monkeypatch, capsys):
+    """A --budget 3m that the prior's steps alone overrun: said before the runs, not refused (a prior is an
+    estimate); the smallest plan starts, and its runs' records refuse it as before. On a GPU no prior is
+    timed: its plan waits for the runs' first steps."""
+    (tmp_path / "cpu").mkdir()
+    _, refiner, _ = prior_said(monkeypatch, tmp_path / "cpu", ["--budget", "3m"])
+    out = capsys.readouterr().out
+    assert "== by the prior, --budget 3.0m may not fit even the smallest plan's steps; the runs' first steps " \
+           "decide, and refuse it then" in out
+    assert refiner.plan[:2] == (planner.MIN_STEPS, 3) and refiner.floor is not None
+    (tmp_path / "gpu").mkdir()
+    _, refiner, calls = prior_said(monkeypatch, tmp_path / "gpu", ["--budget", "3m"], device="cuda")
+    out = capsys.readouterr().out
+    assert not calls and refiner.guess is None and "its time follows the runs' first steps" in out
+
+
+def test_the_probe_times_a_step_of_micro_batches_and_the_optimizers(monkeypatch):
+    """probe_step on a fake clock that moves 1 s between any two readings: each timed span reads 1 s, so a
+    step of 3 micro-batches is 3 s of forward and backward and 1 s of optimizer step, whichever variants
+    (Newton-Muon's reads its matrices' inputs first); the threads it took are given back."""
+    import torch
+
+    from nanomuon.gpt import config_from_depth
+
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(planner.time, "perf_counter", lambda: float(next(ticks)))
+    threads = torch.get_num_threads()
+    config = config_from_depth(1, 300, 16, 64, 64)
+    assert planner.probe_step(config, ["muon", "adamw", "muon-newton"], 2, 3, "fp32", 1) == 3 + 1
+    assert torch.get_num_threads() == threads
