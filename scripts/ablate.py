@@ -151,6 +151,55 @@ PRESETS = {
                      "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon matrices, "
                      "10.0 tokens per param"),
 }
+
+
+class Published(NamedTuple):
+    """What a source reported for a variant against Muon: the sign of variant minus Muon (in loss
+    or steps: -1 better, 0 no difference, +1 worse) and where, in words."""
+    sign: int
+    source: str
+
+
+# The published sign of each technique against Muon, from modded-nanogpt's optimization track
+# (track 3: steps to 3.28 val loss, a 124M GPT on FineWeb; records/track_3_optimization/README.md),
+# each against the Muon it was run beside. ablation.md says whether each verdict agrees.
+PUBLISHED = {
+    "adamw": Published(+1, "track 3: Adam 5625 steps (record 2) against Muon's 3600 (record 1)"),
+    "muon-soap": Published(-1, "track 3 record 14: 3150 steps against 3225 (record 11)"),
+    "muon-uw-floor": Published(0, "track 3 record 9: 3250 steps, as NorMuon alone (record 10)"),
+    "muon-hyperball": Published(0, "track 3 record 37: 3250 steps, as the tuned Muon (record 36); "
+                                "better only than an untuned one (record 5: 3325 against 3500)"),
+    "muon-powercool": Published(-1, "track 3 record 20: 3030 steps against 3125 (record 16), "
+                                "with Soft-Muon"),
+    "muon-contra": Published(-1, "track 3 record 11: 3225 steps against 3250 (record 9); "
+                             "p = 0.69, not significant"),
+    "muon-muown": Published(-1, "track 3 record 23: 3075 steps against Muon's 3325 (record 12), "
+                            "with PowerCool"),
+    "muon-newton": Published(-1, "track 3 record 15: 3275 steps against Muon's 3325 (record 12)"),
+}
+SIGN_WORDS = {-1: "better", 0: "no difference", +1: "worse"}
+
+
+def published_sign(variant: str, baseline: str) -> Published | None:
+    """What was published for variant against baseline: PUBLISHED's entry against muon, or an
+    entry's sign turned round for muon against it; None where nothing was."""
+    if baseline == "muon":
+        return PUBLISHED.get(variant)
+    if variant == "muon" and baseline in PUBLISHED:
+        return PUBLISHED[baseline]._replace(sign=-PUBLISHED[baseline].sign)
+    return None
+
+
+def against_published(diffs: list[float], published: Published) -> str:
+    """Whether the paired differences' 95% interval agrees with the published sign, disagrees,
+    or cannot tell (it holds zero where a difference was published)."""
+    c = paired(diffs) if len(diffs) > 1 else dict(lo=-math.inf, hi=math.inf)
+    seen = -1 if c["hi"] < 0 else 1 if c["lo"] > 0 else 0
+    word = ("agrees" if seen == published.sign else "disagrees" if seen
+            else "cannot tell (the interval holds zero)")
+    return f"{word}; published: {SIGN_WORDS[published.sign]} ({published.source})"
+
+
 KEPT = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "final_eval_tokens", "val_history",
         "val_train_time", "tok_per_s", "optimizer_share", "num_params", "tokens_per_step", "run")
 _print_lock = threading.Lock()
@@ -485,9 +534,11 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     # a new idea judged at the baseline's tuned lrs may lose for its lr alone: say so where it is
     untuned = ("" if len(sweep.values) > 1 else f"; each variant at {sweep.flag} "
                f"{sweep.values[0]} only, not at its own best (--sweep {sweep.flag}=a,b,c)")
+    known = {v: published_sign(v, baseline) for v in variants if v != baseline}
+    extra = (" against the published sign |", "---|") if any(known.values()) else ("", "")
     lines += [f"| variant | {sweep.flag} | final val bpb (mean ± std [95% CI]) | steps to "
-              f"{curve_target:.4f} | train seconds to {curve_target:.4f} | tok/s | vs {baseline} |",
-              "|---|---:|---:|---:|---:|---:|---|"]
+              f"{curve_target:.4f} | train seconds to {curve_target:.4f} | tok/s | vs {baseline} "
+              f"|{extra[0]}", "|---|---:|---:|---:|---:|---:|---|" + extra[1]]
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
         reached = [x for x in (first_reaching(curve_target, r) for r in runs) if x is not None]
@@ -499,6 +550,9 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
         vs = ("(baseline)" if v == baseline else
               f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}"
               + untuned)
+        if extra[0]:
+            vs += " | " + (against_published(diffs, known[v]) if known.get(v) else
+                           "(baseline)" if v == baseline else "nothing published")
         lines.append(f"| {v} | {best[v]} | {fmt([final_bpb(r) for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
     if "final_eval_bpb" in base_runs[0]:

@@ -960,3 +960,62 @@ def test_two_ablates_of_one_name_do_not_run_at_once(base):
     finally:
         unlock_run_dir(held)
     assert not list((base / "runs").glob("twice-*"))
+
+
+# modded-nanogpt's optimization track (records/track_3_optimization/README.md): steps to 3.28 val loss
+TRACK_3 = {1: 3600, 2: 5625, 5: 3325, 3: 3500, 9: 3250, 10: 3250, 11: 3225, 12: 3325, 14: 3150, 15: 3275,
+           16: 3125, 20: 3030, 23: 3075, 36: 3250, 37: 3250}
+# each technique's record and the Muon record it was run beside; the u/w floor's and MuonH's read 0:
+# the floor adds nothing to NorMuon (9 vs 10), MuonH ties a tuned Muon (37 vs 36)
+BESIDE = {"adamw": (2, 1), "muon-soap": (14, 11), "muon-uw-floor": (9, 10), "muon-hyperball": (37, 36),
+          "muon-powercool": (20, 16), "muon-contra": (11, 9), "muon-muown": (23, 12), "muon-newton": (15, 12)}
+
+
+def test_the_published_signs_are_track_3s():
+    """Every published technique's sign is that of its record's steps minus the Muon record's it was run
+    beside, and its source names both records' steps."""
+    from scripts.ablate import PUBLISHED
+
+    assert set(PUBLISHED) == set(BESIDE)
+    for variant, (record, muon) in BESIDE.items():
+        steps = TRACK_3[record] - TRACK_3[muon]
+        assert PUBLISHED[variant].sign == (steps > 0) - (steps < 0), variant
+        source = PUBLISHED[variant].source
+        assert str(TRACK_3[record]) in source and str(TRACK_3[muon]) in source, source
+        assert f"record {record}" in source and f"record {muon})" in source, source
+
+
+def test_ablation_md_says_whether_each_verdict_agrees_with_the_published_sign():
+    """Made-up runs against muon, 3 seeds each: SOAP-Muon better by 0.05 +- 0.01 (published better:
+    agrees), MuonH worse by 0.05 (published no difference against a tuned Muon: disagrees), ContraMuon
+    by +-0.05 around zero (published better: cannot tell), the u/w floor by the same (published no
+    difference: agrees), adamw worse (published worse: agrees), muon-plus nothing published. Judged
+    against adamw instead, muon's published sign is turned round and the others have none."""
+    from scripts.ablate import Sweep, report
+
+    offsets = {"muon": [0.0] * 3, "muon-soap": [-0.04, -0.05, -0.06], "muon-hyperball": [0.04, 0.05, 0.06],
+               "muon-contra": [-0.05, 0.0, 0.05], "muon-uw-floor": [-0.05, 0.0, 0.05],
+               "adamw": [0.09, 0.10, 0.11], "muon-plus": [-0.01, 0.0, 0.01]}
+    results = {(v, "1", s): dict(final_val_bpb=2.0 + 0.1 * s + d, val_history=[[0, 5.0], [100, 2.0 + d]],
+                                 val_train_time=[0.0, 1.0], tok_per_s=1.0)
+               for v, ds in offsets.items() for s, d in zip((1, 2, 3), ds)}
+    variants = list(offsets)
+
+    def column(baseline):
+        lines, _ = report(results, variants, Sweep("lr-multiplier", ["1"]), [1, 2, 3], baseline)
+        head = next(line for line in lines if line.startswith("| variant |"))
+        assert head.endswith("| against the published sign |"), head
+        return {line.split(" | ")[0][2:]: line.rstrip(" |").split(" | ")[-1] for line in lines
+                if line.startswith("| ") and not line.startswith(("| variant", "|---"))}
+
+    said = column("muon")
+    want = {"muon-soap": "agrees; published: better", "muon-hyperball": "disagrees; published: no difference",
+            "muon-contra": "cannot tell (the interval holds zero); published: better",
+            "muon-uw-floor": "agrees; published: no difference", "adamw": "agrees; published: worse",
+            "muon-plus": "nothing published", "muon": "(baseline)"}
+    for v, words in want.items():
+        assert said[v].startswith(words), (v, said[v])
+    assert "record 14: 3150 steps" in said["muon-soap"] and "p = 0.69" in said["muon-contra"]
+    said = column("adamw")
+    assert said["muon"].startswith("agrees; published: better (track 3: Adam 5625"), said["muon"]
+    assert all(said[v] == "nothing published" for v in variants if v not in ("muon", "adamw")), said
