@@ -36,6 +36,14 @@
 #   base_train_d20   the same as base_train_d12 at d20
 #   h2h_d24_fp8      h2h_d12 at d24, fp8 only
 #   speedrun         speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1)
+#   regime_*         the published-regime table: scripts.ablate --preset regime, 64 seeds batched,
+#                    each technique swept over lr-multiplier 0.5,1,2 and judged at its best against
+#                    muon, with whether it agrees with track 3's published sign. One step a
+#                    technique (regime_muon first: the baseline), each reading the runs the others
+#                    cached; regime_table writes the whole table from them (ablation.md). It needs
+#                    more than one 15-minute budget (--plan --only regime says how much): each
+#                    step returns the run cache in $OUT/regime-cache, and a later machine of the
+#                    same GPU and code reads it back from .gpu_check/regime-cache
 # Every call appends to one summary, .gpu_check.md (kept on the machine between calls while it
 # stays warm), and copies the whole of it to $OUT/gpu_check.md when $OUT is set: the device, the
 # date, each command with its status and seconds, and the lines that carry numbers; the full logs
@@ -189,6 +197,10 @@ if [ "$MODE" = prepare ]; then
     NANOMUON_BASE_DIR="$KIT/ablate" python -m scripts.tok_train --keep-existing --dataset \
         embedded --vocab-size 4096 --max-chars 8000000
     rm -rf "$KIT/ablate/data"
+    # the regime preset's 512-token vocab, in the base dir ablate gives the preset
+    NANOMUON_BASE_DIR="$KIT/ablate/presets/regime" python -m scripts.tok_train --keep-existing \
+        --dataset embedded --vocab-size 512 --max-chars 8000000
+    rm -rf "$KIT/ablate/presets/regime/data"
     # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
     rm -f "$KIT"/wheels/torchao-*.whl
     python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
@@ -228,6 +240,19 @@ TORCHAO_READY="{ python -c 'import torchao.float8' 2>/dev/null \
 # nanochat's model with its SSSL windows, each in its best attention
 H2H="python -m scripts.bench_nanochat --nanochat $KIT/nanochat --max-seq-len 2048 --steps 5 \
 --warmup 2 --attention auto"
+# The published-regime table: one ablate a technique against muon, each in the preset's own base
+# dir and cache; the cache comes in from a carried .gpu_check/regime-cache (the runs of an earlier
+# machine of the same GPU and code: the keys hold both) and goes back out in $OUTDIR/regime-cache
+REGIME_BASE="$KIT/ablate/presets/regime"
+REGIME_IN="NANOMUON_BASE_DIR=$REGIME_BASE python -m nanomuon.dataset --embedded \
+&& mkdir -p $REGIME_BASE/ablations/cache && { [ ! -d $KIT/regime-cache ] \
+|| cp -n $KIT/regime-cache/*.json $REGIME_BASE/ablations/cache/ 2>/dev/null || true; }"
+REGIME="NANOMUON_BASE_DIR=$KIT/ablate python -m scripts.ablate --preset regime --device-type cuda \
+--seeds 64 --sweep lr-multiplier=0.5,1,2 --baseline muon"
+REGIME_OUT="mkdir -p $OUTDIR/regime-cache && cp $REGIME_BASE/ablations/cache/*.json \
+$OUTDIR/regime-cache/"
+TECHNIQUES="adamw muon-soap muon-uw-floor muon-hyperball muon-powercool muon-contra muon-muown \
+muon-newton"
 STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
     # 8 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
     # (d20's alone took 44 s with the cache warm)
@@ -271,6 +296,21 @@ STEPS=(  # most valuable first: what only a GPU can show, then speed, then the r
 bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-size 32 \
 --max-seq-len 1024 --eval-tokens 65536"
 )
+# never run on a GPU: every regime limit is a guess, 1.5x its seen. A run trains 64 seeds of the
+# preset (0.5M params) as one batched model, 640 steps of 8,192 tokens each: about 30 s of steps
+# (the d4 speedrun stepped 27 ms for 65,536 tokens), and a compile. regime_muon: 3 runs and muon's
+# at 0.8 of the steps, one cold compile (the model's and the optimizer's); a technique: 3 runs,
+# its optimizer compiled anew, muon read from the cache (on a fresh machine without it, muon runs
+# first: rerun the step); the table: every run cached, the write-up alone
+STEPS+=("regime_muon|450|300|$REGIME_IN && $REGIME --name gpu-regime-muon --variants muon; \
+rc=\$?; $REGIME_OUT; exit \$rc")
+for t in $TECHNIQUES; do
+    STEPS+=("regime_$(echo "${t#muon-}" | tr - _)|300|200|$REGIME_IN && $REGIME \
+--name gpu-regime-${t#muon-} --variants muon,$t; rc=\$?; $REGIME_OUT; exit \$rc")
+done
+STEPS+=("regime_table|120|60|$REGIME_IN && $REGIME --name gpu-regime --variants \
+muon,$(echo $TECHNIQUES | tr ' ' ,); rc=\$?; $REGIME_OUT; \
+cp $REGIME_BASE/ablations/gpu-regime/ablation.md $OUTDIR/regime.md; exit \$rc")
 
 # --only: the steps named, exactly or by a prefix before _ (bench_optim: both), in the kit's order
 if [ -n "$ONLY" ]; then
@@ -343,6 +383,9 @@ print_plan() {
         echo "left after the calls: $((budget - used)) s, if each step takes what it took on the" \
              "H200: rerun a step that timed out, or time base_train_d12 and fp8_d12 again"
     fi
+    # what all of these steps need, so a selection (--only regime) says its own device time
+    echo "all $n calls need about $(( (used + 59) / 60 )) min of device time ($used s at the" \
+         "seen seconds, the start included): --budget-min $(( (used + 59) / 60 )) fits them"
     echo "carry: .gpu_check ($(du -sm "$KIT" 2>/dev/null | cut -f1 || echo 0) MiB of the 64 MiB;" \
          "made by --prepare). Every call appends to .gpu_check.md and returns it whole in" \
          "\$OUT/gpu_check.md: its numbers go into docs/benchmarks.md with the device and date"
@@ -385,6 +428,15 @@ for depth, rows, tokens in ((12, 32, 2 ** 19), (24, 16, 2 ** 18)):
     parse_args([*shlex.split(sys.argv[1])[3:], "--depth", str(depth), "--device-batch-size",
                 str(rows), "--total-batch-size", str(tokens), "--precision", "bf16", "fp8"])
 print("bench_nanochat flags: ok")
+EOF
+    # every regime step's ablate command line parses (its preset, variants, sweep and seeds)
+    python - "$REGIME" $TECHNIQUES <<'EOF' || exit 1
+import shlex, sys
+from scripts.ablate import parse_args
+flags = shlex.split(sys.argv[1])[4:]  # after NANOMUON_BASE_DIR=... python -m scripts.ablate
+for t in sys.argv[2:]:
+    parse_args([*flags, "--variants", f"muon,{t}"])
+print("ablate regime flags: ok")
 EOF
     if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
         echo "nanochat in the kit: $(clean_commit <"$KIT/nanochat/COMMIT" 2>/dev/null \
@@ -438,7 +490,7 @@ for s in "${STEPS[@]}"; do
         if [ $rc -eq 0 ]; then
             grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h )|throughput:" \
                 -e "optimizer step:" \
-                -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw) |runs took" \
+                -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw)[a-z-]* \||runs took" \
                 "$log" | tail -n 12
         else
             tail -n 8 "$log"

@@ -4,6 +4,8 @@ runs nothing of the nanochat checkout it copies (no hooks, fsmonitor or filters)
 files only, keeps the earlier copy until the new one is whole, and escapes its commit."""
 
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -171,3 +173,52 @@ def test_bench_nanochat_reads_a_commit_as_plain_text_and_runs_no_git_hook(tmp_pa
     (src / "nanochat" / "gpt.py").write_text("# edited\n")
     assert commit_of(src) == head + "+changes"
     assert not list(tmp_path.glob("PWNED*")), list(tmp_path.glob("PWNED*"))
+
+
+PLAN_STEP = re.compile(r"^  (\S+)\s+(\d+)s  \(seen\s+(\d+) s\)  (.*)$")
+# the techniques whose published signs the regime table checks (docs/research.md; track 3)
+TECHNIQUES = {"adamw", "muon-soap", "muon-uw-floor", "muon-hyperball", "muon-powercool", "muon-contra",
+              "muon-muown", "muon-newton"}
+
+
+def ablate_flags(cmd: str) -> dict:
+    """The flags of the scripts.ablate call in a step's command, by name."""
+    words = shlex.split(cmd.split("-m scripts.ablate", 1)[1].split(";")[0])
+    return {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
+
+
+def test_the_regime_table_is_a_kit_step_the_plan_sizes(tmp_path):
+    """The published-regime table: steps that run ablate's --preset regime on CUDA with >= 16 seeds,
+    batched, every published technique against muon at its best of >= 3 lr-multipliers; each fits one
+    command (the plan's 540 s). Planned to the default 15 minutes they are over the budget, and the plan
+    says what they need: the machine's start and their seen seconds, in whole minutes, over 15."""
+    root = kit(tmp_path)
+    out = gpu_check(root, "--plan", "--only", "regime").stdout
+    steps = [m.groups() for m in map(PLAN_STEP.match, out.splitlines()) if m]
+    assert steps and all(name.startswith("regime_") for name, *_ in steps), out
+    variants = set()
+    for name, limit, seen, cmd in steps:
+        flags = ablate_flags(cmd)
+        sweep = flags["--sweep"].split("=")
+        assert flags["--preset"] == "regime" and flags["--device-type"] == "cuda", (name, flags)
+        assert int(flags["--seeds"]) >= 16 and "--no-batch-seeds" not in cmd, name
+        assert sweep[0] == "lr-multiplier" and len(sweep[1].split(",")) >= 3 and "1" in sweep[1].split(",")
+        assert flags["--baseline"] == "muon" and "muon" in flags["--variants"].split(","), name
+        assert int(seen) <= int(limit) <= 540, name
+        variants |= set(flags["--variants"].split(","))
+    assert variants >= TECHNIQUES | {"muon"}, variants
+    start = int(re.search(r"the first starts the machine: about (\d+) s", out)[1])
+    need = start + sum(int(seen) for _, _, seen, _ in steps)
+    minutes = -(-need // 60)
+    assert f"need about {minutes} min of device time ({need} s" in out and minutes > 15, out
+    whole = gpu_check(root, "--plan").stdout
+    over = " ".join(line for line in whole.splitlines() if line.startswith("  over the budget"))
+    assert all(name in over for name, *_ in steps), whole
+
+
+def test_prepare_makes_the_regime_presets_tokenizer(tmp_path):
+    """--prepare trains the preset's 512-token vocab on the CPU machine (the GPU may lack rustbpe)."""
+    root = kit(tmp_path)
+    (root / ".gpu_check").mkdir()  # the fake python makes none of it
+    assert gpu_check(root, "--prepare").returncode == 0
+    assert "-m scripts.tok_train --keep-existing --dataset embedded --vocab-size 512" in modules_run(root)
