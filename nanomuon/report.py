@@ -1,21 +1,16 @@
 """
-Reports: what a base_train run leaves when it ends, and the plots of training curves.
+What a run says of itself, in its words: kept here so base_train reads as its loop.
 
-- report.md, curves.png and summary.json, as base_train writes them whole at the end of training
-  (write_report): the run's numbers (summarize), its samples of PROMPTS, its precision, its val
-  history. What other tools add (base_eval's sections and headline) is read back through run.py,
-  which owns the run dir and those parts: rewriting keeps them. What a user typed or named is
-  escaped (common.shown), so no line of it moves the report's structure.
-- PROMPTS, the texts every report samples: base_train greedily, base_eval at a temperature.
-- The wandb run a script logs into, imported only on request (start_wandb).
+- report.md, curves.png and summary.json, written whole when training ends (write_report): the
+  run's numbers, samples of PROMPTS (base_eval samples them too), its precisions and val history.
+  What other tools add is read back through run.py, which owns the run dir: a rewrite keeps it.
+  What a user typed or named is escaped (common.shown): no newline of it starts a report line.
 - Line plots (plot_curves), for base_train's report and ablate's comparisons. Plots are optional:
   matplotlib is imported here only, so the optimizer, the model and training never need it;
-  without it plot_curves() returns None and the report says in one line that it skipped them and
-  why (MISSING).
-
-A script keeps its loop; what it says about a run, and in what words, lives here, once.
+  without it plot_curves() returns None and the report says so in one line (MISSING).
 """
 
+import functools
 import json
 import math
 import platform
@@ -26,7 +21,7 @@ from pathlib import Path
 import torch
 
 from nanomuon.common import print0, shown, write_atomic
-from nanomuon.fp8 import plain_linears
+from nanomuon.fp8 import RECIPES, plain_linears
 from nanomuon.run import others_report, others_summary
 from nanomuon.seeds import numbers_text, per_seed, seed_model, seed_records
 
@@ -102,6 +97,40 @@ def start_wandb(mode: str, name: str, run_dir: Path, **init):
         raise SystemExit(f"error: --wandb {mode} needs the wandb package: `pip install "
                          "wandb`, or drop --wandb") from None
     return wandb.init(project="nanomuon", name=name, mode=mode, dir=str(run_dir), **init)
+
+
+def precision_of(args) -> list:
+    """[dtype, fp8 recipe or None]: what a run computes in; args: its flags, or a checkpoint's
+    saved ones (a dict)."""
+    get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
+    return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
+
+
+def precision_problems(loop: dict, step: int) -> list[str]:
+    """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
+    oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
+    if "precision" not in loop:
+        return []
+    history = loop["precision"]
+    ok = isinstance(history, list) and history and all(
+        isinstance(h, list) and len(h) == 3 and type(h[0]) is int and 0 <= h[0] <= step
+        and h[1] in ("bf16", "fp32") and h[2] in (None, *RECIPES) for h in history)
+    return [] if ok else [f"loop.precision is {shown(repr(history), 120, quote=False)} in its "
+                          "meta.json"]
+
+
+def resumed_precision(loop: dict, saved_args: dict, args, step: int) -> list:
+    """loop.precision of a run resumed at `step`: the checkpoint's (or its flags', saved before it
+    was kept), then this resume's if it is another, said in a line: allowed (an fp8 checkpoint is
+    a plain one), but the curves change there."""
+    history = loop.get("precision") or [[0, *precision_of(saved_args)]]
+    now = precision_of(args)
+    if history[-1][1:] != now:
+        print0(f"note: resume: the run trained in {precision_words(*history[-1][1:])} to step "
+               f"{step} and goes on in {precision_words(*now)} (--dtype, --fp8 and --fp8-recipe "
+               "as given now); the report says both")
+        history = [*history, [step, *now]]
+    return history
 
 
 def precision_words(dtype, recipe) -> str:

@@ -65,7 +65,16 @@ from nanomuon.recipe import (
     train_memory,
     training_recipe,
 )
-from nanomuon.report import greedy_samples, precision_words, start_wandb, summarize, write_report
+from nanomuon.report import (
+    greedy_samples,
+    precision_of,
+    precision_problems,
+    precision_words,
+    resumed_precision,
+    start_wandb,
+    summarize,
+    write_report,
+)
 from nanomuon.run import (
     append_step_record,
     check_disk,
@@ -381,17 +390,15 @@ def check_reach(p: argparse.ArgumentParser, args) -> None:
     if args.num_iterations > MAX_STEPS:
         p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
                 "run may take")
-    if args.lr_multiplier > MAX_LR:
-        p.error(f"--lr-multiplier {args.lr_multiplier:g} is over {MAX_LR:,g}: no lr that large "
-                "trains (the tuned ones are below 1), and near 3e38 the step overflows fp32; "
-                "give a smaller one")
+    lrs = {f"--lr-multiplier {args.lr_multiplier:g}": args.lr_multiplier}
     for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr"):
-        lr = getattr(args, name)
-        if lr is not None and lr * args.lr_multiplier > MAX_LR:
-            p.error(f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} "
-                    f"= {lr * args.lr_multiplier:,g} is over {MAX_LR:,g}: no lr that large trains "
-                    "(the tuned ones are below 1), and near 3e38 the step overflows fp32; give "
-                    "a smaller one")
+        if (lr := getattr(args, name)) is not None:
+            lrs[f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} = "
+                f"{lr * args.lr_multiplier:,g}"] = lr * args.lr_multiplier
+    for flag, lr in lrs.items():
+        if lr > MAX_LR:
+            p.error(f"{flag} is over {MAX_LR:,g}: no lr that large trains (the tuned ones are "
+                    "below 1), and near 3e38 the step overflows fp32; give a smaller one")
 
 
 def check_model_fits(p: argparse.ArgumentParser, args) -> None:
@@ -672,40 +679,6 @@ def to_fp8(args, model: GPT, device: torch.device) -> None:
            f"attention in {args.dtype}")
 
 
-def precision_of(args) -> list:
-    """[dtype, fp8 recipe or None]: what a run computes in; args: its flags, or a checkpoint's
-    saved ones (a dict)."""
-    get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
-    return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
-
-
-def precision_problems(loop: dict, step: int) -> list[str]:
-    """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
-    oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
-    if "precision" not in loop:
-        return []
-    history = loop["precision"]
-    ok = isinstance(history, list) and history and all(
-        isinstance(h, list) and len(h) == 3 and type(h[0]) is int and 0 <= h[0] <= step
-        and h[1] in ("bf16", "fp32") and h[2] in (None, *RECIPES) for h in history)
-    return [] if ok else [f"loop.precision is {shown(repr(history), 120, quote=False)} in its "
-                          "meta.json"]
-
-
-def resumed_precision(run: Run, meta: dict, step: int) -> None:
-    """The precisions the run trained in, into the loop state: the checkpoint's (or, saved before
-    they were kept, its flags'), and from `step` this resume's if it is another, said in a line:
-    allowed (an fp8 checkpoint is a plain one), but the curves change there."""
-    history = meta["loop"].get("precision") or [[0, *precision_of(meta["args"])]]
-    now = precision_of(run.args)
-    if history[-1][1:] != now:
-        print0(f"note: resume: the run trained in {precision_words(*history[-1][1:])} to step "
-               f"{step} and goes on in {precision_words(*now)} (--dtype, --fp8 and --fp8-recipe "
-               "as given now); the report says both")
-        history = [*history, [step, *now]]
-    run.loop["precision"] = history
-
-
 def resolve_arch(args, device: torch.device) -> str:
     """The model --arch names (auto: nanochat on CUDA, classic elsewhere), said in a line and
     saved resolved in args."""
@@ -897,7 +870,7 @@ def resume(run: Run) -> None:
             print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} "
                    "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
-    resumed_precision(run, meta, step)
+    run.loop["precision"] = resumed_precision(meta["loop"], meta["args"], args, step)
     print0(f"resumed {run.run_dir} at step {step}")
     set_aside_later_steps(run.run_dir, run.rank, step)
 
@@ -924,44 +897,30 @@ def load_flags_win(run: Run, step: int) -> None:
             group[key] = value
 
 
-def evaluate(run: Run) -> None:
-    """Val bits per byte at this step, recorded in the loop state."""
-    val_bpb = score(run, run.val)
-    run.loop["val_history"].append((run.step, val_bpb))
-    run.loop["val_train_time"].append(run.loop["train_time"])
-    record_loop(run)
-    print0(f"step {run.step:05d} | val bpb {numbers_text(val_bpb)}")
-    if run.wandb:
-        run.wandb.log({"step": run.step, **wandb_values("val/bpb", val_bpb, run.args.seeds)})
-
-
-def final_evaluate(run: Run) -> None:
-    """After the last step, the final weights over --final-eval-tokens' rows (loop's final_eval:
-    [target tokens scored, bpb]): also when a finished run is resumed to score them."""
-    tokens, final_bpb = scored_tokens(run.final_val), score(run, run.final_val)
-    run.loop["final_eval"] = [tokens, final_bpb]
-    record_loop(run)
-    print0(f"step {run.step:05d} | final eval: val bpb {numbers_text(final_bpb)} over "
-           f"{tokens:,} tokens")
-    if run.wandb:
-        run.wandb.log({"step": run.step,
-                       **wandb_values("val/final_eval_bpb", final_bpb, run.args.seeds)})
-
-
-def score(run: Run, rows: torch.Tensor) -> float | list[float]:
-    """Val bpb of the model as it is over these rows (each seed's, batched)."""
+def evaluate(run: Run, final: bool = False) -> None:
+    """Val bits per byte of the model as it is (each seed's, batched), into the loop state and this
+    step's checkpoint if one was just saved: over --eval-tokens' rows, or (final, after the last
+    step, also when a finished run is resumed to score them) --final-eval-tokens' once (loop's
+    final_eval: [target tokens scored, bpb])."""
+    rows = run.final_val if final else run.val
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
         bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
                            run.args.dtype)
     run.model.train()
-    return bpb
-
-
-def record_loop(run: Run) -> None:
-    """The loop state into this step's checkpoint, when one was saved just before."""
+    if final:
+        run.loop["final_eval"] = [scored_tokens(rows), bpb]
+    else:
+        run.loop["val_history"].append((run.step, bpb))
+        run.loop["val_train_time"].append(run.loop["train_time"])
     if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):
         checkpoint.record_loop(run.run_dir, run.step, run.loop)
+    print0(f"step {run.step:05d} | " + (f"final eval: val bpb {numbers_text(bpb)} over "
+                                         f"{scored_tokens(rows):,} tokens" if final
+                                         else f"val bpb {numbers_text(bpb)}"))
+    if run.wandb:
+        key = "val/final_eval_bpb" if final else "val/bpb"
+        run.wandb.log({"step": run.step, **wandb_values(key, bpb, run.args.seeds)})
 
 
 def save(run: Run) -> None:
@@ -1068,7 +1027,7 @@ def train(run: Run) -> None:
             # a resumed finished run scores newly asked-for rows too
             if run.final_val is not None and (run.loop.get("final_eval", [None])[0]
                                               != scored_tokens(run.final_val)):
-                final_evaluate(run)
+                evaluate(run, final=True)
             break
         record_step(run, train_step(run), warm=step > start_step + 2)
     run.train_loader.close()
