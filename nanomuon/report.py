@@ -134,8 +134,7 @@ def resumed_precision(loop: dict, saved_args: dict, args, step: int) -> list:
 
 
 def precision_words(dtype, recipe) -> str:
-    """A precision ([dtype, fp8 recipe or None]) in words, as the step lines and the report say
-    it."""
+    """A precision_of in words, as the step lines and the report say it."""
     words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
     return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
 

@@ -124,7 +124,8 @@ def parse_args(argv):
     if args.device_batch_size < 1 or args.sample_tokens < 0:
         p.error("--device-batch-size must be >= 1, --sample-tokens >= 0")
     if args.eval_tokens is not None and args.eval_tokens < 1 and args.eval_tokens != -1:
-        p.error(f"--eval-tokens must be >= 1, or -1 for the whole val split; got {args.eval_tokens}")
+        p.error("--eval-tokens must be >= 1, or -1 for the whole val split; got "
+                f"{args.eval_tokens}")
     if args.max_per_task is not None and args.max_per_task < 1:
         p.error(f"--max-per-task must be >= 1, got {args.max_per_task}")
     if args.dataset is None and (args.text_column is not None or args.val_fraction is not None):
@@ -147,7 +148,7 @@ def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[st
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
     scored = scored_tokens(rows)
-    named = shown(dataset, 500, quote=False)  # a path's newline or escape: escaped, in the report too
+    named = shown(dataset, 500, quote=False)  # escaped, in the report too
     print0(f"run {args.run} step {meta['step']}: {named} val bpb {bpb:.4f} over {scored:,} tokens")
     return bpb, [f"- {named} val bpb: {bpb:.4f}"]
 

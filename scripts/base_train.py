@@ -125,8 +125,8 @@ def batch_arg(s: str):
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
     """--device-batch-size auto: on CUDA the most rows that fit the free memory
-    (recipe.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes up
-    --total-batch-size either way."""
+    (recipe.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes
+    up --total-batch-size either way."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
         # (a total batch that no row count divides is reported by the caller, with the numbers)
@@ -221,6 +221,29 @@ def add_seed_args(p: argparse.ArgumentParser) -> None:
                    "documents of every 8 of them; default: file order)")
 
 
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """When the run evaluates and saves, and what it starts from: nothing, or a checkpoint."""
+    p.add_argument("--eval-every", type=int, default=250,
+                   help="steps between val bpb evals (-1: only at the end)")
+    p.add_argument("--eval-tokens", type=int, default=10 * 524288,
+                   help="validation tokens per eval")
+    p.add_argument("--final-eval-tokens", type=int, default=0, help="after the last eval, score "
+                   "this many val tokens once more (-1: the whole split; 0: none): final_eval_bpb")
+    p.add_argument("--save-every", type=int, default=-1,
+                   help="steps between checkpoints (-1: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="the newest checkpoints kept after each save, older ones deleted (two: a "
+                   "corrupt newest still leaves one); -1: keep all")
+    p.add_argument("--resume-from-step", default=-1,
+                   type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
+                   help="continue the run from this checkpoint: a step number, "
+                   "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
+                   "--max-restarts); -1: start fresh")
+    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that "
+                   "already holds checkpoints or results: they move into runs/<run>/previous.N, "
+                   "kept (without it such a run is refused)")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=HelpFormatter)
@@ -235,8 +258,10 @@ def parse_args(argv=None):
     add_seed_args(p)
     add_compute_args(p)
     # model
-    p.add_argument("--depth", type=int, default=20, help="number of transformer blocks; sets the width too")
-    p.add_argument("--aspect-ratio", type=int, default=64, help="width = depth * aspect ratio (rounded up)")
+    p.add_argument("--depth", type=int, default=20,
+                   help="number of transformer blocks; sets the width too")
+    p.add_argument("--aspect-ratio", type=int, default=64,
+                   help="width = depth * aspect ratio (rounded up)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--arch", choices=("auto",) + ARCHS, default="auto", help="the model: "
@@ -251,8 +276,10 @@ def parse_args(argv=None):
                    help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to "
                    "try --qk-clip)")
     # horizon: the first of these that is set wins
-    p.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: from the next two)")
-    p.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: off)")
+    p.add_argument("--num-iterations", type=int, default=-1,
+                   help="optimizer steps (-1: from the next two)")
+    p.add_argument("--target-flops", type=float, default=-1.0,
+                   help="training FLOPs budget (-1: off)")
     p.add_argument("--target-param-data-ratio", type=float, default=NANOCHAT_TOKENS_PER_PARAM,
                    help="tokens per scaling parameter (block matrices and lm_head, as nanochat "
                    "counts them; Chinchilla's 20 counts every parameter)")
@@ -264,24 +291,7 @@ def parse_args(argv=None):
                    help="tokens per optimizer step, all processes (-1: nanochat's, from the "
                    "horizon: 2^19 at d12's, growing as its 0.383th power)")
     add_optimizer_args(p)
-    # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=250,
-                   help="steps between val bpb evals (-1: only at the end)")
-    p.add_argument("--eval-tokens", type=int, default=10 * 524288, help="validation tokens per eval")
-    p.add_argument("--final-eval-tokens", type=int, default=0, help="after the last eval, score "
-                   "this many val tokens once more (-1: the whole split; 0: none): final_eval_bpb")
-    p.add_argument("--save-every", type=int, default=-1,
-                   help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2,
-                   help="the newest checkpoints kept after each save, older ones deleted (two: a "
-                   "corrupt newest still leaves one); -1: keep all")
-    p.add_argument("--resume-from-step", type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
-                   default=-1, help="continue the run from this checkpoint: a step number, "
-                   "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
-                   "--max-restarts); -1: start fresh")
-    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that "
-                   "already holds checkpoints or results: they move into runs/<run>/previous.N, "
-                   "kept (without it such a run is refused)")
+    add_checkpoint_args(p)
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
@@ -546,7 +556,8 @@ def main(argv=None):
 
 
 SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem they all mount, or "
-         "identical copies of its tokenizer and data with runs/ shared (docs/training.md, 'Several nodes')")
+         "identical copies of its tokenizer and data with runs/ shared (docs/training.md, "
+         "'Several nodes')")
 
 
 # A batched model's memory over its seeds' estimate (train_memory each): peak RSS of 2 compiled
@@ -1170,7 +1181,8 @@ def step_line(run: Run, s: Step, smooth_loss, tok_per_s: float) -> str:
             f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
             f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
     if run.peak_flops:
-        line += f" | mfu {100 * run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size):.1f}%"
+        mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
+        line += f" | mfu {100 * mfu:.1f}%"
     line += f" | attn {args.attention}"
     if args.qk_clip:
         line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
