@@ -55,6 +55,8 @@ DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py
 same math with communication between its stages.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -64,9 +66,11 @@ from nanomuon.param_groups import (
     check_grad,
     check_group,
     check_group_values,
+    check_numbers,
     check_state_dict,
     fill_defaults,
     group_label,
+    group_signature,
     has_dtensors,
     saved_params,
     state_values_problem,
@@ -97,6 +101,7 @@ from nanomuon.update_math import (
     orthogonalizer_running,
     runs_eager,
     scalars,
+    stage_needs,
     update_cost,
 )
 
@@ -109,6 +114,14 @@ def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[in
     shard = -(-(numel // row) // world_size) * row
     lo = min(numel, rank * shard)
     return shard, lo, min(numel, lo + shard)
+
+
+class Resolved(NamedTuple):
+    """What a param group's static keys (all but params and what schedules edit) resolve to."""
+    signature: str  # param_groups.group_signature at the time
+    eager: bool  # a muon group with a stage that branches on state values runs uncompiled
+    options: dict  # device -> the math's options (update_math.muon_options), made on first use
+    inputs: bool  # a stage reads its matrices' inputs (every input_interval steps)
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -150,6 +163,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
+        # group index -> what its static keys resolve to, made again when they change (_resolve)
+        self._resolved = {}
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is not None:
             self._join(process_group)
@@ -262,20 +277,34 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            fill_defaults(group)  # a stage named since the last step brings its options
-            check_group_values(i, group)
+            self._resolve(i, group)
             # set by OneCycleLR, CyclicLR
             if group["kind"] == "adamw" and group.get("momentum") is not None:
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 if p.grad is not None:
                     check_grad(i, group, j, p)
-            if group["kind"] == "muon" and inputs_due(group) and group["params"][0] not in inputs:
+            if self._resolved[i].inputs and inputs_due(group) and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
                                  "this step (input_interval); collect them with "
                                  "GPT.forward(input_stats=True) and pass them to give_inputs() "
                                  "before step()")
         return loss
+
+    def _resolve(self, i: int, group: dict) -> None:
+        """A group's static keys resolved once, again only when one changes (group_signature):
+        defaults filled (a stage named since the last step brings its options), every check, and
+        a muon group's eager flag and math options. Otherwise only the numbers a schedule edits
+        are checked."""
+        if (kept := self._resolved.get(i)) is not None and kept.signature == \
+                group_signature(group):
+            check_numbers(i, group)
+            return
+        fill_defaults(group)
+        check_group_values(i, group)
+        muon = group["kind"] == "muon"
+        self._resolved[i] = Resolved(group_signature(group), muon and runs_eager(group), {},
+                                     muon and "inputs" in stage_needs(group))
 
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners
@@ -411,7 +440,8 @@ class MuonAdamW(torch.optim.Optimizer):
             work, buf = reduced
             work.wait()
         if idx:
-            compiled = self.compiled and not runs_eager(group)
+            resolved = self._resolved[b["group"]]
+            compiled = self.compiled and not resolved.eager
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
                 grads = torch.stack(grads) if compiled else grads
@@ -423,12 +453,16 @@ class MuonAdamW(torch.optim.Optimizer):
             # eager: the params themselves, no copy; compiled: a stack (a list would recompile
             # per length), copied back below
             stacked = torch.stack(params) if compiled else params
-            everyone, state = len(idx) == len(mine), self._muon_stacks(group, mine)
+            everyone = len(idx) == len(mine)
+            state = self._muon_stacks(group, mine, resolved.signature)
             if not everyone:  # index_select copies: the moved state is written back below
                 sel = torch.tensor(idx, device=mine[0].device)
                 whole, state = state, {name: t[sel] for name, t in state.items()}
             h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
-            opts, update = muon_options(group, mine[0].device), kernel(muon_update, compiled)
+            device = mine[0].device
+            opts = resolved.options.get(device) or resolved.options.setdefault(
+                device, muon_options(group, device))
+            update = kernel(muon_update, compiled)
             inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
             for sl in self._slices(len(idx), mine[0]):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts,
@@ -492,15 +526,15 @@ class MuonAdamW(torch.optim.Optimizer):
         per = max(1, self.CPU_SLICE // like.numel())
         return [slice(i, i + per) for i in range(0, count, per)]
 
-    def _muon_stacks(self, group: dict, params: list[Tensor]) -> dict:
+    def _muon_stacks(self, group: dict, params: list[Tensor], signature: str) -> dict:
         """name -> one stacked buffer per state these same-shape params keep, as the group now
-        asks (its stages and layout may be edited between steps); per-param state views them.
-        A state of another shape starts afresh (StateSpec.init)."""
+        asks (its stages and layout may be edited between steps: a new signature); per-param
+        state views them. A state of another shape starts afresh (StateSpec.init)."""
+        key = tuple(id(p) for p in params)
+        if key in self._stacks and self._stacks[key][0] == signature:
+            return self._stacks[key][1]
         p0 = params[0]
         layout = muon_state_layout(p0.shape, p0.dtype, group)
-        key = tuple(id(p) for p in params)
-        if key in self._stacks and self._stacks[key][0] == layout:
-            return self._stacks[key][1]
         stacks = {}
         for name, slot in layout.items():
             out = torch.empty((len(params), *slot.shape), dtype=slot.dtype, device=p0.device)
@@ -510,7 +544,7 @@ class MuonAdamW(torch.optim.Optimizer):
                              else fresh_state(slot, p))
                 self.state[p][name] = out[i]
             stacks[name] = out
-        self._stacks[key] = (layout, stacks)
+        self._stacks[key] = (signature, stacks)
         return stacks
 
     # Communication (data parallel only).
@@ -658,6 +692,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 if name != "momentum_buffer" and isinstance(v, Tensor) and v.dtype != p.dtype:
                     self.state[p][name] = v.to(p.device, v.dtype, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
+        self._resolved.clear()  # the groups are the checkpoint's now: check them whole
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own

@@ -4,8 +4,9 @@ what a valid group holds. One home, so the GPT, other models and the optimizers 
 
 classify() is the rule, muon_param_groups() applies it to any model (docs/optimizer.md) and
 GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
-check_group_values() re-checks hyperparameters at every step, since schedules edit them;
-check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
+check_numbers() re-checks what schedules edit at every step, check_group_values() the rest when
+a group's other keys change (group_signature); check_state_dict() refuses an optimizer checkpoint
+that does not fit the groups.
 """
 
 import logging
@@ -277,8 +278,42 @@ def _check_number(label, key, value, lo=0.0, hi=math.inf, hi_open=False):
                          f"fix the value you pass (or your LR schedule, if it sets {key})")
 
 
+# What a schedule edits between steps: checked at every step (check_numbers). A change of any
+# other key resolves the group again (group_signature).
+NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
+           "initial_weight_decay")
+
+
+def group_signature(group: dict) -> str:
+    """The group's keys but its params and NUMBERS, and whether beta2 is set (it decides a state):
+    groups of one signature resolve alike (options, stages, state layout)."""
+    static = sorted((k, v) for k, v in group.items() if k not in NUMBERS and k != "params")
+    return repr((static, group.get("beta2") is None))
+
+
 def check_group_values(i: int, group: dict) -> None:
-    """Hyperparameter checks; cheap, so they also run at every step (schedules edit groups)."""
+    """Every check of a group's values: its numbers (check_numbers), then a muon group's options,
+    coefficients, layout and stages."""
+    check_numbers(i, group)
+    if group["kind"] == "adamw":
+        return
+    label = group_label(i, group)
+    for key, option in group_options(group).items():
+        if key in group and (wrong := option.check(group[key])):
+            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
+        if (option.check is update_math.an_interval and isinstance(group.get(key), float)
+                and group.get("horizon") is None):
+            raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
+                             "this group does not know: give it horizon= (GPT.setup_optimizer's "
+                             "horizon; base_train sets it), or the interval in steps")
+    _check_coefficients(label, group)
+    _check_layout(label, group)
+    _check_stages(label, group)
+
+
+def check_numbers(i: int, group: dict) -> None:
+    """The kind, the required keys and what schedules edit (lr, momentum, weight decay, beta2;
+    AdamW's betas and eps): what every step checks."""
     label = group_label(i, group)
     kind = group.get("kind")
     if kind not in REQUIRED_KEYS:
@@ -304,25 +339,13 @@ def check_group_values(i: int, group: dict) -> None:
     _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
     if group["beta2"] is not None:
         _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
-    for key, option in group_options(group).items():
-        if key in group and (wrong := option.check(group[key])):
-            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
-        if (option.check is update_math.an_interval and isinstance(group.get(key), float)
-                and group.get("horizon") is None):
-            raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
-                             "this group does not know: give it horizon= (GPT.setup_optimizer's "
-                             "horizon; base_train sets it), or the interval in steps")
-    _check_coefficients(label, group)
-    _check_layout(label, group)
-    _check_stages(label, group)
+    step = group.get("step", 0)  # the updates so far, which the optimizer counts
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise ValueError(f"{label}: step={step!r} must be an int >= 0 (the updates so far)")
 
 
 def _check_stages(label: str, group: dict) -> None:
-    """What a stage's check says of the whole group (options that depend on each other), and
-    the step count the optimizer keeps."""
-    step = group.get("step", 0)
-    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
-        raise ValueError(f"{label}: step={step!r} must be an int >= 0 (the updates so far)")
+    """What a stage's check says of the whole group (options that depend on each other)."""
     filled = dict(group)
     fill_defaults(filled)
     for key, name, s in update_math.group_stages(filled):
