@@ -45,12 +45,14 @@ HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not cont
 WRITE_UP_S = 5.0  # the table and the plot at the end
 WARM_UP_STEPS = 3  # a run's first steps compile: their time is its start-up, not a step's
 PACE_RECORDS = 3  # warm step records before the runs' own pace replaces an estimate
-# The prior, where nothing has timed these runs here: a compiled run's step of a seed over
-# probe_step's eager one, and a run's start-up (a cold compile, the step-0 eval, the save) in probe
-# steps, compiled or not. Measured at ablate's default on a 2-core AMD EPYC with AVX512-BF16
-# (docs/research.md, "A budget"): an estimate, which the runs' own steps then replace.
-PRIOR_STEP_RATIO = 1.0
-PRIOR_START_STEPS = {True: 60.0, False: 10.0}
+# The prior, where nothing has timed these runs here: a run's step of a seed over probe_step's
+# eager one (batched seeds, two runs at once, stepped no faster per seed than one seed eager), and a
+# run's start-up (a cold compile, the step-0 eval, the save) in probe steps, compiled or not.
+# Measured at ablate's default on a 2-core AMD EPYC with AVX512-BF16 under a load of 4-8, 2026-11-28
+# (docs/research.md, "A budget"): the runs stepped 1.02-1.68x the probe (4 first ablates; 1.3 their
+# geometric mean); a cold compile's start-up took 161 s, 80 probe steps; an eager run's about 25.
+PRIOR_STEP_RATIO = 1.3
+PRIOR_START_STEPS = {True: 80.0, False: 25.0}
 
 
 class Calibration(NamedTuple):
@@ -232,7 +234,7 @@ def prior(probe_s: float, compiled: bool, evals, factor: float, seconds: float) 
     """The Calibration a probe_step of probe_s seconds predicts for runs that compile or not,
     `factor` slower for the load they add (contention's ratio); evals: step_s -> (eval_s, final_s)
     as eval_times counts them."""
-    step_s = probe_s * (PRIOR_STEP_RATIO if compiled else 1.0) * factor
+    step_s = probe_s * PRIOR_STEP_RATIO * factor
     eval_s, final_s = evals(step_s)
     return Calibration(step_s, PRIOR_START_STEPS[compiled] * probe_s * factor, eval_s, seconds,
                        final_s)

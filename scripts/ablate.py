@@ -1168,7 +1168,7 @@ def prior_estimate(args, train, jobs: int, threads: int, cache: dict,
     compiled = resolve_compile(train.compile, torch.device("cpu"))
     guess = prior(probe_s, compiled, evals, factor, 0.0)
     return guess, (f"{none}; a prior estimate: one eager step of a seed timed now, {probe_s:.3f} "
-                   + (f"s, x{PRIOR_STEP_RATIO:g} for a compiled one" if compiled else "s")
+                   f"s, x{PRIOR_STEP_RATIO:g} for a run's"
                    + (f", x{factor:.2f} for the load {jobs} runs add" if factor > 1.01 else "")
                    + f": {in_words(guess, spent=False)}")
 

@@ -138,10 +138,12 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     first = runs[0].said_before
     assert said_plan(first) and "nothing has timed these runs here yet" in said_plan(first)[0], first
     assert "50 steps of 256 tokens, 3 seeds" in said_plan(first)[0]
-    # the prior times the plan before any run (the fake's runs do not compile: the probe's step)
-    assert f"a prior estimate: one eager step of a seed timed now, {PROBE_S:.3f} s:" in said_plan(first)[0]
+    # the prior times the plan before any run: the probe's step times what runs took over it
+    prior_s = PROBE_S * planner.PRIOR_STEP_RATIO
+    assert (f"a prior estimate: one eager step of a seed timed now, {PROBE_S:.3f} s, "
+            f"x{planner.PRIOR_STEP_RATIO:g} for a run's: {prior_s:.3f} s a step of a seed") in said_plan(first)[0]
     assert re.search(r"min in all by the prior, until the runs' first steps time it", said_plan(first)[0])
-    assert f"the runs' own pace: {STEP_S:.3f} s a step of a seed (the prior estimated {PROBE_S:.3f})" in out
+    assert f"the runs' own pace: {STEP_S:.3f} s a step of a seed (the prior estimated {prior_s:.3f})" in out
     launched = sorted((last(r.cmd, "--optimizer"), last(r.cmd, "--seeds")) for r in runs)
     assert launched == [("adamw", "1,2,3"), ("adamw", "4,5,6"), ("muon", "1,2,3"), ("muon", "4,5,6")], launched
     assert "the budget has room at the runs' own pace: seeds 4-6 join" in out
@@ -151,7 +153,7 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     assert len(kept) == 1
     cal = planner.Calibration(**kept[0]["calibration"])
     assert cal.step_s == STEP_S and cal.fixed_s >= 0
-    assert kept[0]["about"]["prior_step_s"] == PROBE_S  # the prior's error stays readable
+    assert kept[0]["about"]["prior_step_s"] == pytest.approx(PROBE_S * planner.PRIOR_STEP_RATIO)  # its error
     per_seed = planner.EVALS * cal.eval_s + cal.final_s
     assert cal.fixed_s + 3 * (per_seed + 50 * cal.step_s) == pytest.approx(START_S + 3 * 50 * STEP_S + REST_S)
     assert not re.search(r"-\d+ s a run's", out)
@@ -367,7 +369,7 @@ def test_the_first_default_that_cannot_fit_says_so_from_a_prior_before_any_run(b
                         r"chooses another", out[-2]), out
     assert out[-1].startswith("== plan for --budget 15.0 min (nothing has timed these runs here yet; a prior "
                               f"estimate: one eager step of a seed timed now, 20.000 s, x{planner.PRIOR_STEP_RATIO:g} "
-                              f"for a compiled one: {step:.3f} s a step of a seed, {start:.0f} s a run's start-up")
+                              f"for a run's: {step:.3f} s a step of a seed, {start:.0f} s a run's start-up")
     assert f"~{minutes:.1f} min in all by the prior" in out[-1]
     assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.plan.total_s == 0
     assert not list(tmp_path.glob("plan-*.json"))  # a prior's plan is not kept as one timed
