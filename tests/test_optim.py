@@ -639,3 +639,28 @@ def test_fp16_newton_schulz_keeps_tiny_and_huge_momenta(gram):
         X = orthogonalize(G * scale, NewtonSchulz(coeffs, safety, eps, torch.float16), gram).float()
         assert torch.isfinite(X).all(), scale
         assert rel_err(X, ref) < 0.02, (scale, rel_err(X, ref))
+
+
+def test_a_group_is_resolved_once_and_a_step_checks_what_schedules_edit(monkeypatch):
+    """The whole check of a group runs at its first step and again only when a key other than
+    what schedules edit changes; an lr a schedule sets is still checked at every step."""
+    from nanomuon import optim
+
+    calls = []
+    real = optim.check_group_values
+    monkeypatch.setattr(optim, "check_group_values", lambda i, g: calls.append(i) or real(i, g))
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MuonAdamW([dict(kind="muon", params=[p], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95,
+                          weight_decay=0.1)])
+    for step in range(3):
+        opt.param_groups[0].update(lr=0.01 * (step + 1), momentum=0.9, weight_decay=0.05 * step)
+        p.grad = torch.randn(8, 8)
+        opt.step()
+    assert calls == [0]
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match=r"lr=nan must be a finite number"):
+        opt.step()
+    opt.param_groups[0].update(lr=0.01, nesterov="yes")
+    with pytest.raises(ValueError, match=r"nesterov='yes' must be True or False"):
+        opt.step()
+    assert calls == [0, 0]
