@@ -45,6 +45,7 @@ from nanomuon.common import (
     check_regular,
     exit_unless_ranks_agree,
     filled,
+    fsync_path,
     load_json,
     on_every_rank,
     one_line,
@@ -61,7 +62,6 @@ from nanomuon.run import (
     DATA_FILE,
     aside_steps,
     check_links,
-    fsync_path,
     list_steps,
     step_dir,
 )

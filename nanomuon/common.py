@@ -53,6 +53,15 @@ def get_base_dir() -> Path:
     return base
 
 
+def fsync_path(path: Path) -> None:
+    """Make a directory's (or file's) entries durable: a rename is only as safe as this."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, write, sync: bool = False) -> None:
     """write(tmp_path), then rename into place, so readers never see a half-written file (sync: the
     bytes are on disk first). The temporary name ends in .tmp, so globs for the final suffix
@@ -64,11 +73,7 @@ def write_atomic(path: Path, write, sync: bool = False) -> None:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         write(tmp)
         if sync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

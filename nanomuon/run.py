@@ -35,6 +35,7 @@ from nanomuon.common import (
     check_regular,
     exit_if_any_failed,
     exit_unless_ranks_agree,
+    fsync_path,
     load_json,
     one_line,
     print0,
@@ -68,15 +69,6 @@ def list_steps(run_dir: Path) -> list[int]:
         return []
     return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
                   if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
-
-
-def fsync_path(path: Path) -> None:
-    """Make a directory's (or file's) entries durable: a rename is only as safe as this."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _looks_like_checkpoint(d: Path) -> bool:
