@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from nanomuon.checkpoint import load_checkpoint, load_step, step_arg
+from nanomuon.checkpoint import load_checkpoint, load_step
 from nanomuon.common import file_kind, get_base_dir, size_str, user_errors, write_atomic
-from nanomuon.run import run_arg
+from scripts.sample import add_checkpoint_args
 
 
 def check_out(out: Path, force: bool) -> None:
@@ -58,9 +58,7 @@ def out_arg(s: str) -> Path:
 def main(argv=None) -> Path:
     p = argparse.ArgumentParser(description="Write a checkpoint as one whole-state file",
                                 allow_abbrev=False)
-    p.add_argument("--run", type=run_arg, required=True,
-                   help="run name, as given to base_train --run (e.g. d20)")
-    p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
+    add_checkpoint_args(p, device=False)
     p.add_argument("--out", type=out_arg, default=None,
                    help="file to write (default: the run dir's export_step_NNNNNN.pt)")
     p.add_argument("--model-only", action="store_true", help="leave out the optimizer state (a "

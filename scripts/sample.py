@@ -18,11 +18,12 @@ from nanomuon.run import run_arg
 from nanomuon.tokenizer import get_tokenizer
 
 
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+def add_checkpoint_args(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--run", type=run_arg, required=True,
                    help="run name, as given to base_train --run (e.g. d20)")
     p.add_argument("--step", type=step_arg, default="latest", help="checkpoint step, or 'latest'")
-    p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
+    if device:
+        p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
 
 
 def load_for_inference(args, device):
