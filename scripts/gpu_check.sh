@@ -188,6 +188,7 @@ prepare_nanochat() {
 
 if [ "$MODE" = prepare ]; then
     set -e
+    mkdir -p "$KIT"  # a first --prepare: the kit's folder, before anything writes into it
     python -m nanomuon.dataset --embedded
     # the vocab of speedrun's GPU mode, so its step reuses this tokenizer
     python -m scripts.tok_train --keep-existing --dataset embedded --vocab-size 32768 \
