@@ -548,11 +548,7 @@ def results_after(run_dir: Path, step: int):
             errors="replace").split("\n")
     except FileNotFoundError:
         lines = []
-    try:
-        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
-    except (OSError, ValueError):
-        record = {}
-    return split_results(lines, record if isinstance(record, dict) else {}, step)
+    return split_results(lines, summary_record(summary) or {}, step)
 
 
 def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
@@ -600,18 +596,28 @@ def set_report_aside(report: Path) -> str:
     return f"moved to {aside.name}, kept; base_train writes its report anew"
 
 
+def summary_record(summary: Path, then: str = "", missing: str = "") -> dict | None:
+    """A run's summary.json (anyone may have written it), where it holds a JSON object; else None,
+    with a note saying why and `then` (none without `then`; none where there is no file but
+    `missing`, what to say then)."""
+    try:
+        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
+        why = "" if isinstance(record, dict) else "is not a JSON object"
+    except FileNotFoundError:
+        record, why = None, missing
+    except (OSError, ValueError) as e:
+        record, why = None, f"is unreadable ({one_line(e)})"
+    if why and then:
+        print0(f"note: {summary} {why}; {then}")
+    return record if isinstance(record, dict) else None
+
+
 def others_summary(summary: Path) -> dict:
     """The keys other writers put into summary.json, kept when base_train rewrites it; an
     unreadable file keeps nothing, with a note."""
-    try:
-        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        print0(f"note: {summary} is unreadable ({one_line(e)}); rewriting it without what it held")
-        return {}
+    record = summary_record(summary, "rewriting it without what it held") or {}
     theirs = {k for w in WRITERS.values() for k in w.keys}
-    return {k: v for k, v in record.items() if k in theirs} if isinstance(record, dict) else {}
+    return {k: v for k, v in record.items() if k in theirs}
 
 
 def check_report(report) -> None:
@@ -686,18 +692,9 @@ def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
     if set(values) != set(WRITERS[writer].keys):
         raise ValueError(f"{writer} writes {sorted(WRITERS[writer].keys)} into summary.json, "
                          f"not {sorted(values)}")
-    try:
-        record = load_json(summary, SUMMARY_BYTES, SUMMARY)
-    except FileNotFoundError:
-        print0(f"note: {summary} does not exist yet (base_train writes it when training ends); "
-               f"{writer}'s results are in the report only")
-        return
-    except (OSError, ValueError) as e:
-        print0(f"note: {summary} is unreadable ({one_line(e)}); {writer}'s results are in the "
-               "report only")
-        return
-    if not isinstance(record, dict):
-        print0(f"note: {summary} is not a JSON object; {writer}'s results are in the report only")
+    record = summary_record(summary, f"{writer}'s results are in the report only",
+                            "does not exist yet (base_train writes it when training ends)")
+    if record is None:
         return
     record.update(values)
     write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))

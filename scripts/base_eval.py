@@ -30,8 +30,6 @@ from nanomuon.common import (
     compute_init,
     evaluate_bpb,
     get_base_dir,
-    load_json,
-    one_line,
     print0,
     shown,
     user_errors,
@@ -42,14 +40,13 @@ from nanomuon.dataloader import scored_tokens, val_rows
 from nanomuon.dataset import DATASETS
 from nanomuon.report import PROMPTS, start_wandb
 from nanomuon.run import (
-    SUMMARY,
-    SUMMARY_BYTES,
     append_section,
     check_report,
     check_summary,
     claim_run_dir,
     merge_summary,
     put_headline,
+    summary_record,
 )
 from nanomuon.sources import add_data_args, prepare
 from scripts.sample import add_checkpoint_args, load_for_inference, sample
@@ -185,13 +182,7 @@ def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, 
 def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
     anything else is ignored with a note)."""
-    try:
-        wandb_id = load_json(summary, SUMMARY_BYTES, SUMMARY).get("wandb_id")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError) as e:
-        print0(f"note: {summary} is unreadable ({one_line(e)}); logging to a new wandb run")
-        return None
+    wandb_id = (summary_record(summary, "logging to a new wandb run") or {}).get("wandb_id")
     if wandb_id is not None and not (isinstance(wandb_id, str)
                                      and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id)):
         print0(f"note: {summary}'s wandb_id {wandb_id!r} is not a wandb run id; logging to a "
