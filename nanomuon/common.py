@@ -82,9 +82,10 @@ def write_atomic(path: Path, write, sync: bool = False) -> None:
 RACY_NS = 2_000_000_000  # a file changed this recently may change again within its timestamps' tick
 
 
-def file_hash(path: Path) -> str:
-    """blake2b (160 bits) of a file's bytes, read 1 MiB at a time."""
-    h = hashlib.blake2b(digest_size=20)
+def file_hash(path: Path, h=None) -> str:
+    """A file's hash, its bytes read 1 MiB at a time: h's (a hashlib object; by default blake2b,
+    160 bits)."""
+    h = h or hashlib.blake2b(digest_size=20)
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from nanomuon.common import (
     autocast,
+    file_hash,
     file_kind,
     get_base_dir,
     one_line,
@@ -200,12 +201,7 @@ class Bundle:
 
 
 def sha256_size(path: Path) -> tuple[str, int]:
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return h.hexdigest(), size
+    return file_hash(path, hashlib.sha256()), path.stat().st_size
 
 
 class _HttpsOnly(urllib.request.HTTPRedirectHandler):

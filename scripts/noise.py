@@ -82,8 +82,7 @@ def val_slices(variant: str, baseline: str, seeds: int, flags, name: str,
         scores = {}
         for v in (variant, baseline):
             run = ablate.Job(v, "1", s, data_seed=s).name(name, "lr-multiplier")
-            model, _ = load_model(get_base_dir() / "runs" / run, "latest", "cpu")
-            model.eval()
+            model, _ = load_model(get_base_dir() / "runs" / run, "latest", "cpu")  # in eval mode
             scores[v] = [evaluate_bpb(model, x, train.device_batch_size, token_bytes,
                                       train.dtype) for x in slices]
             if s == 1 and v == variant:
