@@ -24,7 +24,7 @@ import statistics
 import time
 
 from nanomuon.checkpoint import load_model
-from nanomuon.common import evaluate_bpb, get_base_dir, user_errors
+from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
 from nanomuon.sources import prepare
 from nanomuon.tokenizer import get_tokenizer
@@ -143,8 +143,9 @@ def main(argv=None):
     lines = table(found, val, base_bpb, args.seeds)
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    (out / "noise.md").write_text("\n".join(lines) + "\n")
-    (out / "noise.json").write_text(json.dumps(dict(found, val=val)))
+    # whole or not at all: a killed write never leaves half a table
+    write_atomic(out / "noise.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    write_atomic(out / "noise.json", lambda tmp: tmp.write_text(json.dumps(dict(found, val=val))))
     print("\n".join(lines))
     print(f"== {len(todo)} runs and the val slices took {(time.monotonic() - started) / 60:.1f} "
           f"min; {out / 'noise.md'}")
