@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
@@ -133,7 +134,7 @@ def main(argv=None):
     threads = max(1, (os.cpu_count() or 1) // 2)
     started = time.monotonic()
     todo = design(variants, args.seeds, threads)
-    with ablate.ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
         records = dict(zip(todo, pool.map(lambda job: ablate.run_one(
             job, flags, "lr-multiplier", 1, threads, args.name, cache), todo)))
     found = sources(records, *variants, args.seeds, threads)

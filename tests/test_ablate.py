@@ -284,7 +284,7 @@ def test_a_code_edit_during_the_runs_caches_nothing(base_copy, monkeypatch):
     from scripts import ablate
 
     hashes = iter(["before"] + ["after"] * 10)
-    monkeypatch.setattr(ablate, "code_hash", lambda: next(hashes))
+    monkeypatch.setattr("nanomuon.ablation_runs.code_hash", lambda: next(hashes))
     monkeypatch.setattr(ablate.subprocess, "Popen", Finished)
     cached = files(base_copy / "ablations" / "cache")
     with pytest.raises(SystemExit, match="changed while .* ran, so it is not cached; run ablate again"):
@@ -613,9 +613,7 @@ def planned(argv, cache, jobs=2, threads=1):
 def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
     """The baseline's other lengths cost runs, so a plan kept for --baseline-lengths none is not the
     plan for 0.8: that one is fitted again (from the kept calibration) to fewer seeds or steps."""
-    from scripts import ablate
-
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     cal = planner.Calibration(1.0, 10.0, 0.5, 3.0)
     plans = []
     for lengths in ("none", "0.8", "none"):
@@ -637,7 +635,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
 
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     for step_s, extra, raised in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], True),
                                   (0.05, [], False), (1.0, ["--matrix-lr", "0.01"], False),
                                   (1.0, ["--variants", "muon", "--sweep", "matrix-lr=0.01,0.02"], False)]:
@@ -674,7 +672,7 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
     plan's runs start at once)."""
     from scripts import ablate
 
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     keys, launched = [], []
     plan_keys = ablate.plan_keys
     monkeypatch.setattr(ablate, "plan_keys", lambda *a: keys.append(plan_keys(*a)) or keys[-1])
@@ -683,7 +681,7 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
         launched.append(flags)
         raise SystemExit("no runs here")
 
-    monkeypatch.setattr(ablate, "launch", launch)
+    monkeypatch.setattr("nanomuon.ablation_runs.launch", launch)
     args = ["--name", "kept", *SMALL]
     with pytest.raises(SystemExit, match="no runs here"):  # nothing kept: the smallest plan runs
         ablate.main([*args, "--budget", "20s"])
@@ -771,7 +769,7 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
         return dict(final_val_bpb=bpb, val_history=[[0, 4.0], [steps, bpb]], val_train_time=[0.0, 1.0],
                     tok_per_s=1.0, num_params=1, tokens_per_step=256)
 
-    monkeypatch.setattr(ablate, "run_one", run_one)
+    monkeypatch.setattr("nanomuon.ablation_runs.run_one", run_one)
     ablate.main(["--seeds", "5", "--jobs", "2", *TINY, "--total-batch-size", "256", "--num-iterations",
                  "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths-on-2",
                  "--no-batch-seeds"])  # a run per seed: made up by run_one

@@ -98,9 +98,9 @@ class Fake:
 
         self.clock, self.runs, self.lines, self.capsys = Clock(), [], [], capsys
         monkeypatch.setattr(time, "monotonic", self.clock)
-        monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
         # the prior's eager step, as if timed here: PROBE_S (the runs take STEP_S)
-        monkeypatch.setattr(ablate, "probe_step", lambda *a, **k: PROBE_S)
+        monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: PROBE_S)
 
         def popen(cmd, **kw):
             assert "scripts.base_train" in cmd, cmd
@@ -201,7 +201,7 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
     for load, factor in [(2.0, 2.0), (0.0, 1.0)]:
         (tmp_path / str(load)).mkdir()
         keep(cache_at(tmp_path / str(load)), ["--budget", "20m"], cal, load=0.0)
-        monkeypatch.setattr(ablate, "machine_load", lambda load=load: load)
+        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda load=load: load)
         _, refiner = planned(["--budget", "20m"], cache_at(tmp_path / str(load)))
         line = said_plan(capsys.readouterr().out.splitlines())[0]
         assert ("at a load of 0.0 (now 2.0: steps x2.00, an estimate)" in line) == (factor == 2), line
@@ -213,9 +213,7 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
 def test_a_calibration_of_other_code_here_is_an_estimate_and_another_machines_is_none(tmp_path, monkeypatch, capsys):
     """An ablate of other code on the same runs and machine kept one: it plans, called an estimate. One kept
     for other runs at once (--jobs 1) says nothing of these: the smallest plan, its time left to its runs."""
-    from scripts import ablate
-
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     keep(cache_at(tmp_path, code="old"), ["--budget", "20m"], planner.Calibration(0.5, 20.0, 1.0, 0.0, 2.0))
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"))
     line = said_plan(capsys.readouterr().out.splitlines())[0]
@@ -241,10 +239,8 @@ def test_the_default_that_cannot_fit_says_so_with_its_plan_before_any_run(tmp_pa
     it does not fit, and the smallest plan it runs instead, 3 seeds of 50 steps: its time as the model
     counts it (2 runs of 3 seeds on two lanes, then the baseline's 2 at 0.8) and its detectable effect at
     the spread measured at this shape. A --budget given is refused in one line instead."""
-    from scripts import ablate
-
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
-    monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
     cal = planner.Calibration(step_s=50.0, fixed_s=10.0, eval_s=1.0, seconds=0.0, final_s=0.0)
     keep(cache_at(tmp_path), ["--budget", "15m"], cal)
     with pytest.raises(SystemExit, match=r"^error: --budget 900s fits fewer than 50 steps per run \(timed here"):
@@ -307,11 +303,9 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
     seed put that plan's steps alone (two lanes: 3 seeds and the baseline's 2, then 3: 250 seed-steps of
     50 at the fullest lane) past the 3 minutes: refused, its runs stopped, and the pace kept. The next
     --budget 3m is refused before any run; --budget 30m is planned; the default never refuses."""
-    from scripts import ablate
-
     clock = Clock()
     monkeypatch.setattr(time, "monotonic", clock)
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     _, refiner = planned(["--budget", "3m"], cache_at(tmp_path))
     run, process = refiner.watch(3, "muon"), Run()
     run.started_process(process)
@@ -336,10 +330,10 @@ def prior_said(monkeypatch, tmp_path, argv, probe_s=20.0, device="cpu"):
     from scripts import ablate
 
     calls = []
-    monkeypatch.setattr(ablate, "machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
     monkeypatch.setattr(ablate.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(ablate, "launch", lambda *a, **k: pytest.fail("a run started"))
-    monkeypatch.setattr(ablate, "probe_step", lambda *a, **k: calls.append(a) or probe_s)
+    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: calls.append(a) or probe_s)
     flags, refiner = planned(argv, cache_at(tmp_path, device_type=device, dtype="bf16"))
     return flags, refiner, calls
 

@@ -1,0 +1,270 @@
+"""
+An ablation's plan to a --budget as its runs go: where the plan, the runs' calibration and a
+refused budget's pace are kept, the calibration found for these runs (or a prior from one probed
+step), and the Refiner, which follows the runs' step records, says the plan's end at their own
+pace and adds the seeds the budget has room for. budget.py holds the model of an ablation's time
+and the fit; this is the bookkeeping around it that ablate's runs feed.
+"""
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from nanomuon.ablation_runs import RECORD_BYTES, key_of, read_json, tell, write_json
+from nanomuon.budget import (
+    FIRST_SEEDS,
+    HEADROOM,
+    MIN_STEPS,
+    PRIOR_STEP_RATIO,
+    WRITE_UP_S,
+    Calibration,
+    Plan,
+    Tracker,
+    at_load,
+    budget_refusal,
+    contention,
+    eval_times,
+    grow,
+    machine_load,
+    modeled,
+    prior,
+    probe_step,
+    projected_detectable,
+    read_calibration,
+)
+from nanomuon.common import load_json, resolve_compile
+from nanomuon.gpt import config_from_depth
+from nanomuon.tokenizer import tokenizer_dir
+
+
+class Keys(NamedTuple):
+    """Where a budget's plan, the runs' calibration and a refusal's pace are kept, each keyed by
+    what decides it; `machine`: the key of everything but the code, torch and the variants."""
+    plan: Path
+    calibration: Path
+    refused: Path
+    machine: str
+
+
+def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
+    """The files plan_runs reads and the Refiner keeps. A calibration is the runs' flags, their
+    processes and threads, `jobs` at once (their contention), the device and CPU model, the
+    batching, the variants, the code and torch; a plan is that and the budget, sweep, seeds and
+    lengths it was fitted to."""
+    machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
+                      args.batch_seeds])
+    exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
+    plan = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
+    return Keys(cache["dir"] / f"plan-{plan}.json", cache["dir"] / f"calibration-{exact}.json",
+                cache["dir"] / f"refused-{exact}.json", machine)
+
+
+def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]:
+    """(the calibration kept for these runs, else the newest an ablate of other code, torch or
+    variants kept on this machine, scaled to the load now, or None; what the runs' own is kept
+    with; how it was had, in words). used: the threads the runs take (0: none scales)."""
+    kept, how = read_calibration(keys.calibration), f"timed here before ({keys.calibration.name})"
+    if kept is None:
+        found = [(k, p) for p in sorted(keys.calibration.parent.glob("calibration-*.json"))
+                 if (k := read_calibration(p, complain=False))
+                 and k[1].get("machine") == keys.machine]
+        if found:
+            kept, path = max(found, key=lambda kp: kp[0][1]["when"])
+            how = (f"an estimate: timed here by an ablate of other code, torch or variants "
+                   f"({path.name})")
+    load, cores = machine_load(), os.cpu_count() or 1
+    about = dict(machine=keys.machine, load=load, cores=cores, used=used)
+    if kept is None:
+        return None, about, "nothing has timed these runs here yet"
+    cal, factor = at_load(kept[0], kept[1]["load"], load, used, cores) if used else (kept[0], 1)
+    if abs(factor - 1) >= 0.05:
+        how += (f", at a load of {kept[1]['load']:.1f} (now {load:.1f}: steps x{factor:.2f}, an "
+                "estimate)")
+    return cal, about, how
+
+
+def prior_estimate(args, train, jobs: int, threads: int, cache: dict,
+                   evals) -> tuple[Calibration | None, str]:
+    """(The prior, how it was had, in words) where nothing has timed these runs here: one eager
+    step of a seed at their shape timed now (budget.probe_step, a few seconds on a CPU), scaled
+    by what compiled runs took against it and by the load the runs add. None on a GPU, or where
+    the probe cannot run; then the runs' first steps time the plan alone."""
+    none = "nothing has timed these runs here yet"
+    if cache.get("device_type") != "cpu" or not isinstance(train.device_batch_size, int):
+        return None, none
+    vocab = read_json(tokenizer_dir() / "tokenizer.json", "the tokenizer's record")["vocab_size"]
+    micro = max(1, train.total_batch_size // (train.device_batch_size * train.max_seq_len
+                                              * args.nproc))
+    try:
+        config = config_from_depth(train.depth, vocab, train.max_seq_len, train.aspect_ratio,
+                                   train.head_dim, qk_norm=train.qk_norm, window_pattern=
+                                   train.window_pattern, arch="classic" if train.arch == "auto"
+                                   else train.arch)
+        probe_s = probe_step(config, args.variants, train.device_batch_size, micro,
+                             cache["dtype"], threads)
+    except (RuntimeError, ValueError, TypeError, MemoryError) as e:
+        return None, f"{none}; no prior ({type(e).__name__}: {str(e)[:120]})"
+    load, cores = machine_load(), os.cpu_count() or 1
+    factor = (contention(load, jobs * threads * args.nproc, cores)
+              / contention(load, threads, cores))
+    compiled = resolve_compile(train.compile, torch.device("cpu"))
+    guess = prior(probe_s, compiled, evals, factor, 0.0)
+    return guess, (f"{none}; a prior estimate: one eager step of a seed timed now, {probe_s:.3f} "
+                   f"s, x{PRIOR_STEP_RATIO:g} for a run's"
+                   + (f", x{factor:.2f} for the load {jobs} runs add" if factor > 1.01 else "")
+                   + f": {in_words(guess, spent=False)}")
+
+
+def in_words(cal: Calibration, spent: bool = True) -> str:
+    """A calibration's numbers, each with its unit."""
+    return (f"{cal.step_s:.3f} s a step of a seed, {cal.fixed_s:.0f} s a run's start-up, save and "
+            "report" + (f", {cal.seconds - WRITE_UP_S:.0f} s spent before the runs" if spent
+                        else ""))
+
+
+def refuse_at_once(args, keys: Keys, layout: tuple, seconds: float) -> None:
+    """A --budget given that runs here showed too short before (their pace is kept) and that is
+    no longer: refused now, before any run starts."""
+    if args.budget_default:
+        return
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        step_s = float(load_json(keys.refused, RECORD_BYTES)["step_s"])
+        floor = modeled(Calibration(step_s, 0.0, 0.0, seconds), MIN_STEPS,
+                        args.seeds or FIRST_SEEDS, *layout)[1]
+        if 0 < step_s < math.inf and floor > (args.budget - seconds) * HEADROOM:
+            raise SystemExit(budget_refusal(args.budget, floor, seconds,
+                                            f"{step_s:.3f} s a step of a seed, as runs here "
+                                            f"showed before ({keys.refused.name})"))
+
+
+class Refiner(Tracker):
+    """A budget's plan as its runs go (budget.Tracker reads their step records). It says their
+    first pace and each run's end, with the plan's end at the pace measured so far. It keeps that
+    calibration and the timed plan for the next ablate, and the pace that refused a --budget
+    given. At the first run's end it adds the seeds the budget has room for (more())."""
+
+    def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
+                 estimate: Calibration | None, seconds: float, shape: bool,
+                 guess: Calibration | None = None):
+        def evals(step_s: float) -> tuple[float, float]:
+            return eval_times(step_s, train.eval_tokens, train.final_eval_tokens,
+                              train.total_batch_size, args.batch_seeds)
+
+        def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
+            return modeled(cal, MIN_STEPS, args.seeds or FIRST_SEEDS, *layout)[1]
+
+        super().__init__(args.budget, seconds, evals, None if args.budget_default else floor)
+        self.args, self.train, self.plan, self.layout, self.keys = args, train, plan, layout, keys
+        self.about, self.estimate, self.shape = about, estimate, shape
+        self.guess = guess  # the prior (prior_estimate), where nothing has timed these runs
+        self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
+
+    def words(self, plan: Plan) -> str:
+        """The plan in words, each number with its unit."""
+        runs_per_seed, jobs = self.layout[:2]
+        if plan.total_s:
+            timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} "
+                     "min in all")
+        elif self.guess is not None:
+            run_s, total = modeled(self.guess, plan.steps, plan.seeds, *self.layout, plan.groups)
+            timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all by "
+                     "the prior, until the runs' first steps time it")
+        else:
+            timed = "its time follows the runs' first steps"
+        return (f"depth {self.train.depth}, {plan.steps} steps of "
+                f"{self.train.total_batch_size:,} tokens, {plan.seeds} seeds, {runs_per_seed} "
+                f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(plan)}")
+
+    def detects(self, plan: Plan) -> str:
+        """The effect the plan detects, projected where the spread at its shape was measured."""
+        return (f"; detects ~{projected_detectable(max(2, plan.seeds), plan.steps):.2%} of bpb "
+                "(projected from the spread measured at this shape)" if self.shape else "")
+
+    def say(self, how: str) -> None:
+        """The plan, said before any run starts: first whether the default's fits."""
+        if self.estimate is not None or self.guess is not None:
+            self.overrun(self.estimate or self.guess, "" if self.estimate else " by the prior")
+        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
+        if self.plan.total_s:
+            write_json(self.keys.plan, self.plan._asdict())
+
+    def ends(self, cal: Calibration) -> tuple[float, bool]:
+        """(seconds after ablate began that the plan ends at cal, whether that fits the budget)."""
+        p = self.plan
+        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
+        return self.seconds + total, total <= (self.budget_s - self.seconds) * HEADROOM
+
+    def overrun(self, cal: Calibration, by: str = "") -> None:
+        """The default's plan that cannot fit its budget at cal, said with its time; by: what
+        timed cal, where it is the prior. A --budget given whose smallest plan's steps alone
+        overrun it by the prior: said, as the runs' first steps will refuse it."""
+        end, fits = self.ends(cal)
+        p = self.plan
+        which = ("the smallest one" if (p.steps, p.seeds) == (MIN_STEPS, self.args.seeds
+                                                               or FIRST_SEEDS) else "its plan")
+        if self.args.budget_default and not fits:
+            tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
+                 f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
+                 f"min{by}{self.detects(p)}; --budget or --num-iterations chooses another")
+        elif by and self.floor is not None and self.floor(cal._replace(
+                fixed_s=0.0, eval_s=0.0, final_s=0.0)) > (self.budget_s - self.seconds) * HEADROOM:
+            tell(f"== by the prior, --budget {self.budget_s / 60:.1f}m may not fit even the "
+                 "smallest plan's steps; the runs' first steps decide, and refuse it then")
+
+    def end_words(self, cal: Calibration) -> str:
+        end, fits = self.ends(cal)
+        return (f"the plan ends ~{end / 60:.1f} min after ablate began, of a "
+                f"{self.budget_s / 60:.1f}-minute budget" + ("" if fits else ", past it"))
+
+    def paced(self, cal: Calibration) -> None:
+        assumed = (f"the plan assumed {self.estimate.step_s:.3f}" if self.estimate else
+                   f"the prior estimated {self.guess.step_s:.3f}" if self.guess else
+                   "the first timing of these runs here")
+        tell(f"== the runs' own pace: {cal.step_s:.3f} s a step of a seed ({assumed}); "
+             f"{self.end_words(cal)}")
+        if self.estimate is None:
+            self.overrun(cal)
+
+    def finished(self, run, cal: Calibration) -> None:
+        self.replan(cal)
+        prior_s = {} if self.guess is None else dict(prior_step_s=self.guess.step_s)
+        write_json(self.keys.calibration, dict(calibration=cal._asdict(),
+                                               about=dict(self.about, when=time.time(), **prior_s)))
+        tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
+             f"{self.end_words(cal)}")
+
+    def replan(self, cal: Calibration, added: int = 0) -> Plan:
+        """The plan timed at cal, with `added` seeds as a batch of their own, kept; under the lock,
+        so a run's end and the seeds added, in two threads, keep the plan both made. Returns the
+        plan before."""
+        with self.lock:
+            p = self.plan
+            groups = (*(p.groups or (p.seeds,)), added) if added else p.groups
+            run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
+            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
+                                   total_s=total)
+            write_json(self.keys.plan, self.plan._asdict())
+        return p
+
+    def refused(self, cal: Calibration) -> None:
+        write_json(self.keys.refused, dict(step_s=cal.step_s))
+
+    def more(self) -> list:
+        """At the first run's end, once: the Jobs of the seeds the budget has room for at the
+        runs' own pace (budget.grow), a batch of each variant's; none where --seeds is given."""
+        if self.grown or not self.done():
+            return []
+        self.grown, cal = True, self.measured()
+        if self.args.seeds or cal is None or len(self.plan.groups) > 1:
+            return []
+        if not (added := grow(self.budget_s, cal, self.plan, *self.layout)):
+            return []
+        before, plan = self.replan(cal, added), self.plan
+        tell(f"== the budget has room at the runs' own pace: seeds {before.seeds + 1}-"
+             f"{plan.seeds} join, a batch of each variant's; the plan now: {self.words(plan)}")
+        return self.make_jobs(list(range(before.seeds + 1, plan.seeds + 1)), len(plan.groups) - 1)
