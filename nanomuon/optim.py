@@ -91,7 +91,7 @@ from nanomuon.update_math import (
     adamw_hparams,
     adamw_update,
     fresh_state,
-    input_block,
+    input_shape,
     inputs_due,
     kernel,
     muon_hparams,
@@ -226,12 +226,10 @@ class MuonAdamW(torch.optim.Optimizer):
                              "stage reads its inputs this step have none; collect every "
                              "matrix's (GPT.forward(input_stats=True))")
         for p in params:
-            rows, cols = p.shape[-2:]
-            b = input_block(rows, cols)
-            if tuple(inputs[p].shape) != (*p.shape[:-2], cols // b, b, b):
+            if tuple(inputs[p].shape) != (want := (*p.shape[:-2], *input_shape(*p.shape[-2:]))):
                 raise ValueError(f"give_inputs: a {tuple(p.shape)} matrix's inputs are "
-                                 f"{tuple(inputs[p].shape)}, not {(*p.shape[:-2], cols // b, b, b)}"
-                                 " (update_math.input_covariance of this model's own inputs)")
+                                 f"{tuple(inputs[p].shape)}, not {want} "
+                                 "(update_math.input_covariance of this model's own inputs)")
         stats = [inputs[p].detach().float() for p in params]
         if self.world_size > 1:
             flat = torch.cat([t.flatten() for t in stats])

@@ -508,11 +508,17 @@ def input_block(rows: int, cols: int) -> int:
     return rows if cols > rows and cols % rows == 0 else cols
 
 
+def input_shape(rows: int, cols: int) -> tuple[int, int, int]:
+    """The shape of a (rows, cols) matrix's input covariance: (blocks, b, b), b = input_block."""
+    b = input_block(rows, cols)
+    return cols // b, b, b
+
+
 def input_covariance(x: Tensor, rows: int, cols: int) -> Tensor:
     """x^T x / tokens of a (rows, cols) matrix's inputs x (..., cols), in fp32 and in blocks of
-    input_block: (cols / b, b, b). What a stage that needs 'inputs' reads."""
-    b = input_block(rows, cols)
-    x = x.detach().reshape(-1, cols // b, b).float().transpose(0, 1)  # (blocks, tokens, b)
+    input_block: input_shape. What a stage that needs 'inputs' reads."""
+    blocks, b, _ = input_shape(rows, cols)
+    x = x.detach().reshape(-1, blocks, b).float().transpose(0, 1)  # (blocks, tokens, b)
     with torch.autocast(x.device.type, enabled=False):
         return x.mT @ x / x.size(1)
 
@@ -547,9 +553,7 @@ def _newton_check(group: dict) -> str | None:
 
 
 def _newton_spec(init) -> StateSpec:
-    return StateSpec(lambda rows, cols: (cols // input_block(rows, cols),
-                                         input_block(rows, cols), input_block(rows, cols)),
-                     init=init)
+    return StateSpec(input_shape, init=init)
 
 
 def inputs_due(group: dict) -> bool:
@@ -1037,8 +1041,8 @@ def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict,
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
     stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
     muon_state_layout() lays it out): momentum, direction, apply. inputs: the matrices' input
-    covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path (sharded.py)
-    runs the same three with communication between."""
+    covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path
+    (sharded.py) runs the same three with communication between."""
     # a slice's worth: small, reused memory
     grads = torch.stack(grads) if isinstance(grads, list) else grads
     # the momentum step overwrites grads

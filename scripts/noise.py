@@ -17,13 +17,13 @@ val documents adds. docs/research.md has the table at the default shape.
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from nanomuon.ablation_runs import write_json
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
@@ -146,7 +146,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a killed write never leaves half a table
     write_atomic(out / "noise.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
-    write_atomic(out / "noise.json", lambda tmp: tmp.write_text(json.dumps(dict(found, val=val))))
+    write_json(out / "noise.json", dict(found, val=val))
     print("\n".join(lines))
     print(f"== {len(todo)} runs and the val slices took {(time.monotonic() - started) / 60:.1f} "
           f"min; {out / 'noise.md'}")
