@@ -87,6 +87,15 @@ if __name__ != "__main__":  # a child process must not import torch before the s
     pytestmark = pytest.mark.skipif(bool(why_not_here()), reason=str(why_not_here()))
 
 
+def skip_before_compile_under_fake() -> None:
+    """Skip a compiled case on a torch before 2.10 (CI's floor leg); CI's third leg runs it."""
+    import torch
+
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
+        pytest.skip("torch < 2.10: its fake tensors have no kernels for c10d's collectives, and "
+                    "dynamo cannot trace under an outer fake mode")
+
+
 def skip_without_flash_registry() -> None:
     """Skip where torch has no flash attention registry: choose_attention there falls back to
     SDPA saying so, and the cases have no registry to stand in for."""
@@ -206,6 +215,7 @@ def test_batched_seeds_on_a_fake_h100_fold_into_the_single_runs_kernel(shim):
     """Stands in for: batched seeds' compiled graph on a GPU handing attention to vmap's rule for
     SDPA, which picks its own kernel for the stacked shape (cuDNN's on an H200, whose compiled
     graph failed), rather than the flash kernel a single run's graph calls."""
+    skip_before_compile_under_fake()
     run_case(shim, "seed_fold")
 
 
@@ -220,11 +230,7 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     which also runs the windows of arch 'nanochat' (auto on CUDA); the others no flash kernel:
     their windows run through flex_attention. The step lines and the report say so. CI's third
     leg runs it."""
-    import torch
-
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
-        pytest.skip("torch < 2.10: its fake tensors have no kernels for c10d's collectives, and "
-                    "dynamo cannot trace under an outer fake mode")
+    skip_before_compile_under_fake()
     if fp8 == "fp8":
         pytest.importorskip("torchao.float8", reason="--fp8 needs torchao")
     out = run_case(shim, "train", str(base), fp8, timeout=600)
