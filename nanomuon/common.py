@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import stat
+import statistics
 import sys
 import threading
 import time
@@ -268,6 +269,30 @@ def wandb_key_problem(mode: str) -> str | None:
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
+
+
+# A run's per-step numbers (losses, val bpb) are a number each, or with --seeds a list: one per seed.
+
+def per_seed(fn, *values):
+    """fn of the values, or where they are lists (one entry per seed), of each seed's."""
+    if isinstance(values[0], list):
+        return [fn(*vs) for vs in zip(*values)]
+    return fn(*values)
+
+
+def numbers_text(value, fmt: str = "{:.4f}") -> str:
+    """A number for a log line, or each seed's as their mean and range."""
+    if not isinstance(value, list):
+        return fmt.format(value)
+    return (f"{fmt.format(statistics.fmean(value))} (mean of {len(value)} seeds, "
+            f"{fmt.format(min(value))} to {fmt.format(max(value))})")
+
+
+def wandb_values(key: str, value, seeds: list[int] | None) -> dict:
+    """wandb keys of a number, or of each seed's (key/seed_N) and their mean (key)."""
+    if not isinstance(value, list):
+        return {key: value}
+    return {key: statistics.fmean(value), **{f"{key}/seed_{s}": v for s, v in zip(seeds, value)}}
 
 
 def check_device_type(device_type: str) -> str:

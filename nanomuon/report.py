@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from nanomuon.common import print0, shown, write_atomic
+from nanomuon.common import numbers_text, per_seed, print0, shown, write_atomic
 from nanomuon.fp8 import RECIPES, plain_linears
 from nanomuon.run import others_report, others_summary
-from nanomuon.seeds import numbers_text, per_seed, seed_model, seed_records
+from nanomuon.seeds import seed_model, seed_records
 
 MISSING = ("plots skipped: matplotlib is not installed, and plots are optional "
            "(`pip install matplotlib` draws them)")

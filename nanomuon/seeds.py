@@ -18,7 +18,6 @@ is refused (check_seeds): QK-clip tracks logits in the modules, fp8 swaps the la
 them, and torch.optim.Muon takes 2-D matrices only.
 """
 
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -195,35 +194,6 @@ class SeedBatch(nn.Module):
         params = dict(self.model.named_parameters())
         return torch.vmap(one_seed, in_dims=(0, None, None), randomness="error")(params, idx,
                                                                                  targets)
-
-
-# A run's per-step numbers (losses, val bpb) are a number each, or with --seeds a list: one per seed.
-
-def per_seed(fn, *values):
-    """fn of the values, or where they are lists (one entry per seed), of each seed's."""
-    if isinstance(values[0], list):
-        return [fn(*vs) for vs in zip(*values)]
-    return fn(*values)
-
-
-def mean_of(value) -> float:
-    """A number, or the mean of each seed's."""
-    return statistics.fmean(value) if isinstance(value, list) else value
-
-
-def numbers_text(value, fmt: str = "{:.4f}") -> str:
-    """A number for a log line, or each seed's as their mean and range."""
-    if not isinstance(value, list):
-        return fmt.format(value)
-    return (f"{fmt.format(statistics.fmean(value))} (mean of {len(value)} seeds, "
-            f"{fmt.format(min(value))} to {fmt.format(max(value))})")
-
-
-def wandb_values(key: str, value, seeds: list[int] | None) -> dict:
-    """wandb keys of a number, or of each seed's (key/seed_N) and their mean (key)."""
-    if not isinstance(value, list):
-        return {key: value}
-    return {key: statistics.fmean(value), **{f"{key}/seed_{s}": v for s, v in zip(seeds, value)}}
 
 
 def seed_records(seeds: list[int], summary: dict, loop: dict) -> dict:

@@ -41,7 +41,9 @@ from nanomuon.common import (
     exit_if_any_failed,
     exit_unless_ranks_agree,
     get_base_dir,
+    numbers_text,
     on_every_rank,
+    per_seed,
     print0,
     resolve_compile,
     resolve_dtype,
@@ -50,6 +52,7 @@ from nanomuon.common import (
     synchronizer,
     user_errors,
     wandb_key_problem,
+    wandb_values,
 )
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
@@ -86,11 +89,8 @@ from nanomuon.run import (
 from nanomuon.seeds import (
     SeedBatch,
     check_seeds,
-    numbers_text,
     parse_seeds,
-    per_seed,
     seeded_gpt,
-    wandb_values,
 )
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
