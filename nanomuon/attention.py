@@ -289,16 +289,18 @@ def windowed_flex(compiled: bool = True) -> Callable:
     return attend
 
 
-def window_block_mask(T: int, window: int, device: torch.device):
-    """flex_attention's BlockMask for query i seeing keys i - window .. i: made once per (T,
-    window, device) in eager runs; a compiled graph makes it in the graph (a few small kernels),
-    as a cache cannot be read while tracing."""
-    if torch.compiler.is_compiling():
-        return make_block_mask(T, window, device)
-    return cached_block_mask(T, window, device)
+def cached_unless_compiling(make):
+    """make, its result kept per arguments in eager runs; a compiled graph makes it in the graph
+    (a few small kernels), as a cache cannot be read while tracing."""
+    cached = functools.lru_cache(maxsize=64)(make)
+
+    def get(*args):
+        return make(*args) if torch.compiler.is_compiling() else cached(*args)
+    return get
 
 
 def make_block_mask(T: int, window: int, device: torch.device):
+    """flex_attention's BlockMask for query i seeing keys i - window .. i."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def sliding(b, h, q, k):
@@ -307,7 +309,7 @@ def make_block_mask(T: int, window: int, device: torch.device):
     return create_block_mask(sliding, None, None, T, T, device=device)
 
 
-cached_block_mask = functools.lru_cache(maxsize=64)(make_block_mask)
+window_block_mask = cached_unless_compiling(make_block_mask)
 
 
 def chunked_attend(q, k, v, window=None):
@@ -337,16 +339,10 @@ def chunked_attend(q, k, v, window=None):
     return y.view(B, n, H, c, D).transpose(2, 3).reshape(B, n * c, H, D)[:, :T]
 
 
-def chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device) -> torch.Tensor:
+def make_chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device):
     """chunked_attend's (1, n * heads, c, 2c) bool mask: query a of chunk j (token jc + a) sees key
     b of its pair (token (j - 1)c + b) when 0 <= a + c - b <= window and the key is a token (the
-    first chunk's pair starts with zeros). Made once per shape, but in a compiled graph."""
-    if torch.compiler.is_compiling():
-        return make_chunk_mask(n, c, window, heads, device)
-    return cached_chunk_mask(n, c, window, heads, device)
-
-
-def make_chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device):
+    first chunk's pair starts with zeros)."""
     a = torch.arange(c, device=device)[:, None]
     b = torch.arange(2 * c, device=device)
     behind = a + c - b
@@ -355,4 +351,4 @@ def make_chunk_mask(n: int, c: int, window: int, heads: int, device: torch.devic
     return seen[:, None].expand(n, heads, c, 2 * c).reshape(1, n * heads, c, 2 * c)
 
 
-cached_chunk_mask = functools.lru_cache(maxsize=64)(make_chunk_mask)
+chunk_mask = cached_unless_compiling(make_chunk_mask)
