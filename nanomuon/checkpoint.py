@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from nanomuon.common import (
     DTYPES,
-    FILLED,
+    causes,
     check_regular,
     exit_unless_ranks_agree,
     filled,
@@ -210,25 +210,9 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
                 logger.removeFilter(_no_index_logs)
 
 
-def _causes(e: BaseException):
-    """e, its contexts and causes, and (DCP) every rank's failure, transitively (at most 50)."""
-    todo, seen = [e], 0
-    while todo and seen < 50:
-        e, seen = todo.pop(), seen + 1
-        yield e
-        todo += ([f[0] for f in getattr(e, "failures", {}).values()]
-                 + [c for c in (e.__context__, e.__cause__) if c])
-
-
-def _no_room(e: BaseException) -> int | None:
-    """The FILLED errno (a full disk, quota or file-size limit) that e, its context, or (DCP) any
-    rank's failure is; None if none is."""
-    return next((c.errno for c in _causes(e) if getattr(c, "errno", None) in FILLED), None)
-
-
 def _interrupted(e: BaseException) -> bool:
     """Whether e is, or (DCP wraps it) holds, a Ctrl-C."""
-    return any(isinstance(c, KeyboardInterrupt) for c in _causes(e))
+    return any(isinstance(c, KeyboardInterrupt) for c in causes(e))
 
 
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -245,17 +229,16 @@ def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
 
 
 def _failure(e: BaseException) -> tuple[BaseException, str]:
-    """(the error, where): DCP's CheckpointException holds one per failing rank, with
-    its traceback; the first."""
+    """(the error, it in one line): DCP's CheckpointException holds one per failing rank, with
+    its traceback; the first, and which rank."""
     if isinstance(e, dcp.api.CheckpointException) and e.failures:
         rank, (first, _) = next(iter(e.failures.items()))
-        return first, f" (rank {rank})"
-    return e, ""
+        return first, f"{one_line(first)} (rank {rank})"
+    return e, one_line(e)
 
 
 def _one_line(e: BaseException) -> str:
-    first, where = _failure(e)
-    return one_line(first) + where
+    return _failure(e)[1]
 
 
 def file_crc32(path: Path) -> str:
@@ -365,7 +348,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_interrupted(error), _no_room(error), _one_line(error))]
+    outcome = [error and (_interrupted(error), filled(error), _one_line(error))]
     # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
     if not alone():
         dist.broadcast_object_list(outcome, src=0)
@@ -389,7 +372,7 @@ def record_loop(run_dir: Path, step: int, loop: dict) -> None:
     d = step_dir(run_dir, step)
     meta = read_meta(d)
     meta["loop"] = loop
-    write_atomic(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    write_atomic(d / "meta.json", json.dumps(meta, indent=1))
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:

@@ -64,15 +64,16 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, write, sync: bool = False) -> None:
-    """write(tmp_path), then rename into place, so readers never see a half-written file (sync: the
-    bytes are on disk first). The temporary name ends in .tmp, so globs for the final suffix
-    (*.parquet, *.png) never match it. It is made here as a new regular file, so a file or link
-    left at that name (a killed write's, or planted) is replaced, never written through."""
+    """write(tmp_path), or the text `write`, then rename into place, so readers never see a
+    half-written file (sync: the bytes are on disk first). The temporary name ends in .tmp, so globs
+    for the final suffix (*.parquet, *.png) never match it. It is made here as a new regular file,
+    so a file or link left at that name (a killed write's, or planted) is replaced, never written
+    through."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
-        write(tmp)
+        tmp.write_text(write) if isinstance(write, str) else write(tmp)
         if sync:
             fsync_path(tmp)
         os.replace(tmp, path)
@@ -172,7 +173,7 @@ def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> li
     if kept != before:  # something new to keep, or something to forget
         with contextlib.suppress(OSError):  # read-only: hashed again next time
             memo.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(memo, lambda tmp: tmp.write_text(json.dumps(kept)))
+            write_atomic(memo, json.dumps(kept))
     return out
 
 
@@ -199,15 +200,20 @@ def size_str(num_bytes: float) -> str:
 FILLED = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def causes(e: BaseException):
+    """e, its contexts and causes, and (DCP) every rank's failure, transitively (at most 50)."""
+    todo, seen = [e], 0
+    while todo and seen < 50:
+        e, seen = todo.pop(), seen + 1
+        yield e
+        todo += ([f[0] for f in getattr(e, "failures", {}).values()]
+                 + [c for c in (e.__context__, e.__cause__) if c])
+
+
 def filled(e: BaseException) -> int | None:
     """The FILLED errno that e is, or was raised while handling (torch.save's "unexpected pos"
-    holds the write's OSError as its context); None if neither."""
-    seen = 0
-    while e is not None and seen < 20:
-        if getattr(e, "errno", None) in FILLED:
-            return e.errno
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return None
+    holds the write's OSError as its context), or (DCP) any rank's failure is; None if none."""
+    return next((c.errno for c in causes(e) if getattr(c, "errno", None) in FILLED), None)
 
 
 def what_filled(code: int, where: Path) -> tuple[str, str]:
