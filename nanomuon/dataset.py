@@ -66,14 +66,16 @@ def data_dir(name: str) -> Path:
     return get_base_dir() / "data" / name
 
 
-def manifest_shards(d: Path) -> dict | None:
-    """{split: [shard names]} of a prepared custom source in d, None if it
-    is not (completely) there."""
+def manifest_shards(d: Path, embedded: bool = False) -> dict | list | None:
+    """The shards d's manifest lists, None unless it and they are all there: {split: [names]} of a
+    prepared custom source, or with embedded the embedded corpus's [names] (2 at least)."""
     try:
         shards = load_json(d / MANIFEST, MANIFEST_BYTES, "a manifest nanomuon wrote")["shards"]
+        names = shards if embedded else [*shards["train"], *shards["val"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return shards if all((d / n).is_file() for split in SPLITS for n in shards[split]) else None
+    whole = len(names) >= 2 or not embedded
+    return shards if whole and all((d / n).is_file() for n in names) else None
 
 
 def shard_name(index: int) -> str:
@@ -225,18 +227,9 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
               "split.\n"
               "Built by nanomuon/dataset.py; rebuild with "
               "`python -m nanomuon.dataset --embedded`.\n")
-    write_atomic(out_dir / "README.txt", lambda tmp: tmp.write_text(readme))
-    write_atomic(out_dir / MANIFEST,
-                 lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
+    write_atomic(out_dir / "README.txt", readme)
+    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return paths
-
-
-def _embedded_complete(d: Path) -> bool:
-    try:
-        names = load_json(d / MANIFEST, MANIFEST_BYTES, "a manifest nanomuon wrote")["shards"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return len(names) >= 2 and all((d / n).is_file() for n in names)
 
 
 @contextlib.contextmanager
@@ -259,11 +252,11 @@ def ensure_embedded() -> Path:
     """The embedded corpus directory, built first if it is missing or its
     last build was interrupted."""
     d = data_dir("embedded")
-    if _embedded_complete(d):
+    if manifest_shards(d, embedded=True):
         return d
     with build_lock(d):
         # another process may have built it while we waited for the lock
-        if not _embedded_complete(d):
+        if not manifest_shards(d, embedded=True):
             print(f"nanomuon: building the embedded corpus (Python stdlib sources) in {d}",
                   file=sys.stderr)
             build_embedded(d)
@@ -354,7 +347,7 @@ def pin_revision(out_dir: Path, revision: str | None, repo: str = HF_REPO) -> st
     if pinned and sha != pinned and any(out_dir.glob("*.parquet")):
         raise ValueError(f"the shards in {out_dir} come from revision {pinned}, not {revision} "
                          f"({sha}); use another --out-dir, or delete them to switch")
-    write_atomic(pin, lambda tmp: tmp.write_text(sha + "\n"))
+    write_atomic(pin, sha + "\n")
     return sha
 
 
