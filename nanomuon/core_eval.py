@@ -43,6 +43,7 @@ from nanomuon.common import (
     file_hash,
     file_kind,
     get_base_dir,
+    load_json,
     one_line,
     print0,
     read_regular,
@@ -217,10 +218,10 @@ def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> N
     if not url.lower().startswith("https://"):
         raise ValueError(f"the CORE bundle URL {url} is not https")
     print0(f"downloading the CORE eval bundle {url} -> {dest}")
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
-    opener = urllib.request.build_opener(_HttpsOnly)
-    try:
-        with opener.open(url, timeout=timeout) as r, open(tmp, "wb") as f:
+
+    def fetch(tmp: Path) -> None:
+        with urllib.request.build_opener(_HttpsOnly).open(url, timeout=timeout) as r, \
+                open(tmp, "wb") as f:
             size = 0
             while block := r.read(1 << 20):
                 size += len(block)
@@ -229,19 +230,18 @@ def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> N
                 f.write(block)
         if not zipfile.is_zipfile(tmp):
             raise ValueError(f"{url} did not send a zip file")
-        os.replace(tmp, dest)
+    try:
+        write_atomic(dest, fetch)
     except (OSError, urllib.error.URLError) as e:
         raise ValueError(f"cannot download the CORE bundle ({one_line(e)}): "
                          + PLACE.format(zip=dest)) from None
-    finally:
-        tmp.unlink(missing_ok=True)
     record(dest, url)
 
 
 def record(zip_path: Path, url: str) -> None:
     sha, size = sha256_size(zip_path)
     text = json.dumps(dict(url=url, sha256=sha, size=size)) + "\n"
-    write_atomic(zip_path.with_name(RECORD), lambda tmp: tmp.write_text(text))
+    write_atomic(zip_path.with_name(RECORD), text)
     print0(f"CORE bundle {zip_path}: sha256 {sha}, {size:,} bytes (recorded in {RECORD})")
 
 
@@ -250,14 +250,10 @@ def check_record(zip_path: Path) -> None:
     path = zip_path.with_name(RECORD)
     redo = f"delete it and {zip_path.name} to download the bundle again"
     try:  # a FIFO or a device there is refused in one line (ValueError), never waited on
-        data = read_regular(path, 1 << 16, "the record nanomuon writes", redo)
+        want = load_json(path, 1 << 16, "the record nanomuon writes", redo)
     except FileNotFoundError:
         return record(zip_path, "placed by hand")
     except OSError as e:
-        raise ValueError(f"{path} is unreadable ({one_line(e)}): {redo}") from None
-    try:
-        want = json.loads(data)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{path} is unreadable ({one_line(e)}): {redo}") from None
     sha, size = sha256_size(zip_path)
     if not isinstance(want, dict) or [want.get("sha256"), want.get("size")] != [sha, size]:
