@@ -365,8 +365,7 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
     for builder in dict.fromkeys(FORMATS[p.suffix.lower()] for p in files):
         group = [p for p in files if FORMATS[p.suffix.lower()] == builder]
         if builder != "text":
-            where = (f"the {builder} files {', '.join(p.name for p in group[:3])}"
-                     f"{' ...' if len(group) > 3 else ''}")
+            where = f"the {builder} files {_names(group)}"
             error = lambda e, where=where: ValueError(f"cannot read {where}: {one_line(e)}")
             try:
                 # a cell "NA" is text, not missing
@@ -548,7 +547,7 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
                     docs=dict(train=train.docs, val=val.docs),
                     chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION,
                     slot=slot)
-    write_atomic(d / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2) + "\n"))
+    write_atomic(d / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     # the files skipped, guessed at or left out, and rows without text, were said as they were read
     print(f"nanomuon: prepared {named}: {train.docs:,} train and {val.docs:,} val documents "
           f"({manifest['val_split']}),"

@@ -81,7 +81,7 @@ class Tokenizer:
         meta = dict(pattern=self.pattern, special_tokens=self.special_tokens,
                     vocab_size=self.vocab_size, fingerprint=self.fingerprint)
         for name, text in zip(FILES, (bpe, json.dumps(meta, indent=1) + "\n")):
-            write_atomic(directory / name, lambda tmp, text=text: tmp.write_text(text))
+            write_atomic(directory / name, text)
 
     @classmethod
     def load(cls, directory: Path) -> "Tokenizer":
