@@ -55,6 +55,7 @@ DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py
 same math with communication between its stages.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -63,14 +64,11 @@ from torch import Tensor
 
 from nanomuon.param_groups import (
     DamagedState,
-    check_grad,
     check_group,
     check_group_values,
-    check_numbers,
     check_state_dict,
     fill_defaults,
     group_label,
-    group_signature,
     has_dtensors,
     saved_params,
     state_values_problem,
@@ -88,18 +86,17 @@ from nanomuon.sharded import (
     state_piece,
 )
 from nanomuon.update_math import (
-    adamw_hparams,
+    AdamWScalars,
     adamw_update,
     fresh_state,
     input_shape,
     inputs_due,
     kernel,
     muon_hparams,
-    muon_options,
+    muon_plan,
     muon_state_layout,
     muon_update,
     orthogonalizer_running,
-    runs_eager,
     scalars,
     stage_needs,
     update_cost,
@@ -117,11 +114,65 @@ def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[in
 
 
 class Resolved(NamedTuple):
-    """What a param group's static keys (all but params and what schedules edit) resolve to."""
-    signature: str  # param_groups.group_signature at the time
-    eager: bool  # a muon group with a stage that branches on state values runs uncompiled
-    options: dict  # device -> the math's options (update_math.muon_options), made on first use
+    """What a param group's static keys (all but params and NUMBERS) resolve to."""
+    signature: str  # group_signature at the time
+    plans: dict  # (shape, dtype, device) -> update_math.MuonPlan, made on first use
     inputs: bool  # a stage reads its matrices' inputs (every input_interval steps)
+    sharded: bool  # it holds DTensor params (sharded.py)
+
+
+# What a schedule edits between steps, checked at every step (check_numbers); a change of any
+# other key, or of which keys a group has, resolves the group again (group_signature).
+NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
+           "initial_weight_decay")
+
+
+def group_signature(group: dict) -> str:
+    """The group's keys, and their values but its params' and NUMBERS', and whether beta2 is set
+    (it decides a state): groups of one signature resolve alike (options, stages, state)."""
+    static = sorted((k, v) for k, v in group.items() if k not in NUMBERS and k != "params")
+    return repr((static, sorted(k for k in group if k in NUMBERS), group.get("beta2") is None))
+
+
+def check_numbers(i: int, group: dict) -> None:
+    """What schedules edit (lr, weight decay, momentum, beta2; AdamW's betas and eps) and a muon
+    group's step count: what every step checks, refused in one line naming the fix."""
+    adamw = group["kind"] == "adamw"
+    betas = group["betas"] if adamw else (0.0, 0.0)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{group_label(i, group)}: betas={betas!r} must be a pair (beta1, beta2), "
+                         "e.g. betas=(0.9, 0.95)")
+    numbers = [("lr", group["lr"], None), ("weight_decay", group["weight_decay"], None)]
+    if adamw:
+        numbers += [("betas[0]", betas[0], 1.0), ("betas[1]", betas[1], 1.0),
+                    ("eps", group["eps"], None)]
+    numbers += [(k, group[k], 1.0) for k in ("momentum", "beta2")
+                if group.get(k) is not None or (k == "momentum" and not adamw)]
+    for key, value, hi in numbers:
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and value >= 0 and (hi is None or value < hi)):
+            bound = "in [0.0, 1.0)" if hi else ">= 0.0"
+            raise ValueError(f"{group_label(i, group)}: {key}={value!r} must be a finite number "
+                             f"{bound}; fix the value you pass (or your LR schedule, if it sets "
+                             f"{key})")
+    step = group.get("step", 0)  # the updates so far, which the optimizer counts
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise ValueError(f"{group_label(i, group)}: step={step!r} must be an int >= 0 (the "
+                         "updates so far)")
+
+
+def refuse_grad(i: int, group: dict, j: int, p: Tensor) -> None:
+    """Refuse, in one line, a gradient the update cannot take: sparse, complex, or not of its
+    param's shape."""
+    g, where = p.grad, f"{group_label(i, group)}, param {j}"
+    if g.is_sparse:
+        raise ValueError(f"{where}: sparse gradients are not supported; "
+                         "use a dense nn.Embedding (sparse=False)")
+    if g.is_complex():
+        raise ValueError(f"{where}: complex gradients are not supported")
+    if g.shape != p.shape:
+        raise ValueError(f"{where}: grad shape {tuple(g.shape)} "
+                         f"differs from param shape {tuple(p.shape)}")
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -163,7 +214,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
-        # group index -> what its static keys resolve to, made again when they change (_resolve)
+        # group index -> what its static keys resolve to, made again when they change (_begin_step)
         self._resolved = {}
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is not None:
@@ -193,6 +244,7 @@ class MuonAdamW(torch.optim.Optimizer):
             params = group["params"]
             group["params"] = [params] if isinstance(params, Tensor) else list(params)
         check_group(i, group)
+        check_numbers(i, group)
         seen = {p: (gi, j) for gi, g in enumerate(self.param_groups)
                 for j, p in enumerate(g["params"])}
         for j, p in enumerate(group["params"]):
@@ -242,67 +294,68 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every param with a grad (on any rank), in three phases; on one rank
-        the first and the last do nothing."""
+        only the second runs."""
         inputs, self._inputs = self._inputs, {}  # this step's alone, used or not
         loss = self._begin_step(closure, inputs)
         buckets = self._get_plan()
         params = [p for g in self.param_groups for p in g["params"]]
         # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
-        active = dict(zip(params, self._has_grad(params)))
+        single = self.world_size == 1
+        active = dict(zip(params, [p.grad is not None for p in params] if single
+                          else self._has_grad(params)))
         for group in self.param_groups:  # StageContext.step: the same on every rank
             if group["kind"] == "muon" and any(active[p] for p in group["params"]):
                 group["step"] += 1
-        reductions = self._launch_reductions(buckets, active)  # 1: start every reduction
+        # 1: start every reduction
+        reductions = dict(muon={}) if single else self._launch_reductions(buckets, active)
         gathers = []  # 2: group by group, wait, update what this rank owns, start the gathers
         for gi, group in enumerate(self.param_groups):
             if group["kind"] == "adamw":
                 gathers += self._update_adamw_group(group, active, reductions)
                 continue
             for bi, b in enumerate(buckets):
-                if b["group"] == gi and (bi in reductions["muon"] or self.world_size == 1):
+                if b["group"] == gi and (bi in reductions["muon"] or single):
                     gathers.append(self._update_muon_bucket(group, b, active,
                                                             reductions["muon"].get(bi), inputs))
-            if has_dtensors(group["params"]):  # FSDP2 / TP params
-                muon_step_sharded(group, self.state, self._sharded_plans, self.compiled)
-        self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
+            if self._resolved[gi].sharded:  # FSDP2 / TP params
+                muon_step_sharded(group, self.state, self._sharded_plans,
+                                  self._resolved[gi].plans, self.compiled)
+        if not single:
+            self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
         return loss
 
     def _begin_step(self, closure, inputs: dict):
         """The closure's loss (None without one), then every check that can fail, before any
-        math runs, so a bad step changes nothing."""
+        math runs, so a bad step changes nothing. A group's static keys are resolved (defaults
+        filled, every check, its plans) once, and again only when one changes (group_signature);
+        otherwise only what schedules edit is checked (check_numbers)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            self._resolve(i, group)
+            kept = self._resolved.get(i)
+            if kept is None or kept.signature != group_signature(group):
+                fill_defaults(group)
+                check_group_values(i, group)
+                muon = group["kind"] == "muon"
+                kept = self._resolved[i] = Resolved(
+                    group_signature(group), {}, muon and "inputs" in stage_needs(group),
+                    has_dtensors(group["params"]))
+            check_numbers(i, group)
             # set by OneCycleLR, CyclicLR
             if group["kind"] == "adamw" and group.get("momentum") is not None:
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    check_grad(i, group, j, p)
-            if self._resolved[i].inputs and inputs_due(group) and group["params"][0] not in inputs:
+                g = p.grad
+                if g is not None and (g.is_sparse or g.is_complex() or g.shape != p.shape):
+                    refuse_grad(i, group, j, p)
+            if kept.inputs and inputs_due(group) and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
                                  "this step (input_interval); collect them with "
                                  "GPT.forward(input_stats=True) and pass them to give_inputs() "
                                  "before step()")
         return loss
-
-    def _resolve(self, i: int, group: dict) -> None:
-        """A group's static keys resolved once, again only when one changes (group_signature):
-        defaults filled (a stage named since the last step brings its options), every check, and
-        a muon group's eager flag and math options. Otherwise only the numbers a schedule edits
-        are checked."""
-        if (kept := self._resolved.get(i)) is not None and kept.signature == \
-                group_signature(group):
-            check_numbers(i, group)
-            return
-        fill_defaults(group)
-        check_group_values(i, group)
-        muon = group["kind"] == "muon"
-        self._resolved[i] = Resolved(group_signature(group), muon and runs_eager(group), {},
-                                     muon and "inputs" in stage_needs(group))
 
     def _get_plan(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners
@@ -397,7 +450,7 @@ class MuonAdamW(torch.optim.Optimizer):
         or a padded param."""
         gathers = []
         for p in (p for p in group["params"] if active[p]):
-            route = self._adamw_route(p)
+            route = "local" if self.world_size == 1 else self._adamw_route(p)
             if route in ("dtensor", "local"):  # reduced already, or nothing to reduce
                 self._adamw_step(group, p, p.grad, self.state[p])
             elif route == "small":
@@ -428,18 +481,20 @@ class MuonAdamW(torch.optim.Optimizer):
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced,
                             inputs: dict) -> tuple | None:
         """Muon on the bucket's matrices this rank owns, in place, one stacked call per slice (see
-        _slices). reduced: None on one rank (the grads are where autograd left them), else (work,
-        buffer) of the reduction: then the new values go into this rank's chunk of the buffer (the
-        grads there are spent), and the gather of every chunk starts. inputs: this step's input
-        covariances (give_inputs), where a stage reads them."""
+        _slices), under the group's plan for their shape. reduced: None on one rank (the grads
+        are where autograd left them), else (work, buffer) of the reduction: then the new values
+        go into this rank's chunk of the buffer (the grads there are spent), and the gather of
+        every chunk starts. inputs: this step's input covariances (give_inputs)."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
             work, buf = reduced
             work.wait()
         if idx:
-            resolved = self._resolved[b["group"]]
-            compiled = self.compiled and not resolved.eager
+            p0, plans = mine[0], self._resolved[b["group"]].plans
+            key = (tuple(p0.shape), p0.dtype, p0.device)
+            plan = plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
+            compiled = self.compiled and not plan.eager
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
                 grads = torch.stack(grads) if compiled else grads
@@ -452,18 +507,16 @@ class MuonAdamW(torch.optim.Optimizer):
             # per length), copied back below
             stacked = torch.stack(params) if compiled else params
             everyone = len(idx) == len(mine)
-            state = self._muon_stacks(group, mine, resolved.signature)
+            state = self._muon_stacks(plan, mine, self._resolved[b["group"]].signature)
             if not everyone:  # index_select copies: the moved state is written back below
-                sel = torch.tensor(idx, device=mine[0].device)
+                sel = torch.tensor(idx, device=p0.device)
                 whole, state = state, {name: t[sel] for name, t in state.items()}
-            h = scalars(muon_hparams(group, (len(idx), *mine[0].shape), mine[0].device), compiled)
-            device = mine[0].device
-            opts = resolved.options.get(device) or resolved.options.setdefault(
-                device, muon_options(group, device))
-            update = kernel(muon_update, compiled)
+            h = muon_hparams(group, plan)
+            update = kernel(muon_update, True) if compiled else muon_update
+            h = scalars(h, True) if compiled else h
             inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
-            for sl in self._slices(len(idx), mine[0]):
-                update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, opts,
+            for sl in self._slices(len(idx), p0):
+                update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, plan,
                        None if inputs is None else inputs[sl])
             if not everyone:
                 for name, t in state.items():
@@ -478,8 +531,6 @@ class MuonAdamW(torch.optim.Optimizer):
         """Phase 3: wait for the gathers and copy what arrived into the params; then drop
         the grads this optimizer reduced (spent, their memory reused): on return they are
         None, as after zero_grad()."""
-        if self.world_size == 1:  # nothing was reduced: the grads stay, as with any torch optimizer
-            return
         for works, target, buf in (g for g in gathers if g is not None):
             for work in works:
                 work.wait()
@@ -506,8 +557,11 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
-        h = scalars(adamw_hparams(group, state["step"]), self.compiled)
-        update = kernel(adamw_update, self.compiled)
+        (beta1, beta2), compiled = group["betas"], self.compiled
+        h = AdamWScalars(state["step"], group["lr"], beta1, beta2, group["eps"],
+                         group["weight_decay"])
+        update = kernel(adamw_update, True) if compiled else adamw_update
+        h = scalars(h, True) if compiled else h
         for sl in self._slices(len(tensors[0]), tensors[0][0]):
             update(*(t[sl] for t in tensors), h)
 
@@ -524,17 +578,15 @@ class MuonAdamW(torch.optim.Optimizer):
         per = max(1, self.CPU_SLICE // like.numel())
         return [slice(i, i + per) for i in range(0, count, per)]
 
-    def _muon_stacks(self, group: dict, params: list[Tensor], signature: str) -> dict:
+    def _muon_stacks(self, plan, params: list[Tensor], signature: str) -> dict:
         """name -> one stacked buffer per state these same-shape params keep, as the group now
         asks (its stages and layout may be edited between steps: a new signature); per-param
         state views them. A state of another shape starts afresh (StateSpec.init)."""
         key = tuple(id(p) for p in params)
         if key in self._stacks and self._stacks[key][0] == signature:
             return self._stacks[key][1]
-        p0 = params[0]
-        layout = muon_state_layout(p0.shape, p0.dtype, group)
-        stacks = {}
-        for name, slot in layout.items():
+        p0, stacks = params[0], {}
+        for name, slot in plan.state.items():
             out = torch.empty((len(params), *slot.shape), dtype=slot.dtype, device=p0.device)
             for i, p in enumerate(params):
                 old = self.state[p].get(name)

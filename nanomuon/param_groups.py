@@ -3,10 +3,9 @@ The param group convention of MuonAdamW and DistMuonAdamW: which parameters trai
 what a valid group holds. One home, so the GPT, other models and the optimizers agree.
 
 classify() is the rule, muon_param_groups() applies it to any model (docs/optimizer.md) and
-GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added;
-check_numbers() re-checks what schedules edit at every step, check_group_values() the rest when
-a group's other keys change (group_signature); check_state_dict() refuses an optimizer checkpoint
-that does not fit the groups.
+GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added, and
+check_group_values() when its keys change (optim.py checks what schedules edit at every step);
+check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
 """
 
 import logging
@@ -132,7 +131,7 @@ def stage_names(key: str):
         if key == "orthogonalizer" and (update_math.stage(key, v).state or
                                         update_math.stage(key, v).needs):
             return ("names an orthogonalizer that declares state or needs; an orthogonalizer is "
-                    "f(G, group): give those to a precondition or post-process stage")
+                    "f(G, ctx): give those to a precondition or post-process stage")
         if key == "orthogonalizer" and (method := update_math.stage(key, v).method) not in (
                 None, *update_math.NS_METHODS):
             return (f"names an orthogonalizer whose method {method!r} is not one of "
@@ -163,7 +162,7 @@ MUON_OPTIONS = {
                              "iterated on the m x m Gram matrix (fewer FLOPs from aspect 1.5: "
                              "1.5x at 4:1), restarted every 3 iterations; `'auto'`: Gram where "
                              "it is cheaper, in fp32 and fp16 only (in bf16 it is not accurate: "
-                             "docs/benchmarks.md). Register `f(G, group)` there to add one"),
+                             "docs/benchmarks.md). Register `f(G, ctx)` there to add one"),
     "ns_coefficients": Option("polar_express", any_value,
                               "a name in `update_math.COEFFICIENT_SETS` (below), a list of "
                               "per-iteration `(a, b, c)` (safety 1, eps 1e-7), or "
@@ -268,36 +267,19 @@ def group_label(i: int, group: dict) -> str:
     return f"param group {i}{name} (kind={group.get('kind')!r})"
 
 
-def _check_number(label, key, value, lo=0.0, hi=math.inf, hi_open=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and lo <= value and (value < hi if hi_open else value <= hi)
-    if not ok:
-        bound = (f"in [{lo}, {hi})" if hi_open
-                 else (f"in [{lo}, {hi}]" if hi != math.inf else f">= {lo}"))
-        raise ValueError(f"{label}: {key}={value!r} must be a finite number {bound}; "
-                         f"fix the value you pass (or your LR schedule, if it sets {key})")
-
-
-# What a schedule edits between steps: checked at every step (check_numbers). A change of any
-# other key resolves the group again (group_signature).
-NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
-           "initial_weight_decay")
-
-
-def group_signature(group: dict) -> str:
-    """The group's keys but its params and NUMBERS, and whether beta2 is set (it decides a state):
-    groups of one signature resolve alike (options, stages, state layout)."""
-    static = sorted((k, v) for k, v in group.items() if k not in NUMBERS and k != "params")
-    return repr((static, group.get("beta2") is None))
-
-
 def check_group_values(i: int, group: dict) -> None:
-    """Every check of a group's values: its numbers (check_numbers), then a muon group's options,
-    coefficients, layout and stages."""
-    check_numbers(i, group)
-    if group["kind"] == "adamw":
-        return
+    """Every check of a group's keys and values but what schedules edit (optim.check_numbers):
+    its kind and required keys, then a muon group's options, coefficients, layout and stages."""
     label = group_label(i, group)
+    kind = group.get("kind")
+    if kind not in REQUIRED_KEYS:
+        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; "
+                         "add kind='adamw' or kind='muon' to the group")
+    if missing := [k for k in REQUIRED_KEYS[kind] if k not in group]:
+        raise ValueError(f"{label}: missing {missing}; "
+                         f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
+    if kind == "adamw":
+        return
     for key, option in group_options(group).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
@@ -309,39 +291,6 @@ def check_group_values(i: int, group: dict) -> None:
     _check_coefficients(label, group)
     _check_layout(label, group)
     _check_stages(label, group)
-
-
-def check_numbers(i: int, group: dict) -> None:
-    """The kind, the required keys and what schedules edit (lr, momentum, weight decay, beta2;
-    AdamW's betas and eps): what every step checks."""
-    label = group_label(i, group)
-    kind = group.get("kind")
-    if kind not in REQUIRED_KEYS:
-        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; "
-                         "add kind='adamw' or kind='muon' to the group")
-    missing = [k for k in REQUIRED_KEYS[kind] if k not in group]
-    if missing:
-        raise ValueError(f"{label}: missing {missing}; "
-                         f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
-    _check_number(label, "lr", group["lr"])
-    _check_number(label, "weight_decay", group["weight_decay"])
-    if kind == "adamw":
-        betas = group["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"{label}: betas={betas!r} must be a pair (beta1, beta2), "
-                             "e.g. betas=(0.9, 0.95)")
-        _check_number(label, "betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-        _check_number(label, "betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-        _check_number(label, "eps", group["eps"])
-        if group.get("momentum") is not None:
-            _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
-        return
-    _check_number(label, "momentum", group["momentum"], 0.0, 1.0, hi_open=True)
-    if group["beta2"] is not None:
-        _check_number(label, "beta2", group["beta2"], 0.0, 1.0, hi_open=True)
-    step = group.get("step", 0)  # the updates so far, which the optimizer counts
-    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
-        raise ValueError(f"{label}: step={step!r} must be an int >= 0 (the updates so far)")
 
 
 def _check_stages(label: str, group: dict) -> None:
@@ -388,7 +337,7 @@ def _check_layout(label: str, group: dict) -> None:
         filled = dict(group)
         fill_defaults(filled)
         for key, name, s in update_math.group_stages(filled):
-            if key != "apply" and not s.on_slices:
+            if key != "apply" and not s.flags.on_slices:
                 raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
                                  f"slices of each matrix; {key} {name!r} needs whole matrices: "
                                  "use sharded_mode 'owner' or 'duplicated'")
@@ -443,19 +392,6 @@ def check_group(i: int, group: dict) -> None:
                              f"but the split {tuple(split)} x split_groups={groups} covers "
                              f"{sum(split) * groups}; put only fused weights of that layout in "
                              "this group")
-
-
-def check_grad(i: int, group: dict, j: int, p: Tensor) -> None:
-    g = p.grad
-    where = f"{group_label(i, group)}, param {j}"
-    if g.is_sparse:
-        raise ValueError(f"{where}: sparse gradients are not supported; "
-                         "use a dense nn.Embedding (sparse=False)")
-    if g.is_complex():
-        raise ValueError(f"{where}: complex gradients are not supported")
-    if g.shape != p.shape:
-        raise ValueError(f"{where}: grad shape {tuple(g.shape)} "
-                         f"differs from param shape {tuple(p.shape)}")
 
 
 def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:

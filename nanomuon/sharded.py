@@ -27,6 +27,7 @@ from nanomuon.plan import owner_plan
 from nanomuon.update_math import (
     CHAIN_KEYS,
     NS_DTYPES,
+    MuonPlan,
     Slices,
     StageContext,
     fresh_state,
@@ -36,7 +37,7 @@ from nanomuon.update_math import (
     muon_direction,
     muon_hparams,
     muon_momentum,
-    muon_options,
+    muon_plan,
     muon_state_layout,
     over_slices,
     runs_eager,
@@ -206,49 +207,60 @@ def cut_of(p: DTensor):
     return cut.pop(), group
 
 
-def _momentum_local(group: dict, state: dict, p: DTensor, compiled: bool) -> Tensor:
+def plan_of(plans: dict, group: dict, shape, p: DTensor) -> MuonPlan:
+    """The group's plan for matrices of `shape` like p's, kept in the optimizer's `plans`."""
+    key = (tuple(shape), p.dtype, p.to_local().device)
+    return plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
+
+
+def _momentum_local(group: dict, state: dict, p: DTensor, plan: MuonPlan,
+                    compiled: bool) -> Tensor:
     """Stage 1 on p's local shard; the momentum buffer is a DTensor sharded like p."""
     st = state[p]
     if "momentum_buffer" not in st:
         st["momentum_buffer"] = torch.zeros_like(p)
-    device = p.to_local().device
-    h = scalars(muon_hparams(group, p.shape, device), compiled)
+    h = scalars(muon_hparams(group, plan), compiled)
     return kernel(muon_momentum, compiled)(local(p.grad, p).clone(),
                                            local(st["momentum_buffer"], p), p.to_local(), h,
-                                           muon_options(group, device))
+                                           plan)
 
 
-def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, compiled: bool) -> None:
+def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
+                 compiled: bool) -> None:
     """Stage 3 on p's local shard (nothing for an empty one); matrix_shape sets the lr factor. A
     split matrix's per-row lr (and decay) is cut to this rank's rows."""
     if not u.numel():
         return
-    h = scalars(muon_hparams(group, matrix_shape, u.device), compiled)
+    plan = plan_of(plans, group, matrix_shape, p)
+    h = scalars(muon_hparams(group, plan), compiled)
     if isinstance(h.lr, Tensor) and tuple(matrix_shape) == tuple(p.shape):
         offset, shape, _ = block_of(p)
         crop = tuple(slice(o, o + n) if full > 1 else slice(None)
                      for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
         h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay")
                           if isinstance(getattr(h, k), Tensor)})
-    ctx = StageContext({}, h, muon_options(group, u.device))  # apply stages keep no state here
+    ctx = StageContext({}, h, plan)  # apply stages keep no state here
     kernel(muon_apply, compiled)(p.to_local(), u, ctx)
 
 
-def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> None:
-    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state
-    and plan cache. Params without a grad are skipped; DTensor grads are collective results, so
-    every rank skips the same ones."""
+def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
+                      compiled: bool) -> None:
+    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state,
+    owner plans and the group's update plans (update_math.muon_plan, by shape). Params without a
+    grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
     check_sharded_stages(group.get("name", "a muon group"), group)
     if group["sharded_mode"] != "owner":
-        return muon_step_modes(group, state, compiled)
+        return muon_step_modes(group, state, muon_plans, compiled)
+    compiled = compiled and not runs_eager(group)
     params, plan = group_plan(group, plans)
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
-    compiled = compiled and not runs_eager(group)
     per = 2 if "grad" in stage_needs(group) else 1  # the raw gradient travels too
 
     def momentum_stage(wave):
-        out = {i: _momentum_local(group, state, params[i], compiled) for i in wave}
+        out = {i: _momentum_local(group, state, params[i],
+                                  plan_of(muon_plans, group, params[i].shape, params[i]), compiled)
+               for i in wave}
         return out if per == 1 else {i: torch.stack([g, local(params[i].grad, params[i])])
                                      for i, g in out.items()}
 
@@ -261,16 +273,16 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             stacked, raw = torch.stack([full[i] for i in idx]), None
             if per > 1:
                 stacked, raw = stacked[:, 0], stacked[:, 1]
-            h = scalars(muon_hparams(group, shape, stacked.device), compiled)
-            slots = direction_slots(params[idx[0]], group)
+            ours = plan_of(muon_plans, group, shape, params[idx[0]])
+            h = scalars(muon_hparams(group, ours), compiled)
+            slots = direction_slots(ours)
             for i in idx:  # on the owner, whole; made once, not every step
                 for name, slot in slots.items():
                     if name not in state[params[i]]:
                         state[params[i]][name] = fresh_state(slot, stacked)
             stacks = {name: torch.stack([state[params[i]][name] for i in idx]) for name in slots}
             u = kernel(muon_direction, compiled)(
-                stacked, StageContext(stacks, h, muon_options(group, stacked.device), raw),
-                stacked.dtype)
+                stacked, StageContext(stacks, h, ours, raw), stacked.dtype)
             for k, i in enumerate(idx):
                 out[i] = u[k]
                 for name, t in stacks.items():
@@ -288,7 +300,8 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
             shape = plan["blocks"][plan["rank"]][i][1]
             u = recv[at:at + math.prod(shape)].view(shape)
             at += u.numel()
-            _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, compiled)
+            _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, muon_plans,
+                         compiled)
 
     waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
     pending_gather = (_gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype, per)
@@ -310,7 +323,7 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, compiled: bool) -> 
         finish(pending_scatter)
 
 
-def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
+def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> None:
     """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact)
     orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) runs the direction
     stage on each rank's slice, with the Gram matrix and norms summed across slices
@@ -320,7 +333,7 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
-        g = _momentum_local(group, state, p, compiled)
+        g = _momentum_local(group, state, p, plan_of(plans, group, p.shape, p), compiled)
         raw = local(p.grad, p) if "grad" in stage_needs(group) else None
         slices, matrix_shape = contextlib.nullcontext(), p.shape
         if mode == "duplicated":
@@ -336,25 +349,24 @@ def muon_step_modes(group: dict, state: dict, compiled: bool) -> None:
             continue
         else:
             matrix_shape = g.shape
-        h = scalars(muon_hparams(group, matrix_shape, g.device), compiled)
-        slots = direction_slots(p, group, g.shape if mode == "blockwise" else None)
+        plan = plan_of(plans, group, matrix_shape, p)
+        h = scalars(muon_hparams(group, plan), compiled)
+        slots = direction_slots(plan)
         for name, slot in slots.items():  # made once, not every step
             if name not in state[p]:
                 state[p][name] = fresh_state(_cut_slot(slot, p, g, mode), g)
-        ctx = StageContext({name: state[p][name] for name in slots}, h,
-                           muon_options(group, g.device), raw)
+        ctx = StageContext({name: state[p][name] for name in slots}, h, plan, raw)
         with slices:
             u = muon_direction(g, ctx, p.dtype)
         if mode == "duplicated":
             u = u[_slices(*block_of(p)[:2])].clone()
-        _apply_local(group, p, u, matrix_shape, compiled)
+        _apply_local(group, p, u, matrix_shape, plans, compiled)
 
 
-def direction_slots(p: DTensor, group: dict, shape=None) -> dict:
-    """name -> StateSlot of the state p's direction stages keep, whole (or for a block of
-    `shape`): all of a DTensor param's state but its momentum (apply stages keep none here)."""
-    slots = muon_state_layout(shape or p.shape, p.dtype, group)
-    return {name: slot for name, slot in slots.items() if name != "momentum_buffer"}
+def direction_slots(plan: MuonPlan) -> dict:
+    """name -> StateSlot of the state the direction stages of the plan's matrices keep: all of
+    a DTensor param's state but its momentum (apply stages keep none here)."""
+    return {name: slot for name, slot in plan.state.items() if name != "momentum_buffer"}
 
 
 def _cut_slot(slot, p: DTensor, g: Tensor, mode: str):
@@ -377,7 +389,7 @@ def check_sharded_stages(label: str, group: dict) -> None:
             raise ValueError(f"{label}: {key} {name!r} reads whole weight matrices, which "
                              "sharded (FSDP2, tensor parallel) params keep in blocks; use it "
                              "with plain (replicated) params")
-        if s.owns_momentum:
+        if s.flags.owns_momentum:
             raise ValueError(f"{label}: {key} {name!r} owns the momentum, which the sharded "
                              "(FSDP2, tensor parallel) path keeps on each rank's block; use it "
                              "with plain (replicated) params")

@@ -224,14 +224,14 @@ def gram_matrix(X: Tensor) -> Tensor:
     return A32.to(A.dtype)
 
 
-def newton_schulz(G: Tensor, group: dict, gram: bool | None = None,
+def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
                   method: str | None = None) -> Tensor:
     """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz with
-    the group's ns_coefficients, ns_steps and ns_precision. The registry's 'newton_schulz',
-    'gram_newton_schulz' and 'auto' are this one function, each with its `method` bound (see
-    NS_METHODS). method=None reads the method of the group's orthogonalizer entry (uses_gram), so
-    an orthogonalizer of yours that calls it runs what its entry says ('auto' where the entry
-    names none); gram=True or False forces one.
+    the group's ns_coefficients, ns_steps and ns_precision (ctx.plan.ns). The registry's
+    'newton_schulz', 'gram_newton_schulz' and 'auto' are this one function, each with its `method`
+    bound (see NS_METHODS). The plan settled Gram or not per matrix shape for the group's own
+    orthogonalizer (an orthogonalizer of yours that calls this runs what its entry says: 'auto'
+    where it names none); another method is settled here; gram=True or False forces one.
 
     Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the
     singular values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls).
@@ -242,9 +242,11 @@ def newton_schulz(G: Tensor, group: dict, gram: bool | None = None,
     the polynomials amplify), so it restarts from X = Q X every GRAM_RESTART iterations.
     Over slices (over_slices) the cut dim goes on the columns, where the Gram matrix and the norm
     sum over it (with Gram, one reduction per restart instead of one per iteration)."""
-    ns = newton_schulz_settings(group)
-    gram = uses_gram(group, whole_shape(G), ns, method) if gram is None else gram
-    shape = G.shape
+    ns, shape = ctx.plan.ns, G.shape
+    if gram is None and method in (None, ctx.plan.method):
+        gram = tuple(whole_shape(G)[-2:]) in ctx.plan.gram
+    elif gram is None:
+        gram = uses_gram(method, whole_shape(G), ns)
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
     # in fp32 first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
@@ -279,7 +281,8 @@ def newton_schulz(G: Tensor, group: dict, gram: bool | None = None,
 
 
 def newton_schulz_settings(group: dict) -> NewtonSchulz:
-    """A group's Newton-Schulz settings (its ns_precision already resolved: muon_options)."""
+    """A group's Newton-Schulz settings (its ns_precision already resolved: muon_options); what a
+    plan binds."""
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"],
                                           group["ns_repeat_last"])
     return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
@@ -354,23 +357,33 @@ class StateSpec(NamedTuple):
     nonnegative: bool = False  # a second moment, a count: a loaded negative value is refused
 
 
-class Stage(NamedTuple):
-    """A registry entry. fn: precondition and post-process f(x, ctx) -> x, orthogonalize f(G,
-    group) -> U, apply f(params, u, ctx) -> None (in place); state: name -> StateSpec; reads:
-    names of state another stage of the group declares, which this one sees in ctx.state too
-    (one technique's stages sharing state); options: its own group keys -> Option; check(group):
-    None, or what is wrong with the group for this stage (options that depend on each other);
-    cost(rows, cols, group): FLOPs per matrix and step, which owner planning adds to
-    Newton-Schulz's; needs: what it reads beyond its input ('grad': the raw gradient, 'weight':
-    whole weight matrices, which sharded (DTensor) params do not carry to their owner; 'inputs':
-    each matrix's input covariance, every input_interval steps: StageContext.inputs);
+class Flags(NamedTuple):
+    """A stage's yes-or-no facts, as one record (most stages keep the defaults).
     on_slices: also right on the slices of sharded_mode='distributed' (its sums go through sq_sum
-    or summed); eager: it branches on state values, so its group runs uncompiled.
+    or summed). eager: it branches on state values, so its group runs uncompiled.
     owns_momentum (a precondition): it keeps its own momentum, so the group keeps no
     momentum_buffer and the stage's input is the gradient (with 'l2' mode's term).
     logical (an apply stage): it runs on logical matrices, as the direction stages do, and its
     state is per logical matrix, so a precondition or post-process may share it.
-    weight_decay (an apply stage): whether it applies the group's weight_decay.
+    weight_decay (an apply stage): whether it applies the group's weight_decay."""
+    on_slices: bool = False
+    eager: bool = False
+    owns_momentum: bool = False
+    logical: bool = False
+    weight_decay: bool = True
+
+
+class Stage(NamedTuple):
+    """A registry entry. fn(x, ctx), one signature for every kind: a precondition or post-process
+    returns the transformed x, an orthogonalizer U from G, an apply stage updates ctx.params in
+    place from the update u. state: name -> StateSpec; reads: names of state another stage of the
+    group declares, which this one sees in ctx.state too (one technique's stages sharing state);
+    options: its own group keys -> Option; check(group): None, or what is wrong with the group for
+    this stage (options that depend on each other); cost(rows, cols, group): FLOPs per matrix and
+    step, which owner planning adds to Newton-Schulz's; needs: what it reads beyond its input
+    ('grad': the raw gradient, 'weight': whole weight matrices, which sharded (DTensor) params do
+    not carry to their owner; 'inputs': each matrix's input covariance, every input_interval
+    steps: StageContext.inputs); flags: Flags.
     method (an orthogonalizer): the Newton-Schulz it runs (NS_METHODS), which the cost, the float64
     reference and old checkpoints read; None: not Newton-Schulz (costed as standard Newton-Schulz
     plus its cost, and the reference needs its float64 definition). A wrapper of Newton-Schulz
@@ -382,11 +395,7 @@ class Stage(NamedTuple):
     check: Callable | None = None
     cost: Callable | None = None
     needs: tuple = ()
-    on_slices: bool = False
-    eager: bool = False
-    owns_momentum: bool = False
-    logical: bool = False
-    weight_decay: bool = True
+    flags: Flags = Flags()
     method: str | None = None
 
 
@@ -394,7 +403,7 @@ class StageContext(NamedTuple):
     """What a stage reads besides the matrices it transforms (a stack of them: (..., rows, cols))."""
     state: dict  # name -> tensor: the state this stage keeps and reads, stacked like the matrices
     h: MuonScalars  # this step's numbers
-    group: dict  # the group's static options (muon_options), stage options included
+    plan: "MuonPlan"  # the group resolved for these matrices (muon_plan)
     grad: Tensor | None = None  # the raw gradients, where a stage needs 'grad'
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
     # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
@@ -402,6 +411,13 @@ class StageContext(NamedTuple):
     # where a stage needs 'inputs', on the steps they were collected: each matrix's input
     # covariance x^T x / tokens in blocks (input_block), (..., blocks, b, b); else None
     inputs: Tensor | None = None
+    # apply stages: the params, updated in place (stacked like u, or a list of its matrices)
+    params: Tensor | list | None = None
+
+    @property
+    def group(self) -> dict:
+        """The group's static options (muon_options), stage options included."""
+        return self.plan.options
 
     @property
     def step(self):
@@ -577,12 +593,6 @@ def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
     return u
 
 
-def muon_red_dim(shape) -> int:
-    """The dim variance reduction averages over: columns
-    (per-row stats) for tall or square matrices."""
-    return -1 if shape[-2] >= shape[-1] else -2
-
-
 def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
     """Factored second-moment normalization (NorMuon, Li et al. 2025, arXiv 2510.05491, as
     nanochat does it): an EMA (beta2) of the mean squared update along the rows of a tall or
@@ -591,19 +601,16 @@ def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
     second_moment = ctx.state.get("second_momentum_buffer")
     if second_moment is None:
         return u
-    red_dim = muon_red_dim(whole_shape(u))
-    red_size = whole_shape(u)[red_dim]
-    v_mean = sq_sum(u, (red_dim,)) / red_size  # u is scaled in place at the end
+    shape = whole_shape(u)
+    red_dim = -1 if shape[-2] >= shape[-1] else -2  # per row of a tall or square matrix
+    v_mean = sq_sum(u, (red_dim,)) / shape[red_dim]  # u is scaled in place at the end
     other = (-2 if red_dim == -1 else -1,)  # v_mean's sums over the other dim: the whole matrix's
-
-    def total(t):
-        return summed(t.sum(dim=(-2, -1), keepdim=True), other)
-
-    v_norm = total(v_mean * red_size).sqrt()
+    v_norm = summed((v_mean * shape[red_dim]).sum(dim=(-2, -1), keepdim=True), other).sqrt()
     second_moment.lerp_(v_mean.to(second_moment.dtype), 1 - ctx.h.beta2)
-    step_size = second_moment.clamp_min(1e-10).rsqrt()
-    v_norm_new = total((v_mean * red_size) * fp32(step_size).square()).sqrt()
-    return u.mul_((step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(u.dtype))
+    step_size = second_moment.clamp_min(1e-10).rsqrt()  # fp32 at least: the state's dtype
+    v_norm_new = summed((v_mean * shape[red_dim] * step_size.square()).sum(dim=(-2, -1),
+                                                                          keepdim=True), other)
+    return u.mul_((step_size * (v_norm / v_norm_new.sqrt().clamp_min(1e-10))).to(u.dtype))
 
 
 def uw_floor(u: Tensor, ctx: StageContext) -> Tensor:
@@ -645,33 +652,27 @@ def pairs(stack: Tensor, params, *states):
         zip(stack, params, *states)
 
 
-def _lr_step(p: Tensor, u: Tensor, lr) -> None:
-    """p -= lr u: the lr folds into the add, or (a tensor: per row, or compiled) u was scaled."""
-    if isinstance(lr, Tensor):
-        p.sub_(u)
-    else:
-        p.add_(u, alpha=-lr)
-
-
-def apply_decoupled(params, u: Tensor, ctx: StageContext) -> None:
+def apply_decoupled(u: Tensor, ctx: StageContext) -> None:
     """Decoupled weight decay (h.decay: lr * weight_decay; none in 'l2' mode), then the step."""
-    if isinstance(ctx.h.lr, Tensor):
-        u.mul_(ctx.h.lr)
-    for ui, p in pairs(u, params):
+    lr = ctx.h.lr
+    if isinstance(lr, Tensor):  # per row, or compiled: u takes it, as alpha takes numbers only
+        u, lr = u.mul_(lr), 1.0
+    for ui, p in pairs(u, ctx.params):
         if ctx.group["weight_decay_mode"] != "l2":
             p.mul_(1 - ctx.h.decay)
-        _lr_step(p, ui, ctx.h.lr)
+        p.add_(ui, alpha=-lr)
 
 
-def apply_cautious(params, u: Tensor, ctx: StageContext) -> None:
+def apply_cautious(u: Tensor, ctx: StageContext) -> None:
     """Cautious weight decay (Chen et al. 2025, arXiv 2510.12402): decay only where the update
     and the weight agree in sign, then the step."""
-    if isinstance(ctx.h.lr, Tensor):
-        u.mul_(ctx.h.lr)
-    for ui, p in pairs(u, params):
+    lr = ctx.h.lr
+    if isinstance(lr, Tensor):  # per row, or compiled: u takes it, as alpha takes numbers only
+        u, lr = u.mul_(lr), 1.0
+    for ui, p in pairs(u, ctx.params):
         if ctx.group["weight_decay_mode"] != "l2":
             p.addcmul_(p, ((ui * p) >= 0) * ctx.h.decay, value=-1)
-        _lr_step(p, ui, ctx.h.lr)
+        p.add_(ui, alpha=-lr)
 
 
 def hyperball_radius(w: Tensor) -> Tensor:
@@ -682,11 +683,11 @@ def hyperball_radius(w: Tensor) -> Tensor:
     return torch.where(norm > 0, norm, torch.full_like(norm, w.shape[-2] ** 0.5))
 
 
-def hyperball(params, u: Tensor, ctx: StageContext) -> None:
+def hyperball(u: Tensor, ctx: StageContext) -> None:
     """MuonH (modded-nanogpt track 3, record 5; arXiv 2606.16899): each matrix stays on the
     sphere of radius r (hyperball_radius): W' = W - lr r u / ||u||_F, then W <- W' r / ||W'||_F.
     The lr is a relative step; weight decay has no part."""
-    for ui, p, r in pairs(u, params, ctx.state["hyperball_radius"]):
+    for ui, p, r in pairs(u, ctx.params, ctx.state["hyperball_radius"]):
         p.sub_((fp32(ui) * (ctx.h.lr * r / frobenius(ui).clamp_min(1e-10))).to(p.dtype))
         p.mul_((r / frobenius(p).clamp_min(1e-10)).to(p.dtype))
 
@@ -715,14 +716,14 @@ def muown_direction(grad: Tensor, ctx: StageContext) -> Tensor:
     return grad_v.lerp_(m, ctx.h.momentum) if ctx.group["nesterov"] else m
 
 
-def muown_apply(W: Tensor, u: Tensor, ctx: StageContext) -> None:
+def muown_apply(u: Tensor, ctx: StageContext) -> None:
     """Muown's apply stage, on logical matrices: v = ||v|| W / g steps along the orthogonalized u
     by ctx.h.lr (the record's lr x direction_scale x sqrt(max(rows, cols)): lr_scale='spectral',
     extra_scale=0.2), the gain by Adam (muown_betas, eps 1e-8, the group lr x muown_gain_lr), then
     W = g v / ||v||. Then ||v|| follows the v-norm schedule, from its start to
     muown_v_norm_target as ((step - 1) / (horizon - 1))^muown_v_norm_power: a longer v turns less
     for the same step, so the angular step shrinks as the run goes on. No weight decay."""
-    st, (beta1, beta2) = ctx.state, ctx.group["muown_betas"]
+    st, (beta1, beta2), W = ctx.state, ctx.group["muown_betas"], ctx.params
     gain, v_norm = st["muown_gain"], st["muown_v_norm"]
     v = fp32(W) / gain * v_norm - fp32(u) * ctx.h.lr
     grad_gain, m, s2 = st["muown_gain_grad"], st["muown_gain_exp_avg"], st["muown_gain_exp_avg_sq"]
@@ -771,10 +772,11 @@ def _soap_cost(rows: int, cols: int, group: dict) -> float:
     return per_step + 4 * (rows ** 3 + cols ** 3) / every
 
 
+SLICES = Flags(on_slices=True)  # a stage whose sums go through sq_sum or summed
 PRECONDITIONERS = {
-    **{f"equilibrate_{mode}": Stage(functools.partial(equilibrate, mode=mode), on_slices=True)
+    **{f"equilibrate_{mode}": Stage(functools.partial(equilibrate, mode=mode), flags=SLICES)
        for mode in ("row", "col", "row_col")},
-    "equilibrate_row_mean": Stage(equilibrate_to_mean, on_slices=True),
+    "equilibrate_row_mean": Stage(equilibrate_to_mean, flags=SLICES),
     "soap": Stage(soap, state=dict(
         soap_row_cov=StateSpec(lambda rows, cols: (rows, rows)),
         soap_col_cov=StateSpec(lambda rows, cols: (cols, cols)),
@@ -787,7 +789,7 @@ PRECONDITIONERS = {
                      precondition_frequency=Option(10, an_interval, "SOAP: steps between "
                                                    "refreshes of the eigenbases, or a fraction "
                                                    "of the run")),
-        cost=_soap_cost, needs=("grad",), eager=True),
+        cost=_soap_cost, needs=("grad",), flags=Flags(eager=True)),
     "newton": Stage(newton, state=dict(
         newton_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
         newton_cov=_newton_spec(Diagonal(0.001)), newton_inv=_newton_spec(Diagonal(1.0))),
@@ -798,20 +800,21 @@ PRECONDITIONERS = {
                                         "covariance's EMA weight on a refresh's inputs"),
                      newton_damping=Option(0.2, a_number, "Newton-Muon: the diagonal damping, "
                                            "a share of the covariance's mean eigenvalue")),
-        check=_newton_check, needs=("inputs",), owns_momentum=True, eager=True),
+        check=_newton_check, needs=("inputs",),
+        flags=Flags(eager=True, owns_momentum=True)),
     "muown": Stage(muown_direction, state=dict(
         muown_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
         muown_gain_grad=_row_spec()), reads=("muown_gain", "muown_v_norm"), needs=("weight",),
-        owns_momentum=True),
+        flags=Flags(owns_momentum=True)),
 }
-ORTHOGONALIZERS = {name: Stage(functools.partial(newton_schulz, method=method), on_slices=True,
+ORTHOGONALIZERS = {name: Stage(functools.partial(newton_schulz, method=method), flags=SLICES,
                                 method=method)
                    for name, method in (("auto", "auto"), ("newton_schulz", "standard"),
                                         ("gram_newton_schulz", "gram"))}
 POST_PROCESSORS = {
-    **{f"normalize_{mode}": Stage(functools.partial(normalize, mode=mode), on_slices=True)
+    **{f"normalize_{mode}": Stage(functools.partial(normalize, mode=mode), flags=SLICES)
        for mode in ("fro", "col", "row", "col_row", "row_col")},
-    "variance_reduction": Stage(variance_reduction, on_slices=True, state=dict(
+    "variance_reduction": Stage(variance_reduction, flags=SLICES, state=dict(
         second_momentum_buffer=StateSpec(lambda rows, cols: (rows, 1) if rows >= cols else (1, cols),
                                          kept=lambda group: group["beta2"] is not None,
                                          nonnegative=True))),
@@ -827,8 +830,7 @@ APPLIERS = {
     "cautious": apply_cautious,
     "hyperball": Stage(hyperball, state=dict(hyperball_radius=StateSpec(
         lambda rows, cols: (1, 1), init=hyperball_radius, nonnegative=True)),
-        needs=("weight",),
-        weight_decay=False),
+        needs=("weight",), flags=Flags(weight_decay=False)),
     "muown": Stage(muown_apply, state=dict(
         muown_gain=_row_spec(muown_row_norms), muown_v_norm=_row_spec(muown_row_norms),
         muown_v_norm_start=_row_spec(muown_row_norms), muown_gain_exp_avg=_row_spec(),
@@ -838,7 +840,7 @@ APPLIERS = {
         muown_v_norm_target=Option(2.496, none_or(a_number), "Muown: the row norm of v the "
                                    "schedule ends at (None: no schedule)"),
         muown_v_norm_power=Option(1.2, a_number, "Muown: the schedule's power")),
-        check=_muown_check, logical=True, weight_decay=False),
+        check=_muown_check, flags=Flags(logical=True, weight_decay=False)),
 }
 # group key -> its registry; precondition and post_process take a sequence of names
 STAGE_KEYS = {"precondition": PRECONDITIONERS, "orthogonalizer": ORTHOGONALIZERS,
@@ -871,14 +873,14 @@ def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
 def applies_weight_decay(group: dict) -> bool:
     """Whether the group's weight_decay acts: in the gradient ('l2' mode), or through an apply
     stage that decays (MuonH's and Muown's do not)."""
-    return group["weight_decay_mode"] == "l2" or stage("apply", group["apply"]).weight_decay
+    return group["weight_decay_mode"] == "l2" or stage("apply", group["apply"]).flags.weight_decay
 
 
 def stages_used(group: dict) -> str:
     """What a muon group's update runs, in one line: its stages by slot, and who keeps the
     momentum and whether the weight decay acts (a run's header says it)."""
     parts = [f"{key} {', '.join(names(group[key])) or 'none'}" for key in STAGE_KEYS]
-    owner = next((n for k, n, s in group_stages(group) if s.owns_momentum), None)
+    owner = next((n for k, n, s in group_stages(group) if s.flags.owns_momentum), None)
     parts.append(f"momentum kept by precondition {owner!r}" if owner else "Muon's momentum")
     if not applies_weight_decay(group):
         parts.append(f"weight decay not applied (apply stage {group['apply']!r})")
@@ -886,16 +888,17 @@ def stages_used(group: dict) -> str:
 
 
 def runs_eager(group: dict) -> bool:
-    return any(s.eager for _, _, s in group_stages(group))
+    return any(s.flags.eager for _, _, s in group_stages(group))
 
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: MuonScalars,
-                  opts: dict) -> Tensor:
+                  plan: "MuonPlan") -> Tensor:
     """Muon's momentum step, elementwise (so it runs on shards too); returns what the direction
     stages take. weight_decay_mode 'l2' adds wd * params to the gradient first (L2
     regularization) instead of decaying the weights after the update. No momentum_buffer: a
-    precondition owns the momentum (Stage.owns_momentum) and takes the gradient itself. `grads`
+    precondition owns the momentum (Flags.owns_momentum) and takes the gradient itself. `grads`
     may be overwritten. params: stacked like grads, or a list of its matrices."""
+    opts = plan.options
     if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
             g.add_(p * h.wd)
@@ -922,18 +925,14 @@ def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tens
     each exactly as a param of its own, its stage state a slice of the flat per-matrix state
     (Megatron's per-query-group QKV layout when split_groups > 1: block i is rows n_i of every
     group). Equal blocks (attention heads) run as one batch."""
-    opts = ctx.group
-    layout = muon_layout(opts)
-    if layout is not None:
-        return _by_layout(g, ctx, out_dtype, layout)
-    for name in names(opts["precondition"]):
-        s = stage("precondition", name)
+    plan = ctx.plan
+    if plan.layout is not None:
+        return _by_layout(g, ctx, out_dtype, plan.layout)
+    for s in plan.precondition:
         g = s.fn(g, ctx.only(s))
-    u = stage("orthogonalizer", opts["orthogonalizer"]).fn(g, opts)
-    u = u.to(out_dtype)  # the norms below would copy bf16 to fp32 anyway
+    u = plan.orthogonalizer.fn(g, ctx).to(out_dtype)  # the norms below would copy bf16 anyway
     ctx = ctx._replace(ortho_input=g)
-    for name in names(opts["post_process"]):
-        s = stage("post_process", name)
+    for s in plan.post_process:
         u = s.fn(u, ctx.only(s))
     return u
 
@@ -942,7 +941,7 @@ def logical_specs(group: dict) -> dict:
     """name -> StateSpec of every state kept per logical matrix: the precondition and
     post-process stages' and a logical apply stage's (whether kept or not: see
     muon_state_layout)."""
-    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.logical
+    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.flags.logical
             for name, spec in s.state.items()}
 
 
@@ -970,22 +969,32 @@ def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
     return list(t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2))
 
 
+def plain_plan(plan: "MuonPlan", layout: Layout | None = None) -> "MuonPlan":
+    """The plan that a transposed or split matrix's blocks run under: plain (out, in) matrices,
+    or `layout` (a transposed matrix's split, once transposed)."""
+    split, groups = (layout.split, layout.groups) if layout else (None, 1)
+    options = dict(plan.options, split=split, qkv_split=None, split_groups=groups,
+                   transposed=False)
+    return plan._replace(layout=layout, options=options)
+
+
 def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tensor:
     """muon_direction of a transposed or split matrix, through plain matrices (see there)."""
     split, groups, transposed = layout
-    plain = dict(ctx.group, split=None, qkv_split=None, transposed=False)
     mats = {k: getattr(ctx, k) for k in ("grad", "weight") if getattr(ctx, k) is not None}
-    specs = logical_specs(ctx.group)
+    specs = ctx.plan.specs
     state = {name: t for name, t in ctx.state.items() if name in specs}
     if transposed:
-        sub = ctx._replace(group=dict(plain, split=split, split_groups=groups), state=state,
+        inner = layout._replace(transposed=False) if split else None
+        sub = ctx._replace(plan=plain_plan(ctx.plan, inner), state=state,
                            **{k: t.mT for k, t in mats.items()})
         return muon_direction(g.mT, sub, out_dtype).mT
+    plain = plain_plan(ctx.plan)
     if groups == 1 and len(set(split)) == 1:  # (..., k * n, cols) as a batch of k (n, cols) blocks
         k, n = len(split), split[0]
-        sub = ctx._replace(group=plain, state={name: t.unflatten(-1, (k, *specs[name].shape(
-                                                   n, g.shape[-1])))
-                                               for name, t in state.items()},
+        sub = ctx._replace(plan=plain, state={name: t.unflatten(-1, (k, *specs[name].shape(
+                                                  n, g.shape[-1])))
+                                              for name, t in state.items()},
                            **{key: t.unflatten(-2, (k, n)) for key, t in mats.items()})
         return muon_direction(g.unflatten(-2, (k, n)), sub, out_dtype).flatten(-3, -2)
     # the rows are `groups` repeats of the blocks: views
@@ -994,7 +1003,7 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
     states = block_state(state, specs, g.shape, layout)
     views = {key: logical_blocks(t, layout) for key, t in dict(mats, g=g, u=u).items()}
     for b in range(len(split)):
-        sub = ctx._replace(group=plain, state=states[b],
+        sub = ctx._replace(plan=plain, state=states[b],
                            **{key: views[key][b].flatten(-3, -2) for key in mats})
         m = views["g"][b].flatten(-3, -2)
         views["u"][b].copy_(muon_direction(m, sub, out_dtype).view_as(views["g"][b]))
@@ -1005,18 +1014,17 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
     """The group's apply stage: weight decay and the step, in place on params (stacked like u,
     or a list of its matrices: the model's own params, sparing a stack and a copy back); `u` may
     be overwritten. ctx.h.lr: the step (a number, or per row of a split matrix: see
-    muon_hparams); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2' mode).
-    A logical apply stage gets the params stacked, as logical matrices (_apply_by_layout)."""
-    s = stage("apply", ctx.group["apply"])
+    MuonPlan.lr_factor); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2'
+    mode). A logical apply stage gets the params stacked, as logical matrices."""
+    s = ctx.plan.apply
     ctx = ctx.only(s)
-    if not s.logical:
-        return s.fn(params, u, ctx)
+    if not s.flags.logical:
+        return s.fn(u, ctx._replace(params=params))
     W = params if isinstance(params, Tensor) else torch.stack(params)
-    layout = muon_layout(ctx.group)
-    if layout is None:
-        s.fn(W, u, ctx)
+    if ctx.plan.layout is None:
+        s.fn(u, ctx._replace(params=W))
     else:
-        _apply_by_layout(s, W, u, ctx, layout)
+        _apply_by_layout(s, W, u, ctx, ctx.plan.layout)
     if not isinstance(params, Tensor):
         torch._foreach_copy_(params, list(W.unbind(0)))
 
@@ -1024,37 +1032,34 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
 def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: Layout) -> None:
     """A logical apply stage on transposed or split matrices W: block by block, each as a plain
     matrix with its own lr and state, written back into W."""
-    plain = dict(ctx.group, split=None, qkv_split=None, transposed=False)
-    states = block_state(ctx.state, logical_specs(ctx.group), W.shape, layout)
+    plain = plain_plan(ctx.plan)
+    states = block_state(ctx.state, ctx.plan.specs, W.shape, layout)
     per_row = {k: logical_blocks(v, layout) for k, v in ctx.h._asdict().items()
                if isinstance(v, Tensor) and v.dim() == 2}  # a split matrix's lr and decay
     for b, (view, ub) in enumerate(zip(logical_blocks(W, layout), logical_blocks(u, layout))):
         w = view.flatten(-3, -2)  # a copy where the block's rows repeat across groups
         h = ctx.h._replace(**{k: v[b].flatten(-3, -2) for k, v in per_row.items()})
-        s.fn(w, ub.flatten(-3, -2), ctx._replace(group=plain, state=states[b], h=h))
+        s.fn(ub.flatten(-3, -2), ctx._replace(plan=plain, state=states[b], h=h, params=w))
         if layout.split and layout.groups > 1:
             view.copy_(w.view_as(view))
 
 
-def muon_update(grads, params, state: dict, h: MuonScalars, opts: dict,
+def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
                 inputs: Tensor | None = None) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
     stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
-    muon_state_layout() lays it out): momentum, direction, apply. inputs: the matrices' input
+    plan.state lays it out): momentum, direction, apply. inputs: the matrices' input
     covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path
     (sharded.py) runs the same three with communication between."""
-    # a slice's worth: small, reused memory
-    grads = torch.stack(grads) if isinstance(grads, list) else grads
-    # the momentum step overwrites grads
-    raw = grads.clone() if "grad" in stage_needs(opts) else None
+    grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory
+    raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
     out_dtype = grads.dtype  # the params'
-    g = muon_momentum(grads, state.get("momentum_buffer"), params, h, opts)
+    g = muon_momentum(grads, state.get("momentum_buffer"), params, h, plan)
     weight = None  # apply stages have the params themselves
-    if "weight" in stage_needs(opts, CHAIN_KEYS):
+    if "weight" in plan.needs:
         weight = params if isinstance(params, Tensor) else torch.stack(params)
-    ctx = StageContext(state, h, opts, raw, weight, inputs=inputs)
-    u = muon_direction(g, ctx, out_dtype)
-    muon_apply(params, u, ctx)
+    ctx = StageContext(state, h, plan, raw, weight, inputs=inputs)
+    muon_apply(params, muon_direction(g, ctx, out_dtype), ctx)
 
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
@@ -1087,32 +1092,64 @@ def muon_layout(group: dict) -> Layout | None:
     return Layout(tuple(split) if split else None, group["split_groups"], group["transposed"])
 
 
-# (factors, layout, device) -> a split matrix's lr factor per logical row, shaped to broadcast over
-# the stored matrix; built once, as a host-to-device copy every step would stall CUDA
-_row_factors: dict = {}
+class MuonPlan(NamedTuple):
+    """A muon group resolved for matrices of one shape, dtype and device (muon_plan): what every
+    step of theirs runs, bound once, so a step derives nothing."""
+    precondition: tuple  # the Stages, in order
+    orthogonalizer: Stage
+    post_process: tuple
+    apply: Stage
+    ns: NewtonSchulz
+    method: str  # the orthogonalizer's Newton-Schulz method ('auto' where it names none)
+    gram: tuple  # the logical (rows, cols) on which that method runs Gram
+    layout: Layout | None
+    lr_factor: float | Tensor  # the lr's factor; per row of a split matrix, a tensor there
+    options: dict  # the static options (muon_options): what the stages read as ctx.group
+    state: dict  # name -> StateSlot (muon_state_layout)
+    specs: dict  # name -> StateSpec of the state kept per logical matrix (logical_specs)
+    needs: tuple  # what the direction stages read beyond their input
+    eager: bool  # a stage branches on state values: the group runs uncompiled
 
 
-def muon_hparams(group: dict, matrix_shape, device) -> MuonScalars:
-    """A muon group's per-step numbers for matrices of matrix_shape on `device`. The lr factor (per
-    row of a split matrix: per block) follows the logical shape; decay uses that lr, or the group lr
-    with decay_lr='group' (torch.optim.Muon, Megatron)."""
-    layout = muon_layout(group)
-    factors = tuple(LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"]
-                    for b in block_shapes(matrix_shape, layout))
-    lr = group["lr"] * factors[0]
+def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
+    """The plan of a checked muon group (defaults filled) for matrices of `shape` (the last two
+    dims; a leading batch is fine) in `dtype` on `device`. The lr factor (per row of a split
+    matrix: per block) follows the logical shape."""
+    opts = muon_options(group, device)
+    ns, layout = newton_schulz_settings(opts), muon_layout(group)
+    blocks = block_shapes(shape, layout)
+    method = orthogonalizer_method(opts) or "auto"
+    factors = [LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in blocks]
+    lr_factor = factors[0]
     if len(factors) > 1:
-        key = (factors, layout, torch.device(device))
-        if key not in _row_factors:
-            rows = (torch.tensor(factors).repeat_interleave(torch.tensor(layout.split))
-                    .repeat(layout.groups))
-            rows = rows.to(device)
-            _row_factors[key] = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
-        lr = group["lr"] * _row_factors[key]
-    decay = (lr if group["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
-    decay = 0.0 if group["weight_decay_mode"] == "l2" else decay  # it went into the gradient
+        rows = (torch.tensor(factors).repeat_interleave(torch.tensor(layout.split))
+                .repeat(layout.groups).to(device))
+        lr_factor = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
+    chains = {key: tuple(stage(key, name) for name in names(group[key])) for key in CHAIN_KEYS}
+    return MuonPlan(chains["precondition"], stage("orthogonalizer", group["orthogonalizer"]),
+                    chains["post_process"], stage("apply", group["apply"]), ns, method,
+                    tuple(b for b in blocks if uses_gram(method, b, ns)), layout, lr_factor,
+                    opts, muon_state_layout(shape, dtype, group), logical_specs(group),
+                    tuple(stage_needs(group, CHAIN_KEYS)), runs_eager(group))
+
+
+def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
+    """A muon group's per-step numbers, under its plan. Decay uses the lr with its factor, or the
+    group lr with decay_lr='group' (torch.optim.Muon, Megatron); none in 'l2' mode, where it went
+    into the gradient."""
+    lr, opts = group["lr"] * plan.lr_factor, plan.options
+    decay = (lr if opts["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
+    decay = 0.0 if opts["weight_decay_mode"] == "l2" else decay
     beta2 = group["beta2"] if group["beta2"] is not None else 0.0
     return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay,
                        beta2=beta2, step=group.get("step", 0), group_lr=group["lr"])
+
+
+def stage_context(group: dict, like: Tensor, state: dict | None = None, **fields) -> StageContext:
+    """A context for calling a stage by hand (tests, benchmarks): the plan of a checked group
+    (defaults filled) for matrices like `like`, its step numbers, and `fields`."""
+    plan = muon_plan(group, like.shape, like.dtype, like.device)
+    return StageContext(state or {}, muon_hparams(group, plan), plan, **fields)
 
 
 # What the math reads of a group: everything but the params, the per-step numbers
@@ -1165,7 +1202,7 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
                 raise ValueError(f"stage {stage_name!r} keeps state {name!r}, as another stage of "
                                  "this group does; give one of them another name")
             init = spec.init
-            if key not in CHAIN_KEYS and not s.logical:
+            if key not in CHAIN_KEYS and not s.flags.logical:
                 per = spec.shape(*shape[-2:])
             elif callable(spec.init) and key in CHAIN_KEYS:
                 raise ValueError(f"stage {stage_name!r}: only apply stages may initialize state "
@@ -1181,28 +1218,28 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
 
 def owns_momentum(group: dict) -> bool:
     """Whether a precondition of the group keeps its own momentum (no momentum_buffer)."""
-    return any(s.owns_momentum for _, _, s in group_stages(group))
+    return any(s.flags.owns_momentum for _, _, s in group_stages(group))
 
 
 def check_shared_state(stages: list) -> None:
     """Refuse, in one line, stages that read state no other stage of the group declares or
     declares in another layout (per stored matrix against per logical one), and momentum owned
     by anything but the first precondition."""
-    keeper = {name: (stage_name, key in CHAIN_KEYS or s.logical)
+    keeper = {name: (stage_name, key in CHAIN_KEYS or s.flags.logical)
               for key, stage_name, s in stages for name in s.state}
     for i, (key, stage_name, s) in enumerate(stages):
-        if s.owns_momentum and (key != "precondition" or i != 0):
+        if s.flags.owns_momentum and (key != "precondition" or i != 0):
             raise ValueError(f"{key} {stage_name!r} owns the momentum, which only the first "
                              "precondition may: its input is the gradient")
         for name in s.reads:
             if name not in keeper or name in s.state:
                 raise ValueError(f"{key} {stage_name!r} reads state {name!r}, which no other "
                                  "stage of this group declares; name the stage that keeps it")
-            if keeper[name][1] != (key in CHAIN_KEYS or s.logical):
+            if keeper[name][1] != (key in CHAIN_KEYS or s.flags.logical):
                 raise ValueError(f"{key} {stage_name!r} reads state {name!r}, which "
                                  f"{keeper[name][0]!r} keeps per stored matrix; a state shared "
                                  "with a direction stage needs a logical apply stage "
-                                 "(Stage(logical=True))")
+                                 "(Flags(logical=True))")
 
 
 class LogicalInit(NamedTuple):
@@ -1261,11 +1298,9 @@ def orthogonalizer_running(method: str) -> str:
                  if getattr(entry, "method", None) == method), "auto")
 
 
-def uses_gram(opts: dict, shape, ns: NewtonSchulz, method: str | None = None) -> bool:
-    """Whether Newton-Schulz by `method` (default: orthogonalizer_method) runs Gram on a matrix of
-    `shape`: 'gram' always, 'standard' never, 'auto' where gram_pays. An entry that names no method
-    (a function of yours that calls newton_schulz) counts as 'auto'."""
-    method = method or orthogonalizer_method(opts) or "auto"
+def uses_gram(method: str, shape, ns: NewtonSchulz) -> bool:
+    """Whether Newton-Schulz by `method` runs Gram on a matrix of `shape`: 'gram' always,
+    'standard' never, 'auto' where gram_pays."""
     return method == "gram" or (
         method == "auto" and gram_pays(shape, len(ns.coefficients), ns.dtype))
 
@@ -1277,7 +1312,7 @@ def update_cost(group: dict, p: Tensor) -> float:
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
     method = orthogonalizer_method(opts)
-    gram = method is not None and uses_gram(opts, p.shape, ns, method)
+    gram = method is not None and uses_gram(method, p.shape, ns)
     flops = ns_flops(p.shape, len(ns.coefficients), gram)
     batch = torch.Size(p.shape[:-2]).numel()
     return flops + sum(batch * s.cost(*p.shape[-2:], opts) for _, _, s in group_stages(opts)

@@ -10,7 +10,15 @@ import torch
 
 from nanomuon.optim import MuonAdamW
 from nanomuon.reference import muon_step
-from nanomuon.update_math import NS_DTYPES, NewtonSchulz, gram_pays, newton_schulz, ns_coefficients
+from nanomuon.param_groups import fill_defaults
+from nanomuon.update_math import (
+    NS_DTYPES,
+    NewtonSchulz,
+    gram_pays,
+    newton_schulz,
+    ns_coefficients,
+    stage_context,
+)
 
 
 def make_params(shapes, seed=0, dtype=torch.float32):
@@ -172,8 +180,18 @@ def ns_group(ns: NewtonSchulz, orthogonalizer: str = "newton_schulz") -> dict:
                 orthogonalizer=orthogonalizer)
 
 
+def ns_context(G, **options):
+    """A StageContext for calling update_math.newton_schulz by hand on matrices like G: that of a
+    muon group of these options, its defaults filled."""
+    group = dict(dict(kind="muon", params=[], lr=0.02, momentum=0.95, ns_steps=5, beta2=None,
+                      weight_decay=0.0), **options)
+    fill_defaults(group)
+    return stage_context(group, G)
+
+
 def orthogonalize(G, ns: NewtonSchulz, gram: bool = False):
-    return newton_schulz(G, ns_group(ns, "gram_newton_schulz" if gram else "newton_schulz"))
+    return newton_schulz(G, ns_context(G, **ns_group(ns, "gram_newton_schulz" if gram
+                                                      else "newton_schulz")))
 
 
 def rel_err(X, ref):

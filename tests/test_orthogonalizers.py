@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_dist import spawn
+from test_optim import ns_context
 
 from nanomuon import update_math
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
@@ -132,7 +133,8 @@ def test_an_orthogonalizer_that_calls_newton_schulz_keeps_autos_gram(monkeypatch
     group = dict(ns_coefficients="polar_express", ns_steps=5, ns_repeat_last=False, ns_precision="fp32")
 
     def run(name, shape_of=G, **kw):
-        return update_math.newton_schulz(shape_of, dict(group, orthogonalizer=name), **kw)
+        return update_math.newton_schulz(shape_of, ns_context(shape_of, **group,
+                                                             orthogonalizer=name), **kw)
 
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "mine", lambda X, g: update_math.newton_schulz(X, g))
     assert update_math.gram_pays(G.shape, 5, torch.float32)
@@ -175,7 +177,7 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     entry = update_math.ORTHOGONALIZERS["newton_schulz"]
     assert entry.method == "standard"
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, group: update_math.newton_schulz(G, group) * 1.0, on_slices=True, method="standard"))
+        lambda G, group: update_math.newton_schulz(G, group) * 1.0, flags=update_math.Flags(on_slices=True), method="standard"))
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "bare_ns", lambda G, group: entry.fn(G, group) * 1.0)
     start, grads = start_and_grads()
     standard = train(MuonAdamW, start, grads, orthogonalizer="newton_schulz")
@@ -198,7 +200,7 @@ def test_an_orthogonalizer_naming_no_known_method_is_refused_at_construction(mon
     """A registered entry's method decides the cost, the reference and old checkpoints' reading:
     one that names no Newton-Schulz method (a typo) is refused where the group is checked."""
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "typo_ns", update_math.Stage(
-        update_math.newton_schulz, on_slices=True, method="grma"))
+        update_math.newton_schulz, flags=update_math.Flags(on_slices=True), method="grma"))
     with pytest.raises(ValueError, match="method 'grma' is not one of .'standard', 'gram', 'auto'."):
         MuonAdamW([dict(GROUP, kind="muon", params=[torch.nn.Parameter(torch.zeros(8, 8))],
                         orthogonalizer="typo_ns")])
@@ -210,7 +212,7 @@ def test_a_checkpoint_from_before_the_registry_loads_its_method(method, name, mo
     """A group saved with ns_method (before the orthogonalizer registry) loads as the built-in entry that runs
     that method, a registered wrapper with the same method notwithstanding."""
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, group: update_math.newton_schulz(G, group), on_slices=True, method="standard"))
+        lambda G, group: update_math.newton_schulz(G, group), flags=update_math.Flags(on_slices=True), method="standard"))
     p = torch.nn.Parameter(torch.zeros(8, 4))
     opt = MuonAdamW([dict(kind="muon", params=[p], **GROUP)])
     sd = opt.state_dict()

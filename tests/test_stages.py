@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_dist import assert_replicated_tensors, spawn
+from test_optim import ns_context
 from test_optim_edges import f64_run, run_ours
 
 from nanomuon import checkpoint, update_math
@@ -184,7 +185,7 @@ def test_the_floor_lifts_only_updates_below_it():
     small, large = torch.randn(24, 40) * 0.01, torch.randn(24, 40) * 3
     o = torch.linalg.svd(torch.randn(24, 40), full_matrices=False)
     o = (o.U @ o.Vh).float()
-    ctx = update_math.StageContext({}, None, dict(uw_floor=0.35), weight=torch.stack([small, large]))
+    ctx = ns_context(small, post_process=("uw_floor",), uw_floor=0.35)._replace(weight=torch.stack([small, large]))
     out = update_math.uw_floor(torch.stack([o, o]).clone(), ctx)
     torch.testing.assert_close(out[0], o)
     torch.testing.assert_close(torch.linalg.matrix_norm(out[1]), 0.35 * torch.linalg.matrix_norm(large))
