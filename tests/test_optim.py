@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from nanomuon.optim import MuonAdamW
-from nanomuon.reference import muon_step
 from nanomuon.param_groups import fill_defaults
+from nanomuon.reference import muon_step
 from nanomuon.update_math import (
     NS_DTYPES,
     NewtonSchulz,

@@ -136,7 +136,7 @@ def test_an_orthogonalizer_that_calls_newton_schulz_keeps_autos_gram(monkeypatch
         return update_math.newton_schulz(shape_of, ns_context(shape_of, **group,
                                                              orthogonalizer=name), **kw)
 
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "mine", lambda X, g: update_math.newton_schulz(X, g))
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "mine", lambda X, ctx: update_math.newton_schulz(X, ctx))
     assert update_math.gram_pays(G.shape, 5, torch.float32)
     assert torch.equal(run("mine"), run("gram_newton_schulz"))
     assert not torch.equal(run("mine"), run("newton_schulz"))  # the two differ in rounding: the test sees which
@@ -177,8 +177,8 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     entry = update_math.ORTHOGONALIZERS["newton_schulz"]
     assert entry.method == "standard"
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, group: update_math.newton_schulz(G, group) * 1.0, flags=update_math.Flags(on_slices=True), method="standard"))
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "bare_ns", lambda G, group: entry.fn(G, group) * 1.0)
+        lambda G, ctx: update_math.newton_schulz(G, ctx) * 1.0, flags=update_math.SLICES, method="standard"))
+    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "bare_ns", lambda G, ctx: entry.fn(G, ctx) * 1.0)
     start, grads = start_and_grads()
     standard = train(MuonAdamW, start, grads, orthogonalizer="newton_schulz")
     assert any(not torch.equal(a, s) for a, s in
@@ -212,7 +212,7 @@ def test_a_checkpoint_from_before_the_registry_loads_its_method(method, name, mo
     """A group saved with ns_method (before the orthogonalizer registry) loads as the built-in entry that runs
     that method, a registered wrapper with the same method notwithstanding."""
     monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, group: update_math.newton_schulz(G, group), flags=update_math.Flags(on_slices=True), method="standard"))
+        lambda G, ctx: update_math.newton_schulz(G, ctx), flags=update_math.SLICES, method="standard"))
     p = torch.nn.Parameter(torch.zeros(8, 4))
     opt = MuonAdamW([dict(kind="muon", params=[p], **GROUP)])
     sd = opt.state_dict()
