@@ -1048,7 +1048,7 @@ def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
                 inputs: Tensor | None = None) -> None:
     """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
     stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
-    plan.state lays it out): momentum, direction, apply. inputs: the matrices' input
+    MuonPlan.state lays it out): momentum, direction, apply. inputs: the matrices' input
     covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path
     (sharded.py) runs the same three with communication between."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory

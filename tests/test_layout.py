@@ -167,20 +167,24 @@ def test_every_script_prints_its_help():
         assert e.value.code == 0 and "usage:" in out.getvalue(), path.stem
 
 
-# What a reader opens to follow one training step: the loop, the loader, the model, the optimizer,
-# its groups' convention and the update math (on one process and under torchrun alike).
+# What a reader opens to follow one pass of the training loop: the loop, the loader, the model,
+# the optimizer and the update math, and the print of the step's line (on one process and under
+# torchrun alike). The groups' convention and checks (param_groups.py) run when a group is
+# resolved, not at every step.
 STEP_FILES = {"scripts/base_train.py", "nanomuon/dataloader.py", "nanomuon/gpt.py",
-              "nanomuon/optim.py", "nanomuon/param_groups.py", "nanomuon/update_math.py"}
+              "nanomuon/optim.py", "nanomuon/update_math.py", "nanomuon/common.py"}
 
 
-def files_run(fn):
-    """fn()'s result and the library and script files whose functions it ran (on this thread)."""
+def calls_run(fn):
+    """fn()'s result, and the library and script functions it ran on this thread: (file, name,
+    first line) of each, its file relative to the repository."""
     seen, before = set(), sys.gettrace()
 
     def tracer(frame, event, arg):  # call events only: no line tracing
         path = Path(frame.f_code.co_filename)
         if path.is_relative_to(ROOT) and path.parent.name in ("nanomuon", "scripts"):
-            seen.add(path.relative_to(ROOT).as_posix())
+            code = frame.f_code
+            seen.add((path.relative_to(ROOT).as_posix(), code.co_name, code.co_firstlineno))
 
     sys.settrace(tracer)
     try:
@@ -189,27 +193,73 @@ def files_run(fn):
         sys.settrace(before)
 
 
-def test_a_training_step_reads_in_six_files(base, monkeypatch):
-    """A base_train step (past the first two, which compile and warm up) runs code of STEP_FILES
-    only: no plumbing, hardware facts, attention choice or DTensor path on the way."""
+def files_run(fn):
+    """fn()'s result and the library and script files whose functions it ran (on this thread)."""
+    out, calls = calls_run(fn)
+    return out, {f for f, _, _ in calls}
+
+
+def test_a_pass_of_the_training_loop_reads_in_six_files(base, monkeypatch):
+    """A pass of base_train's loop (train_step and record_step, past the first two steps, which
+    compile and warm up) runs code of STEP_FILES only: no plumbing, hardware facts, attention
+    choice, group checks or DTensor path on the way, and at most 58 functions of them."""
     from test_train import TINY
 
     import scripts.base_train as bt
 
-    real, found = bt.train_step, []
+    real_train, real_record, found = bt.train_step, bt.record_step, []
 
-    def traced(run):
-        if run.step != 2:
-            return real(run)
-        step, seen = files_run(lambda: real(run))
-        found.append(seen)
-        return step
+    def train(run):  # step 2 runs under the trace, inside record() below
+        return None if run.step == 2 else real_train(run)
 
-    monkeypatch.setattr(bt, "train_step", traced)
+    def record(run, s, warm):  # the loop's line: record_step(run, train_step(run), warm)
+        if s is not None:
+            return real_record(run, s, warm)
+        found.append(calls_run(lambda: real_record(run, real_train(run), warm))[1])
+
+    monkeypatch.setattr(bt, "train_step", train)
+    monkeypatch.setattr(bt, "record_step", record)
     bt.main([*TINY, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1",
              "--run", "step-files"])
-    assert len(found) == 1 and "nanomuon/gpt.py" in found[0], found
-    assert found[0] <= STEP_FILES, f"a step also runs {sorted(found[0] - STEP_FILES)}"
+    assert len(found) == 1, found
+    files = {f for f, _, _ in found[0]}
+    assert {"nanomuon/gpt.py", "nanomuon/common.py"} <= files, files
+    assert files <= STEP_FILES, f"a pass also runs {sorted(files - STEP_FILES)}"
+    named = sorted((f, n) for f, n, _ in found[0] if not n.startswith("<"))
+    assert len(named) <= 58, named
+
+
+def test_a_model_and_optimizer_step_reads_in_40_functions():
+    """Step 2 of a tiny GPT's forward, backward and optimizer step, as a reader follows it: at most
+    40 named functions of the library, 600 lines between them (nanochat's: 17 and 478). A group
+    resolved anew at every step, or a derivation per call, would pass both bounds."""
+    import ast
+
+    from nanomuon.gpt import GPT, config_from_depth
+
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, 97, 64, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    opt = model.setup_optimizer(total_batch_size=512)
+    x = torch.randint(0, 97, (4, 64))
+
+    def step():
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(2):
+        step()
+    _, calls = calls_run(step)
+    named = {c for c in calls if not c[1].startswith("<")}
+    sizes = {}
+    for f in {f for f, _, _ in named}:
+        for node in ast.walk(ast.parse((ROOT / f).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                size = node.end_lineno - node.lineno + 1
+                sizes[(f, node.name, node.lineno)] = sizes[(f, node.name, first)] = size
+    lines = sum(sizes[c] for c in named)
+    assert len(named) <= 40 and lines <= 600, (len(named), lines, sorted(named))
 
 
 def _dist_step_worker(rank, world_size):
