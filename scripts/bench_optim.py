@@ -33,6 +33,7 @@ from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.common import resolve_compile, synchronizer
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
+from nanomuon.param_groups import fill_defaults
 from nanomuon.plan import bucket_by, owner_plan
 from nanomuon.update_math import (
     NS_DTYPES,
@@ -40,6 +41,7 @@ from nanomuon.update_math import (
     newton_schulz,
     ns_flops,
     resolve_ns_precision,
+    stage_context,
 )
 
 VOCAB = 32768
@@ -204,8 +206,9 @@ def bench_ns(args, device, compile, precision):
     sizes, and Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
-    standard = dict(ns_coefficients="polar_express", ns_steps=steps, ns_repeat_last=False,
+    standard = dict(kind="muon", params=[], **MUON_HP, ns_coefficients="polar_express",
                     ns_precision=precision, orthogonalizer="newton_schulz")
+    fill_defaults(standard)
     gram = dict(standard, orthogonalizer="gram_newton_schulz")
     # a static graph per stack, dtype and method: 5 per precision, and dynamo's limit is 8 in all
     if compile:
@@ -218,8 +221,9 @@ def bench_ns(args, device, compile, precision):
     totals, gram_total = [], 0.0
     for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
-        flops = ns_flops(shape, steps)
-        t_ns = median_time(lambda G=G: ortho(G, standard), device, args.steps, args.warmup)
+        flops, ns_ctx, gram_ctx = ns_flops(shape, steps), *(stage_context(g, G) for g in
+                                                             (standard, gram))
+        t_ns = median_time(lambda G=G, ctx=ns_ctx: ortho(G, ctx), device, args.steps, args.warmup)
         t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} newton_schulz {t_ns * 1e3:9.1f} ms  "
@@ -227,7 +231,8 @@ def bench_ns(args, device, compile, precision):
               f"{flops / t_ns / (ref_flops / t_ref):.3f}")
         t_gram = t_ns
         if ns_flops(shape, steps, True) < flops:
-            t_gram = median_time(lambda G=G: ortho(G, gram), device, args.steps, args.warmup)
+            t_gram = median_time(lambda G=G, ctx=gram_ctx: ortho(G, ctx), device, args.steps,
+                                 args.warmup)
             print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster "
                   f"for {flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
         gram_total += t_gram if gram_pays(shape, steps, dtype) else t_ns
