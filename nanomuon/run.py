@@ -42,6 +42,7 @@ from nanomuon.common import (
     read_regular,
     shown,
     size_str,
+    user_errors,
     write_atomic,
 )
 
@@ -130,19 +131,11 @@ def clean_run_dir(run_dir: Path) -> list[str]:
 # -- earlier runs: kept, refused or set aside, never trained over -------------------------------
 
 RESULTS = ("summary.json", "report.md", "curves.png")  # what a finished run leaves beside its steps
-
-
 EXPORT = re.compile(r"^export_step_(\d{6,})\.pt$")  # scripts/export.py's file of one step
-
-
 # set_aside's folders: previous.N (--start-over), rewound_from_step_S.N (a rewind); while it fills
 # one, .tmp_<that name>, holding MOVING: the entries that go in
 ASIDE = re.compile(r"^(\.tmp_)?((previous|rewound_from_step_\d+)\.(\d+))$")
-
-
 MOVING = ".moving.json"
-
-
 LIST_LEFTOVER = re.compile(re.escape(MOVING) + r"\.\d+\.tmp")  # write_atomic's, of MOVING
 
 
@@ -172,7 +165,7 @@ def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
     moving = run_dir / f".tmp_{tag}.{n}"
     try:
         moving.mkdir()
-        write_atomic(moving / MOVING, lambda tmp: tmp.write_text(json.dumps(names)), sync=True)
+        write_atomic(moving / MOVING, json.dumps(names), sync=True)
         fsync_path(moving)
     except OSError as e:
         shutil.rmtree(moving, ignore_errors=True)
@@ -296,7 +289,7 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
     line = (f"pid {os.getpid()} on {socket.gethostname()} since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
     # a rename: replaces a link at .lock, never writes through it
-    write_atomic(path, lambda tmp: tmp.write_text(line + "\n"), sync=True)
+    write_atomic(path, line + "\n", sync=True)
     fsync_path(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
     _LOCKS[run_dir] = (fd, line)
     return (f"note: {path} was left by {previous}, which is no longer running; taking over"
@@ -309,13 +302,11 @@ def lock_holder(run_dir: Path) -> str:
 
 
 def _read_small(path: Path) -> str:
-    """A small text file of ours, read without following a symlink ('' if absent or not ours)."""
+    """A small text file of ours, by read_regular ('' if absent or not ours)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+        return read_regular(path, 1 << 16).decode(errors="replace").strip()
+    except (OSError, ValueError):
         return ""
-    with os.fdopen(fd, errors="replace") as f:
-        return f.read(1000).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
 
 
 def unlock_run_dir(run_dir: Path) -> None:
@@ -542,13 +533,17 @@ def split_results(lines: list[str], record: dict, step: int):
 def results_after(run_dir: Path, step: int):
     """split_results of run_dir's report.md and summary.json (an unreadable summary.json
     stays as it is: base_train says so when it rewrites it)."""
-    report, summary = run_dir / "report.md", run_dir / "summary.json"
+    text = report_text(run_dir / "report.md")
+    return split_results(text.split("\n") if text else [],
+                         summary_record(run_dir / "summary.json") or {}, step)
+
+
+def report_text(report: Path) -> str:
+    """A run's report.md, bounded and never a FIFO (read_regular); '' where there is none."""
     try:
-        lines = read_regular(report, REPORT_BYTES, REPORT).decode(
-            errors="replace").split("\n")
+        return read_regular(report, REPORT_BYTES, REPORT).decode(errors="replace")
     except FileNotFoundError:
-        lines = []
-    return split_results(lines, summary_record(summary) or {}, step)
+        return ""
 
 
 def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
@@ -558,22 +553,18 @@ def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
     if later:
         title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
                  f"set aside by a resume from step {step}")
-        write_atomic(aside / "report.md",
-                     lambda tmp: tmp.write_text("\n".join([title, "", *later])))
-        write_atomic(run_dir / "report.md", lambda tmp: tmp.write_text("\n".join(kept)))
+        write_atomic(aside / "report.md", "\n".join([title, "", *later]))
+        write_atomic(run_dir / "report.md", "\n".join(kept))
     if core:
-        write_atomic(aside / "summary.json", lambda tmp: tmp.write_text(json.dumps(core) + "\n"))
-        write_atomic(run_dir / "summary.json",
-                     lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+        write_atomic(aside / "summary.json", json.dumps(core) + "\n")
+        write_atomic(run_dir / "summary.json", json.dumps(record) + "\n")
 
 
 def others_report(report: Path) -> tuple[list[str], list[str]]:
     """What other writers put into a run's report.md (their headlines under the title, and their
     sections at the end), kept when base_train rewrites it at the end of a resumed run."""
     try:
-        text = read_regular(report, REPORT_BYTES, REPORT).decode(errors="replace")
-    except FileNotFoundError:
-        return [], []
+        text = report_text(report)
     except ValueError as e:  # swapped for a FIFO or a huge file mid-run: kept aside, not read
         print0(f"note: {one_line(e)}; {set_report_aside(report)}")
         return [], []
@@ -585,10 +576,8 @@ def others_report(report: Path) -> tuple[list[str], list[str]]:
 def set_report_aside(report: Path) -> str:
     """Move an unreadable report.md (too big, not a regular file) to report.md.aside.N, the first N
     free, so the report base_train writes next destroys nothing; says what it did."""
-    for n in itertools.count(1):
-        aside = report.with_name(f"{report.name}.aside.{n}")
-        if not aside.exists() and not aside.is_symlink():
-            break
+    aside = next(a for n in itertools.count(1)
+                 if not os.path.lexists(a := report.with_name(f"{report.name}.aside.{n}")))
     try:
         os.rename(report, aside)
     except OSError as e:
@@ -643,12 +632,8 @@ def check_report(report) -> None:
 def check_summary(summary) -> None:
     """Exit now, before evaluating, if summary.json is there but no regular file (a FIFO would
     hang the read that records CORE in it)."""
-    try:
+    with user_errors(), contextlib.suppress(FileNotFoundError):
         check_regular(summary, SUMMARY, "remove it (base_eval adds CORE to it)")
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> None:
@@ -681,7 +666,7 @@ def put_headline(run_dir: Path, writer: str, line: str) -> None:
     lines = [x for x in text.split("\n") if not x.startswith(mark)]
     at = 1 if lines and lines[0].startswith("# ") else 0
     lines[at:at] = [mark + line]
-    write_atomic(report, lambda tmp: tmp.write_text("\n".join(lines)))
+    write_atomic(report, "\n".join(lines))
 
 
 def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
@@ -697,7 +682,7 @@ def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
     if record is None:
         return
     record.update(values)
-    write_atomic(summary, lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    write_atomic(summary, json.dumps(record) + "\n")
 
 
 # -- the step record -------------------------------------------------------------------------------
