@@ -186,32 +186,8 @@ class Job(NamedTuple):
 
 def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, name: str,
             cache: dict, refiner: Tracker | None = None) -> dict:
-    """One base_train run, or its cached record. The key holds the thread count: it decides the
-    order of floating-point sums, so a run at other threads is another run. A run trained is
-    followed by `refiner` (a budget's)."""
-    variant, value, seed, steps, data_seed = job[:5]
-    threads = job.threads or threads
-    if steps is not None:
-        flags = [*flags, "--num-iterations", str(steps)]
-    data_seed = seed if data_seed is None else data_seed
-    parts = [variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seed, data_seed, flags,
-             nproc, threads,
-             *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
-    path = cache["dir"] / f"{key_of(parts)}.json"
-    label = (f"{variant} {swept} {value} seed {seed}" + (f" data {data_seed}" if data_seed != seed
-                                                         else "")
-             + (f" at {steps} steps" if steps else ""))
-    if path.exists():
-        print(f"== {label}: cached ({path.name})", flush=True)
-        return read_json(path, "a record ablate cached")
-    run = job.name(name, swept)
-    summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seed",
-                                          str(seed), "--data-seed", str(data_seed)],
-                      nproc, threads, cache, refiner and refiner.watch(1, label))
-    record = dict({k: summary[k] for k in KEPT if k in summary}, variant=variant, value=value,
-                  seed=seed)
-    write_json(path, record)
-    return record
+    """One base_train run, or its cached record: _run_seeds of one job."""
+    return _run_seeds([job], flags, swept, nproc, threads, name, cache, refiner)[job]
 
 
 RECORD_BYTES = 1 << 26  # a summary.json or cached record of 32 batched seeds holds far less
@@ -255,32 +231,45 @@ def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
 def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads: int, name: str,
               cache: dict, refiner: Tracker | None = None) -> dict:
     """job -> record of seeds trained as one batched base_train run (batches()), or its cached
-    records; one job is run_one's. A seed's record is what its own run would record (base_train's
-    per_seed), with the run's throughput and training time as the seed's share: divided by the
-    seeds. A run trained is followed by `refiner` (a budget's)."""
+    records; one job is run_one's."""
     if len(jobs) == 1:
         return {jobs[0]: run_one(jobs[0], flags, swept, nproc, threads, name, cache, refiner)}
-    first, seeds = jobs[0], [job.seed for job in jobs]
-    variant, value, _, steps, data_seed = first[:5]
+    return _run_seeds(jobs, flags, swept, nproc, threads, name, cache, refiner)
+
+
+def _run_seeds(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads: int, name: str,
+               cache: dict, refiner: Tracker | None = None) -> dict:
+    """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
+    its cached records. The key holds the thread count: it decides the order of floating-point
+    sums, so a run at other threads is another run. A batched seed's record is what its own run
+    would record (base_train's per_seed), with the run's throughput and training time as the
+    seed's share: divided by the seeds. A run trained is followed by `refiner` (a budget's)."""
+    first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
+    variant, value, seed, steps, data_seed = first[:5]
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
-    parts = ["batched", variant, repr(OPTIMIZER_VARIANTS[variant]), swept, value, seeds,
-             data_seed, flags, nproc, threads,
+    data_seed = seed if data_seed is None else data_seed
+    parts = [*([] if alone else ["batched"]), variant, repr(OPTIMIZER_VARIANTS[variant]), swept,
+             value, seed if alone else seeds, data_seed, flags, nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
-    label = (f"{variant} {swept} {value} seeds {seeds[0]}-{seeds[-1]} batched"
-             + (f" at {steps} steps" if steps else ""))
+    who = (f"seed {seed}" + (f" data {data_seed}" if data_seed != seed else "") if alone
+           else f"seeds {seeds[0]}-{seeds[-1]} batched")
+    label = f"{variant} {swept} {value} {who}" + (f" at {steps} steps" if steps else "")
     if path.exists():
         print(f"== {label}: cached ({path.name})", flush=True)
         records = read_json(path, "a record ablate cached")
-        return {job: records[str(job.seed)] for job in jobs}
-    run = first.name(name, swept, seeds[-1])
-    summary = trained(label, flags, run, ["--optimizer", variant, f"--{swept}", value, "--seeds",
-                                          ",".join(map(str, seeds)), "--data-seed",
-                                          str(data_seed)], nproc, threads, cache,
+        return {first: records} if alone else {job: records[str(job.seed)] for job in jobs}
+    seed_flags = ["--seed", str(seed)] if alone else ["--seeds", ",".join(map(str, seeds))]
+    summary = trained(label, flags, first.name(name, swept, None if alone else seeds[-1]),
+                      ["--optimizer", variant, f"--{swept}", value, *seed_flags, "--data-seed",
+                       str(data_seed)], nproc, threads, cache,
                       refiner and refiner.watch(len(seeds), label))
     shared = {k: summary[k] for k in KEPT if k in summary}
+    if alone:
+        write_json(path, record := dict(shared, variant=variant, value=value, seed=seed))
+        return {first: record}
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
     shared["val_train_time"] = [t / len(seeds) for t in shared["val_train_time"]]
@@ -356,4 +345,4 @@ def tell(line: str) -> None:
 
 
 def write_json(path: Path, obj) -> None:
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj)))
+    write_atomic(path, json.dumps(obj))
