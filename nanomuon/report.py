@@ -228,7 +228,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                   ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
     lines += sections
-    write_atomic(Path(run_dir) / "report.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    write_atomic(Path(run_dir) / "report.md", "\n".join(lines) + "\n")
     # the same numbers and curves for programs (scripts.ablate reads them)
     record = dict(others_summary(Path(run_dir) / "summary.json"), **summary, run=args.run,
                   optimizer=args.optimizer, num_params=num_params,
@@ -239,8 +239,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
         for key in PER_SEED:
             record.pop(key, None)
         record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
-    write_atomic(Path(run_dir) / "summary.json",
-                 lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+    write_atomic(Path(run_dir) / "summary.json", json.dumps(record) + "\n")
     print0(f"report: {Path(run_dir) / 'report.md'}")
 
 

@@ -329,6 +329,6 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
            "", *table,
            "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]
-    write_atomic(out / "ablation.md", lambda tmp: tmp.write_text("\n".join(doc)))
+    write_atomic(out / "ablation.md", "\n".join(doc))
     print("\n".join(table))
     print(f"table and plot in {out}")

@@ -145,7 +145,7 @@ def main(argv=None):
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
     # whole or not at all: a killed write never leaves half a table
-    write_atomic(out / "noise.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    write_atomic(out / "noise.md", "\n".join(lines) + "\n")
     write_json(out / "noise.json", dict(found, val=val))
     print("\n".join(lines))
     print(f"== {len(todo)} runs and the val slices took {(time.monotonic() - started) / 60:.1f} "
