@@ -40,10 +40,12 @@ defines the update in float64; update_math.py writes it once for every path; thi
 
 Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the
 optional keys are declared once, in param_groups.MUON_OPTIONS. Any group may have a 'name', used in
-error messages.
+error messages. A group is checked whole when it is added and when one of its keys changes; each
+shape of its matrices then gets a plan (update_math.muon_plan). A step checks only the numbers
+schedules edit (check_numbers) and runs the plans.
 
-One step for every setup. Without a process group (or with one of a single rank) every phase
-below is a no-op but the update. With one (DistMuonAdamW is MuonAdamW on the default group),
+One step for every setup. Without a process group (or with one of a single rank) only the
+update below runs. With one (DistMuonAdamW is MuonAdamW on the default group),
 the step is ZeRO-1:
   1. reduce: every grad is averaged over the ranks in place (a Muon bucket's grads move into
      one buffer);

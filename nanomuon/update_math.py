@@ -7,11 +7,12 @@ communication between them: muon_momentum (elementwise), muon_direction (whole m
 group's precondition stages, its orthogonalizer, its post-process stages) and muon_apply (its
 apply stage: weight decay and the step); muon_update() is the three in a row. Megatron's
 'distributed' mode runs muon_direction on slices of each matrix inside over_slices(), the one
-seam it needs: sums over the cut dim (summed) then add up across ranks. The per-step
-numbers travel as MuonScalars (muon_hparams), the group's static options as a plain dict
-(muon_options); both are read from a param group in one place, so no path can disagree on an lr
-factor or a precision. Compiled (kernel()), the scalars are 0-D CPU tensors refilled every step
-(scalars()), so LR schedules never recompile.
+seam it needs: sums over the cut dim (summed) then add up across ranks. A group is resolved
+once per matrix shape into a MuonPlan (muon_plan): its stages bound, Newton-Schulz's settings
+and Gram choice, layout, lr factor and state, so a step derives nothing and no path can disagree
+on an lr factor or a precision. The per-step numbers travel as MuonScalars (muon_hparams);
+compiled (kernel()), they are 0-D CPU tensors refilled every step (scalars()), so LR schedules
+never recompile.
 
 The stages are registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS): a name
 -> a function, or a Stage that also declares the state, options and cost the optimizer provides
@@ -1165,13 +1166,6 @@ def muon_options(group: dict, device) -> dict:
     opts = {k: v for k, v in group.items() if k not in NOT_MATH}
     opts["ns_precision"] = resolve_ns_precision(group["ns_precision"], device)
     return opts
-
-
-def adamw_hparams(group: dict, step: int) -> AdamWScalars:
-    """An adamw group's numbers, at the param's step count."""
-    beta1, beta2 = group["betas"]
-    return AdamWScalars(step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                        wd=group["weight_decay"])
 
 
 class StateSlot(NamedTuple):
