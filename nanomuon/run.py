@@ -566,23 +566,24 @@ def others_report(report: Path) -> tuple[list[str], list[str]]:
     try:
         text = report_text(report)
     except ValueError as e:  # swapped for a FIFO or a huge file mid-run: kept aside, not read
-        print0(f"note: {one_line(e)}; {set_report_aside(report)}")
+        print0(f"note: {one_line(e)}; {set_aside_file(report, 'report')}")
         return [], []
     marks = tuple(w.headline for w in WRITERS.values())
     headlines = [x for x in text.split("\n") if x.startswith(marks)]
     return headlines, others_part(text.rstrip("\n").split("\n"))
 
 
-def set_report_aside(report: Path) -> str:
-    """Move an unreadable report.md (too big, not a regular file) to report.md.aside.N, the first N
-    free, so the report base_train writes next destroys nothing; says what it did."""
+def set_aside_file(path: Path, what: str) -> str:
+    """Move an unreadable report.md or summary.json (too big, not a regular file, no JSON object)
+    to NAME.aside.N, the first N free, so the `what` base_train writes next destroys nothing; says
+    what it did."""
     aside = next(a for n in itertools.count(1)
-                 if not os.path.lexists(a := report.with_name(f"{report.name}.aside.{n}")))
+                 if not os.path.lexists(a := path.with_name(f"{path.name}.aside.{n}")))
     try:
-        os.rename(report, aside)
+        os.rename(path, aside)
     except OSError as e:
-        return f"it could not be moved aside ({e.strerror}): base_train's report replaces it"
-    return f"moved to {aside.name}, kept; base_train writes its report anew"
+        return f"it could not be moved aside ({e.strerror}): base_train's {what} replaces it"
+    return f"moved to {aside.name}, kept; base_train writes its {what} anew"
 
 
 def summary_record(summary: Path, then: str = "", missing: str = "") -> dict | None:
@@ -602,9 +603,14 @@ def summary_record(summary: Path, then: str = "", missing: str = "") -> dict | N
 
 
 def others_summary(summary: Path) -> dict:
-    """The keys other writers put into summary.json, kept when base_train rewrites it; an
-    unreadable file keeps nothing, with a note."""
-    record = summary_record(summary, "rewriting it without what it held") or {}
+    """The keys other writers put into summary.json, kept when base_train rewrites it. A file it
+    cannot read back (too big, not a regular file, no JSON object) is moved aside first, kept,
+    with a note: it may hold what another tool merged in."""
+    record = summary_record(summary)
+    if record is None and os.path.lexists(summary):
+        print0(f"note: {summary} is not a summary base_train can read back; "
+               f"{set_aside_file(summary, 'summary')}")
+    record = record or {}
     theirs = {k for w in WRITERS.values() for k in w.keys}
     return {k: v for k, v in record.items() if k in theirs}
 

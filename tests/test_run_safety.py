@@ -252,9 +252,15 @@ def test_no_text_in_report_md_is_read_as_another_writers_section(tmp_path):
     summary = tmp_path / "summary.json"
     with open(summary, "wb") as f:
         f.truncate(1 << 30)
-    assert run.others_summary(summary) == {}
     with pytest.raises(ValueError, match=r"is over 1,048,576 bytes \(1,073,741,824\)"):
         run.load_json(summary, run.SUMMARY_BYTES)
+    # what base_train rewrites is kept aside, not lost: a huge file, broken JSON, no object
+    for n, content in enumerate([None, b'{"core": 0.3', b'["core", 0.3]'], 1):
+        if content is not None:
+            summary.write_bytes(content)
+        assert run.others_summary(summary) == {} and not summary.exists()
+        kept = tmp_path / f"summary.json.aside.{n}"
+        assert kept.stat().st_size == (1 << 30 if content is None else len(content))
 
 
 def test_a_dataset_path_with_a_newline_and_escapes_is_escaped_everywhere(base, tmp_path):
