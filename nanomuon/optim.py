@@ -266,12 +266,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon, every
         input_interval steps): the loop then collects them (GPT.forward(input_stats=True)) and
         hands them over with give_inputs() before step()."""
-        for i, group in enumerate(self.param_groups):  # a resolved group knows if it may
-            kept = self._resolved.get(i)
-            maybe = kept is None or kept.inputs or kept.signature != group_signature(group)
-            if group["kind"] == "muon" and maybe and inputs_due(group):
-                return True
-        return False
+        return any(g["kind"] == "muon" and inputs_due(g) for g in self.param_groups)
 
     @torch.no_grad()
     def give_inputs(self, inputs: dict) -> None:

@@ -202,7 +202,7 @@ def files_run(fn):
 def test_a_pass_of_the_training_loop_reads_in_six_files(base, monkeypatch):
     """A pass of base_train's loop (train_step and record_step, past the first two steps, which
     compile and warm up) runs code of STEP_FILES only: no plumbing, hardware facts, attention
-    choice, group checks or DTensor path on the way, and at most 58 functions of them."""
+    choice, group checks or DTensor path on the way, and at most 62 functions of them."""
     from test_train import TINY
 
     import scripts.base_train as bt
@@ -226,7 +226,7 @@ def test_a_pass_of_the_training_loop_reads_in_six_files(base, monkeypatch):
     assert {"nanomuon/gpt.py", "nanomuon/common.py"} <= files, files
     assert files <= STEP_FILES, f"a pass also runs {sorted(files - STEP_FILES)}"
     named = sorted((f, n) for f, n, _ in found[0] if not n.startswith("<"))
-    assert len(named) <= 58, named
+    assert len(named) <= 62, named
 
 
 def test_a_model_and_optimizer_step_reads_in_40_functions():
