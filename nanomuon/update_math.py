@@ -1,23 +1,18 @@
 """
-The update math of Muon and AdamW, written once. Imports only torch (and hardware.py's one rule).
+The update math of Muon and AdamW, written once: every optimizer path runs it (MuonAdamW,
+DistMuonAdamW, sharded.py on DTensors). Imports only torch (and hardware.py's one rule).
 
-Every optimizer path runs these functions: MuonAdamW, DistMuonAdamW on the matrices each rank
-owns, and sharded.py on DTensor params, which runs the three parts of a Muon step with
-communication between them: muon_momentum (elementwise), muon_direction (whole matrices: the
-group's precondition stages, its orthogonalizer, its post-process stages) and muon_apply (its
-apply stage: weight decay and the step); muon_update() is the three in a row. Megatron's
-'distributed' mode runs muon_direction on slices of each matrix inside over_slices(), the one
-seam it needs: sums over the cut dim (summed) then add up across ranks. A group is resolved
-once per matrix shape into a MuonPlan (muon_plan): its stages bound, Newton-Schulz's settings
-and Gram choice, layout, lr factor and state, so a step derives nothing and no path can disagree
-on an lr factor or a precision. The per-step numbers travel as MuonScalars (muon_hparams);
-compiled (kernel()), they are 0-D CPU tensors refilled every step (scalars()), so LR schedules
-never recompile.
+A Muon step is muon_momentum (elementwise), muon_direction (whole matrices: precondition stages,
+orthogonalizer, post-process stages) and muon_apply (weight decay and the step); muon_update() is
+the three in a row, sharded.py runs them with communication between, and Megatron's
+'distributed' mode runs muon_direction on slices inside over_slices(). A group resolves once per
+matrix shape into a MuonPlan (muon_plan), so a step derives nothing and no path can disagree on
+an lr factor or a precision. Per-step numbers travel as MuonScalars (muon_hparams), 0-D tensors
+when compiled (scalars()), so LR schedules never recompile.
 
 The stages are registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS): a name
--> a function, or a Stage that also declares the state, options and cost the optimizer provides
-for it. Register one there and any group, DistMuonAdamW and the FSDP2 path can use it by name
-(docs/optimizer.md, "Stages").
+-> a function or a Stage; any group and path can use a registered one by name (docs/optimizer.md,
+"Stages").
 """
 
 import functools
@@ -43,19 +38,16 @@ POLAR_EXPRESS = (
 # Keller Jordan's NS5 triple, used for every iteration (torch.optim.Muon's default, EO's 'simple').
 JORDAN_NS5 = (3.4445, -4.7750, 2.0315)
 
-# name -> (coefficients, norm safety factor, eps): the input is scaled by 1 / (||X||_F * safety +
-# eps) before iterating. After nanochat's two, NVIDIA Emerging-Optimizers' (EO) sets, as EO rounds
-# and names them (muon_utils.py at fd77292), with plain Frobenius normalization as in EO.
+# name -> (coefficients, norm safety factor, eps): X / (||X||_F * safety + eps) is iterated. After
+# nanochat's two, NVIDIA Emerging-Optimizers' (EO) sets as EO rounds and names them (fd77292).
 COEFFICIENT_SETS = {
-    # tuned for 5 steps; the 1.01 cushion is on the norm (nanochat 92d63d4's; it had 1.02 before)
+    # tuned for 5 steps; the 1.01 cushion is on the norm (nanochat's)
     "polar_express": (POLAR_EXPRESS, 1.01, 1e-6),
     "jordan": ((JORDAN_NS5,), 1.0, 1e-7),
-    # leloykun's per-step NS5 (modded-nanogpt); EO cycles
-    # it past 5 steps, nanomuon refuses or repeats the last
+    # leloykun's per-step NS5 (modded-nanogpt); past 5 steps, nanomuon refuses or repeats the last
     "quintic": (((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
                  (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)), 1.0, 1e-7),
-    # Polar Express as published (arXiv 2505.16932, 8 steps), safety 1.01 folded into all but the
-    # last triple; this is EO's 'polar_express'
+    # Polar Express as published (8 steps, safety 1.01 folded into all but the last): EO's
     "polar_express_published": (((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
                                  (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
                                  (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
@@ -63,8 +55,7 @@ COEFFICIENT_SETS = {
     # CANS (Chebyshev-accelerated NS, arXiv 2506.10935: Remez with an adaptive interval)
     "cans": (((8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
               (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)), 1.0, 1e-7),
-    # tuned for AOL pre-scaling (thib-s/flash-newton-schulz,
-    # arXiv 2208.03160); like EO, used without it
+    # tuned for AOL pre-scaling (thib-s/flash-newton-schulz); like EO, used without it
     "aol": (((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
              (2.7215, -3.0494, 1.3169)), 1.0, 1e-7),
     # DeepSeek-V4's hybrid NS (tech report): 8 Jordan steps, then 2 that converge; use ns_steps=10
@@ -73,8 +64,7 @@ COEFFICIENT_SETS = {
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
-# an orthogonalizer's Newton-Schulz (Stage.method): 'standard', 'gram' (on the Gram matrix: the same
-# iterates, fewer FLOPs where the matrix is not square) or 'auto' (Gram where gram_pays)
+# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto' is Gram where gram_pays
 NS_METHODS = ("standard", "gram", "auto")
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
@@ -88,8 +78,7 @@ LR_SCALES = {
 
 
 class NewtonSchulz(NamedTuple):
-    """How Newton-Schulz runs: per-iteration (a, b, c) triples, the input norm's safety factor and
-    eps (X / (||X||_F * safety + eps)), and the dtype the iteration computes in."""
+    """Newton-Schulz's per-iteration (a, b, c), the norm's safety and eps, its compute dtype."""
     coefficients: tuple
     safety: float
     eps: float
@@ -125,11 +114,9 @@ class AdamWScalars(NamedTuple):
 
 
 def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
-    """Resolve a group's ns_coefficients and ns_steps into (per-iteration triples, safety, eps), or
-    raise ValueError saying what is wrong. spec: a name, a list of (a, b, c) triples (safety 1, eps
-    1e-7), or dict(coefficients=[...], safety=, eps=). A single triple runs at every iteration;
-    with repeat_last, so does the last of a list that runs out (Emerging-Optimizers' rule); else
-    the list must be long enough."""
+    """(per-iteration triples, safety, eps) from a group's ns_coefficients (a name, a list of
+    triples, or dict(coefficients=, safety=, eps=)) and ns_steps, or ValueError. A single triple
+    repeats; with repeat_last so does a list's last, else the list must be long enough."""
     if isinstance(spec, str) and spec not in COEFFICIENT_SETS:
         raise ValueError(f"ns_coefficients={spec!r} is unknown; use one of "
                          f"{list(COEFFICIENT_SETS)}, a list of (a, b, c) triples or "
@@ -163,10 +150,8 @@ NS_GROWTH_MAX = 100.0  # every named set keeps singular values under 2 (docs/opt
 
 @functools.lru_cache(maxsize=64)
 def ns_growth(triples: tuple, safety: float) -> float:
-    """The largest singular value any iterate of these Newton-Schulz polynomials reaches from a
-    normalized input (singular values in [0, 1 / safety]), in float64 on a grid: inf where it
-    overflows. Coefficients that pass the finiteness check can still overflow fp32 at the first
-    step (a = 1e30); checked once per distinct set."""
+    """The largest singular value any iterate reaches from a normalized input, in float64 on a
+    grid, inf on overflow: finite coefficients can still overflow fp32 (a = 1e30)."""
     xs, peak = [i / (256 * safety) for i in range(257)], 0.0
     for a, b, c in triples:
         xs = [a * x + b * x * x * x + c * x * x * x * x * x for x in xs]
@@ -190,9 +175,8 @@ _slices: Slices | None = None
 
 @contextmanager
 def over_slices(slices: Slices):
-    """Within, the direction stage runs on slices: sums over the cut dim add up across the ranks
-    (summed) and whole_shape() is the whole matrix's, so every rank computes exactly its slice of
-    the whole result. The one seam the Megatron mode needs; nothing else reads it."""
+    """Within, the direction stage runs on slices: sums over the cut dim add up across ranks
+    (summed) and whole_shape() is the whole matrix's, so each rank computes its slice exactly."""
     global _slices
     before, _slices = _slices, slices
     try:
@@ -207,16 +191,14 @@ def whole_shape(t: Tensor) -> tuple:
 
 
 def summed(t: Tensor, dims: tuple) -> Tensor:
-    """t, a sum over dims of a matrix: over slices cut along one of dims, a partial sum, which is
-    added up across the ranks in place."""
+    """t, a sum over dims of a matrix, added up across ranks in place where slices cut dims."""
     if _slices is not None and _slices.dim in dims:
         _slices.reduce(t)
     return t
 
 
 def gram_matrix(X: Tensor) -> Tensor:
-    """X X^T. Over slices (newton_schulz puts the cut dim on the columns) the partial products are
-    summed in fp32, whatever X's dtype."""
+    """X X^T; over slices the partial products are summed in fp32, whatever X's dtype."""
     A = X @ X.mT
     if _slices is None:
         return A
@@ -227,30 +209,21 @@ def gram_matrix(X: Tensor) -> Tensor:
 
 def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
                   method: str | None = None) -> Tensor:
-    """Approximate U V^T of G = U S V^T for every matrix in the last two dims, by Newton-Schulz with
-    the group's ns_coefficients, ns_steps and ns_precision (ctx.plan.ns). The registry's
-    'newton_schulz', 'gram_newton_schulz' and 'auto' are this one function, each with its `method`
-    bound (see NS_METHODS). The plan settled Gram or not per matrix shape for the group's own
-    orthogonalizer (an orthogonalizer of yours that calls this runs what its entry says: 'auto'
-    where it names none); another method is settled here; gram=True or False forces one.
-
-    Standard: each iteration maps X -> a X + (b A + c A^2) X with A = X X^T, an odd quintic in the
-    singular values; the two baddbmm calls fold the scale-and-add into the matmuls (three matmuls).
-    Both methods work on the wide orientation (rows <= cols) so the Gram matrix is the smaller one.
-    Gram (Dao-AILab's Gram Newton-Schulz): the same iterates, written as X_k = Q_k X_0 with Q_k a
-    polynomial in R = X X^T, so the iteration runs on m x m matrices: P = p(R), Q <- Q P,
-    R <- P R P, and one final Q X. In low precision R drifts (spurious negative eigenvalues that
-    the polynomials amplify), so it restarts from X = Q X every GRAM_RESTART iterations.
-    Over slices (over_slices) the cut dim goes on the columns, where the Gram matrix and the norm
-    sum over it (with Gram, one reduction per restart instead of one per iteration)."""
+    """U V^T of each matrix G = U S V^T, approximately, by Newton-Schulz under ctx.plan.ns. The
+    plan settled Gram per shape for the group's own method; another method is settled here; gram
+    forces one. Standard: X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation, the
+    scale-and-add folded into two baddbmm. Gram (Dao-AILab's): the same iterates as X_k = Q_k X_0,
+    run on m x m matrices (P = p(R), Q <- Q P, R <- P R P), restarting from X = Q X every
+    GRAM_RESTART iterations because R drifts in low precision. Over slices the cut dim goes on the
+    columns, which the Gram matrix and the norm sum over."""
     ns, shape = ctx.plan.ns, G.shape
     if gram is None and method in (None, ctx.plan.method):
         gram = tuple(whole_shape(G)[-2:]) in ctx.plan.gram
     elif gram is None:
         gram = uses_gram(method, whole_shape(G), ns)
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
-    # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do (and match them). fp16 normalizes
-    # in fp32 first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
+    # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do. fp16 normalizes in fp32
+    # first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
     X = X if ns.dtype == torch.float16 else X.to(ns.dtype)
     norm = (X.norm(dim=(-2, -1), keepdim=True, dtype=torch.float32) if _slices is None
             else sq_sum(X, (-2, -1)).sqrt())
@@ -282,23 +255,18 @@ def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
 
 
 def newton_schulz_settings(group: dict) -> NewtonSchulz:
-    """A group's Newton-Schulz settings (its ns_precision already resolved: muon_options); what a
-    plan binds."""
+    """A group's Newton-Schulz settings, ns_precision resolved (muon_options)."""
     coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"],
                                           group["ns_repeat_last"])
     return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
 
 
-# The Muon update's stages, each a registry (name -> Stage, or a bare function for a stage with no
-# state, options or needs). A muon group picks entries by name: `precondition` and `post_process`
-# a sequence, run in order; `orthogonalizer` and `apply` one name each. The optimizer allocates,
-# stacks, owns, saves and reshards what a stage's StateSpecs declare, and the option checks and
-# owner planning read its options and cost. How to try an idea: README.md, "Trying an idea".
+# The Muon update's stages: registries of name -> Stage (or a bare function: no state, options or
+# needs); a group names its precondition and post_process chains and one orthogonalizer and apply.
 
 
 class Option(NamedTuple):
-    """An optional group key: its default, check(value) -> None if fine, else what the value must
-    be, and one line for the docs' option table."""
+    """An optional group key: default, check(value) -> None or what it must be, a docs line."""
     default: object
     check: Callable
     doc: str
@@ -324,8 +292,7 @@ def a_count(v):
 
 
 def an_interval(v):
-    """An interval or schedule length: steps (an int >= 1), or a fraction of the run's horizon
-    (0 < f < 1: 0.05 is every twentieth of the run), which interval_steps resolves."""
+    """Steps (an int >= 1) or a fraction of the run's horizon (0 < f < 1): interval_steps."""
     steps = isinstance(v, int) and not isinstance(v, bool) and v >= 1
     share = isinstance(v, float) and 0 < v < 1
     return None if steps or share else ("must be steps (an int >= 1) or a fraction of the run's "
@@ -333,24 +300,20 @@ def an_interval(v):
 
 
 def interval_steps(value, horizon: int | None) -> int:
-    """an_interval's value in steps: an int as given; a fraction of the horizon, rounded, at
-    least 1 (a group with a fraction has a horizon: param_groups checks it)."""
+    """an_interval's value in steps: an int as given, a fraction of the horizon rounded, >= 1."""
     return value if isinstance(value, int) else max(1, round(value * horizon))
 
 
 class Diagonal(NamedTuple):
-    """A StateSpec init: `value` on the diagonal of the last two dims (value x I per matrix), 0
-    elsewhere; a preconditioner's start (Newton-Muon's 0.001 I) with no counter to make it."""
+    """A StateSpec init: value x I per matrix (Newton-Muon's 0.001 I)."""
     value: float
 
 
 class StateSpec(NamedTuple):
-    """Per-matrix state a stage keeps. shape(rows, cols): its shape for one (rows, cols) matrix (a
-    precondition or post-process stage sees logical matrices: a split matrix's blocks, a transposed
-    one's (out, in); an apply stage the stored ones, unless it is a logical one); dtype: at least
-    this precision (fp64 params keep fp64 state), None for the param's own; init: a number
-    to fill, a Diagonal, or (apply stages) f(W) -> the value from the weights when first made;
-    kept(group): whether this group keeps it (None: always)."""
+    """Per-matrix state a stage keeps. shape(rows, cols): for one matrix (logical for direction
+    stages and logical apply stages, stored for other apply stages); dtype: at least this
+    precision, None for the param's own; init: a number, a Diagonal, or (apply stages) f(W) from
+    the weights; kept(group): whether this group keeps it (None: always)."""
     shape: Callable
     dtype: torch.dtype | None = torch.float32
     init: float | Diagonal | Callable = 0.0
@@ -359,36 +322,21 @@ class StateSpec(NamedTuple):
 
 
 class Flags(NamedTuple):
-    """A stage's yes-or-no facts, as one record (most stages keep the defaults).
-    on_slices: also right on the slices of sharded_mode='distributed' (its sums go through sq_sum
-    or summed). eager: it branches on state values, so its group runs uncompiled.
-    owns_momentum (a precondition): it keeps its own momentum, so the group keeps no
-    momentum_buffer and the stage's input is the gradient (with 'l2' mode's term).
-    logical (an apply stage): it runs on logical matrices, as the direction stages do, and its
-    state is per logical matrix, so a precondition or post-process may share it.
-    weight_decay (an apply stage): whether it applies the group's weight_decay."""
-    on_slices: bool = False
-    eager: bool = False
-    owns_momentum: bool = False
-    logical: bool = False
-    weight_decay: bool = True
+    """A stage's yes-or-no facts (most stages keep the defaults)."""
+    on_slices: bool = False  # right on sharded_mode='distributed' slices (sums via sq_sum, summed)
+    eager: bool = False  # it branches on state values: its group runs uncompiled
+    owns_momentum: bool = False  # a precondition keeping its own momentum: its input is the grad
+    logical: bool = False  # an apply stage on logical matrices: direction stages may share state
+    weight_decay: bool = True  # an apply stage that applies the group's weight_decay
 
 
 class Stage(NamedTuple):
-    """A registry entry. fn(x, ctx), one signature for every kind: a precondition or post-process
-    returns the transformed x, an orthogonalizer U from G, an apply stage updates ctx.params in
-    place from the update u. state: name -> StateSpec; reads: names of state another stage of the
-    group declares, which this one sees in ctx.state too (one technique's stages sharing state);
-    options: its own group keys -> Option; check(group): None, or what is wrong with the group for
-    this stage (options that depend on each other); cost(rows, cols, group): FLOPs per matrix and
-    step, which owner planning adds to Newton-Schulz's; needs: what it reads beyond its input
-    ('grad': the raw gradient, 'weight': whole weight matrices, which sharded (DTensor) params do
-    not carry to their owner; 'inputs': each matrix's input covariance, every input_interval
-    steps: StageContext.inputs); flags: Flags.
-    method (an orthogonalizer): the Newton-Schulz it runs (NS_METHODS), which the cost, the float64
-    reference and old checkpoints read; None: not Newton-Schulz (costed as standard Newton-Schulz
-    plus its cost, and the reference needs its float64 definition). A wrapper of Newton-Schulz
-    keeps the method of what it wraps by naming it here."""
+    """A registry entry. fn(x, ctx) returns the transformed x (an orthogonalizer: U from G; an
+    apply stage updates ctx.params in place). state: name -> StateSpec; reads: state names
+    another stage of the group declares; options: its group keys -> Option; check(group): None or
+    what is wrong; cost(rows, cols, group): FLOPs per matrix and step beyond Newton-Schulz's;
+    needs: 'grad', 'weight' (whole matrices) or 'inputs' (StageContext.inputs); method (an
+    orthogonalizer): the Newton-Schulz it runs (NS_METHODS), None if it is not Newton-Schulz."""
     fn: Callable
     state: dict = {}
     reads: tuple = ()
@@ -409,8 +357,8 @@ class StageContext(NamedTuple):
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
     # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
     ortho_input: Tensor | None = None
-    # where a stage needs 'inputs', on the steps they were collected: each matrix's input
-    # covariance x^T x / tokens in blocks (input_block), (..., blocks, b, b); else None
+    # on the steps a stage needing 'inputs' gets them: each matrix's input covariance
+    # x^T x / tokens in blocks (input_block), (..., blocks, b, b); else None
     inputs: Tensor | None = None
     # apply stages: the params, updated in place (stacked like u, or a list of its matrices)
     params: Tensor | list | None = None
@@ -422,8 +370,7 @@ class StageContext(NamedTuple):
 
     @property
     def step(self):
-        """The group's updates so far, this one included (1 at the first), the same on every
-        rank; a 0-D tensor when compiled."""
+        """The group's updates so far, this one included; a 0-D tensor when compiled."""
         return self.h.step
 
     @property
@@ -438,8 +385,8 @@ class StageContext(NamedTuple):
 
 
 def sq_sum(x: Tensor, dims: tuple) -> Tensor:
-    """The sum of squares of x over dims (kept), in fp32 (fp64 for fp64 x) without a full-size
-    x**2 (over slices, the whole matrix's: summed)."""
+    """The sum of squares of x over dims (kept) in at least fp32, without a full-size x**2
+    (over slices, the whole matrix's)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=dtype).square()
     return summed(s, dims)
@@ -456,10 +403,8 @@ def frobenius(x: Tensor) -> Tensor:
 
 
 def equilibrate(g: Tensor, ctx: StageContext, mode: str) -> Tensor:
-    """MuonEq (Chang et al. 2026, arXiv 2603.28254; nanochat always applies 'row'): balance the
-    momentum's rows and/or columns before orthogonalizing: diag(r) G diag(c),
-    r_i = (sum_j G_ij^2 + 1e-8)^-1/2 and c likewise, both from the same G. Returns a new tensor:
-    g may be the momentum buffer."""
+    """MuonEq (Chang et al. 2026, arXiv 2603.28254): diag(r) G diag(c) with r_i = (sum_j G_ij^2 +
+    1e-8)^-1/2 and c likewise, both from the same G. A new tensor: g may be the momentum buffer."""
     scales = [sq_sum(g, (-1,) if part == "row" else (-2,)).add_(1e-8).rsqrt_().to(g.dtype)
               for part in mode.split("_")]
     for scale in scales:
@@ -468,20 +413,17 @@ def equilibrate(g: Tensor, ctx: StageContext, mode: str) -> Tensor:
 
 
 def equilibrate_to_mean(g: Tensor, ctx: StageContext) -> Tensor:
-    """MuonEq as nanochat's fused step runs it: every row scaled to the mean row norm,
-    ||G||_F / sqrt(rows), each row's norm floored at 1e-6. The same directions as
-    'equilibrate_row', at the scale Polar Express's eps was tuned for. Returns a new tensor."""
+    """MuonEq as nanochat runs it: every row scaled to the mean row norm ||G||_F / sqrt(rows)
+    (row norms floored at 1e-6), the scale Polar Express's eps was tuned for. A new tensor."""
     target = sq_sum(g, (-2, -1)).sqrt() / whole_shape(g)[-2] ** 0.5
     return g * (target / sq_sum(g, (-1,)).sqrt().clamp_min(1e-6)).to(g.dtype)
 
 
 def soap(g: Tensor, ctx: StageContext) -> Tensor:
-    """SOAP-Muon (modded-nanogpt track 3, record 14; SOAP: arXiv 2409.11321): Adam in the
-    eigenbases Q_L, Q_R of the gradient's row and column covariances, before orthogonalizing.
-    P = Q_L^T U Q_R, V <- b V + (1 - b) P^2, U' = Q_L (P / (sqrt(V) + 1e-8)) Q_R^T rescaled to
-    ||U||_F (U: the momentum step; the first step passes it through). Then this step's gradient G
-    updates L <- b L + (1 - b) G G^T and R likewise, and the bases for the next step: eigh on the
-    first step, one power iteration and QR every precondition_frequency steps after."""
+    """SOAP-Muon (modded-nanogpt record 14; arXiv 2409.11321): Adam in the eigenbases Q_L, Q_R of
+    the gradient's row and column covariances: P = Q_L^T U Q_R, V <- b V + (1 - b) P^2,
+    U' = Q_L (P / (sqrt(V) + 1e-8)) Q_R^T rescaled to ||U||_F (the first step passes U). Then
+    the covariances take this step's gradient and the bases refresh (_soap_bases)."""
     st, beta = ctx.state, ctx.group["soap_beta"]
     started = (st["soap_step"] > 0)[..., None, None]
     x = fp32(g)
@@ -499,9 +441,8 @@ def soap(g: Tensor, ctx: StageContext) -> Tensor:
 
 
 def _soap_bases(st: dict, frequency: int) -> None:
-    """The eigenbases after this step's covariances: eigh (eigenvalues descending) where a
-    matrix has none yet; every `frequency` steps, columns sorted by Rayleigh quotient (V's rows
-    or columns permuted alike), then Q <- qr(C Q). Batched, picked per matrix."""
+    """Eigenbases by eigh (descending) where a matrix has none yet; every `frequency` steps,
+    columns sorted by Rayleigh quotient (V permuted alike), then Q <- qr(C Q). Per matrix."""
     step = st["soap_step"][..., None, None]
     first, due = step == 0, (step > 0) & (step % frequency == 0)
     for side, dim in (("row", -2), ("col", -1)):
@@ -519,9 +460,8 @@ def _soap_bases(st: dict, frequency: int) -> None:
 
 
 def input_block(rows: int, cols: int) -> int:
-    """The block size of a (rows, cols) matrix's input covariance (StageContext.inputs): inputs
-    wider than the outputs by a whole factor in blocks of the output width (an MLP's output
-    projection: 4 blocks, as Newton-Muon's record keeps them), else whole."""
+    """The block size of a matrix's input covariance: the output width where inputs are a whole
+    multiple wider (an MLP's output projection: 4 blocks, as Newton-Muon's record), else whole."""
     return rows if cols > rows and cols % rows == 0 else cols
 
 
@@ -532,8 +472,7 @@ def input_shape(rows: int, cols: int) -> tuple[int, int, int]:
 
 
 def input_covariance(x: Tensor, rows: int, cols: int) -> Tensor:
-    """x^T x / tokens of a (rows, cols) matrix's inputs x (..., cols), in fp32 and in blocks of
-    input_block: input_shape. What a stage that needs 'inputs' reads."""
+    """x^T x / tokens of a matrix's inputs x (..., cols), in fp32, shaped input_shape."""
     blocks, b, _ = input_shape(rows, cols)
     x = x.detach().reshape(-1, blocks, b).float().transpose(0, 1)  # (blocks, tokens, b)
     with torch.autocast(x.device.type, enabled=False):
@@ -541,12 +480,10 @@ def input_covariance(x: Tensor, rows: int, cols: int) -> Tensor:
 
 
 def newton(grad: Tensor, ctx: StageContext) -> Tensor:
-    """Newton-Muon (arXiv 2604.01472; modded-nanogpt track 3, record 15), a precondition that
-    owns the momentum: the gradient right-multiplied by the inverse covariance of its matrix's
-    inputs, block by block (input_block), then Muon's momentum. On the steps that bring inputs
-    (every input_interval), C <- lerp(C, inputs, newton_lerp) and K = (C + r I)^-1 by Cholesky,
-    r = newton_damping x trace(C) / b + 1e-8; where the factorization fails, K = I. C starts at
-    0.001 I and K at I (plain Muon until the first refresh), as in the record."""
+    """Newton-Muon (arXiv 2604.01472; modded-nanogpt record 15), owning the momentum: the gradient
+    times the inverse input covariance, block by block, then Muon's momentum. When inputs come,
+    C <- lerp(C, inputs, newton_lerp) and K = (C + r I)^-1 by Cholesky (I where it fails),
+    r = newton_damping x trace(C) / b + 1e-8. C starts at 0.001 I and K at I, as in the record."""
     st, opts = ctx.state, ctx.group
     cov, inv, m = st["newton_cov"], st["newton_inv"], st["newton_momentum"]
     if ctx.inputs is not None:
@@ -574,18 +511,15 @@ def _newton_spec(init) -> StateSpec:
 
 
 def inputs_due(group: dict) -> bool:
-    """Whether a muon group's next step reads its matrices' inputs: a stage needs 'inputs', and
-    the step is a multiple of the group's input_interval (an_interval)."""
+    """Whether a muon group's next step reads its matrices' inputs (every input_interval)."""
     return ("inputs" in stage_needs(group) and (group.get("step", 0) + 1)
             % interval_steps(group["input_interval"], group.get("horizon")) == 0)
 
 
 def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
-    """Muon+ (Zhang et al. 2026, arXiv 2602.21545): normalize the orthogonalized update's
-    columns ('col') or rows ('row') to unit norm, x / sqrt(sum x^2 + 1e-7), one after the other
-    in the order named ('col_row'), in place. 'fro' is nanochat's variant: rescale the whole
-    matrix to Frobenius norm sqrt(min(rows, cols)), the norm of an exact U V^T, which
-    Newton-Schulz only approximates."""
+    """Muon+ (Zhang et al. 2026, arXiv 2602.21545), in place: columns ('col') or rows ('row') to
+    unit norm, x / sqrt(sum x^2 + 1e-7), in the order named. 'fro' (nanochat's): the whole matrix
+    to Frobenius norm sqrt(min(rows, cols)), an exact U V^T's."""
     if mode == "fro":
         m, n = whole_shape(u)[-2:]
         return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1)).sqrt().clamp_min(1e-6)).to(u.dtype))
@@ -595,10 +529,9 @@ def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
 
 
 def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
-    """Factored second-moment normalization (NorMuon, Li et al. 2025, arXiv 2510.05491, as
-    nanochat does it): an EMA (beta2) of the mean squared update along the rows of a tall or
-    square matrix (per row) or the columns of a wide one divides the update, which is then
-    rescaled to the Frobenius norm it had. In place; nothing without beta2."""
+    """NorMuon (Li et al. 2025, arXiv 2510.05491, as nanochat does it), in place: an EMA (beta2)
+    of the mean squared update per row (tall or square) or column (wide) divides the update,
+    which keeps its Frobenius norm. Nothing without beta2."""
     second_moment = ctx.state.get("second_momentum_buffer")
     if second_moment is None:
         return u
@@ -615,15 +548,13 @@ def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
 
 
 def uw_floor(u: Tensor, ctx: StageContext) -> Tensor:
-    """The u/w floor (modded-nanogpt track 3, record 9): lift an update whose Frobenius norm is
-    below c ||W||_F to c ||W||_F (c: the group's uw_floor, 0.35 as published), u before the lr."""
+    """The u/w floor (modded-nanogpt record 9): ||u||_F lifted to at least uw_floor ||W||_F."""
     ratio = ctx.group["uw_floor"] * frobenius(ctx.weight).clamp_min(1e-8)
     return u.mul_((ratio / frobenius(u).clamp_min(1e-8)).clamp_min(1.0).to(u.dtype))
 
 
 def op_norm_estimate(G: Tensor, iterations: int = 5, eps: float = 1e-10) -> Tensor:
-    """Each matrix's largest singular value, by power iteration from the all-ones vector (fp32,
-    shaped to broadcast over G): ContraMuon's estimate, deterministic and cheap (matrix-vector)."""
+    """Each matrix's largest singular value by power iteration from the ones vector (fp32)."""
     X = fp32(G)
     v = X.new_ones(*X.shape[:-2], X.shape[-1], 1)
     v = v / v.norm(dim=-2, keepdim=True)
@@ -636,10 +567,8 @@ def op_norm_estimate(G: Tensor, iterations: int = 5, eps: float = 1e-10) -> Tens
 
 
 def contra(u: Tensor, ctx: StageContext) -> Tensor:
-    """ContraMuon (github.com/nilin/contra-muon; modded-nanogpt track 3, record 11): subtract
-    contra / 2 times the orthogonalizer's input, scaled to unit operator norm, from its output,
-    then give the update back the Frobenius norm it had. It reads the input (ctx.ortho_input), so
-    it goes with any orthogonalizer."""
+    """ContraMuon (nilin/contra-muon; modded-nanogpt record 11): subtract contra / 2 times the
+    orthogonalizer's input at unit operator norm, then restore u's Frobenius norm."""
     G = ctx.ortho_input
     norm = frobenius(u)
     u = u.sub_((ctx.group["contra"] / 2 * fp32(G) / op_norm_estimate(G)).to(u.dtype))
@@ -647,8 +576,7 @@ def contra(u: Tensor, ctx: StageContext) -> Tensor:
 
 
 def pairs(stack: Tensor, params, *states):
-    """(stack, params, *states) whole when params is a tensor like stack, else matrix by matrix
-    with a list of them."""
+    """(stack, params, *states) whole when params is a tensor, else matrix by matrix."""
     return ((stack, params, *states),) if isinstance(params, Tensor) else \
         zip(stack, params, *states)
 
@@ -677,36 +605,30 @@ def apply_cautious(u: Tensor, ctx: StageContext) -> None:
 
 
 def hyperball_radius(w: Tensor) -> Tensor:
-    """MuonH's sphere: each matrix's initial Frobenius norm; a matrix initialized at zero (an
-    output projection) gets sqrt(rows), the norm of one with unit-variance outputs, and joins it
-    at its first step."""
+    """MuonH's radius: each matrix's initial Frobenius norm, sqrt(rows) for one initialized at 0."""
     norm = frobenius(w)
     return torch.where(norm > 0, norm, torch.full_like(norm, w.shape[-2] ** 0.5))
 
 
 def hyperball(u: Tensor, ctx: StageContext) -> None:
-    """MuonH (modded-nanogpt track 3, record 5; arXiv 2606.16899): each matrix stays on the
-    sphere of radius r (hyperball_radius): W' = W - lr r u / ||u||_F, then W <- W' r / ||W'||_F.
-    The lr is a relative step; weight decay has no part."""
+    """MuonH (modded-nanogpt record 5; arXiv 2606.16899): W' = W - lr r u / ||u||_F, then
+    W <- W' r / ||W'||_F, so each matrix stays on its sphere (hyperball_radius). No decay."""
     for ui, p, r in pairs(u, ctx.params, ctx.state["hyperball_radius"]):
         p.sub_((fp32(ui) * (ctx.h.lr * r / frobenius(ui).clamp_min(1e-10))).to(p.dtype))
         p.mul_((r / frobenius(p).clamp_min(1e-10)).to(p.dtype))
 
 
 def muown_row_norms(w: Tensor) -> Tensor:
-    """Muown's gain and ||v|| at the start: each row's norm (fp32); a zero row (an output
-    projection) takes 1, a row's norm under nanomuon's init, std 1/sqrt(cols) (the record's
-    0.33^0.5 is its own init's)."""
+    """Muown's starting gain and ||v||: each row's norm (fp32), 1 for a zero row (nanomuon's
+    init's row norm)."""
     norm = torch.linalg.vector_norm(fp32(w), dim=-1, keepdim=True)
     return torch.where(norm > 1e-12, norm, torch.ones_like(norm))
 
 
 def muown_direction(grad: Tensor, ctx: StageContext) -> Tensor:
-    """Muown (arXiv 2605.10797; modded-nanogpt track 3, record 23), its precondition: each row of
-    W is a gain times a direction, W = g v / ||v||, u = W / g its unit rows. The gradient splits
-    into the gain's, dL/dg = sum_j dL/dW_ij u_ij, left for the apply stage (muown_gain_grad),
-    and the direction's, dL/dv = (g / ||v||) (dL/dW - u dL/dg), which gets Muon's momentum here
-    (the stage owns it: its input is the gradient) and goes on to the orthogonalizer."""
+    """Muown (arXiv 2605.10797; modded-nanogpt record 23), owning the momentum: rows W = g v / ||v||
+    with unit rows u = W / g. The gain's gradient sum_j dL/dW_ij u_ij waits for muown_apply; the
+    direction's, (g / ||v||) (dL/dW - u dL/dg), takes Muon's momentum and goes on."""
     st = ctx.state
     gain, v_norm, m = st["muown_gain"], st["muown_v_norm"], st["muown_momentum"]
     u, G = fp32(ctx.weight) / gain, fp32(grad)
@@ -718,12 +640,9 @@ def muown_direction(grad: Tensor, ctx: StageContext) -> Tensor:
 
 
 def muown_apply(u: Tensor, ctx: StageContext) -> None:
-    """Muown's apply stage, on logical matrices: v = ||v|| W / g steps along the orthogonalized u
-    by ctx.h.lr (the record's lr x direction_scale x sqrt(max(rows, cols)): lr_scale='spectral',
-    extra_scale=0.2), the gain by Adam (muown_betas, eps 1e-8, the group lr x muown_gain_lr), then
-    W = g v / ||v||. Then ||v|| follows the v-norm schedule, from its start to
-    muown_v_norm_target as ((step - 1) / (horizon - 1))^muown_v_norm_power: a longer v turns less
-    for the same step, so the angular step shrinks as the run goes on. No weight decay."""
+    """Muown's apply stage, on logical matrices: v steps along u by ctx.h.lr, the gain by Adam
+    (muown_betas, eps 1e-8, lr x muown_gain_lr), W = g v / ||v||; then ||v|| goes from its start
+    to muown_v_norm_target as ((step - 1) / (horizon - 1))^muown_v_norm_power. No weight decay."""
     st, (beta1, beta2), W = ctx.state, ctx.group["muown_betas"], ctx.params
     gain, v_norm = st["muown_gain"], st["muown_v_norm"]
     v = fp32(W) / gain * v_norm - fp32(u) * ctx.h.lr
@@ -766,8 +685,7 @@ def _row_spec(init=0.0):
 
 
 def _soap_cost(rows: int, cols: int, group: dict) -> float:
-    """Two rotations each way and the two covariances per step; a power iteration and a QR (or
-    the first eigh) per side every precondition_frequency steps."""
+    """Rotations and covariances per step; a power iteration and QR per side per refresh."""
     per_step = 6 * rows * cols * (rows + cols)
     every = interval_steps(group["precondition_frequency"], group.get("horizon"))
     return per_step + 4 * (rows ** 3 + cols ** 3) / every
@@ -866,20 +784,18 @@ def group_stages(group: dict) -> list[tuple[str, str, Stage]]:
 
 
 def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
-    """What the group's stages under `keys` read beyond their input ('grad', 'weight',
-    'inputs')."""
+    """What the group's stages under `keys` read beyond their input (Stage.needs)."""
     return {need for key, _, s in group_stages(group) if key in keys for need in s.needs}
 
 
 def applies_weight_decay(group: dict) -> bool:
-    """Whether the group's weight_decay acts: in the gradient ('l2' mode), or through an apply
-    stage that decays (MuonH's and Muown's do not)."""
+    """Whether the group's weight_decay acts: in 'l2' mode, or through an apply stage that decays."""
     return group["weight_decay_mode"] == "l2" or stage("apply", group["apply"]).flags.weight_decay
 
 
 def stages_used(group: dict) -> str:
-    """What a muon group's update runs, in one line: its stages by slot, and who keeps the
-    momentum and whether the weight decay acts (a run's header says it)."""
+    """What a muon group's update runs, in one line for a run's header: stages by slot, who keeps
+    the momentum, and whether the weight decay acts."""
     parts = [f"{key} {', '.join(names(group[key])) or 'none'}" for key in STAGE_KEYS]
     owner = next((n for k, n, s in group_stages(group) if s.flags.owns_momentum), None)
     parts.append(f"momentum kept by precondition {owner!r}" if owner else "Muon's momentum")
@@ -894,11 +810,9 @@ def runs_eager(group: dict) -> bool:
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: MuonScalars,
                   plan: "MuonPlan") -> Tensor:
-    """Muon's momentum step, elementwise (so it runs on shards too); returns what the direction
-    stages take. weight_decay_mode 'l2' adds wd * params to the gradient first (L2
-    regularization) instead of decaying the weights after the update. No momentum_buffer: a
-    precondition owns the momentum (Flags.owns_momentum) and takes the gradient itself. `grads`
-    may be overwritten. params: stacked like grads, or a list of its matrices."""
+    """Muon's momentum step, elementwise (so it runs on shards too), returning the direction's
+    input; 'l2' mode adds wd * params to the gradient first. No momentum_buffer: a precondition
+    owns the momentum and takes the gradient. `grads` may be overwritten."""
     opts = plan.options
     if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
@@ -910,22 +824,17 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: Muon
 
 
 def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
-    """The logical (rows, cols) of each matrix a param
-    of `shape` is updated as (see muon_layout)."""
+    """The logical (rows, cols) of each matrix a param of `shape` is updated as."""
     split, groups, transposed = layout or (None, 1, False)
     rows, cols = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
 
 
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
-    """The update's direction from the momentum step g, on whole matrices: the group's
-    precondition stages, its orthogonalizer, then its post-process stages (variance reduction by
-    default), in out_dtype. Each stage sees the state it keeps and reads (StageContext.only).
-
-    Matrices stored (in, out) are worked on transposed; a split matrix is updated block by block,
-    each exactly as a param of its own, its stage state a slice of the flat per-matrix state
-    (Megatron's per-query-group QKV layout when split_groups > 1: block i is rows n_i of every
-    group). Equal blocks (attention heads) run as one batch."""
+    """The update's direction from the momentum step g, in out_dtype: precondition stages,
+    orthogonalizer, post-process stages, each seeing its own state (StageContext.only). A
+    transposed matrix runs transposed; a split one block by block, each as a param of its own
+    (equal blocks as one batch)."""
     plan = ctx.plan
     if plan.layout is not None:
         return _by_layout(g, ctx, out_dtype, plan.layout)
@@ -939,16 +848,13 @@ def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tens
 
 
 def logical_specs(group: dict) -> dict:
-    """name -> StateSpec of every state kept per logical matrix: the precondition and
-    post-process stages' and a logical apply stage's (whether kept or not: see
-    muon_state_layout)."""
+    """name -> StateSpec of every state kept per logical matrix, kept by this group or not."""
     return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.flags.logical
             for name, spec in s.state.items()}
 
 
 def block_state(state: dict, specs: dict, shape, layout: Layout) -> list[dict]:
-    """Per-logical-matrix state (name -> stack) of stored matrices of `shape`, as one dict per
-    logical block: views of the flat state, block after block (muon_state_layout)."""
+    """Per-logical-matrix state as one dict per logical block: views of the flat state."""
     blocks = block_shapes(shape, layout)
     if len(blocks) == 1:
         return [dict(state)]
@@ -962,7 +868,7 @@ def block_state(state: dict, specs: dict, shape, layout: Layout) -> list[dict]:
 
 def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
     """Views of t's logical blocks, (..., groups, n, cols) each (of t.mT when transposed); t may
-    also be per-row numbers of the stored matrix ((rows, 1), or (1, rows) transposed)."""
+    also be per-row numbers of the stored matrix."""
     split, groups, transposed = layout
     t = t.mT if transposed else t
     if not split:
@@ -971,8 +877,7 @@ def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
 
 
 def plain_plan(plan: "MuonPlan", layout: Layout | None = None) -> "MuonPlan":
-    """The plan that a transposed or split matrix's blocks run under: plain (out, in) matrices,
-    or `layout` (a transposed matrix's split, once transposed)."""
+    """The plan a transposed or split matrix's blocks run under: plain matrices, or `layout`."""
     split, groups = (layout.split, layout.groups) if layout else (None, 1)
     options = dict(plan.options, split=split, qkv_split=None, split_groups=groups,
                    transposed=False)
@@ -980,7 +885,7 @@ def plain_plan(plan: "MuonPlan", layout: Layout | None = None) -> "MuonPlan":
 
 
 def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tensor:
-    """muon_direction of a transposed or split matrix, through plain matrices (see there)."""
+    """muon_direction of a transposed or split matrix, through plain matrices."""
     split, groups, transposed = layout
     mats = {k: getattr(ctx, k) for k in ("grad", "weight") if getattr(ctx, k) is not None}
     specs = ctx.plan.specs
@@ -998,8 +903,7 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
                                               for name, t in state.items()},
                            **{key: t.unflatten(-2, (k, n)) for key, t in mats.items()})
         return muon_direction(g.unflatten(-2, (k, n)), sub, out_dtype).flatten(-3, -2)
-    # the rows are `groups` repeats of the blocks: views
-    # (..., groups, n, cols), as matrices flattened
+    # the rows are `groups` repeats of the blocks: views (..., groups, n, cols), flattened
     u = torch.empty(g.shape, dtype=out_dtype, device=g.device)
     states = block_state(state, specs, g.shape, layout)
     views = {key: logical_blocks(t, layout) for key, t in dict(mats, g=g, u=u).items()}
@@ -1012,11 +916,8 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
 
 
 def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
-    """The group's apply stage: weight decay and the step, in place on params (stacked like u,
-    or a list of its matrices: the model's own params, sparing a stack and a copy back); `u` may
-    be overwritten. ctx.h.lr: the step (a number, or per row of a split matrix: see
-    MuonPlan.lr_factor); ctx.h.decay: lr * weight_decay with the lr decay_lr names (0 in 'l2'
-    mode). A logical apply stage gets the params stacked, as logical matrices."""
+    """The group's apply stage, in place on params (stacked like u, or a list of its matrices:
+    no stack and copy back); u may be overwritten. A logical one gets them stacked."""
     s = ctx.plan.apply
     ctx = ctx.only(s)
     if not s.flags.logical:
@@ -1031,8 +932,7 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
 
 
 def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: Layout) -> None:
-    """A logical apply stage on transposed or split matrices W: block by block, each as a plain
-    matrix with its own lr and state, written back into W."""
+    """A logical apply stage on transposed or split W, block by block, written back into W."""
     plain = plain_plan(ctx.plan)
     states = block_state(ctx.state, ctx.plan.specs, W.shape, layout)
     per_row = {k: logical_blocks(v, layout) for k, v in ctx.h._asdict().items()
@@ -1047,11 +947,9 @@ def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: 
 
 def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
                 inputs: Tensor | None = None) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params (the
-    stack, or a list of its K matrices; grads likewise) and on state (name -> stack, as
-    MuonPlan.state lays it out): momentum, direction, apply. inputs: the matrices' input
-    covariances, stacked, on the steps a stage reads them (StageContext.inputs). The sharded path
-    (sharded.py) runs the same three with communication between."""
+    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params
+    (a stack or a list; grads likewise) and state (MuonPlan.state): momentum, direction, apply.
+    inputs: the stacked input covariances, on the steps a stage reads them."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory
     raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
     out_dtype = grads.dtype  # the params'
@@ -1065,8 +963,7 @@ def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
 
 def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                  h: AdamWScalars) -> None:
-    """One AdamW step (decoupled weight decay, bias-corrected moments), in place on p, written as
-    torch.optim.AdamW's single-tensor path: one temporary (denom), the size of p."""
+    """One AdamW step in place on p, as torch.optim.AdamW's single-tensor path (one temporary)."""
     p.mul_(1 - h.lr * h.wd)
     exp_avg.lerp_(grad, 1 - h.beta1)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
@@ -1077,16 +974,14 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
 
 
 def resolve_ns_precision(precision: str, device) -> str:
-    """A group's ns_precision on this device: 'auto'
-    is bf16 where bf16 matmuls are fast (hardware.bf16_matmuls_fast), else fp32."""
+    """ns_precision on this device: 'auto' is bf16 where hardware.bf16_matmuls_fast, else fp32."""
     if precision != "auto":
         return precision
     return "bf16" if bf16_matmuls_fast(device) else "fp32"
 
 
 def muon_layout(group: dict) -> Layout | None:
-    """How a muon group's matrices are stored: None (plain (out, in) matrices), or a Layout for
-    fused or (in, out) weights (docs/optimizer.md)."""
+    """How a muon group's matrices are stored: None (plain (out, in)), or a Layout."""
     split = group["split"] or group["qkv_split"]
     if not split and not group["transposed"]:
         return None
@@ -1094,8 +989,7 @@ def muon_layout(group: dict) -> Layout | None:
 
 
 class MuonPlan(NamedTuple):
-    """A muon group resolved for matrices of one shape, dtype and device (muon_plan): what every
-    step of theirs runs, bound once, so a step derives nothing."""
+    """A muon group resolved for matrices of one shape, dtype and device (muon_plan)."""
     precondition: tuple  # the Stages, in order
     orthogonalizer: Stage
     post_process: tuple
@@ -1113,9 +1007,8 @@ class MuonPlan(NamedTuple):
 
 
 def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
-    """The plan of a checked muon group (defaults filled) for matrices of `shape` (the last two
-    dims; a leading batch is fine) in `dtype` on `device`. The lr factor (per row of a split
-    matrix: per block) follows the logical shape."""
+    """The plan of a checked muon group for matrices of `shape` (a leading batch is fine) in
+    `dtype` on `device`; the lr factor follows the logical shape (per block of a split one)."""
     opts = muon_options(group, device)
     ns, layout = newton_schulz_settings(opts), muon_layout(group)
     blocks = block_shapes(shape, layout)
@@ -1135,9 +1028,8 @@ def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
 
 
 def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
-    """A muon group's per-step numbers, under its plan. Decay uses the lr with its factor, or the
-    group lr with decay_lr='group' (torch.optim.Muon, Megatron); none in 'l2' mode, where it went
-    into the gradient."""
+    """A muon group's per-step numbers under its plan. Decay takes the lr with its factor, or the
+    group lr with decay_lr='group'; none in 'l2' mode, where it went into the gradient."""
     lr, opts = group["lr"] * plan.lr_factor, plan.options
     decay = (lr if opts["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
     decay = 0.0 if opts["weight_decay_mode"] == "l2" else decay
@@ -1147,22 +1039,20 @@ def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
 
 
 def stage_context(group: dict, like: Tensor, state: dict | None = None, **fields) -> StageContext:
-    """A context for calling a stage by hand (tests, benchmarks): the plan of a checked group
-    (defaults filled) for matrices like `like`, its step numbers, and `fields`."""
+    """A context for calling a stage by hand (tests, benchmarks) on matrices like `like`."""
     plan = muon_plan(group, like.shape, like.dtype, like.device)
     return StageContext(state or {}, muon_hparams(group, plan), plan, **fields)
 
 
-# What the math reads of a group: everything but the params, the per-step numbers
-# (MuonScalars), labels and the options only the sharded path reads, so groups that differ
-# in those share compiled graphs.
+# What the math does not read of a group (params, per-step numbers, labels, sharded-only
+# options), so groups that differ only in those share compiled graphs.
 NOT_MATH = ("params", "kind", "name", "initial_lr", "lr", "momentum", "weight_decay", "beta2",
             "step", "sharded_mode", "comm_precision")
 
 
 def muon_options(group: dict, device) -> dict:
-    """The static options the math reads from a muon group, as a plain dict (a compiled graph's
-    constants), with ns_precision 'auto' settled for `device`."""
+    """The static options the math reads from a muon group (a compiled graph's constants), with
+    ns_precision settled for `device`."""
     opts = {k: v for k, v in group.items() if k not in NOT_MATH}
     opts["ns_precision"] = resolve_ns_precision(group["ns_precision"], device)
     return opts
@@ -1177,12 +1067,10 @@ class StateSlot(NamedTuple):
 
 
 def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
-    """The state of a Muon param of `shape` and `dtype`, name -> StateSlot: the momentum like the
-    param (unless a precondition owns it), then what the group's stages keep: a precondition,
-    post-process or logical apply stage's per logical matrix (a split matrix's blocks flat, one
-    after another), another apply stage's per stored one. declared: also the state a stage
-    declares but this group does not keep now (kept(group) is false: it is held for later), as a
-    checkpoint may carry it."""
+    """name -> StateSlot of a Muon param: the momentum (unless a precondition owns it), then its
+    stages' state, per logical matrix (a split matrix's blocks flat) for direction and logical
+    apply stages, else per stored one. declared: also state the group does not keep now (a
+    checkpoint may carry it)."""
     shape, stages = tuple(shape), group_stages(group)
     check_shared_state(stages)
     out = {} if owns_momentum(group) else {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
@@ -1216,9 +1104,8 @@ def owns_momentum(group: dict) -> bool:
 
 
 def check_shared_state(stages: list) -> None:
-    """Refuse, in one line, stages that read state no other stage of the group declares or
-    declares in another layout (per stored matrix against per logical one), and momentum owned
-    by anything but the first precondition."""
+    """Refuse stages that read state no other stage declares, or declares in the other layout
+    (stored against logical), and momentum owned by anything but the first precondition."""
     keeper = {name: (stage_name, key in CHAIN_KEYS or s.flags.logical)
               for key, stage_name, s in stages for name in s.state}
     for i, (key, stage_name, s) in enumerate(stages):
@@ -1237,8 +1124,8 @@ def check_shared_state(stages: list) -> None:
 
 
 class LogicalInit(NamedTuple):
-    """A logical apply stage's init from the weights, on a stored matrix of `layout`: its value
-    for each logical block, flat, one after another (comparable, so layouts compare equal)."""
+    """A logical apply stage's init from the weights on a stored matrix of `layout`: per logical
+    block, flat (comparable, so equal layouts compare equal)."""
     init: Callable
     layout: Layout
 
@@ -1250,8 +1137,7 @@ class LogicalInit(NamedTuple):
 
 
 def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:
-    """A new state tensor for the param `weight`: slot.init's number or Diagonal, or its value
-    from weight."""
+    """A new state tensor for the param `weight`, from slot.init."""
     if callable(slot.init):
         return slot.init(weight.detach()).to(slot.dtype).reshape(slot.shape)
     if isinstance(slot.init, Diagonal):
@@ -1273,16 +1159,13 @@ def ns_flops(shape, ns_steps: int, gram: bool = False) -> float:
 
 
 def gram_pays(shape, ns_steps: int, dtype: torch.dtype) -> bool:
-    """Whether Gram Newton-Schulz suits a matrix of `shape` (the 'auto' orthogonalizer's rule): it
-    takes fewer FLOPs, and the precision is fp32 or fp16, not bf16, whose 8-bit mantissa lets R
-    drift (Polar Express lands 0.47-0.76 from U V^T where standard bf16 lands 0.10;
-    tests/test_optim.py, docs)."""
+    """Whether 'auto' runs Gram: fewer FLOPs, and not bf16, whose 8-bit mantissa lets R drift
+    (Polar Express lands 0.47-0.76 from U V^T where standard bf16 lands 0.10)."""
     return dtype != torch.bfloat16 and ns_flops(shape, ns_steps, True) < ns_flops(shape, ns_steps)
 
 
 def orthogonalizer_method(group: dict) -> str | None:
-    """The Newton-Schulz method of the group's orthogonalizer: its registry entry's (Stage.method),
-    None for an entry that names none."""
+    """The group's orthogonalizer's Newton-Schulz method (Stage.method), None if it names none."""
     return getattr(ORTHOGONALIZERS.get(group["orthogonalizer"]), "method", None)
 
 
@@ -1293,16 +1176,14 @@ def orthogonalizer_running(method: str) -> str:
 
 
 def uses_gram(method: str, shape, ns: NewtonSchulz) -> bool:
-    """Whether Newton-Schulz by `method` runs Gram on a matrix of `shape`: 'gram' always,
-    'standard' never, 'auto' where gram_pays."""
+    """Whether `method` runs Gram on a matrix of `shape`: 'gram', or 'auto' where gram_pays."""
     return method == "gram" or (
         method == "auto" and gram_pays(shape, len(ns.coefficients), ns.dtype))
 
 
 def update_cost(group: dict, p: Tensor) -> float:
-    """The FLOPs of one Muon param's direction under its group's settings (owner planning):
-    Newton-Schulz by its orthogonalizer's method (an entry with none counts as standard) and the
-    cost its stages declare."""
+    """The FLOPs of one Muon param's direction (owner planning): Newton-Schulz by its method
+    (none counts as standard) plus the cost its stages declare."""
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
     method = orthogonalizer_method(opts)
@@ -1322,9 +1203,8 @@ _scalar_values: dict = {}
 
 
 def kernel(fn, compiled: bool):
-    """fn itself, or its torch.compile'd twin (built once per process). Shapes start static; a dim
-    seen to change is made dynamic (dynamic=None), so a model with any number of shapes stays well
-    inside dynamo's recompile limit instead of failing on its ninth."""
+    """fn, or its torch.compile'd twin (one per process). Shapes start static and a dim seen to
+    change turns dynamic (dynamic=None), so many shapes stay inside dynamo's recompile limit."""
     if not compiled:
         return fn
     if fn not in _compiled:
@@ -1333,9 +1213,8 @@ def kernel(fn, compiled: bool):
 
 
 def scalars(h, compiled: bool):
-    """h (MuonScalars or AdamWScalars) for kernel(fn, compiled): as it is eager;
-    compiled, its numbers become 0-D CPU tensors, refilled in place, so the compiled
-    graph is reused instead of rebuilt."""
+    """h (MuonScalars or AdamWScalars) for kernel(fn, compiled): compiled, its numbers become 0-D
+    CPU tensors refilled in place, so the graph is reused, not rebuilt."""
     if not compiled:
         return h
     out = {}
