@@ -1,12 +1,12 @@
 """
 An ablation's plan to a --budget as its runs go: where the plan, the runs' calibration and a
 refused budget's pace are kept, the calibration found for these runs (or a prior from one probed
-step), and the Refiner, which follows the runs' step records, says the plan's end at their own
-pace and adds the seeds the budget has room for. budget.py holds the model of an ablation's time
-and the fit; this is the bookkeeping around it that ablate's runs feed.
+step), and the Refiner, which follows the runs' step records, says the plan's end at their pace and
+adds the seeds the budget has room for. budget.py holds the model of an ablation's time and the fit.
 """
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -20,6 +20,7 @@ from nanomuon.budget import (
     FIRST_SEEDS,
     HEADROOM,
     MIN_STEPS,
+    PRIOR_START_STEPS,
     PRIOR_STEP_RATIO,
     WRITE_UP_S,
     Calibration,
@@ -32,7 +33,6 @@ from nanomuon.budget import (
     grow,
     machine_load,
     modeled,
-    prior,
     probe_step,
     projected_detectable,
     read_calibration,
@@ -52,10 +52,9 @@ class Keys(NamedTuple):
 
 
 def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
-    """The files plan_runs reads and the Refiner keeps. A calibration is the runs' flags, their
-    processes and threads, `jobs` at once (their contention), the device and CPU model, the
-    batching, the variants, the code and torch; a plan is that and the budget, sweep, seeds and
-    lengths it was fitted to."""
+    """The files plan_runs reads and the Refiner keeps. A calibration is keyed by the runs' flags,
+    processes, threads, `jobs` at once, device and CPU, batching, variants, code and torch; a plan
+    by that and the budget, sweep, seeds and lengths it was fitted to."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
     exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
@@ -88,12 +87,18 @@ def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]
     return cal, about, how
 
 
-def prior_estimate(args, train, jobs: int, threads: int, cache: dict,
-                   evals) -> tuple[Calibration | None, str]:
+def evals_of(args, train):
+    """step_s -> (eval_s, final_s) of these runs (budget.eval_times)."""
+    return functools.partial(eval_times, eval_tokens=train.eval_tokens,
+                             final_tokens=train.final_eval_tokens, batch=train.total_batch_size,
+                             batched=args.batch_seeds)
+
+
+def prior_estimate(args, train, jobs: int, threads: int,
+                   cache: dict) -> tuple[Calibration | None, str]:
     """(The prior, how it was had, in words) where nothing has timed these runs here: one eager
-    step of a seed at their shape timed now (budget.probe_step, a few seconds on a CPU), scaled
-    by what compiled runs took against it and by the load the runs add. None on a GPU, or where
-    the probe cannot run; then the runs' first steps time the plan alone."""
+    step of a seed at their shape timed now (budget.probe_step), scaled by PRIOR_STEP_RATIO and by
+    the load the runs add. None on a GPU, or where the probe cannot run."""
     none = "nothing has timed these runs here yet"
     if cache.get("device_type") != "cpu" or not isinstance(train.device_batch_size, int):
         return None, none
@@ -112,8 +117,10 @@ def prior_estimate(args, train, jobs: int, threads: int, cache: dict,
     load, cores = machine_load(), os.cpu_count() or 1
     factor = (contention(load, jobs * threads * args.nproc, cores)
               / contention(load, threads, cores))
-    compiled = resolve_compile(train.compile, torch.device("cpu"))
-    guess = prior(probe_s, compiled, evals, factor, 0.0)
+    step_s = probe_s * PRIOR_STEP_RATIO * factor
+    eval_s, final_s = evals_of(args, train)(step_s)
+    start_s = PRIOR_START_STEPS[resolve_compile(train.compile, torch.device("cpu"))] * probe_s
+    guess = Calibration(step_s, start_s * factor, eval_s, 0.0, final_s)
     return guess, (f"{none}; a prior estimate: one eager step of a seed timed now, {probe_s:.3f} "
                    f"s, x{PRIOR_STEP_RATIO:g} for a run's"
                    + (f", x{factor:.2f} for the load {jobs} runs add" if factor > 1.01 else "")
@@ -127,21 +134,6 @@ def in_words(cal: Calibration, spent: bool = True) -> str:
                         else ""))
 
 
-def refuse_at_once(args, keys: Keys, layout: tuple, seconds: float) -> None:
-    """A --budget given that runs here showed too short before (their pace is kept) and that is
-    no longer: refused now, before any run starts."""
-    if args.budget_default:
-        return
-    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        step_s = float(load_json(keys.refused, RECORD_BYTES)["step_s"])
-        floor = modeled(Calibration(step_s, 0.0, 0.0, seconds), MIN_STEPS,
-                        args.seeds or FIRST_SEEDS, *layout)[1]
-        if 0 < step_s < math.inf and floor > (args.budget - seconds) * HEADROOM:
-            raise SystemExit(budget_refusal(args.budget, floor, seconds,
-                                            f"{step_s:.3f} s a step of a seed, as runs here "
-                                            f"showed before ({keys.refused.name})"))
-
-
 class Refiner(Tracker):
     """A budget's plan as its runs go (budget.Tracker reads their step records). It says their
     first pace and each run's end, with the plan's end at the pace measured so far. It keeps that
@@ -151,18 +143,26 @@ class Refiner(Tracker):
     def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
                  estimate: Calibration | None, seconds: float, shape: bool,
                  guess: Calibration | None = None):
-        def evals(step_s: float) -> tuple[float, float]:
-            return eval_times(step_s, train.eval_tokens, train.final_eval_tokens,
-                              train.total_batch_size, args.batch_seeds)
-
         def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
             return modeled(cal, MIN_STEPS, args.seeds or FIRST_SEEDS, *layout)[1]
 
-        super().__init__(args.budget, seconds, evals, None if args.budget_default else floor)
+        super().__init__(args.budget, seconds, evals_of(args, train),
+                         None if args.budget_default else floor)
         self.args, self.train, self.plan, self.layout, self.keys = args, train, plan, layout, keys
         self.about, self.estimate, self.shape = about, estimate, shape
         self.guess = guess  # the prior (prior_estimate), where nothing has timed these runs
         self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
+
+    def refuse_kept(self) -> None:
+        """A --budget given that runs here showed too short before (their pace is kept) and that is
+        no longer: refused now, before any run starts."""
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            step_s = float(load_json(self.keys.refused, RECORD_BYTES)["step_s"])
+            cal = Calibration(step_s, 0.0, 0.0, self.seconds)
+            if 0 < step_s < math.inf and (floor := self.overruns(cal)) is not None:
+                raise SystemExit(budget_refusal(self.budget_s, floor, self.seconds,
+                                                f"{step_s:.3f} s a step of a seed, as runs here "
+                                                f"showed before ({self.keys.refused.name})"))
 
     def words(self, plan: Plan) -> str:
         """The plan in words, each number with its unit."""
@@ -211,8 +211,7 @@ class Refiner(Tracker):
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
                  f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
                  f"min{by}{self.detects(p)}; --budget or --num-iterations chooses another")
-        elif by and self.floor is not None and self.floor(cal._replace(
-                fixed_s=0.0, eval_s=0.0, final_s=0.0)) > (self.budget_s - self.seconds) * HEADROOM:
+        elif by and self.overruns(cal) is not None:
             tell(f"== by the prior, --budget {self.budget_s / 60:.1f}m may not fit even the "
                  "smallest plan's steps; the runs' first steps decide, and refuse it then")
 

@@ -2,16 +2,12 @@
 How many seeds and steps of an ablation fit a wall time (ablate's --budget), and how the plan is
 refined from the planned runs' own steps: no run is spent on calibration alone.
 
-The first plan comes at once. It is fitted from a calibration kept on this machine (ablate keys it
-by what decides it; at_load scales it to the load now), or, where nothing has timed these runs
-here, it is the smallest plan, timed by a prior: probe_step's eager step of one seed, timed here in
-a few seconds, scaled by what compiled runs took against it (PRIOR_STEP_RATIO). A Tracker then
-reads the planned runs' step records (base_train --step-record) and walls as they come. The
-Calibration they measure replaces the estimate, is kept for the next ablate, and sizes the seeds
-that join where the budget has room (grow). An explicit budget that not even the smallest plan
-fits at the pace the runs show is refused then.
-fit() picks the plan whose projected detectable effect is smallest, trading the seeds' t factor
-against the spread that longer runs shrink.
+The first plan is fitted from a calibration kept on this machine (at_load scales it to the load
+now), or it is the smallest plan, timed by a prior: probe_step's eager step of one seed scaled by
+PRIOR_STEP_RATIO. A Tracker then reads the runs' step records and walls; the Calibration they
+measure replaces the estimate, is kept, sizes the seeds that join (grow), and refuses an explicit
+budget that not even the smallest plan fits. fit() picks the plan whose projected detectable effect
+is smallest, trading the seeds' t factor against the spread that longer runs shrink.
 """
 
 import argparse
@@ -124,12 +120,9 @@ def modeled(cal: Calibration, steps: int, seeds: int, runs_per_seed: int, jobs: 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
         lengths: int = 0, batched: bool = False, at_least: bool = False) -> Plan | None:
-    """The plan for budget_s seconds (less cal.seconds), with the baseline at `lengths` other
-    lengths: the most steps that fit `seeds` seeds, or if None the seeds (FIRST_SEEDS to MAX_SEEDS)
-    whose most steps give the smallest projected detectable effect, detectable_factor(seeds) *
-    steps ** -SPREAD_EXPONENT. If not even MIN_STEPS fit: None, or with at_least the smallest
-    plan (MIN_STEPS, `seeds` or FIRST_SEEDS), however long. Evals at step 0, every
-    ceil(steps / EVALS) and at the end are EVALS more than step 0's (modeled())."""
+    """The plan for budget_s seconds (less cal.seconds): the most steps that fit `seeds` seeds,
+    or if None the seeds (FIRST_SEEDS to MAX_SEEDS) whose most steps give the smallest projected
+    detectable effect. If not even MIN_STEPS fit: None, or with at_least the smallest plan."""
     left = (budget_s - cal.seconds) * HEADROOM
     per_seed = EVALS * cal.eval_s + cal.final_s
 
@@ -150,14 +143,14 @@ def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds:
 
 
 def smallest(seeds: int | None) -> Plan:
-    """The smallest plan, not yet timed: what runs first where nothing has timed the runs."""
+    """The smallest plan, not yet timed."""
     return Plan(MIN_STEPS, seeds or FIRST_SEEDS, math.ceil(MIN_STEPS / EVALS), 0.0, 0.0)
 
 
 def grow(budget_s: float, cal: Calibration, plan: Plan, runs_per_seed: int, jobs: int,
          lengths: int = 0, batched: bool = False) -> int:
     """How many seeds (MAX_SEEDS in all at most) can join `plan` as one more batch of each
-    variant's runs and still fit budget_s at cal, as fit() counts; 0 if none can."""
+    variant's runs and still fit budget_s at cal; 0 if none can."""
     left = (budget_s - cal.seconds) * HEADROOM
     groups = plan.groups or (plan.seeds,)
     for more in range(MAX_SEEDS - plan.seeds, 0, -1):
@@ -175,10 +168,9 @@ def projected_detectable(seeds: int, steps: int) -> float:
 
 def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype: str,
                threads: int) -> float:
-    """Seconds of one eager training step of one seed of a GPT of `config` on this CPU, at
-    `threads` threads and `dtype`: a micro-batch of `rows` sequences forward and backward (the
-    second, the first warms the allocator) times micro_batches, and the mean of each variant's
-    optimizer step (its second: the first makes its state). A few seconds at ablate's default."""
+    """Seconds of one eager training step of one seed of a GPT of `config` on this CPU: a
+    micro-batch of `rows` sequences forward and backward (the second: the first warms the
+    allocator) times micro_batches, and the mean of each variant's optimizer step."""
     import torch
 
     from nanomuon.common import autocast
@@ -210,8 +202,8 @@ def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype
 
 
 def optimizer_step(model, variant: str, x, cast) -> float:
-    """Seconds of variant's second eager optimizer step on model's gradients; a stage that reads
-    its matrices' inputs (Newton-Muon) gets them from a forward of x, timed with the step."""
+    """Seconds of variant's second eager optimizer step (the first makes its state); a stage that
+    reads its matrices' inputs (Newton-Muon) gets them from a forward of x, timed with the step."""
     import torch
 
     from nanomuon.variants import optimizer_kwargs
@@ -230,19 +222,8 @@ def optimizer_step(model, variant: str, x, cast) -> float:
     return seconds
 
 
-def prior(probe_s: float, compiled: bool, evals, factor: float, seconds: float) -> Calibration:
-    """The Calibration a probe_step of probe_s seconds predicts for runs that compile or not,
-    `factor` slower for the load they add (contention's ratio); evals: step_s -> (eval_s, final_s)
-    as eval_times counts them."""
-    step_s = probe_s * PRIOR_STEP_RATIO * factor
-    eval_s, final_s = evals(step_s)
-    return Calibration(step_s, PRIOR_START_STEPS[compiled] * probe_s * factor, eval_s, seconds,
-                       final_s)
-
-
 def machine_load() -> float:
-    """The machine's 1-minute load average: the runnable processes a step shares the cores with
-    (0 where the OS has none to say)."""
+    """The 1-minute load average (0 where the OS has none)."""
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
@@ -257,16 +238,16 @@ def contention(load: float, used: int, cores: int) -> float:
 
 def at_load(cal: Calibration, then: float, now: float, used: int,
             cores: int) -> tuple[Calibration, float]:
-    """(cal timed at load `then`, scaled to load `now`; the factor): every part of a run is CPU
-    time, so all of it scales; the seconds spent before the runs do not."""
+    """(cal timed at load `then`, scaled to load `now`; the factor): all of a run is CPU time;
+    the seconds spent before the runs do not scale."""
     f = contention(now, used, cores) / contention(then, used, cores)
     return cal._replace(step_s=cal.step_s * f, fixed_s=cal.fixed_s * f, eval_s=cal.eval_s * f,
                         final_s=cal.final_s * f), f
 
 
 def budget_refusal(budget_s: float, floor_s: float, spent_s: float, seen: str) -> str:
-    """The line that refuses --budget budget_s: the smallest plan's steps alone take floor_s
-    seconds, and spent_s went before the runs; it names a budget that fits them."""
+    """The line that refuses --budget budget_s, where the smallest plan's steps alone take
+    floor_s seconds: it names a budget that fits them."""
     left = (budget_s - spent_s) * HEADROOM
     need = floor_s / HEADROOM + spent_s
     return (f"error: --budget {budget_s:.0f}s cannot fit: the smallest plan's steps alone take "
@@ -276,8 +257,7 @@ def budget_refusal(budget_s: float, floor_s: float, spent_s: float, seen: str) -
 
 
 class RunWatch:
-    """One planned run's step records as launch() reads them (its `watch`): its warm steps'
-    seconds and its wall once it ends, for the Tracker."""
+    """One planned run's warm steps' seconds and its wall, as launch() reads them, for a Tracker."""
 
     def __init__(self, tracker: "Tracker", seeds: int, label: str):
         self.tracker, self.seeds, self.label = tracker, seeds, label
@@ -306,11 +286,11 @@ class RunWatch:
 
 
 class Tracker:
-    """The planned runs' pace from their step records as they come, from any lane's thread: the
-    Calibration they measure, handed to paced() once PACE_RECORDS warm steps have come and to
-    finished() as each run ends (a subclass says and keeps them), and the refusal of an explicit
-    budget as soon as not even the smallest plan's steps fit at that pace. floor: that plan's
-    seconds at a Calibration (modeled()); None never refuses (the default budget)."""
+    """The planned runs' pace from their step records, from any lane's thread: the Calibration
+    they measure, handed to paced() once PACE_RECORDS warm steps have come and to finished() as
+    each run ends (a subclass says and keeps them), and the refusal of an explicit budget once not
+    even the smallest plan's steps fit. floor: that plan's seconds at a Calibration; None never
+    refuses (the default budget)."""
 
     def __init__(self, budget_s: float, seconds: float, evals, floor=None):
         self.budget_s, self.seconds, self.evals, self.floor = budget_s, seconds, evals, floor
@@ -318,7 +298,6 @@ class Tracker:
         self.runs, self.procs, self.refusal, self.told = [], [], None, False
 
     def watch(self, seeds: int, label: str) -> RunWatch:
-        """A new run's watch, for launch()."""
         run = RunWatch(self, seeds, label)
         with self.lock:
             self.runs.append(run)
@@ -364,14 +343,20 @@ class Tracker:
             self.paced(cal)
         self.check(cal)
 
-    def check(self, cal: Calibration) -> None:
-        """Refuse the budget and stop the runs once the smallest plan's steps alone at cal (no
-        start-up, no evals: a bound from below) cannot fit what the budget leaves the runs."""
+    def overruns(self, cal: Calibration) -> float | None:
+        """The smallest plan's steps alone at cal (no start-up, no evals: a bound from below)
+        where they cannot fit what the budget leaves the runs, else None (always, without floor)."""
         if self.floor is None:
-            return
+            return None
         floor = self.floor(cal._replace(fixed_s=0.0, eval_s=0.0, final_s=0.0))
+        return floor if floor > (self.budget_s - self.seconds) * HEADROOM else None
+
+    def check(self, cal: Calibration) -> None:
+        """Refuse the budget and stop the runs once the smallest plan's steps overrun it at cal."""
+        if (floor := self.overruns(cal)) is None:
+            return
         with self.lock:
-            if self.refusal or floor <= (self.budget_s - self.seconds) * HEADROOM:
+            if self.refusal:
                 return
             self.refusal = budget_refusal(self.budget_s, floor, self.seconds,
                                           f"{cal.step_s:.3f} s a step of a seed, as the runs' "
@@ -403,8 +388,7 @@ def read_plan(path: Path) -> Plan | None:
     """A kept plan, or None when there is none or it is not one (then it is planned again)."""
     try:
         saved = load_json(path, 1 << 16, "a plan ablate wrote")
-        plan = Plan(**saved)
-        plan = plan._replace(groups=tuple(plan.groups))
+        plan = Plan(**saved)._replace(groups=tuple(saved.get("groups", ())))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as e:

@@ -44,7 +44,6 @@ from nanomuon.ablation_plan import (
     kept_estimate,
     plan_keys,
     prior_estimate,
-    refuse_at_once,
 )
 from nanomuon.ablation_runs import (  # noqa: F401 (tests and scripts/noise.py read some here)
     PROGRESS_S,
@@ -66,7 +65,6 @@ from nanomuon.budget import (
     WRITE_UP_S,
     Plan,
     budget_arg,
-    eval_times,
     fit,
     read_plan,
     smallest,
@@ -467,31 +465,28 @@ def seed_groups(plan: Plan | None, seeds: int) -> list[list[int]]:
 
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
               cache: dict) -> tuple[list[str], "Refiner"]:
-    """--budget: the plan, printed before any run starts: kept from before, fitted to the
-    calibration kept on this machine (kept_estimate), or, with none, the smallest plan, which its
-    runs' own steps then time. (flags with its steps and evals, the Refiner that follows the runs
-    and refines the plan.) What is kept is keyed by what decides it, so a re-run (or an
-    interrupted one) plans the same runs and finds them cached."""
+    """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs). The
+    plan, said before any run starts, is kept from before, fitted to the calibration kept on this
+    machine (kept_estimate), or with none the smallest plan, which its runs' own steps then time.
+    What is kept is keyed by what decides it, so a re-run plans the same runs and finds them
+    cached."""
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
     keys = plan_keys(args, flags, jobs, threads, cache)
     # a GPU's steps do not wait on the CPU's other processes: no load to scale by
     used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
     estimate, about, how = kept_estimate(keys, used)
-    evals = functools.partial(eval_times, eval_tokens=train.eval_tokens,
-                              final_tokens=train.final_eval_tokens,
-                              batch=train.total_batch_size, batched=args.batch_seeds)
     guess, plan = None, read_plan(keys.plan)
-    if estimate is None and plan is None:
-        guess, how = prior_estimate(args, train, jobs, threads, cache, evals)
+    fresh = estimate is None and plan is None
+    if fresh:
+        guess, how = prior_estimate(args, train, jobs, threads, cache)
     seconds = time.monotonic() - args.started + WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
     guess = guess and guess._replace(seconds=seconds)
     if plan is not None:
         how = f"planned before ({keys.plan.name}); {how}"
-    elif estimate is None:
+    elif fresh:
         plan = smallest(args.seeds)
-        refuse_at_once(args, keys, layout, seconds)
     else:
         plan = fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
                    at_least=args.budget_default)
@@ -501,6 +496,8 @@ def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: in
                              "raise --budget, or cut --variants, --sweep, --seeds or --depth")
     shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
     refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape, guess)
+    if fresh:
+        refiner.refuse_kept()
     refiner.say(how + (f": {in_words(estimate)}; the runs' own steps correct it" if estimate
                        else ""))
     return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
