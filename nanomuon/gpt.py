@@ -1,12 +1,9 @@
 """
-The GPT that nanomuon trains: small, modern, and written to be read in one sitting.
-
-Token embedding, rotary positions, QK-norm, parameter-free RMSNorm, ReLU^2 MLP, untied lm_head, no
-biases, a tanh logit softcap, zero-initialized output projections, scaled_dot_product_attention (or
-a flash attention kernel that use_attention() puts in its place: nanomuon.attention chooses). The size
-follows from --depth (docs/training.md); setup_optimizer() is where the model meets the optimizer:
-its param groups by role, param_groups.classify deciding which params train with Muon, each lr the
-one given or the lr rule's (nanomuon.recipe, which holds the rest of the training recipe).
+The GPT that nanomuon trains, small and modern: rotary positions, QK-norm, parameter-free RMSNorm,
+ReLU^2 MLP, untied lm_head, no biases, a tanh logit softcap, zero-initialized output projections,
+SDPA or the kernel use_attention() installs (nanomuon.attention). Its size follows from --depth
+(docs/training.md); setup_optimizer() builds its param groups by role, each lr given or the lr
+rule's (nanomuon.recipe).
 """
 
 import math
@@ -25,12 +22,10 @@ from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
 from nanomuon.update_math import input_block, input_covariance
 
-# The two models GPTConfig.arch names, each a generation of nanochat's GPT (docs/training.md):
-# - "nanochat": nanochat 92d63d4's, which its leaderboard reached GPT-2 with: value embeddings on
-#   alternating layers, sliding-window attention, per-layer residual and x0 lambdas, smear, backout,
-#   a QK scale of 1.2, RoPE base 100,000. What the GPU speedrun trains.
-# - "classic": its late-2025 model, the plain transformer alone: what the CPU miniature, ablate
-#   and its lr rule were measured with.
+# Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
+# speedrun trains (value embeddings, sliding windows, residual and x0 lambdas, smear, backout, QK
+# scale 1.2, RoPE base 100,000); "classic" is the plain late-2025 transformer that the CPU miniature,
+# ablate and the lr rule were measured with.
 ARCHS = ("nanochat", "classic")
 ROPE_BASE = {"nanochat": 100000.0, "classic": 10000.0}
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels of a block's input
@@ -48,11 +43,9 @@ class GPTConfig:
     n_embd: int = 768
     softcap: float = 15.0
     rope_base: float | None = None  # None: the arch's (ROPE_BASE)
-    # RMS-normalize q and k; without it, logits can grow (QK-clip: GPT.qk_clip_)
-    qk_norm: bool = True
+    qk_norm: bool = True  # without it, logits can grow (QK-clip: GPT.qk_clip_)
     arch: str = "classic"
-    # per layer, tiled: L attends to the whole context, S to the last quarter (window_sizes); the
-    # last layer is always L. "classic" takes only "L"
+    # tiled over the layers: L the whole context, S its last quarter (window_sizes); classic: L
     window_pattern: str = "L"
 
     def __post_init__(self):
@@ -91,9 +84,8 @@ class GPTConfig:
         return asdict(self)
 
     def window_sizes(self) -> list[int | None]:
-        """Each layer's attention window, as keys before the query (FA3's left window), or None for
-        the whole context: L is the whole, S ceil(sequence_len / 4 / 128) x 128 tokens (FA3's tile),
-        the pattern tiled over the layers and the last one always L (nanochat's)."""
+        """Each layer's window as keys before the query (FA3's left window), None for the whole
+        context: S is ceil(sequence_len / 4 / 128) x 128 tokens (FA3's tile); the last layer is L."""
         short = -(-self.sequence_len // 4 // 128) * 128
         pattern = self.window_pattern.upper()
         sizes = [short if pattern[i % len(pattern)] == "S" else None for i in range(self.n_layer)]
@@ -118,16 +110,14 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
                      window_pattern=pattern)
 
 
-# The block matrices by role (GPT.setup_optimizer's roles: a record's per-role lrs and decay):
-# each role's modules within a block
+# each role's modules within a block (GPT.setup_optimizer's roles: per-role lrs and decay)
 MATRIX_ROLES = {"attn.qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "attn.proj": ("attn.c_proj",),
                 "mlp.fc": ("mlp.c_fc",), "mlp.proj": ("mlp.c_proj",)}
 ROLE_FACTORS = ("lr_factor", "weight_decay_factor")  # what a role may scale
 
 
 def has_value_embedding(layer: int, n_layer: int) -> bool:
-    """Whether layer `layer` adds a value embedding (arch 'nanochat'): every other layer, the last
-    one included."""
+    """Whether layer `layer` adds a value embedding: every other layer, the last included."""
     return layer % 2 == (n_layer - 1) % 2
 
 
@@ -136,11 +126,9 @@ def norm(x):
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, T, H, D); rotate the two halves of the head dim against each other: (x1, x2) -> (x1
-    # cos + x2 sin, x2 cos - x1 sin), with full-width tables (cos, cos) and (sin, -sin)
-    # (GPT._rotary_tables). Two contiguous products round as the four on the halves did, 1.4x faster
-    # on CPU. The tables follow x's dtype so that under bf16 autocast q and k stay bf16 instead of
-    # being promoted to fp32.
+    # x: (B, T, H, D); (x1, x2) -> (x1 cos + x2 sin, x2 cos - x1 sin) with full-width tables
+    # (GPT._rotary_tables): two contiguous products, 1.4x faster on CPU than four on the halves.
+    # The tables take x's dtype so that bf16 autocast keeps q and k bf16.
     return x * cos.to(x.dtype) + x.roll(x.size(-1) // 2, dims=-1) * sin.to(x.dtype)
 
 
@@ -152,8 +140,7 @@ def window_mask(T: int, window: int, device) -> torch.Tensor:
 
 
 def sdpa(q, k, v, window: int | None = None):
-    """Causal SDPA on (B, T, heads, head_dim) tensors, as the flash kernels take them; a window
-    (keys before the query) that cuts the context becomes an explicit mask."""
+    """Causal SDPA on (B, T, heads, head_dim) tensors; a window that cuts the context is a mask."""
     T = q.size(1)
     cut = window is not None and window < T - 1
     masking = dict(attn_mask=window_mask(T, window, q.device)) if cut else dict(is_causal=True)
@@ -163,8 +150,8 @@ def sdpa(q, k, v, window: int | None = None):
 
 
 def inputs_of(x: torch.Tensor, **linears) -> dict:
-    """name -> the input covariance of each linear layer x feeds (update_math.input_covariance,
-    what Newton-Muon reads), made once per block size."""
+    """name -> the input covariance (update_math.input_covariance) of each linear layer x feeds,
+    made once per block size."""
     out, made = {}, {}
     for name, lin in linears.items():
         rows, cols = lin.weight.shape[-2:]
@@ -192,11 +179,8 @@ class CausalSelfAttention(nn.Module):
         # the value embedding's gate per kv head: 3 sigmoid(W x[:12]) (ResFormer's value residual)
         self.ve_gate = (nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False)
                         if nanochat and has_value_embedding(layer, config.n_layer) else None)
-        # while tracked (GPT.track_max_logits): per-head max pre-softmax logit
-        self.max_logits = None
-        # (q, k, v, window) as (B, T, heads, head_dim) -> the same, in SDPA's place
-        # (GPT.use_attention)
-        self.attend = None
+        self.max_logits = None  # per-head max pre-softmax logit (GPT.track_max_logits)
+        self.attend = None  # what replaces sdpa (GPT.use_attention)
 
     def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
         B, T, C = x.shape
@@ -226,11 +210,8 @@ class CausalSelfAttention(nn.Module):
     @torch.compiler.disable
     @torch.no_grad()
     def _track_max_logits(self, q, k):
-        """max_logits = max(max_logits, each head's largest causal
-        q.k / sqrt(head_dim) in this batch).
-
-        SDPA never materializes the logits, so they are recomputed here, one batch row at a time to
-        keep the (heads, T, T) scores small; it costs about one more QK^T per layer."""
+        """max_logits = max(max_logits, each head's largest causal q.k / sqrt(head_dim)). SDPA never
+        materializes the logits, so they are recomputed, a batch row at a time (one more QK^T)."""
         B, H, T, D = q.shape
         groups = H // self.n_kv_head
         qg = q.float().reshape(B, self.n_kv_head, groups, T, D)
@@ -265,7 +246,6 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
-        """stats: a dict to fill with each matrix's input covariance, by its name in the block."""
         attn, mlp = (None, None) if stats is None else ({}, {})
         x = x + self.attn(norm(x), cos, sin, ve, attn)
         x = x + self.mlp(norm(x), mlp)
@@ -275,16 +255,14 @@ class Block(nn.Module):
         return x
 
 
-# fp32 copies of a block that SoftcapCrossEntropy holds at once: the scaled logits, their
-# sigmoid, the softcapped logits and their softmax
+# fp32 copies of a block SoftcapCrossEntropy holds: scaled logits, sigmoid, softcapped, softmax
 LOSS_BLOCK_TEMPS = 4
 
 
 def loss_block_rows(n: int, vocab: int, device: torch.device) -> int:
-    """Rows per block of SoftcapCrossEntropy over n rows of vocab logits. On CUDA a block is a few
-    kernels whatever its size, so as few blocks as memory allows: all n rows when their fp32
-    temporaries fit a quarter of the free memory (the allocator's idle cache counted), else as
-    many rows as fit. Elsewhere 1 MiB of fp32 per block, which stays in a CPU's cache."""
+    """Rows per block of SoftcapCrossEntropy: on CUDA as many as fit a quarter of the free memory
+    (idle cache counted), as a block costs a few kernels whatever its size; elsewhere 1 MiB of
+    fp32, which stays in a CPU's cache."""
     if device.type != "cuda":
         return max(1, min(n, (1 << 18) // vocab))
     free, _ = torch.cuda.mem_get_info(device)
@@ -293,14 +271,11 @@ def loss_block_rows(n: int, vocab: int, device: torch.device) -> int:
 
 
 class SoftcapCrossEntropy(torch.autograd.Function):
-    """cross_entropy(cap * tanh(logits / cap), targets) in one pass over the logits, a block of
-    rows at a time (loss_block_rows), with the gradient made on the way: what eager autograd does
-    in a dozen full-size fp32 passes (tanh alone costs 2.5 ns per element on CPU) this does in
-    cache, and it keeps only the gradient (logits' dtype) for backward. The compiled model keeps
-    the plain expression, which inductor fuses by itself. tests/test_gpt.py checks this against
-    float64 and the compiled model against this. Returns (loss, the logits' gradient), the
-    gradient an output so that torch.func can see it (batched seeds vmap the model):
-    softcap_cross_entropy() is the loss alone."""
+    """cross_entropy(cap * tanh(logits / cap), targets) in one cached pass, a block of rows at a
+    time (loss_block_rows), making the gradient on the way: eager autograd takes a dozen full-size
+    fp32 passes. The compiled model keeps the plain expression, which inductor fuses. Returns
+    (loss, the logits' gradient), the gradient an output so that torch.func (batched seeds) sees
+    it; softcap_cross_entropy() is the loss alone."""
 
     @staticmethod
     def forward(logits, targets, cap: float, reduction: str, make_grad: bool):
@@ -312,8 +287,7 @@ class SoftcapCrossEntropy(torch.autograd.Function):
         # other negatives stay, and gather refuses them
         target = targets.masked_fill(~valid, 0).unsqueeze(1)
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        # d loss / d logit row, in fp32 until its one rounding: (softmax - onehot) * d softcap,
-        # times 1/n for the mean
+        # d loss / d logit row: (softmax - onehot) * d softcap (/ n for the mean), fp32 until stored
         count = n_valid.clamp(min=1).to(dtype)  # all -1: zero gradients, as F.cross_entropy gives
         scale = valid.unsqueeze(1) * (4 / count if reduction == "mean" else 4.0)
         # needs_input_grad ignores no_grad: the caller knows
@@ -353,9 +327,7 @@ class SoftcapCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, logits, targets, cap, reduction, make_grad):
-        """Under torch.vmap (batched seeds: the logits of every seed, the same targets): one
-        call on all the rows, each row's loss as its seed's own call makes it, and a mean per
-        seed."""
+        """Under torch.vmap (batched seeds): one call on every seed's rows, a mean per seed."""
         size = info.batch_size
         logits, targets = (t.movedim(d, 0) if d is not None else t.expand(size, *t.shape)
                            for t, d in zip((logits, targets), in_dims))
@@ -398,7 +370,7 @@ class GPT(nn.Module):
         self.seeds: int | None = None
 
     def _add_nanochat_parts(self, config: GPTConfig) -> None:
-        """What arch 'nanochat' adds (modded-nanogpt's ideas, as nanochat 92d63d4 has them)."""
+        """What arch 'nanochat' adds (modded-nanogpt's ideas)."""
         L, kv = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
         # each layer's input: resid_lambdas[i] x + x0_lambdas[i] x0 (x0: the embedding after smear)
         self.resid_lambdas = nn.Parameter(torch.ones(L))
@@ -423,10 +395,9 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Hidden matrices ~ std 1/sqrt(fan_in) (uniform, so no outliers); projections into the
-        residual stream start at zero, so each block starts as the identity; a small lm_head keeps
-        early logits flat. Arch 'nanochat' as nanochat inits it: the embedding at std 0.8, c_fc at
-        0.4x, the lambdas by depth, value embeddings as c_v, gates slightly open."""
+        """Hidden matrices uniform at std 1/sqrt(fan_in); output projections zero, so each block
+        starts as the identity; a small lm_head keeps early logits flat. Arch 'nanochat' as
+        nanochat inits it."""
         nanochat = self.config.arch == "nanochat"
         nn.init.normal_(self.wte.weight, std=0.8 if nanochat else 1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
@@ -445,11 +416,9 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def _init_nanochat_parts(self, bound: float) -> None:
-        # in Python floats, rounded to fp32 once: nanochat's values to the bit (fp32 arithmetic
-        # on the tensors would be an ulp off)
+        # Python floats rounded to fp32 once: nanochat's values to the bit
         L = self.config.n_layer
         last = max(L - 1, 1)
-        # a stronger residual in early layers, more of the embedding in early layers
         self.resid_lambdas.copy_(torch.tensor([1.15 - 0.10 * i / last for i in range(L)]))
         self.x0_lambdas.copy_(torch.tensor([0.20 - 0.15 * i / last for i in range(L)]))
         nn.init.zeros_(self.smear_lambda)
@@ -462,11 +431,9 @@ class GPT(nn.Module):
                 nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean", input_stats: bool = False):
-        """Logits (B, T, vocab) in fp32 when targets is None, else the cross-entropy loss
-        (targets of -1 are ignored); loss_reduction='none' gives the per-token loss (B, T),
-        which bits-per-byte needs. input_stats: (that, param name -> the input covariance of
-        each block matrix over these tokens), which a stage that needs 'inputs' reads
-        (MuonAdamW.give_inputs)."""
+        """fp32 logits (B, T, vocab) without targets, else the loss (targets -1 ignored; per token
+        with loss_reduction='none'). input_stats: also param name -> each block matrix's input
+        covariance, for stages that read 'inputs' (MuonAdamW.give_inputs)."""
         B, T = idx.shape
         if idx.size(1) > self.cos.size(1):
             raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
@@ -482,7 +449,7 @@ class GPT(nn.Module):
         return out if stats is None else (out, stats)
 
     def _block(self, i: int, x, cos, sin, ve, stats: dict | None):
-        """Block i, its matrices' input covariances into stats under their param names."""
+        """Block i; its matrices' input covariances into stats by param name."""
         layer = None if stats is None else {}
         x = self.blocks[i](x, cos, sin, ve, layer)
         if stats is not None:
@@ -490,8 +457,8 @@ class GPT(nn.Module):
         return x
 
     def _trunk_nanochat(self, idx, x, cos, sin, stats: dict | None = None):
-        """Smear, then the blocks, each fed resid_lambdas[i] x + x0_lambdas[i] x0 and its value
-        embedding, then backout: the middle layer's output times backout_lambda taken away."""
+        """Smear, the blocks (each fed resid_lambdas[i] x + x0_lambdas[i] x0 and its value
+        embedding), then backout: backout_lambda times the middle layer's output taken away."""
         if x.size(1) > 1:
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
             x = torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
@@ -525,14 +492,12 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_scaling_params(self) -> int:
-        """The parameters a horizon counts, as nanochat's scaling laws do: the block matrices and
-        lm_head, not the embeddings (lookups, no matmul) nor the scalars."""
+        """The parameters a horizon counts (nanochat's scaling laws): blocks and lm_head."""
         return sum(p.numel() for p in self.blocks.parameters()) + self.lm_head.weight.numel()
 
     def estimate_flops(self) -> float:
-        """Training FLOPs per token (forward + backward), as nanochat counts them: 6 per weight of
-        a linear layer, plus attention's scores and values, 12 * width * the keys each layer sees
-        (sequence_len, or its window; causal masking is not discounted, as in PaLM's MFU)."""
+        """Training FLOPs a token, as nanochat counts: 6 per linear weight, plus 12 * width * the
+        keys each layer sees (causal masking not discounted, as in PaLM's MFU)."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         c = self.config
         keys = sum(c.sequence_len if w is None else min(w, c.sequence_len)
@@ -550,21 +515,15 @@ class GPT(nn.Module):
                         roles: dict | None = None):
         """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
 
-        Each param gets the lr of its role at width 768 from `lrs` (base_train's, decided from its
-        flags), else the one given, else the lr rule's (rule_lrs) at total_batch_size tokens per
-        step; AdamW's but the scalars' are then scaled as 1/sqrt(width), Muon's need no width
-        scaling because its update is orthogonalized; lrs.multiplier then scales every group's.
-        muon_options go into the Muon group; matrix_optimizer='adamw' trains the matrices with
-        AdamW at adamw_matrix_lr instead (width-scaled too); optimizer_class(groups) builds another
-        optimizer on the same groups (`compile` is for nanomuon's own). per_head orthogonalizes the
-        attention matrices head by head: blocks of head_dim rows of c_q, c_k, c_v and columns of
-        c_proj (a transposed split). horizon: the steps the run plans, which the Muon group's
-        stages read (ctx.horizon: a schedule's length). roles: MATRIX_ROLES name -> dict(lr_factor=,
-        weight_decay_factor=), each role's matrices a Muon group of their own, its lr and decay
-        the matrix group's times these (a record that tunes them per role). nanomuon.variants
-        names such choices.
-        Each group's betas, decay and Muon stages are the arch's (_adamw_groups, _muon_recipe);
-        adam_betas replaces the classic arch's one pair."""
+        Each lr is its role's at width 768 from `lrs`, else the one given, else the lr rule's at
+        total_batch_size tokens a step; AdamW's but the scalars' scale as 1/sqrt(width) (Muon's
+        update is orthogonalized, so needs none); lrs.multiplier then scales all.
+        matrix_optimizer='adamw' trains the matrices with AdamW at adamw_matrix_lr;
+        optimizer_class(groups) builds another optimizer on the groups. per_head orthogonalizes
+        attention head by head (head_dim rows of c_q, c_k, c_v; columns of c_proj). horizon: the
+        planned steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
+        weight_decay_factor=), that role's matrices a group of their own. Betas, decay and Muon
+        stages are the arch's (_adamw_groups, _muon_recipe); adam_betas replaces classic's pair."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
@@ -575,8 +534,8 @@ class GPT(nn.Module):
             raise ValueError("adam_betas is the classic arch's one pair: arch 'nanochat' sets "
                              "each AdamW group's own betas (GPT._adamw_groups)")
         lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
-        scale = (self.config.n_embd / 768) ** -0.5
-        groups = self._adamw_groups(lr, scale, adam_betas or (0.8, 0.95))
+        scale, betas = (self.config.n_embd / 768) ** -0.5, tuple(adam_betas or (0.8, 0.95))
+        groups = self._adamw_groups(lr, scale, betas)
         matrices = [p for name, p in self.named_parameters()  # a seeded model's by one seed's
                     if classify(name, p if self.seeds is None else p[0],
                                 embedding=p is self.wte.weight)[0]
@@ -589,9 +548,8 @@ class GPT(nn.Module):
             raise ValueError("muon_options, per_head and roles need matrix_optimizer='muon': the "
                              "matrices train with one optimizer")
         else:
-            matrix_group = dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale,
-                                betas=tuple(adam_betas or (0.8, 0.95)), eps=1e-10,
-                                weight_decay=0.0)
+            matrix_group = dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale, betas=betas,
+                                eps=1e-10, weight_decay=0.0)
         matrix_group = dict(matrix_group, name="matrices", params=matrices)
         matrix_groups = self._per_head_groups(matrix_group) if per_head else [matrix_group]
         groups += [r for g in matrix_groups for r in self._role_groups(g, roles or {})]
@@ -605,21 +563,18 @@ class GPT(nn.Module):
                 g["initial_weight_decay"] = g["weight_decay"]
         if optimizer_class is not None:
             return optimizer_class(groups)
-        # Under torch.distributed, plain (replicated) params need DistMuonAdamW to average their
-        # grads; DTensor params (FSDP2, tensor parallel) arrive reduced, so an all-DTensor model
-        # needs only MuonAdamW.
+        # replicated params need DistMuonAdamW to average their grads; DTensors arrive reduced
         replicated = any(not isinstance(p, DTensor) for p in self.parameters())
         cls = (DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated
                else MuonAdamW)
         return cls(groups, compile=compile)
 
     def _adamw_groups(self, lr: dict, scale: float, betas) -> list[dict]:
-        """The AdamW groups by role, each lr at width 768 times `scale` (1/sqrt(width / 768)) but
-        the scalars'. Arch 'nanochat': nanochat 92d63d4's groups, each with its own betas and
-        decay; the smear's lr is a constant there. Classic: one pair of betas and no decay."""
+        """The AdamW groups by role, each lr but the scalars' times `scale`. Arch 'nanochat':
+        nanochat 92d63d4's, each with its own betas and decay. Classic: one pair, no decay."""
         adam = dict(kind="adamw", eps=1e-10)
         if self.config.arch == "classic":
-            adam.update(betas=tuple(betas), weight_decay=0.0)
+            adam.update(betas=betas, weight_decay=0.0)
             scalars = [p for n, p in self.named_parameters()
                        if (p if self.seeds is None else p[0]).ndim < 2]
             return [dict(adam, name="lm_head", params=[self.lm_head.weight],
@@ -643,10 +598,9 @@ class GPT(nn.Module):
         ]
 
     def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
-        """The Muon group's settings. Arch 'nanochat': nanochat 92d63d4's fused step, MuonEq's rows
-        scaled to their mean norm before Polar Express, Muon+'s Frobenius rescale after it, then
-        variance reduction at beta2 0.9. Classic: Polar Express and variance reduction at 0.95.
-        Both decay cautiously; base_train's schedules move momentum and weight decay."""
+        """The Muon group's settings. Arch 'nanochat' (92d63d4's fused step): rows equilibrated
+        before Polar Express, a Frobenius rescale after, variance reduction at beta2 0.9. Classic:
+        variance reduction at 0.95."""
         muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
                     weight_decay=weight_decay)
         if self.config.arch == "classic":
@@ -655,8 +609,8 @@ class GPT(nn.Module):
                     post_process=("normalize_fro", "variance_reduction"))
 
     def _per_head_groups(self, matrix_group: dict) -> list[dict]:
-        """matrix_group split by layout, one group per (heads, by columns): the attention
-        matrices as blocks of head_dim rows (c_q, c_k, c_v) or columns (c_proj), the rest whole."""
+        """matrix_group split into one group per (heads, by columns) of the attention matrices,
+        and the rest whole."""
         heads, hd = {}, self.config.n_embd // self.config.n_head
         for a in (block.attn for block in self.blocks):
             for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
@@ -670,8 +624,8 @@ class GPT(nn.Module):
                           for (n, cols), ws in heads.items()]
 
     def _role_groups(self, group: dict, roles: dict) -> list[dict]:
-        """group, less the matrices of each role in `roles` (setup_optimizer's), which go to a group
-        of their own: its lr times lr_factor, its weight decay times weight_decay_factor."""
+        """group, less each role's matrices, which go to a group of their own (setup_optimizer's
+        roles)."""
         if unknown := set(roles) - set(MATRIX_ROLES):
             raise ValueError(f"roles: {sorted(unknown)} are not matrix roles; the roles are "
                              f"{list(MATRIX_ROLES)}")
@@ -694,24 +648,21 @@ class GPT(nn.Module):
         return [dict(group, params=[p for p in group["params"] if id(p) not in taken]), *out]
 
     def use_attention(self, func: Callable | None) -> None:
-        """Every layer's attention through `func`: (q, k, v) as (B, T, heads, head_dim) and the
-        layer's window (keys before the query, None: all) -> the same
-        (nanomuon.attention.choose_attention's Attention.func); None: SDPA."""
+        """Every layer's attention through `func` (attention.Attention.func), in sdpa's place and
+        with its arguments; None: sdpa."""
         for block in self.blocks:
             block.attn.attend = func
 
     def track_max_logits(self, on: bool = True) -> None:
-        """Start (afresh) or stop recording each attention head's max
-        pre-softmax logit, for qk_clip_()."""
+        """Start (afresh) or stop recording each head's max pre-softmax logit, for qk_clip_()."""
         for attn in (block.attn for block in self.blocks):
             attn.max_logits = (torch.full((attn.n_head,), float("-inf"),
                                           device=attn.c_q.weight.device) if on else None)
 
     @torch.no_grad()
     def qk_clip_(self, tau: float, alpha: float = 0.5) -> int:
-        """QK-clip every layer from the logits tracked since track_max_logits(); returns
-        how many heads were clipped. Meant for models without QK-norm (with it, scaling W_q
-        and W_k changes nothing)."""
+        """QK-clip every layer from the logits tracked since track_max_logits(); returns how many
+        heads were clipped. For models without QK-norm (with it, scaling W_q and W_k does nothing)."""
         clipped = 0
         for attn in (block.attn for block in self.blocks):
             if attn.max_logits is None:
@@ -725,8 +676,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, tokens: list[int], max_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, seed: int = 42):
-        """Yield sampled token ids one at a time (no KV cache: each step re-runs the
-        last sequence_len tokens)."""
+        """Yield sampled token ids one at a time (no KV cache: each re-runs sequence_len tokens)."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         device = self.wte.weight.device
