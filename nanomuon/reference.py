@@ -1,30 +1,24 @@
 """
 The definition of nanomuon's Muon update: one step on one matrix, in float64, in plain loops.
 
-This is what the fused, stacked, sharded and compiled paths (update_math.py and its callers) must
-equal; the tests hold every path to it. It shares only facts with them (the coefficient sets, the
-Newton-Schulz method an orthogonalizer's registry entry names), never code: read it to learn what
-the optimizer does, fork it to state a new idea before making it fast.
+The fused, stacked, sharded and compiled paths (update_math.py) must equal it, and the tests hold
+them to it. It shares facts with them (coefficient sets, an orthogonalizer's method), never code:
+read it to learn what the optimizer does, fork it to state a new idea before making it fast.
 
-    from nanomuon.reference import muon_step
     state = {}
     for g in grads:
         p = muon_step(p, g, state, group)   # group: a muon param group's keys (lr, momentum, ...)
 
 Per step, on a (rows, cols) matrix with gradient g:
-  1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf (L2 mode adds wd p to
-     g first)
-  2. precondition (none by default): MuonEq ('equilibrate_row', ...) divides rows and/or columns
-     by their norms, both taken from the same matrix; 'equilibrate_row_mean' (nanochat's) scales
-     each row to the mean row norm instead
-  3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps) first, then
-     X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration (Gram Newton-Schulz
-     computes the same iterates, as does any orthogonalizer whose entry names a method; one of
-     your own is passed in `stages`)
-  4-5. post-process, in the order named: Muon+ ('normalize_col', ...): unit columns and/or rows,
-     or nanochat's Frobenius rescale; variance reduction (the default, with beta2): an EMA of the
-     mean squared update per row (tall/square) or column (wide) divides it, and the Frobenius
-     norm it had is restored
+  1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf ('l2' adds wd p to g)
+  2. precondition (none by default): MuonEq divides rows and/or columns by their norms, or
+     (nanochat's 'equilibrate_row_mean') scales each row to the mean row norm
+  3. orthogonalize: Newton-Schulz on the wide orientation, X / (||X||_F * safety + eps), then
+     X <- a X + (b A + c A^2) X with A = X X^T, one (a, b, c) per iteration (Gram's iterates are
+     the same); an orthogonalizer of your own is passed in `stages`
+  4-5. post-process, in order: Muon+ unit columns and/or rows, or a Frobenius rescale; variance
+     reduction (with beta2): an EMA of the mean squared update per row (tall/square) or column
+     (wide) divides it, and its Frobenius norm is restored
   6. apply: p <- p - lr' u - decay p [where u p >= 0 when 'cautious'], lr' = lr * factor(rows,
      cols)
 """
@@ -49,8 +43,7 @@ DEFAULTS = dict(nesterov=True, precondition=(), orthogonalizer="auto",
 
 
 def coefficients(group: dict) -> tuple[list, float, float]:
-    """(one (a, b, c) per iteration, norm safety, eps) from ns_coefficients and ns_steps: a single
-    triple, or the last of a list with ns_repeat_last, repeats."""
+    """(one (a, b, c) per iteration, safety, eps) from ns_coefficients, the last repeating."""
     spec = group["ns_coefficients"]
     if isinstance(spec, str):
         triples, safety, eps = COEFFICIENT_SETS[spec]
@@ -116,8 +109,7 @@ def variance_reduction(o: Tensor, p, g, state: dict, group: dict, *_) -> Tensor:
 
 
 def _stage(stages: dict, slot: str, name: str):
-    """The float64 definition of stage `name` in `slot`: stages' 'slot:name' (for two slots'
-    stages of one name), its 'name', or the built-in one."""
+    """Stage `name` in `slot`: stages' 'slot:name', its 'name', or the built-in one."""
     fn = stages.get(f"{slot}:{name}", stages.get(name))
     return fn if fn is not None else _builtin(name)
 
@@ -128,13 +120,11 @@ def _names(value) -> list:
 
 def muon_step(p: Tensor, g: Tensor, state: dict, group: dict, stages: dict | None = None) -> Tensor:
     """One Muon step of the (rows, cols) matrix p with gradient g, in float64; returns the new p.
-    state (a dict, empty at first) keeps the momentum and what the stages keep.
-    stages: name (or 'slot:name', where two slots' stages share a name) -> a float64 definition
-    of a stage the group names that is not built in:
-    precondition f(x, p, g, state, group) -> x (p, g: this step's weight and raw gradient;
-    group['inputs']: the matrix's input covariance on the steps a stage reads it, else None),
-    orthogonalizer f(u, group) -> o, post-process f(o, p, g, state, group, u) -> o (u: what went
-    into the orthogonalizer), apply f(p, o, lr, decay, state, group) -> new p."""
+    state (empty at first) keeps the momentum and the stages' state. stages: name (or
+    'slot:name' where two slots share a name) -> the float64 definition of a stage not built in:
+    precondition f(x, p, g, state, group) (group['inputs']: the input covariance on the steps a
+    stage reads it, else None), orthogonalizer f(u, group), post-process f(o, p, g, state, group,
+    u) (u: the orthogonalizer's input), apply f(p, o, lr, decay, state, group) -> new p."""
     group = dict(DEFAULTS, **group)
     stages = dict(stages or {})
     name = group["orthogonalizer"]

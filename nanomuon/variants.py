@@ -1,11 +1,8 @@
 """
-Named optimizer variants: what `base_train --optimizer NAME` trains with and
-`scripts.ablate` compares.
-
-Each entry holds keyword arguments for GPT.setup_optimizer, and may name base_train's lr schedule
-(schedule=). How to try an idea with a new entry: README.md, "Trying an idea". An entry that sets
-what a flag sets (an lr, weight_decay) overrides that flag, and base_train says so; --lr-multiplier
-still scales it. It lives here, not in the model file, so the model knows nothing of baselines.
+Named optimizer variants: what `base_train --optimizer NAME` trains with and `scripts.ablate`
+compares. Each entry holds GPT.setup_optimizer's keyword arguments and may name base_train's lr
+schedule (schedule=); one that sets what a flag sets overrides the flag (base_train says so), and
+--lr-multiplier still scales it. Adding one: README.md, "Trying an idea".
 """
 
 from nanomuon.baselines import TorchMuonAdamW
@@ -22,30 +19,24 @@ OPTIMIZER_VARIANTS = {
     # Muon+, its GPT-small setting
     "muon-plus": dict(muon_options=dict(post_process=("normalize_col_row", "variance_reduction"))),
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
-    # Gram Newton-Schulz on every matrix, in fp32: in bf16 it is not accurate
-    # (update_math.gram_pays), and CPUs run fp16 matmuls at a few GFLOP/s
+    # Gram Newton-Schulz in fp32: bf16 is inaccurate (update_math.gram_pays), CPUs' fp16 slow
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
-    # six from modded-nanogpt's optimization track, each one or two stages (update_math) or a
-    # schedule
+    # six from modded-nanogpt's optimization track, each one or two stages or a schedule
     "muon-hyperball": dict(muon_options=dict(apply="hyperball")),  # MuonH, on NorMuon
     "muon-uw-floor": dict(muon_options=dict(post_process=("variance_reduction", "uw_floor"))),
     "muon-soap": dict(muon_options=dict(precondition="soap")),  # SOAP-Muon
     # ContraMuon (record 11): on any orthogonalizer, before variance reduction as published
     "muon-contra": dict(muon_options=dict(post_process=("contra", "variance_reduction"))),
     "muon-powercool": dict(schedule="powercool"),  # the lr schedule (base_train.SCHEDULES)
-    # Muown (record 23): rows as gain x direction, Muon on the direction (its momentum the
-    # precondition's own), Adam on the gain, the v-norm schedule over the run; no variance
-    # reduction, no weight decay. The record's lrs as factors on Muon's matrix lr (its 0.00325
-    # against its Muon's 0.02): the direction's step lr x 0.1625 x 0.2 x sqrt(max(rows, cols)),
-    # the gain's lr x 0.1625. Polar Express at nanomuon's 5 steps (the record runs 12), one
-    # v-norm target for every matrix (the record's mlp.proj takes 3.33x)
+    # Muown (record 23): rows as gain x direction, Muon on the direction, Adam on the gain; no
+    # variance reduction or weight decay. The record's lrs as factors on Muon's (0.00325 / 0.02 =
+    # 0.1625; the direction's x 0.2 x sqrt(max(rows, cols))); 5 NS steps (its 12), one v-norm target
     "muon-muown": dict(muon_options=dict(precondition="muown", post_process=(), apply="muown",
                                          lr_scale="spectral", extra_scale=0.1625 * 0.2,
                                          muown_gain_lr=0.1625)),
-    # Newton-Muon (record 15): each matrix's gradient times the inverse covariance of its inputs,
-    # refreshed every 64 of the record's 3,275 steps (0.02 of the run here), then plain Muon
-    # (no variance reduction, decoupled decay). Its lrs and decays per role as ratios to q/k/v's
-    # (0.020 and 0.025): attn.proj 0.025, mlp.fc 0.030 and 0.0375, mlp.proj 0.030
+    # Newton-Muon (record 15): gradients times their inputs' inverse covariance, refreshed every
+    # 64 of the record's 3,275 steps (0.02 of the run), then plain Muon; its per-role lrs and
+    # decays as ratios to q/k/v's (0.020, 0.025): attn.proj 0.025, mlp.fc 0.030/0.0375, proj 0.030
     "muon-newton": dict(muon_options=dict(precondition="newton", input_interval=0.02,
                                           post_process=(), apply="decoupled"),
                         roles={"attn.proj": dict(lr_factor=1.25),
