@@ -1,34 +1,25 @@
 """
-Which kernel computes attention. The model calls scaled_dot_product_attention (SDPA, gpt.sdpa)
-everywhere; on a Hopper GPU (compute capability 9.x) training in bf16, a faster flash attention
-takes its place where one is installed, tried in this order:
+Which kernel computes attention. The model calls SDPA (gpt.sdpa); on a Hopper GPU training in bf16
+a faster flash attention takes its place where one is installed, tried in this order:
 
-- fa3: Flash Attention 3 through PyTorch's flash attention registry: activate_flash_attention_impl
-  ("FA3") loads FA3's Hopper build (its flash_attn_interface module) into SDPA's flash backend;
-- fa4: Flash Attention 4 (CuTe DSL; Blackwell's 10.x too) through the same registry ("FA4"), from
-  PyPI's flash-attn-4 (`pip install 'nanomuon[fa4]'`);
-- fa3-hub: the FA3 build nanochat loads from the Hugging Face kernel hub with the `kernels`
-  package (varunneal/flash-attention-3), called in place of SDPA;
+- fa3: Flash Attention 3 in SDPA's flash backend through torch's flash attention registry
+  (activate_flash_attention_impl("FA3"), FA3's Hopper build);
+- fa4: Flash Attention 4 (Blackwell's 10.x too) the same way, from `pip install 'nanomuon[fa4]'`;
+- fa3-hub: nanochat's FA3 from the Hugging Face kernel hub (`kernels`), called in SDPA's place;
 - sdpa: PyTorch's own kernels, everywhere else.
 
-None is a dependency: each is imported only when tried, on a GPU that can run it. A choice stands
-only after a forward and backward pass of the model's head shape through it (probe), so a kernel
-that refuses the shape falls back here, with its reason, rather than failing at step 1.
+None is a dependency. A choice stands only after a forward and backward of the model's head shape
+(probe), so a kernel that refuses the shape falls back here, with its reason, not at step 1.
 
-Sliding windows (arch 'nanochat', GPTConfig.window_sizes: query i sees keys i - window .. i). SDPA
-takes a window only as an explicit mask, which rules out its flash backend and computes all T x T
-scores, so a windowed model (choose_attention's `windowed`) attends its windowed layers with:
-- fa3, fa4: the registry kernel through torch.nn.attention.varlen.varlen_attn, whose window_size
-  reaches it: varlen_attn calls aten._flash_attention_forward, which the registry replaces along
-  with SDPA's flash op (SDPA's own flash call has no window argument). A torch whose varlen_attn
-  takes no window passes the registry kernels over;
+Sliding windows (arch 'nanochat'): SDPA takes a window only as a mask, which rules out its flash
+backend and computes all T x T scores, so windowed layers go through:
+- fa3, fa4: varlen_attn's window_size, which reaches the registry kernel (SDPA's flash call takes
+  no window); a torch whose varlen_attn takes none passes them over;
 - fa3-hub: FA3's own window_size;
-- flex: on a CUDA GPU without those (or training in fp32), flex_attention with a sliding-window
-  BlockMask, compiled (fused and block-sparse only when compiled);
-- chunked: off CUDA, SDPA over chunks of queries, each against its own keys and the chunk's before:
-  about half the scores of the masked SDPA, and faster on a CPU (flex_attention has no backward
-  there). SDPA with the window as a mask is the last resort, or what --attention sdpa asks for.
-Full-context layers go through SDPA, whose flash backend is the registry kernel where one is active.
+- flex: on CUDA without those (or in fp32), compiled flex_attention with a sliding-window BlockMask;
+- chunked: off CUDA, SDPA over chunks of queries, each against its own and the previous chunk's
+  keys: about half the masked SDPA's scores (flex_attention has no CPU backward).
+SDPA with the window as a mask is the last resort, or what --attention sdpa asks for.
 """
 
 import functools
@@ -49,7 +40,7 @@ REGISTRY = {"fa3": "FA3", "fa4": "FA4"}
 HUB_KERNEL = "varunneal/flash-attention-3"  # nanochat's FA3 for Hopper
 INSTALL = {"fa3": "build FA3 from flash-attention's hopper/ folder",
            "fa4": "pip install 'nanomuon[fa4]'", "fa3-hub": "pip install kernels"}
-# the fewest queries in a chunk of the chunked kernel: smaller chunks cost more calls than they save
+# the fewest queries in a chunk: smaller chunks cost more calls than they save
 CHUNK_MIN = 64
 
 
@@ -57,23 +48,20 @@ CHUNK_MIN = 64
 class Attention:
     name: str  # one of CHOICES but auto
     why: str  # one line: what runs, and why not something faster
-    # the call that replaces gpt.sdpa: (q, k, v) as (B, T, heads, head_dim) and the layer's window
-    # -> the same; None: SDPA, whose flash backend is the registry's kernel where one is active
+    # what replaces gpt.sdpa, with its arguments; None: SDPA (the registry's kernel where active)
     func: Callable | None = None
 
 
 class Unsupported(RuntimeError):
-    """A kernel that cannot run this model here, said in words (no exception name)."""
+    """A kernel that cannot run this model here, said in words."""
 
 
 def choose_attention(device: torch.device, dtype: str, heads: tuple[int, int, int],
                      want: str = "auto", windowed: bool = False) -> Attention:
-    """The attention `want` names, or for 'auto' the first of fa3, fa4 and fa3-hub that loads on
-    this GPU and passes probe at heads = (n_head, n_kv_head, head_dim), else SDPA with the reason
-    for each. windowed: the model has sliding-window layers, which each kernel then attends with
-    its window (the module's docstring); without a flash kernel they go through flex on CUDA and
-    chunked elsewhere. A kernel asked for by name that cannot run is a ValueError with its
-    reason."""
+    """The attention `want` names, or for 'auto' the first flash kernel that loads and passes probe
+    at heads = (n_head, n_kv_head, head_dim), else SDPA with each reason. windowed: the model has
+    sliding-window layers (without flash: flex on CUDA, chunked elsewhere). A kernel named that
+    cannot run is a ValueError with its reason."""
     if want not in CHOICES:
         raise ValueError(f"attention {want!r} is unknown; use one of {', '.join(CHOICES)}")
     if want == "sdpa":
@@ -93,8 +81,8 @@ def choose_attention(device: torch.device, dtype: str, heads: tuple[int, int, in
 
 def first_flash(device: torch.device, dtype: str, heads: tuple[int, int, int], want: str,
                 windowed: bool) -> tuple[Attention | None, list[str]]:
-    """The first flash kernel (of all for 'auto', else `want`) that loads and passes probe, or
-    None; and why each one before it did not."""
+    """The first flash kernel (`want`, or all for 'auto') that loads and passes probe, or None;
+    and why each before it did not."""
     if device.type != "cuda":
         return None, [f"flash kernels need a CUDA GPU, this is {device.type}"]
     if dtype != "bf16":
@@ -119,8 +107,8 @@ def first_flash(device: torch.device, dtype: str, heads: tuple[int, int, int], w
 def windows_without_flash(name: str, device: torch.device, dtype: str,
                           heads: tuple[int, int, int], reasons: list[str],
                           asked: bool) -> Attention:
-    """flex (probed) or chunked for a windowed model that no flash kernel runs (`reasons` says
-    why); flex that cannot run leaves SDPA with the window as a mask, or a ValueError if asked."""
+    """flex (probed) or chunked for a windowed model no flash kernel runs; flex that cannot run
+    leaves SDPA with the window as a mask, or a ValueError if asked."""
     behind = f" ({'; '.join(reasons)})" if reasons else ""
     if name == "chunked":
         return Attention("chunked", "chunked: windowed layers as SDPA over chunks of queries, each "
@@ -152,8 +140,8 @@ def failure(name: str, e: Exception) -> str:
 
 
 def activate(name: str, windowed: bool = False) -> Attention:
-    """The registry's kernel `name` in SDPA's flash backend, for this process; windowed: also
-    for the windows, through varlen_attn (registry_attend)."""
+    """The registry's kernel `name` in SDPA's flash backend; windowed: the windows through
+    varlen_attn (registry_attend)."""
     from torch.nn import attention as registry
 
     impl = REGISTRY[name]
@@ -182,7 +170,7 @@ def deactivate() -> None:
 
 
 def load_hub() -> Attention:
-    """nanochat's FA3 from the kernel hub (downloaded once into the Hugging Face cache)."""
+    """nanochat's FA3 from the kernel hub (downloaded once)."""
     from kernels import get_kernel
 
     fa3 = get_kernel(HUB_KERNEL).flash_attn_interface
@@ -202,17 +190,13 @@ def load_hub() -> Attention:
 def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: int,
           head_dim: int, seq_len: int = 256, windows: tuple = (None,),
           dtype: torch.dtype = torch.bfloat16) -> None:
-    """A causal forward and backward of the model's head shape through `attention`, once per
-    window in `windows` (None: the whole context); for a registry kernel with SDPA held to its
-    flash backend, so what passes is what will run."""
+    """A causal forward and backward of the model's head shape through `attention` per window, SDPA
+    held to its flash backend, so that what passes is what will run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def make(heads):
-        return torch.randn(1, seq_len, heads, head_dim, device=device, dtype=dtype,
-                           requires_grad=True)
-
     for window in windows:
-        q, k, v = make(n_head), make(n_kv_head), make(n_kv_head)
+        q, k, v = (torch.randn(1, seq_len, h, head_dim, device=device, dtype=dtype,
+                               requires_grad=True) for h in (n_head, n_kv_head, n_kv_head))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             out = (attention.func or sdpa)(q, k, v, window)
         if out.shape != q.shape:
@@ -222,10 +206,9 @@ def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: in
 
 
 def half(q, k, v) -> tuple | None:
-    """q, k and v in the 16-bit dtype a flash kernel computes in: autocast's where it is on, else
-    v's; None where that is fp32. Under autocast they can arrive in fp32: q and k from their RMS
-    norm, v where it adds a value embedding (arch 'nanochat'); a kernel called in SDPA's place is
-    not cast by autocast."""
+    """q, k and v in autocast's 16-bit dtype (else v's; None for fp32): under autocast they can
+    arrive in fp32 (RMS norm, value embeddings), and autocast does not cast a kernel it does not
+    know."""
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
     if dtype not in (torch.bfloat16, torch.float16):
@@ -234,17 +217,16 @@ def half(q, k, v) -> tuple | None:
 
 
 def cuts(window: int | None, T: int) -> bool:
-    """Whether a window (keys before the query) hides some of a T-token causal context."""
+    """Whether a window hides some of a T-token causal context."""
     return window is not None and window < T - 1
 
 
-# The windowed kernels: each takes (q, k, v) as (B, T, heads, head_dim) and a layer's window, as
-# gpt.sdpa does, and sends a layer without a window to SDPA.
+# The windowed kernels take gpt.sdpa's arguments and send a layer without a window to SDPA.
 
 
 def varlen_windows() -> bool:
-    """Whether this torch's varlen_attn takes a window and GQA: the public call that hands a
-    window to the kernel that the flash attention registry installs."""
+    """Whether this torch's varlen_attn (which reaches the registry's kernel) takes a window and
+    GQA."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -253,8 +235,8 @@ def varlen_windows() -> bool:
 
 
 def registry_attend(q, k, v, window=None):
-    """A window through the registry's kernel: the batch as B sequences of T tokens to
-    varlen_attn, window_size (window, 0). The rest, and fp32 outside autocast, through SDPA."""
+    """A window through the registry's kernel: the batch as B sequences to varlen_attn. The
+    rest, and fp32 outside autocast, through SDPA."""
     from torch.nn.attention import varlen
 
     B, T, H, D = q.shape
@@ -269,9 +251,8 @@ def registry_attend(q, k, v, window=None):
 
 
 def windowed_flex(compiled: bool = True) -> Callable:
-    """The flex kernel: a window through flex_attention with window_block_mask's BlockMask,
-    compiled (uncompiled, flex_attention materializes every score: for tests). Inside a compiled
-    model the outer compile traces through the inner one, into the model's graph."""
+    """A window through flex_attention with window_block_mask, compiled (uncompiled it
+    materializes every score: for tests); a compiled model traces into it."""
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention) if compiled else flex_attention
@@ -290,8 +271,8 @@ def windowed_flex(compiled: bool = True) -> Callable:
 
 
 def cached_unless_compiling(make):
-    """make, its result kept per arguments in eager runs; a compiled graph makes it in the graph
-    (a few small kernels), as a cache cannot be read while tracing."""
+    """make, cached per arguments in eager runs; compiled, made in the graph (a cache cannot be
+    read while tracing)."""
     cached = functools.lru_cache(maxsize=64)(make)
 
     def get(*args):
@@ -314,9 +295,8 @@ window_block_mask = cached_unless_compiling(make_block_mask)
 
 def chunked_attend(q, k, v, window=None):
     """A window as SDPA over chunks of c = max(window, CHUNK_MIN) queries, each against its own
-    chunk's keys and the chunk's before (2c keys, with chunk_mask's mask; zeros before the first):
-    what query i sees, i - window .. i, lies in those. 2c T scores instead of T^2. Chunks and
-    their heads go as SDPA's heads, chunk by chunk, so that GQA pairs each with its own."""
+    and the previous chunk's keys (chunk_mask): 2c T scores instead of T^2. Chunks go as SDPA's
+    heads, chunk by chunk, so that GQA pairs each with its own."""
     B, T, H, D = q.shape
     c = max(window or 0, CHUNK_MIN)
     if not cuts(window, T) or 2 * c >= T:  # two chunks or fewer: no scores to save
@@ -341,8 +321,7 @@ def chunked_attend(q, k, v, window=None):
 
 def make_chunk_mask(n: int, c: int, window: int, heads: int, device: torch.device):
     """chunked_attend's (1, n * heads, c, 2c) bool mask: query a of chunk j (token jc + a) sees key
-    b of its pair (token (j - 1)c + b) when 0 <= a + c - b <= window and the key is a token (the
-    first chunk's pair starts with zeros)."""
+    b of its pair (token (j - 1)c + b) when 0 <= a + c - b <= window and the key is no padding."""
     a = torch.arange(c, device=device)[:, None]
     b = torch.arange(2 * c, device=device)
     behind = a + c - b
