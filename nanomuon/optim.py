@@ -33,28 +33,19 @@ Frobenius rescale after it ('normalize_fro') and beta2=0.9:
   (decay_lr='adjusted').
 - lr_scale='shape': the lr times sqrt(max(1, rows/cols)), Jordan's and torch.optim.Muon's factor.
 The update runs in stages (precondition, orthogonalize, post-process, apply), each a registry in
-update_math.py that a group picks from by name. The alternatives (Moonlight's and Megatron's lr
-scales, Emerging-Optimizers' coefficient sets, Gram Newton-Schulz, MuonEq, Muon+, SOAP-Muon, the
-u/w floor, MuonH) and their sources: docs/optimizer.md. nanomuon/reference.py
-defines the update in float64; update_math.py writes it once for every path; this file runs it.
+update_math.py that a group picks from by name; the alternatives and their sources:
+docs/optimizer.md. reference.py defines the update in float64, update_math.py writes it once for
+every path, this file runs it.
 
-Param groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest); the
-optional keys are declared once, in param_groups.MUON_OPTIONS. Any group may have a 'name', used in
-error messages. A group is checked whole when it is added and when one of its keys changes; each
-shape of its matrices then gets a plan (update_math.muon_plan). A step checks only the numbers
-schedules edit (check_numbers) and runs the plans.
-
-One step for every setup. Without a process group (or with one of a single rank) only the
-update below runs. With one (DistMuonAdamW is MuonAdamW on the default group),
-the step is ZeRO-1:
-  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's grads move into
-     one buffer);
-  2. update: each Muon matrix by its owner (plan.py balances owners by Newton-Schulz cost),
-     each large AdamW param by rows across the ranks, small ones everywhere; state lives
-     only where it updates;
+Groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest) and may have
+a 'name' for error messages. A group is checked whole when added and when a key changes; a step
+checks only the numbers schedules edit (check_numbers). With a process group (DistMuonAdamW: the
+default one) the step is ZeRO-1:
+  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's into one buffer);
+  2. update: each Muon matrix by its owner (plan.py), each large AdamW param by rows across the
+     ranks, small ones everywhere; state lives only where it updates;
   3. gather: every rank gets every updated param back, bitwise identical.
-DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py, which calls the
-same math with communication between its stages.
+DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py.
 """
 
 import math
@@ -107,9 +98,8 @@ from nanomuon.update_math import (
 
 def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
     """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row` elements, cut
-    into world_size equal shards of whole rows, as DTensor's Shard(0) cuts dim 0 (so a checkpoint
-    saves each piece as a block of the param); the last shards are short or empty when the rows
-    do not divide. AdamW is elementwise: each rank updates its own piece."""
+    in world_size equal shards of whole rows as DTensor's Shard(0) cuts dim 0 (a checkpoint saves
+    each piece as a block of the param); the last shards are short or empty."""
     shard = -(-(numel // row) // world_size) * row
     lo = min(numel, rank * shard)
     return shard, lo, min(numel, lo + shard)
@@ -123,8 +113,7 @@ class Resolved(NamedTuple):
     sharded: bool  # it holds DTensor params (sharded.py)
 
 
-# What a schedule edits between steps, checked at every step (check_numbers); a change of any
-# other key, or of which keys a group has, resolves the group again (group_signature).
+# What schedules edit, checked at every step; a change of any other key resolves the group again.
 NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
            "initial_weight_decay")
 
@@ -138,7 +127,7 @@ def group_signature(group: dict) -> str:
 
 def check_numbers(i: int, group: dict) -> None:
     """What schedules edit (lr, weight decay, momentum, beta2; AdamW's betas and eps) and a muon
-    group's step count: what every step checks, refused in one line naming the fix."""
+    group's step count, checked at every step."""
     adamw = group["kind"] == "adamw"
     betas = group["betas"] if adamw else (0.0, 0.0)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -153,10 +142,9 @@ def check_numbers(i: int, group: dict) -> None:
     for key, value, hi in numbers:
         if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value) and value >= 0 and (hi is None or value < hi)):
-            bound = "in [0.0, 1.0)" if hi else ">= 0.0"
             raise ValueError(f"{group_label(i, group)}: {key}={value!r} must be a finite number "
-                             f"{bound}; fix the value you pass (or your LR schedule, if it sets "
-                             f"{key})")
+                             f"{'in [0.0, 1.0)' if hi else '>= 0.0'}; fix the value you pass (or "
+                             f"your LR schedule, if it sets {key})")
     step = group.get("step", 0)  # the updates so far, which the optimizer counts
     if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
         raise ValueError(f"{group_label(i, group)}: step={step!r} must be an int >= 0 (the "
@@ -164,31 +152,22 @@ def check_numbers(i: int, group: dict) -> None:
 
 
 def refuse_grad(i: int, group: dict, j: int, p: Tensor) -> None:
-    """Refuse, in one line, a gradient the update cannot take: sparse, complex, or not of its
-    param's shape."""
-    g, where = p.grad, f"{group_label(i, group)}, param {j}"
-    if g.is_sparse:
-        raise ValueError(f"{where}: sparse gradients are not supported; "
-                         "use a dense nn.Embedding (sparse=False)")
-    if g.is_complex():
-        raise ValueError(f"{where}: complex gradients are not supported")
-    if g.shape != p.shape:
-        raise ValueError(f"{where}: grad shape {tuple(g.shape)} "
-                         f"differs from param shape {tuple(p.shape)}")
+    """Refuse a gradient the update cannot take: sparse, complex, or not of its param's shape."""
+    g = p.grad
+    wrong = ("sparse gradients are not supported; use a dense nn.Embedding (sparse=False)"
+             if g.is_sparse else "complex gradients are not supported" if g.is_complex()
+             else f"grad shape {tuple(g.shape)} differs from param shape {tuple(p.shape)}")
+    raise ValueError(f"{group_label(i, group)}, param {j}: {wrong}")
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (docs/optimizer.md); with process_group, data
-    parallel (docs/optimizer.md, "Data parallel"), with no DDP wrapper: step() reduces the grads itself and
-    frees them (on return they are None, as after zero_grad()).
+    parallel with no DDP wrapper: step() reduces the grads itself and frees them (None on return).
+    Muon state per shape is one stacked buffer that per-param state views, so the fused update
+    never re-stacks it; state_dict() is torch's per-parameter format. compile: run the update
+    through torch.compile; None: on for CUDA params."""
 
-    Muon buffers are views into one stacked buffer per shape, which is how the fused update avoids
-    re-stacking its state every step; state_dict() is still the usual per-parameter torch format.
-    compile: run the update through torch.compile. None (default): on for CUDA params, off
-    otherwise."""
-
-    # data parallel: params with fewer elements are all_reduced and updated on every rank
-    SMALL = 1024
+    SMALL = 1024  # data parallel: params with fewer elements are all_reduced, updated everywhere
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
     STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups",
@@ -202,30 +181,24 @@ class MuonAdamW(torch.optim.Optimizer):
                             "dict(kind='adamw', ...)]")
         if len(param_groups) == 0:
             raise ValueError("MuonAdamW got no param groups; pass at least one group")
-        # each group goes through add_param_group; a 'momentum' default is what lets OneCycleLR and
-        # CyclicLR cycle momentum (Muon's momentum; AdamW's beta1, see _begin_step)
+        # a 'momentum' default lets OneCycleLR and CyclicLR cycle it (AdamW's beta1: _begin_step)
         super().__init__(list(param_groups), defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        # tuple of param ids -> (state layout, name -> stacked state)
-        self._stacks = {}
-        # DTensor Muon params: owners and blocks (sharded.py keeps them here)
-        self._sharded_plans = {}
-        # (param ids, buckets) per group: the owners of plain Muon params (_get_plan)
-        self._plan = []
+        self._stacks = {}  # param ids -> (group signature, name -> stacked state)
+        self._sharded_plans = {}  # DTensor Muon params' owners and blocks (sharded.py)
+        self._plan = []  # per group: (param ids, buckets), plain Muon params' owners (_get_plan)
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
-        # group index -> what its static keys resolve to, made again when they change (_begin_step)
-        self._resolved = {}
+        self._resolved = {}  # group index -> Resolved, made again when its keys change
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is not None:
             self._join(process_group)
 
     def _join(self, process_group) -> None:
-        """Train data parallel over process_group: flat sharding needs contiguous params;
-        gloo in older torch lacks ReduceOp.AVG, so there the sum is taken and the (smaller)
-        reduced shard scaled."""
+        """Train data parallel over process_group (flat sharding needs contiguous params). gloo
+        in older torch lacks ReduceOp.AVG: there the sum is taken and the reduced shard scaled."""
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 if not isinstance(p, DTensor) and not p.is_contiguous():
@@ -257,22 +230,19 @@ class MuonAdamW(torch.optim.Optimizer):
                                  "each parameter must appear exactly once across all groups")
             seen[p] = (i, j)
         super().add_param_group(group)
-        # state_dict() records what actually ran
-        fill_defaults(self.param_groups[-1])
+        fill_defaults(self.param_groups[-1])  # state_dict() records what actually ran
         if group["kind"] == "muon" and has_dtensors(group["params"]):
             check_sharded_stages(group_label(i, group), self.param_groups[-1])
 
     def wants_inputs(self) -> bool:
-        """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon, every
-        input_interval steps): the loop then collects them (GPT.forward(input_stats=True)) and
-        hands them over with give_inputs() before step()."""
+        """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon): the
+        loop then collects them (GPT.forward(input_stats=True)) for give_inputs() before step()."""
         return any(g["kind"] == "muon" and inputs_due(g) for g in self.param_groups)
 
     @torch.no_grad()
     def give_inputs(self, inputs: dict) -> None:
-        """This step's input covariances, param -> (..., blocks, b, b)
-        (update_math.input_covariance, its leading dims the param's), each this rank's mean over
-        its tokens; averaged over the ranks here, so each matrix's owner reads them all."""
+        """This step's input covariances, param -> (..., blocks, b, b) (update_math.input_covariance),
+        each this rank's mean over its tokens; averaged over the ranks here for the owners."""
         params = [p for g in self.param_groups if g["kind"] == "muon" and inputs_due(g)
                   for p in g["params"]]
         if missing := [i for i, p in enumerate(params) if p not in inputs]:
@@ -289,8 +259,7 @@ class MuonAdamW(torch.optim.Optimizer):
             flat = torch.cat([t.flatten() for t in stats])
             self._all_reduce(flat).wait()
             self._finish_mean(flat)
-            stats = list(flat.split([t.numel() for t in stats]))
-            stats = [t.view_as(inputs[p]) for t, p in zip(stats, params)]
+            stats = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in stats]), stats)]
         self._inputs = dict(zip(params, stats))
 
     @torch.no_grad()
@@ -328,9 +297,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _begin_step(self, closure, inputs: dict):
         """The closure's loss (None without one), then every check that can fail, before any
-        math runs, so a bad step changes nothing. A group's static keys are resolved (defaults
-        filled, every check, its plans) once, and again only when one changes (group_signature);
-        otherwise only what schedules edit is checked (check_numbers)."""
+        math runs, so a bad step changes nothing. A group is resolved (defaults, every check) again
+        only when its signature changes; otherwise only check_numbers runs."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -360,10 +328,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _get_plan(self) -> list[dict]:
-        """The Muon buckets of plain (non-DTensor) params with their owners
-        (plan.owner_plan), computed from shapes alone so every rank agrees. Planned group by
-        group, each balanced against the groups before it, and kept: a group added later
-        leaves the others' owners, and so their state, in place."""
+        """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan),
+        planned group by group against the groups before and kept: a group added later leaves
+        the others' owners, and so their state, in place."""
         loads = [0.0] * self.world_size
         for gi, group in enumerate(self.param_groups):
             ids = tuple(id(p) for p in group["params"])
@@ -379,16 +346,13 @@ class MuonAdamW(torch.optim.Optimizer):
         return [b for _, buckets in self._plan for b in buckets]
 
     def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
-        """One group's buckets, with owners balanced against `loads` (what each rank already
-        owns)."""
+        """One group's buckets, with owners balanced against `loads` (what each rank owns)."""
         matrices = ([p for p in group["params"] if not isinstance(p, DTensor)]
                     if group["kind"] == "muon" else [])
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
-        buckets = []
-        costs = [update_cost(group, p) for p in matrices]
+        costs, buckets = [update_cost(group, p) for p in matrices], []
         for b in owner_plan(keys, costs, self.world_size, loads):
-            # slots[r]: positions in params that rank r owns; every rank's stack pads to per_rank,
-            # so rows holds (position, row of the gathered stack) for every matrix
+            # every rank's stack pads to per_rank: rows are (position, row of the gathered stack)
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"])
                     for j, i in enumerate(slots)]
             theirs = [(i, row) for i, row in rows if row // b["per_rank"] != self.rank]
@@ -408,11 +372,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
         """Phase 1: start every gradient reduction, in place; returns their handles for phase 2.
         Each Muon bucket's grads move into one buffer, rank r's slots in chunk r, and leave the
-        params as they go (p.grad = None), so the buffer takes the memory the grads gave back: no
-        copy of the grads exists at any time."""
+        params as they go (p.grad = None): no copy of the grads exists at any time."""
         N = self.world_size
-        if N == 1:
-            return dict(small=[], sharded={}, muon={})
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw"
                  for p in g["params"] if active[p]]
@@ -447,9 +408,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(small=small, sharded=sharded, muon=muon)
 
     def _update_adamw_group(self, group: dict, active: dict, reductions: dict) -> list:
-        """AdamW on what this rank updates of an adamw group's active params; returns the
-        gathers of the shards, as (works, target, buffer): target None (gathered in place)
-        or a padded param."""
+        """AdamW on what this rank updates of an adamw group's active params; returns the gathers
+        of the shards, as (works, target, buffer): target None (gathered in place) or a padded
+        param."""
         gathers = []
         for p in (p for p in group["params"] if active[p]):
             route = "local" if self.world_size == 1 else self._adamw_route(p)
@@ -482,11 +443,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced,
                             inputs: dict) -> tuple | None:
-        """Muon on the bucket's matrices this rank owns, in place, one stacked call per slice (see
-        _slices), under the group's plan for their shape. reduced: None on one rank (the grads
-        are where autograd left them), else (work, buffer) of the reduction: then the new values
-        go into this rank's chunk of the buffer (the grads there are spent), and the gather of
-        every chunk starts. inputs: this step's input covariances (give_inputs)."""
+        """Muon on the bucket's matrices this rank owns, in place, one stacked call per _slices.
+        reduced: None on one rank, else (work, buffer) of the reduction: the new values then go
+        into this rank's chunk of the buffer and its gather starts. inputs: give_inputs'."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
@@ -505,8 +464,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._finish_mean(rows)
                 grads = rows if len(idx) == len(mine) else rows[idx]
             params = [mine[k] for k in idx]
-            # eager: the params themselves, no copy; compiled: a stack (a list would recompile
-            # per length), copied back below
+            # compiled: a stack (a list would recompile per length), copied back below
             stacked = torch.stack(params) if compiled else params
             everyone = len(idx) == len(mine)
             state = self._muon_stacks(plan, mine, self._resolved[b["group"]].signature)
@@ -530,9 +488,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
     def _write_back(self, gathers: list, active: dict) -> None:
-        """Phase 3: wait for the gathers and copy what arrived into the params; then drop
-        the grads this optimizer reduced (spent, their memory reused): on return they are
-        None, as after zero_grad()."""
+        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the
+        grads this optimizer reduced (None, as after zero_grad())."""
         for works, target, buf in (g for g in gathers if g is not None):
             for work in works:
                 work.wait()
@@ -547,8 +504,7 @@ class MuonAdamW(torch.optim.Optimizer):
             p.grad = None
 
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
-        """AdamW on p (a whole param, or this rank's flat shard of one), creating state on
-        first use."""
+        """AdamW on p (a whole param, or this rank's flat shard of one)."""
         if not state:  # zeros_like of a DTensor param is a DTensor sharded like it
             state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state["step"] += 1
@@ -559,31 +515,25 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
-        (beta1, beta2), compiled = group["betas"], self.compiled
-        h = AdamWScalars(state["step"], group["lr"], beta1, beta2, group["eps"],
+        h = AdamWScalars(state["step"], group["lr"], *group["betas"], group["eps"],
                          group["weight_decay"])
-        update = kernel(adamw_update, True) if compiled else adamw_update
-        h = scalars(h, True) if compiled else h
+        update = kernel(adamw_update, True) if self.compiled else adamw_update
+        h = scalars(h, True) if self.compiled else h
         for sl in self._slices(len(tensors[0]), tensors[0][0]):
             update(*(t[sl] for t in tensors), h)
 
     def _slices(self, count: int, like: Tensor) -> list[slice]:
-        """The dim-0 slices an update of a stack of `count` tensors like `like` runs in: one on
-        GPUs, slices of <= CPU_SLICE elements on CPU.
-
-        On CPU the update is compute- or bandwidth-bound either way, but temporaries above
-        glibc's 32 MB mmap threshold are page-faulted afresh on every call (13% of a d12
-        Muon step on a 2-core VM); small slices keep them in reusable heap memory. CUDA's
-        caching allocator has no such cost."""
+        """The dim-0 slices an update of `count` tensors like `like` runs in: one on GPUs, of <=
+        CPU_SLICE elements on CPU, where temporaries above glibc's 32 MB mmap threshold are
+        page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM)."""
         if like.is_cuda or count * like.numel() <= self.CPU_SLICE:
             return [slice(None)]
         per = max(1, self.CPU_SLICE // like.numel())
         return [slice(i, i + per) for i in range(0, count, per)]
 
     def _muon_stacks(self, plan, params: list[Tensor], signature: str) -> dict:
-        """name -> one stacked buffer per state these same-shape params keep, as the group now
-        asks (its stages and layout may be edited between steps: a new signature); per-param
-        state views them. A state of another shape starts afresh (StateSpec.init)."""
+        """name -> one stacked buffer per state these same-shape params keep, as the group's
+        signature now asks; per-param state views them. A state of another shape starts afresh."""
         key = tuple(id(p) for p in params)
         if key in self._stacks and self._stacks[key][0] == signature:
             return self._stacks[key][1]
@@ -655,8 +605,6 @@ class MuonAdamW(torch.optim.Optimizer):
         rank must) with a cached all-ones tensor that MAX leaves as it is (with nccl, wait() orders
         the stream). A rank missing a grad reads the flags."""
         mine = [p.grad is not None for p in params]
-        if self.world_size == 1:
-            return mine
         if not all(mine):
             return self._any_rank(mine)
         if self._ones is None or len(self._ones) != len(params):
@@ -671,19 +619,22 @@ class MuonAdamW(torch.optim.Optimizer):
         load_state_dict() takes it at any world size. Data parallel or with DTensor params it is a
         collective: call it on all ranks (then save from one). Training checkpoints use
         sharded_state_dict(), where each rank writes only its pieces."""
-        N = self.world_size
+        N, sd = self.world_size, super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
-        if N == 1:
-            sd = super().state_dict()
-            return (full_state(self.param_groups, self.state, self._sharded_plans, sd)
-                    if has_dtensors(params) else sd)
-        kinds = [g["kind"] for g in self.param_groups for _ in g["params"]]
+        if N > 1:
+            index = {id(p): k for k, p in enumerate(params)}
+            sd["state"] = {index[id(p)]: st for p, st in self._gather_state(params).items()}
+        return (full_state(self.param_groups, self.state, self._sharded_plans, sd)
+                if has_dtensors(params) else sd)
+
+    def _gather_state(self, params: list[Tensor]) -> dict:
+        """Data parallel: param -> its whole state (DTensor params' as this rank holds it)."""
+        N, kinds = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
         for p, kind in zip(params, kinds):
-            # Muon: gathered per bucket below
             if not has[p] or (kind == "muon" and not isinstance(p, DTensor)):
-                continue
+                continue  # plain Muon params: gathered per bucket below
             st = self.state[p]
             if isinstance(p, DTensor):  # sharded.full_state gathers these
                 full[p] = dict(st)
@@ -705,22 +656,17 @@ class MuonAdamW(torch.optim.Optimizer):
             # the same on all ranks
             layouts = muon_state_layout(p0.shape, p0.dtype, self.param_groups[b["group"]])
             for name, slot in layouts.items():
-                shape, dtype = slot.shape, slot.dtype
-                stack = torch.zeros((b["per_rank"], *shape), dtype=dtype, device=p0.device)
+                stack = torch.zeros((b["per_rank"], *slot.shape), dtype=slot.dtype,
+                                    device=p0.device)
                 for k, p in enumerate(mine):  # state not made yet: what the next step makes
                     stack[k].copy_(self.state[p][name] if name in self.state[p]
                                    else fresh_state(slot, p))
-                out = stack.new_empty((b["per_rank"] * N, *shape))
+                out = stack.new_empty((b["per_rank"] * N, *slot.shape))
                 self._all_gather(out, stack).wait()
                 for i, row in b["rows"]:
                     if has[b["params"][i]]:
                         full[b["params"][i]][name] = out[row].clone()
-        sd = torch.optim.Optimizer.state_dict(self)
-        index = {id(p): k for k, p in enumerate(params)}
-        sd["state"] = {index[id(p)]: st for p, st in full.items()}
-        if has_dtensors(params):
-            sd = full_state(self.param_groups, self.state, self._sharded_plans, sd)
-        return sd
+        return full
 
     def _torch_load(self, state_dict: dict) -> None:
         """torch's load_state_dict, then: this run's structural options kept (torch restores the
@@ -735,13 +681,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 group.setdefault("orthogonalizer", orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
-        groups = {p: g for g in self.param_groups for p in g["params"]}
+        muon = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = by_id[pid]
-            if groups[p]["kind"] != "muon":
-                continue
             for name, v in st.items():  # the saved dtype (fp32), not torch's cast copy
-                if name != "momentum_buffer" and isinstance(v, Tensor) and v.dtype != p.dtype:
+                if (p in muon and name != "momentum_buffer" and isinstance(v, Tensor)
+                        and v.dtype != p.dtype):
                     self.state[p][name] = v.to(p.device, v.dtype, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
         self._resolved.clear()  # the groups are the checkpoint's now: check them whole
@@ -756,11 +701,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self._torch_load(self._cut(state_dict, self._state_layout()))
 
     def _state_layout(self):
-        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of
-        param p. None: not at all; 'whole'; a DTensor block (mesh, placements), as DTensor
-        params' param-shaped state; or (data parallel) a slice of the flat param: Muon state
-        on its owner only, large AdamW params' state as this rank's rows of p. A collective
-        where DTensor Muon params are planned."""
+        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of p.
+        None: not at all; 'whole' (Muon state on its owner); a DTensor block (mesh, placements)
+        of a DTensor param's param-shaped state; a slice of the flat param (large AdamW params,
+        data parallel). A collective where DTensor Muon params are planned."""
         kept = kept_direction_state(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
@@ -778,9 +722,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return where
 
     def _cut(self, sd: dict, where) -> dict:
-        """A whole state (state_dict() format, any world size) cut down to what this rank
-        holds, as where() says it holds it; meta tensors become empty pieces, the targets a
-        sharded checkpoint is read into."""
+        """A whole state (state_dict() format) cut down to what this rank holds, as where() says;
+        meta tensors become empty pieces, the targets a sharded checkpoint is read into."""
         by_id, state = saved_params(self.param_groups, sd), {}
         for pid, st in sd["state"].items():
             p = by_id[pid]
@@ -802,10 +745,9 @@ class MuonAdamW(torch.optim.Optimizer):
                                   shape=p.shape, stride=p.stride(), run_check=False)
 
     def sharded_state_dict(self) -> tuple[dict, dict]:
-        """This rank's state for a sharded checkpoint (torch.distributed.checkpoint; checkpoint.py):
-        (tensors, rest). tensors['<param index>.<name>'] is each state tensor this rank holds: a
-        DTensor where it holds a block, else whole (DCP writes a tensor many ranks hold once). rest
-        is state_dict() without them (the groups, step counts), the same on every rank. A collective
+        """This rank's state for a sharded checkpoint (checkpoint.py): (tensors, rest).
+        tensors['<param index>.<name>']: each state tensor this rank holds, a DTensor where it
+        holds a block; rest: state_dict() without them, the same on every rank. A collective
         where DTensor Muon params are planned."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -820,10 +762,9 @@ class MuonAdamW(torch.optim.Optimizer):
         return tensors, dict(sd, state=rest)
 
     def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
-        """Load what sharded_state_dict() saved, at any world size.
-        shapes['<param index>.<name>'] = (shape, dtype) of each saved tensor (the checkpoint's
-        metadata); read(targets) fills this rank's pieces in place
-        (torch.distributed.checkpoint.load, a collective), and they become the state."""
+        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>']
+        = (shape, dtype) of each saved tensor; read(targets) fills this rank's pieces in place
+        (torch.distributed.checkpoint.load), and they become the state."""
         state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
         for key, (shape, dtype) in shapes.items():
             idx, name = key.split(".", 1)
@@ -848,7 +789,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 class DistMuonAdamW(MuonAdamW):
     """MuonAdamW, data parallel over the default process group (or process_group): the name
-    nanochat's distributed optimizer had. No step logic of its own."""
+    nanochat's distributed optimizer had."""
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if not (dist.is_available() and dist.is_initialized()):

@@ -1,11 +1,8 @@
 """
-The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon, and
-what a valid group holds. One home, so the GPT, other models and the optimizers agree.
-
-classify() is the rule, muon_param_groups() applies it to any model (docs/optimizer.md) and
-GPT.setup_optimizer() to nanomuon's own. check_group() refuses a bad group when it is added, and
-check_group_values() when its keys change (optim.py checks what schedules edit at every step);
-check_state_dict() refuses an optimizer checkpoint that does not fit the groups.
+The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon
+(classify(), applied to any model by muon_param_groups()), and what a valid group holds:
+check_group() refuses a bad group when it is added, check_group_values() when its keys change,
+check_state_dict() an optimizer checkpoint that does not fit the groups.
 """
 
 import logging
@@ -43,8 +40,7 @@ def _matches(parts: list[str], key: str) -> bool:
 
 
 def _names(parts: list[str], key: str) -> bool:
-    """key names the param itself or the module that owns
-    it (the last components, or all but the last)."""
+    """key names the param itself or the module that owns it (its last components)."""
     key_parts = key.split(".")
     return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
 
@@ -77,13 +73,11 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
 def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS,
                       expert_keys=("experts",), fused_keys=FUSED_KEYS):
     """[muon group, muon groups of other layouts..., adamw group] for MuonAdamW / DistMuonAdamW:
-    `muon` and `adamw` hold the hyperparameters (kind and params are filled in). Weights stored
-    (in, out), as GPT-2's Conv1D, go to a group with transposed=True, so their lr factor and
-    statistics follow the logical shape; fused weights (fused_keys: name -> number of equal blocks)
-    to a group with that split. Frozen params (requires_grad=False) are left out; the `nanomuon`
-    logger says why each param went where."""
+    `muon` and `adamw` hold the hyperparameters. Weights stored (in, out), as GPT-2's Conv1D, go
+    to a group with transposed=True; fused weights (fused_keys: name -> number of equal blocks) to
+    a group with that split. Frozen params are left out; the `nanomuon` logger says why each param
+    went where."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    # transformers' (in, out)
     transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
     groups, adamw_group = ({(None, False): dict(muon, kind="muon", params=[])},
                            dict(adamw, kind="adamw", params=[]))
@@ -128,12 +122,12 @@ def stage_names(key: str):
         if bad:
             return (f"{'names ' + repr(bad) if chain else 'is'} not in {where}: use one of "
                     f"{list(registry)}, or register yours there")
-        if key == "orthogonalizer" and (update_math.stage(key, v).state or
-                                        update_math.stage(key, v).needs):
+        if key != "orthogonalizer":
+            return None
+        if (s := update_math.stage(key, v)).state or s.needs:
             return ("names an orthogonalizer that declares state or needs; an orthogonalizer is "
                     "f(G, ctx): give those to a precondition or post-process stage")
-        if key == "orthogonalizer" and (method := update_math.stage(key, v).method) not in (
-                None, *update_math.NS_METHODS):
+        if (method := s.method) not in (None, *update_math.NS_METHODS):
             return (f"names an orthogonalizer whose method {method!r} is not one of "
                     f"{update_math.NS_METHODS}: name the Newton-Schulz it runs, or None for "
                     "another orthogonalizer")
@@ -141,8 +135,25 @@ def stage_names(key: str):
     return check
 
 
-def any_value(v):  # checked with the keys it goes with (_check_coefficients, _check_layout)
+def any_value(v):  # checked with the keys it goes with (check_group_values)
     return None
+
+
+def row_counts(n: int | None):
+    """The check of a split: n positive row counts (None: two or more)."""
+    want = ("three positive row counts (q, k, v)" if n
+            else "two or more positive row counts, one per block")
+
+    def check(v):
+        ok = v is None or (isinstance(v, (tuple, list)) and len(v) == (n or len(v)) >= 2
+                           and all(isinstance(k, int) and not isinstance(k, bool) and k > 0
+                                   for k in v))
+        return None if ok else f"must be {want}"
+    return check
+
+
+def query_groups(v):
+    return update_math.a_count(v) and "must be an int >= 1 (Megatron's num_query_groups)"
 
 
 # Every optional key of a muon group, declared once: defaults fill groups (late-2025 nanochat's
@@ -199,11 +210,11 @@ MUON_OPTIONS = {
     "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'` (exact), "
                            "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on "
                            "slices), `'blockwise'` (docs/optimizer.md, \"Sharded params\")"),
-    "qkv_split": Option(None, any_value, "`(q, k, v)` row counts: split's 3-block case"),
-    "split": Option(None, any_value, "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; "
+    "qkv_split": Option(None, row_counts(3), "`(q, k, v)` row counts: split's 3-block case"),
+    "split": Option(None, row_counts(None), "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; "
                     "each block is updated exactly as a param of its own (lr factor, variance "
                     "reduction)"),
-    "split_groups": Option(1, any_value, "the rows are this many repeats of the blocks: Megatron's "
+    "split_groups": Option(1, query_groups, "the rows are this many repeats of the blocks: Megatron's "
                            "per-query-group QKV layout"),
     "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor "
                          "and statistics follow the logical `(out, in)`"),
@@ -288,24 +299,35 @@ def check_group_values(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
                              "this group does not know: give it horizon= (GPT.setup_optimizer's "
                              "horizon; base_train sets it), or the interval in steps")
+    if group.get("qkv_split") is not None and group.get("split") is not None:
+        raise ValueError(f"{label}: give split or qkv_split, not both "
+                         "(qkv_split=(q, k, v) is split's 3-block case)")
+    whole = next((k for k in ("split", "qkv_split", "transposed") if group.get(k)), None)
+    if whole and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
+        raise ValueError(f"{label}: {whole} needs whole matrices: use sharded_mode 'owner' or "
+                         "'duplicated'")
     _check_coefficients(label, group)
-    _check_layout(label, group)
     _check_stages(label, group)
 
 
 def _check_stages(label: str, group: dict) -> None:
-    """What a stage's check says of the whole group (options that depend on each other)."""
+    """What a stage's check says of the whole group (options that depend on each other), and
+    whether sharded_mode='distributed' can run it on slices."""
     filled = dict(group)
     fill_defaults(filled)
     for key, name, s in update_math.group_stages(filled):
         if s.check is not None and (wrong := s.check(filled)):
             raise ValueError(f"{label}: {key} {name!r}: {wrong}")
+        if filled["sharded_mode"] == "distributed" and key != "apply" and not s.flags.on_slices:
+            raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
+                             f"slices of each matrix; {key} {name!r} needs whole matrices: "
+                             "use sharded_mode 'owner' or 'duplicated'")
 
 
 def _check_coefficients(label: str, group: dict) -> None:
     steps = group["ns_steps"]
-    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-        raise ValueError(f"{label}: ns_steps={steps!r} must be an int >= 1 (5 is standard)")
+    if wrong := update_math.a_count(steps):
+        raise ValueError(f"{label}: ns_steps={steps!r} {wrong} (5 is standard)")
     spec = group.get("ns_coefficients", "polar_express")
     try:
         triples, safety, _ = ns_coefficients(spec, steps, group.get("ns_repeat_last", False))
@@ -316,35 +338,6 @@ def _check_coefficients(label: str, group: dict) -> None:
                          f"normalized input's singular values to {peak:.3g} within {steps} steps, "
                          f"where they must stay near 1 (at most {update_math.NS_GROWTH_MAX:g}, as "
                          "every named set does): larger ones overflow fp32 in the update")
-
-
-def _check_layout(label: str, group: dict) -> None:
-    qkv, split, groups = group.get("qkv_split"), group.get("split"), group.get("split_groups", 1)
-    if qkv is not None and split is not None:
-        raise ValueError(f"{label}: give split or qkv_split, not both "
-                         "(qkv_split=(q, k, v) is split's 3-block case)")
-    for key, value, n in (("qkv_split", qkv, 3), ("split", split, None)):
-        if value is not None and not (
-                isinstance(value, (tuple, list)) and len(value) == (n or len(value)) >= 2
-                and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in value)):
-            raise ValueError(f"{label}: {key}={value!r} must be "
-                             + ("three positive row counts (q, k, v)" if n
-                                else "two or more positive row counts, one per block"))
-    if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
-        raise ValueError(f"{label}: split_groups={groups!r} must be an int >= 1 "
-                         "(Megatron's num_query_groups)")
-    if group.get("sharded_mode") == "distributed":
-        filled = dict(group)
-        fill_defaults(filled)
-        for key, name, s in update_math.group_stages(filled):
-            if key != "apply" and not s.flags.on_slices:
-                raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
-                                 f"slices of each matrix; {key} {name!r} needs whole matrices: "
-                                 "use sharded_mode 'owner' or 'duplicated'")
-    if (qkv or split or group.get("transposed")) and \
-            group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
-        raise ValueError(f"{label}: {'split' if split else 'qkv_split' if qkv else 'transposed'} "
-                         "needs whole matrices: use sharded_mode 'owner' or 'duplicated'")
 
 
 def check_group(i: int, group: dict) -> None:
@@ -372,6 +365,8 @@ def check_group(i: int, group: dict) -> None:
     if unknown:
         allowed = sorted(set(REQUIRED_KEYS[kind]) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
+    split, groups = group.get("split") or group.get("qkv_split"), group.get("split_groups", 1)
+    dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
     for j, p in enumerate(group["params"]):
         where = f"{label}, param {j}"
         if not isinstance(p, Tensor):
@@ -384,9 +379,6 @@ def check_group(i: int, group: dict) -> None:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); "
                              "Muon needs matrices (>= 2 dims; extra leading dims are a batch). "
                              "Move it to an adamw group.")
-        split, groups = ((group.get("split") or group.get("qkv_split")),
-                         group.get("split_groups", 1))
-        dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
         if kind == "muon" and split and p.shape[n] != sum(split) * groups:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, "
                              f"but the split {tuple(split)} x split_groups={groups} covers "
