@@ -1,20 +1,16 @@
 """
-fp8 matmuls for training, nanochat's --fp8, through torchao's float8 training (the library PyTorch
-maintains for it; an optional dependency, `pip install torchao`).
+fp8 matmuls for training (nanochat's --fp8) through torchao's float8 training, an optional
+dependency (`pip install torchao`).
 
-Each nn.Linear whose sizes fp8 matmuls take becomes torchao's Float8Linear, as nanochat's --fp8
-picks them: the blocks' and lm_head (the gates' few channels stay). Around every matmul it casts the
-input and weight to float8 e4m3 and the output's gradient to e5m2, with scales computed on the fly
-per tensor ('tensorwise', nanochat's default) or per row ('rowwise'). The weights stay the same fp32
-Parameters, so the optimizer, its groups and the checkpoints do not change: an fp8 run saves what a
-plain run saves and resumes, samples and exports without --fp8. The embedding (a lookup, no
-matmul) and attention stay in the run's dtype (bf16 autocast on a GPU); evaluation runs every
-linear layer in that dtype too (plain_linears, nanochat's disable_fp8), so val bpb compares with a
-plain run's. lm_head in fp8 is nanochat 92d63d4's choice: at d12 it is a fifth of the matmul FLOPs.
+The Linears fp8_linear picks (the blocks' and lm_head, as nanochat's) become torchao's Float8Linear,
+which casts input and weight to e4m3 and the output's gradient to e5m2, scaled per tensor
+('tensorwise', nanochat's default) or per row ('rowwise'). The weights stay the same fp32
+Parameters, so optimizer and checkpoints do not change: an fp8 run resumes, samples and exports
+without --fp8. Embedding and attention stay in the run's dtype, and evaluation runs every linear
+layer in it (plain_linears), so val bpb compares with a plain run's.
 
-On a GPU with compute capability 8.9 or more (H100, H200, L4, RTX 40xx) the matmuls run on fp8
-tensor cores. On a CPU torchao emulates them: the same rounding, fp32 matmuls, slower than plain:
-for tests, not for speed.
+fp8 tensor cores need compute capability 8.9 (H100, H200, L4, RTX 40xx); on a CPU torchao emulates
+them with the same rounding: for tests, not speed.
 """
 
 import contextlib
@@ -30,9 +26,8 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada and Hopper
 
 
 def import_torchao():
-    """torchao.float8, or one line saying how to get it. torchao logs a warning for each CUDA
-    kernel library it cannot load on this machine; none of them is the float8 training path."""
-    # (and torch warns once that torchao registers an Enum for compile the old way)
+    """torchao.float8, or one line saying how to get it. Its warnings about kernel libraries it
+    cannot load (none on the float8 path) and torch's about its Enum are silenced."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [log.level for log in quiet]
     for log in quiet:
@@ -49,9 +44,8 @@ def import_torchao():
 
 
 def check_fp8(device: torch.device) -> None:
-    """Refuse --fp8 in one line where neither fp8 tensor cores nor torchao's emulation can run it:
-    a GPU older than compute capability 8.9 (emulation there is slower than bf16), MPS (no float8
-    dtypes), or no torchao."""
+    """Refuse --fp8 in one line on a GPU below compute capability 8.9 (emulation is slower than
+    bf16), MPS (no float8 dtypes), or without torchao."""
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
@@ -66,16 +60,15 @@ def check_fp8(device: torch.device) -> None:
 
 
 def fp8_linear(module: nn.Module, fqn: str) -> bool:
-    """Which layers go fp8: every Linear whose sizes fp8 matmuls take (multiples of 16), lm_head
-    included, as nanochat's --fp8 (which also skips layers under 128 wide: none at d2 and up but
-    toy widths, which the CPU's tests use)."""
+    """Which layers go fp8: every Linear whose sizes are multiples of 16, lm_head included
+    (nanochat's also skips layers under 128 wide: only toy widths have them)."""
     return (isinstance(module, nn.Linear)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
-    """Swap the Linears fp8_linear picks for Float8Linear in place (before torch.compile and FSDP),
-    keeping their weight Parameters; emulated off CUDA. Returns how many were swapped."""
+    """Swap the Linears fp8_linear picks for Float8Linear in place (before compile and FSDP),
+    emulated off CUDA; how many were swapped."""
     if recipe not in RECIPES:
         raise ValueError(f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     float8 = import_torchao()
@@ -88,10 +81,8 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
 
 @contextlib.contextmanager
 def plain_linears(model: nn.Module):
-    """Within: the model's Float8Linear layers compute as plain nn.Linear on their weights (bf16
-    under autocast), as nanochat evaluates; fp8 again after. The layers stay in place (their
-    forward is overridden on the instance), so FSDP2, which gathers a block's weights into the
-    layer objects it was given, still finds them. Nothing to do for a model without them."""
+    """Within: Float8Linear layers compute as plain nn.Linear, as nanochat evaluates. The layers
+    stay in place (forward is overridden on the instance), so FSDP2 still finds them."""
     layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
     for layer in layers:
         layer.forward = types.MethodType(nn.Linear.forward, layer)

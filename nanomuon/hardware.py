@@ -1,9 +1,7 @@
 """
-What the hardware does fast: whether bf16 matmuls beat fp32 on a device, the one rule that
-Newton-Schulz's 'auto' precision (update_math.py) and training's bf16 autocast (common.py) both
-follow, and each GPU's peak bf16 FLOP/s, for MFU. It imports only torch (and the stdlib) and sits
-below both, so the update math needs no other nanomuon module and the plumbing never imports the
-optimizer to learn a fact about the hardware.
+What the hardware does fast: whether bf16 matmuls beat fp32 (the rule both Newton-Schulz's 'auto'
+precision and training's bf16 autocast follow) and each GPU's peak bf16 FLOP/s, for MFU. It imports
+only torch, so the update math needs no other nanomuon module.
 """
 
 import functools
@@ -16,9 +14,8 @@ CPU_BF16_FLAGS = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
 
 @functools.cache  # keyed by the device; the CPU's flags are fixed for the life of the process
 def bf16_matmuls_fast(device) -> bool:
-    """Whether bf16 matmuls beat fp32 here: on CUDA, and on CPUs with AVX512-BF16 or AMX (2-5x their
-    fp32 rate); not on CPUs without them (20-100x slower than fp32), nor on MPS (not measured).
-    Hardware flags, not a timing probe, so every rank agrees."""
+    """Whether bf16 matmuls beat fp32 here: on CUDA and CPUs with AVX512-BF16 or AMX, not on other
+    CPUs (20-100x slower) nor MPS. Hardware flags, not timing, so every rank agrees."""
     kind = torch.device(device).type
     return kind == "cuda" or kind == "cpu" and any(getattr(torch.cpu, f, lambda: False)()
                                                    for f in CPU_BF16_FLAGS)
@@ -33,8 +30,7 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989e12
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is
-    then omitted, never guessed)."""
+    """Peak bf16 FLOP/s of this device, or None when unknown (MFU is omitted, never guessed)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

@@ -1,14 +1,9 @@
 """
-QK-clip (the clip of Kimi K2's MuonClip): keeps attention logits bounded by rescaling W_q and W_k
-after the optimizer step, for models whose attention logits can grow without bound.
-
-For each head whose largest pre-softmax logit S (measured in the forward pass, q.k * softmax scale)
-exceeds tau, the head's W_q rows are scaled by (tau/S)^alpha and its W_k rows by (tau/S)^(1-alpha),
-so that logit shrinks to at most tau. max_logits is MAX-reduced across ranks (each rank saw other
-data); a grouped-query K head takes the strongest factor among its Q heads, so every head ends at or
-below tau; DTensor weights (FSDP2, tensor parallel) are scaled in place, each rank its own rows.
-nanomuon's GPT uses QK-norm, which already bounds its logits; built with --no-qk-norm it tracks and
-clips them (GPT.qk_clip_).
+QK-clip (Kimi K2's MuonClip): after the optimizer step, each head whose largest pre-softmax logit S
+exceeds tau has its W_q rows scaled by (tau/S)^alpha and W_k rows by (tau/S)^(1-alpha), so that
+logit shrinks to at most tau. max_logits is MAX-reduced across ranks; a grouped-query K head takes
+the strongest factor of its Q heads; DTensor weights are scaled in place, each rank its own rows.
+nanomuon's GPT bounds its logits with QK-norm; built with --no-qk-norm it clips them (GPT.qk_clip_).
 """
 
 import torch
@@ -31,9 +26,8 @@ def _scale_rows_(w: Tensor, row_scale: Tensor) -> None:
 def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, n_head: int,
              n_kv_head: int | None = None, tau: float = 100.0, alpha: float = 0.5,
              reduce: bool = True) -> Tensor:
-    """Rescale W_q (n_head * head_dim, d) and W_k (n_kv_head * head_dim, d) in place; return
-    the per-head factor gamma = min(1, tau / S) (1 where nothing was clipped). max_logits:
-    (n_head,) per-head maxima."""
+    """Rescale W_q (n_head * head_dim, d) and W_k (n_kv_head * head_dim, d) in place by the
+    (n_head,) max_logits; return each head's gamma = min(1, tau / S)."""
     n_kv_head = n_kv_head or n_head
     if max_logits.shape != (n_head,):
         raise ValueError(f"max_logits has shape {tuple(max_logits.shape)}; expected ({n_head},), "
@@ -46,8 +40,7 @@ def qk_clip_(q_weight: Tensor, k_weight: Tensor, max_logits: Tensor, n_head: int
     s = max_logits.detach().double().clone()  # float64: the factors are tiny vectors
     if reduce and dist.is_available() and dist.is_initialized():
         dist.all_reduce(s, op=dist.ReduceOp.MAX)
-    # <= 1: shrink only. A tensor numerator: python / tensor is reciprocal-then-multiply, off by
-    # an ulp at S = tau
+    # shrink only; a tensor numerator, as python / tensor is off by an ulp at S = tau
     gamma = (torch.full_like(s, tau) / s.clamp_min(1e-30)).clamp(max=1.0)
     _scale_rows_(q_weight, gamma.pow(alpha).repeat_interleave(q_weight.shape[0] // n_head))
     # a K head serves a group of Q heads
