@@ -7,13 +7,11 @@ by the task's random baseline, (acc - b/100) / (1 - b/100), and CORE the mean of
   wins. schema: {context_options, continuation, gold}; the context under which the shared
   continuation has the lowest mean loss wins. language_modeling: {context, continuation}; right
   when greedy decoding reproduces every continuation token.
-- The eval bundle is nanochat's eval_bundle.zip (llm-foundry's task files in eval_data/, core.yaml
-  listing the tasks, eval_meta_data.csv their baselines). It downloads once into the base dir over
-  https, its sha256 and size recorded next to it and checked on every later read; a folder or a zip
-  of the same layout is accepted too. Tasks are read straight from the zip, never extracted; every
-  member name and every path core.yaml gives must stay inside the bundle. core.yaml is YAML, read
-  with PyYAML's safe loader: PyYAML is already installed as a dependency of huggingface_hub,
-  datasets and wandb. Every file is bounded (the MAX_* below) before it is parsed or split.
+- The eval bundle is nanochat's eval_bundle.zip (task files in eval_data/, core.yaml listing the
+  tasks, eval_meta_data.csv their baselines), downloaded once over https with its sha256 and size
+  recorded and checked on every later read; a folder or zip of that layout works too. Tasks are
+  read straight from the zip; no member name or core.yaml path may leave the bundle, every file is
+  bounded (the MAX_* below) before it is parsed, and core.yaml goes through PyYAML's safe loader.
 - Items, few-shot picks and prompts follow nanochat's core_eval (shuffle seed 1337 before
   --max-per-task, few-shot seed 1234 + index), so the numbers compare with its leaderboard.
 """
@@ -121,9 +119,6 @@ class Bundle:
         if not stat.S_ISREG(mode):
             raise ValueError(f"CORE bundle {self.path} is a {file_kind(mode)}, not a zip file or "
                              f"a folder: {USE}")
-        self._open_zip()
-
-    def _open_zip(self) -> None:
         try:
             self.zip = zipfile.ZipFile(self.path)
             names = self.zip.namelist()
@@ -160,12 +155,27 @@ class Bundle:
         where = f"{self.path}: {name}"
         over = (f"CORE bundle {where} is over {limit:,} bytes, more than any eval bundle's "
                 f"{name.rpartition('/')[0] or name} needs: {USE}")
+        missing = f"CORE bundle {where} is missing"
         if self.zip is None:
-            return self._read_folder_file(name, limit, over)
+            try:
+                path = (self.root / name).resolve()
+            except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before 3.13
+                raise ValueError(f"CORE bundle {where} cannot be followed ({one_line(e)}): "
+                                 f"{USE}") from None
+            if not path.is_relative_to(self.root):
+                raise ValueError(f"CORE bundle {where} leads outside the folder (a link)")
+            try:
+                if path.stat().st_size > limit:
+                    raise ValueError(over)
+                return read_regular(path, limit, "a file of an eval bundle", USE)
+            except FileNotFoundError:
+                raise FileNotFoundError(missing) from None
+            except OSError as e:
+                raise ValueError(f"CORE bundle {where} cannot be read ({one_line(e)})") from None
         try:
             info = self.zip.getinfo(self.prefix + name)
         except KeyError:
-            raise FileNotFoundError(f"CORE bundle {where} is missing") from None
+            raise FileNotFoundError(missing) from None
         if info.file_size > limit:
             raise ValueError(over)
         try:
@@ -177,24 +187,6 @@ class Bundle:
         if len(data) > limit:  # the size its header gave was a lie
             raise ValueError(over)
         return data
-
-    def _read_folder_file(self, name: str, limit: int, over: str) -> bytes:
-        where = f"{self.path}: {name}"
-        try:
-            path = (self.root / name).resolve()
-        except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop, before Python 3.13
-            raise ValueError(f"CORE bundle {where} cannot be followed ({one_line(e)}): "
-                             f"{USE}") from None
-        if not path.is_relative_to(self.root):
-            raise ValueError(f"CORE bundle {where} leads outside the folder (a link)")
-        try:
-            if path.stat().st_size > limit:
-                raise ValueError(over)
-            return read_regular(path, limit, "a file of an eval bundle", USE)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"CORE bundle {where} is missing") from None
-        except OSError as e:
-            raise ValueError(f"CORE bundle {where} cannot be read ({one_line(e)})") from None
 
     def digest(self) -> str:
         """sha256 of the zip (what the report names), or 'folder'."""
@@ -416,10 +408,10 @@ def task_configs(bundle: Bundle) -> list[dict]:
 
 
 def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
-    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task, each
-    item's prompts within MAX_PROMPT characters, all tasks' items within MAX_ITEMS and their
-    prompts within MAX_WORK characters (counted before a task's items are parsed); a line at
-    least every PROGRESS_S seconds."""
+    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task; each
+    item's prompts within MAX_PROMPT characters (few-shot examples and options multiply an item's
+    size), all tasks' items within MAX_ITEMS (counted before they are parsed) and their prompts
+    within MAX_WORK characters; a line at least every PROGRESS_S seconds."""
     baselines, tasks, configs = read_baselines(bundle), [], task_configs(bundle)
     count = work = 0
     tick = every(PROGRESS_S)
@@ -436,7 +428,13 @@ def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
         tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
                           t.get("continuation_delimiter", " "), baselines[t["label"]], items,
                           t["dataset_uri"]))
-        work += check_prompts(bundle, tasks[-1])
+        for idx in range(len(items)):  # every prompt is tokenized before the window crops it
+            if (n := prompt_chars(tasks[-1], idx)) > MAX_PROMPT:
+                raise ValueError(f"{where}: task {t['label']} (eval_data/{t['dataset_uri']}): an "
+                                 f"item's prompts, {t['num_fewshot']}-shot, come to {n:,} "
+                                 f"characters, over the {MAX_PROMPT:,} any eval item needs: "
+                                 "shorten its items or lower its num_fewshot")
+            work += n
         if work > MAX_WORK:
             raise ValueError(f"{where}: its prompts come to over {MAX_WORK:,} characters "
                              f"together, more than CORE's tasks take: {USE}")
@@ -476,21 +474,6 @@ def prompt_chars(task: Task, idx: int) -> int:
     return len(options) * (head + stem) + sum(map(len, options))
 
 
-def check_prompts(bundle: Bundle, task: Task) -> int:
-    """Each item's prompts, all of which are tokenized before the window crops them, within
-    MAX_PROMPT characters: few-shot examples and options multiply an item's size. Returns the
-    task's characters in all."""
-    total = 0
-    for idx in range(len(task.items)):
-        if (n := prompt_chars(task, idx)) > MAX_PROMPT:
-            raise ValueError(f"CORE bundle {bundle.path}: task {task.label} (eval_data/"
-                             f"{task.uri}): an item's prompts, {task.shots}-shot, come to {n:,} "
-                             f"characters, over the {MAX_PROMPT:,} any eval item needs: "
-                             "shorten its items or lower its num_fewshot")
-        total += n
-    return total
-
-
 # -- prompts and scoring ---------------------------------------------------------------------------
 def fewshot(items: list, idx: int, shots: int) -> list:
     """nanochat's pick: `shots` other items, seeded by the item's index (fewer when the task has
@@ -520,40 +503,18 @@ def render(task: Task, item: dict, examples: list) -> list[str]:
     return [stem.strip(), stem + item["continuation"]]
 
 
-def common_length(seqs: list[list[int]], from_end: bool = False) -> int:
-    """Length of the prefix (or suffix) all seqs share."""
-    n = min(map(len, seqs))
-    for i in range(n):
-        at = -1 - i if from_end else i
-        if any(s[at] != seqs[0][at] for s in seqs):
-            return i
-    return n
-
-
 def spans(kind: str, seqs: list[list[int]]) -> tuple[list, list, list]:
     """(sequences to score, start, end): tokens start..end-1 of each are the ones scored, at
     least one each. multiple_choice: after the shared prefix. schema: the shared suffix.
     language_modeling: the continuation, one sequence."""
-    if kind == "language_modeling":
-        without, with_ = seqs
-        return [with_], [min(common_length(seqs), len(with_) - 1)], [len(with_)]
+    prefix = len(os.path.commonprefix(seqs))  # of any sequences, not only strings
     ends = [len(s) for s in seqs]
+    if kind == "language_modeling":  # seqs: the context alone, and with its continuation
+        return seqs[1:], [min(prefix, ends[1] - 1)], ends[1:]
     if kind == "multiple_choice":
-        start = common_length(seqs)
-        return seqs, [min(start, e - 1) for e in ends], ends
-    suffix = max(1, common_length(seqs, from_end=True))
+        return seqs, [min(prefix, e - 1) for e in ends], ends
+    suffix = max(1, len(os.path.commonprefix([s[::-1] for s in seqs])))
     return seqs, [max(1, e - suffix) for e in ends], ends
-
-
-def crop(seqs, starts, ends, max_len: int):
-    """Sequences longer than the model's window lose their first tokens (the scored ones are at
-    the end); at least one token of context stays before the scored span."""
-    out = [], [], []
-    for s, a, b in zip(seqs, starts, ends):
-        cut = max(0, len(s) - max_len)
-        for lst, v in zip(out, (s[cut:], max(1, a - cut), b - cut)):
-            lst.append(v)
-    return out
 
 
 @torch.no_grad()
@@ -561,8 +522,13 @@ def score_item(model, tokenizer, task: Task, idx: int, device, dtype: str) -> bo
     """Whether the model gets item idx of task right."""
     item = task.items[idx]
     prompts = render(task, item, fewshot(task.items, idx, task.shots) if task.shots else [])
-    seqs = tokenizer.encode(prompts, prepend_bos=True)
-    seqs, starts, ends = crop(*spans(task.kind, seqs), model.config.sequence_len)
+    seqs, starts, ends = spans(task.kind, tokenizer.encode(prompts, prepend_bos=True))
+    # over the model's window: the first tokens go (the scored ones are at the end), keeping at
+    # least one token of context before the scored span
+    cuts = [max(0, len(s) - model.config.sequence_len) for s in seqs]
+    seqs = [s[c:] for s, c in zip(seqs, cuts)]
+    starts = [max(1, a - c) for a, c in zip(starts, cuts)]
+    ends = [b - c for b, c in zip(ends, cuts)]
     x = torch.full((len(seqs), max(map(len, seqs))), tokenizer.bos_id, dtype=torch.long)
     for i, s in enumerate(seqs):
         x[i, :len(s)] = torch.tensor(s)
@@ -594,11 +560,6 @@ def evaluate_task(model, tokenizer, task: Task, device, dtype: str = "auto") -> 
     return right.sum().item() / len(task.items)
 
 
-def centered(accuracy: float, baseline: float) -> float:
-    """Accuracy rescaled so that chance (baseline, in percent) is 0 and perfect is 1."""
-    return (accuracy - 0.01 * baseline) / (1.0 - 0.01 * baseline)
-
-
 def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "auto") -> dict:
     """{'core': mean centered accuracy, 'tasks': {label: {kind, shots, items, accuracy,
     baseline, centered, seconds}}}, printing a line per task."""
@@ -606,8 +567,9 @@ def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "aut
     for task in tasks:
         t0 = time.perf_counter()
         acc = evaluate_task(model, tokenizer, task, device, dtype)
+        chance = 0.01 * task.baseline  # centered: chance is 0, perfect is 1
         row = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
-                   baseline=task.baseline, centered=centered(acc, task.baseline),
+                   baseline=task.baseline, centered=(acc - chance) / (1.0 - chance),
                    seconds=time.perf_counter() - t0)
         out[task.label] = row
         print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "

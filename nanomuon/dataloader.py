@@ -1,28 +1,20 @@
 """
 The training data loader: documents in, (inputs, targets) token batches out, every token of an
-epoch trained exactly once, in bounded memory, with exact resume. (docs/data.md, "The data
-loader", has the numbers.)
-
-Why its own design rather than a torch DataLoader:
-- Distributed: global document k belongs to rank k % world_size, whatever the shard and row-group
-  sizes.
-- Tokenizes on the fly (tiktoken), so changing the tokenizer needs no preprocessing pass.
-- Every token once per epoch, in rows of seq_len + 1 tokens that start with BOS and never mix epochs
-  (docs/data.md, "The data loader", has the rules): the due continuation, else the oldest document,
-  opens a row (so no piece waits forever); whole documents fill it best-fit, else the oldest is cut
-  and its remainder opens a row `interleave` rows later, so a long document does not fill a
-  micro-batch alone.
-- Bounded memory: at most buffer_size pieces; documents over chunk_chars characters are tokenized
-  chunk by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are those of the
-  whole text. A piece holds its text only from its second chunk on; reading ahead stops at the
-  epoch's end.
-- Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL);
-  state_dict() still describes the last batch returned.
+epoch trained exactly once, in bounded memory, with exact resume (docs/data.md, "The data loader",
+has the rules and the numbers). Its own design rather than a torch DataLoader, for:
+- Distribution: global document k belongs to rank k % world_size, whatever the shard sizes.
+- Tokenizing on the fly (tiktoken): a new tokenizer needs no preprocessing pass.
+- Packing: rows of seq_len + 1 tokens open with BOS and never mix epochs. The due continuation,
+  else the oldest document, opens a row (so no piece waits forever); whole documents fill it
+  best-fit, else the oldest is cut and its remainder opens a row `interleave` rows later, so a long
+  document does not fill a micro-batch alone.
+- Bounded memory: at most buffer_size pieces; a document over chunk_chars characters is tokenized
+  chunk by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are the whole
+  text's. Reading ahead stops at the epoch's end.
+- Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL).
 - Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus
-  the next document to read, O(buffer_size) integers; load_state_dict() re-reads and re-tokenizes
-  them. reshard_states() turns N saved states into one for each of M new ranks: every token is still
-  trained once per epoch, but other ranks pack other rows, so the run is the same run, not the same
-  bits.
+  the next document, O(buffer_size) integers; load_state_dict() re-reads them. reshard_states()
+  turns N ranks' states into M: every token is still trained once per epoch, in other rows.
 """
 
 import bisect
@@ -74,7 +66,7 @@ class DataError(ValueError):
 
 class _Piece:
     """What is left of a document: its current chunk's tokens from `pos`, where the next chunk
-    starts (None on the last), and its text once that chunk is wanted (waiting pieces hold none)"""
+    starts (None on the last), and its text once that chunk is wanted (waiting pieces hold none)."""
     __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos", "due")
 
     def __init__(self, epoch, doc, tokens, chunk=0, next_chunk=None, pos=0):
@@ -85,8 +77,7 @@ class _Piece:
         return len(self.tokens) - self.pos if self.next is None else UNKNOWN
 
     def ref(self) -> tuple:
-        """(epoch, doc) for an untouched document, (epoch, doc, chunk start,
-        token offset) for the rest."""
+        """(epoch, doc) untouched, else (epoch, doc, chunk start, token offset)."""
         return ((self.epoch, self.doc, self.chunk, self.pos) if self.chunk or self.pos
                 else (self.epoch, self.doc))
 
@@ -94,13 +85,11 @@ class _Piece:
 class DataLoader:
     """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around),
     always contiguous: a compiled model guards on strides, and one layout never recompiles it.
-
-    Each row is seq_len + 1 packed tokens: inputs are the first seq_len, targets the last seq_len.
-    Padding (only at an epoch's end, in at most `interleave` rows) has target -1 and input BOS.
-    After next_batch(), batch_epochs says which epoch each row belongs to, and stats counts rows,
-    inserted BOS tokens and padding. shuffle_seed: another document order: the row groups shuffled,
-    then the documents of each SHUFFLE_WINDOW of them (held in memory together, so each group is
-    still read once); None reads in file order."""
+    A row is seq_len + 1 packed tokens, inputs the first seq_len, targets the last; padding (only
+    at an epoch's end) has target -1 and input BOS. After next_batch(), batch_epochs holds each
+    row's epoch; stats counts rows, inserted BOS and padding. shuffle_seed: the row groups shuffled,
+    then the documents of each SHUFFLE_WINDOW of them (read together, so each group is still read
+    once); None reads in file order."""
 
     def __init__(self, tokenizer, dataset: str, split: str, batch_size: int, seq_len: int,
                  rank: int = 0, world_size: int = 1, device="cpu", buffer_size: int = 1000,
@@ -121,13 +110,11 @@ class DataLoader:
                              f"got {interleave}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.tokenizer, self.bos = tokenizer, tokenizer.bos_id
-        self.dataset, self.split, self.batch_size, self.seq_len = (dataset, split, batch_size,
-                                                                   seq_len)
-        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.buffer_size, self.tokenize_batch, self.chunk_chars = (buffer_size, tokenize_batch,
-                                                                   chunk_chars)
-        self.interleave, self.prefetch, self.shuffle_seed = interleave, prefetch, shuffle_seed
+        self.tokenizer, self.bos, self.device = tokenizer, tokenizer.bos_id, torch.device(device)
+        self.dataset, self.split, self.rank, self.world_size = dataset, split, rank, world_size
+        self.batch_size, self.seq_len, self.buffer_size = batch_size, seq_len, buffer_size
+        self.tokenize_batch, self.chunk_chars, self.prefetch = tokenize_batch, chunk_chars, prefetch
+        self.interleave, self.shuffle_seed = interleave, shuffle_seed
         self._queue, self._stop, self._thread = (queue.Queue(maxsize=max(prefetch, 1)),
                                                  threading.Event(), None)
         # a prepared source: a shared lock, so that prepare() does not remove it while it is read
@@ -153,8 +140,7 @@ class DataLoader:
         if nulls and rank == 0:
             log.warning(f"nanomuon: {nulls:,} of {total:,} documents in the {dataset} {split} "
                         "split have null text and are skipped")
-        # _counts: what the packer made;
-        # stats: what next_batch handed out (a prefetch thread packs ahead)
+        # _counts: what the packer made; stats: what next_batch handed out (prefetch packs ahead)
         self._counts = dict(rows=0, inserted=0, padding=0, skipped_docs=0)
         self.stats = dict(self._counts)
         self.batch_epochs: list[int] = []
@@ -200,15 +186,13 @@ class DataLoader:
         return self._cached[w][doc - self.starts[w]]
 
     def _chunk(self, text: str, start: int) -> tuple[array, int]:
-        """Tokens of the chunk of text at start (BOS first for the first
-        chunk), and where it ends."""
+        """Tokens of the chunk of text at start (BOS first for the first), and where it ends."""
         end = chunk_end(text, start, self.chunk_chars)
         piece = text[start:end] if start or end < len(text) else text
         return array("i", self.tokenizer.encode(piece, prepend_bos=start == 0)), end
 
     def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0) -> _Piece:
-        """A document re-read from a saved reference: its chunk at character
-        `chunk`, from token `pos`."""
+        """A document re-read from a saved reference: its chunk at `chunk`, from token `pos`."""
         tokens, end = self._chunk(text, chunk)
         if not 0 <= pos < len(tokens):
             raise ValueError(f"data loader state names token {pos} of the chunk at character "
@@ -263,8 +247,7 @@ class DataLoader:
 
     # -- packing --------------------------------------------------------------------------------
     def _refill(self) -> None:
-        """Top the buffer up to buffer_size pieces with this epoch's documents
-        (never the next epoch's)."""
+        """Top the buffer up to buffer_size pieces with this epoch's documents (never the next's)."""
         while (len(self._pool) + len(self._open) < self.buffer_size
                and self._next_epoch() == self.epoch):
             p = self._pending.popleft()[1]
@@ -305,8 +288,7 @@ class DataLoader:
             self._open.append(p)
 
     def next_row(self) -> tuple[array, int]:
-        """The next packed row (seq_len + 1 token ids, -1 for padding)
-        and the epoch it belongs to."""
+        """The next packed row (seq_len + 1 token ids, -1 for padding) and its epoch."""
         size = self.seq_len + 1
         row = array("i")
         self._refill()
@@ -362,8 +344,7 @@ class DataLoader:
         while not self._stop.is_set():
             try:
                 item = self._make_batch()
-            except BaseException as e:
-                # handed to the consumer, which re-raises it where the batch was wanted
+            except BaseException as e:  # next_batch re-raises it where the batch was wanted
                 item = e
             while not self._stop.is_set():
                 with contextlib.suppress(queue.Full):
@@ -385,8 +366,7 @@ class DataLoader:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def packing(self) -> str:
-        """One line on what the rows held so far: inserted BOS and padding
-        as fractions of row tokens."""
+        """One line on the rows so far: inserted BOS and padding as fractions of row tokens."""
         total = max(1, self.stats["rows"] * (self.seq_len + 1))
         line = (f"{self.stats['rows']:,} rows of {self.seq_len + 1} tokens: "
                 f"{self.stats['inserted'] / total:.3%} inserted BOS, "
@@ -396,8 +376,7 @@ class DataLoader:
         return line
 
     def close(self) -> None:
-        """Stop the prefetch thread (call before exiting, so no thread is
-        mid-tokenization at shutdown)."""
+        """Stop the prefetch thread (before exiting: no thread tokenizes at shutdown)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -424,9 +403,8 @@ class DataLoader:
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
-        # batch_size and interleave are not part of it: the state counts rows and holds any
-        # number of pending continuations, so a resumed run may change its batch size (and with
-        # it the default interleave)
+        # not batch_size or interleave: the state counts rows and holds any number of pending
+        # continuations, so a resumed run may change its batch size
         return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len",
                                               "buffer_size", "num_docs", "chunk_chars",
                                               "shuffle_seed")}
@@ -455,10 +433,9 @@ class DataLoader:
                         and all(type(v) is int and v >= 0 for v in ref) and ref[1] < self.num_docs)]
 
     def state_dict(self) -> dict:
-        """Small and exact: where reading continues (epoch, doc), documents queued before that
-        (backlog, after a reshard), the buffered documents, and the pending continuations with the
-        rows each still waits, as of the last batch returned by next_batch (batches prefetched
-        beyond it are not counted)."""
+        """Small and exact, as of the last batch next_batch returned (not those prefetched): where
+        reading continues (epoch, doc), documents queued before that (backlog, after a reshard),
+        the buffered documents, and the pending continuations with the rows each still waits."""
         return self._consumed
 
     def load_state_dict(self, state: dict) -> None:
@@ -491,12 +468,11 @@ class DataLoader:
 
 
 def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
-    """The validation set: the val split's documents in order, packed with a one-document
-    buffer into num_tokens // seq_len rows (at least 1; fewer when the split runs out, never
-    repeating a document; num_tokens -1, as the flags say it: the whole split), (rows,
-    seq_len + 1) int64 on the CPU, -1 for padding. One stream whatever the process count, so val
-    bpb measures the same tokens at any world size (evaluate_bpb deals the rows out to the
-    ranks). A smaller num_tokens gives a prefix of a larger one's rows."""
+    """The validation set: the val split's documents in order, packed with a one-document buffer
+    into num_tokens // seq_len rows (at least 1, fewer when the split runs out; -1: all of it),
+    (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream at any world size, so val bpb
+    measures the same tokens (evaluate_bpb deals the rows out); a smaller num_tokens gives a prefix
+    of a larger one's rows."""
     loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
     rows = array("i")
     for _ in itertools.count() if num_tokens == -1 else range(max(1, num_tokens // seq_len)):
@@ -513,10 +489,8 @@ def scored_tokens(rows: torch.Tensor) -> int:
 
 
 def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
-    """The loader state for `rank` of `world_size` new processes, from the
-    states of all N old ranks.
-
-    Old rank r has read its documents r, r + N, ... up to (not including) its position P_r;
+    """The loader state for `rank` of `world_size` new processes, from the states of all N old
+    ranks. Old rank r has read its documents r, r + N, ... up to (not including) its position P_r;
     documents at or after the frontier F = max P_r are unread by every rank. The carry is what was
     read but not yet trained (every backlog, buffered document and continuation) plus what lies
     below F but was not reached (from P_r up to F on each old rank). The new ranks share the carry
@@ -528,8 +502,7 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         sizes = sorted({s["world_size"] for s in states})
         raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
                          f"{[s.get('rank') for s in states]} of world sizes {sizes}")
-    # shuffle_seed decides which document each index names:
-    # every new rank must read in the same order
+    # shuffle_seed decides which document each index names: every rank must read in one order
     shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars",
               "shuffle_seed")
     for key in shared:
@@ -554,8 +527,7 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
                 epoch, doc = epoch + 1, r
     carry.sort()  # by epoch, then document: the backlog is read in order, and rows never mix epochs
     epoch, doc = frontier[0], frontier[1] + rank
-    # past the end of the frontier's epoch: start the next one at our own stride
-    if doc >= num_docs:
+    if doc >= num_docs:  # past the frontier's epoch: start the next one at our own stride
         epoch, doc = epoch + 1, rank
     return dict({key: states[0].get(key) for key in shared}, rank=rank, world_size=world_size,
                 epoch=epoch, doc=doc, backlog=[list(ref) for ref in carry[rank::world_size]],

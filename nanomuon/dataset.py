@@ -1,20 +1,18 @@
 """
 Pretraining text on disk: where it lives, how to get it, and how to read it back.
 
-Three named datasets, all directories of parquet shards with one string column `text` (a document
-per row), sorted by name; the last shard is the val split, all the others are train:
-- fineweb-edu and climbmix: Karpathy's pre-shuffled FineWeb-Edu and NVIDIA ClimbMix shards from
-  the Hugging Face hub (HUB_DATASETS; ClimbMix is what nanochat trains on since March 2026, decoded
-  to text from its GPT-2 tokens). download() fetches them in parallel through huggingface_hub (its
-  resume, 429 retries, HF_ENDPOINT, HF_TOKEN, progress bars), all from one revision pinned at the
-  first download, retries whatever else fails with backoff and checks each file is parquet, so an
-  interrupted run just resumes. Nothing here touches the network unless a download is asked for.
-- embedded: built locally from the Python standard library's own .py sources (about 30 MB of text),
-  so training and tests work with no network at all. ensure_embedded() builds it on first use.
-Custom sources (sources.py) live in source/<name>-<hash>, their train and val shards listed
-by a manifest.
-CLI: `python -m nanomuon.dataset -n 8` (FineWeb-Edu train shards 0..7 + the val shard),
-`python -m nanomuon.dataset -n 8 --dataset climbmix`, or `--embedded`.
+Named datasets are directories of parquet shards with one string column `text` (a document per
+row), sorted by name; the last shard is the val split, all the others are train:
+- fineweb-edu and climbmix (HUB_DATASETS): Karpathy's pre-shuffled FineWeb-Edu and NVIDIA ClimbMix
+  shards (what nanochat trains on since March 2026) from the Hugging Face hub. download() fetches
+  them in parallel through huggingface_hub, all from the revision pinned at the first download,
+  retrying failures with backoff and checking each file is parquet, so a rerun resumes. Nothing
+  here touches the network unless a download is asked for.
+- embedded: built locally from the Python standard library's .py sources (about 30 MB of text), so
+  training and tests need no network; ensure_embedded() builds it on first use.
+Custom sources (sources.py) live in source/<name>-<hash>, their shards listed by a manifest.
+CLI: `python -m nanomuon.dataset -n 8 [--dataset climbmix]` (train shards 0..7 + the val shard),
+or `--embedded`.
 """
 
 import argparse
@@ -58,8 +56,7 @@ RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not
 
 # -- locations -------------------------------------------------------------------------------------
 def data_dir(name: str) -> Path:
-    """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> for
-    what sources.prepare made."""
+    """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> (sources.prepare)."""
     if name not in DATASETS and not re.fullmatch(r"source/[\w.-]+", name):
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}, or a "
                          "custom source (docs/data.md, 'Your own data')")
@@ -103,9 +100,8 @@ def list_shards(name: str, split: str) -> list[Path]:
 
 def read_shard(path: Path, decode: bool = False) -> tuple[pq.ParquetFile | None, str | None]:
     """(the file, None) for parquet with the string `text` column every reader needs, else (None,
-    what is wrong). decode: every row group's text decodes too (it reads the whole file: a check
-    for a fresh download, too slow for each start, where the loader names a bad row group when it
-    reaches it)."""
+    what is wrong). decode: every row group decodes too, reading the whole file (for a fresh
+    download: too slow for each start, where the loader names a bad row group as it reaches it)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -126,8 +122,7 @@ def read_shard(path: Path, decode: bool = False) -> tuple[pq.ParquetFile | None,
 
 
 def open_shard(name: str, path: Path) -> pq.ParquetFile:
-    """A shard of dataset `name` that read_shard accepts; a ValueError that
-    says what to do otherwise."""
+    """A shard that read_shard accepts, else a ValueError that says what to do."""
     pf, problem = read_shard(path)
     if problem:
         raise ValueError(f"{path} {problem}: delete it and {FIX.get(name, FIX['source'])}")
@@ -136,10 +131,9 @@ def open_shard(name: str, path: Path) -> pq.ParquetFile:
 
 def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 0,
                world_size: int = 1) -> Iterator[str]:
-    """Documents of a split in shard order, null ones skipped. With max_chars, stops after exactly
-    that many characters (the last document is cut short), so callers get a hard budget, e.g. for
-    tokenizer training. With world_size > 1, only documents k with k % world_size == rank (k counts
-    every row, null or not: the data loader's split of the documents between ranks)."""
+    """Documents of a split in shard order, null ones skipped. max_chars: a hard budget (for
+    tokenizer training), the last document cut short. world_size > 1: only documents k with
+    k % world_size == rank, k counting every row, null or not (the data loader's split)."""
     if max_chars is not None and max_chars < 0:
         raise ValueError(f"max_chars must be >= 0 or None, got {max_chars}")
     if not 0 <= rank < world_size:
@@ -147,8 +141,7 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
     left, k = sys.maxsize if max_chars is None else max_chars, -1
     for path in list_shards(name, split):
         pf = open_shard(name, path)
-        # Row group by row group keeps memory at one group, not one shard
-        # (FineWeb shards are ~100 MB).
+        # row group by row group: memory holds one group, not a ~100 MB shard
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
                 k += 1
@@ -177,11 +170,10 @@ def stdlib_sources() -> list[Path]:
 
 def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
                    sources: Sequence[Path] | None = None) -> list[Path]:
-    """Pack source files (default: the stdlib, stdlib_sources()) into parquet shards in out_dir, one
-    file per document. Deterministic: files are sorted then shuffled with a fixed seed, so the val
-    shard (the last) is a sample of the whole library rather than one package. Shards are cut at
-    document boundaries into ceil(chars / shard_chars) near-equal parts (at least 2, for
-    train + val); a shard exceeds shard_chars by at most one document."""
+    """Pack source files (default: stdlib_sources()) into parquet shards in out_dir, a file per
+    document, sorted then shuffled with a fixed seed, so the val shard (the last) samples the whole
+    library, not one package. Shards are cut between documents into ceil(chars / shard_chars)
+    near-equal parts (at least 2, for train + val)."""
     if shard_chars < 1:
         raise ValueError(f"shard_chars must be >= 1, got {shard_chars}")
     files = sorted(Path(p) for p in (stdlib_sources() if sources is None else sources))
@@ -190,8 +182,7 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
             if t.strip()]
     total = sum(len(t) for t in docs)
     n = max(2, math.ceil(total / shard_chars))
-    # Document i goes to the shard its midpoint falls in:
-    # equal-size shards, cut only between documents.
+    # a document goes to the shard its midpoint falls in
     groups: list[list[str]] = [[] for _ in range(n)]
     pos = 0
     for t in docs:
@@ -219,23 +210,19 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
                     stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None,
                     files=len(docs), chars=total, shard_chars=shard_chars, seed=0,
                     shards=[p.name for p in paths], val_shard=paths[-1].name)
-    readme = (f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} "
-              "standard library,\n"
-              f"{len(docs)} files ({total:,} characters), shuffled with a fixed seed into "
-              f"{len(paths)} parquet shards\n"
-              f"(column `text`, one file per row). The last shard, {paths[-1].name}, is the val "
-              "split.\n"
-              "Built by nanomuon/dataset.py; rebuild with "
-              "`python -m nanomuon.dataset --embedded`.\n")
-    write_atomic(out_dir / "README.txt", readme)
+    write_atomic(out_dir / "README.txt", (
+        f"nanomuon embedded corpus: the .py sources of the Python {manifest['python']} standard "
+        f"library,\n{len(docs)} files ({total:,} characters), shuffled with a fixed seed into "
+        f"{len(paths)} parquet shards\n(column `text`, one file per row). The last shard, "
+        f"{paths[-1].name}, is the val split.\nBuilt by nanomuon/dataset.py; rebuild with "
+        "`python -m nanomuon.dataset --embedded`.\n"))
     write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return paths
 
 
 @contextlib.contextmanager
 def build_lock(d: Path):
-    """Serializes builds across processes (every rank of a torchrun job
-    calls list_shards at once)."""
+    """Serializes builds across processes (every rank of a torchrun job calls list_shards)."""
     try:
         import fcntl
     except ImportError:
@@ -249,8 +236,7 @@ def build_lock(d: Path):
 
 
 def ensure_embedded() -> Path:
-    """The embedded corpus directory, built first if it is missing or its
-    last build was interrupted."""
+    """The embedded corpus directory, built first if missing or its last build was cut short."""
     d = data_dir("embedded")
     if manifest_shards(d, embedded=True):
         return d
@@ -277,11 +263,10 @@ def _hub():
 
 def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu",
                    offline_too: bool = True) -> str:
-    """The hub endpoint (HF_ENDPOINT), refused if it is not a plain https://host[:port][/path] URL,
-    or if it is plain http to another machine, unless allow_http: anyone on the path could swap the
-    files. Loopback is fine (a local mirror, the tests' fake hub). Every hub fetch passes it: the
-    shard downloads here, and hub sources (sources.py). dataset: whose fix an offline hub names
-    (a hub source's spec names none); offline_too: refuse HF_HUB_OFFLINE here too."""
+    """HF_ENDPOINT, checked before every hub fetch (here and in sources.py): refused unless a plain
+    https://host[:port][/path] URL, or plain http to loopback (a local mirror, the tests' fake hub)
+    or with allow_http (anyone on the path could swap the files). dataset: whose fix to name;
+    offline_too: refuse HF_HUB_OFFLINE here too."""
     import ipaddress
     import urllib.parse
 
@@ -317,8 +302,7 @@ def check_endpoint(allow_http: bool = False, dataset: str = "fineweb-edu",
 
 
 def hub_problem(e: Exception) -> tuple[int | None, str]:
-    """(HTTP status or None, one line on what a huggingface_hub or network
-    error means and what to do)."""
+    """(HTTP status or None, one line on what a hub or network error means and what to do)."""
     status = getattr(getattr(e, "response", None), "status_code", None)
     fix = {401: "set HF_TOKEN to a token that can read it",
            403: "set HF_TOKEN to a token that can read it (and accept the dataset's terms on its "
@@ -353,9 +337,8 @@ def pin_revision(out_dir: Path, revision: str | None, repo: str = HF_REPO) -> st
 
 def _download_shard(index: int, out_dir: Path, revision: str, retries: int, backoff: float,
                     stop: threading.Event, dataset: str = "fineweb-edu") -> tuple[Path, bool]:
-    """Download one shard into out_dir with hf_hub_download (which resumes cut transfers and
-    retries 429s), retried on whatever else fails and checked to be parquet; returns (path, False
-    if it was already there)."""
+    """(path, False if it was there) of a shard downloaded into out_dir by hf_hub_download (which
+    resumes cut transfers and retries 429s), retried on other failures, checked to be parquet."""
     name = shard_name(index)
     repo, max_shard = HUB_DATASETS[dataset]
     final = out_dir / name
@@ -391,10 +374,8 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
 def download(num_shards: int, out_dir: Path | None = None, revision: str | None = None,
              workers: int = 4, retries: int = 5, backoff: float = 2.0,
              allow_http: bool = False, dataset: str = "fineweb-edu") -> list[Path]:
-    """Download a hub dataset's (HUB_DATASETS) train shards 0..num_shards-1 plus its last shard as
-    the val shard (it sorts last, so list_shards calls it val), all from one pinned revision,
-    through huggingface_hub (HF_ENDPOINT, HF_TOKEN and progress bars as usual). Shards already
-    present are skipped; returns all their paths, sorted."""
+    """Download a hub dataset's train shards 0..num_shards-1 plus its last (val) shard, all from
+    one pinned revision, skipping those present; returns all their paths, sorted."""
     if dataset not in HUB_DATASETS:
         raise ValueError(f"unknown hub dataset {dataset!r}: choose one of "
                          f"{', '.join(HUB_DATASETS)}")

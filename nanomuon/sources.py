@@ -1,26 +1,21 @@
 """
 Training text from anywhere: `--dataset` as a local file, directory or glob of parquet, jsonl,
 json, txt or csv files, or any Hugging Face dataset as hf:owner/name[:config][@revision].
-prepare() converts a source once into dataset.py's layout (parquet shards, a document per row
-in column `text`, listed by a manifest), so the data loader's exact resume, rank-disjoint
-reading and resharding, which all count documents, work alike for every source. (docs/data.md,
-"Your own data".)
+prepare() converts a source once into dataset.py's layout (parquet shards of column `text`, listed
+by a manifest), so the data loader's exact resume and resharding, which count documents, work
+alike for every source (docs/data.md, "Your own data").
 
 - Column: --text-column, else `text`, else the only string column.
-- Validation: the source's own held-out split if it has one (on the hub validation, valid, val, dev
-  or test; locally, files or folders whose names start with those words), else a deterministic
-  --val-fraction of the documents: every one whose running count crosses a multiple of 1 / fraction,
-  so evenly spread, at least one.
+- Validation: the source's own held-out split (HELD_OUT; locally, files or folders whose names
+  start with those words), else an evenly spread --val-fraction of the documents, at least one.
 - Cache: $NANOMUON_BASE_DIR/data/source/<name>-<hash>. The hash covers the source, the column, the
-  fraction and each local file's path and contents (blake2b, read again only when the file's size,
-  mtime, ctime or inode changed): edit a file and the next run prepares it again (and a resumed run
-  refuses the changed data); touch it and nothing changes. A new preparation removes the older ones
-  of the same source that no data loader reads. A hub source is pinned to the commit it was first
-  prepared from; once it is prepared, nothing touches the network.
-- Text files are one document each, read as UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1;
-  files with NUL bytes and no BOM, or over a tenth control bytes, are binary and skipped. Both are
-  counted and named, as are files of other types (left out) and files of 0 bytes or 0 rows (skipped:
-  they hold no documents, and one would stop the whole read of its format).
+  fraction and each local file's contents (hashed again only when its size, mtime, ctime or inode
+  changed), so an edited file is prepared again and a resumed run refuses it. A new preparation
+  removes the older ones of the same source that no data loader reads. A hub source is pinned to
+  the commit it was first prepared from; once prepared, nothing touches the network.
+- Text files are one document each: UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1;
+  files with NUL bytes and no BOM, or over a tenth control bytes, are binary and skipped. Skipped,
+  guessed, empty and left-out files are counted and named.
 """
 
 import argparse
@@ -85,8 +80,7 @@ BINARY_SHARE = 0.1  # of control bytes: over it a file is binary, not text
 
 
 def add_data_args(p, default: str) -> None:
-    """--dataset, --text-column and --val-fraction, the same in every script
-    that reads training text."""
+    """--dataset, --text-column and --val-fraction, alike in every script that reads text."""
     p.add_argument("--dataset", type=dataset_arg, default=default,
                    help=f"training text: {SPEC_HELP} (docs/data.md, 'Your own data')")
     p.add_argument("--text-column", default=None, help="custom sources: the column holding the "
@@ -146,7 +140,10 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
     with contextlib.ExitStack() as held:  # every rank calls this: one hashes and builds
         with contextlib.suppress(OSError):  # a read-only data dir: nothing to build or remove
             held.enter_context(build_lock(folder))
-        ident = source if hub else ("files", source[1], _fingerprints(source[2], folder))
+        # (path, size, content hash) of each local file: only new or changed files are read
+        ident = source if hub else ("files", source[1], [
+            (str(p), p.stat().st_size, h)
+            for p, h in zip(source[2], content_hashes(source[2], folder / HASHES))])
         name = f"source/{slug}-{digest(ident, text_column, val_fraction)}"
         d = data_dir(name)
         if manifest_shards(d) is None:
@@ -162,13 +159,6 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
                 raise
         _remove_older(folder, d, slot)
     return name
-
-
-def _fingerprints(files: list[Path], folder: Path) -> list[tuple]:
-    """(path, size, content hash) of each file; the hashes cached in folder/HASHES, so only new or
-    changed files are read (common.content_hashes)."""
-    hashes = content_hashes(files, folder / HASHES)
-    return [(str(p), p.stat().st_size, h) for p, h in zip(files, hashes)]
 
 
 def hold(d: Path):
@@ -257,8 +247,7 @@ def _holds_nothing(p: Path) -> bool:
 
 
 def _split_word(rel: Path) -> str | None:
-    """The held-out word a file's folders or name start with
-    (val-00000.parquet, test/x.txt), else None."""
+    """The held-out word a file's folders or name start with (test/x.txt), else None."""
     for part in (*rel.parent.parts, rel.name):
         for word in HELD_OUT:
             if re.match(rf"{word}(?:[-_. 0-9]|$)", part.lower()):
@@ -279,16 +268,14 @@ def decode(data: bytes) -> tuple[str | None, str]:
     if b"\x00" in data:
         return None, "binary"
     for encoding in ("utf-8", "cp1252", "latin-1"):  # latin-1 decodes any bytes: the last resort
-        try:
+        with contextlib.suppress(UnicodeDecodeError):
             text = data.decode(encoding)
-        except UnicodeDecodeError:
-            continue
-        # binary without NULs: it decodes, but into control characters
-        control = CONTROL + (bytes(range(0x80, 0xA0)) if encoding == "latin-1" else b"")
-        if len(data) - len(data.translate(None, control)) > BINARY_SHARE * len(data):
-            return None, "binary"
-        return text, encoding
-    raise AssertionError("unreachable: latin-1 decodes every byte string")
+            break
+    # binary without NULs: it decodes, but into control characters
+    control = CONTROL + (bytes(range(0x80, 0xA0)) if encoding == "latin-1" else b"")
+    if len(data) - len(data.translate(None, control)) > BINARY_SHARE * len(data):
+        return None, "binary"
+    return text, encoding
 
 
 # -- reading a source ------------------------------------------------------------------------------
@@ -404,30 +391,9 @@ def _read_texts(files: list[Path], counts: dict) -> Iterator[str]:
               "NUL or control bytes, not text", file=sys.stderr)
 
 
-def _hub_error(spec: str, e: Exception) -> ValueError:
-    from huggingface_hub import constants
-    return ValueError(f"cannot load {spec} from {constants.ENDPOINT}: {hub_problem(e)[1]}")
-
-
-def _open_hub(spec: str, repo: str, config: str | None, revision: str | None) -> tuple[dict, str]:
-    """({split: IterableDataset}, the commit) of a hub dataset, streamed: only
-    what is read is downloaded."""
-    # https, or plain http to this machine only (offline: the hub's own error says it)
-    check_endpoint(dataset=spec, offline_too=False)
-    datasets = _datasets()
-    from huggingface_hub import HfApi
-    try:
-        sha = HfApi().dataset_info(repo, revision=revision).sha
-        return dict(datasets.load_dataset(repo, config, revision=sha, streaming=True)), sha
-    except Exception as e:
-        # the hub's and datasets' own errors, network errors: all become one line
-        raise _hub_error(spec, e) from None
-
-
 # -- conversion ------------------------------------------------------------------------------------
 class _ShardWriter:
-    """Writes documents into <prefix>_00000.parquet, ... in a folder,
-    SHARD_CHARS characters per shard."""
+    """Writes documents into <prefix>_00000.parquet, ..., SHARD_CHARS characters per shard."""
 
     def __init__(self, folder: Path, prefix: str):
         self.folder, self.prefix, self.names, self.docs, self.chars = folder, prefix, [], 0, 0
@@ -451,15 +417,28 @@ class _ShardWriter:
 
 
 def _open_hub_source(spec: str, source: tuple, text_column: str | None, counts: dict):
-    """(train documents, val documents or None, the held-out split or None, the commit)."""
-    splits, revision = _open_hub(spec, *source[1:])
+    """(train documents, val documents or None, the held-out split or None, the commit), streamed:
+    only what is read is downloaded."""
+    _, repo, config, revision = source
+    # https, or plain http to this machine only (offline: the hub's own error says it)
+    check_endpoint(dataset=spec, offline_too=False)
+    datasets = _datasets()
+    from huggingface_hub import HfApi, constants
+
+    # the hub's and datasets' own errors, network errors: all become one line
+    error = lambda e: ValueError(f"cannot load {spec} from {constants.ENDPOINT}: "
+                                 f"{hub_problem(e)[1]}")
+    try:
+        revision = HfApi().dataset_info(repo, revision=revision).sha
+        splits = dict(datasets.load_dataset(repo, config, revision=revision, streaming=True))
+    except Exception as e:
+        raise error(e) from None
     train_split = ("train" if "train" in splits
                    else next(iter(splits)) if len(splits) == 1 else None)
     if train_split is None:
         raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): "
                          f"name the config with hf:{source[1]}:<config>")
     held = next((w for w in HELD_OUT if w in splits and w != train_split), None)
-    error = lambda e: _hub_error(spec, e)
     read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)", counts, error)
     return read(train_split), read(held) if held else None, held, revision
 

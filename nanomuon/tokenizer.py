@@ -1,11 +1,11 @@
 """
 The tokenizer: a byte-level BPE trained with rustbpe, run with tiktoken.
 
-rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (fast, threaded
-batches). One special token, <|bos|>, opens every document. A trained tokenizer is two text files in
-one directory: tokenizer.bpe (tiktoken's format: base64 token bytes and rank per line) and
-tokenizer.json (split pattern, special tokens, fingerprint). Checkpoints record the fingerprint, so
-a run is never resumed or sampled with a tokenizer it was not trained with.
+rustbpe learns the merges (fast, parallel, streaming); tiktoken encodes with them (threaded
+batches). One special token, <|bos|>, opens every document. A trained tokenizer is tokenizer.bpe
+(tiktoken's format: base64 token bytes and rank per line) and tokenizer.json (split pattern,
+special tokens, fingerprint). Checkpoints record the fingerprint, so a run is never resumed or
+sampled with a tokenizer it was not trained with.
 """
 
 import base64
@@ -30,8 +30,7 @@ FILES = ("tokenizer.bpe", "tokenizer.json")
 
 
 class Tokenizer:
-    """A tiktoken Encoding plus the bookkeeping training needs (BOS, token
-    byte lengths, fingerprint)."""
+    """A tiktoken Encoding plus what training needs (BOS, token byte lengths, fingerprint)."""
 
     def __init__(self, mergeable_ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN):
         n = len(mergeable_ranks)
@@ -72,8 +71,7 @@ class Tokenizer:
         return cls({bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}, pattern)
 
     def save(self, directory: Path) -> None:
-        """Write both files atomically (temp file, then rename), so a reader
-        never sees half a tokenizer."""
+        """Write both files atomically, so a reader never sees half a tokenizer."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         bpe = "".join(f"{base64.b64encode(t).decode()} {r}\n"
@@ -108,9 +106,8 @@ class Tokenizer:
         return tok
 
     def encode(self, text: str | Sequence[str], prepend_bos: bool = False, num_threads: int = 8):
-        """Token ids of a string, or a list of id lists for a list of strings (tokenized
-        in parallel). Text that looks like a special token is encoded as plain text,
-        never as the special token."""
+        """Token ids of a string, or id lists of a list of strings (in parallel). Text that looks
+        like a special token is encoded as plain text."""
         prefix = [self.bos_id] if prepend_bos else []
         if isinstance(text, str):
             return prefix + self.enc.encode_ordinary(text)
@@ -121,9 +118,8 @@ class Tokenizer:
         return self.enc.decode(list(ids))
 
     def token_bytes(self) -> torch.Tensor:
-        """(vocab_size,) int64: UTF-8 bytes of each token, the denominator of bits per byte (which
-        unlike loss per token is comparable across vocabularies); 0 for special tokens, so they drop
-        out of bpb."""
+        """(vocab_size,) int64: each token's UTF-8 bytes, the denominator of bits per byte (which,
+        unlike loss per token, compares across vocabularies); 0 for special tokens."""
         lengths = [0] * self.vocab_size
         for token, rank in self.mergeable_ranks.items():
             lengths[rank] = len(token)
@@ -131,9 +127,8 @@ class Tokenizer:
 
 
 def check_pattern(pattern) -> None:
-    """ValueError unless pattern is a split regex that never matches empty text: on one that
-    does, tiktoken's Rust code panics at the first text, on every thread (one that does not
-    compile, tiktoken refuses when the Encoding is built)."""
+    """ValueError unless pattern is a split regex that never matches empty text, on which
+    tiktoken's Rust code panics (one that does not compile, building the Encoding refuses)."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"tokenizer.json's split pattern is {pattern!r}: it must be a non-empty regex")
     try:
