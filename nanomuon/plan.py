@@ -1,22 +1,19 @@
 """
-Who updates what: the owner plan, shared by DistMuonAdamW and the DTensor path (sharded.py).
-
-Muon needs whole matrices, so each one is orthogonalized by a single owner rank. Same-shape
-matrices form a bucket, stacked into one batched call; owner_plan() splits every bucket over the
-ranks by Newton-Schulz cost. The plan depends on shapes alone, so every rank computes the same
-one without talking, and keeps it: a step reads the plan, never this file. AdamW is elementwise
-and needs no owner (optim.flat_shard cuts each param into equal pieces of whole rows).
+Who updates what, for DistMuonAdamW and the DTensor path (sharded.py): Muon needs whole matrices,
+so each is orthogonalized by one owner rank. Same-shape matrices form a bucket, stacked into one
+batched call; owner_plan() splits every bucket over the ranks by Newton-Schulz cost, from shapes
+alone, so every rank computes the same plan without talking. AdamW is elementwise and needs no
+owner (optim.flat_shard).
 """
 
 
 def assign_owners(buckets: list[tuple[int, float]], world_size: int,
                   loads=None) -> list[list[list[int]]]:
     """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks;
-    returns slots[bucket][rank] = matrix indices. Every rank gets floor(count / N) matrices of every
-    bucket, so a bucket's stacks pad to ceil(count / N) per rank, as little as possible; the
-    remainders go, costliest bucket first, one each to the least loaded ranks (ties to the lower
-    rank). The busiest rank exceeds the mean by at most one matrix's cost. loads: what each rank
-    already owns (buckets planned before)."""
+    returns slots[bucket][rank] = matrix indices. Every rank gets floor(count / N) of every bucket
+    (stacks pad as little as possible); the remainders go, costliest bucket first, one each to the
+    least loaded ranks (ties to the lower rank), so the busiest rank exceeds the mean by at most
+    one matrix's cost. loads: what each rank already owns."""
     even = sum(count // world_size * cost for count, cost in buckets)
     loads = [even + load for load in (loads or [0.0] * world_size)]
     extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
@@ -41,12 +38,10 @@ def bucket_by(keys: list) -> list[list[int]]:
 
 
 def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> list[dict]:
-    """Buckets of the matrices with equal keys (say shape and dtype) and their owners.
-
-    keys[i], costs[i]: matrix i's bucket key and Newton-Schulz cost. Returns one dict per bucket:
-    members (matrix indices), slots (slots[r]: positions in members that rank r owns) and per_rank
-    (the largest slot count: every rank's stack of the bucket is padded to it) and cost (of one
-    matrix). loads: as in assign_owners."""
+    """Buckets of the matrices with equal keys (say shape and dtype) and their owners. keys[i],
+    costs[i]: matrix i's bucket key and Newton-Schulz cost. One dict per bucket: members (matrix
+    indices), slots (slots[r]: positions in members rank r owns), per_rank (the largest slot
+    count, which every rank's stack pads to) and cost (of one matrix). loads: as assign_owners."""
     buckets = bucket_by(keys)
     slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size, loads)
     return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]])

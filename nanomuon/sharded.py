@@ -1,18 +1,15 @@
 """
-Muon for sharded parameters: DTensor params from FSDP2 (fully_shard), tensor parallelism, or both
-on a 2-D mesh (docs/optimizer.md, "Sharded params: FSDP2 and tensor parallel"). MuonAdamW and DistMuonAdamW
-hand their DTensor params here; the math is update_math.py's, the owners plan.py's, and this file
-adds the communication. In sharded_mode='owner' (the default, exact): momentum on the local
-shard; an all_to_all gathers whole matrices on their owner, which orthogonalizes them stacked by
-shape; a second all_to_all returns each rank its block for the elementwise update.
-muon_step_modes() has Megatron's alternatives.
+Muon for sharded parameters: DTensor params from FSDP2, tensor parallelism, or both on a 2-D mesh
+(docs/optimizer.md, "Sharded params"). The optimizers hand their DTensor params here, already
+reduced; the math is update_math.py's, the owners plan.py's, and this file adds the communication.
+sharded_mode='owner' (the default, exact): momentum on the local shard; an all_to_all gathers whole
+matrices on their owner, which orthogonalizes them stacked by shape; a second returns each rank its
+block for the elementwise update. muon_step_modes() has Megatron's alternatives.
 
-Gradients of DTensor params arrive already reduced, so nothing is reduced again. The momentum buffer
-is sharded like its param; the direction stages' state (variance reduction's second moment, any
-stage's) lives on the owner only. full_state() gathers the unsharded state_dict() format;
-state_piece() and kept_direction_state() cut it (or a checkpoint) back to a rank. The functions
-take the optimizer's pieces (group, state, plan cache), never the optimizer: this file depends on
-the math and the plan only.
+The momentum buffer is sharded like its param; the direction stages' state lives on the owner only.
+full_state() gathers the whole state_dict() format; state_piece() and kept_direction_state() cut it
+back to a rank. The functions take the optimizer's pieces (group, state, plan cache), never the
+optimizer.
 """
 
 import contextlib
@@ -60,8 +57,7 @@ WAVE_PER_RANK = 4
 
 
 def local(t: Tensor, like: DTensor) -> Tensor:
-    """The local shard of t laid out like `like` (grads
-    with other placements are redistributed first)."""
+    """The local shard of t laid out like `like` (redistributed first if placed otherwise)."""
     if not isinstance(t, DTensor):
         return t
     if t.placements != like.placements:
@@ -96,8 +92,7 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
         if any(pl.is_partial() for pl in p.placements):
             raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial "
                              f"placement {p.placements}; params must be Shard or Replicate")
-    blocks = [None] * world
-    # blocks[r][i]: rank r's block of params[i]
+    blocks = [None] * world  # blocks[r][i]: rank r's block of params[i]
     dist.all_gather_object(blocks, [block_of(p) for p in params])
     buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
                          [update_cost(group, p) for p in params], world)
@@ -113,8 +108,7 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
 
 def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
     """The group's DTensor Muon params and their plan, built once (a collective) and kept in
-    `plans` (the optimizer's cache), so owners (who hold the direction state) stay put
-    whichever params have grads."""
+    `plans`, so owners (who hold the direction state) stay put whichever params have grads."""
     params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
     if key not in plans:
@@ -169,8 +163,8 @@ def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
 
 
 def _scatter(plan, params, wave, updates, comm_dtype):
-    """Launch the all_to_all that returns every rank
-    (replicas included) its block of each update."""
+    """Launch the all_to_all that returns every rank (replicas included) its block of each
+    update."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
     pieces = [[] for _ in range(world)]
@@ -185,9 +179,8 @@ def _scatter(plan, params, wave, updates, comm_dtype):
 
 
 def cut_of(p: DTensor):
-    """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process
-    group of the ranks holding its slices), or None when every rank holds whole matrices
-    (experts split along dim 0)."""
+    """For 'distributed' mode: (the matrix dim p is cut along, -2 or -1, and the process group of
+    the ranks holding its slices), or None when every rank holds whole matrices."""
     # Shard and FSDP2's _StridedShard (which is not a Shard subclass) both cut a dim
     mesh_dims = [i for i, pl in enumerate(p.placements)
                  if hasattr(pl, "dim") and not pl.is_partial()]
@@ -202,8 +195,7 @@ def cut_of(p: DTensor):
                          "by one mesh dim or by all dims of a mesh over every rank; a param of "
                          f"shape {tuple(p.shape)} has placements {p.placements}. "
                          "Use sharded_mode='owner' (exact for any placement) for it")
-    # None: the default group
-    group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None
+    group = p.device_mesh.get_group(mesh_dims[0]) if len(mesh_dims) == 1 else None  # None: all
     return cut.pop(), group
 
 
@@ -220,9 +212,8 @@ def _momentum_local(group: dict, state: dict, p: DTensor, plan: MuonPlan,
     if "momentum_buffer" not in st:
         st["momentum_buffer"] = torch.zeros_like(p)
     h = scalars(muon_hparams(group, plan), compiled)
-    return kernel(muon_momentum, compiled)(local(p.grad, p).clone(),
-                                           local(st["momentum_buffer"], p), p.to_local(), h,
-                                           plan)
+    return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(
+        st["momentum_buffer"], p), p.to_local(), h, plan)
 
 
 def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
@@ -245,9 +236,9 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
                       compiled: bool) -> None:
-    """One Muon step of `group`'s DTensor params, called by the optimizers' step() with their state,
-    owner plans and the group's update plans (update_math.muon_plan, by shape). Params without a
-    grad are skipped; DTensor grads are collective results, so every rank skips the same ones."""
+    """One Muon step of `group`'s DTensor params, given the optimizer's state, owner plans and the
+    group's update plans (by shape). Params without a grad are skipped: DTensor grads are
+    collective results, so every rank skips the same ones."""
     check_sharded_stages(group.get("name", "a muon group"), group)
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, muon_plans, compiled)
@@ -290,13 +281,11 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
         return out
 
     def finish(pending):
-        """Wait for a wave's scatter and apply my block of each update (views of the receive buffer,
-        or cast copies: ours to overwrite)."""
+        """Wait for a wave's scatter and apply my block of each update."""
         wave, (work, recv, _send) = pending
         work.wait()
         at = 0
-        # as packed: by sending rank, each in wave order
-        for i in sorted(wave, key=plan["owner"].get):
+        for i in sorted(wave, key=plan["owner"].get):  # as packed: by sender, then wave order
             shape = plan["blocks"][plan["rank"]][i][1]
             u = recv[at:at + math.prod(shape)].view(shape)
             at += u.numel()
@@ -304,19 +293,16 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
                          compiled)
 
     waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
-    pending_gather = (_gather(plan, params, waves[0], momentum_stage(waves[0]), comm_dtype, per)
-                      if waves else None)
-    pending_scatter = None
+    gather = lambda wave: _gather(plan, params, wave, momentum_stage(wave), comm_dtype, per)
+    pending_gather, pending_scatter = (gather(waves[0]) if waves else None), None
     for c, wave in enumerate(waves):
         work, recv, _send = pending_gather
         if c + 1 < len(waves):  # the next wave's gather travels while this wave computes
-            pending_gather = _gather(plan, params, waves[c + 1], momentum_stage(waves[c + 1]),
-                                     comm_dtype, per)
+            pending_gather = gather(waves[c + 1])
         work.wait()
         updates = direction_stage(_assemble(plan, params, wave, recv, per))
         scatter = (wave, _scatter(plan, params, wave, updates, comm_dtype))
-        # the previous wave's scatter finished while this one computed
-        if pending_scatter is not None:
+        if pending_scatter is not None:  # it finished while this wave computed
             finish(pending_scatter)
         pending_scatter = scatter
     if pending_scatter is not None:
@@ -324,11 +310,10 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
 
 
 def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> None:
-    """Megatron's tensor-parallel modes, over the mesh dims that split a param: 'duplicated' (exact)
-    orthogonalizes the all-gathered matrix on every rank; 'distributed' (exact) runs the direction
-    stage on each rank's slice, with the Gram matrix and norms summed across slices
-    (update_math.over_slices); 'blockwise' orthogonalizes each local block as its own matrix, whose
-    shape sets its lr factor and variance reduction."""
+    """Megatron's tensor-parallel modes: 'duplicated' (exact) orthogonalizes the all-gathered
+    matrix on every rank; 'distributed' (exact) runs the direction stage on each rank's slice, the
+    Gram matrix and norms summed across slices (update_math.over_slices); 'blockwise'
+    orthogonalizes each local block as its own matrix, its shape setting lr factor and statistics."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -353,8 +338,12 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
         h = scalars(muon_hparams(group, plan), compiled)
         slots = direction_slots(plan)
         for name, slot in slots.items():  # made once, not every step
-            if name not in state[p]:
-                state[p][name] = fresh_state(_cut_slot(slot, p, g, mode), g)
+            if name in state[p]:
+                continue
+            if mode == "distributed":  # a whole matrix's per-row state, cut like g
+                slot = slot._replace(shape=tuple(n if n != whole else cut for n, whole, cut
+                                                 in zip(slot.shape, p.shape, g.shape)))
+            state[p][name] = fresh_state(slot, g)
         ctx = StageContext({name: state[p][name] for name in slots}, h, plan, raw)
         with slices:
             u = muon_direction(g, ctx, p.dtype)
@@ -364,39 +353,26 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
 
 
 def direction_slots(plan: MuonPlan) -> dict:
-    """name -> StateSlot of the state the direction stages of the plan's matrices keep: all of
-    a DTensor param's state but its momentum (apply stages keep none here)."""
+    """name -> StateSlot of the direction stages' state: all of a DTensor param's but its
+    momentum (apply stages keep none here)."""
     return {name: slot for name, slot in plan.state.items() if name != "momentum_buffer"}
 
 
-def _cut_slot(slot, p: DTensor, g: Tensor, mode: str):
-    """In 'distributed' mode, a whole matrix's per-row (or per-column) state cut like g, the
-    slice this rank works on: a dim as long as p's is cut to g's."""
-    if mode != "distributed":
-        return slot
-    shape = [n if n != whole else cut
-             for n, whole, cut in zip(slot.shape, p.shape, g.shape)]
-    return slot._replace(shape=tuple(shape))
-
-
 def check_sharded_stages(label: str, group: dict) -> None:
-    """Refuse the stages the sharded path cannot run: those that read whole weights (the
-    weights stay in blocks: only the momentum step, and the raw gradient where a stage needs
-    it, travel to a matrix's owner), a stage that owns the momentum (it runs on blocks) and apply
-    stages that keep state (apply runs on blocks)."""
+    """Refuse the stages the sharded path cannot run, as the weights, the momentum and apply
+    stages stay in blocks: a stage that reads whole weights, owns the momentum or (apply) keeps
+    state."""
     for key, name, s in group_stages(group):
-        if "weight" in s.needs:
-            raise ValueError(f"{label}: {key} {name!r} reads whole weight matrices, which "
-                             "sharded (FSDP2, tensor parallel) params keep in blocks; use it "
-                             "with plain (replicated) params")
-        if s.flags.owns_momentum:
-            raise ValueError(f"{label}: {key} {name!r} owns the momentum, which the sharded "
-                             "(FSDP2, tensor parallel) path keeps on each rank's block; use it "
-                             "with plain (replicated) params")
-        if key not in CHAIN_KEYS and s.state:
-            raise ValueError(f"{label}: {key} {name!r} keeps state, which the sharded (FSDP2, "
-                             "tensor parallel) path does not keep for apply stages (they run "
-                             "on blocks); use it with plain (replicated) params")
+        why = ("reads whole weight matrices, which sharded (FSDP2, tensor parallel) params keep in "
+               "blocks" if "weight" in s.needs
+               else "owns the momentum, which the sharded (FSDP2, tensor parallel) path keeps on "
+               "each rank's block" if s.flags.owns_momentum
+               else "keeps state, which the sharded (FSDP2, tensor parallel) path does not keep "
+               "for apply stages (they run on blocks)" if key not in CHAIN_KEYS and s.state
+               else None)
+        if why:
+            raise ValueError(f"{label}: {key} {name!r} {why}; use it with plain (replicated) "
+                             "params")
 
 
 def _holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
@@ -413,12 +389,10 @@ def _holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> li
 
 
 def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
-    """sd (the optimizer's state_dict()) with every DTensor param's state made whole:
-    sharded tensors gathered, direction state broadcast from its holders. A collective;
-    the same result on every rank."""
+    """sd (the optimizer's state_dict()) with every DTensor param's state made whole: sharded
+    tensors gathered, direction state broadcast from its holders. A collective."""
     index = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
-    # state_dict() shares the live per-param dicts
-    out = {k: dict(v) for k, v in sd["state"].items()}
+    out = {k: dict(v) for k, v in sd["state"].items()}  # sd shares the live per-param dicts
     for group in param_groups:
         dparams = [p for p in group["params"] if isinstance(p, DTensor)]
         if dparams:
@@ -456,16 +430,15 @@ def _check_whole_state_mode(group: dict) -> None:
 
 
 def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
-    """ids of the DTensor Muon params whose direction state (variance reduction's second moment,
-    any stage's) this rank keeps: those it owns in 'owner' mode, all in 'duplicated'. Plans the
-    groups not yet planned (a collective); refuses modes whose state has no whole form."""
+    """ids of the DTensor Muon params whose direction state this rank keeps: those it owns in
+    'owner' mode, all in 'duplicated'. Plans the groups not yet planned (a collective); refuses
+    modes whose state has no whole form."""
     kept = set()
     for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):
             continue
         _check_whole_state_mode(group)
-        # duplicated: every rank orthogonalizes the whole matrix
-        if group["sharded_mode"] != "owner":
+        if group["sharded_mode"] != "owner":  # duplicated: every rank has the whole matrix
             kept |= {id(p) for p in group["params"]}
             continue
         dparams, plan = group_plan(group, plans)
@@ -476,8 +449,7 @@ def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
 def state_piece(v, how, p: Tensor):
     """This rank's piece of v, a whole state value of param p, held as `how` says
     (MuonAdamW._state_layout): 'whole', a slice of the flat tensor, or a DTensor block (mesh,
-    placements). A meta v gives an empty piece: a target for a sharded checkpoint to fill. Pieces
-    are copies: a view would keep the whole tensor alive."""
+    placements). A meta v gives an empty target to fill; pieces are copies, not views."""
     if not isinstance(v, Tensor):
         return v
     device = p.to_local().device if isinstance(p, DTensor) else p.device
