@@ -1,12 +1,7 @@
 """
-Pretrain the GPT with Muon+AdamW. One process, or data parallel under torchrun (nccl on CUDA, gloo
-on CPU).
-
-No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2 shards the
-model and MuonAdamW updates the shards (nanomuon/sharded.py). Gradients accumulate over
-micro-batches up to --total-batch-size tokens per step; the lr follows warmup / constant / linear
-warmdown, Muon's momentum and weight decay follow the arch's schedules (schedule_group). --arch
-picks nanochat 92d63d4's model or the classic one (nanomuon/gpt.py). Checkpoints resume bit for
+Pretrain the GPT with Muon+AdamW: one process, or data parallel under torchrun (nccl on CUDA, gloo
+on CPU). No DDP wrapper: DistMuonAdamW averages the gradients itself (ZeRO-1); with --fsdp, FSDP2
+shards the model and MuonAdamW updates the shards (nanomuon/sharded.py). Checkpoints resume bit for
 bit, at any process count; one run at a time owns its run dir (docs/training.md).
 """
 
@@ -86,26 +81,17 @@ from nanomuon.run import (
     run_arg,
     set_aside_later_steps,
 )
-from nanomuon.seeds import (
-    SeedBatch,
-    check_seeds,
-    parse_seeds,
-    seeded_gpt,
-)
+from nanomuon.seeds import SeedBatch, check_seeds, parse_seeds, seeded_gpt
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.update_math import applies_weight_decay, stages_used
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
-# The largest lr a flag may ask for, --lr-multiplier included: over 1,000x the tuned ones (below
-# 1), far past where training diverges, and with any factor the update math puts on an lr (sqrt of
-# a dimension, 1/(1 - beta1)) far inside fp32, where the step's scalar must fit (past 3.4e38 it
-# overflows, a traceback at the first step)
+# The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
+# math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
 MAX_LR = 1000.0
-# More steps than any run here takes (a year at the CPU miniature's 30 ms a step): a horizon that
-# plans more is a typo in a ratio or a budget, not a plan
-MAX_STEPS = 10 ** 9
+MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a plan
 
 
 def seeds_arg(s: str):
@@ -125,8 +111,7 @@ def batch_arg(s: str):
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
     """--device-batch-size auto: on CUDA the most rows that fit the free memory
-    (recipe.fit_device_batch), printed with the estimate; elsewhere 32. Gradient accumulation makes
-    up --total-batch-size either way."""
+    (recipe.fit_device_batch), printed with the estimate; elsewhere 32."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
         # (a total batch that no row count divides is reported by the caller, with the numbers)
@@ -149,9 +134,7 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
-    """The optimizer's flags: each group's lr (at width 768: GPT.setup_optimizer scales AdamW's as
-    1/sqrt(width); a flag left out takes the lr rule's value, nanomuon/recipe.py), weight decay, the
-    variant, and the lr schedule."""
+    """Each group's lr (a flag left out takes the lr rule's), weight decay, variant, schedule."""
     rule = "default: the lr rule's at --total-batch-size"
     p.add_argument("--embedding-lr", type=float, default=None,
                    help=f"AdamW lr of the embedding, at width 768 ({rule})")
@@ -160,11 +143,9 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matrix-lr", type=float, default=None,
                    help=f"Muon lr of the block matrices ({rule})")
     p.add_argument("--adamw-matrix-lr", type=float, default=None, help="AdamW lr of the block "
-                   "matrices, at width 768, when the --optimizer variant trains them with AdamW "
-                   f"({rule})")
+                   f"matrices, at width 768, for a variant that trains them with AdamW ({rule})")
     p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
-                   "decay (default: the rule's, 0.2 at 4,096 tokens/step rising to nanochat's 0.28 "
-                   "at 2^19; from there scaled with the batch and the horizon: docs/lr_rule.md)")
+                   "decay (default: the rule's, by batch and horizon: docs/lr_rule.md)")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
@@ -188,14 +169,12 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
                    "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
-                   help="the attention kernel; auto: on a Hopper GPU training in bf16 the first "
-                   "of fa3, fa4 and fa3-hub that is installed and runs; else, for a model with "
-                   "sliding windows, flex on CUDA and chunked on a CPU; else sdpa "
+                   help="the attention kernel; auto: fa3, fa4 or fa3-hub on a Hopper GPU in bf16, "
+                   "else flex (CUDA) or chunked (CPU) for sliding windows, else sdpa "
                    "(nanomuon/attention.py); base_train says which, and why")
-    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the linear layers, the "
-                   "blocks' and lm_head as in nanochat, through torchao's float8 training (GPUs "
-                   "with compute capability 8.9+; emulated on CPU, slowly); the embedding, "
-                   "attention and evaluation stay in --dtype; checkpoints are the same as without")
+    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
+                   "and lm_head, as nanochat, through torchao (compute capability 8.9+; emulated "
+                   "on CPU); the embedding, attention and evaluation stay in --dtype")
     p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
     p.add_argument("--fsdp", action="store_true",
@@ -204,8 +183,7 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default in its help, but not None: those flags' help says what leaving them
-    out does."""
+    """Each flag's default in its help, but None: that flag's help says what its absence does."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -214,8 +192,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_seed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
     p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
-                   "(comma-separated, e.g. 1,2,3) as one batched model in one process, on the "
-                   "same batches (nanomuon/seeds.py), instead of --seed's one")
+                   "(e.g. 1,2,3) as one batched model on the same batches (nanomuon/seeds.py)")
     p.add_argument("--data-seed", type=int, default=None,
                    help="shuffle the training documents with this seed (the row groups, then the "
                    "documents of every 8 of them; default: file order)")
@@ -231,17 +208,14 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    "this many val tokens once more (-1: the whole split; 0: none): final_eval_bpb")
     p.add_argument("--save-every", type=int, default=-1,
                    help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2,
-                   help="the newest checkpoints kept after each save, older ones deleted (two: a "
-                   "corrupt newest still leaves one); -1: keep all")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="the newest checkpoints kept "
+                   "after each save (two: a corrupt newest still leaves one); -1: keep all")
     p.add_argument("--resume-from-step", default=-1,
                    type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
-                   help="continue the run from this checkpoint: a step number, "
-                   "'latest', or 'auto' (latest if there is one, else start fresh: for torchrun "
-                   "--max-restarts); -1: start fresh")
-    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that "
-                   "already holds checkpoints or results: they move into runs/<run>/previous.N, "
-                   "kept (without it such a run is refused)")
+                   help="continue from this checkpoint: a step, 'latest', or 'auto' (latest if "
+                   "there is one, else start fresh: for torchrun --max-restarts); -1: start fresh")
+    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that holds "
+                   "checkpoints or results, moving them into runs/<run>/previous.N")
 
 
 def parse_args(argv=None):
@@ -265,10 +239,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--arch", choices=("auto",) + ARCHS, default="auto", help="the model: "
-                   "nanochat (92d63d4's: value embeddings, sliding windows, residual and x0 "
-                   "lambdas, smear, backout, its per-group AdamW and Muon recipe) or classic (its "
-                   "late-2025 plain GPT, what the CPU miniature is tuned for); auto: nanochat on "
-                   "CUDA, classic elsewhere (docs/training.md)")
+                   "nanochat (92d63d4's, with its recipe) or classic (its late-2025 plain GPT, the "
+                   "CPU miniature's); auto: nanochat on CUDA, classic elsewhere (docs/training.md)")
     p.add_argument("--window-pattern", default=None, help="sliding windows, tiled over the "
                    "layers: L the whole context, S a quarter of it; the last layer is always L "
                    "(default: SSSL for --arch nanochat, L for classic, which takes nothing else)")
@@ -295,9 +267,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=None,
                    help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
     p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
-    p.add_argument("--step-record", default=None, help="append each step line's "
-                   "numbers to this file as a JSON line (step, steps, loss, dt_ms, tok_per_s, "
-                   "the line): what ablate follows a run by; the log's text is for people")
+    p.add_argument("--step-record", default=None, help="append each step line's numbers to "
+                   "this file as a JSON line (step, steps, loss, dt_ms, tok_per_s, the line)")
     p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
                    "step (Kimi K2's MuonClip; needs --no-qk-norm; 0: off)")
     p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a "
@@ -375,26 +346,18 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if not 0 <= args.sample_tokens <= args.max_seq_len:
         p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
                 f"--max-seq-len), got {args.sample_tokens}")
-    check_step_record(p, args.step_record)
+    record = Path(args.step_record or ".")  # a regular file (or none yet) in a folder that exists
+    if args.step_record is not None and not record.parent.is_dir():
+        p.error(f"--step-record {record}: its folder {record.parent} does not exist; create it or "
+                "name a file in another")
+    if args.step_record is not None and record.exists() and not record.is_file():
+        p.error(f"--step-record {record} is not a regular file; name a file")
     check_model_fits(p, args)
 
 
-def check_step_record(p: argparse.ArgumentParser, name: str | None) -> None:
-    """--step-record names a regular file (or none yet) in a folder that exists."""
-    if name is None:
-        return
-    path = Path(name)
-    if not path.parent.is_dir():
-        p.error(f"--step-record {path}: its folder {path.parent} does not exist; create it or "
-                "name a file in another")
-    if path.exists() and not path.is_file():
-        p.error(f"--step-record {path} is not a regular file; name a file")
-
-
 def check_reach(p: argparse.ArgumentParser, args) -> None:
-    """Values that parse but cannot run: an lr flag times --lr-multiplier, or the multiplier itself
-    (the rule's lrs are below 1), over MAX_LR; --num-iterations over MAX_STEPS; --wandb online
-    without an API key."""
+    """Values that parse but cannot run: an lr (times --lr-multiplier) over MAX_LR, --num-iterations
+    over MAX_STEPS, --wandb online without an API key."""
     if (problem := wandb_key_problem(args.wandb)) is not None:
         p.error(problem)
     if args.num_iterations > MAX_STEPS:
@@ -433,8 +396,7 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
 
 
 def warmup_warmdown(step: int, num_iterations: int, args) -> float:
-    """nanochat's lr schedule: linear warmup over --warmup-ratio of the steps, flat, then linear
-    decay to --final-lr-frac over the last --warmdown-ratio."""
+    """nanochat's lr schedule: linear warmup, flat, linear decay to --final-lr-frac."""
     warmup = round(args.warmup_ratio * num_iterations)
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step < warmup:
@@ -446,8 +408,8 @@ def warmup_warmdown(step: int, num_iterations: int, args) -> float:
 
 
 def powercool(step: int, num_iterations: int, args) -> float:
-    """PowerCool (modded-nanogpt track 3, record 20): lr = min(lr0, c (T - step)^1.2), with c
-    set so the decay starts --warmdown-ratio of the steps before the end; warmup as above."""
+    """PowerCool (modded-nanogpt track 3, record 20): lr = min(lr0, c (T - step)^1.2), the decay
+    starting --warmdown-ratio of the steps before the end; warmup as above."""
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step <= num_iterations - warmdown:
         return warmup_warmdown(step, num_iterations, args)
@@ -456,9 +418,8 @@ def powercool(step: int, num_iterations: int, args) -> float:
 
 
 def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
-    """Muon's momentum at `step`. Arch 'nanochat' (nanochat 92d63d4): 0.85 -> 0.97 over the first
-    400 steps, then 0.97 down to 0.90 across the lr warmdown. Classic: 0.85 -> 0.95 over 300 steps,
-    then flat."""
+    """Muon's momentum: arch 'nanochat' 0.85 -> 0.97 over 400 steps, then down to 0.90 across the
+    lr warmdown (nanochat 92d63d4); classic 0.85 -> 0.95 over 300 steps, then flat."""
     if arch == "classic":
         frac = min(step / 300, 1.0)
         return (1 - frac) * 0.85 + frac * 0.95
@@ -473,16 +434,15 @@ def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arc
 
 
 def weight_decay_schedule(step: int, num_iterations: int, peak: float, arch: str) -> float:
-    """Muon's weight decay at `step`: arch 'nanochat' follows a cosine from `peak` to zero over the
-    run (nanochat 92d63d4); classic keeps `peak`."""
+    """Muon's weight decay: arch 'nanochat' a cosine from `peak` to 0 over the run, classic flat."""
     if arch == "classic":
         return peak
     return peak * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
 
 
 def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str) -> None:
-    """A param group's values at `step`: its lr (initial_lr, the peak with --lr-multiplier in it,
-    times the schedule's multiplier), and a Muon group's momentum and weight decay."""
+    """A group's lr (initial_lr x the schedule's multiplier), and a Muon group's momentum and
+    weight decay, at `step`."""
     group["lr"] = group["initial_lr"] * SCHEDULES[schedule_name(args)](step, num_iterations, args)
     if group["kind"] == "muon":
         group["momentum"] = momentum_schedule(step, num_iterations, args.warmdown_ratio, arch)
@@ -497,8 +457,7 @@ SCHEDULES = {"warmup_warmdown": warmup_warmdown, "powercool": powercool}
 
 @dataclass
 class Run:
-    """What the stages share: made by build(), restored by resume(), advanced by train(), read by
-    report()."""
+    """What the stages share: made by build(), restored by resume(), advanced by train()."""
     args: argparse.Namespace
     distributed: bool
     rank: int
@@ -523,8 +482,8 @@ class Run:
     synchronize: Callable[[], None]  # waits for the device's queued work (common.synchronizer)
     step: int = 0
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
-    # at val_history[i]; step_times, optim_times: each timed step's seconds, for the medians and
-    # the ETA (kept, so a resume that times no step still reports the run's throughput)
+    # at val_history[i]; step_times, optim_times: each timed step's seconds (kept: a resume that
+    # times no step still reports the run's throughput)
     loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[],
                                                     val_history=[], val_train_time=[],
                                                     skipped_steps=0, nonfinite_in_a_row=0,
@@ -567,18 +526,17 @@ SEEDS_MEMORY = 1.4
 
 
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
-    """On a CPU, estimate training's memory (recipe.train_memory: params, grads, optimizer state,
-    bf16 copies, activations; all of this machine's processes) before any of it is allocated:
-    stop when it exceeds the free memory and swap (the OOM killer would end it, without a word,
-    after minutes of climbing), warn when only swap holds it. GPUs: auto_device_batch."""
+    """On a CPU, estimate training's memory (recipe.train_memory, all of this machine's processes)
+    before any of it is allocated: stop when it exceeds the free memory and swap (the OOM killer
+    would end it silently, after minutes), warn when only swap holds it. GPUs: auto_device_batch."""
     if (free := available_memory()) is None:
         return
     parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
-    # each seed a whole model's, and a batched model's vmapped steps keep more (SEEDS_MEMORY)
+    # each seed a whole model's, and vmapped steps keep more (SEEDS_MEMORY); with --fsdp each
+    # process holds its shard of the model's state, and its own activations
     copies = len(args.seeds) * SEEDS_MEMORY if args.seeds else 1
-    parts = {k: int(v * copies) for k, v in parts.items()}
-    if args.fsdp:  # each process holds its shard of the model's state; activations are its own
-        parts = {k: v if k == "activations" else v // world_size for k, v in parts.items()}
+    shards = world_size if args.fsdp else 1
+    parts = {k: int(v * copies) // (1 if k == "activations" else shards) for k, v in parts.items()}
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
     need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
     what = (f"training this model takes about {need / gib:.1f} GiB of memory ("
@@ -600,8 +558,8 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
 
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
-    (a variant that sets an lr is tuned for it); each flag a variant overrides is said. Every lr
-    is decided here, once, as one PeakLRs (run_lrs)."""
+    (a variant that sets an lr is tuned for it); each flag a variant overrides is said. Every lr is
+    decided here, once: each given, the rest the lr rule's, all times --lr-multiplier (PeakLRs)."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
                  weight_decay=args.weight_decay, schedule=args.schedule)
@@ -611,16 +569,10 @@ def optimizer_options(args, compiled: bool) -> dict:
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
     kwargs = optimizer_kwargs(args.optimizer)
     own = {k: v for k, v in kwargs.items() if k not in PeakLRs._fields}
+    given = {k: kwargs.get(k, getattr(args, k, None)) for k in PeakLRs._fields[:-1]}
+    lrs = peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
     decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
-    return dict(decay, lrs=run_lrs(args), compile=compiled, **own)
-
-
-def run_lrs(args) -> PeakLRs:
-    """This run's peak lrs: each lr flag given, the --optimizer variant's own lr over it, the lr
-    rule's at --total-batch-size for the rest, and --lr-multiplier over all of them."""
-    variant = optimizer_kwargs(args.optimizer)
-    given = {k: variant.get(k, getattr(args, k, None)) for k in PeakLRs._fields[:-1]}
-    return peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
+    return dict(decay, lrs=lrs, compile=compiled, **own)
 
 
 def schedule_name(args) -> str:
@@ -630,10 +582,9 @@ def schedule_name(args) -> str:
 
 def plan_horizon(args, model: GPT) -> int:
     """The run's steps; a --total-batch-size, --weight-decay or schedule flag left out takes the
-    recipe's (recipe.training_recipe), written back into args (saved resolved, so a resume compares
-    like with like), and printed with the reason. As in nanochat, the recipe's horizon is always
-    the data ratio's (its default when the steps come from another flag): a short
-    --num-iterations check gets the batch, weight decay and schedule of the real run."""
+    recipe's (recipe.training_recipe), written back into args (so a resume compares like with like)
+    and printed with the reason. As in nanochat, the recipe's horizon is always the data ratio's:
+    a short --num-iterations check gets the batch, weight decay and schedule of the real run."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
              else NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
@@ -659,13 +610,8 @@ def plan_horizon(args, model: GPT) -> int:
                          f"{args.total_batch_size:,} tokens, more than the {MAX_STEPS:,} a run "
                          f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
                          "--num-iterations")
-    resolve_schedule(args, recipe.schedule, steps)
-    return steps
-
-
-def resolve_schedule(args, schedule: dict, steps: int) -> None:
-    """The recipe's warmup (its steps as a fraction of the run's), warmdown and final lr for the
-    flags left out, written into args and said in a line."""
+    # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
+    schedule = recipe.schedule
     chosen = dict(warmup_ratio=min(1.0, schedule["warmup_steps"] / steps),
                   warmdown_ratio=schedule["warmdown_ratio"],
                   final_lr_frac=schedule["final_lr_frac"])
@@ -678,41 +624,27 @@ def resolve_schedule(args, schedule: dict, steps: int) -> None:
                f"({', '.join('--' + k.replace('_', '-') for k in left_out)} left out: "
                f"{'nanochat' if schedule['warmup_steps'] else 'the CPU rule'}'s at "
                f"{args.total_batch_size:,} tokens/step)")
-
-
-def to_fp8(args, model: GPT, device: torch.device) -> None:
-    """The linear layers in fp8 (nanomuon.fp8), said in a line with what stays in the run's
-    --dtype (resolved: fp32 where bf16 is not fast)."""
-    swapped = convert_to_fp8(model, args.fp8_recipe, device)
-    head = "lm_head" if type(model.lm_head).__name__ == "Float8Linear" else "not lm_head"
-    print0(f"fp8: {swapped} linear layers in fp8, {head} among them ({args.fp8_recipe} scales"
-           f"{', emulated off CUDA' if device.type != 'cuda' else ''}); the embedding and "
-           f"attention in {args.dtype}")
-
-
-def resolve_arch(args, device: torch.device) -> str:
-    """The model --arch names (auto: nanochat on CUDA, classic elsewhere), said in a line and
-    saved resolved in args."""
-    if args.arch == "auto":
-        args.arch = "nanochat" if device.type == "cuda" else "classic"
-        why = f"--arch auto on {device.type}"
-    else:
-        why = f"--arch {args.arch}"
-    print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
-    return args.arch
+    return steps
 
 
 ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
               "classic": "the classic GPT (nanochat's of late 2025) and its recipe"}
 
 
-def choose(args, config: GPTConfig, device: torch.device):
-    """The attention kernel (nanomuon.attention), said in a line and saved resolved in args; one
-    that --attention names but that cannot run here stops the run in one line, as do ranks that
-    chose differently. A model with sliding windows gets a kernel that runs them (SDPA takes a
-    window only as a mask, which rules out its flash backend)."""
-    windowed = any(w is not None for w in config.window_sizes())
-    with user_errors():
+def resolve_model(args, vocab_size: int, device: torch.device):
+    """(GPTConfig, attention kernel) of the flags, --arch (auto: nanochat on CUDA, classic
+    elsewhere) and --attention resolved in args and each said in a line. A kernel that cannot run
+    here, or ranks that chose differently, stop the run in one line. A model with sliding windows
+    gets a kernel that runs them (SDPA takes a window only as a mask: no flash backend)."""
+    why = f"--arch {args.arch}" + (f" on {device.type}" if args.arch == "auto" else "")
+    if args.arch == "auto":
+        args.arch = "nanochat" if device.type == "cuda" else "classic"
+    print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
+    with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
+        config = config_from_depth(args.depth, vocab_size, args.max_seq_len, args.aspect_ratio,
+                                   args.head_dim, qk_norm=args.qk_norm, arch=args.arch,
+                                   window_pattern=args.window_pattern)
+        windowed = any(w is not None for w in config.window_sizes())
         attention = choose_attention(device, args.dtype, (config.n_head, config.n_kv_head,
                                                           config.n_embd // config.n_head),
                                      args.attention, windowed)
@@ -721,15 +653,7 @@ def choose(args, config: GPTConfig, device: torch.device):
     exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
                             "attention on every node, or pass --attention sdpa")
     args.attention = attention.name
-    return attention
-
-
-def val_sets(tokenizer, data: str, args) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows every eval scores (--eval-tokens) and those the final weights score once more
-    (--final-eval-tokens; None for 0): the same at any world size."""
-    return (val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens),
-            val_rows(tokenizer, data, args.max_seq_len, args.final_eval_tokens)
-            if args.final_eval_tokens else None)
+    return config, attention
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
@@ -749,14 +673,10 @@ def build(args, held: contextlib.ExitStack) -> Run:
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
     keep_earlier_runs(run_dir, rank, fresh=args.resume_from_step == -1, start_over=args.start_over)
     tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
-    with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
-        config = config_from_depth(args.depth, tokenizer.vocab_size, args.max_seq_len,
-                                   args.aspect_ratio, args.head_dim, qk_norm=args.qk_norm,
-                                   arch=resolve_arch(args, device), window_pattern=args.window_pattern)
     compiled = resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
     args.dtype = resolve_dtype(device, args.dtype)
-    attention = choose(args, config, device)
+    config, attention = resolve_model(args, tokenizer.vocab_size, device)
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
@@ -779,7 +699,10 @@ def build(args, held: contextlib.ExitStack) -> Run:
         loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
                             rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
         held.callback(loader.close)  # its prefetch thread stops however the run ends
-        return data, loader, *val_sets(tokenizer, data, args)
+        # the rows every eval scores, and those the final weights score once more (0: none)
+        final = (val_rows(tokenizer, data, args.max_seq_len, args.final_eval_tokens)
+                 if args.final_eval_tokens else None)
+        return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens), final
 
     data, train_loader, val, final_val = on_every_rank(load_data)
     exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val),
@@ -788,9 +711,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
                             "val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
         print0(f"note: the {shown(args.dataset, 300, quote=False)} val split holds only "
-               f"{len(val)} rows of "
-               f"{args.max_seq_len} tokens, fewer than --eval-tokens {args.eval_tokens:,} asks "
-               "for; evaluating on all of it")
+               f"{len(val)} rows of {args.max_seq_len} tokens, fewer than --eval-tokens "
+               f"{args.eval_tokens:,} asks for; evaluating on all of it")
     if args.fsdp:
         mesh = init_device_mesh(device.type, (world_size,))
         for block in model.blocks:  # each block's params are gathered just before it runs
@@ -814,10 +736,9 @@ def build(args, held: contextlib.ExitStack) -> Run:
 
 
 def init_model(args, model: GPT, device, attention) -> GPT:
-    """The model (built on the meta device) initialized on `device`, the same on every rank (the
-    optimizer keeps the replicas identical): from --seed, or with --seeds every parameter with a
-    leading seed dim, each seed's init its own run's; attending through `attention`, with --fp8
-    its block linears in fp8."""
+    """The model (built on the meta device) initialized on `device`, the same on every rank: from
+    --seed, or with --seeds each seed's init its own run's (on a leading seed dim); attending
+    through `attention`, with --fp8 its linears in fp8 (said with what stays in --dtype)."""
     if args.seeds:
         model = seeded_gpt(model.config, args.seeds, device)
     else:
@@ -826,17 +747,19 @@ def init_model(args, model: GPT, device, attention) -> GPT:
         model.init_weights()
     model.use_attention(attention.func)
     if args.fp8:  # before FSDP and compile wrap the layers; the same Parameters, so after init
-        to_fp8(args, model, device)
+        swapped = convert_to_fp8(model, args.fp8_recipe, device)
+        head = "lm_head" if type(model.lm_head).__name__ == "Float8Linear" else "not lm_head"
+        print0(f"fp8: {swapped} linear layers in fp8, {head} among them ({args.fp8_recipe} scales"
+               f"{', emulated off CUDA' if device.type != 'cuda' else ''}); the embedding and "
+               f"attention in {args.dtype}")
     return model
 
 
 def resume(run: Run) -> None:
     """Continue from a checkpoint: refuse one these flags cannot continue exactly, else restore the
-    model, the optimizer, the data loader (resharded if the process count changed) and the loop
-    state."""
+    model, the optimizer, the data loader (resharded to a new process count) and the loop state."""
     args = run.args
-    # every rank checks it: one that cannot read it stops all, and 'latest' must pick one step
-    # everywhere
+    # every rank reads it: one that cannot stops all, and 'latest' must be one step everywhere
     step, meta = on_every_rank(lambda: checkpoint.load_step(
         run.run_dir, args.resume_from_step, tuple(checkpoint.META_TYPES), warn=print0))
     exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
@@ -855,13 +778,11 @@ def resume(run: Run) -> None:
         if meta["tokenizer"] != run.tokenizer.fingerprint:
             problems.append("it was trained with a different tokenizer (retrain or restore the "
                             f"tokenizer in {get_base_dir() / 'tokenizer'})")
-        # the process count and --device-batch-size may change (whole optimizer state, resharded
-        # loader states, the same --total-batch-size); a new --eval-tokens would mix two val sets in
-        # one history
+        # the process count and --device-batch-size may change; a new --eval-tokens would mix two
+        # val sets in one history
         for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer",
                     "eval_tokens", "data_seed", "seeds"):
-            # runs before --optimizer
-            saved = meta["args"].get(key, "muon" if key == "optimizer" else None)
+            saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before it
             if saved != getattr(args, key):
                 problems.append(f"--{key.replace('_', '-')} was {saved!r}, now "
                                 f"{getattr(args, key)!r}")
@@ -873,11 +794,10 @@ def resume(run: Run) -> None:
             raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: "
                              + "; ".join(problems))
         load_flags_win(run, step)
-        if meta["world_size"] == run.world_size:
-            run.train_loader.load_state_dict(meta["loader"][run.rank])
-        else:
-            run.train_loader.load_state_dict(reshard_states(meta["loader"], run.rank,
-                                                            run.world_size))
+        same = meta["world_size"] == run.world_size
+        run.train_loader.load_state_dict(meta["loader"][run.rank] if same else
+                                         reshard_states(meta["loader"], run.rank, run.world_size))
+        if not same:
             print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} "
                    "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
@@ -887,12 +807,9 @@ def resume(run: Run) -> None:
 
 
 def load_flags_win(run: Run, step: int) -> None:
-    """The model and optimizer state of checkpoint `step`, each rank reading its pieces, under the
-    rule for which wins: the resumed command's flags. Every group value the flags decided
-    (initial_lr, so every lr and --lr-multiplier, weight_decay and the rest) is this run's, not
-    the saved one torch's load_state_dict restores; each that differs is said. lr, momentum and a
-    Muon group's weight decay follow the schedule at every step from their initial values; the step
-    count (StageContext.step) is the checkpoint's."""
+    """The model and optimizer state of checkpoint `step`, each rank reading its pieces; every group
+    value the resumed command's flags decided (initial_lr, weight_decay, ...) wins over the saved
+    one, each that differs said. The scheduled values follow from those; the step count is saved."""
     scheduled = ("params", "lr", "momentum", "step")
     flags = [{k: v for k, v in g.items()
               if k not in scheduled and not (k == "weight_decay" and "initial_weight_decay" in g)}
@@ -909,9 +826,8 @@ def load_flags_win(run: Run, step: int) -> None:
 
 
 def evaluate(run: Run, final: bool = False) -> None:
-    """Val bits per byte of the model as it is (each seed's, batched), into the loop state and this
-    step's checkpoint if one was just saved: over --eval-tokens' rows, or (final, after the last
-    step, also when a finished run is resumed to score them) --final-eval-tokens' once (loop's
+    """Val bpb of the model as it is (each seed's), into the loop state and this step's checkpoint
+    if one was just saved: over --eval-tokens' rows, or (final) --final-eval-tokens' once (loop's
     final_eval: [target tokens scored, bpb])."""
     rows = run.final_val if final else run.val
     run.model.eval()
@@ -935,8 +851,7 @@ def evaluate(run: Run, final: bool = False) -> None:
 
 
 def save(run: Run) -> None:
-    """A checkpoint of this step that resumes exactly, at any process count. Collective: every rank
-    calls it."""
+    """A checkpoint of this step that resumes exactly, at any process count (collective)."""
     if not tensors_finite(run.model.parameters()):  # a collective: every rank agrees
         compute_cleanup()
         raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not "
@@ -963,18 +878,15 @@ def save(run: Run) -> None:
 
 
 def where_to_resume(run: Run, before: int | None = None) -> str:
-    """The way back for a run that stopped: its newest checkpoint (of a step before `before`), or
-    none."""
+    """The way back for a stopped run: its newest checkpoint (before step `before`), or none."""
     steps = checkpoint.list_steps(run.run_dir)
-    if not steps:
-        return "there is no checkpoint yet: start the run afresh"
-    if not (steps := [s for s in steps if before is None or s < before]):
-        return f"there is no checkpoint from before step {before}: start the run afresh"
-    if before is not None:
-        return (f"resume from {checkpoint.step_dir(run.run_dir, steps[-1])} (--resume-from-step "
-                f"{steps[-1]}),")
-    return f"resume from its last checkpoint, {checkpoint.step_dir(run.run_dir, steps[-1])} " \
-           "(--resume-from-step latest),"
+    if not (earlier := [s for s in steps if before is None or s < before]):
+        return (f"there is no checkpoint from before step {before}" if steps
+                else "there is no checkpoint yet") + ": start the run afresh"
+    where = checkpoint.step_dir(run.run_dir, earlier[-1])
+    if before is None:
+        return f"resume from its last checkpoint, {where} (--resume-from-step latest),"
+    return f"resume from {where} (--resume-from-step {earlier[-1]}),"
 
 
 def muon_decay_words(args, optimizer) -> str:
@@ -1017,8 +929,7 @@ def announce(run: Run) -> None:
 
 
 def train(run: Run) -> None:
-    """The loop: checkpoint and evaluate on schedule, then one optimizer step (train_step,
-    record_step)."""
+    """The loop: checkpoint and evaluate on schedule, then one step (train_step, record_step)."""
     args = run.args
     announce(run)
     run.model.train()
@@ -1046,10 +957,9 @@ def train(run: Run) -> None:
 
 @torch.no_grad()
 def tensors_finite(tensors) -> bool:
-    """True when every tensor is finite on every rank (a collective under torch.distributed, so all
-    ranks take the same branch; DTensors are checked by their local shards). A norm is non-finite
-    exactly when an element is (short of a finite tensor with norm > 3e38, which is broken anyway),
-    and _foreach_norm is a few kernels, not two per tensor."""
+    """True when every tensor (a DTensor: its local shard) is finite on every rank: a collective, so
+    all ranks take the same branch. A norm is non-finite exactly when an element is (or its norm
+    is over 3e38, broken anyway), and _foreach_norm is a few kernels, not two per tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
     ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
     if nonempty := [t for t in local if t.numel()]:
@@ -1061,8 +971,7 @@ def tensors_finite(tensors) -> bool:
 
 
 def all_finite(loss: torch.Tensor, params) -> bool:
-    """True when the loss (each seed's, batched) and every gradient are finite on every rank (a
-    collective)."""
+    """True when the loss (each seed's) and every gradient are finite on every rank (collective)."""
     return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None])
 
 
@@ -1161,7 +1070,20 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                    else math.nan)
     tok_per_s = args.total_batch_size * run.copies / s.seconds  # every seed's tokens
     if step % args.log_every == 0 or step == run.num_iterations:
-        line = step_line(run, s, smooth_loss, tok_per_s)
+        parts = [f"step {step:05d}/{run.num_iterations:05d} "
+                 f"({100 * step / run.num_iterations:5.1f}%)",
+                 f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)",
+                 f"lrm {s.lrm:.2f}", f"dt {1000 * s.seconds:.0f}ms", f"tok/s {tok_per_s:,.0f}"]
+        if run.peak_flops:
+            mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
+            parts.append(f"mfu {100 * mfu:.1f}%")
+        parts.append(f"attn {args.attention}")
+        if args.qk_clip:
+            parts.append(f"qk-clipped heads {loop.get('qk_clipped', 0)}")
+        if loop["step_times"]:
+            eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
+            parts.append(f"eta {eta / 60:.1f}m")
+        line = " | ".join(parts)
         if args.step_record and run.rank == 0:  # before the line: whoever reads it finds its record
             append_step_record(args.step_record, step=step, steps=run.num_iterations,
                                loss=smooth_loss, dt_ms=1000 * s.seconds, tok_per_s=tok_per_s,
@@ -1173,28 +1095,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
 
-def step_line(run: Run, s: Step, smooth_loss, tok_per_s: float) -> str:
-    """The step's progress line: loss (each seed's), lr multiplier, time, throughput, MFU, ETA."""
-    args, loop, step = run.args, run.loop, run.step
-    shown = f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)"
-    line = (f"step {step:05d}/{run.num_iterations:05d} "
-            f"({100 * step / run.num_iterations:5.1f}%) | {shown} | lrm {s.lrm:.2f} | dt "
-            f"{1000 * s.seconds:.0f}ms | tok/s {tok_per_s:,.0f}")
-    if run.peak_flops:
-        mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
-        line += f" | mfu {100 * mfu:.1f}%"
-    line += f" | attn {args.attention}"
-    if args.qk_clip:
-        line += f" | qk-clipped heads {loop.get('qk_clipped', 0)}"
-    if loop["step_times"]:
-        eta = statistics.median(loop["step_times"]) * (run.num_iterations - step)
-        line += f" | eta {eta / 60:.1f}m"
-    return line
-
-
 def report(run: Run) -> dict:
-    """The run's numbers, greedy samples, and (rank 0) report.md, curves.png and summary.json in the
-    run dir (nanomuon/report.py)."""
+    """The run's numbers and greedy samples, and (rank 0) its report files (nanomuon/report.py)."""
     args = run.args
     summary = summarize(run.loop, run.train_loader.packing(), args.total_batch_size * run.copies,
                         run.flops_per_token, run.peak_flops, run.world_size)
