@@ -1,38 +1,30 @@
 """
-The training recipe: what a run trains with, decided before its first step. The lr rule (rule_lrs:
-every default lr and Muon's weight decay, from the CPU's sweep to nanochat's GPU recipe as the batch
-grows; docs/lr_rule.md), Muon's higher lr for short runs (short_run_matrix_lr), nanochat's batch,
-weight decay and schedule for a horizon (training_recipe), and the memory a training step needs
-(train_memory), which picks the micro-batch that fits a device (fit_device_batch). Pure functions
-of sizes and token counts: nothing here builds a model or touches a device, so the model
-(nanomuon/gpt.py) takes its default lrs from here and base_train plans a run before allocating.
+The training recipe, decided before the first step: the lr rule (rule_lrs: every default lr and
+Muon's weight decay, from the CPU's sweep to nanochat's GPU recipe as the batch grows), Muon's
+higher lr for short runs, nanochat's batch, weight decay and schedule for a horizon
+(training_recipe), and a step's memory (train_memory), which picks the micro-batch that fits
+(fit_device_batch). Pure functions of sizes and token counts, so the model takes its default lrs
+from here and base_train plans a run before allocating anything.
 """
 
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-# The lr rule, the one source of every default lr (base_train's flags, speedrun.sh's runs on CPU and
-# GPU, the adamw baseline): each group's lr at width 768 was measured at two batches, and the rule
-# joins them (docs/lr_rule.md).
-# - RULE_BATCH tokens per step: the CPU miniature's per-group sweep (RULE_LRS).
-# - NANOCHAT_BATCH: nanochat's recipe, tuned on its d12 at that batch, the one its leaderboard runs
-#   reached GPT-2's CORE with (NANOCHAT_LRS).
-# Between the two, each group's lr is the power law through both ends; above NANOCHAT_BATCH every
-# group's lr grows as sqrt(B / NANOCHAT_BATCH) (nanochat's rule, Muon's too: an assumption nanochat
-# states) and weight decay follows batch and horizon (training_recipe). Below RULE_BATCH nothing
-# was measured: the rule keeps the slope the CPU's sweeps at 2x and 4x its batch found
-# (CPU_EXPONENTS). Muon's lr is 0.02 at both ends, so the rule keeps it; in between it is not
-# (its best rises at 2-4x the CPU's batch): sweep it there.
-# - Width: AdamW's lrs scale as 1/sqrt(width / 768) (GPT.setup_optimizer; nanochat's rule). Muon's
-#   does not: its update is orthogonalized, so its size does not grow with the width.
+# The lr rule, the one source of every default lr: each group's lr at width 768 was measured at two
+# batches, RULE_BATCH (the CPU miniature's sweep, RULE_LRS) and NANOCHAT_BATCH (nanochat's recipe,
+# tuned on its d12, NANOCHAT_LRS), and the rule joins them with a power law (docs/lr_rule.md).
+# Above NANOCHAT_BATCH every lr grows as sqrt(B / NANOCHAT_BATCH), nanochat's rule (Muon's too, an
+# assumption nanochat states); below RULE_BATCH the rule keeps the slope the CPU's sweeps at 2x and
+# 4x its batch found (CPU_EXPONENTS). Muon's lr is 0.02 at both ends, but its best rises at 2-4x the
+# CPU's batch: sweep it there. AdamW's lrs scale as 1/sqrt(width / 768) (GPT.setup_optimizer);
+# Muon's do not: its update is orthogonalized, so its size does not grow with the width.
 RULE_BATCH = 4096
 RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02,
                 scalar_lr=0.5)
 NANOCHAT_BATCH = 2 ** 19  # B_ref: nanochat's measured best batch at d12's horizon
-# nanochat's scripts/base_train.py defaults; its GPT trains no matrices with AdamW, so that group
-# keeps its CPU slope up to NANOCHAT_BATCH too. The CPU's scalar lr was never tuned (nanomuon's
-# GPT has no gains), so the rule holds nanochat's there.
+# nanochat's base_train defaults: no AdamW matrix lr (that group keeps its CPU slope); its scalar
+# lr holds everywhere (the CPU's was never tuned)
 NANOCHAT_LRS = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5)
 CPU_EXPONENTS = dict(embedding_lr=0.2, unembedding_lr=0.2, adamw_matrix_lr=0.2, matrix_lr=0.0,
                      scalar_lr=0.0)
@@ -46,8 +38,7 @@ NANOCHAT_WEIGHT_DECAY = 0.28
 
 
 def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float:
-    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat), at
-    total_batch_size (between the two)."""
+    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat)."""
     exponent = math.log(at_nanochat / at_rule) / math.log(NANOCHAT_BATCH / RULE_BATCH)
     return at_rule * (total_batch_size / RULE_BATCH) ** exponent
 
@@ -69,10 +60,8 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
 
 
 class PeakLRs(NamedTuple):
-    """Each group's peak lr, decided once before the optimizer is built: the lr of each role at
-    width 768 (GPT.setup_optimizer scales AdamW's but the scalars' as 1/sqrt(width / 768)), and
-    `multiplier` (--lr-multiplier), which setup_optimizer applies once to every group's lr, a
-    variant's own included. A group's initial_lr is its lr here x width scale x multiplier."""
+    """Each group's peak lr, decided once before the optimizer is built: a group's initial_lr is
+    its lr here (at width 768) x setup_optimizer's width scale x `multiplier` (--lr-multiplier)."""
     embedding_lr: float
     unembedding_lr: float
     matrix_lr: float
@@ -89,9 +78,8 @@ def peak_lrs(total_batch_size: int, multiplier: float = 1.0, **given: float | No
 
 
 def rule_weight_decay(total_batch_size: int) -> float:
-    """Muon's weight decay at total_batch_size tokens per step before training_recipe's horizon
-    scaling: WEIGHT_DECAY up to RULE_BATCH, the power law to nanochat's at NANOCHAT_BATCH, and
-    nanochat's sqrt(B / NANOCHAT_BATCH) above."""
+    """Muon's weight decay before training_recipe's horizon scaling, by the lrs' rule: WEIGHT_DECAY
+    up to RULE_BATCH, the power law to nanochat's, then sqrt(B / NANOCHAT_BATCH)."""
     between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
     return (_between(WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, between)
             * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
@@ -180,15 +168,12 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
     return Recipe(total_batch_size, lrs, weight_decay, dict(RECIPE_SCHEDULES[gpu]), tuple(why))
 
 
-# Bytes per token that autograd keeps plus backward's largest temporaries, in bf16 autocast with
-# fused attention (no T x T scores): per layer and unit of width, and per vocabulary entry (the
-# logits). The classic GPT's were fitted to the peak RSS of training steps on CPU at d3 and d4 (d6
-# and d8 come out 1.2-1.3x over, a 3.5 MB d2 0.83x under; tests/test_recipe.py checks the bound on
-# CPU, tests/test_cuda.py on a GPU). Eager keeps only the logits' gradient (SoftcapCrossEntropy).
-# Arch 'nanochat' keeps more (its fp32 residual mixes with x0 at every layer, value embeddings,
-# gates): eager, 77 bytes a layer and unit of width were measured on the fake H100 at d24
-# (tests/test_fake_cuda.py); compiled is the classic's scaled alike (36 x 80 / 50), until
-# tests/test_cuda.py measures it on a GPU.
+# Bytes per token autograd keeps plus backward's largest temporaries, in bf16 autocast with fused
+# attention: per layer and unit of width, and per vocabulary entry (the logits). The classic GPT's
+# fit the peak RSS of CPU steps at d3 and d4 (d6 and d8 come out 1.2-1.3x over; tests/test_recipe.py
+# checks the bound). Arch 'nanochat' keeps more (an fp32 residual mixed with x0, value embeddings):
+# eager, 77 measured on the fake H100 at d24 (tests/test_fake_cuda.py); compiled, the classic's
+# scaled alike (36 x 80 / 50) until tests/test_cuda.py measures it on a GPU.
 # arch -> compiled -> (per layer x width, per vocab entry)
 ACTIVATION_BYTES = {"classic": {False: (50, 3), True: (36, 5)},
                     "nanochat": {False: (80, 3), True: (58, 5)}}
@@ -210,12 +195,9 @@ def param_counts(config) -> dict[str, int]:
 
 
 def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
-    """Estimated peak bytes of training a GPT of this GPTConfig (nanomuon.gpt; only its sizes and
-    arch are read) on one device with micro-batches of `rows` rows of sequence_len tokens, by part:
-    fp32 params and grads, the optimizer state (Muon momentum, AdamW moments), the bf16 weight
-    copies autocast makes, and the activations (what autograd keeps plus backward's largest
-    temporaries). A pure function of the sizes, so fit_device_batch can run before anything is
-    allocated. fp32 (bf16=False) counts activations twice."""
+    """Estimated peak bytes of training a GPT of this GPTConfig (only its sizes and arch are read)
+    on one device, micro-batches of `rows` rows, by part: fp32 params and grads, optimizer state,
+    the bf16 copies autocast makes, and activations (twice as many in fp32, bf16=False)."""
     c, n = config, param_counts(config)
     every = n["matrices"] + n["tables"] + n["small"]
     per_layer, per_vocab = ACTIVATION_BYTES[getattr(c, "arch", "classic")][compiled]
@@ -230,10 +212,9 @@ def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) ->
 
 def fit_device_batch(config, free_bytes: int, rows_per_step: int, cap: int = 32,
                      compiled: bool = True, bf16: bool = True) -> int:
-    """The most rows per micro-batch, a power of two up to cap that divides rows_per_step (the
-    optimizer step's rows per process, so gradient accumulation makes up the rest), whose
-    train_memory fits in free_bytes less 1 GiB and 15% (the CUDA context, kernel workspaces,
-    allocator fragmentation). A ValueError that says what to change when not even one row fits."""
+    """The most rows per micro-batch, a power of two up to cap dividing rows_per_step (a step's rows
+    per process), whose train_memory fits in free_bytes less 1 GiB and 15% (CUDA context, kernel
+    workspaces, fragmentation). A ValueError that says what to change when not even one row fits."""
     budget = 0.85 * free_bytes - 2 ** 30
     rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
     while rows > 1 and (rows_per_step % rows

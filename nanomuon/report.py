@@ -1,13 +1,11 @@
 """
-What a run says of itself, in its words: kept here so base_train reads as its loop.
+What a run says of itself: kept here so base_train reads as its loop.
 
-- report.md, curves.png and summary.json, written whole when training ends (write_report): the
-  run's numbers, samples of PROMPTS (base_eval samples them too), its precisions and val history.
-  What other tools add is read back through run.py, which owns the run dir: a rewrite keeps it.
-  What a user typed or named is escaped (common.shown): no newline of it starts a report line.
-- Line plots (plot_curves), for base_train's report and ablate's comparisons. Plots are optional:
-  matplotlib is imported here only, so the optimizer, the model and training never need it;
-  without it plot_curves() returns None and the report says so in one line (MISSING).
+- report.md, curves.png and summary.json, written whole when training ends (write_report). What
+  other tools added is read back through run.py, which owns the run dir: a rewrite keeps it. What
+  a user typed or named is escaped (common.shown): no newline of it starts a report line.
+- Line plots (plot_curves), for base_train's report and ablate's comparisons. matplotlib, optional,
+  is imported here only: without it plot_curves() returns None and the report says so (MISSING).
 """
 
 import functools
@@ -100,15 +98,14 @@ def start_wandb(mode: str, name: str, run_dir: Path, **init):
 
 
 def precision_of(args) -> list:
-    """[dtype, fp8 recipe or None]: what a run computes in; args: its flags, or a checkpoint's
-    saved ones (a dict)."""
+    """[dtype, fp8 recipe or None] of a run's flags, or of a checkpoint's saved ones (a dict)."""
     get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
     return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
 
 
 def precision_problems(loop: dict, step: int) -> list[str]:
-    """What is wrong with a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None],
-    oldest first; none in one saved before it was kept), a hand edit: the report quotes it."""
+    """A hand edit of a checkpoint's loop.precision ([from step, dtype, fp8 recipe or None], oldest
+    first; older checkpoints have none), which the report would quote."""
     if "precision" not in loop:
         return []
     history = loop["precision"]
@@ -120,9 +117,8 @@ def precision_problems(loop: dict, step: int) -> list[str]:
 
 
 def resumed_precision(loop: dict, saved_args: dict, args, step: int) -> list:
-    """loop.precision of a run resumed at `step`: the checkpoint's (or its flags', saved before it
-    was kept), then this resume's if it is another, said in a line: allowed (an fp8 checkpoint is
-    a plain one), but the curves change there."""
+    """loop.precision of a run resumed at `step`: the checkpoint's (or its flags'), then this
+    resume's if it is another, said in a line: allowed, but the curves change there."""
     history = loop.get("precision") or [[0, *precision_of(saved_args)]]
     now = precision_of(args)
     if history[-1][1:] != now:
@@ -147,9 +143,8 @@ def precision_text(history: list) -> str:
 
 def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: float,
               peak: float | None, world_size: int) -> dict:
-    """A run's numbers from its loop state, printed: final and min val bpb (each seed's), the final
-    eval, the medians of its timed steps, throughput (tokens_per_step: every seed's) and MFU (peak:
-    one device's FLOP/s, None where unknown)."""
+    """A run's numbers from its loop state, printed: val bpb (each seed's), the final eval, step
+    time medians, throughput (every seed's tokens) and MFU (peak: one device's FLOP/s, or None)."""
     summary = dict(final_val_bpb=loop["val_history"][-1][1],  # batched seeds: each seed's
                    min_val_bpb=per_seed(lambda *vs: min(vs), *(v for _, v in loop["val_history"])),
                    packing=packing)
@@ -192,11 +187,11 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                  loop, samples):
     """report.md and curves.png, then summary.json (which scripts.ablate reads), into run_dir:
     written whole, keeping what other writers added (run.py)."""
+    run_dir = Path(run_dir)
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine())
-    headlines, sections = others_report(Path(run_dir) / "report.md")
+    headlines, sections = others_report(run_dir / "report.md")
     lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
-             # what a user typed or named is escaped: no newline of it starts a line here
              f"- command: `{shown(' '.join(sys.argv), 2000, quote=False)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
              f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
@@ -213,7 +208,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
         lines.append(f"- seeds: {', '.join(map(str, args.seeds))}, trained as one batched model "
                      "on the same batches (tok/s counts every seed's tokens)")
     lines += result_lines(summary, args.seeds)
-    png = plot_curves(Path(run_dir) / "curves.png", curve_panels(loop, args.seeds),
+    png = plot_curves(run_dir / "curves.png", curve_panels(loop, args.seeds),
                       title=f"{args.run}: d{config.n_layer}, {num_params / 1e6:.1f}M params, "
                             f"{shown(args.dataset, 80, quote=False)}")
     lines += ["", "## Curves", "",
@@ -228,9 +223,9 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                   ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
     lines += sections
-    write_atomic(Path(run_dir) / "report.md", "\n".join(lines) + "\n")
+    write_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     # the same numbers and curves for programs (scripts.ablate reads them)
-    record = dict(others_summary(Path(run_dir) / "summary.json"), **summary, run=args.run,
+    record = dict(others_summary(run_dir / "summary.json"), **summary, run=args.run,
                   optimizer=args.optimizer, num_params=num_params,
                   world_size=world_size, tokens_per_step=args.total_batch_size,
                   val_history=loop["val_history"], val_train_time=loop["val_train_time"],
@@ -239,8 +234,8 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
         for key in PER_SEED:
             record.pop(key, None)
         record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
-    write_atomic(Path(run_dir) / "summary.json", json.dumps(record) + "\n")
-    print0(f"report: {Path(run_dir) / 'report.md'}")
+    write_atomic(run_dir / "summary.json", json.dumps(record) + "\n")
+    print0(f"report: {run_dir / 'report.md'}")
 
 
 # a batched run's summary.json holds these per seed (seeds.seed_records), not as lists
