@@ -64,7 +64,7 @@ COEFFICIENT_SETS = {
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)
 GRAM_RESTART = 3
-# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto' is Gram where gram_pays
+# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto': where gram_pays
 NS_METHODS = ("standard", "gram", "auto")
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
@@ -162,8 +162,8 @@ def ns_growth(triples: tuple, safety: float) -> float:
 
 
 class Slices(NamedTuple):
-    """Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut along
-    `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over the ranks holding the slices."""
+    """Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut
+    along `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over those ranks."""
     reduce: Callable
     dim: int
     whole_shape: tuple
@@ -217,10 +217,9 @@ def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
     GRAM_RESTART iterations because R drifts in low precision. Over slices the cut dim goes on the
     columns, which the Gram matrix and the norm sum over."""
     ns, shape = ctx.plan.ns, G.shape
-    if gram is None and method in (None, ctx.plan.method):
-        gram = tuple(whole_shape(G)[-2:]) in ctx.plan.gram
-    elif gram is None:
-        gram = uses_gram(method, whole_shape(G), ns)
+    if gram is None:
+        gram = (tuple(whole_shape(G)[-2:]) in ctx.plan.gram if method in (None, ctx.plan.method)
+                else uses_gram(method, whole_shape(G), ns))
     X = G.reshape(shape[:-2].numel(), shape[-2], shape[-1])  # an empty slice keeps its batch
     # bf16 and fp32 cast first, as torch.optim.Muon and nanochat do. fp16 normalizes in fp32
     # first: its 5-bit exponent would flush a tiny momentum to zero, or overflow past 65,504.
@@ -349,7 +348,7 @@ class Stage(NamedTuple):
 
 
 class StageContext(NamedTuple):
-    """What a stage reads besides the matrices it transforms (a stack of them: (..., rows, cols))."""
+    """What a stage reads besides the matrices it transforms (a stack: (..., rows, cols))."""
     state: dict  # name -> tensor: the state this stage keeps and reads, stacked like the matrices
     h: MuonScalars  # this step's numbers
     plan: "MuonPlan"  # the group resolved for these matrices (muon_plan)
@@ -506,10 +505,6 @@ def _newton_check(group: dict) -> str | None:
     return None
 
 
-def _newton_spec(init) -> StateSpec:
-    return StateSpec(input_shape, init=init)
-
-
 def inputs_due(group: dict) -> bool:
     """Whether a muon group's next step reads its matrices' inputs (every input_interval)."""
     return ("inputs" in stage_needs(group) and (group.get("step", 0) + 1)
@@ -581,26 +576,17 @@ def pairs(stack: Tensor, params, *states):
         zip(stack, params, *states)
 
 
-def apply_decoupled(u: Tensor, ctx: StageContext) -> None:
-    """Decoupled weight decay (h.decay: lr * weight_decay; none in 'l2' mode), then the step."""
-    lr = ctx.h.lr
+def apply_decoupled(u: Tensor, ctx: StageContext, cautious: bool = False) -> None:
+    """Decoupled weight decay (h.decay: lr * weight_decay; none in 'l2' mode), then the step;
+    cautious (Chen et al. 2025, arXiv 2510.12402): decay only where u and the weight agree."""
+    lr, decays = ctx.h.lr, ctx.group["weight_decay_mode"] != "l2"
     if isinstance(lr, Tensor):  # per row, or compiled: u takes it, as alpha takes numbers only
         u, lr = u.mul_(lr), 1.0
     for ui, p in pairs(u, ctx.params):
-        if ctx.group["weight_decay_mode"] != "l2":
-            p.mul_(1 - ctx.h.decay)
-        p.add_(ui, alpha=-lr)
-
-
-def apply_cautious(u: Tensor, ctx: StageContext) -> None:
-    """Cautious weight decay (Chen et al. 2025, arXiv 2510.12402): decay only where the update
-    and the weight agree in sign, then the step."""
-    lr = ctx.h.lr
-    if isinstance(lr, Tensor):  # per row, or compiled: u takes it, as alpha takes numbers only
-        u, lr = u.mul_(lr), 1.0
-    for ui, p in pairs(u, ctx.params):
-        if ctx.group["weight_decay_mode"] != "l2":
+        if decays and cautious:
             p.addcmul_(p, ((ui * p) >= 0) * ctx.h.decay, value=-1)
+        elif decays:
+            p.mul_(1 - ctx.h.decay)
         p.add_(ui, alpha=-lr)
 
 
@@ -711,7 +697,8 @@ PRECONDITIONERS = {
         cost=_soap_cost, needs=("grad",), flags=Flags(eager=True)),
     "newton": Stage(newton, state=dict(
         newton_momentum=StateSpec(lambda rows, cols: (rows, cols), dtype=None),
-        newton_cov=_newton_spec(Diagonal(0.001)), newton_inv=_newton_spec(Diagonal(1.0))),
+        newton_cov=StateSpec(input_shape, init=Diagonal(0.001)),
+        newton_inv=StateSpec(input_shape, init=Diagonal(1.0))),
         options=dict(input_interval=Option(64, an_interval, "Newton-Muon: steps between "
                                            "refreshes of the inverse input covariance, or a "
                                            "fraction of the run (the record: 64 steps)"),
@@ -746,7 +733,7 @@ POST_PROCESSORS = {
 }
 APPLIERS = {
     "decoupled": apply_decoupled,
-    "cautious": apply_cautious,
+    "cautious": functools.partial(apply_decoupled, cautious=True),
     "hyperball": Stage(hyperball, state=dict(hyperball_radius=StateSpec(
         lambda rows, cols: (1, 1), init=hyperball_radius, nonnegative=True)),
         needs=("weight",), flags=Flags(weight_decay=False)),
@@ -789,7 +776,7 @@ def stage_needs(group: dict, keys=STAGE_KEYS) -> set:
 
 
 def applies_weight_decay(group: dict) -> bool:
-    """Whether the group's weight_decay acts: in 'l2' mode, or through an apply stage that decays."""
+    """Whether the group's weight_decay acts: in 'l2' mode, or by an apply stage that decays."""
     return group["weight_decay_mode"] == "l2" or stage("apply", group["apply"]).flags.weight_decay
 
 
@@ -845,12 +832,6 @@ def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tens
     for s in plan.post_process:
         u = s.fn(u, ctx.only(s))
     return u
-
-
-def logical_specs(group: dict) -> dict:
-    """name -> StateSpec of every state kept per logical matrix, kept by this group or not."""
-    return {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.flags.logical
-            for name, spec in s.state.items()}
 
 
 def block_state(state: dict, specs: dict, shape, layout: Layout) -> list[dict]:
@@ -1001,7 +982,7 @@ class MuonPlan(NamedTuple):
     lr_factor: float | Tensor  # the lr's factor; per row of a split matrix, a tensor there
     options: dict  # the static options (muon_options): what the stages read as ctx.group
     state: dict  # name -> StateSlot (muon_state_layout)
-    specs: dict  # name -> StateSpec of the state kept per logical matrix (logical_specs)
+    specs: dict  # name -> StateSpec of all state kept per logical matrix, kept now or not
     needs: tuple  # what the direction stages read beyond their input
     eager: bool  # a stage branches on state values: the group runs uncompiled
 
@@ -1020,10 +1001,12 @@ def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
                 .repeat(layout.groups).to(device))
         lr_factor = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
     chains = {key: tuple(stage(key, name) for name in names(group[key])) for key in CHAIN_KEYS}
+    specs = {name: spec for key, _, s in group_stages(group) if key in CHAIN_KEYS or s.flags.logical
+             for name, spec in s.state.items()}
     return MuonPlan(chains["precondition"], stage("orthogonalizer", group["orthogonalizer"]),
                     chains["post_process"], stage("apply", group["apply"]), ns, method,
                     tuple(b for b in blocks if uses_gram(method, b, ns)), layout, lr_factor,
-                    opts, muon_state_layout(shape, dtype, group), logical_specs(group),
+                    opts, muon_state_layout(shape, dtype, group), specs,
                     tuple(stage_needs(group, CHAIN_KEYS)), runs_eager(group))
 
 
