@@ -1,19 +1,12 @@
 """
 The CORE metric of the DCLM paper (arXiv 2406.11794), as nanochat reports it for "time to GPT-2":
-22 in-context tasks of three kinds, each scored few-shot as its config says, each accuracy centered
-by the task's random baseline, (acc - b/100) / (1 - b/100), and CORE the mean of those.
-
-- multiple_choice: {query, choices, gold}; the choice with the lowest mean loss over its own tokens
-  wins. schema: {context_options, continuation, gold}; the context under which the shared
-  continuation has the lowest mean loss wins. language_modeling: {context, continuation}; right
-  when greedy decoding reproduces every continuation token.
-- The eval bundle is nanochat's eval_bundle.zip (task files in eval_data/, core.yaml listing the
-  tasks, eval_meta_data.csv their baselines), downloaded once over https with its sha256 and size
-  recorded and checked on every later read; a folder or zip of that layout works too. Tasks are
-  read straight from the zip; no member name or core.yaml path may leave the bundle, every file is
-  bounded (the MAX_* below) before it is parsed, and core.yaml goes through PyYAML's safe loader.
-- Items, few-shot picks and prompts follow nanochat's core_eval (shuffle seed 1337 before
-  --max-per-task, few-shot seed 1234 + index), so the numbers compare with its leaderboard.
+22 in-context tasks (multiple_choice, schema, language_modeling), each scored few-shot as its
+config says and centered by its random baseline, (acc - b/100) / (1 - b/100); CORE is their mean.
+The eval bundle is nanochat's eval_bundle.zip (or a folder or zip of its layout), downloaded once
+over https and checked against its recorded sha256 and size. It is untrusted input: read straight
+from the zip, no path in it may leave it, every file is bounded (MAX_*) before it is parsed, and
+core.yaml goes through PyYAML's safe loader. Items, few-shot picks and prompts follow nanochat's
+core_eval (seeds 1337 and 1234 + index), so the numbers compare with its leaderboard (docs/core.md).
 """
 
 import csv
@@ -88,7 +81,6 @@ class Task:
     uri: str
 
 
-# -- the bundle ------------------------------------------------------------------------------------
 def name_problem(name) -> str | None:
     """Why a path inside the bundle (a zip member, a dataset_uri) could leave it, or None."""
     if not isinstance(name, str) or not name or not name.isprintable():
@@ -137,8 +129,7 @@ class Bundle:
         self.prefix = tops[0]
 
     def read(self, name: str) -> bytes:
-        """A file's bytes, read once however many tasks list it, and at most MAX_BUNDLE bytes from
-        the whole bundle; a FileNotFoundError or ValueError naming the bundle and the file."""
+        """A file's bytes, read once however many tasks list it, at most MAX_BUNDLE bytes in all."""
         if name not in self._read:
             data = self._read_file(name, SIZE_LIMITS.get(name, MAX_FILE))
             self._total += len(data)
@@ -190,11 +181,7 @@ class Bundle:
 
     def digest(self) -> str:
         """sha256 of the zip (what the report names), or 'folder'."""
-        return "folder" if self.zip is None else sha256_size(self.path)[0]
-
-
-def sha256_size(path: Path) -> tuple[str, int]:
-    return file_hash(path, hashlib.sha256()), path.stat().st_size
+        return "folder" if self.zip is None else file_hash(self.path, hashlib.sha256())
 
 
 class _HttpsOnly(urllib.request.HTTPRedirectHandler):
@@ -205,8 +192,7 @@ class _HttpsOnly(urllib.request.HTTPRedirectHandler):
 
 
 def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> None:
-    """url -> dest (https only, at most MAX_DOWNLOAD bytes, written whole or not at all), its
-    sha256 and size recorded in RECORD next to it."""
+    """url -> dest (https only, at most MAX_DOWNLOAD bytes, whole or not at all), then recorded."""
     if not url.lower().startswith("https://"):
         raise ValueError(f"the CORE bundle URL {url} is not https")
     print0(f"downloading the CORE eval bundle {url} -> {dest}")
@@ -231,7 +217,7 @@ def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> N
 
 
 def record(zip_path: Path, url: str) -> None:
-    sha, size = sha256_size(zip_path)
+    sha, size = file_hash(zip_path, hashlib.sha256()), zip_path.stat().st_size
     text = json.dumps(dict(url=url, sha256=sha, size=size)) + "\n"
     write_atomic(zip_path.with_name(RECORD), text)
     print0(f"CORE bundle {zip_path}: sha256 {sha}, {size:,} bytes (recorded in {RECORD})")
@@ -247,15 +233,15 @@ def check_record(zip_path: Path) -> None:
         return record(zip_path, "placed by hand")
     except OSError as e:
         raise ValueError(f"{path} is unreadable ({one_line(e)}): {redo}") from None
-    sha, size = sha256_size(zip_path)
+    sha, size = file_hash(zip_path, hashlib.sha256()), zip_path.stat().st_size
     if not isinstance(want, dict) or [want.get("sha256"), want.get("size")] != [sha, size]:
         raise ValueError(f"{zip_path} (sha256 {sha[:16]}, {size:,} bytes) is not the file recorded "
                          f"in {RECORD} at its first download: delete both to download it again")
 
 
 def find_bundle(path: str | None, fetch: bool) -> Bundle | None:
-    """The bundle to use: path if given, else the base dir's zip (checked against its record),
-    else its unzipped folder, else the download if fetch, else None."""
+    """path if given, else the base dir's zip (checked against its record), else its unzipped
+    folder, else the download if fetch, else None."""
     if path is not None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--core-bundle {path}: no such file or folder")
@@ -273,7 +259,6 @@ def find_bundle(path: str | None, fetch: bool) -> Bundle | None:
         return Bundle(base / BUNDLE_ZIP)
 
 
-# -- tasks -----------------------------------------------------------------------------------------
 FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options", "continuation"),
           "language_modeling": ("context", "continuation")}
 
@@ -309,9 +294,8 @@ def item_problem(kind: str, item) -> str | None:
 
 
 def task_lines(bundle: Bundle, uri: str) -> list:
-    """The non-blank lines of a task file, numbered from 1 and shuffled (seed 1337) as nanochat
-    shuffles its items. Split and shuffled once per file, however many tasks list it; a file of
-    more than MAX_LINES lines is refused before it is split."""
+    """A task file's non-blank lines, numbered from 1 and shuffled as nanochat shuffles its items,
+    once per file; over MAX_LINES lines is refused before the split."""
     if uri not in bundle._lines:
         where = f"CORE bundle {bundle.path}: eval_data/{uri}"
         data = bundle.read(f"eval_data/{uri}")
@@ -330,10 +314,8 @@ def task_lines(bundle: Bundle, uri: str) -> list:
 
 
 def read_items(bundle: Bundle, uri: str, kind: str, max_per_task: int | None = None) -> list:
-    """A task's items shuffled (seed 1337, as nanochat) and cut to max_per_task; only the lines
-    kept are parsed, each at most MAX_ITEM bytes: a huge or deeply nested line is one line of
-    error, and the items a cut drops cost nothing but their split. Parsed once per file and kind,
-    however many tasks list the file."""
+    """A task's items shuffled and cut to max_per_task, once per file and kind; only the lines
+    kept are parsed, each at most MAX_ITEM bytes: a huge or deeply nested line is one error."""
     key = (uri, kind, max_per_task)
     if key in bundle._items:
         return list(bundle._items[key])
@@ -408,10 +390,9 @@ def task_configs(bundle: Bundle) -> list[dict]:
 
 
 def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
-    """Every task core.yaml lists, its items shuffled (seed 1337) and cut to max_per_task; each
-    item's prompts within MAX_PROMPT characters (few-shot examples and options multiply an item's
-    size), all tasks' items within MAX_ITEMS (counted before they are parsed) and their prompts
-    within MAX_WORK characters; a line at least every PROGRESS_S seconds."""
+    """Every task core.yaml lists, its items cut to max_per_task; an item's prompts within
+    MAX_PROMPT characters (few-shot examples and options multiply its size), all items within
+    MAX_ITEMS (counted before they are parsed) and all prompts within MAX_WORK characters."""
     baselines, tasks, configs = read_baselines(bundle), [], task_configs(bundle)
     count = work = 0
     tick = every(PROGRESS_S)
@@ -425,15 +406,16 @@ def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
             raise ValueError(f"{where}: its tasks hold over {MAX_ITEMS:,} items together (CORE's "
                              f"22 hold ~91,000): {USE}")
         items = read_items(bundle, t["dataset_uri"], t["icl_task_type"], max_per_task)
-        tasks.append(Task(t["label"], t["icl_task_type"], t["num_fewshot"],
-                          t.get("continuation_delimiter", " "), baselines[t["label"]], items,
-                          t["dataset_uri"]))
+        task = Task(t["label"], t["icl_task_type"], t["num_fewshot"],
+                    t.get("continuation_delimiter", " "), baselines[t["label"]], items,
+                    t["dataset_uri"])
+        tasks.append(task)
         for idx in range(len(items)):  # every prompt is tokenized before the window crops it
-            if (n := prompt_chars(tasks[-1], idx)) > MAX_PROMPT:
-                raise ValueError(f"{where}: task {t['label']} (eval_data/{t['dataset_uri']}): an "
-                                 f"item's prompts, {t['num_fewshot']}-shot, come to {n:,} "
-                                 f"characters, over the {MAX_PROMPT:,} any eval item needs: "
-                                 "shorten its items or lower its num_fewshot")
+            if (n := prompt_chars(task, idx)) > MAX_PROMPT:
+                raise ValueError(f"{where}: task {task.label} (eval_data/{task.uri}): an item's "
+                                 f"prompts, {task.shots}-shot, come to {n:,} characters, over the "
+                                 f"{MAX_PROMPT:,} any eval item needs: shorten its items or lower "
+                                 "its num_fewshot")
             work += n
         if work > MAX_WORK:
             raise ValueError(f"{where}: its prompts come to over {MAX_WORK:,} characters "
@@ -457,8 +439,8 @@ def every(seconds: float):
 
 
 def prompt_chars(task: Task, idx: int) -> int:
-    """The characters of item idx's prompts (all options, with its few-shot examples), counted
-    from the fields' lengths as render() lays them out (at most that: render strips some)."""
+    """The characters of item idx's prompts as render() lays them out (at most: it strips some),
+    from the fields' lengths."""
     item, d = task.items[idx], len(task.delimiter)
     examples = fewshot(task.items, idx, task.shots) if task.shots else []
     if task.kind == "multiple_choice":
@@ -474,22 +456,18 @@ def prompt_chars(task: Task, idx: int) -> int:
     return len(options) * (head + stem) + sum(map(len, options))
 
 
-# -- prompts and scoring ---------------------------------------------------------------------------
 def fewshot(items: list, idx: int, shots: int) -> list:
-    """nanochat's pick: `shots` other items, seeded by the item's index (fewer when the task has
-    fewer other items, as under a small --max-per-task)."""
-    # nanochat samples from the list of the other indices; range(n - 1), each pick past idx
-    # shifted by one, is the same sequence to sample() (it reads only its length and entries)
-    # without building that list for every item
+    """nanochat's pick: `shots` other items (or all there are), seeded by the item's index."""
+    # nanochat samples the list of the other indices; range(n), each pick past idx shifted by
+    # one, is the same to sample() without building that list for every item
     n = len(items) - 1
     picks = random.Random(1234 + idx).sample(range(n), min(shots, n))
     return [items[i + (i >= idx)] for i in picks]
 
 
 def render(task: Task, item: dict, examples: list) -> list[str]:
-    """The prompts of one item, as llm-foundry lays them out: each example, then a blank line.
-    multiple_choice and schema: one prompt per option. language_modeling: the context alone
-    (stripped) and the context with its continuation."""
+    """One item's prompts as llm-foundry lays them out, each example then a blank line: one per
+    option, or for language_modeling the context alone (stripped) and with its continuation."""
     d = task.delimiter
     if task.kind == "multiple_choice":
         head = "".join(f"{e['query']}{d}{e['choices'][e['gold']]}\n\n" for e in examples)
@@ -519,7 +497,8 @@ def spans(kind: str, seqs: list[list[int]]) -> tuple[list, list, list]:
 
 @torch.no_grad()
 def score_item(model, tokenizer, task: Task, idx: int, device, dtype: str) -> bool:
-    """Whether the model gets item idx of task right."""
+    """Whether the model gets item idx of task right: the option with the lowest mean loss over
+    its scored tokens is gold, or greedy decoding reproduces the whole continuation."""
     item = task.items[idx]
     prompts = render(task, item, fewshot(task.items, idx, task.shots) if task.shots else [])
     seqs, starts, ends = spans(task.kind, tokenizer.encode(prompts, prepend_bos=True))
@@ -561,8 +540,8 @@ def evaluate_task(model, tokenizer, task: Task, device, dtype: str = "auto") -> 
 
 
 def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "auto") -> dict:
-    """{'core': mean centered accuracy, 'tasks': {label: {kind, shots, items, accuracy,
-    baseline, centered, seconds}}}, printing a line per task."""
+    """{'core': mean centered accuracy, 'tasks': {label: {kind, shots, items, accuracy, baseline,
+    centered, seconds}}}, printing a line per task."""
     out = {}
     for task in tasks:
         t0 = time.perf_counter()
@@ -575,13 +554,11 @@ def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "aut
         print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "
                f"items: accuracy {acc:.4f}, centered {row['centered']:+.4f}, "
                f"{row['seconds']:.1f} s")
-    core = math.fsum(r["centered"] for r in out.values()) / len(out)
-    return dict(core=core, tasks=out)
+    return dict(core=math.fsum(r["centered"] for r in out.values()) / len(out), tasks=out)
 
 
 def headline(core: float, hours: float | None, tasks: int, max_per_task: int | None) -> str:
-    """The speedrun's one line: 'time to GPT-2: CORE X at H h (GPT-2: 0.2565)' once CORE passes
-    GPT-2's, else 'not reached: CORE X after H h'; a partial measurement says so."""
+    """The speedrun's line: 'time to GPT-2: CORE X at H h' past GPT-2's CORE, else 'not reached'."""
     when = "?" if hours is None else f"{hours:.2f}"
     line = (f"time to GPT-2: CORE {core:.4f} at {when} h (GPT-2: {GPT2_CORE:.4f})"
             if core > GPT2_CORE else f"not reached: CORE {core:.4f} after {when} h")

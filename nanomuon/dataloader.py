@@ -1,20 +1,15 @@
 """
 The training data loader: documents in, (inputs, targets) token batches out, every token of an
-epoch trained exactly once, in bounded memory, with exact resume (docs/data.md, "The data loader",
-has the rules and the numbers). Its own design rather than a torch DataLoader, for:
+epoch trained exactly once, in bounded memory, with exact resume. docs/data.md, "The data loader",
+has the packing rules and the numbers. Its own design rather than a torch DataLoader, for:
 - Distribution: global document k belongs to rank k % world_size, whatever the shard sizes.
-- Tokenizing on the fly (tiktoken): a new tokenizer needs no preprocessing pass.
-- Packing: rows of seq_len + 1 tokens open with BOS and never mix epochs. The due continuation,
-  else the oldest document, opens a row (so no piece waits forever); whole documents fill it
-  best-fit, else the oldest is cut and its remainder opens a row `interleave` rows later, so a long
-  document does not fill a micro-batch alone.
-- Bounded memory: at most buffer_size pieces; a document over chunk_chars characters is tokenized
-  chunk by chunk, cut where the tokenizer's pre-split cuts anyway, so the tokens are the whole
-  text's. Reading ahead stops at the epoch's end.
-- Prefetch: a background thread packs up to `prefetch` batches ahead (tiktoken releases the GIL).
-- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]) plus
-  the next document, O(buffer_size) integers; load_state_dict() re-reads them. reshard_states()
-  turns N ranks' states into M: every token is still trained once per epoch, in other rows.
+- Tokenizing on the fly (tiktoken), in a prefetch thread: a new tokenizer needs no preprocessing.
+- Packing: rows of seq_len + 1 tokens open with BOS and never mix epochs; a cut document's
+  remainder opens a row `interleave` rows later, so a long one does not fill a micro-batch alone.
+- Bounded memory: at most buffer_size pieces; a long document is tokenized chunk by chunk, cut
+  where the tokenizer's pre-split cuts anyway, so its tokens are the whole text's.
+- Exact resume: state_dict() names the buffered pieces by (epoch, document[, chunk, offset]);
+  reshard_states() turns N ranks' states into M, every token still trained once per epoch.
 """
 
 import bisect
@@ -42,10 +37,9 @@ UNKNOWN = float("inf")  # the length of a document whose later chunks are not to
 
 
 def chunk_end(text: str, start: int, chunk_chars: int) -> int:
-    """Where the chunk of `text` that starts at `start` ends: at most chunk_chars characters on, cut
-    after a newline or before a space, either followed by a non-space. Both are boundaries of the
-    tokenizer's pre-split (GPT-4's pattern), so the chunks encode to the same tokens as the whole
-    text. Without either in the chunk's second half, the cut goes anywhere."""
+    """Where the chunk of `text` at `start` ends: at most chunk_chars on, after a newline or before
+    a space followed by a non-space, boundaries of the tokenizer's pre-split (GPT-4's), so chunks
+    encode to the whole text's tokens; without either in the chunk's second half, anywhere."""
     end = start + chunk_chars
     if end >= len(text):
         return len(text)
@@ -60,8 +54,7 @@ def chunk_end(text: str, start: int, chunk_chars: int) -> int:
 
 
 class DataError(ValueError):
-    """Bad data found as it is read, not at the start (a corrupt row group, a rank whose documents
-    are all empty); the message says what to do."""
+    """Bad data found as it is read (a corrupt row group, a rank without text), not at the start."""
 
 
 class _Piece:
@@ -69,9 +62,9 @@ class _Piece:
     starts (None on the last), and its text once that chunk is wanted (waiting pieces hold none)."""
     __slots__ = ("epoch", "doc", "text", "chunk", "next", "tokens", "pos", "due")
 
-    def __init__(self, epoch, doc, tokens, chunk=0, next_chunk=None, pos=0):
+    def __init__(self, epoch, doc, tokens, chunk=0, next_chunk=None, pos=0, due=0):
         self.epoch, self.doc, self.tokens, self.pos = epoch, doc, tokens, pos
-        self.text, self.chunk, self.next, self.due = None, chunk, next_chunk, 0  # due: its row
+        self.text, self.chunk, self.next, self.due = None, chunk, next_chunk, due  # due: its row
 
     def left(self) -> float:
         return len(self.tokens) - self.pos if self.next is None else UNKNOWN
@@ -83,7 +76,7 @@ class _Piece:
 
 
 class DataLoader:
-    """Yields (inputs, targets), each (batch_size, seq_len) int64, forever (epochs wrap around),
+    """next_batch() gives (inputs, targets), each (batch_size, seq_len) int64 (epochs wrap around),
     always contiguous: a compiled model guards on strides, and one layout never recompiles it.
     A row is seq_len + 1 packed tokens, inputs the first seq_len, targets the last; padding (only
     at an epoch's end) has target -1 and input BOS. After next_batch(), batch_epochs holds each
@@ -147,7 +140,6 @@ class DataLoader:
         self._cached = {}  # window -> texts, 2 last read: to read on, and long texts' next chunks
         self._reset(stream=(0, rank), backlog=[], buffer=[], open_=[])
 
-    # -- reading --------------------------------------------------------------------------------
     def _row_groups(self) -> tuple[list, int, int]:
         """([((file, row group), docs)] of the non-empty row groups, null documents, empty ones),
         from the parquet footers alone: the counts as far as the column statistics tell."""
@@ -191,14 +183,15 @@ class DataLoader:
         piece = text[start:end] if start or end < len(text) else text
         return array("i", self.tokenizer.encode(piece, prepend_bos=start == 0)), end
 
-    def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0) -> _Piece:
+    def _piece(self, epoch: int, doc: int, text: str, chunk: int = 0, pos: int = 0,
+               due: int = 0) -> _Piece:
         """A document re-read from a saved reference: its chunk at `chunk`, from token `pos`."""
         tokens, end = self._chunk(text, chunk)
         if not 0 <= pos < len(tokens):
             raise ValueError(f"data loader state names token {pos} of the chunk at character "
                              f"{chunk} of document {doc}, which has {len(tokens)} tokens: the data "
                              "or the tokenizer changed since it was saved")
-        return _Piece(epoch, doc, tokens, chunk, end if end < len(text) else None, pos)
+        return _Piece(epoch, doc, tokens, chunk, end if end < len(text) else None, pos, due)
 
     def _read_ahead(self) -> None:
         """Tokenize up to tokenize_batch documents (the backlog, then this rank's stride to its
@@ -245,9 +238,8 @@ class DataLoader:
             self._read_ahead()
         return self._pending[0][1].epoch
 
-    # -- packing --------------------------------------------------------------------------------
     def _refill(self) -> None:
-        """Top the buffer up to buffer_size pieces with this epoch's documents (never the next's)."""
+        """Top the buffer up to buffer_size pieces with this epoch's documents."""
         while (len(self._pool) + len(self._open) < self.buffer_size
                and self._next_epoch() == self.epoch):
             p = self._pending.popleft()[1]
@@ -270,9 +262,8 @@ class DataLoader:
         return p
 
     def _take(self, p: _Piece, row: array, n: int) -> None:
-        """Move up to n of p's tokens to the row. If that fills the row, the rest of p goes on
-        `interleave` rows from this one (at most one piece per row is cut, so continuations never
-        fall due together)."""
+        """Move up to n of p's tokens to the row; the rest of p is due `interleave` rows on (one
+        piece per row is cut, so continuations never fall due together)."""
         while n > 0 and p.pos < len(p.tokens):
             k = min(n, len(p.tokens) - p.pos)
             row.extend(p.tokens[p.pos:p.pos + k])
@@ -328,8 +319,7 @@ class DataLoader:
             flat.extend(row)
             epochs.append(epoch)
         rows = torch.frombuffer(flat, dtype=torch.int32).view(self.batch_size, -1)
-        # x and y always contiguous: torch.compile(dynamic=False) guards on strides, so a padded
-        # batch in another layout than the rest would compile the model again
+        # contiguous: a padded batch in another layout would compile the model again
         x, y = (rows[:, s].to(torch.long, memory_format=torch.contiguous_format)
                 for s in (slice(None, -1), slice(1, None)))
         if self._counts["padding"] > before["padding"]:
@@ -382,11 +372,6 @@ class DataLoader:
             self._thread.join()
             self._thread = None
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
-    # -- exact resume ---------------------------------------------------------------------------
     def _reset(self, stream: tuple, backlog: list, buffer: list, open_: list) -> None:
         self._stream = tuple(stream)
         self._backlog = deque(tuple(r) for r in backlog)
@@ -457,22 +442,17 @@ class DataLoader:
                              f"({'; '.join(bad[:3])}) for {self.num_docs} documents: it was edited "
                              "or belongs to other data; restore it, or resume from an earlier step")
 
-        def piece(ref, wait=0):
-            p = self._piece(ref[0], ref[1], self._doc_text(ref[1]) or "", *ref[2:4])
-            p.due = wait  # rows from now: a fresh loader's row count is 0
-            return p
-
+        text = lambda ref: self._doc_text(ref[1]) or ""
+        # an open piece's due: rows from now, as a fresh loader's row count is 0
         self._reset((state["epoch"], state["doc"]), state["backlog"],
-                    [piece(r) for r in state["buffer"]],
-                    [piece(r[:4], r[4]) for r in state["open"]])
+                    [self._piece(r[0], r[1], text(r), *r[2:4]) for r in state["buffer"]],
+                    [self._piece(r[0], r[1], text(r), *r[2:5]) for r in state["open"]])
 
 
 def val_rows(tokenizer, dataset: str, seq_len: int, num_tokens: int) -> torch.Tensor:
-    """The validation set: the val split's documents in order, packed with a one-document buffer
-    into num_tokens // seq_len rows (at least 1, fewer when the split runs out; -1: all of it),
-    (rows, seq_len + 1) int64 on the CPU, -1 for padding. One stream at any world size, so val bpb
-    measures the same tokens (evaluate_bpb deals the rows out); a smaller num_tokens gives a prefix
-    of a larger one's rows."""
+    """The val split's documents in order, packed with a one-document buffer into num_tokens //
+    seq_len rows (at least 1, fewer when the split runs out; -1: all of it) of seq_len + 1 int64,
+    -1 for padding. One stream at any world size, so val bpb measures the same tokens."""
     loader = DataLoader(tokenizer, dataset, "val", 1, seq_len, buffer_size=1)
     rows = array("i")
     for _ in itertools.count() if num_tokens == -1 else range(max(1, num_tokens // seq_len)):

@@ -1,18 +1,14 @@
 """
 Pretraining text on disk: where it lives, how to get it, and how to read it back.
-
-Named datasets are directories of parquet shards with one string column `text` (a document per
-row), sorted by name; the last shard is the val split, all the others are train:
-- fineweb-edu and climbmix (HUB_DATASETS): Karpathy's pre-shuffled FineWeb-Edu and NVIDIA ClimbMix
-  shards (what nanochat trains on since March 2026) from the Hugging Face hub. download() fetches
-  them in parallel through huggingface_hub, all from the revision pinned at the first download,
-  retrying failures with backoff and checking each file is parquet, so a rerun resumes. Nothing
-  here touches the network unless a download is asked for.
-- embedded: built locally from the Python standard library's .py sources (about 30 MB of text), so
-  training and tests need no network; ensure_embedded() builds it on first use.
-Custom sources (sources.py) live in source/<name>-<hash>, their shards listed by a manifest.
-CLI: `python -m nanomuon.dataset -n 8 [--dataset climbmix]` (train shards 0..7 + the val shard),
-or `--embedded`.
+Every dataset (docs/data.md) is a directory of parquet shards with a string column `text`, a
+document per row; the last shard by name is the val split, the others are train.
+- fineweb-edu and climbmix (HUB_DATASETS): pre-shuffled shards that download() fetches from the
+  Hugging Face hub in parallel, all from the revision pinned at the first download, retried and
+  checked, so a rerun resumes. Nothing here touches the network unless a download is asked for.
+- embedded: the Python standard library's .py sources, built locally on first use
+  (ensure_embedded), so training and tests need no network.
+- Custom sources (sources.py) live in source/<name>-<hash>, their shards listed by a manifest.
+CLI: `python -m nanomuon.dataset -n 8 [--dataset climbmix]` or `--embedded`.
 """
 
 import argparse
@@ -54,7 +50,6 @@ MANIFEST_BYTES = 1 << 24  # a manifest lists shard names: far less even for 1,82
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
 
-# -- locations -------------------------------------------------------------------------------------
 def data_dir(name: str) -> Path:
     """Where a dataset's shards live: one of DATASETS, or source/<name>-<hash> (sources.prepare)."""
     if name not in DATASETS and not re.fullmatch(r"source/[\w.-]+", name):
@@ -79,7 +74,6 @@ def shard_name(index: int) -> str:
     return f"shard_{index:05d}.parquet"
 
 
-# -- reading ---------------------------------------------------------------------------------------
 def list_shards(name: str, split: str) -> list[Path]:
     """The parquet shards of one split: val is the last shard by name, train all the others."""
     if split not in SPLITS:
@@ -99,9 +93,8 @@ def list_shards(name: str, split: str) -> list[Path]:
 
 
 def read_shard(path: Path, decode: bool = False) -> tuple[pq.ParquetFile | None, str | None]:
-    """(the file, None) for parquet with the string `text` column every reader needs, else (None,
-    what is wrong). decode: every row group decodes too, reading the whole file (for a fresh
-    download: too slow for each start, where the loader names a bad row group as it reaches it)."""
+    """(the file, None) for parquet with a string `text` column, else (None, what is wrong).
+    decode: every row group too (for a fresh download; the loader names one as it reaches it)."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -156,7 +149,6 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
                 return
 
 
-# -- embedded corpus: the Python standard library --------------------------------------------------
 def stdlib_sources() -> list[Path]:
     """Every .py file of this interpreter's standard library, sorted, without installed packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -170,10 +162,9 @@ def stdlib_sources() -> list[Path]:
 
 def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
                    sources: Sequence[Path] | None = None) -> list[Path]:
-    """Pack source files (default: stdlib_sources()) into parquet shards in out_dir, a file per
-    document, sorted then shuffled with a fixed seed, so the val shard (the last) samples the whole
-    library, not one package. Shards are cut between documents into ceil(chars / shard_chars)
-    near-equal parts (at least 2, for train + val)."""
+    """Pack source files (default: stdlib_sources()) into at least 2 near-equal parquet shards in
+    out_dir, a file per document, shuffled with a fixed seed so the val shard (the last) samples
+    the whole library, not one package."""
     if shard_chars < 1:
         raise ValueError(f"shard_chars must be >= 1, got {shard_chars}")
     files = sorted(Path(p) for p in (stdlib_sources() if sources is None else sources))
@@ -201,9 +192,8 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
         table = pa.table({"text": pa.array(group, type=pa.string())})
         write_atomic(path, lambda tmp, table=table: pq.write_table(table, tmp, row_group_size=1024,
                                                                    compression="zstd"))
-    # leftovers of an earlier, larger build
     for stale in set(out_dir.glob("*.parquet")) - set(paths):
-        stale.unlink()
+        stale.unlink()  # leftovers of an earlier, larger build
 
     manifest = dict(source="Python standard library .py files, one file per document",
                     python=sys.version.split()[0],
@@ -225,8 +215,7 @@ def build_lock(d: Path):
     """Serializes builds across processes (every rank of a torchrun job calls list_shards)."""
     try:
         import fcntl
-    except ImportError:
-        # no flock (Windows): concurrent builds still end up identical, just duplicated
+    except ImportError:  # no flock (Windows): concurrent builds end up identical, just duplicated
         yield
         return
     d.mkdir(parents=True, exist_ok=True)
@@ -241,15 +230,13 @@ def ensure_embedded() -> Path:
     if manifest_shards(d, embedded=True):
         return d
     with build_lock(d):
-        # another process may have built it while we waited for the lock
-        if not manifest_shards(d, embedded=True):
+        if not manifest_shards(d, embedded=True):  # else another process built it meanwhile
             print(f"nanomuon: building the embedded corpus (Python stdlib sources) in {d}",
                   file=sys.stderr)
             build_embedded(d)
     return d
 
 
-# -- hub downloads (FineWeb-Edu, ClimbMix) ---------------------------------------------------------
 def _hub():
     try:
         # its constants (HF_ENDPOINT, HF_HUB_OFFLINE) are read from the environment at import
@@ -315,9 +302,8 @@ def hub_problem(e: Exception) -> tuple[int | None, str]:
 
 
 def pin_revision(out_dir: Path, revision: str | None, repo: str = HF_REPO) -> str:
-    """The commit of `repo` every shard in out_dir comes from: the one recorded by its first
-    download, else `revision` (default main) resolved to a commit and recorded, so shards fetched
-    months apart still match."""
+    """The commit of `repo` every shard in out_dir comes from, recorded at its first download
+    (`revision`, default main), so shards fetched months apart still match."""
     pin = out_dir / REVISION_FILE
     pinned = read_regular(pin, 256, "the commit nanomuon pinned", f"remove {pin}").decode().strip() \
         if pin.exists() else None
@@ -354,8 +340,7 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
             path = Path(_hub().hf_hub_download(repo, name, repo_type="dataset",
                                                revision=revision, local_dir=out_dir,
                                                force_download=corrupt))
-        except Exception as e:
-            # HTTP errors after the hub client's own retries, dropped connections, short files
+        except Exception as e:  # HTTP errors past the client's retries, cut links, short files
             status, last = hub_problem(e)
             if status is not None and 400 <= status < 500 and status not in RETRY_HTTP:
                 raise RuntimeError(f"{name}: HTTP {status} from {_hub().constants.ENDPOINT}: "
@@ -411,8 +396,7 @@ def download(num_shards: int, out_dir: Path | None = None, revision: str | None 
                 status = f"{size / 1e6:.1f} MB" if fetched else "already present"
                 print(f"[{done}/{len(indices)}] {path.name} {status}  ({time.time() - t0:.1f} s)",
                       flush=True)
-        except BaseException:
-            # Ctrl-C: no new shards and no more retries; running transfers keep their partial file
+        except BaseException:  # Ctrl-C: no new shards or retries; transfers keep their partial file
             stop.set()
             pool.shutdown(cancel_futures=True)
             raise
@@ -425,7 +409,6 @@ def download(num_shards: int, out_dir: Path | None = None, revision: str | None 
     return sorted(paths)
 
 
-# -- CLI -------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m nanomuon.dataset",
                                 description=__doc__.strip().splitlines()[0], allow_abbrev=False)
@@ -433,22 +416,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     what.add_argument("-n", "--num-shards", type=int, help="download train shards 0..N-1 of "
                       f"--dataset (~100 MB each; up to {MAX_SHARD} for fineweb-edu, "
                       f"{HUB_DATASETS['climbmix'][1]} for climbmix) plus its val shard")
-    what.add_argument("--embedded", action="store_true",
-                      help="build the embedded corpus from the Python stdlib")
+    what.add_argument("--embedded", action="store_true", help="build the embedded corpus")
     p.add_argument("--dataset", choices=list(HUB_DATASETS), default="fineweb-edu",
                    help="with -n: the hub dataset to download")
     p.add_argument("--workers", type=int, default=4, help="parallel downloads")
     p.add_argument("--retries", type=int, default=5, help="retries per shard on network errors")
-    p.add_argument("--backoff", type=float, default=2.0,
-                   help="retry k of a shard waits backoff**k seconds")
+    p.add_argument("--backoff", type=float, default=2.0, help="retry k waits backoff**k seconds")
     p.add_argument("--revision", default=None, help="the dataset commit or branch (default: the "
                    "one this folder's first download pinned, else main's current commit)")
-    p.add_argument("--allow-http", action="store_true",
-                   help="accept a plain-http HF_ENDPOINT on another machine")
-    p.add_argument("--out-dir", type=Path, default=None,
-                   help="default: $NANOMUON_BASE_DIR/data/<dataset>")
-    p.add_argument("--shard-chars", type=int, default=4_000_000,
-                   help="embedded: characters per shard")
+    p.add_argument("--allow-http", action="store_true", help="accept a plain-http HF_ENDPOINT")
+    p.add_argument("--out-dir", type=Path, help="default: $NANOMUON_BASE_DIR/data/<dataset>")
+    p.add_argument("--shard-chars", type=int, default=4_000_000, help="embedded: chars per shard")
     args = p.parse_args(argv)
     if args.embedded:
         out, t0 = args.out_dir or data_dir("embedded"), time.time()

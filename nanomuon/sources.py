@@ -3,19 +3,8 @@ Training text from anywhere: `--dataset` as a local file, directory or glob of p
 json, txt or csv files, or any Hugging Face dataset as hf:owner/name[:config][@revision].
 prepare() converts a source once into dataset.py's layout (parquet shards of column `text`, listed
 by a manifest), so the data loader's exact resume and resharding, which count documents, work
-alike for every source (docs/data.md, "Your own data").
-
-- Column: --text-column, else `text`, else the only string column.
-- Validation: the source's own held-out split (HELD_OUT; locally, files or folders whose names
-  start with those words), else an evenly spread --val-fraction of the documents, at least one.
-- Cache: $NANOMUON_BASE_DIR/data/source/<name>-<hash>. The hash covers the source, the column, the
-  fraction and each local file's contents (hashed again only when its size, mtime, ctime or inode
-  changed), so an edited file is prepared again and a resumed run refuses it. A new preparation
-  removes the older ones of the same source that no data loader reads. A hub source is pinned to
-  the commit it was first prepared from; once prepared, nothing touches the network.
-- Text files are one document each: UTF-8 (UTF-16/32 with a BOM), else cp1252, else Latin-1;
-  files with NUL bytes and no BOM, or over a tenth control bytes, are binary and skipped. Skipped,
-  guessed, empty and left-out files are counted and named.
+alike for every source. docs/data.md, "Your own data", tells how the text column, the val split,
+the cache and the text encodings are chosen.
 """
 
 import argparse
@@ -98,9 +87,8 @@ def spec_problem(spec: str) -> str | None:
         try:
             Path(spec).expanduser()
         except RuntimeError:
-            user = spec.split("/")[0]
-            return (f"{spec!r} starts with {user}, but there is no such user (or no home "
-                    "directory) to expand it to; write the path out in full")
+            return (f"{spec!r} starts with {spec.split('/')[0]}, but there is no such user (or no "
+                    "home directory) to expand it to; write the path out in full")
     return None
 
 
@@ -112,9 +100,8 @@ def dataset_arg(spec: str) -> str:
 
 
 def prepare(spec: str, text_column: str | None = None, val_fraction: float | None = None) -> str:
-    """The dataset name that list_shards and the data loader take for the source `spec`, converting
-    the source first unless an earlier run did. A ValueError or FileNotFoundError that names the fix
-    for bad input."""
+    """The dataset name list_shards takes for the source `spec`, converted first unless an earlier
+    run did; bad input is a ValueError or FileNotFoundError that names the fix."""
     if problem := spec_problem(spec):
         raise ValueError(f"--dataset: {problem}")
     if spec in DATASETS:
@@ -162,8 +149,8 @@ def prepare(spec: str, text_column: str | None = None, val_fraction: float | Non
 
 
 def hold(d: Path):
-    """A shared lock on prepared folder d while the returned file stays open (None without flock
-    or without d): prepare() removes no folder that a reader holds."""
+    """A shared lock on prepared folder d while the returned file stays open (None without flock or
+    d), so prepare() does not remove it."""
     try:
         import fcntl
         f = (d / IN_USE).open("a")  # open for as long as the caller reads
@@ -174,9 +161,8 @@ def hold(d: Path):
 
 
 def _remove_older(folder: Path, keep: Path, slot: str) -> None:
-    """Delete the other preparations of this slot (older contents of the same source): no run can
-    resume from them, as its loader state names the contents it trained on. A folder holding
-    anything a preparation does not write stays, and so does one that a data loader holds."""
+    """Delete the other preparations of this slot (older contents of the same source: no run can
+    resume from them), except a folder holding anything else or held by a data loader."""
     try:
         import fcntl
     except ImportError:  # no flock: a reader could not say it is reading
@@ -201,10 +187,9 @@ def _remove_older(folder: Path, keep: Path, slot: str) -> None:
         print(f"nanomuon: removed {d}, an older preparation of this source", file=sys.stderr)
 
 
-# -- local files -----------------------------------------------------------------------------------
 def _local_files(spec: str) -> tuple[str, list[Path], list[Path]]:
-    """(the folder file names are taken relative to, the source's files, sorted, the files of other
-    types left out); hidden ones are left out unsaid."""
+    """(the folder names are relative to, the source's files, sorted, the files of other types);
+    hidden ones are left out unsaid."""
     path = Path(spec).expanduser()
     if path.is_file() or path.is_dir():
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
@@ -257,8 +242,7 @@ def _split_word(rel: Path) -> str | None:
 
 def decode(data: bytes) -> tuple[str | None, str]:
     """A text file's text and its encoding: by BOM, else UTF-8, else cp1252, else Latin-1; (None,
-    'binary') for bytes with NULs and no BOM, or over BINARY_SHARE control bytes, which no text
-    encoding here makes sense of."""
+    'binary') for NULs without a BOM, or over BINARY_SHARE control bytes."""
     for bom, encoding in BOMS:
         if data.startswith(bom):
             try:
@@ -278,15 +262,13 @@ def decode(data: bytes) -> tuple[str | None, str]:
     return text, encoding
 
 
-# -- reading a source ------------------------------------------------------------------------------
 def _datasets():
     try:
         import datasets
     except ImportError:
         raise ValueError("custom sources are read through Hugging Face `datasets`: "
                          "pip install datasets") from None
-    # streaming shows a bar per file; our own progress line says more
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # a bar per file; our own progress line says more
     return datasets
 
 
@@ -310,10 +292,9 @@ def _pick_column(batch: dict, text_column: str | None, where: str) -> str:
 
 
 def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Iterator[str]:
-    """The non-empty texts of a datasets IterableDataset, read in batches; empty ones are counted,
-    and rows without the column (null, or missing in json) are counted and said, with the other
-    string columns that hold their text. error(e) turns what reading raised (a parse error, a
-    dropped connection) into a one-line ValueError."""
+    """The non-empty texts of a datasets IterableDataset; empty ones counted, rows without the
+    column counted and said, with the column that holds their text instead. error(e) turns what
+    reading raised (a parse error, a dropped connection) into a one-line ValueError."""
     column, batches, rows, lacking, elsewhere = None, ds.iter(batch_size=1024), 0, 0, {}
     while True:
         try:
@@ -347,8 +328,8 @@ def _rows(ds, text_column: str | None, where: str, counts: dict, error) -> Itera
 
 
 def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Iterator[str]:
-    """Documents of local files: text files one each, the others through `datasets`, one streaming
-    read per format; formats in the order they first appear, files in name order."""
+    """Documents of local files: a text file each, the others a row each through `datasets`, one
+    streaming read per format."""
     for builder in dict.fromkeys(FORMATS[p.suffix.lower()] for p in files):
         group = [p for p in files if FORMATS[p.suffix.lower()] == builder]
         if builder != "text":
@@ -367,8 +348,8 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
 
 
 def _read_texts(files: list[Path], counts: dict) -> Iterator[str]:
-    """Text files as documents, decoded by decode(); the binary ones skipped, and both they and
-    the ones decoded from a guessed legacy encoding named, as either may be wrong."""
+    """Text files as documents; the binary ones skipped and named, as are the ones read in a
+    guessed legacy encoding: either may be wrong."""
     guessed, binary = {}, []
     for p in files:
         text, encoding = decode(p.read_bytes())
@@ -391,7 +372,6 @@ def _read_texts(files: list[Path], counts: dict) -> Iterator[str]:
               "NUL or control bytes, not text", file=sys.stderr)
 
 
-# -- conversion ------------------------------------------------------------------------------------
 class _ShardWriter:
     """Writes documents into <prefix>_00000.parquet, ..., SHARD_CHARS characters per shard."""
 
@@ -444,8 +424,8 @@ def _open_hub_source(spec: str, source: tuple, text_column: str | None, counts: 
 
 
 def _open_local_source(spec: str, source: tuple, text_column: str | None, counts: dict):
-    """(train documents, val documents or None, the held-out split or None, None), saying which
-    files are left out: of other types, or holding nothing."""
+    """(train documents, val documents or None, the held-out split or None, None), naming the
+    files left out."""
     _, root, files, other = source
     root = Path(root)
     if other:
@@ -474,8 +454,7 @@ def _open_local_source(spec: str, source: tuple, text_column: str | None, counts
 
 
 def _write_shards(d: Path, train_docs, val_docs, fraction: float, t0: float):
-    """(train, val) _ShardWriters, flushed, of the documents; without val_docs, the
-    --val-fraction pick of train_docs is val."""
+    """(train, val) _ShardWriters, flushed; without val_docs, val is a fraction of train_docs."""
     train, val = _ShardWriter(d, "train"), _ShardWriter(d, "val")
     last, tick = None, time.time()
     for text in val_docs or ():
@@ -527,7 +506,6 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
                     chars=dict(train=train.chars, val=val.chars), counts=counts, version=VERSION,
                     slot=slot)
     write_atomic(d / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    # the files skipped, guessed at or left out, and rows without text, were said as they were read
     print(f"nanomuon: prepared {named}: {train.docs:,} train and {val.docs:,} val documents "
           f"({manifest['val_split']}),"
           f" {(train.chars + val.chars) / 1e6:,.1f}M chars in {time.time() - t0:.1f} s"
