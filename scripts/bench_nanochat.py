@@ -2,25 +2,19 @@
 Head to head with nanochat: nanomuon and Karpathy's nanochat, each training its own GPT with its own
 optimizer, in one process on one device, on the same work, measured the same way.
 
-nanochat's code is never copied into nanomuon: --nanochat PATH (or NANOCHAT=PATH) names a checkout
-of https://github.com/karpathy/nanochat, which is put first on sys.path and imported as it is. Its
-commit is read from a COMMIT file there (what gpu_check.sh --prepare writes beside its copy) or from
-git, and printed. PyPI's `nanochat` holds only the tokenizer (rustbpe), not the model.
+--nanochat PATH (or NANOCHAT=PATH) names a checkout of https://github.com/karpathy/nanochat, imported
+as it is, never copied; its commit (a COMMIT file, as gpu_check.sh --prepare writes, else git's) is
+printed. PyPI's `nanochat` holds only the tokenizer.
 
-Both models get the same depth, width (nanochat's sizing: depth x aspect ratio, rounded up to the
-head dim), heads, sequence length and vocab; the same micro-batch and gradient accumulation over
-random tokens made on the device; the same precision (bf16: nanomuon's autocast, nanochat's own
-casts, told by NANOCHAT_DTYPE; or fp32); the same compile (the model through torch.compile with
-dynamic=False, as both base_trains do; each optimizer as its project compiles it; off: everything
-eager, nanochat's fused steps too); the same attention (SDPA in both by default; nanochat's window
-pattern L, full context, since SDPA has no sliding window). Each optimizer is the one its project's
-GPT.setup_optimizer builds, at its base_train's learning rates. fp8: nanochat's own fp8 linears
-(nanochat/fp8.py) and nanomuon's --fp8 (torchao's), on a GPU with fp8 tensor cores.
+Both models get the same shape (nanochat's sizing), micro-batches of random tokens made on the
+device, precision (bf16: nanomuon's autocast, nanochat's NANOCHAT_DTYPE; or fp32), compile (the
+model with dynamic=False, each optimizer as its project compiles it; off: all eager) and attention
+(SDPA by default). Each optimizer is its GPT.setup_optimizer's at its base_train's lrs. fp8:
+nanochat's own fp8 linears and nanomuon's --fp8 (torchao's), on a GPU with fp8 tensor cores.
 
-Per side and precision: tok/s (tokens a step over the median step), MFU (each model's own FLOPs a
-token, against nanomuon.common's peak table), the optimizer step's median ms and the peak memory
-(torch.cuda.max_memory_allocated; none on a CPU); then the ratios nanomuon / nanochat. The sides run
-one after the other, each freed before the next is built.
+Per side and precision: tok/s over the median step, MFU (its own FLOPs a token), the optimizer
+step's median ms and the peak memory (CUDA only); then the ratios nanomuon / nanochat. The sides
+run one after the other, each freed before the next is built.
 
     python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 12            # a GPU
     python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 24 --device-batch-size 16 \\
@@ -162,12 +156,6 @@ def import_nanochat(root: Path, dtype: str, attention: str):
     return gpt
 
 
-def nanochat_attention(args) -> str:
-    flash = sys.modules.get("nanochat.flash_attention")
-    fa3 = bool(getattr(flash, "USE_FA3", False))
-    return f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {args.window_pattern}"
-
-
 def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
     config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
                                args.head_dim, arch="nanochat", window_pattern=args.window_pattern)
@@ -209,12 +197,11 @@ def nanochat_fp8(model) -> int:
 
 
 def build_nanochat(nc, args, device: torch.device, fp8: bool) -> Side:
-    model = nanochat_gpt(nc, args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
-                         args.head_dim, "meta", args.window_pattern)
     torch.manual_seed(args.seed)
-    model.to_empty(device=device)
-    model.init_weights()
-    notes = nanochat_attention(args)
+    model = nanochat_gpt(nc, args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                         args.head_dim, device, args.window_pattern)
+    fa3 = getattr(sys.modules.get("nanochat.flash_attention"), "USE_FA3", False)
+    notes = f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {args.window_pattern}"
     flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
     if fp8:
         notes += f", {nanochat_fp8(model)} fp8 linears (its own)"

@@ -1,22 +1,17 @@
 """
-Parity with nanochat: nanomuon's arch 'nanochat' against nanochat's own code, step by step, on the
-CPU in fp32. Run it as `python -m scripts.bench_nanochat --parity --nanochat PATH`.
-
-nanochat's code is imported from the checkout, never copied. Its training-loop formulas live inside
-its scripts/base_train.py, which runs on import, so they are written out here (NanochatRecipe) and
-compared with what nanomuon's base_train computes through its own functions. Four checks:
-1. Both GPTs at a small shape (SHAPE): nanochat's initialized weights go into nanomuon's model by a
-   name map (nanochat_name). The forward losses on one batch agree within 1e-5, relative.
-2. TRAIN_STEPS steps, each repo with its own optimizer and its own schedules, on the same cycled
-   batches: every step's loss agrees within 1e-4. The lrs are nanochat's d12-tuned defaults times
-   LR_SCALE, its sqrt batch rule at 2^17 tokens a step: at the full lrs this tiny model's training
-   is chaotic (nanochat against itself with one weight nudged by 1e-7 differs by 6e-3 at step 17),
-   at half it is not, and the loss still falls from 6.2 to 2. Warmup is 5 steps. The same run of
-   nanochat against its nudged self is printed as the floor of what agreement can mean.
-3. At d24 and 2^20 tokens a step, 8 tokens per scaling param (its speedrun), every param group's
-   lr, betas and weight decay, and Muon's momentum and weight decay, at the steps in TABLE_STEPS.
-   nanomuon's come from base_train's plan_horizon, optimizer_options and schedules; nanochat's
-   from its own GPT.setup_optimizer (on the meta device) and its loop's formulas.
+Parity with nanochat: nanomuon's arch 'nanochat' against nanochat's own code (imported from the
+checkout, never copied), step by step, on the CPU in fp32. Run it as
+`python -m scripts.bench_nanochat --parity --nanochat PATH`. nanochat's loop formulas live in its
+scripts/base_train.py, which runs on import, so they are written out here (NanochatRecipe). Checks:
+1. At SHAPE, nanochat's initial weights loaded into nanomuon's model (nanochat_name): the forward
+   losses on one batch agree within 1e-5, relative.
+2. TRAIN_STEPS steps, each repo with its own optimizer and schedules, on the same cycled batches:
+   every loss agrees within 1e-4. The lrs are nanochat's d12 defaults times LR_SCALE: at full lrs
+   this tiny model is chaotic (nanochat against itself with a weight nudged by 1e-7 differs by 6e-3
+   at step 17); that nudged run is printed as the floor of what agreement can mean.
+3. At d24, 2^20 tokens a step, 8 tokens per scaling param (its speedrun): every group's lr, betas
+   and weight decay, and Muon's momentum and decay at TABLE_STEPS; nanomuon's from base_train's
+   own functions, nanochat's from its setup_optimizer (meta device) and loop formulas.
 4. Parameter counts and FLOPs a token at d4, d12 and d24.
 The last line holds "parity"; the exit status is 0 only when everything agrees.
 """
@@ -116,10 +111,9 @@ def twin_models(nc):
     s = SHAPE
     theirs = nanochat_gpt(nc, s["depth"], s["vocab"], s["seq"], s["aspect_ratio"],
                           s["head_dim"], "cpu")
-    # Zero projections make every block start as the identity, so the residual stays a multiple
-    # of the embedding and the final norm cancels it: the lambdas' first gradients are exactly
-    # zero, and Adam turns their rounding noise into full-size steps that no two codes share.
-    # Small projections, set before the copy, give them real gradients.
+    # Zero projections give the lambdas exactly zero first gradients (the final norm cancels a
+    # multiple of the embedding), whose rounding noise Adam turns into full-size steps no two codes
+    # share. Small projections, set before the copy, give them real gradients.
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
@@ -185,7 +179,8 @@ def check_training(nc) -> list[str]:
         w = nudged.transformer.h[0].mlp.c_fc.weight
         w.mul_(1 + 1e-7 * torch.randn(w.shape, generator=torch.Generator().manual_seed(2)))
     args = base_train_args(TRAIN_STEPS, warmup_ratio=WARMUP_STEPS / TRAIN_STEPS)
-    theirs_losses, nudged_losses = (train_side(m, their_optimizer(m), their_schedule(), data)
+    schedule = recipe_schedule(NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS))
+    theirs_losses, nudged_losses = (train_side(m, their_optimizer(m), schedule, data)
                                     for m in (theirs, nudged))
     ours_losses = train_side(ours, our_optimizer(ours), our_schedule(args, TRAIN_STEPS), data)
     print(f"parity training, {TRAIN_STEPS} steps: step, nanomuon loss, nanochat loss, relative "
@@ -201,11 +196,6 @@ def check_training(nc) -> list[str]:
 def their_optimizer(model):
     with contextlib.redirect_stdout(io.StringIO()):  # its lr scaling line
         return model.setup_optimizer(**train_lrs(), weight_decay=WEIGHT_DECAY)
-
-
-def their_schedule():
-    """nanochat's loop's schedule for the training check."""
-    return recipe_schedule(NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS))
 
 
 def base_train_args(num_iterations: int, **schedule):
@@ -317,10 +307,8 @@ def compare_rows(rows) -> list[str]:
     for label, mine, other in rows:
         same = (mine == other if not isinstance(mine, float) else
                 math.isclose(mine, other, rel_tol=1e-12, abs_tol=1e-15))
-        shown = (f"{mine:,}" if isinstance(mine, int) else f"{mine:.6g}"
-                 if isinstance(mine, float) else str(tuple(mine)))
-        theirs = (f"{other:,}" if isinstance(other, int) else f"{other:.6g}"
-                  if isinstance(other, float) else str(tuple(other)))
+        shown, theirs = (f"{v:,}" if isinstance(v, int) else f"{v:.6g}" if isinstance(v, float)
+                         else str(tuple(v)) for v in (mine, other))
         print(f"  {label:34s} {shown:>16s} | {theirs:<16s}{'' if same else '  DIFFERS'}")
         if not same:
             problems.append(f"{label}: {shown} vs {theirs}")
