@@ -110,8 +110,7 @@ def batch_arg(s: str):
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
-    """--device-batch-size auto: on CUDA the most rows that fit the free memory
-    (recipe.fit_device_batch), printed with the estimate; elsewhere 32."""
+    """--device-batch-size auto: on CUDA the most rows that fit (fit_device_batch), else 32."""
     rows_per_step, rest = divmod(args.total_batch_size, args.max_seq_len * world_size)
     if device.type != "cuda" or rest or not rows_per_step:
         # (a total batch that no row count divides is reported by the caller, with the numbers)
@@ -375,12 +374,11 @@ def check_reach(p: argparse.ArgumentParser, args) -> None:
 
 
 def check_model_fits(p: argparse.ArgumentParser, args) -> None:
-    """Refuse a model whose fp32 block matrices alone exceed this device's memory (all processes'
-    with --fsdp), before a tensor of it is built: torch would fail with an overflow or an OOM."""
+    """Refuse a model whose fp32 block matrices alone exceed the memory (all processes' with --fsdp)
+    before a tensor is built, where torch would fail with an overflow or an OOM."""
     width = math.ceil(args.depth * args.aspect_ratio / args.head_dim) * args.head_dim  # as gpt.py
     params = 12 * args.depth * width ** 2  # attention 4 d^2 + MLP 8 d^2 a block; vocab adds more
-    cuda = args.device_type == "cuda" or (args.device_type == "auto" and torch.cuda.is_available())
-    if cuda and torch.cuda.is_available():
+    if args.device_type in ("auto", "cuda") and torch.cuda.is_available():
         where, memory = "this GPU", torch.cuda.get_device_properties(0).total_memory
     elif args.device_type in ("auto", "cpu", "mps"):
         where, memory = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -441,8 +439,7 @@ def weight_decay_schedule(step: int, num_iterations: int, peak: float, arch: str
 
 
 def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str) -> None:
-    """A group's lr (initial_lr x the schedule's multiplier), and a Muon group's momentum and
-    weight decay, at `step`."""
+    """A group's lr (initial_lr x schedule) and a Muon group's momentum and decay at `step`."""
     group["lr"] = group["initial_lr"] * SCHEDULES[schedule_name(args)](step, num_iterations, args)
     if group["kind"] == "muon":
         group["momentum"] = momentum_schedule(step, num_iterations, args.warmdown_ratio, arch)
@@ -484,10 +481,9 @@ class Run:
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
     # at val_history[i]; step_times, optim_times: each timed step's seconds (kept: a resume that
     # times no step still reports the run's throughput)
-    loop: dict = field(default_factory=lambda: dict(smooth_loss=0.0, train_time=0.0, history=[],
-                                                    val_history=[], val_train_time=[],
-                                                    skipped_steps=0, nonfinite_in_a_row=0,
-                                                    step_times=[], optim_times=[]))
+    loop: dict = field(default_factory=lambda: dict(
+        smooth_loss=0.0, train_time=0.0, history=[], val_history=[], val_train_time=[],
+        skipped_steps=0, nonfinite_in_a_row=0, step_times=[], optim_times=[]))
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
     copies: int = 1  # models trained at once: --seeds' count, each on every token
@@ -612,10 +608,9 @@ def plan_horizon(args, model: GPT) -> int:
                          "--num-iterations")
     # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
     schedule = recipe.schedule
-    chosen = dict(warmup_ratio=min(1.0, schedule["warmup_steps"] / steps),
-                  warmdown_ratio=schedule["warmdown_ratio"],
-                  final_lr_frac=schedule["final_lr_frac"])
-    left_out = [key for key in chosen if getattr(args, key) is None]
+    chosen = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
+    left_out = [key for key in ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
+                if getattr(args, key) is None]
     for key in left_out:
         setattr(args, key, chosen[key])
     if left_out:
@@ -657,8 +652,7 @@ def resolve_model(args, vocab_size: int, device: torch.device):
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
-    """Process group, the run dir (locked until `held` closes), tokenizer, model, data and
-    optimizer, as the flags ask; a fresh run at step 0."""
+    """Process group, locked run dir, tokenizer, model, data and optimizer: a run at step 0."""
     distributed, rank, _, world_size, device = compute_init(args.device_type)
     if args.fsdp and not distributed:
         raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with "
@@ -693,8 +687,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
         check_memory(args, config, world_size, compiled)
     model = init_model(args, model, device, attention)
 
-    def load_data():  # missing or unreadable data
-        # a custom source: converted once
+    def load_data():  # missing or unreadable data; a custom source is converted once
         data = prepare(args.dataset, args.text_column, args.val_fraction)
         loader = DataLoader(tokenizer, data, "train", args.device_batch_size, args.max_seq_len,
                             rank, world_size, device, prefetch=2, shuffle_seed=args.data_seed)
@@ -793,7 +786,20 @@ def resume(run: Run) -> None:
         if problems:
             raise SystemExit(f"error: cannot resume {run.run_dir} at step {step}: "
                              + "; ".join(problems))
-        load_flags_win(run, step)
+        # the model and optimizer state, each rank reading its pieces; every group value the
+        # flags decided (initial_lr, weight_decay, ...) wins over the saved one, a change said
+        scheduled = ("params", "lr", "momentum", "step")  # follow from those, or saved
+        flags = [{k: v for k, v in g.items() if k not in scheduled
+                  and not (k == "weight_decay" and "initial_weight_decay" in g)}
+                 for g in run.optimizer.param_groups]
+        checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
+        plain = lambda v: list(v) if isinstance(v, tuple) else v  # tuples come back as lists
+        for group, wanted in zip(run.optimizer.param_groups, flags):
+            for key, value in wanted.items():
+                if plain(group.get(key)) != plain(value):
+                    print0(f"resume: {group.get('name', 'a group')} {key} was "
+                           f"{group.get(key)!r} in the checkpoint, {value!r} now (the flags win)")
+                group[key] = value
         same = meta["world_size"] == run.world_size
         run.train_loader.load_state_dict(meta["loader"][run.rank] if same else
                                          reshard_states(meta["loader"], run.rank, run.world_size))
@@ -806,24 +812,6 @@ def resume(run: Run) -> None:
     set_aside_later_steps(run.run_dir, run.rank, step)
 
 
-def load_flags_win(run: Run, step: int) -> None:
-    """The model and optimizer state of checkpoint `step`, each rank reading its pieces; every group
-    value the resumed command's flags decided (initial_lr, weight_decay, ...) wins over the saved
-    one, each that differs said. The scheduled values follow from those; the step count is saved."""
-    scheduled = ("params", "lr", "momentum", "step")
-    flags = [{k: v for k, v in g.items()
-              if k not in scheduled and not (k == "weight_decay" and "initial_weight_decay" in g)}
-             for g in run.optimizer.param_groups]
-    checkpoint.load_into(run.run_dir, step, run.model, run.optimizer)
-    # tuples may come back from a save as lists
-    plain = lambda v: list(v) if isinstance(v, tuple) else v
-    for group, wanted in zip(run.optimizer.param_groups, flags):
-        for key, value in wanted.items():
-            if plain(group.get(key)) != plain(value):
-                print0(f"resume: {group.get('name', 'a group')} {key} was {group.get(key)!r} "
-                       f"in the checkpoint, {value!r} now (the flags win)")
-            group[key] = value
-
 
 def evaluate(run: Run, final: bool = False) -> None:
     """Val bpb of the model as it is (each seed's), into the loop state and this step's checkpoint
@@ -835,18 +823,17 @@ def evaluate(run: Run, final: bool = False) -> None:
         bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
                            run.args.dtype)
     run.model.train()
+    said, key = f"val bpb {numbers_text(bpb)}", "val/bpb"
     if final:
         run.loop["final_eval"] = [scored_tokens(rows), bpb]
+        said, key = f"final eval: {said} over {scored_tokens(rows):,} tokens", "val/final_eval_bpb"
     else:
         run.loop["val_history"].append((run.step, bpb))
         run.loop["val_train_time"].append(run.loop["train_time"])
     if run.rank == 0 and run.step in checkpoint.list_steps(run.run_dir):
         checkpoint.record_loop(run.run_dir, run.step, run.loop)
-    print0(f"step {run.step:05d} | " + (f"final eval: val bpb {numbers_text(bpb)} over "
-                                         f"{scored_tokens(rows):,} tokens" if final
-                                         else f"val bpb {numbers_text(bpb)}"))
+    print0(f"step {run.step:05d} | {said}")
     if run.wandb:
-        key = "val/final_eval_bpb" if final else "val/bpb"
         run.wandb.log({"step": run.step, **wandb_values(key, bpb, run.args.seeds)})
 
 
@@ -986,8 +973,8 @@ class Step:
 
 
 def train_step(run: Run) -> Step:
-    """One optimizer step over grad_accum micro-batches at the scheduled lr and momentum; skipped,
-    on every rank alike, when any loss or gradient is not finite."""
+    """One optimizer step over grad_accum micro-batches, skipped on every rank alike when any loss
+    or gradient is not finite."""
     args, model, step = run.args, run.model, run.step
     run.synchronize()
     t0 = time.perf_counter()
@@ -1036,8 +1023,8 @@ def train_step(run: Run) -> Step:
 
 
 def record_step(run: Run, s: Step, warm: bool) -> None:
-    """Count a skipped step (stopping a run that diverged), keep the timings and the smoothed loss,
-    and print and log the step. warm: past the first steps, which compile and warm up allocators."""
+    """Count a skipped step (stopping a run that diverged), keep the timings (warm: past the steps
+    that compile) and the smoothed loss, and print and log the step."""
     args, loop, step = run.args, run.loop, run.step
     if s.finite:
         loop["nonfinite_in_a_row"] = 0
