@@ -44,9 +44,8 @@ def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float
 
 
 def rule_lrs(total_batch_size: int) -> dict[str, float]:
-    """Each group's lr at width 768 (setup_optimizer's arguments) for steps of total_batch_size
-    tokens: the CPU's below RULE_BATCH, the power law from it to nanochat's up to NANOCHAT_BATCH,
-    nanochat's sqrt scaling from there up."""
+    """Each group's lr at width 768 (setup_optimizer's arguments) at total_batch_size tokens a
+    step: the CPU's below RULE_BATCH, the power law up to NANOCHAT_BATCH, sqrt scaling above."""
     if total_batch_size < 1:
         raise ValueError(f"the lr rule needs 1 or more tokens per step, got {total_batch_size}")
     between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
@@ -71,8 +70,7 @@ class PeakLRs(NamedTuple):
 
 
 def peak_lrs(total_batch_size: int, multiplier: float = 1.0, **given: float | None) -> PeakLRs:
-    """The PeakLRs of a run of total_batch_size tokens per step: each lr given (not None), else
-    the lr rule's (rule_lrs), all scaled by `multiplier`."""
+    """The PeakLRs at total_batch_size tokens a step: each lr given (not None), else the rule's."""
     chosen = {k: v for k, v in given.items() if v is not None}
     return PeakLRs(**(rule_lrs(total_batch_size) | chosen), multiplier=multiplier)
 
@@ -95,9 +93,8 @@ SHORT_RUN_FLOOR = 50  # fewer steps get 50's lr (2.6x): shorter is not training,
 
 
 def short_run_matrix_lr(steps: int, total_batch_size: int) -> float:
-    """Muon's matrix lr for a run of `steps` steps of total_batch_size tokens (below
-    NANOCHAT_BATCH): the rule's, times (RULE_STEPS / steps) ** SHORT_RUN_EXPONENT when shorter
-    (steps at least SHORT_RUN_FLOOR)."""
+    """Muon's matrix lr for `steps` steps of total_batch_size (< NANOCHAT_BATCH) tokens: the rule's,
+    times (RULE_STEPS / steps) ** SHORT_RUN_EXPONENT when shorter (steps >= SHORT_RUN_FLOOR)."""
     if not 0 < total_batch_size < NANOCHAT_BATCH or steps < 1:
         raise ValueError(f"short_run_matrix_lr is the CPU rule's, for 1 or more steps below "
                          f"{NANOCHAT_BATCH:,} tokens; got {steps} steps of {total_batch_size:,}")
@@ -123,12 +120,10 @@ class Recipe:
 
 def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | None = None,
                     weight_decay: float | None = None) -> Recipe:
-    """Batch, lrs, Muon's weight decay and lr schedule for a run of `horizon` tokens, where
-    `ref_horizon` is nanochat's D_ref (the same tokens per scaling param at depth 12). A batch left
-    out is nanochat's: NANOCHAT_BATCH x (horizon / ref_horizon)^0.383, rounded to a power of 2. A
-    weight decay left out is rule_weight_decay's below NANOCHAT_BATCH; from there, nanochat's
-    NANOCHAT_WEIGHT_DECAY x sqrt(B / NANOCHAT_BATCH) x ref_horizon / horizon, which holds AdamW's
-    T_epoch (arXiv 2405.13698) under sqrt lr scaling."""
+    """Batch, lrs, Muon's weight decay and schedule for a run of `horizon` tokens; ref_horizon is
+    nanochat's D_ref (as many tokens per scaling param at d12). A batch left out is nanochat's
+    (Power Lines). A weight decay left out is the rule's, times ref_horizon / horizon from
+    NANOCHAT_BATCH up, which holds AdamW's T_epoch (arXiv 2405.13698) under sqrt lr scaling."""
     if horizon <= 0 or ref_horizon <= 0:
         raise ValueError(f"training_recipe needs horizons > 0 tokens, got {horizon} and "
                          f"{ref_horizon}")

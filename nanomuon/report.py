@@ -38,12 +38,10 @@ def smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 
 def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
-    """Draw panels side by side into path (PNG, written atomically). Each panel is a dict with
-    title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows, highs) to shade a band
-    (of one point: an error bar); optional logx, logy, colors ({label: matplotlib color}: one
-    thing in one color across panels), dashed (labels drawn dashed, unmarked) and xticks
-    ((positions, labels): values that are not numbers, at positions). Returns path, or None when
-    matplotlib is not installed."""
+    """Draw panels side by side into path (PNG, written atomically); None without matplotlib. Each
+    panel is a dict with title, xlabel, ylabel and series: {label: (xs, ys)} or (xs, ys, lows,
+    highs) to shade a band (of one point: an error bar); optional logx, logy, colors ({label:
+    color}, across panels), dashed (labels drawn dashed, unmarked), xticks (positions, labels)."""
     try:
         import matplotlib
 
@@ -87,8 +85,8 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
 
 
 def start_wandb(mode: str, name: str, run_dir: Path, **init):
-    """wandb.init of a nanomuon run (init: its config, or the id of one to resume), imported only
-    on request: it is slow to import and needs an account for online."""
+    """wandb.init of a nanomuon run (init: its config, or the id of one to resume); wandb, slow to
+    import, is imported only on request."""
     try:
         import wandb
     except ImportError:
@@ -135,11 +133,6 @@ def precision_words(dtype, recipe) -> str:
     return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
 
 
-def precision_text(history: list) -> str:
-    """loop.precision for the report: each precision, to the step the next took over."""
-    return ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
-                          for h, after in zip(history, [*history[1:], None]))
-
 
 def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: float,
               peak: float | None, world_size: int) -> dict:
@@ -170,8 +163,8 @@ def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: f
 
 
 def greedy_samples(model, tokenizer, tokens: int, seeds: list[int] | None) -> list[tuple[str, str]]:
-    """Greedy continuations of PROMPTS (fp8 layers in bf16, as at eval), printed; a sharded model
-    generates on every rank, in step. Batched seeds: the first seed's model speaks for them."""
+    """Greedy continuations of PROMPTS (fp8 layers in bf16), printed; a sharded model generates on
+    every rank, in step; of batched seeds, the first seed's model speaks."""
     samples = []
     model = seed_model(model, 0) if seeds else model
     with plain_linears(model):
@@ -191,19 +184,21 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine())
     headlines, sections = others_report(run_dir / "report.md")
+    history, tokens = loop["precision"], num_iterations * args.total_batch_size
+    # each precision, to the step the next took over
+    precision = ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
+                               for h, after in zip(history, [*history[1:], None]))
     lines = [f"# nanomuon base_train report: {args.run}", *headlines, "",
              f"- command: `{shown(' '.join(sys.argv), 2000, quote=False)}`",
              f"- hardware: {world_size} x {device.type} ({gpu}), torch {torch.__version__}, python "
-             f"{platform.python_version()}; {precision_text(loop['precision'])}, fp32 params; "
-             f"attention {args.attention}",
+             f"{platform.python_version()}; {precision}, fp32 params; attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
-             f"- data: {shown(args.dataset, 500, quote=False)}, "
-             f"{num_iterations * args.total_batch_size:,} tokens in "
-             f"{num_iterations} steps of {args.total_batch_size:,}; "
-             f"rank 0 packed {summary['packing']}",
-             f"- training time: {loop['train_time'] / 60:.2f} min "
-             "(excluding evals and the first steps)"]
+             f"- data: {shown(args.dataset, 500, quote=False)}, {tokens:,} tokens in "
+             f"{num_iterations} steps of {args.total_batch_size:,}; rank 0 packed "
+             f"{summary['packing']}",
+             f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first "
+             "steps)"]
     if args.seeds:
         lines.append(f"- seeds: {', '.join(map(str, args.seeds))}, trained as one batched model "
                      "on the same batches (tok/s counts every seed's tokens)")
@@ -219,17 +214,15 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
     lines += [f"| {s} | {' | '.join(f'{x:.4f}' for x in (v if args.seeds else [v]))} |"
               for s, v in loop["val_history"]]
     if samples:
-        lines += ["", "## Samples (greedy)" + (f", seed {args.seeds[0]}" if args.seeds else ""),
-                  ""]
+        lines += ["", "## Samples (greedy)" + (f", seed {args.seeds[0]}" if args.seeds else ""), ""]
         lines += [f"- `{p!r}` -> `{o!r}`" for p, o in samples]
     lines += sections
     write_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     # the same numbers and curves for programs (scripts.ablate reads them)
     record = dict(others_summary(run_dir / "summary.json"), **summary, run=args.run,
-                  optimizer=args.optimizer, num_params=num_params,
-                  world_size=world_size, tokens_per_step=args.total_batch_size,
-                  val_history=loop["val_history"], val_train_time=loop["val_train_time"],
-                  history=loop["history"])
+                  optimizer=args.optimizer, num_params=num_params, world_size=world_size,
+                  tokens_per_step=args.total_batch_size, val_history=loop["val_history"],
+                  val_train_time=loop["val_train_time"], history=loop["history"])
     if args.seeds:  # each seed's numbers as its own run records them
         for key in PER_SEED:
             record.pop(key, None)
