@@ -1,16 +1,12 @@
 """
-Evaluate a base_train checkpoint: validation bits per byte, the CORE metric (nanomuon/core_eval.py,
-docs/core.md) and a few samples; appends a section to the run's report and puts `core` into its
-summary.json and, with --wandb, into the training's wandb run (or a new one named like the run).
-It holds the run dir's lock while it runs, as base_train does, so no training moves the step it
-measures away from the report it writes into. bpb is measured on the run's own data if that is a
-built-in source (fineweb-edu, climbmix, embedded); any other source (a local path, a hub dataset)
-takes an explicit --dataset: a checkpoint may come from someone else, and must not pick what is
-read or downloaded.
+Evaluate a base_train checkpoint: validation bits per byte, the CORE metric (docs/core.md) and a
+few samples, appended to the run's report; `core` also goes into its summary.json and, with
+--wandb, the training's wandb run. It holds the run dir's lock, so no training moves the step it
+measures away from the report. bpb is measured on the run's own data if that is a built-in source;
+any other takes an explicit --dataset: a checkpoint must not pick what is read or downloaded.
 
---eval picks any of core, bpb, sample. Its default is bpb and sample, plus core when an eval bundle
-is already in the base dir: the default never touches the network and so runs offline as before,
-while `--eval core,...` downloads the bundle once when it is missing (the GPU speedrun asks so).
+--eval picks any of core, bpb, sample: by default bpb and sample, plus core when an eval bundle is
+already in the base dir, so the default runs offline; `--eval core,...` downloads a missing bundle.
 
     python -m scripts.base_eval -- --run d20
     python -m scripts.base_eval -- --run d20 --eval core --max-per-task 100   # a quick look
@@ -66,9 +62,8 @@ def flags(data) -> str:
 
 
 def eval_data(args, meta) -> argparse.Namespace:
-    """The data to evaluate on: --dataset as given, else the run's own if it is a built-in source;
-    anything else is read or downloaded only on the user's say-so. The run's own source, named,
-    comes with the run's --text-column and --val-fraction unless given, so the numbers compare."""
+    """The data to evaluate on: --dataset as given, else the run's own if it is built in. The run's
+    own source, named, comes with the run's --text-column and --val-fraction unless given."""
     own = meta.get("args") if isinstance(meta.get("args"), dict) else {}
     data = argparse.Namespace(**{k: own.get(k) for k in KEYS})
     if args.dataset:
@@ -136,23 +131,21 @@ def parse_args(argv):
 def run_bpb(args, model, tokenizer, meta, device, dtype) -> tuple[float, list[str]]:
     """Validation bits per byte on the run's data (or --dataset), and its report line."""
     data_args = eval_data(args, meta)
-    dataset = data_args.dataset
     print0(f"evaluating on {flags(data_args)}" + ("" if data_args is args else ", the run's data"))
     eval_tokens = args.eval_tokens or meta["args"].get("eval_tokens", 10 * 524288)
     with user_errors():
-        data = prepare(dataset, data_args.text_column, data_args.val_fraction)
+        data = prepare(data_args.dataset, data_args.text_column, data_args.val_fraction)
         rows = val_rows(tokenizer, data, model.config.sequence_len, eval_tokens)
     bpb = evaluate_bpb(model, rows, args.device_batch_size, tokenizer.token_bytes().to(device),
                        dtype)
-    scored = scored_tokens(rows)
-    named = shown(dataset, 500, quote=False)  # escaped, in the report too
-    print0(f"run {args.run} step {meta['step']}: {named} val bpb {bpb:.4f} over {scored:,} tokens")
+    named = shown(data_args.dataset, 500, quote=False)  # escaped, in the report too
+    print0(f"run {args.run} step {meta['step']}: {named} val bpb {bpb:.4f} over "
+           f"{scored_tokens(rows):,} tokens")
     return bpb, [f"- {named} val bpb: {bpb:.4f}"]
 
 
 def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, list[str]]:
-    """CORE (None when skipped) and its report lines: the speedrun's headline, then a row per
-    task."""
+    """CORE (None when skipped) and its report lines: the headline, then a row per task."""
     with user_errors():
         bundle = find_bundle(args.core_bundle, fetch=args.eval is not None)
         if bundle is None:
@@ -211,17 +204,15 @@ def main(argv=None):
     _, rank, _, _, device = compute_init(args.device_type)
     run_dir = get_base_dir() / "runs" / args.run
     with contextlib.ExitStack() as held:
-        # the run dir is ours until the results are written: a base_train meanwhile (--start-over,
-        # a rewind) would move the step measured away from the report its results go into
-        claim_run_dir(run_dir, rank, held)
+        claim_run_dir(run_dir, rank, held)  # until the results are written
         bpb = measure(args, run_dir, rank, device)
     compute_cleanup()
     return bpb
 
 
 def measure(args, run_dir, rank: int, device) -> float | None:
-    """The evaluations asked for, appended to the run's report (rank 0), CORE also into its
-    summary.json and headline; bpb, or None when not asked for."""
+    """The evaluations asked for, into the run's report (rank 0), CORE also into its summary.json
+    and headline; returns bpb, or None when not asked for."""
     evals = args.eval or ["bpb", "core", "sample"]  # core: only with a bundle already here
     model, tokenizer, meta = load_for_inference(args, device)
     check_report(run_dir / "report.md")

@@ -1,12 +1,9 @@
 """
-Export a checkpoint as one whole-state file, for tools that want plain tensors: an inference server,
-a conversion script, torch.load in a notebook. Training checkpoints are sharded (each process writes
-its own pieces through torch.distributed.checkpoint; nanomuon/checkpoint.py); this reads one back
-whole in a single process and writes {"model": the model's state_dict, "optim": the optimizer's
-world-size-independent state (MuonAdamW.state_dict() format), "meta": its meta.json},
-atomically. It loads with torch.load(path, weights_only=True). --out must be a new path, or a
-regular file to overwrite with --force: the file is written beside it and renamed over it, which
-would put a file in place of a device, FIFO or symlink.
+Export a (sharded) checkpoint as one whole-state file for tools that want plain tensors: {"model":
+the state_dict, "optim": the optimizer's world-size-independent state, "meta": its meta.json},
+written atomically; torch.load(path, weights_only=True) reads it. --out must be a new path, or a
+regular file to overwrite with --force: the file is renamed over it, which would put a file in
+place of a device, FIFO or symlink.
 
     python -m scripts.export --run d20                  # runs/d20/export_step_NNNNNN.pt
     python -m scripts.export --run d20 --step 5000 --model-only --out d20.pt

@@ -7,7 +7,6 @@ Generate text from a trained checkpoint.
 import argparse
 import codecs
 import math
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -89,8 +88,7 @@ def main(argv=None):
             # printed as it comes: a long sample takes minutes on a CPU
             for piece in stream(model, tokenizer, prompt, args.max_tokens, args.temperature,
                                 args.top_k or None, args.seed + i):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                print(piece, end="", flush=True)
             print(flush=True)
 
 
