@@ -98,8 +98,7 @@ from nanomuon.update_math import (
 
 def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
     """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row` elements, cut
-    in world_size equal shards of whole rows as DTensor's Shard(0) cuts dim 0 (a checkpoint saves
-    each piece as a block of the param); the last shards are short or empty."""
+    in equal shards of whole rows as DTensor's Shard(0) cuts dim 0; the last may be short."""
     shard = -(-(numel // row) // world_size) * row
     lo = min(numel, rank * shard)
     return shard, lo, min(numel, lo + shard)
@@ -126,8 +125,7 @@ def group_signature(group: dict) -> str:
 
 
 def check_numbers(i: int, group: dict) -> None:
-    """What schedules edit (lr, weight decay, momentum, beta2; AdamW's betas and eps) and a muon
-    group's step count, checked at every step."""
+    """What schedules edit (lr, weight decay, momentum, beta2, betas, eps) and step."""
     adamw = group["kind"] == "adamw"
     betas = group["betas"] if adamw else (0.0, 0.0)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -163,8 +161,7 @@ def refuse_grad(i: int, group: dict, j: int, p: Tensor) -> None:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (docs/optimizer.md); with process_group, data
     parallel with no DDP wrapper: step() reduces the grads itself and frees them (None on return).
-    Muon state per shape is one stacked buffer that per-param state views, so the fused update
-    never re-stacks it; state_dict() is torch's per-parameter format. compile: run the update
+    Muon state per shape is one stacked buffer that per-param state views. compile: run the update
     through torch.compile; None: on for CUDA params."""
 
     SMALL = 1024  # data parallel: params with fewer elements are all_reduced, updated everywhere
@@ -193,13 +190,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
         self._resolved = {}  # group index -> Resolved, made again when its keys change
         self.pg, self.rank, self.world_size = process_group, 0, 1
-        if process_group is not None:
-            self._join(process_group)
-
-    def _join(self, process_group) -> None:
-        """Train data parallel over process_group (flat sharding needs contiguous params). gloo
-        in older torch lacks ReduceOp.AVG: there the sum is taken and the reduced shard scaled."""
-        for i, group in enumerate(self.param_groups):
+        if process_group is None:
+            return
+        for i, group in enumerate(self.param_groups):  # flat sharding needs contiguous params
             for j, p in enumerate(group["params"]):
                 if not isinstance(p, DTensor) and not p.is_contiguous():
                     raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards "
@@ -207,10 +200,10 @@ class MuonAdamW(torch.optim.Optimizer):
                                      "p.data = p.data.contiguous()")
         self.rank, self.world_size = (dist.get_rank(process_group),
                                       dist.get_world_size(process_group))
+        # gloo in older torch lacks ReduceOp.AVG: there the sum is taken, the reduced shard scaled
         self._use_avg = dist.get_backend(process_group) == "nccl"
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        # reduce-scatter and all_gather on nccl; all_reduce and broadcasts elsewhere
-        self._scatter = self._use_avg
+        self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl, else broadcasts
 
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
@@ -241,8 +234,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def give_inputs(self, inputs: dict) -> None:
-        """This step's input covariances, param -> (..., blocks, b, b) (update_math.input_covariance),
-        each this rank's mean over its tokens; averaged over the ranks here for the owners."""
+        """This step's input covariances, param -> (..., blocks, b, b), each this rank's mean over
+        its tokens (update_math.input_covariance); averaged over the ranks here for the owners."""
         params = [p for g in self.param_groups if g["kind"] == "muon" and inputs_due(g)
                   for p in g["params"]]
         if missing := [i for i, p in enumerate(params) if p not in inputs]:
@@ -264,8 +257,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every param with a grad (on any rank), in three phases; on one rank
-        only the second runs."""
+        """One step of every param with a grad (on any rank), in three phases."""
         inputs, self._inputs = self._inputs, {}  # this step's alone, used or not
         loss = self._begin_step(closure, inputs)
         buckets = self._get_plan()
@@ -277,8 +269,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # StageContext.step: the same on every rank
             if group["kind"] == "muon" and any(active[p] for p in group["params"]):
                 group["step"] += 1
-        # 1: start every reduction
-        reductions = dict(muon={}) if single else self._launch_reductions(buckets, active)
+        reductions = dict(muon={}) if single else self._launch_reductions(buckets, active)  # 1
         gathers = []  # 2: group by group, wait, update what this rank owns, start the gathers
         for gi, group in enumerate(self.param_groups):
             if group["kind"] == "adamw":
@@ -296,9 +287,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _begin_step(self, closure, inputs: dict):
-        """The closure's loss (None without one), then every check that can fail, before any
-        math runs, so a bad step changes nothing. A group is resolved (defaults, every check) again
-        only when its signature changes; otherwise only check_numbers runs."""
+        """The closure's loss, then every check that can fail, before any math runs. A group is
+        resolved (defaults, every check) again only when its signature changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -313,8 +303,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     group_signature(group), {}, muon and "inputs" in stage_needs(group),
                     has_dtensors(group["params"]))
             check_numbers(i, group)
-            # set by OneCycleLR, CyclicLR
-            if group["kind"] == "adamw" and group.get("momentum") is not None:
+            if group["kind"] == "adamw" and group.get("momentum") is not None:  # OneCycleLR's
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 g = p.grad
@@ -328,9 +317,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _get_plan(self) -> list[dict]:
-        """The Muon buckets of plain (non-DTensor) params with their owners (plan.owner_plan),
-        planned group by group against the groups before and kept: a group added later leaves
-        the others' owners, and so their state, in place."""
+        """The Muon buckets of plain (non-DTensor) params with their owners, planned group by group
+        and kept: a group added later leaves the others' owners, and their state, in place."""
         loads = [0.0] * self.world_size
         for gi, group in enumerate(self.param_groups):
             ids = tuple(id(p) for p in group["params"])
@@ -363,16 +351,14 @@ class MuonAdamW(torch.optim.Optimizer):
         return buckets
 
     def _adamw_route(self, p: Tensor) -> str:
-        """How an AdamW param's grad is reduced: 'dtensor' (already reduced), 'local' (one
-        rank), 'small' or 'sharded'."""
+        """How an AdamW param's grad is reduced: 'dtensor', 'local', 'small' or 'sharded'."""
         if isinstance(p, DTensor):
             return "dtensor"
         return "local" if self.world_size == 1 else "small" if p.numel() < self.SMALL else "sharded"
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every gradient reduction, in place; returns their handles for phase 2.
-        Each Muon bucket's grads move into one buffer, rank r's slots in chunk r, and leave the
-        params as they go (p.grad = None): no copy of the grads exists at any time."""
+        """Phase 1: start every gradient reduction, in place. Each Muon bucket's grads move into
+        one buffer, rank r's slots in chunk r, leaving the params (p.grad = None) as they go."""
         N = self.world_size
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw"
@@ -408,9 +394,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(small=small, sharded=sharded, muon=muon)
 
     def _update_adamw_group(self, group: dict, active: dict, reductions: dict) -> list:
-        """AdamW on what this rank updates of an adamw group's active params; returns the gathers
-        of the shards, as (works, target, buffer): target None (gathered in place) or a padded
-        param."""
+        """AdamW on what this rank updates of the group's active params; returns the gathers, as
+        (works, target, buffer): target None (gathered in place) or a padded param."""
         gathers = []
         for p in (p for p in group["params"] if active[p]):
             route = "local" if self.world_size == 1 else self._adamw_route(p)
@@ -443,9 +428,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced,
                             inputs: dict) -> tuple | None:
-        """Muon on the bucket's matrices this rank owns, in place, one stacked call per _slices.
-        reduced: None on one rank, else (work, buffer) of the reduction: the new values then go
-        into this rank's chunk of the buffer and its gather starts. inputs: give_inputs'."""
+        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank, else
+        (work, buffer) of the reduction: the new values go into this rank's chunk, then gathered."""
         mine = [b["params"][i] for i in b["mine"]]
         idx = [k for k, p in enumerate(mine) if active[p]]
         if reduced is not None:
@@ -488,8 +472,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
     def _write_back(self, gathers: list, active: dict) -> None:
-        """Phase 3: wait for the gathers and copy what arrived into the params; then drop the
-        grads this optimizer reduced (None, as after zero_grad())."""
+        """Phase 3: wait for the gathers, copy what arrived into the params, drop the grads."""
         for works, target, buf in (g for g in gathers if g is not None):
             for work in works:
                 work.wait()
@@ -524,8 +507,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _slices(self, count: int, like: Tensor) -> list[slice]:
         """The dim-0 slices an update of `count` tensors like `like` runs in: one on GPUs, of <=
-        CPU_SLICE elements on CPU, where temporaries above glibc's 32 MB mmap threshold are
-        page-faulted afresh on every call (13% of a d12 Muon step on a 2-core VM)."""
+        CPU_SLICE elements on CPU, as glibc page-faults temporaries over 32 MB on every call."""
         if like.is_cuda or count * like.numel() <= self.CPU_SLICE:
             return [slice(None)]
         per = max(1, self.CPU_SLICE // like.numel())
@@ -557,32 +539,28 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _reduce(self, buf: Tensor):
         """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a
-        reduce-scatter into it on nccl; elsewhere an all_reduce, as gloo's reduce-scatter holds a
-        copy of its whole input and runs slower than its all_reduce (docs/benchmarks.md)."""
+        reduce-scatter on nccl; elsewhere an all_reduce, faster than gloo's reduce-scatter."""
         if self._scatter:
             return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op,
                                               group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
     def _rows(self, p: Tensor, rank: int | None = None) -> tuple[int, int, int]:
-        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat;
-        DTensor's Shard(0) cut, so checkpoints save the piece as a block (_dcp_form)."""
+        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat."""
         row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
         return flat_shard(p.numel(), self.rank if rank is None else rank, self.world_size, row)
 
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
-        """Start giving every rank each rank's piece of buf's first n elements (flat_shard's cut:
-        p's rows, or single elements), in place: on nccl an all_gather from _own_chunk(buf);
-        elsewhere one broadcast per rank, as gloo's all_gather holds a copy."""
+        """Start giving every rank each rank's piece of buf's first n elements (p's rows, or
+        single elements), in place: an all_gather on nccl, elsewhere one broadcast per rank."""
         if self._scatter:
-            return [self._all_gather(buf, self._own_chunk(buf))]
+            return [dist.all_gather_into_tensor(buf, self._own_chunk(buf), group=self.pg,
+                                                async_op=True)]
         cuts = [(self._rows(p, r) if p is not None else flat_shard(n, r, self.world_size))[1:]
                 for r in range(self.world_size)]
         return [dist.broadcast(buf[lo:hi], group=self.pg, group_src=r, async_op=True)
                 for r, (lo, hi) in enumerate(cuts) if hi > lo]
 
-    def _all_gather(self, out, inp):
-        return dist.all_gather_into_tensor(out, inp, group=self.pg, async_op=True)
 
     def _all_reduce(self, t, op=None):
         return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg,
@@ -600,10 +578,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return [bool(f) for f in t.tolist()]
 
     def _has_grad(self, params: list[Tensor]) -> list[bool]:
-        """Whether each param has a grad on some rank. A rank holding every grad knows (all True),
-        so in the usual step nothing is read back to the host: it joins the flags' all_reduce (every
-        rank must) with a cached all-ones tensor that MAX leaves as it is (with nccl, wait() orders
-        the stream). A rank missing a grad reads the flags."""
+        """Whether each param has a grad on some rank. A rank holding every grad reads nothing
+        back to the host: it joins the flags' all_reduce with a cached all-ones tensor."""
         mine = [p.grad is not None for p in params]
         if not all(mine):
             return self._any_rank(mine)
@@ -615,10 +591,9 @@ class MuonAdamW(torch.optim.Optimizer):
     # State: torch's format of the whole state (export, tools), and a sharded checkpoint's.
 
     def state_dict(self) -> dict:
-        """The whole optimizer state in torch's format, the same at any world size, on every rank:
-        load_state_dict() takes it at any world size. Data parallel or with DTensor params it is a
-        collective: call it on all ranks (then save from one). Training checkpoints use
-        sharded_state_dict(), where each rank writes only its pieces."""
+        """The whole optimizer state in torch's format, on every rank, for load_state_dict() at
+        any world size. Data parallel or with DTensor params, a collective: call it on all ranks.
+        Training checkpoints use sharded_state_dict(), where each rank writes only its pieces."""
         N, sd = self.world_size, super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         if N > 1:
@@ -643,41 +618,37 @@ class MuonAdamW(torch.optim.Optimizer):
             else:
                 shard, lo, hi = self._rows(p)
                 full[p]["step"] = st["step"]
-                # every rank's shard, padded to the same length
-                for name in ("exp_avg", "exp_avg_sq"):
+                for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded alike
                     out = p.new_empty(shard * N)
-                    self._all_gather(
-                        out, torch.nn.functional.pad(st[name], (0, shard - (hi - lo)))).wait()
+                    dist.all_gather_into_tensor(out, torch.nn.functional.pad(
+                        st[name], (0, shard - (hi - lo))), group=self.pg, async_op=True).wait()
                     full[p][name] = out[:p.numel()].view_as(p).clone()
         for b in self._get_plan():
             if not any(has[p] for p in b["params"]):
                 continue
             p0, mine = b["params"][0], [b["params"][i] for i in b["mine"]]
-            # the same on all ranks
-            layouts = muon_state_layout(p0.shape, p0.dtype, self.param_groups[b["group"]])
-            for name, slot in layouts.items():
+            group = self.param_groups[b["group"]]
+            for name, slot in muon_state_layout(p0.shape, p0.dtype, group).items():  # as all ranks
                 stack = torch.zeros((b["per_rank"], *slot.shape), dtype=slot.dtype,
                                     device=p0.device)
                 for k, p in enumerate(mine):  # state not made yet: what the next step makes
                     stack[k].copy_(self.state[p][name] if name in self.state[p]
                                    else fresh_state(slot, p))
                 out = stack.new_empty((b["per_rank"] * N, *slot.shape))
-                self._all_gather(out, stack).wait()
+                dist.all_gather_into_tensor(out, stack, group=self.pg, async_op=True).wait()
                 for i, row in b["rows"]:
                     if has[b["params"][i]]:
                         full[b["params"][i]][name] = out[row].clone()
         return full
 
     def _torch_load(self, state_dict: dict) -> None:
-        """torch's load_state_dict, then: this run's structural options kept (torch restores the
-        saved group values), defaults for options newer than the checkpoint, and stage state back
-        in its own dtype (torch casts state to the param dtype)."""
+        """torch's load_state_dict, keeping this run's structural options, filling defaults newer
+        than the checkpoint, and stage state back in its own dtype (torch casts it)."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         for group, kept in zip(self.param_groups, keep):
             group.update(kept)
-            # saved before the orthogonalizer registry
-            if (method := group.pop("ns_method", None)) is not None:
+            if (method := group.pop("ns_method", None)) is not None:  # before orthogonalizer
                 group.setdefault("orthogonalizer", orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
@@ -695,16 +666,14 @@ class MuonAdamW(torch.optim.Optimizer):
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
         pieces. A collective where DTensor Muon params are planned."""
         check_state_dict(self.param_groups, state_dict)
-        # the whole state, the same on every rank: all raise alike
-        if problem := state_values_problem(self.param_groups, state_dict):
+        if problem := state_values_problem(self.param_groups, state_dict):  # alike on every rank
             raise DamagedState(problem)
         self._torch_load(self._cut(state_dict, self._state_layout()))
 
     def _state_layout(self):
-        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of p.
-        None: not at all; 'whole' (Muon state on its owner); a DTensor block (mesh, placements)
-        of a DTensor param's param-shaped state; a slice of the flat param (large AdamW params,
-        data parallel). A collective where DTensor Muon params are planned."""
+        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of p:
+        None, 'whole', a DTensor block (mesh, placements) or a slice of the flat param (large
+        AdamW params, data parallel). A collective where DTensor Muon params are planned."""
         kept = kept_direction_state(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
@@ -735,8 +704,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(sd, state=state)
 
     def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
-        """v, a state tensor this rank holds, as a sharded checkpoint stores it: a flat shard of
-        rows as a block of p (a DTensor over the process group); anything else as it is."""
+        """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of p."""
         if not isinstance(how, slice):
             return v
         if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
@@ -745,10 +713,9 @@ class MuonAdamW(torch.optim.Optimizer):
                                   shape=p.shape, stride=p.stride(), run_check=False)
 
     def sharded_state_dict(self) -> tuple[dict, dict]:
-        """This rank's state for a sharded checkpoint (checkpoint.py): (tensors, rest).
-        tensors['<param index>.<name>']: each state tensor this rank holds, a DTensor where it
-        holds a block; rest: state_dict() without them, the same on every rank. A collective
-        where DTensor Muon params are planned."""
+        """This rank's state for a sharded checkpoint: (tensors, rest). tensors['<param
+        index>.<name>']: each state tensor this rank holds, a DTensor where it holds a block;
+        rest: state_dict() without them. A collective where DTensor Muon params are planned."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
         params = [p for g in self.param_groups for p in g["params"]]
         tensors, rest = {}, {}
@@ -762,9 +729,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return tensors, dict(sd, state=rest)
 
     def load_sharded_state_dict(self, shapes: dict, rest: dict, read) -> None:
-        """Load what sharded_state_dict() saved, at any world size. shapes['<param index>.<name>']
-        = (shape, dtype) of each saved tensor; read(targets) fills this rank's pieces in place
-        (torch.distributed.checkpoint.load), and they become the state."""
+        """Load what sharded_state_dict() saved, at any world size: shapes['<index>.<name>'] =
+        (shape, dtype) of each tensor; read(targets) fills this rank's pieces (DCP's load)."""
         state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
         for key, (shape, dtype) in shapes.items():
             idx, name = key.split(".", 1)
@@ -788,8 +754,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 
 class DistMuonAdamW(MuonAdamW):
-    """MuonAdamW, data parallel over the default process group (or process_group): the name
-    nanochat's distributed optimizer had."""
+    """MuonAdamW, data parallel over the default process group (or process_group)."""
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if not (dist.is_available() and dist.is_initialized()):

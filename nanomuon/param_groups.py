@@ -18,9 +18,8 @@ from nanomuon.update_math import Option, a_bool, a_number, ns_coefficients, one_
 logger = logging.getLogger("nanomuon")
 
 WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-# Embeddings and output heads in common model families (GPT-2, nanochat, Llama, HF), matched against
-# the param's own name or its module's: Meta Llama's head is `output`, but BERT's
-# `attention.output.dense` is a hidden matrix.
+# Embeddings and output heads (GPT-2, nanochat, Llama, HF), matched against the param's own name or
+# its module's: Meta Llama's head is `output`, but BERT's `attention.output.dense` is a matrix.
 SKIP_KEYS = ("wte", "wpe", "embed_tokens", "tok_embeddings", "embeddings", "lm_head", "output")
 # Fused weights of equal row blocks, updated block by block (split): transformers 5's MoE experts
 # (E, 2I, H) [gate; up] and GPT-2's (H, 3H) Conv1D [Q; K; V].
@@ -46,7 +45,7 @@ def _names(parts: list[str], key: str) -> bool:
 
 
 def has_dtensors(params) -> bool:
-    """Whether any of these params is a DTensor (FSDP2, tensor parallel): sharded.py updates those."""
+    """Whether any of these params is a DTensor (FSDP2, tensor parallel): sharded.py's."""
     return any(isinstance(p, DTensor) for p in params)
 
 
@@ -72,11 +71,10 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
 
 def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS,
                       expert_keys=("experts",), fused_keys=FUSED_KEYS):
-    """[muon group, muon groups of other layouts..., adamw group] for MuonAdamW / DistMuonAdamW:
-    `muon` and `adamw` hold the hyperparameters. Weights stored (in, out), as GPT-2's Conv1D, go
-    to a group with transposed=True; fused weights (fused_keys: name -> number of equal blocks) to
-    a group with that split. Frozen params are left out; the `nanomuon` logger says why each param
-    went where."""
+    """[muon group, muon groups of other layouts..., adamw group], `muon` and `adamw` holding the
+    hyperparameters. Weights stored (in, out), as GPT-2's Conv1D, go to a group with
+    transposed=True; fused weights (fused_keys: name -> number of equal blocks) to one with that
+    split. Frozen params are left out; the `nanomuon` logger says why each param went where."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
     groups, adamw_group = ({(None, False): dict(muon, kind="muon", params=[])},
@@ -105,7 +103,6 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
                  "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-# DTensor params: see sharded.py
 SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")
 
 
@@ -141,14 +138,11 @@ def any_value(v):  # checked with the keys it goes with (check_group_values)
 
 def row_counts(n: int | None):
     """The check of a split: n positive row counts (None: two or more)."""
-    want = ("three positive row counts (q, k, v)" if n
-            else "two or more positive row counts, one per block")
-
     def check(v):
-        ok = v is None or (isinstance(v, (tuple, list)) and len(v) == (n or len(v)) >= 2
-                           and all(isinstance(k, int) and not isinstance(k, bool) and k > 0
-                                   for k in v))
-        return None if ok else f"must be {want}"
+        ok = v is None or (isinstance(v, (tuple, list)) and len(v) == (n or len(v)) >= 2 and all(
+            isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in v))
+        return None if ok else ("must be three positive row counts (q, k, v)" if n
+                                else "must be two or more positive row counts, one per block")
     return check
 
 
@@ -156,9 +150,8 @@ def query_groups(v):
     return update_math.a_count(v) and "must be an int >= 1 (Megatron's num_query_groups)"
 
 
-# Every optional key of a muon group, declared once: defaults fill groups (late-2025 nanochat's
-# Muon), the checks run at construction and at every step, and the
-# option table in docs/optimizer.md is made from the docs.
+# Every optional key of a muon group, declared once: defaults (late-2025 nanochat's Muon), checks,
+# and the docs of the option table in docs/optimizer.md.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
     "precondition": Option((), stage_names("precondition"), "names in "
@@ -211,11 +204,11 @@ MUON_OPTIONS = {
                            "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on "
                            "slices), `'blockwise'` (docs/optimizer.md, \"Sharded params\")"),
     "qkv_split": Option(None, row_counts(3), "`(q, k, v)` row counts: split's 3-block case"),
-    "split": Option(None, row_counts(None), "row counts of fused blocks, e.g. `(I, I)` for `[gate; up]`; "
-                    "each block is updated exactly as a param of its own (lr factor, variance "
-                    "reduction)"),
-    "split_groups": Option(1, query_groups, "the rows are this many repeats of the blocks: Megatron's "
-                           "per-query-group QKV layout"),
+    "split": Option(None, row_counts(None), "row counts of fused blocks, e.g. `(I, I)` for "
+                    "`[gate; up]`; each block is updated exactly as a param of its own (lr "
+                    "factor, variance reduction)"),
+    "split_groups": Option(1, query_groups, "the rows are this many repeats of the blocks: "
+                           "Megatron's per-query-group QKV layout"),
     "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor "
                          "and statistics follow the logical `(out, in)`"),
     "horizon": Option(None, lambda v: None if v is None else update_math.a_count(v),
@@ -227,15 +220,13 @@ ADAMW_OPTIONS = {
                        "`betas[0]` at the next step"),
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
-# Keys other code legitimately adds to groups: LR schedulers write initial_lr (and base_train's
-# weight decay schedule initial_weight_decay); 'name' labels a group; the optimizer counts a muon
-# group's updates in 'step' (StageContext.step).
+# Keys other code adds to groups: LR schedulers' initial_lr (and base_train's weight decay
+# schedule's initial_weight_decay); 'name'; a muon group's update count 'step' (StageContext.step).
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay", "step"}
 
 
 def group_options(group: dict) -> dict:
-    """The optional keys of a group, key -> Option: its kind's, and (muon) the options the stages
-    it names declare (a stage's own hyperparameters)."""
+    """key -> Option of a group's optional keys: its kind's, and (muon) its stages' own."""
     options = dict(OPTIONS.get(group.get("kind"), {}))
     if group.get("kind") == "muon":
         for key in update_math.STAGE_KEYS:
@@ -248,8 +239,7 @@ def group_options(group: dict) -> dict:
 
 def fill_defaults(group: dict) -> None:
     """Give a group every optional key it lacks, at its default (state_dict() then records what
-    ran); a stage named between steps gets its options' defaults then. Groups saved before the
-    stage keys had equilibrate, post_normalize and cautious_wd: they become stage names."""
+    ran); the LEGACY_KEYS of older checkpoints become stage names."""
     if group.get("kind") == "muon" and any(k in group for k in LEGACY_KEYS):
         eq, post = group.pop("equilibrate", None), group.pop("post_normalize", None)
         group.setdefault("precondition", (f"equilibrate_{eq}",) if eq else ())
@@ -267,8 +257,7 @@ LEGACY_KEYS = ("equilibrate", "post_normalize", "cautious_wd")
 
 
 def options_table(kind: str = "muon") -> str:
-    """The markdown table of a kind's optional keys, from OPTIONS (docs/optimizer.md holds it;
-    a test compares)."""
+    """The markdown table of a kind's optional keys (docs/optimizer.md holds it)."""
     rows = [f"| `{k}` | `{o.default!r}` | {o.doc} |" for k, o in OPTIONS[kind].items()]
     return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
 
@@ -281,8 +270,7 @@ def group_label(i: int, group: dict) -> str:
 def check_group_values(i: int, group: dict) -> None:
     """Every check of a group's keys and values but what schedules edit (optim.check_numbers):
     its kind and required keys, then a muon group's options, coefficients, layout and stages."""
-    label = group_label(i, group)
-    kind = group.get("kind")
+    label, kind = group_label(i, group), group.get("kind")
     if kind not in REQUIRED_KEYS:
         raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; "
                          "add kind='adamw' or kind='muon' to the group")
@@ -306,25 +294,6 @@ def check_group_values(i: int, group: dict) -> None:
     if whole and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
         raise ValueError(f"{label}: {whole} needs whole matrices: use sharded_mode 'owner' or "
                          "'duplicated'")
-    _check_coefficients(label, group)
-    _check_stages(label, group)
-
-
-def _check_stages(label: str, group: dict) -> None:
-    """What a stage's check says of the whole group (options that depend on each other), and
-    whether sharded_mode='distributed' can run it on slices."""
-    filled = dict(group)
-    fill_defaults(filled)
-    for key, name, s in update_math.group_stages(filled):
-        if s.check is not None and (wrong := s.check(filled)):
-            raise ValueError(f"{label}: {key} {name!r}: {wrong}")
-        if filled["sharded_mode"] == "distributed" and key != "apply" and not s.flags.on_slices:
-            raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
-                             f"slices of each matrix; {key} {name!r} needs whole matrices: "
-                             "use sharded_mode 'owner' or 'duplicated'")
-
-
-def _check_coefficients(label: str, group: dict) -> None:
     steps = group["ns_steps"]
     if wrong := update_math.a_count(steps):
         raise ValueError(f"{label}: ns_steps={steps!r} {wrong} (5 is standard)")
@@ -338,6 +307,15 @@ def _check_coefficients(label: str, group: dict) -> None:
                          f"normalized input's singular values to {peak:.3g} within {steps} steps, "
                          f"where they must stay near 1 (at most {update_math.NS_GROWTH_MAX:g}, as "
                          "every named set does): larger ones overflow fp32 in the update")
+    filled = dict(group)
+    fill_defaults(filled)
+    for key, name, s in update_math.group_stages(filled):  # a stage's check of the whole group
+        if s.check is not None and (wrong := s.check(filled)):
+            raise ValueError(f"{label}: {key} {name!r}: {wrong}")
+        if filled["sharded_mode"] == "distributed" and key != "apply" and not s.flags.on_slices:
+            raise ValueError(f"{label}: sharded_mode='distributed' runs the direction on "
+                             f"slices of each matrix; {key} {name!r} needs whole matrices: "
+                             "use sharded_mode 'owner' or 'duplicated'")
 
 
 def check_group(i: int, group: dict) -> None:
@@ -387,8 +365,7 @@ def check_group(i: int, group: dict) -> None:
 
 
 def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
-    """Refuse a checkpoint whose groups or state shapes do not fit these params, naming the first
-    misfit."""
+    """Refuse a checkpoint whose groups or state shapes do not fit these params."""
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
         raise ValueError("optimizer state_dict must have 'state' and 'param_groups'; "
@@ -428,9 +405,8 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
 
 
 def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
-    """A Muon param's saved state against what this group keeps (update_math.muon_state_layout):
-    every tensor of the declared shape and dtype, no state the group does not keep; a stage's
-    state missing (a stage added on resume) is made afresh at its first step, with a note."""
+    """A Muon param's saved state against what this group keeps: every tensor of the declared
+    shape and dtype; a stage's state missing (a stage added on resume) is made afresh, noted."""
     layout = update_math.muon_state_layout(p.shape, p.dtype, group, declared=True)
     kept = update_math.muon_state_layout(p.shape, p.dtype, group)
     for name, v in st.items():
@@ -453,8 +429,7 @@ def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
 
 
 def _bad_values(v: Tensor, nonnegative: bool) -> str | None:
-    """What is wrong with a state tensor's values (this rank's piece of a DTensor): one isfinite
-    and, for a second moment or a count, one min."""
+    """What is wrong with a state tensor's values (this rank's piece of a DTensor), if any."""
     v = v.to_local() if isinstance(v, DTensor) else v
     if v.is_meta or not v.is_floating_point() or v.numel() == 0:
         return None
@@ -477,14 +452,12 @@ def _bad_step(step) -> str | None:
 
 
 class DamagedState(ValueError):
-    """Optimizer state whose values would poison the next step: the state, not this setup, is at
-    fault (a checkpoint reader points to an earlier one)."""
+    """Optimizer state whose values would poison the next step: the state's fault."""
 
 
 def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | None:
     """The first state value that would poison the next step (NaN or inf, a negative second
-    moment, a step count that is not one), as a line; None if there is none. Structure and shapes
-    are check_state_dict's."""
+    moment, a step count that is not one), as a line; None if there is none."""
     by_id = saved_params(param_groups, state_dict)
     where = {p: (i, j, g) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
     for pid, st in state_dict["state"].items():

@@ -78,9 +78,13 @@ def _slices(offset, shape):
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def build_plan(params: list[DTensor], group: dict) -> dict:
-    """Every rank's block of every matrix, the owners (plan.owner_plan, per same-shape bucket) and
-    the waves; the same on all ranks. One collective (all_gather_object of the blocks)."""
+def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
+    """The group's DTensor Muon params and their plan (every rank's block of each, the owners and
+    the waves), built once (a collective) and kept in `plans` so owners stay put."""
+    params = [p for p in group["params"] if isinstance(p, DTensor)]
+    key = (id(group), tuple(id(p) for p in params))
+    if key in plans:
+        return params, plans[key]
     world = dist.get_world_size()
     for p in params:
         ranks = sorted(p.device_mesh.mesh.flatten().tolist())
@@ -99,20 +103,10 @@ def build_plan(params: list[DTensor], group: dict) -> dict:
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
-        # each rank owns <= WAVE_PER_RANK of a wave
-        for start in range(0, b["per_rank"], WAVE_PER_RANK):
+        for start in range(0, b["per_rank"], WAVE_PER_RANK):  # <= WAVE_PER_RANK per rank each
             waves.append(sorted(b["members"][k] for s in b["slots"]
                                 for k in s[start:start + WAVE_PER_RANK]))
-    return dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
-
-
-def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
-    """The group's DTensor Muon params and their plan, built once (a collective) and kept in
-    `plans`, so owners (who hold the direction state) stay put whichever params have grads."""
-    params = [p for p in group["params"] if isinstance(p, DTensor)]
-    key = (id(group), tuple(id(p) for p in params))
-    if key not in plans:
-        plans[key] = build_plan(params, group)
+    plans[key] = dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
     return params, plans[key]
 
 
@@ -143,8 +137,7 @@ def _gather(plan, params, wave, g_local, comm_dtype, per: int = 1):
 
 
 def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
-    """Whole matrices (in the params' dtype) from the received blocks, for the wave's matrices I
-    own; with per > 1, (per, *shape) stacks of them."""
+    """Whole matrices (per > 1: (per, *shape) stacks) of the wave's matrices I own."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
     lead = (per,) if per > 1 else ()
@@ -163,8 +156,7 @@ def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
 
 
 def _scatter(plan, params, wave, updates, comm_dtype):
-    """Launch the all_to_all that returns every rank (replicas included) its block of each
-    update."""
+    """Launch the all_to_all that returns every rank (replicas too) its block of each update."""
     rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
     mine = [i for i in wave if owner[i] == rank]
     pieces = [[] for _ in range(world)]
@@ -236,9 +228,8 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
 
 def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
                       compiled: bool) -> None:
-    """One Muon step of `group`'s DTensor params, given the optimizer's state, owner plans and the
-    group's update plans (by shape). Params without a grad are skipped: DTensor grads are
-    collective results, so every rank skips the same ones."""
+    """One Muon step of `group`'s DTensor params with a grad (DTensor grads are collective
+    results, so every rank skips the same ones), given the optimizer's state and plans."""
     check_sharded_stages(group.get("name", "a muon group"), group)
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, muon_plans, compiled)
@@ -313,7 +304,7 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
     """Megatron's tensor-parallel modes: 'duplicated' (exact) orthogonalizes the all-gathered
     matrix on every rank; 'distributed' (exact) runs the direction stage on each rank's slice, the
     Gram matrix and norms summed across slices (update_math.over_slices); 'blockwise'
-    orthogonalizes each local block as its own matrix, its shape setting lr factor and statistics."""
+    orthogonalizes each local block as its own matrix, which sets lr factor and statistics."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -353,15 +344,13 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
 
 
 def direction_slots(plan: MuonPlan) -> dict:
-    """name -> StateSlot of the direction stages' state: all of a DTensor param's but its
-    momentum (apply stages keep none here)."""
+    """name -> StateSlot of the direction stages' state: a DTensor param's but momentum."""
     return {name: slot for name, slot in plan.state.items() if name != "momentum_buffer"}
 
 
 def check_sharded_stages(label: str, group: dict) -> None:
-    """Refuse the stages the sharded path cannot run, as the weights, the momentum and apply
-    stages stay in blocks: a stage that reads whole weights, owns the momentum or (apply) keeps
-    state."""
+    """Refuse the stages the sharded path cannot run, as weights, momentum and apply stages stay
+    in blocks: a stage that reads whole weights, owns the momentum or (apply) keeps state."""
     for key, name, s in group_stages(group):
         why = ("reads whole weight matrices, which sharded (FSDP2, tensor parallel) params keep in "
                "blocks" if "weight" in s.needs
@@ -374,18 +363,6 @@ def check_sharded_stages(label: str, group: dict) -> None:
             raise ValueError(f"{label}: {key} {name!r} {why}; use it with plain (replicated) "
                              "params")
 
-
-def _holders(group: dict, state: dict, plans: dict, params: list[DTensor]) -> list[int]:
-    """For each param, the rank whose direction state counts (the owner, or rank 0 in
-    'duplicated' mode, where all hold the same), or -1 where it has none yet."""
-    device = params[0].to_local().device
-    has = torch.tensor([int(any(n != "momentum_buffer" for n in state.get(p, {})))
-                        for p in params], device=device)
-    every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, has)
-    holder = (group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner"
-              else [0] * len(params))
-    return [holder[i] if every[holder[i]][i] else -1 for i in range(len(params))]
 
 
 def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
@@ -402,8 +379,16 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
             st.update({name: v.full_tensor() for name, v in st.items() if isinstance(v, DTensor)})
         if group["kind"] != "muon" or not dparams:
             continue
-        for p, holder in zip(dparams, _holders(group, state, plans, dparams)):
-            if holder < 0:
+        # the rank whose direction state counts: the owner, or rank 0 in 'duplicated' mode
+        has = torch.tensor([int(any(n != "momentum_buffer" for n in state.get(p, {})))
+                            for p in dparams], device=dparams[0].to_local().device)
+        every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, has)
+        holders = (group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner"
+                   else [0] * len(dparams))
+        for i, p in enumerate(dparams):
+            holder = holders[i]
+            if not every[holder][i]:  # none there yet
                 continue
             st, mine = out.setdefault(index[id(p)], {}), dist.get_rank() == holder
             # what the holder has (stages named since, or switched off, may differ from the group)
@@ -431,8 +416,7 @@ def _check_whole_state_mode(group: dict) -> None:
 
 def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
     """ids of the DTensor Muon params whose direction state this rank keeps: those it owns in
-    'owner' mode, all in 'duplicated'. Plans the groups not yet planned (a collective); refuses
-    modes whose state has no whole form."""
+    'owner' mode, all in 'duplicated'. A collective where groups are not yet planned."""
     kept = set()
     for group in param_groups:
         if group["kind"] != "muon" or not has_dtensors(group["params"]):
@@ -448,8 +432,7 @@ def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
 
 def state_piece(v, how, p: Tensor):
     """This rank's piece of v, a whole state value of param p, held as `how` says
-    (MuonAdamW._state_layout): 'whole', a slice of the flat tensor, or a DTensor block (mesh,
-    placements). A meta v gives an empty target to fill; pieces are copies, not views."""
+    (MuonAdamW._state_layout); a meta v gives an empty target to fill. Pieces are copies."""
     if not isinstance(v, Tensor):
         return v
     device = p.to_local().device if isinstance(p, DTensor) else p.device
