@@ -164,9 +164,8 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
     """How the steps compute: compile, precision, the attention kernel, fp8, sharding."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="forward and backward in bf16 autocast or fp32; auto: bf16 where bf16 "
-                   "matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX). Params stay fp32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="forward and backward in bf16 "
+                   "autocast or fp32 (params stay fp32); auto: bf16 where its matmuls are fast")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
                    help="the attention kernel; auto: fa3, fa4 or fa3-hub on a Hopper GPU in bf16, "
                    "else flex (CUDA) or chunked (CPU) for sliding windows, else sdpa "
@@ -176,9 +175,8 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    "on CPU); the embedding, attention and evaluation stay in --dtype")
     p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
                    help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
-    p.add_argument("--fsdp", action="store_true",
-                   help="shard params, grads and optimizer state over the torchrun processes with "
-                   "FSDP2 (fully_shard per block); Muon stays exact (nanomuon/sharded.py)")
+    p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state "
+                   "over the torchrun processes with FSDP2; Muon stays exact (nanomuon/sharded.py)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -244,8 +242,7 @@ def parse_args(argv=None):
                    "layers: L the whole context, S a quarter of it; the last layer is always L "
                    "(default: SSSL for --arch nanochat, L for classic, which takes nothing else)")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="RMS-normalize q and k in attention (bounds the logits; --no-qk-norm to "
-                   "try --qk-clip)")
+                   help="RMS-normalize q and k in attention (--no-qk-norm to try --qk-clip)")
     # horizon: the first of these that is set wins
     p.add_argument("--num-iterations", type=int, default=-1,
                    help="optimizer steps (-1: from the next two)")
@@ -255,9 +252,8 @@ def parse_args(argv=None):
                    help="tokens per scaling parameter (block matrices and lm_head, as nanochat "
                    "counts them; Chinchilla's 20 counts every parameter)")
     # batch
-    p.add_argument("--device-batch-size", type=batch_arg, default="auto",
-                   help="rows per micro-batch per process; auto: on CUDA the most (up to 32) whose "
-                   "estimated memory fits the free GPU memory, else 32")
+    p.add_argument("--device-batch-size", type=batch_arg, default="auto", help="rows per "
+                   "micro-batch per process; auto: on CUDA the most (up to 32) that fit, else 32")
     p.add_argument("--total-batch-size", type=int, default=-1,
                    help="tokens per optimizer step, all processes (-1: nanochat's, from the "
                    "horizon: 2^19 at d12's, growing as its 0.383th power)")
@@ -479,8 +475,7 @@ class Run:
     synchronize: Callable[[], None]  # waits for the device's queued work (common.synchronizer)
     step: int = 0
     # loop state, saved in checkpoints; val_train_time[i]: training seconds (no evals, no warm-up)
-    # at val_history[i]; step_times, optim_times: each timed step's seconds (kept: a resume that
-    # times no step still reports the run's throughput)
+    # at val_history[i]; step_times, optim_times: every timed step's seconds, resumes included
     loop: dict = field(default_factory=lambda: dict(
         smooth_loss=0.0, train_time=0.0, history=[], val_history=[], val_train_time=[],
         skipped_steps=0, nonfinite_in_a_row=0, step_times=[], optim_times=[]))
@@ -515,9 +510,8 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
          "'Several nodes')")
 
 
-# A batched model's memory over its seeds' estimate (train_memory each): peak RSS of 2 compiled
-# steps at ablate's shape (d4, 8 x 256 tokens, bf16) grew 0.25 GiB a seed at 1, 8 and 40 seeds
-# (0.79, 2.55, 10.52 GiB), where train_memory says 0.18 (AMD EPYC, 2026-11-28)
+# A batched model's memory over its seeds' train_memory: at ablate's shape (d4, 8 x 256 tokens,
+# bf16) 2 compiled steps' peak RSS grew 0.25 GiB a seed over 1, 8 and 40 seeds; train_memory: 0.18
 SEEDS_MEMORY = 1.4
 
 
@@ -554,8 +548,7 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
 
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
-    (a variant that sets an lr is tuned for it); each flag a variant overrides is said. Every lr is
-    decided here, once: each given, the rest the lr rule's, all times --lr-multiplier (PeakLRs)."""
+    (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
     flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
                  matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
                  weight_decay=args.weight_decay, schedule=args.schedule)
@@ -577,10 +570,9 @@ def schedule_name(args) -> str:
 
 
 def plan_horizon(args, model: GPT) -> int:
-    """The run's steps; a --total-batch-size, --weight-decay or schedule flag left out takes the
-    recipe's (recipe.training_recipe), written back into args (so a resume compares like with like)
-    and printed with the reason. As in nanochat, the recipe's horizon is always the data ratio's:
-    a short --num-iterations check gets the batch, weight decay and schedule of the real run."""
+    """The run's steps; a batch, weight decay or schedule flag left out takes the recipe's, written
+    into args (a resume compares like with like) and printed with the reason. As in nanochat, the
+    recipe's horizon is the data ratio's: a short --num-iterations check gets the real run's."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
              else NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
@@ -627,10 +619,9 @@ ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
 
 
 def resolve_model(args, vocab_size: int, device: torch.device):
-    """(GPTConfig, attention kernel) of the flags, --arch (auto: nanochat on CUDA, classic
-    elsewhere) and --attention resolved in args and each said in a line. A kernel that cannot run
-    here, or ranks that chose differently, stop the run in one line. A model with sliding windows
-    gets a kernel that runs them (SDPA takes a window only as a mask: no flash backend)."""
+    """(GPTConfig, attention kernel) of the flags, --arch (auto: nanochat on CUDA, else classic) and
+    --attention resolved in args and said; a kernel that cannot run here, or ranks that disagree,
+    stop the run. Sliding windows get a kernel that runs them (SDPA's mask rules out flash)."""
     why = f"--arch {args.arch}" + (f" on {device.type}" if args.arch == "auto" else "")
     if args.arch == "auto":
         args.arch = "nanochat" if device.type == "cuda" else "classic"
@@ -729,9 +720,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
 
 
 def init_model(args, model: GPT, device, attention) -> GPT:
-    """The model (built on the meta device) initialized on `device`, the same on every rank: from
-    --seed, or with --seeds each seed's init its own run's (on a leading seed dim); attending
-    through `attention`, with --fp8 its linears in fp8 (said with what stays in --dtype)."""
+    """The meta model initialized on `device` alike on every rank (from --seed, or each --seeds
+    init its own run's), attending through `attention`, with --fp8 its linears in fp8."""
     if args.seeds:
         model = seeded_gpt(model.config, args.seeds, device)
     else:
@@ -814,9 +804,8 @@ def resume(run: Run) -> None:
 
 
 def evaluate(run: Run, final: bool = False) -> None:
-    """Val bpb of the model as it is (each seed's), into the loop state and this step's checkpoint
-    if one was just saved: over --eval-tokens' rows, or (final) --final-eval-tokens' once (loop's
-    final_eval: [target tokens scored, bpb])."""
+    """Val bpb (each seed's) over --eval-tokens' rows, or (final) --final-eval-tokens' once, into
+    the loop state and this step's checkpoint if one was just saved."""
     rows = run.final_val if final else run.val
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
@@ -944,9 +933,8 @@ def train(run: Run) -> None:
 
 @torch.no_grad()
 def tensors_finite(tensors) -> bool:
-    """True when every tensor (a DTensor: its local shard) is finite on every rank: a collective, so
-    all ranks take the same branch. A norm is non-finite exactly when an element is (or its norm
-    is over 3e38, broken anyway), and _foreach_norm is a few kernels, not two per tensor."""
+    """True when every tensor (a DTensor: its local shard) is finite on every rank (a collective).
+    A norm is non-finite when an element is, and _foreach_norm is a few kernels, not 2 a tensor."""
     local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
     ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
     if nonempty := [t for t in local if t.numel()]:
@@ -1026,8 +1014,16 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
     """Count a skipped step (stopping a run that diverged), keep the timings (warm: past the steps
     that compile) and the smoothed loss, and print and log the step."""
     args, loop, step = run.args, run.loop, run.step
+    beta = 0.9  # the smoothed loss's decay
     if s.finite:
         loop["nonfinite_in_a_row"] = 0
+        if warm:
+            loop["step_times"].append(s.seconds)
+            loop["optim_times"].append(s.optimizer_seconds)
+            loop["train_time"] += s.seconds
+        loop["smooth_loss"] = per_seed(lambda old, new: beta * old + (1 - beta) * new,
+                                       loop["smooth_loss"], s.loss)
+        loop["history"].append((step, s.loss))
     else:
         loop["skipped_steps"] += 1
         loop["nonfinite_in_a_row"] += 1
@@ -1043,16 +1039,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                              f"{where_to_resume(run, before=held).capitalize()} with lower lrs "
                              "(--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
                              "(--warmup-ratio)")
-    if s.finite and warm:
-        loop["step_times"].append(s.seconds)
-        loop["optim_times"].append(s.optimizer_seconds)
-        loop["train_time"] += s.seconds
-    # the average and its bias correction: trained steps
-    beta, trained = 0.9, step - loop["skipped_steps"]
-    if s.finite:
-        loop["smooth_loss"] = per_seed(lambda old, new: beta * old + (1 - beta) * new,
-                                       loop["smooth_loss"], s.loss)
-        loop["history"].append((step, s.loss))
+    trained = step - loop["skipped_steps"]  # the average's bias correction counts these
     smooth_loss = (per_seed(lambda v: v / (1 - beta ** trained), loop["smooth_loss"]) if trained
                    else math.nan)
     tok_per_s = args.total_batch_size * run.copies / s.seconds  # every seed's tokens
