@@ -83,10 +83,9 @@ def rule_weight_decay(total_batch_size: int) -> float:
             * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
 
 
-# Muon's lr and the run's length. The CPU rule was tuned at RULE_STEPS steps; in shorter runs
-# Muon's matrices do best at a higher lr while AdamW's lrs stay best (at 76 steps of RULE_BATCH
-# tokens: matrices at 2x, each other group at 1x; docs/research.md). ablate, whose budgets plan
-# short runs, trains them at short_run_matrix_lr.
+# The CPU rule was tuned at RULE_STEPS steps; in shorter runs Muon's matrices do best at a higher
+# lr while AdamW's stay best (at 76 steps of RULE_BATCH tokens: matrices at 2x, the rest at 1x;
+# docs/research.md). ablate, whose budgets plan short runs, trains them at short_run_matrix_lr.
 RULE_STEPS = 200
 SHORT_RUN_EXPONENT = 0.7  # 2x at 76 steps: (200 / 76) ** 0.7 = 1.97
 SHORT_RUN_FLOOR = 50  # fewer steps get 50's lr (2.6x): shorter is not training, just its start
