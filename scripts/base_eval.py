@@ -45,7 +45,7 @@ from nanomuon.run import (
     summary_record,
 )
 from nanomuon.sources import add_data_args, prepare
-from scripts.sample import add_checkpoint_args, load_for_inference, sample
+from scripts.sample import add_checkpoint_args, load_for_inference, stream
 
 KEYS = ("dataset", "text_column", "val_fraction")
 
@@ -103,15 +103,13 @@ def parse_args(argv):
     p.add_argument("--max-per-task", type=int, default=None,
                    help="CORE: at most this many items per task, for a quick look")
     p.add_argument("--device-batch-size", type=int, default=32)
-    p.add_argument("--eval-tokens", type=int, default=None,
-                   help="val tokens to score (default: the run's own --eval-tokens, so the numbers "
-                   "compare; -1: the whole val split)")
+    p.add_argument("--eval-tokens", type=int, default=None, help="val tokens to score (default: "
+                   "the run's own --eval-tokens; -1: the whole val split)")
     p.add_argument("--sample-tokens", type=int, default=48, help="0: no samples")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="bf16 autocast or fp32 (default: "
                    "what the run trained in; auto: bf16 where bf16 matmuls are fast)")
-    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
-                   help="log bpb and CORE to Weights & Biases: into the training's run when its "
-                   "summary.json names one, else a new run")
+    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off", help="log bpb "
+                   "and CORE to Weights & Biases, into the training's run if summary.json names it")
     args = p.parse_args(argv)
     if args.device_batch_size < 1 or args.sample_tokens < 0:
         p.error("--device-batch-size must be >= 1, --sample-tokens >= 0")
@@ -173,8 +171,7 @@ def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, 
 
 
 def training_wandb_id(summary) -> str | None:
-    """The wandb run id base_train recorded in summary.json, if it is one (the file is untrusted:
-    anything else is ignored with a note)."""
+    """The wandb run id base_train recorded in summary.json (untrusted: else None, with a note)."""
     wandb_id = (summary_record(summary, "logging to a new wandb run") or {}).get("wandb_id")
     if wandb_id is not None and not (isinstance(wandb_id, str)
                                      and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id)):
@@ -185,8 +182,7 @@ def training_wandb_id(summary) -> str | None:
 
 
 def log_wandb(args, run_dir, step: int, bpb, core) -> None:
-    """bpb and CORE (each task's centered accuracy too) into the training's wandb run, resumed, or
-    a new run of the same name."""
+    """bpb and CORE (each task's too) into the training's wandb run, resumed, or a new one."""
     wandb_id = training_wandb_id(run_dir / "summary.json")
     run = start_wandb(args.wandb, args.run, run_dir, id=wandb_id,
                       resume="allow" if wandb_id else None)
@@ -230,8 +226,8 @@ def measure(args, run_dir, rank: int, device) -> float | None:
         lines = (more[:2] if core else []) + lines + (more[2:] if core else more)
     if rank == 0 and args.sample_tokens and "sample" in evals:
         for prompt in PROMPTS:
-            text = sample(model, tokenizer, prompt, args.sample_tokens, temperature=0.8, top_k=50,
-                          seed=0)
+            text = "".join(stream(model, tokenizer, prompt, args.sample_tokens, temperature=0.8,
+                                  top_k=50, seed=0))
             print0(f"--- {prompt!r}\n{prompt}{text}")
             lines.append(f"- sample (T=0.8): `{prompt + text!r}`")
     if rank == 0:

@@ -80,8 +80,7 @@ def main(argv=None) -> Path:
         write_atomic(out, write, sync=True)  # never a half-written file
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         raise SystemExit(f"error: cannot write {out}: {e}") from None
-    args_saved = meta.get("args") if isinstance(meta.get("args"), dict) else {}
-    seeds = args_saved.get("seeds")
+    seeds = meta["args"].get("seeds") if isinstance(meta.get("args"), dict) else None
     stacked = (f"; {len(seeds)} seeds' models stacked on dim 0 of every tensor (base_train "
                f"--seeds), seed i at index i" if isinstance(seeds, list) and seeds else "")
     print(f"wrote {out} ({size_str(out.stat().st_size)}): {' and '.join(names)} of {run_dir} at "

@@ -50,10 +50,6 @@ def stream(model, tokenizer, prompt: str, max_tokens: int, temperature: float,
         yield tail
 
 
-def sample(model, tokenizer, prompt: str, max_tokens: int, temperature: float, top_k: int | None,
-           seed: int) -> str:
-    return "".join(stream(model, tokenizer, prompt, max_tokens, temperature, top_k, seed))
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Sample text from a nanomuon checkpoint",

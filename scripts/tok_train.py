@@ -1,11 +1,9 @@
 """
-Train the BPE tokenizer on the train split and save it to $NANOMUON_BASE_DIR/tokenizer.
+Train the BPE tokenizer on the train split, save it to $NANOMUON_BASE_DIR/tokenizer, and print its
+compression on the val split (UTF-8 bytes per token: how much text a token budget buys).
 
     python -m scripts.tok_train --dataset fineweb-edu --vocab-size 32768 --max-chars 2000000000
     python -m scripts.tok_train --dataset embedded --vocab-size 4096 --max-chars 8000000
-
-Prints the compression (UTF-8 bytes per token) on the val split: how many bytes of text a token
-budget buys.
 """
 
 import argparse
@@ -51,8 +49,7 @@ def main(argv=None):
     with user_errors():
         data = prepare(args.dataset, args.text_column, args.val_fraction)
         t0 = time.time()
-        # capped: a few huge documents (minified code, tables) would otherwise dominate the pair
-        # counts
+        # capped: a few huge documents (minified code, tables) would dominate the pair counts
         texts = (text[:args.doc_cap] for text in iter_texts(data, "train", args.max_chars))
         tok = Tokenizer.train(texts, args.vocab_size)
         train_s = time.time() - t0
