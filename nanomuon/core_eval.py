@@ -46,7 +46,9 @@ BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip
 BUNDLE_ZIP = "eval_bundle.zip"  # in the base dir, with its record next to it
 RECORD = "eval_bundle.json"  # {url, sha256, size} of the zip's first download (or first use)
 BUNDLE_DIR = "eval_bundle"  # an unzipped bundle in the base dir (nanochat keeps it so)
-KINDS = ("multiple_choice", "schema", "language_modeling")
+# each kind of task, and the fields its items hold besides gold
+FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options", "continuation"),
+          "language_modeling": ("context", "continuation")}
 GPT2_CORE = 0.256525  # GPT-2 1.6B's CORE, nanochat's leaderboard line
 CORE_TASKS = 22
 MAX_FILE = 256 << 20  # bytes of one bundle file (the largest real one is ~20 MB)
@@ -135,8 +137,7 @@ class Bundle:
             self._total += len(data)
             if self._total > MAX_BUNDLE:
                 raise ValueError(f"CORE bundle {self.path}: reading {name} takes it over "
-                                 f"{MAX_BUNDLE / 2 ** 20:g} MiB in all, which no eval bundle "
-                                 "needs")
+                                 f"{MAX_BUNDLE / 2 ** 20:g} MiB in all, which no eval bundle needs")
             self._read[name] = data
         return self._read[name]
 
@@ -259,10 +260,6 @@ def find_bundle(path: str | None, fetch: bool) -> Bundle | None:
         return Bundle(base / BUNDLE_ZIP)
 
 
-FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options", "continuation"),
-          "language_modeling": ("context", "continuation")}
-
-
 def item_problem(kind: str, item) -> str | None:
     """What is wrong with one task item for its kind, or None. An item whose answer is scored on
     nothing (an empty option or continuation) or whose options all tie (all the same) would count
@@ -375,8 +372,8 @@ def task_configs(bundle: Bundle) -> list[dict]:
         shots = shots[0] if isinstance(shots, list) and len(shots) == 1 else shots
         label = t.get("label")
         problem = ("has no label" if not (isinstance(label, str) and label.isprintable()) else
-                   f"type {t.get('icl_task_type')!r} is not one of {', '.join(KINDS)}"
-                   if t.get("icl_task_type") not in KINDS else
+                   f"type {t.get('icl_task_type')!r} is not one of {', '.join(FIELDS)}"
+                   if t.get("icl_task_type") not in FIELDS else
                    f"num_fewshot {t.get('num_fewshot')!r} is not a count (or a list of one)"
                    if not (isinstance(shots, int) and 0 <= shots <= 100) else
                    "continuation_delimiter is not a string"
@@ -394,8 +391,7 @@ def load_tasks(bundle: Bundle, max_per_task: int | None = None) -> list[Task]:
     MAX_PROMPT characters (few-shot examples and options multiply its size), all items within
     MAX_ITEMS (counted before they are parsed) and all prompts within MAX_WORK characters."""
     baselines, tasks, configs = read_baselines(bundle), [], task_configs(bundle)
-    count = work = 0
-    tick = every(PROGRESS_S)
+    count, work, tick = 0, 0, every(PROGRESS_S)
     for t in configs:
         where = f"CORE bundle {bundle.path}"
         if t["label"] not in baselines:
@@ -502,8 +498,7 @@ def score_item(model, tokenizer, task: Task, idx: int, device, dtype: str) -> bo
     item = task.items[idx]
     prompts = render(task, item, fewshot(task.items, idx, task.shots) if task.shots else [])
     seqs, starts, ends = spans(task.kind, tokenizer.encode(prompts, prepend_bos=True))
-    # over the model's window: the first tokens go (the scored ones are at the end), keeping at
-    # least one token of context before the scored span
+    # over the window: the first tokens go (the scored ones are last), but one of context stays
     cuts = [max(0, len(s) - model.config.sequence_len) for s in seqs]
     seqs = [s[c:] for s, c in zip(seqs, cuts)]
     starts = [max(1, a - c) for a, c in zip(starts, cuts)]

@@ -145,8 +145,7 @@ class DataLoader:
         from the parquet footers alone: the counts as far as the column statistics tell."""
         groups, nulls, empty = [], 0, 0
         for fi, path in enumerate(self.files):
-            # unreadable file, no text column, not strings: fails here, not mid-run
-            pf = open_shard(self.dataset, path)
+            pf = open_shard(self.dataset, path)  # a bad file fails here, not mid-run
             col = pf.schema_arrow.get_field_index("text")
             for rg in range(pf.metadata.num_row_groups):
                 meta = pf.metadata.row_group(rg)
@@ -197,8 +196,7 @@ class DataLoader:
         """Tokenize up to tokenize_batch documents (the backlog, then this rank's stride to its
         epoch's end) into the pending queue. Documents without text are skipped and counted."""
         # first chunks to tokenize in one batch; (ref, from backlog, text, first chunk's end)
-        fresh, read = [], []
-        first = self._stream[0]
+        fresh, read, first = [], [], self._stream[0]
         for _ in range(self.tokenize_batch):
             if self._backlog:
                 ref, from_backlog = self._backlog.popleft(), True
@@ -217,8 +215,7 @@ class DataLoader:
                                      f"{self.rank} of {self.world_size}: a whole epoch of its "
                                      "documents is null or empty")
                 continue
-            self._empty_run = 0
-            end = None
+            self._empty_run, end = 0, None
             # a fresh document (a 4-tuple is a continuation handed over by reshard_states)
             if len(ref) == 2:
                 end = chunk_end(text, 0, self.chunk_chars)
@@ -280,8 +277,7 @@ class DataLoader:
 
     def next_row(self) -> tuple[array, int]:
         """The next packed row (seq_len + 1 token ids, -1 for padding) and its epoch."""
-        size = self.seq_len + 1
-        row = array("i")
+        size, row = self.seq_len + 1, array("i")
         self._refill()
         if not self._pool and not self._open:  # this epoch's documents are all trained
             self.epoch = self._next_epoch()
@@ -312,8 +308,7 @@ class DataLoader:
     def _make_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], dict, list, dict]:
         """The next batch on the CPU as (inputs, targets), each (batch_size, seq_len) and
         contiguous, the loader state right after it, each row's epoch, and what it adds to stats."""
-        before = dict(self._counts)
-        flat, epochs = array("i"), []
+        before, flat, epochs = dict(self._counts), array("i"), []
         for _ in range(self.batch_size):
             row, epoch = self.next_row()
             flat.extend(row)
@@ -378,8 +373,7 @@ class DataLoader:
         self._pending = deque()  # (came from the backlog, piece): tokenized, not yet in the buffer
         self._pool, self._fits, self._seq = {}, [], 0  # fresh documents, oldest first
         self._open = deque(open_)  # continuations, by the row they open (due)
-        self._row = 0  # rows made; due counts in them
-        self._empty_run = 0
+        self._row, self._empty_run = 0, 0  # rows made (due counts in them), textless docs in a row
         for p in buffer:
             self._add(p)
         epochs = ([p.epoch for p in buffer] + [p.epoch for p in self._open]
@@ -388,8 +382,7 @@ class DataLoader:
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
-        # not batch_size or interleave: the state counts rows and holds any number of pending
-        # continuations, so a resumed run may change its batch size
+        # not batch_size or interleave: the state counts rows, so a resumed run may change them
         return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len",
                                               "buffer_size", "num_docs", "chunk_chars",
                                               "shuffle_seed")}
@@ -441,7 +434,6 @@ class DataLoader:
             raise ValueError(f"data loader state of rank {self.rank} is out of range "
                              f"({'; '.join(bad[:3])}) for {self.num_docs} documents: it was edited "
                              "or belongs to other data; restore it, or resume from an earlier step")
-
         text = lambda ref: self._doc_text(ref[1]) or ""
         # an open piece's due: rows from now, as a fresh loader's row count is 0
         self._reset((state["epoch"], state["doc"]), state["backlog"],

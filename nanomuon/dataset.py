@@ -44,8 +44,7 @@ FIX = {"fineweb-edu": "run `python -m nanomuon.dataset -n 8` to download them, o
                    "train on the embedded corpus with --dataset embedded",
        "embedded": "run `python -m nanomuon.dataset --embedded` to rebuild it",
        "source": "run again with the --dataset, --text-column and --val-fraction that prepared it"}
-# written last by build_embedded and sources.prepare: its presence marks a finished build
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # written last (build_embedded, sources.prepare): the build finished
 MANIFEST_BYTES = 1 << 24  # a manifest lists shard names: far less even for 1,823 shards
 RETRY_HTTP = (408, 425, 429)  # 4xx codes worth retrying; any other 4xx will not change on a retry
 
@@ -84,8 +83,7 @@ def list_shards(name: str, split: str) -> list[Path]:
             raise FileNotFoundError(f"{name} is not prepared (or no longer complete) in {d}: "
                                     f"{FIX['source']}")
         return [d / n for n in shards[split]]
-    # `*.parquet` skips in-flight `*.parquet.*.tmp` files: only complete shards count.
-    shards = sorted(d.glob("*.parquet")) if d.is_dir() else []
+    shards = sorted(d.glob("*.parquet")) if d.is_dir() else []  # not in-flight *.parquet.*.tmp
     if len(shards) < 2:
         raise FileNotFoundError(f"{name} needs at least 2 shards (train + val) in {d}, "
                                 f"found {len(shards)}: {FIX[name]}")
@@ -134,8 +132,7 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
     left, k = sys.maxsize if max_chars is None else max_chars, -1
     for path in list_shards(name, split):
         pf = open_shard(name, path)
-        # row group by row group: memory holds one group, not a ~100 MB shard
-        for rg in range(pf.num_row_groups):
+        for rg in range(pf.num_row_groups):  # one row group in memory, not a ~100 MB shard
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
                 k += 1
                 if text is None or k % world_size != rank:
@@ -151,9 +148,8 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
 
 def stdlib_sources() -> list[Path]:
     """Every .py file of this interpreter's standard library, sorted, without installed packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for d, subdirs, names in os.walk(root):
+    for d, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
         subdirs[:] = [s for s in subdirs
                       if s not in ("site-packages", "dist-packages", "__pycache__")]
         files += [Path(d) / n for n in names if n.endswith(".py")]
@@ -183,7 +179,6 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
     if len(groups) < 2:
         raise ValueError("the embedded corpus needs at least 2 non-empty documents for train + "
                          f"val, got {len(docs)} from {len(files)} files")
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
@@ -194,7 +189,6 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
                                                                    compression="zstd"))
     for stale in set(out_dir.glob("*.parquet")) - set(paths):
         stale.unlink()  # leftovers of an earlier, larger build
-
     manifest = dict(source="Python standard library .py files, one file per document",
                     python=sys.version.split()[0],
                     stdlib=sysconfig.get_paths()["stdlib"] if sources is None else None,

@@ -47,11 +47,9 @@ from nanomuon.dataset import (
 )
 
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
-# a source's own val split: the first of these it has
-HELD_OUT = ("validation", "valid", "val", "dev", "test")
+HELD_OUT = ("validation", "valid", "val", "dev", "test")  # a source's own val split: the first
 DEFAULT_VAL_FRACTION = 0.01
-# characters per prepared shard: ~30 MB of parquet, ~100 MB of Python strings to write
-SHARD_CHARS = 32_000_000
+SHARD_CHARS = 32_000_000  # per prepared shard: ~30 MB of parquet, ~100 MB of strings to write
 VERSION = 1  # of the prepared layout; part of the cache key
 HASHES = ".hashes.json"  # in data/source: path -> [size, mtime, ctime, inode, content hash]
 IN_USE = ".in-use"  # in a prepared folder: its data loaders hold a shared flock on it
@@ -336,8 +334,7 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
             where = f"the {builder} files {_names(group)}"
             error = lambda e, where=where: ValueError(f"cannot read {where}: {one_line(e)}")
             try:
-                # a cell "NA" is text, not missing
-                options = dict(keep_default_na=False) if builder == "csv" else {}
+                options = dict(keep_default_na=False) if builder == "csv" else {}  # "NA" is text
                 ds = _datasets().load_dataset(builder, data_files=[str(p) for p in group],
                                               split="train", streaming=True, **options)
             except Exception as e:
@@ -404,7 +401,6 @@ def _open_hub_source(spec: str, source: tuple, text_column: str | None, counts: 
     check_endpoint(dataset=spec, offline_too=False)
     datasets = _datasets()
     from huggingface_hub import HfApi, constants
-
     # the hub's and datasets' own errors, network errors: all become one line
     error = lambda e: ValueError(f"cannot load {spec} from {constants.ENDPOINT}: "
                                  f"{hub_problem(e)[1]}")
@@ -427,7 +423,6 @@ def _open_local_source(spec: str, source: tuple, text_column: str | None, counts
     """(train documents, val documents or None, the held-out split or None, None), naming the
     files left out."""
     _, root, files, other = source
-    root = Path(root)
     if other:
         kinds = sorted({p.suffix.lower() or p.name for p in other})
         print(f"nanomuon: left out {len(other)} file(s) of other types ({', '.join(kinds[:5])}; "
@@ -447,10 +442,8 @@ def _open_local_source(spec: str, source: tuple, text_column: str | None, counts
     if held and all(words.values()):
         raise ValueError(f"--dataset {spec}: every file is named as held-out ({held}, test, "
                          "...), so none is left to train on")
-    train_docs = _read_files([p for p in files if words[p] is None], text_column, counts)
-    val_docs = (_read_files([p for p in files if words[p] == held], text_column, counts)
-                if held else None)
-    return train_docs, val_docs, held, None
+    read = lambda word: _read_files([p for p in files if words[p] == word], text_column, counts)
+    return read(None), read(held) if held else None, held, None
 
 
 def _write_shards(d: Path, train_docs, val_docs, fraction: float, t0: float):
@@ -489,7 +482,6 @@ def _build(spec: str, source: tuple, d: Path, text_column: str | None, val_fract
         raise ValueError(f"{named} has its own {held!r} split, so --val-fraction does not apply "
                          "to it: drop it")
     fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
-
     d.mkdir(parents=True, exist_ok=True)
     (d / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
     train, val = _write_shards(d, train_docs, val_docs, fraction, t0)
