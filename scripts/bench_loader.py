@@ -1,13 +1,12 @@
 """
-What the data loader trains on, how fast, in how much memory, and how long it holds up a training step.
+What the data loader trains on, how fast, in how much memory, and how long it holds up a step.
 
     python -m scripts.bench_loader --dataset embedded --device-batch-size 32 --max-seq-len 2048
 
-Per epoch of one rank's documents: coverage against the documents tokenized independently (as
-unigram counts), inserted BOS and padding, tok/s of next_batch() and peak RSS (docs/data.md, "The data
-loader"). Then how long next_batch() blocks a simulated training step, with and without the
-prefetch thread (a sleep stands in for the device step, which waits on the GPU without holding the
-GIL). Needs a trained tokenizer (scripts.tok_train).
+Per epoch of one rank's documents: coverage of the documents tokenized independently (as unigram
+counts), inserted BOS and padding, tok/s and peak RSS (docs/data.md, "The data loader"). Then how
+long next_batch() blocks a simulated step (a sleep: the device step waits without holding the GIL)
+with and without the prefetch thread. Needs a trained tokenizer (scripts.tok_train).
 """
 
 import argparse

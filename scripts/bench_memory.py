@@ -1,23 +1,17 @@
 """
-Optimizer memory benchmark: the per-rank peak memory of one data-parallel optimizer step, DistMuonAdamW (state sharded)
-against what a user would run instead, DDP-style (every grad all_reduced, then stock
-torch.optim.Muon + AdamW replicated on every rank: `--optimizer torch-muon`). Why: sharding the
-state only pays if the step's temporaries do not eat the saving (docs/optimizer.md, "Data
-parallel: DistMuonAdamW").
+Optimizer memory benchmark: the per-rank peak memory of one data-parallel optimizer step,
+DistMuonAdamW (state sharded) against DDP-style all_reduce and stock torch.optim.Muon + AdamW
+replicated on every rank (`--optimizer torch-muon`): sharding pays only if the step's temporaries do
+not eat the saving (docs/optimizer.md, "Data parallel: DistMuonAdamW").
 
-For each world size, CPU ranks are spawned (gloo); each builds the same GPT and takes a few steps
-with each optimizer on fresh grads every step, as after backward. Per rank and step: the optimizer
-state (bytes of its tensors) and the temporaries (the step's peak RSS above the RSS it started at:
-Linux's VmHWM, reset before each step). glibc is told to serve every allocation above 128 KiB with
-mmap, so freed memory leaves the RSS at once and the peak is what the step held, not what the
-allocator kept. Printed: the largest rank's state, temporaries and peak (state + temporaries) in
-MiB, and the ratios.
+Per world size, CPU ranks (gloo) build the same GPT and step each optimizer on fresh grads. Per
+rank: the state (bytes of its tensors) and the temporaries (the step's peak RSS above its start,
+Linux's VmHWM reset before each step; glibc mmaps every allocation over 128 KiB, so freed memory
+leaves the RSS at once). Printed: the largest rank's state, temporaries and peak in MiB, and ratios.
 
---checkpoint measures a checkpoint save instead, the same way: per rank, the state it holds (model
-and optimizer tensors: its FSDP2 blocks or replicas, its DistMuonAdamW shard) and the save's
-temporaries, for the whole-state save nanomuon had before (every rank gathers the full state, rank 0
-torch.saves it) against the sharded one (checkpoint.save_checkpoint: each rank writes its own
-pieces), with and without --fsdp. The target: a save's peak within 1.25x the state the rank holds.
+--checkpoint measures a save the same way, whole-state (rank 0 torch.saves the gathered state)
+against sharded (checkpoint.save_checkpoint), with and without --fsdp. The target: a save's peak
+within 1.25x the state the rank holds.
 
     python -m scripts.bench_memory                          # depth 6, world sizes 2, 4, 8
     python -m scripts.bench_memory --depth 12 --world-sizes 4
@@ -49,8 +43,7 @@ SAVES = {"replicated, whole-state save": (False, True), "replicated, sharded sav
 
 
 def status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS: resident now; VmHWM: peak since the last
-    reset)."""
+    """A /proc/self/status field in bytes (VmRSS: now; VmHWM: peak since the last reset)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -59,8 +52,8 @@ def status(field: str) -> int:
 
 
 def state_bytes(opt, params=()) -> int:
-    """Bytes of the optimizer state (and params) this rank holds: local blocks of DTensors, each
-    storage once (stacked state: one storage, many views)."""
+    """Bytes of the optimizer state (and params) this rank holds, each storage once (stacked state
+    is one storage of many views)."""
     tensors = [*params, *(t for st in opt.state.values() for t in st.values()
                           if isinstance(t, torch.Tensor))]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -68,8 +61,7 @@ def state_bytes(opt, params=()) -> int:
 
 
 def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
-    """(bytes of the model and optimizer tensors this rank holds, the save's temporaries) of one
-    checkpoint."""
+    """(bytes of model and optimizer tensors this rank holds, one save's temporaries)."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -106,8 +98,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
 
 
 def measure(args, variant: str) -> tuple[int, int]:
-    """(state bytes, largest temporaries over the steps after the first) of one optimizer on this
-    rank."""
+    """(state bytes, largest temporaries of the steps after the first) of one optimizer."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -144,8 +135,7 @@ def _spawned(rank, world, port, args, out):
 
 
 def run_world(args, world: int) -> dict:
-    """{setup: (state, temporaries)} in bytes, of the rank with the highest peak, at this world
-    size."""
+    """{setup: (state, temporaries)} in bytes of the rank with the highest peak."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

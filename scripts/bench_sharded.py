@@ -1,15 +1,9 @@
 """
-Sharded Muon benchmark: one Muon step on the block matrices of a depth-D GPT, every way nanomuon runs
-data-parallel Muon, timed in one run on the same ranks (docs/benchmarks.md, "Sharded modes"):
-
-    replicated   DistMuonAdamW on full params (reduces the grads itself: ZeRO-1, nanochat's design)
-    owner        MuonAdamW on FSDP-style Shard(0) DTensors: whole matrices gathered to owners
-                 (default)
-    owner-bf16   the same with comm_precision='bf16'
-    duplicated, distributed, blockwise   Megatron's tensor-parallel modes over the same shards
-
-The sharded modes start from reduced grads, as FSDP2 leaves them; 'replicated' includes its own
-reduction.
+Sharded Muon benchmark: one Muon step on a depth-D GPT's block matrices, every way nanomuon runs
+data-parallel Muon (docs/benchmarks.md, "Sharded modes"), on the same ranks: replicated
+(DistMuonAdamW, reducing its grads itself), owner (Shard(0) DTensors gathered to owners), owner-bf16
+(comm_precision='bf16'), and Megatron's duplicated, distributed and blockwise. The sharded modes
+start from reduced grads, as FSDP2 leaves them.
 
     python -m scripts.bench_sharded --world-size 4 --depth 4            # CPU: gloo, spawned ranks
     torchrun --nproc_per_node=8 -m scripts.bench_sharded -- --depth 20   # GPUs: nccl
