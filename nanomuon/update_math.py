@@ -1,18 +1,14 @@
 """
-The update math of Muon and AdamW, written once: every optimizer path runs it (MuonAdamW,
-DistMuonAdamW, sharded.py on DTensors). Imports only torch (and hardware.py's one rule).
+The update math of Muon and AdamW, written once: every optimizer path runs it. Imports only torch
+(and hardware.py's one rule).
 
 A Muon step is muon_momentum (elementwise), muon_direction (whole matrices: precondition stages,
 orthogonalizer, post-process stages) and muon_apply (weight decay and the step); muon_update() is
-the three in a row, sharded.py runs them with communication between, and Megatron's
-'distributed' mode runs muon_direction on slices inside over_slices(). A group resolves once per
-matrix shape into a MuonPlan (muon_plan), so a step derives nothing and no path can disagree on
-an lr factor or a precision. Per-step numbers travel as MuonScalars (muon_hparams), 0-D tensors
-when compiled (scalars()), so LR schedules never recompile.
-
-The stages are registries (PRECONDITIONERS, ORTHOGONALIZERS, POST_PROCESSORS, APPLIERS): a name
--> a function or a Stage; any group and path can use a registered one by name (docs/optimizer.md,
-"Stages").
+the three in a row, sharded.py runs them with communication between, over_slices() on slices.
+A group resolves once per matrix shape into a MuonPlan (muon_plan), so a step derives nothing;
+per-step numbers travel as MuonScalars (muon_hparams), 0-D tensors when compiled (scalars()), so
+LR schedules never recompile. The stages are registries of name -> function or Stage
+(docs/optimizer.md, "Stages").
 """
 
 import functools
@@ -69,8 +65,7 @@ NS_METHODS = ("standard", "gram", "auto")
 
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
 LR_SCALES = {
-    # Keller Jordan, nanochat, torch.optim.Muon's default
-    "shape": lambda r, c: max(1.0, r / c) ** 0.5,
+    "shape": lambda r, c: max(1.0, r / c) ** 0.5,  # Keller Jordan, nanochat, torch.optim.Muon
     "moonlight": lambda r, c: 0.2 * max(r, c) ** 0.5,  # Moonlight/Motif: matches AdamW's update RMS
     "spectral": lambda r, c: max(r, c) ** 0.5,  # Megatron's 'spectral'
     "unit_rms": lambda r, c: (r / c) ** 0.5,  # unit RMS-to-RMS operator norm
@@ -86,8 +81,7 @@ class NewtonSchulz(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """How a muon group stores its matrices (muon_layout): fused row blocks (split, repeated
-    `groups` times: Megatron's per-query-group QKV), and/or (in, out) storage (transposed)."""
+    """A group's storage (muon_layout): row blocks `split` x `groups`, (in, out) if transposed."""
     split: tuple | None
     groups: int
     transposed: bool
@@ -114,9 +108,8 @@ class AdamWScalars(NamedTuple):
 
 
 def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
-    """(per-iteration triples, safety, eps) from a group's ns_coefficients (a name, a list of
-    triples, or dict(coefficients=, safety=, eps=)) and ns_steps, or ValueError. A single triple
-    repeats; with repeat_last so does a list's last, else the list must be long enough."""
+    """(per-iteration triples, safety, eps) for ns_steps, or ValueError. A single triple repeats;
+    with repeat_last so does a list's last, else the list must be long enough."""
     if isinstance(spec, str) and spec not in COEFFICIENT_SETS:
         raise ValueError(f"ns_coefficients={spec!r} is unknown; use one of "
                          f"{list(COEFFICIENT_SETS)}, a list of (a, b, c) triples or "
@@ -175,8 +168,7 @@ _slices: Slices | None = None
 
 @contextmanager
 def over_slices(slices: Slices):
-    """Within, the direction stage runs on slices: sums over the cut dim add up across ranks
-    (summed) and whole_shape() is the whole matrix's, so each rank computes its slice exactly."""
+    """Within, direction stages run on slices: cut-dim sums add up across ranks (summed)."""
     global _slices
     before, _slices = _slices, slices
     try:
@@ -209,13 +201,11 @@ def gram_matrix(X: Tensor) -> Tensor:
 
 def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
                   method: str | None = None) -> Tensor:
-    """U V^T of each matrix G = U S V^T, approximately, by Newton-Schulz under ctx.plan.ns. The
-    plan settled Gram per shape for the group's own method; another method is settled here; gram
-    forces one. Standard: X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation, the
-    scale-and-add folded into two baddbmm. Gram (Dao-AILab's): the same iterates as X_k = Q_k X_0,
-    run on m x m matrices (P = p(R), Q <- Q P, R <- P R P), restarting from X = Q X every
-    GRAM_RESTART iterations because R drifts in low precision. Over slices the cut dim goes on the
-    columns, which the Gram matrix and the norm sum over."""
+    """U V^T of each matrix G = U S V^T, approximately, by Newton-Schulz under ctx.plan.ns (Gram
+    as the plan settled it for its method; gram forces). Standard: X <- a X + (b A + c A^2) X,
+    A = X X^T, wide side up. Gram (Dao-AILab's): the same iterates on m x m matrices (P = p(R),
+    Q <- Q P, R <- P R P), from X = Q X every GRAM_RESTART, as R drifts in low precision. Over
+    slices the cut dim goes on the columns, which the Gram matrix and the norm sum over."""
     ns, shape = ctx.plan.ns, G.shape
     if gram is None:
         gram = (tuple(whole_shape(G)[-2:]) in ctx.plan.gram if method in (None, ctx.plan.method)
@@ -255,13 +245,8 @@ def newton_schulz(G: Tensor, ctx: "StageContext", gram: bool | None = None,
 
 def newton_schulz_settings(group: dict) -> NewtonSchulz:
     """A group's Newton-Schulz settings, ns_precision resolved (muon_options)."""
-    coeffs, safety, eps = ns_coefficients(group["ns_coefficients"], group["ns_steps"],
-                                          group["ns_repeat_last"])
-    return NewtonSchulz(coeffs, safety, eps, NS_DTYPES[group["ns_precision"]])
-
-
-# The Muon update's stages: registries of name -> Stage (or a bare function: no state, options or
-# needs); a group names its precondition and post_process chains and one orthogonalizer and apply.
+    settings = ns_coefficients(group["ns_coefficients"], group["ns_steps"], group["ns_repeat_last"])
+    return NewtonSchulz(*settings, NS_DTYPES[group["ns_precision"]])
 
 
 class Option(NamedTuple):
@@ -292,10 +277,10 @@ def a_count(v):
 
 def an_interval(v):
     """Steps (an int >= 1) or a fraction of the run's horizon (0 < f < 1): interval_steps."""
-    steps = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-    share = isinstance(v, float) and 0 < v < 1
-    return None if steps or share else ("must be steps (an int >= 1) or a fraction of the run's "
-                                        "horizon (a float between 0 and 1)")
+    if a_count(v) is None or (isinstance(v, float) and 0 < v < 1):
+        return None
+    return ("must be steps (an int >= 1) or a fraction of the run's horizon (a float between 0 "
+            "and 1)")
 
 
 def interval_steps(value, horizon: int | None) -> int:
@@ -309,10 +294,9 @@ class Diagonal(NamedTuple):
 
 
 class StateSpec(NamedTuple):
-    """Per-matrix state a stage keeps. shape(rows, cols): for one matrix (logical for direction
-    stages and logical apply stages, stored for other apply stages); dtype: at least this
-    precision, None for the param's own; init: a number, a Diagonal, or (apply stages) f(W) from
-    the weights; kept(group): whether this group keeps it (None: always)."""
+    """Per-matrix state a stage keeps: shape(rows, cols) of one matrix (logical, or stored for a
+    non-logical apply stage); dtype: at least this, None for the param's; init: a number, a
+    Diagonal, or (apply stages) f(W); kept(group): whether this group keeps it (None: always)."""
     shape: Callable
     dtype: torch.dtype | None = torch.float32
     init: float | Diagonal | Callable = 0.0
@@ -330,12 +314,10 @@ class Flags(NamedTuple):
 
 
 class Stage(NamedTuple):
-    """A registry entry. fn(x, ctx) returns the transformed x (an orthogonalizer: U from G; an
-    apply stage updates ctx.params in place). state: name -> StateSpec; reads: state names
-    another stage of the group declares; options: its group keys -> Option; check(group): None or
-    what is wrong; cost(rows, cols, group): FLOPs per matrix and step beyond Newton-Schulz's;
-    needs: 'grad', 'weight' (whole matrices) or 'inputs' (StageContext.inputs); method (an
-    orthogonalizer): the Newton-Schulz it runs (NS_METHODS), None if it is not Newton-Schulz."""
+    """A registry entry. fn(x, ctx) returns the new x (an apply stage updates ctx.params). state:
+    name -> StateSpec; reads: state another stage declares; options: group key -> Option;
+    check(group): None or what is wrong; cost(rows, cols, group): FLOPs per matrix and step;
+    needs: 'grad', 'weight' or 'inputs'; method (orthogonalizers): its NS_METHODS entry or None."""
     fn: Callable
     state: dict = {}
     reads: tuple = ()
@@ -354,13 +336,9 @@ class StageContext(NamedTuple):
     plan: "MuonPlan"  # the group resolved for these matrices (muon_plan)
     grad: Tensor | None = None  # the raw gradients, where a stage needs 'grad'
     weight: Tensor | None = None  # the weights before the step, where a stage needs 'weight'
-    # post-process stages: what went into the orthogonalizer (the preconditioned momentum step)
-    ortho_input: Tensor | None = None
-    # on the steps a stage needing 'inputs' gets them: each matrix's input covariance
-    # x^T x / tokens in blocks (input_block), (..., blocks, b, b); else None
-    inputs: Tensor | None = None
-    # apply stages: the params, updated in place (stacked like u, or a list of its matrices)
-    params: Tensor | list | None = None
+    ortho_input: Tensor | None = None  # post-process stages: the orthogonalizer's input
+    inputs: Tensor | None = None  # 'inputs' when due: input_covariance's, (..., blocks, b, b)
+    params: Tensor | list | None = None  # apply stages: updated in place (stacked, or a list)
 
     @property
     def group(self) -> dict:
@@ -374,25 +352,21 @@ class StageContext(NamedTuple):
 
     @property
     def horizon(self) -> int | None:
-        """The steps the run plans (the group's horizon; base_train sets it), or None."""
         return self.group.get("horizon")
 
     def only(self, s: Stage) -> "StageContext":
-        """This context with the state stage s keeps or reads, and nothing else."""
         return self._replace(state={n: t for n, t in self.state.items()
                                     if n in s.state or n in s.reads})
 
 
 def sq_sum(x: Tensor, dims: tuple) -> Tensor:
-    """The sum of squares of x over dims (kept) in at least fp32, without a full-size x**2
-    (over slices, the whole matrix's)."""
+    """x's sum of squares over dims (kept), in at least fp32, with no full-size x**2 (summed)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     s = torch.linalg.vector_norm(x, dim=dims, keepdim=True, dtype=dtype).square()
     return summed(s, dims)
 
 
 def fp32(x: Tensor) -> Tensor:
-    """x in at least fp32 (fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -419,10 +393,9 @@ def equilibrate_to_mean(g: Tensor, ctx: StageContext) -> Tensor:
 
 
 def soap(g: Tensor, ctx: StageContext) -> Tensor:
-    """SOAP-Muon (modded-nanogpt record 14; arXiv 2409.11321): Adam in the eigenbases Q_L, Q_R of
-    the gradient's row and column covariances: P = Q_L^T U Q_R, V <- b V + (1 - b) P^2,
-    U' = Q_L (P / (sqrt(V) + 1e-8)) Q_R^T rescaled to ||U||_F (the first step passes U). Then
-    the covariances take this step's gradient and the bases refresh (_soap_bases)."""
+    """SOAP-Muon (modded-nanogpt record 14; arXiv 2409.11321): Adam in the eigenbases of the
+    gradient's covariances, P = Q_L^T U Q_R, V <- b V + (1 - b) P^2, U' = Q_L (P / (sqrt(V) +
+    1e-8)) Q_R^T at ||U||_F (the first step passes U); then covariances and bases update."""
     st, beta = ctx.state, ctx.group["soap_beta"]
     started = (st["soap_step"] > 0)[..., None, None]
     x = fp32(g)
@@ -459,13 +432,11 @@ def _soap_bases(st: dict, frequency: int) -> None:
 
 
 def input_block(rows: int, cols: int) -> int:
-    """The block size of a matrix's input covariance: the output width where inputs are a whole
-    multiple wider (an MLP's output projection: 4 blocks, as Newton-Muon's record), else whole."""
+    """Input covariance blocks: the output width where inputs are a multiple wider, else whole."""
     return rows if cols > rows and cols % rows == 0 else cols
 
 
 def input_shape(rows: int, cols: int) -> tuple[int, int, int]:
-    """The shape of a (rows, cols) matrix's input covariance: (blocks, b, b), b = input_block."""
     b = input_block(rows, cols)
     return cols // b, b, b
 
@@ -480,9 +451,8 @@ def input_covariance(x: Tensor, rows: int, cols: int) -> Tensor:
 
 def newton(grad: Tensor, ctx: StageContext) -> Tensor:
     """Newton-Muon (arXiv 2604.01472; modded-nanogpt record 15), owning the momentum: the gradient
-    times the inverse input covariance, block by block, then Muon's momentum. When inputs come,
-    C <- lerp(C, inputs, newton_lerp) and K = (C + r I)^-1 by Cholesky (I where it fails),
-    r = newton_damping x trace(C) / b + 1e-8. C starts at 0.001 I and K at I, as in the record."""
+    times K, blockwise, then Muon's momentum. When inputs come, C <- lerp(C, inputs, newton_lerp),
+    K = (C + r I)^-1 by Cholesky (I where it fails), r = newton_damping trace(C) / b + 1e-8."""
     st, opts = ctx.state, ctx.group
     cov, inv, m = st["newton_cov"], st["newton_inv"], st["newton_momentum"]
     if ctx.inputs is not None:
@@ -512,9 +482,8 @@ def inputs_due(group: dict) -> bool:
 
 
 def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
-    """Muon+ (Zhang et al. 2026, arXiv 2602.21545), in place: columns ('col') or rows ('row') to
-    unit norm, x / sqrt(sum x^2 + 1e-7), in the order named. 'fro' (nanochat's): the whole matrix
-    to Frobenius norm sqrt(min(rows, cols)), an exact U V^T's."""
+    """Muon+ (Zhang et al. 2026, arXiv 2602.21545), in place: columns or rows to unit norm, in the
+    order named. 'fro' (nanochat's): the matrix to Frobenius norm sqrt(min(rows, cols)), U V^T's."""
     if mode == "fro":
         m, n = whole_shape(u)[-2:]
         return u.mul_((min(m, n) ** 0.5 / sq_sum(u, (-2, -1)).sqrt().clamp_min(1e-6)).to(u.dtype))
@@ -524,9 +493,8 @@ def normalize(u: Tensor, ctx: StageContext, mode: str) -> Tensor:
 
 
 def variance_reduction(u: Tensor, ctx: StageContext) -> Tensor:
-    """NorMuon (Li et al. 2025, arXiv 2510.05491, as nanochat does it), in place: an EMA (beta2)
-    of the mean squared update per row (tall or square) or column (wide) divides the update,
-    which keeps its Frobenius norm. Nothing without beta2."""
+    """NorMuon (arXiv 2510.05491, as nanochat does it), in place: an EMA (beta2) of the mean
+    squared update per row (tall) or column (wide) divides it, at the same Frobenius norm."""
     second_moment = ctx.state.get("second_momentum_buffer")
     if second_moment is None:
         return u
@@ -605,8 +573,7 @@ def hyperball(u: Tensor, ctx: StageContext) -> None:
 
 
 def muown_row_norms(w: Tensor) -> Tensor:
-    """Muown's starting gain and ||v||: each row's norm (fp32), 1 for a zero row (nanomuon's
-    init's row norm)."""
+    """Muown's starting gain and ||v||: row norms (fp32), 1 for a zero row (nanomuon's init's)."""
     norm = torch.linalg.vector_norm(fp32(w), dim=-1, keepdim=True)
     return torch.where(norm > 1e-12, norm, torch.ones_like(norm))
 
@@ -657,8 +624,7 @@ def _muown_check(group: dict) -> str | None:
 
 
 def a_pair_of_betas(v):
-    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(a_number(b, 1.0) is None for b in v)
     return None if ok else "must be a pair of numbers in [0, 1)"
 
 
@@ -755,12 +721,10 @@ CHAIN_KEYS = ("precondition", "post_process")
 
 
 def names(value) -> tuple:
-    """A stage key's value as a tuple of names: one name, or a sequence of them."""
     return (value,) if isinstance(value, str) else tuple(value or ())
 
 
 def stage(key: str, name: str) -> Stage:
-    """The entry `name` of stage key's registry, as a Stage."""
     entry = STAGE_KEYS[key][name]
     return entry if isinstance(entry, Stage) else Stage(entry)
 
@@ -781,8 +745,7 @@ def applies_weight_decay(group: dict) -> bool:
 
 
 def stages_used(group: dict) -> str:
-    """What a muon group's update runs, in one line for a run's header: stages by slot, who keeps
-    the momentum, and whether the weight decay acts."""
+    """What a muon group's update runs, in one line for a run's header."""
     parts = [f"{key} {', '.join(names(group[key])) or 'none'}" for key in STAGE_KEYS]
     owner = next((n for k, n, s in group_stages(group) if s.flags.owns_momentum), None)
     parts.append(f"momentum kept by precondition {owner!r}" if owner else "Muon's momentum")
@@ -797,9 +760,7 @@ def runs_eager(group: dict) -> bool:
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: MuonScalars,
                   plan: "MuonPlan") -> Tensor:
-    """Muon's momentum step, elementwise (so it runs on shards too), returning the direction's
-    input; 'l2' mode adds wd * params to the gradient first. No momentum_buffer: a precondition
-    owns the momentum and takes the gradient. `grads` may be overwritten."""
+    """Muon's momentum step, elementwise (it runs on shards), overwriting grads ('l2': + wd p)."""
     opts = plan.options
     if opts["weight_decay_mode"] == "l2":
         for g, p in pairs(grads, params):
@@ -811,17 +772,14 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: Muon
 
 
 def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
-    """The logical (rows, cols) of each matrix a param of `shape` is updated as."""
     split, groups, transposed = layout or (None, 1, False)
     rows, cols = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
 
 
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
-    """The update's direction from the momentum step g, in out_dtype: precondition stages,
-    orthogonalizer, post-process stages, each seeing its own state (StageContext.only). A
-    transposed matrix runs transposed; a split one block by block, each as a param of its own
-    (equal blocks as one batch)."""
+    """The update's direction from the momentum step g, in out_dtype: preconditions,
+    orthogonalizer, post-processes; transposed or split matrices as plain ones (_by_layout)."""
     plan = ctx.plan
     if plan.layout is not None:
         return _by_layout(g, ctx, out_dtype, plan.layout)
@@ -848,8 +806,7 @@ def block_state(state: dict, specs: dict, shape, layout: Layout) -> list[dict]:
 
 
 def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
-    """Views of t's logical blocks, (..., groups, n, cols) each (of t.mT when transposed); t may
-    also be per-row numbers of the stored matrix."""
+    """Views of t's logical blocks, (..., groups, n, cols) each; t may be per-row numbers too."""
     split, groups, transposed = layout
     t = t.mT if transposed else t
     if not split:
@@ -897,8 +854,7 @@ def _by_layout(g: Tensor, ctx: StageContext, out_dtype, layout: Layout) -> Tenso
 
 
 def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
-    """The group's apply stage, in place on params (stacked like u, or a list of its matrices:
-    no stack and copy back); u may be overwritten. A logical one gets them stacked."""
+    """The group's apply stage, in place on params (stacked like u, or a list); u may change."""
     s = ctx.plan.apply
     ctx = ctx.only(s)
     if not s.flags.logical:
@@ -928,9 +884,8 @@ def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: 
 
 def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
                 inputs: Tensor | None = None) -> None:
-    """One Muon step on a stack of same-shape matrices (K, ..., rows, cols), in place on params
-    (a stack or a list; grads likewise) and state (MuonPlan.state): momentum, direction, apply.
-    inputs: the stacked input covariances, on the steps a stage reads them."""
+    """One Muon step on K same-shape matrices (a stack or a list), in place on params and state
+    (MuonPlan.state): momentum, direction, apply. inputs: stacked input covariances, when due."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory
     raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
     out_dtype = grads.dtype  # the params'
@@ -988,8 +943,7 @@ class MuonPlan(NamedTuple):
 
 
 def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
-    """The plan of a checked muon group for matrices of `shape` (a leading batch is fine) in
-    `dtype` on `device`; the lr factor follows the logical shape (per block of a split one)."""
+    """The plan of a checked muon group for matrices of `shape` in `dtype` on `device`."""
     opts = muon_options(group, device)
     ns, layout = newton_schulz_settings(opts), muon_layout(group)
     blocks = block_shapes(shape, layout)
@@ -1011,8 +965,7 @@ def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
 
 
 def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
-    """A muon group's per-step numbers under its plan. Decay takes the lr with its factor, or the
-    group lr with decay_lr='group'; none in 'l2' mode, where it went into the gradient."""
+    """A muon group's per-step numbers under its plan ('l2' mode's decay is in the gradient)."""
     lr, opts = group["lr"] * plan.lr_factor, plan.options
     decay = (lr if opts["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
     decay = 0.0 if opts["weight_decay_mode"] == "l2" else decay
@@ -1034,15 +987,13 @@ NOT_MATH = ("params", "kind", "name", "initial_lr", "lr", "momentum", "weight_de
 
 
 def muon_options(group: dict, device) -> dict:
-    """The static options the math reads from a muon group (a compiled graph's constants), with
-    ns_precision settled for `device`."""
+    """The static options the math reads (a compiled graph's constants), ns_precision settled."""
     opts = {k: v for k, v in group.items() if k not in NOT_MATH}
     opts["ns_precision"] = resolve_ns_precision(group["ns_precision"], device)
     return opts
 
 
 class StateSlot(NamedTuple):
-    """One state tensor of a Muon param: its shape (per param), dtype and initial value."""
     shape: tuple
     dtype: torch.dtype
     init: float | Callable
@@ -1050,13 +1001,13 @@ class StateSlot(NamedTuple):
 
 
 def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
-    """name -> StateSlot of a Muon param: the momentum (unless a precondition owns it), then its
-    stages' state, per logical matrix (a split matrix's blocks flat) for direction and logical
-    apply stages, else per stored one. declared: also state the group does not keep now (a
-    checkpoint may carry it)."""
+    """name -> StateSlot of a Muon param: momentum, then its stages' state, per logical matrix
+    (blocks flat) for direction and logical apply stages, else per stored one. declared: also
+    state the group does not keep now (a checkpoint may carry it)."""
     shape, stages = tuple(shape), group_stages(group)
     check_shared_state(stages)
-    out = {} if owns_momentum(group) else {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
+    owned = any(s.flags.owns_momentum for _, _, s in stages)  # by a precondition
+    out = {} if owned else {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
     layout = muon_layout(group)
     blocks = block_shapes(shape, layout)
     for key, stage_name, s in stages:
@@ -1081,11 +1032,6 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
     return out
 
 
-def owns_momentum(group: dict) -> bool:
-    """Whether a precondition of the group keeps its own momentum (no momentum_buffer)."""
-    return any(s.flags.owns_momentum for _, _, s in group_stages(group))
-
-
 def check_shared_state(stages: list) -> None:
     """Refuse stages that read state no other stage declares, or declares in the other layout
     (stored against logical), and momentum owned by anything but the first precondition."""
@@ -1107,8 +1053,7 @@ def check_shared_state(stages: list) -> None:
 
 
 class LogicalInit(NamedTuple):
-    """A logical apply stage's init from the weights on a stored matrix of `layout`: per logical
-    block, flat (comparable, so equal layouts compare equal)."""
+    """A logical apply stage's init from W, per logical block, flat (a NamedTuple: comparable)."""
     init: Callable
     layout: Layout
 
@@ -1165,8 +1110,7 @@ def uses_gram(method: str, shape, ns: NewtonSchulz) -> bool:
 
 
 def update_cost(group: dict, p: Tensor) -> float:
-    """The FLOPs of one Muon param's direction (owner planning): Newton-Schulz by its method
-    (none counts as standard) plus the cost its stages declare."""
+    """The FLOPs of one Muon param's direction (owner planning): Newton-Schulz plus stage costs."""
     opts = muon_options(group, p.device)
     ns = newton_schulz_settings(opts)
     method = orthogonalizer_method(opts)
@@ -1176,8 +1120,6 @@ def update_cost(group: dict, p: Tensor) -> float:
     return flops + sum(batch * s.cost(*p.shape[-2:], opts) for _, _, s in group_stages(opts)
                        if s.cost is not None)
 
-
-# Eager or compiled.
 
 _compiled: dict = {}
 _scalar_tensors: dict = {}
