@@ -4,10 +4,7 @@ The definition of nanomuon's Muon update: one step on one matrix, in float64, in
 The fused, stacked, sharded and compiled paths (update_math.py) must equal it, and the tests hold
 them to it. It shares facts with them (coefficient sets, an orthogonalizer's method), never code:
 read it to learn what the optimizer does, fork it to state a new idea before making it fast.
-
-    state = {}
-    for g in grads:
-        p = muon_step(p, g, state, group)   # group: a muon param group's keys (lr, momentum, ...)
+muon_step(p, g, state, group) returns the new p; state starts empty and carries over.
 
 Per step, on a (rows, cols) matrix with gradient g:
   1. momentum: buf = m buf + (1 - m) g; Nesterov uses (1 - m) g + m buf ('l2' adds wd p to g)
@@ -19,8 +16,7 @@ Per step, on a (rows, cols) matrix with gradient g:
   4-5. post-process, in order: Muon+ unit columns and/or rows, or a Frobenius rescale; variance
      reduction (with beta2): an EMA of the mean squared update per row (tall/square) or column
      (wide) divides it, and its Frobenius norm is restored
-  6. apply: p <- p - lr' u - decay p [where u p >= 0 when 'cautious'], lr' = lr * factor(rows,
-     cols)
+  6. apply: p <- p - lr' u - decay p [where u p >= 0 when 'cautious'], lr' = lr * factor
 """
 
 import math

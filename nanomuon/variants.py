@@ -14,8 +14,7 @@ OPTIMIZER_VARIANTS = {
     "muon-jordan": dict(muon_options=dict(ns_coefficients="jordan")),  # Keller Jordan's NS5 triple
     "muon-no-nesterov": dict(muon_options=dict(nesterov=False)),
     "muon-no-cautious-wd": dict(muon_options=dict(apply="decoupled")),
-    # MuonEq's default (rows; nanochat's too)
-    "muon-eq": dict(muon_options=dict(precondition="equilibrate_row")),
+    "muon-eq": dict(muon_options=dict(precondition="equilibrate_row")),  # MuonEq's, nanochat's
     # Muon+, its GPT-small setting
     "muon-plus": dict(muon_options=dict(post_process=("normalize_col_row", "variance_reduction"))),
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
