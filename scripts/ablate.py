@@ -8,27 +8,17 @@ against the baseline, and plots of val bpb.
     python -m scripts.ablate --variants muon,adamw --sweep lr-multiplier=0.5,1,2 --num-iterations 300
     python -m scripts.ablate --variants muon --sweep matrix-lr=0.005,0.01,0.02 --seeds 3
 
-Each (variant, swept value, seed) is a scripts.base_train run with --optimizer, the swept flag,
---seed set to the seed (the init) and --data-seed to 1 (--data-order fixed, the default: one
-order of the documents for every run, as track 3 reads its data) or to the seed. On one data
-order a variant's seeds at a value train as one batched model in one process (base_train
---seeds; --no-batch-seeds: a process each). Flags this script does not know go to base_train
-after the defaults below, so they override them (GPU runs: docs/research.md). Finished runs are
-cached in ablations/cache/, keyed by everything that decides
-them (the variant's definition, seeds, swept flag and value, base_train flags, processes,
-tokenizer, the device and the precision --dtype resolves to, the contents of the train and val
-shards and of every .py file in nanomuon/ and scripts/, the torch version), so a re-run or an
-interrupted ablation skips them, and an edit of code or data reruns. The baseline also runs at
---baseline-lengths of the steps (on the first 2 seeds), which turn each verdict into steps saved.
-
-This file is the command line and the flow. The runs and their cache are
-nanomuon/ablation_runs.py's, the --budget plan nanomuon/ablation_plan.py's, and the tables,
-verdicts, plot and ablation.md nanomuon/verdicts.py's.
+Each (variant, swept value, seed) is a scripts.base_train run with --seed (the init) and
+--data-seed 1 (one document order for every run, as track 3 reads its data) or the seed; a
+variant's seeds on one order train as one batched model. Flags this script does not know go to
+base_train after the defaults below (GPU runs: docs/research.md). Finished runs are cached under
+everything that decides them. The baseline also runs at --baseline-lengths of the steps, which
+turn each verdict into steps saved. The runs are nanomuon/ablation_runs.py's, the --budget plan
+nanomuon/ablation_plan.py's, the write-up nanomuon/verdicts.py's.
 """
 
 import argparse
 import contextlib
-import functools
 import io
 import os
 import re
@@ -36,16 +26,12 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import accumulate
 from typing import NamedTuple
 
-from nanomuon.ablation_plan import (
-    Refiner,
-    in_words,
-    kept_estimate,
-    plan_keys,
-    prior_estimate,
-)
-from nanomuon.ablation_runs import (  # noqa: F401 (tests and scripts/noise.py read some here)
+from nanomuon import budget, recipe
+from nanomuon.ablation_plan import Refiner, in_words, kept_estimate, plan_keys, prior_estimate
+from nanomuon.ablation_runs import (  # noqa: F401 (tests read some here)
     PROGRESS_S,
     RUNNING,
     Job,
@@ -55,31 +41,11 @@ from nanomuon.ablation_runs import (  # noqa: F401 (tests and scripts/noise.py r
     data_fingerprint,
     launch,
     run_all,
-    run_one,
     split_runs,
 )
-from nanomuon.budget import (
-    CPU_BUDGETS,
-    LENGTH_SEEDS,
-    MIN_STEPS,
-    WRITE_UP_S,
-    Plan,
-    budget_arg,
-    fit,
-    read_plan,
-    smallest,
-)
 from nanomuon.common import get_base_dir
-from nanomuon.recipe import (
-    NANOCHAT_BATCH,
-    RULE_STEPS,
-    SHORT_RUN_EXPONENT,
-    SHORT_RUN_FLOOR,
-    rule_lrs,
-    short_run_matrix_lr,
-)
+from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
-from nanomuon.stats import detectable_factor  # noqa: F401 (scripts/noise.py reads it here)
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from nanomuon.verdicts import (  # noqa: F401 (tests read some here)
@@ -96,10 +62,9 @@ from scripts.base_train import parse_args as train_args
 # steps here), 5 seeds; on a CPU, the seeds and steps fit() plans to CPU_BUDGETS. The curves' val
 # set is the speedrun's, the first 65,536 tokens; the verdicts read the final weights over 4x as
 # many (at 200 steps and 5 seeds that halved the paired spread, as much as the whole split).
-DEFAULT_STEPS, DEFAULT_SEEDS = RULE_STEPS, 5
-# On a GPU a batched run of the default shape's seeds fills the device where one seed's 4,096
-# tokens a step leave it idle: 64 seeds, each variant's in one process (scripts/gpu_check.sh's
-# ablate step measures what they resolve and how long they take)
+DEFAULT_STEPS, DEFAULT_SEEDS = recipe.RULE_STEPS, 5
+# On a GPU one seed's 4,096 tokens a step leave the device idle; 64 batched seeds fill it
+# (scripts/gpu_check.sh's ablate step measures what they resolve and how long they take)
 GPU_SEEDS = 64
 DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
 # --arch classic: the model ablate's defaults and the lr rule were measured on, on a GPU too
@@ -112,8 +77,7 @@ DEFAULT_FLAGS = ["--arch", "classic", "--dataset", "embedded", "--depth", "4",
 
 
 class Preset(NamedTuple):
-    """A named shape for ablate: base_train flags (after the defaults, before yours) and the vocab
-    of its own tokenizer; it lives in a base dir of its own (presets/<name>), runs and all."""
+    """A named shape: base_train flags and the vocab of its tokenizer, in presets/<name>."""
     flags: list
     vocab: int
     about: str
@@ -163,15 +127,12 @@ def lengths_arg(s: str) -> list[float]:
     """argparse type for --baseline-lengths: distinct fractions of the steps, each > 0 and not 1."""
     if s.strip() == "none":
         return []
-    try:
+    with contextlib.suppress(ValueError):
         values = [float(v) for v in s.split(",")]
-    except ValueError:
-        values = []
-    if not values or len(set(values)) != len(values) or not all(0 < v < 10 and v != 1
-                                                                 for v in values):
-        raise argparse.ArgumentTypeError(f"{s!r}: give distinct fractions of the steps other than "
-                                         "1, like 0.8 or 0.7,1.4, or 'none'")
-    return values
+        if len(set(values)) == len(values) and all(0 < v < 10 and v != 1 for v in values):
+            return values
+    raise argparse.ArgumentTypeError(f"{s!r}: give distinct fractions of the steps other than 1, "
+                                     "like 0.8 or 0.7,1.4, or 'none'")
 
 
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
@@ -179,37 +140,31 @@ DATA_FLAGS = ("dataset", "text-column", "val-fraction")  # base_train's flags th
 
 
 def parse_args(argv):
-    """(args, flags for base_train): args.variants, args.baseline and args.sweep checked and
-    resolved; every run's flags parsed by base_train once here, so a bad one stops ablate now."""
+    """(args, flags for base_train), checked: a bad base_train flag stops ablate now."""
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to "
-                                "base_train)",
-                                allow_abbrev=False,
+                                "base_train)", allow_abbrev=False,
                                 epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
     p.add_argument("--variants", default="muon,adamw",
                    help="comma-separated OPTIMIZER_VARIANTS keys (one is enough for a --sweep)")
-    p.add_argument("--baseline", default=None, help="variant the others are judged against and "
-                   "race to (default: adamw if compared, else the first)")
+    p.add_argument("--baseline", default=None, help="variant the others are judged against "
+                   "(default: adamw if compared, else the first)")
     p.add_argument("--seeds", type=int, default=None,
                    help=f"runs per variant and value, seeds 1..N of the init (default "
                    f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched)")
     p.add_argument("--data-order", choices=("fixed", "seed"), default="fixed",
                    help="fixed: every run reads the documents in one order (data seed 1), as "
-                   "track 3 does, so the verdict is at that order and the seeds vary the init "
-                   "alone (at the default shape ~20x less variance: docs/research.md); seed: "
-                   "each seed sets the data order too, a verdict across orders (default: fixed)")
-    p.add_argument("--budget", type=budget_arg, default=None,
+                   "track 3 does: the seeds vary the init alone (~20x less variance: "
+                   "docs/research.md); seed: each seed sets the data order too (default: fixed)")
+    p.add_argument("--budget", type=budget.budget_arg, default=None,
                    help="wall time for the whole ablation (600, 90s, 10m, 1.5h): --num-iterations "
                    "(and --seeds, unless given) are planned to fit it from the runs' times kept "
-                   "on this machine, or the smallest plan runs first and its own steps time it; "
-                   "the plan is printed before the runs start and refined as they go")
+                   "here, else from the smallest plan's own steps, and refined as the runs go")
     p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
-                   help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2 or "
-                   "embedding-lr=0.1,0.2; each variant is compared at its best value (default: "
-                   "lr-multiplier=1: the lrs tuned for the default shape)")
+                   help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2; each "
+                   "variant is compared at its best value (default: lr-multiplier=1)")
     p.add_argument("--baseline-lengths", type=lengths_arg, default=lengths_arg(DEFAULT_LENGTHS),
-                   help="the baseline also runs these fractions of the steps, each with its own "
-                   "schedule, per seed, to turn each verdict into steps saved (track 3's currency; "
-                   f"default {DEFAULT_LENGTHS}; 'none' to skip)")
+                   help="the baseline also runs these fractions of the steps, to turn each "
+                   f"verdict into steps saved (default {DEFAULT_LENGTHS}; 'none' skips them)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="a named shape with a tokenizer of its own, in a base dir of its own "
                    "(<base>/presets/NAME): " + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items())
@@ -217,8 +172,7 @@ def parse_args(argv):
     p.add_argument("--jobs", type=int, default=0,
                    help="runs at a time (0: one per CPU core for CPU runs of one process, else 1)")
     p.add_argument("--batch-seeds", action=argparse.BooleanOptionalAction, default=True,
-                   help="train each variant's seeds as one batched model in one process "
-                   "(base_train --seeds); --no-batch-seeds: a process per seed")
+                   help="train each variant's seeds as one batched model (base_train --seeds)")
     p.add_argument("--name", type=name_arg, default="ablation",
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
@@ -260,31 +214,23 @@ def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
     try:
         with contextlib.redirect_stderr(said):
             train_args([*flags, f"--{flag}", value])
+        return None
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
-        if why.startswith("unrecognized arguments") and takes_no_value(flags, flag):
-            return (f"--sweep {flag}=...: --{flag} is a switch, it takes no value; run one "
-                    f"ablation with --{flag} and one without it")
-        if why.startswith("unrecognized arguments"):
-            return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
-                    "scripts.base_train --help)")
+    if not why.startswith("unrecognized arguments"):
         return f"--sweep {flag}={value}: {why}"
-    return None
-
-
-def takes_no_value(flags: list[str], flag: str) -> bool:
-    """Whether base_train's --flag is a switch (--fp8, --compile): given alone, it parses."""
-    try:
+    try:  # a switch (--fp8, --compile) parses given alone
         with contextlib.redirect_stderr(io.StringIO()):
             train_args([*flags, f"--{flag}"])
     except SystemExit:
-        return False
-    return True
+        return (f"--sweep {flag}=...: base_train has no --{flag} (its flags: python -m "
+                "scripts.base_train --help)")
+    return (f"--sweep {flag}=...: --{flag} is a switch, it takes no value; run one ablation "
+            f"with --{flag} and one without it")
 
 
 def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
-    """A tokenizer for the runs: the base dir's, or a BPE of `vocab` tokens trained now on the
-    embedded corpus."""
+    """The base dir's tokenizer, or a BPE of `vocab` tokens trained now on the embedded corpus."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
         return
     if "fineweb-edu" in flags[len(DEFAULT_FLAGS):]:
@@ -296,27 +242,16 @@ def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
 
 
 def default_budget(args, flags: list[str], cache: dict) -> None:
-    """On a CPU, an ablation given neither --budget nor --num-iterations is planned to a budget for
-    the CPU it finds, and says so: CPU_BUDGETS's, by whether it has bf16 units (the default
-    shape's steps are several times slower in fp32)."""
+    """On a CPU, an ablation given neither --budget nor --num-iterations is planned to
+    budget.CPU_BUDGETS by whether the CPU has bf16 units (fp32 steps are several times slower)."""
     if (args.budget is not None or cache["device_type"] != "cpu"
             or "--num-iterations" in given_flags(flags)):
         return
     kind = "bf16" if cache["dtype"] == "bf16" else "fp32"
-    args.budget, args.budget_default = CPU_BUDGETS[kind], True
+    args.budget, args.budget_default = budget.CPU_BUDGETS[kind], True
     print(f"== this CPU trains in {kind} ({'with' if kind == 'bf16' else 'without'} bf16 units): "
           f"the ablation is planned to --budget {args.budget / 60:.0f}m (give --budget or "
           "--num-iterations to choose)", flush=True)
-
-
-def default_seeds(args, cache: dict) -> int:
-    """The seeds when --seeds is not given: GPU_SEEDS on a GPU with batched seeds (said in a
-    line), else DEFAULT_SEEDS (a --budget plans its own)."""
-    if cache["device_type"] != "cuda" or not args.batch_seeds or args.budget is not None:
-        return DEFAULT_SEEDS
-    print(f"== on a GPU: {GPU_SEEDS} seeds, each variant's batched in one process (--seeds "
-          "chooses)", flush=True)
-    return GPU_SEEDS
 
 
 def given_flags(flags: list[str]) -> set[str]:
@@ -325,28 +260,25 @@ def given_flags(flags: list[str]) -> set[str]:
 
 
 def short_run_lrs(args, flags: list[str], train) -> list[str]:
-    """flags, with Muon's matrix lr for runs of train.num_iterations steps (train: the flags
-    parsed; recipe.short_run_matrix_lr) when they are fewer than the lr rule was tuned at, said in a
-    line. Unchanged where that rule does not speak: --matrix-lr given or swept, a preset (its lrs
-    were swept at its own steps), GPU-sized steps."""
+    """flags, with recipe.short_run_matrix_lr for runs shorter than the lr rule was tuned at,
+    unless --matrix-lr is given or swept, a preset (tuned at its steps) or GPU-sized steps."""
     steps, batch = train.num_iterations, train.total_batch_size
-    if (steps >= RULE_STEPS or args.preset or "--matrix-lr" in given_flags(flags)
-            or args.sweep.flag == "matrix-lr" or not 0 < batch < NANOCHAT_BATCH):
+    if (steps >= recipe.RULE_STEPS or args.preset or "--matrix-lr" in given_flags(flags)
+            or args.sweep.flag == "matrix-lr" or not 0 < batch < recipe.NANOCHAT_BATCH):
         return flags
     lr = short_run_matrix_lr(steps, batch)
     print(f"== Muon's matrix lr {lr:.4g} for {steps}-step runs: the lr rule's "
-          f"{rule_lrs(batch)['matrix_lr']:g}, tuned at {RULE_STEPS} steps, x ({RULE_STEPS} / "
-          f"{max(steps, SHORT_RUN_FLOOR)})^{SHORT_RUN_EXPONENT}, since in shorter runs its best "
-          "lr was higher and AdamW's was not (docs/research.md); --matrix-lr chooses another",
+          f"{recipe.rule_lrs(batch)['matrix_lr']:g}, tuned at {recipe.RULE_STEPS} steps, x "
+          f"({recipe.RULE_STEPS} / {max(steps, recipe.SHORT_RUN_FLOOR)})^"
+          f"{recipe.SHORT_RUN_EXPONENT}, since in shorter runs its best lr was higher and AdamW's "
+          "was not (docs/research.md); --matrix-lr chooses another",
           flush=True)
     return [*flags, "--matrix-lr", f"{lr:.4g}"]
 
 
 def main(argv=None):
-    """ablate, stoppable: Ctrl-C or SIGTERM ends the runs it started (a run's newest checkpoint is
-    whole) and says in one line what is kept; finished runs are cached, so the same command goes
-    on from them."""
-    ended = []
+    """ablate under its name's lock; Ctrl-C or SIGTERM ends its runs and says what is cached."""
+    started, ended = time.monotonic(), []
 
     def stop(signum, frame):
         ended.extend(RUNNING.values())
@@ -356,7 +288,23 @@ def main(argv=None):
 
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return run_ablation(argv)
+        args, flags = parse_args(argv)
+        args.started = started
+        if args.preset:  # every run, the tokenizer and the results live in the preset's base dir
+            base = get_base_dir() / "presets" / args.preset
+            os.environ["NANOMUON_BASE_DIR"] = str(base)
+            print(f"== preset {args.preset} ({PRESETS[args.preset].about}), in {base}", flush=True)
+        out = get_base_dir() / "ablations" / args.name
+        try:  # two ablations of one name would train the same runs, each stopping the other's
+            note = lock_run_dir(out, "another --name")
+        except RuntimeError as e:
+            raise SystemExit(f"error: {e}") from None
+        if note:
+            print(f"== {note}", flush=True)
+        try:
+            return ablation(args, flags, argv)
+        finally:
+            unlock_run_dir(out)
     except KeyboardInterrupt as e:
         print(f"== ablate stopped; the runs it was training, ended: {', '.join(ended) or 'none'}. "
               f"Finished runs are cached in {get_base_dir() / 'ablations' / 'cache'}: the same "
@@ -367,30 +315,8 @@ def main(argv=None):
             signal.signal(sig, handler)
 
 
-def run_ablation(argv=None):
-    """Parse, then plan, run and write up the ablation under its name's lock."""
-    started = time.monotonic()
-    args, flags = parse_args(argv)
-    args.started = started
-    if args.preset:  # every run, the tokenizer and the results live in the preset's base dir
-        base = get_base_dir() / "presets" / args.preset
-        os.environ["NANOMUON_BASE_DIR"] = str(base)
-        print(f"== preset {args.preset} ({PRESETS[args.preset].about}), in {base}", flush=True)
-    out = get_base_dir() / "ablations" / args.name
-    try:  # two ablations of one name would train the same runs, each stopped by the other's locks
-        note = lock_run_dir(out, "another --name")
-    except RuntimeError as e:
-        raise SystemExit(f"error: {e}") from None
-    if note:
-        print(f"== {note}", flush=True)
-    try:
-        return ablation(args, flags, argv)
-    finally:
-        unlock_run_dir(out)
-
-
 def ablation(args, flags: list[str], argv):
-    """The ablation itself: its runs planned (--budget), run (cached) and written up."""
+    """The ablation's runs planned (--budget), run (cached) and written up."""
     ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
@@ -401,7 +327,11 @@ def ablation(args, flags: list[str], argv):
     jobs = min(jobs, runs_per_seed + len(args.baseline_lengths) if args.batch_seeds
                else runs_per_seed * (args.seeds or DEFAULT_SEEDS))
     threads = max(1, cores // (jobs * args.nproc))
-    n_seeds, refiner = args.seeds or default_seeds(args, cache), None
+    n_seeds, refiner = args.seeds or DEFAULT_SEEDS, None
+    if not args.seeds and cache["device_type"] == "cuda" and args.batch_seeds and not args.budget:
+        n_seeds = GPU_SEEDS
+        print(f"== on a GPU: {GPU_SEEDS} seeds, each variant's batched in one process (--seeds "
+              "chooses)", flush=True)
     default_budget(args, flags, cache)
     if args.budget is not None:
         flags, refiner = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
@@ -417,15 +347,19 @@ def ablation(args, flags: list[str], argv):
                          f"{steps} are not distinct step counts other than {steps}; give "
                          "--num-iterations, other fractions, or --baseline-lengths none")
     data = 1 if args.data_order == "fixed" else None  # None: the seed's
-    main_jobs = functools.partial(jobs_of, args, data)
-    todo = [job for group, of_seeds in enumerate(seed_groups(refiner.plan if refiner else None,
-                                                             n_seeds))
-            for job in main_jobs(of_seeds, group)]
+
+    def main_jobs(seeds: list[int], group: int = 0) -> list[Job]:  # a batch of each variant's
+        return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
+                for x in args.sweep.values for s in seeds]
+
+    groups = (refiner.plan.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
+    todo = [job for group, (n, end) in enumerate(zip(groups, accumulate(groups)))
+            for job in main_jobs(list(range(end - n + 1, end + 1)), group)]
     if refiner:
         refiner.make_jobs = main_jobs
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
     shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others
-               for s in seeds[:LENGTH_SEEDS]]
+               for s in seeds[:budget.LENGTH_SEEDS]]
     processes = len(batches(todo + shorter, args.batch_seeds))
     print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
           f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths"
@@ -447,53 +381,35 @@ def ablation(args, flags: list[str], argv):
     return main_runs
 
 
-def jobs_of(args, data_seed: int | None, seeds: list[int], group: int = 0) -> list[Job]:
-    """The runs at their own steps of these seeds, a batch `group` of each variant's."""
-    return [Job(v, x, s, data_seed=data_seed, group=group) for v in args.variants
-            for x in args.sweep.values for s in seeds]
-
-
-def seed_groups(plan: Plan | None, seeds: int) -> list[list[int]]:
-    """The seeds of each batch of a variant's runs: the plan's groups, else one of all."""
-    groups, first = (plan.groups if plan else ()) or (seeds,), 1
-    out = []
-    for n in groups:
-        out.append(list(range(first, first + n)))
-        first += n
-    return out
-
-
 def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
               cache: dict) -> tuple[list[str], "Refiner"]:
-    """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs). The
-    plan, said before any run starts, is kept from before, fitted to the calibration kept on this
-    machine (kept_estimate), or with none the smallest plan, which its runs' own steps then time.
-    What is kept is keyed by what decides it, so a re-run plans the same runs and finds them
-    cached."""
+    """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs); the
+    plan kept before, fitted to a calibration kept here, or the smallest, timed by its runs."""
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
     keys = plan_keys(args, flags, jobs, threads, cache)
     # a GPU's steps do not wait on the CPU's other processes: no load to scale by
     used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
     estimate, about, how = kept_estimate(keys, used)
-    guess, plan = None, read_plan(keys.plan)
+    guess, plan = None, budget.read_plan(keys.plan)
     fresh = estimate is None and plan is None
     if fresh:
         guess, how = prior_estimate(args, train, jobs, threads, cache)
-    seconds = time.monotonic() - args.started + WRITE_UP_S
+    seconds = time.monotonic() - args.started + budget.WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
     guess = guess and guess._replace(seconds=seconds)
     if plan is not None:
         how = f"planned before ({keys.plan.name}); {how}"
     elif fresh:
-        plan = smallest(args.seeds)
+        plan = budget.smallest(args.seeds)
     else:
-        plan = fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
+        plan = budget.fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
                    at_least=args.budget_default)
         if plan is None:  # only a --budget given: the default plans its smallest instead
-            raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than {MIN_STEPS} "
-                             f"steps per run ({how}: {in_words(estimate)}; {jobs} at a time); "
-                             "raise --budget, or cut --variants, --sweep, --seeds or --depth")
+            raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than "
+                             f"{budget.MIN_STEPS} steps per run ({how}: {in_words(estimate)}; "
+                             f"{jobs} at a time); raise --budget, or cut --variants, --sweep, "
+                             "--seeds or --depth")
     shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
     refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape, guess)
     if fresh:

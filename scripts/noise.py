@@ -1,19 +1,13 @@
 """
-Where the noise in an ablation's verdict comes from: a paired difference (variant minus baseline,
-one seed for both) moves with the init, the data order, which val documents score it and the
-rounding of the sums that trained it. This runs a small design that varies one at a time and
-prints each source's share of the variance of the paired difference, so a forker sees what more
-seeds, longer runs, a larger val set or averaged evals would buy at their shape, on their machine.
+Where the noise in an ablation's verdict comes from: a paired difference (variant minus baseline)
+moves with the init, the data order, which val documents score it and the rounding of the sums
+that trained it. This varies one at a time and prints each source's share of its variance.
 
     python -m scripts.noise                     # muon vs adamw at ablate's default shape, 3 seeds
     python -m scripts.noise --seeds 4 --depth 6 # other base_train flags as in ablate
 
-Runs (each for the variant and the baseline, through ablate's run cache): seeds 1..N with init
-and data order both N (ablate's design); init 2..N with data order 1; data order 2..N with init 1;
-seed 1 at another thread count (the sums' order: a rounding-level nudge whose spread is the
-trajectory's own chaos). Then every seed-pair run's final weights score the whole val split in
-slices the size of --eval-tokens: the spread of the difference over slices is what the choice of
-val documents adds. docs/research.md has the table at the default shape.
+Runs (through ablate's cache): init and data order both 1..N; init 2..N with data order 1; data
+order 2..N with init 1; seed 1 at other threads; then val slices. docs/research.md has the table.
 """
 
 import argparse
@@ -23,11 +17,12 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.ablation_runs import write_json
+from nanomuon.ablation_runs import run_one, write_json
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
 from nanomuon.sources import prepare
+from nanomuon.stats import detectable_factor
 from nanomuon.tokenizer import get_tokenizer
 from scripts import ablate
 
@@ -44,16 +39,12 @@ def variance(xs: list[float]) -> float:
     return statistics.variance(xs) if len(xs) > 1 else math.nan
 
 
-def last_evals_mean(record: dict, k: int) -> float:
-    return statistics.fmean(bpb for _, bpb in record["val_history"][-k:])
-
-
 def sources(records: dict, variant: str, baseline: str, seeds: int, threads: int) -> dict:
     """Name -> variance of the final paired difference, from the runs' records (job -> record)."""
-    def diff(i, d, t=None, k=1):
-        v, b = (records[ablate.Job(x, "1", i, data_seed=d, threads=t)]
+    def diff(i, d, t=None, k=1):  # of the mean of the last k evals
+        v, b = (records[ablate.Job(x, "1", i, data_seed=d, threads=t)]["val_history"][-k:]
                 for x in (variant, baseline))
-        return last_evals_mean(v, k) - last_evals_mean(b, k)
+        return statistics.fmean(bpb for _, bpb in v) - statistics.fmean(bpb for _, bpb in b)
 
     n = range(1, seeds + 1)
     out = {"seed (init and data order)": variance([diff(s, s) for s in n]),
@@ -67,9 +58,8 @@ def sources(records: dict, variant: str, baseline: str, seeds: int, threads: int
 
 def val_slices(variant: str, baseline: str, seeds: int, flags, name: str,
                max_slices: int = 0) -> tuple[float, int, float]:
-    """(variance of the paired difference over val slices of --eval-tokens, averaged over the
-    seeds; slices; the difference between two scorings of one slice, which is 0 when the eval is
-    deterministic). Each seed pair's final weights score the whole val split."""
+    """(variance of the paired difference over val slices, averaged over the seeds; slices; the
+    difference between two scorings of one slice, 0 when the eval is deterministic)."""
     train = ablate.train_args(flags)
     tokenizer = get_tokenizer()
     with user_errors():
@@ -104,11 +94,10 @@ def table(found: dict, val: tuple, base_bpb: float, seeds: int) -> list[str]:
     for name, var in rows.items():
         sd = math.sqrt(var) if var == var else math.nan
         lines.append(f"| {name} | {sd:.4f} | {sd / base_bpb:.2%} | {var / var_total:.0%} |")
-    detect = ablate.detectable_factor(seeds)
-    lines += ["", f"At {seeds} seeds a paired design detects (80% power) "
-              f"{detect * math.sqrt(var_total):.4f} bpb "
-              f"({detect * math.sqrt(var_total) / base_bpb:.2%}); each source's variance is "
-              f"measured from {seeds} values, so it is rough."]
+    d = detectable_factor(seeds) * math.sqrt(var_total)
+    lines += ["", f"At {seeds} seeds a paired design detects (80% power) {d:.4f} bpb "
+              f"({d / base_bpb:.2%}); each source's variance is measured from {seeds} values, so "
+              "it is rough."]
     return lines
 
 
@@ -135,7 +124,7 @@ def main(argv=None):
     started = time.monotonic()
     todo = design(variants, args.seeds, threads)
     with ThreadPoolExecutor(2) as pool:
-        records = dict(zip(todo, pool.map(lambda job: ablate.run_one(
+        records = dict(zip(todo, pool.map(lambda job: run_one(
             job, flags, "lr-multiplier", 1, threads, args.name, cache), todo)))
     found = sources(records, *variants, args.seeds, threads)
     val = val_slices(*variants, args.seeds, flags, args.name, args.val_slices)
@@ -144,7 +133,6 @@ def main(argv=None):
     lines = table(found, val, base_bpb, args.seeds)
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    # whole or not at all: a killed write never leaves half a table
     write_atomic(out / "noise.md", "\n".join(lines) + "\n")
     write_json(out / "noise.json", dict(found, val=val))
     print("\n".join(lines))
