@@ -1,8 +1,7 @@
 """
-An ablation's plan to a --budget as its runs go: where the plan, the runs' calibration and a
-refused budget's pace are kept, the calibration found for these runs (or a prior from one probed
-step), and the Refiner, which follows the runs' step records, says the plan's end at their pace and
-adds the seeds the budget has room for. budget.py holds the model of an ablation's time and the fit.
+An ablation's plan to a --budget as its runs go: where it is kept, the calibration found for these
+runs (or a prior from one probed step), and the Refiner, which follows the runs' pace and adds the
+seeds the budget has room for. budget.py holds the model of an ablation's time and the fit.
 """
 
 import contextlib
@@ -15,36 +14,16 @@ from typing import NamedTuple
 
 import torch
 
+from nanomuon import budget
 from nanomuon.ablation_runs import RECORD_BYTES, key_of, read_json, tell, write_json
-from nanomuon.budget import (
-    FIRST_SEEDS,
-    HEADROOM,
-    MIN_STEPS,
-    PRIOR_START_STEPS,
-    PRIOR_STEP_RATIO,
-    WRITE_UP_S,
-    Calibration,
-    Plan,
-    Tracker,
-    at_load,
-    budget_refusal,
-    contention,
-    eval_times,
-    grow,
-    machine_load,
-    modeled,
-    probe_step,
-    projected_detectable,
-    read_calibration,
-)
+from nanomuon.budget import Calibration, Plan, Tracker, machine_load, modeled, probe_step
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
 from nanomuon.tokenizer import tokenizer_dir
 
 
 class Keys(NamedTuple):
-    """Where a budget's plan, the runs' calibration and a refusal's pace are kept, each keyed by
-    what decides it; `machine`: the key of everything but the code, torch and the variants."""
+    """Where a plan, a calibration and a refusing pace are kept; `machine`: the machine's key."""
     plan: Path
     calibration: Path
     refused: Path
@@ -52,9 +31,8 @@ class Keys(NamedTuple):
 
 
 def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
-    """The files plan_runs reads and the Refiner keeps. A calibration is keyed by the runs' flags,
-    processes, threads, `jobs` at once, device and CPU, batching, variants, code and torch; a plan
-    by that and the budget, sweep, seeds and lengths it was fitted to."""
+    """The files plan_runs reads and the Refiner keeps: a calibration keyed by all that decides
+    the runs' pace, a plan by that and the budget, sweep, seeds and lengths it was fitted to."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
     exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
@@ -64,13 +42,13 @@ def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> K
 
 
 def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]:
-    """(the calibration kept for these runs, else the newest an ablate of other code, torch or
-    variants kept on this machine, scaled to the load now, or None; what the runs' own is kept
-    with; how it was had, in words). used: the threads the runs take (0: none scales)."""
-    kept, how = read_calibration(keys.calibration), f"timed here before ({keys.calibration.name})"
+    """(the calibration kept for these runs, else the newest of other code here, scaled to the
+    load now, or None; the `about` to keep theirs with; how it was had, in words)."""
+    kept = budget.read_calibration(keys.calibration)
+    how = f"timed here before ({keys.calibration.name})"
     if kept is None:
         found = [(k, p) for p in sorted(keys.calibration.parent.glob("calibration-*.json"))
-                 if (k := read_calibration(p, complain=False))
+                 if (k := budget.read_calibration(p, complain=False))
                  and k[1].get("machine") == keys.machine]
         if found:
             kept, path = max(found, key=lambda kp: kp[0][1]["when"])
@@ -80,7 +58,12 @@ def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]
     about = dict(machine=keys.machine, load=load, cores=cores, used=used)
     if kept is None:
         return None, about, "nothing has timed these runs here yet"
-    cal, factor = at_load(kept[0], kept[1]["load"], load, used, cores) if used else (kept[0], 1)
+    cal, factor = kept[0], 1.0
+    if used:  # all of a run is CPU time: all but the seconds before the runs scale with the load
+        then = budget.contention(kept[1]["load"], used, cores)
+        factor = budget.contention(load, used, cores) / then
+        cal = cal._replace(step_s=cal.step_s * factor, fixed_s=cal.fixed_s * factor,
+                           eval_s=cal.eval_s * factor, final_s=cal.final_s * factor)
     if abs(factor - 1) >= 0.05:
         how += (f", at a load of {kept[1]['load']:.1f} (now {load:.1f}: steps x{factor:.2f}, an "
                 "estimate)")
@@ -89,16 +72,15 @@ def kept_estimate(keys: Keys, used: int) -> tuple[Calibration | None, dict, str]
 
 def evals_of(args, train):
     """step_s -> (eval_s, final_s) of these runs (budget.eval_times)."""
-    return functools.partial(eval_times, eval_tokens=train.eval_tokens,
+    return functools.partial(budget.eval_times, eval_tokens=train.eval_tokens,
                              final_tokens=train.final_eval_tokens, batch=train.total_batch_size,
                              batched=args.batch_seeds)
 
 
 def prior_estimate(args, train, jobs: int, threads: int,
                    cache: dict) -> tuple[Calibration | None, str]:
-    """(The prior, how it was had, in words) where nothing has timed these runs here: one eager
-    step of a seed at their shape timed now (budget.probe_step), scaled by PRIOR_STEP_RATIO and by
-    the load the runs add. None on a GPU, or where the probe cannot run."""
+    """(The prior, how it was had, in words): one eager step of a seed timed now (probe_step),
+    scaled by PRIOR_STEP_RATIO and the load the runs add; None on a GPU or where it cannot run."""
     none = "nothing has timed these runs here yet"
     if cache.get("device_type") != "cpu" or not isinstance(train.device_batch_size, int):
         return None, none
@@ -115,14 +97,15 @@ def prior_estimate(args, train, jobs: int, threads: int,
     except (RuntimeError, ValueError, TypeError, MemoryError) as e:
         return None, f"{none}; no prior ({type(e).__name__}: {str(e)[:120]})"
     load, cores = machine_load(), os.cpu_count() or 1
-    factor = (contention(load, jobs * threads * args.nproc, cores)
-              / contention(load, threads, cores))
-    step_s = probe_s * PRIOR_STEP_RATIO * factor
+    factor = (budget.contention(load, jobs * threads * args.nproc, cores)
+              / budget.contention(load, threads, cores))
+    step_s = probe_s * budget.PRIOR_STEP_RATIO * factor
     eval_s, final_s = evals_of(args, train)(step_s)
-    start_s = PRIOR_START_STEPS[resolve_compile(train.compile, torch.device("cpu"))] * probe_s
+    compiled = resolve_compile(train.compile, torch.device("cpu"))
+    start_s = budget.PRIOR_START_STEPS[compiled] * probe_s
     guess = Calibration(step_s, start_s * factor, eval_s, 0.0, final_s)
     return guess, (f"{none}; a prior estimate: one eager step of a seed timed now, {probe_s:.3f} "
-                   f"s, x{PRIOR_STEP_RATIO:g} for a run's"
+                   f"s, x{budget.PRIOR_STEP_RATIO:g} for a run's"
                    + (f", x{factor:.2f} for the load {jobs} runs add" if factor > 1.01 else "")
                    + f": {in_words(guess, spent=False)}")
 
@@ -130,21 +113,20 @@ def prior_estimate(args, train, jobs: int, threads: int,
 def in_words(cal: Calibration, spent: bool = True) -> str:
     """A calibration's numbers, each with its unit."""
     return (f"{cal.step_s:.3f} s a step of a seed, {cal.fixed_s:.0f} s a run's start-up, save and "
-            "report" + (f", {cal.seconds - WRITE_UP_S:.0f} s spent before the runs" if spent
+            "report" + (f", {cal.seconds - budget.WRITE_UP_S:.0f} s spent before the runs" if spent
                         else ""))
 
 
 class Refiner(Tracker):
-    """A budget's plan as its runs go (budget.Tracker reads their step records). It says their
-    first pace and each run's end, with the plan's end at the pace measured so far. It keeps that
-    calibration and the timed plan for the next ablate, and the pace that refused a --budget
-    given. At the first run's end it adds the seeds the budget has room for (more())."""
+    """A budget's plan as its runs go: it says their first pace and each run's end with the plan's
+    end at that pace, keeps the calibration, the timed plan and a refusing pace for the next
+    ablate, and at the first run's end adds the seeds the budget has room for (more())."""
 
     def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
                  estimate: Calibration | None, seconds: float, shape: bool,
                  guess: Calibration | None = None):
         def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
-            return modeled(cal, MIN_STEPS, args.seeds or FIRST_SEEDS, *layout)[1]
+            return modeled(cal, budget.MIN_STEPS, args.seeds or budget.FIRST_SEEDS, *layout)[1]
 
         super().__init__(args.budget, seconds, evals_of(args, train),
                          None if args.budget_default else floor)
@@ -154,18 +136,16 @@ class Refiner(Tracker):
         self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
 
     def refuse_kept(self) -> None:
-        """A --budget given that runs here showed too short before (their pace is kept) and that is
-        no longer: refused now, before any run starts."""
+        """A --budget that runs here showed too short before: refused before any run starts."""
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             step_s = float(load_json(self.keys.refused, RECORD_BYTES)["step_s"])
             cal = Calibration(step_s, 0.0, 0.0, self.seconds)
             if 0 < step_s < math.inf and (floor := self.overruns(cal)) is not None:
-                raise SystemExit(budget_refusal(self.budget_s, floor, self.seconds,
-                                                f"{step_s:.3f} s a step of a seed, as runs here "
-                                                f"showed before ({self.keys.refused.name})"))
+                seen = (f"{step_s:.3f} s a step of a seed, as runs here showed before "
+                        f"({self.keys.refused.name})")
+                raise SystemExit(budget.budget_refusal(self.budget_s, floor, self.seconds, seen))
 
     def words(self, plan: Plan) -> str:
-        """The plan in words, each number with its unit."""
         runs_per_seed, jobs = self.layout[:2]
         if plan.total_s:
             timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} "
@@ -182,11 +162,12 @@ class Refiner(Tracker):
 
     def detects(self, plan: Plan) -> str:
         """The effect the plan detects, projected where the spread at its shape was measured."""
-        return (f"; detects ~{projected_detectable(max(2, plan.seeds), plan.steps):.2%} of bpb "
-                "(projected from the spread measured at this shape)" if self.shape else "")
+        detects = budget.projected_detectable(max(2, plan.seeds), plan.steps)
+        return (f"; detects ~{detects:.2%} of bpb (projected from the spread measured at this "
+                "shape)" if self.shape else "")
 
     def say(self, how: str) -> None:
-        """The plan, said before any run starts: first whether the default's fits."""
+        """The plan, said before any run starts, after whether the default's fits."""
         if self.estimate is not None or self.guess is not None:
             self.overrun(self.estimate or self.guess, "" if self.estimate else " by the prior")
         tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
@@ -197,16 +178,14 @@ class Refiner(Tracker):
         """(seconds after ablate began that the plan ends at cal, whether that fits the budget)."""
         p = self.plan
         total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
-        return self.seconds + total, total <= (self.budget_s - self.seconds) * HEADROOM
+        return self.seconds + total, total <= (self.budget_s - self.seconds) * budget.HEADROOM
 
     def overrun(self, cal: Calibration, by: str = "") -> None:
-        """The default's plan that cannot fit its budget at cal, said with its time; by: what
-        timed cal, where it is the prior. A --budget given whose smallest plan's steps alone
-        overrun it by the prior: said, as the runs' first steps will refuse it."""
+        """Say the default's plan that cannot fit at cal, or a --budget the prior says will not."""
         end, fits = self.ends(cal)
         p = self.plan
-        which = ("the smallest one" if (p.steps, p.seeds) == (MIN_STEPS, self.args.seeds
-                                                               or FIRST_SEEDS) else "its plan")
+        smallest = (budget.MIN_STEPS, self.args.seeds or budget.FIRST_SEEDS)
+        which = "the smallest one" if (p.steps, p.seeds) == smallest else "its plan"
         if self.args.budget_default and not fits:
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
                  f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
@@ -238,9 +217,8 @@ class Refiner(Tracker):
              f"{self.end_words(cal)}")
 
     def replan(self, cal: Calibration, added: int = 0) -> Plan:
-        """The plan timed at cal, with `added` seeds as a batch of their own, kept; under the lock,
-        so a run's end and the seeds added, in two threads, keep the plan both made. Returns the
-        plan before."""
+        """The plan timed at cal, with `added` seeds as a batch of their own, kept under the lock (a
+        run's end and the seeds added come from two threads). Returns the plan before."""
         with self.lock:
             p = self.plan
             groups = (*(p.groups or (p.seeds,)), added) if added else p.groups
@@ -254,14 +232,15 @@ class Refiner(Tracker):
         write_json(self.keys.refused, dict(step_s=cal.step_s))
 
     def more(self) -> list:
-        """At the first run's end, once: the Jobs of the seeds the budget has room for at the
-        runs' own pace (budget.grow), a batch of each variant's; none where --seeds is given."""
-        if self.grown or not self.done():
+        """At the first run's end, once: the Jobs of the seeds the budget has room for."""
+        with self.lock:  # a run has ended, so its rest is measured too
+            ended = any(r.wall is not None for r in self.runs)
+        if self.grown or not ended:
             return []
         self.grown, cal = True, self.measured()
         if self.args.seeds or cal is None or len(self.plan.groups) > 1:
             return []
-        if not (added := grow(self.budget_s, cal, self.plan, *self.layout)):
+        if not (added := budget.grow(self.budget_s, cal, self.plan, *self.layout)):
             return []
         before, plan = self.replan(cal, added), self.plan
         tell(f"== the budget has room at the runs' own pace: seeds {before.seeds + 1}-"

@@ -2,12 +2,10 @@
 How many seeds and steps of an ablation fit a wall time (ablate's --budget), and how the plan is
 refined from the planned runs' own steps: no run is spent on calibration alone.
 
-The first plan is fitted from a calibration kept on this machine (at_load scales it to the load
-now), or it is the smallest plan, timed by a prior: probe_step's eager step of one seed scaled by
-PRIOR_STEP_RATIO. A Tracker then reads the runs' step records and walls; the Calibration they
-measure replaces the estimate, is kept, sizes the seeds that join (grow), and refuses an explicit
-budget that not even the smallest plan fits. fit() picks the plan whose projected detectable effect
-is smallest, trading the seeds' t factor against the spread that longer runs shrink.
+The first plan is fitted from a calibration kept here, or it is the smallest plan, timed by a prior
+(probe_step). A Tracker then reads the runs' step records; the Calibration they measure is kept,
+sizes the seeds that join (grow), and refuses a budget not even the smallest plan fits. fit()
+trades the seeds' t factor against the spread that longer runs shrink.
 """
 
 import argparse
@@ -20,15 +18,18 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nanomuon.common import load_json
+import torch
+
+from nanomuon.common import autocast, load_json
+from nanomuon.gpt import GPT
 from nanomuon.stats import detectable_factor
+from nanomuon.variants import optimizer_kwargs
 
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
 # A seed's paired difference (muon - adamw at the default shape, data order fixed) spreads 0.52% of
 # bpb at 64 steps, 0.37% at 79 and 0.29% at 200 (5, 10 and 5 seeds; docs/research.md): about
 # SPREAD_SCALE * steps ** -SPREAD_EXPONENT (fitted in log-log, weighted by degrees of freedom).
-# The planner weighs it against the t factor of fewer seeds; the plan line projects from it.
 SPREAD_EXPONENT, SPREAD_SCALE = 0.41, 0.0243
 MAX_SEEDS = 32  # then longer runs: a verdict from more training, at about the same resolution
 FIRST_SEEDS = 3  # the fewest a plan takes: the smallest plan's, unless --seeds says
@@ -82,17 +83,16 @@ def budget_arg(s: str) -> float:
 
 def eval_times(step_s: float, eval_tokens: int, final_tokens: int, batch: int,
                batched: bool) -> tuple[float, float]:
-    """(eval_s, final_s) at step_s: eval tokens at a third of a training token's time (forward
-    only); a batched seed's last eval and final eval grow with the seeds, so final_s holds them."""
+    """(eval_s, final_s) at step_s: an eval token costs a third of a training token (forward only);
+    final_s: a batched seed's last eval and final eval, which grow with the seeds."""
     eval_s = eval_tokens / batch * step_s / 3
     return eval_s, (eval_s + max(0, final_tokens) / batch * step_s / 3 if batched else 0.0)
 
 
 def run_sizes(runs_per_seed: int, seeds: int, lengths: int = 0, batched: bool = False,
               groups: tuple = ()) -> list:
-    """The seeds each run trains: batched, one run per group of seeds (all of them if no groups)
-    per variant-value pair and one of the first LENGTH_SEEDS per other length of the baseline;
-    alone, a run per seed of each."""
+    """The seeds each run trains: batched, a run per group of seeds per variant-value pair and one
+    of LENGTH_SEEDS per other length of the baseline; alone, a run per seed of each."""
     sizes = ([g for g in groups or (seeds,) for _ in range(runs_per_seed)]
              + [min(seeds, LENGTH_SEEDS)] * lengths)
     return sizes if batched else [1] * sum(sizes)
@@ -149,33 +149,23 @@ def smallest(seeds: int | None) -> Plan:
 
 def grow(budget_s: float, cal: Calibration, plan: Plan, runs_per_seed: int, jobs: int,
          lengths: int = 0, batched: bool = False) -> int:
-    """How many seeds (MAX_SEEDS in all at most) can join `plan` as one more batch of each
-    variant's runs and still fit budget_s at cal; 0 if none can."""
+    """How many seeds can join `plan` as one more batch and still fit budget_s at cal; 0 if none."""
     left = (budget_s - cal.seconds) * HEADROOM
     groups = plan.groups or (plan.seeds,)
-    for more in range(MAX_SEEDS - plan.seeds, 0, -1):
-        if modeled(cal, plan.steps, plan.seeds + more, runs_per_seed, jobs, lengths, batched,
-                   (*groups, more))[1] <= left:
-            return more
-    return 0
+    return next((more for more in range(MAX_SEEDS - plan.seeds, 0, -1)
+                 if modeled(cal, plan.steps, plan.seeds + more, runs_per_seed, jobs, lengths,
+                            batched, (*groups, more))[1] <= left), 0)
 
 
 def projected_detectable(seeds: int, steps: int) -> float:
-    """The effect (a fraction of bpb) that `seeds` seeds of `steps` steps detect 80% of the time,
-    at the spread a seed's difference showed at ablate's default shape (SPREAD_SCALE)."""
+    """The effect (a fraction of bpb) `seeds` seeds of `steps` steps detect, by SPREAD_SCALE."""
     return detectable_factor(seeds) * SPREAD_SCALE * steps ** -SPREAD_EXPONENT
 
 
 def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype: str,
                threads: int) -> float:
-    """Seconds of one eager training step of one seed of a GPT of `config` on this CPU: a
-    micro-batch of `rows` sequences forward and backward (the second: the first warms the
-    allocator) times micro_batches, and the mean of each variant's optimizer step."""
-    import torch
-
-    from nanomuon.common import autocast
-    from nanomuon.gpt import GPT
-
+    """Seconds of one eager step of one seed of a GPT of `config` on this CPU: a micro-batch's
+    forward and backward (its second) times micro_batches, and each variant's optimizer step."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -204,10 +194,6 @@ def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype
 def optimizer_step(model, variant: str, x, cast) -> float:
     """Seconds of variant's second eager optimizer step (the first makes its state); a stage that
     reads its matrices' inputs (Newton-Muon) gets them from a forward of x, timed with the step."""
-    import torch
-
-    from nanomuon.variants import optimizer_kwargs
-
     opt = model.setup_optimizer(**optimizer_kwargs(variant), compile=False, horizon=MIN_STEPS)
     named = {p: name for name, p in model.named_parameters()}
     seconds = 0.0
@@ -231,23 +217,13 @@ def machine_load() -> float:
 
 
 def contention(load: float, used: int, cores: int) -> float:
-    """How much slower a step runs beside `load` other runnable processes, the runs' own `used`
+    """How much slower a step runs beside `load` other runnable processes and the runs' own `used`
     threads on `cores` cores: not at all while every thread has a core, then in proportion."""
     return max(1.0, (load + used) / max(1, cores))
 
 
-def at_load(cal: Calibration, then: float, now: float, used: int,
-            cores: int) -> tuple[Calibration, float]:
-    """(cal timed at load `then`, scaled to load `now`; the factor): all of a run is CPU time;
-    the seconds spent before the runs do not scale."""
-    f = contention(now, used, cores) / contention(then, used, cores)
-    return cal._replace(step_s=cal.step_s * f, fixed_s=cal.fixed_s * f, eval_s=cal.eval_s * f,
-                        final_s=cal.final_s * f), f
-
-
 def budget_refusal(budget_s: float, floor_s: float, spent_s: float, seen: str) -> str:
-    """The line that refuses --budget budget_s, where the smallest plan's steps alone take
-    floor_s seconds: it names a budget that fits them."""
+    """The line that refuses --budget budget_s: it names a budget that fits floor_s of steps."""
     left = (budget_s - spent_s) * HEADROOM
     need = floor_s / HEADROOM + spent_s
     return (f"error: --budget {budget_s:.0f}s cannot fit: the smallest plan's steps alone take "
@@ -287,10 +263,8 @@ class RunWatch:
 
 class Tracker:
     """The planned runs' pace from their step records, from any lane's thread: the Calibration
-    they measure, handed to paced() once PACE_RECORDS warm steps have come and to finished() as
-    each run ends (a subclass says and keeps them), and the refusal of an explicit budget once not
-    even the smallest plan's steps fit. floor: that plan's seconds at a Calibration; None never
-    refuses (the default budget)."""
+    they measure, handed to paced() after PACE_RECORDS warm steps and to finished() as each run
+    ends, and the refusal of a budget not even the smallest plan's steps fit (floor; None never)."""
 
     def __init__(self, budget_s: float, seconds: float, evals, floor=None):
         self.budget_s, self.seconds, self.evals, self.floor = budget_s, seconds, evals, floor
@@ -310,9 +284,8 @@ class Tracker:
                 p.terminate()
 
     def measured(self) -> Calibration | None:
-        """The runs' calibration so far, None before PACE_RECORDS warm step records. A seed's
-        step: the records' seconds over the seed-steps they hold. A run's rest: its wall less its
-        steps at its own pace (start-up, evals, save), never below zero: the evals' model shrinks
+        """The runs' calibration so far, None before PACE_RECORDS warm step records. A run's rest
+        (start-up, evals, save) is its wall less its steps at its own pace; the evals' model shrinks
         where a rest is shorter. A run still going gives its start-up so far."""
         with self.lock:
             runs = [(r.seeds, list(r.dts), r.steps, r.at, r.began, r.wall)
@@ -344,8 +317,7 @@ class Tracker:
         self.check(cal)
 
     def overruns(self, cal: Calibration) -> float | None:
-        """The smallest plan's steps alone at cal (no start-up, no evals: a bound from below)
-        where they cannot fit what the budget leaves the runs, else None (always, without floor)."""
+        """The smallest plan's steps alone at cal (a bound from below) if they overrun, or None."""
         if self.floor is None:
             return None
         floor = self.floor(cal._replace(fixed_s=0.0, eval_s=0.0, final_s=0.0))
@@ -369,11 +341,6 @@ class Tracker:
         if (cal := self.measured()) is not None:
             self.finished(run, cal)
 
-    def done(self) -> bool:
-        """Whether a run has ended, so its rest is measured too."""
-        with self.lock:
-            return any(r.wall is not None for r in self.runs)
-
     def paced(self, cal: Calibration) -> None:
         """The runs' first pace (a subclass says it)."""
 
@@ -385,7 +352,7 @@ class Tracker:
 
 
 def read_plan(path: Path) -> Plan | None:
-    """A kept plan, or None when there is none or it is not one (then it is planned again)."""
+    """A kept plan, or None when there is none or it is not one."""
     try:
         saved = load_json(path, 1 << 16, "a plan ablate wrote")
         plan = Plan(**saved)._replace(groups=tuple(saved.get("groups", ())))
@@ -404,8 +371,7 @@ def read_plan(path: Path) -> Plan | None:
 
 
 def read_calibration(path: Path, complain: bool = True) -> tuple[Calibration, dict] | None:
-    """A kept calibration and what it was timed with (`about`: the machine's key, the load beside
-    the runs, when), or None when there is none or it is not one (said, where complain)."""
+    """(A kept calibration, `about` it), or None where there is none or it is not one."""
     try:
         kept = load_json(path, 1 << 16, "a calibration ablate kept")
         cal, about = Calibration(**kept["calibration"]), dict(kept["about"])
