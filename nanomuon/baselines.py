@@ -1,10 +1,7 @@
 """
-Stock PyTorch as a baseline: torch.optim.Muon for the 'muon' groups and torch.optim.AdamW for the
-'adamw' groups, behind the same param-group convention as MuonAdamW, so ablations and benchmarks can
-put nanomuon's fused optimizer next to PyTorch alone in the same loop (`--optimizer torch-muon`;
-docs/research.md). torch.optim.Muon runs one matrix at a time and is not
-distributed, so under torch.distributed this wrapper averages the grads itself and every rank does
-the whole update (replicated, like DDP).
+Stock PyTorch as a baseline (`--optimizer torch-muon`): torch.optim.Muon and torch.optim.AdamW
+behind MuonAdamW's param-group convention, in the same loop. torch.optim.Muon is not distributed,
+so under torch.distributed this averages the grads itself and every rank does the whole update.
 """
 
 import contextlib
@@ -18,10 +15,8 @@ from nanomuon.update_math import resolve_ns_precision
 
 
 def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py) in float32 where torch uses bfloat16.
-
-    On CPUs bf16 matmul is emulated (about 1 GFLOP/s on the 2-core test machine, 20-50x slower than
-    fp32), so there the baseline would time the emulation rather than the algorithm."""
+    """torch.optim.Muon's Newton-Schulz in float32 where torch uses bfloat16: on CPUs bf16 matmul is
+    emulated (20-50x slower than fp32), so the baseline would time the emulation."""
     a, b, c = ns_coefficients
     X = grad.float()
     tall = grad.size(0) > grad.size(1)
@@ -38,19 +33,13 @@ def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
 
 
 def fp32_newton_schulz():
-    """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks the function up by
-    name at every step, so swapping the module attribute is enough)."""
+    """torch.optim.Muon's Newton-Schulz in fp32 inside the block (it looks it up at every step)."""
     return mock.patch.object(torch_muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
 
 
 class TorchMuonAdamW:
-    """torch.optim.Muon + torch.optim.AdamW as one optimizer over kind='muon' / kind='adamw' groups.
-
-    param_groups are the inner optimizers' own dicts, so a schedule that writes group['lr'] (and
-    group['momentum'] for Muon) reaches them. Groups take MUON_KEYS / ADAMW_KEYS, and muon groups
-    beta2=None (no variance reduction, as in torch); name, initial_lr and horizon ride along.
-    ns_precision 'auto' follows MuonAdamW's rule (update_math.resolve_ns_precision): torch's bf16
-    where bf16 matmuls are fast, fp32 elsewhere."""
+    """torch.optim.Muon + torch.optim.AdamW as one optimizer over kind='muon' / 'adamw' groups:
+    param_groups are the inner optimizers' own dicts, so a schedule's writes reach them."""
 
     MUON_KEYS = ("lr", "momentum", "weight_decay", "nesterov", "ns_steps")
     ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -82,16 +71,14 @@ class TorchMuonAdamW:
 
     @property
     def param_groups(self):
-        # live: torch's load_state_dict replaces the inner group dicts, and a schedule must reach
-        # the new ones
+        # live: torch's load_state_dict replaces the inner group dicts a schedule writes
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property
     def state(self):
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
-    def wants_inputs(self) -> bool:
-        """torch.optim.Muon reads no layer inputs (MuonAdamW.wants_inputs)."""
+    def wants_inputs(self) -> bool:  # torch.optim.Muon reads no layer inputs
         return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:

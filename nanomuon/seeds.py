@@ -1,36 +1,25 @@
 """
 Many seeds of one GPT, trained as one model in one process (base_train --seeds).
 
-A seed's run as a process of its own pays for its start-up, tokenizer and data, compile and evals,
-and on a GPU a small model leaves the device idle. Batched, every parameter gets a leading seed
-dim: a (rows, cols) matrix becomes (seeds, rows, cols). One forward, torch.vmap over
-torch.func.functional_call, runs every seed on the same batch (ablate's fixed data order), and the
-loss is the sum of the seeds' losses, so each seed's gradient is its own run's. The optimizer
-needs nothing new: Muon treats leading dims as a batch of matrices (update_math), so a stacked
-matrix is its seeds' matrices, each orthogonalized alone; AdamW is elementwise.
-
-The model code is unchanged: GPT.forward runs per seed under vmap (its fused loss has a vmap rule,
-gpt.SoftcapCrossEntropy). Attention leaves vmap: each layer calls the kernel a single run would
-(SDPA, FA3, flex, chunked: nanomuon.attention) once, on every seed's rows folded into its batch
-(seed_attention). vmap's own rule for SDPA would pick a kernel per shape (on an H200, cuDNN's,
-whose compiled graph broke), and the flash kernels have none. What a per-seed forward cannot share
-is refused (check_seeds): QK-clip tracks logits in the modules, fp8 swaps the layers, FSDP shards
-them, and torch.optim.Muon takes 2-D matrices only.
+A process per seed pays for its own start-up, compile and evals, and on a GPU a small model leaves
+the device idle. Batched, every parameter gets a leading seed dim and torch.vmap runs every seed on
+the same batch; the loss is the sum of the seeds', so each seed's gradient is its own run's. Muon
+treats leading dims as a batch of matrices and AdamW is elementwise, so the optimizer is unchanged.
+Attention leaves vmap: each layer calls the kernel a single run would once, on every seed's rows
+folded into its batch (seed_attention): vmap's rule for SDPA picks a kernel per shape (on an H200,
+cuDNN's, whose compiled graph broke), and the flash kernels have none.
 """
 
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 from torch import Tensor
-from torch.func import functional_call
 
 from nanomuon.gpt import GPT, GPTConfig, sdpa
 
 
 def parse_seeds(s: str) -> list[int]:
-    """--seeds' value: distinct ints in [0, 2**64), comma-separated; ValueError says what is
-    wrong."""
+    """--seeds' value: distinct ints in [0, 2**64), comma-separated (else ValueError)."""
     try:
         seeds = [int(x) for x in s.split(",")]
     except ValueError:
@@ -56,9 +45,8 @@ def check_seeds(seeds: list[int], qk_clip: float, fp8: bool, fsdp: bool, optimiz
 
 
 def seeded_gpt(config: GPTConfig, seeds: list[int], device) -> GPT:
-    """A GPT whose every parameter holds its seeds' stacked on dim 0 (model.seeds = their number),
-    seed i's slice initialized exactly as a single run with --seed seeds[i] (torch.manual_seed,
-    then init_weights), one seed at a time, so memory holds one extra model at most."""
+    """A GPT whose every parameter holds its seeds' stacked on dim 0, seed i's initialized as a
+    single run with --seed seeds[i] would be, one seed at a time (one extra model in memory)."""
     with torch.device("meta"):
         model, one = GPT(config), GPT(config)
     model.to_empty(device=device)
@@ -75,14 +63,13 @@ def seeded_gpt(config: GPTConfig, seeds: list[int], device) -> GPT:
             stacked[name][i].copy_(p)
     for name, value in stacked.items():
         module, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        setattr(module, attr, nn.Parameter(value))
+        setattr(module, attr, torch.nn.Parameter(value))
     model.seeds = len(seeds)
     return model
 
 
 def seed_model(model: GPT, i: int) -> GPT:
-    """Seed i of a seeded GPT as a plain GPT whose weights are views of its slices (samples,
-    inspection): no copy, and it changes as the seeded model trains."""
+    """Seed i of a seeded GPT as a plain GPT whose weights are views of its slices (no copy)."""
     with torch.device("meta"):
         one = GPT(model.config)
     one.to_empty(device=model.cos.device)
@@ -98,8 +85,7 @@ KERNELS: dict[str, Callable] = {}
 
 
 def kernel_name(attend: Callable) -> str:
-    """attend's name in KERNELS, registering it: its qualified name, numbered past the first when
-    another kernel of this process holds it (two closures of one factory)."""
+    """attend's name in KERNELS, registering it: its qualified name, numbered where taken."""
     base = f"{attend.__module__}.{getattr(attend, '__qualname__', type(attend).__name__)}"
     for n in range(1, len(KERNELS) + 2):
         name = base if n == 1 else f"{base}#{n}"
@@ -169,12 +155,9 @@ def folded(attend: Callable) -> Callable:
     return attend_folded
 
 
-class SeedBatch(nn.Module):
-    """The forward of a seeded GPT (seeded_gpt): GPT.forward run per seed under torch.vmap, on the
-    same batch, each layer's attention kernel (set by use_attention before) folded. With targets,
-    each seed's mean loss, (seeds,) (sum them to backward: each seed's gradient is its own), or
-    with loss_reduction='none' the per-token losses (seeds, B, T); without, the logits
-    (seeds, B, T, vocab). input_stats: (that, each matrix's input covariances, seeds first)."""
+class SeedBatch(torch.nn.Module):
+    """The forward of a seeded GPT: GPT.forward per seed under torch.vmap, on the same batch,
+    each layer's attention folded; GPT.forward's outputs, seeds first (sum losses to backward)."""
 
     def __init__(self, model: GPT):
         super().__init__()
@@ -188,8 +171,9 @@ class SeedBatch(nn.Module):
         buffers = dict(self.model.named_buffers())
 
         def one_seed(params, idx, targets):
-            return functional_call(self.model, (params, buffers), (idx, targets),
-                                   dict(loss_reduction=loss_reduction, input_stats=input_stats))
+            return torch.func.functional_call(
+                self.model, (params, buffers), (idx, targets),
+                dict(loss_reduction=loss_reduction, input_stats=input_stats))
 
         params = dict(self.model.named_parameters())
         return torch.vmap(one_seed, in_dims=(0, None, None), randomness="error")(params, idx,
@@ -197,8 +181,7 @@ class SeedBatch(nn.Module):
 
 
 def seed_records(seeds: list[int], summary: dict, loop: dict) -> dict:
-    """seed -> what a single run of it records in summary.json (final and min val bpb, the final
-    eval, the val and train loss histories), from a batched run's lists."""
+    """seed -> what a single run of it records in summary.json, from a batched run's lists."""
     out = {}
     for i, seed in enumerate(seeds):
         record = {key: summary[key][i] for key in ("final_val_bpb", "min_val_bpb",

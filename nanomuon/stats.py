@@ -1,10 +1,8 @@
 """
 The statistics of a paired comparison over seeds: a mean and its 95% interval, the smallest effect
-a design detects, and the verdicts ablate and noise print, in bpb and in steps.
-
-Seeds pair the runs (one seed gives a variant and its baseline the same init and data order), so
-what is judged is the per-seed difference, whose spread is far smaller than the seeds' own. The
-standard library has no t distribution, so its quantile is computed here.
+a design detects, and the verdicts ablate and noise print, in bpb and in steps. Seeds pair the runs
+(one seed gives a variant and its baseline the same init and data order), so what is judged is the
+per-seed difference, whose spread is far smaller than the seeds' own.
 """
 
 import functools
@@ -30,8 +28,7 @@ def t_quantile(df: int, p: float = 0.975) -> float:
 
 
 def mean_ci(values: list[float]) -> tuple[float, float, float]:
-    """(mean, sample std, half-width of the 95% interval of the mean); std and half-width are nan
-    for one value."""
+    """(mean, sample std, half-width of the 95% interval of the mean); nan spreads for one value."""
     m = statistics.fmean(values)
     if len(values) < 2:
         return m, math.nan, math.nan
@@ -46,13 +43,10 @@ def detectable_factor(n: int) -> float:
 
 
 def paired(diffs: list[float]) -> dict:
-    """The paired comparison of per-seed differences (variant minus baseline; one seed gives both the
-    same init and data order): their mean, its 95% interval [lo, hi], and the smallest effect this
-    design detects: the true difference at which a 95% interval excludes zero in 80% of repeats,
-    (t_0.975 + t_0.80) sd / sqrt(n), from the observed spread sd and the number of seeds."""
+    """The paired comparison of per-seed differences (variant minus baseline): their mean, its
+    95% interval [lo, hi], and the smallest effect this design detects (detectable_factor's)."""
     m, sd, hw = mean_ci(diffs)
-    n = len(diffs)
-    detectable = detectable_factor(n) * sd if n > 1 else math.nan
+    detectable = detectable_factor(len(diffs)) * sd if len(diffs) > 1 else math.nan
     return dict(mean=m, lo=m - hw, hi=m + hw, sd=sd, detectable=detectable)
 
 
@@ -78,7 +72,7 @@ def seeds_to_detect(sd: float, effect: float) -> int | None:
 def verdict(diffs: list[float], base: float) -> str:
     """'better by X [lo, hi]', 'worse by X [lo, hi]', or 'no difference larger than D' (the farther end
     of the interval), in bpb and as a share of base, with the smallest effect the design detects and,
-    when that is larger than a record-sized effect, the seeds one would take at the spread seen."""
+    when that is above a record-sized effect, the seeds one would take at the spread seen."""
     if len(diffs) < 2:
         return "one seed: no verdict (use --seeds 2 or more)"
     c = paired(diffs)
@@ -97,10 +91,9 @@ def verdict(diffs: list[float], base: float) -> str:
 
 
 def bpb_per_log_step(finals: dict) -> tuple[float, float, int]:
-    """(slope, its standard error, degrees of freedom) of final bpb against ln(steps), fitted to the
-    baseline's runs of several lengths (finals: steps -> per-seed final bpbs, each length with a
-    schedule of its own), with an intercept per seed: the seeds pair the lengths as they pair the
-    variants, so init and data order drop out of the slope."""
+    """(slope, its standard error, degrees of freedom) of final bpb against ln(steps) over the
+    baseline's lengths (finals: steps -> per-seed final bpbs), with an intercept per seed: the
+    seeds pair the lengths, so init and data order drop out of the slope."""
     lengths = sorted(finals)
     n = len(finals[lengths[0]])
     x = {steps: math.log(steps) for steps in lengths}
@@ -116,13 +109,11 @@ def bpb_per_log_step(finals: dict) -> tuple[float, float, int]:
 
 
 def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
-    """Track 3's currency: the share of its steps a variant saves to reach the baseline's final bpb,
-    from its paired final differences (variant minus baseline) and the baseline's bpb per
-    ln(steps) (bpb_per_log_step), taking the variant's curve as the baseline's stretched in steps:
-    the baseline reaches the variant's bpb at steps * exp(diff / slope), so the variant reaches the
-    baseline's at steps * exp(-diff / slope). share = 1 - exp(-mean diff / slope) with a 95%
-    interval from the spread of the differences and the slope's error (delta method); None
-    without a slope that falls (the baseline did not gain from the longer runs)."""
+    """Track 3's currency: the share of its steps a variant saves to reach the baseline's final bpb.
+    The variant's curve is the baseline's stretched in steps: it reaches the baseline's bpb at
+    steps * exp(-diff / slope) (slope: bpb_per_log_step's), so share = 1 - exp(-mean diff / slope),
+    with a 95% interval from the differences' spread and the slope's error (delta method); None
+    without a slope that falls."""
     b, b_se, b_df = slope
     if len(diffs) < 2 or not b < 0:
         return None
@@ -143,8 +134,7 @@ def steps_verdict(diffs: list[float], slope: tuple, steps: int) -> dict | None:
 
 
 def steps_words(v: dict | None) -> str:
-    """'reaches the baseline's final bpb in N fewer steps of S (X%) [a to b fewer]' (or more, and
-    an interval from so many more to so many fewer where it holds both), or why not."""
+    """'reaches the baseline's final bpb in N fewer steps of S (X%) [a to b fewer]', or why not."""
     if v is None:
         return "in steps: none (no baseline run at other lengths, or it did not gain from them)"
     lo, hi = round(v["fewer_lo"]), round(v["fewer_hi"])

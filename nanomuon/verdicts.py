@@ -1,8 +1,7 @@
 """
 An ablation's verdicts and write-up, from its runs' records alone: the sweep table, each variant
-against the baseline in bpb and in steps (with the sign track 3 published, where it did), the
-plot of the paired differences and curves, and ablations/<name>/ablation.md. The statistics
-behind each verdict are stats.py's; this file is how they are laid out for a reader.
+against the baseline in bpb and in steps (with the sign track 3 published, where it did), the plot
+and ablations/<name>/ablation.md. The statistics behind each verdict are stats.py's.
 """
 
 import math
@@ -10,24 +9,14 @@ import statistics
 import sys
 from typing import NamedTuple
 
+from nanomuon import stats
 from nanomuon.ablation_runs import value_tag
 from nanomuon.common import get_base_dir, write_atomic
 from nanomuon.report import MISSING, plot_curves
-from nanomuon.stats import (
-    RECORD_EFFECT,
-    bpb_per_log_step,
-    fmt,
-    mean_ci,
-    paired,
-    steps_verdict,
-    steps_words,
-    verdict,
-)
 
 
 class Published(NamedTuple):
-    """What a source reported for a variant against Muon: the sign of variant minus Muon (in loss
-    or steps: -1 better, 0 no difference, +1 worse) and where, in words."""
+    """A source's sign of a variant minus Muon (-1 better, 0 no difference, +1 worse), in words."""
     sign: int
     source: str
 
@@ -53,8 +42,7 @@ SIGN_WORDS = {-1: "better", 0: "no difference", +1: "worse"}
 
 
 def published_sign(variant: str, baseline: str) -> Published | None:
-    """What was published for variant against baseline: PUBLISHED's entry against muon, or an
-    entry's sign turned round for muon against it; None where nothing was."""
+    """What was published for variant against baseline (either way round), or None."""
     if baseline == "muon":
         return PUBLISHED.get(variant)
     if variant == "muon" and baseline in PUBLISHED:
@@ -63,9 +51,8 @@ def published_sign(variant: str, baseline: str) -> Published | None:
 
 
 def against_published(diffs: list[float], published: Published) -> str:
-    """Whether the paired differences' 95% interval agrees with the published sign, disagrees,
-    or cannot tell (it holds zero where a difference was published)."""
-    c = paired(diffs) if len(diffs) > 1 else dict(lo=-math.inf, hi=math.inf)
+    """Whether the paired 95% interval agrees with the published sign, or cannot tell."""
+    c = stats.paired(diffs) if len(diffs) > 1 else dict(lo=-math.inf, hi=math.inf)
     seen = -1 if c["hi"] < 0 else 1 if c["lo"] > 0 else 0
     word = ("agrees" if seen == published.sign else "disagrees" if seen
             else "cannot tell (the interval holds zero)")
@@ -87,33 +74,32 @@ class Sweep(NamedTuple):
 
 def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int],
                 best: dict) -> list[str]:
-    """Markdown: final val bpb at each swept value, and each value minus the variant's best,
-    paired by seed, with its 95% interval: whether the best is better than its neighbours."""
-    heads = [f"{sweep.flag} {v}" for v in sweep.values]
+    """Markdown: final val bpb at each swept value, and each minus the variant's best, paired."""
+    def row(first: str, cells: list[str]) -> str:
+        return f"| {first} | " + " | ".join(cells) + " |"
+
+    head = [row("variant", [f"{sweep.flag} {v}" for v in sweep.values]),
+            "|---|" + "---:|" * len(sweep.values)]
     lines = ["Final val bpb per swept value (mean ± std [95% CI]); the best per variant in bold:",
-             "", "| variant | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
-    for v in variants:
-        cells = [f"**{fmt(final[v, x])}**" if x == best[v] else fmt(final[v, x])
-                 for x in sweep.values]
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+             "", *head]
+    lines += [row(v, [f"**{stats.fmt(final[v, x])}**" if x == best[v] else stats.fmt(final[v, x])
+                      for x in sweep.values]) for v in variants]
     if len(seeds) > 1:
         lines += ["", "Each value minus the variant's best, paired by seed (mean [95% CI]):", "",
-                  "| variant | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+                  *head]
         for v in variants:
-            cells = []
-            for x in sweep.values:
-                c = paired([a - b for a, b in zip(final[v, x], final[v, best[v]])])
-                cells.append("(best)" if x == best[v] else
-                             f"{c['mean']:+.4f} [{c['lo']:+.4f}, {c['hi']:+.4f}]")
-            lines.append(f"| {v} | " + " | ".join(cells) + " |")
+            diffs = {x: stats.paired([a - b for a, b in zip(final[v, x], final[v, best[v]])])
+                     for x in sweep.values if x != best[v]}
+            lines.append(row(v, ["(best)" if x == best[v] else
+                                 "{mean:+.4f} [{lo:+.4f}, {hi:+.4f}]".format(**diffs[x])
+                                 for x in sweep.values]))
     edge = [f"{v} ({best[v]})" for v in variants if best[v] in (sweep.values[0], sweep.values[-1])]
     return lines + ["", f"At the edge of the sweep: {', '.join(edge)}; widen --sweep to find "
                     "their best." if edge else "Every best lies inside the sweep.", ""]
 
 
 def final_bpb(record: dict) -> float:
-    """What a verdict compares: the run's final weights over base_train's --final-eval-tokens
-    when it scored them (a larger val set), else its last eval."""
+    """What a verdict compares: the final eval over --final-eval-tokens, else the last eval."""
     return record.get("final_eval_bpb", record["final_val_bpb"])
 
 
@@ -124,9 +110,8 @@ def own_steps(results: dict, variant: str, value: str, seeds: list[int]) -> int:
 
 def baseline_finals(results: dict, lengths: dict, seeds: list[int], baseline: str,
                     value: str) -> dict:
-    """steps -> the baseline's per-seed final bpbs at each length it ran (its own and `lengths`:
-    (seed, steps) -> record), over the seeds that ran every length (the first LENGTH_SEEDS); its
-    own length alone, over every seed, when there are none."""
+    """steps -> the baseline's per-seed final bpbs at each length it ran (`lengths`: (seed, steps)
+    -> record), over the seeds that ran every length; its own alone, over every seed, without."""
     own = own_steps(results, baseline, value, seeds)
     others = sorted({n for _, n in lengths})
     ran = [s for s in seeds if all((s, n) in lengths for n in others)] if others else []
@@ -147,7 +132,7 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     # the curves' set: the steps and seconds to the baseline's last eval on it
     curve_target = statistics.fmean(r["final_val_bpb"] for r in base_runs)
     finals = baseline_finals(results, lengths or {}, seeds, baseline, best[baseline])
-    slope = bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
+    slope = stats.bpb_per_log_step(finals) if len(finals) > 1 else (math.nan, math.nan, 0)
     own = own_steps(results, baseline, best[baseline], seeds)
     # a new idea judged at the baseline's tuned lrs may lose for its lr alone: say so where it is
     untuned = ("" if len(sweep.values) > 1 else f"; each variant at {sweep.flag} "
@@ -161,17 +146,17 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
         runs = [results[v, best[v], s] for s in seeds]
         reached = [x for x in (first_reaching(curve_target, r) for r in runs) if x is not None]
         count = "" if len(reached) == len(runs) else f" ({len(reached)}/{len(runs)} reached)"
-        steps = fmt([float(x[0]) for x in reached], 1) + count if reached else "not reached"
-        secs = fmt([x[1] for x in reached], 1) + count if reached else "not reached"
+        steps = stats.fmt([float(x[0]) for x in reached], 1) + count if reached else "not reached"
+        secs = stats.fmt([x[1] for x in reached], 1) + count if reached else "not reached"
         diffs = [final_bpb(r) - final_bpb(b) for r, b in zip(runs, base_runs)]
         tok_s = statistics.fmean(r.get("tok_per_s", math.nan) for r in runs)
+        in_steps = stats.steps_words(stats.steps_verdict(diffs, slope, own))
         vs = ("(baseline)" if v == baseline else
-              f"{verdict(diffs, target)}; {steps_words(steps_verdict(diffs, slope, own))}"
-              + untuned)
+              f"{stats.verdict(diffs, target)}; {in_steps}{untuned}")
         if extra[0]:
             vs += " | " + (against_published(diffs, known[v]) if known.get(v) else
                            "(baseline)" if v == baseline else "nothing published")
-        lines.append(f"| {v} | {best[v]} | {fmt([final_bpb(r) for r in runs])} | {steps} | "
+        lines.append(f"| {v} | {best[v]} | {stats.fmt([final_bpb(r) for r in runs])} | {steps} | "
                      f"{secs} | {tok_s:,.0f} | {vs} |")
     if "final_eval_bpb" in base_runs[0]:
         lines += ["", f"Final val bpb and the verdicts: each run's final weights over "
@@ -190,32 +175,27 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
 
 def difference_panel(results: dict, variants: list[str], seeds: list[int], best: dict,
                      baseline: str) -> dict:
-    """The paired differences in val bpb (variant minus baseline, seed by seed) at each eval, their
-    mean with its 95% interval as a band, around zero a band of +- the smallest final effect this
-    design detects, and at the last step the verdict's own difference with its interval (the
-    final weights over the larger val set, where the runs scored one): the panel agrees with the
-    table beside it."""
+    """The paired differences in val bpb (variant minus baseline) at each eval with their 95%
+    interval, around zero a band of +- the smallest effect this design detects, and at the last
+    step the verdict's own difference and interval, so the panel agrees with the table."""
     series, colors, dashed = {}, {}, []
     for v in (v for v in variants if v != baseline):
         pairs = [(results[v, best[v], s], results[baseline, best[baseline], s]) for s in seeds]
         n = min(len(r["val_history"]) for pair in pairs for r in pair)
         steps = [pairs[0][0]["val_history"][i][0] for i in range(n)]
-        stats = [mean_ci([r["val_history"][i][1] - b["val_history"][i][1] for r, b in pairs])
+        cis = [stats.mean_ci([r["val_history"][i][1] - b["val_history"][i][1] for r, b in pairs])
                  for i in range(n)]
-        series[f"{v} - {baseline}"] = (steps, [m for m, _, _ in stats],
-                                       [m - hw for m, _, hw in stats],
-                                       [m + hw for m, _, hw in stats])
-        c = paired([final_bpb(r) - final_bpb(b) for r, b in pairs])
-        d = c["detectable"]
-        series[f"{v}: detectable +-{d:.4f}"] = (steps, [0.0] * n, [-d] * n, [d] * n)
+        series[f"{v} - {baseline}"] = (steps, [m for m, _, _ in cis],
+                                       [m - hw for m, _, hw in cis],
+                                       [m + hw for m, _, hw in cis])
+        c = stats.paired([final_bpb(r) - final_bpb(b) for r, b in pairs])
+        d, band = c["detectable"], f"{v}: detectable +-{c['detectable']:.4f}"
+        series[band] = (steps, [0.0] * n, [-d] * n, [d] * n)
         # the verdict's own numbers: the final weights over --final-eval-tokens, at the last step
-        verdict_label = f"{v} - {baseline}: the verdict's final eval"
-        series[verdict_label] = ([steps[-1]], [c["mean"]], [c["lo"]], [c["hi"]])
-        # the variant's color in every panel; its detectable band dashed in the same color
-        colors.update({f"{v} - {baseline}": f"C{variants.index(v)}",
-                       f"{v}: detectable +-{d:.4f}": f"C{variants.index(v)}",
-                       verdict_label: f"C{variants.index(v)}"})
-        dashed.append(f"{v}: detectable +-{d:.4f}")
+        last = f"{v} - {baseline}: the verdict's final eval"
+        series[last] = ([steps[-1]], [c["mean"]], [c["lo"]], [c["hi"]])
+        colors.update(dict.fromkeys((f"{v} - {baseline}", band, last), f"C{variants.index(v)}"))
+        dashed.append(band)
     return dict(title="variant - baseline, paired by seed (band: 95% CI)", xlabel="step",
                 ylabel="val bpb difference (< 0: better)", series=series, colors=colors,
                 dashed=dashed)
@@ -223,11 +203,10 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
 
 def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict, baseline: str,
                 finals: dict) -> dict:
-    """The baseline's final bpb by its length (each with its own schedule; band: seeds' min to
-    max), and each variant's mean final bpb drawn from its own steps back to where the
-    baseline's line reaches it: the gap is the steps it saves."""
+    """The baseline's final bpb by its length, and each variant's mean final bpb drawn back to
+    where the baseline's line reaches it: the steps saved."""
     lengths = sorted(finals)
-    slope = bpb_per_log_step(finals)[0]
+    slope = stats.bpb_per_log_step(finals)[0]
     own = own_steps(results, baseline, best[baseline], seeds)
     series = {f"{baseline} at each length": (
         lengths, [statistics.fmean(finals[n]) for n in lengths], [min(finals[n]) for n in lengths],
@@ -247,9 +226,8 @@ def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict
 
 def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int], best: dict,
          baseline: str, title: str, lengths: dict):
-    """Each variant minus the baseline, paired by seed, with its interval and the smallest effect
-    the design detects; val bpb by step and by training time at each variant's best value (mean
-    over seeds, band: min to max); final val bpb against the swept value when there are several."""
+    """The panels: the paired differences, the steps, val bpb by step and by training time at each
+    variant's best value (band: seeds' min to max), and final val bpb by swept value."""
     by_step, by_time, by_value = {}, {}, {}
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
@@ -267,11 +245,9 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
     if len(finals) > 1:
         panels.append(steps_panel(results, variants, seeds, best, baseline, finals))
     panels += [dict(title="val bpb by step (band: seeds' min to max)", xlabel="step",
-                   ylabel="bits per byte",
-                   series=by_step),
-              dict(title="val bpb by training time", xlabel="training seconds (no evals)",
-                   ylabel="bits per byte",
-                   series=by_time)]
+                    ylabel="bits per byte", series=by_step),
+               dict(title="val bpb by training time", xlabel="training seconds (no evals)",
+                    ylabel="bits per byte", series=by_time)]
     if len(sweep.values) > 1:
         panels.append(dict(title=f"final val bpb by {sweep.flag}", xlabel=sweep.flag,
                            ylabel="bits per byte", series=by_value,
@@ -280,8 +256,7 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
 
 
 def value_axis(values: list[str]) -> tuple[list[float], dict]:
-    """The swept values' x positions and the panel's axis options: numbers where they are (log
-    when all are > 0), else one place each, labelled as run names hold them (a dataset's path)."""
+    """The swept values' x positions and axis options: numbers where they are, else labels."""
     try:
         xs = [float(x) for x in values]
     except ValueError:
@@ -290,17 +265,9 @@ def value_axis(values: list[str]) -> tuple[list[float], dict]:
     return xs, dict(logx=all(x > 0 for x in xs))
 
 
-def renamed(sweep: Sweep) -> str:
-    """The swept values that run names hold as value_tag's slug and hash, each with its tag."""
-    tags = [f"`{v}` as {value_tag(v)}" for v in sweep.values if value_tag(v) != v]
-    return f"; in the names, {', '.join(tags)}" if tags else ""
-
-
 def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
                    seeds: list) -> None:
-    """The table (printed too), the plot and ablation.md in ablations/<name>. flags: base_train's,
-    as every run got them; results: (variant, value, seed) -> record; lengths: the baseline's
-    other lengths, (seed, steps) -> record."""
+    """The table (printed too), the plot and ablation.md in ablations/<name>."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
     table, best = report(results, args.variants, args.sweep, seeds, args.baseline, lengths)
@@ -309,10 +276,13 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
                f"{first['tokens_per_step']:,} tokens/step, {len(seeds)} seeds", lengths)
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
+    # swept values that run names hold as value_tag's slug and hash
+    tags = [f"`{v}` as {value_tag(v)}" for v in args.sweep.values if value_tag(v) != v]
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
-                                       "(-n<steps>)" if lengths else "") + renamed(args.sweep),
+                                       "(-n<steps>)" if lengths else "")
+           + (f"; in the names, {', '.join(tags)}" if tags else ""),
            f"- every run: `python -m scripts.base_train {' '.join(flags)}`, then its own --run, "
            f"--optimizer, --{args.sweep.flag}, --seed and --data-seed (the last of a flag given "
            "twice wins)",
@@ -323,9 +293,9 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
            f"- baseline: {args.baseline} at its best {args.sweep.flag}; steps and training time "
            "(evals excluded) are to the first eval at or below its mean final val bpb; verdicts "
            "are paired by seed, at 95% confidence; 'detectable' is the smallest effect this "
-           "design sees 80% of the time, "
-           f"and where that is above {RECORD_EFFECT:.2%} of bpb (a record-sized effect) the seeds "
-           "of these steps that would detect one, at the spread these seeds show",
+           f"design sees 80% of the time, and where that is above {stats.RECORD_EFFECT:.2%} of "
+           "bpb (a record-sized effect) the seeds of these steps that would detect one, at the "
+           "spread these seeds show",
            "", *table,
            "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]

@@ -1,10 +1,8 @@
 """
-Batched seeds against a process per seed, side by side in one run: the wall time of N seeds trained
-as one batched base_train run (--seeds 1,...,N) against the same N seeds as N runs, one after
-another with every core, and two at a time with a core each (as ablate ran them). The shape is
-ablate's default (scripts/ablate.py's DEFAULT_FLAGS), compiled, at --num-iterations steps; flags
-this script does not know go to every run. Each layout runs once with its compile cache warm (a
-short untimed run of each fills it first), in a base dir of its own (removed after).
+Batched seeds against a process per seed: the wall time of N seeds trained as one batched
+base_train run (--seeds 1,...,N) against N runs, one after another with every core, and two at a
+time with a core each. The shape is ablate's default, at --num-iterations steps (other flags go to
+every run); each layout runs with its compile cache warm, in a base dir of its own.
 
     python -m scripts.bench_seeds                      # 3 seeds of 54 steps
     python -m scripts.bench_seeds --seeds 8 --num-iterations 100
@@ -39,17 +37,13 @@ def train(base: Path, run: str, flags: list[str], threads: int) -> float:
 def layouts(base: Path, flags: list[str], seeds: list[int], cores: int) -> dict:
     """name -> wall seconds of the seeds in each layout."""
     one = [*flags, "--log-every", "1000"]
-    walls = {}
-    t = time.monotonic()
-    for s in seeds:
-        train(base, f"alone-{s}", [*one, "--seed", str(s)], cores)
-    walls["a process per seed, one at a time"] = time.monotonic() - t
-    t = time.monotonic()
-    jobs = min(2, cores, len(seeds))
-    with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda s: train(base, f"pairs-{s}", [*one, "--seed", str(s)],
-                                      max(1, cores // jobs)), seeds))
-    walls[f"a process per seed, {jobs} at a time"] = time.monotonic() - t
+    walls, n = {}, min(2, cores, len(seeds))
+    for jobs, at_once in ((1, "one"), (n, str(n))):  # a seed's threads: the cores its lane has
+        t = time.monotonic()
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(lambda s, jobs=jobs, at_once=at_once: train(
+                base, f"{at_once}-{s}", [*one, "--seed", str(s)], max(1, cores // jobs)), seeds))
+        walls[f"a process per seed, {at_once} at a time"] = time.monotonic() - t
     walls["one batched process (--seeds)"] = train(
         base, "batched", [*one, "--seeds", ",".join(map(str, seeds))], cores)
     return walls
@@ -68,16 +62,14 @@ def main(argv=None):
     flags = [*DEFAULT_FLAGS, "--num-iterations", str(args.num_iterations), "--eval-every",
              str(max(1, args.num_iterations // 4)), *extra]
     seeds, cores = list(range(1, args.seeds + 1)), os.cpu_count() or 1
-    base = Path(tempfile.mkdtemp(prefix="bench-seeds-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-seeds-", ignore_cleanup_errors=True) as tmp:
+        base = Path(tmp)
         shutil.copytree(get_base_dir() / "tokenizer", base / "tokenizer")
         warm = [*flags, "--num-iterations", "3", "--eval-every", "-1", "--final-eval-tokens", "0"]
         train(base, "warm-alone", warm, cores)  # fill the compile cache, untimed
         train(base, "warm-batched", [*warm, "--seeds", ",".join(map(str, seeds))], cores)
         walls = layouts(base, flags, seeds, cores)
         record = json.loads((base / "runs" / "batched" / "summary.json").read_text())
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
     batched = walls["one batched process (--seeds)"]
     print(f"{len(seeds)} seeds of {args.num_iterations} steps, {cores} cores "
           f"(batched: {record['median_step_ms']:.0f} ms a step of all seeds):")
