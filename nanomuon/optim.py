@@ -37,15 +37,12 @@ update_math.py that a group picks from by name; the alternatives and their sourc
 docs/optimizer.md. reference.py defines the update in float64, update_math.py writes it once for
 every path, this file runs it.
 
-Groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest) and may have
-a 'name' for error messages. A group is checked whole when added and when a key changes; a step
-checks only the numbers schedules edit (check_numbers). With a process group (DistMuonAdamW: the
-default one) the step is ZeRO-1:
-  1. reduce: every grad is averaged over the ranks in place (a Muon bucket's into one buffer);
-  2. update: each Muon matrix by its owner (plan.py), each large AdamW param by rows across the
-     ranks, small ones everywhere; state lives only where it updates;
-  3. gather: every rank gets every updated param back, bitwise identical.
-DTensor params (FSDP2, tensor parallel) arrive reduced and go through sharded.py.
+Groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest), checked
+whole when added and when a key changes; a step checks only what schedules edit (check_numbers).
+With a process group (DistMuonAdamW: the default one) the step is ZeRO-1: 1. every grad is averaged
+over the ranks in place; 2. each Muon matrix is updated by its owner (plan.py), each large AdamW
+param by rows across the ranks, small ones everywhere; 3. every rank gathers every updated param
+back, bitwise identical. DTensor params (FSDP2, tensor parallel) go through sharded.py.
 """
 
 import math
@@ -148,14 +145,6 @@ def check_numbers(i: int, group: dict) -> None:
         raise ValueError(f"{group_label(i, group)}: step={step!r} must be an int >= 0 (the "
                          "updates so far)")
 
-
-def refuse_grad(i: int, group: dict, j: int, p: Tensor) -> None:
-    """Refuse a gradient the update cannot take: sparse, complex, or not of its param's shape."""
-    g = p.grad
-    wrong = ("sparse gradients are not supported; use a dense nn.Embedding (sparse=False)"
-             if g.is_sparse else "complex gradients are not supported" if g.is_complex()
-             else f"grad shape {tuple(g.shape)} differs from param shape {tuple(p.shape)}")
-    raise ValueError(f"{group_label(i, group)}, param {j}: {wrong}")
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -287,8 +276,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _begin_step(self, closure, inputs: dict):
-        """The closure's loss, then every check that can fail, before any math runs. A group is
-        resolved (defaults, every check) again only when its signature changes."""
+        """The closure's loss, then every check that can fail, before any math runs."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -308,12 +296,16 @@ class MuonAdamW(torch.optim.Optimizer):
             for j, p in enumerate(group["params"]):
                 g = p.grad
                 if g is not None and (g.is_sparse or g.is_complex() or g.shape != p.shape):
-                    refuse_grad(i, group, j, p)
+                    wrong = ("sparse gradients are not supported; use a dense nn.Embedding "
+                             "(sparse=False)" if g.is_sparse
+                             else "complex gradients are not supported" if g.is_complex()
+                             else f"grad shape {tuple(g.shape)} differs from param shape "
+                             f"{tuple(p.shape)}")
+                    raise ValueError(f"{group_label(i, group)}, param {j}: {wrong}")
             if kept.inputs and inputs_due(group) and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
-                                 "this step (input_interval); collect them with "
-                                 "GPT.forward(input_stats=True) and pass them to give_inputs() "
-                                 "before step()")
+                                 "this step (input_interval); collect them with GPT.forward("
+                                 "input_stats=True) and pass them to give_inputs() before step()")
         return loss
 
     def _get_plan(self) -> list[dict]:
@@ -357,8 +349,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return "local" if self.world_size == 1 else "small" if p.numel() < self.SMALL else "sharded"
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every gradient reduction, in place. Each Muon bucket's grads move into
-        one buffer, rank r's slots in chunk r, leaving the params (p.grad = None) as they go."""
+        """Phase 1: start every grad reduction, in place; a Muon bucket's into one buffer."""
         N = self.world_size
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [p for g in self.param_groups if g["kind"] == "adamw"
@@ -531,9 +522,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._stacks[key] = (signature, stacks)
         return stacks
 
-    # Communication (data parallel only).
-
-    # this rank's chunk of buf's dim 0, cut in N equal chunks
+    # Communication (data parallel only). This rank's chunk of buf's dim 0, cut in N equal chunks:
     def _own_chunk(self, buf: Tensor) -> Tensor:
         return buf.chunk(self.world_size)[self.rank]
 
@@ -589,7 +578,6 @@ class MuonAdamW(torch.optim.Optimizer):
         return mine
 
     # State: torch's format of the whole state (export, tools), and a sharded checkpoint's.
-
     def state_dict(self) -> dict:
         """The whole optimizer state in torch's format, on every rank, for load_state_dict() at
         any world size. Data parallel or with DTensor params, a collective: call it on all ranks.
@@ -671,9 +659,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self._torch_load(self._cut(state_dict, self._state_layout()))
 
     def _state_layout(self):
-        """where(p, name, shape): how this rank holds state `name` (whole shape `shape`) of p:
-        None, 'whole', a DTensor block (mesh, placements) or a slice of the flat param (large
-        AdamW params, data parallel). A collective where DTensor Muon params are planned."""
+        """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
+        block (mesh, placements) or a slice of the flat param. A collective (DTensor plans)."""
         kept = kept_direction_state(self.param_groups, self._sharded_plans)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
@@ -713,9 +700,8 @@ class MuonAdamW(torch.optim.Optimizer):
                                   shape=p.shape, stride=p.stride(), run_check=False)
 
     def sharded_state_dict(self) -> tuple[dict, dict]:
-        """This rank's state for a sharded checkpoint: (tensors, rest). tensors['<param
-        index>.<name>']: each state tensor this rank holds, a DTensor where it holds a block;
-        rest: state_dict() without them. A collective where DTensor Muon params are planned."""
+        """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
+        it holds, a DTensor block where so; the rest). A collective (DTensor plans)."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
         params = [p for g in self.param_groups for p in g["params"]]
         tensors, rest = {}, {}

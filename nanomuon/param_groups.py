@@ -71,10 +71,9 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
 
 def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys=SKIP_KEYS,
                       expert_keys=("experts",), fused_keys=FUSED_KEYS):
-    """[muon group, muon groups of other layouts..., adamw group], `muon` and `adamw` holding the
-    hyperparameters. Weights stored (in, out), as GPT-2's Conv1D, go to a group with
-    transposed=True; fused weights (fused_keys: name -> number of equal blocks) to one with that
-    split. Frozen params are left out; the `nanomuon` logger says why each param went where."""
+    """[muon group, muon groups of other layouts..., adamw group] with the hyperparameters `muon`
+    and `adamw`: weights stored (in, out), as GPT-2's Conv1D, in a transposed=True group, fused
+    ones (fused_keys: name -> equal blocks) split. The `nanomuon` logger says where each went."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     transposed = {id(m.weight) for m in model.modules() if type(m).__name__ == "Conv1D"}
     groups, adamw_group = ({(None, False): dict(muon, kind="muon", params=[])},
@@ -332,9 +331,9 @@ def check_group(i: int, group: dict) -> None:
     unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(options)
     if kind == "muon" and (legacy := sorted(unknown & set(LEGACY_KEYS))):
         raise ValueError(f"{label}: {legacy[0]} is now a stage name: equilibrate='row' is "
-                         "precondition=('equilibrate_row',), post_normalize='col' is "
-                         "post_process=('normalize_col', 'variance_reduction'), "
-                         "cautious_wd=False is apply='decoupled'")
+                         "precondition=('equilibrate_row',), post_normalize='col' is post_process="
+                         "('normalize_col', 'variance_reduction'), cautious_wd=False is apply="
+                         "'decoupled'")
     for key in sorted(unknown) if kind == "muon" else ():
         if owner := next((f"{k} {n!r}" for k, reg in update_math.STAGE_KEYS.items() for n in reg
                           if key in update_math.stage(k, n).options), None):
@@ -354,9 +353,9 @@ def check_group(i: int, group: dict) -> None:
             raise TypeError(f"{where}: dtype {p.dtype} is not supported; parameters must be real "
                             "floating point (complex and integer tensors cannot be trained here)")
         if kind == "muon" and p.ndim < 2:
-            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); "
-                             "Muon needs matrices (>= 2 dims; extra leading dims are a batch). "
-                             "Move it to an adamw group.")
+            raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.ndim} dim(s); Muon needs "
+                             "matrices (>= 2 dims; extra leading dims are a batch). Move it to an "
+                             "adamw group.")
         if kind == "muon" and split and p.shape[n] != sum(split) * groups:
             raise ValueError(f"{where}: shape {tuple(p.shape)} has {p.shape[n]} {dim}, "
                              f"but the split {tuple(split)} x split_groups={groups} covers "

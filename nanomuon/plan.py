@@ -9,11 +9,10 @@ owner (optim.flat_shard).
 
 def assign_owners(buckets: list[tuple[int, float]], world_size: int,
                   loads=None) -> list[list[list[int]]]:
-    """Split each bucket of same-shape matrices, given as (count, cost of one), over the ranks;
-    returns slots[bucket][rank] = matrix indices. Every rank gets floor(count / N) of every bucket
-    (stacks pad as little as possible); the remainders go, costliest bucket first, one each to the
-    least loaded ranks (ties to the lower rank), so the busiest rank exceeds the mean by at most
-    one matrix's cost. loads: what each rank already owns."""
+    """slots[bucket][rank] = matrix indices: each bucket, (count, cost of one), split over the
+    ranks. Every rank gets floor(count / N) of every bucket; the remainders go, costliest bucket
+    first, one each to the least loaded ranks (ties to the lower), so the busiest rank exceeds the
+    mean by at most one matrix's cost. loads: what each rank already owns."""
     even = sum(count // world_size * cost for count, cost in buckets)
     loads = [even + load for load in (loads or [0.0] * world_size)]
     extra = [[] for _ in buckets]  # extra[b]: ranks that get one more matrix of bucket b
@@ -38,10 +37,9 @@ def bucket_by(keys: list) -> list[list[int]]:
 
 
 def owner_plan(keys: list, costs: list[float], world_size: int, loads=None) -> list[dict]:
-    """Buckets of the matrices with equal keys (say shape and dtype) and their owners. keys[i],
-    costs[i]: matrix i's bucket key and Newton-Schulz cost. One dict per bucket: members (matrix
-    indices), slots (slots[r]: positions in members rank r owns), per_rank (the largest slot
-    count, which every rank's stack pads to) and cost (of one matrix). loads: as assign_owners."""
+    """Per bucket of matrices of equal keys[i] (costs[i]: Newton-Schulz cost), a dict: members
+    (indices), slots (slots[r]: positions in members rank r owns), per_rank (the largest slot
+    count, which every rank's stack pads to) and cost (of one). loads: as assign_owners."""
     buckets = bucket_by(keys)
     slots = assign_owners([(len(b), costs[b[0]]) for b in buckets], world_size, loads)
     return [dict(members=b, slots=s, per_rank=max(len(x) for x in s), cost=costs[b[0]])

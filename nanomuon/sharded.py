@@ -4,12 +4,9 @@ Muon for sharded parameters: DTensor params from FSDP2, tensor parallelism, or b
 reduced; the math is update_math.py's, the owners plan.py's, and this file adds the communication.
 sharded_mode='owner' (the default, exact): momentum on the local shard; an all_to_all gathers whole
 matrices on their owner, which orthogonalizes them stacked by shape; a second returns each rank its
-block for the elementwise update. muon_step_modes() has Megatron's alternatives.
-
-The momentum buffer is sharded like its param; the direction stages' state lives on the owner only.
-full_state() gathers the whole state_dict() format; state_piece() and kept_direction_state() cut it
-back to a rank. The functions take the optimizer's pieces (group, state, plan cache), never the
-optimizer.
+block for the elementwise update. muon_step_modes() has Megatron's alternatives. The momentum
+buffer is sharded like its param; the direction stages' state lives on the owner only. full_state()
+gathers the whole state_dict() format; state_piece() and kept_direction_state() cut it back.
 """
 
 import contextlib
@@ -301,10 +298,9 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
 
 
 def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> None:
-    """Megatron's tensor-parallel modes: 'duplicated' (exact) orthogonalizes the all-gathered
-    matrix on every rank; 'distributed' (exact) runs the direction stage on each rank's slice, the
-    Gram matrix and norms summed across slices (update_math.over_slices); 'blockwise'
-    orthogonalizes each local block as its own matrix, which sets lr factor and statistics."""
+    """Megatron's tensor-parallel modes: 'duplicated' orthogonalizes the all-gathered matrix on
+    every rank; 'distributed' runs the direction stages on slices, sums across them
+    (update_math.over_slices); 'blockwise' treats each local block as a matrix of its own."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
@@ -407,11 +403,11 @@ def _check_whole_state_mode(group: dict) -> None:
     if (group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed")
             and (kept := [n for n in muon_state_layout((2, 2), torch.float32, group)
                           if n != "momentum_buffer"])):
-        raise ValueError(f"{group.get('name', 'a muon group')}: with "
-                         f"sharded_mode={group['sharded_mode']!r} the state {kept} is per slice "
-                         "and has no whole form to save or load; to checkpoint, use "
-                         "sharded_mode 'owner' or 'duplicated' (or stages without state: "
-                         "beta2=None for variance reduction)")
+        raise ValueError(f"{group.get('name', 'a muon group')}: with sharded_mode="
+                         f"{group['sharded_mode']!r} the state {kept} is per slice and has no "
+                         "whole form to save or load; to checkpoint, use sharded_mode 'owner' or "
+                         "'duplicated' (or stages without state: beta2=None for variance "
+                         "reduction)")
 
 
 def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
