@@ -1,17 +1,12 @@
 """
-Optimizer benchmark: nanomuon's fused MuonAdamW against torch.optim.Muon + torch.optim.AdamW.
-
-Three measurements, on the parameter shapes of the GPT that nanomuon trains:
-  1. median optimizer step time, ours vs the stock torch optimizers on identical params and grads, three
-     ways (COMPARISONS): each with its defaults, as users run them; both with fp32 Newton-Schulz; and
-     both doing torch's update (Jordan NS5, no variance reduction, plain decay) in the same precision;
-  2. Newton-Schulz throughput of newton_schulz() on the stacks the optimizer builds, as a fraction of
-     the batched-matmul rate measured on the same device in the same run (how close to the matmuls), in
-     bf16 and fp32, and Gram Newton-Schulz against the standard iteration where it takes fewer FLOPs;
-  3. Newton-Schulz load imbalance across ranks of DistMuonAdamW's owner plan vs nanochat's chunking
-     (shapes only, no tensors).
-Why: the fused optimizer exists to be faster than running stock Muon and AdamW side by side, and to
-spread Muon work evenly over ranks; this script checks both claims against stated targets.
+Optimizer benchmark: nanomuon's fused MuonAdamW against torch.optim.Muon + torch.optim.AdamW, on the
+parameter shapes of nanomuon's GPT. It checks the fused optimizer's two claims against stated
+targets: faster than stock Muon and AdamW side by side, and Muon work spread evenly over ranks.
+  1. median step time, ours vs the stock optimizers on identical params and grads, three ways
+     (COMPARISONS): defaults; both with fp32 Newton-Schulz; both doing torch's update;
+  2. newton_schulz() FLOP/s on the optimizer's stacks against batched matmul on the same device,
+     in bf16 and fp32, and Gram Newton-Schulz against the standard iteration where it is cheaper;
+  3. Newton-Schulz load imbalance across DistMuonAdamW's ranks vs nanochat's chunks (shapes only).
 
     python -m scripts.bench_optim                      # d12, default device
     python -m scripts.bench_optim --depth 20 --device cuda --compile
@@ -55,9 +50,8 @@ IMBALANCE_TARGET = 1.03  # max rank Newton-Schulz cost / mean, at most
 
 
 def gpt_shapes(depth: int):
-    """(width, AdamW shapes, Muon shapes) of the depth-`depth` GPT that nanomuon trains, params in
-    model order: the untied token embedding and lm_head train with AdamW, the block matrices with
-    Muon."""
+    """(width, AdamW shapes, Muon shapes) of nanomuon's depth-`depth` GPT, in model order: the
+    embedding and lm_head train with AdamW, the block matrices with Muon."""
     with torch.device("meta"):  # shapes only
         model = GPT(config_from_depth(depth, VOCAB, 2048))
     adamw = [tuple(model.wte.weight.shape), tuple(model.lm_head.weight.shape)]
@@ -105,21 +99,18 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-# name -> (MuonAdamW options, Newton-Schulz precision of torch.optim.Muon: 'bf16' (its own), 'fp32'
-# (run through fp32_newton_schulz) or 'ours' for whatever precision MuonAdamW resolves)
+# name -> (MuonAdamW options, torch.optim.Muon's Newton-Schulz precision: 'bf16' (its own), 'fp32'
+# (through fp32_newton_schulz) or 'ours' (what MuonAdamW resolves)); same-math: torch's update
 COMPARISONS = {
-    "defaults": ({}, "bf16"),  # what each optimizer does out of the box
+    "defaults": ({}, "bf16"),
     "matched-fp32": (dict(ns_precision="fp32"), "fp32"),
-    # torch's own update
     "same-math": (dict(ns_coefficients="jordan", beta2=None, apply="decoupled"), "ours"),
 }
 
 
 def bench_step(args, device, compile, name):
-    """Section 1: median step time of MuonAdamW vs torch.optim.Muon + torch.optim.AdamW, one
-    comparison, and the floor: the time each side's Newton-Schulz matmuls alone take here, timed as
-    plain bmm (Gram stacks scaled by their FLOPs). Ours at its floor against torch as measured is
-    the lowest ratio those FLOPs can reach here."""
+    """Section 1: median step time of MuonAdamW vs torch Muon + AdamW in one comparison, and the
+    floor: each side's Newton-Schulz matmuls alone, timed as bmm, the lowest ratio they allow."""
     width, adamw_shapes, muon_shapes = gpt_shapes(args.depth)
     options, torch_precision = COMPARISONS[name]
     ours_precision = resolve_ns_precision(options.get("ns_precision", "auto"), device)
@@ -132,28 +123,24 @@ def bench_step(args, device, compile, name):
     init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
     stored = [torch.randn(s, generator=gen).to(device) for s in shapes]
 
-    def copies(init):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        for p, g in zip(params, stored):
-            p.grad = g.clone()
-        return params[:len(adamw_shapes)], params[len(adamw_shapes):]
-
-    (ours_adamw, ours_muon), (base_adamw, base_muon) = copies(init), copies(init)
+    ours_params, base_params = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
     del init
-    ours = MuonAdamW([dict(kind="adamw", params=ours_adamw, **ADAMW_HP),
-                      dict(kind="muon", params=ours_muon, **{**MUON_HP, **options})],
+    for p, g in zip(ours_params + base_params, stored + stored):
+        p.grad = g.clone()
+    n = len(adamw_shapes)
+    ours = MuonAdamW([dict(kind="adamw", params=ours_params[:n], **ADAMW_HP),
+                      dict(kind="muon", params=ours_params[n:], **{**MUON_HP, **options})],
                      compile=compile)
     # torch.optim.Muon has no beta2
     torch_hp = {k: MUON_HP[k] for k in TorchMuonAdamW.MUON_KEYS if k in MUON_HP}
-    base = TorchMuonAdamW([dict(kind="adamw", params=base_adamw, **ADAMW_HP),
-                           dict(kind="muon", params=base_muon, **torch_hp)],
+    base = TorchMuonAdamW([dict(kind="adamw", params=base_params[:n], **ADAMW_HP),
+                           dict(kind="muon", params=base_params[n:], **torch_hp)],
                           ns_precision=torch_precision)
 
     def run(opt, params):
         torch._foreach_copy_([p.grad for p in params], stored)  # same grads every step, untimed
         return timed(opt.step, device)
 
-    ours_params, base_params = ours_adamw + ours_muon, base_adamw + base_muon
     # interleaved: load drift hits both alike
     times = [(run(ours, ours_params), run(base, base_params))
              for _ in range(args.warmup + args.steps)]
@@ -187,14 +174,12 @@ def bench_step(args, device, compile, name):
 
 
 def stacks_of(muon_shapes) -> list[tuple]:
-    """The optimizer stacks same-shape params: one (K, rows, cols) stack per shape bucket."""
+    """One (K, rows, cols) stack per shape bucket, as the optimizer stacks them."""
     return [(len(b), *muon_shapes[b[0]]) for b in bucket_by([tuple(s) for s in muon_shapes])]
 
 
 def iteration_bmm(shape, dtype, device, args, gen) -> float:
-    """Seconds for one standard Newton-Schulz iteration's matmuls on a stack, as plain bmm in the
-    wide orientation (X X^T, A A, A X): what newton_schulz would take with nothing but its
-    matmuls."""
+    """Seconds of one Newton-Schulz iteration's matmuls on a stack (X X^T, A A, A X) as bmm."""
     K, m, n = shape[0], *sorted(shape[1:])
     X = torch.randn(K, m, n, generator=gen).to(device, dtype)
     A = torch.randn(K, m, m, generator=gen).to(device, dtype)
@@ -202,8 +187,8 @@ def iteration_bmm(shape, dtype, device, args, gen) -> float:
 
 
 def bench_ns(args, device, compile, precision):
-    """Section 2: newton_schulz() FLOP/s on the optimizer's stacks vs batched matmul of the same
-    sizes, and Gram Newton-Schulz against the standard iteration on the stacks it is cheaper for."""
+    """Section 2: newton_schulz() FLOP/s on the optimizer's stacks vs bmm, and Gram against the
+    standard iteration where it is cheaper."""
     _, _, muon_shapes = gpt_shapes(args.depth)
     dtype, steps = NS_DTYPES[precision], MUON_HP["ns_steps"]
     standard = dict(kind="muon", params=[], **MUON_HP, ns_coefficients="polar_express",
@@ -250,8 +235,7 @@ def bench_ns(args, device, compile, precision):
 
 
 def gram_flops(depth: int) -> str:
-    """Newton-Schulz FLOPs per step of the depth-`depth` GPT, standard vs Gram where it is
-    cheaper."""
+    """Newton-Schulz FLOPs a step at depth `depth`, standard vs Gram where cheaper."""
     _, _, shapes = gpt_shapes(depth)
     steps = MUON_HP["ns_steps"]
     std = sum(ns_flops(s, steps) for s in shapes)
@@ -260,8 +244,7 @@ def gram_flops(depth: int) -> str:
 
 
 def bench_imbalance(args):
-    """Section 3: Newton-Schulz load per rank, DistMuonAdamW's owner plan vs nanochat's chunks
-    (shapes only)."""
+    """Section 3: Newton-Schulz load per rank, DistMuonAdamW's owner plan vs nanochat's chunks."""
     N = args.world_size
     _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
     costs = [ns_flops(s, MUON_HP["ns_steps"]) for s in muon_shapes]
@@ -289,29 +272,23 @@ def bench_imbalance(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.add_argument("--depth", type=int, default=12,
-                        help="model depth for the step and NS timings")
-    parser.add_argument("--imbalance-depth", type=int, default=20,
-                        help="model depth for the ownership imbalance")
-    parser.add_argument("--world-size", type=int, default=8,
-                        help="ranks for the ownership imbalance")
-    parser.add_argument("--steps", type=int, default=5,
-                        help="timed repetitions per measurement (medians reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile MuonAdamW and newton_schulz (default: on for CUDA, off "
-                        "for CPU)")
-    parser.add_argument("--compare", nargs="+", choices=list(COMPARISONS),
-                        default=list(COMPARISONS),
-                        help="step-time comparisons to run (section 1)")
-    parser.add_argument("--ns-precision", nargs="+", choices=("bf16", "fp16", "fp32"),
-                        default=["bf16", "fp32"],
-                        help="Newton-Schulz precisions to time in section 2")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depth", type=int, default=12, help="model depth for the step and NS timings")
+    p.add_argument("--imbalance-depth", type=int, default=20,
+                   help="model depth for the ownership imbalance")
+    p.add_argument("--world-size", type=int, default=8, help="ranks for the ownership imbalance")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed repetitions per measurement (medians reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile MuonAdamW and newton_schulz (default: on for CUDA only)")
+    p.add_argument("--compare", nargs="+", choices=list(COMPARISONS), default=list(COMPARISONS),
+                   help="step-time comparisons to run (section 1)")
+    p.add_argument("--ns-precision", nargs="+", choices=("bf16", "fp16", "fp32"),
+                   default=["bf16", "fp32"], help="Newton-Schulz precisions to time in section 2")
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     compile = resolve_compile(args.compile, device)
     command = " ".join(["python -m scripts.bench_optim", *sys.argv[1:]])
@@ -322,8 +299,7 @@ def main(argv=None):
     load_before = os.getloadavg()[0]  # other processes on the machine skew every timing below
 
     with torch.no_grad():
-        # Matmul rates first: they explain the precision choice below. Sizes that take ~1 s in bf16
-        # on a CPU.
+        # matmul rates first: they explain the precision choice (~1 s in bf16 on a CPU)
         K, m = (16, 4096) if device.type == "cuda" else (4, 512)
         rates = {p: bmm_rate(K, m, dt, device, args.steps, args.warmup)
                  for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
