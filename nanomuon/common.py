@@ -1,8 +1,7 @@
 """
-Plumbing shared by the library and the scripts: where files live (get_base_dir), atomic writes,
-bounded reads of what nanomuon wrote (read_regular: never a FIFO, a link or a huge file), files'
-content hashes (cached by their stamps), process group setup and teardown, device choice, rank-0
-printing, and the bits-per-byte evaluation. Kept in one file so each script reads top to bottom.
+Plumbing shared by the library and the scripts: the base dir, atomic writes, bounded reads
+(read_regular: never a FIFO, a link or a huge file), cached content hashes, process groups,
+device choice, rank-0 printing, and the bits-per-byte evaluation.
 """
 
 import atexit
@@ -64,11 +63,8 @@ def fsync_path(path: Path) -> None:
 
 
 def write_atomic(path: Path, write, sync: bool = False) -> None:
-    """write(tmp_path), or the text `write`, then rename into place, so readers never see a
-    half-written file (sync: the bytes are on disk first). The temporary name ends in .tmp, so globs
-    for the final suffix (*.parquet, *.png) never match it. It is made here as a new regular file,
-    so a file or link left at that name (a killed write's, or planted) is replaced, never written
-    through."""
+    """write(tmp_path), or the text `write`, then rename into place (sync: fsynced first); the
+    temporary NAME.PID.tmp is made anew, so a file or link left there is never written through."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
@@ -85,8 +81,7 @@ RACY_NS = 2_000_000_000  # a file changed this recently may change again within 
 
 
 def file_hash(path: Path, h=None) -> str:
-    """A file's hash, its bytes read 1 MiB at a time: h's (a hashlib object; by default blake2b,
-    160 bits)."""
+    """A file's hash by h (a hashlib object; by default blake2b, 160 bits), read 1 MiB at a time."""
     h = h or hashlib.blake2b(digest_size=20)
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -94,9 +89,9 @@ def file_hash(path: Path, h=None) -> str:
     return h.hexdigest()
 
 
-FILE_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
+FILE_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
               (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-              (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+              (stat.S_ISSOCK, "socket"))
 
 
 def file_kind(mode: int) -> str:
@@ -105,27 +100,22 @@ def file_kind(mode: int) -> str:
 
 
 def check_regular(path: Path, what: str = "the regular file nanomuon wrote",
-                  fix: str = "remove it") -> Path:
-    """path, if it is a regular file (not a FIFO, device, socket, directory or link, on which an
-    open could wait forever or read what is not ours); ValueError naming it otherwise: `path is a
-    FIFO, not {what}: {fix}`. FileNotFoundError passes through."""
-    mode = os.lstat(path).st_mode
-    if not stat.S_ISREG(mode):
+                  fix: str = "remove it", mode: int | None = None) -> Path:
+    """path if a regular file by its lstat (or `mode`), else `path is a FIFO, not {what}: {fix}`."""
+    mode = os.lstat(path).st_mode if mode is None else mode
+    if not stat.S_ISREG(mode):  # a FIFO would hang an open, a link read what is not ours
         raise ValueError(f"{path} is a {file_kind(mode)}, not {what}: {fix}")
     return Path(path)
 
 
 def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
                  fix: str = "remove it") -> bytes:
-    """The bytes of path, a regular file (check_regular) of at most limit bytes; ValueError naming
-    it otherwise. The open follows no link and waits on no FIFO, so a file swapped in after the
-    check cannot hang it either. FileNotFoundError passes through."""
+    """The bytes of a regular file (check_regular) of at most limit bytes; never waits on a FIFO."""
     check_regular(path, what, fix)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} is a {file_kind(info.st_mode)}, not {what}: {fix}")
+        check_regular(path, what, fix, info.st_mode)
         if info.st_size > limit:  # a sparse file's size costs no disk: never read it whole
             raise ValueError(f"{path} is over {limit:,} bytes ({info.st_size:,}), more than "
                              f"{what} ever holds: {fix}")
@@ -137,8 +127,7 @@ def read_regular(path: Path, limit: int, what: str = "the regular file nanomuon 
 
 def load_json(path: Path, limit: int, what: str = "the regular file nanomuon wrote",
               fix: str = "remove it"):
-    """The JSON value in path, read by read_regular; ValueError naming path when it is not JSON
-    or nests deeper than the parser recurses."""
+    """The JSON value in path, by read_regular; ValueError naming path if not JSON or too deep."""
     try:
         return json.loads(read_regular(path, limit, what, fix))
     except RecursionError:
@@ -148,10 +137,7 @@ def load_json(path: Path, limit: int, what: str = "the regular file nanomuon wro
 
 
 def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> list[str]:
-    """file_hash of each path, cached in memo (json: path -> [size, mtime, ctime, inode, hash]). A
-    cached hash stands while those four do (a write changes ctime even when mtime is put back), so
-    GB-sized files are read once; one changed within RACY_NS is not cached (a write in the same
-    tick would hide). note: printed once, before the first file is read."""
+    """file_hash of each path, cached in memo by size, mtime, ctime, inode (not within RACY_NS)."""
     try:
         cache = load_json(memo, 1 << 26, "a memo of content hashes")
     except (OSError, ValueError):
@@ -178,16 +164,13 @@ def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> li
 
 
 def shown(text: str, limit: int = 200, quote: bool = True) -> str:
-    """text to quote in a message: as Python writes a string (quote) or bare, with what is not
-    printable escaped (it may come from a file or the environment: no byte of it may move the
-    terminal's cursor), and at most `limit` characters, then '...'."""
+    """text to quote in a message: repr'd or escaped (no byte may move the cursor), cut to limit."""
     out = repr(text) if quote else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return out if len(out) <= limit else out[:limit] + "..."
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message (hub errors run to
-    several), escaped and bounded as shown() does (messages quote what they read)."""
+    """An exception's type and its message's first line, escaped and bounded by shown()."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {shown(first, 300, quote=False)}"
 
@@ -211,8 +194,7 @@ def causes(e: BaseException):
 
 
 def filled(e: BaseException) -> int | None:
-    """The FILLED errno that e is, or was raised while handling (torch.save's "unexpected pos"
-    holds the write's OSError as its context), or (DCP) any rank's failure is; None if none."""
+    """The FILLED errno of e or of any of its causes (DCP: any rank's), else None."""
     return next((c.errno for c in causes(e) if getattr(c, "errno", None) in FILLED), None)
 
 
@@ -239,9 +221,7 @@ def what_filled(code: int, where: Path) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def user_errors():
-    """Inside: a missing file or a bad value (FileNotFoundError, ValueError, whose messages here say
-    what to do) ends the program with that one line. Wrap only calls that read user input, so a bug
-    anywhere else keeps its traceback."""
+    """Inside, a FileNotFoundError or ValueError (a user input's) ends the program in one line."""
     try:
         yield
     except (FileNotFoundError, ValueError) as e:
@@ -252,10 +232,7 @@ WANDB_HOST = "https://api.wandb.ai"  # wandb's cloud, unless WANDB_BASE_URL name
 
 
 def wandb_key_problem(mode: str) -> str | None:
-    """Why --wandb `mode` cannot log from here, else None: online needs an API key, which wandb
-    looks for in WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE), then in the netrc file ($NETRC, else
-    ~/.netrc) under its host, where `wandb login` puts it. Looked up as wandb does, without the
-    network, so a run without one stops before it starts, not in wandb.init's traceback."""
+    """Why --wandb `mode` cannot log (online: no API key where wandb looks), else None."""
     if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get(
             "WANDB_IDENTITY_TOKEN_FILE"):
         return None
@@ -277,10 +254,8 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-# A run's per-step numbers (losses, val bpb) are a number each, or with --seeds a list: one per seed.
-
 def per_seed(fn, *values):
-    """fn of the values, or where they are lists (one entry per seed), of each seed's."""
+    """fn of the values, or where they are lists (--seeds: one entry per seed), of each seed's."""
     if isinstance(values[0], list):
         return [fn(*vs) for vs in zip(*values)]
     return fn(*values)
@@ -316,17 +291,15 @@ def check_device_type(device_type: str) -> str:
 
 
 def compute_init(device_type: str = "auto"):
-    """Set up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise).
-    Returns (distributed, rank, local_rank, world_size, device)."""
+    """Set up the device and any process group: (distributed, rank, local_rank, world, device)."""
     device_type = check_device_type(device_type)
     rank, local_rank, world_size = process_env()
     timeout = rendezvous_timeout()
     distributed = "RANK" in os.environ  # process_env: all three set, or none
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise SystemExit(f"error: local rank {local_rank} but only "
-                             f"{torch.cuda.device_count()} CUDA devices; "
-                             "lower torchrun --nproc_per_node")
+            raise SystemExit(f"error: local rank {local_rank} but only {torch.cuda.device_count()} "
+                             "CUDA devices; lower torchrun --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (if any) use tensor cores
@@ -342,7 +315,7 @@ def compute_init(device_type: str = "auto"):
                                     world_size=world_size)
         else:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-            atexit.register(_destroy_gloo_at_exit)
+            atexit.register(compute_cleanup, barrier=False)
     return distributed, rank, local_rank, world_size, device
 
 
@@ -351,9 +324,7 @@ MAX_RENDEZVOUS_TIMEOUT_S = 86_400  # a day: longer is a hung job, and c10d count
 
 
 def rendezvous_timeout() -> float:
-    """NANOMUON_RENDEZVOUS_TIMEOUT in seconds (RENDEZVOUS_TIMEOUT_S if unset). Anything but a
-    number of seconds in (0, a day] is refused in one line, set or not under torchrun: c10d
-    would fail on it with a traceback or its C++ stack, or wait forever."""
+    """NANOMUON_RENDEZVOUS_TIMEOUT in seconds; anything but a number in (0, a day] is refused."""
     raw = os.environ.get("NANOMUON_RENDEZVOUS_TIMEOUT")
     if raw is None:
         return RENDEZVOUS_TIMEOUT_S
@@ -369,28 +340,8 @@ def rendezvous_timeout() -> float:
     return seconds
 
 
-@contextlib.contextmanager
-def c10d_quiet():
-    """Within: what is written to stderr's file descriptor goes nowhere. c10d logs every failed
-    try to reach the store with its C++ stack (tens of lines), even when a later try meets; the
-    caller says in one line if the meeting fails."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as sink:
-            os.dup2(sink.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def rendezvous(rank: int, world_size: int, timeout: float = RENDEZVOUS_TIMEOUT_S):
-    """The processes meet at MASTER_ADDR:MASTER_PORT, as torchrun sets them; the store they share
-    (a world of one needs neither: its own store). Missing variables are one line, not a
-    traceback; waiting says so after 10 s, and gives up after `timeout` seconds
-    (NANOMUON_RENDEZVOUS_TIMEOUT) with one line naming what it waited for (torch's own wait is 30
-    minutes, in silence). Collectives keep torch's timeout."""
+    """The processes' shared store, met at MASTER_ADDR:MASTER_PORT within `timeout` seconds."""
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing and world_size == 1:  # one process meets no other: a store of its own
         return dist.HashStore()
@@ -405,16 +356,21 @@ def rendezvous(rank: int, world_size: int, timeout: float = RENDEZVOUS_TIMEOUT_S
         f"after {timeout:g} s: NANOMUON_RENDEZVOUS_TIMEOUT)", flush=True))
     note.daemon = True
     note.start()
+    sys.stderr.flush()
+    saved = os.dup(2)  # stderr's fd writes nowhere: c10d logs each failed try with its C++ stack
     try:
-        with c10d_quiet():
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 2)
             store, _, _ = next(dist.rendezvous("env://", rank, world_size,
                                                timeout=datetime.timedelta(seconds=timeout)))
     except (RuntimeError, ValueError) as e:  # DistStoreError is a RuntimeError
         raise SystemExit(f"error: rank {rank}: the {world_size} processes did not all meet at "
-                         f"{where} within {timeout:g} s ({one_line(e)}): start every "
-                         "rank, check MASTER_ADDR and MASTER_PORT, or raise "
-                         "NANOMUON_RENDEZVOUS_TIMEOUT") from None
+                         f"{where} within {timeout:g} s ({one_line(e)}): start every rank, check "
+                         "MASTER_ADDR and MASTER_PORT, or raise NANOMUON_RENDEZVOUS_TIMEOUT"
+                         ) from None
     finally:
+        os.dup2(saved, 2)
+        os.close(saved)
         note.cancel()
     store.set_timeout(dist.constants.default_pg_timeout)
     return store
@@ -424,10 +380,7 @@ ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
 def process_env() -> tuple[int, int, int]:
-    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them (0, 0, 1 when unset), checked before
-    the process group: a rank outside the world would wait in its rendezvous forever, silently.
-    torchrun sets all three: some of them alone (left in a shell) are refused, since such a process
-    would run alone while counting itself one of WORLD_SIZE, or as a rank other than 0, unlocked."""
+    """RANK, LOCAL_RANK and WORLD_SIZE (0, 0, 1 unset), checked: all three set, or none."""
     values = {}
     for name, default in zip(ENV_NAMES, (0, 0, 1)):
         raw = os.environ.get(name, str(default))
@@ -455,9 +408,7 @@ def process_env() -> tuple[int, int, int]:
 
 
 def available_memory() -> tuple[int, int] | None:
-    """(bytes of memory free for a new process, bytes of swap free) on this machine: Linux's
-    MemAvailable, or less where a cgroup v2 limit (a container) leaves less, and SwapFree. None
-    where /proc/meminfo is missing (not Linux)."""
+    """(bytes of memory free, as MemAvailable or a cgroup v2 limit, bytes of swap free); None."""
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         free, swap = (int(info[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
@@ -471,29 +422,19 @@ def available_memory() -> tuple[int, int] | None:
 
 
 def reuse_freed_memory() -> None:
-    """Have glibc serve every allocation from its heap and keep what is freed there. By default it
-    mmaps each allocation of 32 MiB or more afresh and page-faults it in on every use; a CPU
-    training step makes several (a 2048-token batch's fp32 logits are 32 MiB), which cost the
-    miniature's steps 1.3x their time here (docs/benchmarks.md). The RSS then stays at its peak, as
-    CUDA's caching allocator keeps its memory."""
+    """Have glibc keep what is freed, not mmap 32 MiB+ allocations afresh (1.3x a CPU step)."""
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):  # glibc; elsewhere (macOS) nothing to do
         libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation through mmap
         libc.mallopt(-1, -1)  # M_TRIM_THRESHOLD -1: never hand the heap's free top back
 
 
-def _destroy_gloo_at_exit():
-    """A process that reaches interpreter finalization with its gloo group alive can abort there, in
-    C++ destructors that need the GIL ("terminate called without an active exception",
-    pytorch/pytorch#190489): an exit that skipped compute_cleanup (an error, Ctrl-C) tears it down
-    first. Local: waits for no peer."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def compute_cleanup():
+def compute_cleanup(barrier: bool = True):
+    """Destroy the process group, if any (at exit: with no barrier, as a gloo group left alive can
+    abort in its destructors at interpreter finalization)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -505,10 +446,7 @@ def _with_hosts(value) -> list:
 
 
 def exit_if_any_failed(error: str | None) -> None:
-    """Stop every process if any has an error, with the first one's message and where it ran. For
-    what each rank checks alone (rank 0's run dir lock, disk and saves; every rank's tokenizer, data
-    and checkpoints, which on several nodes may be separate copies), so that no rank waits forever
-    in a collective for one that stopped."""
+    """Stop every process if any has an error, with the first one's message and where it ran."""
     if dist.is_available() and dist.is_initialized():
         failed = [(r, e, host) for r, (e, host) in enumerate(_with_hosts(error)) if e]
         error = None
@@ -522,9 +460,7 @@ def exit_if_any_failed(error: str | None) -> None:
 
 
 def on_every_rank(fn):
-    """fn() on every rank; if any rank fails with a user error (user_errors: a missing or bad file,
-    a bad value), every rank stops with the first one's line and where it ran, rather than the
-    others waiting for it forever."""
+    """fn() on every rank; a user error on any rank stops every rank with its line."""
     error, out = None, None
     try:
         with user_errors():
@@ -536,8 +472,7 @@ def on_every_rank(fn):
 
 
 def exit_unless_ranks_agree(value, what: str, fix: str) -> None:
-    """Stop every process if the ranks hold different values (say, per-node copies of the data or
-    checkpoints that differ), naming two ranks, their hosts and values."""
+    """Stop every process if the ranks hold different values, naming two ranks, hosts and values."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     seen = _with_hosts(value)
@@ -552,16 +487,14 @@ DTYPES = ("auto", "bf16", "fp32")  # base_train's --dtype: what the forward and 
 
 
 def resolve_dtype(device: torch.device, dtype: str = "auto") -> str:
-    """'auto' is bf16 where bf16 matmuls are fast (hardware.bf16_matmuls_fast, the rule Newton-Schulz's
-    'auto' precision follows too), else fp32."""
+    """'auto' is bf16 where bf16 matmuls are fast (hardware.bf16_matmuls_fast), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     return ("bf16" if bf16_matmuls_fast(device) else "fp32") if dtype == "auto" else dtype
 
 
 def resolve_compile(compile: bool | None, device: torch.device) -> bool:
-    """--compile's default (None): on for CUDA, where it pays; off elsewhere (on a CPU the first
-    step compiles for about a minute)."""
+    """--compile's default (None): on for CUDA, where it pays; off elsewhere."""
     return device.type == "cuda" if compile is None else compile
 
 
@@ -572,28 +505,17 @@ def autocast(device: torch.device, dtype: str = "auto"):
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
-    """The call that waits for `device`'s queued work, so step times and tok/s time the work and
-    not its queueing; chosen once, called every step (a CPU runs each op as it is called, and
-    torch.cpu.synchronize does nothing)."""
+    """The call that waits for `device`'s queued work, so step times time the work itself."""
     if device.type == "cuda":
         return functools.partial(torch.cuda.synchronize, device)
     return torch.mps.synchronize if device.type == "mps" else torch.cpu.synchronize
 
 
-
 @torch.no_grad()
 def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.Tensor,
                  dtype: str = "auto") -> float | list[float]:
-    """Bits per byte over all `rows` (n, seq_len + 1), shared by the ranks:
-    rank r takes rows r, r + N, ...
-
-    The rows, not the process count, define the measurement, so a run's val bpb means the same at
-    any world size (dataloader.val_rows builds them). Padding (-1, as val_rows leaves at the split's
-    end) is ignored, and short last batches are padded with it, keeping shapes static for
-    torch.compile. bpb = nats over targets that are real text / (ln 2 * their UTF-8 bytes); special
-    tokens (0 bytes in token_bytes) are excluded from both sums. dtype: as in autocast(). No float64
-    on the device (MPS has none): per-batch sums in fp32, added up on the host in double. A model
-    of batched seeds (seeds.SeedBatch: losses (seeds, B, T)) gets each seed's bpb, a list."""
+    """Bits per byte over all `rows`, rank r taking rows r, r + N, ... (the same at any world
+    size); padding (-1) and special tokens count in neither sum. Batched seeds: a list."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = token_bytes.device
@@ -603,10 +525,8 @@ def evaluate_bpb(model, rows: torch.Tensor, batch_size: int, token_bytes: torch.
     steps = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for i in range(0, steps * batch_size, batch_size):
         batch = mine[i:i + batch_size].to(device)
-        # a row padded at the split's end holds -1 as input too: any id serves
-        # there, its target is ignored
-        # both contiguous, as DataLoader hands them over and a padded last batch comes out: a
-        # compiled model guards on strides, so one layout compiles once
+        # a padded row's -1 inputs: any id serves, its targets are ignored; both contiguous, as a
+        # padded last batch comes out: a compiled model guards on strides
         x, y = batch[:, :-1].clamp(min=0), batch[:, 1:].contiguous()
         if len(batch) < batch_size:
             pad = batch_size - len(batch)
