@@ -1,19 +1,8 @@
 """
-A run's directory, runs/<run>/: one owner for everything in it but the inside of a checkpoint.
-
-- Its names: step_N (checkpoint.py writes what is inside), the results (report.md, summary.json,
-  curves.png), exports, the folders earlier runs are set aside into, and what an interrupted write
-  leaves (clean_run_dir clears it at the next start).
-- Its lock: one run per directory (lock_run_dir; .lock says who holds it), taken by base_train and
-  base_eval through claim_run_dir, with the disk check a run makes before its first save.
-- Earlier runs: a fresh run refuses to train over one, or with --start-over sets it aside
-  (previous.N); a rewind sets the later steps aside (rewound_from_step_S.N), with the results
-  about them.
-- report.md and summary.json, which several tools write: base_train writes both whole when
-  training ends, and each other writer (WRITERS: base_eval) adds its own part, found by its mark
-  here, never by another tool's text.
-- The step record: a JSON line per logged step (base_train --step-record), read by ablate as a run
-  trains.
+A run's directory, runs/<run>/, but for the inside of a checkpoint: its names and what an
+interrupted write leaves (clean_run_dir), its lock (lock_run_dir), earlier runs (refused, or set
+aside into previous.N or rewound_from_step_S.N), report.md and summary.json (base_train's, with
+the parts other WRITERS add), and the step record that ablate reads.
 """
 
 import argparse
@@ -49,13 +38,12 @@ from nanomuon.common import (
 # -- what a run dir holds -------------------------------------------------------------------------
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")  # a checkpoint: checkpoint.py writes what is inside
-# what a checkpoint's directory holds: DCP's data files (plain names, in its own directory), these
+# what a checkpoint's directory holds: DCP's data files and these
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 CHECKPOINT_FILES = {".metadata", ".metadata.tmp", "optim.pt", "meta.json", "checksums.json"}
 RUN_FILES = ("report.md", "summary.json", "curves.png", ".lock")  # what runs write beside them
-# What a save of ours leaves when it is killed: a checkpoint being written (.tmp_step_N), one being
-# replaced (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and the files write_atomic writes
-# in a run dir.
+# What a killed save leaves: a checkpoint being written (.tmp_step_N), replaced
+# (.tmp_old_step_N_PID) or pruned (.tmp_pruned_step_N), and write_atomic's temporary files
 SAVE_LEFTOVER = re.compile(r"^\.tmp_(old_|pruned_)?(step_\d{6,})(_\d+)?$")
 ATOMIC_LEFTOVER = re.compile(r"^(report\.md|summary\.json|curves\.png|\.lock)\.\d+\.tmp$")
 
@@ -75,23 +63,18 @@ def list_steps(run_dir: Path) -> list[int]:
 def _looks_like_checkpoint(d: Path) -> bool:
     """A real directory holding nothing but what save_checkpoint writes."""
     return not d.is_symlink() and d.is_dir() and all(
-        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name))
-        and not f.is_symlink() and f.is_file()
-        for f in d.iterdir())
+        (f.name in CHECKPOINT_FILES or DATA_FILE.match(f.name)) and not f.is_symlink()
+        and f.is_file() for f in d.iterdir())
 
 
 def check_links(run_dir: Path) -> None:
-    """Refuse a symlink where a run writes or reads its own files: following it would write to, or
-    read from, whatever it points at. ValueError naming the link and the way out."""
+    """ValueError naming a symlink where a run reads or writes its own files, and the way out."""
     run_dir = Path(run_dir)
     if run_dir.is_symlink():
         raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be "
                          "a directory of its own: remove the link, or move the directory there")
-    if not run_dir.is_dir():
-        return
-    for p in sorted(run_dir.iterdir()):
-        # (leftover links: clean_run_dir unlinks them)
-        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)
+    for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        ours = p.name in RUN_FILES or STEP_DIR.match(p.name)  # a leftover's link: clean_run_dir's
         inner = ([f for f in p.iterdir() if f.is_symlink()]
                  if STEP_DIR.match(p.name) and p.is_dir() else [])
         link = p if p.is_symlink() and ours else (inner[0] if inner else None)
@@ -102,15 +85,9 @@ def check_links(run_dir: Path) -> None:
 
 
 def clean_run_dir(run_dir: Path) -> list[str]:
-    """Clear what an interrupted save of ours left in run_dir (call it holding the lock):
-    half-written checkpoints are deleted, a step whose re-save died between its two renames gets its
-    old checkpoint back, a set_aside stopped midway is finished. Only our exact names, and only
-    directories that hold nothing but checkpoint files (or set_aside's list): anything else is the
-    user's. Returns one line per thing done."""
+    """Clear what an interrupted save left, by our exact names only; one line per thing done."""
     run_dir, done = Path(run_dir), []
-    if not run_dir.is_dir():
-        return done
-    for d in sorted(run_dir.iterdir()):
+    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
         m = SAVE_LEFTOVER.match(d.name)
         if m and m.group(1) == "old_" and not step_dir(run_dir, int(m.group(2)[5:])).exists() \
                 and _looks_like_checkpoint(d):
@@ -146,19 +123,15 @@ def exports(run_dir: Path) -> dict[int, str]:
 
 
 def _movable(name: str) -> bool:
-    """Whether set_aside moves entries so named: steps, results, exports, wandb's folder and
-    rewinds' folders (what a run leaves in its run dir, but for its lock and earlier runs)."""
+    """Whether set_aside moves entries so named: steps, results, exports, wandb's and rewinds'."""
     m = ASIDE.match(name)
     return bool(STEP_DIR.match(name) or name in RESULTS or EXPORT.match(name) or name == "wandb"
                 or (m and not m.group(1) and m.group(3) != "previous"))
 
 
 def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
-    """Move these entries of run_dir into a new folder run_dir/<tag>.<n>, which list_steps never
-    sees: kept, out of the way of this line of training (rank 0, holding the lock). n is the first
-    that nothing holds (not even a dangling link). They go into .tmp_<tag>.<n>, which lists them
-    (MOVING) and is renamed once all are in: a kill midway leaves a move that clean_run_dir
-    finishes. Returns the folder; an entry that does not move: OSError naming it, all put back."""
+    """Move these entries of run_dir into a new run_dir/<tag>.<n> by way of .tmp_<tag>.<n>, whose
+    list (MOVING) lets clean_run_dir finish a killed move; OSError, all put back."""
     run_dir, n = Path(run_dir), 1
     while any(os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")):
         n += 1
@@ -186,9 +159,15 @@ def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
             n = int(n) + 1
             final = run_dir / f"{tag}.{n}"
         os.replace(moving, final)
-    except OSError as e:
-        undone = (f"all is back in {run_dir} as it was" if _put_back(run_dir, moving, names)
-                  else f"what moved stays in {moving}: the next start tries again")
+    except OSError as e:  # put back what moved; what will not stays, listed, for the next start
+        for name in names:
+            with contextlib.suppress(OSError):
+                if os.path.lexists(moving / name) and not os.path.lexists(run_dir / name):
+                    os.replace(moving / name, run_dir / name)
+        undone = f"what moved stays in {moving}: the next start tries again"
+        if not any(os.path.lexists(moving / name) for name in names):
+            shutil.rmtree(moving, ignore_errors=True)
+            undone = f"all is back in {run_dir} as it was"
         raise OSError(e.errno, f"{e.filename} does not move into {final.name} ({e.strerror}); "
                       f"{undone}: make it movable (chattr -i, if lsattr shows it immutable) and "
                       "run again") from None
@@ -197,28 +176,13 @@ def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
     return final
 
 
-def _put_back(run_dir: Path, moving: Path, names: list[str]) -> bool:
-    """Undo a set_aside that failed: its entries back into run_dir, its folder gone; False if
-    something would not move back (its folder stays, with its list: the next start finishes)."""
-    for name in names:
-        with contextlib.suppress(OSError):
-            if os.path.lexists(moving / name) and not os.path.lexists(run_dir / name):
-                os.replace(moving / name, run_dir / name)
-    if any(os.path.lexists(moving / name) for name in names):
-        return False
-    shutil.rmtree(moving, ignore_errors=True)
-    return True
-
-
 def finish_set_aside(run_dir: Path, moving: Path) -> str:
-    """Finish a set_aside that was stopped midway (clean_run_dir), or clear its folder if it
-    stopped before listing what goes in; a line saying what was done. ValueError if it fails."""
+    """Finish a set_aside stopped midway, or clear it if it holds no list; what was done."""
     try:
         names = load_json(moving / MOVING, 1 << 24, "the list of what a set-aside moves")
     except (OSError, ValueError):
         names = None
     if not (isinstance(names, list) and all(isinstance(n, str) and _movable(n) for n in names)):
-        # (the list's own temporary file: the move stopped as it was written)
         if any(not LIST_LEFTOVER.fullmatch(p.name) for p in moving.iterdir()):
             return f"note: left {moving} as it is: it holds no list of entries nanomuon wrote"
         shutil.rmtree(moving)
@@ -233,21 +197,13 @@ def finish_set_aside(run_dir: Path, moving: Path) -> str:
 
 
 def earlier_run(run_dir: Path) -> list[str]:
-    """What a finished or stopped run left in run_dir: its checkpoints, results and exports;
-    ValueError if a result is there but not a regular file (a FIFO would hang the run that reads
-    it)."""
+    """What an earlier run left: checkpoints, results, exports (a result must be a regular file)."""
     run_dir = Path(run_dir)
     results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
     for name in results:
         check_regular(run_dir / name)
     return ([step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
             + list(exports(run_dir).values()))
-
-
-def run_extras(run_dir: Path) -> list[str]:
-    """What moves with an earlier run, but alone is none: wandb's folder and its rewinds'."""
-    return sorted(p.name for p in Path(run_dir).iterdir()
-                  if _movable(p.name) and (p.name == "wandb" or ASIDE.match(p.name)))
 
 
 def held_by(run_dir: Path, earlier: list[str]) -> str:
@@ -263,11 +219,7 @@ _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into 
 
 
 def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
-    """Take the run dir's lock for this process, or raise RuntimeError naming the run that holds it
-    (and saying to pick `other`).
-    The lock is a flock on the run dir itself, which no file deletion can take away, and which the
-    kernel drops when the process dies: never stale. .lock says who holds it. Returns a note when
-    the previous holder died without releasing it."""
+    """Take the run dir's lock (a flock: never stale), or RuntimeError naming its holder."""
     run_dir, path = Path(run_dir), Path(run_dir) / ".lock"
     check_links(run_dir)
     while True:
@@ -280,17 +232,15 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
             holder = lock_holder(run_dir) or "another process"
             raise RuntimeError(f"{run_dir} is in use by {holder}; wait for that run to end "
                                f"(or stop it), or pick {other}") from None
-        # the holder removes an empty run dir as it lets go
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:
+            if os.stat(run_dir).st_ino == os.fstat(fd).st_ino:  # not removed by its last holder
                 break
         os.close(fd)
     previous = lock_holder(run_dir)
     line = (f"pid {os.getpid()} on {socket.gethostname()} since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')} ({' '.join(sys.argv)[:200]})")
-    # a rename: replaces a link at .lock, never writes through it
-    write_atomic(path, line + "\n", sync=True)
-    fsync_path(run_dir)  # the other nodes read it (base_train checks that they see this run dir)
+    write_atomic(path, line + "\n", sync=True)  # a rename: never writes through a link
+    fsync_path(run_dir)  # the other nodes read it
     _LOCKS[run_dir] = (fd, line)
     return (f"note: {path} was left by {previous}, which is no longer running; taking over"
             if previous else None)
@@ -298,26 +248,21 @@ def lock_run_dir(run_dir: Path, other: str = "another --run") -> str | None:
 
 def lock_holder(run_dir: Path) -> str:
     """Who .lock says holds run_dir, escaped and bounded (anyone may have written it); ''."""
-    return shown(_read_small(Path(run_dir) / ".lock"), 300, quote=False)
+    return shown(_lock_line(Path(run_dir) / ".lock"), 300, quote=False)
 
 
-def _read_small(path: Path) -> str:
-    """A small text file of ours, by read_regular ('' if absent or not ours)."""
-    try:
-        return read_regular(path, 1 << 16).decode(errors="replace").strip()
-    except (OSError, ValueError):
-        return ""
+def _lock_line(path: Path) -> str:
+    """.lock's line ('' if absent or not ours)."""
+    return read_text(path, 1 << 16, quiet=(OSError, ValueError)).strip()
 
 
 def unlock_run_dir(run_dir: Path) -> None:
-    """Release the lock taken by this process, if any: .lock goes if it still names us
-    (never another run's), and the run dir too if nothing else is in it (a run that failed
-    at start leaves nothing)."""
+    """Release this process's lock: .lock goes if it still names us, the run dir if empty."""
     fd, line = _LOCKS.pop(Path(run_dir), (None, None))
     if fd is None:
         return
     path = Path(run_dir) / ".lock"
-    if _read_small(path) == line:
+    if _lock_line(path) == line:
         path.unlink(missing_ok=True)
     os.close(fd)
     with contextlib.suppress(OSError):
@@ -325,8 +270,7 @@ def unlock_run_dir(run_dir: Path) -> None:
 
 
 def run_arg(s: str) -> str:
-    """argparse type for a run name: it names a directory under runs/, so
-    nothing that walks out of it, and short enough to be one (ablate adds suffixes)."""
+    """argparse type for a run name: a directory under runs/, nothing that walks out of it."""
     if len(s) > 200:
         raise argparse.ArgumentTypeError(f"{s[:20]!r}... is {len(s)} characters: a run name is at "
                                          "most 200 (it names a directory under runs/)")
@@ -337,11 +281,9 @@ def run_arg(s: str) -> str:
 
 
 def aside_steps(run_dir: Path) -> str:
-    """The checkpoints set_aside's folders in run_dir hold and the way to load one, for the line
-    that finds none in run_dir itself; '' if they hold none."""
-    if not Path(run_dir).is_dir():
-        return ""
-    held = sorted((int(m.group(4)), m.group(2), steps) for p in sorted(Path(run_dir).iterdir())
+    """The steps set_aside's folders hold and how to load one, for a line that finds none; ''."""
+    entries = sorted(Path(run_dir).iterdir()) if Path(run_dir).is_dir() else []
+    held = sorted((int(m.group(4)), m.group(2), steps) for p in entries
                   if (m := ASIDE.match(p.name)) and not m.group(1) and (steps := list_steps(p)))
     if not held:
         return ""
@@ -355,11 +297,8 @@ def aside_steps(run_dir: Path) -> str:
 
 # -- a run's start: the claim, a fresh start over an earlier run, a rewind, the disk --------------
 
-
 def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
-    """Rank 0 locks the run dir (one run per directory, until `held` closes) and clears what an
-    interrupted run left there; every rank stops with one line if it cannot, or if it does not see
-    that directory."""
+    """Rank 0 locks and cleans the run dir (until `held` closes), every rank seeing it."""
     error = None
     if rank == 0:
         try:
@@ -373,8 +312,6 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
             error = (f"cannot write to the run dir {run_dir} ({e.strerror}): point "
                      "NANOMUON_BASE_DIR at a writable directory")
     exit_if_any_failed(error)
-    # every rank writes its part of each checkpoint there, so every rank must see the directory rank
-    # 0 locked
     seen = lock_holder(run_dir) or f"no {run_dir / '.lock'}"
     exit_unless_ranks_agree(seen, f"the run dirs {run_dir} (their .lock files)",
                             "every process writes its part of each checkpoint into runs/<run>, so "
@@ -383,11 +320,10 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
 
 
 def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -> None:
-    """Nothing an earlier run left is trained over: a fresh run in a run dir holding checkpoints
-    or results is refused in one line, or with --start-over moves them into previous.N."""
+    """Refuse a fresh run over an earlier one, or with --start-over move it into previous.N."""
     error, earlier = None, []
     if rank == 0:
-        try:  # a result file that is not a regular one (a FIFO) would hang the end of any run
+        try:  # a result that is a FIFO would hang the end of any run
             earlier = earlier_run(run_dir)
         except ValueError as e:
             error = str(e)
@@ -399,7 +335,9 @@ def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -
                      "move it into previous.N and train afresh")
         else:
             try:
-                earlier += run_extras(run_dir)
+                # wandb's folder and rewinds' move with an earlier run, but alone are none
+                earlier += sorted(p.name for p in Path(run_dir).iterdir() if _movable(p.name)
+                                  and (p.name == "wandb" or ASIDE.match(p.name)))
                 aside = set_aside(run_dir, earlier, "previous")
                 print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
             except OSError as e:
@@ -408,25 +346,30 @@ def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -
 
 
 def set_aside_later_steps(run_dir: Path, rank: int, step: int) -> None:
-    """Resumed from an earlier step: the later ones are another line of training, which `latest`
-    and pruning would take for this one; they move into rewound_from_step_S.N, kept, and so do
-    base_eval's results of them (report sections, CORE), which would otherwise stand as this
-    line's."""
+    """Resumed from an earlier step: later steps and their results move to rewound_from_step_S.N."""
     error = None
     if rank == 0:  # the others wait for its word
         try:
             later = [s for s in list_steps(run_dir) if s > step]
-            # their exports too: models of another line than the steps this run will save
             exported = [name for s, name in exports(run_dir).items() if s > step]
-            results = results_after(run_dir, step)
-            if later or exported or results[-1]:
+            kept, later_lines, record, core, measured = results_after(run_dir, step)
+            if later or exported or measured:
                 names = [step_dir(run_dir, s).name for s in later] + exported
                 aside = set_aside(run_dir, names, f"rewound_from_step_{step}")
-                file_results_aside(run_dir, aside, step, results)
+                # into aside's files first, then out of run_dir's: never in neither
+                if later_lines:
+                    title = (f"# {run_dir.name}: base_eval's results of step "
+                             f"{', '.join(map(str, measured))}, set aside by a resume from step "
+                             f"{step}")
+                    write_atomic(aside / "report.md", "\n".join([title, "", *later_lines]))
+                    write_atomic(run_dir / "report.md", "\n".join(kept))
+                if core:
+                    write_atomic(aside / "summary.json", json.dumps(core) + "\n")
+                    write_atomic(run_dir / "summary.json", json.dumps(record) + "\n")
                 moved = ([f"the later steps {', '.join(map(str, later))}"] if later else []) + (
                     [", ".join(exported)] if exported else []) + (
-                    [f"base_eval's results of step {', '.join(map(str, results[-1]))}"]
-                    if results[-1] else [])
+                    [f"base_eval's results of step {', '.join(map(str, measured))}"]
+                    if measured else [])
                 print0(f"resumed from step {step}: moved {' and '.join(moved)} into {aside} "
                        f"(kept; this run goes on from {step})")
         except OSError as e:
@@ -438,13 +381,10 @@ def set_aside_later_steps(run_dir: Path, rank: int, step: int) -> None:
 
 def check_disk(run_dir: Path, rank: int, optimizer, num_iterations: int, save_every: int,
                keep: int) -> None:
-    """A checkpoint must fit on the run dir's disk: refuse now rather than lose the run at its first
-    save (saves every `save_every` steps of `num_iterations`, `keep` kept: --keep-checkpoints)."""
-    # weights + optimizer states
+    """Refuse now a checkpoint the run dir's disk cannot hold; warn if `keep` of them do not fit."""
     need = sum(p.numel() * p.element_size() * (2 if g["kind"] == "muon" else 3)
                for g in optimizer.param_groups for p in g["params"])
     saves = 1 + (num_iterations // save_every if save_every > 0 else 0)
-    # +1: saved before the oldest goes
     saves, error = saves if keep == -1 else min(saves, keep + 1), None
     if rank == 0:
         free = shutil.disk_usage(run_dir).free
@@ -460,49 +400,30 @@ def check_disk(run_dir: Path, rank: int, optimizer, num_iterations: int, save_ev
 
 # -- report.md and summary.json: base_train's, with the parts other tools add --------------------
 
-
 class Writer(NamedTuple):
-    """What a tool other than base_train adds to a run's report.md and summary.json; base_train
-    owns the rest, and keeps these parts when it rewrites the files."""
+    """What a tool other than base_train adds to report.md and summary.json."""
     keys: tuple[str, ...]  # its summary.json keys
     step_key: str  # the one of them that names the step its results are about
     headline: str  # the mark of its line right under report.md's title (replaced as it writes)
 
 
 WRITERS = {"base_eval": Writer(keys=("core", "core_step", "core_tasks", "core_max_per_task",
-                                     "core_headline"),
-                               step_key="core_step", headline="> CORE: ")}
+                                     "core_headline"), step_key="core_step", headline="> CORE: ")}
 REPORT_BYTES = 4 << 20  # a run's report.md read back: base_train and base_eval write a few KB
 SUMMARY_BYTES = 1 << 20  # a run's summary.json read back: base_train writes a few KB
 MAX_STEP_DIGITS = 12  # a section's step: more digits than any run takes is no section
 REPORT, SUMMARY = "the report base_train writes", "the summary base_train writes"
 
 
-def section_heading(writer: str, step: int) -> str:
-    """The header `writer` gives each section it appends to report.md: who, and the step measured."""
-    return f"## {writer}, step {step}"
-
-
 def section_of(line: str) -> tuple[str, int] | None:
-    """(writer, step) of a report.md line that heads another writer's section (section_heading's
-    form); None for any other line."""
+    """(writer, step) of a line heading another writer's section ("## writer, step N"), or None."""
     m = re.fullmatch(rf"## (.+), step (\d{{1,{MAX_STEP_DIGITS}}})", line)
     return (m[1], int(m[2])) if m and m[1] in WRITERS else None
 
 
-def others_part(lines: list[str]) -> list[str]:
-    """report.md's lines from the first section another writer appended on, after a blank line;
-    [] if none."""
-    at = next((i for i, x in enumerate(lines) if i and section_of(x)), None)
-    return [] if at is None else ["", *lines[at:]]
-
-
 def split_results(lines: list[str], record: dict, step: int):
-    """What the other writers wrote about steps after `step`, apart from the rest, for a rewind to
-    move aside: report.md's lines (their sections of those steps, and a writer's headline when its
-    last section showing it is one of them) and their summary.json keys (when their step is one).
-    Returns (report lines kept, report lines of later steps, summary kept, its keys of a later
-    step, the later steps measured)."""
+    """Other writers' results of steps after `step`: (report lines kept, report lines of later
+    steps, summary kept, its keys of a later step, the later steps measured)."""
     starts = [i for i, x in enumerate(lines) if section_of(x)]
     sections = [(*section_of(lines[i]), lines[i:j])  # (writer, step, lines)
                 for i, j in zip(starts, [*starts[1:], len(lines)])]
@@ -516,8 +437,7 @@ def split_results(lines: list[str], record: dict, step: int):
             later_head.append(headline)
         measured = record.get(writer.step_key)
         counted = isinstance(measured, int) and not isinstance(measured, bool)
-        # a step that is no step (a string, a bool): which step it measured is unknown, so a
-        # rewind moves its keys aside with the later ones rather than keep them as current
+        # a step that is no int: unknown, so moved aside rather than kept as current
         if writer.step_key in record and (not counted or measured > step):
             moved.update({k: v for k, v in record.items() if k in writer.keys})
             if counted:
@@ -531,65 +451,48 @@ def split_results(lines: list[str], record: dict, step: int):
 
 
 def results_after(run_dir: Path, step: int):
-    """split_results of run_dir's report.md and summary.json (an unreadable summary.json
-    stays as it is: base_train says so when it rewrites it)."""
-    text = report_text(run_dir / "report.md")
+    """split_results of run_dir's report.md and summary.json (an unreadable summary: as {})."""
+    text = read_text(run_dir / "report.md")
     return split_results(text.split("\n") if text else [],
                          summary_record(run_dir / "summary.json") or {}, step)
 
 
-def report_text(report: Path) -> str:
-    """A run's report.md, bounded and never a FIFO (read_regular); '' where there is none."""
+def read_text(path: Path, limit: int = REPORT_BYTES, quiet=(FileNotFoundError,)) -> str:
+    """A file of a run's, bounded and never a FIFO (read_regular); '' where it raises `quiet`."""
     try:
-        return read_regular(report, REPORT_BYTES, REPORT).decode(errors="replace")
-    except FileNotFoundError:
+        return read_regular(path, limit, REPORT).decode(errors="replace")
+    except quiet:
         return ""
 
 
-def file_results_aside(run_dir: Path, aside: Path, step: int, results) -> None:
-    """base_eval's results of the steps after `step` into aside's report.md and summary.json,
-    then out of run_dir's (in that order: a kill between leaves them in both, never in neither)."""
-    kept, later, record, core, steps = results
-    if later:
-        title = (f"# {run_dir.name}: base_eval's results of step {', '.join(map(str, steps))}, "
-                 f"set aside by a resume from step {step}")
-        write_atomic(aside / "report.md", "\n".join([title, "", *later]))
-        write_atomic(run_dir / "report.md", "\n".join(kept))
-    if core:
-        write_atomic(aside / "summary.json", json.dumps(core) + "\n")
-        write_atomic(run_dir / "summary.json", json.dumps(record) + "\n")
-
-
 def others_report(report: Path) -> tuple[list[str], list[str]]:
-    """What other writers put into a run's report.md (their headlines under the title, and their
-    sections at the end), kept when base_train rewrites it at the end of a resumed run."""
+    """Other writers' headlines and sections in report.md, kept when base_train rewrites it."""
     try:
-        text = report_text(report)
+        text = read_text(report)
     except ValueError as e:  # swapped for a FIFO or a huge file mid-run: kept aside, not read
-        print0(f"note: {one_line(e)}; {set_aside_file(report, 'report')}")
+        set_aside_file(report, "report", one_line(e))
         return [], []
     marks = tuple(w.headline for w in WRITERS.values())
     headlines = [x for x in text.split("\n") if x.startswith(marks)]
-    return headlines, others_part(text.rstrip("\n").split("\n"))
+    lines = text.rstrip("\n").split("\n")
+    at = next((i for i, x in enumerate(lines) if i and section_of(x)), None)
+    return headlines, [] if at is None else ["", *lines[at:]]
 
 
-def set_aside_file(path: Path, what: str) -> str:
-    """Move an unreadable report.md or summary.json (too big, not a regular file, no JSON object)
-    to NAME.aside.N, the first N free, so the `what` base_train writes next destroys nothing; says
-    what it did."""
+def set_aside_file(path: Path, what: str, why: str) -> None:
+    """Move an unreadable report.md or summary.json to NAME.aside.N, kept, with a note."""
     aside = next(a for n in itertools.count(1)
                  if not os.path.lexists(a := path.with_name(f"{path.name}.aside.{n}")))
     try:
         os.rename(path, aside)
+        done = f"moved to {aside.name}, kept; base_train writes its {what} anew"
     except OSError as e:
-        return f"it could not be moved aside ({e.strerror}): base_train's {what} replaces it"
-    return f"moved to {aside.name}, kept; base_train writes its {what} anew"
+        done = f"it could not be moved aside ({e.strerror}): base_train's {what} replaces it"
+    print0(f"note: {why}; {done}")
 
 
 def summary_record(summary: Path, then: str = "", missing: str = "") -> dict | None:
-    """A run's summary.json (anyone may have written it), where it holds a JSON object; else None,
-    with a note saying why and `then` (none without `then`; none where there is no file but
-    `missing`, what to say then)."""
+    """A run's summary.json if it holds an object, else None, with a note of why and `then`."""
     try:
         record = load_json(summary, SUMMARY_BYTES, SUMMARY)
         why = "" if isinstance(record, dict) else "is not a JSON object"
@@ -603,21 +506,17 @@ def summary_record(summary: Path, then: str = "", missing: str = "") -> dict | N
 
 
 def others_summary(summary: Path) -> dict:
-    """The keys other writers put into summary.json, kept when base_train rewrites it. A file it
-    cannot read back (too big, not a regular file, no JSON object) is moved aside first, kept,
-    with a note: it may hold what another tool merged in."""
+    """Other writers' keys in summary.json; a file it cannot read back is moved aside, kept."""
     record = summary_record(summary)
     if record is None and os.path.lexists(summary):
-        print0(f"note: {summary} is not a summary base_train can read back; "
-               f"{set_aside_file(summary, 'summary')}")
+        set_aside_file(summary, "summary", f"{summary} is not a summary base_train can read back")
     record = record or {}
     theirs = {k for w in WRITERS.values() for k in w.keys}
     return {k: v for k, v in record.items() if k in theirs}
 
 
 def check_report(report) -> None:
-    """Exit now, before evaluating, if report cannot be appended to (every rank checks, so all
-    stop together)."""
+    """Exit now, before evaluating, if report cannot be appended to."""
     try:  # non-blocking: a FIFO with no reader would hold the open forever
         fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK)
         regular = stat.S_ISREG(os.fstat(fd).st_mode)
@@ -636,15 +535,13 @@ def check_report(report) -> None:
 
 
 def check_summary(summary) -> None:
-    """Exit now, before evaluating, if summary.json is there but no regular file (a FIFO would
-    hang the read that records CORE in it)."""
+    """Exit now, before evaluating, if summary.json is there but no regular file."""
     with user_errors(), contextlib.suppress(FileNotFoundError):
         check_regular(summary, SUMMARY, "remove it (base_eval adds CORE to it)")
 
 
 def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> None:
-    """`writer`'s section about `step` at the end of the run's report.md, created if need be;
-    a link there is refused, not followed."""
+    """Append `writer`'s section about `step` to the run's report.md (a link refused)."""
     report = Path(run_dir) / "report.md"
     append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
     try:
@@ -653,15 +550,14 @@ def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> N
         raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
                          "regular file of the run's own, not a link") from None
     with os.fdopen(fd, "w") as f:
-        f.write("\n".join(["", section_heading(writer, step), "", *lines]) + "\n")
+        f.write("\n".join(["", f"## {writer}, step {step}", "", *lines]) + "\n")
         f.flush()
         os.fsync(f.fileno())
     print0(f"appended to {report}")
 
 
 def put_headline(run_dir: Path, writer: str, line: str) -> None:
-    """Make the report open with `writer`'s line (right under its title), replacing its earlier
-    one: the speedrun's result is the first thing a reader sees."""
+    """Put `writer`'s line right under report.md's title, replacing its earlier one."""
     report, mark = Path(run_dir) / "report.md", WRITERS[writer].headline
     try:  # just appended to; a FIFO swapped in since would hang a plain read
         text = read_regular(report, REPORT_BYTES, REPORT).decode()
@@ -676,9 +572,7 @@ def put_headline(run_dir: Path, writer: str, line: str) -> None:
 
 
 def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
-    """Put `writer`'s values (its WRITERS keys, all of them) into the run's summary.json, which
-    base_train writes at the end of training; a note, and nothing written, where there is none
-    that reads as one."""
+    """Put `writer`'s values (all its WRITERS keys) into an existing summary.json."""
     summary = Path(run_dir) / "summary.json"
     if set(values) != set(WRITERS[writer].keys):
         raise ValueError(f"{writer} writes {sorted(WRITERS[writer].keys)} into summary.json, "
@@ -693,12 +587,9 @@ def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
 
 # -- the step record -------------------------------------------------------------------------------
 
-
 def append_step_record(path: Path, *, step: int, steps: int, loss, dt_ms: float,
                        tok_per_s: float, finite: bool, line: str) -> None:
-    """One logged step as a JSON line at the end of `path` (base_train --step-record, rank 0),
-    written before its line is printed: whoever reads the line finds its record. loss: the
-    smoothed loss (each seed's, batched); line: the step line as printed."""
+    """One logged step as a JSON line at the end of `path`, before its line is printed."""
     with open(path, "a") as f:
         f.write(json.dumps(dict(step=step, steps=steps, loss=loss, dt_ms=dt_ms,
                                 tok_per_s=tok_per_s, finite=finite, line=line)) + "\n")
