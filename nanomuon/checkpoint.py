@@ -1,20 +1,9 @@
 """
-Checkpoints: one directory per step, sharded, written atomically and validated on load. What
-else a run dir holds, and its lock, belong to nanomuon/run.py.
-
-Layout: <run dir>/step_000123/ holds a torch.distributed.checkpoint (DCP) of the model and optimizer
-tensors: each process writes the pieces it holds (FSDP2 shards, DistMuonAdamW's state; a tensor
-every process holds, once), so no process ever gathers the whole state, and any process count reads
-it back resharded (one process, for sample and base_eval, reads it whole). Beside it, from rank 0:
-optim.pt (the optimizer's groups and step counts: MuonAdamW.sharded_state_dict's rest, or a
-replicated optimizer's whole state) and meta.json (config, loop and data loader state, as text).
-Everything is written into a hidden temporary directory, fsynced, and only then renamed into place,
-so a directory named step_* is always whole. A re-save swaps the new directory with the old in one
-rename (Linux, macOS), so step_N is never missing; elsewhere a kill between two renames is repaired
-by run.clean_run_dir at the next start. scripts/export.py writes one whole-state file for other
-tools. Each checkpoint records a CRC-32 of its files (checksums.json), checked at load. Everything
-loaded is untrusted: DCP's index is unpickled with an allowlist (read_index), and a symlink where a
-run reads or writes is refused (run.check_links).
+Checkpoints: <run dir>/step_000123/ holds a torch.distributed.checkpoint (DCP) of the model and
+optimizer tensors, each rank writing its pieces and any process count reading them resharded, and
+from rank 0 optim.pt, meta.json and checksums.json (CRC-32s). It is written into a hidden
+directory, fsynced, then renamed (or swapped in one rename), so a step_* directory is always whole.
+All that is loaded is untrusted: DCP's index is unpickled with an allowlist (read_index).
 """
 
 import argparse
@@ -57,19 +46,11 @@ from nanomuon.common import (
 )
 from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.param_groups import DamagedState
-from nanomuon.run import (
-    CHECKPOINT_FILES,
-    DATA_FILE,
-    aside_steps,
-    check_links,
-    list_steps,
-    step_dir,
-)
+from nanomuon.run import CHECKPOINT_FILES, DATA_FILE, aside_steps, check_links, list_steps, step_dir
 
 
 def _libc_swap():
-    """Exchange two paths in one atomic rename, through libc: Linux renameat2(RENAME_EXCHANGE),
-    macOS renamex_np(RENAME_SWAP); None where libc has neither."""
+    """libc's atomic exchange of two paths (renameat2 on Linux, renamex_np on macOS), or None."""
     libc = ctypes.CDLL(None, use_errno=True)
     if hasattr(libc, "renameat2"):
         return lambda a, b: libc.renameat2(-100, a, -100, b, 2)  # -100: AT_FDCWD
@@ -89,17 +70,14 @@ def _swap(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-# What a DCP index (.metadata) of tensors unpickles to; pickle may build nothing else,
-# so a checkpoint from someone else cannot run code when it is read (DCP's own reader
-# calls plain pickle.load).
+# All a DCP index (.metadata) of tensors unpickles to: DCP's own reader calls plain pickle.load
 _DCP_META = "torch.distributed.checkpoint.metadata"
-METADATA_CLASSES = {
-    (_DCP_META, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties",
-                                   "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
-                                   "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+METADATA_CLASSES = {(_DCP_META, name) for name in (
+    "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -112,9 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_index(d: Path):
-    """A checkpoint's DCP index (d/.metadata), unpickled with an allowlist of DCP's metadata classes
-    and checked: tensors only (DCP would torch.load anything else with weights_only=False), stored
-    in plain files of d. ValueError naming the file and what is wrong."""
+    """d/.metadata unpickled by METADATA_CLASSES: tensors only, in d's data files, or ValueError."""
     path = check_regular(Path(d) / ".metadata")
     try:
         with open(path, "rb") as f:
@@ -128,9 +104,8 @@ def read_index(d: Path):
             or not isinstance(md.storage_data, dict):
         problems.append(f"it holds a {type(md).__name__}")
     else:
-        problems += [f"{k!r} is a {type(v).__name__}, not a tensor"
-                     for k, v in md.state_dict_metadata.items()
-                     if not isinstance(v, TensorStorageMetadata)][:1]
+        problems += [f"{k!r} is a {type(v).__name__}, not a tensor" for k, v in
+                     md.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)][:1]
         problems += [f"a piece is stored in {getattr(v, 'relative_path', v)!r}"
                      for v in md.storage_data.values()
                      if not (isinstance(v, _StorageInfo) and DATA_FILE.match(str(v.relative_path))
@@ -159,9 +134,7 @@ def alone() -> bool:
 
 @contextlib.contextmanager
 def _full_disk_kept():
-    """Re-raise a full disk (or quota, or file-size limit) as that OSError itself: DCP pickles each
-    rank's error to rank 0, which drops the context where torch.save's RuntimeError ("unexpected
-    pos") holds it."""
+    """Re-raise a full disk as that OSError: DCP's pickling drops it from the context."""
     try:
         yield
     except Exception as e:
@@ -183,22 +156,18 @@ class SafeWriter(dcp.FileSystemWriter):
 
 
 def _no_index_logs(record: logging.LogRecord) -> bool:
-    """False for DCP's logs of an index it cannot read, with their tracebacks (the root logger's
-    "metadata is not found"; torch 2.9's DCP logger, "assert metadata is not None"): the error
-    it raises next says so, and a step pruned while it is read is no error at all."""
+    """False for DCP's tracebacks of an index it cannot read: the error raised next says so."""
     msg = str(record.msg)
     return "metadata is not found" not in msg and "metadata is not None" not in msg
 
 
 def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
-    """dcp.save or dcp.load of tensors at d, without the warning DCP gives each
-    time it runs in one process."""
+    """dcp.save or dcp.load of tensors at d, without DCP's one-process warning."""
     io = dict(storage_writer=SafeWriter(d, sync_files=True)) if fn is dcp.save else \
         dict(storage_reader=SafeReader(d))
     # A logger's filter sees only records logged on it, so DCP's own logger gets one too.
-    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in
-                                       list(logging.root.manager.loggerDict)
-                                       if name.endswith("dcp_logger")]
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(
+        logging.root.manager.loggerDict) if name.endswith("dcp_logger")]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
         for logger in loggers:
@@ -210,17 +179,9 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
                 logger.removeFilter(_no_index_logs)
 
 
-def _interrupted(e: BaseException) -> bool:
-    """Whether e is, or (DCP wraps it) holds, a Ctrl-C."""
-    return any(isinstance(c, KeyboardInterrupt) for c in causes(e))
-
-
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
-    """What save_checkpoint writes of a model and its optimizer: (tensors, files). tensors are
-    this rank's pieces under their checkpoint names (model.<name>, optim.<param index>.<state>):
-    FSDP2 blocks, DistMuonAdamW's state; files hold optim.pt, the optimizer's groups and step
-    counts (or a replicated optimizer's whole state, as torch-muon's). A collective where
-    DTensor Muon params are planned."""
+    """(tensors, files) for save_checkpoint: this rank's pieces, and optim.pt (with DTensor Muon
+    params planned, a collective)."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
     if not hasattr(optimizer, "sharded_state_dict"):
         return tensors, dict(optim=optimizer.state_dict())
@@ -229,21 +190,15 @@ def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
 
 
 def _failure(e: BaseException) -> tuple[BaseException, str]:
-    """(the error, it in one line): DCP's CheckpointException holds one per failing rank, with
-    its traceback; the first, and which rank."""
+    """(the error, it in one line); of a DCP CheckpointException, its first rank's."""
     if isinstance(e, dcp.api.CheckpointException) and e.failures:
         rank, (first, _) = next(iter(e.failures.items()))
         return first, f"{one_line(first)} (rank {rank})"
     return e, one_line(e)
 
 
-def _one_line(e: BaseException) -> str:
-    return _failure(e)[1]
-
-
 def file_crc32(path: Path) -> str:
-    """A file's CRC-32 as 8 hex digits: 2 GB/s on one core, enough to
-    catch bytes changed on disk."""
+    """A file's CRC-32 as 8 hex digits: fast, and enough to catch bytes changed on disk."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -256,66 +211,22 @@ SUMS_MAX = 1 << 20  # bytes: ours list a few files in under 1 KB
 META_BYTES = 1 << 26  # a meta.json holds the config, flags and loop state: kilobytes
 
 
-def _read_sums(listed: Path) -> dict:
-    """checksums.json's name -> CRC map, bounded and checked as data (its values are quoted in
-    lines: never raw, never huge)."""
-    if check_regular(listed).stat().st_size > SUMS_MAX:
-        raise ValueError(f"checksums.json is {size_str(listed.stat().st_size)}, not the few lines "
-                         "nanomuon writes")
-    sums = json.loads(read_regular(listed, SUMS_MAX).decode(errors="replace"))
-    if not isinstance(sums := sums.get("crc32") if isinstance(sums, dict) else None, dict):
-        raise ValueError("checksums.json holds no map of file names to CRC-32s")
-    for name, crc in sums.items():
-        if not (DATA_FILE.match(name) or name in CHECKPOINT_FILES):
-            raise ValueError(f"checksums.json names {shown(name, 80)}, not a checkpoint file")
-        if not (isinstance(crc, str) and CRC.match(crc)):
-            raise ValueError(f"checksums.json gives {name} the CRC-32 "
-                             f"{shown(repr(crc), 80, quote=False)}, not 8 hex digits")
-    return sums
-
-
-def check_sums(d: Path) -> list[str]:
-    """Every file checksums.json lists has the CRC it had when saved, and every tensor file is
-    listed; ValueError naming the first that differs. Returns the step's files it does not vouch
-    for (all of them without a checksums.json, as checkpoints saved before checksums have none;
-    meta.json is checked by check_meta, and rewritten after evals)."""
-    files = sorted(f.name for f in d.iterdir() if f.name not in ("checksums.json", "meta.json"))
-    listed = d / "checksums.json"
-    if not os.path.lexists(listed):
-        return files
-    sums = _read_sums(listed)
-    for name in files:
-        if DATA_FILE.match(name) and name not in sums:
-            raise ValueError(f"{name} is not in checksums.json")
-    for name, crc in sums.items():
-        if (now := file_crc32(d / name)) != crc:
-            raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
-                             "(its bytes changed on disk)")
-    return [name for name in files if name not in sums]
-
-
 def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dict | None) -> None:
-    """Rank 0's part of a save, once every rank's tensors are in tmp: files, checksums, meta.json,
-    all fsynced, then tmp renamed to final (or swapped with the old one there)."""
+    """Rank 0's part of a save: files, checksums, meta.json, fsynced; tmp renamed into place."""
     for name, obj in (files or {}).items():
-        # a file object: torch.save keeps its OSError as context
-        with open(tmp / f"{name}.pt", "wb") as f:
+        with open(tmp / f"{name}.pt", "wb") as f:  # torch.save keeps a file's OSError as context
             torch.save(obj, f)
     sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
     (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
-    # text, checked on load by check_meta
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     for f in tmp.iterdir():
         fsync_path(f)
     fsync_path(tmp)
     if not final.exists():
         os.replace(tmp, final)
-    elif _swap(tmp, final):
-        # re-saving a step (a resumed run reaching it again): tmp now holds the old one
+    elif _swap(tmp, final):  # a re-save: tmp now holds the old one
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        # two renames: a kill between them leaves only the old one,
-        # which clean_run_dir puts back
+    else:  # a kill between these two renames leaves the old one, which clean_run_dir puts back
         old = run_dir / f".tmp_old_{final.name}_{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
@@ -325,18 +236,13 @@ def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dic
 
 def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
                     files: dict | None = None) -> Path:
-    """Write step_NNNNNN under run_dir atomically: every process's tensors (its DTensor blocks, or
-    whole tensors) through DCP, and from rank 0 meta (meta.json) and files (name -> object,
-    torch.save'd to name.pt). A collective under torch.distributed: every rank calls it, and every
-    rank returns, or raises the same one-line OSError (a full disk says so), or KeyboardInterrupt
-    (a Ctrl-C on any rank). A failed save leaves no temporary files, and earlier checkpoints
-    stay."""
+    """Write step_NNNNNN atomically: every rank's tensors through DCP, rank 0's meta and files
+    (name -> object). A collective: all return, or all raise one OSError or KeyboardInterrupt."""
     run_dir = Path(run_dir)
     final = step_dir(run_dir, step)
     tmp = run_dir / f".tmp_{final.name}"  # one name on every rank: all write into it
     rank0, error = alone() or dist.get_rank() == 0, None
-    try:
-        # every rank's files fsynced, then .metadata; raises on all ranks
+    try:  # every rank's files fsynced, then .metadata; raises on all ranks
         _dcp(dcp.save, tensors, tmp, alone())
     except (OSError, RuntimeError, dcp.api.CheckpointException, KeyboardInterrupt) as e:
         error = e
@@ -348,7 +254,8 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
             error = e
     if rank0 and error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = [error and (_interrupted(error), filled(error), _one_line(error))]
+    interrupted = error and any(isinstance(c, KeyboardInterrupt) for c in causes(error))
+    outcome = [error and (interrupted, filled(error), _failure(error)[1])]
     # rank 0 knows every rank's DCP outcome, and its own part: all return or raise alike
     if not alone():
         dist.broadcast_object_list(outcome, src=0)
@@ -367,8 +274,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
 
 
 def record_loop(run_dir: Path, step: int, loop: dict) -> None:
-    """Put the loop state into a saved step's meta.json (rank 0): an eval run after the save is then
-    part of the checkpoint, and a resume from it does not run it again."""
+    """Put the loop state into a saved step's meta.json (an eval after the save is then in it)."""
     d = step_dir(run_dir, step)
     meta = read_meta(d)
     meta["loop"] = loop
@@ -376,9 +282,7 @@ def record_loop(run_dir: Path, step: int, loop: dict) -> None:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
-    """Delete all but the `keep` newest checkpoints, oldest first (rank 0, holding the lock). Each
-    goes by a rename to a leftover name first, so a kill at any moment leaves the newer ones whole,
-    and the next start removes the rest. Returns one line per checkpoint removed."""
+    """Delete all but the `keep` newest checkpoints, each renamed aside first; a line for each."""
     run_dir, done = Path(run_dir), []
     for s in list_steps(run_dir)[:-keep] if keep > 0 else []:
         doomed = run_dir / f".tmp_pruned_{step_dir(run_dir, s).name}"
@@ -403,17 +307,6 @@ def step_arg(s: str, words=("latest",)):
 
 META_TYPES = dict(step=int, num_iterations=int, model_config=dict, args=dict, tokenizer=str,
                   world_size=int, loader=list, loop=dict)
-
-
-def _saved_args_problems(args: dict) -> list[str]:
-    """The saved flags that readers of a checkpoint use, checked as base_train checks its own."""
-    problems = []
-    if "dtype" in args and args["dtype"] not in DTYPES:
-        problems.append(f"'args.dtype' is {args['dtype']!r}, not one of {', '.join(DTYPES)}")
-    tokens = args.get("eval_tokens", 1)
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-        problems.append(f"'args.eval_tokens' is {tokens!r}, not an int >= 1")
-    return problems
 
 
 def _num(v, lo=-math.inf, hi=math.inf) -> bool:
@@ -457,12 +350,6 @@ LOOP_FIELDS = dict(
                 "[val tokens scored, val bpb]"))
 
 
-def _loop_problems(loop: dict) -> list[str]:
-    """The first loop field that is not what a run saves there (base_train checks precision)."""
-    return [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"
-            for k, (ok, what) in LOOP_FIELDS.items() if k in loop and not ok(loop[k])][:1]
-
-
 def check_meta(meta, d: Path, keys) -> None:
     """A meta.json has the keys asked for, with the right types (it is text: hand edits happen)."""
     problems = []
@@ -487,10 +374,15 @@ def check_meta(meta, d: Path, keys) -> None:
         problems += [f"loader[{i}] is a{'n' * (type(s).__name__[0] in 'aeiou')} "
                      f"{type(s).__name__}, not a dict" for i, s in enumerate(meta["loader"])
                      if not isinstance(s, dict)][:1]
-    if not problems and isinstance(meta.get("args"), dict):  # base_eval and sample read them
-        problems += _saved_args_problems(meta["args"])
+    if not problems and isinstance(args := meta.get("args"), dict):  # base_eval and sample read
+        if args.get("dtype", DTYPES[0]) not in DTYPES:
+            problems.append(f"'args.dtype' is {args['dtype']!r}, not one of {', '.join(DTYPES)}")
+        if not (_count(tokens := args.get("eval_tokens", 1)) and tokens >= 1):
+            problems.append(f"'args.eval_tokens' is {tokens!r}, not an int >= 1")
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
-        problems += _loop_problems(meta["loop"])
+        loop = meta["loop"]
+        problems += [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"
+                     for k, (ok, what) in LOOP_FIELDS.items() if k in loop and not ok(loop[k])][:1]
     if problems:
         raise ValueError(f"{d / 'meta.json'} is not a valid checkpoint meta.json "
                          f"({'; '.join(problems)}); restore it, or delete {d} and resume from an "
@@ -498,8 +390,7 @@ def check_meta(meta, d: Path, keys) -> None:
 
 
 def read_meta(d: Path, meta_keys=()) -> dict:
-    """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if it is
-    unreadable or bad."""
+    """A checkpoint's meta.json, checked for meta_keys; ValueError with the way out if bad."""
     try:
         meta = load_json(d / "meta.json", META_BYTES)
     except (OSError, ValueError) as e:  # load_json: nested too deep is a ValueError too
@@ -513,24 +404,20 @@ def read_meta(d: Path, meta_keys=()) -> dict:
 
 
 def _corrupt(d: Path, e: BaseException) -> ValueError:
-    """A checkpoint that does not read: delete it if its files are bad; not if the
-    machine is (memory, I/O)."""
-    first = _failure(e)[0]
+    """A checkpoint that does not read: delete it if its files are bad, not if the machine is."""
+    first, line = _failure(e)
     if not Path(d).exists():
         return ValueError(f"checkpoint {d} was removed while it was read: the run saving there "
                           "prunes its older checkpoints (--keep-checkpoints); load a newer step")
     if isinstance(first, (MemoryError, torch.OutOfMemoryError)) or (
             isinstance(first, OSError) and not isinstance(first, FileNotFoundError)):
-        return ValueError(f"cannot read checkpoint {d} ({_one_line(e)}); fix that and run again")
-    return ValueError(f"checkpoint {d} is incomplete or corrupt ({_one_line(e)}); delete {d} and "
+        return ValueError(f"cannot read checkpoint {d} ({line}); fix that and run again")
+    return ValueError(f"checkpoint {d} is incomplete or corrupt ({line}); delete {d} and "
                       "resume from an earlier step")
 
 
 def read_optim(d: Path, **kwargs):
-    """d/optim.pt through torch's safe loader (tensors and plain values only), kwargs to
-    torch.load. A file that is not what torch.save writes, or that the safe loader refuses, is a
-    ValueError in nanomuon's words: torch's messages advise loading it with weights_only=False or
-    saving it again, neither of which is the way out of a damaged or foreign checkpoint."""
+    """d/optim.pt by torch's safe loader; what it refuses is a ValueError in nanomuon's words."""
     path = check_regular(d / "optim.pt")
     if not zipfile.is_zipfile(path):
         raise ValueError("optim.pt is not a zip archive, as every one nanomuon saves is (its bytes "
@@ -553,9 +440,8 @@ def _saved_tensors(d: Path) -> dict:
 
 
 def check_files(d: Path) -> list[str]:
-    """A checkpoint's tensor files are all there, whole enough to hold what its index says (read
-    lazily: no tensor is loaded); ValueError with the way out if not. Returns the files no
-    checksum vouches for (check_sums)."""
+    """A checkpoint's files are there, long enough for its index, with the CRCs checksums.json
+    gives; returns those it does not vouch for (all, without one; never meta.json)."""
     try:
         ends = {}
         for info in read_index(d).storage_data.values():
@@ -565,7 +451,30 @@ def check_files(d: Path) -> list[str]:
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
         read_optim(d, mmap=True)
-        return check_sums(d)
+        files = sorted(f.name for f in d.iterdir() if f.name not in ("checksums.json", "meta.json"))
+        listed = d / "checksums.json"
+        if not os.path.lexists(listed):
+            return files
+        if check_regular(listed).stat().st_size > SUMS_MAX:
+            raise ValueError(f"checksums.json is {size_str(listed.stat().st_size)}, not the few "
+                             "lines nanomuon writes")
+        sums = json.loads(read_regular(listed, SUMS_MAX).decode(errors="replace"))
+        if not isinstance(sums := sums.get("crc32") if isinstance(sums, dict) else None, dict):
+            raise ValueError("checksums.json holds no map of file names to CRC-32s")
+        for name, crc in sums.items():
+            if not (DATA_FILE.match(name) or name in CHECKPOINT_FILES):
+                raise ValueError(f"checksums.json names {shown(name, 80)}, not a checkpoint file")
+            if not (isinstance(crc, str) and CRC.match(crc)):
+                raise ValueError(f"checksums.json gives {name} the CRC-32 "
+                                 f"{shown(repr(crc), 80, quote=False)}, not 8 hex digits")
+        for name in files:
+            if DATA_FILE.match(name) and name not in sums:
+                raise ValueError(f"{name} is not in checksums.json")
+        for name, crc in sums.items():
+            if (now := file_crc32(d / name)) != crc:
+                raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
+                                 "(its bytes changed on disk)")
+        return [name for name in files if name not in sums]
     except Exception as e:  # torch and pickle raise several types for truncated or foreign files
         raise _corrupt(d, e) from e
 
@@ -574,16 +483,16 @@ class Unusable(ValueError):
     """A checkpoint that reads, but holds what no run saves: refused as it is, not as corrupt."""
 
 
-def _earlier(run_dir: Path, step: int) -> str:
-    """The way back from an unusable step: the steps saved before it, or none."""
-    earlier = [s for s in list_steps(run_dir) if s < step]
-    return (f"load an earlier step instead (saved: {', '.join(map(str, earlier[-5:]))})"
-            if earlier else "no earlier step is saved: start the run afresh")
+def _unusable(d: Path, what: str) -> Unusable:
+    """Unusable for step dir d, with the way back: the steps saved before it, or none."""
+    earlier = [s for s in list_steps(d.parent) if s < int(d.name[len("step_"):])]
+    way = (f"load an earlier step instead (saved: {', '.join(map(str, earlier[-5:]))})"
+           if earlier else "no earlier step is saved: start the run afresh")
+    return Unusable(f"checkpoint {d}: {what}; {way}")
 
 
-def _nonfinite(tensors: dict, collective: bool) -> str | None:
-    """The name of the first tensor holding NaN or inf (one isfinite each; a DTensor by its local
-    shard), None if none; collective: every rank learns whether any rank found one."""
+def _check_values(d: Path, tensors: dict, collective: bool = False) -> None:
+    """Refuse a step whose tensors hold NaN or inf (collective: on every rank if on any)."""
     found = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(
         torch.isfinite(v.to_local() if hasattr(v, "to_local") else v).all())), None)
     if collective:
@@ -591,34 +500,22 @@ def _nonfinite(tensors: dict, collective: bool) -> str | None:
         flag = torch.tensor([found is not None], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         found = found or ("a tensor another process holds" if flag.item() else None)
-    return found
-
-
-def _check_values(d: Path, tensors: dict, collective: bool = False) -> None:
-    """Refuse a step whose weights or state hold NaN or inf: every step after it would too."""
-    if (name := _nonfinite(tensors, collective)) is not None:
-        raise Unusable(f"checkpoint {d}: {shown(name, 120, quote=False)} holds NaN or infinite "
-                         "values (a diverged or damaged step; every step from it would be too); "
-                         f"{_earlier(d.parent, int(d.name[len('step_'):]))}")
+    if found is not None:
+        raise _unusable(d, f"{shown(found, 120, quote=False)} holds NaN or infinite values (a "
+                        "diverged or damaged step; every step from it would be too)")
 
 
 def _check_dtypes(d: Path, saved: dict, want) -> None:
-    """The saved tensors' dtypes: want(name, dtype) -> what it should be, or None if fine. A load
-    casts to the model's dtype in silence, so an int64 or fp16 tensor is refused here."""
+    """Refuse a tensor whose dtype want(name, dtype) names (a load would cast it in silence)."""
     for name, (_, dtype) in saved.items():
         if (should := want(name, dtype)) is not None:
-            raise Unusable(f"checkpoint {d}: {shown(name, 120, quote=False)} is saved as "
-                             f"{dtype}, where nanomuon saves {should} (a tampered or foreign "
-                             f"checkpoint); {_earlier(d.parent, int(d.name[len('step_'):]))}")
+            raise _unusable(d, f"{shown(name, 120, quote=False)} is saved as {dtype}, where "
+                            f"nanomuon saves {should} (a tampered or foreign checkpoint)")
 
 
 def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",),
                     map_location="cpu", meta_keys=()):
-    """Return ({name: object}, meta) for a saved step, read whole by this process alone: 'model' is
-    the model's state_dict, 'optim' the optimizer's world-size-independent state
-    (MuonAdamW.state_dict() format). For export and inspection; training resumes through
-    load_into. Unreadable, or holding what no run saves (NaN, integers): ValueError with the way
-    out."""
+    """({name: object}, meta) of a saved step read whole by this process ('model', 'optim')."""
     d = step_dir(run_dir, step)
     meta, out = read_meta(d, meta_keys), {}
     try:
@@ -645,12 +542,8 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
 
 
 def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) -> None:
-    """Restore a checkpoint into model (and optimizer) in place, resharded to this process count
-    and layout: each process reads only the pieces it holds (FSDP2 blocks, DistMuonAdamW's
-    state). A collective under torch.distributed. A checkpoint that does not fit raises
-    ValueError naming the misfit."""
+    """Restore a checkpoint into model (and optimizer): a collective; ValueError on a misfit."""
     d = step_dir(run_dir, step)
-    device = next(model.parameters()).device
     saved = _saved_tensors(d)
     own = {f"model.{k}": v for k, v in model.state_dict().items()}
     theirs = {k: shape for k, (shape, _) in saved.items() if k.startswith("model.")}
@@ -665,24 +558,20 @@ def load_into(run_dir: Path, step: int, model: torch.nn.Module, optimizer=None) 
         _check_values(d, own, collective=not alone())
         if optimizer is None:
             return
-        rest = read_optim(d, map_location=device)
-        # a replicated optimizer: its whole state
-        if not hasattr(optimizer, "load_sharded_state_dict"):
+        rest = read_optim(d, map_location=next(model.parameters()).device)
+        if not hasattr(optimizer, "load_sharded_state_dict"):  # replicated: its whole state
             return optimizer.load_state_dict(rest)
         shapes = {k.split(".", 1)[1]: v for k, v in saved.items() if k.startswith("optim.")}
         optimizer.load_sharded_state_dict(shapes, rest, lambda targets: _dcp(
             dcp.load, {f"optim.{k}": v for k, v in targets.items()}, d, alone()))
     except DamagedState as e:
-        raise Unusable(f"checkpoint {d}: {e}; {_earlier(run_dir, step)}") from None
+        raise _unusable(d, str(e)) from None
     except dcp.api.CheckpointException as e:
         raise _corrupt(d, e) from None
 
 
 def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple[int, dict]:
-    """Pick a step number or 'latest' -> (step, meta), its meta and files checked
-    (check_files). 'latest' falls back to the newest checkpoint that checks out, warn()ing
-    about each one skipped, so that restarted jobs recover from a corrupt last save; a step
-    given by number must check out."""
+    """A step number or 'latest' (the newest that checks out, warn()ing of others): (step, meta)."""
     check_links(run_dir)
     steps = list_steps(run_dir)
     if not steps:
@@ -691,14 +580,14 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
             "`python -m scripts.base_train`")))
 
     def checked(s):
-        meta = read_meta(step_dir(run_dir, s), meta_keys)
-        unverified = check_files(step_dir(run_dir, s))
-        if not (step_dir(run_dir, s) / "checksums.json").is_file():  # deleted, or saved before
-            warn(f"note: {step_dir(run_dir, s)} has no checksums.json: its files load unverified")
+        d = step_dir(run_dir, s)
+        meta, unverified = read_meta(d, meta_keys), check_files(d)
+        if not (d / "checksums.json").is_file():  # deleted, or saved before checksums
+            warn(f"note: {d} has no checksums.json: its files load unverified")
         elif unverified:  # a list that leaves files out vouches for them no more than none
             names = [shown(n, 60, quote=False) for n in unverified[:4]]
             more = f" and {len(unverified) - 4} more" if len(unverified) > 4 else ""
-            warn(f"note: {step_dir(run_dir, s)}/checksums.json does not list "
+            warn(f"note: {d}/checksums.json does not list "
                  f"{', '.join(names)}{more}: they load unverified")
         return s, meta
     if step != "latest":
@@ -723,11 +612,9 @@ def load_step(run_dir: Path, step: str | int, meta_keys=(), warn=print) -> tuple
 
 
 def load_model(run_dir: Path, step: str | int, device):
-    """Rebuild the GPT a checkpoint was trained as and load its weights (a collective under
-    torchrun, as base_eval runs: every rank loads). Returns (model, meta)."""
+    """(the GPT a checkpoint was trained as, with its weights, meta); a collective."""
     asked = step
-    for _ in range(3):  # 'latest' pruned by a live run between its check and its read: the next
-        # all stop, not one
+    for _ in range(3):  # 'latest' pruned by a live run between its check and read: try the next
         step, meta = on_every_rank(lambda: load_step(run_dir, asked, ("model_config",)))
         exit_unless_ranks_agree(step, f"the checkpoint steps picked in {run_dir}",
                                 "run again when no run saves there")
