@@ -24,8 +24,8 @@ from nanomuon.update_math import input_block, input_covariance
 
 # Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
 # speedrun trains (value embeddings, sliding windows, residual and x0 lambdas, smear, backout, QK
-# scale 1.2, RoPE base 100,000); "classic" is the plain late-2025 transformer that the CPU miniature,
-# ablate and the lr rule were measured with.
+# scale 1.2, RoPE base 100,000); "classic" is the plain late-2025 transformer that the CPU
+# miniature, ablate and the lr rule were measured with.
 ARCHS = ("nanochat", "classic")
 ROPE_BASE = {"nanochat": 100000.0, "classic": 10000.0}
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels of a block's input
@@ -85,7 +85,7 @@ class GPTConfig:
 
     def window_sizes(self) -> list[int | None]:
         """Each layer's window as keys before the query (FA3's left window), None for the whole
-        context: S is ceil(sequence_len / 4 / 128) x 128 tokens (FA3's tile); the last layer is L."""
+        context: S is ceil(sequence_len / 4 / 128) x 128 tokens (FA3's tile); the last is L."""
         short = -(-self.sequence_len // 4 // 128) * 128
         pattern = self.window_pattern.upper()
         sizes = [short if pattern[i % len(pattern)] == "S" else None for i in range(self.n_layer)]
@@ -149,16 +149,16 @@ def sdpa(q, k, v, window: int | None = None):
     return y.transpose(1, 2)
 
 
-def inputs_of(x: torch.Tensor, **linears) -> dict:
-    """name -> the input covariance (update_math.input_covariance) of each linear layer x feeds,
-    made once per block size."""
+def inputs_of(x: torch.Tensor, prefix: str, **linears) -> dict:
+    """prefix + name -> the input covariance (update_math.input_covariance) of each linear layer x
+    feeds, made once per block size."""
     out, made = {}, {}
     for name, lin in linears.items():
         rows, cols = lin.weight.shape[-2:]
         b = input_block(rows, cols)
         if b not in made:
             made[b] = input_covariance(x, rows, cols)
-        out[f"{name}.weight"] = made[b]
+        out[f"{prefix}{name}.weight"] = made[b]
     return out
 
 
@@ -176,6 +176,7 @@ class CausalSelfAttention(nn.Module):
         nanochat = config.arch == "nanochat"
         self.qk_scale = QK_SCALE if nanochat else 1.0
         self.window = config.window_sizes()[layer]
+        self.prefix = f"blocks.{layer}.attn."  # its params' names, for GPT.forward's input_stats
         # the value embedding's gate per kv head: 3 sigmoid(W x[:12]) (ResFormer's value residual)
         self.ve_gate = (nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False)
                         if nanochat and has_value_embedding(layer, config.n_layer) else None)
@@ -185,13 +186,14 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
         B, T, C = x.shape
         if stats is not None:  # each matrix's inputs (GPT.forward's input_stats)
-            stats.update(inputs_of(x, c_q=self.c_q, c_k=self.c_k, c_v=self.c_v))
+            stats.update(inputs_of(x, self.prefix, c_q=self.c_q, c_k=self.c_k, c_v=self.c_v))
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
             if stats is not None:
-                stats.update(inputs_of(x[..., :VE_GATE_CHANNELS], ve_gate=self.ve_gate))
+                stats.update(inputs_of(x[..., :VE_GATE_CHANNELS], self.prefix,
+                                       ve_gate=self.ve_gate))
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             # in v's dtype: under autocast the fp32 embedding would otherwise promote v to fp32
             v = v + gate.unsqueeze(-1) * ve.view_as(v).to(v.dtype)
@@ -204,7 +206,7 @@ class CausalSelfAttention(nn.Module):
             self._track_max_logits(q.transpose(1, 2), k.transpose(1, 2))
         y = (self.attend or sdpa)(q, k, v, self.window).reshape(B, T, C)
         if stats is not None:
-            stats.update(inputs_of(y, c_proj=self.c_proj))
+            stats.update(inputs_of(y, self.prefix, c_proj=self.c_proj))
         return self.c_proj(y)
 
     @torch.compiler.disable
@@ -224,18 +226,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
+        self.prefix = f"blocks.{layer}.mlp."
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x, stats: dict | None = None):
         h = F.relu(self.c_fc(x))
-        # not .square(): CUDA autocast runs pow in fp32, and backward would keep an fp32
-        # copy of this 4x-wide hidden in every layer; a mul stays in the autocast dtype
+        # not .square(): autocast runs pow in fp32, and backward would keep that 4x-wide copy
         h = h * h
         if stats is not None:  # each matrix's inputs (GPT.forward's input_stats)
-            stats.update(inputs_of(x, c_fc=self.c_fc) | inputs_of(h, c_proj=self.c_proj))
+            stats.update(inputs_of(x, self.prefix, c_fc=self.c_fc)
+                         | inputs_of(h, self.prefix, c_proj=self.c_proj))
         return self.c_proj(h)
 
 
@@ -243,16 +246,11 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layer)
 
     def forward(self, x, cos, sin, ve=None, stats: dict | None = None):
-        attn, mlp = (None, None) if stats is None else ({}, {})
-        x = x + self.attn(norm(x), cos, sin, ve, attn)
-        x = x + self.mlp(norm(x), mlp)
-        if stats is not None:
-            stats.update({f"attn.{k}": v for k, v in attn.items()})
-            stats.update({f"mlp.{k}": v for k, v in mlp.items()})
-        return x
+        x = x + self.attn(norm(x), cos, sin, ve, stats)
+        return x + self.mlp(norm(x), stats)
 
 
 # fp32 copies of a block SoftcapCrossEntropy holds: scaled logits, sigmoid, softcapped, softmax
@@ -360,29 +358,25 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.arch == "nanochat":
-            self._add_nanochat_parts(config)
+        if config.arch == "nanochat":  # modded-nanogpt's ideas, as nanochat has them
+            L, kv = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
+            # each layer's input: resid_lambdas[i] x + x0_lambdas[i] x0 (x0: the embedding, smeared)
+            self.resid_lambdas = nn.Parameter(torch.ones(L))
+            self.x0_lambdas = nn.Parameter(torch.zeros(L))
+            # smear: the previous token's embedding mixed in, gated by the first 24 channels
+            self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+            # backout: this fraction of the middle layer's output is taken away before the head
+            self.backout_lambda = nn.Parameter(torch.zeros(1))
+            # value embeddings, added to v (ResFormer): every other layer, the last included
+            self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv)
+                                               for i in range(L) if has_value_embedding(i, L)})
         cos, sin = self._rotary_tables(config.sequence_len)
         # derived from the config, never checkpointed
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         # or the number of seeds stacked on dim 0 of every parameter (nanomuon/seeds.py)
         self.seeds: int | None = None
-
-    def _add_nanochat_parts(self, config: GPTConfig) -> None:
-        """What arch 'nanochat' adds (modded-nanogpt's ideas)."""
-        L, kv = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
-        # each layer's input: resid_lambdas[i] x + x0_lambdas[i] x0 (x0: the embedding after smear)
-        self.resid_lambdas = nn.Parameter(torch.ones(L))
-        self.x0_lambdas = nn.Parameter(torch.zeros(L))
-        # smear: the previous token's embedding mixed in, through a gate on the first 24 channels
-        self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
-        self.smear_lambda = nn.Parameter(torch.zeros(1))
-        # backout: this fraction of the middle layer's output is taken away before the head
-        self.backout_lambda = nn.Parameter(torch.zeros(1))
-        # value embeddings, added to v (ResFormer): every other layer, the last included
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, kv)
-                                           for i in range(L) if has_value_embedding(i, L)})
 
     def _rotary_tables(self, seq_len: int, device=None):
         head_dim = self.config.n_embd // self.config.n_head
@@ -409,26 +403,22 @@ class GPT(nn.Module):
             nn.init.uniform_(block.mlp.c_fc.weight, -fc, fc)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
-        if nanochat:
-            self._init_nanochat_parts(bound)
+        if nanochat:  # Python floats rounded to fp32 once: nanochat's values to the bit
+            L = self.config.n_layer
+            last = max(L - 1, 1)
+            self.resid_lambdas.copy_(torch.tensor([1.15 - 0.10 * i / last for i in range(L)]))
+            self.x0_lambdas.copy_(torch.tensor([0.20 - 0.15 * i / last for i in range(L)]))
+            nn.init.zeros_(self.smear_lambda)
+            nn.init.constant_(self.backout_lambda, 0.2)
+            nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
+            for ve in self.value_embeds.values():
+                nn.init.uniform_(ve.weight, -bound, bound)
+            for block in self.blocks:
+                if block.attn.ve_gate is not None:
+                    nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
         cos, sin = self._rotary_tables(self.config.sequence_len, device=self.wte.weight.device)
         self.cos.copy_(cos)
         self.sin.copy_(sin)
-
-    def _init_nanochat_parts(self, bound: float) -> None:
-        # Python floats rounded to fp32 once: nanochat's values to the bit
-        L = self.config.n_layer
-        last = max(L - 1, 1)
-        self.resid_lambdas.copy_(torch.tensor([1.15 - 0.10 * i / last for i in range(L)]))
-        self.x0_lambdas.copy_(torch.tensor([0.20 - 0.15 * i / last for i in range(L)]))
-        nn.init.zeros_(self.smear_lambda)
-        nn.init.constant_(self.backout_lambda, 0.2)
-        nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
-        for ve in self.value_embeds.values():
-            nn.init.uniform_(ve.weight, -bound, bound)
-        for block in self.blocks:
-            if block.attn.ve_gate is not None:
-                nn.init.uniform_(block.attn.ve_gate.weight, 0.0, 0.02)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean", input_stats: bool = False):
         """fp32 logits (B, T, vocab) without targets, else the loss (targets -1 ignored; per token
@@ -443,18 +433,10 @@ class GPT(nn.Module):
         if self.config.arch == "nanochat":
             x = self._trunk_nanochat(idx, x, cos, sin, stats)
         else:
-            for i in range(len(self.blocks)):
-                x = self._block(i, x, cos, sin, None, stats)
+            for block in self.blocks:
+                x = block(x, cos, sin, None, stats)
         out = self._head(norm(x), targets, loss_reduction)
         return out if stats is None else (out, stats)
-
-    def _block(self, i: int, x, cos, sin, ve, stats: dict | None):
-        """Block i; its matrices' input covariances into stats by param name."""
-        layer = None if stats is None else {}
-        x = self.blocks[i](x, cos, sin, ve, layer)
-        if stats is not None:
-            stats.update({f"blocks.{i}.{name}": v for name, v in layer.items()})
-        return x
 
     def _trunk_nanochat(self, idx, x, cos, sin, stats: dict | None = None):
         """Smear, the blocks (each fed resid_lambdas[i] x + x0_lambdas[i] x0 and its value
@@ -466,7 +448,7 @@ class GPT(nn.Module):
         for i in range(len(self.blocks)):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
-            x = self._block(i, x, cos, sin, ve, stats)
+            x = self.blocks[i](x, cos, sin, ve, stats)
             if i == mid:
                 middle = x
         return x if middle is None else x - self.backout_lambda * middle
@@ -662,7 +644,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def qk_clip_(self, tau: float, alpha: float = 0.5) -> int:
         """QK-clip every layer from the logits tracked since track_max_logits(); returns how many
-        heads were clipped. For models without QK-norm (with it, scaling W_q and W_k does nothing)."""
+        heads were clipped. For models without QK-norm (with it, rescaling does nothing)."""
         clipped = 0
         for attn in (block.attn for block in self.blocks):
             if attn.max_logits is None:
