@@ -81,8 +81,7 @@ def choose_attention(device: torch.device, dtype: str, heads: tuple[int, int, in
 
 def first_flash(device: torch.device, dtype: str, heads: tuple[int, int, int], want: str,
                 windowed: bool) -> tuple[Attention | None, list[str]]:
-    """The first flash kernel (`want`, or all for 'auto') that loads and passes probe, or None;
-    and why each before it did not."""
+    """The first flash kernel (`want`, or any for 'auto') passing probe, or None; and why not."""
     if device.type != "cuda":
         return None, [f"flash kernels need a CUDA GPU, this is {device.type}"]
     if dtype != "bf16":
@@ -140,8 +139,7 @@ def failure(name: str, e: Exception) -> str:
 
 
 def activate(name: str, windowed: bool = False) -> Attention:
-    """The registry's kernel `name` in SDPA's flash backend; windowed: the windows through
-    varlen_attn (registry_attend)."""
+    """The registry's kernel `name` in SDPA's flash backend; windowed: also registry_attend."""
     from torch.nn import attention as registry
 
     impl = REGISTRY[name]
@@ -225,8 +223,7 @@ def cuts(window: int | None, T: int) -> bool:
 
 
 def varlen_windows() -> bool:
-    """Whether this torch's varlen_attn (which reaches the registry's kernel) takes a window and
-    GQA."""
+    """Whether this torch's varlen_attn (to the registry's kernel) takes a window and GQA."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -235,8 +232,7 @@ def varlen_windows() -> bool:
 
 
 def registry_attend(q, k, v, window=None):
-    """A window through the registry's kernel: the batch as B sequences to varlen_attn. The
-    rest, and fp32 outside autocast, through SDPA."""
+    """A window through the registry's kernel (varlen_attn); the rest and fp32 through SDPA."""
     from torch.nn.attention import varlen
 
     B, T, H, D = q.shape
@@ -271,8 +267,7 @@ def windowed_flex(compiled: bool = True) -> Callable:
 
 
 def cached_unless_compiling(make):
-    """make, cached per arguments in eager runs; compiled, made in the graph (a cache cannot be
-    read while tracing)."""
+    """make, cached in eager runs; compiled, made in the graph (no cache reads while tracing)."""
     cached = functools.lru_cache(maxsize=64)(make)
 
     def get(*args):
