@@ -93,8 +93,7 @@ class NanochatRecipe:
 
 def nanochat_gpt(nc, depth: int, vocab: int, seq: int, aspect_ratio: int, head_dim: int,
                  device: str, window_pattern: str = "SSSL"):
-    """nanochat's GPT as its base_train builds it (build_model_meta), initialized on `device`
-    (or left on the meta device)."""
+    """nanochat's GPT as its base_train builds it, initialized on `device` (unless meta)."""
     c = config_from_depth(depth, vocab, seq, aspect_ratio, head_dim, arch="nanochat")
     with torch.device("meta"):
         model = nc.GPT(nc.GPTConfig(sequence_len=seq, vocab_size=vocab, n_layer=depth,
@@ -130,13 +129,6 @@ def twin_models(nc):
     return theirs, ours
 
 
-def batches() -> list:
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, SHAPE["vocab"], (BATCHES, SHAPE["rows"], SHAPE["seq"] + 1),
-                           generator=gen)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-
-
 def train_lrs() -> dict:
     return {key: lr * LR_SCALE for key, lr in D12_LRS.items()}
 
@@ -144,8 +136,7 @@ def train_lrs() -> dict:
 def our_optimizer(model: GPT):
     """nanomuon's optimizer with the given lrs (base_train's lr flags) and weight decay."""
     lrs = PeakLRs(adamw_matrix_lr=0.0, **train_lrs())
-    # nanochat runs Polar Express in its compute dtype, fp32 here; nanomuon's auto would pick bf16
-    # on a CPU with bf16 units
+    # nanochat's Polar Express runs in its compute dtype, fp32; auto could pick bf16 on a CPU
     return model.setup_optimizer(lrs=lrs, weight_decay=WEIGHT_DECAY, compile=False,
                                  muon_options=dict(ns_precision="fp32"))
 
@@ -168,7 +159,9 @@ def train_side(model, optimizer, schedule, data) -> list[float]:
 def check_training(nc) -> list[str]:
     """Checks 1 and 2: the forward loss, then every step's."""
     theirs, ours = twin_models(nc)
-    data = batches()
+    tokens = torch.randint(0, SHAPE["vocab"], (BATCHES, SHAPE["rows"], SHAPE["seq"] + 1),
+                           generator=torch.Generator().manual_seed(0))
+    data = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
     with torch.no_grad():
         a, b = theirs(*data[0]).item(), ours(*data[0]).item()
     problems = [] if abs(a - b) <= FORWARD_TOL * abs(a) else [f"forward loss {b} vs {a}"]
@@ -178,7 +171,10 @@ def check_training(nc) -> list[str]:
     with torch.no_grad():
         w = nudged.transformer.h[0].mlp.c_fc.weight
         w.mul_(1 + 1e-7 * torch.randn(w.shape, generator=torch.Generator().manual_seed(2)))
-    args = base_train_args(TRAIN_STEPS, warmup_ratio=WARMUP_STEPS / TRAIN_STEPS)
+    args = parse_args(["--arch", "nanochat", "--weight-decay", str(WEIGHT_DECAY),
+                       "--num-iterations", str(TRAIN_STEPS)])  # base_train's schedule flags
+    args.warmup_ratio = WARMUP_STEPS / TRAIN_STEPS
+    args.warmdown_ratio, args.final_lr_frac = 0.65, 0.05
     schedule = recipe_schedule(NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS))
     theirs_losses, nudged_losses = (train_side(m, their_optimizer(m), schedule, data)
                                     for m in (theirs, nudged))
@@ -198,15 +194,6 @@ def their_optimizer(model):
         return model.setup_optimizer(**train_lrs(), weight_decay=WEIGHT_DECAY)
 
 
-def base_train_args(num_iterations: int, **schedule):
-    """base_train's parsed flags for the schedules (its --warmup-ratio and the rest)."""
-    args = parse_args(["--arch", "nanochat", "--weight-decay", str(WEIGHT_DECAY),
-                       "--num-iterations", str(num_iterations)])
-    args.warmup_ratio = schedule.get("warmup_ratio")
-    args.warmdown_ratio, args.final_lr_frac = 0.65, 0.05
-    return args
-
-
 def our_schedule(args, num_iterations: int):
     """base_train's train_step's schedule of a group, as a function of (group, step)."""
     return lambda group, step: schedule_group(group, step, num_iterations, args, "nanochat")
@@ -214,9 +201,8 @@ def our_schedule(args, num_iterations: int):
 
 def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128), model=None,
               compiled: bool = False):
-    """(steps, optimizer, flags) as nanomuon's base_train plans a run of this depth and batch;
-    shape: (vocab, sequence, aspect ratio, head dim). The optimizer is `model`'s, or a meta-device
-    GPT's."""
+    """(steps, optimizer, flags) as nanomuon's base_train plans a run; shape: (vocab, sequence,
+    aspect ratio, head dim); the optimizer `model`'s, or a meta-device GPT's."""
     vocab, seq, aspect, head_dim = shape
     args = parse_args(["--arch", "nanochat", "--depth", str(depth), "--total-batch-size",
                        str(batch), "--target-param-data-ratio", str(ratio), "--max-seq-len",
@@ -231,9 +217,7 @@ def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128)
 
 def their_table(nc, depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128),
                 model=None):
-    """(NanochatRecipe, optimizer) as nanochat's base_train sets up a run of this depth and batch
-    at `ratio` tokens per scaling param; shape: (vocab, sequence, aspect ratio, head dim). The
-    optimizer is `model`'s, or a meta-device GPT's."""
+    """(NanochatRecipe, optimizer) as nanochat's base_train sets up a run, as our_table."""
     def scaling(d):
         counts = nanochat_gpt(nc, d, *shape, "meta").num_scaling_params()
         return counts["transformer_matrices"] + counts["lm_head"]
