@@ -174,8 +174,7 @@ ACTIVATION_BYTES = {"classic": {False: (50, 3), True: (36, 5)},
 
 
 def param_counts(config) -> dict[str, int]:
-    """A GPT's parameters by how they train: Muon's block matrices, AdamW's vocabulary-sized tables
-    (the embedding, lm_head and arch 'nanochat''s value embeddings) and its scalars and gates."""
+    """A GPT's parameters by how they train: Muon's matrices, AdamW's vocabulary tables, scalars."""
     c = config
     kv = c.n_kv_head * (c.n_embd // c.n_head)
     matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)

@@ -351,8 +351,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:
-    """Values that parse but cannot run: an lr (times --lr-multiplier) over MAX_LR, --num-iterations
-    over MAX_STEPS, --wandb online without an API key."""
+    """Values that parse but cannot run: lrs over MAX_LR, steps over MAX_STEPS, wandb keyless."""
     if (problem := wandb_key_problem(args.wandb)) is not None:
         p.error(problem)
     if args.num_iterations > MAX_STEPS:
@@ -402,8 +401,7 @@ def warmup_warmdown(step: int, num_iterations: int, args) -> float:
 
 
 def powercool(step: int, num_iterations: int, args) -> float:
-    """PowerCool (modded-nanogpt track 3, record 20): lr = min(lr0, c (T - step)^1.2), the decay
-    starting --warmdown-ratio of the steps before the end; warmup as above."""
+    """PowerCool (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2); warmup as above."""
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step <= num_iterations - warmdown:
         return warmup_warmdown(step, num_iterations, args)
@@ -516,9 +514,8 @@ SEEDS_MEMORY = 1.4
 
 
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
-    """On a CPU, estimate training's memory (recipe.train_memory, all of this machine's processes)
-    before any of it is allocated: stop when it exceeds the free memory and swap (the OOM killer
-    would end it silently, after minutes), warn when only swap holds it. GPUs: auto_device_batch."""
+    """On a CPU, training's memory (recipe.train_memory, this machine's processes) before any is
+    allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap."""
     if (free := available_memory()) is None:
         return
     parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
@@ -866,8 +863,7 @@ def where_to_resume(run: Run, before: int | None = None) -> str:
 
 
 def muon_decay_words(args, optimizer) -> str:
-    """What the header says of Muon's weight decay: its value where a stage applies it, else that
-    the variant's stages do not (MuonH's and Muown's apply stages keep no decay)."""
+    """The header's words on Muon's weight decay: its value, or that the variant applies none."""
     muon = [g for g in optimizer.param_groups if g.get("kind") == "muon"]
     if not muon:
         return f"no Muon weight decay (--optimizer {args.optimizer} trains no Muon group)"
