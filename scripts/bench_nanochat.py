@@ -2,9 +2,9 @@
 Head to head with nanochat: nanomuon and Karpathy's nanochat, each training its own GPT with its own
 optimizer, in one process on one device, on the same work, measured the same way.
 
---nanochat PATH (or NANOCHAT=PATH) names a checkout of https://github.com/karpathy/nanochat, imported
-as it is, never copied; its commit (a COMMIT file, as gpu_check.sh --prepare writes, else git's) is
-printed. PyPI's `nanochat` holds only the tokenizer.
+--nanochat PATH (or NANOCHAT=PATH) names a checkout of https://github.com/karpathy/nanochat,
+imported as it is, never copied; its commit (a COMMIT file, as gpu_check.sh --prepare writes, else
+git's) is printed. PyPI's `nanochat` holds only the tokenizer.
 
 Both models get the same shape (nanochat's sizing), micro-batches of random tokens made on the
 device, precision (bf16: nanomuon's autocast, nanochat's NANOCHAT_DTYPE; or fp32), compile (the
@@ -134,8 +134,7 @@ def clean_commit(text: str) -> str:
 
 
 def import_nanochat(root: Path, dtype: str, attention: str):
-    """nanochat.gpt from root, computing in `dtype`; with attention 'sdpa' its FA3 is neither
-    fetched (the hub offline) nor used."""
+    """nanochat.gpt from root, computing in `dtype`; attention 'sdpa': no FA3 fetched or used."""
     os.environ["NANOCHAT_DTYPE"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     if attention == "sdpa":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -156,31 +155,6 @@ def import_nanochat(root: Path, dtype: str, attention: str):
     return gpt
 
 
-def build_nanomuon(args, device: torch.device, fp8: bool) -> Side:
-    config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
-                               args.head_dim, arch="nanochat", window_pattern=args.window_pattern)
-    with torch.device("meta"):
-        model = GPT(config)
-    torch.manual_seed(args.seed)
-    model.to_empty(device=device)
-    model.init_weights()
-    heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
-    windowed = any(w is not None for w in config.window_sizes())
-    attention = choose_attention(device, args.dtype, heads, args.attention, windowed)
-    model.use_attention(attention.func)
-    notes = f"attention {attention.name}, windows {args.window_pattern}"
-    flops = model.estimate_flops()
-    if fp8:
-        notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
-    shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
-    steps, optimizer, flags = our_table(args.depth, args.total_batch_size, SPEEDRUN_RATIO,
-                                        shape, model, args.compile)
-    train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side("nanomuon", model, train, [optimizer], flops,
-                lambda: autocast(device, args.dtype), our_schedule(flags, steps),
-                model.num_params(), notes)
-
-
 def nanochat_fp8(model) -> int:
     """nanochat's own fp8 linears, on the layers its base_train picks: both sizes multiples of 16,
     the smaller at least 128 (lm_head included)."""
@@ -196,21 +170,40 @@ def nanochat_fp8(model) -> int:
     return sum("Float8" in type(m).__name__ for m in model.modules())
 
 
-def build_nanochat(nc, args, device: torch.device, fp8: bool) -> Side:
-    torch.manual_seed(args.seed)
-    model = nanochat_gpt(nc, args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
-                         args.head_dim, device, args.window_pattern)
-    fa3 = getattr(sys.modules.get("nanochat.flash_attention"), "USE_FA3", False)
-    notes = f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {args.window_pattern}"
-    flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
-    if fp8:
-        notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
+def build(name: str, nc, args, device: torch.device, fp8: bool) -> Side:
+    """One side's model from args.seed, with its attention, fp8 layers and optimizer."""
     shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
-    recipe, optimizer = their_table(nc, args.depth, args.total_batch_size, SPEEDRUN_RATIO, shape,
-                                    model)
+    windows = args.window_pattern
+    torch.manual_seed(args.seed)
+    if name == "nanochat":
+        model = nanochat_gpt(nc, args.depth, *shape, device, windows)
+        fa3 = getattr(sys.modules.get("nanochat.flash_attention"), "USE_FA3", False)
+        notes = f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {windows}"
+        flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
+        if fp8:
+            notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
+        recipe, optimizer = their_table(nc, args.depth, args.total_batch_size, SPEEDRUN_RATIO,
+                                        shape, model)
+        context, schedule = contextlib.nullcontext, recipe_schedule(recipe)
+    else:
+        config = config_from_depth(args.depth, *shape, arch="nanochat", window_pattern=windows)
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device=device)
+        model.init_weights()
+        heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
+        windowed = any(w is not None for w in config.window_sizes())
+        attention = choose_attention(device, args.dtype, heads, args.attention, windowed)
+        model.use_attention(attention.func)
+        notes, flops = f"attention {attention.name}, windows {windows}", model.estimate_flops()
+        if fp8:
+            notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
+        steps, optimizer, flags = our_table(args.depth, args.total_batch_size, SPEEDRUN_RATIO,
+                                            shape, model, args.compile)
+        context, schedule = (lambda: autocast(device, args.dtype)), our_schedule(flags, steps)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side("nanochat", model, train, [optimizer], flops, contextlib.nullcontext,
-                recipe_schedule(recipe), sum(p.numel() for p in model.parameters()), notes)
+    return Side(name, model, train, [optimizer], flops, context, schedule,
+                sum(p.numel() for p in model.parameters()), notes)
 
 
 def make_batches(args, device: torch.device) -> list:
@@ -225,8 +218,7 @@ def make_batches(args, device: torch.device) -> list:
 
 def train_step(side: Side, batches: list, device: torch.device,
                step: int) -> tuple[float, float, float]:
-    """(step seconds, optimizer seconds, last micro-batch's loss) of optimizer step `step`, at
-    the lr, momentum and weight decay its base_train would set."""
+    """(step seconds, optimizer seconds, last loss) of step `step`, at its base_train's schedule."""
     sync = synchronizer(device)
     sync()
     t0 = time.perf_counter()
@@ -247,8 +239,7 @@ def train_step(side: Side, batches: list, device: torch.device,
 
 
 def measure(build, args, device: torch.device, batches: list) -> dict:
-    """Build one side and train it: the warmup steps (which compile) timed together, then the
-    timed steps' medians and the peak memory."""
+    """Build and train one side: warmup (compiling) timed as one, then medians and peak memory."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -292,10 +283,8 @@ def run_side(name: str, precision: str, nc, args, device, batches) -> dict:
     fp8 = precision == "fp8"
     if fp8 and (why := fp8_missing(device, name)):
         return dict(na=why)
-    build = ((lambda: build_nanomuon(args, device, fp8)) if name == "nanomuon"
-             else (lambda: build_nanochat(nc, args, device, fp8)))
     try:
-        res = measure(build, args, device, batches)
+        res = measure(lambda: build(name, nc, args, device, fp8), args, device, batches)
     except Exception as e:  # out of memory, an API this checkout lacks: the other side still runs
         traceback.print_exc()
         torch._dynamo.reset()
