@@ -150,8 +150,7 @@ def sdpa(q, k, v, window: int | None = None):
 
 
 def inputs_of(x: torch.Tensor, prefix: str, **linears) -> dict:
-    """prefix + name -> the input covariance (update_math.input_covariance) of each linear layer x
-    feeds, made once per block size."""
+    """prefix + name -> update_math.input_covariance of each linear layer x feeds, once a size."""
     out, made = {}, {}
     for name, lin in linears.items():
         rows, cols = lin.weight.shape[-2:]
@@ -259,8 +258,7 @@ LOSS_BLOCK_TEMPS = 4
 
 def loss_block_rows(n: int, vocab: int, device: torch.device) -> int:
     """Rows per block of SoftcapCrossEntropy: on CUDA as many as fit a quarter of the free memory
-    (idle cache counted), as a block costs a few kernels whatever its size; elsewhere 1 MiB of
-    fp32, which stays in a CPU's cache."""
+    (a block costs a few kernels whatever its size); elsewhere 1 MiB of fp32, a CPU's cache."""
     if device.type != "cuda":
         return max(1, min(n, (1 << 18) // vocab))
     free, _ = torch.cuda.mem_get_info(device)
@@ -269,11 +267,9 @@ def loss_block_rows(n: int, vocab: int, device: torch.device) -> int:
 
 
 class SoftcapCrossEntropy(torch.autograd.Function):
-    """cross_entropy(cap * tanh(logits / cap), targets) in one cached pass, a block of rows at a
-    time (loss_block_rows), making the gradient on the way: eager autograd takes a dozen full-size
-    fp32 passes. The compiled model keeps the plain expression, which inductor fuses. Returns
-    (loss, the logits' gradient), the gradient an output so that torch.func (batched seeds) sees
-    it; softcap_cross_entropy() is the loss alone."""
+    """cross_entropy(cap * tanh(logits / cap), targets) in one cached pass of row blocks, making
+    the gradient on the way (eager autograd takes a dozen full-size passes; compiled, inductor
+    fuses the plain expression). Returns (loss, gradient), so that torch.func sees the gradient."""
 
     @staticmethod
     def forward(logits, targets, cap: float, reduction: str, make_grad: bool):
@@ -389,9 +385,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Hidden matrices uniform at std 1/sqrt(fan_in); output projections zero, so each block
-        starts as the identity; a small lm_head keeps early logits flat. Arch 'nanochat' as
-        nanochat inits it."""
+        """Hidden matrices uniform at std 1/sqrt(fan_in), output projections zero (each block starts
+        as the identity), a small lm_head (flat early logits); arch 'nanochat' as nanochat does."""
         nanochat = self.config.arch == "nanochat"
         nn.init.normal_(self.wte.weight, std=0.8 if nanochat else 1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
@@ -580,9 +575,8 @@ class GPT(nn.Module):
         ]
 
     def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
-        """The Muon group's settings. Arch 'nanochat' (92d63d4's fused step): rows equilibrated
-        before Polar Express, a Frobenius rescale after, variance reduction at beta2 0.9. Classic:
-        variance reduction at 0.95."""
+        """The Muon group's settings: arch 'nanochat' (92d63d4's) equilibrates rows before Polar
+        Express and rescales after, with variance reduction at beta2 0.9; classic at 0.95."""
         muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
                     weight_decay=weight_decay)
         if self.config.arch == "classic":
@@ -591,8 +585,7 @@ class GPT(nn.Module):
                     post_process=("normalize_fro", "variance_reduction"))
 
     def _per_head_groups(self, matrix_group: dict) -> list[dict]:
-        """matrix_group split into one group per (heads, by columns) of the attention matrices,
-        and the rest whole."""
+        """matrix_group split: one group per (heads, by columns) of attention matrices, the rest."""
         heads, hd = {}, self.config.n_embd // self.config.n_head
         for a in (block.attn for block in self.blocks):
             for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
@@ -606,8 +599,7 @@ class GPT(nn.Module):
                           for (n, cols), ws in heads.items()]
 
     def _role_groups(self, group: dict, roles: dict) -> list[dict]:
-        """group, less each role's matrices, which go to a group of their own (setup_optimizer's
-        roles)."""
+        """group, less each role's matrices, which go to a group of their own."""
         if unknown := set(roles) - set(MATRIX_ROLES):
             raise ValueError(f"roles: {sorted(unknown)} are not matrix roles; the roles are "
                              f"{list(MATRIX_ROLES)}")
@@ -630,8 +622,7 @@ class GPT(nn.Module):
         return [dict(group, params=[p for p in group["params"] if id(p) not in taken]), *out]
 
     def use_attention(self, func: Callable | None) -> None:
-        """Every layer's attention through `func` (attention.Attention.func), in sdpa's place and
-        with its arguments; None: sdpa."""
+        """Every layer's attention through `func` (attention.Attention.func) in sdpa's place."""
         for block in self.blocks:
             block.attn.attend = func
 
