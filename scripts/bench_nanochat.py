@@ -79,7 +79,6 @@ class Side:
     flops_per_token: float
     context: Callable  # the precision context each forward runs in
     schedule: Callable  # (group, step): the lr, momentum and decay its base_train sets
-    params: int
     notes: str  # attention, fp8 layers
 
 
@@ -202,8 +201,7 @@ def build(name: str, nc, args, device: torch.device, fp8: bool) -> Side:
                                             shape, model, args.compile)
         context, schedule = (lambda: autocast(device, args.dtype)), our_schedule(flags, steps)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side(name, model, train, [optimizer], flops, context, schedule,
-                sum(p.numel() for p in model.parameters()), notes)
+    return Side(name, model, train, [optimizer], flops, context, schedule, notes)
 
 
 def make_batches(args, device: torch.device) -> list:
@@ -253,7 +251,8 @@ def measure(build, args, device: torch.device, batches: list) -> dict:
     step_s = statistics.median(s for s, _, _ in timed)
     tokens = len(batches) * args.device_batch_size * args.max_seq_len
     peak = peak_flops(device)
-    out = dict(notes=side.notes, params=side.params, flops=side.flops_per_token, warm=warm,
+    params = sum(p.numel() for p in side.model.parameters())
+    out = dict(notes=side.notes, params=params, flops=side.flops_per_token, warm=warm,
                step=step_s, optimizer=statistics.median(o for _, o, _ in timed),
                tok_s=tokens / step_s, losses=[loss for _, _, loss in steps],
                mfu=side.flops_per_token * tokens / step_s / peak if peak else None,
