@@ -28,8 +28,7 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada and Hopper
 def import_torchao():
     """torchao.float8, or one line saying how to get it. Its warnings about kernel libraries it
     cannot load (none on the float8 path) and torch's about its Enum are silenced."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
+    quiet = {log: log.level for log in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
     for log in quiet:
         log.setLevel(logging.ERROR)
     try:
@@ -38,7 +37,7 @@ def import_torchao():
         raise ValueError(f"--fp8 needs torchao ({e}): `pip install torchao`, or drop --fp8") \
             from None
     finally:
-        for log, level in zip(quiet, levels):
+        for log, level in quiet.items():
             log.setLevel(level)
     return float8
 

@@ -51,7 +51,7 @@ def run(args, device):
     for mode in MODES:
         opt, params, grads = make_optimizer(mode, shapes, device, mesh)
         samples = []
-        for i in range(args.warmup + args.steps):
+        for _ in range(args.warmup + args.steps):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             sync()
@@ -60,9 +60,8 @@ def run(args, device):
             opt.step()
             sync()
             dist.barrier()
-            if i >= args.warmup:
-                samples.append(time.perf_counter() - t0)
-        times[mode] = statistics.median(samples)
+            samples.append(time.perf_counter() - t0)
+        times[mode] = statistics.median(samples[args.warmup:])
         del opt, params, grads
     if rank == 0:
         n = sum(torch.Size(s).numel() for s in shapes)
