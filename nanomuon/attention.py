@@ -204,9 +204,8 @@ def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: in
 
 
 def half(q, k, v) -> tuple | None:
-    """q, k and v in autocast's 16-bit dtype (else v's; None for fp32): under autocast they can
-    arrive in fp32 (RMS norm, value embeddings), and autocast does not cast a kernel it does not
-    know."""
+    """q, k and v in autocast's 16-bit dtype (else v's; None for fp32): they can arrive in fp32,
+    and autocast does not cast a kernel it does not know."""
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
     if dtype not in (torch.bfloat16, torch.float16):

@@ -416,9 +416,8 @@ class GPT(nn.Module):
         self.sin.copy_(sin)
 
     def forward(self, idx, targets=None, loss_reduction: str = "mean", input_stats: bool = False):
-        """fp32 logits (B, T, vocab) without targets, else the loss (targets -1 ignored; per token
-        with loss_reduction='none'). input_stats: also param name -> each block matrix's input
-        covariance, for stages that read 'inputs' (MuonAdamW.give_inputs)."""
+        """fp32 logits without targets, else the loss (-1 ignored; per token with 'none').
+        input_stats: also each block matrix's input covariance by name (MuonAdamW.give_inputs)."""
         B, T = idx.shape
         if idx.size(1) > self.cos.size(1):
             raise ValueError(f"sequence of {T} tokens is longer than the model's sequence_len "
