@@ -8,7 +8,6 @@ What a run says of itself: kept here so base_train reads as its loop.
   is imported here only: without it plot_curves() returns None and the report says so (MISSING).
 """
 
-import functools
 import json
 import math
 import platform
@@ -97,7 +96,7 @@ def start_wandb(mode: str, name: str, run_dir: Path, **init):
 
 def precision_of(args) -> list:
     """[dtype, fp8 recipe or None] of a run's flags, or of a checkpoint's saved ones (a dict)."""
-    get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
+    get = (args if isinstance(args, dict) else vars(args)).get
     return [get("dtype", None), get("fp8_recipe", "tensorwise") if get("fp8", False) else None]
 
 
@@ -131,7 +130,6 @@ def precision_words(dtype, recipe) -> str:
     """A precision_of in words, as the step lines and the report say it."""
     words = {"bf16": "bf16 autocast", "fp32": "fp32"}.get(dtype, "an unrecorded dtype")
     return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
-
 
 
 def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: float,
@@ -224,8 +222,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
                   tokens_per_step=args.total_batch_size, val_history=loop["val_history"],
                   val_train_time=loop["val_train_time"], history=loop["history"])
     if args.seeds:  # each seed's numbers as its own run records them
-        for key in PER_SEED:
-            record.pop(key, None)
+        record = {k: v for k, v in record.items() if k not in PER_SEED}
         record.update(seeds=args.seeds, per_seed=seed_records(args.seeds, summary, loop))
     write_atomic(run_dir / "summary.json", json.dumps(record) + "\n")
     print0(f"report: {run_dir / 'report.md'}")

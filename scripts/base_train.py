@@ -92,6 +92,7 @@ from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 # math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
 MAX_LR = 1000.0
 MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a plan
+LR_FLAGS = PeakLRs._fields[:4]  # embedding_lr, unembedding_lr, matrix_lr, adamw_matrix_lr
 
 
 def seeds_arg(s: str):
@@ -135,14 +136,12 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
     """Each group's lr (a flag left out takes the lr rule's), weight decay, variant, schedule."""
     rule = "default: the lr rule's at --total-batch-size"
-    p.add_argument("--embedding-lr", type=float, default=None,
-                   help=f"AdamW lr of the embedding, at width 768 ({rule})")
-    p.add_argument("--unembedding-lr", type=float, default=None,
-                   help=f"AdamW lr of lm_head, at width 768 ({rule})")
-    p.add_argument("--matrix-lr", type=float, default=None,
-                   help=f"Muon lr of the block matrices ({rule})")
-    p.add_argument("--adamw-matrix-lr", type=float, default=None, help="AdamW lr of the block "
-                   f"matrices, at width 768, for a variant that trains them with AdamW ({rule})")
+    for name, what in (("embedding", "AdamW lr of the embedding, at width 768"),
+                       ("unembedding", "AdamW lr of lm_head, at width 768"),
+                       ("matrix", "Muon lr of the block matrices"),
+                       ("adamw-matrix", "AdamW lr of the block matrices, at width 768, for a "
+                        "variant that trains them with AdamW")):
+        p.add_argument(f"--{name}-lr", type=float, default=None, help=f"{what} ({rule})")
     p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
                    "decay (default: the rule's, by batch and horizon: docs/lr_rule.md)")
     p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
@@ -286,8 +285,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
         (["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
          lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
-        (["embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr",
-          "weight_decay", "qk_clip", "lr_multiplier"],
+        ([*LR_FLAGS, "weight_decay", "qk_clip", "lr_multiplier"],
          lambda v: v is None or (math.isfinite(v) and v >= 0), "a finite number >= 0"),
         (["target_flops", "target_param_data_ratio"], math.isfinite,
          "a finite number (or <= 0: off)"),
@@ -358,7 +356,7 @@ def check_reach(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
                 "run may take")
     lrs = {f"--lr-multiplier {args.lr_multiplier:g}": args.lr_multiplier}
-    for name in ("embedding_lr", "unembedding_lr", "matrix_lr", "adamw_matrix_lr"):
+    for name in LR_FLAGS:
         if (lr := getattr(args, name)) is not None:
             lrs[f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} = "
                 f"{lr * args.lr_multiplier:,g}"] = lr * args.lr_multiplier
@@ -388,37 +386,27 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
                 "--aspect-ratio or --head-dim")
 
 
-def warmup_warmdown(step: int, num_iterations: int, args) -> float:
-    """nanochat's lr schedule: linear warmup, flat, linear decay to --final-lr-frac."""
+def warmup_warmdown(step: int, num_iterations: int, args, power: float = 1.0) -> float:
+    """nanochat's lr schedule: linear warmup, flat, then a decay to --final-lr-frac, linear or (power
+    1.2: PowerCool, modded-nanogpt record 20) lr = min(lr0, c (T - step)^1.2)."""
     warmup = round(args.warmup_ratio * num_iterations)
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
     if step <= num_iterations - warmdown:
         return 1.0
-    progress = (num_iterations - step) / warmdown
+    progress = ((num_iterations - step) / warmdown) ** power
     return progress + (1 - progress) * args.final_lr_frac
-
-
-def powercool(step: int, num_iterations: int, args) -> float:
-    """PowerCool (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2); warmup as above."""
-    warmdown = round(args.warmdown_ratio * num_iterations)
-    if step <= num_iterations - warmdown:
-        return warmup_warmdown(step, num_iterations, args)
-    x = ((num_iterations - step) / warmdown) ** 1.2
-    return x + (1 - x) * args.final_lr_frac
 
 
 def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
     """Muon's momentum: arch 'nanochat' 0.85 -> 0.97 over 400 steps, then down to 0.90 across the
     lr warmdown (nanochat 92d63d4); classic 0.85 -> 0.95 over 300 steps, then flat."""
-    if arch == "classic":
-        frac = min(step / 300, 1.0)
-        return (1 - frac) * 0.85 + frac * 0.95
+    ramp, top = (300, 0.95) if arch == "classic" else (400, 0.97)
+    if step < ramp or arch == "classic":
+        frac = min(step / ramp, 1.0)
+        return (1 - frac) * 0.85 + frac * top
     warmdown = round(warmdown_ratio * num_iterations)
-    if step < 400:
-        frac = step / 400
-        return (1 - frac) * 0.85 + frac * 0.97
     if step >= num_iterations - warmdown:
         progress = (step - (num_iterations - warmdown)) / warmdown
         return 0.97 * (1 - progress) + 0.90 * progress
@@ -443,7 +431,8 @@ def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str)
 
 # --schedule NAME: the lr multiplier f(step, num_iterations, args) of every group at each step;
 # a variant picks one with schedule='NAME' (nanomuon/variants.py)
-SCHEDULES = {"warmup_warmdown": warmup_warmdown, "powercool": powercool}
+SCHEDULES = {"warmup_warmdown": warmup_warmdown,
+             "powercool": functools.partial(warmup_warmdown, power=1.2)}
 
 
 @dataclass
@@ -546,9 +535,7 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
-    flags = dict(embedding_lr=args.embedding_lr, unembedding_lr=args.unembedding_lr,
-                 matrix_lr=args.matrix_lr, adamw_matrix_lr=args.adamw_matrix_lr,
-                 weight_decay=args.weight_decay, schedule=args.schedule)
+    flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
     variant = OPTIMIZER_VARIANTS[args.optimizer]
     for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
@@ -797,7 +784,6 @@ def resume(run: Run) -> None:
     run.loop["precision"] = resumed_precision(meta["loop"], meta["args"], args, step)
     print0(f"resumed {run.run_dir} at step {step}")
     set_aside_later_steps(run.run_dir, run.rank, step)
-
 
 
 def evaluate(run: Run, final: bool = False) -> None:
