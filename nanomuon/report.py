@@ -132,13 +132,13 @@ def precision_words(dtype, recipe) -> str:
     return words + (f" with fp8 matmuls ({recipe} scales)" if recipe else "")
 
 
-def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: float,
-              peak: float | None, world_size: int) -> dict:
-    """A run's numbers from its loop state, printed: val bpb (each seed's), the final eval, step
-    time medians, throughput (every seed's tokens) and MFU (peak: one device's FLOP/s, or None)."""
+def summarize(run) -> dict:
+    """A base_train Run's numbers from its loop state, printed: val bpb (each seed's), the final
+    eval, step time medians, throughput (every seed's tokens) and MFU (where the peak is known)."""
+    loop, peak = run.loop, run.peak_flops
     summary = dict(final_val_bpb=loop["val_history"][-1][1],  # batched seeds: each seed's
                    min_val_bpb=per_seed(lambda *vs: min(vs), *(v for _, v in loop["val_history"])),
-                   packing=packing)
+                   packing=run.train_loader.packing())
     if "final_eval" in loop:
         summary.update(zip(("final_eval_tokens", "final_eval_bpb"), loop["final_eval"]))
     print0(f"data (rank 0, this process): {summary['packing']}")
@@ -146,9 +146,10 @@ def summarize(loop: dict, packing: str, tokens_per_step: int, flops_per_token: f
         med_dt, med_opt = statistics.median(times), statistics.median(loop["optim_times"])
         summary.update(median_step_ms=1000 * med_dt, median_optimizer_ms=1000 * med_opt,
                        mean_step_ms=1000 * statistics.fmean(times),  # the wall's pace
-                       optimizer_share=med_opt / med_dt, tok_per_s=tokens_per_step / med_dt)
+                       optimizer_share=med_opt / med_dt,
+                       tok_per_s=run.args.total_batch_size * run.copies / med_dt)
         if peak:
-            summary["mfu"] = flops_per_token * summary["tok_per_s"] / (peak * world_size)
+            summary["mfu"] = run.flops_per_token * summary["tok_per_s"] / (peak * run.world_size)
         print0(f"optimizer step: {1000 * med_opt:.1f} ms of a {1000 * med_dt:.1f} ms step "
                f"({100 * med_opt / med_dt:.1f}%), medians over {len(times)} steps")
         print0(f"throughput: {summary['tok_per_s']:,.0f} tok/s" +
@@ -174,15 +175,15 @@ def greedy_samples(model, tokenizer, tokens: int, seeds: list[int] | None) -> li
     return samples
 
 
-def write_report(run_dir, args, config, num_params, num_iterations, world_size, device, summary,
-                 loop, samples):
-    """report.md and curves.png, then summary.json (which scripts.ablate reads), into run_dir:
-    written whole, keeping what other writers added (run.py)."""
-    run_dir = Path(run_dir)
+def write_report(run, summary: dict, samples: list) -> None:
+    """A base_train Run's report.md and curves.png, then summary.json (which scripts.ablate reads),
+    into its run dir: written whole, keeping what other writers added (run.py)."""
+    args, config, loop, run_dir, device = run.args, run.config, run.loop, run.run_dir, run.device
+    num_params, world_size = run.num_params, run.world_size
     gpu = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else platform.processor() or platform.machine())
     headlines, sections = others_report(run_dir / "report.md")
-    history, tokens = loop["precision"], num_iterations * args.total_batch_size
+    history, tokens = loop["precision"], run.num_iterations * args.total_batch_size
     # each precision, to the step the next took over
     precision = ", then ".join(precision_words(*h[1:]) + (f" to step {after[0]}" if after else "")
                                for h, after in zip(history, [*history[1:], None]))
@@ -193,7 +194,7 @@ def write_report(run_dir, args, config, num_params, num_iterations, world_size, 
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
              f"- data: {shown(args.dataset, 500, quote=False)}, {tokens:,} tokens in "
-             f"{num_iterations} steps of {args.total_batch_size:,}; rank 0 packed "
+             f"{run.num_iterations} steps of {args.total_batch_size:,}; rank 0 packed "
              f"{summary['packing']}",
              f"- training time: {loop['train_time'] / 60:.2f} min (excluding evals and the first "
              "steps)"]

@@ -185,15 +185,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def add_seed_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
-    p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
-                   "(e.g. 1,2,3) as one batched model on the same batches (nanomuon/seeds.py)")
-    p.add_argument("--data-seed", type=int, default=None,
-                   help="shuffle the training documents with this seed (the row groups, then the "
-                   "documents of every 8 of them; default: file order)")
-
-
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     """When the run evaluates and saves, and what it starts from: nothing, or a checkpoint."""
     p.add_argument("--eval-every", type=int, default=250,
@@ -225,7 +216,12 @@ def parse_args(argv=None):
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
     # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     add_data_args(p, "fineweb-edu")
-    add_seed_args(p)
+    p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
+    p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
+                   "(e.g. 1,2,3) as one batched model on the same batches (nanomuon/seeds.py)")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="shuffle the training documents with this seed (the row groups, then the "
+                   "documents of every 8 of them; default: file order)")
     add_compute_args(p)
     # model
     p.add_argument("--depth", type=int, default=20,
@@ -387,8 +383,8 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
 
 
 def warmup_warmdown(step: int, num_iterations: int, args, power: float = 1.0) -> float:
-    """nanochat's lr schedule: linear warmup, flat, then a decay to --final-lr-frac, linear or (power
-    1.2: PowerCool, modded-nanogpt record 20) lr = min(lr0, c (T - step)^1.2)."""
+    """nanochat's lr schedule: linear warmup, flat, then a linear decay to --final-lr-frac; power
+    1.2 makes the decay PowerCool's (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2)."""
     warmup = round(args.warmup_ratio * num_iterations)
     warmdown = round(args.warmdown_ratio * num_iterations)
     if step < warmup:
@@ -439,7 +435,6 @@ SCHEDULES = {"warmup_warmdown": warmup_warmdown,
 class Run:
     """What the stages share: made by build(), restored by resume(), advanced by train()."""
     args: argparse.Namespace
-    distributed: bool
     rank: int
     world_size: int
     device: torch.device
@@ -688,14 +683,14 @@ def build(args, held: contextlib.ExitStack) -> Run:
         fully_shard(model, mesh=mesh)
     optimizer = model.setup_optimizer(**optimizer_options(args, compiled), horizon=num_iterations)
     forward = SeedBatch(model) if args.seeds else model
-    run = Run(args=args, distributed=distributed, rank=rank, world_size=world_size, device=device,
-              run_dir=run_dir, tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device),
-              config=config, model=model,
-              train_model=torch.compile(forward, dynamic=False) if compiled else forward,
-              optimizer=optimizer, train_loader=train_loader, val=val, final_val=final_val,
-              num_params=num_params, flops_per_token=flops_per_token, num_iterations=num_iterations,
-              grad_accum=args.total_batch_size // tokens_per_fwdbwd, compiled=compiled,
-              autocast=autocast(device, args.dtype), synchronize=synchronizer(device))
+    train_model = torch.compile(forward, dynamic=False) if compiled else forward
+    run = Run(args=args, rank=rank, world_size=world_size, device=device, run_dir=run_dir,
+              tokenizer=tokenizer, token_bytes=tokenizer.token_bytes().to(device), config=config,
+              model=model, train_model=train_model, optimizer=optimizer, train_loader=train_loader,
+              val=val, final_val=final_val, num_params=num_params, flops_per_token=flops_per_token,
+              num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd,
+              compiled=compiled, autocast=autocast(device, args.dtype),
+              synchronize=synchronizer(device))
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *precision_of(args)]]  # a resume reads the run's own
@@ -818,7 +813,7 @@ def save(run: Run) -> None:
     tensors, files = checkpoint.state_of(run.model, run.optimizer)  # this rank's pieces
     mine = run.train_loader.state_dict()
     loader_states = [mine] * run.world_size  # one process: its own state
-    if run.distributed:  # torchrun: every rank's
+    if run.world_size > 1:  # torchrun: every rank's
         dist.all_gather_object(loader_states, mine)
     meta = dict(step=run.step, num_iterations=run.num_iterations, model_config=run.config.to_dict(),
                 args=vars(run.args), tokenizer=run.tokenizer.fingerprint, world_size=run.world_size,
@@ -1054,15 +1049,13 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
 def report(run: Run) -> dict:
     """The run's numbers and greedy samples, and (rank 0) its report files (nanomuon/report.py)."""
     args = run.args
-    summary = summarize(run.loop, run.train_loader.packing(), args.total_batch_size * run.copies,
-                        run.flops_per_token, run.peak_flops, run.world_size)
+    summary = summarize(run)
     samples = (greedy_samples(run.model, run.tokenizer, args.sample_tokens, args.seeds)
                if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp) else [])
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
     if run.rank == 0:
-        write_report(run.run_dir, args, run.config, run.num_params, run.num_iterations,
-                     run.world_size, run.device, summary, run.loop, samples)
+        write_report(run, summary, samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()
