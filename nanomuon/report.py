@@ -1,11 +1,9 @@
 """
-What a run says of itself: kept here so base_train reads as its loop.
-
-- report.md, curves.png and summary.json, written whole when training ends (write_report). What
-  other tools added is read back through run.py, which owns the run dir: a rewrite keeps it. What
-  a user typed or named is escaped (common.shown): no newline of it starts a report line.
-- Line plots (plot_curves), for base_train's report and ablate's comparisons. matplotlib, optional,
-  is imported here only: without it plot_curves() returns None and the report says so (MISSING).
+What a run says of itself, kept here so base_train reads as its loop: report.md, curves.png and
+summary.json, written whole when training ends and keeping what other tools added (read back
+through run.py, which owns the run dir); what a user typed or named is escaped (common.shown).
+Line plots (plot_curves), for the report and ablate's comparisons: matplotlib is optional, imported
+here only; without it plot_curves() returns None and the report says so (MISSING).
 """
 
 import json

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon import checkpoint
+from nanomuon import checkpoint, recipe, report
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.attention import choose_attention
 from nanomuon.common import (
@@ -54,25 +54,6 @@ from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
 from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
 from nanomuon.hardware import peak_flops
 from nanomuon.param_groups import fill_defaults
-from nanomuon.recipe import (
-    NANOCHAT_REF_DEPTH,
-    NANOCHAT_TOKENS_PER_PARAM,
-    PeakLRs,
-    fit_device_batch,
-    peak_lrs,
-    train_memory,
-    training_recipe,
-)
-from nanomuon.report import (
-    greedy_samples,
-    precision_of,
-    precision_problems,
-    precision_words,
-    resumed_precision,
-    start_wandb,
-    summarize,
-    write_report,
-)
 from nanomuon.run import (
     append_step_record,
     check_disk,
@@ -92,7 +73,7 @@ from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 # math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
 MAX_LR = 1000.0
 MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a plan
-LR_FLAGS = PeakLRs._fields[:4]  # embedding_lr, unembedding_lr, matrix_lr, adamw_matrix_lr
+LR_FLAGS = recipe.PeakLRs._fields[:4]  # embedding_lr, unembedding_lr, matrix_lr, adamw_matrix_lr
 
 
 def seeds_arg(s: str):
@@ -119,14 +100,14 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
     with user_errors():  # batched seeds: each a whole model's memory
-        rows = fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
+        rows = recipe.fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
                                 compiled=compiled, bf16=bf16)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
     if world_size > 1:
         fewest = torch.tensor([rows], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         rows = int(fewest.item())
-    need = sum(train_memory(config, rows, compiled, bf16).values())
+    need = sum(recipe.train_memory(config, rows, compiled, bf16).values())
     print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for "
            f"training, {free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; "
            "--device-batch-size overrides)")
@@ -243,9 +224,10 @@ def parse_args(argv=None):
                    help="optimizer steps (-1: from the next two)")
     p.add_argument("--target-flops", type=float, default=-1.0,
                    help="training FLOPs budget (-1: off)")
-    p.add_argument("--target-param-data-ratio", type=float, default=NANOCHAT_TOKENS_PER_PARAM,
-                   help="tokens per scaling parameter (block matrices and lm_head, as nanochat "
-                   "counts them; Chinchilla's 20 counts every parameter)")
+    p.add_argument("--target-param-data-ratio", type=float,
+                   default=recipe.NANOCHAT_TOKENS_PER_PARAM, help="tokens per scaling parameter "
+                   "(block matrices and lm_head, as nanochat counts them; Chinchilla's 20 counts "
+                   "every parameter)")
     # batch
     p.add_argument("--device-batch-size", type=batch_arg, default="auto", help="rows per "
                    "micro-batch per process; auto: on CUDA the most (up to 32) that fit, else 32")
@@ -475,7 +457,7 @@ def main(argv=None):
             if args.resume_from_step != -1:
                 resume(run)
             train(run)
-            summary = report(run)
+            summary = report_on(run)
         except KeyboardInterrupt:  # Ctrl-C: say where to continue from, not where Python was
             run_dir = get_base_dir() / "runs" / args.run
             steps = checkpoint.list_steps(run_dir)
@@ -502,7 +484,7 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
     allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap."""
     if (free := available_memory()) is None:
         return
-    parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
     # each seed a whole model's, and vmapped steps keep more (SEEDS_MEMORY); with --fsdp each
     # process holds its shard of the model's state, and its own activations
     copies = len(args.seeds) * SEEDS_MEMORY if args.seeds else 1
@@ -536,9 +518,9 @@ def optimizer_options(args, compiled: bool) -> dict:
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
     kwargs = optimizer_kwargs(args.optimizer)
-    own = {k: v for k, v in kwargs.items() if k not in PeakLRs._fields}
-    given = {k: kwargs.get(k, getattr(args, k, None)) for k in PeakLRs._fields[:-1]}
-    lrs = peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
+    own = {k: v for k, v in kwargs.items() if k not in recipe.PeakLRs._fields}
+    given = {k: kwargs.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
+    lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
     decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
     return dict(decay, lrs=lrs, compile=compiled, **own)
 
@@ -553,16 +535,16 @@ def plan_horizon(args, model: GPT) -> int:
     into args (a resume compares like with like) and printed with the reason. As in nanochat, the
     recipe's horizon is the data ratio's: a short --num-iterations check gets the real run's."""
     ratio = (args.target_param_data_ratio if args.target_param_data_ratio > 0
-             else NANOCHAT_TOKENS_PER_PARAM)
+             else recipe.NANOCHAT_TOKENS_PER_PARAM)
     params = model.num_scaling_params()
-    ref = scaling_params(config_from_depth(NANOCHAT_REF_DEPTH, model.config.vocab_size,
+    ref = scaling_params(config_from_depth(recipe.NANOCHAT_REF_DEPTH, model.config.vocab_size,
                                            args.max_seq_len, args.aspect_ratio, args.head_dim,
                                            arch=model.config.arch))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
     with user_errors():
-        recipe = training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
-    args.total_batch_size, args.weight_decay = recipe.total_batch_size, recipe.weight_decay
-    for line in recipe.why:
+        plan = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
+    args.total_batch_size, args.weight_decay = plan.total_batch_size, plan.weight_decay
+    for line in plan.why:
         print0(f"recipe: {line}")
     if args.num_iterations > 0:
         steps = args.num_iterations
@@ -578,7 +560,7 @@ def plan_horizon(args, model: GPT) -> int:
                          f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
                          "--num-iterations")
     # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
-    schedule = recipe.schedule
+    schedule = plan.schedule
     chosen = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
     left_out = [key for key in ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
                 if getattr(args, key) is None]
@@ -693,7 +675,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
               synchronize=synchronizer(device))
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
-    run.loop["precision"] = [[0, *precision_of(args)]]  # a resume reads the run's own
+    run.loop["precision"] = [[0, *report.precision_of(args)]]  # a resume reads the run's own
     check_disk(run_dir, rank, optimizer, num_iterations, args.save_every, args.keep_checkpoints)
     return run
 
@@ -731,7 +713,7 @@ def resume(run: Run) -> None:
                     for k, v in meta["loop"].items()
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
                                                         or args.seeds else (int, float))]
-        problems = problems or precision_problems(meta["loop"], step)
+        problems = problems or report.precision_problems(meta["loop"], step)
         # older configs: defaults
         if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
             problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
@@ -776,7 +758,7 @@ def resume(run: Run) -> None:
             print0(f"resharded the data loader from {meta['world_size']} to {run.world_size} "
                    "processes: the same documents, read in a different order from here on")
     run.step, run.loop = step, dict(run.loop, **meta["loop"])
-    run.loop["precision"] = resumed_precision(meta["loop"], meta["args"], args, step)
+    run.loop["precision"] = report.resumed_precision(meta["loop"], meta["args"], args, step)
     print0(f"resumed {run.run_dir} at step {step}")
     set_aside_later_steps(run.run_dir, run.rank, step)
 
@@ -875,10 +857,10 @@ def announce(run: Run) -> None:
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
            f"{shown(args.dataset, 300, quote=False)}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
-           f"{precision_words(*precision_of(args))}")
+           f"{report.precision_words(*report.precision_of(args))}")
     if args.wandb != "off" and run.rank == 0:
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.wandb = start_wandb(args.wandb, args.run, run.run_dir, config=vars(args))
+        run.wandb = report.start_wandb(args.wandb, args.run, run.run_dir, config=vars(args))
 
 
 def train(run: Run) -> None:
@@ -1046,16 +1028,16 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
 
-def report(run: Run) -> dict:
+def report_on(run: Run) -> dict:
     """The run's numbers and greedy samples, and (rank 0) its report files (nanomuon/report.py)."""
     args = run.args
-    summary = summarize(run)
-    samples = (greedy_samples(run.model, run.tokenizer, args.sample_tokens, args.seeds)
+    summary = report.summarize(run)
+    samples = (report.greedy_samples(run.model, run.tokenizer, args.sample_tokens, args.seeds)
                if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp) else [])
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
     if run.rank == 0:
-        write_report(run, summary, samples)
+        report.write_report(run, summary, samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()
