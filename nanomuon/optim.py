@@ -20,17 +20,13 @@ all); GPT.setup_optimizer's arch 'nanochat' adds what nanochat 92d63d4 runs on t
 MuonEq's rows scaled to their mean norm before orthogonalizing ('equilibrate_row_mean'), Muon+'s
 Frobenius rescale after it ('normalize_fro') and beta2=0.9:
 - nesterov=True: Nesterov momentum (momentum=0.95 in nanochat's groups), as in Jordan's Muon.
-- ns_coefficients='polar_express', ns_steps=5: one quintic per iteration from Polar Express
-  (Amsel, Persson, Musco, Gower 2025, https://arxiv.org/abs/2505.16932), closer to U V^T in 5
-  steps than Jordan's one triple repeated.
+- ns_coefficients='polar_express', ns_steps=5: Polar Express's quintic per iteration (Amsel et
+  al. 2025, https://arxiv.org/abs/2505.16932), nearer U V^T in 5 steps than Jordan's one triple.
 - ns_precision='auto': bf16 where bf16 matmuls are fast (CUDA, CPUs with AVX512-BF16 or AMX).
-- post_process=('variance_reduction',) with beta2=0.95: factored variance reduction after
-  orthogonalizing, an EMA of each row's (or column's) mean squared update divides it, then the
-  update's norm is restored: NorMuon's neuron-wise normalization (Li et al. 2025,
-  https://arxiv.org/abs/2510.05491) in nanochat's form.
-- apply='cautious': decay only where the update and the weight agree in sign (Cautious Weight
-  Decay, Chen et al. 2025, https://arxiv.org/abs/2510.12402), by the lr with its factor
-  (decay_lr='adjusted').
+- post_process=('variance_reduction',), beta2=0.95: NorMuon's neuron-wise normalization (Li et
+  al. 2025, https://arxiv.org/abs/2510.05491) in nanochat's form, after orthogonalizing.
+- apply='cautious': Cautious Weight Decay (Chen et al. 2025, https://arxiv.org/abs/2510.12402),
+  only where update and weight agree in sign, by the lr with its factor (decay_lr='adjusted').
 - lr_scale='shape': the lr times sqrt(max(1, rows/cols)), Jordan's and torch.optim.Muon's factor.
 The update runs in stages (precondition, orthogonalize, post-process, apply), each a registry in
 update_math.py that a group picks from by name; the alternatives and their sources:
@@ -144,7 +140,6 @@ def check_numbers(i: int, group: dict) -> None:
     if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
         raise ValueError(f"{group_label(i, group)}: step={step!r} must be an int >= 0 (the "
                          "updates so far)")
-
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -344,9 +339,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_route(self, p: Tensor) -> str:
         """How an AdamW param's grad is reduced: 'dtensor', 'local', 'small' or 'sharded'."""
-        if isinstance(p, DTensor):
-            return "dtensor"
-        return "local" if self.world_size == 1 else "small" if p.numel() < self.SMALL else "sharded"
+        return ("dtensor" if isinstance(p, DTensor) else "local" if self.world_size == 1
+                else "small" if p.numel() < self.SMALL else "sharded")
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
         """Phase 1: start every grad reduction, in place; a Muon bucket's into one buffer."""
@@ -549,7 +543,6 @@ class MuonAdamW(torch.optim.Optimizer):
                 for r in range(self.world_size)]
         return [dist.broadcast(buf[lo:hi], group=self.pg, group_src=r, async_op=True)
                 for r, (lo, hi) in enumerate(cuts) if hi > lo]
-
 
     def _all_reduce(self, t, op=None):
         return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg,

@@ -13,6 +13,7 @@ LR schedules never recompile. The stages are registries of name -> function or S
 
 import functools
 import math
+from collections import namedtuple
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -72,19 +73,10 @@ LR_SCALES = {
 }
 
 
-class NewtonSchulz(NamedTuple):
-    """Newton-Schulz's per-iteration (a, b, c), the norm's safety and eps, its compute dtype."""
-    coefficients: tuple
-    safety: float
-    eps: float
-    dtype: torch.dtype
-
-
-class Layout(NamedTuple):
-    """A group's storage (muon_layout): row blocks `split` x `groups`, (in, out) if transposed."""
-    split: tuple | None
-    groups: int
-    transposed: bool
+# Newton-Schulz's per-iteration (a, b, c), the norm's safety and eps, its compute dtype
+NewtonSchulz = namedtuple("NewtonSchulz", "coefficients safety eps dtype")
+# A group's storage (muon_layout): row blocks `split` x `groups`, (in, out) if transposed
+Layout = namedtuple("Layout", "split groups transposed")
 
 
 class MuonScalars(NamedTuple):
@@ -98,13 +90,7 @@ class MuonScalars(NamedTuple):
     group_lr: float  # the group's lr, without its factor (an lr of a stage's own Adam, say)
 
 
-class AdamWScalars(NamedTuple):
-    step: float
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    wd: float
+AdamWScalars = namedtuple("AdamWScalars", "step lr beta1 beta2 eps wd")
 
 
 def ns_coefficients(spec, ns_steps: int, repeat_last: bool = False) -> tuple[tuple, float, float]:
@@ -154,12 +140,9 @@ def ns_growth(triples: tuple, safety: float) -> float:
     return peak
 
 
-class Slices(NamedTuple):
-    """Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut
-    along `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over those ranks."""
-    reduce: Callable
-    dim: int
-    whole_shape: tuple
+# Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut along
+# `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over those ranks.
+Slices = namedtuple("Slices", "reduce dim whole_shape")
 
 
 # what over_slices() set: None (whole matrices) on every path but sharded.py's 'distributed' mode
@@ -249,11 +232,8 @@ def newton_schulz_settings(group: dict) -> NewtonSchulz:
     return NewtonSchulz(*settings, NS_DTYPES[group["ns_precision"]])
 
 
-class Option(NamedTuple):
-    """An optional group key: default, check(value) -> None or what it must be, a docs line."""
-    default: object
-    check: Callable
-    doc: str
+# An optional group key: default, check(value) -> None or what it must be, a docs line
+Option = namedtuple("Option", "default check doc")
 
 
 def one_of(*choices):
@@ -277,10 +257,9 @@ def a_count(v):
 
 def an_interval(v):
     """Steps (an int >= 1) or a fraction of the run's horizon (0 < f < 1): interval_steps."""
-    if a_count(v) is None or (isinstance(v, float) and 0 < v < 1):
-        return None
-    return ("must be steps (an int >= 1) or a fraction of the run's horizon (a float between 0 "
-            "and 1)")
+    ok = a_count(v) is None or (isinstance(v, float) and 0 < v < 1)
+    return None if ok else ("must be steps (an int >= 1) or a fraction of the run's horizon (a "
+                            "float between 0 and 1)")
 
 
 def interval_steps(value, horizon: int | None) -> int:
@@ -288,9 +267,7 @@ def interval_steps(value, horizon: int | None) -> int:
     return value if isinstance(value, int) else max(1, round(value * horizon))
 
 
-class Diagonal(NamedTuple):
-    """A StateSpec init: value x I per matrix (Newton-Muon's 0.001 I)."""
-    value: float
+Diagonal = namedtuple("Diagonal", "value")  # a StateSpec init: value x I per matrix
 
 
 class StateSpec(NamedTuple):
@@ -395,9 +372,14 @@ def equilibrate_to_mean(g: Tensor, ctx: StageContext) -> Tensor:
 def soap(g: Tensor, ctx: StageContext) -> Tensor:
     """SOAP-Muon (modded-nanogpt record 14; arXiv 2409.11321): Adam in the eigenbases of the
     gradient's covariances, P = Q_L^T U Q_R, V <- b V + (1 - b) P^2, U' = Q_L (P / (sqrt(V) +
-    1e-8)) Q_R^T at ||U||_F (the first step passes U); then covariances and bases update."""
+    1e-8)) Q_R^T at ||U||_F (the first step passes U); then covariances and bases update: by eigh
+    (descending) where a matrix has none yet; every precondition_frequency steps, columns sorted
+    by Rayleigh quotient (V permuted alike), then Q <- qr(C Q). Per matrix."""
     st, beta = ctx.state, ctx.group["soap_beta"]
-    started = (st["soap_step"] > 0)[..., None, None]
+    step = st["soap_step"][..., None, None]  # a view: counted up at the end
+    frequency = interval_steps(ctx.group["precondition_frequency"], ctx.horizon)
+    first, started = step == 0, step > 0
+    due = started & (step % frequency == 0)
     x = fp32(g)
     P = st["soap_row_basis"].mT @ x @ st["soap_col_basis"]
     V = st["soap_second_moment"]
@@ -407,16 +389,6 @@ def soap(g: Tensor, ctx: StageContext) -> Tensor:
     G = fp32(ctx.grad)
     st["soap_row_cov"].lerp_(G @ G.mT, 1 - beta)
     st["soap_col_cov"].lerp_(G.mT @ G, 1 - beta)
-    _soap_bases(st, interval_steps(ctx.group["precondition_frequency"], ctx.horizon))
-    st["soap_step"].add_(1)
-    return out.to(g.dtype)
-
-
-def _soap_bases(st: dict, frequency: int) -> None:
-    """Eigenbases by eigh (descending) where a matrix has none yet; every `frequency` steps,
-    columns sorted by Rayleigh quotient (V permuted alike), then Q <- qr(C Q). Per matrix."""
-    step = st["soap_step"][..., None, None]
-    first, due = step == 0, (step > 0) & (step % frequency == 0)
     for side, dim in (("row", -2), ("col", -1)):
         cov, Q = st[f"soap_{side}_cov"], st[f"soap_{side}_basis"]
         if first.any():
@@ -424,11 +396,12 @@ def _soap_bases(st: dict, frequency: int) -> None:
             Q.copy_(torch.where(first, torch.linalg.eigh(cov + 1e-30 * eye)[1].flip(-1), Q))
         if due.any():
             order = torch.diagonal(Q.mT @ cov @ Q, dim1=-2, dim2=-1).argsort(-1, descending=True)
-            V = st["soap_second_moment"]
             index = (order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)).expand_as(V)
             V.copy_(torch.where(due, V.gather(dim, index), V))
             sorted_Q = Q.gather(-1, order.unsqueeze(-2).expand_as(Q))
             Q.copy_(torch.where(due, torch.linalg.qr(cov @ sorted_Q)[0], Q))
+    st["soap_step"].add_(1)
+    return out.to(g.dtype)
 
 
 def input_block(rows: int, cols: int) -> int:
@@ -472,7 +445,6 @@ def _newton_check(group: dict) -> str | None:
     if muon_layout(group) is not None:
         return ("preconditions whole matrices by their inputs: not split or transposed "
                 "(per_head, split, qkv_split, transposed)")
-    return None
 
 
 def inputs_due(group: dict) -> bool:
@@ -620,16 +592,11 @@ def _muown_check(group: dict) -> str | None:
     if group["muown_v_norm_target"] is not None and group["horizon"] is None:
         return ("Muown's v-norm schedule needs the run's length: set the group's horizon (steps; "
                 "GPT.setup_optimizer(horizon=), base_train sets it), or muown_v_norm_target=None")
-    return None
 
 
 def a_pair_of_betas(v):
     ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(a_number(b, 1.0) is None for b in v)
     return None if ok else "must be a pair of numbers in [0, 1)"
-
-
-def none_or(check):
-    return lambda v: None if v is None else check(v)
 
 
 def _row_spec(init=0.0):
@@ -709,8 +676,9 @@ APPLIERS = {
         muown_gain_exp_avg_sq=_row_spec()), reads=("muown_gain_grad",), options=dict(
         muown_betas=Option((0.9, 0.95), a_pair_of_betas, "Muown: Adam's betas on the gains"),
         muown_gain_lr=Option(1.0, a_number, "Muown: the gains' lr as a factor on the group lr"),
-        muown_v_norm_target=Option(2.496, none_or(a_number), "Muown: the row norm of v the "
-                                   "schedule ends at (None: no schedule)"),
+        muown_v_norm_target=Option(2.496, lambda v: None if v is None else a_number(v),
+                                   "Muown: the row norm of v the schedule ends at (None: no "
+                                   "schedule)"),
         muown_v_norm_power=Option(1.2, a_number, "Muown: the schedule's power")),
         check=_muown_check, flags=Flags(logical=True, weight_decay=False)),
 }
@@ -860,26 +828,22 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
     if not s.flags.logical:
         return s.fn(u, ctx._replace(params=params))
     W = params if isinstance(params, Tensor) else torch.stack(params)
-    if ctx.plan.layout is None:
+    layout = ctx.plan.layout
+    if layout is None:
         s.fn(u, ctx._replace(params=W))
-    else:
-        _apply_by_layout(s, W, u, ctx, ctx.plan.layout)
+    else:  # transposed or split W, block by block, written back into W
+        plain = plain_plan(ctx.plan)
+        states = block_state(ctx.state, ctx.plan.specs, W.shape, layout)
+        per_row = {k: logical_blocks(v, layout) for k, v in ctx.h._asdict().items()
+                   if isinstance(v, Tensor) and v.dim() == 2}  # a split matrix's lr and decay
+        for b, (view, ub) in enumerate(zip(logical_blocks(W, layout), logical_blocks(u, layout))):
+            w = view.flatten(-3, -2)  # a copy where the block's rows repeat across groups
+            h = ctx.h._replace(**{k: v[b].flatten(-3, -2) for k, v in per_row.items()})
+            s.fn(ub.flatten(-3, -2), ctx._replace(plan=plain, state=states[b], h=h, params=w))
+            if layout.split and layout.groups > 1:
+                view.copy_(w.view_as(view))
     if not isinstance(params, Tensor):
         torch._foreach_copy_(params, list(W.unbind(0)))
-
-
-def _apply_by_layout(s: Stage, W: Tensor, u: Tensor, ctx: StageContext, layout: Layout) -> None:
-    """A logical apply stage on transposed or split W, block by block, written back into W."""
-    plain = plain_plan(ctx.plan)
-    states = block_state(ctx.state, ctx.plan.specs, W.shape, layout)
-    per_row = {k: logical_blocks(v, layout) for k, v in ctx.h._asdict().items()
-               if isinstance(v, Tensor) and v.dim() == 2}  # a split matrix's lr and decay
-    for b, (view, ub) in enumerate(zip(logical_blocks(W, layout), logical_blocks(u, layout))):
-        w = view.flatten(-3, -2)  # a copy where the block's rows repeat across groups
-        h = ctx.h._replace(**{k: v[b].flatten(-3, -2) for k, v in per_row.items()})
-        s.fn(ub.flatten(-3, -2), ctx._replace(plan=plain, state=states[b], h=h, params=w))
-        if layout.split and layout.groups > 1:
-            view.copy_(w.view_as(view))
 
 
 def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
@@ -903,17 +867,13 @@ def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     p.mul_(1 - h.lr * h.wd)
     exp_avg.lerp_(grad, 1 - h.beta1)
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-    bias1 = 1 - h.beta1 ** h.step
-    bias2_sqrt = (1 - h.beta2 ** h.step) ** 0.5
-    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(h.eps)
-    p.addcdiv_(exp_avg, denom, value=-h.lr / bias1)
+    denom = exp_avg_sq.sqrt().div_((1 - h.beta2 ** h.step) ** 0.5).add_(h.eps)
+    p.addcdiv_(exp_avg, denom, value=-h.lr / (1 - h.beta1 ** h.step))
 
 
 def resolve_ns_precision(precision: str, device) -> str:
     """ns_precision on this device: 'auto' is bf16 where hardware.bf16_matmuls_fast, else fp32."""
-    if precision != "auto":
-        return precision
-    return "bf16" if bf16_matmuls_fast(device) else "fp32"
+    return precision if precision != "auto" else "bf16" if bf16_matmuls_fast(device) else "fp32"
 
 
 def muon_layout(group: dict) -> Layout | None:
@@ -993,11 +953,7 @@ def muon_options(group: dict, device) -> dict:
     return opts
 
 
-class StateSlot(NamedTuple):
-    shape: tuple
-    dtype: torch.dtype
-    init: float | Callable
-    nonnegative: bool = False
+StateSlot = namedtuple("StateSlot", "shape dtype init nonnegative", defaults=(False,))
 
 
 def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = False) -> dict:
@@ -1130,11 +1086,9 @@ _scalar_values: dict = {}
 def kernel(fn, compiled: bool):
     """fn, or its torch.compile'd twin (one per process). Shapes start static and a dim seen to
     change turns dynamic (dynamic=None), so many shapes stay inside dynamo's recompile limit."""
-    if not compiled:
-        return fn
-    if fn not in _compiled:
+    if compiled and fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=None, fullgraph=True)
-    return _compiled[fn]
+    return _compiled[fn] if compiled else fn
 
 
 def scalars(h, compiled: bool):
@@ -1147,11 +1101,10 @@ def scalars(h, compiled: bool):
         if isinstance(value, Tensor):  # per-row lrs are tensors already
             out[key] = value
             continue
-        t = _scalar_tensors.get(key)
-        if t is None:
-            t = _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)
+        if key not in _scalar_tensors:
+            _scalar_tensors[key] = torch.zeros((), dtype=torch.float32)
         if _scalar_values.get(key) != value:
-            t.fill_(value)
+            _scalar_tensors[key].fill_(value)
             _scalar_values[key] = value
-        out[key] = t
+        out[key] = _scalar_tensors[key]
     return type(h)(**out)
