@@ -22,33 +22,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon import checkpoint, recipe, report
+from nanomuon import checkpoint, common, recipe, report
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.attention import choose_attention
-from nanomuon.common import (
-    DTYPES,
-    DTensor,
-    autocast,
-    available_memory,
-    compute_cleanup,
-    compute_init,
-    evaluate_bpb,
-    exit_if_any_failed,
-    exit_unless_ranks_agree,
-    get_base_dir,
-    numbers_text,
-    on_every_rank,
-    per_seed,
-    print0,
-    resolve_compile,
-    resolve_dtype,
-    shown,
-    size_str,
-    synchronizer,
-    user_errors,
-    wandb_key_problem,
-    wandb_values,
-)
+from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
 from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
@@ -99,7 +76,7 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
         return 32
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
-    with user_errors():  # batched seeds: each a whole model's memory
+    with common.user_errors():  # batched seeds: each a whole model's memory
         rows = recipe.fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
                                 compiled=compiled, bf16=bf16)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
@@ -144,8 +121,9 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
     """How the steps compute: compile, precision, the attention kernel, fp8, sharding."""
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="forward and backward in bf16 "
-                   "autocast or fp32 (params stay fp32); auto: bf16 where its matmuls are fast")
+    p.add_argument("--dtype", choices=common.DTYPES, default="auto", help="forward and backward "
+                   "in bf16 autocast or fp32 (params stay fp32); auto: bf16 where its matmuls are "
+                   "fast")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
                    help="the attention kernel; auto: fa3, fa4 or fa3-hub on a Hopper GPU in bf16, "
                    "else flex (CUDA) or chunked (CPU) for sliding windows, else sdpa "
@@ -328,7 +306,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:
     """Values that parse but cannot run: lrs over MAX_LR, steps over MAX_STEPS, wandb keyless."""
-    if (problem := wandb_key_problem(args.wandb)) is not None:
+    if (problem := common.wandb_key_problem(args.wandb)) is not None:
         p.error(problem)
     if args.num_iterations > MAX_STEPS:
         p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
@@ -360,7 +338,7 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
     if 4 * params > memory * shards:
         p.error(f"--depth {args.depth}, --aspect-ratio {args.aspect_ratio} and --head-dim "
                 f"{args.head_dim} make a model of over {params:.3g} parameters, over the memory of "
-                f"{where} ({size_str(memory * shards)}) in fp32 alone; lower --depth, "
+                f"{where} ({common.size_str(memory * shards)}) in fp32 alone; lower --depth, "
                 "--aspect-ratio or --head-dim")
 
 
@@ -459,13 +437,13 @@ def main(argv=None):
             train(run)
             summary = report_on(run)
         except KeyboardInterrupt:  # Ctrl-C: say where to continue from, not where Python was
-            run_dir = get_base_dir() / "runs" / args.run
+            run_dir = common.get_base_dir() / "runs" / args.run
             steps = checkpoint.list_steps(run_dir)
             print0(f"interrupted; the last checkpoint is {checkpoint.step_dir(run_dir, steps[-1])} "
                    "(continue with --resume-from-step latest)" if steps
                    else f"interrupted before the first checkpoint of {run_dir}")
             sys.exit(130)
-    compute_cleanup()
+    common.compute_cleanup()
     return summary
 
 
@@ -506,7 +484,7 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
     elif need > mem:
         print0(f"warning: {what}: more than the {mem / gib:.1f} GiB free, so it will swap (slow) "
                "or be killed when memory runs out")
-    exit_if_any_failed(error)
+    common.exit_if_any_failed(error)
 
 
 def optimizer_options(args, compiled: bool) -> dict:
@@ -541,7 +519,7 @@ def plan_horizon(args, model: GPT) -> int:
                                            args.max_seq_len, args.aspect_ratio, args.head_dim,
                                            arch=model.config.arch))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
-    with user_errors():
+    with common.user_errors():
         plan = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
     args.total_batch_size, args.weight_decay = plan.total_batch_size, plan.weight_decay
     for line in plan.why:
@@ -587,7 +565,8 @@ def resolve_model(args, vocab_size: int, device: torch.device):
     if args.arch == "auto":
         args.arch = "nanochat" if device.type == "cuda" else "classic"
     print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
-    with user_errors():  # an impossible size: the same flags on every rank, so every rank stops
+    # an impossible size: the same flags on every rank, so every rank stops
+    with common.user_errors():
         config = config_from_depth(args.depth, vocab_size, args.max_seq_len, args.aspect_ratio,
                                    args.head_dim, qk_norm=args.qk_norm, arch=args.arch,
                                    window_pattern=args.window_pattern)
@@ -597,31 +576,32 @@ def resolve_model(args, vocab_size: int, device: torch.device):
                                      args.attention, windowed)
     folded = " (batched seeds: each call takes every seed's rows)" if args.seeds else ""
     print0(f"attention: {attention.why}{folded}")
-    exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same flash "
-                            "attention on every node, or pass --attention sdpa")
+    common.exit_unless_ranks_agree(attention.name, "the attention kernel", "install the same "
+                                   "flash attention on every node, or pass --attention sdpa")
     args.attention = attention.name
     return config, attention
 
 
 def build(args, held: contextlib.ExitStack) -> Run:
     """Process group, locked run dir, tokenizer, model, data and optimizer: a run at step 0."""
-    distributed, rank, _, world_size, device = compute_init(args.device_type)
+    distributed, rank, _, world_size, device = common.compute_init(args.device_type)
     if args.fsdp and not distributed:
         raise SystemExit("error: --fsdp shards the model over torchrun processes; launch with "
                          "torchrun (or drop --fsdp)")
     if args.fp8:
-        with user_errors():  # no fp8 tensor cores here, or no torchao: before anything loads
+        with common.user_errors():  # no fp8 tensor cores here, or no torchao: before anything loads
             check_fp8(device)
-    run_dir = get_base_dir() / "runs" / args.run
+    run_dir = common.get_base_dir() / "runs" / args.run
     claim_run_dir(run_dir, rank, held)  # before anything reads the run dir
     # a restarted job (torchrun --max-restarts) picks up where it died
     if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
     keep_earlier_runs(run_dir, rank, fresh=args.resume_from_step == -1, start_over=args.start_over)
-    tokenizer = on_every_rank(get_tokenizer)  # missing or unreadable: one line that says what to do
-    compiled = resolve_compile(args.compile, device)
+    # missing or unreadable: one line that says what to do
+    tokenizer = common.on_every_rank(get_tokenizer)
+    compiled = common.resolve_compile(args.compile, device)
     # saved resolved: base_eval scores in what the run trained in
-    args.dtype = resolve_dtype(device, args.dtype)
+    args.dtype = common.resolve_dtype(device, args.dtype)
     config, attention = resolve_model(args, tokenizer.vocab_size, device)
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
@@ -649,13 +629,13 @@ def build(args, held: contextlib.ExitStack) -> Run:
                  if args.final_eval_tokens else None)
         return data, loader, val_rows(tokenizer, data, args.max_seq_len, args.eval_tokens), final
 
-    data, train_loader, val, final_val = on_every_rank(load_data)
-    exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val),
-                             final_val is not None and len(final_val)),
-                            "the tokenizer and data (fingerprint, dataset, train documents, "
-                            "val rows)", SHARE)
+    data, train_loader, val, final_val = common.on_every_rank(load_data)
+    common.exit_unless_ranks_agree((tokenizer.fingerprint, data, train_loader.num_docs, len(val),
+                                    final_val is not None and len(final_val)),
+                                   "the tokenizer and data (fingerprint, dataset, train "
+                                   "documents, val rows)", SHARE)
     if len(val) < max(1, args.eval_tokens // args.max_seq_len):
-        print0(f"note: the {shown(args.dataset, 300, quote=False)} val split holds only "
+        print0(f"note: the {common.shown(args.dataset, 300, quote=False)} val split holds only "
                f"{len(val)} rows of {args.max_seq_len} tokens, fewer than --eval-tokens "
                f"{args.eval_tokens:,} asks for; evaluating on all of it")
     if args.fsdp:
@@ -671,8 +651,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
               model=model, train_model=train_model, optimizer=optimizer, train_loader=train_loader,
               val=val, final_val=final_val, num_params=num_params, flops_per_token=flops_per_token,
               num_iterations=num_iterations, grad_accum=args.total_batch_size // tokens_per_fwdbwd,
-              compiled=compiled, autocast=autocast(device, args.dtype),
-              synchronize=synchronizer(device))
+              compiled=compiled, autocast=common.autocast(device, args.dtype),
+              synchronize=common.synchronizer(device))
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *report.precision_of(args)]]  # a resume reads the run's own
@@ -704,12 +684,12 @@ def resume(run: Run) -> None:
     model, the optimizer, the data loader (resharded to a new process count) and the loop state."""
     args = run.args
     # every rank reads it: one that cannot stops all, and 'latest' must be one step everywhere
-    step, meta = on_every_rank(lambda: checkpoint.load_step(
+    step, meta = common.on_every_rank(lambda: checkpoint.load_step(
         run.run_dir, args.resume_from_step, tuple(checkpoint.META_TYPES), warn=print0))
-    exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
-    with user_errors():  # a mismatched checkpoint
+    common.exit_unless_ranks_agree(step, "the checkpoint step resumed from", SHARE)
+    with common.user_errors():  # a mismatched checkpoint
         # hand edits
-        problems = [f"loop.{k} is {shown(repr(v), 120, quote=False)} in its meta.json"
+        problems = [f"loop.{k} is {common.shown(repr(v), 120, quote=False)} in its meta.json"
                     for k, v in meta["loop"].items()
                     if k in run.loop and not isinstance(v, type(run.loop[k]) if k != "smooth_loss"
                                                         or args.seeds else (int, float))]
@@ -721,7 +701,7 @@ def resume(run: Run) -> None:
                             "--head-dim, --max-seq-len, --qk-norm)")
         if meta["tokenizer"] != run.tokenizer.fingerprint:
             problems.append("it was trained with a different tokenizer (retrain or restore the "
-                            f"tokenizer in {get_base_dir() / 'tokenizer'})")
+                            f"tokenizer in {common.get_base_dir() / 'tokenizer'})")
         # the process count and --device-batch-size may change; a new --eval-tokens would mix two
         # val sets in one history
         for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer",
@@ -769,10 +749,10 @@ def evaluate(run: Run, final: bool = False) -> None:
     rows = run.final_val if final else run.val
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
-        bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
-                           run.args.dtype)
+        bpb = common.evaluate_bpb(run.train_model, rows, run.args.device_batch_size,
+                                  run.token_bytes, run.args.dtype)
     run.model.train()
-    said, key = f"val bpb {numbers_text(bpb)}", "val/bpb"
+    said, key = f"val bpb {common.numbers_text(bpb)}", "val/bpb"
     if final:
         run.loop["final_eval"] = [scored_tokens(rows), bpb]
         said, key = f"final eval: {said} over {scored_tokens(rows):,} tokens", "val/final_eval_bpb"
@@ -783,13 +763,13 @@ def evaluate(run: Run, final: bool = False) -> None:
         checkpoint.record_loop(run.run_dir, run.step, run.loop)
     print0(f"step {run.step:05d} | {said}")
     if run.wandb:
-        run.wandb.log({"step": run.step, **wandb_values(key, bpb, run.args.seeds)})
+        run.wandb.log({"step": run.step, **common.wandb_values(key, bpb, run.args.seeds)})
 
 
 def save(run: Run) -> None:
     """A checkpoint of this step that resumes exactly, at any process count (collective)."""
     if not tensors_finite(run.model.parameters()):  # a collective: every rank agrees
-        compute_cleanup()
+        common.compute_cleanup()
         raise SystemExit(f"error: the model has non-finite parameters at step {run.step}; not "
                          f"checkpointing it. {where_to_resume(run).capitalize()} with lower lrs")
     tensors, files = checkpoint.state_of(run.model, run.optimizer)  # this rank's pieces
@@ -810,7 +790,7 @@ def save(run: Run) -> None:
     # one line, the same on every rank (a full disk says so); earlier checkpoints stay
     except OSError as e:
         error = e.strerror
-    exit_if_any_failed(error)
+    common.exit_if_any_failed(error)
 
 
 def where_to_resume(run: Run, before: int | None = None) -> str:
@@ -855,7 +835,7 @@ def announce(run: Run) -> None:
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "
-           f"{shown(args.dataset, 300, quote=False)}, {run.world_size} x "
+           f"{common.shown(args.dataset, 300, quote=False)}, {run.world_size} x "
            f"{run.device.type}{' (compiled)' if run.compiled else ''}, "
            f"{report.precision_words(*report.precision_of(args))}")
     if args.wandb != "off" and run.rank == 0:
@@ -894,7 +874,8 @@ def train(run: Run) -> None:
 def tensors_finite(tensors) -> bool:
     """True when every tensor (a DTensor: its local shard) is finite on every rank (a collective).
     A norm is non-finite when an element is, and _foreach_norm is a few kernels, not 2 a tensor."""
-    local = [t.detach().to_local() if isinstance(t, DTensor) else t.detach() for t in tensors]
+    local = [t.detach().to_local() if isinstance(t, common.DTensor) else t.detach()
+             for t in tensors]
     ok = torch.ones((), dtype=torch.int32, device=local[0].device if local else "cpu")
     if nonempty := [t for t in local if t.numel()]:
         ok = (torch.stack([n.float() for n in torch._foreach_norm(nonempty)])
@@ -980,8 +961,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
             loop["step_times"].append(s.seconds)
             loop["optim_times"].append(s.optimizer_seconds)
             loop["train_time"] += s.seconds
-        loop["smooth_loss"] = per_seed(lambda old, new: beta * old + (1 - beta) * new,
-                                       loop["smooth_loss"], s.loss)
+        loop["smooth_loss"] = common.per_seed(lambda old, new: beta * old + (1 - beta) * new,
+                                              loop["smooth_loss"], s.loss)
         loop["history"].append((step, s.loss))
     else:
         loop["skipped_steps"] += 1
@@ -989,7 +970,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         print0(f"warning: step {step}: non-finite loss or gradients, update skipped "
                f"({loop['nonfinite_in_a_row']} in a row, {loop['skipped_steps']} in this run)")
         if loop["nonfinite_in_a_row"] >= args.max_nonfinite_steps:
-            compute_cleanup()
+            common.compute_cleanup()
             # the weights that gave the first bad step's loss are those of the step before it
             # (and, updates skipped, of every step since): a checkpoint from before those
             held = step - loop["nonfinite_in_a_row"]
@@ -999,13 +980,13 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                              "(--matrix-lr, --embedding-lr, --unembedding-lr) or a warmup "
                              "(--warmup-ratio)")
     trained = step - loop["skipped_steps"]  # the average's bias correction counts these
-    smooth_loss = (per_seed(lambda v: v / (1 - beta ** trained), loop["smooth_loss"]) if trained
-                   else math.nan)
+    smooth_loss = (common.per_seed(lambda v: v / (1 - beta ** trained), loop["smooth_loss"])
+                   if trained else math.nan)
     tok_per_s = args.total_batch_size * run.copies / s.seconds  # every seed's tokens
     if step % args.log_every == 0 or step == run.num_iterations:
         parts = [f"step {step:05d}/{run.num_iterations:05d} "
                  f"({100 * step / run.num_iterations:5.1f}%)",
-                 f"loss {numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)",
+                 f"loss {common.numbers_text(smooth_loss)}" if s.finite else "skipped (non-finite)",
                  f"lrm {s.lrm:.2f}", f"dt {1000 * s.seconds:.0f}ms", f"tok/s {tok_per_s:,.0f}"]
         if run.peak_flops:
             mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
@@ -1023,7 +1004,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
                                finite=s.finite, line=line)
         print0(line)
     if run.wandb:
-        logged = (wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
+        logged = (common.wandb_values("train/loss", smooth_loss, args.seeds) if s.finite
                   else {"train/skipped_steps": loop["skipped_steps"]})
         run.wandb.log({"step": step, **logged, "train/lrm": s.lrm, "train/tok_per_s": tok_per_s})
 
