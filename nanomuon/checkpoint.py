@@ -48,16 +48,11 @@ from nanomuon.gpt import GPT, GPTConfig
 from nanomuon.param_groups import DamagedState
 from nanomuon.run import CHECKPOINT_FILES, DATA_FILE, aside_steps, check_links, list_steps, step_dir
 
-
-def _libc_swap():
-    """libc's atomic exchange of two paths (renameat2 on Linux, renamex_np on macOS), or None."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "renameat2"):
-        return lambda a, b: libc.renameat2(-100, a, -100, b, 2)  # -100: AT_FDCWD
-    return (lambda a, b: libc.renamex_np(a, b, 2)) if hasattr(libc, "renamex_np") else None
-
-
-SWAP = _libc_swap()
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# libc's atomic exchange of two paths (renameat2 on Linux, -100 being AT_FDCWD; renamex_np on
+# macOS), or None
+SWAP = ((lambda a, b: _LIBC.renameat2(-100, a, -100, b, 2)) if hasattr(_LIBC, "renameat2")
+        else (lambda a, b: _LIBC.renamex_np(a, b, 2)) if hasattr(_LIBC, "renamex_np") else None)
 
 
 def _swap(a: Path, b: Path) -> bool:
@@ -146,13 +141,8 @@ def _full_disk_kept():
 class SafeWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter, whose full disk is still one when another rank reports it."""
 
-    def write_data(self, *args, **kwargs):
-        with _full_disk_kept():
-            return super().write_data(*args, **kwargs)
-
-    def finish(self, *args, **kwargs):
-        with _full_disk_kept():
-            return super().finish(*args, **kwargs)
+    write_data = _full_disk_kept()(dcp.FileSystemWriter.write_data)
+    finish = _full_disk_kept()(dcp.FileSystemWriter.finish)
 
 
 def _no_index_logs(record: logging.LogRecord) -> bool:
@@ -328,10 +318,6 @@ def _pairs(v) -> bool:
         isinstance(x, list) and len(x) == 2 and _count(x[0]) and _value(x[1]) for x in v)
 
 
-def _seconds(v) -> bool:
-    return isinstance(v, list) and all(_num(x, 0, SECONDS) for x in v)
-
-
 SECONDS = 1e9  # 31 years: more time than any run trains
 # meta.json's loop state, field -> (check, what it must be): a resume reads each into the lines,
 # summary and report at the end of the run, hours after the load
@@ -340,12 +326,11 @@ LOOP_FIELDS = dict(
     train_time=(lambda v: _num(v, 0, SECONDS), f"a number of seconds in [0, {SECONDS:g}]"),
     history=(_pairs, "a list of [step, train loss] pairs"),
     val_history=(_pairs, "a list of [step, val bpb] pairs"),
-    val_train_time=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
-    step_times=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
-    optim_times=(_seconds, f"a list of numbers of seconds in [0, {SECONDS:g}]"),
-    skipped_steps=(_count, "an int >= 0"),
-    nonfinite_in_a_row=(_count, "an int >= 0"),
-    qk_clipped=(_count, "an int >= 0"),
+    **dict.fromkeys(("val_train_time", "step_times", "optim_times"),
+                    (lambda v: isinstance(v, list) and all(_num(x, 0, SECONDS) for x in v),
+                     f"a list of numbers of seconds in [0, {SECONDS:g}]")),
+    **dict.fromkeys(("skipped_steps", "nonfinite_in_a_row", "qk_clipped"),
+                    (_count, "an int >= 0")),
     final_eval=(lambda v: isinstance(v, list) and len(v) == 2 and _count(v[0]) and _value(v[1]),
                 "[val tokens scored, val bpb]"))
 

@@ -91,7 +91,6 @@ def name_problem(name) -> str | None:
         return "is absolute or has a backslash"
     if ".." in name.split("/"):
         return "climbs out with '..'"
-    return None
 
 
 class Bundle:
@@ -287,7 +286,6 @@ def item_problem(kind: str, item) -> str | None:
         gold = item.get("gold")
         if not (isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(options)):
             return f"'gold' is {gold!r}, not an index into its {len(options)} options"
-    return None
 
 
 def task_lines(bundle: Bundle, uri: str) -> list:
@@ -542,10 +540,9 @@ def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "aut
         t0 = time.perf_counter()
         acc = evaluate_task(model, tokenizer, task, device, dtype)
         chance = 0.01 * task.baseline  # centered: chance is 0, perfect is 1
-        row = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
+        row = out[task.label] = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
                    baseline=task.baseline, centered=(acc - chance) / (1.0 - chance),
                    seconds=time.perf_counter() - t0)
-        out[task.label] = row
         print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "
                f"items: accuracy {acc:.4f}, centered {row['centered']:+.4f}, "
                f"{row['seconds']:.1f} s")
