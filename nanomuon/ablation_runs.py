@@ -222,9 +222,9 @@ def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
     shared["val_train_time"] = [t / len(seeds) for t in shared["val_train_time"]]
-    per_seed = summary.get("per_seed", {})  # a batched run's; a single run's record is its own
-    records = {str(s): dict(shared, **{k: v for k, v in per_seed.get(str(s), {}).items()
-                                       if k in KEPT}, variant=variant, value=value, seed=s)
+    per_seed = {str(seed): {}} if alone else summary["per_seed"]  # a single run's is its own
+    records = {str(s): dict(shared, **{k: v for k, v in per_seed[str(s)].items() if k in KEPT},
+                            variant=variant, value=value, seed=s)
                for s in seeds}
     write_json(path, records)
     return {job: records[str(job.seed)] for job in jobs}

@@ -206,6 +206,13 @@ def earlier_run(run_dir: Path) -> list[str]:
             + list(exports(run_dir).values()))
 
 
+def held_by(run_dir: Path, earlier: list[str]) -> str:
+    """What earlier_run found, for a line: the newest steps (three at most) and the results."""
+    steps = list_steps(run_dir)
+    return ", ".join(([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else [])
+                     + [name for name in earlier if not name.startswith("step_")])
+
+
 # -- the lock: one run per directory ---------------------------------------------------------------
 
 _LOCKS = {}  # run dir -> (its open directory fd, the holder line we wrote into .lock)
@@ -322,9 +329,7 @@ def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -
             error = str(e)
     if rank == 0 and not error and fresh and earlier:
         if not start_over:
-            steps = list_steps(run_dir)  # the newest three, then the results and exports
-            held = ", ".join(([f"steps {', '.join(map(str, steps[-3:]))}"] if steps else [])
-                             + [name for name in earlier if not name.startswith("step_")])
+            held = held_by(run_dir, earlier)
             error = (f"{run_dir} holds an earlier run ({held}): continue it with "
                      "--resume-from-step latest, pick another --run, or pass --start-over to "
                      "move it into previous.N and train afresh")
