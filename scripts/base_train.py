@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from nanomuon import checkpoint, common, recipe, report
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.attention import choose_attention
-from nanomuon.common import available_memory, print0  # tests stand in for available_memory
+from nanomuon.common import available_memory, evaluate_bpb, print0  # tests stand in for two
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
 from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
@@ -749,8 +749,8 @@ def evaluate(run: Run, final: bool = False) -> None:
     rows = run.final_val if final else run.val
     run.model.eval()
     with plain_linears(run.model):  # bf16, as nanochat evaluates an fp8 run
-        bpb = common.evaluate_bpb(run.train_model, rows, run.args.device_batch_size,
-                                  run.token_bytes, run.args.dtype)
+        bpb = evaluate_bpb(run.train_model, rows, run.args.device_batch_size, run.token_bytes,
+                           run.args.dtype)
     run.model.train()
     said, key = f"val bpb {common.numbers_text(bpb)}", "val/bpb"
     if final:
