@@ -31,30 +31,13 @@ from typing import NamedTuple
 
 from nanomuon import budget, recipe
 from nanomuon.ablation_plan import Refiner, in_words, kept_estimate, plan_keys, prior_estimate
-from nanomuon.ablation_runs import (  # noqa: F401 (tests read some here)
-    PROGRESS_S,
-    RUNNING,
-    Job,
-    batches,
-    cache_of,
-    code_hash,
-    data_fingerprint,
-    launch,
-    run_all,
-    split_runs,
-)
+from nanomuon.ablation_runs import RUNNING, Job, batches, cache_of, run_all, split_runs
 from nanomuon.common import get_base_dir
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from nanomuon.verdicts import (  # noqa: F401 (tests read some here)
-    PUBLISHED,
-    Sweep,
-    difference_panel,
-    report,
-    write_ablation,
-)
+from nanomuon.verdicts import Sweep, report, write_ablation
 from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of

@@ -155,7 +155,7 @@ def test_bad_name_is_refused_in_one_line_before_anything_is_written(base, small,
 
 
 def test_code_hash_covers_every_file_by_contents(tmp_path):
-    from scripts.ablate import code_hash
+    from nanomuon.ablation_runs import code_hash
 
     dirs = [tmp_path / "nanomuon", tmp_path / "scripts"]
     for d in dirs:
@@ -235,14 +235,13 @@ def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
     """The same shards at other paths are the same data; a byte changed in place, with the size and
     mtime kept, is other data; an unchanged shard is not read again, unless it changed so recently
     that it could change again with the same timestamps."""
-    from nanomuon import common
-    from scripts import ablate
+    from nanomuon import ablation_runs, common
 
     monkeypatch.setattr(common, "RACY_NS", -1)  # every shard's last change is long past
     memo = base_copy / "memo.json"
-    first = ablate.data_fingerprint("embedded", memo)
+    first = ablation_runs.data_fingerprint("embedded", memo)
     monkeypatch.setenv("NANOMUON_BASE_DIR", str(base))
-    assert ablate.data_fingerprint("embedded", base_copy / "other.json") == first
+    assert ablation_runs.data_fingerprint("embedded", base_copy / "other.json") == first
     monkeypatch.setenv("NANOMUON_BASE_DIR", str(base_copy))
     val = data_dir("embedded") / json.loads((data_dir("embedded") / "manifest.json").read_text())["val_shard"]
     st, data = val.stat(), bytearray(val.read_bytes())
@@ -254,13 +253,13 @@ def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
     hashed = []
     file_hash = common.file_hash
     monkeypatch.setattr(common, "file_hash", lambda p: hashed.append(p) or file_hash(p))
-    changed = ablate.data_fingerprint("embedded", memo)
+    changed = ablation_runs.data_fingerprint("embedded", memo)
     assert changed != first and hashed == [val]
-    assert ablate.data_fingerprint("embedded", memo) == changed and hashed == [val]
+    assert ablation_runs.data_fingerprint("embedded", memo) == changed and hashed == [val]
     monkeypatch.setattr(common, "RACY_NS", 10**18)  # every shard changed a moment ago
     hashed.clear()
     for _ in range(2):
-        assert ablate.data_fingerprint("embedded", base_copy / "racy.json") == changed
+        assert ablation_runs.data_fingerprint("embedded", base_copy / "racy.json") == changed
     assert len(hashed) == 2 * len(list(data_dir("embedded").glob("*.parquet")))
     assert not (base_copy / "racy.json").exists()
 
@@ -403,13 +402,13 @@ def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsy
     """launch() asks base_train for every step line and echoes one each PROGRESS_S seconds at most,
     so a batched run of slow steps still says where it is; evals, the last step and errors always.
     A process stands in for base_train here, its lines 10 s apart."""
-    from scripts import ablate
+    from nanomuon import ablation_runs
 
     lines = [f"step {i:05d}/00010 ( 10.0%) | loss 5.0 | dt 10000ms\n" for i in range(1, 11)]
     lines[5:5] = ["step 00005 | val bpb 2.5000\n"]
     lines += ["step 00010 | val bpb 2.0000\n", "final val bpb 2.0000\n"]
     clock = iter(range(0, 1000, 10))
-    monkeypatch.setattr(ablate.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(ablation_runs.time, "monotonic", lambda: next(clock))
 
     class Process:  # writes each step line's record before the line, as base_train does
         def __init__(self, cmd, **kw):
@@ -430,13 +429,13 @@ def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsy
             return False
 
     launched = []
-    monkeypatch.setattr(ablate.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or Process(cmd))
-    ablate.launch("run", ["--num-iterations", "10"], 1, 1)
+    monkeypatch.setattr(ablation_runs.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd) or Process(cmd))
+    ablation_runs.launch("run", ["--num-iterations", "10"], 1, 1)
     echoed = [x.split("] ", 1)[1] for x in capsys.readouterr().out.splitlines() if x.startswith("  [run]")]
     assert launched[0][-4:-1] == ["--log-every", "1", "--step-record"]
     want = [lines[0], lines[3], lines[5], lines[7], lines[10], *lines[11:]]
     assert echoed == [x.rstrip("\n") for x in want], echoed
-    assert ablate.PROGRESS_S == 30
+    assert ablation_runs.PROGRESS_S == 30
 
 
 @pytest.mark.parametrize("bad", ["", "ten", "-5m", "0", "5d"])
@@ -886,7 +885,7 @@ def test_the_difference_panel_shows_the_verdicts_own_interval(tmp_path):
     first panel also draws the verdict's difference and 95% interval at the last step, worked out here
     (t_0.975 at 2 degrees of freedom), so it cannot disagree with the table; the plot draws it."""
     from nanomuon.report import plot_curves
-    from scripts.ablate import difference_panel
+    from nanomuon.verdicts import difference_panel
 
     def record(last, final):
         return dict(val_history=[[0, 4.0], [50, last]], final_val_bpb=last, final_eval_bpb=final)
@@ -972,7 +971,7 @@ BESIDE = {"adamw": (2, 1), "muon-soap": (14, 11), "muon-uw-floor": (9, 10), "muo
 def test_the_published_signs_are_track_3s():
     """Every published technique's sign is that of its record's steps minus the Muon record's it was run
     beside, and its source names both records' steps."""
-    from scripts.ablate import PUBLISHED
+    from nanomuon.verdicts import PUBLISHED
 
     assert set(PUBLISHED) == set(BESIDE)
     for variant, (record, muon) in BESIDE.items():
