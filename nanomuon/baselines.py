@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import _muon as torch_muon
 
-from nanomuon.update_math import resolve_ns_precision
+from nanomuon.stages import resolve_ns_precision
 
 
 def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):

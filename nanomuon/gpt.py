@@ -20,7 +20,7 @@ from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
 from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
-from nanomuon.update_math import input_block, input_covariance
+from nanomuon.stages import input_block, input_covariance
 
 # Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
 # speedrun trains (value embeddings, sliding windows, residual and x0 lambdas, smear, backout, QK
@@ -150,7 +150,7 @@ def sdpa(q, k, v, window: int | None = None):
 
 
 def inputs_of(x: torch.Tensor, prefix: str, **linears) -> dict:
-    """prefix + name -> update_math.input_covariance of each linear layer x feeds, once a size."""
+    """prefix + name -> stages.input_covariance of each linear layer x feeds, once a size."""
     out, made = {}, {}
     for name, lin in linears.items():
         rows, cols = lin.weight.shape[-2:]

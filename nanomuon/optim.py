@@ -15,7 +15,7 @@ Muon: an embedding is a lookup table, not a map between hidden states, and the h
 better with AdamW there.
 
 The defaults are those of nanochat's late-2025 Muon (Andrej Karpathy,
-https://github.com/karpathy/nanochat), one muon-group key each (param_groups.MUON_OPTIONS has them
+https://github.com/karpathy/nanochat), one muon-group key each (stages.MUON_OPTIONS has them
 all); GPT.setup_optimizer's arch 'nanochat' adds what nanochat 92d63d4 runs on top of them:
 MuonEq's rows scaled to their mean norm before orthogonalizing ('equilibrate_row_mean'), Muon+'s
 Frobenius rescale after it ('normalize_fro') and beta2=0.9:
@@ -28,15 +28,16 @@ Frobenius rescale after it ('normalize_fro') and beta2=0.9:
 - apply='cautious': Cautious Weight Decay (Chen et al. 2025, https://arxiv.org/abs/2510.12402),
   only where update and weight agree in sign, by the lr with its factor (decay_lr='adjusted').
 - lr_scale='shape': the lr times sqrt(max(1, rows/cols)), Jordan's and torch.optim.Muon's factor.
-The update runs in stages (precondition, orthogonalize, post-process, apply), each a registry in
-update_math.py that a group picks from by name; the alternatives and their sources:
-docs/optimizer.md. reference.py defines the update in float64, update_math.py writes it once for
-every path, this file runs it.
+The update runs in stages (precondition, orthogonalize, post-process, apply): muon.py writes the
+update a step runs once for every path, with the default stages; stages.py holds the registries
+a group picks the alternatives from by name (docs/optimizer.md has their sources) and resolves a
+group into the MuonPlan a step runs. reference.py defines the update in float64; this file runs
+it: phases, communication and state.
 
 Groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest), checked
 whole when added and when a key changes; a step checks only what schedules edit (check_numbers).
 With a process group (DistMuonAdamW: the default one) the step is ZeRO-1: 1. every grad is averaged
-over the ranks in place; 2. each Muon matrix is updated by its owner (plan.py), each large AdamW
+over the ranks in place; 2. each Muon matrix is updated by its owner (owners.py), each large AdamW
 param by rows across the ranks, small ones everywhere; 3. every rank gathers every updated param
 back, bitwise identical. DTensor params (FSDP2, tensor parallel) go through sharded.py.
 """
@@ -48,6 +49,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nanomuon.muon import (
+    AdamWScalars,
+    MuonPlan,
+    adamw_update,
+    fresh_state,
+    kernel,
+    muon_hparams,
+    muon_update,
+    scalars,
+)
+from nanomuon.owners import owner_buckets, update_cost
 from nanomuon.param_groups import (
     DamagedState,
     check_group,
@@ -59,7 +71,6 @@ from nanomuon.param_groups import (
     saved_params,
     state_values_problem,
 )
-from nanomuon.plan import owner_plan
 from nanomuon.sharded import (
     DeviceMesh,
     DTensor,
@@ -71,22 +82,7 @@ from nanomuon.sharded import (
     muon_step_sharded,
     state_piece,
 )
-from nanomuon.update_math import (
-    AdamWScalars,
-    adamw_update,
-    fresh_state,
-    input_shape,
-    inputs_due,
-    kernel,
-    muon_hparams,
-    muon_plan,
-    muon_state_layout,
-    muon_update,
-    orthogonalizer_running,
-    scalars,
-    stage_needs,
-    update_cost,
-)
+from nanomuon.stages import input_shape, muon_plan, orthogonalizer_running
 
 
 def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
@@ -100,8 +96,8 @@ def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[in
 class Resolved(NamedTuple):
     """What a param group's static keys (all but params and NUMBERS) resolve to."""
     signature: str  # group_signature at the time
-    plans: dict  # (shape, dtype, device) -> update_math.MuonPlan, made on first use
-    inputs: bool  # a stage reads its matrices' inputs (every input_interval steps)
+    plans: dict  # (shape, dtype, device) -> muon.MuonPlan, made on first use
+    input_every: int | None  # steps between reads of its matrices' inputs; None: never
     sharded: bool  # it holds DTensor params (sharded.py)
 
 
@@ -167,8 +163,8 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
         self._stacks = {}  # param ids -> (group signature, name -> stacked state)
-        self._sharded_plans = {}  # DTensor Muon params' owners and blocks (sharded.py)
-        self._plan = []  # per group: (param ids, buckets), plain Muon params' owners (_get_plan)
+        self._sharded_owners = {}  # DTensor Muon params' owners and blocks (sharded.py)
+        self._buckets = []  # per group: (param ids, buckets), plain Muon params' owners
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
@@ -214,13 +210,13 @@ class MuonAdamW(torch.optim.Optimizer):
     def wants_inputs(self) -> bool:
         """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon): the
         loop then collects them (GPT.forward(input_stats=True)) for give_inputs() before step()."""
-        return any(g["kind"] == "muon" and inputs_due(g) for g in self.param_groups)
+        return any(self._inputs_due(i, g) for i, g in enumerate(self.param_groups))
 
     @torch.no_grad()
     def give_inputs(self, inputs: dict) -> None:
         """This step's input covariances, param -> (..., blocks, b, b), each this rank's mean over
-        its tokens (update_math.input_covariance); averaged over the ranks here for the owners."""
-        params = [p for g in self.param_groups if g["kind"] == "muon" and inputs_due(g)
+        its tokens (stages.input_covariance); averaged over the ranks here for the owners."""
+        params = [p for i, g in enumerate(self.param_groups) if self._inputs_due(i, g)
                   for p in g["params"]]
         if missing := [i for i, p in enumerate(params) if p not in inputs]:
             raise ValueError(f"give_inputs: {len(missing)} of the {len(params)} matrices whose "
@@ -230,7 +226,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if tuple(inputs[p].shape) != (want := (*p.shape[:-2], *input_shape(*p.shape[-2:]))):
                 raise ValueError(f"give_inputs: a {tuple(p.shape)} matrix's inputs are "
                                  f"{tuple(inputs[p].shape)}, not {want} "
-                                 "(update_math.input_covariance of this model's own inputs)")
+                                 "(stages.input_covariance of this model's own inputs)")
         stats = [inputs[p].detach().float() for p in params]
         if self.world_size > 1:
             flat = torch.cat([t.flatten() for t in stats])
@@ -244,7 +240,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """One step of every param with a grad (on any rank), in three phases."""
         inputs, self._inputs = self._inputs, {}  # this step's alone, used or not
         loss = self._begin_step(closure, inputs)
-        buckets = self._get_plan()
+        buckets = self._owned_buckets()
         params = [p for g in self.param_groups for p in g["params"]]
         # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
         single = self.world_size == 1
@@ -264,7 +260,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     gathers.append(self._update_muon_bucket(group, b, active,
                                                             reductions["muon"].get(bi), inputs))
             if self._resolved[gi].sharded:  # FSDP2 / TP params
-                muon_step_sharded(group, self.state, self._sharded_plans,
+                muon_step_sharded(group, self.state, self._sharded_owners,
                                   self._resolved[gi].plans, self.compiled)
         if not single:
             self._write_back(gathers, active)  # 3: wait for the gathers, copy in what arrived
@@ -277,14 +273,7 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            kept = self._resolved.get(i)
-            if kept is None or kept.signature != group_signature(group):
-                fill_defaults(group)
-                check_group_values(i, group)
-                muon = group["kind"] == "muon"
-                kept = self._resolved[i] = Resolved(
-                    group_signature(group), {}, muon and "inputs" in stage_needs(group),
-                    has_dtensors(group["params"]))
+            self._resolve(i, group)
             check_numbers(i, group)
             if group["kind"] == "adamw" and group.get("momentum") is not None:  # OneCycleLR's
                 group["betas"] = (group["momentum"], group["betas"][1])
@@ -297,36 +286,60 @@ class MuonAdamW(torch.optim.Optimizer):
                              else f"grad shape {tuple(g.shape)} differs from param shape "
                              f"{tuple(p.shape)}")
                     raise ValueError(f"{group_label(i, group)}, param {j}: {wrong}")
-            if kept.inputs and inputs_due(group) and group["params"][0] not in inputs:
+            if self._inputs_due(i, group) and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
                                  "this step (input_interval); collect them with GPT.forward("
                                  "input_stats=True) and pass them to give_inputs() before step()")
         return loss
 
-    def _get_plan(self) -> list[dict]:
+    def _resolve(self, i: int, group: dict) -> Resolved:
+        """The group's Resolved, made again (the group checked whole) when a static key changed."""
+        kept = self._resolved.get(i)
+        if kept is None or kept.signature != group_signature(group):
+            fill_defaults(group)
+            check_group_values(i, group)
+            kept = self._resolved[i] = Resolved(group_signature(group), {}, None,
+                                                has_dtensors(group["params"]))
+            if group["kind"] == "muon" and group["params"]:
+                every = self._plan(i, group, group["params"][0]).input_every
+                kept = self._resolved[i] = kept._replace(input_every=every)
+        return kept
+
+    def _plan(self, i: int, group: dict, p: Tensor) -> MuonPlan:
+        """The group's MuonPlan for matrices like p, made on first use."""
+        plans, key = self._resolve(i, group).plans, (tuple(p.shape), p.dtype, p.device)
+        return plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
+
+    def _inputs_due(self, i: int, group: dict) -> bool:
+        """Whether a muon group's next step reads its matrices' inputs (every input_every)."""
+        every = self._resolve(i, group).input_every
+        return every is not None and (group["step"] + 1) % every == 0
+
+    def _owned_buckets(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners, planned group by group
         and kept: a group added later leaves the others' owners, and their state, in place."""
         loads = [0.0] * self.world_size
         for gi, group in enumerate(self.param_groups):
             ids = tuple(id(p) for p in group["params"])
-            if gi == len(self._plan) or self._plan[gi][0] != ids:
-                if gi < len(self._plan) and any(self.state.get(p) for b in self._plan[gi][1]
+            if gi == len(self._buckets) or self._buckets[gi][0] != ids:
+                if gi < len(self._buckets) and any(self.state.get(p) for b in self._buckets[gi][1]
                                                 for p in b["params"]):
                     raise ValueError(f"{group_label(gi, group)}: its params changed after "
                                      "DistMuonAdamW made state for them; add new params in a new "
                                      "group with add_param_group()")
-                self._plan[gi:gi + 1] = [(ids, self._plan_group(gi, group, loads))]
-            for b in self._plan[gi][1]:
+                self._buckets[gi:gi + 1] = [(ids, self._group_buckets(gi, group, loads))]
+            for b in self._buckets[gi][1]:
                 loads = [load + len(slots) * b["cost"] for load, slots in zip(loads, b["slots"])]
-        return [b for _, buckets in self._plan for b in buckets]
+        return [b for _, buckets in self._buckets for b in buckets]
 
-    def _plan_group(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
+    def _group_buckets(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
         """One group's buckets, with owners balanced against `loads` (what each rank owns)."""
         matrices = ([p for p in group["params"] if not isinstance(p, DTensor)]
                     if group["kind"] == "muon" else [])
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
-        costs, buckets = [update_cost(group, p) for p in matrices], []
-        for b in owner_plan(keys, costs, self.world_size, loads):
+        costs = [update_cost(self._plan(gi, group, p), p.shape) for p in matrices]
+        buckets = []
+        for b in owner_buckets(keys, costs, self.world_size, loads):
             # every rank's stack pads to per_rank: rows are (position, row of the gathered stack)
             rows = [(i, r * b["per_rank"] + j) for r, slots in enumerate(b["slots"])
                     for j, i in enumerate(slots)]
@@ -421,9 +434,8 @@ class MuonAdamW(torch.optim.Optimizer):
             work, buf = reduced
             work.wait()
         if idx:
-            p0, plans = mine[0], self._resolved[b["group"]].plans
-            key = (tuple(p0.shape), p0.dtype, p0.device)
-            plan = plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
+            p0 = mine[0]
+            plan = self._plan(b["group"], group, p0)
             compiled = self.compiled and not plan.eager
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
@@ -580,7 +592,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if N > 1:
             index = {id(p): k for k, p in enumerate(params)}
             sd["state"] = {index[id(p)]: st for p, st in self._gather_state(params).items()}
-        return (full_state(self.param_groups, self.state, self._sharded_plans, sd)
+        return (full_state(self.param_groups, self.state, self._sharded_owners, sd)
                 if has_dtensors(params) else sd)
 
     def _gather_state(self, params: list[Tensor]) -> dict:
@@ -604,12 +616,12 @@ class MuonAdamW(torch.optim.Optimizer):
                     dist.all_gather_into_tensor(out, torch.nn.functional.pad(
                         st[name], (0, shard - (hi - lo))), group=self.pg, async_op=True).wait()
                     full[p][name] = out[:p.numel()].view_as(p).clone()
-        for b in self._get_plan():
+        for b in self._owned_buckets():
             if not any(has[p] for p in b["params"]):
                 continue
             p0, mine = b["params"][0], [b["params"][i] for i in b["mine"]]
             group = self.param_groups[b["group"]]
-            for name, slot in muon_state_layout(p0.shape, p0.dtype, group).items():  # as all ranks
+            for name, slot in self._plan(b["group"], group, p0).state.items():  # as all ranks
                 stack = torch.zeros((b["per_rank"], *slot.shape), dtype=slot.dtype,
                                     device=p0.device)
                 for k, p in enumerate(mine):  # state not made yet: what the next step makes
@@ -654,9 +666,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def _state_layout(self):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
         block (mesh, placements) or a slice of the flat param. A collective (DTensor plans)."""
-        kept = kept_direction_state(self.param_groups, self._sharded_plans)
+        kept = kept_direction_state(self.param_groups, self._sharded_owners)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
-        owned = {b["params"][i] for b in self._get_plan() for i in b["mine"]}
+        owned = {b["params"][i] for b in self._owned_buckets() for i in b["mine"]}
 
         def where(p, name, shape):
             if isinstance(p, DTensor):

@@ -11,9 +11,9 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon import update_math
+from nanomuon import stages
+from nanomuon.coefficients import NS_GROWTH_MAX, ns_coefficients, ns_growth
 from nanomuon.common import DTensor, shown
-from nanomuon.update_math import Option, a_bool, a_number, ns_coefficients, one_of
 
 logger = logging.getLogger("nanomuon")
 
@@ -102,138 +102,9 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
                  "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")
-
-
-def stage_names(key: str):
-    """The check of a stage key: names in its registry (one, or a sequence for a chain)."""
-    registry, chain = update_math.STAGE_KEYS[key], key in update_math.CHAIN_KEYS
-    where = "update_math." + next(n for n, v in vars(update_math).items() if v is registry)
-
-    def check(v):
-        if chain and not isinstance(v, (str, tuple, list)):
-            return "must be a name or a sequence of names"
-        bad = [n for n in (update_math.names(v) if chain else (v,))
-               if not isinstance(n, str) or n not in registry]
-        if bad:
-            return (f"{'names ' + repr(bad) if chain else 'is'} not in {where}: use one of "
-                    f"{list(registry)}, or register yours there")
-        if key != "orthogonalizer":
-            return None
-        if (s := update_math.stage(key, v)).state or s.needs:
-            return ("names an orthogonalizer that declares state or needs; an orthogonalizer is "
-                    "f(G, ctx): give those to a precondition or post-process stage")
-        if (method := s.method) not in (None, *update_math.NS_METHODS):
-            return (f"names an orthogonalizer whose method {method!r} is not one of "
-                    f"{update_math.NS_METHODS}: name the Newton-Schulz it runs, or None for "
-                    "another orthogonalizer")
-        return None
-    return check
-
-
-def any_value(v):  # checked with the keys it goes with (check_group_values)
-    return None
-
-
-def row_counts(n: int | None):
-    """The check of a split: n positive row counts (None: two or more)."""
-    def check(v):
-        ok = v is None or (isinstance(v, (tuple, list)) and len(v) == (n or len(v)) >= 2 and all(
-            isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in v))
-        return None if ok else ("must be three positive row counts (q, k, v)" if n
-                                else "must be two or more positive row counts, one per block")
-    return check
-
-
-def query_groups(v):
-    return update_math.a_count(v) and "must be an int >= 1 (Megatron's num_query_groups)"
-
-
-# Every optional key of a muon group, declared once: defaults (late-2025 nanochat's Muon), checks,
-# and the docs of the option table in docs/optimizer.md.
-MUON_OPTIONS = {
-    "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
-    "precondition": Option((), stage_names("precondition"), "names in "
-                           "`update_math.PRECONDITIONERS`, run in order on the momentum step "
-                           "before orthogonalizing: `'equilibrate_row'` (MuonEq, arXiv "
-                           "2603.28254; also `_col`, `_row_col`: unit rows and/or "
-                           "columns, both scales from the same matrix); `'equilibrate_row_mean'` "
-                           "(nanochat's: rows scaled to their mean norm); `'soap'` (SOAP-Muon)"),
-    "orthogonalizer": Option("auto", stage_names("orthogonalizer"), "a name in "
-                             "`update_math.ORTHOGONALIZERS`: "
-                             "`'newton_schulz'`; `'gram_newton_schulz'`, the same polynomial "
-                             "iterated on the m x m Gram matrix (fewer FLOPs from aspect 1.5: "
-                             "1.5x at 4:1), restarted every 3 iterations; `'auto'`: Gram where "
-                             "it is cheaper, in fp32 and fp16 only (in bf16 it is not accurate: "
-                             "docs/benchmarks.md). Register `f(G, ctx)` there to add one"),
-    "ns_coefficients": Option("polar_express", any_value,
-                              "a name in `update_math.COEFFICIENT_SETS` (below), a list of "
-                              "per-iteration `(a, b, c)` (safety 1, eps 1e-7), or "
-                              "`dict(coefficients=[...], safety=, eps=)`"),
-    "ns_repeat_last": Option(False, a_bool, "`True`: past the end of the list, run its last triple "
-                             "(Emerging-Optimizers' rule); else `ns_steps` may not exceed it"),
-    "ns_precision": Option("auto", one_of("auto", *update_math.NS_DTYPES),
-                           "`'bf16'`, `'fp16'`, `'fp32'`; auto: bf16 on CUDA and on CPUs with "
-                           "AVX512-BF16 or AMX, fp32 elsewhere (CPUs without bf16 units run it "
-                           "20-100x slower)"),
-    "post_process": Option(("variance_reduction",), stage_names("post_process"), "names in "
-                           "`update_math.POST_PROCESSORS`, run in order on the orthogonalized "
-                           "update: `'variance_reduction'` (NorMuon, with `beta2`; nothing when "
-                           "it is None); `'normalize_col'`, `_row`, `_col_row`, `_row_col` (Muon+, "
-                           "arXiv 2602.21545: unit columns and/or rows, in the order named), "
-                           "`'normalize_fro'` (nanochat's Muon+: Frobenius norm sqrt(min(rows, "
-                           "cols))); `'uw_floor'` (the u/w floor); `'contra'` (ContraMuon)"),
-    "apply": Option("cautious", stage_names("apply"), "a name in `update_math.APPLIERS`: "
-                    "`'cautious'`, decay only where the update and the weight agree in sign; "
-                    "`'decoupled'`, plain decoupled decay; `'hyperball'` (MuonH: the weight "
-                    "kept on the sphere of its initial norm, no decay)"),
-    "lr_scale": Option("shape", one_of(*update_math.LR_SCALES), "lr factor: `'shape'` "
-                       "sqrt(max(1, r/c)); `'moonlight'` 0.2 sqrt(max(r, c)), AdamW's update RMS; "
-                       "`'spectral'` sqrt(max(r, c)); `'unit_rms'` sqrt(r/c)"),
-    "extra_scale": Option(1.0, a_number, "a further factor on the lr"),
-    "decay_lr": Option("adjusted", one_of("adjusted", "group"), "`'adjusted'`: decay by the lr "
-                       "with its factor (nanochat); `'group'`: by the group lr "
-                       "(torch.optim.Muon, Megatron, Emerging-Optimizers: with `'spectral'` at "
-                       "width 768 the default decays ~28x harder)"),
-    "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"),
-                                "`'l2'`: add `weight_decay * p` to the gradient before momentum"),
-    "comm_precision": Option("fp32", one_of("bf16", "fp32"), "DTensor params: the dtype whole "
-                             "matrices travel in to their owner and back"),
-    "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'` (exact), "
-                           "`'duplicated'` (exact), `'distributed'` (exact, Newton-Schulz on "
-                           "slices), `'blockwise'` (docs/optimizer.md, \"Sharded params\")"),
-    "qkv_split": Option(None, row_counts(3), "`(q, k, v)` row counts: split's 3-block case"),
-    "split": Option(None, row_counts(None), "row counts of fused blocks, e.g. `(I, I)` for "
-                    "`[gate; up]`; each block is updated exactly as a param of its own (lr "
-                    "factor, variance reduction)"),
-    "split_groups": Option(1, query_groups, "the rows are this many repeats of the blocks: "
-                           "Megatron's per-query-group QKV layout"),
-    "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr factor "
-                         "and statistics follow the logical `(out, in)`"),
-    "horizon": Option(None, lambda v: None if v is None else update_math.a_count(v),
-                      "the steps the run plans, which stages read as `ctx.horizon` (a schedule's "
-                      "length); `GPT.setup_optimizer(horizon=)` and base_train set it"),
-}
-ADAMW_OPTIONS = {
-    "momentum": Option(None, any_value, "set (by OneCycleLR or CyclicLR, say), it becomes "
-                       "`betas[0]` at the next step"),
-}
-OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
 # Keys other code adds to groups: LR schedulers' initial_lr (and base_train's weight decay
 # schedule's initial_weight_decay); 'name'; a muon group's update count 'step' (StageContext.step).
 PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay", "step"}
-
-
-def group_options(group: dict) -> dict:
-    """key -> Option of a group's optional keys: its kind's, and (muon) its stages' own."""
-    options = dict(OPTIONS.get(group.get("kind"), {}))
-    if group.get("kind") == "muon":
-        for key in update_math.STAGE_KEYS:
-            value = group.get(key, MUON_OPTIONS[key].default)
-            if MUON_OPTIONS[key].check(value) is None:
-                for name in update_math.names(value):
-                    options.update(update_math.stage(key, name).options)
-    return options
 
 
 def fill_defaults(group: dict) -> None:
@@ -245,7 +116,7 @@ def fill_defaults(group: dict) -> None:
         group.setdefault("post_process", ((f"normalize_{post}",) if post else ())
                          + ("variance_reduction",))
         group.setdefault("apply", "cautious" if group.pop("cautious_wd", True) else "decoupled")
-    for key, option in group_options(group).items():
+    for key, option in stages.group_options(group).items():
         group.setdefault(key, option.default)
     if group.get("kind") == "muon":
         group.setdefault("step", 0)
@@ -253,12 +124,6 @@ def fill_defaults(group: dict) -> None:
 
 # muon keys that stage names replaced: fill_defaults() converts them
 LEGACY_KEYS = ("equilibrate", "post_normalize", "cautious_wd")
-
-
-def options_table(kind: str = "muon") -> str:
-    """The markdown table of a kind's optional keys (docs/optimizer.md holds it)."""
-    rows = [f"| `{k}` | `{o.default!r}` | {o.doc} |" for k, o in OPTIONS[kind].items()]
-    return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
 
 
 def group_label(i: int, group: dict) -> str:
@@ -278,10 +143,10 @@ def check_group_values(i: int, group: dict) -> None:
                          f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
     if kind == "adamw":
         return
-    for key, option in group_options(group).items():
+    for key, option in stages.group_options(group).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
-        if (option.check is update_math.an_interval and isinstance(group.get(key), float)
+        if (option.check is stages.an_interval and isinstance(group.get(key), float)
                 and group.get("horizon") is None):
             raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
                              "this group does not know: give it horizon= (GPT.setup_optimizer's "
@@ -294,21 +159,21 @@ def check_group_values(i: int, group: dict) -> None:
         raise ValueError(f"{label}: {whole} needs whole matrices: use sharded_mode 'owner' or "
                          "'duplicated'")
     steps = group["ns_steps"]
-    if wrong := update_math.a_count(steps):
+    if wrong := stages.a_count(steps):
         raise ValueError(f"{label}: ns_steps={steps!r} {wrong} (5 is standard)")
     spec = group.get("ns_coefficients", "polar_express")
     try:
         triples, safety, _ = ns_coefficients(spec, steps, group.get("ns_repeat_last", False))
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
-    if (peak := update_math.ns_growth(triples, safety)) > update_math.NS_GROWTH_MAX:
+    if (peak := ns_growth(triples, safety)) > NS_GROWTH_MAX:
         raise ValueError(f"{label}: ns_coefficients={shown(repr(spec), 120, quote=False)} take a "
                          f"normalized input's singular values to {peak:.3g} within {steps} steps, "
-                         f"where they must stay near 1 (at most {update_math.NS_GROWTH_MAX:g}, as "
+                         f"where they must stay near 1 (at most {NS_GROWTH_MAX:g}, as "
                          "every named set does): larger ones overflow fp32 in the update")
     filled = dict(group)
     fill_defaults(filled)
-    for key, name, s in update_math.group_stages(filled):  # a stage's check of the whole group
+    for key, name, s in stages.group_stages(filled):  # a stage's check of the whole group
         if s.check is not None and (wrong := s.check(filled)):
             raise ValueError(f"{label}: {key} {name!r}: {wrong}")
         if filled["sharded_mode"] == "distributed" and key != "apply" and not s.flags.on_slices:
@@ -327,7 +192,7 @@ def check_group(i: int, group: dict) -> None:
         raise ValueError(f"{label}: missing 'params'; "
                          "give the list of parameters this group trains")
     check_group_values(i, group)
-    kind, options = group["kind"], group_options(group)
+    kind, options = group["kind"], stages.group_options(group)
     unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(options)
     if kind == "muon" and (legacy := sorted(unknown & set(LEGACY_KEYS))):
         raise ValueError(f"{label}: {legacy[0]} is now a stage name: equilibrate='row' is "
@@ -335,10 +200,9 @@ def check_group(i: int, group: dict) -> None:
                          "('normalize_col', 'variance_reduction'), cautious_wd=False is apply="
                          "'decoupled'")
     for key in sorted(unknown) if kind == "muon" else ():
-        if owner := next((f"{k} {n!r}" for k, reg in update_math.STAGE_KEYS.items() for n in reg
-                          if key in update_math.stage(k, n).options), None):
-            raise ValueError(f"{label}: {key} is an option of {owner}, which this group does "
-                             "not run; name the stage too, or drop the key")
+        if (owner := getattr(stages.MUON_OPTIONS.get(key), "stage", None)) is not None:
+            raise ValueError(f"{label}: {key} is an option of {owner[0]} {owner[1]!r}, which this "
+                             "group does not run; name the stage too, or drop the key")
     if unknown:
         allowed = sorted(set(REQUIRED_KEYS[kind]) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
@@ -382,7 +246,7 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                              "it was saved from a different model or optimizer setup")
         # keys its constructor would refuse (older checkpoints' keys load as what they meant)
         known = PASSIVE_KEYS | set(REQUIRED_KEYS[group["kind"]]) | {*LEGACY_KEYS, "ns_method"}
-        if unknown := sorted(set(saved) - known - set(group_options(saved))):
+        if unknown := sorted(set(saved) - known - set(stages.group_options(saved))):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
@@ -406,8 +270,8 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
 def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
     """A Muon param's saved state against what this group keeps: every tensor of the declared
     shape and dtype; a stage's state missing (a stage added on resume) is made afresh, noted."""
-    layout = update_math.muon_state_layout(p.shape, p.dtype, group, declared=True)
-    kept = update_math.muon_state_layout(p.shape, p.dtype, group)
+    layout = stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
+    kept = stages.muon_state_layout(p.shape, p.dtype, group)
     for name, v in st.items():
         slot = layout.get(name)
         what = f"{where} state {name!r}"
@@ -462,7 +326,7 @@ def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | No
     for pid, st in state_dict["state"].items():
         p = by_id[pid]
         i, j, group = where[p]
-        slots = (update_math.muon_state_layout(p.shape, p.dtype, group, declared=True)
+        slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
                  if group["kind"] == "muon" else {})
         for name, v in st.items():
             if group["kind"] == "adamw" and name == "step":

@@ -1,7 +1,7 @@
 """
 The definition of nanomuon's Muon update: one step on one matrix, in float64, in plain loops.
 
-The fused, stacked, sharded and compiled paths (update_math.py) must equal it, and the tests hold
+The fused, stacked, sharded and compiled paths (muon.py) must equal it, and the tests hold
 them to it. It shares facts with them (coefficient sets, an orthogonalizer's method), never code:
 read it to learn what the optimizer does, fork it to state a new idea before making it fast.
 muon_step(p, g, state, group) returns the new p; state starts empty and carries over.
@@ -24,7 +24,8 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon.update_math import COEFFICIENT_SETS, orthogonalizer_method
+from nanomuon.coefficients import COEFFICIENT_SETS
+from nanomuon.stages import orthogonalizer_method
 
 LR_FACTORS = {  # lr_scale: the factor on lr for a (rows, cols) matrix
     "shape": lambda r, c: math.sqrt(max(1.0, r / c)),

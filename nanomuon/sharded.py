@@ -1,7 +1,7 @@
 """
 Muon for sharded parameters: DTensor params from FSDP2, tensor parallelism, or both on a 2-D mesh
 (docs/optimizer.md, "Sharded params"). The optimizers hand their DTensor params here, already
-reduced; the math is update_math.py's, the owners plan.py's, and this file adds the communication.
+reduced; the math is muon.py's, the owners owners.py's, and this file adds the communication.
 sharded_mode='owner' (the default, exact): momentum on the local shard; an all_to_all gathers whole
 matrices on their owner, which orthogonalizes them stacked by shape; a second returns each rank its
 block for the elementwise update. muon_step_modes() has Megatron's alternatives. The momentum
@@ -16,28 +16,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanomuon.param_groups import has_dtensors
-from nanomuon.plan import owner_plan
-from nanomuon.update_math import (
-    CHAIN_KEYS,
-    NS_DTYPES,
+from nanomuon.muon import (
     MuonPlan,
     Slices,
     StageContext,
     fresh_state,
-    group_stages,
     kernel,
     muon_apply,
     muon_direction,
     muon_hparams,
     muon_momentum,
+    over_slices,
+    scalars,
+)
+from nanomuon.owners import owner_buckets, update_cost
+from nanomuon.param_groups import has_dtensors
+from nanomuon.stages import (
+    CHAIN_KEYS,
+    NS_DTYPES,
+    group_stages,
     muon_plan,
     muon_state_layout,
-    over_slices,
-    runs_eager,
-    scalars,
-    stage_needs,
-    update_cost,
 )
 
 try:
@@ -75,13 +74,15 @@ def _slices(offset, shape):
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
-    """The group's DTensor Muon params and their plan (every rank's block of each, the owners and
-    the waves), built once (a collective) and kept in `plans` so owners stay put."""
+def group_owners(group: dict, owners: dict, muon_plans=None) -> tuple[list[DTensor], dict]:
+    """The group's DTensor Muon params and who does what (every rank's block of each, the owners
+    and the waves), assigned once (a collective) and kept in `owners` so they stay put; costs
+    from the group's MuonPlans (`muon_plans`, the optimizer's cache, else made here)."""
     params = [p for p in group["params"] if isinstance(p, DTensor)]
     key = (id(group), tuple(id(p) for p in params))
-    if key in plans:
-        return params, plans[key]
+    if key in owners:
+        return params, owners[key]
+    muon_plans = {} if muon_plans is None else muon_plans
     world = dist.get_world_size()
     for p in params:
         ranks = sorted(p.device_mesh.mesh.flatten().tolist())
@@ -95,16 +96,16 @@ def group_plan(group: dict, plans: dict) -> tuple[list[DTensor], dict]:
                              f"placement {p.placements}; params must be Shard or Replicate")
     blocks = [None] * world  # blocks[r][i]: rank r's block of params[i]
     dist.all_gather_object(blocks, [block_of(p) for p in params])
-    buckets = owner_plan([(tuple(p.shape), p.dtype) for p in params],
-                         [update_cost(group, p) for p in params], world)
+    costs = [update_cost(plan_of(muon_plans, group, p.shape, p), p.shape) for p in params]
+    buckets = owner_buckets([(tuple(p.shape), p.dtype) for p in params], costs, world)
     owner, waves = {}, []
     for b in buckets:
         owner.update({b["members"][k]: r for r, slots in enumerate(b["slots"]) for k in slots})
         for start in range(0, b["per_rank"], WAVE_PER_RANK):  # <= WAVE_PER_RANK per rank each
             waves.append(sorted(b["members"][k] for s in b["slots"]
                                 for k in s[start:start + WAVE_PER_RANK]))
-    plans[key] = dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
-    return params, plans[key]
+    owners[key] = dict(blocks=blocks, owner=owner, waves=waves, rank=dist.get_rank(), world=world)
+    return params, owners[key]
 
 
 def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm_dtype):
@@ -118,10 +119,10 @@ def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm
     return dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True), recv, send
 
 
-def _gather(plan, params, wave, g_local, comm_dtype, per: int = 1):
+def _gather(assigned, params, wave, g_local, comm_dtype, per: int = 1):
     """Launch the all_to_all that sends every block of the wave's matrices to their owners (`per`
     tensors of each, stacked: the momentum step, and the raw gradient where a stage needs it)."""
-    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    rank, world, blocks, owner = (assigned[k] for k in ("rank", "world", "blocks", "owner"))
     pieces = [[] for _ in range(world)]
     for i in wave:
         offset, shape, sends = blocks[rank][i]
@@ -133,9 +134,9 @@ def _gather(plan, params, wave, g_local, comm_dtype, per: int = 1):
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
 
 
-def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
+def _assemble(assigned, params, wave, recv, per: int = 1) -> dict:
     """Whole matrices (per > 1: (per, *shape) stacks) of the wave's matrices I own."""
-    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    rank, world, blocks, owner = (assigned[k] for k in ("rank", "world", "blocks", "owner"))
     mine = [i for i in wave if owner[i] == rank]
     lead = (per,) if per > 1 else ()
     full = {i: torch.empty((*lead, *params[i].shape), dtype=params[i].dtype, device=recv.device)
@@ -152,9 +153,9 @@ def _assemble(plan, params, wave, recv, per: int = 1) -> dict:
     return full
 
 
-def _scatter(plan, params, wave, updates, comm_dtype):
+def _scatter(assigned, params, wave, updates, comm_dtype):
     """Launch the all_to_all that returns every rank (replicas too) its block of each update."""
-    rank, world, blocks, owner = plan["rank"], plan["world"], plan["blocks"], plan["owner"]
+    rank, world, blocks, owner = (assigned[k] for k in ("rank", "world", "blocks", "owner"))
     mine = [i for i in wave if owner[i] == rank]
     pieces = [[] for _ in range(world)]
     for dst in range(world):
@@ -223,18 +224,21 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
     kernel(muon_apply, compiled)(p.to_local(), u, ctx)
 
 
-def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
+def muon_step_sharded(group: dict, state: dict, owners: dict, muon_plans: dict,
                       compiled: bool) -> None:
     """One Muon step of `group`'s DTensor params with a grad (DTensor grads are collective
-    results, so every rank skips the same ones), given the optimizer's state and plans."""
+    results, so every rank skips the same ones), given the optimizer's state, owners and plans."""
     check_sharded_stages(group.get("name", "a muon group"), group)
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, muon_plans, compiled)
-    compiled = compiled and not runs_eager(group)
-    params, plan = group_plan(group, plans)
+    params, assigned = group_owners(group, owners, muon_plans)
+    if not params:
+        return
+    first = plan_of(muon_plans, group, params[0].shape, params[0])  # the group's facts: any shape
+    compiled = compiled and not first.eager
     active = {i for i, p in enumerate(params) if p.grad is not None}
     comm_dtype = NS_DTYPES[group["comm_precision"]]
-    per = 2 if "grad" in stage_needs(group) else 1  # the raw gradient travels too
+    per = 2 if "grad" in first.needs else 1  # the raw gradient travels too
 
     def momentum_stage(wave):
         out = {i: _momentum_local(group, state, params[i],
@@ -273,23 +277,23 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
         wave, (work, recv, _send) = pending
         work.wait()
         at = 0
-        for i in sorted(wave, key=plan["owner"].get):  # as packed: by sender, then wave order
-            shape = plan["blocks"][plan["rank"]][i][1]
+        for i in sorted(wave, key=assigned["owner"].get):  # as packed: by sender, then wave order
+            shape = assigned["blocks"][assigned["rank"]][i][1]
             u = recv[at:at + math.prod(shape)].view(shape)
             at += u.numel()
             _apply_local(group, params[i], u.to(params[i].dtype), params[i].shape, muon_plans,
                          compiled)
 
-    waves = [w for w in ([i for i in wave if i in active] for wave in plan["waves"]) if w]
-    gather = lambda wave: _gather(plan, params, wave, momentum_stage(wave), comm_dtype, per)
+    waves = [w for w in ([i for i in wave if i in active] for wave in assigned["waves"]) if w]
+    gather = lambda wave: _gather(assigned, params, wave, momentum_stage(wave), comm_dtype, per)
     pending_gather, pending_scatter = (gather(waves[0]) if waves else None), None
     for c, wave in enumerate(waves):
         work, recv, _send = pending_gather
         if c + 1 < len(waves):  # the next wave's gather travels while this wave computes
             pending_gather = gather(waves[c + 1])
         work.wait()
-        updates = direction_stage(_assemble(plan, params, wave, recv, per))
-        scatter = (wave, _scatter(plan, params, wave, updates, comm_dtype))
+        updates = direction_stage(_assemble(assigned, params, wave, recv, per))
+        scatter = (wave, _scatter(assigned, params, wave, updates, comm_dtype))
         if pending_scatter is not None:  # it finished while this wave computed
             finish(pending_scatter)
         pending_scatter = scatter
@@ -300,13 +304,14 @@ def muon_step_sharded(group: dict, state: dict, plans: dict, muon_plans: dict,
 def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> None:
     """Megatron's tensor-parallel modes: 'duplicated' orthogonalizes the all-gathered matrix on
     every rank; 'distributed' runs the direction stages on slices, sums across them
-    (update_math.over_slices); 'blockwise' treats each local block as a matrix of its own."""
+    (muon.over_slices); 'blockwise' treats each local block as a matrix of its own."""
     mode = group["sharded_mode"]
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
-        g = _momentum_local(group, state, p, plan_of(plans, group, p.shape, p), compiled)
-        raw = local(p.grad, p) if "grad" in stage_needs(group) else None
+        whole = plan_of(plans, group, p.shape, p)
+        g = _momentum_local(group, state, p, whole, compiled)
+        raw = local(p.grad, p) if "grad" in whole.needs else None
         slices, matrix_shape = contextlib.nullcontext(), p.shape
         if mode == "duplicated":
             g, raw = (None if t is None else DTensor.from_local(
@@ -360,8 +365,7 @@ def check_sharded_stages(label: str, group: dict) -> None:
                              "params")
 
 
-
-def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> dict:
+def full_state(param_groups: list[dict], state: dict, owners: dict, sd: dict) -> dict:
     """sd (the optimizer's state_dict()) with every DTensor param's state made whole: sharded
     tensors gathered, direction state broadcast from its holders. A collective."""
     index = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
@@ -380,7 +384,7 @@ def full_state(param_groups: list[dict], state: dict, plans: dict, sd: dict) -> 
                             for p in dparams], device=dparams[0].to_local().device)
         every = [torch.empty_like(has) for _ in range(dist.get_world_size())]
         dist.all_gather(every, has)
-        holders = (group_plan(group, plans)[1]["owner"] if group["sharded_mode"] == "owner"
+        holders = (group_owners(group, owners)[1]["owner"] if group["sharded_mode"] == "owner"
                    else [0] * len(dparams))
         for i, p in enumerate(dparams):
             holder = holders[i]
@@ -410,7 +414,7 @@ def _check_whole_state_mode(group: dict) -> None:
                          "reduction)")
 
 
-def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
+def kept_direction_state(param_groups: list[dict], owners: dict) -> set[int]:
     """ids of the DTensor Muon params whose direction state this rank keeps: those it owns in
     'owner' mode, all in 'duplicated'. A collective where groups are not yet planned."""
     kept = set()
@@ -421,8 +425,8 @@ def kept_direction_state(param_groups: list[dict], plans: dict) -> set[int]:
         if group["sharded_mode"] != "owner":  # duplicated: every rank has the whole matrix
             kept |= {id(p) for p in group["params"]}
             continue
-        dparams, plan = group_plan(group, plans)
-        kept |= {id(dparams[i]) for i, r in plan["owner"].items() if r == plan["rank"]}
+        dparams, assigned = group_owners(group, owners)
+        kept |= {id(dparams[i]) for i, r in assigned["owner"].items() if r == assigned["rank"]}
     return kept
 
 

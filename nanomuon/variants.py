@@ -18,7 +18,7 @@ OPTIMIZER_VARIANTS = {
     # Muon+, its GPT-small setting
     "muon-plus": dict(muon_options=dict(post_process=("normalize_col_row", "variance_reduction"))),
     "muon-per-head": dict(per_head=True),  # attention matrices orthogonalized head by head
-    # Gram Newton-Schulz in fp32: bf16 is inaccurate (update_math.gram_pays), CPUs' fp16 slow
+    # Gram Newton-Schulz in fp32: bf16 is inaccurate (owners.gram_pays), CPUs' fp16 slow
     "muon-gram": dict(muon_options=dict(orthogonalizer="gram_newton_schulz", ns_precision="fp32")),
     # six from modded-nanogpt's optimization track, each one or two stages or a schedule
     "muon-hyperball": dict(muon_options=dict(apply="hyperball")),  # MuonH, on NorMuon

@@ -42,8 +42,8 @@ from nanomuon.run import (
 from nanomuon.seeds import SeedBatch, check_seeds, parse_seeds, seeded_gpt
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args, prepare
+from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
-from nanomuon.update_math import applies_weight_decay, stages_used
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 # The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
@@ -805,13 +805,19 @@ def where_to_resume(run: Run, before: int | None = None) -> str:
     return f"resume from {where} (--resume-from-step {earlier[-1]}),"
 
 
+def first_plan(group: dict):
+    """A muon group's MuonPlan for its first matrix: what it says of the group holds for all."""
+    p = group["params"][0]
+    return muon_plan(group, p.shape, p.dtype, p.device)
+
+
 def muon_decay_words(args, optimizer) -> str:
     """The header's words on Muon's weight decay: its value, or that the variant applies none."""
     muon = [g for g in optimizer.param_groups if g.get("kind") == "muon"]
     if not muon:
         return f"no Muon weight decay (--optimizer {args.optimizer} trains no Muon group)"
     # torch-muon's groups (torch.optim.Muon) decay as 'decoupled' does
-    if all("apply" in g and not applies_weight_decay(g) for g in muon):
+    if all("apply" in g and not first_plan(g).decays for g in muon):
         return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
                 f"{muon[0]['apply']!r}")
     cosine = " on a cosine to 0" if weight_decay_schedule(1, 2, 1.0, args.arch) < 1 else ""
@@ -831,7 +837,7 @@ def announce(run: Run) -> None:
     print0(f"peak lrs: {lrs}, {muon_decay_words(args, run.optimizer)} (each not given by a "
            f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/recipe.py)")
     for group in (g for g in run.optimizer.param_groups if "apply" in g):
-        print0(f"Muon update ({group.get('name', 'muon')}): {stages_used(group)}")
+        print0(f"Muon update ({group.get('name', 'muon')}): {first_plan(group).summary}")
     tokens = run.num_iterations * args.total_batch_size
     print0(f"training: {run.num_iterations:,} steps, {tokens:,} tokens "
            f"({tokens / run.model.num_scaling_params():.3g} per scaling param), on "

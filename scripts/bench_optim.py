@@ -27,17 +27,11 @@ import torch
 from nanomuon.baselines import TorchMuonAdamW
 from nanomuon.common import resolve_compile, synchronizer
 from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.muon import newton_schulz
 from nanomuon.optim import MuonAdamW
+from nanomuon.owners import bucket_by, gram_pays, ns_flops, owner_buckets
 from nanomuon.param_groups import fill_defaults
-from nanomuon.plan import bucket_by, owner_plan
-from nanomuon.update_math import (
-    NS_DTYPES,
-    gram_pays,
-    newton_schulz,
-    ns_flops,
-    resolve_ns_precision,
-    stage_context,
-)
+from nanomuon.stages import NS_DTYPES, resolve_ns_precision, stage_context
 
 VOCAB = 32768
 ADAMW_HP = dict(lr=0.004, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
@@ -248,7 +242,7 @@ def bench_imbalance(args):
     N = args.world_size
     _, _, muon_shapes = gpt_shapes(args.imbalance_depth)
     costs = [ns_flops(s, MUON_HP["ns_steps"]) for s in muon_shapes]
-    buckets = owner_plan(muon_shapes, costs, N)  # DistMuonAdamW's own plan for one muon group
+    buckets = owner_buckets(muon_shapes, costs, N)  # DistMuonAdamW's own owners for one muon group
     ours = [sum(b["cost"] * len(b["slots"][r]) for b in buckets) for r in range(N)]
     chunks = [0.0] * N  # nanochat: per shape group, rank r owns [r * chunk, (r + 1) * chunk)
     for b in buckets:

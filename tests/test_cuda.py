@@ -15,9 +15,10 @@ from test_optim import (
     step_under_a_schedule,
 )
 
+from nanomuon.coefficients import ns_coefficients
 from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.muon import NewtonSchulz
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.update_math import NewtonSchulz, ns_coefficients
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

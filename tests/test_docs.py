@@ -78,11 +78,11 @@ def test_the_link_check_sees_a_broken_link(tmp_path):
 
 
 def test_the_option_table_is_the_declared_one():
-    """docs/optimizer.md's table of optional muon keys is param_groups.options_table(), made from
+    """docs/optimizer.md's table of optional muon keys is stages.options_table(), made from
     MUON_OPTIONS: a key declared, renamed or re-described there changes the table, and this fails
-    until the page follows (`python -c "from nanomuon.param_groups import options_table;
+    until the page follows (`python -c "from nanomuon.stages import options_table;
     print(options_table())"` prints it)."""
-    from nanomuon.param_groups import MUON_OPTIONS, options_table
+    from nanomuon.stages import MUON_OPTIONS, options_table
 
     page = (ROOT / "docs" / "optimizer.md").read_text()
     start = page.index("<!-- muon-options")
@@ -259,7 +259,7 @@ def test_the_readme_quotes_benchmarks():
 def test_the_stages_table_lists_every_registered_stage():
     """docs/optimizer.md's Stages table names, per registry, every built-in entry and no other
     (`equilibrate_row`, `_col` is equilibrate_row and equilibrate_col)."""
-    from nanomuon import update_math
+    from nanomuon import stages
 
     page = (ROOT / "docs" / "optimizer.md").read_text()
     section = page[page.index("### Stages"):]
@@ -272,7 +272,7 @@ def test_the_stages_table_lists_every_registered_stage():
                     span = prefix + span
                 prefix = span.split("_")[0]
                 names.add(span)
-            registry = getattr(update_math, cells[1].strip("`"))
+            registry = getattr(stages, cells[1].strip("`"))
             assert names == set(registry), f"{cells[1]}: the table lists {sorted(names)}"
 
 
@@ -304,7 +304,7 @@ def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
         f"research.md's list lacks {sorted(set(OPTIMIZER_VARIANTS) - listed)}")
 
 
-# A citation of the code is a module and a dotted name after it: `update_math.muon_update`,
+# A citation of the code is a module and a dotted name after it: `muon.muon_update`,
 # `nanomuon.optim.MuonAdamW`, `gpt.GPT.setup_optimizer`, `scripts.ablate`. A module name with a
 # file's extension after it is a file (`gpt.py`, `report.md.aside.N`), not a citation.
 MODULES = {p.stem: pkg for pkg in ("nanomuon", "scripts")
@@ -367,12 +367,12 @@ def resolves(name: str) -> bool:
 
 
 def test_the_citation_check_reads_names_not_files():
-    assert citations("see `update_math.muon_update()`, gpt.py, report.md.aside.N, "
+    assert citations("see `muon.muon_update()`, gpt.py, report.md.aside.N, "
                      "scripts/base_train.py, torch.optim.Muon, -m scripts.ablate, the plan.") == [
-        "update_math.muon_update", "scripts.ablate"]
+        "muon.muon_update", "scripts.ablate"]
     assert resolves("nanomuon.optim.MuonAdamW.step") and resolves("gpt.GPTConfig.arch")
     assert resolves("scripts.ablate") and resolves("gpt.GPT.lm_head")
-    assert not resolves("update_math.use_gram") and not resolves("optim.MuonAdamW.nope")
+    assert not resolves("stages.use_gram") and not resolves("optim.MuonAdamW.nope")
 
 
 def test_every_cited_name_exists():

@@ -328,7 +328,7 @@ def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 def device_log():
     """A dispatch mode that lists every tensor an op makes off the GPU, but 0-D CPU tensors: the
-    compiled update's hparams are 0-D CPU scalars by design (update_math.scalars), which CUDA
+    compiled update's hparams are 0-D CPU scalars by design (muon.scalars), which CUDA
     kernels take as arguments without a copy."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode

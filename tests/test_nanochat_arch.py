@@ -16,12 +16,13 @@ from test_dist import assert_replicated_tensors, spawn
 from test_seeds import each_seed_is_its_own_run, relative, summary
 from test_train import TINY, assert_bitwise_equal
 
-from nanomuon import reference, update_math
+from nanomuon import reference, stages
+from nanomuon.coefficients import COEFFICIENT_SETS, POLAR_EXPRESS
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, sdpa, window_mask
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.recipe import PeakLRs
 from nanomuon.reference import muon_step
-from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS, equilibrate_to_mean
+from nanomuon.stages import equilibrate_to_mean
 from scripts.base_train import momentum_schedule, weight_decay_schedule
 
 
@@ -358,7 +359,7 @@ def test_optimizer_groups_are_nanochats():
 
 
 def test_equilibrate_row_mean_is_the_formula():
-    """reference.py's float64 'equilibrate_row_mean' and update_math's equilibrate_to_mean (on a
+    """reference.py's float64 'equilibrate_row_mean' and stages.py's equilibrate_to_mean (on a
     stack) scale each row to the mean row norm ||G||_F / sqrt(rows), a row norm floored at 1e-6."""
     g = torch.Generator().manual_seed(0)
     stack = torch.randn(3, 7, 5, generator=g, dtype=torch.float64)
@@ -534,7 +535,7 @@ def test_batched_seeds_train_as_their_own_runs(base, monkeypatch):
     in fp32)."""
     from scripts.base_train import main
 
-    monkeypatch.setattr(update_math, "bf16_matmuls_fast", lambda device: False)
+    monkeypatch.setattr(stages, "bf16_matmuls_fast", lambda device: False)
     main([*FLAGS, "--seeds", "1,2", "--run", "nc-batched"])
     batched = summary(base, "nc-batched")
     assert batched["seeds"] == [1, 2]

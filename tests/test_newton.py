@@ -1,5 +1,5 @@
 """
-Newton-Muon (muon-newton; update_math.newton), a stage that reads its matrices' inputs: its update
+Newton-Muon (muon-newton; stages.newton), a stage that reads its matrices' inputs: its update
 against a float64 re-derivation of the record's, fed the inputs as well as the gradients; data
 parallel against one device (the ranks' inputs averaged); a checkpoint resumed at another world
 size; the model's input covariances against x^T x / n of each layer's real inputs, compiled and

@@ -8,17 +8,13 @@ import io
 import pytest
 import torch
 
+from nanomuon.coefficients import ns_coefficients
+from nanomuon.muon import NewtonSchulz, newton_schulz
 from nanomuon.optim import MuonAdamW
+from nanomuon.owners import gram_pays
 from nanomuon.param_groups import fill_defaults
 from nanomuon.reference import muon_step
-from nanomuon.update_math import (
-    NS_DTYPES,
-    NewtonSchulz,
-    gram_pays,
-    newton_schulz,
-    ns_coefficients,
-    stage_context,
-)
+from nanomuon.stages import NS_DTYPES, stage_context
 
 
 def make_params(shapes, seed=0, dtype=torch.float32):
@@ -173,7 +169,7 @@ def polynomial_via_svd(G, coeffs, safety, eps):
 
 
 def ns_group(ns: NewtonSchulz, orthogonalizer: str = "newton_schulz") -> dict:
-    """The options update_math.newton_schulz reads, for these settings."""
+    """The options muon.newton_schulz reads, for these settings."""
     precision = {dtype: name for name, dtype in NS_DTYPES.items()}[ns.dtype]
     return dict(ns_coefficients=dict(coefficients=ns.coefficients, safety=ns.safety, eps=ns.eps),
                 ns_steps=len(ns.coefficients), ns_repeat_last=False, ns_precision=precision,
@@ -181,7 +177,7 @@ def ns_group(ns: NewtonSchulz, orthogonalizer: str = "newton_schulz") -> dict:
 
 
 def ns_context(G, **options):
-    """A StageContext for calling update_math.newton_schulz by hand on matrices like G: that of a
+    """A StageContext for calling muon.newton_schulz by hand on matrices like G: that of a
     muon group of these options, its defaults filled."""
     group = dict(dict(kind="muon", params=[], lr=0.02, momentum=0.95, ns_steps=5, beta2=None,
                       weight_decay=0.0), **options)
@@ -216,7 +212,7 @@ def test_gram_newton_schulz_against_float64_svd(shape, coefficients, steps, dtyp
         assert rel_err(gram, exact) < 1e-4 and rel_err(standard, exact) < 2e-5
     elif dtype == torch.float16:
         assert rel_err(gram, polar) < 1.05 * rel_err(standard, polar) + 2e-3
-    from nanomuon.update_math import ns_flops
+    from nanomuon.owners import ns_flops
 
     cheaper = ns_flops(shape, steps, True) < ns_flops(shape, steps)
     assert cheaper == (max(shape) / min(shape) > 1.5)
@@ -228,7 +224,7 @@ def test_ns_flops_counts_the_matmuls_that_run(steps):
     """ns_flops (the Gram formula, restarts included) against torch's own FLOP counter."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from nanomuon.update_math import ns_flops
+    from nanomuon.owners import ns_flops
 
     G = torch.randn(2, 24, 96)
     for gram in (False, True):
@@ -452,7 +448,7 @@ BAD_GROUPS = [
     ([muon_group([P2], ns_coefficients="newton")], ValueError, "ns_coefficients='newton' is unknown"),
     ([muon_group([P2], ns_precision="fp64")], ValueError, "ns_precision='fp64'"),
     ([muon_group([P2], orthogonalizer="svd")], ValueError,
-     "orthogonalizer='svd' is not in update_math.ORTHOGONALIZERS: use one of ['auto',"),
+     "orthogonalizer='svd' is not in stages.ORTHOGONALIZERS: use one of ['auto',"),
     ([muon_group([P2], lr_scale="sqrt")], ValueError, "lr_scale='sqrt' must be one of ['shape', 'moonlight'"),
     ([muon_group([P2], weight_decay_mode="l1")], ValueError, "weight_decay_mode='l1' must be one of"),
     ([muon_group([P2], extra_scale=-1.0)], ValueError, "extra_scale=-1.0 must be a finite number >= 0"),
@@ -589,7 +585,7 @@ def test_compiled_equals_eager_and_schedules_do_not_recompile():
 
 def gpt_muon_buckets(depth):
     """(count, Newton-Schulz cost) per Muon shape of a depth-`depth` GPT (width 64*depth, 4x MLP)."""
-    from nanomuon.update_math import ns_flops
+    from nanomuon.owners import ns_flops
 
     w = -(-depth * 64 // 128) * 128
     return [(4 * depth, ns_flops((w, w), 5)), (depth, ns_flops((4 * w, w), 5)), (depth, ns_flops((w, 4 * w), 5))]
@@ -598,7 +594,7 @@ def gpt_muon_buckets(depth):
 @pytest.mark.parametrize("depth", [4, 12, 20, 26, 32])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
 def test_owner_plan_is_balanced_and_pads_like_nanochat(depth, world_size):
-    from nanomuon.plan import assign_owners
+    from nanomuon.owners import assign_owners
 
     bucket_list = gpt_muon_buckets(depth) + [(5, 7.0), (3, 11.0)]  # plus odd small buckets
     plan = assign_owners(bucket_list, world_size)

@@ -11,9 +11,9 @@ at a time; layouts are undone here with index lists, not with the library's view
 import pytest
 import torch
 
+from nanomuon.coefficients import COEFFICIENT_SETS, POLAR_EXPRESS
 from nanomuon.optim import MuonAdamW
 from nanomuon.reference import muon_step
-from nanomuon.update_math import COEFFICIENT_SETS, POLAR_EXPRESS
 
 BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2, nesterov=True, apply="cautious",
             ns_coefficients="polar_express", ns_repeat_last=False, lr_scale="shape", extra_scale=1.0,
@@ -167,7 +167,8 @@ def test_named_sets_match_float64_and_orthogonalize(name, steps):
     torch.testing.assert_close(run_ours(start, grads, cfgs).double(), f64_run(start, grads, cfgs), rtol=0, atol=2e-4)
     from test_optim import orthogonalize
 
-    from nanomuon.update_math import NewtonSchulz, ns_coefficients
+    from nanomuon.coefficients import ns_coefficients
+    from nanomuon.muon import NewtonSchulz
 
     sv = torch.linalg.svdvals(orthogonalize(grads[0], NewtonSchulz(*ns_coefficients(name, steps), torch.float32)))
     assert sv.min() > 0.6 and sv.max() < 1.3, sv  # a randn matrix's singular values land near 1

@@ -1,6 +1,6 @@
 """
 The orthogonalizer registry as a forker uses it: one function registered in
-update_math.ORTHOGONALIZERS, from outside the package, and a group naming it trains with it, in
+stages.ORTHOGONALIZERS, from outside the package, and a group naming it trains with it, in
 MuonAdamW, in DistMuonAdamW and on DTensor params at world 2, and through a variants.py entry. The
 function here is the exact polar factor U V^T (by SVD), so the reference is nanomuon.reference's float64
 step with the same exact polar factor, and Newton-Schulz (an approximation of it) must land elsewhere.
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from test_dist import spawn
 from test_optim import ns_context
 
-from nanomuon import update_math
+from nanomuon import muon, owners, stages
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.reference import muon_step
 
@@ -28,7 +28,7 @@ def exact_polar(G, group):
 
 
 def register():
-    update_math.ORTHOGONALIZERS["exact_polar"] = exact_polar
+    stages.ORTHOGONALIZERS["exact_polar"] = exact_polar
 
 
 def start_and_grads(seed=0):
@@ -72,23 +72,24 @@ def check(ours, start, grads):
 
 
 def test_a_registered_orthogonalizer_runs_in_muon_adamw(monkeypatch):
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "exact_polar", exact_polar)
     start, grads = start_and_grads()
     check(train(MuonAdamW, start, grads, orthogonalizer="exact_polar"), start, grads)
 
 
 def test_the_owner_plan_costs_an_unknown_orthogonalizer_as_newton_schulz(monkeypatch):
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "exact_polar", exact_polar)
     p = torch.zeros(24, 96)
     group = dict(GROUP, params=[p], orthogonalizer="exact_polar", ns_precision="fp32", ns_coefficients="jordan",
                  ns_repeat_last=False, split=None, qkv_split=None, transposed=False, precondition=(),
                  post_process=(), apply="cautious")
-    assert update_math.update_cost(group, p) == update_math.ns_flops(p.shape, 5)
+    plan = stages.muon_plan(group, p.shape, p.dtype, p.device)
+    assert owners.update_cost(plan, p.shape) == owners.ns_flops(p.shape, 5)
 
 
 def test_an_unregistered_name_is_refused_with_the_registry_named():
     p = torch.nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(ValueError, match=r"orthogonalizer='exact_polar' is not in update_math.ORTHOGONALIZERS: "
+    with pytest.raises(ValueError, match=r"orthogonalizer='exact_polar' is not in stages.ORTHOGONALIZERS: "
                                          r"use one of \['auto', .*register"):
         MuonAdamW([dict(kind="muon", params=[p], orthogonalizer="exact_polar", **GROUP)])
 
@@ -98,7 +99,7 @@ def test_a_variants_entry_names_it(monkeypatch):
     from nanomuon.gpt import GPT, GPTConfig
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "exact_polar", exact_polar)
     monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-exact", dict(muon_options=dict(orthogonalizer="exact_polar")))
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
     model.init_weights()
@@ -127,22 +128,22 @@ def test_a_registered_orthogonalizer_runs_distributed_and_on_dtensors():
 
 
 def test_an_orthogonalizer_that_calls_newton_schulz_keeps_autos_gram(monkeypatch):
-    """A forker's orthogonalizer that calls update_math.newton_schulz (group untouched) runs what 'auto' runs:
+    """A forker's orthogonalizer that calls muon.newton_schulz (group untouched) runs what 'auto' runs:
     Gram Newton-Schulz on a wide fp32 matrix, where it pays, and standard on a square one; gram= forces either."""
     G = torch.randn(3, 24, 96, generator=torch.Generator().manual_seed(0))
     group = dict(ns_coefficients="polar_express", ns_steps=5, ns_repeat_last=False, ns_precision="fp32")
 
     def run(name, shape_of=G, **kw):
-        return update_math.newton_schulz(shape_of, ns_context(shape_of, **group,
+        return muon.newton_schulz(shape_of, ns_context(shape_of, **group,
                                                              orthogonalizer=name), **kw)
 
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "mine", lambda X, ctx: update_math.newton_schulz(X, ctx))
-    assert update_math.gram_pays(G.shape, 5, torch.float32)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "mine", lambda X, ctx: muon.newton_schulz(X, ctx))
+    assert owners.gram_pays(G.shape, 5, torch.float32)
     assert torch.equal(run("mine"), run("gram_newton_schulz"))
     assert not torch.equal(run("mine"), run("newton_schulz"))  # the two differ in rounding: the test sees which
     assert torch.equal(run("mine", gram=False), run("newton_schulz"))
     square = G[:, :, :24]
-    assert not update_math.gram_pays(square.shape, 5, torch.float32)
+    assert not owners.gram_pays(square.shape, 5, torch.float32)
     assert torch.equal(run("mine", square), run("newton_schulz", square))
 
 
@@ -155,7 +156,7 @@ def test_contra_muon_reads_the_input_of_any_orthogonalizer(monkeypatch, layout):
     from test_optim_edges import f64_run, run_ours
     from test_stages import STAGES
 
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "exact_polar", exact_polar)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "exact_polar", exact_polar)
     shape = (32, 24) if layout.get("transposed") else (24, 32)
     gen = torch.Generator().manual_seed(3)
     start, grads = torch.randn(shape, generator=gen) * 0.5, [torch.randn(shape, generator=gen) for _ in range(4)]
@@ -174,11 +175,11 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     (SHAPES' wide and tall matrices in fp32): registered with the method it wraps, the same params to the bit in
     MuonAdamW and in the float64 reference, and the same owner-plan cost; a bare wrapper of the entry's
     function keeps it too."""
-    entry = update_math.ORTHOGONALIZERS["newton_schulz"]
+    entry = stages.ORTHOGONALIZERS["newton_schulz"]
     assert entry.method == "standard"
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, ctx: update_math.newton_schulz(G, ctx) * 1.0, flags=update_math.SLICES, method="standard"))
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "bare_ns", lambda G, ctx: entry.fn(G, ctx) * 1.0)
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "my_ns", stages.Stage(
+        lambda G, ctx: muon.newton_schulz(G, ctx) * 1.0, flags=stages.SLICES, method="standard"))
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "bare_ns", lambda G, ctx: entry.fn(G, ctx) * 1.0)
     start, grads = start_and_grads()
     standard = train(MuonAdamW, start, grads, orthogonalizer="newton_schulz")
     assert any(not torch.equal(a, s) for a, s in
@@ -191,16 +192,17 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     group = dict(GROUP, params=[p], ns_precision="fp32", ns_coefficients="jordan", ns_repeat_last=False,
                  split=None, qkv_split=None, transposed=False, precondition=(), post_process=(),
                  apply="cautious")
-    cost = {name: update_math.update_cost(dict(group, orthogonalizer=name), p)
+    cost = {name: owners.update_cost(stages.muon_plan(dict(group, orthogonalizer=name), p.shape, p.dtype,
+                                                      p.device), p.shape)
             for name in ("my_ns", "newton_schulz", "auto")}
-    assert cost["my_ns"] == cost["newton_schulz"] == update_math.ns_flops(p.shape, 5) > cost["auto"]
+    assert cost["my_ns"] == cost["newton_schulz"] == owners.ns_flops(p.shape, 5) > cost["auto"]
 
 
 def test_an_orthogonalizer_naming_no_known_method_is_refused_at_construction(monkeypatch):
     """A registered entry's method decides the cost, the reference and old checkpoints' reading:
     one that names no Newton-Schulz method (a typo) is refused where the group is checked."""
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "typo_ns", update_math.Stage(
-        update_math.newton_schulz, flags=update_math.Flags(on_slices=True), method="grma"))
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "typo_ns", stages.Stage(
+        muon.newton_schulz, flags=stages.Flags(on_slices=True), method="grma"))
     with pytest.raises(ValueError, match="method 'grma' is not one of .'standard', 'gram', 'auto'."):
         MuonAdamW([dict(GROUP, kind="muon", params=[torch.nn.Parameter(torch.zeros(8, 8))],
                         orthogonalizer="typo_ns")])
@@ -211,8 +213,8 @@ def test_an_orthogonalizer_naming_no_known_method_is_refused_at_construction(mon
 def test_a_checkpoint_from_before_the_registry_loads_its_method(method, name, monkeypatch):
     """A group saved with ns_method (before the orthogonalizer registry) loads as the built-in entry that runs
     that method, a registered wrapper with the same method notwithstanding."""
-    monkeypatch.setitem(update_math.ORTHOGONALIZERS, "my_ns", update_math.Stage(
-        lambda G, ctx: update_math.newton_schulz(G, ctx), flags=update_math.SLICES, method="standard"))
+    monkeypatch.setitem(stages.ORTHOGONALIZERS, "my_ns", stages.Stage(
+        lambda G, ctx: muon.newton_schulz(G, ctx), flags=stages.SLICES, method="standard"))
     p = torch.nn.Parameter(torch.zeros(8, 4))
     opt = MuonAdamW([dict(kind="muon", params=[p], **GROUP)])
     sd = opt.state_dict()

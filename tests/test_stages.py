@@ -1,5 +1,5 @@
 """
-The Muon update's stage registries (nanomuon/update_math.py) and techniques from modded-nanogpt's optimization
+The Muon update's stage registries (nanomuon/stages.py) and techniques from modded-nanogpt's optimization
 track added through them: SOAP-Muon (a stateful precondition stage), the u/w floor and ContraMuon (post-process),
 MuonH (a stateful apply stage), Muown (a precondition that owns the momentum and a logical apply stage sharing
 state with it, on the step and horizon) and PowerCool (base_train's schedule).
@@ -18,7 +18,7 @@ from test_dist import assert_replicated_tensors, spawn
 from test_optim import ns_context
 from test_optim_edges import f64_run, run_ours
 
-from nanomuon import checkpoint, update_math
+from nanomuon import checkpoint, owners, stages
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
 BASE = dict(lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
@@ -186,7 +186,7 @@ def test_the_floor_lifts_only_updates_below_it():
     o = torch.linalg.svd(torch.randn(24, 40), full_matrices=False)
     o = (o.U @ o.Vh).float()
     ctx = ns_context(small, post_process=("uw_floor",), uw_floor=0.35)._replace(weight=torch.stack([small, large]))
-    out = update_math.uw_floor(torch.stack([o, o]).clone(), ctx)
+    out = stages.uw_floor(torch.stack([o, o]).clone(), ctx)
     torch.testing.assert_close(out[0], o)
     torch.testing.assert_close(torch.linalg.matrix_norm(out[1]), 0.35 * torch.linalg.matrix_norm(large))
 
@@ -260,10 +260,11 @@ def test_muown_keeps_no_momentum_buffer_and_applies_no_weight_decay():
                       "muown_gain_exp_avg_sq": rows}
     assert torch.equal(runs[0], runs[1])
     group = opt.param_groups[0]
-    assert not update_math.applies_weight_decay(group)
-    assert "weight decay not applied (apply stage 'muown')" in update_math.stages_used(group)
-    assert "momentum kept by precondition 'muown'" in update_math.stages_used(group)
-    assert update_math.applies_weight_decay(dict(group, apply="cautious"))
+    plan = stages.muon_plan(group, p.shape, p.dtype, p.device)
+    assert not plan.decays
+    assert "weight decay not applied (apply stage 'muown')" in plan.summary
+    assert "momentum kept by precondition 'muown'" in plan.summary
+    assert stages.muon_plan(dict(group, precondition=(), apply="cautious"), p.shape, p.dtype, p.device).decays
 
 
 def test_muowns_schedule_needs_a_horizon():
@@ -279,14 +280,14 @@ def _probe(seen):
     def fn(g, ctx):
         seen.append((float(ctx.step), ctx.horizon))
         return g
-    return update_math.Stage(fn)
+    return stages.Stage(fn)
 
 
 def test_a_stage_sees_the_step_and_the_horizon(monkeypatch):
     """ctx.step counts the group's updates, 1 at the first; it goes on across a state_dict() round trip and
     does not count a step in which none of the group's params had a grad. ctx.horizon is the group's."""
     seen = []
-    monkeypatch.setitem(update_math.PRECONDITIONERS, "probe", _probe(seen))
+    monkeypatch.setitem(stages.PRECONDITIONERS, "probe", _probe(seen))
     p, q = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
     groups = lambda: [dict(kind="muon", params=[p], precondition="probe", horizon=40, **BASE),
                       dict(kind="adamw", params=[q], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)]
@@ -310,7 +311,7 @@ def test_a_stage_sees_the_step_and_the_horizon(monkeypatch):
 def _step_worker(rank, world):
     """Under DistMuonAdamW every rank's stages see the same step, whichever matrices the rank owns."""
     seen = []
-    update_math.PRECONDITIONERS["probe"] = _probe(seen)
+    stages.PRECONDITIONERS["probe"] = _probe(seen)
     model = _model()
     opt = DistMuonAdamW([dict(kind="muon", params=model, precondition="probe", horizon=5, **BASE)])
     for step in range(3):
@@ -324,22 +325,22 @@ def test_the_step_is_the_same_on_every_rank():
     spawn(_step_worker, 2)
 
 
-@pytest.mark.parametrize("stages,says", [
+@pytest.mark.parametrize("chosen,says", [
     (dict(post_process=("reader",)), r"post_process 'reader' reads state 'nowhere', which no other stage"),
     (dict(post_process=("radius_reader",), apply="hyperball"),
      r"post_process 'radius_reader' reads state 'hyperball_radius', which 'hyperball' keeps per stored matrix"),
     (dict(precondition=("equilibrate_row", "muown"), apply="muown", post_process=()),
      r"precondition 'muown' owns the momentum, which only the first precondition may"),
 ])
-def test_shared_state_and_owned_momentum_are_checked(monkeypatch, stages, says):
+def test_shared_state_and_owned_momentum_are_checked(monkeypatch, chosen, says):
     """A stage that reads state no other stage declares, a direction stage that reads state an apply stage
     keeps per stored matrix, and momentum owned by a precondition after another: one line each."""
-    monkeypatch.setitem(update_math.POST_PROCESSORS, "reader", update_math.Stage(lambda u, ctx: u,
+    monkeypatch.setitem(stages.POST_PROCESSORS, "reader", stages.Stage(lambda u, ctx: u,
                                                                                  reads=("nowhere",)))
-    monkeypatch.setitem(update_math.POST_PROCESSORS, "radius_reader", update_math.Stage(
+    monkeypatch.setitem(stages.POST_PROCESSORS, "radius_reader", stages.Stage(
         lambda u, ctx: u, reads=("hyperball_radius",)))
     p = torch.nn.Parameter(torch.randn(8, 8))
-    opt = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, horizon=4), **stages)])
+    opt = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, horizon=4), **chosen)])
     p.grad = torch.randn(8, 8)
     with pytest.raises(ValueError, match=says):
         opt.step()
@@ -408,9 +409,9 @@ def test_state_a_group_no_longer_keeps_loads_in_its_own_dtype():
 
 
 def test_two_stages_may_not_keep_state_of_one_name(monkeypatch):
-    spec = update_math.StateSpec(lambda rows, cols: (rows, 1))
-    clash = update_math.Stage(lambda u, ctx: u, state=dict(second_momentum_buffer=spec))
-    monkeypatch.setitem(update_math.POST_PROCESSORS, "clash", clash)
+    spec = stages.StateSpec(lambda rows, cols: (rows, 1))
+    clash = stages.Stage(lambda u, ctx: u, state=dict(second_momentum_buffer=spec))
+    monkeypatch.setitem(stages.POST_PROCESSORS, "clash", clash)
     p = torch.nn.Parameter(torch.randn(8, 8))
     opt = MuonAdamW([dict(kind="muon", params=[p], post_process=("variance_reduction", "clash"), **BASE)])
     p.grad = torch.randn(8, 8)
@@ -422,9 +423,10 @@ def test_the_owner_plan_counts_a_stages_declared_cost():
     p = torch.zeros(24, 16)
     group = dict(BASE, kind="muon", params=[p])
     MuonAdamW([group])  # fills the defaults
-    plain = update_math.update_cost(group, p)
+    cost = lambda g: owners.update_cost(stages.muon_plan(g, p.shape, p.dtype, p.device), p.shape)
+    plain = cost(group)
     group.update(precondition="soap", precondition_frequency=5, soap_beta=0.9)
-    assert update_math.update_cost(group, p) == plain + 6 * 24 * 16 * 40 + 4 * (24 ** 3 + 16 ** 3) / 5
+    assert cost(group) == plain + 6 * 24 * 16 * 40 + 4 * (24 ** 3 + 16 ** 3) / 5
 
 
 def test_checkpoints_from_before_the_stage_keys_load_as_what_ran():
@@ -601,14 +603,14 @@ def test_the_readme_counts_hold():
     their function, and the variants name them."""
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
-    assert update_math.stage("precondition", "soap").fn is update_math.soap
-    assert update_math.stage("post_process", "uw_floor").fn is update_math.uw_floor
-    assert update_math.stage("apply", "hyperball").fn is update_math.hyperball
-    assert update_math.stage("post_process", "contra").fn is update_math.contra
+    assert stages.PRECONDITIONERS["soap"].fn is stages.soap
+    assert stages.POST_PROCESSORS["uw_floor"].fn is stages.uw_floor
+    assert stages.APPLIERS["hyperball"].fn is stages.hyperball
+    assert stages.POST_PROCESSORS["contra"].fn is stages.contra
     assert OPTIMIZER_VARIANTS["muon-contra"]["muon_options"] == dict(post_process=("contra", "variance_reduction"))
     assert OPTIMIZER_VARIANTS["muon-soap"]["muon_options"] == dict(precondition="soap")
     assert OPTIMIZER_VARIANTS["muon-powercool"] == dict(schedule="powercool")
-    assert Path(update_math.__file__).read_text().count("def soap(") == 1
+    assert Path(stages.__file__).read_text().count("def soap(") == 1
 
 
 def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
@@ -639,7 +641,9 @@ def test_the_run_header_says_what_the_stages_use(variant, says):
     assert muon_decay_words(args, opt) == says or muon_decay_words(args, opt).startswith(says)
     for group in (g for g in opt.param_groups if g.get("kind") == "muon" and "apply" in g):
         assert group["horizon"] == 7
-        assert ("momentum kept by precondition 'muown'" in update_math.stages_used(group)) == (
+        first = group["params"][0]
+        summary = stages.muon_plan(group, first.shape, first.dtype, first.device).summary
+        assert ("momentum kept by precondition 'muown'" in summary) == (
             variant == "muon-muown")
 
 
