@@ -233,6 +233,11 @@ class MuonAdamW(torch.optim.Optimizer):
             self._all_reduce(flat).wait()
             self._finish_mean(flat)
             stats = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in stats]), stats)]
+        # a covariance's trace bounds its entries: finite traces keep the stage's damping finite
+        if bad := sum(not bool(t.diagonal(dim1=-2, dim2=-1).sum(-1).isfinite().all()) for t in stats):
+            raise ValueError(f"give_inputs: {bad} of the {len(stats)} input covariances hold NaN, "
+                             "inf or values whose trace overflows fp32; skip this step's refresh "
+                             "(as a non-finite loss is skipped) or look for overflowing activations")
         self._inputs = dict(zip(params, stats))
 
     @torch.no_grad()

@@ -62,16 +62,16 @@ def a_number(v, hi=float("inf")):
     return None if ok else f"must be a finite number >= 0{f' and < {hi}' if hi < 1e308 else ''}"
 
 
-def a_count(v):
-    ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-    return None if ok else "must be an int >= 1"
+def a_count(v, hi=10 ** 9):  # a billion steps: a year of the CPU miniature's, past any real run
+    ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= hi
+    return None if ok else f"must be an int >= 1 and <= {hi:,}"
 
 
 def an_interval(v):
     """Steps (an int >= 1) or a fraction of the run's horizon (0 < f < 1): interval_steps."""
     ok = a_count(v) is None or (isinstance(v, float) and 0 < v < 1)
-    return None if ok else ("must be steps (an int >= 1) or a fraction of the run's horizon (a "
-                            "float between 0 and 1)")
+    return None if ok else ("must be steps (an int from 1 to 1,000,000,000) or a fraction of the "
+                            "run's horizon (a float between 0 and 1)")
 
 
 def a_pair_of_betas(v):

@@ -891,9 +891,13 @@ def tensors_finite(tensors) -> bool:
     return bool(ok.item())
 
 
-def all_finite(loss: torch.Tensor, params) -> bool:
-    """True when the loss (each seed's) and every gradient are finite on every rank (collective)."""
-    return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None])
+def all_finite(loss: torch.Tensor, params, inputs: dict | None = None) -> bool:
+    """True when the loss (each seed's), every gradient and the traces of any input covariances (a
+    trace bounds its entries: MuonAdamW.give_inputs refuses one that overflows) are finite on
+    every rank (collective)."""
+    traces = [c.diagonal(dim1=-2, dim2=-1).sum(-1) for c in (inputs or {}).values()]
+    return tensors_finite([loss.reshape(-1)] + [p.grad for p in params if p.grad is not None]
+                          + traces)
 
 
 @dataclass
@@ -938,7 +942,7 @@ def train_step(run: Run) -> Step:
         schedule_group(group, step, run.num_iterations, args, run.config.arch)
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
-    finite = all_finite(loss_sum, model.parameters())
+    finite = all_finite(loss_sum, model.parameters(), inputs)
     run.synchronize()
     t1 = time.perf_counter()
     if finite:

@@ -206,6 +206,30 @@ def test_what_it_cannot_take_is_refused_in_one_line():
         MuonAdamW([dict(_groups(params)[0], split=(12, 12), params=params[:2])])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test_non_finite_or_overflowing_inputs_are_refused_and_skip_base_trains_step(bad):
+    """A covariance holding NaN or inf, or finite entries whose trace overflows fp32, is refused
+    by give_inputs in one line before it reaches the stage's state (which would otherwise go
+    non-finite and make every later checkpoint unloadable), and base_train's finiteness check
+    counts it as it counts a non-finite loss: the step is skipped on every rank alike."""
+    from scripts.base_train import all_finite
+
+    params = _model()
+    opt = MuonAdamW(_groups(params))
+    _feed(opt, params, *_step_data(0, 0, 1))
+    grads, inputs = _step_data(1, 0, 1)
+    inputs = [t.clone() for t in inputs]
+    inputs[3].diagonal(dim1=-2, dim2=-1).fill_(bad)
+    with pytest.raises(ValueError, match=r"give_inputs: 1 of the 5 input covariances hold NaN, "
+                                         r"inf or values whose trace overflows"):
+        opt.give_inputs(dict(zip(params, inputs)))
+    loss = torch.tensor(2.0)
+    for p, g in zip(params, grads):
+        p.grad = g
+    assert all_finite(loss, params, dict(enumerate(_step_data(1, 0, 1)[1])))
+    assert not all_finite(loss, params, dict(enumerate(inputs)))
+
+
 def layer_inputs(model, x) -> dict:
     """param name -> x^T x / n in float64 of the inputs each block linear really got (hooks on an
     eager forward), cut in blocks of the output width where the input is a whole multiple wider."""

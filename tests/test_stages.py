@@ -346,6 +346,18 @@ def test_shared_state_and_owned_momentum_are_checked(monkeypatch, chosen, says):
         opt.step()
 
 
+@pytest.mark.parametrize("key,value", [("precondition_frequency", 2 ** 70), ("input_interval", 2 ** 70),
+                                       ("horizon", 10 ** 12), ("ns_steps", 10 ** 6)])
+def test_a_count_past_any_run_is_refused_where_it_is_given(key, value):
+    """An interval or count that no run could reach (2**70 steps overflows int64 at the first step;
+    a million Newton-Schulz steps would allocate a million triples) is refused at construction."""
+    stage = dict(precondition_frequency="soap", input_interval="newton").get(key)
+    extra = dict(precondition=stage) if stage else {}
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match=rf"{key}={value} must be"):
+        MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, **{key: value}, **extra))])
+
+
 # -- what the optimizer does with a stage's declarations -------------------------------------------------------
 
 
