@@ -278,7 +278,7 @@ class MuonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            self._resolve(i, group)
+            every = self._resolve(i, group).input_every
             check_numbers(i, group)
             if group["kind"] == "adamw" and group.get("momentum") is not None:  # OneCycleLR's
                 group["betas"] = (group["momentum"], group["betas"][1])
@@ -291,7 +291,8 @@ class MuonAdamW(torch.optim.Optimizer):
                              else f"grad shape {tuple(g.shape)} differs from param shape "
                              f"{tuple(p.shape)}")
                     raise ValueError(f"{group_label(i, group)}, param {j}: {wrong}")
-            if self._inputs_due(i, group) and group["params"][0] not in inputs:
+            due = every is not None and (group["step"] + 1) % every == 0
+            if due and group["params"][0] not in inputs:
                 raise ValueError(f"{group_label(i, group)}: a stage reads its matrices' inputs "
                                  "this step (input_interval); collect them with GPT.forward("
                                  "input_stats=True) and pass them to give_inputs() before step()")
@@ -439,8 +440,9 @@ class MuonAdamW(torch.optim.Optimizer):
             work, buf = reduced
             work.wait()
         if idx:
-            p0 = mine[0]
-            plan = self._plan(b["group"], group, p0)
+            p0, plans = mine[0], self._resolved[b["group"]].plans
+            key = (tuple(p0.shape), p0.dtype, p0.device)
+            plan = plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
             compiled = self.compiled and not plan.eager
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]

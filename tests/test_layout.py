@@ -1,7 +1,7 @@
 """
 The layout claims of the README, checked on the source: no import cycles between nanomuon modules
 (imports inside functions count), each library file imports only files above it in the README's
-layout, the update math imports only torch and hardware.py, sharded.py and plan.py never reach
+layout, the update (muon.py) imports only torch, sharded.py and owners.py never reach
 optim.py, the model file imports no baseline, the plumbing (common.py) imports nothing from the
 optimizer, the recipe imports no other module, every file says why it exists, no function runs over
 80 lines, lines read at 100 columns, no comment cites an issue number, and every script prints its
@@ -75,22 +75,25 @@ def test_the_cycle_check_sees_lazy_imports(tmp_path, monkeypatch):
         test_no_import_cycles_lazy_imports_included()
 
 
-def test_math_and_plan_stand_alone():
-    math_imports = {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "update_math.py")
-                    if not m.startswith("nanomuon.hardware")}
-    assert math_imports <= {"torch", "typing", "collections", "contextlib", "functools", "math"}  # and stdlib
+def test_the_update_and_the_owners_stand_alone():
+    """muon.py, the update a step runs, imports nothing of nanomuon; coefficients.py nothing at all
+    but the standard library; owners.py only muon.py; the optimizer's files never reach optim.py."""
+    stdlib = {"typing", "collections", "contextlib", "functools", "math"}
+    assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "muon.py")} <= {"torch", *stdlib}
+    assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "coefficients.py")} <= stdlib
     assert {m.split(".")[0] for m in imports(ROOT / "nanomuon" / "hardware.py")} <= {"torch",
                                                                                     "functools"}
-    assert not any(m.startswith("nanomuon") for m in imports(ROOT / "nanomuon" / "plan.py"))
+    assert {m.split(".")[1] for m in imports(ROOT / "nanomuon" / "owners.py")
+            if m.startswith("nanomuon")} <= {"muon"}
     graph = library_graph()
 
-    for module in ("sharded", "plan", "update_math", "param_groups"):
+    for module in ("sharded", "owners", "muon", "stages", "coefficients", "param_groups"):
         assert "optim" not in reaches(graph, module), f"{module}.py depends on optim.py"
     assert "baselines" not in reaches(graph, "gpt"), "the model file imports an optimizer baseline"
 
 
-OPTIMIZER = {"optim", "update_math", "sharded", "plan", "param_groups", "baselines", "variants",
-             "reference"}
+OPTIMIZER = {"optim", "muon", "stages", "coefficients", "sharded", "owners", "param_groups",
+             "baselines", "variants", "reference"}
 
 
 def test_the_plumbing_imports_nothing_from_the_optimizer():
@@ -172,7 +175,7 @@ def test_every_script_prints_its_help():
 # torchrun alike). The groups' convention and checks (param_groups.py) run when a group is
 # resolved, not at every step.
 STEP_FILES = {"scripts/base_train.py", "nanomuon/dataloader.py", "nanomuon/gpt.py",
-              "nanomuon/optim.py", "nanomuon/update_math.py", "nanomuon/common.py"}
+              "nanomuon/optim.py", "nanomuon/muon.py", "nanomuon/common.py"}
 
 
 def calls_run(fn):
@@ -275,12 +278,12 @@ def _dist_step_worker(rank, world_size):
         model(x[:, :-1], x[:, 1:]).backward()
         _, seen = files_run(optimizer.step)
         optimizer.zero_grad(set_to_none=True)
-    assert seen <= {"nanomuon/optim.py", "nanomuon/param_groups.py", "nanomuon/update_math.py"}, seen
+    assert seen <= {"nanomuon/optim.py", "nanomuon/param_groups.py", "nanomuon/muon.py"}, seen
 
 
 def test_a_data_parallel_step_reads_no_more_files():
-    """DistMuonAdamW's step at world 2 stays in optim, param_groups and update_math: the owner plan
-    is made once and kept, AdamW's shard cut is optim's own."""
+    """DistMuonAdamW's step at world 2 stays in optim, param_groups and muon: the owners are
+    assigned once and kept, AdamW's shard cut is optim's own."""
     from test_dist import spawn
 
     spawn(_dist_step_worker, 2)
