@@ -13,8 +13,8 @@ Each (variant, swept value, seed) is a scripts.base_train run with --seed (the i
 variant's seeds on one order train as one batched model. Flags this script does not know go to
 base_train after the defaults below (GPU runs: docs/research.md). Finished runs are cached under
 everything that decides them. The baseline also runs at --baseline-lengths of the steps, which
-turn each verdict into steps saved. The runs are nanomuon/ablation_runs.py's, the --budget plan
-nanomuon/ablation_plan.py's, the write-up nanomuon/verdicts.py's.
+turn each verdict into steps saved. The runs are nanomuon/ablation/runs.py's, the --budget plan
+nanomuon/ablation/pacing.py's, the write-up nanomuon/ablation/verdicts.py's.
 """
 
 import argparse
@@ -29,15 +29,16 @@ import time
 from itertools import accumulate
 from typing import NamedTuple
 
-from nanomuon import budget, recipe
-from nanomuon.ablation_plan import Refiner, in_words, kept_estimate, plan_keys, prior_estimate
-from nanomuon.ablation_runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon import recipe
+from nanomuon.ablation import budget
+from nanomuon.ablation.pacing import Refiner, in_words, kept_estimate, plan_keys, prior_estimate
+from nanomuon.ablation.runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon.ablation.verdicts import Sweep, report, write_ablation
 from nanomuon.common import get_base_dir
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from nanomuon.verdicts import Sweep, report, write_ablation
 from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of

@@ -17,12 +17,12 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.ablation_runs import run_one, write_json
+from nanomuon.ablation.runs import run_one, write_json
+from nanomuon.ablation.stats import detectable_factor
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
 from nanomuon.sources import prepare
-from nanomuon.stats import detectable_factor
 from nanomuon.tokenizer import get_tokenizer
 from scripts import ablate
 

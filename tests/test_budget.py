@@ -15,7 +15,7 @@ import time
 import pytest
 from test_ablate import T80, T975, TINY
 
-from nanomuon import budget as planner
+from nanomuon.ablation import budget as planner
 
 # the fake base_train's seconds: a step of one seed, a run's start-up, and its evals, save and report
 STEP_S, START_S, REST_S = 1.0, 30.0, 10.0
@@ -98,9 +98,9 @@ class Fake:
 
         self.clock, self.runs, self.lines, self.capsys = Clock(), [], [], capsys
         monkeypatch.setattr(time, "monotonic", self.clock)
-        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+        monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
         # the prior's eager step, as if timed here: PROBE_S (the runs take STEP_S)
-        monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: PROBE_S)
+        monkeypatch.setattr("nanomuon.ablation.pacing.probe_step", lambda *a, **k: PROBE_S)
 
         def popen(cmd, **kw):
             assert "scripts.base_train" in cmd, cmd
@@ -201,7 +201,7 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
     for load, factor in [(2.0, 2.0), (0.0, 1.0)]:
         (tmp_path / str(load)).mkdir()
         keep(cache_at(tmp_path / str(load)), ["--budget", "20m"], cal, load=0.0)
-        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda load=load: load)
+        monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda load=load: load)
         _, refiner = planned(["--budget", "20m"], cache_at(tmp_path / str(load)))
         line = said_plan(capsys.readouterr().out.splitlines())[0]
         assert ("at a load of 0.0 (now 2.0: steps x2.00, an estimate)" in line) == (factor == 2), line
@@ -213,7 +213,7 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
 def test_a_calibration_of_other_code_here_is_an_estimate_and_another_machines_is_none(tmp_path, monkeypatch, capsys):
     """An ablate of other code on the same runs and machine kept one: it plans, called an estimate. One kept
     for other runs at once (--jobs 1) says nothing of these: the smallest plan, its time left to its runs."""
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     keep(cache_at(tmp_path, code="old"), ["--budget", "20m"], planner.Calibration(0.5, 20.0, 1.0, 0.0, 2.0))
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"))
     line = said_plan(capsys.readouterr().out.splitlines())[0]
@@ -239,8 +239,8 @@ def test_the_default_that_cannot_fit_says_so_with_its_plan_before_any_run(tmp_pa
     it does not fit, and the smallest plan it runs instead, 3 seeds of 50 steps: its time as the model
     counts it (2 runs of 3 seeds on two lanes, then the baseline's 2 at 0.8) and its detectable effect at
     the spread measured at this shape. A --budget given is refused in one line instead."""
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
-    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.runs.launch", lambda *a, **k: pytest.fail("a run started"))
     cal = planner.Calibration(step_s=50.0, fixed_s=10.0, eval_s=1.0, seconds=0.0, final_s=0.0)
     keep(cache_at(tmp_path), ["--budget", "15m"], cal)
     with pytest.raises(SystemExit, match=r"^error: --budget 900s fits fewer than 50 steps per run \(timed here"):
@@ -305,7 +305,7 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
     --budget 3m is refused before any run; --budget 30m is planned; the default never refuses."""
     clock = Clock()
     monkeypatch.setattr(time, "monotonic", clock)
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     _, refiner = planned(["--budget", "3m"], cache_at(tmp_path))
     run, process = refiner.watch(3, "muon"), Run()
     run.started_process(process)
@@ -330,10 +330,10 @@ def prior_said(monkeypatch, tmp_path, argv, probe_s=20.0, device="cpu"):
     from scripts import ablate
 
     calls = []
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     monkeypatch.setattr(ablate.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
-    monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: calls.append(a) or probe_s)
+    monkeypatch.setattr("nanomuon.ablation.runs.launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation.pacing.probe_step", lambda *a, **k: calls.append(a) or probe_s)
     flags, refiner = planned(argv, cache_at(tmp_path, device_type=device, dtype="bf16"))
     return flags, refiner, calls
 

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from nanomuon.ablation.stats import detectable_factor
 from nanomuon.common import autocast, load_json
 from nanomuon.gpt import GPT
-from nanomuon.stats import detectable_factor
 from nanomuon.variants import optimizer_kwargs
 
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from nanomuon import budget
-from nanomuon.ablation_runs import RECORD_BYTES, key_of, read_json, tell, write_json
-from nanomuon.budget import Calibration, Plan, Tracker, machine_load, modeled, probe_step
+from nanomuon.ablation import budget
+from nanomuon.ablation.budget import Calibration, Plan, Tracker, machine_load, modeled, probe_step
+from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, write_json
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
 from nanomuon.tokenizer import tokenizer_dir
