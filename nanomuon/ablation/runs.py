@@ -145,7 +145,7 @@ class Job(NamedTuple):
     steps: int | None = None
     data_seed: int | None = None
     threads: int | None = None  # None: the ablation's
-    group: int = 0  # which batch of its variant's seeds: seeds a plan adds train in their own
+    group: int = 0  # which batch of its variant's seeds: seeds the budget adds train in their own
 
     def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
         """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""
