@@ -33,6 +33,7 @@ from nanomuon import recipe
 from nanomuon.ablation import budget
 from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
 from nanomuon.ablation.runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon.ablation.stats import MOST_SEEDS
 from nanomuon.ablation.verdicts import Sweep, report, write_ablation
 from nanomuon.common import get_base_dir
 from nanomuon.recipe import short_run_matrix_lr
@@ -87,6 +88,16 @@ def name_arg(s: str) -> str:
     return s
 
 
+def seeds_arg(s: str) -> int:
+    """argparse type for a count of seeds, 1 to MOST_SEEDS: refused before the runs are listed, a
+    Job a seed (10**8 seeds would fill gigabytes first)."""
+    with contextlib.suppress(ValueError):  # int() refuses over 4,300 digits too
+        if 1 <= (n := int(s)) <= MOST_SEEDS:
+            return n
+    raise argparse.ArgumentTypeError(f"{s[:24]!r}: give a count of seeds from 1 to {MOST_SEEDS:,} "
+                                     "(past that, more seeds is no answer: the spread must shrink)")
+
+
 def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
     flag, _, given = s.partition("=")
@@ -132,9 +143,11 @@ def parse_args(argv):
                    help="comma-separated OPTIMIZER_VARIANTS keys (one is enough for a --sweep)")
     p.add_argument("--baseline", default=None, help="variant the others are judged against "
                    "(default: adamw if compared, else the first)")
-    p.add_argument("--seeds", type=int, default=None,
+    p.add_argument("--seeds", type=seeds_arg, default=None,
                    help=f"runs per variant and value, seeds 1..N of the init (default "
-                   f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched)")
+                   f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched; at "
+                   f"most {MOST_SEEDS:,}: past that, more seeds is no answer, the spread must "
+                   "shrink)")
     p.add_argument("--data-order", choices=("fixed", "seed"), default="fixed",
                    help="fixed: every run reads the documents in one order (data seed 1), as "
                    "track 3 does: the seeds vary the init alone (~20x less variance: "
@@ -172,9 +185,8 @@ def parse_args(argv):
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
-    if args.nproc < 1 or (args.seeds is not None and args.seeds < 1) or args.jobs < 0:
-        p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
-                f"and {args.jobs}")
+    if args.nproc < 1 or args.jobs < 0:
+        p.error(f"--nproc must be >= 1 and --jobs >= 0; got {args.nproc} and {args.jobs}")
     given = {f.split("=")[0] for f in extra if f.startswith("--") and len(f) > 2}
     if any(f"--{r}".startswith(f) for f in given for r in RESERVED):
         p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "

@@ -448,6 +448,56 @@ def test_a_budget_that_is_not_a_wall_time_is_refused(bad, capsys):
     assert "is not a wall time: give one like 600, 90s, 10m or 1.5h" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script", ["ablate", "noise", "bench_seeds"])
+@pytest.mark.parametrize("count", ["100000000", "99999999999999999999", "10001", "0",
+                                   pytest.param("1" * 5000, id="5000-digits")])
+def test_a_seed_count_past_the_most_is_refused_in_one_line(script, count, capsys):
+    """--seeds counts seeds 1..N, each a run or a batched model's copy: a count past 10,000 (where
+    more seeds stop being an answer) is refused as an argument, before anything is listed. The
+    other flag here is one each script refuses only after parsing --seeds, so a count that gets
+    through reaches that refusal instead."""
+    import importlib
+
+    module = importlib.import_module(f"scripts.{script}")
+    after = {"ablate": ["--variants", "nope"], "noise": ["--variants", "muon"],
+             "bench_seeds": ["--num-iterations", "0"]}[script]
+    with pytest.raises(SystemExit) as e:
+        (module.parse_args if script == "ablate" else module.main)(["--seeds", count, *after])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith(
+        f": error: argument --seeds: {count[:24]!r}: give a count of seeds from 1 to 10,000 (past "
+        "that, more seeds is no answer: the spread must shrink)"), err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_the_most_seeds_are_taken():
+    from scripts import ablate
+
+    assert ablate.parse_args(["--seeds", "10000"])[0].seeds == 10_000
+
+
+def test_a_huge_seed_count_is_refused_at_once_before_anything_is_written(base):
+    """The command a user types, in its own process, its heap capped at 2 GiB (where a list of
+    10**8 runs is a MemoryError, not the machine's memory): one error line, exit 2, in seconds, and
+    nothing written in the base dir (no lock, no cache)."""
+    import resource
+    import time
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+
+    before = files(base)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "scripts.ablate", "--variants", "muon,adamw", "--seeds",
+                        "100000000", "--name", "huge"], cwd=REPO, env=child_env(base), capture_output=True,
+                       text=True, timeout=120, preexec_fn=cap)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [line for line in err if "error" in line.lower()] == [err[-1]], err
+    assert "argument --seeds: '100000000': give a count of seeds from 1 to 10,000" in err[-1]
+    assert time.monotonic() - t0 < 60 and files(base) == before and not p.stdout
+
+
 @pytest.mark.slow
 def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
     """On a tiny model, --budget 70s with one seed: the plan is said before any run starts, and its runs end
