@@ -13,8 +13,8 @@ Each (variant, swept value, seed) is a scripts.base_train run with --seed (the i
 variant's seeds on one order train as one batched model. Flags this script does not know go to
 base_train after the defaults below (GPU runs: docs/research.md). Finished runs are cached under
 everything that decides them. The baseline also runs at --baseline-lengths of the steps, which
-turn each verdict into steps saved. The runs are nanomuon/ablation_runs.py's, the --budget plan
-nanomuon/ablation_plan.py's, the write-up nanomuon/verdicts.py's.
+turn each verdict into steps saved. The runs are nanomuon/ablation/runs.py's, the --budget design
+nanomuon/ablation/pacing.py's, the write-up nanomuon/ablation/verdicts.py's.
 """
 
 import argparse
@@ -29,15 +29,17 @@ import time
 from itertools import accumulate
 from typing import NamedTuple
 
-from nanomuon import budget, recipe
-from nanomuon.ablation_plan import Refiner, in_words, kept_estimate, plan_keys, prior_estimate
-from nanomuon.ablation_runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon import recipe
+from nanomuon.ablation import budget
+from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
+from nanomuon.ablation.runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon.ablation.stats import MOST_SEEDS
+from nanomuon.ablation.verdicts import Sweep, report, write_ablation
 from nanomuon.common import get_base_dir
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from nanomuon.verdicts import Sweep, report, write_ablation
 from scripts.base_train import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
@@ -86,6 +88,16 @@ def name_arg(s: str) -> str:
     return s
 
 
+def seeds_arg(s: str) -> int:
+    """argparse type for a count of seeds, 1 to MOST_SEEDS: refused before the runs are listed, a
+    Job a seed (10**8 seeds would fill gigabytes first)."""
+    with contextlib.suppress(ValueError):  # int() refuses over 4,300 digits too
+        if 1 <= (n := int(s)) <= MOST_SEEDS:
+            return n
+    raise argparse.ArgumentTypeError(f"{s[:24]!r}: give a count of seeds from 1 to {MOST_SEEDS:,} "
+                                     "(past that, more seeds is no answer: the spread must shrink)")
+
+
 def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
     flag, _, given = s.partition("=")
@@ -131,9 +143,11 @@ def parse_args(argv):
                    help="comma-separated OPTIMIZER_VARIANTS keys (one is enough for a --sweep)")
     p.add_argument("--baseline", default=None, help="variant the others are judged against "
                    "(default: adamw if compared, else the first)")
-    p.add_argument("--seeds", type=int, default=None,
+    p.add_argument("--seeds", type=seeds_arg, default=None,
                    help=f"runs per variant and value, seeds 1..N of the init (default "
-                   f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched)")
+                   f"{DEFAULT_SEEDS}, or --budget's choice; {GPU_SEEDS} on a GPU, batched; at "
+                   f"most {MOST_SEEDS:,}: past that, more seeds is no answer, the spread must "
+                   "shrink)")
     p.add_argument("--data-order", choices=("fixed", "seed"), default="fixed",
                    help="fixed: every run reads the documents in one order (data seed 1), as "
                    "track 3 does: the seeds vary the init alone (~20x less variance: "
@@ -171,9 +185,8 @@ def parse_args(argv):
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
-    if args.nproc < 1 or (args.seeds is not None and args.seeds < 1) or args.jobs < 0:
-        p.error(f"--nproc and --seeds must be >= 1 and --jobs >= 0; got {args.nproc}, {args.seeds} "
-                f"and {args.jobs}")
+    if args.nproc < 1 or args.jobs < 0:
+        p.error(f"--nproc must be >= 1 and --jobs >= 0; got {args.nproc} and {args.jobs}")
     given = {f.split("=")[0] for f in extra if f.startswith("--") and len(f) > 2}
     if any(f"--{r}".startswith(f) for f in given for r in RESERVED):
         p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "
@@ -317,8 +330,8 @@ def ablation(args, flags: list[str], argv):
               "chooses)", flush=True)
     default_budget(args, flags, cache)
     if args.budget is not None:
-        flags, refiner = plan_runs(args, flags, runs_per_seed, jobs, threads, cache)
-        n_seeds = refiner.plan.seeds
+        flags, refiner = design_for_budget(args, flags, runs_per_seed, jobs, threads, cache)
+        n_seeds = refiner.design.seeds
     seeds = list(range(1, n_seeds + 1))
     train = train_args(flags)
     steps = train.num_iterations
@@ -335,7 +348,7 @@ def ablation(args, flags: list[str], argv):
         return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
                 for x in args.sweep.values for s in seeds]
 
-    groups = (refiner.plan.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
+    groups = (refiner.design.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
     todo = [job for group, (n, end) in enumerate(zip(groups, accumulate(groups)))
             for job in main_jobs(list(range(end - n + 1, end + 1)), group)]
     if refiner:
@@ -352,7 +365,7 @@ def ablation(args, flags: list[str], argv):
     one_value = len(args.sweep.values) == 1
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache,
                       refiner)
-    seeds = list(range(1, (refiner.plan.seeds if refiner else n_seeds) + 1))  # with any added
+    seeds = list(range(1, (refiner.design.seeds if refiner else n_seeds) + 1))  # with any added
     if not one_value and shorter:
         best = report(split_runs(results)[0], args.variants, args.sweep, seeds,
                       args.baseline)[1][args.baseline]
@@ -364,43 +377,43 @@ def ablation(args, flags: list[str], argv):
     return main_runs
 
 
-def plan_runs(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
-              cache: dict) -> tuple[list[str], "Refiner"]:
-    """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs); the
-    plan kept before, fitted to a calibration kept here, or the smallest, timed by its runs."""
+def design_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
+                      cache: dict) -> tuple[list[str], "Refiner"]:
+    """--budget: (flags with the design's steps and evals, the Refiner that follows the runs); the
+    design kept before, fitted to a calibration kept here, or the smallest, timed by its runs."""
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
-    keys = plan_keys(args, flags, jobs, threads, cache)
+    keys = cache_keys(args, flags, jobs, threads, cache)
     # a GPU's steps do not wait on the CPU's other processes: no load to scale by
     used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
     estimate, about, how = kept_estimate(keys, used)
-    guess, plan = None, budget.read_plan(keys.plan)
-    fresh = estimate is None and plan is None
+    guess, design = None, budget.read_design(keys.design)
+    fresh = estimate is None and design is None
     if fresh:
         guess, how = prior_estimate(args, train, jobs, threads, cache)
     seconds = time.monotonic() - args.started + budget.WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
     guess = guess and guess._replace(seconds=seconds)
-    if plan is not None:
-        how = f"planned before ({keys.plan.name}); {how}"
+    if design is not None:
+        how = f"planned before ({keys.design.name}); {how}"
     elif fresh:
-        plan = budget.smallest(args.seeds)
+        design = budget.smallest(args.seeds)
     else:
-        plan = budget.fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
-                   at_least=args.budget_default)
-        if plan is None:  # only a --budget given: the default plans its smallest instead
+        design = budget.fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
+                            at_least=args.budget_default)
+        if design is None:  # only a --budget given: the default plans its smallest instead
             raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than "
                              f"{budget.MIN_STEPS} steps per run ({how}: {in_words(estimate)}; "
                              f"{jobs} at a time); raise --budget, or cut --variants, --sweep, "
                              "--seeds or --depth")
     shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
-    refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape, guess)
+    refiner = Refiner(args, train, design, layout, keys, about, estimate, seconds, shape, guess)
     if fresh:
         refiner.refuse_kept()
     refiner.say(how + (f": {in_words(estimate)}; the runs' own steps correct it" if estimate
                        else ""))
-    return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
-            str(plan.eval_every)], refiner
+    return [*flags, "--num-iterations", str(design.steps), "--eval-every",
+            str(design.eval_every)], refiner
 
 
 if __name__ == "__main__":

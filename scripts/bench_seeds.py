@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from nanomuon.common import get_base_dir
-from scripts.ablate import DEFAULT_FLAGS, ensure_tokenizer
+from scripts.ablate import DEFAULT_FLAGS, MOST_SEEDS, ensure_tokenizer, seeds_arg
 
 
 def train(base: Path, run: str, flags: list[str], threads: int) -> float:
@@ -52,7 +52,7 @@ def layouts(base: Path, flags: list[str], seeds: list[int], cores: int) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description="batched seeds against a process per seed",
                                 allow_abbrev=False)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    p.add_argument("--seeds", type=seeds_arg, default=3, help=f"seeds 1..N, N 2 to {MOST_SEEDS:,}")
     p.add_argument("--num-iterations", type=int, default=54,
                    help="steps per run (54: the default ablate's plan on a bf16 CPU)")
     args, extra = p.parse_known_args(argv)

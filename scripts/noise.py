@@ -17,12 +17,12 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.ablation_runs import run_one, write_json
+from nanomuon.ablation.runs import run_one, write_json
+from nanomuon.ablation.stats import detectable_factor
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
 from nanomuon.sources import prepare
-from nanomuon.stats import detectable_factor
 from nanomuon.tokenizer import get_tokenizer
 from scripts import ablate
 
@@ -105,7 +105,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Where an ablation's noise comes from (other flags go "
                                 "to base_train, as in ablate)")
     p.add_argument("--variants", default="muon,adamw", help="the variant and the baseline")
-    p.add_argument("--seeds", type=int, default=3, help="values per source (>= 2)")
+    p.add_argument("--seeds", type=ablate.seeds_arg, default=3,
+                   help=f"values per source (2 to {ablate.MOST_SEEDS:,})")
     p.add_argument("--name", default="noise", type=ablate.name_arg)
     p.add_argument("--val-slices", type=int, default=0,
                    help="score at most this many val slices (default 0: the whole val split)")

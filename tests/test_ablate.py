@@ -16,7 +16,7 @@ import pytest
 from test_train import REPO, child_env
 from test_train import TINY as TRAIN_TINY
 
-from nanomuon import budget as planner
+from nanomuon.ablation import budget as planner
 from nanomuon.dataset import build_embedded, data_dir
 
 # ablate's default final eval (262,144 val tokens) off: slow at this size; test_train tests it
@@ -28,7 +28,7 @@ T975 = {1: 12.706, 2: 4.303, 4: 2.776, 10: 2.228, 30: 2.042}  # the t table: 95%
 
 
 def test_t_quantile_matches_the_t_table():
-    from nanomuon.stats import t_quantile
+    from nanomuon.ablation.stats import t_quantile
 
     for df, t in T975.items():
         assert abs(t_quantile(df) - t) < 1e-3, df
@@ -155,7 +155,7 @@ def test_bad_name_is_refused_in_one_line_before_anything_is_written(base, small,
 
 
 def test_code_hash_covers_every_file_by_contents(tmp_path):
-    from nanomuon.ablation_runs import code_hash
+    from nanomuon.ablation.runs import code_hash
 
     dirs = [tmp_path / "nanomuon", tmp_path / "scripts"]
     for d in dirs:
@@ -235,7 +235,8 @@ def test_the_data_fingerprint_reads_contents(base, base_copy, monkeypatch):
     """The same shards at other paths are the same data; a byte changed in place, with the size and
     mtime kept, is other data; an unchanged shard is not read again, unless it changed so recently
     that it could change again with the same timestamps."""
-    from nanomuon import ablation_runs, common
+    from nanomuon import common
+    from nanomuon.ablation import runs as ablation_runs
 
     monkeypatch.setattr(common, "RACY_NS", -1)  # every shard's last change is long past
     memo = base_copy / "memo.json"
@@ -283,7 +284,7 @@ def test_a_code_edit_during_the_runs_caches_nothing(base_copy, monkeypatch):
     from scripts import ablate
 
     hashes = iter(["before"] + ["after"] * 10)
-    monkeypatch.setattr("nanomuon.ablation_runs.code_hash", lambda: next(hashes))
+    monkeypatch.setattr("nanomuon.ablation.runs.code_hash", lambda: next(hashes))
     monkeypatch.setattr(ablate.subprocess, "Popen", Finished)
     cached = files(base_copy / "ablations" / "cache")
     with pytest.raises(SystemExit, match="changed while .* ran, so it is not cached; run ablate again"):
@@ -295,7 +296,7 @@ T80 = {1: 1.376, 2: 1.061, 4: 0.941, 9: 0.883, 30: 0.854}  # the t table: one-si
 
 
 def test_t_quantile_matches_the_80_percent_t_table():
-    from nanomuon.stats import t_quantile
+    from nanomuon.ablation.stats import t_quantile
 
     for df, t in T80.items():
         assert abs(t_quantile(df, 0.80) - t) < 1e-3, df
@@ -305,7 +306,7 @@ def test_the_paired_verdict_by_hand():
     """Three seeds whose differences are -0.01, -0.02, -0.03 bpb: mean -0.02, sd 0.01, so the 95%
     interval is -0.02 ± 4.303 * 0.01 / sqrt(3) = [-0.04484, +0.00484] (it holds zero), and the design
     detects (4.303 + 1.061) * 0.01 / sqrt(3) = 0.03097; a third seed at -0.021 makes it 'better'."""
-    from nanomuon.stats import paired, verdict
+    from nanomuon.ablation.stats import paired, verdict
 
     c = paired([-0.01, -0.02, -0.03])
     assert c["mean"] == pytest.approx(-0.02) and c["detectable"] == pytest.approx(0.030969, abs=2e-5)
@@ -323,7 +324,7 @@ def test_a_verdict_coarser_than_a_record_says_the_seeds_one_would_take():
     (2.0369 + 0.8530) / sqrt(33) * 0.01 = 0.00503, not; of 2.1 (0.00525) 31 seeds reach 0.00520
     and 30 only 0.00529 (2.0452 + 0.8542 at 29 df). A verdict that already detects 0.25% says
     nothing more, and a spread no number of seeds brings there says so."""
-    from nanomuon.stats import MOST_SEEDS, seeds_to_detect, verdict
+    from nanomuon.ablation.stats import MOST_SEEDS, seeds_to_detect, verdict
 
     assert seeds_to_detect(0.01, 0.005) == 34
     assert seeds_to_detect(0.01, 0.0025 * 2.1) == 31
@@ -338,8 +339,8 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
     lengths on the first 2 seeds) fit the budget left after calibrating (with its headroom), one more step
     would not, and the seeds are the caller's, or of 3 to MAX_SEEDS those whose most steps give the
     smallest (t_0.975 + t_0.80) / sqrt(seeds) * steps ** -SPREAD_EXPONENT, found here by trying each."""
-    from nanomuon.budget import Calibration, fit
-    from nanomuon.stats import detectable_factor
+    from nanomuon.ablation.budget import Calibration, fit
+    from nanomuon.ablation.stats import detectable_factor
 
     EVALS, HEADROOM, MAX_SEEDS, MIN_STEPS = planner.EVALS, planner.HEADROOM, planner.MAX_SEEDS, planner.MIN_STEPS
 
@@ -378,7 +379,7 @@ def test_the_planner_fits_batched_seeds_to_the_budget():
     length (2 seeds) after one of them. fit() against that model written out: a run of k seeds takes
     fixed_s + k (steps step_s + EVALS eval_s + final_s); the plan fits, one more step would not, and at
     the same budget it holds more seeds than one process per seed can."""
-    from nanomuon.budget import Calibration, fit
+    from nanomuon.ablation.budget import Calibration, fit
 
     EVALS, HEADROOM = planner.EVALS, planner.HEADROOM
     cal = Calibration(step_s=0.5, fixed_s=30.0, eval_s=2.0, seconds=30.0, final_s=5.0)
@@ -402,7 +403,7 @@ def test_a_run_shows_progress_every_30_seconds_and_every_eval(monkeypatch, capsy
     """launch() asks base_train for every step line and echoes one each PROGRESS_S seconds at most,
     so a batched run of slow steps still says where it is; evals, the last step and errors always.
     A process stands in for base_train here, its lines 10 s apart."""
-    from nanomuon import ablation_runs
+    from nanomuon.ablation import runs as ablation_runs
 
     lines = [f"step {i:05d}/00010 ( 10.0%) | loss 5.0 | dt 10000ms\n" for i in range(1, 11)]
     lines[5:5] = ["step 00005 | val bpb 2.5000\n"]
@@ -447,6 +448,56 @@ def test_a_budget_that_is_not_a_wall_time_is_refused(bad, capsys):
     assert "is not a wall time: give one like 600, 90s, 10m or 1.5h" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script", ["ablate", "noise", "bench_seeds"])
+@pytest.mark.parametrize("count", ["100000000", "99999999999999999999", "10001", "0",
+                                   pytest.param("1" * 5000, id="5000-digits")])
+def test_a_seed_count_past_the_most_is_refused_in_one_line(script, count, capsys):
+    """--seeds counts seeds 1..N, each a run or a batched model's copy: a count past 10,000 (where
+    more seeds stop being an answer) is refused as an argument, before anything is listed. The
+    other flag here is one each script refuses only after parsing --seeds, so a count that gets
+    through reaches that refusal instead."""
+    import importlib
+
+    module = importlib.import_module(f"scripts.{script}")
+    after = {"ablate": ["--variants", "nope"], "noise": ["--variants", "muon"],
+             "bench_seeds": ["--num-iterations", "0"]}[script]
+    with pytest.raises(SystemExit) as e:
+        (module.parse_args if script == "ablate" else module.main)(["--seeds", count, *after])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith(
+        f": error: argument --seeds: {count[:24]!r}: give a count of seeds from 1 to 10,000 (past "
+        "that, more seeds is no answer: the spread must shrink)"), err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_the_most_seeds_are_taken():
+    from scripts import ablate
+
+    assert ablate.parse_args(["--seeds", "10000"])[0].seeds == 10_000
+
+
+def test_a_huge_seed_count_is_refused_at_once_before_anything_is_written(base):
+    """The command a user types, in its own process, its heap capped at 2 GiB (where a list of
+    10**8 runs is a MemoryError, not the machine's memory): one error line, exit 2, in seconds, and
+    nothing written in the base dir (no lock, no cache)."""
+    import resource
+    import time
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+
+    before = files(base)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "scripts.ablate", "--variants", "muon,adamw", "--seeds",
+                        "100000000", "--name", "huge"], cwd=REPO, env=child_env(base), capture_output=True,
+                       text=True, timeout=120, preexec_fn=cap)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [line for line in err if "error" in line.lower()] == [err[-1]], err
+    assert "argument --seeds: '100000000': give a count of seeds from 1 to 10,000" in err[-1]
+    assert time.monotonic() - t0 < 60 and files(base) == before and not p.stdout
+
+
 @pytest.mark.slow
 def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
     """On a tiny model, --budget 70s with one seed: the plan is said before any run starts, and its runs end
@@ -472,16 +523,16 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
 @pytest.mark.parametrize("text", ["{", "[]", '{"steps": 5}', '{"steps": -1, "seeds": 3, "eval_every": 1, '
                                   '"run_s": 1.0, "total_s": 1.0}', '{"steps": "5", "seeds": 3, "eval_every": 1, '
                                   '"run_s": 1.0, "total_s": 1.0}'])
-def test_a_kept_plan_that_is_not_one_is_planned_again(tmp_path, text, capsys):
+def test_a_kept_design_that_is_not_one_is_planned_again(tmp_path, text, capsys):
     """The cache is a file like any other: a damaged plan is planned again, never trusted or a traceback."""
-    from nanomuon.budget import Plan, read_plan
+    from nanomuon.ablation.budget import Design, read_design
 
-    path = tmp_path / "plan-x.json"
-    assert read_plan(path) is None
+    path = tmp_path / "design-x.json"
+    assert read_design(path) is None
     path.write_text(text)
-    assert read_plan(path) is None and "planning again" in capsys.readouterr().out
-    path.write_text(json.dumps(Plan(200, 4, 50, 150.0, 600.0)._asdict()))
-    assert read_plan(path) == Plan(200, 4, 50, 150.0, 600.0)
+    assert read_design(path) is None and "planning again" in capsys.readouterr().out
+    path.write_text(json.dumps(Design(200, 4, 50, 150.0, 600.0)._asdict()))
+    assert read_design(path) == Design(200, 4, 50, 150.0, 600.0)
 
 
 def test_sweep_takes_any_base_train_flag_and_one_variant():
@@ -582,7 +633,7 @@ def test_a_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, m
 
 
 def cache_at(tmp_path, code="c"):
-    """What plan_runs reads of a run cache, in tmp_path."""
+    """What design_for_budget reads of a run cache, in tmp_path."""
     return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t")
 
 
@@ -591,13 +642,13 @@ def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
     from scripts import ablate
 
     args, flags = ablate.parse_args(argv)
-    keys = ablate.plan_keys(args, flags, jobs, threads, cache)
+    keys = ablate.cache_keys(args, flags, jobs, threads, cache)
     keys.calibration.write_text(json.dumps(dict(calibration=cal._asdict(),
                                                 about=dict(machine=keys.machine, load=load, when=1.0))))
 
 
 def planned(argv, cache, jobs=2, threads=1):
-    """plan_runs on ablate argv, started now (no argv: the default's CPU budget): (flags, Refiner)."""
+    """design_for_budget on ablate argv, started now (no argv: the default's CPU budget): (flags, Refiner)."""
     import time
 
     from scripts import ablate
@@ -606,19 +657,19 @@ def planned(argv, cache, jobs=2, threads=1):
     args.started = time.monotonic()
     if not argv:
         args.budget, args.budget_default = 900.0, True
-    return ablate.plan_runs(args, flags, 2, jobs, threads, cache)
+    return ablate.design_for_budget(args, flags, 2, jobs, threads, cache)
 
 
-def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
+def test_a_kept_design_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
     """The baseline's other lengths cost runs, so a plan kept for --baseline-lengths none is not the
     plan for 0.8: that one is fitted again (from the kept calibration) to fewer seeds or steps."""
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     cal = planner.Calibration(1.0, 10.0, 0.5, 3.0)
     plans = []
     for lengths in ("none", "0.8", "none"):
         argv = ["--budget", "20m", "--baseline-lengths", lengths]
         keep(cache_at(tmp_path), argv, cal)
-        plans.append(planned(argv, cache_at(tmp_path))[1].plan)
+        plans.append(planned(argv, cache_at(tmp_path))[1].design)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== plan for")]
     assert ["timed here before" in said[0], "planned before" in said[2]] == [True] * 2
     assert "planned before" not in said[1]
@@ -634,7 +685,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
 
     from scripts import ablate
 
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     for step_s, extra, raised in [(1.0, [], True), (1.0, ["--sweep", "lr-multiplier=1,2"], True),
                                   (0.05, [], False), (1.0, ["--matrix-lr", "0.01"], False),
                                   (1.0, ["--variants", "muon", "--sweep", "matrix-lr=0.01,0.02"], False)]:
@@ -643,7 +694,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
         keep(cache, ["--budget", "15m", *extra], planner.Calibration(step_s, 10.0, 0.1, 3.0))
         args, flags = ablate.parse_args(["--budget", "15m", *extra])
         args.started = time.monotonic()
-        got_flags, _ = ablate.plan_runs(args, flags, 2, 2, 1, cache)
+        got_flags, _ = ablate.design_for_budget(args, flags, 2, 2, 1, cache)
         steps = int(got_flags[got_flags.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
         got = ablate.short_run_lrs(args, got_flags, ablate.train_args(got_flags))
         out = capsys.readouterr().out
@@ -671,16 +722,16 @@ def test_a_kept_calibration_refuses_at_once(base, small, monkeypatch, capsys):
     plan's runs start at once)."""
     from scripts import ablate
 
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     keys, launched = [], []
-    plan_keys = ablate.plan_keys
-    monkeypatch.setattr(ablate, "plan_keys", lambda *a: keys.append(plan_keys(*a)) or keys[-1])
+    cache_keys = ablate.cache_keys
+    monkeypatch.setattr(ablate, "cache_keys", lambda *a: keys.append(cache_keys(*a)) or keys[-1])
 
     def launch(label, flags, *a, **k):
         launched.append(flags)
         raise SystemExit("no runs here")
 
-    monkeypatch.setattr("nanomuon.ablation_runs.launch", launch)
+    monkeypatch.setattr("nanomuon.ablation.runs.launch", launch)
     args = ["--name", "kept", *SMALL]
     with pytest.raises(SystemExit, match="no runs here"):  # nothing kept: the smallest plan runs
         ablate.main([*args, "--budget", "20s"])
@@ -705,7 +756,7 @@ def test_a_variant_that_is_the_baseline_stretched_in_steps_saves_what_it_stretch
     """The baseline's bpb is a_s - 0.1 ln(steps) per seed (each seed its own a_s); a variant that reaches at
     200 steps what the baseline reaches at 250 saves 1 - 200/250 = 20% of the steps: 40 fewer of 200, with
     no spread and an exact slope, so a zero-width interval; a variant as far the other way needs 25% more."""
-    from nanomuon.stats import bpb_per_log_step, steps_verdict, steps_words
+    from nanomuon.ablation.stats import bpb_per_log_step, steps_verdict, steps_words
 
     a = [2.0, 2.3, 1.9]
     finals = {n: [x - 0.1 * math.log(n) for x in a] for n in (160, 200)}
@@ -768,7 +819,7 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
         return dict(final_val_bpb=bpb, val_history=[[0, 4.0], [steps, bpb]], val_train_time=[0.0, 1.0],
                     tok_per_s=1.0, num_params=1, tokens_per_step=256)
 
-    monkeypatch.setattr("nanomuon.ablation_runs.run_one", run_one)
+    monkeypatch.setattr("nanomuon.ablation.runs.run_one", run_one)
     ablate.main(["--seeds", "5", "--jobs", "2", *TINY, "--total-batch-size", "256", "--num-iterations",
                  "400", "--no-compile", "--baseline-lengths", "0.5", "--name", "lengths-on-2",
                  "--no-batch-seeds"])  # a run per seed: made up by run_one
@@ -794,7 +845,7 @@ def test_the_baseline_runs_other_lengths_on_the_first_2_seeds_and_the_steps_verd
 
 
 def test_the_steps_interval_widens_with_the_slopes_error():
-    from nanomuon.stats import steps_verdict
+    from nanomuon.ablation.stats import steps_verdict
 
     diffs = [-0.02, -0.03, -0.025, -0.015]
     sure, unsure = (steps_verdict(diffs, (-0.1, se, 3), 200) for se in (0.0, 0.03))
@@ -884,8 +935,8 @@ def test_the_difference_panel_shows_the_verdicts_own_interval(tmp_path):
     """The curves compare the evals of --eval-tokens, the verdict the final weights over more tokens: the
     first panel also draws the verdict's difference and 95% interval at the last step, worked out here
     (t_0.975 at 2 degrees of freedom), so it cannot disagree with the table; the plot draws it."""
+    from nanomuon.ablation.verdicts import difference_panel
     from nanomuon.report import plot_curves
-    from nanomuon.verdicts import difference_panel
 
     def record(last, final):
         return dict(val_history=[[0, 4.0], [50, last]], final_val_bpb=last, final_eval_bpb=final)
@@ -971,7 +1022,7 @@ BESIDE = {"adamw": (2, 1), "muon-soap": (14, 11), "muon-uw-floor": (9, 10), "muo
 def test_the_published_signs_are_track_3s():
     """Every published technique's sign is that of its record's steps minus the Muon record's it was run
     beside, and its source names both records' steps."""
-    from nanomuon.verdicts import PUBLISHED
+    from nanomuon.ablation.verdicts import PUBLISHED
 
     assert set(PUBLISHED) == set(BESIDE)
     for variant, (record, muon) in BESIDE.items():

@@ -15,7 +15,7 @@ import time
 import pytest
 from test_ablate import T80, T975, TINY
 
-from nanomuon import budget as planner
+from nanomuon.ablation import budget as planner
 
 # the fake base_train's seconds: a step of one seed, a run's start-up, and its evals, save and report
 STEP_S, START_S, REST_S = 1.0, 30.0, 10.0
@@ -98,9 +98,9 @@ class Fake:
 
         self.clock, self.runs, self.lines, self.capsys = Clock(), [], [], capsys
         monkeypatch.setattr(time, "monotonic", self.clock)
-        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+        monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
         # the prior's eager step, as if timed here: PROBE_S (the runs take STEP_S)
-        monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: PROBE_S)
+        monkeypatch.setattr("nanomuon.ablation.pacing.probe_step", lambda *a, **k: PROBE_S)
 
         def popen(cmd, **kw):
             assert "scripts.base_train" in cmd, cmd
@@ -170,14 +170,14 @@ def cache_at(tmp_path, code="c", **more):
 
 
 def planned(argv, cache, jobs=2, threads=1):
-    """plan_runs on these ablate flags, ablate started now: (its flags, its Refiner)."""
+    """design_for_budget on these ablate flags, ablate started now: (its flags, its Refiner)."""
     from scripts import ablate
 
     args, flags = ablate.parse_args(argv)
     args.started = time.monotonic()
     if not argv:  # the default: the CPU's budget
         args.budget, args.budget_default = 900.0, True
-    return ablate.plan_runs(args, flags, 2, jobs, threads, cache)
+    return ablate.design_for_budget(args, flags, 2, jobs, threads, cache)
 
 
 def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
@@ -185,7 +185,7 @@ def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
     from scripts import ablate
 
     args, flags = ablate.parse_args(argv)
-    keys = ablate.plan_keys(args, flags, jobs, threads, cache)
+    keys = ablate.cache_keys(args, flags, jobs, threads, cache)
     keys.calibration.write_text(json.dumps(dict(calibration=cal._asdict(),
                                                 about=dict(machine=keys.machine, load=load, when=1.0))))
 
@@ -201,28 +201,28 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
     for load, factor in [(2.0, 2.0), (0.0, 1.0)]:
         (tmp_path / str(load)).mkdir()
         keep(cache_at(tmp_path / str(load)), ["--budget", "20m"], cal, load=0.0)
-        monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda load=load: load)
+        monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda load=load: load)
         _, refiner = planned(["--budget", "20m"], cache_at(tmp_path / str(load)))
         line = said_plan(capsys.readouterr().out.splitlines())[0]
         assert ("at a load of 0.0 (now 2.0: steps x2.00, an estimate)" in line) == (factor == 2), line
         scaled = planner.Calibration(*(v * factor for v in cal[:3]), refiner.seconds, cal.final_s * factor)
         want = planner.fit(1200, scaled, 2, 2, None, 1, True)
-        assert refiner.plan[:2] == want[:2], (refiner.plan, want)
+        assert refiner.design[:2] == want[:2], (refiner.design, want)
 
 
 def test_a_calibration_of_other_code_here_is_an_estimate_and_another_machines_is_none(tmp_path, monkeypatch, capsys):
     """An ablate of other code on the same runs and machine kept one: it plans, called an estimate. One kept
     for other runs at once (--jobs 1) says nothing of these: the smallest plan, its time left to its runs."""
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     keep(cache_at(tmp_path, code="old"), ["--budget", "20m"], planner.Calibration(0.5, 20.0, 1.0, 0.0, 2.0))
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"))
     line = said_plan(capsys.readouterr().out.splitlines())[0]
     assert "an estimate: timed here by an ablate of other code, torch or variants" in line, line
-    assert refiner.plan.total_s > 0 and refiner.estimate.step_s == 0.5
+    assert refiner.design.total_s > 0 and refiner.estimate.step_s == 0.5
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"), jobs=1, threads=2)
     line = said_plan(capsys.readouterr().out.splitlines())[0]
     assert "nothing has timed these runs here yet" in line and "its time follows the runs' first steps" in line
-    assert refiner.plan[:2] == (planner.MIN_STEPS, 3) and refiner.estimate is None
+    assert refiner.design[:2] == (planner.MIN_STEPS, 3) and refiner.estimate is None
 
 
 def projected(seeds, steps):
@@ -239,8 +239,8 @@ def test_the_default_that_cannot_fit_says_so_with_its_plan_before_any_run(tmp_pa
     it does not fit, and the smallest plan it runs instead, 3 seeds of 50 steps: its time as the model
     counts it (2 runs of 3 seeds on two lanes, then the baseline's 2 at 0.8) and its detectable effect at
     the spread measured at this shape. A --budget given is refused in one line instead."""
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
-    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.runs.launch", lambda *a, **k: pytest.fail("a run started"))
     cal = planner.Calibration(step_s=50.0, fixed_s=10.0, eval_s=1.0, seconds=0.0, final_s=0.0)
     keep(cache_at(tmp_path), ["--budget", "15m"], cal)
     with pytest.raises(SystemExit, match=r"^error: --budget 900s fits fewer than 50 steps per run \(timed here"):
@@ -305,7 +305,7 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
     --budget 3m is refused before any run; --budget 30m is planned; the default never refuses."""
     clock = Clock()
     monkeypatch.setattr(time, "monotonic", clock)
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     _, refiner = planned(["--budget", "3m"], cache_at(tmp_path))
     run, process = refiner.watch(3, "muon"), Run()
     run.started_process(process)
@@ -325,15 +325,15 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
 
 
 def prior_said(monkeypatch, tmp_path, argv, probe_s=20.0, device="cpu"):
-    """plan_runs of argv with nothing timed here, on 2 cores at load 0, its prior's eager step
+    """design_for_budget of argv with nothing timed here, on 2 cores at load 0, its prior's eager step
     probe_s: (its flags, its Refiner, the probe's calls)."""
     from scripts import ablate
 
     calls = []
-    monkeypatch.setattr("nanomuon.ablation_plan.machine_load", lambda: 0.0)
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
     monkeypatch.setattr(ablate.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr("nanomuon.ablation_runs.launch", lambda *a, **k: pytest.fail("a run started"))
-    monkeypatch.setattr("nanomuon.ablation_plan.probe_step", lambda *a, **k: calls.append(a) or probe_s)
+    monkeypatch.setattr("nanomuon.ablation.runs.launch", lambda *a, **k: pytest.fail("a run started"))
+    monkeypatch.setattr("nanomuon.ablation.pacing.probe_step", lambda *a, **k: calls.append(a) or probe_s)
     flags, refiner = planned(argv, cache_at(tmp_path, device_type=device, dtype="bf16"))
     return flags, refiner, calls
 
@@ -365,8 +365,8 @@ def test_the_first_default_that_cannot_fit_says_so_from_a_prior_before_any_run(b
                               f"estimate: one eager step of a seed timed now, 20.000 s, x{planner.PRIOR_STEP_RATIO:g} "
                               f"for a run's: {step:.3f} s a step of a seed, {start:.0f} s a run's start-up")
     assert f"~{minutes:.1f} min in all by the prior" in out[-1]
-    assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.plan.total_s == 0
-    assert not list(tmp_path.glob("plan-*.json"))  # a prior's plan is not kept as one timed
+    assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.design.total_s == 0
+    assert not list(tmp_path.glob("design-*.json"))  # a prior's plan is not kept as one timed
 
 
 def test_a_budget_given_is_told_by_the_prior_and_refused_only_by_the_runs(base, tmp_path, monkeypatch, capsys):
@@ -378,7 +378,7 @@ def test_a_budget_given_is_told_by_the_prior_and_refused_only_by_the_runs(base, 
     out = capsys.readouterr().out
     assert "== by the prior, --budget 3.0m may not fit even the smallest plan's steps; the runs' first steps " \
            "decide, and refuse it then" in out
-    assert refiner.plan[:2] == (planner.MIN_STEPS, 3) and refiner.floor is not None
+    assert refiner.design[:2] == (planner.MIN_STEPS, 3) and refiner.floor is not None
     (tmp_path / "gpu").mkdir()
     _, refiner, calls = prior_said(monkeypatch, tmp_path / "gpu", ["--budget", "3m"], device="cuda")
     out = capsys.readouterr().out

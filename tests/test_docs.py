@@ -322,8 +322,8 @@ def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
 # A citation of the code is a module and a dotted name after it: `muon.muon_update`,
 # `nanomuon.optim.MuonAdamW`, `gpt.GPT.setup_optimizer`, `scripts.ablate`. A module name with a
 # file's extension after it is a file (`gpt.py`, `report.md.aside.N`), not a citation.
-MODULES = {p.stem: pkg for pkg in ("nanomuon", "scripts")
-           for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
+MODULES = {p.stem: ".".join(p.parent.relative_to(ROOT).parts) for pkg in ("nanomuon", "scripts")
+           for p in (ROOT / pkg).rglob("*.py") if p.stem != "__init__"}  # budget: nanomuon.ablation
 HEADS = "|".join(sorted({*MODULES, "nanomuon", "scripts"}, key=len, reverse=True))
 DOTTED = re.compile(rf"(?<![\w./\\-])(?:{HEADS})(?:\.[A-Za-z_]\w*)+")
 EXTENSIONS = {"py", "md", "json", "jsonl", "sh", "pt", "txt", "csv", "yaml", "png", "parquet",
@@ -393,7 +393,7 @@ def test_the_citation_check_reads_names_not_files():
 def test_every_cited_name_exists():
     """Every module.name the README, docs/*.md and the library's and scripts' docstrings and
     comments cite is in the code: a rename or removal leaves no citation behind."""
-    files = [*PAGES, *sorted((ROOT / "nanomuon").glob("*.py")),
+    files = [*PAGES, *sorted((ROOT / "nanomuon").rglob("*.py")),
              *sorted((ROOT / "scripts").glob("*.py"))]
     stale = sorted({f"{path.relative_to(ROOT)}: {name}" for path in files
                     for text in cited_text(path) for name in citations(text)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from nanomuon import common
-from nanomuon.budget import Tracker
+from nanomuon.ablation.budget import Tracker
 from nanomuon.dataset import SPLITS, list_shards
 from nanomuon.run import StepRecords
 from nanomuon.sources import add_data_args, prepare
@@ -37,7 +37,7 @@ _print_lock = threading.Lock()
 RUNNING = {}  # the base_train processes running now -> their labels: a stop ends them
 # The code behind a result: the library and all of scripts/. Not a list of base_train's imports:
 # it would go stale unnoticed when an import is added, and a needless re-run only costs time.
-CODE_DIRS = (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "scripts")
+CODE_DIRS = (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "scripts")
 
 
 def code_hash(dirs=CODE_DIRS) -> str:
@@ -145,7 +145,7 @@ class Job(NamedTuple):
     steps: int | None = None
     data_seed: int | None = None
     threads: int | None = None  # None: the ablation's
-    group: int = 0  # which batch of its variant's seeds: seeds a plan adds train in their own
+    group: int = 0  # which batch of its variant's seeds: seeds the budget adds train in their own
 
     def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
         """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""

@@ -9,8 +9,8 @@ import statistics
 import sys
 from typing import NamedTuple
 
-from nanomuon import stats
-from nanomuon.ablation_runs import value_tag
+from nanomuon.ablation import stats
+from nanomuon.ablation.runs import value_tag
 from nanomuon.common import get_base_dir, write_atomic
 from nanomuon.report import MISSING, plot_curves
 

@@ -1,5 +1,5 @@
 """
-An ablation's plan to a --budget as its runs go: where it is kept, the calibration found for these
+An ablation's design to a --budget as its runs go: where it is kept, the calibration found for these
 runs (or a prior from one probed step), and the Refiner, which follows the runs' pace and adds the
 seeds the budget has room for. budget.py holds the model of an ablation's time and the fit.
 """
@@ -14,30 +14,30 @@ from typing import NamedTuple
 
 import torch
 
-from nanomuon import budget
-from nanomuon.ablation_runs import RECORD_BYTES, key_of, read_json, tell, write_json
-from nanomuon.budget import Calibration, Plan, Tracker, machine_load, modeled, probe_step
+from nanomuon.ablation import budget
+from nanomuon.ablation.budget import Calibration, Design, Tracker, machine_load, modeled, probe_step
+from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, write_json
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
 from nanomuon.tokenizer import tokenizer_dir
 
 
 class Keys(NamedTuple):
-    """Where a plan, a calibration and a refusing pace are kept; `machine`: the machine's key."""
-    plan: Path
+    """Where a design, a calibration and a refusing pace are kept; `machine`: the machine's key."""
+    design: Path
     calibration: Path
     refused: Path
     machine: str
 
 
-def plan_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
-    """The files plan_runs reads and the Refiner keeps: a calibration keyed by all that decides
-    the runs' pace, a plan by that and the budget, sweep, seeds and lengths it was fitted to."""
+def cache_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
+    """The files design_for_budget reads and the Refiner keeps: a calibration keyed by all that
+    decides the runs' pace, a design by that and the budget, sweep, seeds and lengths it fits."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
     exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
-    plan = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
-    return Keys(cache["dir"] / f"plan-{plan}.json", cache["dir"] / f"calibration-{exact}.json",
+    design = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
+    return Keys(cache["dir"] / f"design-{design}.json", cache["dir"] / f"calibration-{exact}.json",
                 cache["dir"] / f"refused-{exact}.json", machine)
 
 
@@ -118,20 +118,20 @@ def in_words(cal: Calibration, spent: bool = True) -> str:
 
 
 class Refiner(Tracker):
-    """A budget's plan as its runs go: it says their first pace and each run's end with the plan's
-    end at that pace, keeps the calibration, the timed plan and a refusing pace for the next
-    ablate, and at the first run's end adds the seeds the budget has room for (more())."""
+    """A budget's design as its runs go: it says their first pace and each run's end with the
+    design's end at that pace, keeps the calibration, the timed design and a refusing pace for the
+    next ablate, and at the first run's end adds the seeds the budget has room for (more())."""
 
-    def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
+    def __init__(self, args, train, design: Design, layout: tuple, keys: Keys, about: dict,
                  estimate: Calibration | None, seconds: float, shape: bool,
                  guess: Calibration | None = None):
-        def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
+        def floor(cal: Calibration) -> float:  # the smallest design, the fewest seconds at cal
             return modeled(cal, budget.MIN_STEPS, args.seeds or budget.FIRST_SEEDS, *layout)[1]
 
         super().__init__(args.budget, seconds, evals_of(args, train),
                          None if args.budget_default else floor)
-        self.args, self.train, self.plan, self.layout, self.keys = args, train, plan, layout, keys
-        self.about, self.estimate, self.shape = about, estimate, shape
+        self.args, self.train, self.design, self.layout = args, train, design, layout
+        self.keys, self.about, self.estimate, self.shape = keys, about, estimate, shape
         self.guess = guess  # the prior (prior_estimate), where nothing has timed these runs
         self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
 
@@ -145,45 +145,45 @@ class Refiner(Tracker):
                         f"({self.keys.refused.name})")
                 raise SystemExit(budget.budget_refusal(self.budget_s, floor, self.seconds, seen))
 
-    def words(self, plan: Plan) -> str:
+    def words(self, d: Design) -> str:
         runs_per_seed, jobs = self.layout[:2]
-        if plan.total_s:
-            timed = (f"each run ~{plan.run_s:.0f} s, ~{(self.seconds + plan.total_s) / 60:.1f} "
+        if d.total_s:
+            timed = (f"each run ~{d.run_s:.0f} s, ~{(self.seconds + d.total_s) / 60:.1f} "
                      "min in all")
         elif self.guess is not None:
-            run_s, total = modeled(self.guess, plan.steps, plan.seeds, *self.layout, plan.groups)
+            run_s, total = modeled(self.guess, d.steps, d.seeds, *self.layout, d.groups)
             timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all by "
                      "the prior, until the runs' first steps time it")
         else:
             timed = "its time follows the runs' first steps"
-        return (f"depth {self.train.depth}, {plan.steps} steps of "
-                f"{self.train.total_batch_size:,} tokens, {plan.seeds} seeds, {runs_per_seed} "
-                f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(plan)}")
+        return (f"depth {self.train.depth}, {d.steps} steps of "
+                f"{self.train.total_batch_size:,} tokens, {d.seeds} seeds, {runs_per_seed} "
+                f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(d)}")
 
-    def detects(self, plan: Plan) -> str:
-        """The effect the plan detects, projected where the spread at its shape was measured."""
-        detects = budget.projected_detectable(max(2, plan.seeds), plan.steps)
+    def detects(self, design: Design) -> str:
+        """The effect the design detects, projected where the spread at its shape was measured."""
+        detects = budget.projected_detectable(max(2, design.seeds), design.steps)
         return (f"; detects ~{detects:.2%} of bpb (projected from the spread measured at this "
                 "shape)" if self.shape else "")
 
     def say(self, how: str) -> None:
-        """The plan, said before any run starts, after whether the default's fits."""
+        """The design, said before any run starts, after whether the default's fits."""
         if self.estimate is not None or self.guess is not None:
             self.overrun(self.estimate or self.guess, "" if self.estimate else " by the prior")
-        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
-        if self.plan.total_s:
-            write_json(self.keys.plan, self.plan._asdict())
+        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.design)}")
+        if self.design.total_s:
+            write_json(self.keys.design, self.design._asdict())
 
     def ends(self, cal: Calibration) -> tuple[float, bool]:
-        """(seconds after ablate began that the plan ends at cal, whether that fits the budget)."""
-        p = self.plan
+        """(seconds after ablate began that the design ends at cal, whether it fits the budget)."""
+        p = self.design
         total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
         return self.seconds + total, total <= (self.budget_s - self.seconds) * budget.HEADROOM
 
     def overrun(self, cal: Calibration, by: str = "") -> None:
-        """Say the default's plan that cannot fit at cal, or a --budget the prior says will not."""
+        """Say the default's design that cannot fit at cal, or a --budget the prior finds short."""
         end, fits = self.ends(cal)
-        p = self.plan
+        p = self.design
         smallest = (budget.MIN_STEPS, self.args.seeds or budget.FIRST_SEEDS)
         which = "the smallest one" if (p.steps, p.seeds) == smallest else "its plan"
         if self.args.budget_default and not fits:
@@ -209,23 +209,23 @@ class Refiner(Tracker):
             self.overrun(cal)
 
     def finished(self, run, cal: Calibration) -> None:
-        self.replan(cal)
+        self.retime(cal)
         prior_s = {} if self.guess is None else dict(prior_step_s=self.guess.step_s)
         write_json(self.keys.calibration, dict(calibration=cal._asdict(),
                                                about=dict(self.about, when=time.time(), **prior_s)))
         tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
              f"{self.end_words(cal)}")
 
-    def replan(self, cal: Calibration, added: int = 0) -> Plan:
-        """The plan timed at cal, with `added` seeds as a batch of their own, kept under the lock (a
-        run's end and the seeds added come from two threads). Returns the plan before."""
+    def retime(self, cal: Calibration, added: int = 0) -> Design:
+        """The design timed at cal, with `added` seeds as a batch of their own, kept under the lock
+        (a run's end and the seeds added come from two threads). Returns the design before."""
         with self.lock:
-            p = self.plan
+            p = self.design
             groups = (*(p.groups or (p.seeds,)), added) if added else p.groups
             run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
-            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
-                                   total_s=total)
-            write_json(self.keys.plan, self.plan._asdict())
+            self.design = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
+                                     total_s=total)
+            write_json(self.keys.design, self.design._asdict())
         return p
 
     def refused(self, cal: Calibration) -> None:
@@ -238,11 +238,11 @@ class Refiner(Tracker):
         if self.grown or not ended:
             return []
         self.grown, cal = True, self.measured()
-        if self.args.seeds or cal is None or len(self.plan.groups) > 1:
+        if self.args.seeds or cal is None or len(self.design.groups) > 1:
             return []
-        if not (added := budget.grow(self.budget_s, cal, self.plan, *self.layout)):
+        if not (added := budget.grow(self.budget_s, cal, self.design, *self.layout)):
             return []
-        before, plan = self.replan(cal, added), self.plan
+        before, now = self.retime(cal, added), self.design
         tell(f"== the budget has room at the runs' own pace: seeds {before.seeds + 1}-"
-             f"{plan.seeds} join, a batch of each variant's; the plan now: {self.words(plan)}")
-        return self.make_jobs(list(range(before.seeds + 1, plan.seeds + 1)), len(plan.groups) - 1)
+             f"{now.seeds} join, a batch of each variant's; the plan now: {self.words(now)}")
+        return self.make_jobs(list(range(before.seeds + 1, now.seeds + 1)), len(now.groups) - 1)
