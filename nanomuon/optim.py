@@ -49,16 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanomuon.muon import (
-    AdamWScalars,
-    MuonPlan,
-    adamw_update,
-    fresh_state,
-    kernel,
-    muon_hparams,
-    muon_update,
-    scalars,
-)
+from nanomuon import muon, stages
 from nanomuon.owners import owner_buckets, update_cost
 from nanomuon.param_groups import (
     DamagedState,
@@ -82,7 +73,6 @@ from nanomuon.sharded import (
     muon_step_sharded,
     state_piece,
 )
-from nanomuon.stages import input_shape, muon_plan, orthogonalizer_running
 
 
 def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
@@ -99,6 +89,9 @@ class Resolved(NamedTuple):
     plans: dict  # (shape, dtype, device) -> muon.MuonPlan, made on first use
     input_every: int | None  # steps between reads of its matrices' inputs; None: never
     sharded: bool  # it holds DTensor params (sharded.py)
+
+    def inputs_due(self, group: dict) -> bool:  # at the group's next step
+        return self.input_every is not None and (group["step"] + 1) % self.input_every == 0
 
 
 # What schedules edit, checked at every step; a change of any other key resolves the group again.
@@ -210,20 +203,20 @@ class MuonAdamW(torch.optim.Optimizer):
     def wants_inputs(self) -> bool:
         """Whether the next step has a stage that reads its matrices' inputs (Newton-Muon): the
         loop then collects them (GPT.forward(input_stats=True)) for give_inputs() before step()."""
-        return any(self._inputs_due(i, g) for i, g in enumerate(self.param_groups))
+        return any(self._resolve(i, g).inputs_due(g) for i, g in enumerate(self.param_groups))
 
     @torch.no_grad()
     def give_inputs(self, inputs: dict) -> None:
         """This step's input covariances, param -> (..., blocks, b, b), each this rank's mean over
         its tokens (stages.input_covariance); averaged over the ranks here for the owners."""
-        params = [p for i, g in enumerate(self.param_groups) if self._inputs_due(i, g)
+        params = [p for i, g in enumerate(self.param_groups) if self._resolve(i, g).inputs_due(g)
                   for p in g["params"]]
         if missing := [i for i, p in enumerate(params) if p not in inputs]:
             raise ValueError(f"give_inputs: {len(missing)} of the {len(params)} matrices whose "
                              "stage reads its inputs this step have none; collect every "
                              "matrix's (GPT.forward(input_stats=True))")
         for p in params:
-            if tuple(inputs[p].shape) != (want := (*p.shape[:-2], *input_shape(*p.shape[-2:]))):
+            if tuple(inputs[p].shape) != (want := (*p.shape[:-2], *stages.input_shape(*p.shape[-2:]))):
                 raise ValueError(f"give_inputs: a {tuple(p.shape)} matrix's inputs are "
                                  f"{tuple(inputs[p].shape)}, not {want} "
                                  "(stages.input_covariance of this model's own inputs)")
@@ -311,15 +304,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 kept = self._resolved[i] = kept._replace(input_every=every)
         return kept
 
-    def _plan(self, i: int, group: dict, p: Tensor) -> MuonPlan:
+    def _plan(self, i: int, group: dict, p: Tensor) -> muon.MuonPlan:
         """The group's MuonPlan for matrices like p, made on first use."""
         plans, key = self._resolve(i, group).plans, (tuple(p.shape), p.dtype, p.device)
-        return plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
-
-    def _inputs_due(self, i: int, group: dict) -> bool:
-        """Whether a muon group's next step reads its matrices' inputs (every input_every)."""
-        every = self._resolve(i, group).input_every
-        return every is not None and (group["step"] + 1) % every == 0
+        return plans.get(key) or plans.setdefault(key, stages.muon_plan(group, *key))
 
     def _owned_buckets(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners, planned group by group
@@ -442,7 +430,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if idx:
             p0, plans = mine[0], self._resolved[b["group"]].plans
             key = (tuple(p0.shape), p0.dtype, p0.device)
-            plan = plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
+            plan = plans.get(key) or plans.setdefault(key, stages.muon_plan(group, *key))
             compiled = self.compiled and not plan.eager
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
@@ -459,9 +447,9 @@ class MuonAdamW(torch.optim.Optimizer):
             if not everyone:  # index_select copies: the moved state is written back below
                 sel = torch.tensor(idx, device=p0.device)
                 whole, state = state, {name: t[sel] for name, t in state.items()}
-            h = muon_hparams(group, plan)
-            update = kernel(muon_update, True) if compiled else muon_update
-            h = scalars(h, True) if compiled else h
+            h = muon.muon_hparams(group, plan)
+            update = muon.kernel(muon.muon_update, True) if compiled else muon.muon_update
+            h = muon.scalars(h, True) if compiled else h
             inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
             for sl in self._slices(len(idx), p0):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, plan,
@@ -502,10 +490,10 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
-        h = AdamWScalars(state["step"], group["lr"], *group["betas"], group["eps"],
+        h = muon.AdamWScalars(state["step"], group["lr"], *group["betas"], group["eps"],
                          group["weight_decay"])
-        update = kernel(adamw_update, True) if self.compiled else adamw_update
-        h = scalars(h, True) if self.compiled else h
+        update = muon.kernel(muon.adamw_update, True) if self.compiled else muon.adamw_update
+        h = muon.scalars(h, True) if self.compiled else h
         for sl in self._slices(len(tensors[0]), tensors[0][0]):
             update(*(t[sl] for t in tensors), h)
 
@@ -529,7 +517,7 @@ class MuonAdamW(torch.optim.Optimizer):
             for i, p in enumerate(params):
                 old = self.state[p].get(name)
                 out[i].copy_(old if old is not None and tuple(old.shape) == slot.shape
-                             else fresh_state(slot, p))
+                             else muon.fresh_state(slot, p))
                 self.state[p][name] = out[i]
             stacks[name] = out
         self._stacks[key] = (signature, stacks)
@@ -633,7 +621,7 @@ class MuonAdamW(torch.optim.Optimizer):
                                     device=p0.device)
                 for k, p in enumerate(mine):  # state not made yet: what the next step makes
                     stack[k].copy_(self.state[p][name] if name in self.state[p]
-                                   else fresh_state(slot, p))
+                                   else muon.fresh_state(slot, p))
                 out = stack.new_empty((b["per_rank"] * N, *slot.shape))
                 dist.all_gather_into_tensor(out, stack, group=self.pg, async_op=True).wait()
                 for i, row in b["rows"]:
@@ -649,7 +637,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for group, kept in zip(self.param_groups, keep):
             group.update(kept)
             if (method := group.pop("ns_method", None)) is not None:  # before orthogonalizer
-                group.setdefault("orthogonalizer", orthogonalizer_running(method))
+                group.setdefault("orthogonalizer", stages.orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
         muon = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
@@ -664,7 +652,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
-        pieces. A collective where DTensor Muon params are planned."""
+        pieces. A collective where DTensor Muon params have owners."""
         check_state_dict(self.param_groups, state_dict)
         if problem := state_values_problem(self.param_groups, state_dict):  # alike on every rank
             raise DamagedState(problem)
@@ -672,7 +660,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _state_layout(self):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
-        block (mesh, placements) or a slice of the flat param. A collective (DTensor plans)."""
+        block (mesh, placements) or a slice of the flat param. A collective (DTensor owners)."""
         kept = kept_direction_state(self.param_groups, self._sharded_owners)
         kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
         owned = {b["params"][i] for b in self._owned_buckets() for i in b["mine"]}
@@ -713,7 +701,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def sharded_state_dict(self) -> tuple[dict, dict]:
         """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
-        it holds, a DTensor block where so; the rest). A collective (DTensor plans)."""
+        it holds, a DTensor block where so; the rest). A collective (DTensor owners)."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
         params = [p for g in self.param_groups for p in g["params"]]
         tensors, rest = {}, {}
