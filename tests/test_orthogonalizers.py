@@ -14,6 +14,7 @@ from test_optim import ns_context
 
 from nanomuon import muon, owners, stages
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.param_groups import fill_defaults
 from nanomuon.reference import muon_step
 
 SHAPES = [(40, 24), (24, 40), (32, 32), (40, 24)]  # tall, wide, square, and a repeat to stack
@@ -82,7 +83,8 @@ def test_the_owner_plan_costs_an_unknown_orthogonalizer_as_newton_schulz(monkeyp
     p = torch.zeros(24, 96)
     group = dict(GROUP, params=[p], orthogonalizer="exact_polar", ns_precision="fp32", ns_coefficients="jordan",
                  ns_repeat_last=False, split=None, qkv_split=None, transposed=False, precondition=(),
-                 post_process=(), apply="cautious")
+                 post_process=(), apply="cautious", kind="muon")
+    fill_defaults(group)
     plan = stages.muon_plan(group, p.shape, p.dtype, p.device)
     assert owners.update_cost(plan, p.shape) == owners.ns_flops(p.shape, 5)
 
@@ -191,7 +193,8 @@ def test_a_wrapper_of_newton_schulz_keeps_the_method_it_wraps(monkeypatch):
     p = torch.zeros(24, 96)
     group = dict(GROUP, params=[p], ns_precision="fp32", ns_coefficients="jordan", ns_repeat_last=False,
                  split=None, qkv_split=None, transposed=False, precondition=(), post_process=(),
-                 apply="cautious")
+                 apply="cautious", kind="muon")
+    fill_defaults(group)
     cost = {name: owners.update_cost(stages.muon_plan(dict(group, orthogonalizer=name), p.shape, p.dtype,
                                                       p.device), p.shape)
             for name in ("my_ns", "newton_schulz", "auto")}
