@@ -28,7 +28,15 @@ from nanomuon.attention import choose_attention
 from nanomuon.common import available_memory, evaluate_bpb, print0  # tests stand in for two
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
-from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
+from nanomuon.gpt import (
+    ARCHS,
+    GPT,
+    LR_SCHEDULES,
+    Arch,
+    GPTConfig,
+    config_from_depth,
+    scaling_params,
+)
 from nanomuon.hardware import peak_flops
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import (
@@ -106,8 +114,8 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="warmup_warmdown",
-                   help="lr schedule (SCHEDULES; the --optimizer variant may set its own)")
+    p.add_argument("--schedule", choices=list(LR_SCHEDULES), default="warmup_warmdown",
+                   help="lr schedule (gpt.LR_SCHEDULES; the --optimizer variant may set its own)")
     recipe = "default: the recipe's, by batch: docs/lr_rule.md"
     p.add_argument("--warmup-ratio", type=float, default=None, help="fraction of steps with "
                    f"linear lr warmup ({recipe}; none below 2^19 tokens/step, 40 steps from there)")
@@ -189,7 +197,7 @@ def parse_args(argv=None):
                    help="width = depth * aspect ratio (rounded up)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--arch", choices=("auto",) + ARCHS, default="auto", help="the model: "
+    p.add_argument("--arch", choices=("auto", *ARCHS), default="auto", help="the model: "
                    "nanochat (92d63d4's, with its recipe) or classic (its late-2025 plain GPT, the "
                    "CPU miniature's); auto: nanochat on CUDA, classic elsewhere (docs/training.md)")
     p.add_argument("--window-pattern", default=None, help="sliding windows, tiled over the "
@@ -342,53 +350,20 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
                 "--aspect-ratio or --head-dim")
 
 
-def warmup_warmdown(step: int, num_iterations: int, args, power: float = 1.0) -> float:
-    """nanochat's lr schedule: linear warmup, flat, then a linear decay to --final-lr-frac; power
-    1.2 makes the decay PowerCool's (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2)."""
-    warmup = round(args.warmup_ratio * num_iterations)
-    warmdown = round(args.warmdown_ratio * num_iterations)
-    if step < warmup:
-        return (step + 1) / warmup
-    if step <= num_iterations - warmdown:
-        return 1.0
-    progress = ((num_iterations - step) / warmdown) ** power
-    return progress + (1 - progress) * args.final_lr_frac
+def lr_multiplier(step: int, num_iterations: int, args) -> float:
+    """Every group's lr multiplier at `step`: the run's lr schedule (schedule_name) at its flags."""
+    return LR_SCHEDULES[schedule_name(args)](step, num_iterations, args.warmup_ratio,
+                                             args.warmdown_ratio, args.final_lr_frac)
 
 
-def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
-    """Muon's momentum: arch 'nanochat' 0.85 -> 0.97 over 400 steps, then down to 0.90 across the
-    lr warmdown (nanochat 92d63d4); classic 0.85 -> 0.95 over 300 steps, then flat."""
-    ramp, top = (300, 0.95) if arch == "classic" else (400, 0.97)
-    if step < ramp or arch == "classic":
-        frac = min(step / ramp, 1.0)
-        return (1 - frac) * 0.85 + frac * top
-    warmdown = round(warmdown_ratio * num_iterations)
-    if step >= num_iterations - warmdown:
-        progress = (step - (num_iterations - warmdown)) / warmdown
-        return 0.97 * (1 - progress) + 0.90 * progress
-    return 0.97
-
-
-def weight_decay_schedule(step: int, num_iterations: int, peak: float, arch: str) -> float:
-    """Muon's weight decay: arch 'nanochat' a cosine from `peak` to 0 over the run, classic flat."""
-    if arch == "classic":
-        return peak
-    return peak * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
-
-
-def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str) -> None:
-    """A group's lr (initial_lr x schedule) and a Muon group's momentum and decay at `step`."""
-    group["lr"] = group["initial_lr"] * SCHEDULES[schedule_name(args)](step, num_iterations, args)
+def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch) -> None:
+    """A group's lr (initial_lr x lr_multiplier) and a Muon group's momentum and weight decay at
+    `step`, as the arch schedules them."""
+    group["lr"] = group["initial_lr"] * lr_multiplier(step, num_iterations, args)
     if group["kind"] == "muon":
-        group["momentum"] = momentum_schedule(step, num_iterations, args.warmdown_ratio, arch)
-        group["weight_decay"] = weight_decay_schedule(step, num_iterations,
-                                                      group["initial_weight_decay"], arch)
-
-
-# --schedule NAME: the lr multiplier f(step, num_iterations, args) of every group at each step;
-# a variant picks one with schedule='NAME' (nanomuon/variants.py)
-SCHEDULES = {"warmup_warmdown": warmup_warmdown,
-             "powercool": functools.partial(warmup_warmdown, power=1.2)}
+        group["momentum"] = arch.momentum(step, num_iterations, args.warmdown_ratio)
+        group["weight_decay"] = arch.weight_decay(step, num_iterations,
+                                                  group["initial_weight_decay"])
 
 
 @dataclass
@@ -553,10 +528,6 @@ def plan_horizon(args, model: GPT) -> int:
     return steps
 
 
-ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
-              "classic": "the classic GPT (nanochat's of late 2025) and its recipe"}
-
-
 def resolve_model(args, vocab_size: int, device: torch.device):
     """(GPTConfig, attention kernel) of the flags, --arch (auto: nanochat on CUDA, else classic) and
     --attention resolved in args and said; a kernel that cannot run here, or ranks that disagree,
@@ -564,7 +535,7 @@ def resolve_model(args, vocab_size: int, device: torch.device):
     why = f"--arch {args.arch}" + (f" on {device.type}" if args.arch == "auto" else "")
     if args.arch == "auto":
         args.arch = "nanochat" if device.type == "cuda" else "classic"
-    print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
+    print0(f"model: {ARCHS[args.arch].about} ({why})")
     # an impossible size: the same flags on every rank, so every rank stops
     with common.user_errors():
         config = config_from_depth(args.depth, vocab_size, args.max_seq_len, args.aspect_ratio,
@@ -814,7 +785,7 @@ def muon_decay_words(args, optimizer) -> str:
     if all("apply" in g and not applies_weight_decay(g) for g in muon):
         return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
                 f"{muon[0]['apply']!r}")
-    cosine = " on a cosine to 0" if weight_decay_schedule(1, 2, 1.0, args.arch) < 1 else ""
+    cosine = " on a cosine to 0" if ARCHS[args.arch].weight_decay(1, 2, 1.0) < 1 else ""
     return f"Muon weight decay {args.weight_decay:.4g}{cosine}"
 
 
@@ -927,9 +898,9 @@ def train_step(run: Run) -> Step:
         loss_sum += loss.detach()
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
-    lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
+    lrm = lr_multiplier(step, run.num_iterations, args)
     for group in run.optimizer.param_groups:
-        schedule_group(group, step, run.num_iterations, args, run.config.arch)
+        schedule_group(group, step, run.num_iterations, args, ARCHS[run.config.arch])
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
     finite = all_finite(loss_sum, model.parameters())

@@ -24,16 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.gpt import ARCHS, GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
 from scripts.base_train import (
-    SCHEDULES,
-    momentum_schedule,
+    lr_multiplier,
     optimizer_options,
     parse_args,
     plan_horizon,
     schedule_group,
-    weight_decay_schedule,
 )
 
 # depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
@@ -196,7 +194,7 @@ def their_optimizer(model):
 
 def our_schedule(args, num_iterations: int):
     """base_train's train_step's schedule of a group, as a function of (group, step)."""
-    return lambda group, step: schedule_group(group, step, num_iterations, args, "nanochat")
+    return lambda group, step: schedule_group(group, step, num_iterations, args, ARCHS["nanochat"])
 
 
 def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128), model=None,
@@ -261,12 +259,12 @@ def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -
     muon = next(g for g in ours.param_groups if g["kind"] == "muon")
     for step in TABLE_STEPS:
         rows += [(f"step {step} lr multiplier",
-                  SCHEDULES["warmup_warmdown"](step, steps, args), recipe.lr_multiplier(step)),
+                  lr_multiplier(step, steps, args), recipe.lr_multiplier(step)),
                  (f"step {step} Muon momentum",
-                  momentum_schedule(step, steps, args.warmdown_ratio, "nanochat"),
+                  ARCHS["nanochat"].momentum(step, steps, args.warmdown_ratio),
                   recipe.momentum(step)),
                  (f"step {step} Muon weight decay",
-                  weight_decay_schedule(step, steps, muon["initial_weight_decay"], "nanochat"),
+                  ARCHS["nanochat"].weight_decay(step, steps, muon["initial_weight_decay"]),
                   recipe.muon_weight_decay(step))]
     return compare_rows(rows)
 

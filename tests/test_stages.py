@@ -448,17 +448,19 @@ def test_checkpoints_from_before_the_stage_keys_load_as_what_ran():
 def test_powercool_is_min_lr0_c_t_minus_step_to_the_1_2():
     """base_train's powercool schedule equals the record's min(lr0, c (T - step)^1.2), with c putting the knee
     --warmdown-ratio of the steps before the end, and the --optimizer muon-powercool variant selects it."""
-    from scripts.base_train import SCHEDULES, parse_args, schedule_name
+    from nanomuon.gpt import LR_SCHEDULES
+    from scripts.base_train import parse_args, schedule_name
 
     args = parse_args(["--optimizer", "muon-powercool", "--warmdown-ratio", "0.3", "--warmup-ratio", "0",
                        "--final-lr-frac", "0"])
     assert schedule_name(args) == "powercool" and schedule_name(parse_args([])) == "warmup_warmdown"
     T, lr0 = 400, 0.02
     c = lr0 / (0.3 * T) ** 1.2
-    got = [lr0 * SCHEDULES["powercool"](s, T, args) for s in range(T)]
+    ratios = (args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+    got = [lr0 * LR_SCHEDULES["powercool"](s, T, *ratios) for s in range(T)]
     want = [min(lr0, c * (T - s) ** 1.2) for s in range(T)]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12
-    linear = [lr0 * SCHEDULES["warmup_warmdown"](s, T, args) for s in range(T)]
+    linear = [lr0 * LR_SCHEDULES["warmup_warmdown"](s, T, *ratios) for s in range(T)]
     assert max(abs(a - b) for a, b in zip(got, linear)) > 1e-3
 
 
