@@ -26,13 +26,8 @@ import torch
 
 from nanomuon.gpt import ARCHS, GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
-from scripts.base_train import (
-    lr_multiplier,
-    optimizer_options,
-    parse_args,
-    plan_horizon,
-    schedule_group,
-)
+from scripts.base_train import lr_multiplier, optimizer_options, plan_horizon, schedule_group
+from scripts.train_args import parse_args
 
 # depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
 # one), rows a batch; the row is long enough for the short windows (128 tokens) to cut it

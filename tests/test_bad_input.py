@@ -274,7 +274,7 @@ CASES = {
     "depth-huge": (lambda *_: train("--depth", str(10 ** 12)), "parameters, over the memory of"),
     "head-dim-huge": (lambda *_: train("--head-dim", str(2 ** 40)),
                       "parameters, over the memory of"),
-    "cpu-memory": (lambda b, g, tmp, mp: (mp.setattr("scripts.base_train.available_memory", lambda: (4 << 30, 0)),
+    "cpu-memory": (lambda b, g, tmp, mp: (mp.setattr("scripts.train_args.available_memory", lambda: (4 << 30, 0)),
                                           train("--depth", "40", "--device-batch-size", "1", "--dtype", "fp32"))[1],
                    "about 9.1 GiB of memory (params 2.9, grads 2.9, optimizer 2.9, activations 0.3 GiB; "
                    "activations at --device-batch-size 1, --max-seq-len 64), and this machine has 4.0 GiB free: "
@@ -531,7 +531,7 @@ def test_the_download_check_reads_every_row_group(fake_hub, tmp_path):
 
 def test_a_model_that_fits_only_in_swap_warns(base, monkeypatch, capsys):
     """Training that needs more than the free memory but fits with swap runs, after a warning."""
-    monkeypatch.setattr("scripts.base_train.available_memory", lambda: (1 << 20, 64 << 30))
+    monkeypatch.setattr("scripts.train_args.available_memory", lambda: (1 << 20, 64 << 30))
     capsys.readouterr()
     train(run="swap")()
     out = capsys.readouterr().out

@@ -93,7 +93,8 @@ def test_the_lr_multiplier_scales_each_groups_peak_lr_once():
     initial_lr is the lr rule's at 4,096 tokens per step (written out) x width scale x the
     multiplier, a variant's groups too, and the schedule then scales initial_lr alone."""
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import optimizer_options, parse_args
+    from scripts.base_train import optimizer_options
+    from scripts.train_args import parse_args
 
     with torch.device("meta"):
         model = GPT(config_from_depth(4, 97, 64))
@@ -248,7 +249,8 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     from types import SimpleNamespace
 
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import announce, optimizer_options, parse_args, plan_horizon
+    from scripts.base_train import announce, optimizer_options, plan_horizon
+    from scripts.train_args import parse_args
 
     def scaling(depth):
         return 12 * depth * (64 * depth) ** 2 + 32768 * 64 * depth
