@@ -598,7 +598,7 @@ class GPT(nn.Module):
         matrix_optimizer='adamw' trains the matrices with AdamW at adamw_matrix_lr;
         optimizer_class(groups) builds another optimizer on the groups. per_head orthogonalizes
         attention head by head (head_dim rows of c_q, c_k, c_v; columns of c_proj). horizon: the
-        planned steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
+        run's steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
         weight_decay_factor=), that role's matrices a group of their own. Betas, decay and Muon
         stages are the arch's (Arch); adam_betas replaces the pair of groups that have none."""
         if matrix_optimizer not in ("muon", "adamw"):

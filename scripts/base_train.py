@@ -172,7 +172,7 @@ def schedule_name(args) -> str:
     return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
-def plan_horizon(args, model: GPT) -> int:
+def horizon_steps(args, model: GPT) -> int:
     """The run's steps; a batch, weight decay or schedule flag left out takes the recipe's, written
     into args (a resume compares like with like) and printed with the reason. As in nanochat, the
     recipe's horizon is the data ratio's: a short --num-iterations check gets the real run's."""
@@ -184,9 +184,9 @@ def plan_horizon(args, model: GPT) -> int:
                                            arch=model.config.arch))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
     with common.user_errors():
-        plan = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
-    args.total_batch_size, args.weight_decay = plan.total_batch_size, plan.weight_decay
-    for line in plan.why:
+        chosen = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
+    args.total_batch_size, args.weight_decay = chosen.total_batch_size, chosen.weight_decay
+    for line in chosen.why:
         print0(f"recipe: {line}")
     if args.num_iterations > 0:
         steps = args.num_iterations
@@ -202,12 +202,12 @@ def plan_horizon(args, model: GPT) -> int:
                          f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
                          "--num-iterations")
     # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
-    schedule = plan.schedule
-    chosen = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
+    schedule = chosen.schedule
+    ratios = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
     left_out = [key for key in ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
                 if getattr(args, key) is None]
     for key in left_out:
-        setattr(args, key, chosen[key])
+        setattr(args, key, ratios[key])
     if left_out:
         print0(f"recipe: schedule: warmup {round(args.warmup_ratio * steps)} steps, warmdown "
                f"{args.warmdown_ratio:g} of the steps, final lr {args.final_lr_frac:g} of the peak "
@@ -266,7 +266,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
-    num_iterations = plan_horizon(args, model)
+    num_iterations = horizon_steps(args, model)
     if args.device_batch_size == "auto":
         args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size

@@ -26,7 +26,7 @@ import torch
 
 from nanomuon.gpt import ARCHS, GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
-from scripts.base_train import lr_multiplier, optimizer_options, plan_horizon, schedule_group
+from scripts.base_train import horizon_steps, lr_multiplier, optimizer_options, schedule_group
 from scripts.train_args import parse_args
 
 # depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
@@ -204,7 +204,7 @@ def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128)
         with torch.device("meta"):
             model = GPT(config_from_depth(depth, vocab, seq, aspect, head_dim, arch="nanochat"))
     with contextlib.redirect_stdout(io.StringIO()):  # its recipe lines
-        steps = plan_horizon(args, model)
+        steps = horizon_steps(args, model)
     return steps, model.setup_optimizer(**optimizer_options(args, compiled=compiled)), args
 
 

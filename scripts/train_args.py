@@ -28,7 +28,7 @@ from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 # The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
 # math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
 MAX_LR = 1000.0
-MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a plan
+MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a run
 LR_FLAGS = recipe.PeakLRs._fields[:4]  # embedding_lr, unembedding_lr, matrix_lr, adamw_matrix_lr
 
 

@@ -249,7 +249,7 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     from types import SimpleNamespace
 
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import announce, optimizer_options, plan_horizon
+    from scripts.base_train import announce, horizon_steps, optimizer_options
     from scripts.train_args import parse_args
 
     def scaling(depth):
@@ -266,7 +266,7 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     flags = speedrun_gpu_flags(24)
     for extra, steps in (([], round(8 * scaling(24) / batch)), (["--num-iterations", "20"], 20)):
         args = parse_args([*flags, *extra])
-        assert plan_horizon(args, model) == steps
+        assert horizon_steps(args, model) == steps
         assert args.total_batch_size == batch
         assert args.weight_decay == pytest.approx(want_decay, rel=1e-12)
         assert args.warmdown_ratio == 0.65 and args.final_lr_frac == 0.05
@@ -293,9 +293,9 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
                 "final lr 0.05 of the peak") in out, out
     args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1",
                        "--warmdown-ratio", "0.5"])
-    plan_horizon(args, model)
+    horizon_steps(args, model)
     assert (args.total_batch_size, args.weight_decay, args.warmdown_ratio) == (524288, 0.1, 0.5)
-    assert (args.final_lr_frac, round(args.warmup_ratio * plan_horizon(args, model))) == (0.05, 40)
+    assert (args.final_lr_frac, round(args.warmup_ratio * horizon_steps(args, model))) == (0.05, 40)
     assert "recipe: batch" not in capsys.readouterr().out
 
 
