@@ -89,8 +89,8 @@ class AdamWGroup(NamedTuple):
 
 
 class Arch(NamedTuple):
-    """An arch: the model it builds (GPT reads these), its groups (setup_optimizer) and the schedules
-    of Muon's momentum and weight decay (base_train asks them at every step)."""
+    """An arch: the model it builds (GPT reads these), its groups (setup_optimizer) and the
+    schedules of Muon's momentum and weight decay (base_train asks them at every step)."""
     about: str  # what it is, in a few words, for base_train's line
     rope_base: float
     window_pattern: str  # config_from_depth's default

@@ -256,7 +256,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     # a restarted job (torchrun --max-restarts) picks up where it died
     if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
-    keep_earlier_runs(run_dir, rank, fresh=args.resume_from_step == -1, start_over=args.start_over)
+    fresh = args.resume_from_step == -1  # a fresh run over an earlier one is refused now
+    keep_earlier_runs(run_dir, rank, fresh=fresh and not args.start_over, start_over=False)
     # missing or unreadable: one line that says what to do
     tokenizer = common.on_every_rank(get_tokenizer)
     compiled = common.resolve_compile(args.compile, device)
@@ -316,6 +317,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *report.precision_of(args)]]  # a resume reads the run's own
+    # --start-over moves the earlier run aside only now, with every flag accepted
+    keep_earlier_runs(run_dir, rank, fresh=fresh and args.start_over, start_over=True)
     check_disk(run_dir, rank, optimizer, num_iterations, args.save_every, args.keep_checkpoints)
     return run
 
