@@ -6,9 +6,11 @@ SDPA or the kernel use_attention() installs (nanomuon.attention). Its size follo
 rule's (nanomuon.recipe).
 """
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,15 +24,114 @@ from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
 from nanomuon.stages import input_block, input_covariance
 
-# Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
-# speedrun trains (value embeddings, sliding windows, residual and x0 lambdas, smear, backout, QK
-# scale 1.2, RoPE base 100,000); "classic" is the plain late-2025 transformer that the CPU
-# miniature, ablate and the lr rule were measured with.
-ARCHS = ("nanochat", "classic")
-ROPE_BASE = {"nanochat": 100000.0, "classic": 10000.0}
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels of a block's input
 SMEAR_CHANNELS = 24  # the smear gate reads the first 24 channels of the embedding
-QK_SCALE = 1.2  # q and k are each scaled after QK-norm: sharper attention (nanochat's)
+
+
+# -- the schedules a run steps its groups through (base_train, at every step) --------------------
+def warmup_warmdown(step: int, steps: int, warmup_ratio: float, warmdown_ratio: float,
+                    final_lr_frac: float, power: float = 1.0) -> float:
+    """nanochat's lr multiplier: linear warmup, flat, then a linear decay to final_lr_frac; power
+    1.2 makes the decay PowerCool's (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2)."""
+    warmup, warmdown = round(warmup_ratio * steps), round(warmdown_ratio * steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step <= steps - warmdown:
+        return 1.0
+    progress = ((steps - step) / warmdown) ** power
+    return progress + (1 - progress) * final_lr_frac
+
+
+# --schedule NAME: every group's lr multiplier (step, steps, warmup ratio, warmdown ratio, final
+# lr fraction); a variant picks one with schedule='NAME' (nanomuon/variants.py)
+LR_SCHEDULES = {"warmup_warmdown": warmup_warmdown,
+                "powercool": functools.partial(warmup_warmdown, power=1.2)}
+
+
+def classic_momentum(step: int, steps: int, warmdown_ratio: float) -> float:
+    """Muon's momentum, classic: 0.85 -> 0.95 over 300 steps, then flat."""
+    frac = min(step / 300, 1.0)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+def nanochat_momentum(step: int, steps: int, warmdown_ratio: float) -> float:
+    """Muon's momentum, nanochat 92d63d4's: 0.85 -> 0.97 over 400 steps, then down to 0.90 across
+    the lr warmdown (its last round(warmdown_ratio x steps) steps)."""
+    if step < 400:
+        frac = step / 400
+        return (1 - frac) * 0.85 + frac * 0.97
+    warmdown = round(warmdown_ratio * steps)
+    if step >= steps - warmdown:
+        progress = (step - (steps - warmdown)) / warmdown
+        return 0.97 * (1 - progress) + 0.90 * progress
+    return 0.97
+
+
+def flat_decay(step: int, steps: int, peak: float) -> float:
+    """Muon's weight decay, classic: `peak` throughout."""
+    return peak
+
+
+def cosine_decay(step: int, steps: int, peak: float) -> float:
+    """Muon's weight decay, nanochat 92d63d4's: a cosine from `peak` to 0 over the run."""
+    return peak * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+# -- the archs: each one record of what it builds, how it trains and on what schedules -----------
+class AdamWGroup(NamedTuple):
+    """One of an arch's AdamW groups (GPT._adamw_groups)."""
+    name: str
+    lr: str | None  # its PeakLRs lr, times `factor` (and, a table's, the width scale); None: factor
+    factor: float = 1.0
+    betas: tuple[float, float] | None = None  # None: setup_optimizer's adam_betas pair
+    weight_decay: float = 0.0
+    params: tuple[str, ...] = ()  # GPT's parameters or modules (all their parameters); (): `name`
+
+
+class Arch(NamedTuple):
+    """An arch: the model it builds (GPT reads these), its groups (setup_optimizer) and the
+    schedules of Muon's momentum and weight decay (base_train asks them at every step)."""
+    about: str  # what it is, in a few words, for base_train's line
+    rope_base: float
+    window_pattern: str  # config_from_depth's default
+    windows: bool  # sliding windows (S in window_pattern) allowed
+    extras: bool  # value embeddings, residual and x0 lambdas, smear, backout (_trunk_nanochat)
+    qk_scale: float  # q and k each scaled by it after QK-norm (above 1: sharper attention)
+    embedding_std: float  # wte's init
+    fc_init: float  # c_fc's init bound, as a fraction of the other matrices'
+    adamw: tuple[AdamWGroup, ...]
+    muon: dict  # the Muon group's settings beyond kind, lr, momentum, ns_steps and weight decay
+    momentum: Callable[[int, int, float], float]  # (step, steps, warmdown ratio) -> momentum
+    weight_decay: Callable[[int, int, float], float]  # (step, steps, peak) -> weight decay
+
+
+# Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
+# speedrun trains; "classic" is the plain late-2025 transformer that the CPU miniature, ablate and
+# the lr rule were measured with.
+ARCHS = {
+    "nanochat": Arch(
+        about="nanochat 92d63d4's GPT and recipe", rope_base=100000.0, window_pattern="SSSL",
+        windows=True, extras=True, qk_scale=1.2, embedding_std=0.8, fc_init=0.4,
+        # nanochat 92d63d4's groups, each with its own betas and decay
+        adamw=(AdamWGroup("lm_head", "unembedding_lr", 1.0, (0.8, 0.96), 0.01),
+               AdamWGroup("embedding", "embedding_lr", 1.0, (0.8, 0.995), 0.001, ("wte",)),
+               AdamWGroup("value_embeds", "embedding_lr", 0.5, (0.8, 0.995), 0.01),
+               AdamWGroup("resid_lambdas", "scalar_lr", 0.01, (0.8, 0.95), 0.05),
+               AdamWGroup("x0_lambdas", "scalar_lr", 1.0, (0.96, 0.95)),
+               AdamWGroup("smear", None, 0.2, (0.8, 0.95), 0.0,
+                          ("smear_gate", "smear_lambda", "backout_lambda"))),
+        # rows equilibrated before Polar Express and rescaled after, variance reduction at 0.9
+        muon=dict(beta2=0.9, precondition=("equilibrate_row_mean",),
+                  post_process=("normalize_fro", "variance_reduction")),
+        momentum=nanochat_momentum, weight_decay=cosine_decay),
+    "classic": Arch(
+        about="the classic GPT (nanochat's of late 2025) and its recipe", rope_base=10000.0,
+        window_pattern="L", windows=False, extras=False, qk_scale=1.0, embedding_std=1.0,
+        fc_init=1.0,  # one betas pair (adam_betas), no decay
+        adamw=(AdamWGroup("lm_head", "unembedding_lr"),
+               AdamWGroup("embedding", "embedding_lr", params=("wte",))),
+        muon=dict(beta2=0.95), momentum=classic_momentum, weight_decay=flat_decay),
+}
 
 
 @dataclass
@@ -42,15 +143,15 @@ class GPTConfig:
     n_kv_head: int = 6
     n_embd: int = 768
     softcap: float = 15.0
-    rope_base: float | None = None  # None: the arch's (ROPE_BASE)
+    rope_base: float | None = None  # None: the arch's (Arch.rope_base)
     qk_norm: bool = True  # without it, logits can grow (QK-clip: GPT.qk_clip_)
     arch: str = "classic"
     # tiled over the layers: L the whole context, S its last quarter (window_sizes); classic: L
     window_pattern: str = "L"
 
     def __post_init__(self):
-        if self.rope_base is None and isinstance(self.arch, str):
-            self.rope_base = ROPE_BASE.get(self.arch, 10000.0)
+        if self.rope_base is None and isinstance(self.arch, str) and self.arch in ARCHS:
+            self.rope_base = ARCHS[self.arch].rope_base
         problems = []
         if self.n_embd % self.n_head:
             problems.append(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
@@ -69,13 +170,13 @@ class GPTConfig:
 
     def _arch_problems(self) -> list[str]:
         if not isinstance(self.arch, str) or self.arch not in ARCHS:
-            return [f"arch={self.arch!r} is not one of {ARCHS}"]
+            return [f"arch={self.arch!r} is not one of {tuple(ARCHS)}"]
         if (not isinstance(self.window_pattern, str) or not self.window_pattern
                 or set(self.window_pattern.upper()) - {"S", "L"}):
             return [f"window_pattern={self.window_pattern!r} must be letters S and L"]
-        if self.arch == "classic" and set(self.window_pattern.upper()) != {"L"}:
+        if not ARCHS[self.arch].windows and set(self.window_pattern.upper()) != {"L"}:
             return [f"window_pattern={self.window_pattern!r} needs arch='nanochat'"]
-        if self.arch == "nanochat" and self.n_embd < SMEAR_CHANNELS:
+        if ARCHS[self.arch].extras and self.n_embd < SMEAR_CHANNELS:
             return [f"n_embd={self.n_embd} is below the {SMEAR_CHANNELS} channels arch='nanochat' "
                     "gates the smear by"]
         return []
@@ -97,14 +198,14 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
                       head_dim: int = 128, qk_norm: bool = True, arch: str = "classic",
                       window_pattern: str | None = None) -> GPTConfig:
     """nanochat's sizing: width = depth * aspect_ratio rounded up to head_dim; one head per
-    head_dim. arch 'nanochat' tiles windows SSSL unless window_pattern says otherwise."""
+    head_dim. Windows tile the arch's pattern (nanochat's SSSL) unless window_pattern is given."""
     if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2:
         raise ValueError(f"bad model size: depth={depth}, aspect_ratio={aspect_ratio}, "
                          f"head_dim={head_dim} (need depth >= 1, aspect_ratio >= 1, an even "
                          "head_dim >= 2)")
     n_embd = math.ceil(depth * aspect_ratio / head_dim) * head_dim
     n_head = n_embd // head_dim
-    pattern = window_pattern or ("SSSL" if arch == "nanochat" else "L")
+    pattern = window_pattern or (ARCHS[arch].window_pattern if arch in ARCHS else "L")
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm, arch=arch,
                      window_pattern=pattern)
@@ -172,13 +273,13 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, kv, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
         self.qk_norm = config.qk_norm
-        nanochat = config.arch == "nanochat"
-        self.qk_scale = QK_SCALE if nanochat else 1.0
+        arch = ARCHS[config.arch]
+        self.qk_scale = arch.qk_scale
         self.window = config.window_sizes()[layer]
         self.prefix = f"blocks.{layer}.attn."  # its params' names, for GPT.forward's input_stats
         # the value embedding's gate per kv head: 3 sigmoid(W x[:12]) (ResFormer's value residual)
         self.ve_gate = (nn.Linear(VE_GATE_CHANNELS, config.n_kv_head, bias=False)
-                        if nanochat and has_value_embedding(layer, config.n_layer) else None)
+                        if arch.extras and has_value_embedding(layer, config.n_layer) else None)
         self.max_logits = None  # per-head max pre-softmax logit (GPT.track_max_logits)
         self.attend = None  # what replaces sdpa (GPT.use_attention)
 
@@ -354,7 +455,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.arch == "nanochat":  # modded-nanogpt's ideas, as nanochat has them
+        if ARCHS[config.arch].extras:  # modded-nanogpt's ideas, as nanochat has them
             L, kv = config.n_layer, config.n_kv_head * (config.n_embd // config.n_head)
             # each layer's input: resid_lambdas[i] x + x0_lambdas[i] x0 (x0: the embedding, smeared)
             self.resid_lambdas = nn.Parameter(torch.ones(L))
@@ -387,18 +488,18 @@ class GPT(nn.Module):
     def init_weights(self):
         """Hidden matrices uniform at std 1/sqrt(fan_in), output projections zero (each block starts
         as the identity), a small lm_head (flat early logits); arch 'nanochat' as nanochat does."""
-        nanochat = self.config.arch == "nanochat"
-        nn.init.normal_(self.wte.weight, std=0.8 if nanochat else 1.0)
+        arch = ARCHS[self.config.arch]
+        nn.init.normal_(self.wte.weight, std=arch.embedding_std)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         bound = math.sqrt(3.0 / self.config.n_embd)
         for block in self.blocks:
             for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
                 nn.init.uniform_(lin.weight, -bound, bound)
-            fc = bound * (0.4 if nanochat else 1.0)
+            fc = bound * arch.fc_init
             nn.init.uniform_(block.mlp.c_fc.weight, -fc, fc)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
-        if nanochat:  # Python floats rounded to fp32 once: nanochat's values to the bit
+        if arch.extras:  # Python floats rounded to fp32 once: nanochat's values to the bit
             L = self.config.n_layer
             last = max(L - 1, 1)
             self.resid_lambdas.copy_(torch.tensor([1.15 - 0.10 * i / last for i in range(L)]))
@@ -424,7 +525,7 @@ class GPT(nn.Module):
                              f"{self.config.sequence_len}")
         cos, sin = self.cos[:, :T], self.sin[:, :T]
         x, stats = norm(self.wte(idx)), {} if input_stats else None
-        if self.config.arch == "nanochat":
+        if ARCHS[self.config.arch].extras:
             x = self._trunk_nanochat(idx, x, cos, sin, stats)
         else:
             for block in self.blocks:
@@ -497,18 +598,18 @@ class GPT(nn.Module):
         matrix_optimizer='adamw' trains the matrices with AdamW at adamw_matrix_lr;
         optimizer_class(groups) builds another optimizer on the groups. per_head orthogonalizes
         attention head by head (head_dim rows of c_q, c_k, c_v; columns of c_proj). horizon: the
-        planned steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
+        run's steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
         weight_decay_factor=), that role's matrices a group of their own. Betas, decay and Muon
-        stages are the arch's (_adamw_groups, _muon_recipe); adam_betas replaces classic's pair."""
+        stages are the arch's (Arch); adam_betas replaces the pair of groups that have none."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
                      matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
         if lrs is not None and any(v is not None for v in given.values()):
             raise ValueError("give the lrs either as lrs= or one by one, not both")
-        if adam_betas is not None and self.config.arch == "nanochat":
-            raise ValueError("adam_betas is the classic arch's one pair: arch 'nanochat' sets "
-                             "each AdamW group's own betas (GPT._adamw_groups)")
+        if adam_betas is not None and all(g.betas for g in ARCHS[self.config.arch].adamw):
+            raise ValueError(f"adam_betas is the pair of AdamW groups without betas of their own: "
+                             f"arch {self.config.arch!r} sets each group's (Arch.adamw)")
         lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
         scale, betas = (self.config.n_embd / 768) ** -0.5, tuple(adam_betas or (0.8, 0.95))
         groups = self._adamw_groups(lr, scale, betas)
@@ -546,42 +647,23 @@ class GPT(nn.Module):
         return cls(groups, compile=compile)
 
     def _adamw_groups(self, lr: dict, scale: float, betas) -> list[dict]:
-        """The AdamW groups by role, each lr but the scalars' times `scale`. Arch 'nanochat':
-        nanochat 92d63d4's, each with its own betas and decay. Classic: one pair, no decay."""
-        adam = dict(kind="adamw", eps=1e-10)
-        if self.config.arch == "classic":
-            adam.update(betas=betas, weight_decay=0.0)
-            scalars = [p for n, p in self.named_parameters()
-                       if (p if self.seeds is None else p[0]).ndim < 2]
-            return [dict(adam, name="lm_head", params=[self.lm_head.weight],
-                         lr=lr["unembedding_lr"] * scale),
-                    dict(adam, name="embedding", params=[self.wte.weight],
-                         lr=lr["embedding_lr"] * scale),
-                    dict(adam, name="scalars", params=scalars, lr=lr["scalar_lr"])]
-        smear = [self.smear_gate.weight, self.smear_lambda, self.backout_lambda]
-        return [
-            dict(adam, name="lm_head", params=[self.lm_head.weight],
-                 lr=lr["unembedding_lr"] * scale, betas=(0.8, 0.96), weight_decay=0.01),
-            dict(adam, name="embedding", params=[self.wte.weight],
-                 lr=lr["embedding_lr"] * scale, betas=(0.8, 0.995), weight_decay=0.001),
-            dict(adam, name="value_embeds", params=list(self.value_embeds.parameters()),
-                 lr=lr["embedding_lr"] * scale * 0.5, betas=(0.8, 0.995), weight_decay=0.01),
-            dict(adam, name="resid_lambdas", params=[self.resid_lambdas],
-                 lr=lr["scalar_lr"] * 0.01, betas=(0.8, 0.95), weight_decay=0.05),
-            dict(adam, name="x0_lambdas", params=[self.x0_lambdas],
-                 lr=lr["scalar_lr"], betas=(0.96, 0.95), weight_decay=0.0),
-            dict(adam, name="smear", params=smear, lr=0.2, betas=(0.8, 0.95), weight_decay=0.0),
-        ]
+        """The arch's AdamW groups (Arch.adamw): a table's lr (the embeddings', lm_head's) times
+        `scale`, the scalars' not; each group's own betas, else the pair `betas`."""
+        named, groups = list(self.named_parameters()), []
+        for g in ARCHS[self.config.arch].adamw:
+            rate = g.factor if g.lr is None else lr[g.lr] * g.factor
+            if g.lr in ("embedding_lr", "unembedding_lr"):
+                rate *= scale
+            params = [p for path in g.params or (g.name,) for name, p in named
+                      if name == path or name.startswith(path + ".")]
+            groups.append(dict(kind="adamw", eps=1e-10, name=g.name, params=params, lr=rate,
+                               betas=g.betas or betas, weight_decay=g.weight_decay))
+        return groups
 
     def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
-        """The Muon group's settings: arch 'nanochat' (92d63d4's) equilibrates rows before Polar
-        Express and rescales after, with variance reduction at beta2 0.9; classic at 0.95."""
-        muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
-                    weight_decay=weight_decay)
-        if self.config.arch == "classic":
-            return dict(muon, beta2=0.95)
-        return dict(muon, beta2=0.9, precondition=("equilibrate_row_mean",),
-                    post_process=("normalize_fro", "variance_reduction"))
+        """The Muon group's settings: the arch's (Arch.muon) on these."""
+        return dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
+                    weight_decay=weight_decay, **ARCHS[self.config.arch].muon)
 
     def _per_head_groups(self, matrix_group: dict) -> list[dict]:
         """matrix_group split: one group per (heads, by columns) of attention matrices, the rest."""

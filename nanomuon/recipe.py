@@ -4,7 +4,7 @@ Muon's weight decay, from the CPU's sweep to nanochat's GPU recipe as the batch 
 higher lr for short runs, nanochat's batch, weight decay and schedule for a horizon
 (training_recipe), and a step's memory (train_memory), which picks the micro-batch that fits
 (fit_device_batch). Pure functions of sizes and token counts, so the model takes its default lrs
-from here and base_train plans a run before allocating anything.
+from here and base_train sizes a run before allocating anything.
 """
 
 import math
@@ -85,7 +85,7 @@ def rule_weight_decay(total_batch_size: int) -> float:
 
 # The CPU rule was tuned at RULE_STEPS steps; in shorter runs Muon's matrices do best at a higher
 # lr while AdamW's stay best (at 76 steps of RULE_BATCH tokens: matrices at 2x, the rest at 1x;
-# docs/research.md). ablate, whose budgets plan short runs, trains them at short_run_matrix_lr.
+# docs/research.md). ablate, whose budgets make short runs, trains them at short_run_matrix_lr.
 RULE_STEPS = 200
 SHORT_RUN_EXPONENT = 0.7  # 2x at 76 steps: (200 / 76) ** 0.7 = 1.97
 SHORT_RUN_FLOOR = 50  # fewer steps get 50's lr (2.6x): shorter is not training, just its start

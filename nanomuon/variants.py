@@ -1,8 +1,8 @@
 """
 Named optimizer variants: what `base_train --optimizer NAME` trains with and `scripts.ablate`
-compares. Each entry holds GPT.setup_optimizer's keyword arguments and may name base_train's lr
-schedule (schedule=); one that sets what a flag sets overrides the flag (base_train says so), and
---lr-multiplier still scales it. Adding one: README.md, "Trying an idea".
+compares. Each entry holds GPT.setup_optimizer's keyword arguments and may name an lr schedule
+of gpt.LR_SCHEDULES (schedule=); one that sets what a flag sets overrides the flag (base_train
+says so), and --lr-multiplier still scales it. Adding one: README.md, "Trying an idea".
 """
 
 from nanomuon.baselines import TorchMuonAdamW
@@ -26,7 +26,7 @@ OPTIMIZER_VARIANTS = {
     "muon-soap": dict(muon_options=dict(precondition="soap")),  # SOAP-Muon
     # ContraMuon (record 11): on any orthogonalizer, before variance reduction as published
     "muon-contra": dict(muon_options=dict(post_process=("contra", "variance_reduction"))),
-    "muon-powercool": dict(schedule="powercool"),  # the lr schedule (base_train.SCHEDULES)
+    "muon-powercool": dict(schedule="powercool"),  # the lr schedule (gpt.LR_SCHEDULES)
     # Muown (record 23): rows as gain x direction, Muon on the direction, Adam on the gain; no
     # variance reduction or weight decay. The record's lrs as factors on Muon's (0.00325 / 0.02 =
     # 0.1625; the direction's x 0.2 x sqrt(max(rows, cols))); 5 NS steps (its 12), one v-norm target
@@ -48,5 +48,5 @@ OPTIMIZER_VARIANTS = {
 
 
 def optimizer_kwargs(name: str) -> dict:
-    """Variant `name`'s GPT.setup_optimizer arguments: all but its schedule (base_train's)."""
+    """Variant `name`'s GPT.setup_optimizer arguments: all but its lr schedule (the loop's)."""
     return {k: v for k, v in OPTIMIZER_VARIANTS[name].items() if k != "schedule"}

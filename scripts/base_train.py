@@ -7,9 +7,7 @@ bit, at any process count; one run at a time owns its run dir (docs/training.md)
 
 import argparse
 import contextlib
-import functools
 import math
-import os
 import statistics
 import sys
 import time
@@ -23,49 +21,33 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint, common, recipe, report
-from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.attention import choose_attention
-from nanomuon.common import available_memory, evaluate_bpb, print0  # tests stand in for two
+from nanomuon.common import evaluate_bpb, print0  # a test stands in for evaluate_bpb
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
-from nanomuon.fp8 import RECIPES, check_fp8, convert_to_fp8, plain_linears
-from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, scaling_params
+from nanomuon.fp8 import check_fp8, convert_to_fp8, plain_linears
+from nanomuon.gpt import (
+    ARCHS,
+    GPT,
+    LR_SCHEDULES,
+    Arch,
+    GPTConfig,
+    config_from_depth,
+    scaling_params,
+)
 from nanomuon.hardware import peak_flops
-from nanomuon.param_groups import fill_defaults
 from nanomuon.run import (
     append_step_record,
     check_disk,
     claim_run_dir,
     keep_earlier_runs,
-    run_arg,
     set_aside_later_steps,
 )
-from nanomuon.seeds import SeedBatch, check_seeds, parse_seeds, seeded_gpt
-from nanomuon.sharded import check_sharded_stages
-from nanomuon.sources import add_data_args, prepare
+from nanomuon.seeds import SeedBatch, seeded_gpt
+from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
-
-# The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
-# math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
-MAX_LR = 1000.0
-MAX_STEPS = 10 ** 9  # a year of the CPU miniature's steps: a horizon over it is a typo, not a plan
-LR_FLAGS = recipe.PeakLRs._fields[:4]  # embedding_lr, unembedding_lr, matrix_lr, adamw_matrix_lr
-
-
-def seeds_arg(s: str):
-    """argparse type for --seeds: distinct seeds, comma-separated."""
-    try:
-        return parse_seeds(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def batch_arg(s: str):
-    """argparse type for --device-batch-size: rows >= 1, or 'auto'."""
-    if s == "auto" or (s.isdigit() and int(s) >= 1):
-        return s if s == "auto" else int(s)
-    raise argparse.ArgumentTypeError(f"expected a number of rows >= 1 or 'auto', got {s!r}")
+from scripts.train_args import LR_FLAGS, MAX_STEPS, check_memory, parse_args
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
@@ -91,304 +73,21 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
     return rows
 
 
-def add_optimizer_args(p: argparse.ArgumentParser) -> None:
-    """Each group's lr (a flag left out takes the lr rule's), weight decay, variant, schedule."""
-    rule = "default: the lr rule's at --total-batch-size"
-    for name, what in (("embedding", "AdamW lr of the embedding, at width 768"),
-                       ("unembedding", "AdamW lr of lm_head, at width 768"),
-                       ("matrix", "Muon lr of the block matrices"),
-                       ("adamw-matrix", "AdamW lr of the block matrices, at width 768, for a "
-                        "variant that trains them with AdamW")):
-        p.add_argument(f"--{name}-lr", type=float, default=None, help=f"{what} ({rule})")
-    p.add_argument("--weight-decay", type=float, default=None, help="Muon's cautious weight "
-                   "decay (default: the rule's, by batch and horizon: docs/lr_rule.md)")
-    p.add_argument("--lr-multiplier", type=float, default=1.0, help="scales every lr, the "
-                   "--optimizer variant's own included")
-    p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
-                   help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="warmup_warmdown",
-                   help="lr schedule (SCHEDULES; the --optimizer variant may set its own)")
-    recipe = "default: the recipe's, by batch: docs/lr_rule.md"
-    p.add_argument("--warmup-ratio", type=float, default=None, help="fraction of steps with "
-                   f"linear lr warmup ({recipe}; none below 2^19 tokens/step, 40 steps from there)")
-    p.add_argument("--warmdown-ratio", type=float, default=None, help="fraction of steps with "
-                   f"linear lr decay ({recipe}; 0.4 below 2^19 tokens/step, 0.65 from there)")
-    p.add_argument("--final-lr-frac", type=float, default=None, help="lr at the end, as a "
-                   f"fraction of the peak ({recipe}; 0 below 2^19 tokens/step, 0.05 from there)")
+
+def lr_multiplier(step: int, num_iterations: int, args) -> float:
+    """Every group's lr multiplier at `step`: the run's lr schedule (schedule_name) at its flags."""
+    return LR_SCHEDULES[schedule_name(args)](step, num_iterations, args.warmup_ratio,
+                                             args.warmdown_ratio, args.final_lr_frac)
 
 
-def add_compute_args(p: argparse.ArgumentParser) -> None:
-    """How the steps compute: compile, precision, the attention kernel, fp8, sharding."""
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model and the optimizer update (default: on for CUDA)")
-    p.add_argument("--dtype", choices=common.DTYPES, default="auto", help="forward and backward "
-                   "in bf16 autocast or fp32 (params stay fp32); auto: bf16 where its matmuls are "
-                   "fast")
-    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
-                   help="the attention kernel; auto: fa3, fa4 or fa3-hub on a Hopper GPU in bf16, "
-                   "else flex (CUDA) or chunked (CPU) for sliding windows, else sdpa "
-                   "(nanomuon/attention.py); base_train says which, and why")
-    p.add_argument("--fp8", action="store_true", help="fp8 matmuls in the blocks' linear layers "
-                   "and lm_head, as nanochat, through torchao (compute capability 8.9+; emulated "
-                   "on CPU); the embedding, attention and evaluation stay in --dtype")
-    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise",
-                   help="fp8 scaling: one scale per tensor (faster) or per row (more precise)")
-    p.add_argument("--fsdp", action="store_true", help="shard params, grads and optimizer state "
-                   "over the torchrun processes with FSDP2; Muon stays exact (nanomuon/sharded.py)")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default in its help, but None: that flag's help says what its absence does."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """When the run evaluates and saves, and what it starts from: nothing, or a checkpoint."""
-    p.add_argument("--eval-every", type=int, default=250,
-                   help="steps between val bpb evals (-1: only at the end)")
-    p.add_argument("--eval-tokens", type=int, default=10 * 524288,
-                   help="validation tokens per eval")
-    p.add_argument("--final-eval-tokens", type=int, default=0, help="after the last eval, score "
-                   "this many val tokens once more (-1: the whole split; 0: none): final_eval_bpb")
-    p.add_argument("--save-every", type=int, default=-1,
-                   help="steps between checkpoints (-1: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="the newest checkpoints kept "
-                   "after each save (two: a corrupt newest still leaves one); -1: keep all")
-    p.add_argument("--resume-from-step", default=-1,
-                   type=functools.partial(checkpoint.step_arg, words=("latest", "auto")),
-                   help="continue from this checkpoint: a step, 'latest', or 'auto' (latest if "
-                   "there is one, else start fresh: for torchrun --max-restarts); -1: start fresh")
-    p.add_argument("--start-over", action="store_true", help="train afresh in a --run that holds "
-                   "checkpoints or results, moving them into runs/<run>/previous.N")
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
-                                formatter_class=HelpFormatter)
-    # run
-    p.add_argument("--run", type=run_arg, default=None, help="run name: names the "
-                   "checkpoint directory and the wandb run (default d<depth>)")
-    p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
-                   help="log to Weights & Biases")
-    p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
-    # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
-    add_data_args(p, "fineweb-edu")
-    p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
-    p.add_argument("--seeds", type=seeds_arg, default=None, help="train these seeds' inits "
-                   "(e.g. 1,2,3) as one batched model on the same batches (nanomuon/seeds.py)")
-    p.add_argument("--data-seed", type=int, default=None,
-                   help="shuffle the training documents with this seed (the row groups, then the "
-                   "documents of every 8 of them; default: file order)")
-    add_compute_args(p)
-    # model
-    p.add_argument("--depth", type=int, default=20,
-                   help="number of transformer blocks; sets the width too")
-    p.add_argument("--aspect-ratio", type=int, default=64,
-                   help="width = depth * aspect ratio (rounded up)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--arch", choices=("auto",) + ARCHS, default="auto", help="the model: "
-                   "nanochat (92d63d4's, with its recipe) or classic (its late-2025 plain GPT, the "
-                   "CPU miniature's); auto: nanochat on CUDA, classic elsewhere (docs/training.md)")
-    p.add_argument("--window-pattern", default=None, help="sliding windows, tiled over the "
-                   "layers: L the whole context, S a quarter of it; the last layer is always L "
-                   "(default: SSSL for --arch nanochat, L for classic, which takes nothing else)")
-    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
-                   help="RMS-normalize q and k in attention (--no-qk-norm to try --qk-clip)")
-    # horizon: the first of these that is set wins
-    p.add_argument("--num-iterations", type=int, default=-1,
-                   help="optimizer steps (-1: from the next two)")
-    p.add_argument("--target-flops", type=float, default=-1.0,
-                   help="training FLOPs budget (-1: off)")
-    p.add_argument("--target-param-data-ratio", type=float,
-                   default=recipe.NANOCHAT_TOKENS_PER_PARAM, help="tokens per scaling parameter "
-                   "(block matrices and lm_head, as nanochat counts them; Chinchilla's 20 counts "
-                   "every parameter)")
-    # batch
-    p.add_argument("--device-batch-size", type=batch_arg, default="auto", help="rows per "
-                   "micro-batch per process; auto: on CUDA the most (up to 32) that fit, else 32")
-    p.add_argument("--total-batch-size", type=int, default=-1,
-                   help="tokens per optimizer step, all processes (-1: nanochat's, from the "
-                   "horizon: 2^19 at d12's, growing as its 0.383th power)")
-    add_optimizer_args(p)
-    add_checkpoint_args(p)
-    p.add_argument("--sample-tokens", type=int, default=None,
-                   help="tokens per sample at the end (0: none; default 32, at most --max-seq-len)")
-    p.add_argument("--log-every", type=int, default=1, help="steps between step lines")
-    p.add_argument("--step-record", default=None, help="append each step line's numbers to "
-                   "this file as a JSON line (step, steps, loss, dt_ms, tok_per_s, the line)")
-    p.add_argument("--qk-clip", type=float, default=0.0, help="QK-clip threshold tau after each "
-                   "step (Kimi K2's MuonClip; needs --no-qk-norm; 0: off)")
-    p.add_argument("--max-nonfinite-steps", type=int, default=10, help="steps in a row with a "
-                   "non-finite loss or gradient (each skipped with a warning) before the run stops")
-    args = p.parse_args(argv)
-    check_args(p, args)
-    args.run = args.run or f"d{args.depth}"
-    return args
-
-
-def check_args(p: argparse.ArgumentParser, args) -> None:
-    """Every flag's value and their combinations, each refused with p.error's one line."""
-    rules = [  # (flags, test, what each must be)
-        (["depth", "aspect_ratio", "head_dim", "max_seq_len", "eval_tokens",
-          "log_every", "max_nonfinite_steps"], lambda v: v >= 1, ">= 1"),
-        (["num_iterations", "total_batch_size"], lambda v: v >= 1 or v == -1,
-         ">= 1 (or -1 to derive it)"),
-        (["eval_every", "save_every"], lambda v: v >= 1 or v == -1,
-         ">= 1, or -1 for only at the end"),
-        (["keep_checkpoints"], lambda v: v >= 1 or v == -1, ">= 1, or -1 to keep all"),
-        (["warmup_ratio", "warmdown_ratio", "final_lr_frac"],
-         lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1]"),
-        ([*LR_FLAGS, "weight_decay", "qk_clip", "lr_multiplier"],
-         lambda v: v is None or (math.isfinite(v) and v >= 0), "a finite number >= 0"),
-        (["target_flops", "target_param_data_ratio"], math.isfinite,
-         "a finite number (or <= 0: off)"),
-        (["seed", "data_seed"], lambda v: v is None or 0 <= v < 2 ** 64, "in [0, 2**64)"),
-        (["final_eval_tokens"], lambda v: v >= -1,
-         ">= 1, 0 for none, or -1 for the whole val split"),
-    ]
-    for names, ok, what in rules:
-        for name in names:
-            if not ok(getattr(args, name)):
-                p.error(f"--{name.replace('_', '-')} must be {what}, got {getattr(args, name)}")
-    check_reach(p, args)
-    if (args.warmup_ratio or 0.0) + (args.warmdown_ratio or 0.0) > 1.0:
-        p.error(f"--warmup-ratio {args.warmup_ratio} + --warmdown-ratio {args.warmdown_ratio} "
-                "exceed 1")
-    if args.num_iterations == -1 and args.target_flops <= 0 and args.target_param_data_ratio <= 0:
-        p.error("no training horizon: set --num-iterations, --target-flops or "
-                "--target-param-data-ratio")
-    if args.qk_clip and args.qk_norm:
-        p.error("--qk-clip has nothing to do with QK-norm on (it already bounds the logits); add "
-                "--no-qk-norm")
-    if args.fsdp and args.optimizer == "torch-muon":
-        p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
-                "runs replicated only")
-    if args.fsdp and (options := optimizer_kwargs(args.optimizer).get("muon_options")):
-        group = dict(kind="muon", **options)
-        fill_defaults(group)
-        try:
-            check_sharded_stages(f"--optimizer {args.optimizer}", group)
-        except ValueError as e:
-            p.error(f"{e}: drop --fsdp")
-    if args.seeds is not None and args.seed is not None:
-        p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
-    if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
-        args.seed, args.seeds = args.seeds[0], None
-    args.seed = 42 if args.seed is None else args.seed
-    if args.seeds:
-        try:
-            check_seeds(args.seeds, args.qk_clip, args.fp8, args.fsdp, args.optimizer)
-        except ValueError as e:
-            p.error(str(e))
-    if args.start_over and args.resume_from_step != -1:
-        p.error("--start-over trains afresh; it cannot go with --resume-from-step "
-                f"{args.resume_from_step} (drop one)")
-    if isinstance(args.resume_from_step, int) and args.resume_from_step < -1:
-        p.error("--resume-from-step must be a step >= 0, 'latest', 'auto', or -1; got "
-                f"{args.resume_from_step}")
-    # more than the window only re-runs its last max-seq-len tokens, ever longer, before the report
-    if args.sample_tokens is None:  # the default never refuses a short --max-seq-len
-        args.sample_tokens = min(32, args.max_seq_len)
-    if not 0 <= args.sample_tokens <= args.max_seq_len:
-        p.error(f"--sample-tokens must be in [0, {args.max_seq_len}] (0: none; at most "
-                f"--max-seq-len), got {args.sample_tokens}")
-    record = Path(args.step_record or ".")  # a regular file (or none yet) in a folder that exists
-    if args.step_record is not None and not record.parent.is_dir():
-        p.error(f"--step-record {record}: its folder {record.parent} does not exist; create it or "
-                "name a file in another")
-    if args.step_record is not None and record.exists() and not record.is_file():
-        p.error(f"--step-record {record} is not a regular file; name a file")
-    check_model_fits(p, args)
-
-
-def check_reach(p: argparse.ArgumentParser, args) -> None:
-    """Values that parse but cannot run: lrs over MAX_LR, steps over MAX_STEPS, wandb keyless."""
-    if (problem := common.wandb_key_problem(args.wandb)) is not None:
-        p.error(problem)
-    if args.num_iterations > MAX_STEPS:
-        p.error(f"--num-iterations {args.num_iterations} is more than the {MAX_STEPS:,} steps a "
-                "run may take")
-    lrs = {f"--lr-multiplier {args.lr_multiplier:g}": args.lr_multiplier}
-    for name in LR_FLAGS:
-        if (lr := getattr(args, name)) is not None:
-            lrs[f"--{name.replace('_', '-')} {lr:g} x --lr-multiplier {args.lr_multiplier:g} = "
-                f"{lr * args.lr_multiplier:,g}"] = lr * args.lr_multiplier
-    for flag, lr in lrs.items():
-        if lr > MAX_LR:
-            p.error(f"{flag} is over {MAX_LR:,g}: no lr that large trains (the tuned ones are "
-                    "below 1), and near 3e38 the step overflows fp32; give a smaller one")
-
-
-def check_model_fits(p: argparse.ArgumentParser, args) -> None:
-    """Refuse a model whose fp32 block matrices alone exceed the memory (all processes' with --fsdp)
-    before a tensor is built, where torch would fail with an overflow or an OOM."""
-    width = math.ceil(args.depth * args.aspect_ratio / args.head_dim) * args.head_dim  # as gpt.py
-    params = 12 * args.depth * width ** 2  # attention 4 d^2 + MLP 8 d^2 a block; vocab adds more
-    if args.device_type in ("auto", "cuda") and torch.cuda.is_available():
-        where, memory = "this GPU", torch.cuda.get_device_properties(0).total_memory
-    elif args.device_type in ("auto", "cpu", "mps"):
-        where, memory = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    else:
-        return  # --device-type cuda without CUDA: build() says so
-    world = os.environ.get("WORLD_SIZE", "1")
-    shards = int(world) if args.fsdp and world.isdigit() and int(world) > 0 else 1
-    if 4 * params > memory * shards:
-        p.error(f"--depth {args.depth}, --aspect-ratio {args.aspect_ratio} and --head-dim "
-                f"{args.head_dim} make a model of over {params:.3g} parameters, over the memory of "
-                f"{where} ({common.size_str(memory * shards)}) in fp32 alone; lower --depth, "
-                "--aspect-ratio or --head-dim")
-
-
-def warmup_warmdown(step: int, num_iterations: int, args, power: float = 1.0) -> float:
-    """nanochat's lr schedule: linear warmup, flat, then a linear decay to --final-lr-frac; power
-    1.2 makes the decay PowerCool's (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2)."""
-    warmup = round(args.warmup_ratio * num_iterations)
-    warmdown = round(args.warmdown_ratio * num_iterations)
-    if step < warmup:
-        return (step + 1) / warmup
-    if step <= num_iterations - warmdown:
-        return 1.0
-    progress = ((num_iterations - step) / warmdown) ** power
-    return progress + (1 - progress) * args.final_lr_frac
-
-
-def momentum_schedule(step: int, num_iterations: int, warmdown_ratio: float, arch: str) -> float:
-    """Muon's momentum: arch 'nanochat' 0.85 -> 0.97 over 400 steps, then down to 0.90 across the
-    lr warmdown (nanochat 92d63d4); classic 0.85 -> 0.95 over 300 steps, then flat."""
-    ramp, top = (300, 0.95) if arch == "classic" else (400, 0.97)
-    if step < ramp or arch == "classic":
-        frac = min(step / ramp, 1.0)
-        return (1 - frac) * 0.85 + frac * top
-    warmdown = round(warmdown_ratio * num_iterations)
-    if step >= num_iterations - warmdown:
-        progress = (step - (num_iterations - warmdown)) / warmdown
-        return 0.97 * (1 - progress) + 0.90 * progress
-    return 0.97
-
-
-def weight_decay_schedule(step: int, num_iterations: int, peak: float, arch: str) -> float:
-    """Muon's weight decay: arch 'nanochat' a cosine from `peak` to 0 over the run, classic flat."""
-    if arch == "classic":
-        return peak
-    return peak * 0.5 * (1 + math.cos(math.pi * step / num_iterations))
-
-
-def schedule_group(group: dict, step: int, num_iterations: int, args, arch: str) -> None:
-    """A group's lr (initial_lr x schedule) and a Muon group's momentum and decay at `step`."""
-    group["lr"] = group["initial_lr"] * SCHEDULES[schedule_name(args)](step, num_iterations, args)
+def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch) -> None:
+    """A group's lr (initial_lr x lr_multiplier) and a Muon group's momentum and weight decay at
+    `step`, as the arch schedules them."""
+    group["lr"] = group["initial_lr"] * lr_multiplier(step, num_iterations, args)
     if group["kind"] == "muon":
-        group["momentum"] = momentum_schedule(step, num_iterations, args.warmdown_ratio, arch)
-        group["weight_decay"] = weight_decay_schedule(step, num_iterations,
-                                                      group["initial_weight_decay"], arch)
-
-
-# --schedule NAME: the lr multiplier f(step, num_iterations, args) of every group at each step;
-# a variant picks one with schedule='NAME' (nanomuon/variants.py)
-SCHEDULES = {"warmup_warmdown": warmup_warmdown,
-             "powercool": functools.partial(warmup_warmdown, power=1.2)}
+        group["momentum"] = arch.momentum(step, num_iterations, args.warmdown_ratio)
+        group["weight_decay"] = arch.weight_decay(step, num_iterations,
+                                                  group["initial_weight_decay"])
 
 
 @dataclass
@@ -452,41 +151,6 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
          "'Several nodes')")
 
 
-# A batched model's memory over its seeds' train_memory: at ablate's shape (d4, 8 x 256 tokens,
-# bf16) 2 compiled steps' peak RSS grew 0.25 GiB a seed over 1, 8 and 40 seeds; train_memory: 0.18
-SEEDS_MEMORY = 1.4
-
-
-def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
-    """On a CPU, training's memory (recipe.train_memory, this machine's processes) before any is
-    allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap."""
-    if (free := available_memory()) is None:
-        return
-    parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
-    # each seed a whole model's, and vmapped steps keep more (SEEDS_MEMORY); with --fsdp each
-    # process holds its shard of the model's state, and its own activations
-    copies = len(args.seeds) * SEEDS_MEMORY if args.seeds else 1
-    shards = world_size if args.fsdp else 1
-    parts = {k: int(v * copies) // (1 if k == "activations" else shards) for k, v in parts.items()}
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
-    need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
-    what = (f"training this model takes about {need / gib:.1f} GiB of memory ("
-            + ", ".join(f"{k.replace('_', ' ')} {v / gib:.1f}" for k, v in parts.items() if v)
-            + f" GiB{f' per process, x {local} processes' if local > 1 else ''}; activations at "
-            f"--device-batch-size {args.device_batch_size}, --max-seq-len {args.max_seq_len})")
-    error = None
-    if need > mem + swap:
-        fits = int(len(args.seeds) * (mem + swap) / need) if args.seeds else 0
-        lower = (f"train at most {fits} seeds at once (--seeds of {fits})" if fits
-                 else "lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
-        error = (f"{what}, and this machine has {mem / gib:.1f} GiB free"
-                 + (f" and {swap / gib:.1f} GiB of swap" if swap else "") + f": {lower}")
-    elif need > mem:
-        print0(f"warning: {what}: more than the {mem / gib:.1f} GiB free, so it will swap (slow) "
-               "or be killed when memory runs out")
-    common.exit_if_any_failed(error)
-
-
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
@@ -508,7 +172,7 @@ def schedule_name(args) -> str:
     return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
-def plan_horizon(args, model: GPT) -> int:
+def horizon_steps(args, model: GPT) -> int:
     """The run's steps; a batch, weight decay or schedule flag left out takes the recipe's, written
     into args (a resume compares like with like) and printed with the reason. As in nanochat, the
     recipe's horizon is the data ratio's: a short --num-iterations check gets the real run's."""
@@ -520,9 +184,9 @@ def plan_horizon(args, model: GPT) -> int:
                                            arch=model.config.arch))
     batch = None if args.total_batch_size == -1 else args.total_batch_size
     with common.user_errors():
-        plan = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
-    args.total_batch_size, args.weight_decay = plan.total_batch_size, plan.weight_decay
-    for line in plan.why:
+        chosen = recipe.training_recipe(ratio * params, ratio * ref, batch, args.weight_decay)
+    args.total_batch_size, args.weight_decay = chosen.total_batch_size, chosen.weight_decay
+    for line in chosen.why:
         print0(f"recipe: {line}")
     if args.num_iterations > 0:
         steps = args.num_iterations
@@ -538,12 +202,12 @@ def plan_horizon(args, model: GPT) -> int:
                          f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
                          "--num-iterations")
     # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
-    schedule = plan.schedule
-    chosen = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
+    schedule = chosen.schedule
+    ratios = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
     left_out = [key for key in ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
                 if getattr(args, key) is None]
     for key in left_out:
-        setattr(args, key, chosen[key])
+        setattr(args, key, ratios[key])
     if left_out:
         print0(f"recipe: schedule: warmup {round(args.warmup_ratio * steps)} steps, warmdown "
                f"{args.warmdown_ratio:g} of the steps, final lr {args.final_lr_frac:g} of the peak "
@@ -553,10 +217,6 @@ def plan_horizon(args, model: GPT) -> int:
     return steps
 
 
-ARCH_WORDS = {"nanochat": "nanochat 92d63d4's GPT and recipe",
-              "classic": "the classic GPT (nanochat's of late 2025) and its recipe"}
-
-
 def resolve_model(args, vocab_size: int, device: torch.device):
     """(GPTConfig, attention kernel) of the flags, --arch (auto: nanochat on CUDA, else classic) and
     --attention resolved in args and said; a kernel that cannot run here, or ranks that disagree,
@@ -564,7 +224,7 @@ def resolve_model(args, vocab_size: int, device: torch.device):
     why = f"--arch {args.arch}" + (f" on {device.type}" if args.arch == "auto" else "")
     if args.arch == "auto":
         args.arch = "nanochat" if device.type == "cuda" else "classic"
-    print0(f"model: {ARCH_WORDS[args.arch]} ({why})")
+    print0(f"model: {ARCHS[args.arch].about} ({why})")
     # an impossible size: the same flags on every rank, so every rank stops
     with common.user_errors():
         config = config_from_depth(args.depth, vocab_size, args.max_seq_len, args.aspect_ratio,
@@ -596,7 +256,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     # a restarted job (torchrun --max-restarts) picks up where it died
     if args.resume_from_step == "auto":
         args.resume_from_step = "latest" if checkpoint.list_steps(run_dir) else -1
-    keep_earlier_runs(run_dir, rank, fresh=args.resume_from_step == -1, start_over=args.start_over)
+    fresh = args.resume_from_step == -1  # a fresh run over an earlier one is refused now
+    keep_earlier_runs(run_dir, rank, fresh=fresh and not args.start_over, start_over=False)
     # missing or unreadable: one line that says what to do
     tokenizer = common.on_every_rank(get_tokenizer)
     compiled = common.resolve_compile(args.compile, device)
@@ -606,7 +267,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
     with torch.device("meta"):  # sizes only: nothing is allocated before the device batch is fit
         model = GPT(config)
     num_params, flops_per_token = model.num_params(), model.estimate_flops()
-    num_iterations = plan_horizon(args, model)
+    num_iterations = horizon_steps(args, model)
     if args.device_batch_size == "auto":
         args.device_batch_size = auto_device_batch(args, config, device, world_size, compiled)
     tokens_per_fwdbwd = args.device_batch_size * args.max_seq_len * world_size
@@ -656,6 +317,8 @@ def build(args, held: contextlib.ExitStack) -> Run:
     if args.seeds:  # one value per seed
         run.copies, run.loop["smooth_loss"] = len(args.seeds), [0.0] * len(args.seeds)
     run.loop["precision"] = [[0, *report.precision_of(args)]]  # a resume reads the run's own
+    # --start-over moves the earlier run aside only now, with every flag accepted
+    keep_earlier_runs(run_dir, rank, fresh=fresh and args.start_over, start_over=True)
     check_disk(run_dir, rank, optimizer, num_iterations, args.save_every, args.keep_checkpoints)
     return run
 
@@ -820,7 +483,7 @@ def muon_decay_words(args, optimizer) -> str:
     if all("apply" in g and not first_plan(g).decays for g in muon):
         return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
                 f"{muon[0]['apply']!r}")
-    cosine = " on a cosine to 0" if weight_decay_schedule(1, 2, 1.0, args.arch) < 1 else ""
+    cosine = " on a cosine to 0" if ARCHS[args.arch].weight_decay(1, 2, 1.0) < 1 else ""
     return f"Muon weight decay {args.weight_decay:.4g}{cosine}"
 
 
@@ -937,9 +600,9 @@ def train_step(run: Run) -> Step:
         loss_sum += loss.detach()
         # batched seeds: each seed's loss its own, so the sum's gradient is every seed's own
         (loss.sum() / run.grad_accum).backward()
-    lrm = SCHEDULES[schedule_name(args)](step, run.num_iterations, args)
+    lrm = lr_multiplier(step, run.num_iterations, args)
     for group in run.optimizer.param_groups:
-        schedule_group(group, step, run.num_iterations, args, run.config.arch)
+        schedule_group(group, step, run.num_iterations, args, ARCHS[run.config.arch])
     # One NaN or inf anywhere would poison every replica through the optimizer's reductions, so
     # all ranks agree to skip the update instead; a run that keeps producing them is stopped.
     finite = all_finite(loss_sum, model.parameters(), inputs)

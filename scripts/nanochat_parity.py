@@ -24,17 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.gpt import ARCHS, GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
-from scripts.base_train import (
-    SCHEDULES,
-    momentum_schedule,
-    optimizer_options,
-    parse_args,
-    plan_horizon,
-    schedule_group,
-    weight_decay_schedule,
-)
+from scripts.base_train import horizon_steps, lr_multiplier, optimizer_options, schedule_group
+from scripts.train_args import parse_args
 
 # depth, aspect ratio, head dim, tokens a row, vocab (a multiple of 64: nanochat pads its vocab to
 # one), rows a batch; the row is long enough for the short windows (128 tokens) to cut it
@@ -196,7 +189,7 @@ def their_optimizer(model):
 
 def our_schedule(args, num_iterations: int):
     """base_train's train_step's schedule of a group, as a function of (group, step)."""
-    return lambda group, step: schedule_group(group, step, num_iterations, args, "nanochat")
+    return lambda group, step: schedule_group(group, step, num_iterations, args, ARCHS["nanochat"])
 
 
 def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128), model=None,
@@ -211,7 +204,7 @@ def our_table(depth: int, batch: int, ratio: float, shape=(32768, 2048, 64, 128)
         with torch.device("meta"):
             model = GPT(config_from_depth(depth, vocab, seq, aspect, head_dim, arch="nanochat"))
     with contextlib.redirect_stdout(io.StringIO()):  # its recipe lines
-        steps = plan_horizon(args, model)
+        steps = horizon_steps(args, model)
     return steps, model.setup_optimizer(**optimizer_options(args, compiled=compiled)), args
 
 
@@ -261,12 +254,12 @@ def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -
     muon = next(g for g in ours.param_groups if g["kind"] == "muon")
     for step in TABLE_STEPS:
         rows += [(f"step {step} lr multiplier",
-                  SCHEDULES["warmup_warmdown"](step, steps, args), recipe.lr_multiplier(step)),
+                  lr_multiplier(step, steps, args), recipe.lr_multiplier(step)),
                  (f"step {step} Muon momentum",
-                  momentum_schedule(step, steps, args.warmdown_ratio, "nanochat"),
+                  ARCHS["nanochat"].momentum(step, steps, args.warmdown_ratio),
                   recipe.momentum(step)),
                  (f"step {step} Muon weight decay",
-                  weight_decay_schedule(step, steps, muon["initial_weight_decay"], "nanochat"),
+                  ARCHS["nanochat"].weight_decay(step, steps, muon["initial_weight_decay"]),
                   recipe.muon_weight_decay(step))]
     return compare_rows(rows)
 

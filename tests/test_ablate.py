@@ -160,7 +160,7 @@ def test_code_hash_covers_every_file_by_contents(tmp_path):
     dirs = [tmp_path / "nanomuon", tmp_path / "scripts"]
     for d in dirs:
         shutil.copytree(REPO / d.name, d, ignore=shutil.ignore_patterns("__pycache__"))
-    math_py = dirs[0] / "update_math.py"
+    math_py = dirs[0] / "coefficients.py"
     text, h = math_py.read_text(), code_hash(dirs)
     math_py.write_text(text.replace("8.156554524902461", "8.0", 1))
     assert code_hash(dirs) != h
@@ -190,7 +190,7 @@ def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
     ablate()  # cached unless the checkout changed since `small` ran
     first = ablate()
     assert first.count(": cached (") == 2
-    math_py = tmp_path / "nanomuon" / "update_math.py"
+    math_py = tmp_path / "nanomuon" / "coefficients.py"
     text = math_py.read_text()
     assert text.count("(8.156554524902461, ") == 1
     math_py.write_text(text.replace("(8.156554524902461, ", "(8.0, "))

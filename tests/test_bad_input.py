@@ -271,10 +271,20 @@ CASES = {
                                "--sample-tokens must be in [0, 64] (0: none; at most"),
     "sample-tokens-huge": (lambda *_: train("--sample-tokens", str(10 ** 12)),
                            "--sample-tokens must be in [0, 64] (0: none; at most"),
+    # --start-over over a finished run with a flag refused after the run dir is locked: nothing moves
+    "start-over-window": (lambda b, g, *_: train("--start-over", "--arch", "classic", "--window-pattern", "SL",
+                                                 run=damaged(b, g, "over-window", lambda step: None)),
+                          "window_pattern='SL' needs arch='nanochat'"),
+    "start-over-attention": (lambda b, g, *_: train("--start-over", "--attention", "flex",
+                                                    run=damaged(b, g, "over-attention", lambda step: None)),
+                             "--attention flex cannot run here"),
+    "start-over-head-dim": (lambda b, g, *_: train("--start-over", "--head-dim", "7",
+                                                   run=damaged(b, g, "over-head-dim", lambda step: None)),
+                            "an even head_dim >= 2"),
     "depth-huge": (lambda *_: train("--depth", str(10 ** 12)), "parameters, over the memory of"),
     "head-dim-huge": (lambda *_: train("--head-dim", str(2 ** 40)),
                       "parameters, over the memory of"),
-    "cpu-memory": (lambda b, g, tmp, mp: (mp.setattr("scripts.base_train.available_memory", lambda: (4 << 30, 0)),
+    "cpu-memory": (lambda b, g, tmp, mp: (mp.setattr("scripts.train_args.available_memory", lambda: (4 << 30, 0)),
                                           train("--depth", "40", "--device-batch-size", "1", "--dtype", "fp32"))[1],
                    "about 9.1 GiB of memory (params 2.9, grads 2.9, optimizer 2.9, activations 0.3 GiB; "
                    "activations at --device-batch-size 1, --max-seq-len 64), and this machine has 4.0 GiB free: "
@@ -531,7 +541,7 @@ def test_the_download_check_reads_every_row_group(fake_hub, tmp_path):
 
 def test_a_model_that_fits_only_in_swap_warns(base, monkeypatch, capsys):
     """Training that needs more than the free memory but fits with swap runs, after a warning."""
-    monkeypatch.setattr("scripts.base_train.available_memory", lambda: (1 << 20, 64 << 30))
+    monkeypatch.setattr("scripts.train_args.available_memory", lambda: (1 << 20, 64 << 30))
     capsys.readouterr()
     train(run="swap")()
     out = capsys.readouterr().out

@@ -527,7 +527,8 @@ def case_autofit(world: str, activations: str = "0"):
 
     from nanomuon.common import autocast, resolve_dtype
     from nanomuon.recipe import fit_device_batch, train_memory
-    from scripts.base_train import auto_device_batch, parse_args
+    from scripts.base_train import auto_device_batch
+    from scripts.train_args import parse_args
 
     world, dev = int(world), torch.device("cuda")
     flags = ["--depth", "24", "--device-batch-size", "auto", "--target-param-data-ratio", "8",

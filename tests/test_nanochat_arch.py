@@ -18,12 +18,11 @@ from test_train import TINY, assert_bitwise_equal
 
 from nanomuon import reference, stages
 from nanomuon.coefficients import COEFFICIENT_SETS, POLAR_EXPRESS
-from nanomuon.gpt import GPT, GPTConfig, config_from_depth, sdpa, window_mask
+from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, sdpa, window_mask
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.recipe import PeakLRs
 from nanomuon.reference import muon_step
 from nanomuon.stages import equilibrate_to_mean
-from scripts.base_train import momentum_schedule, weight_decay_schedule
 
 
 @pytest.fixture(autouse=True)
@@ -439,21 +438,21 @@ def want_momentum(step, n, ratio):
 @pytest.mark.parametrize("n, ratio", [(50, 0.65), (120, 0.4), (399, 0.65), (400, 0.5),
                                       (1000, 0.65), (1000, 0.0), (5000, 0.4), (3000, 1.0)])
 def test_momentum_and_weight_decay_schedules(n, ratio):
-    """momentum_schedule and weight_decay_schedule at every step (a grid for long runs) against the
+    """Each arch's momentum and weight_decay schedules (Arch) at every step (a grid for long runs) against the
     written-out schedules: nanochat's (the step < 400 warmup winning in short runs; weight decay
     peak cos^2(pi step / 2n)) and classic's (0.85 -> 0.95 over 300 steps; constant decay)."""
     steps = sorted(set(range(0, n + 1, max(1, n // 97))) | {0, 299, 300, 399, 400, n - 1, n})
     steps = [s for s in steps if s <= n and (ratio > 0 or s < n)]
     for step in steps:
-        got = momentum_schedule(step, n, ratio, "nanochat")
+        got = ARCHS["nanochat"].momentum(step, n, ratio)
         assert got == pytest.approx(want_momentum(step, n, ratio), abs=1e-12), step
-        assert weight_decay_schedule(step, n, 0.28, "nanochat") == pytest.approx(
+        assert ARCHS["nanochat"].weight_decay(step, n, 0.28) == pytest.approx(
             0.28 * math.cos(math.pi * step / (2 * n)) ** 2, abs=1e-12)
         classic = 0.85 + 0.10 * min(step, 300) / 300
-        assert momentum_schedule(step, n, ratio, "classic") == pytest.approx(classic, abs=1e-12)
-        assert weight_decay_schedule(step, n, 0.28, "classic") == 0.28
+        assert ARCHS["classic"].momentum(step, n, ratio) == pytest.approx(classic, abs=1e-12)
+        assert ARCHS["classic"].weight_decay(step, n, 0.28) == 0.28
     if n < 400:  # a short run never leaves the warmup
-        assert all(momentum_schedule(s, n, ratio, "nanochat") < 0.97 for s in range(n))
+        assert all(ARCHS["nanochat"].momentum(s, n, ratio) < 0.97 for s in range(n))
 
 
 # -- data parallel, batched seeds, resume -----------------------------------------------------

@@ -248,17 +248,17 @@ def test_batched_seeds_that_do_not_fit_are_refused_with_the_count_that_does(monk
     seeds that does not fit names the most seeds that do."""
     from nanomuon.gpt import config_from_depth
     from nanomuon.recipe import train_memory
-    from scripts import base_train
+    from scripts import train_args
 
-    args = base_train.parse_args([*TINY, "--seeds", ",".join(map(str, range(1, 41)))])
+    args = train_args.parse_args([*TINY, "--seeds", ",".join(map(str, range(1, 41)))])
     args.dtype = "bf16"
     config = config_from_depth(args.depth, 4096, args.max_seq_len, args.aspect_ratio,
                                args.head_dim)
     one = sum(train_memory(config, args.device_batch_size, False, True).values())
-    free = int(10.5 * one * base_train.SEEDS_MEMORY)  # 10 seeds' measured share, and a half
-    monkeypatch.setattr(base_train, "available_memory", lambda: (free, 0))
+    free = int(10.5 * one * train_args.SEEDS_MEMORY)  # 10 seeds' measured share, and a half
+    monkeypatch.setattr(train_args, "available_memory", lambda: (free, 0))
     with pytest.raises(SystemExit) as e:
-        base_train.check_memory(args, config, 1, compiled=False)
+        train_args.check_memory(args, config, 1, compiled=False)
     assert "train at most 10 seeds at once" in str(e.value), e.value
     args.seeds = list(range(1, 11))
-    base_train.check_memory(args, config, 1, compiled=False)  # 10 fit
+    train_args.check_memory(args, config, 1, compiled=False)  # 10 fit

@@ -462,17 +462,20 @@ def test_checkpoints_from_before_the_stage_keys_load_as_what_ran():
 def test_powercool_is_min_lr0_c_t_minus_step_to_the_1_2():
     """base_train's powercool schedule equals the record's min(lr0, c (T - step)^1.2), with c putting the knee
     --warmdown-ratio of the steps before the end, and the --optimizer muon-powercool variant selects it."""
-    from scripts.base_train import SCHEDULES, parse_args, schedule_name
+    from nanomuon.gpt import LR_SCHEDULES
+    from scripts.base_train import schedule_name
+    from scripts.train_args import parse_args
 
     args = parse_args(["--optimizer", "muon-powercool", "--warmdown-ratio", "0.3", "--warmup-ratio", "0",
                        "--final-lr-frac", "0"])
     assert schedule_name(args) == "powercool" and schedule_name(parse_args([])) == "warmup_warmdown"
     T, lr0 = 400, 0.02
     c = lr0 / (0.3 * T) ** 1.2
-    got = [lr0 * SCHEDULES["powercool"](s, T, args) for s in range(T)]
+    ratios = (args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
+    got = [lr0 * LR_SCHEDULES["powercool"](s, T, *ratios) for s in range(T)]
     want = [min(lr0, c * (T - s) ** 1.2) for s in range(T)]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-12
-    linear = [lr0 * SCHEDULES["warmup_warmdown"](s, T, args) for s in range(T)]
+    linear = [lr0 * LR_SCHEDULES["warmup_warmdown"](s, T, *ratios) for s in range(T)]
     assert max(abs(a - b) for a, b in zip(got, linear)) > 1e-3
 
 
@@ -626,7 +629,7 @@ def test_the_readme_counts_hold():
 
 
 def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
-    from scripts.base_train import parse_args
+    from scripts.train_args import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--fsdp", "--optimizer", "muon-uw-floor", "--num-iterations", "1"])
@@ -644,7 +647,8 @@ def test_the_run_header_says_what_the_stages_use(variant, says):
     """base_train's header names the weight decay only where a stage applies it, and each muon group's
     stages, who keeps the momentum, and the horizon the stages see (the run's steps)."""
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import muon_decay_words, optimizer_options, parse_args
+    from scripts.base_train import muon_decay_words, optimizer_options
+    from scripts.train_args import parse_args
 
     args = parse_args(["--optimizer", variant, "--weight-decay", "0.2", "--num-iterations", "7",
                        "--total-batch-size", "4096"])

@@ -93,7 +93,8 @@ def test_the_lr_multiplier_scales_each_groups_peak_lr_once():
     initial_lr is the lr rule's at 4,096 tokens per step (written out) x width scale x the
     multiplier, a variant's groups too, and the schedule then scales initial_lr alone."""
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import optimizer_options, parse_args
+    from scripts.base_train import optimizer_options
+    from scripts.train_args import parse_args
 
     with torch.device("meta"):
         model = GPT(config_from_depth(4, 97, 64))
@@ -248,7 +249,8 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     from types import SimpleNamespace
 
     from nanomuon.gpt import GPT, config_from_depth
-    from scripts.base_train import announce, optimizer_options, parse_args, plan_horizon
+    from scripts.base_train import announce, horizon_steps, optimizer_options
+    from scripts.train_args import parse_args
 
     def scaling(depth):
         return 12 * depth * (64 * depth) ** 2 + 32768 * 64 * depth
@@ -264,7 +266,7 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
     flags = speedrun_gpu_flags(24)
     for extra, steps in (([], round(8 * scaling(24) / batch)), (["--num-iterations", "20"], 20)):
         args = parse_args([*flags, *extra])
-        assert plan_horizon(args, model) == steps
+        assert horizon_steps(args, model) == steps
         assert args.total_batch_size == batch
         assert args.weight_decay == pytest.approx(want_decay, rel=1e-12)
         assert args.warmdown_ratio == 0.65 and args.final_lr_frac == 0.05
@@ -291,9 +293,9 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
                 "final lr 0.05 of the peak") in out, out
     args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1",
                        "--warmdown-ratio", "0.5"])
-    plan_horizon(args, model)
+    horizon_steps(args, model)
     assert (args.total_batch_size, args.weight_decay, args.warmdown_ratio) == (524288, 0.1, 0.5)
-    assert (args.final_lr_frac, round(args.warmup_ratio * plan_horizon(args, model))) == (0.05, 40)
+    assert (args.final_lr_frac, round(args.warmup_ratio * horizon_steps(args, model))) == (0.05, 40)
     assert "recipe: batch" not in capsys.readouterr().out
 
 
