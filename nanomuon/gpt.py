@@ -681,9 +681,9 @@ class GPT(nn.Module):
 
     def _role_groups(self, group: dict, roles: dict) -> list[dict]:
         """group, less each role's matrices, which go to a group of their own."""
-        if unknown := set(roles) - set(MATRIX_ROLES):
-            raise ValueError(f"roles: {sorted(unknown)} are not matrix roles; the roles are "
-                             f"{list(MATRIX_ROLES)}")
+        if not isinstance(roles, dict) or set(roles) - set(MATRIX_ROLES):  # a list drops factors
+            raise ValueError(f"roles={repr(roles)[:80]}: give a dict of matrix role (one of "
+                             f"{list(MATRIX_ROLES)}) -> dict(lr_factor=, weight_decay_factor=)")
         out, taken = [], set()
         for role, tuning in roles.items():
             if not isinstance(tuning, dict) or set(tuning) - set(ROLE_FACTORS) or any(

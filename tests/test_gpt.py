@@ -187,9 +187,10 @@ def test_roles_give_each_role_its_own_lr_and_decay():
             assert torch.equal(p, before[n]) == (".mlp.c_fc." in n), n
     heads = {g["name"] for g in model.setup_optimizer(per_head=True, roles=roles).param_groups}
     assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
-    for bad, says in (({"attn.o": {}}, r"\['attn.o'\] are not matrix roles; the roles are"),
+    for bad, says in (({"attn.o": {}}, r"roles=\{'attn.o': \{\}\}: give a dict of matrix role \(one of"),
                       ({"mlp.fc": dict(weight_decay=0.1)}, r"give a dict of lr_factor and"),
-                      ({"mlp.fc": dict(lr_factor=-1.0)}, r"each a number in \[0, 1000\)")):
+                      ({"mlp.fc": dict(lr_factor=-1.0)}, r"each a number in \[0, 1000\)"),
+                      (["mlp.fc"], r"roles=\['mlp.fc'\]: give a dict of matrix role \(one of \['attn")):
         with pytest.raises(ValueError, match=says):
             model.setup_optimizer(roles=bad)
     with pytest.raises(ValueError, match="roles need matrix_optimizer='muon'"):
