@@ -333,8 +333,7 @@ def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
 def plain_plan(plan: "MuonPlan", layout: Layout | None = None) -> "MuonPlan":
     """The plan a transposed or split matrix's blocks run under: plain matrices, or `layout`."""
     split, groups = (layout.split, layout.groups) if layout else (None, 1)
-    options = dict(plan.options, split=split, qkv_split=None, split_groups=groups,
-                   transposed=False)
+    options = dict(plan.options, split=split, qkv_split=None, split_groups=groups, transposed=False)
     return plan._replace(layout=layout, options=options)
 
 
