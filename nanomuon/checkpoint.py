@@ -388,6 +388,23 @@ def read_meta(d: Path, meta_keys=()) -> dict:
     return meta
 
 
+# base_train's flag -> the GPTConfig field it sets (head_dim: n_embd // n_head)
+MODEL_FLAGS = {"--arch": "arch", "--window-pattern": "window_pattern", "--depth": "n_layer",
+               "--max-seq-len": "sequence_len", "--head-dim": "head_dim", "--qk-norm": "qk_norm",
+               "--aspect-ratio (the width)": "n_embd"}
+
+
+def model_changes(saved: dict, built: dict) -> list[str]:
+    """How the flags' model differs from a checkpoint's (two GPTConfig dicts), as '--arch was
+    'nanochat', now 'classic''; the fields no flag sets (softcap, rope_base, ...) by name."""
+    saved, built = ({**c, "head_dim": c["n_embd"] // c["n_head"]} for c in (saved, built))
+    said = lambda v: shown(repr(v), 60, quote=False)  # a hand-edited meta.json: bounded
+    return [f"{flag} was {said(saved[k])}, now {said(built[k])}"
+            for flag, k in MODEL_FLAGS.items() if saved[k] != built[k]] or [
+        f"the model's {k} was {said(saved[k])}, these flags build {said(built[k])}"
+        for k in built if saved[k] != built[k]]
+
+
 def _corrupt(d: Path, e: BaseException) -> ValueError:
     """A checkpoint that does not read: delete it if its files are bad, not if the machine is."""
     first, line = _failure(e)
