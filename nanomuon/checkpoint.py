@@ -343,13 +343,13 @@ def check_meta(meta, d: Path, keys) -> None:
         if key not in meta:
             problems.append(f"no {key!r}")
         elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
-            problems.append(f"{key!r} is {meta[key]!r}, "
+            problems.append(f"{key!r} is {shown(repr(meta[key]), 80, quote=False)}, "
                             f"not a{'n' if want is int else ''} {want.__name__}")
     if not problems and "model_config" in keys:
         try:
             GPTConfig(**meta["model_config"])
-        except TypeError as e:
-            problems.append(f"model_config: {e}")
+        except (TypeError, ValueError) as e:  # echoes the hand-edited values
+            problems.append(f"model_config: {shown(str(e), 400, quote=False)}")
     if not problems and "step" in keys and meta["step"] != int(d.name[len("step_"):]):
         problems.append(f"'step' is {meta['step']}, the directory says {d.name}")
     if (not problems and {"loader", "world_size"} <= set(keys)
@@ -361,9 +361,11 @@ def check_meta(meta, d: Path, keys) -> None:
                      if not isinstance(s, dict)][:1]
     if not problems and isinstance(args := meta.get("args"), dict):  # base_eval and sample read
         if args.get("dtype", DTYPES[0]) not in DTYPES:
-            problems.append(f"'args.dtype' is {args['dtype']!r}, not one of {', '.join(DTYPES)}")
+            problems.append(f"'args.dtype' is {shown(repr(args['dtype']), 80, quote=False)}, "
+                            f"not one of {', '.join(DTYPES)}")
         if not (_count(tokens := args.get("eval_tokens", 1)) and tokens >= 1):
-            problems.append(f"'args.eval_tokens' is {tokens!r}, not an int >= 1")
+            problems.append(f"'args.eval_tokens' is {shown(repr(tokens), 80, quote=False)}, "
+                            "not an int >= 1")
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
         loop = meta["loop"]
         problems += [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"

@@ -706,7 +706,8 @@ def resume(run: Run) -> None:
                     "eval_tokens", "data_seed", "seeds"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before it
             if saved != getattr(args, key):
-                problems.append(f"--{key.replace('_', '-')} was {saved!r}, now "
+                problems.append(f"--{key.replace('_', '-')} was "
+                                f"{common.shown(repr(saved), 80, quote=False)}, now "
                                 f"{getattr(args, key)!r}")
         if meta["num_iterations"] != run.num_iterations:  # the lr schedule depends on the horizon
             problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "

@@ -347,6 +347,8 @@ CASES = {
                          "--arch was 'nanochat', now 'classic'; --window-pattern was 'SSSL', now 'L'"),
     "resume-windows": (lambda b, *_: resume_nanochat(b, "--arch", "nanochat", "--window-pattern", "SL"),
                        "--window-pattern was 'SSSL', now 'SL'"),
+    "window-pattern-long": (lambda *_: train("--arch", "nanochat", "--window-pattern", "SSSLS"),
+                            "window_pattern has 5 letters for 2 layers: give at most 4"),
     "resume-horizon": (lambda *_: train("--num-iterations", "5", "--resume-from-step", "2", run="good"),
                        "pass --num-iterations 2"),
     "resume-batch": (lambda *_: train("--total-batch-size", "512", "--resume-from-step", "2", run="good"),
