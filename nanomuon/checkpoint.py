@@ -343,7 +343,7 @@ def check_meta(meta, d: Path, keys) -> None:
         if key not in meta:
             problems.append(f"no {key!r}")
         elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
-            problems.append(f"{key!r} is {shown(repr(meta[key]), 80, quote=False)}, "
+            problems.append(f"{key!r} is {shown(meta[key], 80)}, "
                             f"not a{'n' if want is int else ''} {want.__name__}")
     if not problems and "model_config" in keys:
         try:
@@ -361,11 +361,9 @@ def check_meta(meta, d: Path, keys) -> None:
                      if not isinstance(s, dict)][:1]
     if not problems and isinstance(args := meta.get("args"), dict):  # base_eval and sample read
         if args.get("dtype", DTYPES[0]) not in DTYPES:
-            problems.append(f"'args.dtype' is {shown(repr(args['dtype']), 80, quote=False)}, "
-                            f"not one of {', '.join(DTYPES)}")
+            problems.append(f"'args.dtype' is {shown(args['dtype'], 80)}, not one of {', '.join(DTYPES)}")
         if not (_count(tokens := args.get("eval_tokens", 1)) and tokens >= 1):
-            problems.append(f"'args.eval_tokens' is {shown(repr(tokens), 80, quote=False)}, "
-                            "not an int >= 1")
+            problems.append(f"'args.eval_tokens' is {shown(tokens, 80)}, not an int >= 1")
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
         loop = meta["loop"]
         problems += [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"
@@ -400,10 +398,9 @@ def model_changes(saved: dict, built: dict) -> list[str]:
     """How the flags' model differs from a checkpoint's (two GPTConfig dicts), as '--arch was
     'nanochat', now 'classic''; the fields no flag sets (softcap, rope_base, ...) by name."""
     saved, built = ({**c, "head_dim": c["n_embd"] // c["n_head"]} for c in (saved, built))
-    said = lambda v: shown(repr(v), 60, quote=False)  # a hand-edited meta.json: bounded
-    return [f"{flag} was {said(saved[k])}, now {said(built[k])}"
+    return [f"{flag} was {shown(saved[k], 60)}, now {shown(built[k], 60)}"  # bounded: hand edits
             for flag, k in MODEL_FLAGS.items() if saved[k] != built[k]] or [
-        f"the model's {k} was {said(saved[k])}, these flags build {said(built[k])}"
+        f"the model's {k} was {shown(saved[k], 60)}, these flags build {shown(built[k], 60)}"
         for k in built if saved[k] != built[k]]
 
 

@@ -424,7 +424,7 @@ class DataLoader:
             raise ValueError("this data loader state is from a nanomuon older than the loader that "
                              "trains every token once; it cannot be continued exactly: "
                              "start the run afresh")
-        diffs = [f"{k}: saved {shown(repr(state.get(k)), 80, quote=False)}, now {v!r}"
+        diffs = [f"{k}: saved {shown(state.get(k), 80)}, now {v!r}"
                  for k, v in self._identity().items() if state.get(k) != v]
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs)
@@ -481,7 +481,7 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     for key in shared:
         if len({repr(s.get(key)) for s in states}) != 1:
             raise ValueError(f"the saved loader states disagree on {key}: "
-                             + shown(repr([s.get(key) for s in states]), 200, quote=False))
+                             + shown([s.get(key) for s in states], 200))
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_docs = states[0]["num_docs"]

@@ -70,11 +70,10 @@ class GPTConfig:
 
     def _arch_problems(self) -> list[str]:
         if not isinstance(self.arch, str) or self.arch not in ARCHS:
-            return [f"arch={shown(repr(self.arch), 60, quote=False)} is not one of {ARCHS}"]
+            return [f"arch={shown(self.arch, 60)} is not one of {ARCHS}"]
         if (not isinstance(self.window_pattern, str) or not self.window_pattern
                 or set(self.window_pattern.upper()) - {"S", "L"}):
-            return [f"window_pattern={shown(repr(self.window_pattern), 60, quote=False)} must be "
-                    "letters S and L"]
+            return [f"window_pattern={shown(self.window_pattern, 60)} must be letters S and L"]
         if len(self.window_pattern) > max(self.n_layer, 4):  # a layer reads one; SSSL always fits
             return [f"window_pattern has {len(self.window_pattern)} letters for {self.n_layer} "
                     f"layers: give at most {max(self.n_layer, 4)} (one a layer, tiled)"]

@@ -706,8 +706,7 @@ def resume(run: Run) -> None:
                     "eval_tokens", "data_seed", "seeds"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before it
             if saved != getattr(args, key):
-                problems.append(f"--{key.replace('_', '-')} was "
-                                f"{common.shown(repr(saved), 80, quote=False)}, now "
+                problems.append(f"--{key.replace('_', '-')} was {common.shown(saved, 80)}, now "
                                 f"{getattr(args, key)!r}")
         if meta["num_iterations"] != run.num_iterations:  # the lr schedule depends on the horizon
             problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "
