@@ -38,6 +38,11 @@ FLASH = ("fa3", "fa4", "fa3-hub")
 MAJORS = {"fa3": (9,), "fa4": (9, 10), "fa3-hub": (9,)}
 REGISTRY = {"fa3": "FA3", "fa4": "FA4"}
 HUB_KERNEL = "varunneal/flash-attention-3"  # nanochat's FA3 for Hopper
+# its commit, as the datasets' revisions are pinned: the code it runs never changes under a run.
+# nanochat 92d63d4 pins none; this is the commit public code pins it at (the default of sglang's
+# diffusion benchmark's LIGHTX2V_FA3_HF_REVISION, and a nanochat finalist validator's
+# PINNED_KERNEL_REVISIONS)
+HUB_REVISION = "de87b9b5af06dd9984df595bef90b2eba44b181a"
 INSTALL = {"fa3": "build FA3 from flash-attention's hopper/ folder",
            "fa4": "pip install 'nanomuon[fa4]'", "fa3-hub": "pip install kernels"}
 # the fewest queries in a chunk: smaller chunks cost more calls than they save
@@ -168,10 +173,10 @@ def deactivate() -> None:
 
 
 def load_hub() -> Attention:
-    """nanochat's FA3 from the kernel hub (downloaded once)."""
+    """nanochat's FA3 from the kernel hub at HUB_REVISION (downloaded once)."""
     from kernels import get_kernel
 
-    fa3 = get_kernel(HUB_KERNEL).flash_attn_interface
+    fa3 = get_kernel(HUB_KERNEL, revision=HUB_REVISION).flash_attn_interface
 
     def attend(q, k, v, window=None):
         qkv = half(q, k, v)
@@ -181,8 +186,8 @@ def load_hub() -> Attention:
                                   window_size=(-1 if window is None else window, 0))
         return out[0] if isinstance(out, tuple) else out  # some builds add the log-sum-exp
 
-    return Attention("fa3-hub", f"fa3-hub: Flash Attention 3 from the kernel hub ({HUB_KERNEL}), "
-                     "as nanochat loads it", attend)
+    return Attention("fa3-hub", f"fa3-hub: Flash Attention 3 from the kernel hub ({HUB_KERNEL} "
+                     f"at {HUB_REVISION[:12]}), as nanochat loads it", attend)
 
 
 def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: int,

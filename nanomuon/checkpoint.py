@@ -343,13 +343,13 @@ def check_meta(meta, d: Path, keys) -> None:
         if key not in meta:
             problems.append(f"no {key!r}")
         elif not isinstance(meta[key], want) or isinstance(meta[key], bool):
-            problems.append(f"{key!r} is {meta[key]!r}, "
+            problems.append(f"{key!r} is {shown(meta[key], 80)}, "
                             f"not a{'n' if want is int else ''} {want.__name__}")
     if not problems and "model_config" in keys:
         try:
             GPTConfig(**meta["model_config"])
-        except TypeError as e:
-            problems.append(f"model_config: {e}")
+        except (TypeError, ValueError) as e:  # echoes the hand-edited values
+            problems.append(f"model_config: {shown(str(e), 400, quote=False)}")
     if not problems and "step" in keys and meta["step"] != int(d.name[len("step_"):]):
         problems.append(f"'step' is {meta['step']}, the directory says {d.name}")
     if (not problems and {"loader", "world_size"} <= set(keys)
@@ -361,9 +361,9 @@ def check_meta(meta, d: Path, keys) -> None:
                      if not isinstance(s, dict)][:1]
     if not problems and isinstance(args := meta.get("args"), dict):  # base_eval and sample read
         if args.get("dtype", DTYPES[0]) not in DTYPES:
-            problems.append(f"'args.dtype' is {args['dtype']!r}, not one of {', '.join(DTYPES)}")
+            problems.append(f"'args.dtype' is {shown(args['dtype'], 80)}, not one of {', '.join(DTYPES)}")
         if not (_count(tokens := args.get("eval_tokens", 1)) and tokens >= 1):
-            problems.append(f"'args.eval_tokens' is {tokens!r}, not an int >= 1")
+            problems.append(f"'args.eval_tokens' is {shown(tokens, 80)}, not an int >= 1")
     if not problems and "loop" in keys:  # a NaN here would be carried into every later line
         loop = meta["loop"]
         problems += [f"'loop.{k}' is {shown(repr(loop[k]), 80, quote=False)}, not {what}"
@@ -386,6 +386,22 @@ def read_meta(d: Path, meta_keys=()) -> dict:
                          f"meta.json; delete {d} and resume from an earlier step")
     check_meta(meta, d, meta_keys)
     return meta
+
+
+# base_train's flag -> the GPTConfig field it sets (head_dim: n_embd // n_head)
+MODEL_FLAGS = {"--arch": "arch", "--window-pattern": "window_pattern", "--depth": "n_layer",
+               "--max-seq-len": "sequence_len", "--head-dim": "head_dim", "--qk-norm": "qk_norm",
+               "--aspect-ratio (the width)": "n_embd"}
+
+
+def model_changes(saved: dict, built: dict) -> list[str]:
+    """How the flags' model differs from a checkpoint's (two GPTConfig dicts), as '--arch was
+    'nanochat', now 'classic''; the fields no flag sets (softcap, rope_base, ...) by name."""
+    saved, built = ({**c, "head_dim": c["n_embd"] // c["n_head"]} for c in (saved, built))
+    return [f"{flag} was {shown(saved[k], 60)}, now {shown(built[k], 60)}"  # bounded: hand edits
+            for flag, k in MODEL_FLAGS.items() if saved[k] != built[k]] or [
+        f"the model's {k} was {shown(saved[k], 60)}, these flags build {shown(built[k], 60)}"
+        for k in built if saved[k] != built[k]]
 
 
 def _corrupt(d: Path, e: BaseException) -> ValueError:

@@ -163,8 +163,9 @@ def content_hashes(paths: list[Path], memo: Path, note: str | None = None) -> li
     return out
 
 
-def shown(text: str, limit: int = 200, quote: bool = True) -> str:
-    """text to quote in a message: repr'd or escaped (no byte may move the cursor), cut to limit."""
+def shown(text, limit: int = 200, quote: bool = True) -> str:
+    """text to quote in a message: repr'd (any value: a loaded one) or escaped (a str), so that no
+    byte may move the cursor, cut to limit."""
     out = repr(text) if quote else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return out if len(out) <= limit else out[:limit] + "..."
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nanomuon.common import one_line
+from nanomuon.common import one_line, shown
 from nanomuon.dataset import DATASETS, data_dir, list_shards, open_shard
 from nanomuon.sources import hold
 
@@ -424,7 +424,7 @@ class DataLoader:
             raise ValueError("this data loader state is from a nanomuon older than the loader that "
                              "trains every token once; it cannot be continued exactly: "
                              "start the run afresh")
-        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}"
+        diffs = [f"{k}: saved {shown(state.get(k), 80)}, now {v!r}"
                  for k, v in self._identity().items() if state.get(k) != v]
         if diffs:
             raise ValueError("data loader state does not match this loader (" + "; ".join(diffs)
@@ -472,15 +472,16 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     if (sorted(s.get("rank") for s in states) != list(range(old_n))
             or any(s["world_size"] != old_n for s in states)):
         sizes = sorted({s["world_size"] for s in states})
-        raise ValueError(f"resharding needs the states of all ranks of one run, got ranks "
-                         f"{[s.get('rank') for s in states]} of world sizes {sizes}")
+        raise ValueError("resharding needs the states of all ranks of one run, got ranks "
+                         + shown(f"{[s.get('rank') for s in states]} of world sizes {sizes}",
+                                 200, quote=False))
     # shuffle_seed decides which document each index names: every rank must read in one order
     shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars",
               "shuffle_seed")
     for key in shared:
         if len({repr(s.get(key)) for s in states}) != 1:
             raise ValueError(f"the saved loader states disagree on {key}: "
-                             f"{[s.get(key) for s in states]}")
+                             + shown([s.get(key) for s in states], 200))
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     num_docs = states[0]["num_docs"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomuon.common import shown
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify
 from nanomuon.qk_clip import qk_clip_
@@ -65,11 +66,6 @@ def nanochat_momentum(step: int, steps: int, warmdown_ratio: float) -> float:
         progress = (step - (steps - warmdown)) / warmdown
         return 0.97 * (1 - progress) + 0.90 * progress
     return 0.97
-
-
-def flat_decay(step: int, steps: int, peak: float) -> float:
-    """Muon's weight decay, classic: `peak` throughout."""
-    return peak
 
 
 def cosine_decay(step: int, steps: int, peak: float) -> float:
@@ -130,7 +126,8 @@ ARCHS = {
         fc_init=1.0,  # one betas pair (adam_betas), no decay
         adamw=(AdamWGroup("lm_head", "unembedding_lr"),
                AdamWGroup("embedding", "embedding_lr", params=("wte",))),
-        muon=dict(beta2=0.95), momentum=classic_momentum, weight_decay=flat_decay),
+        muon=dict(beta2=0.95), momentum=classic_momentum,
+        weight_decay=lambda step, steps, peak: peak),  # flat: the peak throughout
 }
 
 
@@ -170,10 +167,13 @@ class GPTConfig:
 
     def _arch_problems(self) -> list[str]:
         if not isinstance(self.arch, str) or self.arch not in ARCHS:
-            return [f"arch={self.arch!r} is not one of {tuple(ARCHS)}"]
+            return [f"arch={shown(self.arch, 60)} is not one of {tuple(ARCHS)}"]
         if (not isinstance(self.window_pattern, str) or not self.window_pattern
                 or set(self.window_pattern.upper()) - {"S", "L"}):
-            return [f"window_pattern={self.window_pattern!r} must be letters S and L"]
+            return [f"window_pattern={shown(self.window_pattern, 60)} must be letters S and L"]
+        if len(self.window_pattern) > max(self.n_layer, 4):  # a layer reads one; SSSL always fits
+            return [f"window_pattern has {len(self.window_pattern)} letters for {self.n_layer} "
+                    f"layers: give at most {max(self.n_layer, 4)} (one a layer, tiled)"]
         if not ARCHS[self.arch].windows and set(self.window_pattern.upper()) != {"L"}:
             return [f"window_pattern={self.window_pattern!r} needs arch='nanochat'"]
         if ARCHS[self.arch].extras and self.n_embd < SMEAR_CHANNELS:

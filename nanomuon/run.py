@@ -358,9 +358,9 @@ def set_aside_later_steps(run_dir: Path, rank: int, step: int) -> None:
                 aside = set_aside(run_dir, names, f"rewound_from_step_{step}")
                 # into aside's files first, then out of run_dir's: never in neither
                 if later_lines:
-                    title = (f"# {run_dir.name}: base_eval's results of step "
-                             f"{', '.join(map(str, measured))}, set aside by a resume from step "
-                             f"{step}")
+                    of = f" of step {', '.join(map(str, measured))}" if measured else ""
+                    title = (f"# {run_dir.name}: base_eval's results{of}, set aside by a resume "
+                             f"from step {step}")
                     write_atomic(aside / "report.md", "\n".join([title, "", *later_lines]))
                     write_atomic(run_dir / "report.md", "\n".join(kept))
                 if core:
@@ -430,13 +430,14 @@ def split_results(lines: list[str], record: dict, step: int):
     head = lines[:starts[0]] if starts else lines
     later_head, moved, measured_later = [], {}, set()
     for name, writer in WRITERS.items():
-        headline = next((x for x in head if x.startswith(writer.headline)), None)
-        shown_in = [s for w, s, body in sections
-                    if w == name and headline and headline[len(writer.headline):] in body]
-        if shown_in and shown_in[-1] > step:
-            later_head.append(headline)
         measured = record.get(writer.step_key)
         counted = isinstance(measured, int) and not isinstance(measured, bool)
+        for headline in [x for x in head if x.startswith(writer.headline)]:  # planted ones too
+            shown_in = [s for w, s, body in sections
+                        if w == name and headline[len(writer.headline):] in body]
+            # its step: the last section showing it, else the summary's; unknown: not kept
+            if (shown_in[-1] if shown_in else measured if counted else step + 1) > step:
+                later_head.append(headline)
         # a step that is no int: unknown, so moved aside rather than kept as current
         if writer.step_key in record and (not counted or measured > step):
             moved.update({k: v for k, v in record.items() if k in writer.keys})

@@ -358,10 +358,8 @@ def resume(run: Run) -> None:
                                                         or args.seeds else (int, float))]
         problems = problems or report.precision_problems(meta["loop"], step)
         # older configs: defaults
-        if GPTConfig(**meta["model_config"]).to_dict() != run.config.to_dict():
-            problems.append(f"the checkpoint is {meta['model_config']}, these flags build "
-                            f"{run.config.to_dict()} (pass the same --depth, --aspect-ratio, "
-                            "--head-dim, --max-seq-len, --qk-norm)")
+        if (saved := GPTConfig(**meta["model_config"]).to_dict()) != run.config.to_dict():
+            problems += checkpoint.model_changes(saved, run.config.to_dict())
         if meta["tokenizer"] != run.tokenizer.fingerprint:
             problems.append("it was trained with a different tokenizer (retrain or restore the "
                             f"tokenizer in {common.get_base_dir() / 'tokenizer'})")
@@ -371,7 +369,7 @@ def resume(run: Run) -> None:
                     "eval_tokens", "data_seed", "seeds"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before it
             if saved != getattr(args, key):
-                problems.append(f"--{key.replace('_', '-')} was {saved!r}, now "
+                problems.append(f"--{key.replace('_', '-')} was {common.shown(saved, 80)}, now "
                                 f"{getattr(args, key)!r}")
         if meta["num_iterations"] != run.num_iterations:  # the lr schedule depends on the horizon
             problems.append(f"the run was {meta['num_iterations']} steps long, these flags make it "

@@ -203,3 +203,21 @@ def test_a_nanochat_model_through_chunks_is_the_model_through_sdpa(dtype):
     torch.testing.assert_close(loss1, loss0, atol=tol, rtol=tol)
     for a, b in zip(grads1, grads0):
         torch.testing.assert_close(a, b, atol=tol * max(1.0, b.abs().max().item()), rtol=tol)
+
+
+def test_the_hub_kernel_is_fetched_at_a_pinned_commit(monkeypatch):
+    """fa3-hub fetched the kernel at its repo's main, which moves: it asks for one commit (40 hex
+    digits, not a branch or a tag), as the datasets are read at a pinned revision, and says it."""
+    import re
+    import sys
+    import types
+
+    asked = []
+    hub = types.SimpleNamespace(flash_attn_interface=object())
+    fake = types.ModuleType("kernels")
+    fake.get_kernel = lambda repo, **kwargs: asked.append((repo, kwargs)) or hub
+    monkeypatch.setitem(sys.modules, "kernels", fake)
+    got = attention.load_hub()
+    assert asked == [("varunneal/flash-attention-3", dict(revision=attention.HUB_REVISION))]
+    assert re.fullmatch(r"[0-9a-f]{40}", attention.HUB_REVISION)
+    assert f"varunneal/flash-attention-3 at {attention.HUB_REVISION[:12]}" in got.why

@@ -61,6 +61,15 @@ def damaged(base, good, name, damage):
     return name
 
 
+def resume_nanochat(base, *flags):
+    """Resume a 2-step run trained with --arch nanochat (trained once) with these flags."""
+    from scripts.base_train import main
+
+    if not (base / "runs" / "nanochat" / "step_000002").exists():
+        main([*GOOD, "--run", "nanochat", "--arch", "nanochat"])
+    return train(*flags, "--resume-from-step", "2", run="nanochat")
+
+
 def other_tokenizer(base, tmp_path, monkeypatch):
     """A base dir that shares the data and runs but has a different tokenizer."""
     for sub in ("data", "runs"):
@@ -341,7 +350,15 @@ CASES = {
     "no-checkpoints": (lambda *_: train("--resume-from-step", "latest", run="never"), "no checkpoints in"),
     "no-such-step": (lambda *_: train("--resume-from-step", "7", run="good"), "no checkpoint for step 7"),
     "resume-depth": (lambda *_: train("--depth", "3", "--resume-from-step", "2", run="good"),
-                     "pass the same --depth"),
+                     "--depth was 2, now 3"),
+    "resume-arch": (lambda *_: train("--arch", "nanochat", "--resume-from-step", "2", run="good"),
+                    "--arch was 'classic', now 'nanochat'; --window-pattern was 'L', now 'SSSL'"),
+    "resume-arch-auto": (lambda b, *_: resume_nanochat(b, "--arch", "auto"),
+                         "--arch was 'nanochat', now 'classic'; --window-pattern was 'SSSL', now 'L'"),
+    "resume-windows": (lambda b, *_: resume_nanochat(b, "--arch", "nanochat", "--window-pattern", "SL"),
+                       "--window-pattern was 'SSSL', now 'SL'"),
+    "window-pattern-long": (lambda *_: train("--arch", "nanochat", "--window-pattern", "SSSLS"),
+                            "window_pattern has 5 letters for 2 layers: give at most 4"),
     "resume-horizon": (lambda *_: train("--num-iterations", "5", "--resume-from-step", "2", run="good"),
                        "pass --num-iterations 2"),
     "resume-batch": (lambda *_: train("--total-batch-size", "512", "--resume-from-step", "2", run="good"),

@@ -343,9 +343,10 @@ def test_an_item_s_options_and_prompts_are_bounded(tmp_path, monkeypatch):
                                          r"100 any item has \(a multiple_choice item\)"):
         load_tasks(Bundle(write_zip(tmp_path / "many.zip", files)))
     tasks = load_tasks(Bundle(write_zip(tmp_path / "b.zip")))
-    for task in tasks:  # the count is what render() makes, at most (it strips lm contexts)
+    for task in tasks:  # what render() makes, padded to the longest (lm contexts are stripped)
         for idx, item in enumerate(task.items):
-            rendered = sum(map(len, render(task, item, fewshot(task.items, idx, task.shots))))
+            prompts = render(task, item, fewshot(task.items, idx, task.shots))
+            rendered = len(prompts) * max(map(len, prompts))
             bound = core_eval.prompt_chars(task, idx)
             assert bound == rendered if task.kind != "language_modeling" else bound >= rendered
     largest = max(core_eval.prompt_chars(t, i) for t in tasks for i in range(len(t.items)))
@@ -682,22 +683,52 @@ def test_base_eval_flags(flag, message, capsys):
 
 
 def test_all_tasks_together_are_bounded_in_items_and_characters(tmp_path, monkeypatch):
-    """A bundle whose tasks hold more items, or more prompt characters, than CORE's own is one
-    line of error, said as its tasks are read (before the items over the bound are parsed)."""
+    """A bundle whose tasks hold more items, or more prompt characters, than WORK_MULTIPLE times
+    CORE's own is one line of error naming both, said as its tasks are read (before the items over
+    the bound are parsed)."""
     path = write_zip(tmp_path / "b.zip")
     tasks = load_tasks(Bundle(path))
     items = sum(len(t.items) for t in tasks)
     chars = sum(core_eval.prompt_chars(t, i) for t in tasks for i in range(len(t.items)))
-    monkeypatch.setattr(core_eval, "MAX_ITEMS", items)
-    monkeypatch.setattr(core_eval, "MAX_WORK", chars)
+    monkeypatch.setattr(core_eval, "WORK_MULTIPLE", 1)
+    monkeypatch.setattr(core_eval, "CORE_ITEMS", items)
+    monkeypatch.setattr(core_eval, "CORE_WORK", chars)
     assert len(load_tasks(Bundle(path))) == 3  # at the bounds: accepted
-    monkeypatch.setattr(core_eval, "MAX_ITEMS", items - 1)
-    with pytest.raises(ValueError, match=rf"hold over {items - 1:,} items together"):
+    monkeypatch.setattr(core_eval, "CORE_ITEMS", items - 1)
+    with pytest.raises(ValueError, match=rf"its first 3 tasks hold {items:,} items, over 1x the "
+                                         rf"{items - 1:,} of CORE's 22"):
         load_tasks(Bundle(path))
-    monkeypatch.setattr(core_eval, "MAX_ITEMS", items)
-    monkeypatch.setattr(core_eval, "MAX_WORK", chars - 1)
-    with pytest.raises(ValueError, match=rf"prompts come to over {chars - 1:,} characters"):
+    monkeypatch.setattr(core_eval, "CORE_ITEMS", items)
+    monkeypatch.setattr(core_eval, "CORE_WORK", chars - 1)
+    with pytest.raises(ValueError, match=rf"first 3 tasks come to {chars:,} characters, over 1x"):
         load_tasks(Bundle(path))
+
+
+def many_tasks(tmp_path, name, item, lines, tasks, shots):
+    """A zip whose `tasks` tasks (each `shots`-shot) all list one file of `lines` copies of item:
+    it compresses to a few KB, and is read and parsed once."""
+    files = bundle_files()
+    files["core.yaml"] = ("icl_tasks:\n" + "".join(
+        f"- {{label: t{i}, dataset_uri: many.jsonl, num_fewshot: [{shots}], "
+        "icl_task_type: multiple_choice}\n" for i in range(tasks))).encode()
+    files["eval_meta_data.csv"] = ("Eval Task,Random baseline\n" + "".join(
+        f"t{i},50\n" for i in range(tasks))).encode()
+    files["eval_data/many.jsonl"] = (json.dumps(item) + "\n").encode() * lines
+    return Bundle(write_zip(tmp_path / name, files))
+
+
+def test_a_small_zip_asks_at_most_twice_core_s_work(tmp_path):
+    """A few-KB zip within every other bound asked hours of scoring: 190,000 tiny items (2.1x
+    CORE's 91,033), or 1.4e9 characters of 10-shot prompts (2x CORE's ~7e8). Each is refused in
+    one line naming its numbers and CORE's before a task over the bound is parsed."""
+    tiny = dict(query="q", choices=["a", "b"], gold=0)
+    with pytest.raises(ValueError, match=r"its first 4 tasks hold 190,000 items, over 2x the "
+                                         r"91,033 of CORE's 22: use nanochat's eval_bundle.zip"):
+        load_tasks(many_tasks(tmp_path, "items.zip", tiny, 47_500, 4, 0))
+    long = dict(query="q" * 10_000, choices=["a", "b"], gold=0)  # 2 x 11 x 10 KB an item
+    with pytest.raises(ValueError, match=r"prompts of its first 7 tasks come to 1,5\d\d,\d{3},\d{3} "
+                                         r"characters, over 2x the ~7.0e\+08 of CORE's 22"):
+        load_tasks(many_tasks(tmp_path, "chars.zip", long, 1000, 10, 10))
 
 
 def test_reading_and_scoring_say_how_far_they_are(tmp_path, monkeypatch, capsys):

@@ -734,7 +734,7 @@ def stub_hub(calls: list) -> None:
     kernel = types.SimpleNamespace(flash_attn_interface=types.SimpleNamespace(
         flash_attn_func=flash_attn_func))
     module = types.ModuleType("kernels")
-    module.get_kernel = lambda repo: calls.append(repo) or kernel
+    module.get_kernel = lambda repo, revision: calls.append(repo) or kernel  # a pinned commit
     sys.modules["kernels"] = module
 
 

@@ -1,8 +1,9 @@
 """
 Checkpoints re-saved with valid checksums, or files planted in a run dir, that hold what no run
-saves: quoted values are escaped and bounded (checksums.json, .lock), a checksums.json that leaves
-files out says so, and NaN, mistyped tensors, damaged optimizer state or loop fields are refused
-at load in one line by every script that loads them, naming the earlier steps to use instead.
+saves: quoted values are escaped and bounded (checksums.json, .lock, meta.json), a checksums.json
+that leaves files out says so, and NaN, mistyped tensors, damaged optimizer state or loop fields
+are refused at load in one line by every script that loads them, naming the earlier steps to use
+instead.
 """
 
 import json
@@ -108,18 +109,23 @@ def resaved(trained, name, edit):
     return run_dir
 
 
-def scripts_refuse(run_dir, which, says):
-    """Each script in `which` stops at the load with one line saying `says`."""
+def script_calls(run_dir):
+    """{script: a call that loads run_dir's step 2}: base_train's resume, base_eval, sample."""
     from scripts.base_eval import main as base_eval
     from scripts.base_train import main as base_train
     from scripts.sample import main as sample
 
-    calls = dict(
+    return dict(
         base_train=lambda: base_train([*GOOD, "--run", run_dir.name, "--resume-from-step", "2"]),
         base_eval=lambda: base_eval(["--run", run_dir.name, "--step", "2", "--device-type", "cpu",
                                      "--eval", "bpb", "--device-batch-size", "4"]),
         sample=lambda: sample(["--run", run_dir.name, "--step", "2", "--device-type", "cpu",
                                "--max-tokens", "2"]))
+
+
+def scripts_refuse(run_dir, which, says):
+    """Each script in `which` stops at the load with one line saying `says`."""
+    calls = script_calls(run_dir)
     report = (run_dir / "report.md").read_text()
     for script in which:
         with pytest.raises(SystemExit) as e:
@@ -197,3 +203,35 @@ def test_bad_loop_state_is_refused_at_the_resume(trained, key):
         main([*GOOD, "--run", run_dir.name, "--resume-from-step", "2"])
     line = str(e.value.code)
     assert line.startswith("error: ") and "\n" not in line and says in line, line
+
+
+MB = 1 << 20
+HUGE_FIELDS = {  # meta.json edit, the scripts that read it, what their one line says
+    "long window_pattern": (lambda m: m["model_config"].update(window_pattern="L" * MB), ALL,
+                            f"window_pattern has {MB} letters for 2 layers"),
+    "bad window_pattern": (lambda m: m["model_config"].update(window_pattern="x" * MB), ALL,
+                           "must be letters S and L"),
+    "arch": (lambda m: m["model_config"].update(arch="x" * MB), ALL, "is not one of"),
+    "model_config key": (lambda m: m["model_config"].update({"x" * MB: 1}), ALL,
+                         "unexpected keyword argument"),
+    "tokenizer": (lambda m: m.update(tokenizer=["x" * MB]), ("base_train",), "'tokenizer' is"),
+    "dtype": (lambda m: m["args"].update(dtype="x" * MB), ALL, "'args.dtype' is"),
+    "dataset": (lambda m: m["args"].update(dataset="x" * MB), ("base_train",), "--dataset was"),
+    "loader dataset": (lambda m: m["loader"][0].update(dataset="x" * MB), ("base_train",),
+                       "data loader state does not match"),
+}
+
+
+@pytest.mark.parametrize("name", list(HUGE_FIELDS))
+def test_a_huge_meta_field_is_refused_in_a_bounded_line(trained, name):
+    """A 1 MB field of meta.json was echoed whole in the refusal, and a 1 MB window pattern of L's
+    was sampled from: each script now refuses it in one line of at most a few hundred columns."""
+    edit, which, says = HUGE_FIELDS[name]
+    run_dir = resaved(trained, "huge-" + name.replace(" ", "-"), lambda _t, _r, meta: edit(meta))
+    for script, call in script_calls(run_dir).items():
+        if script in which:
+            with pytest.raises(SystemExit) as e:
+                call()
+            line = str(e.value.code)
+            assert line.startswith("error: ") and "\n" not in line and says in line, line[:2000]
+            assert len(line) < 1000, (script, len(line), line[:2000])

@@ -227,6 +227,24 @@ def test_each_writers_part_is_found_by_its_own_mark(tmp_path, monkeypatch):
                                                                                  "- bpb 1.4"]
 
 
+def test_a_rewind_sets_aside_every_core_headline_of_the_steps_it_drops():
+    """Every "> CORE:" line under the title goes with the step it shows (its last section, else
+    summary.json's core_step): copies, a planted one and one of no known step are set aside by a
+    rewind that drops that step; only step 2's, whose section stays, is kept."""
+    from nanomuon import run
+
+    head = ["# a run", "> CORE: 0.3 at 8", "> CORE: planted", "> CORE: 0.3 at 8", "> CORE: 0.1 at 2"]
+    sections = ["## base_eval, step 2", "", "0.1 at 2", "## base_eval, step 8", "", "0.3 at 8"]
+    kept, later, *_ = run.split_results([*head, "", *sections], dict(core=0.3, core_step=8), 4)
+    assert kept == [head[0], head[4], "", *sections[:3]] and later == [*head[1:4], "", *sections[3:]]
+    # no step known for the planted line (no section, no summary step): set aside too
+    kept, later, *_ = run.split_results([*head[:3], "", *sections], {}, 4)
+    assert kept == [head[0], "", *sections[:3]] and later[:2] == head[1:3]
+    # the summary's step kept: a line no section shows stays with it
+    kept, later, *_ = run.split_results([head[0], head[2]], dict(core_step=3), 4)
+    assert kept == [head[0], head[2]] and later == []
+
+
 def test_no_text_in_report_md_is_read_as_another_writers_section(tmp_path):
     """A section's step is bounded (a 5,000-digit one is plain text, not a resume-breaking int), a
     summary.json step of the wrong type is moved aside by a rewind rather than kept as current,
