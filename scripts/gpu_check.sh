@@ -141,8 +141,9 @@ checkout_commit() {
 clean_commit() { LC_ALL=C tr -cd 'A-Za-z0-9._+-' | head -c 64; }
 
 # prepare_nanochat: $NANOCHAT's package and license into the kit, with its commit (git's, when it
-# is a checkout's top, else the COMMIT file it holds); without NANOCHAT an earlier copy stays. It
-# copies regular files only, and replaces the earlier copy only once the new one is whole.
+# is a checkout's top, else its COMMIT file's, else unknown: a downloaded zip); without NANOCHAT an
+# earlier copy stays. It copies regular files only, and replaces the earlier copy only once the new
+# one is whole.
 prepare_nanochat() {
     local src="${NANOCHAT:-}" top commit new="$KIT/nanochat.new" f
     if [ -z "$src" ]; then
@@ -155,18 +156,12 @@ prepare_nanochat() {
         fi
         return 0
     fi
-    if [ ! -f "$src/nanochat/gpt.py" ] || [ -L "$src/nanochat/gpt.py" ]; then
-        echo "error: NANOCHAT=$(printf %q "$src") holds no nanochat/gpt.py: name a nanochat" \
-             "checkout" >&2
-        return 1
-    fi
     src="$(cd "$src" && pwd -P)"
     top="$(safe_git "$src" rev-parse --show-toplevel 2>/dev/null || true)"
     if [ -n "$top" ] && [ "$(cd "$top" && pwd -P)" = "$src" ]; then
         commit="$(checkout_commit "$src" || echo unknown)"
-    else
-        commit="$( { [ -f "$src/COMMIT" ] && head -c 256 "$src/COMMIT"; } 2>/dev/null \
-                   | clean_commit)"
+    elif [ -f "$src/COMMIT" ]; then
+        commit="$(head -c 256 "$src/COMMIT" 2>/dev/null | clean_commit || true)"
     fi
     rm -rf "$new"
     mkdir -p "$new/nanochat"
@@ -182,11 +177,16 @@ prepare_nanochat() {
     if [ -f "$src/LICENSE" ] && [ ! -L "$src/LICENSE" ]; then cp -- "$src/LICENSE" "$new/"; fi
     echo "${commit:-unknown}" >"$new/COMMIT"
     rm -rf "$KIT/nanochat" && mv "$new" "$KIT/nanochat"
-    echo "nanochat: ${commit:-unknown} from $(printf %q "$src")," \
-         "$(du -sk "$KIT/nanochat" | cut -f1) KB"
+    echo "nanochat: ${commit:-unknown commit (no COMMIT file, not a git checkout)} from" \
+         "$(printf %q "$src"), $(du -sk "$KIT/nanochat" | cut -f1) KB"
 }
 
 if [ "$MODE" = prepare ]; then
+    # a NANOCHAT that names no checkout: said before any work
+    if [ -n "${NANOCHAT:-}" ] && { [ ! -f "$NANOCHAT/nanochat/gpt.py" ] \
+            || [ -L "$NANOCHAT/nanochat/gpt.py" ]; }; then
+        refuse "NANOCHAT=$(printf %q "$NANOCHAT") holds no nanochat/gpt.py: name a nanochat checkout"
+    fi
     set -e
     mkdir -p "$KIT"  # a first --prepare: the kit's folder, before anything writes into it
     python -m nanomuon.dataset --embedded

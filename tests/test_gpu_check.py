@@ -224,3 +224,27 @@ def test_prepare_makes_the_regime_presets_tokenizer(tmp_path):
     p = gpu_check(root, "--prepare")
     assert p.returncode == 0 and (root / ".gpu_check" / "commit").is_file(), p.stderr
     assert "-m scripts.tok_train --keep-existing --dataset embedded --vocab-size 512" in modules_run(root)
+
+
+def test_prepare_takes_a_downloaded_nanochat_as_an_unknown_commit(tmp_path):
+    """A nanochat folder with neither a COMMIT file nor .git (a downloaded zip): --prepare copies
+    it, records its commit as unknown and says so, and ends well (rc 0)."""
+    root = kit(tmp_path)
+    src = tmp_path / "zip" / "nanochat-master"
+    (src / "nanochat").mkdir(parents=True)
+    (src / "nanochat" / "gpt.py").write_text("class GPT: pass\nclass GPTConfig: pass\n")
+    p = gpu_check(root, "--prepare", NANOCHAT=str(src))
+    assert p.returncode == 0, p.stdout + p.stderr
+    copy = root / ".gpu_check" / "nanochat"
+    assert (copy / "COMMIT").read_text().strip() == "unknown"
+    assert (copy / "nanochat" / "gpt.py").is_file()
+    assert "nanochat: unknown commit (no COMMIT file, not a git checkout)" in p.stdout, p.stdout
+
+
+def test_prepare_refuses_a_wrong_nanochat_before_any_work(tmp_path):
+    """NANOCHAT naming no checkout: one line on stderr before the tokenizers or anything else
+    runs."""
+    root = kit(tmp_path)
+    p = gpu_check(root, "--prepare", NANOCHAT=str(tmp_path / "nosuch"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "holds no nanochat/gpt.py" in p.stderr and "-m " not in modules_run(root)
