@@ -89,7 +89,11 @@ def locate(given: str | None) -> Path:
         raise SystemExit("error: no nanochat: pass --nanochat PATH or set NANOCHAT=PATH, a "
                          "checkout of https://github.com/karpathy/nanochat (PyPI's nanochat holds only its "
                          "tokenizer)")
-    root = Path(raw).expanduser().resolve()
+    try:
+        root = Path(raw).expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError before Python 3.13
+        raise SystemExit(f"error: --nanochat (or NANOCHAT) {raw}: a symlink loop or an unreadable "
+                         f"path ({one_line(e)}): name the checkout's real folder") from None
     if root.name == "nanochat" and (root / "gpt.py").is_file():  # the package folder itself
         root = root.parent
     if not (root / "nanochat" / "gpt.py").is_file():
@@ -134,6 +138,8 @@ def clean_commit(text: str) -> str:
 
 def import_nanochat(root: Path, dtype: str, attention: str):
     """nanochat.gpt from root, computing in `dtype`; attention 'sdpa': no FA3 fetched or used."""
+    print(f"nanochat: the code of {root} is imported and run in this process, as it is (its "
+          "nanochat/*.py)", flush=True)
     os.environ["NANOCHAT_DTYPE"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     if attention == "sdpa":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")

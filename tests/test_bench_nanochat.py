@@ -105,3 +105,26 @@ def test_parity_takes_no_shape_flags():
     """--parity runs at its own shapes: a shape flag beside it is refused in one line."""
     with pytest.raises(SystemExit):
         main(["--parity", "--depth", "4"])
+
+
+def test_a_symlink_loop_is_refused_in_one_line(tmp_path):
+    """--nanochat through a symlink loop (the folder itself, or a path under it): one line naming
+    the loop, no traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for given in (tmp_path / "a", tmp_path / "a" / "nanochat"):
+        p = run("--nanochat", str(given), *TINY)
+        assert p.returncode == 1 and p.stdout == "", p.stdout
+        assert p.stderr.count("\n") == 1 and "symlink loop" in p.stderr, p.stderr
+
+
+def test_it_says_that_the_checkouts_code_is_imported_and_run(tmp_path):
+    """Before nanochat's code is imported, one line says that the named checkout's own code runs
+    in this process (here a checkout whose gpt.py fails to import, so nothing else runs)."""
+    (tmp_path / "nanochat").mkdir()
+    (tmp_path / "nanochat" / "gpt.py").write_text("raise ImportError('stop here')\n")
+    p = run("--nanochat", str(tmp_path), *TINY)
+    assert p.returncode == 1 and "does not import here" in p.stderr, p.stderr
+    said = [line for line in p.stdout.splitlines() if "imported and run" in line]
+    assert said == [f"nanochat: the code of {tmp_path.resolve()} is imported and run in this "
+                    "process, as it is (its nanochat/*.py)"], p.stdout
