@@ -189,10 +189,10 @@ def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Si
     `attention` (choose_attention's)."""
     shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
     windows = args.window_pattern
+    notes = f"windows {windows}"
     torch.manual_seed(args.seed)
     if name == "nanochat":
         model = nanochat_gpt(nc, args.depth, *shape, device, windows)
-        notes = f"windows {windows}"
         flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
         if fp8:
             notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
@@ -206,7 +206,7 @@ def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Si
         model.to_empty(device=device)
         model.init_weights()
         model.use_attention(attention.func)
-        notes, flops = f"windows {windows}", model.estimate_flops()
+        flops = model.estimate_flops()
         if fp8:
             notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
         steps, optimizer, flags = our_table(args.depth, args.total_batch_size, SPEEDRUN_RATIO,
@@ -349,7 +349,8 @@ def gpt2_estimate(args, results: dict, header: str) -> str | None:
     if "fp8" not in results or any(getattr(args, k) != v for k, v in SPEEDRUN_SHAPE.items()):
         return None
     ours, theirs = results["fp8"]["nanomuon"], results["fp8"]["nanochat"]
-    line = f"time to GPT-2 on 8xH100 ≈ {GPT2_HOURS} h × nanochat tok/s ÷ nanomuon tok/s at d24, fp8"
+    line = (f"time to GPT-2 on 8xH100 ≈ {GPT2_HOURS} h × nanochat tok/s ÷ nanomuon tok/s at d24, "
+            "fp8")
     if any("error" in r or "tok_s" not in r for r in (ours, theirs)):
         return f"{line}: no estimate (nanomuon {cell(ours)}; nanochat {cell(theirs)})"
     hours = GPT2_HOURS * theirs["tok_s"] / ours["tok_s"]

@@ -69,8 +69,8 @@ export PYTHONUNBUFFERED=1
 PIECE=540  # seconds one piece may take: a 10-minute allocation less the start and the summary
 START=60   # seconds a lent machine took to start (30 s on 2026-11-26), counted against the budget
 BUDGET_MIN=15
-# the torchao release --prepare fetches for fp8_d12: 0.17 is the one for torch 2.11, which the lent
-# H100/H200 image holds; name another for another torch (TORCHAO=torchao==X.Y.Z)
+# the torchao release --prepare fetches for nanomuon's fp8 steps: 0.17 is the one for torch 2.11,
+# which the lent H100/H200 image holds; name another for another torch (TORCHAO=torchao==X.Y.Z)
 TORCHAO="${TORCHAO:-torchao==0.17.0}"
 MODE=run
 ONLY=""
@@ -192,7 +192,8 @@ if [ "$MODE" = prepare ]; then
     # a NANOCHAT that names no checkout: said before any work
     if [ -n "${NANOCHAT:-}" ] && { [ ! -f "$NANOCHAT/nanochat/gpt.py" ] \
             || [ -L "$NANOCHAT/nanochat/gpt.py" ]; }; then
-        refuse "NANOCHAT=$(printf %q "$NANOCHAT") holds no nanochat/gpt.py: name a nanochat checkout"
+        refuse "NANOCHAT=$(printf %q "$NANOCHAT") holds no nanochat/gpt.py: name a nanochat" \
+               "checkout"
     fi
     set -e
     mkdir -p "$KIT"  # a first --prepare: the kit's folder, before anything writes into it
@@ -209,10 +210,10 @@ if [ "$MODE" = prepare ]; then
     NANOMUON_BASE_DIR="$KIT/ablate/presets/regime" python -m scripts.tok_train --keep-existing \
         --dataset embedded --vocab-size 512 --max-chars 8000000
     rm -rf "$KIT/ablate/presets/regime/data"
-    # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
+    # torchao for the fp8 steps, in case the GPU machine has no network (3 MB)
     rm -f "$KIT"/wheels/torchao-*.whl
     python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
-        || echo "warning: no $TORCHAO wheel: fp8_d12 needs torchao on the GPU machine"
+        || echo "warning: no $TORCHAO wheel: nanomuon's fp8 steps need torchao on the GPU machine"
     prepare_nanochat
     # the summary names the code that was carried (the GPU machine may see another .git)
     echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
@@ -380,7 +381,9 @@ why_failed() {
 print_plan() {
     local all=0 budget=$((BUDGET_MIN * 60)) used=$START need=$START piece="" sum=0 took=0 n=0
     local s name secs seen basis cmd
-    for s in "${STEPS[@]}"; do IFS='|' read -r name secs seen basis cmd <<<"$s"; all=$((all + secs)); done
+    for s in "${STEPS[@]}"; do
+        IFS='|' read -r name secs seen basis cmd <<<"$s"; all=$((all + secs))
+    done
     echo "gpu_check plan: $BUDGET_MIN min of device time (--budget-min), one command at most" \
          "$PIECE s; steps most valuable first ($all s of limits in all):"
     for s in "${STEPS[@]}"; do
@@ -563,8 +566,10 @@ for s in "${STEPS[@]}"; do
         if [ -n "$estimate" ]; then printf '**%s**\n\n' "$estimate"; fi
         echo '```'
         echo "$cmd"
-        # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
-        grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h )|throughput:" \
+        # the lines that carry numbers: bench summaries (and each h2h side's, kept if the other
+        # side runs past the limit), throughput, optimizer share, bpb
+        grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h |  nano(muon|chat) )" \
+            -e "throughput:" \
             -e "optimizer step:" \
             -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw)[a-z-]* \||runs took" \
             "$log" | tail -n 12

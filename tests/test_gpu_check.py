@@ -332,9 +332,9 @@ def test_the_dry_run_parses_each_steps_command_with_the_modules_own_parser(tmp_p
     (root / "scripts").mkdir(parents=True)
     text = (REPO / "scripts" / "gpu_check.sh").read_text()
     for old, new in (("--warmup 2 --attention auto", "--warmpu 2 --attention auto"),
-                     ("--compare defaults --ns-precision fp16", "--compare defaults --ns-prec fp16"),
-                     ("python -m nanomuon.dataset --embedded \\\n&& NANOMUON_BASE_DIR=$KIT/ablate",
-                      "python -m nanomuon.datasets --embedded \\\n&& NANOMUON_BASE_DIR=$KIT/ablate")):
+                     ("defaults --ns-precision fp16", "defaults --ns-prec fp16"),
+                     ("-m nanomuon.dataset --embedded \\\n&& NANOMUON_BASE",
+                      "-m nanomuon.datasets --embedded \\\n&& NANOMUON_BASE")):
         assert text.count(old) == 1, old
         text = text.replace(old, new)
     (root / "scripts" / "gpu_check.sh").write_text(text)
