@@ -13,8 +13,13 @@ model with dynamic=False, each optimizer as its project compiles it; off: all ea
 nanochat's own fp8 linears and nanomuon's --fp8 (torchao's), on a GPU with fp8 tensor cores.
 
 Per side and precision: tok/s over the median step, MFU (its own FLOPs a token), the optimizer
-step's median ms and the peak memory (CUDA only); then the ratios nanomuon / nanochat. The sides
-run one after the other, each freed before the next is built.
+step's median ms, the peak memory (CUDA only) and the attention it ran; then the ratios nanomuon /
+nanochat. The sides run one after the other, each freed before the next is built; one that fails
+(out of memory, a compile error) is one line, FAILED and why, and the other still runs.
+
+At the speedrun's shape (d24 and the defaults) with fp8, the last line is the time to GPT-2 this
+ratio implies: nanochat's 1.65 hours on 8xH100 x nanochat's tok/s / nanomuon's. It holds for one
+GPU's steps; on 8 GPUs each side also shards its optimizer and communicates.
 
     python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 12            # a GPU
     python -m scripts.bench_nanochat --nanochat ~/nanochat --depth 24 --device-batch-size 16 \\
@@ -65,6 +70,10 @@ from scripts.nanochat_parity import (
 )
 
 SIDES = ("nanomuon", "nanochat")
+# nanochat 92d63d4's leaderboard: d24 with fp8 reached GPT-2's CORE in 1.65 hours on 8xH100
+GPT2_HOURS = 1.65
+SPEEDRUN_SHAPE = dict(depth=24, aspect_ratio=64, head_dim=128, max_seq_len=2048,
+                      vocab_size=32768, window_pattern="SSSL")
 SPEEDRUN_RATIO = 8  # tokens per scaling param of both speedruns: each side's horizon and decay
 GiB = 2 ** 30
 
@@ -79,7 +88,7 @@ class Side:
     flops_per_token: float
     context: Callable  # the precision context each forward runs in
     schedule: Callable  # (group, step): the lr, momentum and decay its base_train sets
-    notes: str  # attention, fp8 layers
+    notes: str  # windows, fp8 layers
 
 
 def locate(given: str | None) -> Path:
@@ -89,7 +98,11 @@ def locate(given: str | None) -> Path:
         raise SystemExit("error: no nanochat: pass --nanochat PATH or set NANOCHAT=PATH, a "
                          "checkout of https://github.com/karpathy/nanochat (PyPI's nanochat holds only its "
                          "tokenizer)")
-    root = Path(raw).expanduser().resolve()
+    try:
+        root = Path(raw).expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError before Python 3.13
+        raise SystemExit(f"error: --nanochat (or NANOCHAT) {raw}: a symlink loop or an unreadable "
+                         f"path ({one_line(e)}): name the checkout's real folder") from None
     if root.name == "nanochat" and (root / "gpt.py").is_file():  # the package folder itself
         root = root.parent
     if not (root / "nanochat" / "gpt.py").is_file():
@@ -134,6 +147,8 @@ def clean_commit(text: str) -> str:
 
 def import_nanochat(root: Path, dtype: str, attention: str):
     """nanochat.gpt from root, computing in `dtype`; attention 'sdpa': no FA3 fetched or used."""
+    print(f"nanochat: the code of {root} is imported and run in this process, as it is (its "
+          "nanochat/*.py)", flush=True)
     os.environ["NANOCHAT_DTYPE"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     if attention == "sdpa":
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -169,15 +184,15 @@ def nanochat_fp8(model) -> int:
     return sum("Float8" in type(m).__name__ for m in model.modules())
 
 
-def build(name: str, nc, args, device: torch.device, fp8: bool) -> Side:
-    """One side's model from args.seed, with its attention, fp8 layers and optimizer."""
+def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Side:
+    """One side's model from args.seed, with its fp8 layers and optimizer; nanomuon's with
+    `attention` (choose_attention's)."""
     shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
     windows = args.window_pattern
+    notes = f"windows {windows}"
     torch.manual_seed(args.seed)
     if name == "nanochat":
         model = nanochat_gpt(nc, args.depth, *shape, device, windows)
-        fa3 = getattr(sys.modules.get("nanochat.flash_attention"), "USE_FA3", False)
-        notes = f"attention {'fa3 (its hub kernel)' if fa3 else 'sdpa'}, windows {windows}"
         flops = model.estimate_flops()  # before fp8: its Float8Linear layers drop out of the count
         if fp8:
             notes += f", {nanochat_fp8(model)} fp8 linears (its own)"
@@ -190,11 +205,8 @@ def build(name: str, nc, args, device: torch.device, fp8: bool) -> Side:
             model = GPT(config)
         model.to_empty(device=device)
         model.init_weights()
-        heads = (config.n_head, config.n_kv_head, config.n_embd // config.n_head)
-        windowed = any(w is not None for w in config.window_sizes())
-        attention = choose_attention(device, args.dtype, heads, args.attention, windowed)
         model.use_attention(attention.func)
-        notes, flops = f"attention {attention.name}, windows {windows}", model.estimate_flops()
+        flops = model.estimate_flops()
         if fp8:
             notes += f", {convert_to_fp8(model, 'tensorwise', device)} fp8 linears (torchao)"
         steps, optimizer, flags = our_table(args.depth, args.total_batch_size, SPEEDRUN_RATIO,
@@ -277,13 +289,13 @@ def fp8_missing(device: torch.device, side: str) -> str | None:
     return None
 
 
-def run_side(name: str, precision: str, nc, args, device, batches) -> dict:
+def run_side(name: str, precision: str, nc, args, device, batches, attention) -> dict:
     """One side at one precision: its measurements, or n/a (it cannot run here) or error."""
     fp8 = precision == "fp8"
     if fp8 and (why := fp8_missing(device, name)):
         return dict(na=why)
     try:
-        res = measure(lambda: build(name, nc, args, device, fp8), args, device, batches)
+        res = measure(lambda: build(name, nc, args, device, fp8, attention), args, device, batches)
     except Exception as e:  # out of memory, an API this checkout lacks: the other side still runs
         traceback.print_exc()
         torch._dynamo.reset()
@@ -314,7 +326,39 @@ def cell(res: dict) -> str:
     peak = f"peak {res['peak'] / GiB:.1f} GiB" if res["peak"] is not None else "peak n/a"
     failed = f" FAILED ({res['error']})" if "error" in res else ""
     return (f"{res['tok_s']:,.0f} tok/s, {mfu}, optimizer {res['optimizer'] * 1e3:.1f} ms, "
-            f"{peak}, build+warmup {res['warm']:.0f} s{failed}")
+            f"{peak}, build+warmup {res['warm']:.0f} s, attention {res['attention']}{failed}")
+
+
+def attentions(args, device: torch.device):
+    """nanomuon's attention (choose_attention's, for its builds) and what each side runs, named
+    alike: nanochat's is its hub FA3 where that loaded, else SDPA."""
+    c = config_from_depth(args.depth, args.vocab_size, args.max_seq_len, args.aspect_ratio,
+                          args.head_dim, arch="nanochat", window_pattern=args.window_pattern)
+    windowed = any(w is not None for w in c.window_sizes())
+    ours = choose_attention(device, args.dtype, (c.n_head, c.n_kv_head, c.n_embd // c.n_head),
+                            args.attention, windowed)
+    fa3 = getattr(sys.modules.get("nanochat.flash_attention"), "USE_FA3", False)
+    mask = " with windows as a mask" if windowed else ""
+    return ours, dict(nanomuon=ours.name + (mask if ours.name == "sdpa" else ""),
+                      nanochat="fa3 from the kernel hub" if fa3 else "sdpa" + mask)
+
+
+def gpt2_estimate(args, results: dict, header: str) -> str | None:
+    """The time to GPT-2 on 8xH100 that this run's fp8 ratio implies, or why there is none; None
+    without fp8 or at another shape than the speedrun's."""
+    if "fp8" not in results or any(getattr(args, k) != v for k, v in SPEEDRUN_SHAPE.items()):
+        return None
+    ours, theirs = results["fp8"]["nanomuon"], results["fp8"]["nanochat"]
+    line = (f"time to GPT-2 on 8xH100 ≈ {GPT2_HOURS} h × nanochat tok/s ÷ nanomuon tok/s at d24, "
+            "fp8")
+    if any("error" in r or "tok_s" not in r for r in (ours, theirs)):
+        return f"{line}: no estimate (nanomuon {cell(ours)}; nanochat {cell(theirs)})"
+    hours = GPT2_HOURS * theirs["tok_s"] / ours["tok_s"]
+    caveat = ("" if theirs["attention"].startswith("fa3") else
+              f"; nanochat's {GPT2_HOURS} h ran FA3, here it ran {theirs['attention']}")
+    return (f"{line} = {GPT2_HOURS} h × {theirs['tok_s']:,.0f} ÷ {ours['tok_s']:,.0f} = "
+            f"{hours:.2f} h (the ratio of this run's {args.steps} steps of "
+            f"{args.total_batch_size:,} tokens on one GPU: {header}{caveat})")
 
 
 def summary_line(args, precision: str, pair: dict) -> str:
@@ -422,12 +466,14 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as both base_trains
     nc = import_nanochat(root, args.dtype, args.attention)
+    ours, attention = attentions(args, device)
     command = " ".join(["python -m scripts.bench_nanochat",
                         *(sys.argv[1:] if argv is None else argv)])
     header = (f"nanochat {commit} ({root}); {device_name(device)} ({device.type}), torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads, "
               f"{datetime.date.today().isoformat()}")
-    print(f"{command}\n{header}\n{shape_line(args)}")
+    print(f"{command}\n{header}\n{shape_line(args)}\nattention: nanomuon "
+          f"{attention['nanomuon']}, nanochat {attention['nanochat']}\n  nanomuon's: {ours.why}")
     batches = make_batches(args, device)
     results = {}
     # compile off: nanochat's optimizer, which compiles its fused steps itself, runs eager too
@@ -435,12 +481,15 @@ def main(argv=None) -> int:
         for precision in args.precision:
             print(f"\n== {precision} ==")
             for name in SIDES:
-                res = run_side(name, precision, nc, args, device, batches)
+                res = run_side(name, precision, nc, args, device, batches, ours) | dict(
+                    attention=attention[name])
                 results.setdefault(precision, {})[name] = res
                 print(f"  {name:9s} {describe(res, args)}", flush=True)
     print(f"\n== summary ==\nh2h {header}\nh2h {shape_line(args)}")
     for precision, pair in results.items():
         print(summary_line(args, precision, pair))
+    if estimate := gpt2_estimate(args, results, header):
+        print(estimate)
     return int(any("error" in res for pair in results.values() for res in pair.values()))
 
 

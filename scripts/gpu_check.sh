@@ -14,27 +14,33 @@
 #   bash scripts/gpu_check.sh --only tests,bench_optim  # some steps: names, or prefixes before _
 #   bash scripts/gpu_check.sh --dry-run   # anywhere: the plan, then checks imports and flags
 #
-# Steps, most valuable first, each under a time limit: about 1.5x what it took on an H200 with a
-# cold compile cache (2026-11-26, docs/benchmarks.md), which the plan counts as device time. A step
-# that fails or times out is reported and the rest still run; a timeout reads "timed out after N s",
-# a failure "FAILED (exit N)":
-#   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits
+# Steps, most valuable first, each under a time limit: about 1.5x what it takes on an H200 with a
+# cold compile cache, 540 s at most. The plan counts each step's seconds as device time: "seen",
+# what it took there (2026-11-26 and -28, docs/benchmarks.md); "est.", an estimate from those runs
+# for a step never yet run on the speedrun's model (nanochat 92d63d4's arch, windows and all). A
+# step that fails or times out is reported and the rest still run; a timeout reads "timed out
+# after N s", a failure "FAILED (exit N): " and the line that says why (an out-of-memory, a kernel
+# or compile error). A step's line also names the attention it ran (FA3 where it loads, else flex
+# or SDPA):
+#   h2h_d24_fp8      scripts.bench_nanochat: nanomuon and nanochat in one harness at the speedrun's
+#                    d24 (2^18 tokens a step, nanochat's model on both sides, the same batch,
+#                    sequence, vocab, compile, random tokens made on the device, each side's best
+#                    attention for its windows), in fp8 as nanochat's 1.65-hour run (each project's
+#                    own): tok/s, MFU, the optimizer's ms, peak memory and attention side by side,
+#                    nanochat's commit, and the time to GPT-2 on 8xH100 that the ratio implies
+#   h2h_d24_bf16     the same in bf16
 #   ablate           scripts.ablate's default on the GPU: muon vs adamw, 64 seeds of 200 steps,
 #                    each variant's seeds batched in one process; its verdict, detectable effect
 #                    and wall time
+#   tests            the CUDA tests: compiled vs eager on CUDA, the bf16 paths, recompile limits,
+#                    the memory estimate of both archs
 #   base_train_d12   base_train at d12 on one GPU, compiled: tok/s, MFU, the optimizer's share
-#   h2h_d12          scripts.bench_nanochat: nanomuon and nanochat in one harness at d12 (2^19
-#                    tokens a step, nanochat's model on both sides, the same batch, sequence,
-#                    vocab, compile, random tokens made on the device, each side's best attention
-#                    for its windows), bf16 then fp8 (each project's own): tok/s, MFU, the
-#                    optimizer's ms and peak memory side by side, and nanochat's commit
 #   fp8_d12          base_train_d12 with --fp8 (fp8 matmuls, as nanochat's speedrun)
+#   h2h_d12          h2h_d24_* at d12 (2^19 tokens a step), bf16 then fp8
 #   bench_optim_d12  bench_optim at d12 and d20, compiled, MuonAdamW vs torch.optim.Muon + AdamW
 #   bench_optim_d20  (defaults on both sides, and the same update on both), Newton-Schulz in bf16
 #                    and fp16 (standard vs Gram)
-#   h2h_d24_bf16     h2h_d12 at d24 (2^18 tokens a step), bf16 only
 #   base_train_d20   the same as base_train_d12 at d20
-#   h2h_d24_fp8      h2h_d12 at d24, fp8 only
 #   speedrun         speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1)
 #   regime_*         the published-regime table: scripts.ablate --preset regime, 64 seeds batched,
 #                    each technique swept over lr-multiplier 0.5,1,2 and judged at its best against
@@ -46,8 +52,9 @@
 #                    same GPU and code reads it back from .gpu_check/regime-cache
 # Every call appends to one summary, .gpu_check.md (kept on the machine between calls while it
 # stays warm), and copies the whole of it to $OUT/gpu_check.md when $OUT is set: the device, the
-# date, each command with its status and seconds, and the lines that carry numbers; the full logs
-# lie in .gpu_check/logs. Copy it into docs/benchmarks.md with the device and date.
+# date, each command with its status and seconds, the lines that carry numbers and, once
+# h2h_d24_fp8 ran, the time to GPT-2 it implies (printed at the end too); the full logs lie in
+# .gpu_check/logs. Copy it into docs/benchmarks.md with the device and date.
 #
 # nanochat's code is never part of nanomuon: the h2h steps import the copy --prepare made of the
 # checkout NANOCHAT names (its nanochat/*.py and LICENSE, about 200 KB; its commit in
@@ -62,8 +69,8 @@ export PYTHONUNBUFFERED=1
 PIECE=540  # seconds one piece may take: a 10-minute allocation less the start and the summary
 START=60   # seconds a lent machine took to start (30 s on 2026-11-26), counted against the budget
 BUDGET_MIN=15
-# the torchao release --prepare fetches for fp8_d12: 0.17 is the one for torch 2.11, which the lent
-# H100/H200 image holds; name another for another torch (TORCHAO=torchao==X.Y.Z)
+# the torchao release --prepare fetches for nanomuon's fp8 steps: 0.17 is the one for torch 2.11,
+# which the lent H100/H200 image holds; name another for another torch (TORCHAO=torchao==X.Y.Z)
 TORCHAO="${TORCHAO:-torchao==0.17.0}"
 MODE=run
 ONLY=""
@@ -141,8 +148,9 @@ checkout_commit() {
 clean_commit() { LC_ALL=C tr -cd 'A-Za-z0-9._+-' | head -c 64; }
 
 # prepare_nanochat: $NANOCHAT's package and license into the kit, with its commit (git's, when it
-# is a checkout's top, else the COMMIT file it holds); without NANOCHAT an earlier copy stays. It
-# copies regular files only, and replaces the earlier copy only once the new one is whole.
+# is a checkout's top, else its COMMIT file's, else unknown: a downloaded zip); without NANOCHAT an
+# earlier copy stays. It copies regular files only, and replaces the earlier copy only once the new
+# one is whole.
 prepare_nanochat() {
     local src="${NANOCHAT:-}" top commit new="$KIT/nanochat.new" f
     if [ -z "$src" ]; then
@@ -155,18 +163,12 @@ prepare_nanochat() {
         fi
         return 0
     fi
-    if [ ! -f "$src/nanochat/gpt.py" ] || [ -L "$src/nanochat/gpt.py" ]; then
-        echo "error: NANOCHAT=$(printf %q "$src") holds no nanochat/gpt.py: name a nanochat" \
-             "checkout" >&2
-        return 1
-    fi
     src="$(cd "$src" && pwd -P)"
     top="$(safe_git "$src" rev-parse --show-toplevel 2>/dev/null || true)"
     if [ -n "$top" ] && [ "$(cd "$top" && pwd -P)" = "$src" ]; then
         commit="$(checkout_commit "$src" || echo unknown)"
-    else
-        commit="$( { [ -f "$src/COMMIT" ] && head -c 256 "$src/COMMIT"; } 2>/dev/null \
-                   | clean_commit)"
+    elif [ -f "$src/COMMIT" ]; then
+        commit="$(head -c 256 "$src/COMMIT" 2>/dev/null | clean_commit || true)"
     fi
     rm -rf "$new"
     mkdir -p "$new/nanochat"
@@ -182,11 +184,17 @@ prepare_nanochat() {
     if [ -f "$src/LICENSE" ] && [ ! -L "$src/LICENSE" ]; then cp -- "$src/LICENSE" "$new/"; fi
     echo "${commit:-unknown}" >"$new/COMMIT"
     rm -rf "$KIT/nanochat" && mv "$new" "$KIT/nanochat"
-    echo "nanochat: ${commit:-unknown} from $(printf %q "$src")," \
-         "$(du -sk "$KIT/nanochat" | cut -f1) KB"
+    echo "nanochat: ${commit:-unknown commit (no COMMIT file, not a git checkout)} from" \
+         "$(printf %q "$src"), $(du -sk "$KIT/nanochat" | cut -f1) KB"
 }
 
 if [ "$MODE" = prepare ]; then
+    # a NANOCHAT that names no checkout: said before any work
+    if [ -n "${NANOCHAT:-}" ] && { [ ! -f "$NANOCHAT/nanochat/gpt.py" ] \
+            || [ -L "$NANOCHAT/nanochat/gpt.py" ]; }; then
+        refuse "NANOCHAT=$(printf %q "$NANOCHAT") holds no nanochat/gpt.py: name a nanochat" \
+               "checkout"
+    fi
     set -e
     mkdir -p "$KIT"  # a first --prepare: the kit's folder, before anything writes into it
     python -m nanomuon.dataset --embedded
@@ -202,10 +210,10 @@ if [ "$MODE" = prepare ]; then
     NANOMUON_BASE_DIR="$KIT/ablate/presets/regime" python -m scripts.tok_train --keep-existing \
         --dataset embedded --vocab-size 512 --max-chars 8000000
     rm -rf "$KIT/ablate/presets/regime/data"
-    # torchao for the fp8 step, in case the GPU machine has no network (3 MB)
+    # torchao for the fp8 steps, in case the GPU machine has no network (3 MB)
     rm -f "$KIT"/wheels/torchao-*.whl
     python -m pip download -q --no-deps -d "$KIT/wheels" "$TORCHAO" \
-        || echo "warning: no $TORCHAO wheel: fp8_d12 needs torchao on the GPU machine"
+        || echo "warning: no $TORCHAO wheel: nanomuon's fp8 steps need torchao on the GPU machine"
     prepare_nanochat
     # the summary names the code that was carried (the GPU machine may see another .git)
     echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
@@ -227,10 +235,10 @@ sys.exit(bool(missing))
 EOF
 then exit 1; fi
 
-# name | limit | seen | command: seen is the longest the step took on an H200 with a cold compile
-# cache (inductor's first compile of each graph; two runs, 2026-11-26), the limit about 1.5x that
-# and more where an H100's slower memory or a deeper graph may add to it. The tests' 150 is a
-# bound, not a reading: cold, 7 of their 8 had passed at 120 s; with that cache, all took 77 s.
+# name | limit | seconds | seen or est. | command. seen: the longest the step took on an H200 with
+# a cold compile cache (inductor's first compile of each graph; 2026-11-26 and 2026-11-28); est.:
+# an estimate from those runs, for a step never yet run on the speedrun's model. The limit is about
+# 1.5x, and more where an H100's slower memory or a deeper graph may add to it, 540 s at most.
 TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 262144 \
 --sample-tokens 16 --save-every -1 --log-every 5 --max-seq-len 2048 --device-batch-size 32 \
 --total-batch-size 524288"
@@ -238,9 +246,11 @@ TRAIN="--dataset embedded --device-type cuda --eval-every -1 --eval-tokens 26214
 TORCHAO_READY="{ python -c 'import torchao.float8' 2>/dev/null \
 || python -m pip install -q --no-deps --target $KIT/site $KIT/wheels/torchao-*.whl; }"
 # the head-to-head harness on the kit's nanochat: 5 timed steps after 2 that compile, both sides
-# nanochat's model with its SSSL windows, each in its best attention
+# nanochat's model with its SSSL windows, each in its best attention; at d24, 16 rows of 2,048
+# tokens a micro-batch, as each GPU of nanochat's speedrun
 H2H="python -m scripts.bench_nanochat --nanochat $KIT/nanochat --max-seq-len 2048 --steps 5 \
 --warmup 2 --attention auto"
+H2H_D24="$H2H --depth 24 --device-batch-size 16 --total-batch-size 262144"
 # The published-regime table: one ablate a technique against muon, each in the preset's own base
 # dir and cache; the cache comes in from a carried .gpu_check/regime-cache (the runs of an earlier
 # machine of the same GPU and code: the keys hold both) and goes back out in $OUTDIR/regime-cache
@@ -254,62 +264,66 @@ REGIME_OUT="mkdir -p $OUTDIR/regime-cache && cp $REGIME_BASE/ablations/cache/*.j
 $OUTDIR/regime-cache/"
 TECHNIQUES="adamw muon-soap muon-uw-floor muon-hyperball muon-powercool muon-contra muon-muown \
 muon-newton"
-STEPS=(  # most valuable first: what only a GPU can show, then speed, then the rest
-    # 8 tests, 5 compiles: 3 small, then d12's and d20's model and optimizer for the memory tests
-    # (d20's alone took 44 s with the cache warm)
-    "tests|240|150|python -m pytest -q --slow -m cuda tests"
-    # never run on a GPU: the limit is a guess (two compiles of a 64-seed d4, 2 x 200 steps of
-    # 262,144 tokens, the evals); --baseline-lengths none: the verdict in bpb only
-    "ablate|360|240|NANOMUON_BASE_DIR=$KIT/ablate python -m nanomuon.dataset --embedded \
+STEPS=(  # most valuable first: the speedrun's model against nanochat, then what else only a GPU
+         # can show, then speed, then the rest
+    # 2 fp8 builds of d24, each compiled, and 7 steps of 2^18 tokens (~2.5 s) a side. At d12 (h2h,
+    # 2026-11-28) nanochat's fp8 took 106 s to build, compile and warm up, nanomuon's 85 s; a
+    # d24 graph compiles in about 1.8x (base_train's d20 took 1.5x d12's); nanochat's fp8 alone at
+    # d24 took over 150 s outside the kit; nanomuon's windows add flex_attention's compile
+    "h2h_d24_fp8|540|400|est.|$TORCHAO_READY; $H2H_D24 --precision fp8"
+    # the same in bf16: nanochat's bf16 build took 74 s at d12, nanomuon's 16 s with a warm cache
+    # (~60 s cold); steps ~3 s
+    "h2h_d24_bf16|480|320|est.|$H2H_D24 --precision bf16"
+    # two compiles of a 64-seed d4, 2 x 200 steps of 262,144 tokens, the evals; on 2026-11-28 it
+    # failed at its first training step after 109 s (cuDNN's attention under batched seeds);
+    # --baseline-lengths none: the verdict in bpb only
+    "ablate|360|240|est.|NANOMUON_BASE_DIR=$KIT/ablate python -m nanomuon.dataset --embedded \
 && NANOMUON_BASE_DIR=$KIT/ablate python -m scripts.ablate --name gpu-check --device-type cuda \
 --device-batch-size 16 --baseline-lengths none"
-    # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a ~1.5 GB
-    # final checkpoint
-    "base_train_d12|150|95|python -m scripts.base_train --depth 12 --num-iterations 20 \
+    # 150 s bounded the 8 tests of 2026-11-26 (cold, 7 had passed at 120 s; warm, all took 77 s);
+    # the memory test now also compiles the speedrun's model at d12 and d20
+    "tests|300|200|est.|python -m pytest -q --slow -m cuda tests"
+    # model and optimizer compiles, 20 steps of 0.5M tokens, eval's second compile, a final
+    # checkpoint: 95 and 122 s with the classic model; the speedrun's adds flex_attention's compile
+    # and its value embeddings (~2.3 GB checkpoint)
+    "base_train_d12|200|130|est.|python -m scripts.base_train --depth 12 --num-iterations 20 \
 --run gpu-check-d12 $TRAIN"
-    # never run on a GPU: the limit is a guess. 4 model compiles (each side in bf16, then fp8),
-    # each about base_train_d12's, and 7 steps of 0.5M tokens (~1 s) each; nanomuon's fp8 without
-    # torchao is n/a and nanochat's still runs
-    "h2h_d12|400|260|$TORCHAO_READY; $H2H --depth 12 --device-batch-size 32 \
---total-batch-size 524288 --precision bf16 fp8"
     # base_train_d12 with --fp8 (torchao's float8 training, from the prepared wheel when not
-    # installed)
-    "fp8_d12|180|117|$TORCHAO_READY && python -m scripts.base_train --depth 12 \
+    # installed): 117 s with the classic model
+    "fp8_d12|240|150|est.|$TORCHAO_READY && python -m scripts.base_train --depth 12 \
 --num-iterations 20 --run gpu-check-d12-fp8 --fp8 $TRAIN"
-    # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each
-    "bench_optim_d12|90|44|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
+    # 4 builds (each side in bf16, then fp8): 327 s with the classic model on nanomuon's side;
+    # nanomuon's fp8 without torchao is n/a and nanochat's still runs
+    "h2h_d12|510|340|est.|$TORCHAO_READY; $H2H --depth 12 --device-batch-size 32 \
+--total-batch-size 524288 --precision bf16 fp8"
+    # 2 sides x 2 Newton-Schulz precisions compiled at d12, 5 timed steps each (44 s, then 80 s)
+    "bench_optim_d12|120|80|seen|python -m scripts.bench_optim --depth 12 --compile --steps 5 \
 --compare defaults same-math --ns-precision bf16 fp16"
-    # 1 side, 1 precision at d20: fewer compiles, of bigger graphs
-    "bench_optim_d20|90|59|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
+    # 1 side, 1 precision at d20: fewer compiles, of bigger graphs (59 s, then 78 s)
+    "bench_optim_d20|120|78|seen|python -m scripts.bench_optim --depth 20 --compile --steps 5 \
 --compare defaults --ns-precision fp16"
-    # a guess too: 2 compiles of d24 (d20's took ~70 s) and 7 steps of 2^18 tokens (~2.4 s) each
-    "h2h_d24_bf16|330|210|$H2H --depth 24 --device-batch-size 16 --total-batch-size 262144 \
---precision bf16"
-    # the same as d12 at d20: longer compiles, ~4 s steps, a ~4 GB final checkpoint
-    "base_train_d20|240|131|python -m scripts.base_train --depth 20 --num-iterations 10 \
+    # the same as d12 at d20: longer compiles, ~4 s steps, a final checkpoint; 131 s classic
+    "base_train_d20|270|170|est.|python -m scripts.base_train --depth 20 --num-iterations 10 \
 --run gpu-check-d20 $TRAIN"
-    # a guess: nanochat's own fp8 alone at d24 took over 150 s to compile and run 5 steps (on an
-    # H200, measured outside the kit)
-    "h2h_d24_fp8|510|330|$TORCHAO_READY; $H2H --depth 24 --device-batch-size 16 \
---total-batch-size 262144 --precision fp8"
-    # d4 through torchrun: train (two compiles), base_eval, sample; the tokenizer is reused
-    "speedrun|180|115|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun \
+    # d4 through torchrun: train (two compiles), base_eval, sample; the tokenizer is reused; 115 s
+    # with the classic model
+    "speedrun|200|130|est.|MODE=gpu DATASET=embedded NPROC=1 DEPTH=4 RUN=gpu-check-speedrun \
 bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-size 32 \
 --max-seq-len 1024 --eval-tokens 65536"
 )
-# never run on a GPU: every regime limit is a guess, 1.5x its seen. A run trains 64 seeds of the
-# preset (0.5M params) as one batched model, 640 steps of 8,192 tokens each: about 30 s of steps
+# never run on a GPU: every regime limit is a guess, 1.5x its estimate. A run trains 64 seeds of
+# the preset (0.5M params) as one batched model, 640 steps of 8,192 tokens each: about 30 s of steps
 # (the d4 speedrun stepped 27 ms for 65,536 tokens), and a compile. regime_muon: 3 runs and muon's
 # at 0.8 of the steps, one cold compile (the model's and the optimizer's); a technique: 3 runs,
 # its optimizer compiled anew, muon read from the cache (on a fresh machine without it, muon runs
 # first: rerun the step); the table: every run cached, the write-up alone
-STEPS+=("regime_muon|450|300|$REGIME_IN && $REGIME --name gpu-regime-muon --variants muon; \
+STEPS+=("regime_muon|450|300|est.|$REGIME_IN && $REGIME --name gpu-regime-muon --variants muon; \
 rc=\$?; $REGIME_OUT; exit \$rc")
 for t in $TECHNIQUES; do
-    STEPS+=("regime_$(echo "${t#muon-}" | tr - _)|300|200|$REGIME_IN && $REGIME \
+    STEPS+=("regime_$(echo "${t#muon-}" | tr - _)|300|200|est.|$REGIME_IN && $REGIME \
 --name gpu-regime-${t#muon-} --variants muon,$t; rc=\$?; $REGIME_OUT; exit \$rc")
 done
-STEPS+=("regime_table|120|60|$REGIME_IN && $REGIME --name gpu-regime --variants \
+STEPS+=("regime_table|120|60|est.|$REGIME_IN && $REGIME --name gpu-regime --variants \
 muon,$(echo $TECHNIQUES | tr ' ' ,); rc=\$?; $REGIME_OUT; \
 cp $REGIME_BASE/ablations/gpu-regime/ablation.md $OUTDIR/regime.md; exit \$rc")
 
@@ -348,45 +362,59 @@ run_step() {
     if [ $rc -eq 124 ] || { [ $rc -eq 137 ] && [ "$took" -ge "$1" ]; }; then
         status="timed out after $1 s (its limit: not a failure; rerun it alone: --only $4)"
     elif [ $rc -ne 0 ]; then
-        status="FAILED (exit $rc)"
+        status="FAILED (exit $rc): $(why_failed "$3")"
     fi
 }
 
+# why_failed LOG: the line that says why a step failed, at most 300 characters: the last that an
+# error printed (a Python exception's own line, an "error:" line, a failed test or side), else the
+# log's last line
+why_failed() {
+    { grep -E -e '^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Failed|Unsupported)(: |$)' \
+          -e '^error: |FAILED|Killed' "$1" || tail -n 1 "$1"; } | tail -n 1 | cut -c1-300 \
+        | grep . || echo "no output"
+}
+
 # print_plan: the steps and their limits, then the calls, in order: each call's limits fit one
-# command; the device budget is spent at the steps' seen seconds (limits would waste most of it)
+# command; the device budget is spent at the steps' seconds (limits would waste most of it). A
+# call past what is left of the budget is listed as over it; a later one that fits is planned.
 print_plan() {
-    local all=0 budget=$((BUDGET_MIN * 60)) used=$START piece="" sum=0 took=0 n=0
-    local s name secs seen cmd
-    for s in "${STEPS[@]}"; do IFS='|' read -r name secs seen cmd <<<"$s"; all=$((all + secs)); done
+    local all=0 budget=$((BUDGET_MIN * 60)) used=$START need=$START piece="" sum=0 took=0 n=0
+    local s name secs seen basis cmd
+    for s in "${STEPS[@]}"; do
+        IFS='|' read -r name secs seen basis cmd <<<"$s"; all=$((all + secs))
+    done
     echo "gpu_check plan: $BUDGET_MIN min of device time (--budget-min), one command at most" \
          "$PIECE s; steps most valuable first ($all s of limits in all):"
     for s in "${STEPS[@]}"; do
-        IFS='|' read -r name secs seen cmd <<<"$s"
-        printf '  %-16s %4ss  (seen %3s s)  %s\n' "$name" "$secs" "$seen" "$cmd"
+        IFS='|' read -r name secs seen basis cmd <<<"$s"
+        printf '  %-16s %4ss  (%-4s %3s s)  %s\n' "$name" "$secs" "$basis" "$seen" "$cmd"
     done
+    echo "  (seen: what the step took on an H200; est.: an estimate, never yet run on the" \
+         "speedrun's model)"
     echo "calls, in order (the first starts the machine: about $START s; send each within the" \
          "machine's idle release, or the next starts a fresh one):"
-    for s in "${STEPS[@]}" "end|$((PIECE + 1))|0|"; do
-        IFS='|' read -r name secs seen cmd <<<"$s"
+    for s in "${STEPS[@]}" "end|$((PIECE + 1))|0|seen|"; do
+        IFS='|' read -r name secs seen basis cmd <<<"$s"
         if [ -n "$piece" ] && [ $((sum + secs)) -gt "$PIECE" ]; then
-            n=$((n + 1)); used=$((used + took))
-            if [ "$used" -le "$budget" ]; then
-                printf '  call %d: %4ss (seen %3s s)  bash scripts/gpu_check.sh --only %s\n' \
+            n=$((n + 1)); need=$((need + took))
+            if [ $((used + took)) -le "$budget" ]; then
+                used=$((used + took))
+                printf '  call %d: %4ss (about %3s s)  bash scripts/gpu_check.sh --only %s\n' \
                     "$n" "$sum" "$took" "$piece"
             else
-                printf '  over the budget (%d s by here): %4ss  --only %s\n' "$used" "$sum" "$piece"
+                printf '  over the budget (%d s with it): %4ss  --only %s\n' "$((used + took))" \
+                    "$sum" "$piece"
             fi
             piece=""; sum=0; took=0
         fi
         piece="${piece:+$piece,}$name"; sum=$((sum + secs)); took=$((took + seen))
     done
-    if [ "$used" -le "$budget" ]; then
-        echo "left after the calls: $((budget - used)) s, if each step takes what it took on the" \
-             "H200: rerun a step that timed out, or time base_train_d12 and fp8_d12 again"
-    fi
+    echo "left after the calls: $((budget - used)) s, if each step takes the seconds above: rerun" \
+         "a step that timed out"
     # what all of these steps need, so a selection (--only regime) says its own device time
-    echo "all $n calls need about $(( (used + 59) / 60 )) min of device time ($used s at the" \
-         "seen seconds, the start included): --budget-min $(( (used + 59) / 60 )) fits them"
+    echo "all $n calls need about $(( (need + 59) / 60 )) min of device time ($need s at the" \
+         "steps' seconds, the start included): --budget-min $(( (need + 59) / 60 )) fits them"
     echo "carry: .gpu_check ($(du -sm "$KIT" 2>/dev/null | cut -f1 || echo 0) MiB of the 64 MiB;" \
          "made by --prepare). Every call appends to .gpu_check.md and returns it whole in" \
          "\$OUT/gpu_check.md: its numbers go into docs/benchmarks.md with the device and date"
@@ -400,10 +428,11 @@ fi
 
 if [ "$MODE" = dry ]; then
     (print_plan) || exit 1
-    # how a step's end reads: a 1 s limit on a sleep, and a command that exits 3
+    # how a step's end reads: a 1 s limit on a sleep, and a command that fails saying why
     probe=$(mktemp -d)
     run_step 1 "sleep 5" "$probe/log" probe; echo "a step past its limit: $status"
-    run_step 5 "exit 3" "$probe/log" probe; echo "a failing step: $status"
+    run_step 5 "echo 'RuntimeError: no kernel' >&2; exit 3" "$probe/log" probe
+    echo "a failing step: $status"
     rm -rf "$probe"
     python - <<'EOF' || exit 1
 import importlib
@@ -413,31 +442,75 @@ for m in ("torch", "tiktoken", "pyarrow", "nanomuon.optim", "nanomuon.gpt",
     importlib.import_module(m)
 print("imports: ok")
 EOF
-    # every base_train command line parses (argparse errors exit 2 and name the flag)
-    python - "$TRAIN" <<'EOF' || exit 1
-import shlex, sys
-from scripts.base_train import parse_args
-for depth, n in ((12, 20), (20, 10)):
-    parse_args(["--depth", str(depth), "--num-iterations", str(n), *shlex.split(sys.argv[1])])
-print("base_train flags: ok")
-EOF
-    # every h2h command line parses; the kit's nanochat, or why the h2h steps will fail
-    python - "$H2H" <<'EOF' || exit 1
-import shlex, sys
-from scripts.bench_nanochat import parse_args
-for depth, rows, tokens in ((12, 32, 2 ** 19), (24, 16, 2 ** 18)):
-    parse_args([*shlex.split(sys.argv[1])[3:], "--depth", str(depth), "--device-batch-size",
-                str(rows), "--total-batch-size", str(tokens), "--precision", "bf16", "fp8"])
-print("bench_nanochat flags: ok")
-EOF
-    # every regime step's ablate command line parses (its preset, variants, sweep and seeds)
-    python - "$REGIME" $TECHNIQUES <<'EOF' || exit 1
-import shlex, sys
-from scripts.ablate import parse_args
-flags = shlex.split(sys.argv[1])[4:]  # after NANOMUON_BASE_DIR=... python -m scripts.ablate
-for t in sys.argv[2:]:
-    parse_args([*flags, "--variants", f"muon,{t}"])
-print("ablate regime flags: ok")
+    # every step's `python -m MODULE ARGS` (speedrun.sh's ARGS: base_train's) names a module that
+    # exists, and its own parser takes the args: its parse_args, else the flags its --help names
+    python - "${STEPS[@]}" <<'EOF' || exit 1
+import contextlib, functools, importlib, importlib.util, io, re, shlex, subprocess, sys
+
+def calls(cmd):
+    """(module, args) of each python -m call in a shell command line."""
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    out, words, target = [], [], False
+    for w in [*lex, ";"]:
+        if target:  # a redirection's file
+            target = False
+        elif w in (";", "&&", "||", "|", "&", "(", ")"):
+            out.append(words)
+            words = []
+        elif set(w) <= set("<>&"):  # a redirection, and the file descriptor before it
+            target = True
+            if words and words[-1].isdigit():
+                words.pop()
+        elif words or not (w in ("{", "}") or re.match(r"\w+=", w)):  # braces, VAR=value: not
+            words.append(w)
+    for w in out:
+        if w[:2] == ["python", "-m"] and len(w) > 2:
+            yield w[2], w[3:]
+        elif w[:2] == ["bash", "speedrun.sh"]:
+            yield "scripts.base_train", w[2:]
+
+@functools.cache
+def help_flags(module, sub):
+    """The flags `python -m module sub --help` names, or None if it fails."""
+    r = subprocess.run([sys.executable, "-m", module, *sub, "--help"], capture_output=True,
+                       text=True, timeout=600)
+    return set(re.findall(r"(?<![\w-])--?[A-Za-z0-9][\w-]*", r.stdout)) if not r.returncode \
+        else None
+
+def refusal(module, args):
+    """Why `python -m module args` would not start here, or None."""
+    if importlib.util.find_spec(module) is None:
+        return "there is no such module"
+    parse = getattr(importlib.import_module(module), "parse_args", None)
+    if parse:
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                parse(args)
+        except SystemExit as e:
+            return (said.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1].split(
+                "error: ", 1)[-1]
+        return None
+    sub = tuple(next((args[:i] for i, a in enumerate(args) if a.startswith("-")), args))
+    known = help_flags(module, sub)
+    if known is None:
+        return f"python -m {module} {' '.join(sub)} --help fails"
+    bad = [a for a in args if a[:1] == "-" and not a[1:2].isdigit()
+           and a.split("=")[0] not in known]
+    return f"its --help names no {', '.join(bad)}" if bad else None
+
+wrong, checked = [], {}
+for step in sys.argv[1:]:
+    name, *_, cmd = step.split("|", 4)
+    for module, args in calls(cmd):
+        checked[module] = checked.get(module, 0) + 1
+        if why := refusal(module, args):
+            wrong.append(f"error: step {name}: python -m {module}: {why}")
+if wrong:
+    sys.exit("\n".join(wrong))
+for module, n in checked.items():
+    print(f"{module} flags: ok ({n} of the steps' calls)")
 EOF
     if [ -f "$KIT/nanochat/nanochat/gpt.py" ]; then
         echo "nanochat in the kit: $(clean_commit <"$KIT/nanochat/COMMIT" 2>/dev/null \
@@ -446,7 +519,9 @@ EOF
         echo "nanochat: none in the kit, so the h2h steps will fail (NANOCHAT=path/to/nanochat" \
              "bash scripts/gpu_check.sh --prepare)"
     fi
-    python -m pytest -q --collect-only -m cuda tests >/dev/null && echo "cuda tests: collected"
+    if printf '%s\n' "${STEPS[@]}" | grep -q '^tests|'; then
+        python -m pytest -q --collect-only -m cuda tests >/dev/null && echo "cuda tests: collected"
+    fi
     exit 0
 fi
 
@@ -477,25 +552,28 @@ fi
 } >>"$SUMMARY"
 total_start=$(date +%s)
 for s in "${STEPS[@]}"; do
-    IFS='|' read -r name secs seen cmd <<<"$s"
+    IFS='|' read -r name secs seen basis cmd <<<"$s"
     log="$OUTDIR/$name.log"
     echo "== $name (limit ${secs}s): $cmd"
     run_step "$secs" "$cmd" "$log" "$name"
-    echo "   $status, ${took} s (log: $log)"
+    # the attention it ran, as its first "attention:" line names it (fa3, flex, sdpa...)
+    attention=$(sed -n 's/^attention: \([^(:]*\).*/\1/p' "$log" | head -n 1 | sed 's/ *$//')
+    estimate=$(grep -m 1 '^time to GPT-2' "$log")
+    echo "   $status, ${took} s${attention:+, attention $attention} (log: $log)"
     {
-        echo "## $name: $status, ${took} s"
+        echo "## $name: $status, ${took} s${attention:+; attention: $attention}"
         echo
+        if [ -n "$estimate" ]; then printf '**%s**\n\n' "$estimate"; fi
         echo '```'
         echo "$cmd"
-        # the lines that carry numbers: bench summaries, throughput, optimizer share, bpb
-        if [ $rc -eq 0 ]; then
-            grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h )|throughput:" \
-                -e "optimizer step:" \
-                -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw)[a-z-]* \||runs took" \
-                "$log" | tail -n 12
-        else
-            tail -n 8 "$log"
-        fi
+        # the lines that carry numbers: bench summaries (and each h2h side's, kept if the other
+        # side runs past the limit), throughput, optimizer share, bpb
+        grep -E -e "^(step d|NS d|Gram FLOPs|imbalance|matmul|h2h |  nano(muon|chat) )" \
+            -e "throughput:" \
+            -e "optimizer step:" \
+            -e "final val bpb|passed|skipped|speedrun done|^\| (muon|adamw)[a-z-]* \||runs took" \
+            "$log" | tail -n 12
+        if [ $rc -ne 0 ]; then tail -n 4 "$log"; fi
         echo '```'
         echo
     } >>"$SUMMARY"
@@ -504,3 +582,6 @@ done
 if [ -n "${OUT:-}" ]; then cp "$SUMMARY" "$OUT/gpu_check.md"; fi
 echo "summary: $SUMMARY${OUT:+ (and \$OUT/gpu_check.md)}"
 cat "$SUMMARY"
+# the headline, from this call or an earlier one: the last h2h_d24_fp8's time to GPT-2
+headline=$(grep '^\*\*time to GPT-2' "$SUMMARY" | tail -n 1)
+if [ -n "$headline" ]; then echo "${headline//\*\*/}"; fi

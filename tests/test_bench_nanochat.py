@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_nanochat import commit_of, main
+from scripts.bench_nanochat import commit_of, gpt2_estimate, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
@@ -33,7 +33,8 @@ def run(*args, env=None):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-NUMBERS = r"([\d,]+) tok/s, MFU n/a, optimizer ([\d.]+) ms, peak n/a, build\+warmup \d+ s"
+NUMBERS = (r"([\d,]+) tok/s, MFU n/a, optimizer ([\d.]+) ms, peak n/a, build\+warmup \d+ s, "
+           r"attention sdpa")
 
 
 def test_both_projects_train_side_by_side_on_the_cpu():
@@ -105,3 +106,56 @@ def test_parity_takes_no_shape_flags():
     """--parity runs at its own shapes: a shape flag beside it is refused in one line."""
     with pytest.raises(SystemExit):
         main(["--parity", "--depth", "4"])
+
+
+def test_a_symlink_loop_is_refused_in_one_line(tmp_path):
+    """--nanochat through a symlink loop (the folder itself, or a path under it): one line naming
+    the loop, no traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for given in (tmp_path / "a", tmp_path / "a" / "nanochat"):
+        p = run("--nanochat", str(given), *TINY)
+        assert p.returncode == 1 and p.stdout == "", p.stdout
+        assert p.stderr.count("\n") == 1 and "symlink loop" in p.stderr, p.stderr
+
+
+def test_it_says_that_the_checkouts_code_is_imported_and_run(tmp_path):
+    """Before nanochat's code is imported, one line says that the named checkout's own code runs
+    in this process (here a checkout whose gpt.py fails to import, so nothing else runs)."""
+    (tmp_path / "nanochat").mkdir()
+    (tmp_path / "nanochat" / "gpt.py").write_text("raise ImportError('stop here')\n")
+    p = run("--nanochat", str(tmp_path), *TINY)
+    assert p.returncode == 1 and "does not import here" in p.stderr, p.stderr
+    said = [line for line in p.stdout.splitlines() if "imported and run" in line]
+    assert said == [f"nanochat: the code of {tmp_path.resolve()} is imported and run in this "
+                    "process, as it is (its nanochat/*.py)"], p.stdout
+
+
+def measured_side(tok_s: float, attention: str) -> dict:
+    return dict(tok_s=tok_s, mfu=0.4, optimizer=0.05, peak=60 * 2 ** 30, warm=200.0,
+                attention=attention)
+
+
+def test_the_time_to_gpt2_is_nanochats_hours_scaled_by_the_d24_fp8_ratio():
+    """At the speedrun's shape with fp8 on both sides: 1.65 h x nanochat's tok/s / nanomuon's, with
+    the run's GPU and nanochat's commit; a caveat where nanochat ran without its FA3; no estimate
+    where a side failed; nothing at another depth or without fp8."""
+    args = parse_args(["--nanochat", "x", "--depth", "24", "--device-batch-size", "16",
+                       "--total-batch-size", "262144"])
+    header = "nanochat 92d63d4 (kit); NVIDIA H200 (cuda), torch 2.11.0, 16 threads, 2026-11-28"
+    pair = dict(nanomuon=measured_side(500_000, "flex"),
+                nanochat=measured_side(600_000, "fa3 from the kernel hub"))
+    line = gpt2_estimate(args, {"fp8": pair}, header)
+    said = ("time to GPT-2 on 8xH100 ≈ 1.65 h × nanochat tok/s ÷ nanomuon tok/s at d24, fp8 = "
+            "1.65 h × 600,000 ÷ 500,000 = ")
+    assert line.startswith(said + f"{1.65 * 600_000 / 500_000:.2f} h ("), line
+    assert "NVIDIA H200" in line and "nanochat 92d63d4" in line and "ran FA3" not in line, line
+    pair["nanochat"]["attention"] = "sdpa with windows as a mask"
+    line = gpt2_estimate(args, {"fp8": pair}, header)
+    assert line.endswith("; nanochat's 1.65 h ran FA3, here it ran sdpa with windows as a mask)")
+    pair["nanomuon"] = dict(error="OutOfMemoryError: CUDA out of memory", attention="flex")
+    line = gpt2_estimate(args, {"fp8": pair}, header)
+    assert "no estimate (nanomuon FAILED (OutOfMemoryError: CUDA out of memory)" in line, line
+    assert "\n" not in line
+    assert gpt2_estimate(args, {"bf16": pair}, header) is None
+    assert gpt2_estimate(parse_args(["--depth", "12"]), {"fp8": pair}, header) is None

@@ -251,6 +251,53 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
             "embedding and attention in bf16" in out) == (fp8 == "fp8"), out
 
 
+def cast_as_new_params(module, *, dtype):
+    """Module.to(dtype=...) with new parameters in place of the old, not swapped in."""
+    import torch
+
+    for m in module.modules():
+        for key, p in m._parameters.items():
+            if p is not None:
+                m._parameters[key] = torch.nn.Parameter(p.to(dtype), p.requires_grad)
+    return module
+
+
+def plan_flags(step: str) -> list[str]:
+    """bench_nanochat's flags in gpu_check's plan for `step`, but --nanochat."""
+    plan = subprocess.run(["bash", "scripts/gpu_check.sh", "--plan", "--only", step], cwd=REPO,
+                          capture_output=True, text=True, timeout=120).stdout
+    cmd = re.search(rf"^  {step} .*-m scripts\.bench_nanochat (.*)$", plan, re.M)[1]
+    words = cmd.split()
+    at = words.index("--nanochat")
+    return words[:at] + words[at + 2:]
+
+
+@pytest.mark.parametrize("step", ["h2h_d24_fp8", "h2h_d24_bf16"])
+def test_the_plans_head_to_head_on_a_fake_h100(shim, step):
+    """Stands in for: the GPU kit's first two steps, the speedrun's model beside nanochat, failing
+    on the GPU in their first minutes where a CPU could have seen it: a flag the plan gives,
+    nanomuon's build, its fp8 conversion, its windows through flex_attention (the lent image has
+    no flash kernel), compile, the optimizer step; with a nanochat checkout (NANOCHAT, else
+    /tmp/nanochat), nanochat's side and the summary too. The plan's flags at d2, one step after
+    one warmup: a d24 traces the same code for many minutes."""
+    skip_before_compile_under_fake()
+    if step.endswith("fp8"):
+        pytest.importorskip("torchao.float8", reason="nanomuon's fp8 needs torchao")
+    checkout = next((raw for raw in (os.environ.get("NANOCHAT"), "/tmp/nanochat")
+                     if raw and (Path(raw) / "nanochat" / "gpt.py").is_file()), "")
+    flags = [*plan_flags(step), "--depth", "2", "--steps", "1", "--warmup", "1"]
+    out = run_case(shim, "h2h", checkout, *flags, timeout=900)
+    precision = step.rsplit("_", 1)[1]
+    if not checkout:
+        assert f"nanomuon {precision}: attention flex" in out, out
+        return
+    line = re.search(rf"^h2h d2 {precision}: nanomuon (.*); nanochat (.*); nanomuon/nanochat ",
+                     out, re.M)
+    assert line and "FAILED" not in line[0], out
+    assert line[1].endswith("attention flex"), line[1]
+    assert line[2].endswith("attention sdpa with windows as a mask"), line[2]
+
+
 # The child process: loads the shim, then torch, then runs one case on the fake GPU.
 
 
@@ -1037,10 +1084,75 @@ def case_setup():
     print("setup ok")
 
 
+def case_h2h(checkout: str, *flags: str):
+    """scripts.bench_nanochat as a step of gpu_check's plan runs it (`flags`), on the fake H100
+    with no flash kernel installed: nanochat's model on nanomuon's side, built, converted to fp8
+    where asked, compiled (aot_eager) and trained for its warmup and timed steps, in the attention
+    it chose (flex for the windows). With a nanochat checkout (else ''), main whole: nanochat's side
+    too, the summary and, at d24 in fp8, the time to GPT-2. Stand-ins as case_train's: values read
+    back answer 1, the meta models are built outside fake mode; the CUDA generator and the
+    allocator's statistics answer as on a fresh GPU."""
+    import torch
+
+    import scripts.bench_nanochat as bench
+    import scripts.nanochat_parity as parity
+
+    hide_flash_packages()
+    mode = fake_gpu()
+    stand_in(torch.Tensor, "item", lambda t: 1.0 if t.dtype.is_floating_point else 1)
+    torch.cuda.empty_cache = torch.cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.cuda.max_memory_allocated = lambda device=None: 2 ** 30
+    gpt = bench.GPT
+    bench.GPT = lambda config: unfaked(gpt, config)
+    nanochat_gpt = parity.nanochat_gpt
+
+    def nanochat_on_gpu(nc, *shape_device_windows):
+        *shape, device, windows = shape_device_windows
+        model = unfaked(nanochat_gpt, nc, *shape, "meta", windows)
+        model.to_empty(device=device)
+        to = torch.nn.Module.to  # its init casts embeddings with .to(dtype=): swapped in place,
+        torch.nn.Module.to = cast_as_new_params  # which a fake tensor's weakref forbids
+        try:
+            model.init_weights()
+        finally:
+            torch.nn.Module.to = to
+        return model
+
+    bench.nanochat_gpt = nanochat_on_gpu
+    make_batches = bench.make_batches
+
+    def batches_without_a_cuda_generator(args, device):
+        """The CUDA generator asks the driver: the random tokens come unseeded, for this call."""
+        generator, randint = torch.Generator, torch.randint
+        torch.Generator = lambda device=None: generator()
+        torch.randint = lambda *a, generator=None, **k: randint(*a, **k)
+        try:
+            return make_batches(args, device)
+        finally:
+            torch.Generator, torch.randint = generator, randint
+
+    bench.make_batches = batches_without_a_cuda_generator
+    compile_on_fake_gpu()
+    args = [*flags, "--nanochat", checkout or "none"]
+    with mode:
+        if checkout:
+            assert bench.main(args) == 0, "a side failed: its line above says why"
+        else:
+            args = bench.parse_args(args)
+            device = bench.resolve(args)
+            ours, names = bench.attentions(args, device)
+            batches = bench.make_batches(args, device)
+            for precision in args.precision:
+                res = bench.run_side("nanomuon", precision, None, args, device, batches, ours)
+                assert "tok_s" in res and "error" not in res, res
+                print(f"nanomuon {precision}: attention {names['nanomuon']}; {res['notes']}")
+    print("h2h ok")
+
+
 CASES = {"model": case_model, "step": case_step, "loader": case_loader, "autofit": case_autofit,
          "setup": case_setup, "train": case_train, "attention_choice": case_attention_choice,
          "attention_fallback": case_attention_fallback, "attention_windows": case_attention_windows,
-         "seed_fold": case_seed_fold}
+         "seed_fold": case_seed_fold, "h2h": case_h2h}
 
 
 if __name__ == "__main__":

@@ -73,10 +73,9 @@ def test_only_takes_step_names_exactly_or_by_prefix(tmp_path, only):
 
 def test_only_by_name_and_by_prefix(tmp_path):
     root = kit(tmp_path)
-    steps = lambda out: [line.split()[0] for line in out.splitlines()  # noqa: E731
-                         if line.startswith("  ") and "s  (seen" in line]
+    steps = lambda out: [name for name, *_ in plan_steps(out)]  # noqa: E731
     assert steps(gpu_check(root, "--plan", "--only", "h2h").stdout) == [
-        "h2h_d12", "h2h_d24_bf16", "h2h_d24_fp8"]
+        "h2h_d24_fp8", "h2h_d24_bf16", "h2h_d12"]
     assert steps(gpu_check(root, "--plan", "--only", "tests,bench_optim_d20").stdout) == [
         "tests", "bench_optim_d20"]
 
@@ -175,7 +174,13 @@ def test_bench_nanochat_reads_a_commit_as_plain_text_and_runs_no_git_hook(tmp_pa
     assert not list(tmp_path.glob("PWNED*")), list(tmp_path.glob("PWNED*"))
 
 
-PLAN_STEP = re.compile(r"^  (\S+)\s+(\d+)s  \(seen\s+(\d+) s\)  (.*)$")
+# a step of --plan: name, limit, whether its seconds were seen or are an estimate, its seconds,
+# its command
+PLAN_STEP = re.compile(r"^  (\S+)\s+(\d+)s  \((seen|est\.)\s+(\d+) s\)  (.*)$")
+
+
+def plan_steps(out: str) -> list[tuple[str, ...]]:
+    return [m.groups() for m in map(PLAN_STEP.match, out.splitlines()) if m]
 # the techniques whose published signs the regime table checks (docs/research.md; track 3)
 TECHNIQUES = {"adamw", "muon-soap", "muon-uw-floor", "muon-hyperball", "muon-powercool", "muon-contra",
               "muon-muown", "muon-newton"}
@@ -194,10 +199,10 @@ def test_the_regime_table_is_a_kit_step_the_plan_sizes(tmp_path):
     says what they need: the machine's start and their seen seconds, in whole minutes, over 15."""
     root = kit(tmp_path)
     out = gpu_check(root, "--plan", "--only", "regime").stdout
-    steps = [m.groups() for m in map(PLAN_STEP.match, out.splitlines()) if m]
+    steps = plan_steps(out)
     assert steps and all(name.startswith("regime_") for name, *_ in steps), out
     variants = set()
-    for name, limit, seen, cmd in steps:
+    for name, limit, _, seen, cmd in steps:
         flags = ablate_flags(cmd)
         sweep = flags["--sweep"].split("=")
         assert flags["--preset"] == "regime" and flags["--device-type"] == "cuda", (name, flags)
@@ -208,7 +213,7 @@ def test_the_regime_table_is_a_kit_step_the_plan_sizes(tmp_path):
         variants |= set(flags["--variants"].split(","))
     assert variants >= TECHNIQUES | {"muon"}, variants
     start = int(re.search(r"the first starts the machine: about (\d+) s", out)[1])
-    need = start + sum(int(seen) for _, _, seen, _ in steps)
+    need = start + sum(int(seen) for _, _, _, seen, _ in steps)
     minutes = -(-need // 60)
     assert f"need about {minutes} min of device time ({need} s" in out and minutes > 15, out
     whole = gpu_check(root, "--plan").stdout
@@ -224,3 +229,133 @@ def test_prepare_makes_the_regime_presets_tokenizer(tmp_path):
     p = gpu_check(root, "--prepare")
     assert p.returncode == 0 and (root / ".gpu_check" / "commit").is_file(), p.stderr
     assert "-m scripts.tok_train --keep-existing --dataset embedded --vocab-size 512" in modules_run(root)
+
+
+def test_prepare_takes_a_downloaded_nanochat_as_an_unknown_commit(tmp_path):
+    """A nanochat folder with neither a COMMIT file nor .git (a downloaded zip): --prepare copies
+    it, records its commit as unknown and says so, and ends well (rc 0)."""
+    root = kit(tmp_path)
+    src = tmp_path / "zip" / "nanochat-master"
+    (src / "nanochat").mkdir(parents=True)
+    (src / "nanochat" / "gpt.py").write_text("class GPT: pass\nclass GPTConfig: pass\n")
+    p = gpu_check(root, "--prepare", NANOCHAT=str(src))
+    assert p.returncode == 0, p.stdout + p.stderr
+    copy = root / ".gpu_check" / "nanochat"
+    assert (copy / "COMMIT").read_text().strip() == "unknown"
+    assert (copy / "nanochat" / "gpt.py").is_file()
+    assert "nanochat: unknown commit (no COMMIT file, not a git checkout)" in p.stdout, p.stdout
+
+
+def test_prepare_refuses_a_wrong_nanochat_before_any_work(tmp_path):
+    """NANOCHAT naming no checkout: one line on stderr before the tokenizers or anything else
+    runs."""
+    root = kit(tmp_path)
+    p = gpu_check(root, "--prepare", NANOCHAT=str(tmp_path / "nosuch"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "holds no nanochat/gpt.py" in p.stderr and "-m " not in modules_run(root)
+
+
+def test_the_default_15_minutes_go_to_the_speedruns_model_against_nanochat_first(tmp_path):
+    """The default plan, most valuable first: the d24 head to head with nanochat in fp8 (as its
+    1.65-hour run), then bf16, then ablate, then the CUDA tests and d12. Both d24 steps are calls
+    within the 15 minutes, counting the machine's start and their seconds. Steps never run on the
+    speedrun's model say their seconds are estimates."""
+    out = gpu_check(kit(tmp_path), "--plan").stdout
+    steps = plan_steps(out)
+    assert [name for name, *_ in steps[:5]] == [
+        "h2h_d24_fp8", "h2h_d24_bf16", "ablate", "tests", "base_train_d12"], out
+    for name, *_, cmd in steps[:2]:
+        words = shlex.split(cmd.split("python -m scripts.bench_nanochat", 1)[1])
+        flags = dict(zip(words, words[1:]))
+        assert flags["--depth"] == "24" and flags["--precision"] == name.rsplit("_", 1)[1], cmd
+        assert flags["--attention"] == "auto" and flags["--nanochat"].endswith("nanochat"), cmd
+        assert (flags["--max-seq-len"], flags["--device-batch-size"]) == ("2048", "16"), cmd
+    basis = {name: b for name, _, b, _, _ in steps}
+    never_ran = [n for n in basis if n.startswith(("h2h", "base_train", "fp8", "ablate", "regime"))
+                 or n in ("tests", "speedrun")]
+    assert all(basis[n] == "est." for n in never_ran), basis
+    assert "est.: an estimate, never yet run on the speedrun's model" in out, out
+    calls = re.findall(r"^  call \d+: .* --only (\S+)$", out, re.M)
+    assert calls[:2] == ["h2h_d24_fp8", "h2h_d24_bf16"], out
+    start = int(re.search(r"the first starts the machine: about (\d+) s", out)[1])
+    seconds = {name: int(s) for name, _, _, s, _ in steps}
+    assert start + sum(seconds[c] for c in ",".join(calls).split(",")) <= 15 * 60, out
+
+
+def fake_gpu_python(root: Path) -> None:
+    """A `python` for the kit's run on no GPU: it records each call; bench_nanochat prints what a
+    d24 fp8 head to head prints (its attention, summary and estimate), ablate runs out of memory,
+    every other call ends well."""
+    (root / "bin" / "python").write_text(f"""#!/bin/sh
+echo "$@" >> {root}/python-calls
+case "$*" in
+*scripts.bench_nanochat*)
+    echo "attention: nanomuon flex, nanochat sdpa with windows as a mask"
+    echo "h2h d24 fp8: nanomuon 400,000 tok/s; nanochat 420,000 tok/s"
+    echo "time to GPT-2 on 8xH100 = 1.73 h (the ratio of this run)" ;;
+*scripts.ablate*)
+    echo "Traceback (most recent call last):"
+    echo "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    echo "[rank0]: the process ended"
+    exit 1 ;;
+esac
+""")
+    (root / ".gpu_check" / "base" / "tokenizer").mkdir(parents=True)
+    (root / ".gpu_check" / "base" / "tokenizer" / "tokenizer.json").write_text("{}")
+    (root / ".gpu_check" / "base" / "data" / "embedded").mkdir(parents=True)
+
+
+def test_a_failed_step_says_why_the_rest_run_and_the_estimate_heads_the_summary(tmp_path):
+    """A run of three steps: the head to head's line names each side's attention and its time
+    to GPT-2 stands in the summary in bold and ends the output; the ablate that runs out of memory
+    reads FAILED with its exit and the error's own line; the tests after it still run."""
+    root = kit(tmp_path)
+    fake_gpu_python(root)
+    p = gpu_check(root, "--only", "h2h_d24_fp8,ablate,tests")
+    assert p.returncode == 0, p.stdout + p.stderr
+    summary = (root / ".gpu_check.md").read_text()
+    h2h = re.search(r"^## h2h_d24_fp8: ok, \d+ s; attention: (.*)$", summary, re.M)
+    assert h2h and h2h[1] == "nanomuon flex, nanochat sdpa with windows as a mask", summary
+    assert "\n**time to GPT-2 on 8xH100 = 1.73 h (the ratio of this run)**\n" in summary
+    assert re.search(r"^## ablate: FAILED \(exit 1\): torch.OutOfMemoryError: CUDA out of memory. "
+                     r"Tried to allocate 2.00 GiB, \d+ s$", summary, re.M), summary
+    assert re.search(r"^## tests: ok, \d+ s$", summary, re.M), summary
+    assert "-m pytest -q --slow -m cuda tests" in modules_run(root)
+    assert p.stdout.splitlines()[-1] == "time to GPT-2 on 8xH100 = 1.73 h (the ratio of this run)"
+
+
+def test_the_dry_run_parses_each_steps_command_with_the_modules_own_parser(tmp_path):
+    """--dry-run fails in one line a step whose command names a module that does not exist or a
+    flag its module does not take: by the script's own parse_args (bench_nanochat), else by the
+    flags its --help names (bench_optim)."""
+    root = tmp_path / "kit"
+    (root / "scripts").mkdir(parents=True)
+    text = (REPO / "scripts" / "gpu_check.sh").read_text()
+    for old, new in (("--warmup 2 --attention auto", "--warmpu 2 --attention auto"),
+                     ("defaults --ns-precision fp16", "defaults --ns-prec fp16"),
+                     ("-m nanomuon.dataset --embedded \\\n&& NANOMUON_BASE",
+                      "-m nanomuon.datasets --embedded \\\n&& NANOMUON_BASE")):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (root / "scripts" / "gpu_check.sh").write_text(text)
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--only",
+                        "h2h_d24_fp8,ablate,bench_optim_d20"], cwd=root, capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stderr.splitlines() == [
+        "error: step h2h_d24_fp8: python -m scripts.bench_nanochat: unrecognized arguments: "
+        "--warmpu 2",
+        "error: step ablate: python -m nanomuon.datasets: there is no such module",
+        "error: step bench_optim_d20: python -m scripts.bench_optim: its --help names no "
+        "--ns-prec"], p.stderr
+
+
+def test_every_step_of_the_plan_names_real_modules_and_flags():
+    """The real plan's --dry-run: each step's python -m calls parse with their modules' own
+    parsers (speedrun.sh's flags with base_train's), and the steps' modules are all checked."""
+    p = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0 and p.stderr == "", p.stdout[-2000:] + p.stderr[-2000:]
+    checked = set(re.findall(r"^(\S+) flags: ok \(\d+ of the steps' calls\)$", p.stdout, re.M))
+    assert checked == {"scripts.bench_nanochat", "pip", "nanomuon.dataset", "scripts.ablate",
+                       "pytest", "scripts.base_train", "scripts.bench_optim"}, p.stdout
