@@ -245,7 +245,7 @@ def _add_group_worker(rank, world_size):
     muon = dict(MUON_REQUIRED, apply="decoupled")
     opt = DistMuonAdamW([dict(kind="muon", params=ours[0], **muon)])
     ref_opt = MuonAdamW([dict(opt.param_groups[0], params=ref[0])])
-    owners_before = [dict(b) for b in opt._get_plan()]
+    owners_before = [dict(b) for b in opt._owned_buckets()]
     for step in range(6):
         if step == 3:  # two Muon groups (one split into blocks) and an AdamW group arrive once state exists
             for o, ps in ((opt, ours[1]), (ref_opt, ref[1])):
@@ -262,8 +262,8 @@ def _add_group_worker(rank, world_size):
         opt.step()
         ref_opt.step()
         assert_replicated_tensors(live)
-    plan = opt._get_plan()
-    assert [b["slots"] for b in plan[:len(owners_before)]] == [b["slots"] for b in owners_before]
+    buckets = opt._owned_buckets()
+    assert [b["slots"] for b in buckets[:len(owners_before)]] == [b["slots"] for b in owners_before]
     for p, q in zip(ours[0] + ours[1], ref[0] + ref[1]):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
