@@ -625,12 +625,12 @@ def test_cpu_chunked_kernels_equal_one_call(monkeypatch):
     opt_whole = MuonAdamW(groups(whole))
     opt_chunked = MuonAdamW(groups(chunked))
     monkeypatch.setattr(opt_chunked, "CPU_SLICE", 700)  # 1-2 matrices and 700-element slices per call
-    import nanomuon.optim as optim  # the optimizer calls the update functions through its module
+    import nanomuon.muon as muon  # the optimizer calls the update functions through their module
 
     calls = {"muon": 0, "adamw": 0}
     for name in calls:
-        real = getattr(optim, f"{name}_update")
-        monkeypatch.setattr(optim, f"{name}_update", lambda *a, real=real, name=name, **kw: (
+        real = getattr(muon, f"{name}_update")
+        monkeypatch.setattr(muon, f"{name}_update", lambda *a, real=real, name=name, **kw: (
             calls.__setitem__(name, calls[name] + 1), real(*a, **kw))[1])
     for step in range(4):
         set_grads([whole, chunked], step)
