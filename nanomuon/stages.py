@@ -70,8 +70,8 @@ def a_count(v, hi=10 ** 9):  # a billion steps: a year of the CPU miniature's, p
 def an_interval(v):
     """Steps (an int >= 1) or a fraction of the run's horizon (0 < f < 1): interval_steps."""
     ok = a_count(v) is None or (isinstance(v, float) and 0 < v < 1)
-    return None if ok else ("must be steps (an int from 1 to 1,000,000,000) or a fraction of the "
-                            "run's horizon (a float between 0 and 1)")
+    return None if ok else ("must be steps (an int >= 1) or a fraction of the run's horizon (a "
+                            "float between 0 and 1), at most 1,000,000,000 steps")
 
 
 def a_pair_of_betas(v):

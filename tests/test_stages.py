@@ -650,7 +650,7 @@ def test_the_run_header_says_what_the_stages_use(variant, says):
     from scripts.base_train import muon_decay_words, optimizer_options
     from scripts.train_args import parse_args
 
-    args = parse_args(["--optimizer", variant, "--weight-decay", "0.2", "--num-iterations", "7",
+    args = parse_args(["--optimizer", variant, "--weight-decay", "0.2", "--num-iterations", "7", "--arch", "classic",
                        "--total-batch-size", "4096"])
     model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16))
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=7)
