@@ -422,7 +422,7 @@ CASES = {
                           "--sweep nope=...: base_train has no --nope"),
     "ablate-sweep-value": (lambda *_: script("ablate", "--sweep", "matrix-lr=-1,2"),
                            "--matrix-lr must be a finite number"),
-    "ablate-seeds": (lambda *_: script("ablate", "--seeds", "0"), "--seeds must be >= 1"),
+    "ablate-seeds": (lambda *_: script("ablate", "--seeds", "0"), "give a count of seeds from 1 to 10,000"),
     "download-revision": (lambda *_: lambda: dataset_main(["-n", "1", "--revison", "main"]),
                           "unrecognized arguments: --revison"),
     "eval-column": (lambda *_: script("base_eval", "--run", "good", "--text-column", "body"),
