@@ -1,5 +1,6 @@
-"""Test options (slow tests run only with --slow), the base dir the training tests share, a
-fake Hugging Face hub on 127.0.0.1 for the download and hub-source tests, and Ctrl-C for the child processes."""
+"""Test options (heavy tests run only with --heavy, as CI does; slow ones only with --slow, which
+adds the heavy ones), the base dir the training tests share, a fake Hugging Face hub on 127.0.0.1
+for the download and hub-source tests, and Ctrl-C for the child processes."""
 
 import hashlib
 import json
@@ -22,16 +23,19 @@ def pytest_configure(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--slow", action="store_true", help="also run tests marked slow")
+    parser.addoption("--slow", action="store_true", help="also run tests marked slow or heavy")
+    parser.addoption("--heavy", action="store_true", help="also run tests marked heavy (CI does)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --slow")
+    # heavy: too long for the default suite's 10 minutes, so CI runs them in a leg of their own
+    run_slow = config.getoption("--slow")
+    run_heavy = run_slow or config.getoption("--heavy")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: run with --slow"))
+        elif item.get_closest_marker("heavy") and not run_heavy:
+            item.add_marker(pytest.mark.skip(reason="heavy: run with --heavy"))
 
 
 def single_process_in(base) -> pytest.MonkeyPatch:

@@ -4,6 +4,7 @@ launches nothing; an edit of the code, even in a copy of the package, or a rebui
 again), and --name, which must not write outside ablations/.
 """
 
+import bisect
 import json
 import math
 import os
@@ -174,6 +175,7 @@ def key_line(out: str) -> tuple[str, str]:
     return re.search(r"^== cache key: code ([0-9a-f]{12}), data ([0-9a-f]{12}) ", out, re.M).groups()
 
 
+@pytest.mark.heavy
 def test_a_code_edit_reruns_what_was_cached(base, small, tmp_path):
     """ablate from a copy of the package: unedited, its runs are cached; with one Polar Express
     coefficient changed, they run again (muon's result moves, so the edited copy ran)."""
@@ -212,6 +214,7 @@ def base_copy(base, small, tmp_path, monkeypatch):
     return copy
 
 
+@pytest.mark.heavy
 def test_another_split_of_the_data_reruns(base_copy, monkeypatch, capsys):
     """The embedded corpus rebuilt with another --shard-chars (another train/val split) is other data."""
     from scripts import ablate
@@ -350,9 +353,9 @@ def test_the_planner_fits_steps_and_seeds_to_the_budget():
         rounds = -(-(runs_per_seed * seeds + lengths * min(seeds, 2)) // jobs)
         return rounds * (cal.fixed_s + EVALS * cal.eval_s + steps * cal.step_s)
 
-    def most_steps(budget, seeds, lengths):
+    def most_steps(budget, seeds, lengths):  # total() grows with steps: how many fit is the most
         left = (budget - cal.seconds) * HEADROOM
-        return max((n for n in range(1, 100_000) if total(n, seeds, lengths) <= left), default=0)
+        return bisect.bisect_right(range(1, 100_000), left, key=lambda n: total(n, seeds, lengths))
 
     for budget, seeds, lengths in [(600, None, 1), (600, 3, 0), (1800, None, 1), (1800, None, 0),
                                    (3 * 3600, None, 1), (300, 1, 1), (400, None, 2)]:
@@ -601,6 +604,7 @@ def test_a_swept_value_that_is_no_run_name_is_named_by_a_slug_and_a_hash():
     assert names[5:] == ["abl-muon-datasetembedded-s1", "abl-muon-dataset0.02-s1", "abl-muon-dataset1e-3-s1"]
 
 
+@pytest.mark.heavy
 def test_a_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, monkeypatch):
     """--dataset <a local folder>: its runs train and are compared; run again unedited, they are
     cached; with a file of the folder edited, they train again (the data's contents are in the key).
@@ -915,6 +919,7 @@ def test_the_regime_preset_is_in_the_published_regime():
     assert said in preset.about
 
 
+@pytest.mark.heavy
 def test_the_default_reads_one_data_order_and_seeds_the_init(base, monkeypatch):
     """--data-order fixed (the default): every run reads the documents in data seed 1's order and the seeds
     set the init alone, as track 3 runs; ablation.md says the verdict is at that order."""
@@ -962,7 +967,8 @@ def children_of(pid):
             for c in (task / "children").read_text().split()}
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [pytest.param("SIGTERM", marks=pytest.mark.heavy),
+                                 pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_a_stopped_ablate_ends_its_runs_and_says_what_is_kept(base, sig):
     """SIGTERM, or SIGINT sent to ablate alone (not its process group), ends the base_train run it
     launched (never left training, holding the run's lock) and ablate says in one line what is kept,

@@ -566,6 +566,7 @@ def test_a_model_that_fits_only_in_swap_warns(base, monkeypatch, capsys):
         "more than the 0.0 GiB free, so it will swap (slow) or be killed when memory runs out" in out, out
 
 
+@pytest.mark.heavy
 def test_a_process_group_without_its_peers_is_one_line(tmp_path):
     """WORLD_SIZE without MASTER_ADDR is one line, not a traceback; with MASTER_ADDR and no peer,
     the rendezvous says what it waits for and gives up after NANOMUON_RENDEZVOUS_TIMEOUT with one
@@ -587,6 +588,7 @@ def test_a_process_group_without_its_peers_is_one_line(tmp_path):
     assert "the 2 processes did not all meet at 127.0.0.1:" in p.stderr and "within 12 s" in p.stderr
 
 
+@pytest.mark.heavy
 def test_a_world_of_one_needs_no_master_addr(base):
     """RANK=0 LOCAL_RANK=5 WORLD_SIZE=1 without MASTER_ADDR (a shell's leftovers, or a scheduler's
     one-task job): one process has no peer to meet, so it trains, in a process group of its own."""

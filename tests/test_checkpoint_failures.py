@@ -39,6 +39,7 @@ def _full_disk_on_rank_1(rank, world_size, path):
     assert not list(path.iterdir()), "a failed save left files behind"
 
 
+@pytest.mark.heavy
 def test_a_full_disk_on_another_rank_is_named_as_one(tmp_path):
     spawn(_full_disk_on_rank_1, 2, tmp_path)
 

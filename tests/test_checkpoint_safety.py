@@ -223,6 +223,7 @@ def test_a_resume_keeps_the_data_seed(base, capsys):
         run_main("--run", "seeded", "--num-iterations", "2", "--resume-from-step", "1")
 
 
+@pytest.mark.heavy
 def test_a_fresh_run_over_an_earlier_one_is_refused_or_moves_it_aside(base, capsys):
     """A re-run of the same --run without --resume-from-step neither trains over the earlier run
     nor prunes it: one line says how to go on; --start-over moves its checkpoints and results into
@@ -249,6 +250,7 @@ def test_a_fresh_run_over_an_earlier_one_is_refused_or_moves_it_aside(base, caps
     assert "--start-over trains afresh" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_a_rewind_keeps_the_abandoned_steps_aside_and_prunes_only_its_own(base, capsys):
     """Resuming from an earlier step while later checkpoints exist: the later ones move into
     rewound_from_step_S.N (latest no longer finds them, pruning never touches them), and pruning
@@ -297,6 +299,7 @@ def base_eval_main(run, *argv):
                  "--sample-tokens", "0", *argv])
 
 
+@pytest.mark.heavy
 def test_a_rewind_moves_base_eval_results_of_the_later_steps_aside(base, tmp_path):
     """CORE measured at steps 4 and 8, then a rewind to 4 that trains another step 8: step 8's
     results (its report section, the "> CORE:" headline, summary.json's core keys) move into
@@ -368,7 +371,8 @@ def test_a_resume_that_times_no_step_keeps_the_throughput(base):
     assert all(x in (run_dir / "report.md").read_text().split("\n") for x in lines)
 
 
-@pytest.mark.parametrize("key,value,says", [("dtype", "fp16", "'args.dtype' is 'fp16', not one of"),
+@pytest.mark.parametrize("key,value,says", [pytest.param("dtype", "fp16", "'args.dtype' is 'fp16', not one of",
+                                                         marks=pytest.mark.heavy),
                                             ("eval_tokens", -5, "'args.eval_tokens' is -5, not an int >= 1")])
 def test_base_eval_refuses_a_bad_saved_flag_in_one_line(base, key, value, says):
     """meta.json is text: a hand-edited dtype or eval_tokens is one line naming it, not a traceback
@@ -396,7 +400,8 @@ def test_a_step_without_checksums_loads_with_a_note(base, capsys):
     assert f"note: {d} has no checksums.json: its files load unverified" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["meta.json", "checksums.json", ".metadata", "optim.pt"])
+@pytest.mark.parametrize("name", ["meta.json", pytest.param("checksums.json", marks=pytest.mark.heavy),
+                                  ".metadata", pytest.param("optim.pt", marks=pytest.mark.heavy)])
 def test_a_fifo_in_the_newest_step_falls_back_and_never_hangs(base, capsys, name):
     """A FIFO where a checkpoint file belongs (nothing writes to it: opening it for reading would
     wait forever) makes that step corrupt: `latest` takes the one before, at once."""
@@ -411,6 +416,7 @@ def test_a_fifo_in_the_newest_step_falls_back_and_never_hangs(base, capsys, name
     assert f"{target} is a FIFO, not the regular file nanomuon wrote" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_a_fifo_for_a_report_is_refused_at_the_start(base, tmp_path):
     """report.md or summary.json as a FIFO: base_train refuses at the start, before it takes hours
     to reach them, and base_eval before it evaluates; neither waits on the FIFO."""
@@ -502,6 +508,7 @@ def test_a_step_pruned_as_dcp_reads_it_logs_no_traceback(base, caplog, capsys, m
     assert "metadata is not" not in caplog.text and "Traceback" not in caplog.text, caplog.text
 
 
+@pytest.mark.heavy
 def test_start_over_takes_all_of_the_earlier_run_past_a_dangling_link(base, capsys):
     """--start-over picks the first previous.N that nothing holds (a dangling link holds its name)
     and moves everything of the earlier run: its exports, wandb's folder and its rewinds' folders

@@ -253,6 +253,7 @@ def test_download_rejects_a_corrupt_file_after_retries(hub, tmp_path):
     assert "column 'text' holds int64, not strings" in r.stderr
 
 
+@pytest.mark.heavy
 def test_download_errors_name_the_fix(hub, tmp_path):
     r = fetch(hub, tmp_path, 4)  # shard 3 is not on this hub: a 404 fails at once
     assert r.returncode != 0 and "error: shard_00003.parquet: HTTP 404" in r.stderr
@@ -285,6 +286,7 @@ def test_no_network_unless_a_download_is_asked_for(hub, tmp_path):
     assert hub.log == []
 
 
+@pytest.mark.heavy
 def test_climbmix_downloads_like_fineweb_edu_from_its_own_repo(fake_hub, tmp_path):
     """nanochat's current data: karpathy/climbmix-400b-shuffle, shards 0..6542, the last one val,
     through the same pinned, resumable, parallel path as fineweb-edu."""

@@ -203,12 +203,13 @@ def _equivalence_worker(rank, world_size, steps, scatter=None):
     assert torch.equal(flat(resumed), flat(model))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.heavy),
+                                        pytest.param(8, marks=pytest.mark.slow)])
 def test_dist_equals_single_device(world_size):
     spawn(_equivalence_worker, world_size, 8)
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("world_size", [3, pytest.param(4, marks=pytest.mark.heavy)])
 def test_dist_equals_single_device_with_nccl_collectives(world_size):
     """nccl's in-place reduce-scatter and all_gather (gloo runs all_reduce and broadcasts), run here on gloo."""
     spawn(_equivalence_worker, world_size, 4, True)
@@ -267,6 +268,7 @@ def _checkpoint_worker(rank, world_size, mode, path, steps):
         torch.save(dict(params=params, opt=full), path + (".ckpt" if mode == "save" else f".{mode}"))
 
 
+@pytest.mark.heavy
 def test_full_state_saved_at_world_2_resumes_at_world_3(tmp_path):
     path = str(tmp_path / "run")
     spawn(_checkpoint_worker, 2, "save", path, 4)
@@ -356,6 +358,7 @@ def test_sharded_checkpoint_loads_at_any_world_size(tmp_path, saved_at, loaded_a
             assert torch.equal(torch.as_tensor(single.state_dict()["state"][pid][name]), torch.as_tensor(v))
 
 
+@pytest.mark.heavy
 def test_step_memory_is_below_ddp_style_and_copies_no_muon_grads(capsys):
     """scripts/bench_memory at world 2: a DistMuonAdamW step (state + temporaries) peaks below all_reduce + stock
     torch Muon + AdamW, and its temporaries stay under the size of the Muon grads: a full-size stack of them, or

@@ -84,11 +84,12 @@ def why_not_here() -> str | None:
 
 
 if __name__ != "__main__":  # a child process must not import torch before the shim
-    pytestmark = pytest.mark.skipif(bool(why_not_here()), reason=str(why_not_here()))
+    pytestmark = [pytest.mark.heavy,  # a child process a test: CI runs them in legs of their own
+                  pytest.mark.skipif(bool(why_not_here()), reason=str(why_not_here()))]
 
 
 def skip_before_compile_under_fake() -> None:
-    """Skip a compiled case on a torch before 2.10 (CI's floor leg); CI's third leg runs it."""
+    """Skip a compiled case on a torch before 2.10 (CI's floor leg); CI's fake-GPU leg runs it."""
     import torch
 
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 10):
@@ -228,8 +229,8 @@ def test_base_train_whole_on_a_fake_h100(shim, base, fp8):
     batched seeds (vmap over the compiled model, each seed's memory in the batch fit, each layer's
     kernel called once on every seed's rows). The plain run's node has FA3 in torch's registry,
     which also runs the windows of arch 'nanochat' (auto on CUDA); the others no flash kernel:
-    their windows run through flex_attention. The step lines and the report say so. CI's third
-    leg runs it."""
+    their windows run through flex_attention. The step lines and the report say so. CI's
+    fake-GPU leg runs it."""
     skip_before_compile_under_fake()
     if fp8 == "fp8":
         pytest.importorskip("torchao.float8", reason="--fp8 needs torchao")

@@ -88,7 +88,7 @@ def complete(run_dir):
                 and objs["optim"] == meta["i"])
 
 
-@pytest.mark.parametrize("mode", ["swap", "two-renames"])
+@pytest.mark.parametrize("mode", ["swap", pytest.param("two-renames", marks=pytest.mark.heavy)])
 def test_a_resave_killed_at_any_moment_keeps_a_complete_step(base, tmp_path, mode):
     """A process re-saves step 3 over and over and is SIGKILLed at random moments. With the atomic swap,
     step_000003 exists at every instant we look; with two renames, clean_run_dir (run at every start)
@@ -113,6 +113,7 @@ def test_a_resave_killed_at_any_moment_keeps_a_complete_step(base, tmp_path, mod
         assert sorted(p.name for p in run_dir.iterdir()) == ["step_000003"]
 
 
+@pytest.mark.heavy
 def test_latest_falls_back_past_a_corrupt_checkpoint(base):
     """auto / latest skip a checkpoint that does not load, with a warning naming it, and resume from the one
     before: the run still ends bitwise equal to an uninterrupted one. A step named by number must load."""
@@ -148,6 +149,7 @@ def can_mount_tmpfs(tmp_path):
     return shutil.which("unshare") and probe.returncode == 0
 
 
+@pytest.mark.heavy
 def test_a_full_disk_stops_the_run_at_start_or_at_a_save(base, tmp_path):
     """A run dir on a disk smaller than one checkpoint is refused before training; one that fills at the
     second save stops with one line, keeping the first checkpoint, and leaves no temporary files."""

@@ -123,11 +123,13 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
         assert_same(name, p, q, atol)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.heavy),
+                                        pytest.param(8, marks=pytest.mark.slow)])
 def test_every_placement_equals_unsharded(world_size):
     spawn(_placements_worker, world_size, {}, 1e-6)
 
 
+@pytest.mark.heavy
 def test_bf16_communication_and_options():
     """The group's other options (coefficients, lr scale, L2 decay, no Nesterov) reach the sharded path, also
     with one matrix per chunk (many chunks in flight); comm_precision='bf16' ships bf16 shards (close to fp32)."""
@@ -200,6 +202,7 @@ def test_distributed_mode_sums_the_norms_of_equilibrate_and_post_normalize(optio
     spawn(_modes_worker, 3, "distributed", options)
 
 
+@pytest.mark.heavy
 def test_blockwise_changes_the_math():
     """Blockwise is not Muon of the whole matrix: with 4 ranks its result differs from the exact modes."""
     spawn(_blockwise_differs_worker, 4)
@@ -239,7 +242,7 @@ def _qkv_worker(rank, world_size, mode, layout):
 @pytest.mark.parametrize("layout", [dict(qkv_split=(24, 8, 8)),
                                     dict(split=(12, 4, 4), split_groups=2, transposed=True)],
                          ids=["qkv", "interleaved-transposed"])
-@pytest.mark.parametrize("mode", ["owner", "duplicated"])
+@pytest.mark.parametrize("mode", ["owner", pytest.param("duplicated", marks=pytest.mark.heavy)])
 def test_split_sharded(mode, layout):
     spawn(_qkv_worker, 3, mode, layout)
 
@@ -320,7 +323,8 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
 
 
 @pytest.mark.parametrize("shard_root", [True, False], ids=["all-fsdp", "fsdp-blocks-replicated-rest"])
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy),
+                                        pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_gpt_equals_unsharded(world_size, shard_root):
     spawn(_fsdp_gpt_worker, world_size, shard_root)
 
@@ -371,7 +375,8 @@ def _tp_worker(rank, world_size, mode):
         assert_same(name, p, q, 2e-5)
 
 
-@pytest.mark.parametrize("world_size, mode", [pytest.param(4, "owner", marks=pytest.mark.slow), (4, "distributed"),
+@pytest.mark.parametrize("world_size, mode", [pytest.param(4, "owner", marks=pytest.mark.slow),
+                                              pytest.param(4, "distributed", marks=pytest.mark.heavy),
                                               pytest.param(4, "duplicated", marks=pytest.mark.slow),
                                               pytest.param(8, "owner", marks=pytest.mark.slow)])
 def test_fsdp2_x_tensor_parallel_equals_unsharded(world_size, mode):
@@ -388,6 +393,7 @@ def _refuse_worker(rank, world_size):
         MuonAdamW(groups([q], [], sharded_mode="distributed")).step()
 
 
+@pytest.mark.heavy
 def test_refusals():
     """'distributed' refuses a matrix cut along both dims."""
     spawn(_refuse_worker, 4)

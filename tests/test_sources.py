@@ -320,6 +320,7 @@ def test_hub_sources_through_datasets(fake_hub, tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)[0][0] == name and fake_hub.log == [], r.stderr
 
 
+@pytest.mark.heavy
 def test_hub_source_errors_are_one_line(fake_hub, tmp_path):
     fake_hub.files["owner/gated"] = {"data/train.jsonl": b'{"text": "x"}\n{"text": "y"}\n'}
     fake_hub.tokens["owner/gated"] = "sesame"

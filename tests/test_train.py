@@ -109,6 +109,7 @@ def test_the_lr_multiplier_scales_each_groups_peak_lr_once():
             assert g["initial_lr"] == g["lr"] == pytest.approx(want * 3, rel=1e-12), (variant, g)
 
 
+@pytest.mark.heavy
 def test_a_resume_takes_the_lr_multiplier_from_the_flags(base, capsys):
     """A resume with another --lr-multiplier trains at the flags' lrs, not the checkpoint's, and
     says so (the flags win, as for every lr flag)."""
@@ -441,6 +442,7 @@ def wait_for_checkpoints(run_dir, step, job, timeout=240):
         time.sleep(0.02)
 
 
+@pytest.mark.heavy
 def test_sigkill_mid_run_then_resume_is_bitwise_exact(base):
     """SIGKILL lands while a torchrun job trains and checkpoints. (1) One worker dies; torchrun
     --max-restarts restarts the job, which resumes by itself (--resume-from-step auto). (2) The whole job
@@ -495,6 +497,7 @@ def test_single_process_and_gradient_accumulation(base):
     assert "1 processes x 2 accumulation steps" in p.stdout
 
 
+@pytest.mark.heavy
 def test_qk_clip_run(base):
     """--no-qk-norm --qk-clip with a tiny tau: heads get clipped every step, and the run trains and saves."""
     flags = [*TINY, "--total-batch-size", "256", "--num-iterations", "3", "--eval-every", "-1", "--run", "clip",
@@ -550,6 +553,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(base, capsys, monkeypatc
         in str(e.value.code), e.value.code
 
 
+@pytest.mark.heavy
 def test_nonfinite_model_is_never_checkpointed(base, monkeypatch):
     import scripts.base_train as bt
 
@@ -583,6 +587,7 @@ def _all_finite_worker(rank, world_size):
     assert all_finite(loss, params)
 
 
+@pytest.mark.heavy
 def test_all_finite_agrees_across_ranks():
     from test_dist import spawn
 
@@ -667,6 +672,7 @@ def test_speedrun_refuses_an_earlier_run_before_anything_starts(tmp_path):
     assert "--resume, but" in err and "holds no checkpoint to continue" in err, err
 
 
+@pytest.mark.heavy
 def test_speedrun_resume_and_start_over_reach_base_train(base, tmp_path):
     """--resume is base_train's --resume-from-step latest, --start-over its own flag; base_eval gets
     neither. torchrun is a stand-in that records its command and fails, so nothing trains."""
