@@ -298,22 +298,40 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
                 "--aspect-ratio or --head-dim")
 
 
-# A batched model's memory over its seeds' train_memory: at ablate's shape (d4, 8 x 256 tokens,
-# bf16) 2 compiled steps' peak RSS grew 0.25 GiB a seed over 1, 8 and 40 seeds; train_memory: 0.18
-SEEDS_MEMORY = 1.4
+# Batched seeds on a CPU: each seed's params, grads, optimizer state and bf16 copies as
+# train_memory counts them, times SEEDS_STATE; activations at SEEDS_ACTIVATION_BYTES a token, per
+# layer x width and per vocabulary entry (vmap makes every matmul a batched one, whose backward
+# keeps fp32 copies of a bf16 step's operands: the logits' alone take 12.6 bytes an entry, not 3);
+# and the process itself: Python, torch, the tokenizer and the data (0.47 GiB measured). Fitted to
+# 2 steps' peak RSS at vocab 4,096 and 32,768, widths 64 to 256, 256 to 2,048 tokens a micro-batch,
+# 2 to 20 seeds, eager and compiled, bf16 and fp32, with a margin for threads and the allocator
+SEEDS_STATE = 1.25
+SEEDS_ACTIVATION_BYTES = (92, 16)
+PROCESS_MEMORY = int(0.6 * 2 ** 30)
+
+
+def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> dict[str, int]:
+    """One process's bytes of training on a CPU, by part: recipe.train_memory's; with --fsdp the
+    state's shard; with --seeds each seed's, as measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES),
+    and the process's own (PROCESS_MEMORY)."""
+    parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    if not args.seeds:  # with --fsdp each process holds its shard of the state, its activations
+        shards = world_size if args.fsdp else 1
+        return {k: v // (1 if k == "activations" else shards) for k, v in parts.items()}
+    n, (per_layer, per_vocab) = len(args.seeds), SEEDS_ACTIVATION_BYTES
+    token = per_layer * config.n_layer * config.n_embd + per_vocab * config.vocab_size
+    state = {k: n * int(SEEDS_STATE * v) for k, v in parts.items() if k != "activations"}
+    return dict(state, activations=n * args.device_batch_size * config.sequence_len * token,
+                process=PROCESS_MEMORY)
 
 
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
-    """On a CPU, training's memory (recipe.train_memory, this machine's processes) before any is
-    allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap."""
+    """On a CPU, training's memory (memory_parts, this machine's processes) before any is
+    allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap. Too
+    many seeds: the most that fit."""
     if (free := available_memory()) is None:
         return
-    parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
-    # each seed a whole model's, and vmapped steps keep more (SEEDS_MEMORY); with --fsdp each
-    # process holds its shard of the model's state, and its own activations
-    copies = len(args.seeds) * SEEDS_MEMORY if args.seeds else 1
-    shards = world_size if args.fsdp else 1
-    parts = {k: int(v * copies) // (1 if k == "activations" else shards) for k, v in parts.items()}
+    parts = memory_parts(args, config, world_size, compiled)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
     need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
     what = (f"training this model takes about {need / gib:.1f} GiB of memory ("
@@ -322,7 +340,10 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
             f"--device-batch-size {args.device_batch_size}, --max-seq-len {args.max_seq_len})")
     error = None
     if need > mem + swap:
-        fits = int(len(args.seeds) * (mem + swap) / need) if args.seeds else 0
+        fits = 0
+        if args.seeds:  # the process once, then each seed alike: the most seeds that fit
+            seed = (sum(parts.values()) - PROCESS_MEMORY) // len(args.seeds)
+            fits = max(0, int((mem + swap) / local - PROCESS_MEMORY) // seed)
         lower = (f"train at most {fits} seeds at once (--seeds of {fits})" if fits
                  else "lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
         error = (f"{what}, and this machine has {mem / gib:.1f} GiB free"
