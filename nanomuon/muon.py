@@ -4,10 +4,10 @@ sharded, compiled) calls muon_update or its three parts, and adamw_update for th
 
 Read top-down: muon_update is muon_momentum (elementwise, so it runs on shards), muon_direction
 (whole matrices: the precondition stages, the orthogonalizer, the post-process stages) and
-muon_apply (weight decay and the step). The default stages are here: Newton-Schulz with its
-coefficient sets, variance reduction (NorMuon) and decoupled or cautious decay. Every other stage,
-the registries a group picks its stages from, every group option and the resolver that turns a
-group into a MuonPlan live in stages.py. A plan is made once per matrix shape, so a step derives
+muon_apply (weight decay and the step). The default stages are here: Newton-Schulz (its named
+coefficient sets: coefficients.py), variance reduction and decoupled or cautious decay. Every other
+stage, the registries, every group option and the resolver that turns a group into a MuonPlan
+live in stages.py. A plan is made once per matrix shape, so a step derives
 nothing; the numbers schedules change travel as MuonScalars, 0-D tensors when compiled (scalars),
 so an LR schedule never recompiles. Imports only torch.
 """
