@@ -498,7 +498,7 @@ def _dist_worker(rank, world_size, steps, weight_decay, atol, rtol_fro):
         assert not torch.equal(p, s), f"{name} never moved"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_data_parallel_equals_one_process(world_size):
     """DistMuonAdamW on every group of the nanochat arch (gloo; each rank its own rows) against
     MuonAdamW in one process on the mean gradient, after each of 3 steps, the ranks bitwise

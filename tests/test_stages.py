@@ -531,8 +531,9 @@ def _resume_worker(rank, world, technique, path, mode):
         torch.save([p.detach() for p in model], path / f"{technique}.pt")
 
 
-@pytest.mark.parametrize("technique", [t if t in ("soap", "muown") else pytest.param(t, marks=pytest.mark.slow)
-                                       for t in TECHNIQUES])  # a stage with state, one owning momentum
+@pytest.mark.parametrize("technique", [  # a stage with state, one owning momentum
+    t if t == "soap" else pytest.param(t, marks=pytest.mark.heavy if t == "muown" else pytest.mark.slow)
+    for t in TECHNIQUES])
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
     """Saved at 2 ranks (each its own pieces of the stage state), resumed at 3: the run equals an
     uninterrupted one on one device."""
@@ -733,6 +734,7 @@ def _fsdp_checkpoint_worker(rank, world, path, mode):
     assert all(torch.isfinite(full(p)).all() for p in model.parameters())
 
 
+@pytest.mark.heavy
 def test_fsdp2_soap_state_reshards_from_a_checkpoint(tmp_path):
     spawn(_fsdp_checkpoint_worker, 2, tmp_path, "save")
     spawn(_fsdp_checkpoint_worker, 3, tmp_path, "load")
