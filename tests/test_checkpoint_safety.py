@@ -196,6 +196,7 @@ def test_the_final_checkpoint_is_saved_before_the_final_eval(base, monkeypatch, 
     assert "| 3 |" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.heavy
 def test_base_eval_sections_survive_a_resumed_base_train(base):
     run_main("--run", "reported", "--num-iterations", "2")
     report = base / "runs" / "reported" / "report.md"
@@ -356,6 +357,7 @@ THROUGHPUT = ("mean_step_ms", "median_step_ms", "median_optimizer_ms", "optimize
               "tok_per_s")
 
 
+@pytest.mark.heavy
 def test_a_resume_that_times_no_step_keeps_the_throughput(base):
     """A finished run resumed (its process trains, and so times, no step) keeps summary.json's
     throughput keys (ablate reads mean_step_ms and tok_per_s) and report.md's lines for them."""
@@ -400,8 +402,8 @@ def test_a_step_without_checksums_loads_with_a_note(base, capsys):
     assert f"note: {d} has no checksums.json: its files load unverified" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["meta.json", pytest.param("checksums.json", marks=pytest.mark.heavy),
-                                  ".metadata", pytest.param("optim.pt", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("name", ["meta.json", *(pytest.param(n, marks=pytest.mark.heavy)
+                                                for n in ("checksums.json", ".metadata", "optim.pt"))])
 def test_a_fifo_in_the_newest_step_falls_back_and_never_hangs(base, capsys, name):
     """A FIFO where a checkpoint file belongs (nothing writes to it: opening it for reading would
     wait forever) makes that step corrupt: `latest` takes the one before, at once."""
@@ -463,6 +465,7 @@ def test_a_reader_beside_a_pruner_says_the_step_was_removed_and_takes_the_next(b
         load_step(run_dir, 3)
 
 
+@pytest.mark.heavy
 def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys, monkeypatch):
     """load_model (sample, base_eval): 'latest' checked, then pruned before its tensors are read:
     it says so and loads the newest step left."""

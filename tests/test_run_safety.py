@@ -45,6 +45,7 @@ def last_line(out):
     return out.strip().splitlines()[-1]
 
 
+@pytest.mark.heavy
 def test_one_run_per_run_dir_and_a_dead_holder_is_detected(base):
     run_dir = base / "runs" / "locked"
     flags = ["--run", "locked", "--num-iterations", "30", "--save-every", "5"]

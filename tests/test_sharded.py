@@ -123,7 +123,7 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
         assert_same(name, p, q, atol)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.heavy),
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.heavy) for n in (3, 4)),
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_every_placement_equals_unsharded(world_size):
     spawn(_placements_worker, world_size, {}, 1e-6)

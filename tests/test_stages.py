@@ -549,6 +549,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
 
+@pytest.mark.heavy
 def test_fsdp2_runs_soap_and_refuses_stages_that_read_whole_weights():
     """SOAP on every DTensor placement (FSDP2's Shard(0), tensor parallel's Shard(1), 2-D meshes, experts):
     the raw gradient travels to each matrix's owner with its momentum step; state and resume as the unsharded

@@ -62,6 +62,7 @@ def assert_bitwise_equal(a: dict, b: dict, what: str):
             assert a[k] == b[k], f"{what}.{k}: {a[k]!r} != {b[k]!r}"
 
 
+@pytest.mark.heavy
 def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
     """torch's load_state_dict restores the checkpoint's initial_lr and weight_decay; the flags must win:
     resumed with every lr at 0, the model must not move from the checkpoint at all."""
@@ -761,7 +762,7 @@ class NoFloat64(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.heavy), "bf16"])
 def test_train_and_eval_make_no_float64_tensor(base, capsys, dtype):
     """base_train's steps, evals, checkpoint and samples, and base_eval, with no float64 tensor anywhere (an MPS
     device would fail on one): the guard is live, as evaluate_bpb's old float64 sums trip it."""
