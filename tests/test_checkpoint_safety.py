@@ -330,6 +330,7 @@ def test_a_rewind_moves_base_eval_results_of_the_later_steps_aside(base, tmp_pat
     assert "> CORE: " + measured["core_headline"] in moved.split("\n")
 
 
+@pytest.mark.heavy
 def test_base_eval_holds_the_run_dir_while_it_measures(base, monkeypatch):
     """A --start-over while base_eval measures step 4 is refused (base_eval holds the run dir's
     lock), so its results are filed with the run it measured, not with a new one."""
@@ -487,6 +488,7 @@ def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys,
         capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_a_step_pruned_as_dcp_reads_it_logs_no_traceback(base, caplog, capsys, monkeypatch):
     """DCP logs an index it cannot read, with its traceback, before it raises: a step pruned just
     as its tensors are read gets load_model's one-line note and nothing else."""

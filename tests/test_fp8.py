@@ -125,7 +125,7 @@ def _fp8_worker(rank, world_size, fsdp, steps, atol):
         assert_replicated_tensors(list(model.parameters()))
 
 
-@pytest.mark.parametrize("world_size,fsdp", [(2, False), (2, True)])
+@pytest.mark.parametrize("world_size,fsdp", [(2, False), pytest.param(2, True, marks=pytest.mark.heavy)])
 def test_fp8_distributed_equals_one_process(world_size, fsdp):
     """--fp8 under DistMuonAdamW (ranks replicated, bitwise identical) and FSDP2 trains as one
     process does on the same rows, bitwise at 2 ranks: each micro-batch's fp8 scales are its own,

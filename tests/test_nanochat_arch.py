@@ -526,6 +526,7 @@ FLAGS = [*TINY, "--depth", "4", "--aspect-ratio", "16", "--max-seq-len", "256",
          "--dtype", "fp32", "--no-compile", "--arch", "nanochat", "--attention", "chunked"]
 
 
+@pytest.mark.heavy
 def test_batched_seeds_train_as_their_own_runs(base, monkeypatch):
     """--arch nanochat with --seeds 1,2 against each seed alone: the same final val bpb, final
     eval and val history within 1e-4 relative (test_seeds' tolerance). Newton-Schulz in fp32, as

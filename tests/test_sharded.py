@@ -194,7 +194,8 @@ def test_tensor_parallel_modes(mode, world_size):
 
 
 @pytest.mark.parametrize("options", [
-    dict(precondition="equilibrate_row_col", post_process=("normalize_col_row", "variance_reduction")),
+    pytest.param(dict(precondition="equilibrate_row_col", post_process=("normalize_col_row", "variance_reduction")),
+                 marks=pytest.mark.heavy),
     dict(precondition="equilibrate_col", post_process=("normalize_fro", "variance_reduction"))],
     ids=["rc-colrow", "c-fro"])
 def test_distributed_mode_sums_the_norms_of_equilibrate_and_post_normalize(options):

@@ -187,6 +187,7 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     assert said in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_the_summary_paces_steps_as_the_step_lines_do(base, capsys):
     """summary.json's median_step_ms and mean_step_ms (what ablate's budget plans with: a run's wall
     pays for its slow steps) are those of the step lines' dt over the steps the summary counts."""
@@ -651,6 +652,7 @@ def speedrun_until_it_starts(base_dir, *argv, **extra):
     return first, job.stderr.read(), job.returncode
 
 
+@pytest.mark.heavy
 def test_speedrun_refuses_an_earlier_run_before_anything_starts(tmp_path):
     """Re-running speedrun.sh over an interrupted run stops at once, before torchrun, in one line that
     says how to go on in speedrun's own flags; --resume with --start-over, or with nothing to resume,
