@@ -143,7 +143,7 @@ def _dist_worker(rank, world_size):
         assert all(torch.equal(e, everyone[0]) for e in everyone), "replicas differ"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_distributed_averages_grads_and_stays_replicated(world_size):
     spawn(_dist_worker, world_size)
 

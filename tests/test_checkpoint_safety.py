@@ -196,6 +196,7 @@ def test_the_final_checkpoint_is_saved_before_the_final_eval(base, monkeypatch, 
     assert "| 3 |" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.heavy
 def test_base_eval_sections_survive_a_resumed_base_train(base):
     run_main("--run", "reported", "--num-iterations", "2")
     report = base / "runs" / "reported" / "report.md"
@@ -329,6 +330,7 @@ def test_a_rewind_moves_base_eval_results_of_the_later_steps_aside(base, tmp_pat
     assert "> CORE: " + measured["core_headline"] in moved.split("\n")
 
 
+@pytest.mark.heavy
 def test_base_eval_holds_the_run_dir_while_it_measures(base, monkeypatch):
     """A --start-over while base_eval measures step 4 is refused (base_eval holds the run dir's
     lock), so its results are filed with the run it measured, not with a new one."""
@@ -356,6 +358,7 @@ THROUGHPUT = ("mean_step_ms", "median_step_ms", "median_optimizer_ms", "optimize
               "tok_per_s")
 
 
+@pytest.mark.heavy
 def test_a_resume_that_times_no_step_keeps_the_throughput(base):
     """A finished run resumed (its process trains, and so times, no step) keeps summary.json's
     throughput keys (ablate reads mean_step_ms and tok_per_s) and report.md's lines for them."""
@@ -400,8 +403,8 @@ def test_a_step_without_checksums_loads_with_a_note(base, capsys):
     assert f"note: {d} has no checksums.json: its files load unverified" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["meta.json", pytest.param("checksums.json", marks=pytest.mark.heavy),
-                                  ".metadata", pytest.param("optim.pt", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("name", ["meta.json", *(pytest.param(n, marks=pytest.mark.heavy)
+                                                for n in ("checksums.json", ".metadata", "optim.pt"))])
 def test_a_fifo_in_the_newest_step_falls_back_and_never_hangs(base, capsys, name):
     """A FIFO where a checkpoint file belongs (nothing writes to it: opening it for reading would
     wait forever) makes that step corrupt: `latest` takes the one before, at once."""
@@ -463,6 +466,7 @@ def test_a_reader_beside_a_pruner_says_the_step_was_removed_and_takes_the_next(b
         load_step(run_dir, 3)
 
 
+@pytest.mark.heavy
 def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys, monkeypatch):
     """load_model (sample, base_eval): 'latest' checked, then pruned before its tensors are read:
     it says so and loads the newest step left."""
@@ -484,6 +488,7 @@ def test_sample_loads_the_next_step_when_latest_is_pruned_mid_read(base, capsys,
         capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_a_step_pruned_as_dcp_reads_it_logs_no_traceback(base, caplog, capsys, monkeypatch):
     """DCP logs an index it cannot read, with its traceback, before it raises: a step pruned just
     as its tensors are read gets load_model's one-line note and nothing else."""

@@ -203,7 +203,7 @@ def _equivalence_worker(rank, world_size, steps, scatter=None):
     assert torch.equal(flat(resumed), flat(model))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.heavy),
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.heavy) for n in (3, 4)),
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_dist_equals_single_device(world_size):
     spawn(_equivalence_worker, world_size, 8)
@@ -234,7 +234,7 @@ def _presence_worker(rank, world_size):
     assert len(reads) == (1 if rank == world_size - 1 else 0), reads
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_grad_presence_needs_no_host_sync_when_every_grad_is_there(world_size):
     """DistMuonAdamW learns which params have a grad on some rank without reading anything back on a rank
     that holds every grad; a rank missing one reads the flags, and the update still matches MuonAdamW."""

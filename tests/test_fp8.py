@@ -125,7 +125,7 @@ def _fp8_worker(rank, world_size, fsdp, steps, atol):
         assert_replicated_tensors(list(model.parameters()))
 
 
-@pytest.mark.parametrize("world_size,fsdp", [(2, False), (2, True)])
+@pytest.mark.parametrize("world_size,fsdp", [(2, False), pytest.param(2, True, marks=pytest.mark.heavy)])
 def test_fp8_distributed_equals_one_process(world_size, fsdp):
     """--fp8 under DistMuonAdamW (ranks replicated, bitwise identical) and FSDP2 trains as one
     process does on the same rows, bitwise at 2 ranks: each micro-batch's fp8 scales are its own,
@@ -133,6 +133,7 @@ def test_fp8_distributed_equals_one_process(world_size, fsdp):
     spawn(_fp8_worker, world_size, fsdp, 4, 0.0)
 
 
+@pytest.mark.heavy
 def test_fp8_at_three_ranks_differs_from_one_process_only_by_the_sum_order():
     """At 3 ranks the mean's rounding differs from one process's (a few 1e-7 after a step, as
     without fp8); from the next step fp8's rounding, whose last bit is 6% of a value, amplifies
@@ -154,6 +155,7 @@ def test_fp8_in_fp32_says_so_and_the_report_says_fp8(base, capsys):
     assert said and "fp32 with fp8 matmuls (tensorwise scales), fp32 params" in said[0], report
 
 
+@pytest.mark.heavy
 def test_a_resume_in_another_precision_says_so_and_the_report_keeps_both(base, capsys):
     """An fp8 checkpoint resumes without --fp8, or with another --fp8-recipe (it is a plain
     one), but not silently: a note at the resume, and the report says what each part trained in."""

@@ -498,7 +498,7 @@ def _dist_worker(rank, world_size, steps, weight_decay, atol, rtol_fro):
         assert not torch.equal(p, s), f"{name} never moved"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_data_parallel_equals_one_process(world_size):
     """DistMuonAdamW on every group of the nanochat arch (gloo; each rank its own rows) against
     MuonAdamW in one process on the mean gradient, after each of 3 steps, the ranks bitwise
@@ -526,6 +526,7 @@ FLAGS = [*TINY, "--depth", "4", "--aspect-ratio", "16", "--max-seq-len", "256",
          "--dtype", "fp32", "--no-compile", "--arch", "nanochat", "--attention", "chunked"]
 
 
+@pytest.mark.heavy
 def test_batched_seeds_train_as_their_own_runs(base, monkeypatch):
     """--arch nanochat with --seeds 1,2 against each seed alone: the same final val bpb, final
     eval and val history within 1e-4 relative (test_seeds' tolerance). Newton-Schulz in fp32, as

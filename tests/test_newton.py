@@ -163,6 +163,7 @@ def _resume_worker(rank, world, path, mode):
         torch.save([p.detach() for p in model], path / "newton.pt")
 
 
+@pytest.mark.heavy
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path):
     """Saved at 2 ranks after a refresh, resumed at 3: the covariances, inverses and momenta come
     back resharded, and the run equals an unbroken one on one device."""

@@ -268,7 +268,7 @@ def _add_group_worker(rank, world_size):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_add_param_group_keeps_owners_and_state(world_size):
     from test_dist import spawn
 

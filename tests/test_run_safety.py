@@ -45,6 +45,7 @@ def last_line(out):
     return out.strip().splitlines()[-1]
 
 
+@pytest.mark.heavy
 def test_one_run_per_run_dir_and_a_dead_holder_is_detected(base):
     run_dir = base / "runs" / "locked"
     flags = ["--run", "locked", "--num-iterations", "30", "--save-every", "5"]
@@ -283,6 +284,7 @@ def test_no_text_in_report_md_is_read_as_another_writers_section(tmp_path):
         assert kept.stat().st_size == (1 << 30 if content is None else len(content))
 
 
+@pytest.mark.heavy
 def test_a_dataset_path_with_a_newline_and_escapes_is_escaped_everywhere(base, tmp_path):
     """--dataset naming a folder whose name holds a newline, a forged base_eval heading and
     terminal escapes: the run trains, nothing of the name reaches the terminal or report.md raw, and

@@ -23,8 +23,9 @@ FLAGS = [*TINY, "--total-batch-size", "256", "--num-iterations", "6", "--eval-ev
          "--final-eval-tokens", "2048", "--dtype", "fp32", "--no-compile"]
 # muon and adamw, then one variant of each stage family: precondition (with and without state),
 # orthogonalizer, post-process, apply (with state); and the per-head layout (split, transposed)
-VARIANTS = ["muon", "adamw", *(pytest.param(v, marks=pytest.mark.slow) for v in (
-    "muon-eq", "muon-soap", "muon-gram", "muon-plus", "muon-hyperball", "muon-per-head"))]
+VARIANTS = ["muon", pytest.param("adamw", marks=pytest.mark.heavy),
+            *(pytest.param(v, marks=pytest.mark.slow) for v in ("muon-eq", "muon-soap", "muon-gram",
+                                                                 "muon-plus", "muon-hyperball", "muon-per-head"))]
 
 
 def summary(base, name: str) -> dict:
@@ -199,6 +200,7 @@ def test_a_batched_run_resumes_exactly(base, capsys):
     assert "2 seeds' models stacked on dim 0 of every tensor" in said, said
 
 
+@pytest.mark.heavy
 def test_one_seed_is_a_plain_run_and_what_cannot_be_batched_is_refused(base, capsys):
     """--seeds 9 is --seed 9 (the same summary, bitwise); --qk-clip, --fp8, --fsdp and torch-muon
     are refused with --seeds in one line, as are --seed beside it and repeated or non-integer

@@ -123,7 +123,7 @@ def _placements_worker(rank, world_size, muon_options, atol, chunk_per_rank=4):
         assert_same(name, p, q, atol)
 
 
-@pytest.mark.parametrize("world_size", [2, 3, pytest.param(4, marks=pytest.mark.heavy),
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.heavy) for n in (3, 4)),
                                         pytest.param(8, marks=pytest.mark.slow)])
 def test_every_placement_equals_unsharded(world_size):
     spawn(_placements_worker, world_size, {}, 1e-6)
@@ -194,7 +194,8 @@ def test_tensor_parallel_modes(mode, world_size):
 
 
 @pytest.mark.parametrize("options", [
-    dict(precondition="equilibrate_row_col", post_process=("normalize_col_row", "variance_reduction")),
+    pytest.param(dict(precondition="equilibrate_row_col", post_process=("normalize_col_row", "variance_reduction")),
+                 marks=pytest.mark.heavy),
     dict(precondition="equilibrate_col", post_process=("normalize_fro", "variance_reduction"))],
     ids=["rc-colrow", "c-fro"])
 def test_distributed_mode_sums_the_norms_of_equilibrate_and_post_normalize(options):

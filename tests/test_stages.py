@@ -548,8 +548,9 @@ def _resume_worker(rank, world, technique, path, mode):
         torch.save([p.detach() for p in model], path / f"{technique}.pt")
 
 
-@pytest.mark.parametrize("technique", [t if t in ("soap", "muown") else pytest.param(t, marks=pytest.mark.slow)
-                                       for t in TECHNIQUES])  # a stage with state, one owning momentum
+@pytest.mark.parametrize("technique", [  # a stage with state, one owning momentum
+    t if t == "soap" else pytest.param(t, marks=pytest.mark.heavy if t == "muown" else pytest.mark.slow)
+    for t in TECHNIQUES])
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
     """Saved at 2 ranks (each its own pieces of the stage state), resumed at 3: the run equals an
     uninterrupted one on one device."""
@@ -565,6 +566,7 @@ def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
 
 
+@pytest.mark.heavy
 def test_fsdp2_runs_soap_and_refuses_stages_that_read_whole_weights():
     """SOAP on every DTensor placement (FSDP2's Shard(0), tensor parallel's Shard(1), 2-D meshes, experts):
     the raw gradient travels to each matrix's owner with its momentum step; state and resume as the unsharded
@@ -753,6 +755,7 @@ def _fsdp_checkpoint_worker(rank, world, path, mode):
     assert all(torch.isfinite(full(p)).all() for p in model.parameters())
 
 
+@pytest.mark.heavy
 def test_fsdp2_soap_state_reshards_from_a_checkpoint(tmp_path):
     spawn(_fsdp_checkpoint_worker, 2, tmp_path, "save")
     spawn(_fsdp_checkpoint_worker, 3, tmp_path, "load")

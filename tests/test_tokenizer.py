@@ -107,7 +107,7 @@ def _bpb_worker(rank, world_size, rows, table, out_dir):
     (out_dir / f"{world_size}_{rank}").write_text(repr(bpb))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.heavy)])
 def test_bits_per_byte_is_the_same_at_any_world_size(tok, tmp_path, world_size):
     """The rows define the measurement: ranks share 7 rows (uneven shares, padded last batches) and every
     rank reports the single-process bpb, up to the fp32 rounding of per-batch sums (one row counted twice or

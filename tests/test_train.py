@@ -62,6 +62,7 @@ def assert_bitwise_equal(a: dict, b: dict, what: str):
             assert a[k] == b[k], f"{what}.{k}: {a[k]!r} != {b[k]!r}"
 
 
+@pytest.mark.heavy
 def test_a_resume_takes_the_new_lrs_from_the_flags(base, capsys):
     """torch's load_state_dict restores the checkpoint's initial_lr and weight_decay; the flags must win:
     resumed with every lr at 0, the model must not move from the checkpoint at all."""
@@ -187,6 +188,7 @@ def test_final_eval_scores_the_last_weights_over_the_whole_val_split(base, capsy
     assert said in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_the_summary_paces_steps_as_the_step_lines_do(base, capsys):
     """summary.json's median_step_ms and mean_step_ms (what ablate's budget plans with: a run's wall
     pays for its slow steps) are those of the step lines' dt over the steps the summary counts."""
@@ -652,6 +654,7 @@ def speedrun_until_it_starts(base_dir, *argv, **extra):
     return first, job.stderr.read(), job.returncode
 
 
+@pytest.mark.heavy
 def test_speedrun_refuses_an_earlier_run_before_anything_starts(tmp_path):
     """Re-running speedrun.sh over an interrupted run stops at once, before torchrun, in one line that
     says how to go on in speedrun's own flags; --resume with --start-over, or with nothing to resume,
@@ -763,7 +766,7 @@ class NoFloat64(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.heavy), "bf16"])
 def test_train_and_eval_make_no_float64_tensor(base, capsys, dtype):
     """base_train's steps, evals, checkpoint and samples, and base_eval, with no float64 tensor anywhere (an MPS
     device would fail on one): the guard is live, as evaluate_bpb's old float64 sums trip it."""
