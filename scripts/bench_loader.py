@@ -22,6 +22,7 @@ from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import iter_texts
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import get_tokenizer
+from scripts.bench_memory import status
 
 
 def main(argv=None):
@@ -69,9 +70,10 @@ def main(argv=None):
                 break
         counts = {k: dl.stats[k] - stats0[k] for k in stats0}
         slots = counts["rows"] * (T + 1)
-        # peak RSS so far, in MB: ru_maxrss is in bytes on macOS, KiB on Linux
-        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-               / (1 << 20 if sys.platform == "darwin" else 1 << 10))
+        # peak RSS so far, in MB. Linux: VmHWM, since exec keeps the parent's peak in ru_maxrss
+        # (under torchrun or pytest it would report theirs); macOS: ru_maxrss, in bytes
+        rss = (status("VmHWM") if sys.platform == "linux"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / (1 << 20)
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
         for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size):
