@@ -266,9 +266,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
 def record_loop(run_dir: Path, step: int, loop: dict) -> None:
     """Put the loop state into a saved step's meta.json (an eval after the save is then in it)."""
     d = step_dir(run_dir, step)
-    meta = read_meta(d)
-    meta["loop"] = loop
-    write_atomic(d / "meta.json", json.dumps(meta, indent=1))
+    write_atomic(d / "meta.json", json.dumps(dict(read_meta(d), loop=loop), indent=1))
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:

@@ -329,10 +329,9 @@ def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -
             error = str(e)
     if rank == 0 and not error and fresh and earlier:
         if not start_over:
-            held = held_by(run_dir, earlier)
-            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
-                     "--resume-from-step latest, pick another --run, or pass --start-over to "
-                     "move it into previous.N and train afresh")
+            error = (f"{run_dir} holds an earlier run ({held_by(run_dir, earlier)}): continue "
+                     "it with --resume-from-step latest, pick another --run, or pass --start-over "
+                     "to move it into previous.N and train afresh")
         else:
             try:
                 # wandb's folder and rewinds' move with an earlier run, but alone are none
@@ -511,9 +510,8 @@ def others_summary(summary: Path) -> dict:
     record = summary_record(summary)
     if record is None and os.path.lexists(summary):
         set_aside_file(summary, "summary", f"{summary} is not a summary base_train can read back")
-    record = record or {}
     theirs = {k for w in WRITERS.values() for k in w.keys}
-    return {k: v for k, v in record.items() if k in theirs}
+    return {k: v for k, v in (record or {}).items() if k in theirs}
 
 
 def check_report(report) -> None:
