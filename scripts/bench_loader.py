@@ -70,8 +70,7 @@ def main(argv=None):
                 break
         counts = {k: dl.stats[k] - stats0[k] for k in stats0}
         slots = counts["rows"] * (T + 1)
-        # peak RSS so far, in MB. Linux: VmHWM, since exec keeps the parent's peak in ru_maxrss
-        # (under torchrun or pytest it would report theirs); macOS: ru_maxrss, in bytes
+        # peak RSS in MB: VmHWM on Linux (exec keeps the parent's peak in ru_maxrss); bytes on macOS
         rss = (status("VmHWM") if sys.platform == "linux"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / (1 << 20)
         # the independent reference: every document of this rank, tokenized whole
