@@ -50,12 +50,11 @@ def main(argv=None):
     print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x "
           f"{T + 1} tokens, buffer {dl.buffer_size} documents; torch {torch.__version__}, "
           f"{args.epochs} epochs")
-    leftover = None  # rows of the next epoch that came in the last batch of the previous one
+    # rows of the next epoch that came in the last batch of the previous one
+    leftover = torch.zeros(0, dtype=torch.long)
     for epoch in range(args.epochs):
-        trained = torch.zeros(tok.vocab_size, dtype=torch.long)
+        trained = torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
         stats0, seconds, rows = dict(dl.stats), 0.0, 0
-        if leftover is not None:
-            trained += torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
         while True:
             t0 = time.perf_counter()
             x, y = dl.next_batch()
