@@ -158,15 +158,12 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     # A logger's filter sees only records logged on it, so DCP's own logger gets one too.
     loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(
         logging.root.manager.loggerDict) if name.endswith("dcp_logger")]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.ExitStack() as filtered:
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
         for logger in loggers:
             logger.addFilter(_no_index_logs)
-        try:
-            return fn(tensors, no_dist=no_dist, **io)
-        finally:
-            for logger in loggers:
-                logger.removeFilter(_no_index_logs)
+            filtered.callback(logger.removeFilter, _no_index_logs)
+        return fn(tensors, no_dist=no_dist, **io)
 
 
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
