@@ -578,10 +578,8 @@ def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
                          f"not {sorted(values)}")
     record = summary_record(summary, f"{writer}'s results are in the report only",
                             "does not exist yet (base_train writes it when training ends)")
-    if record is None:
-        return
-    record.update(values)
-    write_atomic(summary, json.dumps(record) + "\n")
+    if record is not None:
+        write_atomic(summary, json.dumps(record | values) + "\n")
 
 
 # -- the step record -------------------------------------------------------------------------------
