@@ -81,7 +81,6 @@ GiB = 2 ** 30
 @dataclasses.dataclass
 class Side:
     """One project's model, ready to train: what the timing loop calls."""
-    name: str
     model: torch.nn.Module
     train: Callable  # the model, or its torch.compile wrapper
     optimizer: torch.optim.Optimizer
@@ -213,7 +212,7 @@ def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Si
                                             shape, model, args.compile)
         context, schedule = (lambda: autocast(device, args.dtype)), our_schedule(flags, steps)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side(name, model, train, optimizer, flops, context, schedule, notes)
+    return Side(model, train, optimizer, flops, context, schedule, notes)
 
 
 def make_batches(args, device: torch.device) -> list:
