@@ -158,15 +158,12 @@ def _dcp(fn, tensors: dict, d: Path, no_dist: bool):
     # A logger's filter sees only records logged on it, so DCP's own logger gets one too.
     loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(
         logging.root.manager.loggerDict) if name.endswith("dcp_logger")]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.ExitStack() as filtered:
         warnings.filterwarnings("ignore", "torch.distributed is .*unavailable or uninitialized")
         for logger in loggers:
             logger.addFilter(_no_index_logs)
-        try:
-            return fn(tensors, no_dist=no_dist, **io)
-        finally:
-            for logger in loggers:
-                logger.removeFilter(_no_index_logs)
+            filtered.callback(logger.removeFilter, _no_index_logs)
+        return fn(tensors, no_dist=no_dist, **io)
 
 
 def state_of(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
@@ -266,9 +263,7 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict, meta: dict | None,
 def record_loop(run_dir: Path, step: int, loop: dict) -> None:
     """Put the loop state into a saved step's meta.json (an eval after the save is then in it)."""
     d = step_dir(run_dir, step)
-    meta = read_meta(d)
-    meta["loop"] = loop
-    write_atomic(d / "meta.json", json.dumps(meta, indent=1))
+    write_atomic(d / "meta.json", json.dumps(dict(read_meta(d), loop=loop), indent=1))
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:

@@ -279,15 +279,14 @@ def wandb_values(key: str, value, seeds: list[int] | None) -> dict:
 
 def check_device_type(device_type: str) -> str:
     """'auto' -> the best device here; an explicit device that is not here -> a one-line error."""
+    # the accelerators, best first: whether each is here, and how its absence reads
+    accelerators = dict(cuda=(torch.cuda.is_available, "torch sees no CUDA device"),
+                        mps=(torch.backends.mps.is_available, "MPS is not available"))
     if device_type == "auto":
-        return ("cuda" if torch.cuda.is_available()
-                else "mps" if torch.backends.mps.is_available() else "cpu")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device-type cuda, but torch sees no CUDA device; "
-                         "use --device-type cpu")
-    if device_type == "mps" and not torch.backends.mps.is_available():
-        raise SystemExit("error: --device-type mps, but MPS is not available; "
-                         "use --device-type cpu")
+        return next((d for d, (here, _) in accelerators.items() if here()), "cpu")
+    if device_type in accelerators and not accelerators[device_type][0]():
+        raise SystemExit(f"error: --device-type {device_type}, but "
+                         f"{accelerators[device_type][1]}; use --device-type cpu")
     return device_type
 
 

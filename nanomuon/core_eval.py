@@ -508,10 +508,8 @@ def score_item(model, tokenizer, task: Task, idx: int, device, dtype: str) -> bo
     seqs = [s[c:] for s, c in zip(seqs, cuts)]
     starts = [max(1, a - c) for a, c in zip(starts, cuts)]
     ends = [b - c for b, c in zip(ends, cuts)]
-    x = torch.full((len(seqs), max(map(len, seqs))), tokenizer.bos_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        x[i, :len(s)] = torch.tensor(s)
-    x = x.to(device)
+    x = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True,
+                                        padding_value=tokenizer.bos_id).to(device)
     with autocast(device, dtype):
         logits = model(x)
     if task.kind == "language_modeling":

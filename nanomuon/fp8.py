@@ -28,17 +28,15 @@ MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada and Hopper
 def import_torchao():
     """torchao.float8, or one line saying how to get it. Its warnings about kernel libraries it
     cannot load (none on the float8 path) and torch's about its Enum are silenced."""
-    quiet = {log: log.level for log in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-    except ImportError as e:
-        raise ValueError(f"--fp8 needs torchao ({e}): `pip install torchao`, or drop --fp8") \
-            from None
-    finally:
-        for log, level in quiet.items():
-            log.setLevel(level)
+    with contextlib.ExitStack() as restore:
+        for log in map(logging.getLogger, ("torchao", "torch.utils._pytree")):
+            restore.callback(log.setLevel, log.level)
+            log.setLevel(logging.ERROR)
+        try:
+            import torchao.float8 as float8
+        except ImportError as e:
+            raise ValueError(f"--fp8 needs torchao ({e}): `pip install torchao`, or drop --fp8") \
+                from None
     return float8
 
 
@@ -82,11 +80,8 @@ def convert_to_fp8(model: nn.Module, recipe: str, device: torch.device) -> int:
 def plain_linears(model: nn.Module):
     """Within: Float8Linear layers compute as plain nn.Linear, as nanochat evaluates. The layers
     stay in place (forward is overridden on the instance), so FSDP2 still finds them."""
-    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
-    for layer in layers:
-        layer.forward = types.MethodType(nn.Linear.forward, layer)
-    try:
+    with contextlib.ExitStack() as restore:
+        for layer in [m for m in model.modules() if type(m).__name__ == "Float8Linear"]:
+            layer.forward = types.MethodType(nn.Linear.forward, layer)
+            restore.callback(delattr, layer, "forward")
         yield
-    finally:
-        for layer in layers:
-            del layer.forward

@@ -247,9 +247,8 @@ def result_lines(summary: dict, seeds: list[int] | None) -> list[str]:
 
 def curve_panels(loop: dict, seeds: list[int] | None) -> list[dict]:
     """The report's two panels, train loss and val bpb: a series per seed when batched."""
-    history, val_history = loop["history"], loop["val_history"]
-    steps, losses = zip(*history) if history else ((), ())
-    val_steps, bpbs = zip(*val_history)
+    steps, losses = zip(*loop["history"]) if loop["history"] else ((), ())
+    val_steps, bpbs = zip(*loop["val_history"])
     if seeds:
         train = {f"seed {s}": (steps, smooth([v[i] for v in losses])) for i, s in enumerate(seeds)}
         val = {f"seed {s}": (val_steps, [v[i] for v in bpbs]) for i, s in enumerate(seeds)}

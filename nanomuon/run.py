@@ -52,11 +52,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"step_{step:06d}"
 
 
+def _entries(run_dir: Path) -> list[Path]:
+    """What run_dir holds, sorted by name; nothing if it is no directory (yet)."""
+    return sorted(Path(run_dir).iterdir()) if Path(run_dir).is_dir() else []
+
+
 def list_steps(run_dir: Path) -> list[int]:
     """Steps with a complete checkpoint in run_dir, ascending."""
-    if not Path(run_dir).is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in Path(run_dir).iterdir()
+    return sorted(int(m.group(1)) for d in _entries(run_dir)
                   if (m := STEP_DIR.match(d.name)) and d.is_dir() and not d.is_symlink())
 
 
@@ -73,7 +76,7 @@ def check_links(run_dir: Path) -> None:
     if run_dir.is_symlink():
         raise ValueError(f"{run_dir} is a symlink (to {os.readlink(run_dir)}); a run dir must be "
                          "a directory of its own: remove the link, or move the directory there")
-    for p in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+    for p in _entries(run_dir):
         ours = p.name in RUN_FILES or STEP_DIR.match(p.name)  # a leftover's link: clean_run_dir's
         inner = ([f for f in p.iterdir() if f.is_symlink()]
                  if STEP_DIR.match(p.name) and p.is_dir() else [])
@@ -87,7 +90,7 @@ def check_links(run_dir: Path) -> None:
 def clean_run_dir(run_dir: Path) -> list[str]:
     """Clear what an interrupted save left, by our exact names only; one line per thing done."""
     run_dir, done = Path(run_dir), []
-    for d in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+    for d in _entries(run_dir):
         m = SAVE_LEFTOVER.match(d.name)
         if m and m.group(1) == "old_" and not step_dir(run_dir, int(m.group(2)[5:])).exists() \
                 and _looks_like_checkpoint(d):
@@ -118,8 +121,7 @@ LIST_LEFTOVER = re.compile(re.escape(MOVING) + r"\.\d+\.tmp")  # write_atomic's,
 
 def exports(run_dir: Path) -> dict[int, str]:
     """step -> the name of its export_step_N.pt in run_dir."""
-    return {int(m.group(1)): m.group(0) for p in sorted(Path(run_dir).iterdir())
-            if (m := EXPORT.match(p.name))} if Path(run_dir).is_dir() else {}
+    return {int(m.group(1)): m.group(0) for p in _entries(run_dir) if (m := EXPORT.match(p.name))}
 
 
 def _movable(name: str) -> bool:
@@ -282,8 +284,7 @@ def run_arg(s: str) -> str:
 
 def aside_steps(run_dir: Path) -> str:
     """The steps set_aside's folders hold and how to load one, for a line that finds none; ''."""
-    entries = sorted(Path(run_dir).iterdir()) if Path(run_dir).is_dir() else []
-    held = sorted((int(m.group(4)), m.group(2), steps) for p in entries
+    held = sorted((int(m.group(4)), m.group(2), steps) for p in _entries(run_dir)
                   if (m := ASIDE.match(p.name)) and not m.group(1) and (steps := list_steps(p)))
     if not held:
         return ""
@@ -329,10 +330,9 @@ def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -
             error = str(e)
     if rank == 0 and not error and fresh and earlier:
         if not start_over:
-            held = held_by(run_dir, earlier)
-            error = (f"{run_dir} holds an earlier run ({held}): continue it with "
-                     "--resume-from-step latest, pick another --run, or pass --start-over to "
-                     "move it into previous.N and train afresh")
+            error = (f"{run_dir} holds an earlier run ({held_by(run_dir, earlier)}): continue "
+                     "it with --resume-from-step latest, pick another --run, or pass --start-over "
+                     "to move it into previous.N and train afresh")
         else:
             try:
                 # wandb's folder and rewinds' move with an earlier run, but alone are none
@@ -511,9 +511,8 @@ def others_summary(summary: Path) -> dict:
     record = summary_record(summary)
     if record is None and os.path.lexists(summary):
         set_aside_file(summary, "summary", f"{summary} is not a summary base_train can read back")
-    record = record or {}
     theirs = {k for w in WRITERS.values() for k in w.keys}
-    return {k: v for k, v in record.items() if k in theirs}
+    return {k: v for k, v in (record or {}).items() if k in theirs}
 
 
 def check_report(report) -> None:
@@ -580,10 +579,8 @@ def merge_summary(run_dir: Path, writer: str, values: dict) -> None:
                          f"not {sorted(values)}")
     record = summary_record(summary, f"{writer}'s results are in the report only",
                             "does not exist yet (base_train writes it when training ends)")
-    if record is None:
-        return
-    record.update(values)
-    write_atomic(summary, json.dumps(record) + "\n")
+    if record is not None:
+        write_atomic(summary, json.dumps(record | values) + "\n")
 
 
 # -- the step record -------------------------------------------------------------------------------

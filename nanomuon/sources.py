@@ -231,11 +231,8 @@ def _holds_nothing(p: Path) -> bool:
 
 def _split_word(rel: Path) -> str | None:
     """The held-out word a file's folders or name start with (test/x.txt), else None."""
-    for part in (*rel.parent.parts, rel.name):
-        for word in HELD_OUT:
-            if re.match(rf"{word}(?:[-_. 0-9]|$)", part.lower()):
-                return word
-    return None
+    return next((word for part in (*rel.parent.parts, rel.name) for word in HELD_OUT
+                 if re.match(rf"{word}(?:[-_. 0-9]|$)", part.lower())), None)
 
 
 def decode(data: bytes) -> tuple[str | None, str]:

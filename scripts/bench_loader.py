@@ -22,6 +22,7 @@ from nanomuon.dataloader import DataLoader
 from nanomuon.dataset import iter_texts
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import get_tokenizer
+from scripts.bench_memory import status
 
 
 def main(argv=None):
@@ -49,12 +50,11 @@ def main(argv=None):
     print(f"{args.dataset} train, rank {args.rank} of {args.world_size}: batches of {B} rows x "
           f"{T + 1} tokens, buffer {dl.buffer_size} documents; torch {torch.__version__}, "
           f"{args.epochs} epochs")
-    leftover = None  # rows of the next epoch that came in the last batch of the previous one
+    # rows of the next epoch that came in the last batch of the previous one
+    leftover = torch.zeros(0, dtype=torch.long)
     for epoch in range(args.epochs):
-        trained = torch.zeros(tok.vocab_size, dtype=torch.long)
+        trained = torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
         stats0, seconds, rows = dict(dl.stats), 0.0, 0
-        if leftover is not None:
-            trained += torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
         while True:
             t0 = time.perf_counter()
             x, y = dl.next_batch()
@@ -69,9 +69,9 @@ def main(argv=None):
                 break
         counts = {k: dl.stats[k] - stats0[k] for k in stats0}
         slots = counts["rows"] * (T + 1)
-        # peak RSS so far, in MB: ru_maxrss is in bytes on macOS, KiB on Linux
-        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-               / (1 << 20 if sys.platform == "darwin" else 1 << 10))
+        # peak RSS in MB: VmHWM on Linux (exec keeps the parent's peak in ru_maxrss); bytes on macOS
+        rss = (status("VmHWM") if sys.platform == "linux"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / (1 << 20)
         # the independent reference: every document of this rank, tokenized whole
         ref = torch.zeros(tok.vocab_size, dtype=torch.long)
         for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size):

@@ -81,10 +81,9 @@ GiB = 2 ** 30
 @dataclasses.dataclass
 class Side:
     """One project's model, ready to train: what the timing loop calls."""
-    name: str
     model: torch.nn.Module
     train: Callable  # the model, or its torch.compile wrapper
-    optimizers: list
+    optimizer: torch.optim.Optimizer
     flops_per_token: float
     context: Callable  # the precision context each forward runs in
     schedule: Callable  # (group, step): the lr, momentum and decay its base_train sets
@@ -213,7 +212,7 @@ def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Si
                                             shape, model, args.compile)
         context, schedule = (lambda: autocast(device, args.dtype)), our_schedule(flags, steps)
     train = torch.compile(model, dynamic=False) if args.compile else model
-    return Side(name, model, train, [optimizer], flops, context, schedule, notes)
+    return Side(model, train, optimizer, flops, context, schedule, notes)
 
 
 def make_batches(args, device: torch.device) -> list:
@@ -238,10 +237,9 @@ def train_step(side: Side, batches: list, device: torch.device,
         (loss / len(batches)).backward()
     sync()
     t1 = time.perf_counter()
-    for optimizer in side.optimizers:
-        for group in optimizer.param_groups:
-            side.schedule(group, step)
-        optimizer.step()
+    for group in side.optimizer.param_groups:
+        side.schedule(group, step)
+    side.optimizer.step()
     sync()
     t2 = time.perf_counter()
     side.model.zero_grad(set_to_none=True)

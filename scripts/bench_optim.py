@@ -70,8 +70,7 @@ def median_time(fn, device: torch.device, steps: int, warmup: int) -> float:
 def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: int,
              warmup: int) -> float:
     """FLOP/s of a (K, m, m) @ (K, m, m) batched matmul."""
-    a = torch.randn(K, m, m, device=device).to(dtype)
-    b = torch.randn(K, m, m, device=device).to(dtype)
+    a, b = (torch.randn(K, m, m, device=device).to(dtype) for _ in range(2))
     return 2 * K * m ** 3 / median_time(lambda: torch.bmm(a, b), device, steps, warmup)
 
 

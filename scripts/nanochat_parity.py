@@ -45,10 +45,9 @@ FORWARD_TOL, TRAIN_TOL = 1e-5, 1e-4
 
 def nanochat_name(name: str) -> str:
     """nanomuon's param name -> nanochat's."""
-    if name.startswith("wte."):
-        return "transformer." + name
-    if name.startswith("blocks."):
-        return "transformer.h." + name[len("blocks."):]
+    for ours, theirs in (("wte.", "transformer.wte."), ("blocks.", "transformer.h.")):
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
     return name
 
 

@@ -51,9 +51,8 @@ def sources(records: dict, variant: str, baseline: str, seeds: int, threads: int
            "init alone": variance([diff(s, 1) for s in n]),
            "data order alone": variance([diff(1, d) for d in n]),
            "rounding (other thread count)": (diff(1, 1) - diff(1, 1, threads % 2 + 1)) ** 2 / 2}
-    for k in (2, 3):
-        out[f"seed, mean of the last {k} evals"] = variance([diff(s, s, k=k) for s in n])
-    return out
+    return out | {f"seed, mean of the last {k} evals": variance([diff(s, s, k=k) for s in n])
+                  for k in (2, 3)}
 
 
 def val_slices(variant: str, baseline: str, seeds: int, flags, name: str,

@@ -196,7 +196,7 @@ def test_memory_and_state_stay_bounded_over_many_epochs(corpus):
     assert max(mem[2:]) < 1.2 * mem[2] + 200_000, mem  # no growth from epoch to epoch
 
 
-@pytest.mark.slow  # tokenizes 50 MB twice, about 30 s; CI runs it
+@pytest.mark.slow  # tokenizes 50 MB twice, about 30 s; a session's own --slow run covers it, CI does not
 def test_a_50mb_document_trains_in_bounded_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
     d = data_dir("fineweb-edu")

@@ -352,7 +352,7 @@ def test_torchrun_resume_is_bitwise_exact(base):
     assert "--- 'def'" in s.stdout
 
 
-@pytest.mark.slow  # four launches, about a minute; CI runs it
+@pytest.mark.slow  # four launches, about a minute; a session's own --slow run covers it, CI does not
 def test_resume_at_another_process_count(base):
     """A run checkpointed by 2 processes resumes with 1 (and another --device-batch-size), 3 and 4 and
     finishes the same run: same tokens per step, the optimizer state resharded, the loader states
@@ -388,7 +388,7 @@ def test_resume_at_another_process_count(base):
         assert meta["world_size"] == world and [s["rank"] for s in meta["loader"]] == list(range(world))
 
 
-@pytest.mark.slow  # four launches; CI runs it
+@pytest.mark.slow  # four launches; a session's own --slow run covers it, CI does not
 def test_fsdp_matches_replicated_and_resumes(base):
     """--fsdp (FSDP2 params, sharded Muon) with 2 processes trains like the replicated run (DistMuonAdamW) and
     saves the same world-size-independent checkpoint; a fresh --fsdp launch resumes from it bitwise exactly,
