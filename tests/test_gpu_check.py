@@ -350,6 +350,7 @@ def test_the_dry_run_parses_each_steps_command_with_the_modules_own_parser(tmp_p
         "--ns-prec"], p.stderr
 
 
+@pytest.mark.heavy
 def test_every_step_of_the_plan_names_real_modules_and_flags():
     """The real plan's --dry-run: each step's python -m calls parse with their modules' own
     parsers (speedrun.sh's flags with base_train's), and the steps' modules are all checked."""

@@ -283,6 +283,7 @@ FLAGS = [*TINY, "--total-batch-size", "512", "--num-iterations", "8", "--eval-ev
          "--keep-checkpoints", "-1", "--run", "newton"]
 
 
+@pytest.mark.heavy
 def test_base_train_collects_the_inputs_only_when_the_stage_asks(base, monkeypatch):
     """With the interval at 3 steps, the forwards that collect inputs are exactly the 2
     micro-batches of steps 3 and 6 (the stage's refreshes), and give_inputs gets every block

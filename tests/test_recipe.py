@@ -179,7 +179,7 @@ def measured_step_peak(depth, vocab, seq, rows, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.compile])])
-@pytest.mark.parametrize("depth, vocab, seq, rows", [(3, 2048, 512, 4),
+@pytest.mark.parametrize("depth, vocab, seq, rows", [pytest.param(3, 2048, 512, 4, marks=pytest.mark.heavy),
                                                      pytest.param(6, 8192, 128, 8, marks=pytest.mark.slow)])
 def test_train_memory_bounds_the_measured_peak_of_a_step(depth, vocab, seq, rows, compiled):
     """What one forward + backward really holds on CPU (grads, autocast's bf16 weight copies, activations) is at most

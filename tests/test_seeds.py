@@ -173,6 +173,7 @@ def test_compiled_seeds_call_the_single_runs_kernel_once_on_every_seeds_rows(arc
             torch.testing.assert_close(p.grad[i], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.heavy
 def test_a_batched_run_resumes_exactly(base, capsys):
     """Saved at step 3 and resumed by another main(), a batched run ends bitwise where the
     uninterrupted one does (model and optimizer state); export writes it and says it holds the
