@@ -270,10 +270,10 @@ def scion_lmo(g: Tensor, ctx: StageContext, norm: str) -> Tensor:
     if norm == "sign":
         return torch.sign(g) / cols
     if norm == "col_norm":  # each column's RMS, ||col|| / sqrt(rows)
-        scale = sq_sum(g, (-2,)).div_(whole_shape(g)[-2]).sqrt_()
+        scale = (sq_sum(g, (-2,)) / whole_shape(g)[-2]).sqrt()
     else:  # each row's norm times sqrt(cols)
-        scale = sq_sum(g, (-1,)).mul_(cols).sqrt_()
-    return fp32(g) / scale.add_(1e-8)
+        scale = (sq_sum(g, (-1,)) * cols).sqrt()
+    return fp32(g) / (scale + 1e-8)
 
 
 def hyperball_radius(w: Tensor) -> Tensor:
