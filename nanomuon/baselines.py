@@ -55,7 +55,7 @@ class TorchMuonAdamW:
             allowed = self.MUON_KEYS if kind == "muon" else self.ADAMW_KEYS
             dropped = {k for k in group
                        if k not in allowed + ("params", "kind", "name", "initial_lr",
-                                              "initial_weight_decay", "horizon")
+                                              "initial_weight_decay", "initial_momentum", "horizon")
                        and not (kind == "muon" and k in self.SAME_AS_TORCH
                                 and group[k] == self.SAME_AS_TORCH[k])}
             if dropped:

@@ -21,7 +21,7 @@ from nanomuon.common import shown
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from nanomuon.param_groups import classify, per_head_groups, role_groups, table_groups
 from nanomuon.qk_clip import qk_clip_
-from nanomuon.recipe import WEIGHT_DECAY, PeakLRs, peak_lrs
+from nanomuon.recipe import MUON_MOMENTUM, WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
 from nanomuon.stages import input_block, input_covariance
 
@@ -637,8 +637,8 @@ class GPT(nn.Module):
                                "must cover the model's own")
         for g in groups:  # the one place the multiplier applies
             g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
-            if g["kind"] == "muon":  # the peak a weight decay schedule scales
-                g["initial_weight_decay"] = g["weight_decay"]
+            if g["kind"] == "muon":  # the peak a decay schedule scales; a momentum it may keep
+                g["initial_weight_decay"], g["initial_momentum"] = g["weight_decay"], g["momentum"]
         if optimizer_class is not None:
             return optimizer_class(groups)
         # replicated params need DistMuonAdamW to average their grads; DTensors arrive reduced
@@ -649,7 +649,7 @@ class GPT(nn.Module):
 
     def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
         """The Muon group's settings: the arch's (Arch.muon) on these."""
-        return dict(kind="muon", lr=matrix_lr, momentum=0.95, ns_steps=5,
+        return dict(kind="muon", lr=matrix_lr, momentum=MUON_MOMENTUM, ns_steps=5,
                     weight_decay=weight_decay, **ARCHS[self.config.arch].muon)
 
     def use_attention(self, func: Callable | None) -> None:

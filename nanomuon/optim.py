@@ -96,7 +96,7 @@ class Resolved(NamedTuple):
 
 # What schedules edit, checked at every step; a change of any other key resolves the group again.
 NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
-           "initial_weight_decay")
+           "initial_weight_decay", "initial_momentum")
 
 
 def group_signature(group: dict) -> str:

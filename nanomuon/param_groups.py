@@ -104,9 +104,10 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
                  "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-# Keys other code adds to groups: LR schedulers' initial_lr (and base_train's weight decay
-# schedule's initial_weight_decay); 'name'; a muon group's update count 'step' (StageContext.step).
-PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay", "step"}
+# Keys other code adds to groups: LR schedulers' initial_lr (and base_train's schedules'
+# initial_weight_decay, initial_momentum); 'name'; a muon group's update count 'step'.
+PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay",
+                "initial_momentum", "step"}
 
 
 def fill_defaults(group: dict) -> None:

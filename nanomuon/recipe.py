@@ -35,6 +35,8 @@ POWER_LINES_EXPONENT = 0.383  # best batch grows as D^0.383 (Power Lines, arXiv 
 # D_ref; in between the same power law as the lrs
 WEIGHT_DECAY = 0.2
 NANOCHAT_WEIGHT_DECAY = 0.28
+# Muon's momentum as a group is built; an arch's schedule (gpt.Arch.momentum) stands in for it
+MUON_MOMENTUM = 0.95
 
 
 def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float:

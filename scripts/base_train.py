@@ -82,12 +82,20 @@ def lr_multiplier(step: int, num_iterations: int, args) -> float:
 
 def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch) -> None:
     """A group's lr (initial_lr x lr_multiplier) and a Muon group's momentum and weight decay at
-    `step`, as the arch schedules them."""
+    `step`: the arch's schedules, the decay's from the group's own peak; a momentum a variant set
+    (momentum_scheduled) is kept as given."""
     group["lr"] = group["initial_lr"] * lr_multiplier(step, num_iterations, args)
     if group["kind"] == "muon":
-        group["momentum"] = arch.momentum(step, num_iterations, args.warmdown_ratio)
+        group["momentum"] = (arch.momentum(step, num_iterations, args.warmdown_ratio)
+                             if momentum_scheduled(group) else group["initial_momentum"])
         group["weight_decay"] = arch.weight_decay(step, num_iterations,
                                                   group["initial_weight_decay"])
+
+
+def momentum_scheduled(group: dict) -> bool:
+    """Whether the arch's schedule runs a Muon group's momentum: it stands in for the recipe's
+    (recipe.MUON_MOMENTUM); any other value is a variant's own choice, so it stays."""
+    return group["initial_momentum"] == recipe.MUON_MOMENTUM
 
 
 @dataclass
@@ -472,17 +480,38 @@ def first_plan(group: dict):
     return muon_plan(group, p.shape, p.dtype, p.device)
 
 
-def muon_decay_words(args, optimizer) -> str:
-    """The header's words on Muon's weight decay: its value, or that the variant applies none."""
-    muon = [g for g in optimizer.param_groups if g.get("kind") == "muon"]
-    if not muon:
-        return f"no Muon weight decay (--optimizer {args.optimizer} trains no Muon group)"
-    # torch-muon's groups (torch.optim.Muon) decay as 'decoupled' does
-    if all("apply" in g and not first_plan(g).decays for g in muon):
-        return (f"Muon weight decay: not applied by --optimizer {args.optimizer}'s apply stage "
-                f"{muon[0]['apply']!r}")
-    cosine = " on a cosine to 0" if ARCHS[args.arch].weight_decay(1, 2, 1.0) < 1 else ""
-    return f"Muon weight decay {args.weight_decay:.4g}{cosine}"
+def group_words(group: dict, arch: Arch) -> str:
+    """A group's header line: its kind and peak lr and, for a Muon group, the momentum and weight
+    decay that run (scheduled, kept, or not applied by its apply stage)."""
+    words = f"{group.get('name', 'group')}: {group['kind']}, peak lr {group['initial_lr']:.3g}"
+    if group["kind"] == "adamw":
+        return f"{words}, betas {tuple(group['betas'])}, weight decay {group['weight_decay']:.3g}"
+    momentum = ("the arch's schedule" if momentum_scheduled(group)
+                else f"{group['initial_momentum']:.3g}, kept")
+    decay = group["initial_weight_decay"]
+    if not decay_applied(group):
+        decay_words = f"not applied by its apply stage {group['apply']!r}"
+    elif decay and arch.weight_decay(1, 2, 1.0) < 1:
+        decay_words = f"{decay:.4g} on a cosine to 0"
+    else:
+        decay_words = f"{decay:.4g}"
+    return f"{words}, momentum {momentum}, weight decay {decay_words}"
+
+
+def decay_applied(group: dict) -> bool:
+    """Whether a Muon group's weight decay runs: its apply stage's choice (torch-muon's groups, of
+    torch.optim.Muon, always decay)."""
+    return "apply" not in group or first_plan(group).decays
+
+
+def muon_values(optimizer) -> str:
+    """The step line's Muon momentum and weight decay as they run now: one value where the Muon
+    groups agree, else each group's in the header's order (a decay not applied shows as -)."""
+    muon = [g for g in optimizer.param_groups if g["kind"] == "muon"]
+    momenta = [f"{g['momentum']:.3g}" for g in muon]
+    decays = [f"{g['weight_decay']:.3g}" if decay_applied(g) else "-" for g in muon]
+    return " | ".join(f"{name} {values[0] if len(set(values)) == 1 else '/'.join(values)}"
+                      for name, values in (("mom", momenta), ("wd", decays)) if values)
 
 
 def announce(run: Run) -> None:
@@ -493,10 +522,10 @@ def announce(run: Run) -> None:
     print0(f"batch: {args.total_batch_size:,} tokens/step = {args.device_batch_size} rows x "
            f"{args.max_seq_len} tokens x {run.world_size} processes x {run.grad_accum} "
            "accumulation steps")
-    lrs = ", ".join(f"{g.get('name', i)} {g['initial_lr']:.3g}"
-                    for i, g in enumerate(run.optimizer.param_groups))
-    print0(f"peak lrs: {lrs}, {muon_decay_words(args, run.optimizer)} (each not given by a "
-           f"flag: the lr rule's at {args.total_batch_size:,} tokens/step, nanomuon/recipe.py)")
+    print0(f"groups (each lr not given by a flag is the lr rule's at "
+           f"{args.total_batch_size:,} tokens/step, nanomuon/recipe.py):")
+    for group in run.optimizer.param_groups:
+        print0(f"  {group_words(group, ARCHS[args.arch])}")
     for group in (g for g in run.optimizer.param_groups if "apply" in g):
         print0(f"Muon update ({group.get('name', 'muon')}): {first_plan(group).summary}")
     tokens = run.num_iterations * args.total_batch_size
@@ -662,6 +691,8 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         if run.peak_flops:
             mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
             parts.append(f"mfu {100 * mfu:.1f}%")
+        if muon := muon_values(run.optimizer):
+            parts.append(muon)
         parts.append(f"attn {args.attention}")
         if args.qk_clip:
             parts.append(f"qk-clipped heads {loop.get('qk_clipped', 0)}")

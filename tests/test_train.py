@@ -287,11 +287,11 @@ def test_speedrun_gpu_d24_prints_nanochats_batch_lrs_and_decay(capsys):
         assert f"batch: {batch:,} tokens/step" in out, out
         assert "recipe: batch 1,048,576 tokens/step" in out and "sqrt(B / 2^19) = 1.41" in out
         assert f"recipe: weight decay {want_decay:.4g}" in out, out
-        assert f"Muon weight decay {want_decay:.4g}" in out, out
+        assert f"weight decay {want_decay:.4g} on a cosine to 0" in out, out
         assert (f"lrs at width 768: embedding {0.3 * lr_scale:.4g}, lm_head "
                 f"{0.008 * lr_scale:.4g}, Muon {0.02 * lr_scale:.4g}") in out, out
-        shown = ", ".join(f"{k} {v:.3g}" for k, v in want_lrs.items())
-        assert f"peak lrs: {shown}," in out, out
+        for name, lr in want_lrs.items():
+            assert f"  {name}: {'muon' if name == 'matrices' else 'adamw'}, peak lr {lr:.3g}," in out, out
         assert (f"recipe: schedule: warmup {min(40, steps)} steps, warmdown 0.65 of the steps, "
                 "final lr 0.05 of the peak") in out, out
     args = parse_args(["--depth", "24", "--total-batch-size", "524288", "--weight-decay", "0.1",
@@ -863,3 +863,47 @@ def test_cpu_runs_reuse_the_memory_they_free():
     faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS, mode], cwd=REPO, capture_output=True,
                                        text=True, check=True).stdout) for mode in ("default", "cpu-run")}
     assert faults["default"] > 10_000 and faults["cpu-run"] < 500, faults
+
+
+def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monkeypatch, capsys):
+    """A Muon group at the recipe's momentum follows the arch's schedule (nanochat's: 0.85 -> 0.97
+    over 400 steps, written out here); a role whose momentum a variant set keeps it at every step,
+    and its weight decay follows the cosine from its own peak (0 stays 0). The header and the step
+    line say the values that run, per group."""
+    from nanomuon import variants
+    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from scripts.base_train import (
+        group_words,
+        horizon_steps,
+        muon_values,
+        optimizer_options,
+        schedule_group,
+    )
+    from scripts.train_args import parse_args
+
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", dict(
+        muon_options=dict(momentum=0.9), roles={"mlp.fc": dict(weight_decay_factor=0.0)}))
+    args = parse_args(["--optimizer", "kept", "--arch", "nanochat", "--weight-decay", "0.2",
+                       "--num-iterations", "1000", "--total-batch-size", "4096"])
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch="nanochat"))
+    assert horizon_steps(args, model) == 1000
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=1000)
+    muon = {g["name"]: g for g in opt.param_groups if g["kind"] == "muon"}
+    assert set(muon) == {"matrices", "matrices, mlp.fc"}
+    lines = [group_words(g, ARCHS["nanochat"]) for g in muon.values()]
+    assert lines[0].endswith("momentum 0.9, kept, weight decay 0.2 on a cosine to 0"), lines
+    assert lines[1].endswith("momentum 0.9, kept, weight decay 0"), lines
+    for step in (0, 200, 999):
+        for g in opt.param_groups:
+            schedule_group(g, step, 1000, args, ARCHS["nanochat"])
+        cosine = 0.2 * 0.5 * (1 + math.cos(math.pi * step / 1000))
+        assert [g["momentum"] for g in muon.values()] == [0.9, 0.9]
+        assert muon["matrices"]["weight_decay"] == pytest.approx(cosine, rel=1e-12)
+        assert muon["matrices, mlp.fc"]["weight_decay"] == 0.0
+        assert muon_values(opt) == f"mom 0.9 | wd {cosine:.3g}/0"
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", {})
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=1000)
+    (group,) = [g for g in opt.param_groups if g["kind"] == "muon"]
+    assert "momentum the arch's schedule" in group_words(group, ARCHS["nanochat"])
+    schedule_group(group, 200, 1000, args, ARCHS["nanochat"])
+    assert group["momentum"] == pytest.approx(0.85 + 0.5 * (0.97 - 0.85), rel=1e-12)
