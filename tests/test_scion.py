@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_dist import assert_replicated_tensors, spawn
 
-from nanomuon import checkpoint
+from nanomuon import checkpoint, stages
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.recipe import PeakLRs
@@ -39,6 +39,16 @@ def col_norm_transposed(G):
     g = G.T
     rms = (g ** 2).sum(dim=0, keepdim=True).sqrt() / g.size(0) ** 0.5
     return (g / (rms + 1e-8)).T
+
+
+def col_norm(G):
+    """Their ColNorm(): each column divided by its RMS plus 1e-8."""
+    return G / ((G ** 2).sum(dim=0, keepdim=True).sqrt() / G.size(0) ** 0.5 + 1e-8)
+
+
+def row_norm(G):
+    """Their RowNorm(): each row divided by its norm times sqrt(d_in), plus 1e-8."""
+    return G / ((G ** 2).sum(dim=-1, keepdim=True).sqrt() * G.size(1) ** 0.5 + 1e-8)
 
 
 def sign(G):
@@ -76,7 +86,14 @@ def test_every_group_steps_as_the_authors_scion_step_in_float64():
     """Five steps of the GPT's real gradients: the lm_head, embedding and matrix groups (all the
     classic GPT's, no AdamW) move as the written-out Scion step moves a float64 copy fed the same
     gradients: the embedding and lm_head within 1e-12, the matrices within 5e-7 (their
-    Newton-Schulz runs in fp32, seen at 1.4e-7); every param moves 1e-2 and more."""
+    Newton-Schulz runs in fp32, seen at 1.4e-7); every param moves 1e-2 and more. First, each
+    LMO stage on a matrix against theirs, RowNorm too."""
+    G = torch.randn(24, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    G[:, 3] = 0.0  # a zero column and row: 0 / eps
+    G[5] = 0.0
+    for name, theirs in (("sign", sign), ("col_norm", col_norm), ("row_norm", row_norm)):
+        torch.testing.assert_close(stages.ORTHOGONALIZERS[name].fn(G, None), theirs(G), rtol=0,
+                                   atol=1e-14, msg=name)
     model = model64()
     opt = model.setup_optimizer(**scion_kwargs())
     assert sorted((g["name"], g["kind"], g["lr"]) for g in opt.param_groups) == [
