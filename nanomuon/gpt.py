@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from nanomuon.common import shown
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.param_groups import classify
+from nanomuon.param_groups import classify, per_head_groups, role_groups, table_groups
 from nanomuon.qk_clip import qk_clip_
 from nanomuon.recipe import MUON_MOMENTUM, WEIGHT_DECAY, PeakLRs, peak_lrs
 from nanomuon.sharded import DTensor
@@ -75,7 +75,7 @@ def cosine_decay(step: int, steps: int, peak: float) -> float:
 
 # -- the archs: each one record of what it builds, how it trains and on what schedules -----------
 class AdamWGroup(NamedTuple):
-    """One of an arch's AdamW groups (GPT._adamw_groups)."""
+    """One of an arch's AdamW groups (param_groups.table_groups), a role of setup_optimizer."""
     name: str
     lr: str | None  # its PeakLRs lr, times `factor` (and, a table's, the width scale); None: factor
     factor: float = 1.0
@@ -209,12 +209,6 @@ def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_rat
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, n_embd=n_embd, qk_norm=qk_norm, arch=arch,
                      window_pattern=pattern)
-
-
-# each role's modules within a block (GPT.setup_optimizer's roles: per-role lrs and decay)
-MATRIX_ROLES = {"attn.qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "attn.proj": ("attn.c_proj",),
-                "mlp.fc": ("mlp.c_fc",), "mlp.proj": ("mlp.c_proj",)}
-ROLE_FACTORS = ("lr_factor", "weight_decay_factor")  # what a role may scale
 
 
 def has_value_embedding(layer: int, n_layer: int) -> bool:
@@ -594,46 +588,53 @@ class GPT(nn.Module):
 
         Each lr is its role's at width 768 from `lrs`, else the one given, else the lr rule's at
         total_batch_size tokens a step; AdamW's but the scalars' scale as 1/sqrt(width) (Muon's
-        update is orthogonalized, so needs none); lrs.multiplier then scales all.
+        update is orthogonalized, so needs none); lrs.multiplier then scales all, once.
         matrix_optimizer='adamw' trains the matrices with AdamW at adamw_matrix_lr;
         optimizer_class(groups) builds another optimizer on the groups. per_head orthogonalizes
         attention head by head (head_dim rows of c_q, c_k, c_v; columns of c_proj). horizon: the
-        run's steps, which Muon's stages read. roles: MATRIX_ROLES name -> dict(lr_factor=,
-        weight_decay_factor=), that role's matrices a group of their own. Betas, decay and Muon
-        stages are the arch's (Arch); adam_betas replaces the pair of groups that have none."""
+        run's steps, which Muon's stages read. Betas, decay and Muon stages are the arch's (Arch);
+        adam_betas replaces the pair of groups that have none.
+
+        roles: role -> dict(kind=, lr_factor=, weight_decay_factor=, any key of that kind's
+        groups), that role's params a group of their own (param_groups.role_groups). The roles are
+        the arch's AdamW groups (Arch.adamw: 'lm_head', 'embedding', ...) and the matrix roles
+        (param_groups.MATRIX_ROLES). A role keeping its kind starts from its group; one turned
+        Muon starts from the matrix group's Muon (its lr the matrix lr, its stages muon_options'),
+        one turned AdamW from matrix_optimizer='adamw''s. lr_factor and weight_decay_factor scale
+        the lr and decay it starts from, e.g. roles={"lm_head": dict(kind="muon",
+        orthogonalizer="sign", lr_scale="one", extra_scale=10.0)}."""
         if matrix_optimizer not in ("muon", "adamw"):
             raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
         given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
                      matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
         if lrs is not None and any(v is not None for v in given.values()):
             raise ValueError("give the lrs either as lrs= or one by one, not both")
-        if adam_betas is not None and all(g.betas for g in ARCHS[self.config.arch].adamw):
+        arch = ARCHS[self.config.arch]
+        if adam_betas is not None and all(g.betas for g in arch.adamw):
             raise ValueError(f"adam_betas is the pair of AdamW groups without betas of their own: "
                              f"arch {self.config.arch!r} sets each group's (Arch.adamw)")
+        if matrix_optimizer == "adamw" and (muon_options or per_head):
+            raise ValueError("muon_options and per_head need matrix_optimizer='muon': the "
+                             "matrices train with one optimizer")
         lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
         scale, betas = (self.config.n_embd / 768) ** -0.5, tuple(adam_betas or (0.8, 0.95))
-        groups = self._adamw_groups(lr, scale, betas)
+        table = table_groups(self, arch.adamw, lr, scale, betas)
         matrices = [p for name, p in self.named_parameters()  # a seeded model's by one seed's
                     if classify(name, p if self.seeds is None else p[0],
                                 embedding=p is self.wte.weight)[0]
-                    and not any(p is q for g in groups for q in g["params"])]
-        if matrix_optimizer == "muon":
-            matrix_group = {**self._muon_recipe(lr["matrix_lr"], weight_decay),
-                            **({} if horizon is None else dict(horizon=horizon)),
-                            **(muon_options or {})}
-        elif muon_options or per_head or roles:
-            raise ValueError("muon_options, per_head and roles need matrix_optimizer='muon': the "
-                             "matrices train with one optimizer")
-        else:
-            matrix_group = dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale, betas=betas,
-                                eps=1e-10, weight_decay=0.0)
-        matrix_group = dict(matrix_group, name="matrices", params=matrices)
-        matrix_groups = self._per_head_groups(matrix_group) if per_head else [matrix_group]
-        groups += [r for g in matrix_groups for r in self._role_groups(g, roles or {})]
+                    and not any(p is q for g in table for q in g["params"])]
+        fresh = dict(muon={**self._muon_recipe(lr["matrix_lr"], weight_decay),
+                           **({} if horizon is None else dict(horizon=horizon)),
+                           **(muon_options or {})},
+                     adamw=dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale, betas=betas,
+                                eps=1e-10, weight_decay=0.0))
+        matrix_group = dict(fresh[matrix_optimizer], name="matrices", params=matrices)
+        matrix_groups = per_head_groups(self, matrix_group) if per_head else [matrix_group]
+        groups = role_groups(self, table, matrix_groups, roles or {}, fresh)
         groups = [g for g in groups if g["params"]]
         if sum(len(g["params"]) for g in groups) != len(list(self.parameters())):
-            raise RuntimeError("a parameter is in no group or in two: GPT._adamw_groups and "
-                               "classify must cover the model's own")
+            raise RuntimeError("a parameter is in no group or in two: Arch.adamw and classify "
+                               "must cover the model's own")
         for g in groups:  # the one place the multiplier applies
             g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
             if g["kind"] == "muon":  # the peak a decay schedule scales; a momentum it may keep
@@ -646,61 +647,10 @@ class GPT(nn.Module):
                else MuonAdamW)
         return cls(groups, compile=compile)
 
-    def _adamw_groups(self, lr: dict, scale: float, betas) -> list[dict]:
-        """The arch's AdamW groups (Arch.adamw): a table's lr (the embeddings', lm_head's) times
-        `scale`, the scalars' not; each group's own betas, else the pair `betas`."""
-        named, groups = list(self.named_parameters()), []
-        for g in ARCHS[self.config.arch].adamw:
-            rate = g.factor if g.lr is None else lr[g.lr] * g.factor
-            if g.lr in ("embedding_lr", "unembedding_lr"):
-                rate *= scale
-            params = [p for path in g.params or (g.name,) for name, p in named
-                      if name == path or name.startswith(path + ".")]
-            groups.append(dict(kind="adamw", eps=1e-10, name=g.name, params=params, lr=rate,
-                               betas=g.betas or betas, weight_decay=g.weight_decay))
-        return groups
-
     def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
         """The Muon group's settings: the arch's (Arch.muon) on these."""
         return dict(kind="muon", lr=matrix_lr, momentum=MUON_MOMENTUM, ns_steps=5,
                     weight_decay=weight_decay, **ARCHS[self.config.arch].muon)
-
-    def _per_head_groups(self, matrix_group: dict) -> list[dict]:
-        """matrix_group split: one group per (heads, by columns) of attention matrices, the rest."""
-        heads, hd = {}, self.config.n_embd // self.config.n_head
-        for a in (block.attn for block in self.blocks):
-            for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
-                                 (a.c_v, a.n_kv_head, False), (a.c_proj, a.n_head, True)):
-                if n > 1:  # one head is the whole matrix
-                    heads.setdefault((n, cols), []).append(lin.weight)
-        per = {id(w) for ws in heads.values() for w in ws}
-        whole = dict(matrix_group, params=[w for w in matrix_group["params"] if id(w) not in per])
-        return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
-                               params=ws, split=(hd,) * n, transposed=cols)
-                          for (n, cols), ws in heads.items()]
-
-    def _role_groups(self, group: dict, roles: dict) -> list[dict]:
-        """group, less each role's matrices, which go to a group of their own."""
-        if not isinstance(roles, dict) or set(roles) - set(MATRIX_ROLES):  # a list drops factors
-            raise ValueError(f"roles={repr(roles)[:80]}: give a dict of matrix role (one of "
-                             f"{list(MATRIX_ROLES)}) -> dict(lr_factor=, weight_decay_factor=)")
-        out, taken = [], set()
-        for role, tuning in roles.items():
-            if not isinstance(tuning, dict) or set(tuning) - set(ROLE_FACTORS) or any(
-                    not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e3
-                    for v in tuning.values()):
-                raise ValueError(f"roles[{role!r}]={tuning!r}: give a dict of lr_factor and "
-                                 "weight_decay_factor (times the matrix group's), each a number "
-                                 "in [0, 1000)")
-            mine = {id(block.get_submodule(path).weight) for block in self.blocks
-                    for path in MATRIX_ROLES[role]}
-            params = [p for p in group["params"] if id(p) in mine]
-            taken |= {id(p) for p in params}
-            out.append(dict(group, name=f"{group['name']}, {role}", params=params,
-                            lr=group["lr"] * tuning.get("lr_factor", 1.0),
-                            weight_decay=group["weight_decay"] * tuning.get("weight_decay_factor",
-                                                                            1.0)))
-        return [dict(group, params=[p for p in group["params"] if id(p) not in taken]), *out]
 
     def use_attention(self, func: Callable | None) -> None:
         """Every layer's attention through `func` (attention.Attention.func) in sdpa's place."""

@@ -119,7 +119,10 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: Muon
     if momentum_buffer is None:
         return grads
     momentum_buffer.lerp_(grads, 1 - h.momentum)
-    return grads.lerp_(momentum_buffer, h.momentum) if opts["nesterov"] else momentum_buffer
+    # plain momentum's step is a copy: inductor (torch 2.13) fails to compile the buffer, a
+    # mutated input, read through a transposed reduction (a transposed group's col_norm)
+    return grads.lerp_(momentum_buffer, h.momentum) if opts["nesterov"] else \
+        grads.copy_(momentum_buffer)
 
 
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:

@@ -261,6 +261,21 @@ def contra(u: Tensor, ctx: StageContext) -> Tensor:
     return u.mul_((norm / frobenius(u).clamp_min(1e-10)).to(u.dtype))
 
 
+def scion_lmo(g: Tensor, ctx: StageContext, norm: str) -> Tensor:
+    """Scion's LMOs (Pethick et al. 2025, arXiv 2502.07529) but Spectral (Newton-Schulz at
+    lr_scale 'unit_rms'), as their defaults scale them: 'sign', sign(G) / cols; 'col_norm', each
+    column to RMS 1 (an embedding's, logically (dim, vocab): each token's); 'row_norm', each row
+    to norm 1 / sqrt(cols). Their eps is on the norm. Use lr_scale 'one'. A new tensor."""
+    cols = whole_shape(g)[-1]
+    if norm == "sign":
+        return torch.sign(g) / cols
+    if norm == "col_norm":  # each column's RMS, ||col|| / sqrt(rows)
+        scale = (sq_sum(g, (-2,)) / whole_shape(g)[-2]).sqrt()
+    else:  # each row's norm times sqrt(cols)
+        scale = (sq_sum(g, (-1,)) * cols).sqrt()
+    return fp32(g) / (scale + 1e-8)
+
+
 def hyperball_radius(w: Tensor) -> Tensor:
     """MuonH's radius: each matrix's initial Frobenius norm, sqrt(rows) for one initialized at 0."""
     norm = frobenius(w)
@@ -359,6 +374,8 @@ ORTHOGONALIZERS = {name: Stage(functools.partial(newton_schulz, method=method), 
                                method=method)
                    for name, method in (("auto", "auto"), ("newton_schulz", "standard"),
                                         ("gram_newton_schulz", "gram"))}
+ORTHOGONALIZERS.update({name: Stage(functools.partial(scion_lmo, norm=name), flags=SLICES)
+                        for name in ("sign", "col_norm", "row_norm")})  # Scion's
 POST_PROCESSORS = {
     **{f"normalize_{mode}": Stage(functools.partial(normalize, mode=mode), flags=SLICES)
        for mode in ("fro", "col", "row", "col_row", "row_col")},
@@ -396,6 +413,7 @@ LR_SCALES = {
     "moonlight": lambda r, c: 0.2 * max(r, c) ** 0.5,  # Moonlight/Motif: matches AdamW's update RMS
     "spectral": lambda r, c: max(r, c) ** 0.5,  # Megatron's 'spectral'
     "unit_rms": lambda r, c: (r / c) ** 0.5,  # unit RMS-to-RMS operator norm
+    "one": lambda r, c: 1.0,  # the orthogonalizer's own scale (Scion's LMOs)
 }
 SHARDED_MODES = ("owner", "duplicated", "distributed", "blockwise")
 

@@ -41,6 +41,15 @@ OPTIMIZER_VARIANTS = {
                         roles={"attn.proj": dict(lr_factor=1.25),
                                "mlp.fc": dict(lr_factor=1.5, weight_decay_factor=1.5),
                                "mlp.proj": dict(lr_factor=1.5)}),
+    # unconstrained Scion (Pethick et al. 2025, arXiv 2502.07529): each layer's LMO of an EMA of
+    # its grads (their momentum 0.1 is our 0.9, no Nesterov), x -= lr x scale x lmo, no decay, no
+    # Adam; their shallow-nanogpt scales: hidden Spectral 3, embedding ColNorm 1, lm_head Sign 10
+    "scion": dict(weight_decay=0.0, muon_options=dict(
+        momentum=0.9, nesterov=False, precondition=(), orthogonalizer="newton_schulz",
+        ns_coefficients="jordan", post_process=(), apply="decoupled", lr_scale="unit_rms",
+        extra_scale=3.0), roles={
+        "embedding": dict(kind="muon", orthogonalizer="col_norm", lr_scale="one", extra_scale=1.0),
+        "lm_head": dict(kind="muon", orthogonalizer="sign", lr_scale="one", extra_scale=10.0)}),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW,
                        muon_options=dict(beta2=None, precondition=(), post_process=())),

@@ -292,7 +292,7 @@ def test_the_stages_table_lists_every_registered_stage():
 
 
 # a variant's name as the docs write it; `muon-mine` is research.md's example of one to add
-VARIANT = re.compile(r"(?:muon|adamw|torch-muon)(?:-[a-z0-9]+)*")
+VARIANT = re.compile(r"(?:muon|adamw|torch-muon|scion)(?:-[a-z0-9]+)*")
 EXAMPLES = {"muon-mine"}
 
 

@@ -187,14 +187,75 @@ def test_roles_give_each_role_its_own_lr_and_decay():
             assert torch.equal(p, before[n]) == (".mlp.c_fc." in n), n
     heads = {g["name"] for g in model.setup_optimizer(per_head=True, roles=roles).param_groups}
     assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
-    for bad, says in (({"attn.o": {}}, r"roles=\{'attn.o': \{\}\}: give a dict of matrix role \(one of"),
-                      ({"mlp.fc": dict(weight_decay=0.1)}, r"give a dict of lr_factor and"),
-                      ({"mlp.fc": dict(lr_factor=-1.0)}, r"each a number in \[0, 1000\)"),
-                      (["mlp.fc"], r"roles=\['mlp.fc'\]: give a dict of matrix role \(one of \['attn")):
+    for bad, says in (({"attn.o": {}}, r"roles=\{'attn.o': \{\}\}: give a dict of role -> dict"
+                                        r"\(kind=, .* this model's roles are \['lm_head', 'embedding', "
+                                        r"'attn.qkv', 'attn.proj', 'mlp.fc', 'mlp.proj'\]$"),
+                      ({"mlp.fc": dict(weight_decay=0.1)}, r"roles\['mlp.fc'\]: \['weight_decay'\] is "
+                                                           r"not a key of kind 'muon': its roles take \["),
+                      ({"lm_head": dict(ns_steps=3)}, r"\['ns_steps'\] is not a key of kind 'adamw': "
+                                                      r"its roles take \['betas', 'eps', 'kind', 'lr_factor', "
+                                                      r"'momentum', 'weight_decay_factor'\]"),
+                      ({"lm_head": dict(kind="sgd")}, r"roles\['lm_head'\]=\{'kind': 'sgd'\}: give a dict "
+                                                      r"with kind 'muon' or 'adamw'"),
+                      ({"mlp.fc": dict(lr_factor=-1.0)}, r"must be numbers, each in \[0, 1000\); got \[-1.0, 1.0\]"),
+                      (["mlp.fc"], r"roles=\['mlp.fc'\]: give a dict of role -> dict")):
         with pytest.raises(ValueError, match=says):
             model.setup_optimizer(roles=bad)
-    with pytest.raises(ValueError, match="roles need matrix_optimizer='muon'"):
-        model.setup_optimizer(roles=roles, **optimizer_kwargs("adamw"))
+
+
+def test_any_role_takes_any_update_by_its_name():
+    """roles= reaches every group: lm_head and the embedding turned Muon with another
+    orthogonalizer start from the matrix group's Muon (its lr, decay and muon_options, the
+    embedding transposed), a matrix role turned AdamW from matrix_optimizer='adamw''s group, an
+    AdamW role kept AdamW from its own; each times its factors, the multiplier once. Under an
+    AdamW baseline a role is reachable too. A 1-D scalar turned Muon, and a role the arch lacks,
+    are refused in one line."""
+    model = small_model()
+    lrs = PeakLRs(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, adamw_matrix_lr=0.001,
+                  scalar_lr=0.5, multiplier=0.5)
+    scale = (model.config.n_embd / 768) ** -0.5
+    roles = {"lm_head": dict(kind="muon", orthogonalizer="sign", lr_scale="one", extra_scale=10.0,
+                             lr_factor=2.0),
+             "embedding": dict(kind="muon", orthogonalizer="col_norm", weight_decay_factor=0.5),
+             "mlp.fc": dict(kind="adamw", betas=(0.9, 0.99), lr_factor=3.0)}
+    opt = model.setup_optimizer(lrs=lrs, weight_decay=0.2, roles=roles,
+                                muon_options=dict(nesterov=False, apply="decoupled"))
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert [g["name"] for g in opt.param_groups] == ["lm_head", "embedding", "matrices",
+                                                     "matrices, mlp.fc"]
+    want = {"lm_head": ("muon", 0.02 * 2 * 0.5, 0.2, False, "sign"),
+            "embedding": ("muon", 0.02 * 0.5, 0.1, True, "col_norm"),
+            "matrices": ("muon", 0.02 * 0.5, 0.2, False, "auto")}
+    for name, (kind, lr, decay, transposed, orthogonalizer) in want.items():
+        g = groups[name]
+        assert (g["kind"], g["transposed"], g["orthogonalizer"], g["nesterov"], g["apply"]) == (
+            kind, transposed, orthogonalizer, False, "decoupled"), name
+        assert g["lr"] == g["initial_lr"] == pytest.approx(lr, rel=1e-12), name
+        assert g["weight_decay"] == g["initial_weight_decay"] == pytest.approx(decay), name
+    assert groups["lm_head"]["extra_scale"] == 10.0 and groups["lm_head"]["lr_scale"] == "one"
+    fc = groups["matrices, mlp.fc"]
+    assert (fc["kind"], fc["betas"], fc["weight_decay"]) == ("adamw", (0.9, 0.99), 0.0)
+    assert fc["lr"] == pytest.approx(0.001 * scale * 3.0 * 0.5, rel=1e-12)
+    assert {id(p) for p in fc["params"]} == {id(b.mlp.c_fc.weight) for b in model.blocks}
+    x = torch.randint(0, 97, (2, 16))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # the zero-initialized projections pass c_fc a gradient from the second on
+        model(x, x).backward()
+        opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    adamw = model.setup_optimizer(lrs=lrs, roles={"lm_head": dict(lr_factor=4.0)},
+                                  **optimizer_kwargs("adamw"))
+    head = next(g for g in adamw.param_groups if g["name"] == "lm_head")
+    assert head["lr"] == pytest.approx(0.004 * scale * 4.0 * 0.5, rel=1e-12)
+    torch.manual_seed(0)
+    nanochat = GPT(config_from_depth(2, 97, 32, aspect_ratio=32, head_dim=16, arch="nanochat"))
+    ve = nanochat.setup_optimizer(roles={"value_embeds": dict(kind="muon")}).param_groups
+    assert next(g for g in ve if g["name"] == "value_embeds")["transposed"] is True
+    with pytest.raises(ValueError, match=r"param group \d 'resid_lambdas' \(kind='muon'\), param 0: "
+                                         r"shape \(2,\) has 1 dim\(s\); Muon needs matrices"):
+        nanochat.setup_optimizer(roles={"resid_lambdas": dict(kind="muon")})
+    with pytest.raises(ValueError, match=r"this model's roles are \['lm_head', 'embedding', 'attn"):
+        model.setup_optimizer(roles={"value_embeds": dict(kind="muon")})
 
 
 def peak_lrs(model, **kwargs) -> dict:
