@@ -102,9 +102,8 @@ def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
     raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
     out_dtype = grads.dtype  # the params'
     g = muon_momentum(grads, state.get("momentum_buffer"), params, h, plan)
-    weight = None  # apply stages have the params themselves
-    if "weight" in plan.needs:
-        weight = params if isinstance(params, Tensor) else torch.stack(params)
+    weight = (params if isinstance(params, Tensor) else torch.stack(params)) \
+        if "weight" in plan.needs else None  # apply stages have the params themselves
     ctx = StageContext(state, h, plan, raw, weight, inputs=inputs)
     muon_apply(params, muon_direction(g, ctx, out_dtype), ctx)
 
@@ -119,10 +118,9 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: Muon
     if momentum_buffer is None:
         return grads
     momentum_buffer.lerp_(grads, 1 - h.momentum)
-    # plain momentum's step is a copy: inductor (torch 2.13) fails to compile the buffer, a
-    # mutated input, read through a transposed reduction (a transposed group's col_norm)
-    return grads.lerp_(momentum_buffer, h.momentum) if opts["nesterov"] else \
-        grads.copy_(momentum_buffer)
+    if opts["nesterov"]:
+        return grads.lerp_(momentum_buffer, h.momentum)
+    return grads.copy_(momentum_buffer)  # a copy: inductor failed on the buffer read transposed
 
 
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
@@ -167,8 +165,7 @@ def muon_apply(params, u: Tensor, ctx: StageContext) -> None:
 
 def pairs(stack: Tensor, params, *states):
     """(stack, params, *states) whole when params is a tensor, else matrix by matrix."""
-    return ((stack, params, *states),) if isinstance(params, Tensor) else \
-        zip(stack, params, *states)
+    return ((stack, params, *states),) if isinstance(params, Tensor) else zip(stack, params, *states)
 
 
 # Gram Newton-Schulz recomputes R from X every 3 iterations (newton_schulz; docs/benchmarks.md)

@@ -131,6 +131,7 @@ class Run:
     wandb: object = None
     peak_flops: float | None = None  # of one device, for MFU; None where unknown
     copies: int = 1  # models trained at once: --seeds' count, each on every token
+    decays_applied: list[bool] = field(default_factory=list)  # each Muon group's, in order
 
 
 def main(argv=None):
@@ -504,12 +505,13 @@ def decay_applied(group: dict) -> bool:
     return "apply" not in group or first_plan(group).decays
 
 
-def muon_values(optimizer) -> str:
+def muon_values(optimizer, decays_applied: list[bool]) -> str:
     """The step line's Muon momentum and weight decay as they run now: one value where the Muon
     groups agree, else each group's in the header's order (a decay not applied shows as -)."""
     muon = [g for g in optimizer.param_groups if g["kind"] == "muon"]
     momenta = [f"{g['momentum']:.3g}" for g in muon]
-    decays = [f"{g['weight_decay']:.3g}" if decay_applied(g) else "-" for g in muon]
+    decays = [f"{g['weight_decay']:.3g}" if applied else "-"
+              for g, applied in zip(muon, decays_applied, strict=True)]
     return " | ".join(f"{name} {values[0] if len(set(values)) == 1 else '/'.join(values)}"
                       for name, values in (("mom", momenta), ("wd", decays)) if values)
 
@@ -526,6 +528,8 @@ def announce(run: Run) -> None:
            f"{args.total_batch_size:,} tokens/step, nanomuon/recipe.py):")
     for group in run.optimizer.param_groups:
         print0(f"  {group_words(group, ARCHS[args.arch])}")
+    run.decays_applied = [decay_applied(g) for g in run.optimizer.param_groups
+                          if g["kind"] == "muon"]  # asked once: the step line shows them
     for group in (g for g in run.optimizer.param_groups if "apply" in g):
         print0(f"Muon update ({group.get('name', 'muon')}): {first_plan(group).summary}")
     tokens = run.num_iterations * args.total_batch_size
@@ -691,7 +695,7 @@ def record_step(run: Run, s: Step, warm: bool) -> None:
         if run.peak_flops:
             mfu = run.flops_per_token * tok_per_s / (run.peak_flops * run.world_size)
             parts.append(f"mfu {100 * mfu:.1f}%")
-        if muon := muon_values(run.optimizer):
+        if muon := muon_values(run.optimizer, run.decays_applied):
             parts.append(muon)
         parts.append(f"attn {args.attention}")
         if args.qk_clip:
