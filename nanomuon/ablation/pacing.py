@@ -16,7 +16,7 @@ import torch
 
 from nanomuon.ablation import budget
 from nanomuon.ablation.budget import Calibration, Design, Tracker, machine_load, modeled, probe_step
-from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, write_json
+from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, variant_key, write_json
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
 from nanomuon.tokenizer import tokenizer_dir
@@ -35,7 +35,8 @@ def cache_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> 
     decides the runs' pace, a design by that and the budget, sweep, seeds and lengths it fits."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
-    exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
+    exact = key_of([machine, args.variants, [variant_key(v) for v in args.variants],
+                    cache["code"], cache["torch"]])
     design = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
     return Keys(cache["dir"] / f"design-{design}.json", cache["dir"] / f"calibration-{exact}.json",
                 cache["dir"] / f"refused-{exact}.json", machine)
