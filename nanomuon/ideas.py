@@ -82,8 +82,10 @@ def registries() -> dict:
 
 
 def snapshot() -> dict:
-    return {(where, name): settings_key(v) for where, reg in registries().items()
-            for name, v in reg.items()}
+    """Each registry entry: a variant (a dict, changed in place) by value, a stage or an option
+    (immutable tuples, replaced to change) as itself, kept so its identity stays its own."""
+    return {(where, name): settings_key(v) if where == "variants" else v
+            for where, reg in registries().items() for name, v in reg.items()}
 
 
 def user_files(names) -> list[Path]:
@@ -112,7 +114,9 @@ def load(path: str) -> Ideas:
     module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     after = snapshot()
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    changed = {k for k in before.keys() | after.keys()
+               if (before.get(k) != after.get(k) if k[0] == "variants" else
+                   before.get(k) is not after.get(k))}
     variants = {n for where, n in changed if where == "variants" and n in OPTIMIZER_VARIANTS}
     if any(where != "variants" and (where, n) in before for where, n in changed):
         variants = set(OPTIMIZER_VARIANTS)  # an existing stage or option changed: every variant

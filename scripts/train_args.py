@@ -135,7 +135,7 @@ def load_ideas(argv) -> None:
         try:
             ideas.load(path)
         except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+            q.error(str(e))
 
 
 def parse_args(argv=None):

@@ -238,7 +238,7 @@ def run_batch(jobs: list[Job], flags: list[str], swept: "Sweep | str", nproc: in
     label = (f"{variant} " + (f"{sweep.flag} {value} " if given else "") + who
              + (f" at {steps} steps" if steps else ""))
     if path.exists():
-        print(f"== {label}: cached ({path.name})", flush=True)
+        tell(f"== {label}: cached ({path.name})")  # whole among other threads' lines
         records = read_json(path, "a record ablate cached")
         return {job: records[str(job.seed)] for job in jobs}
     run = first.name(name, sweep.flag, None if alone else seeds[-1])
@@ -300,7 +300,7 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
             refiner: Tracker | None = None) -> dict:
     """job -> record of every job in todo and of those `refiner` adds as runs end (its more())."""
     with ThreadPoolExecutor(jobs) as pool:
-        given = (flags, args.sweep.flag, args.nproc, threads, args.name, cache, refiner)
+        given = (flags, args.sweep, args.nproc, threads, args.name, cache, refiner)
 
         def submit(batch: list[Job]):
             if len(batch) == 1:  # through run_one, which a study of made-up runs stands in for

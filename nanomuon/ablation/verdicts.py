@@ -274,13 +274,17 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     # swept values that run names hold as value_tag's slug and hash
     tags = [f"`{v}` as {value_tag(v)}" for v in args.sweep.values if value_tag(v) != v]
+    sweep = args.sweep
+    swept = (f"{'--variant-option ' if sweep.option else '--'}{sweep.flag}"
+             + (f" ({sweep.variant} alone: the others run at their own settings, named without "
+                "it)" if sweep.variant else ""))
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
                                        "(-n<steps>)" if lengths else "")
            + (f"; in the names, {', '.join(tags)}" if tags else ""),
            f"- every run: `python -m scripts.base_train {' '.join(flags)}`, then its own --run, "
-           f"--optimizer, --{args.sweep.flag}, --seed and --data-seed (the last of a flag given "
+           f"--optimizer, {swept}, --seed and --data-seed (the last of a flag given "
            "twice wins)",
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init"
            + (", on one data order (data seed 1) for every run: the verdict is at that order"
