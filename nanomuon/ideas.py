@@ -138,8 +138,8 @@ def ideas_of(variant: str) -> list[Ideas]:
     return [i for i in LOADED.values() if variant in i.variants]
 
 
-# a variant's own keys: setup_optimizer's (but those a run sets) and its lr schedule
-TOP_LEVEL = ({*inspect.signature(GPT.setup_optimizer).parameters} | {"schedule"}) - {
+# a variant's own keys: setup_optimizer's, but those a run sets
+TOP_LEVEL = {*inspect.signature(GPT.setup_optimizer).parameters} - {
     "self", "lrs", "compile", "horizon", "total_batch_size"}
 
 
@@ -159,6 +159,9 @@ def with_options(name: str, options: list[str] | None) -> dict:
         except (ValueError, SyntaxError):
             value = text.strip()
         path = key.strip().split(".")
+        if path[0] == "schedule":  # the loop reads it from the registry, once a step
+            raise ValueError(f"--variant-option {option!r}: a variant's lr schedule is not an "
+                             "option; give base_train --schedule to a variant without one")
         if len(path) == 1 and path[0] not in TOP_LEVEL:
             path = ["muon_options", path[0]]
         top, *rest = path

@@ -205,9 +205,6 @@ def parse_args(argv):
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
-    if args.sweep.variant not in (None, *args.variants):
-        p.error(f"--sweep {args.sweep.variant}:{args.sweep.flag}=...: {args.sweep.variant!r} is "
-                f"not among --variants {spec!r}")
     if args.nproc < 1 or args.jobs < 0:
         p.error(f"--nproc must be >= 1 and --jobs >= 0; got {args.nproc} and {args.jobs}")
     given = {f.split("=")[0] for f in extra if f.startswith("--") and len(f) > 2}
@@ -215,20 +212,29 @@ def parse_args(argv):
         p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "
                 "--variants, --seeds and --sweep")
     flags = [*DEFAULT_FLAGS, *(PRESETS[args.preset].flags if args.preset else []), *extra]
+    check_sweep(p, args, flags, given, spec)
+    return args, flags
+
+
+def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, spec: str) -> None:
+    """--sweep's variant, its flag (or, for one variant alone, its setting) and every value, each
+    refused in one line before any run starts."""
     sweep = args.sweep
+    if sweep.variant not in (None, *args.variants):
+        p.error(f"--sweep {sweep.variant}:{sweep.flag}=...: {sweep.variant!r} is not among "
+                f"--variants {spec!r}")
     if sweep.variant and (not re.fullmatch(r"[a-z][a-z0-9-]*", sweep.flag) or "has no --" in (
             sweep_value_problem(flags, sweep, sweep.values[0]) or "")):
-        args.sweep = sweep._replace(option=True)  # not a base_train flag: a variant's setting
-    elif args.sweep.flag in DATA_FLAGS:
-        p.error(f"--sweep {args.sweep.flag}: each value would be judged on its own val set, so "
+        args.sweep = sweep = sweep._replace(option=True)  # not a base_train flag: a setting
+    elif sweep.flag in DATA_FLAGS:
+        p.error(f"--sweep {sweep.flag}: each value would be judged on its own val set, so "
                 "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
-    if not args.sweep.option and (args.sweep.flag in RESERVED or f"--{args.sweep.flag}" in given):
-        p.error(f"--sweep {args.sweep.flag} sets --{args.sweep.flag} per run: "
-                + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
-    for value in args.sweep.values:
-        if problem := sweep_value_problem(flags, args.sweep, value):
+    if not sweep.option and (sweep.flag in RESERVED or f"--{sweep.flag}" in given):
+        p.error(f"--sweep {sweep.flag} sets --{sweep.flag} per run: "
+                + ("ablate sets it" if sweep.flag in RESERVED else "do not give it as well"))
+    for value in sweep.values:
+        if problem := sweep_value_problem(flags, sweep, value):
             p.error(problem)
-    return args, flags
 
 
 def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | None:

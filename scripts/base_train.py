@@ -47,6 +47,7 @@ from nanomuon.seeds import SeedBatch, seeded_gpt
 from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
+from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.train_args import LR_FLAGS, MAX_STEPS, check_memory, parse_args
 
 
@@ -169,7 +170,7 @@ def optimizer_options(args, compiled: bool) -> dict:
 
 def schedule_name(args) -> str:
     """The lr schedule this run follows: the --optimizer variant's, else --schedule."""
-    return with_options(args.optimizer, args.variant_option).get("schedule", args.schedule)
+    return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
 
 
 def horizon_steps(args, model: GPT) -> int:

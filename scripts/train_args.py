@@ -248,15 +248,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
-    if args.variant_option:
-        arch = args.arch if args.arch != "auto" else (
-            "nanochat" if args.device_type in ("auto", "cuda") and torch.cuda.is_available()
-            else "classic")
-        try:
-            ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option), arch)
-        except (ValueError, TypeError) as e:
-            p.error(f"--optimizer {args.optimizer} --variant-option "
-                    f"{' '.join(args.variant_option)}: {e}")
+    check_variant_options(p, args)
     if args.seeds is not None and args.seed is not None:
         p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
@@ -286,6 +278,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.step_record is not None and record.exists() and not record.is_file():
         p.error(f"--step-record {record} is not a regular file; name a file")
     check_model_fits(p, args)
+
+
+def check_variant_options(p: argparse.ArgumentParser, args) -> None:
+    """--variant-option: the variant with them set, as a tiny model of the run's arch takes it."""
+    if not args.variant_option:
+        return
+    arch = args.arch if args.arch != "auto" else (
+        "nanochat" if args.device_type in ("auto", "cuda") and torch.cuda.is_available()
+        else "classic")
+    try:
+        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option), arch)
+    except (ValueError, TypeError) as e:
+        p.error(f"--optimizer {args.optimizer} --variant-option "
+                f"{' '.join(args.variant_option)}: {e}")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:
