@@ -29,10 +29,10 @@ import time
 from itertools import accumulate
 from typing import NamedTuple
 
-from nanomuon import recipe
+from nanomuon import ideas, recipe
 from nanomuon.ablation import budget
 from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
-from nanomuon.ablation.runs import RUNNING, Job, batches, cache_of, run_all, split_runs
+from nanomuon.ablation.runs import RUNNING, UNSWEPT, Job, batches, cache_of, run_all, split_runs
 from nanomuon.ablation.stats import MOST_SEEDS
 from nanomuon.ablation.verdicts import Sweep, report, write_ablation
 from nanomuon.common import get_base_dir
@@ -99,23 +99,30 @@ def seeds_arg(s: str) -> int:
 
 
 def sweep_arg(s: str) -> Sweep:
-    """argparse type for --sweep FLAG=V1,V2,...: the values distinct, in numeric order."""
+    """argparse type for --sweep [VARIANT:]FLAG=V1,V2,...: the values distinct, in numeric order;
+    with VARIANT, its alone, and FLAG may name one of its settings (parse_args decides)."""
     flag, _, given = s.partition("=")
-    flag = flag.strip().removeprefix("--")
+    variant, _, flag = flag.rpartition(":")
+    flag, variant = flag.strip().removeprefix("--"), variant.strip() or None
+    name = r"[A-Za-z_][\w.-]*" if variant else r"[a-z][a-z0-9-]*"
     values = [v.strip() for v in given.split(",")] if given.strip() else []
     if empty := [i for i, v in enumerate(values, 1) if not v]:
         raise argparse.ArgumentTypeError(f"{s!r}: value {empty[0]} is empty; give each value "
                                          "between commas, like lr-multiplier=0.5,1,2")
-    if not re.fullmatch(r"[a-z][a-z0-9-]*", flag) or not values or len(set(values)) != len(values):
+    if not re.fullmatch(name, flag) or not values or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
-                                         "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02")
+                                         "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02, or a "
+                                         "variant's own: muon-soap:precondition_frequency=5,10")
+    if UNSWEPT in values:
+        raise argparse.ArgumentTypeError(f"{s!r}: {UNSWEPT!r} stands for a variant's own "
+                                         "settings here; give values")
     with contextlib.suppress(ValueError):  # not all numbers (a choice flag): the order given
         values = sorted(values, key=float)
         same = [f"{a} and {b}" for a, b in zip(values, values[1:]) if float(a) == float(b)]
         if same:
             raise argparse.ArgumentTypeError(f"{s!r}: {same[0]} are the same value (two identical "
                                              "runs); give each value once")
-    return Sweep(flag, values)
+    return Sweep(flag, values, variant)
 
 
 def lengths_arg(s: str) -> list[float]:
@@ -158,7 +165,15 @@ def parse_args(argv):
                    "here, else from the smallest plan's own steps, and refined as the runs go")
     p.add_argument("--sweep", type=sweep_arg, default=sweep_arg(DEFAULT_SWEEP),
                    help="a base_train flag and the values to try, e.g. lr-multiplier=0.5,1,2; each "
-                   "variant is compared at its best value (default: lr-multiplier=1)")
+                   "variant is compared at its best value. VARIANT:FLAG=... sweeps that variant "
+                   "alone (the others run once, at their own settings), FLAG a base_train flag or "
+                   "one of the variant's settings (base_train --variant-option): "
+                   "scion:lr-multiplier=1,4,16, muon-soap:precondition_frequency=5,10,20, "
+                   "muon-newton:roles.mlp.fc.lr_factor=1,2 (default: lr-multiplier=1)")
+    p.add_argument("--ideas", action="append", default=[], metavar="FILE",
+                   help="a Python file of yours that registers stages and variants, run as your "
+                   "code (nanomuon/ideas.py); only the runs of the variants it defines load it, "
+                   "and only their cache keys hold it")
     p.add_argument("--baseline-lengths", type=lengths_arg, default=lengths_arg(DEFAULT_LENGTHS),
                    help="the baseline also runs these fractions of the steps, to turn each "
                    f"verdict into steps saved (default {DEFAULT_LENGTHS}; 'none' skips them)")
@@ -174,6 +189,11 @@ def parse_args(argv):
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
+    for path in args.ideas:
+        try:
+            ideas.load(path)
+        except ValueError as e:
+            p.error(str(e))
     args.budget_default = False  # default_budget's: a budget that plans but never refuses
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
@@ -191,30 +211,44 @@ def parse_args(argv):
     if any(f"--{r}".startswith(f) for f in given for r in RESERVED):
         p.error(f"{', '.join('--' + r for r in RESERVED)} are set per run by ablate; use --name, "
                 "--variants, --seeds and --sweep")
-    if args.sweep.flag in DATA_FLAGS:
-        p.error(f"--sweep {args.sweep.flag}: each value would be judged on its own val set, so "
-                "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
-    if args.sweep.flag in RESERVED or f"--{args.sweep.flag}" in given:
-        p.error(f"--sweep {args.sweep.flag} sets --{args.sweep.flag} per run: "
-                + ("ablate sets it" if args.sweep.flag in RESERVED else "do not give it as well"))
     flags = [*DEFAULT_FLAGS, *(PRESETS[args.preset].flags if args.preset else []), *extra]
-    for value in args.sweep.values:
-        if problem := sweep_value_problem(flags, args.sweep.flag, value):
-            p.error(problem)
+    check_sweep(p, args, flags, given, spec)
     return args, flags
 
 
-def sweep_value_problem(flags: list[str], flag: str, value: str) -> str | None:
+def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, spec: str) -> None:
+    """--sweep's variant, its flag (or, for one variant alone, its setting) and every value, each
+    refused in one line before any run starts."""
+    sweep = args.sweep
+    if sweep.variant not in (None, *args.variants):
+        p.error(f"--sweep {sweep.variant}:{sweep.flag}=...: {sweep.variant!r} is not among "
+                f"--variants {spec!r}")
+    if sweep.variant and (not re.fullmatch(r"[a-z][a-z0-9-]*", sweep.flag) or "has no --" in (
+            sweep_value_problem(flags, sweep, sweep.values[0]) or "")):
+        args.sweep = sweep = sweep._replace(option=True)  # not a base_train flag: a setting
+    elif sweep.flag in DATA_FLAGS:
+        p.error(f"--sweep {sweep.flag}: each value would be judged on its own val set, so "
+                "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
+    if not sweep.option and (sweep.flag in RESERVED or f"--{sweep.flag}" in given):
+        p.error(f"--sweep {sweep.flag} sets --{sweep.flag} per run: "
+                + ("ablate sets it" if sweep.flag in RESERVED else "do not give it as well"))
+    for value in sweep.values:
+        if problem := sweep_value_problem(flags, sweep, value):
+            p.error(problem)
+
+
+def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | None:
     """What base_train would refuse in this --sweep value, said before any run starts."""
-    said = io.StringIO()
+    said, flag = io.StringIO(), sweep.flag
     try:
         with contextlib.redirect_stderr(said):
-            train_args([*flags, f"--{flag}", value])
+            train_args([*flags, *(["--optimizer", sweep.variant] if sweep.variant else []),
+                        *sweep.run_flags(value)])
         return None
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
     if not why.startswith("unrecognized arguments"):
-        return f"--sweep {flag}={value}: {why}"
+        return f"--sweep {sweep.variant + ':' if sweep.variant else ''}{flag}={value}: {why}"
     try:  # a switch (--fp8, --compile) parses given alone
         with contextlib.redirect_stderr(io.StringIO()):
             train_args([*flags, f"--{flag}"])
@@ -260,7 +294,8 @@ def short_run_lrs(args, flags: list[str], train) -> list[str]:
     unless --matrix-lr is given or swept, a preset (tuned at its steps) or GPU-sized steps."""
     steps, batch = train.num_iterations, train.total_batch_size
     if (steps >= recipe.RULE_STEPS or args.preset or "--matrix-lr" in given_flags(flags)
-            or args.sweep.flag == "matrix-lr" or not 0 < batch < recipe.NANOCHAT_BATCH):
+            or (args.sweep.flag, args.sweep.variant) == ("matrix-lr", None)
+            or not 0 < batch < recipe.NANOCHAT_BATCH):
         return flags
     lr = short_run_matrix_lr(steps, batch)
     print(f"== Muon's matrix lr {lr:.4g} for {steps}-step runs: the lr rule's "
@@ -317,7 +352,7 @@ def ablation(args, flags: list[str], argv):
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)
-    runs_per_seed = len(args.variants) * len(args.sweep.values)
+    runs_per_seed = sum(len(args.sweep.of(v)) for v in args.variants)  # variant-value pairs
     # a batched run trains all of a variant's seeds: a process per variant-value pair and length
     args.batch_seeds = args.batch_seeds and args.data_order == "fixed"
     jobs = min(jobs, runs_per_seed + len(args.baseline_lengths) if args.batch_seeds
@@ -346,7 +381,7 @@ def ablation(args, flags: list[str], argv):
 
     def main_jobs(seeds: list[int], group: int = 0) -> list[Job]:  # a batch of each variant's
         return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
-                for x in args.sweep.values for s in seeds]
+                for x in args.sweep.of(v) for s in seeds]
 
     groups = (refiner.design.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
     todo = [job for group, (n, end) in enumerate(zip(groups, accumulate(groups)))
@@ -354,15 +389,15 @@ def ablation(args, flags: list[str], argv):
     if refiner:
         refiner.make_jobs = main_jobs
     # the baseline's other lengths: with it now when it runs at one value, else at its best, after
-    shorter = [Job(args.baseline, args.sweep.values[0], s, n, data) for n in others
+    shorter = [Job(args.baseline, args.sweep.of(args.baseline)[0], s, n, data) for n in others
                for s in seeds[:budget.LENGTH_SEEDS]]
     processes = len(batches(todo + shorter, args.batch_seeds))
-    print(f"== {len(todo)} runs ({len(args.variants)} variants x {len(args.sweep.values)} values x "
-          f"{len(seeds)} seeds) and {len(shorter)} of the baseline at other lengths"
+    print(f"== {len(todo)} runs ({runs_per_seed} variant-value pairs x {len(seeds)} seeds) and "
+          f"{len(shorter)} of the baseline at other lengths"
           + (f", each variant's seeds batched: {processes} processes" if args.batch_seeds else "")
           + f", {jobs} at a time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
-    one_value = len(args.sweep.values) == 1
+    one_value = len(args.sweep.of(args.baseline)) == 1  # the baseline's lengths run at it now
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache,
                       refiner)
     seeds = list(range(1, (refiner.design.seeds if refiner else n_seeds) + 1))  # with any added

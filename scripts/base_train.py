@@ -35,6 +35,7 @@ from nanomuon.gpt import (
     scaling_params,
 )
 from nanomuon.hardware import peak_flops
+from nanomuon.ideas import with_options
 from nanomuon.run import (
     append_step_record,
     check_disk,
@@ -46,7 +47,7 @@ from nanomuon.seeds import SeedBatch, seeded_gpt
 from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
-from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.train_args import LR_FLAGS, MAX_STEPS, check_memory, parse_args
 
 
@@ -164,11 +165,11 @@ def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
     flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
-    variant = OPTIMIZER_VARIANTS[args.optimizer]
+    variant = with_options(args.optimizer, args.variant_option)
     for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    kwargs = optimizer_kwargs(args.optimizer)
+    kwargs = {k: v for k, v in variant.items() if k != "schedule"}
     own = {k: v for k, v in kwargs.items() if k not in recipe.PeakLRs._fields}
     given = {k: kwargs.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
     lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
@@ -375,7 +376,7 @@ def resume(run: Run) -> None:
         # the process count and --device-batch-size may change; a new --eval-tokens would mix two
         # val sets in one history
         for key in ("dataset", "text_column", "val_fraction", "total_batch_size", "optimizer",
-                    "eval_tokens", "data_seed", "seeds"):
+                    "variant_option", "eval_tokens", "data_seed", "seeds"):
             saved = meta["args"].get(key, "muon" if key == "optimizer" else None)  # runs before it
             if saved != getattr(args, key):
                 problems.append(f"--{key.replace('_', '-')} was {common.shown(saved, 80)}, now "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from nanomuon import checkpoint, common, recipe
+from nanomuon import checkpoint, common, ideas, recipe
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
@@ -62,6 +62,13 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "--optimizer variant's own included")
     p.add_argument("--optimizer", choices=list(OPTIMIZER_VARIANTS), default="muon",
                    help="optimizer variant (nanomuon/variants.py; scripts.ablate compares them)")
+    p.add_argument("--ideas", action="append", default=[], metavar="FILE",
+                   help="a Python file of yours that registers stages and variants (run as your "
+                   "code before the flags parse; nanomuon/ideas.py)")
+    p.add_argument("--variant-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="set one of the --optimizer variant's settings: a Muon option "
+                   "(precondition_frequency=10), a key of its own, or a dotted path "
+                   "(roles.mlp.fc.lr_factor=2); repeatable (ideas.with_options)")
     p.add_argument("--schedule", choices=list(LR_SCHEDULES), default="warmup_warmdown",
                    help="lr schedule (gpt.LR_SCHEDULES; the --optimizer variant may set its own)")
     recipe = "default: the recipe's, by batch: docs/lr_rule.md"
@@ -120,7 +127,19 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    "checkpoints or results, moving them into runs/<run>/previous.N")
 
 
+def load_ideas(argv) -> None:
+    """Run each --ideas file in argv before the parser lists the variants --optimizer takes."""
+    q = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    q.add_argument("--ideas", action="append", default=[])
+    for path in q.parse_known_args(argv)[0].ideas:
+        try:
+            ideas.load(path)
+        except ValueError as e:
+            q.error(str(e))
+
+
 def parse_args(argv=None):
+    load_ideas(argv)
     p = argparse.ArgumentParser(description="Pretrain a GPT with Muon+AdamW", allow_abbrev=False,
                                 formatter_class=HelpFormatter)
     # run
@@ -229,6 +248,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
+    check_variant_options(p, args)
     if args.seeds is not None and args.seed is not None:
         p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
@@ -258,6 +278,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.step_record is not None and record.exists() and not record.is_file():
         p.error(f"--step-record {record} is not a regular file; name a file")
     check_model_fits(p, args)
+
+
+def check_variant_options(p: argparse.ArgumentParser, args) -> None:
+    """--variant-option: the variant with them set, as a tiny model of the run's arch takes it."""
+    if not args.variant_option:
+        return
+    arch = args.arch if args.arch != "auto" else (
+        "nanochat" if args.device_type in ("auto", "cuda") and torch.cuda.is_available()
+        else "classic")
+    try:
+        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option), arch)
+    except (ValueError, TypeError) as e:
+        p.error(f"--optimizer {args.optimizer} --variant-option "
+                f"{' '.join(args.variant_option)}: {e}")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:

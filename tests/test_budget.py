@@ -11,6 +11,7 @@ import math
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_ablate import T80, T975, TINY
@@ -281,10 +282,11 @@ def test_the_runs_records_time_a_step_and_never_a_negative_start_up(monkeypatch)
     monkeypatch.setattr(time, "monotonic", clock)
     evals = lambda step_s: planner.eval_times(step_s, 4096, 8192, 256, True)
     both = planner.Tracker(600, 5.0, evals)
-    big, small = both.watch(3, "a"), both.watch(1, "b")
+    big = both.watch(3, "a")
     big.step(dict(step=1, steps=50, dt_ms=60_000.0))  # compiling
     records(big, clock, 50, 1.5)
     assert planner.Tracker(600, 5.0, evals).measured() is None  # no records, no pace
+    small = both.watch(1, "b")
     records(small, clock, 50, 0.7)
     assert both.measured().step_s == pytest.approx((47 * 1.5 + 47 * 0.7) / (47 * 3 + 47 * 1))
     alone = planner.Tracker(600, 5.0, evals)
@@ -399,3 +401,56 @@ def test_the_probe_times_a_step_of_micro_batches_and_the_optimizers(monkeypatch)
     config = config_from_depth(1, 300, 16, 64, 64)
     assert planner.probe_step(config, ["muon", "adamw", "muon-newton"], 2, 3, "fp32", 1) == 3 + 1
     assert torch.get_num_threads() == threads
+
+
+def run_events(k, n, t0, seed_step_s, slow_windows, start_s=150.0):
+    """A run's step records and end on a steady CPU: its start-up, 3 compiling steps of 20 s, then k x
+    seed_step_s a step (2x inside another run's compile, which takes the same cores), each eval 8 s a seed
+    (the first 30 s more: it compiles), the final eval 25 s a seed and a 5 s save."""
+    t, events = t0 + start_s, []
+    for i in range(1, n + 1):
+        dt = 20.0 if i <= 3 else k * seed_step_s * (2 if any(a <= t < b for a, b in slow_windows) else 1)
+        t += dt
+        events.append((t, dict(step=i, steps=n, dt_ms=dt * 1000)))
+        if i % 13 == 0 or i == n:
+            t += k * 8.0 + (30.0 if i == 13 else 0.0)
+    return events, t + k * 25.0 + 5.0
+
+
+def test_the_end_said_as_the_runs_go_stays_within_a_quarter_of_the_end(monkeypatch, tmp_path):
+    """The default's shape timed on a fake clock at a steady load: muon and adamw (3 seeds, 50 steps) at
+    once, adamw's compile (100 s) done long before muon's (300 s), then the baseline's 2 seeds at 40 steps
+    once a lane frees; a compile slows the other run's steps. Every end ablate says (the runs' first pace,
+    each run's end) lies within 25% of the real one."""
+    from nanomuon.ablation import pacing
+
+    clock, said = Clock(), []
+    monkeypatch.setattr(time, "monotonic", clock)
+    monkeypatch.setattr(pacing, "tell", lambda line: said.append(line))
+    args = SimpleNamespace(budget=1800.0, seeds=None, budget_default=True, started=clock(), batch_seeds=True)
+    train = SimpleNamespace(eval_tokens=65536, final_eval_tokens=262144, total_batch_size=4096, depth=4)
+    keys = pacing.Keys(tmp_path / "d.json", tmp_path / "c.json", tmp_path / "r.json", "m")
+    refiner = pacing.Refiner(args, train, planner.Design(50, 3, 13, 0.0, 0.0), (2, 2, 1, True), keys, {},
+                             None, 25.0, False)
+    t0 = clock() + 20.0
+    b_events, b_end = run_events(3, 50, t0, 0.8, [(t0, t0 + 360.0)], start_s=100.0)
+    c_window = (b_end, b_end + 150.0 + 60.0)
+    a_events, a_end = run_events(3, 50, t0, 1.0, [c_window], start_s=300.0)
+    c_events, c_end = run_events(2, 40, b_end, 1.0, [])
+    clock.t = t0
+    a, b = refiner.watch(3, "a"), refiner.watch(3, "b")
+    timeline = sorted([(t, a, r) for t, r in a_events] + [(t, b, r) for t, r in b_events]
+                      + [(a_end, a, None), (b_end - 1e-6, b, None), (b_end, "c", None)]
+                      + [(t, "c", r) for t, r in c_events] + [(c_end, "c", None)], key=lambda e: e[0])
+    watches = {}
+    for t, run, record in timeline:
+        clock.t = t
+        if run == "c" and "c" not in watches:
+            watches["c"] = refiner.watch(2, "c")
+            continue
+        watch = watches.get(run, run)
+        watch.step(record) if record else watch.ended()
+    end = max(a_end, c_end) + planner.WRITE_UP_S - args.started
+    ends = [float(m[1]) * 60 for line in said if (m := re.search(r"plan ends ~([\d.]+) min", line))]
+    assert len(ends) == 4, said  # the first pace and each of the 3 runs' ends
+    assert all(abs(e - end) <= 0.25 * end for e in ends), (ends, end)

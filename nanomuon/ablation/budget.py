@@ -119,6 +119,23 @@ def modeled(cal: Calibration, steps: int, seeds: int, runs_per_seed: int, jobs: 
     return cal.fixed_s + max(sizes) * (per_seed + steps * cal.step_s), total
 
 
+def left_s(cal: Calibration, steps: int, queued: list[int], running: list[tuple], jobs: int) -> float:
+    """Seconds until the last run ends at cal: each running run (seeds, steps done, its steps,
+    seconds since it began) its modeled rest, at least its steps left; then each queued run (its
+    seeds), the largest first, on the lane that frees first."""
+    per_seed = EVALS * cal.eval_s + cal.final_s
+
+    def whole(k: int, n: int) -> float:
+        return cal.fixed_s + k * (per_seed + n * cal.step_s)
+
+    free = [max(whole(k, n) - since, (n - done) * k * cal.step_s) for k, done, n, since in running]
+    free = sorted(free + [0.0] * max(0, jobs - len(free)))
+    for k in sorted(queued, reverse=True):
+        free[0] += whole(k, steps)
+        free.sort()
+    return max(free, default=0.0)
+
+
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
         lengths: int = 0, batched: bool = False, at_least: bool = False) -> Design | None:
     """The design for budget_s seconds (less cal.seconds): the most steps that fit `seeds` seeds,
@@ -249,10 +266,13 @@ class RunWatch:
         self.tracker.started_process(p)
 
     def step(self, record: dict) -> None:
-        """A step record (base_train --step-record); the first WARM_UP_STEPS are start-up."""
+        """A step record (base_train --step-record); the first WARM_UP_STEPS are start-up, and a
+        step beside another run's start-up (a compile, on the same cores) is not the runs' pace:
+        its wall counts it, in the run's rest."""
         if record["step"] > WARM_UP_STEPS:
             with self.tracker.lock:
-                self.dts.append(record["dt_ms"] / 1000)
+                if not any(r.wall is None and not r.at[0] for r in self.tracker.runs):
+                    self.dts.append(record["dt_ms"] / 1000)
                 self.steps, self.at = record["steps"], (record["step"], time.monotonic())
             self.tracker.stepped()
 
@@ -312,8 +332,10 @@ class Tracker:
         cal = self.measured()
         if cal is None:
             return
-        with self.lock:
-            first, self.told = not self.told, True
+        with self.lock:  # the first pace waits for every run to step: one that compiles slows
+            starting = any(r.wall is None and not r.at[0] for r in self.runs)  # the others' steps
+            first = not self.told and not starting
+            self.told = self.told or first
         if first:
             self.paced(cal)
         self.check(cal)

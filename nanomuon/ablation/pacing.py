@@ -16,7 +16,7 @@ import torch
 
 from nanomuon.ablation import budget
 from nanomuon.ablation.budget import Calibration, Design, Tracker, machine_load, modeled, probe_step
-from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, write_json
+from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, variant_key, write_json
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
 from nanomuon.tokenizer import tokenizer_dir
@@ -35,7 +35,8 @@ def cache_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> 
     decides the runs' pace, a design by that and the budget, sweep, seeds and lengths it fits."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
-    exact = key_of([machine, args.variants, cache["code"], cache["torch"]])
+    exact = key_of([machine, args.variants, [variant_key(v) for v in args.variants],
+                    cache["code"], cache["torch"]])
     design = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
     return Keys(cache["dir"] / f"design-{design}.json", cache["dir"] / f"calibration-{exact}.json",
                 cache["dir"] / f"refused-{exact}.json", machine)
@@ -194,10 +195,28 @@ class Refiner(Tracker):
             tell(f"== by the prior, --budget {self.budget_s / 60:.1f}m may not fit even the "
                  "smallest plan's steps; the runs' first steps decide, and refuse it then")
 
+    def eta(self, cal: Calibration) -> float:
+        """Seconds after ablate began that its runs end, as they go: now, and at cal what the
+        running runs have left and the runs not started yet take. Not the whole plan redone at
+        cal: the time already spent is spent, so the estimate closes in on the end."""
+        p, (runs_per_seed, jobs, lengths, batched) = self.design, self.layout
+        queued = budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups)
+        now = time.monotonic()
+        with self.lock:
+            started = [(r.seeds, r.at[0], r.steps or p.steps, now - r.began, r.wall)
+                       for r in self.runs]
+        for k, *_ in started:
+            if k in queued:
+                queued.remove(k)
+        running = [run[:4] for run in started if run[4] is None]
+        left = budget.left_s(cal, p.steps, queued, running, jobs)
+        return now - self.args.started + budget.WRITE_UP_S + left
+
     def end_words(self, cal: Calibration) -> str:
-        end, fits = self.ends(cal)
+        end = self.eta(cal)
         return (f"the plan ends ~{end / 60:.1f} min after ablate began, of a "
-                f"{self.budget_s / 60:.1f}-minute budget" + ("" if fits else ", past it"))
+                f"{self.budget_s / 60:.1f}-minute budget" + ("" if end <= self.budget_s
+                                                             else ", past it"))
 
     def paced(self, cal: Calibration) -> None:
         assumed = (f"the plan assumed {self.estimate.step_s:.3f}" if self.estimate else

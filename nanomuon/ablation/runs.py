@@ -23,13 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from nanomuon import common
+from nanomuon import common, ideas
 from nanomuon.ablation.budget import Tracker
 from nanomuon.dataset import SPLITS, list_shards
 from nanomuon.run import StepRecords
 from nanomuon.sources import add_data_args, prepare
 from nanomuon.tokenizer import tokenizer_dir
-from nanomuon.variants import OPTIMIZER_VARIANTS
 
 KEPT = ("final_val_bpb", "min_val_bpb", "final_eval_bpb", "final_eval_tokens", "val_history",
         "val_train_time", "tok_per_s", "optimizer_share", "num_params", "tokens_per_step", "run")
@@ -123,9 +122,39 @@ def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
     return tail
 
 
+def variant_key(variant: str, given: list[str] = ()) -> list:
+    """What decides a variant's runs beyond the code: its settings by value (with a swept option
+    of its own: given, base_train's flags) and the ideas files that define it."""
+    options = given[1:] if given[:1] == ["--variant-option"] else []
+    return [ideas.settings_key(ideas.with_options(variant, options)),
+            *(i.digest for i in ideas.ideas_of(variant))]
+
+
 def key_of(parts: list) -> str:
     """A cache file's key: a hash of everything that decides what it holds."""
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+UNSWEPT = "-"  # a variant a --sweep of another's leaves at its own settings: no flag given
+
+
+class Sweep(NamedTuple):
+    """The base_train flag an ablation sweeps (without its dashes) and its values, as given; with
+    `variant`, that variant's alone (the others run once, at UNSWEPT), and with `option` the flag
+    names one of its settings (base_train --variant-option FLAG=VALUE)."""
+    flag: str
+    values: list[str]
+    variant: str | None = None
+    option: bool = False
+
+    def of(self, variant: str) -> list[str]:
+        """The values `variant` runs at."""
+        return self.values if self.variant in (None, variant) else [UNSWEPT]
+
+    def run_flags(self, value: str) -> list[str]:
+        """What a run at `value` gives base_train."""
+        return ([] if value == UNSWEPT else ["--variant-option", f"{self.flag}={value}"]
+                if self.option else [f"--{self.flag}", value])
 
 
 def value_tag(value: str) -> str:
@@ -150,7 +179,8 @@ class Job(NamedTuple):
     def name(self, prefix: str, swept: str, last_seed: int | None = None) -> str:
         """The run's name; last_seed: of a batched run of seeds self.seed..last_seed."""
         seeds = f"{self.seed}-{last_seed}" if last_seed is not None else self.seed
-        return (f"{prefix}-{self.variant}-{swept}{value_tag(self.value)}-s{seeds}"
+        at = "" if self.value == UNSWEPT else f"{swept}{value_tag(self.value)}-"
+        return (f"{prefix}-{self.variant}-{at}s{seeds}"
                 + "".join(f"-{tag}{n}" for tag, n in (("d", self.data_seed), ("n", self.steps),
                                                         ("t", self.threads))
                           if n is not None and not (tag == "d" and n == self.seed)))
@@ -185,37 +215,44 @@ def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
     return list(groups.values())
 
 
-def run_batch(jobs: list[Job], flags: list[str], swept: str, nproc: int, threads: int, name: str,
-              cache: dict, refiner: Tracker | None = None) -> dict:
+def run_batch(jobs: list[Job], flags: list[str], swept: "Sweep | str", nproc: int, threads: int,
+              name: str, cache: dict, refiner: Tracker | None = None) -> dict:
     """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
     its cached records, a batched seed's with the run's throughput and training time divided by the
-    seeds. The key holds the thread count: it decides the order of floating-point sums."""
+    seeds. The key holds the thread count: it decides the order of floating-point sums; the
+    variant's settings by value, and the ideas files that define it (and only those)."""
     first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
     variant, value, seed, steps, data_seed = first[:5]
+    sweep = Sweep(swept, []) if isinstance(swept, str) else swept
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
     data_seed = seed if data_seed is None else data_seed
-    parts = [*([] if alone else ["batched"]), variant, repr(OPTIMIZER_VARIANTS[variant]), swept,
-             value, seed if alone else seeds, data_seed, flags, nproc, threads,
+    given, used = sweep.run_flags(value), ideas.ideas_of(variant)
+    parts = [*([] if alone else ["batched"]), variant, variant_key(variant, given),
+             given and sweep.flag, value, seed if alone else seeds, data_seed, flags, nproc, threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     who = (f"seed {seed}" + (f" data {data_seed}" if data_seed != seed else "") if alone
            else f"seeds {seeds[0]}-{seeds[-1]} batched")
-    label = f"{variant} {swept} {value} {who}" + (f" at {steps} steps" if steps else "")
+    label = (f"{variant} " + (f"{sweep.flag} {value} " if given else "") + who
+             + (f" at {steps} steps" if steps else ""))
     if path.exists():
-        print(f"== {label}: cached ({path.name})", flush=True)
+        tell(f"== {label}: cached ({path.name})")  # whole among other threads' lines
         records = read_json(path, "a record ablate cached")
         return {job: records[str(job.seed)] for job in jobs}
-    run = first.name(name, swept, None if alone else seeds[-1])
+    run = first.name(name, sweep.flag, None if alone else seeds[-1])
     seed_flags = ["--seed", str(seed)] if alone else ["--seeds", ",".join(map(str, seeds))]
     # --start-over: what an uncached run of this name left (other code, say) is moved aside, kept
-    launch(label, [*flags, "--run", run, "--optimizer", variant, f"--{swept}", value, *seed_flags,
-                   "--data-seed", str(data_seed), "--start-over"], nproc, threads,
-           refiner and refiner.watch(len(seeds), label))
+    launch(label, [*flags, *(f for i in used for f in ("--ideas", str(i.path))), "--run", run,
+                   "--optimizer", variant, *given, *seed_flags, "--data-seed", str(data_seed),
+                   "--start-over"], nproc, threads, refiner and refiner.watch(len(seeds), label))
     if code_hash() != cache["code"]:  # the run may have imported other code than its key says
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
+    if changed := [str(i.path) for i in used if ideas.digest(i.files) != i.digest]:
+        raise SystemExit(f"error: {', '.join(changed)} changed since ablate read it, so {label} is "
+                         "not cached; run ablate again")
     summary = read_json(common.get_base_dir() / "runs" / run / "summary.json",
                         "the summary base_train wrote")
     shared = {k: summary[k] for k in KEPT if k in summary}
@@ -263,7 +300,7 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
             refiner: Tracker | None = None) -> dict:
     """job -> record of every job in todo and of those `refiner` adds as runs end (its more())."""
     with ThreadPoolExecutor(jobs) as pool:
-        given = (flags, args.sweep.flag, args.nproc, threads, args.name, cache, refiner)
+        given = (flags, args.sweep, args.nproc, threads, args.name, cache, refiner)
 
         def submit(batch: list[Job]):
             if len(batch) == 1:  # through run_one, which a study of made-up runs stands in for

@@ -10,7 +10,7 @@ import sys
 from typing import NamedTuple
 
 from nanomuon.ablation import stats
-from nanomuon.ablation.runs import value_tag
+from nanomuon.ablation.runs import Sweep, value_tag
 from nanomuon.common import get_base_dir, write_atomic
 from nanomuon.report import MISSING, plot_curves
 
@@ -66,12 +66,6 @@ def first_reaching(target: float, record: dict):
                  if bpb <= target), None)
 
 
-class Sweep(NamedTuple):
-    """The base_train flag an ablation sweeps (without its dashes) and its values, as given."""
-    flag: str
-    values: list[str]
-
-
 def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int],
                 best: dict) -> list[str]:
     """Markdown: final val bpb at each swept value, and each minus the variant's best, paired."""
@@ -82,6 +76,7 @@ def sweep_table(final: dict, variants: list[str], sweep: Sweep, seeds: list[int]
             "|---|" + "---:|" * len(sweep.values)]
     lines = ["Final val bpb per swept value (mean ± std [95% CI]); the best per variant in bold:",
              "", *head]
+    variants = [v for v in variants if sweep.of(v) == sweep.values]  # the swept ones
     lines += [row(v, [f"**{stats.fmt(final[v, x])}**" if x == best[v] else stats.fmt(final[v, x])
                       for x in sweep.values]) for v in variants]
     if len(seeds) > 1:
@@ -124,8 +119,8 @@ def report(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
     """(markdown lines, the best swept value per variant): the sweep, the comparison and the
     verdicts, in bpb and (with the baseline at other lengths: (seed, steps) -> record) in steps."""
     final = {(v, x): [final_bpb(results[v, x, s]) for s in seeds]
-             for v in variants for x in sweep.values}
-    best = {v: min(sweep.values, key=lambda x: statistics.fmean(final[v, x])) for v in variants}
+             for v in variants for x in sweep.of(v)}
+    best = {v: min(sweep.of(v), key=lambda x: statistics.fmean(final[v, x])) for v in variants}
     lines = sweep_table(final, variants, sweep, seeds, best) if len(sweep.values) > 1 else []
     base_runs = [results[baseline, best[baseline], s] for s in seeds]
     target = statistics.fmean(final_bpb(r) for r in base_runs)
@@ -237,9 +232,10 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
         by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
                       *band)
-        finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
-        by_value[v] = (value_axis(sweep.values)[0], [statistics.fmean(f) for f in finals],
-                       [min(f) for f in finals], [max(f) for f in finals])
+        if sweep.of(v) == sweep.values:
+            finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
+            by_value[v] = (value_axis(sweep.values)[0], [statistics.fmean(f) for f in finals],
+                           [min(f) for f in finals], [max(f) for f in finals])
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
     finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
     if len(finals) > 1:
@@ -278,13 +274,17 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
     cmd = " ".join(["python -m scripts.ablate", *(argv if argv is not None else sys.argv[1:])])
     # swept values that run names hold as value_tag's slug and hash
     tags = [f"`{v}` as {value_tag(v)}" for v in args.sweep.values if value_tag(v) != v]
+    sweep = args.sweep
+    swept = (f"{'--variant-option ' if sweep.option else '--'}{sweep.flag}"
+             + (f" ({sweep.variant} alone: the others run at their own settings, named without "
+                "it)" if sweep.variant else ""))
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
                                        "(-n<steps>)" if lengths else "")
            + (f"; in the names, {', '.join(tags)}" if tags else ""),
            f"- every run: `python -m scripts.base_train {' '.join(flags)}`, then its own --run, "
-           f"--optimizer, --{args.sweep.flag}, --seed and --data-seed (the last of a flag given "
+           f"--optimizer, {swept}, --seed and --data-seed (the last of a flag given "
            "twice wins)",
            f"- seeds {seeds[0]}..{seeds[-1]}: each sets the init"
            + (", on one data order (data seed 1) for every run: the verdict is at that order"
