@@ -32,9 +32,18 @@ from typing import NamedTuple
 from nanomuon import ideas, recipe
 from nanomuon.ablation import budget
 from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
-from nanomuon.ablation.runs import RUNNING, UNSWEPT, Job, batches, cache_of, run_all, split_runs
+from nanomuon.ablation.runs import (
+    RUNNING,
+    UNSWEPT,
+    Job,
+    Sweep,
+    batches,
+    cache_of,
+    run_all,
+    split_runs,
+)
 from nanomuon.ablation.stats import MOST_SEEDS
-from nanomuon.ablation.verdicts import Sweep, report, write_ablation
+from nanomuon.ablation.verdicts import report, write_ablation
 from nanomuon.common import get_base_dir
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir

@@ -17,7 +17,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from nanomuon.ablation.runs import run_one, write_json
+from nanomuon.ablation.runs import Sweep, run_one, write_json
 from nanomuon.ablation.stats import detectable_factor
 from nanomuon.checkpoint import load_model
 from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
@@ -125,7 +125,7 @@ def main(argv=None):
     todo = design(variants, args.seeds, threads)
     with ThreadPoolExecutor(2) as pool:
         records = dict(zip(todo, pool.map(lambda job: run_one(
-            job, flags, "lr-multiplier", 1, threads, args.name, cache), todo)))
+            job, flags, Sweep("lr-multiplier", ["1"]), 1, threads, args.name, cache), todo)))
     found = sources(records, *variants, args.seeds, threads)
     val = val_slices(*variants, args.seeds, flags, args.name, args.val_slices)
     base_bpb = statistics.fmean(r["final_val_bpb"] for job, r in records.items()

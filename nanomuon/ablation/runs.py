@@ -122,11 +122,10 @@ def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
     return tail
 
 
-def variant_key(variant: str, given: list[str] = ()) -> list:
-    """What decides a variant's runs beyond the code: its settings by value (with a swept option
-    of its own: given, base_train's flags) and the ideas files that define it."""
-    options = given[1:] if given[:1] == ["--variant-option"] else []
-    return [ideas.settings_key(ideas.with_options(variant, options)),
+def variant_key(variant: str, options: list[str] = ()) -> list:
+    """What decides a variant's runs beyond the code: its settings by value (with `options`, the
+    KEY=VALUE a swept run overrides) and the ideas files that define it."""
+    return [ideas.settings_key(ideas.with_options(variant, list(options))),
             *(i.digest for i in ideas.ideas_of(variant))]
 
 
@@ -151,10 +150,16 @@ class Sweep(NamedTuple):
         """The values `variant` runs at."""
         return self.values if self.variant in (None, variant) else [UNSWEPT]
 
+    def options(self, value: str) -> list[str]:
+        """The variant's settings a run at `value` overrides (KEY=VALUE): none but an option's."""
+        return [f"{self.flag}={value}"] if self.option and value != UNSWEPT else []
+
     def run_flags(self, value: str) -> list[str]:
         """What a run at `value` gives base_train."""
-        return ([] if value == UNSWEPT else ["--variant-option", f"{self.flag}={value}"]
-                if self.option else [f"--{self.flag}", value])
+        if value == UNSWEPT:
+            return []
+        return (["--variant-option", *self.options(value)] if self.option
+                else [f"--{self.flag}", value])
 
 
 def value_tag(value: str) -> str:
@@ -186,10 +191,10 @@ class Job(NamedTuple):
                           if n is not None and not (tag == "d" and n == self.seed)))
 
 
-def run_one(job: Job, flags: list[str], swept: str, nproc: int, threads: int, name: str,
+def run_one(job: Job, flags: list[str], sweep: "Sweep", nproc: int, threads: int, name: str,
             cache: dict, refiner: Tracker | None = None) -> dict:
     """One base_train run, or its cached record."""
-    return run_batch([job], flags, swept, nproc, threads, name, cache, refiner)[job]
+    return run_batch([job], flags, sweep, nproc, threads, name, cache, refiner)[job]
 
 
 RECORD_BYTES = 1 << 26  # a summary.json or cached record of 32 batched seeds holds far less
@@ -215,7 +220,7 @@ def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
     return list(groups.values())
 
 
-def run_batch(jobs: list[Job], flags: list[str], swept: "Sweep | str", nproc: int, threads: int,
+def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
               name: str, cache: dict, refiner: Tracker | None = None) -> dict:
     """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
     its cached records, a batched seed's with the run's throughput and training time divided by the
@@ -223,14 +228,14 @@ def run_batch(jobs: list[Job], flags: list[str], swept: "Sweep | str", nproc: in
     variant's settings by value, and the ideas files that define it (and only those)."""
     first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
     variant, value, seed, steps, data_seed = first[:5]
-    sweep = Sweep(swept, []) if isinstance(swept, str) else swept
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
     data_seed = seed if data_seed is None else data_seed
     given, used = sweep.run_flags(value), ideas.ideas_of(variant)
-    parts = [*([] if alone else ["batched"]), variant, variant_key(variant, given),
-             given and sweep.flag, value, seed if alone else seeds, data_seed, flags, nproc, threads,
+    parts = [*([] if alone else ["batched"]), variant, variant_key(variant, sweep.options(value)),
+             given and sweep.flag, value, seed if alone else seeds, data_seed, flags, nproc,
+             threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
     path = cache["dir"] / f"{key_of(parts)}.json"
     who = (f"seed {seed}" + (f" data {data_seed}" if data_seed != seed else "") if alone
