@@ -29,7 +29,7 @@ import time
 from itertools import accumulate
 from typing import NamedTuple
 
-from nanomuon import ideas, recipe
+from nanomuon import recipe
 from nanomuon.ablation import budget
 from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
 from nanomuon.ablation.runs import (
@@ -49,6 +49,7 @@ from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
+from scripts.train_args import load_ideas
 from scripts.train_args import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
@@ -152,6 +153,7 @@ DATA_FLAGS = ("dataset", "text-column", "val-fraction")  # base_train's flags th
 
 def parse_args(argv):
     """(args, flags for base_train), checked: a bad base_train flag stops ablate now."""
+    load_ideas(argv)  # first: the variants an ideas file adds are --variants' to take
     p = argparse.ArgumentParser(description="Compare optimizer variants (other flags go to "
                                 "base_train)", allow_abbrev=False,
                                 epilog=f"variants: {', '.join(OPTIMIZER_VARIANTS)}")
@@ -198,11 +200,6 @@ def parse_args(argv):
                    help="names the output directory and prefixes the run names")
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
-    for path in args.ideas:
-        try:
-            ideas.load(path)
-        except ValueError as e:
-            p.error(str(e))
     args.budget_default = False  # default_budget's: a budget that plans but never refuses
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
