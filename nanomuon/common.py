@@ -421,6 +421,15 @@ def available_memory() -> tuple[int, int] | None:
     return free, swap
 
 
+def process_status(field: str) -> int | None:
+    """A /proc/self/status field in bytes (VmRSS: held now; VmHWM: the peak); None off Linux."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def reuse_freed_memory() -> None:
     """Have glibc keep what is freed, not mmap 32 MiB+ allocations afresh (1.3x a CPU step)."""
     libc = ctypes.CDLL(None)

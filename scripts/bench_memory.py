@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint
+from nanomuon.common import process_status
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.sharded import DTensor
 from nanomuon.variants import optimizer_kwargs
@@ -44,11 +45,9 @@ SAVES = {"replicated, whole-state save": (False, True), "replicated, sharded sav
 
 def status(field: str) -> int:
     """A /proc/self/status field in bytes (VmRSS: now; VmHWM: peak since the last reset)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}: bench_memory needs Linux")
+    if (value := process_status(field)) is None:
+        raise RuntimeError(f"/proc/self/status has no {field}: bench_memory needs Linux")
+    return value
 
 
 def state_bytes(opt, params=()) -> int:

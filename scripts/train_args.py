@@ -336,18 +336,29 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
 # train_memory counts them, times SEEDS_STATE; activations at SEEDS_ACTIVATION_BYTES a token, per
 # layer x width and per vocabulary entry (vmap makes every matmul a batched one, whose backward
 # keeps fp32 copies of a bf16 step's operands: the logits' alone take 12.6 bytes an entry, not 3);
-# and the process itself: Python, torch, the tokenizer and the data (0.47 GiB measured). Fitted to
-# 2 steps' peak RSS at vocab 4,096 and 32,768, widths 64 to 256, 256 to 2,048 tokens a micro-batch,
-# 2 to 20 seeds, eager and compiled, bf16 and fp32, with a margin for threads and the allocator
+# and the process itself (process_memory). Fitted to 2 steps' peak RSS at vocab 4,096 and 32,768,
+# widths 64 to 256, 256 to 2,048 tokens a micro-batch, 2 to 20 seeds, eager and compiled, bf16 and
+# fp32, with a CPU build of torch, with a margin for threads and the allocator
 SEEDS_STATE = 1.25
 SEEDS_ACTIVATION_BYTES = (92, 16)
+# the process: what it holds at the check (Python, torch, the scripts: 0.33 GiB with a CPU build of
+# torch, 0.64 with a CUDA build, whose libraries load on import), then the tokenizer, the data and
+# threads (0.25 GiB measured); PROCESS_MEMORY where /proc/self/status is not there
+PROCESS_GROWTH = int(0.3 * 2 ** 30)
 PROCESS_MEMORY = int(0.6 * 2 ** 30)
+
+
+def process_memory() -> int:
+    """This process's own bytes in training, counted whole: free memory was read after part of it
+    was held, so the part is counted twice, a margin."""
+    held = common.process_status("VmRSS")
+    return PROCESS_MEMORY if held is None else held + PROCESS_GROWTH
 
 
 def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> dict[str, int]:
     """One process's bytes of training on a CPU, by part: recipe.train_memory's; with --fsdp the
     state's shard; with --seeds each seed's, as measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES),
-    and the process's own (PROCESS_MEMORY)."""
+    and the process's own (process_memory)."""
     parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
     if not args.seeds:  # with --fsdp each process holds its shard of the state, its activations
         shards = world_size if args.fsdp else 1
@@ -356,7 +367,7 @@ def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> di
     token = per_layer * config.n_layer * config.n_embd + per_vocab * config.vocab_size
     state = {k: n * int(SEEDS_STATE * v) for k, v in parts.items() if k != "activations"}
     return dict(state, activations=n * args.device_batch_size * config.sequence_len * token,
-                process=PROCESS_MEMORY)
+                process=process_memory())
 
 
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
@@ -376,8 +387,8 @@ def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> No
     if need > mem + swap:
         fits = 0
         if args.seeds:  # the process once, then each seed alike: the most seeds that fit
-            seed = (sum(parts.values()) - PROCESS_MEMORY) // len(args.seeds)
-            fits = max(0, int((mem + swap) / local - PROCESS_MEMORY) // seed)
+            seed = (sum(parts.values()) - parts["process"]) // len(args.seeds)
+            fits = max(0, int((mem + swap) / local - parts["process"]) // seed)
         lower = (f"train at most {fits} seeds at once (--seeds of {fits})" if fits
                  else "lower --depth, --device-batch-size or --max-seq-len (or train on a GPU)")
         error = (f"{what}, and this machine has {mem / gib:.1f} GiB free"
