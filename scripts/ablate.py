@@ -61,6 +61,11 @@ DEFAULT_STEPS, DEFAULT_SEEDS = recipe.RULE_STEPS, 5
 # On a GPU one seed's 4,096 tokens a step leave the device idle; 64 batched seeds fill it
 # (scripts/gpu_check.sh's ablate step measures what they resolve and how long they take)
 GPU_SEEDS = 64
+# The default budget's runs are short: 50 to about 80 steps on the 2-core CPUs measured. There a val
+# set past 65,536 tokens did not narrow a seed's spread (79 steps, 10 seeds; 54 steps, 6), and the
+# 4 curve evals and the final one cost 43 steps of a seed at 50 (an eval token costs a third of a
+# training one). So the verdicts read 65,536 tokens and the curves 16,384: 11 steps, the rest seeds
+SHORT_RUN_EVALS = {"--eval-tokens": "16384", "--final-eval-tokens": "65536"}
 DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
 # --arch classic: the model ablate's defaults and the lr rule were measured on, on a GPU too
 # (base_train's auto would train arch 'nanochat' there); give --arch nanochat to ablate that one
@@ -277,17 +282,22 @@ def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
                     "--vocab-size", str(vocab), "--max-chars", "8000000"], check=True)
 
 
-def default_budget(args, flags: list[str], cache: dict) -> None:
-    """On a CPU, an ablation given neither --budget nor --num-iterations is planned to
-    budget.CPU_BUDGETS by whether the CPU has bf16 units (fp32 steps are several times slower)."""
+def default_budget(args, flags: list[str], cache: dict) -> list[str]:
+    """flags: on a CPU, an ablation given neither --budget nor --num-iterations is planned to
+    budget.CPU_BUDGETS by whether the CPU has bf16 units (fp32 steps are several times slower),
+    with SHORT_RUN_EVALS unless the eval flags are given."""
     if (args.budget is not None or cache["device_type"] != "cpu"
             or "--num-iterations" in given_flags(flags)):
-        return
+        return flags
     kind = "bf16" if cache["dtype"] == "bf16" else "fp32"
     args.budget, args.budget_default = budget.CPU_BUDGETS[kind], True
+    evals = {k: v for k, v in SHORT_RUN_EVALS.items() if k not in given_flags(flags)}
     print(f"== this CPU trains in {kind} ({'with' if kind == 'bf16' else 'without'} bf16 units): "
           f"the ablation is planned to --budget {args.budget / 60:.0f}m (give --budget or "
-          "--num-iterations to choose)", flush=True)
+          "--num-iterations to choose)" + "".join(f", {k} {v}" for k, v in evals.items())
+          + (" (short runs: more seeds, not more val tokens)" if evals else ""), flush=True)
+    default = [evals.get(key, value) for key, value in zip([None, *flags], flags)]
+    return default[:len(DEFAULT_FLAGS)] + flags[len(DEFAULT_FLAGS):]
 
 
 def given_flags(flags: list[str]) -> set[str]:
@@ -369,7 +379,7 @@ def ablation(args, flags: list[str], argv):
         n_seeds = GPU_SEEDS
         print(f"== on a GPU: {GPU_SEEDS} seeds, each variant's batched in one process (--seeds "
               "chooses)", flush=True)
-    default_budget(args, flags, cache)
+    flags = default_budget(args, flags, cache)
     if args.budget is not None:
         flags, refiner = design_for_budget(args, flags, runs_per_seed, jobs, threads, cache)
         n_seeds = refiner.design.seeds

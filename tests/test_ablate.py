@@ -881,20 +881,30 @@ def test_noise_sources_are_the_variances_of_the_paired_differences():
 
 def test_the_default_is_planned_to_the_cpus_budget(capsys):
     """No --budget and no --num-iterations on a CPU: 15 minutes where it trains in bf16, 30 where it has no
-    bf16 units, said at the start; given either flag, or on a GPU, nothing is planned for the user."""
+    bf16 units, said at the start, with short runs' evals (given eval flags win, said flags untouched);
+    given either flag, or on a GPU, nothing is planned for the user and the flags are as given."""
     from argparse import Namespace
 
-    from scripts.ablate import DEFAULT_FLAGS, default_budget
+    from scripts.ablate import DEFAULT_FLAGS, default_budget, given_flags, train_args
 
     for dtype, minutes in [("bf16", 15), ("fp32", 30)]:
         args = Namespace(budget=None)
-        default_budget(args, list(DEFAULT_FLAGS), dict(device_type="cpu", dtype=dtype))
+        flags = default_budget(args, list(DEFAULT_FLAGS), dict(device_type="cpu", dtype=dtype))
         assert args.budget == minutes * 60
         assert f"trains in {dtype}" in capsys.readouterr().out
+        train = train_args(flags)
+        assert (train.eval_tokens, train.final_eval_tokens) == (16384, 65536)
+        assert not given_flags(flags) and len(flags) == len(DEFAULT_FLAGS)
+    mine = ["--final-eval-tokens", "262144", "--depth", "2"]
+    flags = default_budget(Namespace(budget=None), [*DEFAULT_FLAGS, *mine],
+                           dict(device_type="cpu", dtype="bf16"))
+    assert flags[len(DEFAULT_FLAGS):] == mine and train_args(flags).final_eval_tokens == 262144
+    assert train_args(flags).eval_tokens == 16384
     for flags, device, budget in [(["--num-iterations", "300"], "cpu", None), (["--num-iterations=300"], "cpu", None),
                                   ([], "cuda", None), ([], "cpu", 60.0)]:
         args = Namespace(budget=budget)
-        default_budget(args, [*DEFAULT_FLAGS, *flags], dict(device_type=device, dtype="bf16"))
+        given = [*DEFAULT_FLAGS, *flags]
+        assert default_budget(args, given, dict(device_type=device, dtype="bf16")) == given
         assert args.budget == budget
 
 
