@@ -13,6 +13,7 @@ CLI: `python -m nanomuon.dataset -n 8 [--dataset climbmix]` or `--embedded`.
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -171,10 +172,8 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
     n = max(2, math.ceil(total / shard_chars))
     # a document goes to the shard its midpoint falls in
     groups: list[list[str]] = [[] for _ in range(n)]
-    pos = 0
-    for t in docs:
-        groups[min(n - 1, int((pos + len(t) / 2) * n / max(total, 1)))].append(t)
-        pos += len(t)
+    for t, end in zip(docs, itertools.accumulate(map(len, docs))):
+        groups[min(n - 1, int((end - len(t) / 2) * n / max(total, 1)))].append(t)
     groups = [g for g in groups if g]
     if len(groups) < 2:
         raise ValueError("the embedded corpus needs at least 2 non-empty documents for train + "
