@@ -296,10 +296,11 @@ class DataLoader:
             self._refill()
             space = size - len(row)
             i = bisect.bisect_right(self._fits, (space, 0)) - 1
-            if i >= 0:  # best fit: the longest document that fits whole
-                self._take(self._remove(-self._fits[i][1]), row, space)
-            elif self._pool:  # none fits: cut the oldest; its remainder opens a later row
-                self._take(self._remove(next(iter(self._pool))), row, space)
+            # best fit: the longest document that fits whole; if none fits, cut the oldest (its
+            # remainder opens a later row)
+            seq = -self._fits[i][1] if i >= 0 else next(iter(self._pool), None)
+            if seq is not None:
+                self._take(self._remove(seq), row, space)
             else:  # the epoch is drained but for continuations, which open rows only: pad
                 row.extend([-1] * space)
                 self._counts["padding"] += space
@@ -378,9 +379,8 @@ class DataLoader:
         self._row, self._empty_run = 0, 0  # rows made (due counts in them), textless docs in a row
         for p in buffer:
             self._add(p)
-        epochs = ([p.epoch for p in buffer] + [p.epoch for p in self._open]
-                  + [r[0] for r in self._backlog])
-        self.epoch = min(epochs + [self._stream[0]])
+        self.epoch = min([p.epoch for p in [*buffer, *self._open]]
+                         + [r[0] for r in [*self._backlog, self._stream]])
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
@@ -388,12 +388,11 @@ class DataLoader:
         return {k: getattr(self, k) for k in ("rank", "world_size", *SHARED)}
 
     def _state_now(self) -> dict:
-        backlog = ([p.ref() for from_backlog, p in self._pending if from_backlog]
-                   + list(self._backlog))
+        backlog = [p.ref() for from_backlog, p in self._pending if from_backlog]
         stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog),
                       self._stream)
         return dict(self._identity(), epoch=stream[0], doc=stream[1],
-                    backlog=[list(r) for r in backlog],
+                    backlog=[list(r) for r in [*backlog, *self._backlog]],
                     buffer=[list(p.ref()) for p in self._pool.values()],
                     open=[[*p.ref(), max(0, p.due - self._row)] for p in self._open])
 
