@@ -139,9 +139,8 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
                     continue
                 if left <= 0:
                     return
-                text = text[:left]
+                yield text[:left]
                 left -= len(text)
-                yield text
             if left <= 0:
                 return
 
@@ -177,7 +176,6 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
     if len(groups) < 2:
         raise ValueError("the embedded corpus needs at least 2 non-empty documents for train + "
                          f"val, got {len(docs)} from {len(files)} files")
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
     paths = [out_dir / shard_name(i) for i in range(len(groups))]
@@ -319,9 +317,8 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
     resumes cut transfers and retries 429s), retried on other failures, checked to be parquet."""
     name = shard_name(index)
     repo, max_shard = HUB_DATASETS[dataset]
-    final = out_dir / name
-    if final.exists():
-        return final, False
+    if (out_dir / name).exists():
+        return out_dir / name, False
     last, corrupt = "no attempt made", False
     for attempt in range(retries + 1):
         if attempt:
