@@ -101,8 +101,8 @@ class DataLoader:
         # every row of a micro-batch from another document, buffer permitting
         interleave = min(batch_size, most) if interleave is None else interleave
         if not 1 <= interleave <= most:
-            raise ValueError(f"interleave must be in 1..buffer_size // 2 = {most} (the rest of the "
-                             f"buffer fills the rows), got {interleave}")
+            raise ValueError(f"interleave must be in 1..buffer_size // 2 = {most} (the rest of "
+                             f"the buffer fills the rows), got {interleave}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer, self.bos, self.device = tokenizer, tokenizer.bos_id, torch.device(device)
