@@ -34,6 +34,9 @@ log = logging.getLogger("nanomuon")
 # row groups whose documents a shuffle_seed mixes: the embedded corpus's 7, 8,192 FineWeb docs
 SHUFFLE_WINDOW = 8
 UNKNOWN = float("inf")  # the length of a document whose later chunks are not tokenized yet
+# what a loader state must share with the loader that loads it, and every rank's state with the
+# others' (shuffle_seed decides which document each index names: every rank reads in one order)
+SHARED = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars", "shuffle_seed")
 
 
 def chunk_end(text: str, start: int, chunk_chars: int) -> int:
@@ -94,13 +97,12 @@ class DataLoader:
                              "tokenize_batch >= 1, prefetch >= 0 and chunk_chars >= 2, got "
                              f"{batch_size}, {seq_len}, {buffer_size}, {tokenize_batch}, "
                              f"{prefetch}, {chunk_chars}")
+        most = max(1, buffer_size // 2)
         # every row of a micro-batch from another document, buffer permitting
-        if interleave is None:
-            interleave = max(1, min(batch_size, buffer_size // 2))
-        if not 1 <= interleave <= max(1, buffer_size // 2):
-            raise ValueError("interleave must be in 1..buffer_size // 2 = "
-                             f"{max(1, buffer_size // 2)} (the rest of the buffer fills the rows), "
-                             f"got {interleave}")
+        interleave = min(batch_size, most) if interleave is None else interleave
+        if not 1 <= interleave <= most:
+            raise ValueError(f"interleave must be in 1..buffer_size // 2 = {most} (the rest of "
+                             f"the buffer fills the rows), got {interleave}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokenizer, self.bos, self.device = tokenizer, tokenizer.bos_id, torch.device(device)
@@ -117,11 +119,11 @@ class DataLoader:
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(groups)
         size = 1 if shuffle_seed is None else SHUFFLE_WINDOW
-        self.windows, self.starts, total = [], [], 0
-        for i in range(0, len(groups), size):
-            self.windows.append([g for g, _ in groups[i:i + size]])
-            self.starts.append(total)
-            total += sum(rows for _, rows in groups[i:i + size])
+        windows = [groups[i:i + size] for i in range(0, len(groups), size)]
+        self.windows = [[g for g, _ in w] for w in windows]
+        # where each window's documents start, then the number of documents
+        *self.starts, total = itertools.accumulate((sum(n for _, n in w) for w in windows),
+                                                  initial=0)
         self.num_docs = total
         if self.num_docs < world_size:
             raise ValueError(f"the {dataset} {split} split has {self.num_docs} documents, fewer "
@@ -294,10 +296,11 @@ class DataLoader:
             self._refill()
             space = size - len(row)
             i = bisect.bisect_right(self._fits, (space, 0)) - 1
-            if i >= 0:  # best fit: the longest document that fits whole
-                self._take(self._remove(-self._fits[i][1]), row, space)
-            elif self._pool:  # none fits: cut the oldest; its remainder opens a later row
-                self._take(self._remove(next(iter(self._pool))), row, space)
+            # best fit: the longest document that fits whole; if none fits, cut the oldest (its
+            # remainder opens a later row)
+            seq = -self._fits[i][1] if i >= 0 else next(iter(self._pool), None)
+            if seq is not None:
+                self._take(self._remove(seq), row, space)
             else:  # the epoch is drained but for continuations, which open rows only: pad
                 row.extend([-1] * space)
                 self._counts["padding"] += space
@@ -376,24 +379,20 @@ class DataLoader:
         self._row, self._empty_run = 0, 0  # rows made (due counts in them), textless docs in a row
         for p in buffer:
             self._add(p)
-        epochs = ([p.epoch for p in buffer] + [p.epoch for p in self._open]
-                  + [r[0] for r in self._backlog])
-        self.epoch = min(epochs + [self._stream[0]])
+        self.epoch = min([p.epoch for p in [*buffer, *self._open]]
+                         + [r[0] for r in [*self._backlog, self._stream]])
         self._consumed = self._state_now()
 
     def _identity(self) -> dict:
         # not batch_size or interleave: the state counts rows, so a resumed run may change them
-        return {k: getattr(self, k) for k in ("dataset", "split", "rank", "world_size", "seq_len",
-                                              "buffer_size", "num_docs", "chunk_chars",
-                                              "shuffle_seed")}
+        return {k: getattr(self, k) for k in ("rank", "world_size", *SHARED)}
 
     def _state_now(self) -> dict:
-        backlog = ([p.ref() for from_backlog, p in self._pending if from_backlog]
-                   + list(self._backlog))
+        backlog = [p.ref() for from_backlog, p in self._pending if from_backlog]
         stream = next((p.ref()[:2] for from_backlog, p in self._pending if not from_backlog),
                       self._stream)
         return dict(self._identity(), epoch=stream[0], doc=stream[1],
-                    backlog=[list(r) for r in backlog],
+                    backlog=[list(r) for r in [*backlog, *self._backlog]],
                     buffer=[list(p.ref()) for p in self._pool.values()],
                     open=[[*p.ref(), max(0, p.due - self._row)] for p in self._open])
 
@@ -475,10 +474,7 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
         raise ValueError("resharding needs the states of all ranks of one run, got ranks "
                          + shown(f"{[s.get('rank') for s in states]} of world sizes {sizes}",
                                  200, quote=False))
-    # shuffle_seed decides which document each index names: every rank must read in one order
-    shared = ("dataset", "split", "seq_len", "buffer_size", "num_docs", "chunk_chars",
-              "shuffle_seed")
-    for key in shared:
+    for key in SHARED:
         if len({repr(s.get(key)) for s in states}) != 1:
             raise ValueError(f"the saved loader states disagree on {key}: "
                              + shown([s.get(key) for s in states], 200))
@@ -502,6 +498,6 @@ def reshard_states(states: list[dict], rank: int, world_size: int) -> dict:
     epoch, doc = frontier[0], frontier[1] + rank
     if doc >= num_docs:  # past the frontier's epoch: start the next one at our own stride
         epoch, doc = epoch + 1, rank
-    return dict({key: states[0].get(key) for key in shared}, rank=rank, world_size=world_size,
+    return dict({key: states[0].get(key) for key in SHARED}, rank=rank, world_size=world_size,
                 epoch=epoch, doc=doc, backlog=[list(ref) for ref in carry[rank::world_size]],
                 buffer=[], open=[])

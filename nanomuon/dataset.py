@@ -13,6 +13,7 @@ CLI: `python -m nanomuon.dataset -n 8 [--dataset climbmix]` or `--embedded`.
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -100,8 +101,7 @@ def read_shard(path: Path, decode: bool = False) -> tuple[pq.ParquetFile | None,
     if "text" not in pf.schema_arrow.names:
         return None, f"has no 'text' column (columns: {pf.schema_arrow.names})"
     kind = pf.schema_arrow.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
+    if str(kind) not in ("string", "large_string", "string_view"):  # arrow's string types
         return None, (f"is not text: column 'text' holds {kind}, not strings "
                       "(write the documents as strings)")
     for rg in range(pf.num_row_groups if decode else 0):
@@ -139,9 +139,8 @@ def iter_texts(name: str, split: str, max_chars: int | None = None, rank: int = 
                     continue
                 if left <= 0:
                     return
-                text = text[:left]
+                yield text[:left]
                 left -= len(text)
-                yield text
             if left <= 0:
                 return
 
@@ -171,15 +170,12 @@ def build_embedded(out_dir: Path, shard_chars: int = 4_000_000,
     n = max(2, math.ceil(total / shard_chars))
     # a document goes to the shard its midpoint falls in
     groups: list[list[str]] = [[] for _ in range(n)]
-    pos = 0
-    for t in docs:
-        groups[min(n - 1, int((pos + len(t) / 2) * n / max(total, 1)))].append(t)
-        pos += len(t)
+    for t, end in zip(docs, itertools.accumulate(map(len, docs))):
+        groups[min(n - 1, int((end - len(t) / 2) * n / max(total, 1)))].append(t)
     groups = [g for g in groups if g]
     if len(groups) < 2:
         raise ValueError("the embedded corpus needs at least 2 non-empty documents for train + "
                          f"val, got {len(docs)} from {len(files)} files")
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted build must not look finished
     paths = [out_dir / shard_name(i) for i in range(len(groups))]
@@ -321,9 +317,8 @@ def _download_shard(index: int, out_dir: Path, revision: str, retries: int, back
     resumes cut transfers and retries 429s), retried on other failures, checked to be parquet."""
     name = shard_name(index)
     repo, max_shard = HUB_DATASETS[dataset]
-    final = out_dir / name
-    if final.exists():
-        return final, False
+    if (out_dir / name).exists():
+        return out_dir / name, False
     last, corrupt = "no attempt made", False
     for attempt in range(retries + 1):
         if attempt:

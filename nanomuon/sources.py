@@ -201,9 +201,9 @@ def _local_files(spec: str) -> tuple[str, list[Path], list[Path]]:
             else Path(os.path.commonpath([p.parent for p in files] or [Path.cwd()])))
     files = [p for p in files if not any(s.startswith(".") for s in p.relative_to(root).parts)]
     other = [p for p in files if p.suffix.lower() not in FORMATS]
-    bad = sorted({p.suffix or p.name for p in other})
     files = [p for p in files if p.suffix.lower() in FORMATS]
-    if not files or (path.is_file() and bad):
+    if not files:  # a single file of another type too: it is in `other`
+        bad = sorted({p.suffix or p.name for p in other})
         raise FileNotFoundError(f"--dataset {spec}: no {', '.join(FORMATS)} files there" +
                                 (f" (found {', '.join(bad[:5])})" if bad else ""))
     return str(root), files, other
@@ -223,10 +223,7 @@ def _holds_nothing(p: Path) -> bool:
         except (pa.ArrowException, OSError):
             return False  # not parquet: reading it says so
     with open(p, "rb") as f:
-        while block := f.read(1 << 16):
-            if block.strip():
-                return False
-    return True
+        return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
 
 
 def _split_word(rel: Path) -> str | None:
@@ -406,11 +403,10 @@ def _open_hub_source(spec: str, source: tuple, text_column: str | None, counts: 
         splits = dict(datasets.load_dataset(repo, config, revision=revision, streaming=True))
     except Exception as e:
         raise error(e) from None
-    train_split = ("train" if "train" in splits
-                   else next(iter(splits)) if len(splits) == 1 else None)
-    if train_split is None:
+    if "train" not in splits and len(splits) != 1:
         raise ValueError(f"{spec} has no train split (splits: {', '.join(splits)}): "
                          f"name the config with hf:{source[1]}:<config>")
+    train_split = "train" if "train" in splits else next(iter(splits))
     held = next((w for w in HELD_OUT if w in splits and w != train_split), None)
     read = lambda split: _rows(splits[split], text_column, f"{spec} ({split} split)", counts, error)
     return read(train_split), read(held) if held else None, held, revision
