@@ -276,7 +276,6 @@ def fp8_missing(device: torch.device, side: str) -> str | None:
             return str(e)
     elif importlib.util.find_spec("nanochat.fp8") is None:
         return "this nanochat has no nanochat/fp8.py"
-    return None
 
 
 def run_side(name: str, precision: str, nc, args, device, batches, attention) -> dict:
