@@ -173,12 +173,10 @@ def run_core(args, model, tokenizer, meta, device, dtype) -> tuple[dict | None, 
 def training_wandb_id(summary) -> str | None:
     """The wandb run id base_train recorded in summary.json (untrusted: else None, with a note)."""
     wandb_id = (summary_record(summary, "logging to a new wandb run") or {}).get("wandb_id")
-    if wandb_id is not None and not (isinstance(wandb_id, str)
-                                     and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id)):
-        print0(f"note: {summary}'s wandb_id {wandb_id!r} is not a wandb run id; logging to a "
-               "new run")
-        return None
-    return wandb_id
+    if wandb_id is None or isinstance(wandb_id, str) and re.fullmatch(r"[a-z0-9]{1,64}", wandb_id):
+        return wandb_id
+    print0(f"note: {summary}'s wandb_id {wandb_id!r} is not a wandb run id; logging to a new run")
+    return None
 
 
 def log_wandb(args, run_dir, step: int, bpb, core) -> None:

@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import importlib
 import importlib.util
 import math
 import os
@@ -50,13 +49,7 @@ from pathlib import Path
 import torch
 
 from nanomuon.attention import choose_attention
-from nanomuon.common import (
-    autocast,
-    one_line,
-    resolve_compile,
-    resolve_dtype,
-    synchronizer,
-)
+from nanomuon.common import autocast, one_line, resolve_compile, resolve_dtype, synchronizer
 from nanomuon.fp8 import MIN_CAPABILITY, check_fp8, convert_to_fp8
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.hardware import peak_flops
@@ -187,8 +180,7 @@ def build(name: str, nc, args, device: torch.device, fp8: bool, attention) -> Si
     """One side's model from args.seed, with its fp8 layers and optimizer; nanomuon's with
     `attention` (choose_attention's)."""
     shape = (args.vocab_size, args.max_seq_len, args.aspect_ratio, args.head_dim)
-    windows = args.window_pattern
-    notes = f"windows {windows}"
+    windows, notes = args.window_pattern, f"windows {args.window_pattern}"
     torch.manual_seed(args.seed)
     if name == "nanochat":
         model = nanochat_gpt(nc, args.depth, *shape, device, windows)
@@ -284,7 +276,6 @@ def fp8_missing(device: torch.device, side: str) -> str | None:
             return str(e)
     elif importlib.util.find_spec("nanochat.fp8") is None:
         return "this nanochat has no nanochat/fp8.py"
-    return None
 
 
 def run_side(name: str, precision: str, nc, args, device, batches, attention) -> dict:
@@ -307,11 +298,10 @@ def describe(res: dict, args) -> str:
     """A side's full line in the log."""
     if "na" in res or "error" in res:
         return cell(res)
-    losses = res["losses"]
     return (f"{res['params'] / 1e6:.1f}M params, {res['flops']:.3g} FLOPs a token, "
             f"{res['notes']}; build, compile and warmup ({args.warmup} steps) {res['warm']:.1f} s; "
             f"{args.steps} steps: median {res['step'] * 1e3:.1f} ms, {cell(res)}; "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            f"loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}")
 
 
 def cell(res: dict) -> str:
@@ -347,8 +337,7 @@ def gpt2_estimate(args, results: dict, header: str) -> str | None:
     if "fp8" not in results or any(getattr(args, k) != v for k, v in SPEEDRUN_SHAPE.items()):
         return None
     ours, theirs = results["fp8"]["nanomuon"], results["fp8"]["nanochat"]
-    line = (f"time to GPT-2 on 8xH100 ≈ {GPT2_HOURS} h × nanochat tok/s ÷ nanomuon tok/s at d24, "
-            "fp8")
+    line = f"time to GPT-2 on 8xH100 ≈ {GPT2_HOURS} h × nanochat tok/s ÷ nanomuon tok/s at d24, fp8"
     if any("error" in r or "tok_s" not in r for r in (ours, theirs)):
         return f"{line}: no estimate (nanomuon {cell(ours)}; nanochat {cell(theirs)})"
     hours = GPT2_HOURS * theirs["tok_s"] / ours["tok_s"]
@@ -414,11 +403,10 @@ def parse_args(argv=None):
                    "arch 'nanochat' equals nanochat's model and recipe, on the CPU in fp32, at "
                    "its own shapes (scripts/nanochat_parity.py); takes --nanochat alone")
     args = p.parse_args(argv)
-    if args.parity:
-        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)
-                 if a.startswith("--") and a.split("=")[0] not in ("--parity", "--nanochat")]
-        if given:
-            p.error(f"--parity runs at its own shapes, on the CPU in fp32: drop {', '.join(given)}")
+    given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)
+             if a.startswith("--") and a.split("=")[0] not in ("--parity", "--nanochat")]
+    if args.parity and given:
+        p.error(f"--parity runs at its own shapes, on the CPU in fp32: drop {', '.join(given)}")
     sizes = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "vocab_size",
              "device_batch_size", "total_batch_size", "steps", "warmup")
     if bad := [f"--{k.replace('_', '-')}" for k in sizes if getattr(args, k) < 1]:
@@ -451,25 +439,22 @@ def resolve(args) -> torch.device:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    device = None if args.parity else resolve(args)  # parity: the CPU, in fp32
+    root = locate(args.nanochat)
+    machine = f"{device_name(device)} ({device.type}), " if device else ""
+    header = (f"nanochat {commit_of(root)} ({root}); {machine}torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {datetime.date.today().isoformat()}")
     if args.parity:
         from scripts.nanochat_parity import run_parity
 
-        root = locate(args.nanochat)
-        print(f"parity with nanochat {commit_of(root)} ({root}); torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, {datetime.date.today().isoformat()}")
+        print(f"parity with {header}")
         return run_parity(import_nanochat(root, "fp32", "sdpa"))
-    device = resolve(args)
-    root = locate(args.nanochat)
-    commit = commit_of(root)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as both base_trains
     nc = import_nanochat(root, args.dtype, args.attention)
     ours, attention = attentions(args, device)
     command = " ".join(["python -m scripts.bench_nanochat",
                         *(sys.argv[1:] if argv is None else argv)])
-    header = (f"nanochat {commit} ({root}); {device_name(device)} ({device.type}), torch "
-              f"{torch.__version__}, {torch.get_num_threads()} threads, "
-              f"{datetime.date.today().isoformat()}")
     print(f"{command}\n{header}\n{shape_line(args)}\nattention: nanomuon "
           f"{attention['nanomuon']}, nanochat {attention['nanochat']}\n  nanomuon's: {ours.why}")
     batches = make_batches(args, device)

@@ -38,6 +38,7 @@ BATCHES = 4  # distinct batches, cycled, so the loss falls
 # nanochat's scripts/base_train.py defaults at 92d63d4 (its setup_optimizer's arguments)
 D12_LRS = dict(embedding_lr=0.3, unembedding_lr=0.008, matrix_lr=0.02, scalar_lr=0.5)
 LR_SCALE = 0.5  # sqrt(2^17 / 2^19)
+TRAIN_LRS = {key: lr * LR_SCALE for key, lr in D12_LRS.items()}  # check 2's
 WEIGHT_DECAY = 0.28
 TABLE_STEPS = (0, 39, 399, 1000, 2500, 4000, 5567)
 FORWARD_TOL, TRAIN_TOL = 1e-5, 1e-4
@@ -45,10 +46,8 @@ FORWARD_TOL, TRAIN_TOL = 1e-5, 1e-4
 
 def nanochat_name(name: str) -> str:
     """nanomuon's param name -> nanochat's."""
-    for ours, theirs in (("wte.", "transformer.wte."), ("blocks.", "transformer.h.")):
-        if name.startswith(ours):
-            return theirs + name[len(ours):]
-    return name
+    head, dot, rest = name.partition(".")
+    return {"wte": "transformer.wte", "blocks": "transformer.h"}.get(head, head) + dot + rest
 
 
 @dataclass
@@ -99,9 +98,8 @@ def nanochat_gpt(nc, depth: int, vocab: int, seq: int, aspect_ratio: int, head_d
 
 def twin_models(nc):
     """(nanochat's GPT, nanomuon's) at SHAPE, nanomuon's holding nanochat's initial weights."""
-    s = SHAPE
-    theirs = nanochat_gpt(nc, s["depth"], s["vocab"], s["seq"], s["aspect_ratio"],
-                          s["head_dim"], "cpu")
+    dims = [SHAPE[k] for k in ("depth", "vocab", "seq", "aspect_ratio", "head_dim")]
+    theirs = nanochat_gpt(nc, *dims, "cpu")
     # Zero projections give the lambdas exactly zero first gradients (the final norm cancels a
     # multiple of the embedding), whose rounding noise Adam turns into full-size steps no two codes
     # share. Small projections, set before the copy, give them real gradients.
@@ -110,8 +108,7 @@ def twin_models(nc):
         for name, p in theirs.named_parameters():
             if name.endswith("c_proj.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    ours = GPT(config_from_depth(s["depth"], s["vocab"], s["seq"], s["aspect_ratio"],
-                                 s["head_dim"], arch="nanochat"))
+    ours = GPT(config_from_depth(*dims, arch="nanochat"))
     ours.init_weights()
     state = theirs.state_dict()
     mapped = {name: state[nanochat_name(name)] for name in ours.state_dict()}
@@ -121,13 +118,9 @@ def twin_models(nc):
     return theirs, ours
 
 
-def train_lrs() -> dict:
-    return {key: lr * LR_SCALE for key, lr in D12_LRS.items()}
-
-
 def our_optimizer(model: GPT):
     """nanomuon's optimizer with the given lrs (base_train's lr flags) and weight decay."""
-    lrs = PeakLRs(adamw_matrix_lr=0.0, **train_lrs())
+    lrs = PeakLRs(adamw_matrix_lr=0.0, **TRAIN_LRS)
     # nanochat's Polar Express runs in its compute dtype, fp32; auto could pick bf16 on a CPU
     return model.setup_optimizer(lrs=lrs, weight_decay=WEIGHT_DECAY, compile=False,
                                  muon_options=dict(ns_precision="fp32"))
@@ -163,10 +156,10 @@ def check_training(nc) -> list[str]:
     with torch.no_grad():
         w = nudged.transformer.h[0].mlp.c_fc.weight
         w.mul_(1 + 1e-7 * torch.randn(w.shape, generator=torch.Generator().manual_seed(2)))
-    args = parse_args(["--arch", "nanochat", "--weight-decay", str(WEIGHT_DECAY),
-                       "--num-iterations", str(TRAIN_STEPS)])  # base_train's schedule flags
-    args.warmup_ratio = WARMUP_STEPS / TRAIN_STEPS
-    args.warmdown_ratio, args.final_lr_frac = 0.65, 0.05
+    # base_train's schedule flags, set to nanochat's recipe
+    flags = ["--warmup-ratio", str(WARMUP_STEPS / TRAIN_STEPS), "--warmdown-ratio", "0.65",
+             "--final-lr-frac", "0.05", "--weight-decay", str(WEIGHT_DECAY)]
+    args = parse_args(["--arch", "nanochat", "--num-iterations", str(TRAIN_STEPS), *flags])
     schedule = recipe_schedule(NanochatRecipe(TRAIN_STEPS, warmup_steps=WARMUP_STEPS))
     theirs_losses, nudged_losses = (train_side(m, their_optimizer(m), schedule, data)
                                     for m in (theirs, nudged))
@@ -183,7 +176,7 @@ def check_training(nc) -> list[str]:
 
 def their_optimizer(model):
     with contextlib.redirect_stdout(io.StringIO()):  # its lr scaling line
-        return model.setup_optimizer(**train_lrs(), weight_decay=WEIGHT_DECAY)
+        return model.setup_optimizer(**TRAIN_LRS, weight_decay=WEIGHT_DECAY)
 
 
 def our_schedule(args, num_iterations: int):
@@ -245,11 +238,10 @@ def check_table(nc, depth: int = 24, batch: int = 2 ** 20, ratio: float = 8.0) -
     for group in ours.param_groups:
         mine = ([order.index(group["name"])] if group["name"] in order else
                 [i for i, g in enumerate(theirs.param_groups) if g["kind"] == "muon"])
-        for i in mine:
-            other = theirs.param_groups[i]
-            keys = (("lr", "betas", "eps", "weight_decay") if group["kind"] == "adamw"
-                    else ("lr", "ns_steps", "beta2"))
-            rows += [(f"{group['name']} {key}", group[key], other[key]) for key in keys]
+        keys = (("lr", "betas", "eps", "weight_decay") if group["kind"] == "adamw"
+                else ("lr", "ns_steps", "beta2"))
+        rows += [(f"{group['name']} {key}", group[key], theirs.param_groups[i][key])
+                 for i in mine for key in keys]
     muon = next(g for g in ours.param_groups if g["kind"] == "muon")
     for step in TABLE_STEPS:
         rows += [(f"step {step} lr multiplier",
@@ -271,8 +263,8 @@ def check_sizes(nc) -> list[str]:
         with torch.device("meta"):
             ours = GPT(config_from_depth(depth, 32768, 2048, arch="nanochat"))
         theirs = nanochat_gpt(nc, depth, 32768, 2048, 64, 128, "meta")
-        rows += [(f"d{depth} params", ours.num_params(), sum(p.numel() for p in
-                                                              theirs.parameters())),
+        rows += [(f"d{depth} params", ours.num_params(),
+                  sum(p.numel() for p in theirs.parameters())),
                  (f"d{depth} FLOPs a token", ours.estimate_flops(), theirs.estimate_flops())]
     return compare_rows(rows)
 
