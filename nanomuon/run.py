@@ -538,9 +538,8 @@ def check_summary(summary) -> None:
 def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> None:
     """Append `writer`'s section about `step` to the run's report.md (a link refused)."""
     report = Path(run_dir) / "report.md"
-    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
     try:
-        fd = os.open(report, append, 0o644)
+        fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
                          "regular file of the run's own, not a link") from None
