@@ -458,9 +458,8 @@ def check_files(d: Path) -> list[str]:
             if not (isinstance(crc, str) and CRC.match(crc)):
                 raise ValueError(f"checksums.json gives {name} the CRC-32 "
                                  f"{shown(repr(crc), 80, quote=False)}, not 8 hex digits")
-        for name in files:
-            if DATA_FILE.match(name) and name not in sums:
-                raise ValueError(f"{name} is not in checksums.json")
+        if unsummed := [name for name in files if DATA_FILE.match(name) and name not in sums]:
+            raise ValueError(f"{unsummed[0]} is not in checksums.json")
         for name, crc in sums.items():
             if (now := file_crc32(d / name)) != crc:
                 raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
