@@ -115,9 +115,8 @@ class SafeReader(dcp.FileSystemReader):
     """DCP's FileSystemReader, reading its index through read_index."""
 
     def read_metadata(self, *args, **kwargs):
-        md = read_index(Path(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
+        md = read_index(Path(self.path))  # a Metadata, whose storage_meta defaults to None
+        md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
 
@@ -206,9 +205,8 @@ def _finish(run_dir: Path, tmp: Path, final: Path, meta: dict | None, files: dic
     sums = {f.name: file_crc32(f) for f in sorted(tmp.iterdir())}
     (tmp / "checksums.json").write_text(json.dumps(dict(crc32=sums), indent=1))
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for f in tmp.iterdir():
+    for f in [*tmp.iterdir(), tmp]:  # the files, then the directory's entries
         fsync_path(f)
-    fsync_path(tmp)
     if not final.exists():
         os.replace(tmp, final)
     elif _swap(tmp, final):  # a re-save: tmp now holds the old one
@@ -439,11 +437,8 @@ def check_files(d: Path) -> list[str]:
     """A checkpoint's files are there, long enough for its index, with the CRCs checksums.json
     gives; returns those it does not vouch for (all, without one; never meta.json)."""
     try:
-        ends = {}
-        for info in read_index(d).storage_data.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
-                                           info.offset + info.length)
-        for name, end in ends.items():
+        for info in read_index(d).storage_data.values():  # every piece inside its file
+            name, end = info.relative_path, info.offset + info.length
             if (size := (d / name).stat().st_size) < end:
                 raise ValueError(f"{name} is {size} bytes, its index says at least {end}")
         read_optim(d, mmap=True)
@@ -463,9 +458,8 @@ def check_files(d: Path) -> list[str]:
             if not (isinstance(crc, str) and CRC.match(crc)):
                 raise ValueError(f"checksums.json gives {name} the CRC-32 "
                                  f"{shown(repr(crc), 80, quote=False)}, not 8 hex digits")
-        for name in files:
-            if DATA_FILE.match(name) and name not in sums:
-                raise ValueError(f"{name} is not in checksums.json")
+        if unsummed := [name for name in files if DATA_FILE.match(name) and name not in sums]:
+            raise ValueError(f"{unsummed[0]} is not in checksums.json")
         for name, crc in sums.items():
             if (now := file_crc32(d / name)) != crc:
                 raise ValueError(f"{name} has CRC-32 {now}, {crc} when it was saved "
@@ -509,15 +503,15 @@ def _check_dtypes(d: Path, saved: dict, want) -> None:
                             f"nanomuon saves {should} (a tampered or foreign checkpoint)")
 
 
-def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",),
-                    map_location="cpu", meta_keys=()):
-    """({name: object}, meta) of a saved step read whole by this process ('model', 'optim')."""
+def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",)):
+    """({name: object}, meta) of a saved step read whole by this process ('model', 'optim'), on
+    the CPU."""
     d = step_dir(run_dir, step)
-    meta, out = read_meta(d, meta_keys), {}
+    meta, out = read_meta(d), {}
     try:
         saved = _saved_tensors(d)
         _check_dtypes(d, saved, lambda _, dtype: None if dtype.is_floating_point else "floats")
-        wanted = {k: torch.empty(shape, dtype=dtype, device=map_location)
+        wanted = {k: torch.empty(shape, dtype=dtype, device="cpu")
                   for k, (shape, dtype) in saved.items() if k.split(".", 1)[0] in names}
         _dcp(dcp.load, wanted, d, no_dist=True)
         _check_values(d, wanted)
@@ -525,7 +519,7 @@ def load_checkpoint(run_dir: Path, step: int, names: tuple[str, ...] = ("model",
             out["model"] = {k.split(".", 1)[1]: v
                             for k, v in wanted.items() if k.startswith("model.")}
         if "optim" in names:
-            out["optim"] = read_optim(d, map_location=map_location)
+            out["optim"] = read_optim(d, map_location="cpu")
             for key, v in wanted.items():
                 if key.startswith("optim."):
                     _, idx, name = key.split(".", 2)

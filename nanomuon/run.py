@@ -134,10 +134,9 @@ def _movable(name: str) -> bool:
 def set_aside(run_dir: Path, names: list[str], tag: str) -> Path:
     """Move these entries of run_dir into a new run_dir/<tag>.<n> by way of .tmp_<tag>.<n>, whose
     list (MOVING) lets clean_run_dir finish a killed move; OSError, all put back."""
-    run_dir, n = Path(run_dir), 1
-    while any(os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")):
-        n += 1
-    moving = run_dir / f".tmp_{tag}.{n}"
+    run_dir = Path(run_dir)
+    moving = next(run_dir / f".tmp_{tag}.{n}" for n in itertools.count(1) if not any(
+        os.path.lexists(run_dir / f"{prefix}{tag}.{n}") for prefix in ("", ".tmp_")))
     try:
         moving.mkdir()
         write_atomic(moving / MOVING, json.dumps(names), sync=True)
@@ -156,10 +155,9 @@ def _fill_aside(run_dir: Path, moving: Path, names: list[str]) -> Path:
         for name in names:
             if os.path.lexists(run_dir / name):
                 os.replace(run_dir / name, moving / name)
-        tag, n = final.name.rsplit(".", 1)
-        while os.path.lexists(final):  # made since the move began
-            n = int(n) + 1
-            final = run_dir / f"{tag}.{n}"
+        tag, n = final.name.rsplit(".", 1)  # a later n where one was made since the move began
+        final = next(f for n in itertools.count(int(n))
+                     if not os.path.lexists(f := run_dir / f"{tag}.{n}"))
         os.replace(moving, final)
     except OSError as e:  # put back what moved; what will not stays, listed, for the next start
         for name in names:
@@ -201,9 +199,8 @@ def finish_set_aside(run_dir: Path, moving: Path) -> str:
 def earlier_run(run_dir: Path) -> list[str]:
     """What an earlier run left: checkpoints, results, exports (a result must be a regular file)."""
     run_dir = Path(run_dir)
-    results = [name for name in RESULTS if os.path.lexists(run_dir / name)]
-    for name in results:
-        check_regular(run_dir / name)
+    results = [check_regular(run_dir / name).name for name in RESULTS
+               if os.path.lexists(run_dir / name)]
     return ([step_dir(run_dir, s).name for s in list_steps(run_dir)] + results
             + list(exports(run_dir).values()))
 
@@ -322,26 +319,24 @@ def claim_run_dir(run_dir: Path, rank: int, held: contextlib.ExitStack) -> None:
 
 def keep_earlier_runs(run_dir: Path, rank: int, fresh: bool, start_over: bool) -> None:
     """Refuse a fresh run over an earlier one, or with --start-over move it into previous.N."""
-    error, earlier = None, []
-    if rank == 0:
-        try:  # a result that is a FIFO would hang the end of any run
-            earlier = earlier_run(run_dir)
-        except ValueError as e:
-            error = str(e)
-    if rank == 0 and not error and fresh and earlier:
-        if not start_over:
-            error = (f"{run_dir} holds an earlier run ({held_by(run_dir, earlier)}): continue "
-                     "it with --resume-from-step latest, pick another --run, or pass --start-over "
-                     "to move it into previous.N and train afresh")
-        else:
-            try:
-                # wandb's folder and rewinds' move with an earlier run, but alone are none
-                earlier += sorted(p.name for p in Path(run_dir).iterdir() if _movable(p.name)
-                                  and (p.name == "wandb" or ASIDE.match(p.name)))
-                aside = set_aside(run_dir, earlier, "previous")
-                print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
-            except OSError as e:
-                error = f"--start-over cannot move the earlier run aside: {e.strerror}"
+    error, earlier = None, []  # rank 0's, the others waiting for its word
+    try:  # a result that is a FIFO would hang the end of any run
+        earlier = earlier_run(run_dir) if rank == 0 else []
+    except ValueError as e:
+        error = str(e)
+    if fresh and earlier and not start_over:
+        error = (f"{run_dir} holds an earlier run ({held_by(run_dir, earlier)}): continue "
+                 "it with --resume-from-step latest, pick another --run, or pass --start-over "
+                 "to move it into previous.N and train afresh")
+    elif fresh and earlier:
+        try:
+            # wandb's folder and rewinds' move with an earlier run, but alone are none
+            earlier += sorted(p.name for p in Path(run_dir).iterdir() if _movable(p.name)
+                              and (p.name == "wandb" or ASIDE.match(p.name)))
+            aside = set_aside(run_dir, earlier, "previous")
+            print0(f"--start-over: moved the earlier run ({len(earlier)} entries) into {aside}")
+        except OSError as e:
+            error = f"--start-over cannot move the earlier run aside: {e.strerror}"
     exit_if_any_failed(error)
 
 
@@ -543,9 +538,8 @@ def check_summary(summary) -> None:
 def append_section(run_dir: Path, writer: str, step: int, lines: list[str]) -> None:
     """Append `writer`'s section about `step` to the run's report.md (a link refused)."""
     report = Path(run_dir) / "report.md"
-    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
     try:
-        fd = os.open(report, append, 0o644)
+        fd = os.open(report, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise SystemExit(f"error: cannot append to {report} ({e.strerror}): it must be a "
                          "regular file of the run's own, not a link") from None
