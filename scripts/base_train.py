@@ -48,7 +48,7 @@ from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from scripts.train_args import LR_FLAGS, MAX_STEPS, check_memory, parse_args
+from scripts.train_args import LR_FLAGS, MAX_STEPS, arch_on, check_memory, parse_args
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
@@ -232,8 +232,7 @@ def resolve_model(args, vocab_size: int, device: torch.device):
     --attention resolved in args and said; a kernel that cannot run here, or ranks that disagree,
     stop the run. Sliding windows get a kernel that runs them (SDPA's mask rules out flash)."""
     why = f"--arch {args.arch}" + (f" on {device.type}" if args.arch == "auto" else "")
-    if args.arch == "auto":
-        args.arch = "nanochat" if device.type == "cuda" else "classic"
+    args.arch = arch_on(args.arch, device.type)
     print0(f"model: {ARCHS[args.arch].about} ({why})")
     # an impossible size: the same flags on every rank, so every rank stops
     with common.user_errors():

@@ -23,7 +23,7 @@ from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args
-from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 # The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
 # math's factors on it (sqrt of a dimension, 1/(1 - beta1)) far inside fp32, where the step fits
@@ -241,14 +241,15 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.fsdp and args.optimizer == "torch-muon":
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
                 "runs replicated only")
-    if args.fsdp and (options := optimizer_kwargs(args.optimizer).get("muon_options")):
+    check_variant_options(p, args)
+    settings = ideas.with_options(args.optimizer, args.variant_option)  # checked just above
+    if args.fsdp and (options := settings.get("muon_options")):
         group = dict(kind="muon", **options)
         fill_defaults(group)
         try:
             check_sharded_stages(f"--optimizer {args.optimizer}", group)
         except ValueError as e:
             p.error(f"{e}: drop --fsdp")
-    check_variant_options(p, args)
     if args.seeds is not None and args.seed is not None:
         p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
@@ -280,15 +281,19 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     check_model_fits(p, args)
 
 
+def arch_on(arch: str, device_type: str) -> str:
+    """--arch as it trains on device_type: auto is nanochat on CUDA, else classic."""
+    return arch if arch != "auto" else "nanochat" if device_type == "cuda" else "classic"
+
+
 def check_variant_options(p: argparse.ArgumentParser, args) -> None:
     """--variant-option: the variant with them set, as a tiny model of the run's arch takes it."""
     if not args.variant_option:
         return
-    arch = args.arch if args.arch != "auto" else (
-        "nanochat" if args.device_type in ("auto", "cuda") and torch.cuda.is_available()
-        else "classic")
+    cuda = args.device_type in ("auto", "cuda") and torch.cuda.is_available()
     try:
-        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option), arch)
+        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option),
+                             arch_on(args.arch, "cuda" if cuda else "cpu"))
     except (ValueError, TypeError) as e:
         p.error(f"--optimizer {args.optimizer} --variant-option "
                 f"{' '.join(args.variant_option)}: {e}")

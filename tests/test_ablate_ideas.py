@@ -181,3 +181,18 @@ def test_two_ablates_hit_the_cache_and_an_edit_reruns_only_its_variants(base, tm
     assert meta["args"]["variant_option"] == ["precondition_frequency=2"]
     table = (base / "ablations" / "ideas" / "ablation.md").read_text()
     assert "| muon | - |" in table and "At the edge of the sweep: muon-soap" in table
+
+
+def test_fsdp_is_refused_for_a_stage_an_option_sets_that_shards_cannot_run(capsys):
+    """--fsdp checks the variant as --variant-option leaves it: muon with apply=hyperball (it reads
+    whole weights) is refused naming the stage, as muon-hyperball is; muon itself parses."""
+    from scripts.train_args import parse_args
+
+    base = ["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--fsdp"]
+    for flags in (["--optimizer", "muon", "--variant-option", "apply=hyperball"],
+                  ["--optimizer", "muon-hyperball"]):
+        with pytest.raises(SystemExit):
+            parse_args([*base, *flags])
+        said = capsys.readouterr().err
+        assert "apply 'hyperball' reads whole weight matrices" in said and "drop --fsdp" in said
+    assert parse_args([*base, "--optimizer", "muon"]).fsdp
