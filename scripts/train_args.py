@@ -343,7 +343,7 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
 # keeps fp32 copies of a bf16 step's operands: the logits' alone take 12.6 bytes an entry, not 3);
 # and the process itself (process_memory). Fitted to 2 steps' peak RSS at vocab 4,096 and 32,768,
 # widths 64 to 256, 256 to 2,048 tokens a micro-batch, 2 to 20 seeds, eager and compiled, bf16 and
-# fp32, with a CPU build of torch, with a margin for threads and the allocator
+# fp32, on a CPU build of torch, with a margin for threads and the allocator
 SEEDS_STATE = 1.25
 SEEDS_ACTIVATION_BYTES = (92, 16)
 # the process: what it holds at the check (Python, torch, the scripts: 0.33 GiB with a CPU build of
