@@ -11,6 +11,7 @@ anywhere and a param with a grad on rank 0 only.
 import faulthandler
 import io
 import math
+import multiprocessing
 import os
 import signal
 import socket
@@ -131,9 +132,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args):
+# Ranks fork from a server process that imported these once a session: a spawned rank imports
+# torch and nanomuon anew, about 4 s of each distributed test. The server imports and runs nothing
+# else (no op starts torch's thread pools), so a fork of it starts as a fresh process would.
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "nanomuon.checkpoint", "nanomuon.gpt", "nanomuon.optim", "nanomuon.sharded", "nanomuon.seeds"])
+
+
+def _entry(rank, world_size, port, environ, cwd, fn, args):
     faulthandler.enable()  # a native abort in a worker prints every thread's Python stack
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the caller's environment and folder, as a spawned rank inherits them (a fork has the server's)
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -149,12 +161,15 @@ def _entry(rank, world_size, port, fn, args):
 
 
 def spawn(fn, world_size, *args):
-    """fn(rank, world_size, *args) on gloo ranks. A worker killed by a signal (not a failed assertion, which raises
-    ProcessRaisedException) gets one retry with a warning: gloo's teardown aborts rarely ("terminate called without
-    an active exception", then SIGSEGV; seen about once per two full suites), and a real crash fails again."""
+    """fn(rank, world_size, *args) on gloo ranks forked from the server above. A worker killed by a signal
+    (not a failed assertion, which raises ProcessRaisedException) gets one retry with a warning: gloo's
+    teardown aborts rarely ("terminate called without an active exception", then SIGSEGV; seen about once
+    per two full suites), and a real crash fails again."""
     for attempt in (1, 2):
         try:
-            return mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+            return mp.start_processes(
+                _entry, args=(world_size, _free_port(), dict(os.environ), os.getcwd(), fn, args),
+                nprocs=world_size, join=True, start_method="forkserver")
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:
                 raise
