@@ -169,9 +169,8 @@ def optimizer_options(args, compiled: bool) -> dict:
     for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    kwargs = {k: v for k, v in variant.items() if k != "schedule"}
-    own = {k: v for k, v in kwargs.items() if k not in recipe.PeakLRs._fields}
-    given = {k: kwargs.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
+    own = {k: v for k, v in variant.items() if k not in (*recipe.PeakLRs._fields, "schedule")}
+    given = {k: variant.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
     lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
     decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
     return dict(decay, lrs=lrs, compile=compiled, **own)
@@ -212,8 +211,7 @@ def horizon_steps(args, model: GPT) -> int:
                          f"may take: give at most {value * MAX_STEPS / steps:.3g}, or "
                          "--num-iterations")
     # the recipe's warmup (its steps as a fraction of the run's), warmdown and final lr
-    schedule = chosen.schedule
-    ratios = dict(schedule, warmup_ratio=min(1.0, schedule["warmup_steps"] / steps))
+    ratios = dict(chosen.schedule, warmup_ratio=min(1.0, chosen.schedule["warmup_steps"] / steps))
     left_out = [key for key in ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
                 if getattr(args, key) is None]
     for key in left_out:
@@ -222,7 +220,7 @@ def horizon_steps(args, model: GPT) -> int:
         print0(f"recipe: schedule: warmup {round(args.warmup_ratio * steps)} steps, warmdown "
                f"{args.warmdown_ratio:g} of the steps, final lr {args.final_lr_frac:g} of the peak "
                f"({', '.join('--' + k.replace('_', '-') for k in left_out)} left out: "
-               f"{'nanochat' if schedule['warmup_steps'] else 'the CPU rule'}'s at "
+               f"{'nanochat' if chosen.schedule['warmup_steps'] else 'the CPU rule'}'s at "
                f"{args.total_batch_size:,} tokens/step)")
     return steps
 
