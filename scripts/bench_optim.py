@@ -142,11 +142,10 @@ def bench_step(args, device, compile, name):
     gram = {s for s in muon_shapes if gram_pays(s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
     print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on "
           f"{sorted(gram) or 'none'}, compile {compile}")
-    patched = torch_precision == "fp32"
     print("torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz "
           f"{torch_precision}"
-          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched
-             else ", unpatched"))
+          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)"
+             if torch_precision == "fp32" else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
     ratio = ours_med / base_med
     target = STEP_TARGET[device.type][name]
@@ -199,8 +198,8 @@ def bench_ns(args, device, compile, precision):
     totals, gram_total = [], 0.0
     for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
-        flops, ns_ctx, gram_ctx = ns_flops(shape, steps), *(stage_context(g, G) for g in
-                                                             (standard, gram))
+        flops = ns_flops(shape, steps)
+        ns_ctx, gram_ctx = (stage_context(g, G) for g in (standard, gram))
         t_ns = median_time(lambda G=G, ctx=ns_ctx: ortho(G, ctx), device, args)
         t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
