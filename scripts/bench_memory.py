@@ -103,8 +103,8 @@ def measure(args, variant: str) -> tuple[int, int]:
     model.init_weights()
     opt = model.setup_optimizer(**optimizer_kwargs(variant))
     gen = torch.Generator().manual_seed(dist.get_rank())
-    temporaries = 0
-    for step in range(args.steps):
+    peaks = []
+    for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
         for p in model.parameters():  # what backward leaves: a fresh grad per param
             p.grad = torch.randn(p.shape, generator=gen)
@@ -112,11 +112,10 @@ def measure(args, variant: str) -> tuple[int, int]:
         before = status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
         opt.step()
-        if step:  # the first step also allocates the state
-            temporaries = max(temporaries, status("VmHWM") - before)
+        peaks.append(status("VmHWM") - before)
     state = state_bytes(opt)
     del opt, model
-    return state, temporaries
+    return state, max(0, *peaks[1:])  # the first step also allocates the state
 
 
 def _spawned(rank, world, port, args, out):
