@@ -118,6 +118,13 @@ def measure(args, variant: str) -> tuple[int, int]:
     return state, max(0, *peaks[1:])  # the first step also allocates the state
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 free now, for the MASTER_PORT of ranks spawned on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawned(rank, world, port, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -134,14 +141,11 @@ def _spawned(rank, world, port, args, out):
 
 def run_world(args, world: int) -> dict:
     """{setup: (state, temporaries)} in bytes of the rank with the highest peak."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # the workers' glibc reads it once, at their start
     with (mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
           mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp):
         out, args.tmp = manager.dict(), os.path.join(tmp, "saves")
-        mp.spawn(_spawned, args=(world, port, args, out), nprocs=world, join=True)
+        mp.spawn(_spawned, args=(world, free_port(), args, out), nprocs=world, join=True)
         per_rank = dict(out)
     return {name: max((per_rank[r][name] for r in per_rank), key=sum) for name in per_rank[0]}
 
