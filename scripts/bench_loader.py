@@ -90,9 +90,9 @@ def main(argv=None):
               f"{repeated:.4%} trained more than once, unigram total variation {tv:.5f} | {rows:,} "
               f"rows: inserted BOS {inserted / slots:.3%}, padding {counts['padding'] / slots:.3%} "
               f"| {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS {rss:,.0f} MB")
-    loaders = {0: make(), 2: make(prefetch=2)}
     means = {}
-    for pf, dl in loaders.items():
+    for pf in (0, 2):
+        dl = make(prefetch=pf)
         dl.next_batch()  # fills the buffer, starts the thread
         waits = []
         for _ in range(args.batches):
