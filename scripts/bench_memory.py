@@ -59,8 +59,9 @@ def state_bytes(opt, params=()) -> int:
                 for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)}.values())
 
 
-def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
-    """(bytes of model and optimizer tensors this rank holds, one save's temporaries)."""
+def model_and_optimizer(args, variant: str, fsdp: bool = False):
+    """The benchmark's GPT from seed 0 (each block and the whole FSDP2-sharded with `fsdp`), and
+    the optimizer `variant` makes for it."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -68,7 +69,12 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    opt = model.setup_optimizer(**optimizer_kwargs("muon"))
+    return model, model.setup_optimizer(**optimizer_kwargs(variant))
+
+
+def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
+    """(bytes of model and optimizer tensors this rank holds, one save's temporaries)."""
+    model, opt = model_and_optimizer(args, "muon", fsdp)
     for p in model.parameters():  # one step makes the state
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -98,10 +104,7 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
 
 def measure(args, variant: str) -> tuple[int, int]:
     """(state bytes, largest temporaries of the steps after the first) of one optimizer."""
-    torch.manual_seed(0)
-    model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
-    model.init_weights()
-    opt = model.setup_optimizer(**optimizer_kwargs(variant))
+    model, opt = model_and_optimizer(args, variant)
     gen = torch.Generator().manual_seed(dist.get_rank())
     peaks = []
     for _ in range(args.steps):
