@@ -98,7 +98,6 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
     dist.barrier()
     if dist.get_rank() == 0:  # the next save starts from an empty dir
         shutil.rmtree(args.tmp)
-    del opt, model
     return held, temporaries
 
 
@@ -116,9 +115,7 @@ def measure(args, variant: str) -> tuple[int, int]:
         Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
         opt.step()
         peaks.append(status("VmHWM") - before)
-    state = state_bytes(opt)
-    del opt, model
-    return state, max(0, *peaks[1:])  # the first step also allocates the state
+    return state_bytes(opt), max(0, *peaks[1:])  # the first step also allocates the state
 
 
 def free_port() -> int:
