@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from nanomuon.common import compute_cleanup, compute_init, synchronizer
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 from scripts.bench_memory import free_port
-from scripts.bench_optim import gpt_shapes
+from scripts.bench_optim import MUON_HP, gpt_shapes
 
 MODES = ["replicated", "owner", "owner-bf16", "duplicated", "distributed", "blockwise"]
 
@@ -32,7 +32,7 @@ def make_optimizer(mode: str, shapes, device, mesh):
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=g) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=g) for s in shapes]
-    group = dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+    group = dict(kind="muon", **MUON_HP)
     if mode == "replicated":
         params = [torch.nn.Parameter(t.to(device)) for t in full]
         return DistMuonAdamW([dict(group, params=params)]), params, [t.to(device) for t in grads]
