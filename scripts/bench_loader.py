@@ -25,6 +25,11 @@ from nanomuon.tokenizer import get_tokenizer
 from scripts.bench_memory import status
 
 
+def unigrams(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Count per token id, padding (negative ids) left out."""
+    return torch.bincount(tokens[tokens >= 0], minlength=vocab_size)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     add_data_args(p, "embedded")
@@ -53,7 +58,7 @@ def main(argv=None):
     # rows of the next epoch that came in the last batch of the previous one
     leftover = torch.zeros(0, dtype=torch.long)
     for epoch in range(args.epochs):
-        trained = torch.bincount(leftover[leftover >= 0], minlength=tok.vocab_size)
+        trained = unigrams(leftover, tok.vocab_size)
         stats0, seconds, rows = dict(dl.stats), 0.0, 0
         while True:
             t0 = time.perf_counter()
@@ -61,8 +66,7 @@ def main(argv=None):
             seconds += time.perf_counter() - t0
             full = torch.cat([x[:, :1], y], dim=1)  # the row as packed: input BOS, then the targets
             mine = torch.tensor([e == epoch for e in dl.batch_epochs])
-            part = full[mine]
-            trained += torch.bincount(part[part >= 0], minlength=tok.vocab_size)
+            trained += unigrams(full[mine], tok.vocab_size)
             rows += int(mine.sum())
             if not mine.all():
                 leftover = full[~mine]
@@ -73,11 +77,9 @@ def main(argv=None):
         rss = (status("VmHWM") if sys.platform == "linux"
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / (1 << 20)
         # the independent reference: every document of this rank, tokenized whole
-        ref = torch.zeros(tok.vocab_size, dtype=torch.long)
-        for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size):
-            if text:  # the loader skips empty documents too
-                ref += torch.bincount(torch.tensor(tok.encode(text, prepend_bos=True)),
-                                      minlength=tok.vocab_size)
+        ref = sum(unigrams(torch.tensor(tok.encode(text, prepend_bos=True)), tok.vocab_size)
+                  for text in iter_texts(data, "train", rank=args.rank, world_size=args.world_size)
+                  if text)  # the loader skips empty documents too
         inserted = trained[tok.bos_id] - ref[tok.bos_id]
         trained[tok.bos_id] -= inserted
         total = ref.sum().item()
@@ -88,9 +90,9 @@ def main(argv=None):
               f"{repeated:.4%} trained more than once, unigram total variation {tv:.5f} | {rows:,} "
               f"rows: inserted BOS {inserted / slots:.3%}, padding {counts['padding'] / slots:.3%} "
               f"| {rows * (T + 1) / seconds:,.0f} tok/s | peak RSS {rss:,.0f} MB")
-    loaders = {0: make(), 2: make(prefetch=2)}
     means = {}
-    for pf, dl in loaders.items():
+    for pf in (0, 2):
+        dl = make(prefetch=pf)
         dl.next_batch()  # fills the buffer, starts the thread
         waits = []
         for _ in range(args.batches):

@@ -59,8 +59,9 @@ def state_bytes(opt, params=()) -> int:
                 for t in (x.to_local() if isinstance(x, DTensor) else x for x in tensors)}.values())
 
 
-def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
-    """(bytes of model and optimizer tensors this rank holds, one save's temporaries)."""
+def model_and_optimizer(args, variant: str, fsdp: bool = False):
+    """The benchmark's GPT from seed 0 (each block and the whole FSDP2-sharded with `fsdp`), and
+    the optimizer `variant` makes for it."""
     torch.manual_seed(0)
     model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
     model.init_weights()
@@ -68,7 +69,12 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    opt = model.setup_optimizer(**optimizer_kwargs("muon"))
+    return model, model.setup_optimizer(**optimizer_kwargs(variant))
+
+
+def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
+    """(bytes of model and optimizer tensors this rank holds, one save's temporaries)."""
+    model, opt = model_and_optimizer(args, "muon", fsdp)
     for p in model.parameters():  # one step makes the state
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -92,19 +98,15 @@ def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
     dist.barrier()
     if dist.get_rank() == 0:  # the next save starts from an empty dir
         shutil.rmtree(args.tmp)
-    del opt, model
     return held, temporaries
 
 
 def measure(args, variant: str) -> tuple[int, int]:
     """(state bytes, largest temporaries of the steps after the first) of one optimizer."""
-    torch.manual_seed(0)
-    model = GPT(config_from_depth(args.depth, args.vocab_size, 256))
-    model.init_weights()
-    opt = model.setup_optimizer(**optimizer_kwargs(variant))
+    model, opt = model_and_optimizer(args, variant)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    temporaries = 0
-    for step in range(args.steps):
+    peaks = []
+    for _ in range(args.steps):
         model.zero_grad(set_to_none=True)
         for p in model.parameters():  # what backward leaves: a fresh grad per param
             p.grad = torch.randn(p.shape, generator=gen)
@@ -112,11 +114,15 @@ def measure(args, variant: str) -> tuple[int, int]:
         before = status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
         opt.step()
-        if step:  # the first step also allocates the state
-            temporaries = max(temporaries, status("VmHWM") - before)
-    state = state_bytes(opt)
-    del opt, model
-    return state, temporaries
+        peaks.append(status("VmHWM") - before)
+    return state_bytes(opt), max(0, *peaks[1:])  # the first step also allocates the state
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 free now, for the MASTER_PORT of ranks spawned on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _spawned(rank, world, port, args, out):
@@ -135,14 +141,11 @@ def _spawned(rank, world, port, args, out):
 
 def run_world(args, world: int) -> dict:
     """{setup: (state, temporaries)} in bytes of the rank with the highest peak."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # the workers' glibc reads it once, at their start
     with (mock.patch.dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024)),
           mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp):
         out, args.tmp = manager.dict(), os.path.join(tmp, "saves")
-        mp.spawn(_spawned, args=(world, port, args, out), nprocs=world, join=True)
+        mp.spawn(_spawned, args=(world, free_port(), args, out), nprocs=world, join=True)
         per_rank = dict(out)
     return {name: max((per_rank[r][name] for r in per_rank), key=sum) for name in per_rank[0]}
 

@@ -61,17 +61,17 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def median_time(fn, device: torch.device, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
+def median_time(fn, device: torch.device, args) -> float:
+    """Median seconds of args.steps calls of fn, after args.warmup untimed ones."""
+    for _ in range(args.warmup):
         fn()
-    return statistics.median(timed(fn, device) for _ in range(steps))
+    return statistics.median(timed(fn, device) for _ in range(args.steps))
 
 
-def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, steps: int,
-             warmup: int) -> float:
+def bmm_rate(K: int, m: int, dtype: torch.dtype, device: torch.device, args) -> float:
     """FLOP/s of a (K, m, m) @ (K, m, m) batched matmul."""
     a, b = (torch.randn(K, m, m, device=device).to(dtype) for _ in range(2))
-    return 2 * K * m ** 3 / median_time(lambda: torch.bmm(a, b), device, steps, warmup)
+    return 2 * K * m ** 3 / median_time(lambda: torch.bmm(a, b), device, args)
 
 
 def gflops(x: float) -> str:
@@ -142,11 +142,10 @@ def bench_step(args, device, compile, name):
     gram = {s for s in muon_shapes if gram_pays(s, MUON_HP["ns_steps"], NS_DTYPES[ours_precision])}
     print(f"MuonAdamW: {options or 'defaults'}; Newton-Schulz {ours_precision}, Gram on "
           f"{sorted(gram) or 'none'}, compile {compile}")
-    patched = torch_precision == "fp32"
     print("torch.optim.Muon (eager, per matrix, Jordan NS5) + AdamW (foreach): Newton-Schulz "
           f"{torch_precision}"
-          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)" if patched
-             else ", unpatched"))
+          + (" through an fp32 copy of torch's iteration (it hard-codes bf16)"
+             if torch_precision == "fp32" else ", unpatched"))
     ours_med, base_med = statistics.median(ours_t), statistics.median(base_t)
     ratio = ours_med / base_med
     target = STEP_TARGET[device.type][name]
@@ -176,7 +175,7 @@ def iteration_bmm(shape, dtype, device, args, gen) -> float:
     K, m, n = shape[0], *sorted(shape[1:])
     X = torch.randn(K, m, n, generator=gen).to(device, dtype)
     A = torch.randn(K, m, m, generator=gen).to(device, dtype)
-    return median_time(lambda: (X @ X.mT, A @ A, A @ X), device, args.steps, args.warmup)
+    return median_time(lambda: (X @ X.mT, A @ A, A @ X), device, args)
 
 
 def bench_ns(args, device, compile, precision):
@@ -199,9 +198,9 @@ def bench_ns(args, device, compile, precision):
     totals, gram_total = [], 0.0
     for shape in stacks_of(muon_shapes):
         G = torch.randn(shape, generator=gen).to(device)
-        flops, ns_ctx, gram_ctx = ns_flops(shape, steps), *(stage_context(g, G) for g in
-                                                             (standard, gram))
-        t_ns = median_time(lambda G=G, ctx=ns_ctx: ortho(G, ctx), device, args.steps, args.warmup)
+        flops = ns_flops(shape, steps)
+        ns_ctx, gram_ctx = (stage_context(g, G) for g in (standard, gram))
+        t_ns = median_time(lambda G=G, ctx=ns_ctx: ortho(G, ctx), device, args)
         t_ref = iteration_bmm(shape, dtype, device, args, gen)
         ref_flops = ns_flops(shape, 1)
         print(f"  {str(tuple(shape)):18s} newton_schulz {t_ns * 1e3:9.1f} ms  "
@@ -209,8 +208,7 @@ def bench_ns(args, device, compile, precision):
               f"{flops / t_ns / (ref_flops / t_ref):.3f}")
         t_gram = t_ns
         if ns_flops(shape, steps, True) < flops:
-            t_gram = median_time(lambda G=G, ctx=gram_ctx: ortho(G, ctx), device, args.steps,
-                                 args.warmup)
+            t_gram = median_time(lambda G=G, ctx=gram_ctx: ortho(G, ctx), device, args)
             print(f"  {'':18s} gram          {t_gram * 1e3:9.1f} ms: {t_ns / t_gram:.2f}x faster "
                   f"for {flops / ns_flops(shape, steps, True):.2f}x fewer FLOPs")
         gram_total += t_gram if gram_pays(shape, steps, dtype) else t_ns
@@ -294,7 +292,7 @@ def main(argv=None):
     with torch.no_grad():
         # matmul rates first: they explain the precision choice (~1 s in bf16 on a CPU)
         K, m = (16, 4096) if device.type == "cuda" else (4, 512)
-        rates = {p: bmm_rate(K, m, dt, device, args.steps, args.warmup)
+        rates = {p: bmm_rate(K, m, dt, device, args)
                  for p, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
         print(f"\n== 0. batched matmul ({K}, {m}, {m}) @ ({K}, {m}, {m}) ==\n  bf16 "
               f"{gflops(rates['bf16'])}   fp32 {gflops(rates['fp32'])}")

@@ -11,7 +11,6 @@ start from reduced grads, as FSDP2 leaves them.
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -23,7 +22,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from nanomuon.common import compute_cleanup, compute_init, synchronizer
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from scripts.bench_optim import gpt_shapes
+from scripts.bench_memory import free_port
+from scripts.bench_optim import MUON_HP, gpt_shapes
 
 MODES = ["replicated", "owner", "owner-bf16", "duplicated", "distributed", "blockwise"]
 
@@ -32,7 +32,7 @@ def make_optimizer(mode: str, shapes, device, mesh):
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=g) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=g) for s in shapes]
-    group = dict(kind="muon", lr=0.02, momentum=0.95, ns_steps=5, beta2=0.95, weight_decay=0.2)
+    group = dict(kind="muon", **MUON_HP)
     if mode == "replicated":
         params = [torch.nn.Parameter(t.to(device)) for t in full]
         return DistMuonAdamW([dict(group, params=params)]), params, [t.to(device) for t in grads]
@@ -82,10 +82,10 @@ def _ranked(args, device_type: str = "auto") -> None:
         compute_cleanup()
 
 
-def _spawned(rank, world, port, args):
+def _spawned(rank, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(args.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     _ranked(args, "cpu")
 
 
@@ -101,10 +101,7 @@ def main(argv=None):
         p.error("--depth, --world-size and --steps must be >= 1, --warmup >= 0")
     if "RANK" in os.environ:  # under torchrun: nccl on GPUs, gloo on CPU
         return _ranked(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size, join=True)
+    mp.spawn(_spawned, args=(free_port(), args), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":
