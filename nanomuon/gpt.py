@@ -571,8 +571,8 @@ class GPT(nn.Module):
         keys each layer sees (causal masking not discounted, as in PaLM's MFU)."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         c = self.config
-        keys = sum(c.sequence_len if w is None else min(w, c.sequence_len)
-                   for w in c.window_sizes())
+        # window_sizes gives None for a window that spans the context, so each w is under it
+        keys = sum(c.sequence_len if w is None else w for w in c.window_sizes())
         return 6 * matmul + 12 * c.n_embd * keys
 
     def setup_optimizer(self, embedding_lr: float | None = None,
