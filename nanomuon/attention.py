@@ -191,14 +191,13 @@ def load_hub() -> Attention:
 
 
 def probe(attention: Attention, device: torch.device, n_head: int, n_kv_head: int,
-          head_dim: int, seq_len: int = 256, windows: tuple = (None,),
-          dtype: torch.dtype = torch.bfloat16) -> None:
+          head_dim: int, windows: tuple = (None,), dtype: torch.dtype = torch.bfloat16) -> None:
     """A causal forward and backward of the model's head shape through `attention` per window, SDPA
     held to its flash backend, so that what passes is what will run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    for window in windows:
-        q, k, v = (torch.randn(1, seq_len, h, head_dim, device=device, dtype=dtype,
+    for window in windows:  # 256 tokens: the 128-token window probed cuts them
+        q, k, v = (torch.randn(1, 256, h, head_dim, device=device, dtype=dtype,
                                requires_grad=True) for h in (n_head, n_kv_head, n_kv_head))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             out = (attention.func or sdpa)(q, k, v, window)

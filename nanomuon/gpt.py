@@ -544,7 +544,6 @@ class GPT(nn.Module):
 
     def _head(self, x, targets, loss_reduction: str):
         logits = self.lm_head(x)
-        B, T = x.shape[:2]
         cap = self.config.softcap
         # eager: softcap and loss in one pass
         if targets is not None and not torch.compiler.is_compiling():
@@ -557,7 +556,7 @@ class GPT(nn.Module):
                 return logits
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1, reduction=loss_reduction)
-        return loss.view(B, T) if loss_reduction == "none" else loss
+        return loss.view(x.shape[:2]) if loss_reduction == "none" else loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -571,8 +570,8 @@ class GPT(nn.Module):
         keys each layer sees (causal masking not discounted, as in PaLM's MFU)."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         c = self.config
-        keys = sum(c.sequence_len if w is None else min(w, c.sequence_len)
-                   for w in c.window_sizes())
+        # window_sizes gives None for a window that spans the context, so each w is under it
+        keys = sum(c.sequence_len if w is None else w for w in c.window_sizes())
         return 6 * matmul + 12 * c.n_embd * keys
 
     def setup_optimizer(self, embedding_lr: float | None = None,
