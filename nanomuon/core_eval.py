@@ -544,9 +544,10 @@ def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "aut
         t0 = time.perf_counter()
         acc = evaluate_task(model, tokenizer, task, device, dtype)
         chance = 0.01 * task.baseline  # centered: chance is 0, perfect is 1
-        row = out[task.label] = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
-                   baseline=task.baseline, centered=(acc - chance) / (1.0 - chance),
-                   seconds=time.perf_counter() - t0)
+        row = out[task.label] = dict(kind=task.kind, shots=task.shots, items=len(task.items),
+                                     accuracy=acc, baseline=task.baseline,
+                                     centered=(acc - chance) / (1.0 - chance),
+                                     seconds=time.perf_counter() - t0)
         print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "
                f"items: accuracy {acc:.4f}, centered {row['centered']:+.4f}, "
                f"{row['seconds']:.1f} s")
