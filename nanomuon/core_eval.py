@@ -73,8 +73,6 @@ MAX_PROMPT = 1 << 20  # characters of one item's prompts, examples and options (
 SIZE_LIMITS = {"core.yaml": MAX_CONFIG, "eval_meta_data.csv": MAX_META}
 MAX_DOWNLOAD = 1 << 30
 LAYOUT = "the zip, or a folder holding core.yaml, eval_meta_data.csv and eval_data/"
-PLACE = (f"download {BUNDLE_URL} on a machine with network and place it at {{zip}}, or pass "
-         f"--core-bundle PATH ({LAYOUT})")
 USE = f"use nanochat's eval_bundle.zip ({LAYOUT})"
 
 
@@ -197,29 +195,30 @@ class _HttpsOnly(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def download_bundle(dest: Path, url: str = BUNDLE_URL, timeout: float = 60) -> None:
-    """url -> dest (https only, at most MAX_DOWNLOAD bytes, whole or not at all), then recorded."""
-    if not url.lower().startswith("https://"):
-        raise ValueError(f"the CORE bundle URL {url} is not https")
-    print0(f"downloading the CORE eval bundle {url} -> {dest}")
+def download_bundle(dest: Path) -> None:
+    """BUNDLE_URL -> dest (https only, at most MAX_DOWNLOAD bytes, whole or not at all), then
+    recorded."""
+    print0(f"downloading the CORE eval bundle {BUNDLE_URL} -> {dest}")
 
     def fetch(tmp: Path) -> None:
-        with urllib.request.build_opener(_HttpsOnly).open(url, timeout=timeout) as r, \
+        with urllib.request.build_opener(_HttpsOnly).open(BUNDLE_URL, timeout=60) as r, \
                 open(tmp, "wb") as f:
             size = 0
             while block := r.read(1 << 20):
                 size += len(block)
                 if size > MAX_DOWNLOAD:
-                    raise ValueError(f"the CORE bundle at {url} is over {MAX_DOWNLOAD >> 20} MiB")
+                    raise ValueError(f"the CORE bundle at {BUNDLE_URL} is over "
+                                     f"{MAX_DOWNLOAD >> 20} MiB")
                 f.write(block)
         if not zipfile.is_zipfile(tmp):
-            raise ValueError(f"{url} did not send a zip file")
+            raise ValueError(f"{BUNDLE_URL} did not send a zip file")
     try:
         write_atomic(dest, fetch)
     except (OSError, urllib.error.URLError) as e:
-        raise ValueError(f"cannot download the CORE bundle ({one_line(e)}): "
-                         + PLACE.format(zip=dest)) from None
-    record(dest, url)
+        raise ValueError(f"cannot download the CORE bundle ({one_line(e)}): download {BUNDLE_URL} "
+                         f"on a machine with network and place it at {dest}, or pass "
+                         f"--core-bundle PATH ({LAYOUT})") from None
+    record(dest, BUNDLE_URL)
 
 
 def record(zip_path: Path, url: str) -> None:
@@ -545,9 +544,10 @@ def evaluate_core(model, tokenizer, tasks: list[Task], device, dtype: str = "aut
         t0 = time.perf_counter()
         acc = evaluate_task(model, tokenizer, task, device, dtype)
         chance = 0.01 * task.baseline  # centered: chance is 0, perfect is 1
-        row = out[task.label] = dict(kind=task.kind, shots=task.shots, items=len(task.items), accuracy=acc,
-                   baseline=task.baseline, centered=(acc - chance) / (1.0 - chance),
-                   seconds=time.perf_counter() - t0)
+        row = out[task.label] = dict(kind=task.kind, shots=task.shots, items=len(task.items),
+                                     accuracy=acc, baseline=task.baseline,
+                                     centered=(acc - chance) / (1.0 - chance),
+                                     seconds=time.perf_counter() - t0)
         print0(f"CORE {task.label:<34} {task.kind:<17} {task.shots:>2}-shot {len(task.items):>6} "
                f"items: accuracy {acc:.4f}, centered {row['centered']:+.4f}, "
                f"{row['seconds']:.1f} s")

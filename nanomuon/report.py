@@ -63,10 +63,9 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
                             color=line.get_color(), capsize=4, linewidth=1.5)
             elif band:
                 ax.fill_between(xs, *band, color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
-        for axis in ("x", "y"):
-            if panel.get(f"log{axis}"):
-                getattr(ax, f"set_{axis}scale")("log")
+        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"],
+               xscale="log" if panel.get("logx") else "linear",
+               yscale="log" if panel.get("logy") else "linear")
         if "xticks" in panel:
             ax.set_xticks(*panel["xticks"])
         ax.grid(alpha=0.3)

@@ -42,13 +42,14 @@ class Tokenizer:
                              f"(byte {hex(missing[0])}{', ...' if len(missing) > 1 else ''}), "
                              "so some text cannot be encoded")
         self.mergeable_ranks, self.pattern = mergeable_ranks, pattern
+        self.tokens = sorted(mergeable_ranks, key=mergeable_ranks.get)  # token i's bytes at i
         self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
         self.enc = tiktoken.Encoding(name="nanomuon", pat_str=pattern,
                                      mergeable_ranks=mergeable_ranks,
                                      special_tokens=self.special_tokens)
         self.bos_id, self.vocab_size = self.special_tokens[BOS], n + len(self.special_tokens)
         digest = hashlib.sha256(pattern.encode())
-        for token in sorted(mergeable_ranks, key=mergeable_ranks.get):
+        for token in self.tokens:
             digest.update(len(token).to_bytes(2, "little") + token)
         digest.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         self.fingerprint = digest.hexdigest()[:16]
@@ -74,8 +75,7 @@ class Tokenizer:
         """Write both files atomically, so a reader never sees half a tokenizer."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        bpe = "".join(f"{base64.b64encode(t).decode()} {r}\n"
-                      for t, r in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]))
+        bpe = "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(self.tokens))
         meta = dict(pattern=self.pattern, special_tokens=self.special_tokens,
                     vocab_size=self.vocab_size, fingerprint=self.fingerprint)
         for name, text in zip(FILES, (bpe, json.dumps(meta, indent=1) + "\n")):
@@ -120,9 +120,7 @@ class Tokenizer:
     def token_bytes(self) -> torch.Tensor:
         """(vocab_size,) int64: each token's UTF-8 bytes, the denominator of bits per byte (which,
         unlike loss per token, compares across vocabularies); 0 for special tokens."""
-        lengths = [0] * self.vocab_size
-        for token, rank in self.mergeable_ranks.items():
-            lengths[rank] = len(token)
+        lengths = [len(token) for token in self.tokens] + [0] * len(self.special_tokens)
         return torch.tensor(lengths, dtype=torch.int64)
 
 

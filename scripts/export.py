@@ -66,9 +66,8 @@ def main(argv=None) -> Path:
     run_dir = get_base_dir() / "runs" / args.run
     with user_errors():
         step, _ = load_step(run_dir, args.step)
-    out = args.out or run_dir / f"export_step_{step:06d}.pt"
-    check_out(out, args.force)
-    with user_errors():
+        out = args.out or run_dir / f"export_step_{step:06d}.pt"
+        check_out(out, args.force)
         names = ("model",) if args.model_only else ("model", "optim")
         state, meta = load_checkpoint(run_dir, step, names)
 
