@@ -61,6 +61,7 @@ def key_in_a_process(path) -> str:
     return out.strip().splitlines()[-1]
 
 
+@pytest.mark.heavy
 def test_a_function_valued_variant_is_keyed_by_value_in_every_process(tmp_path, registries):
     """Two processes key the same function alike, and the key holds no address (its repr does);
     a function's closure and its source each change the key."""
@@ -95,7 +96,8 @@ def test_an_ideas_file_owns_only_the_variants_it_defines(tmp_path, registries, c
     assert stages.POST_PROCESSORS["contra"].fn.__name__ == "<lambda>"
 
 
-@pytest.mark.parametrize("path,says", [("missing.py", "no such file"), (".", "not a regular file")])
+@pytest.mark.parametrize("path,says", [("missing.py", "no such file"), pytest.param(
+    ".", "not a regular file", marks=pytest.mark.heavy)])
 def test_an_ideas_path_that_is_no_file_is_refused_in_one_line(tmp_path, path, says):
     for script in ("scripts.base_train", "scripts.ablate"):
         r = subprocess.run([sys.executable, "-m", script, "--ideas", str(tmp_path / path)],

@@ -179,7 +179,8 @@ def test_a_windowed_model_off_a_gpu_attends_in_chunks():
         "sdpa", "sdpa (flash kernels need a CUDA GPU, this is cpu)")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32,  # bf16 autocast: the heavy leg
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.heavy)])
 def test_a_nanochat_model_through_chunks_is_the_model_through_sdpa(dtype):
     """arch 'nanochat' (windows SSSL) through chunked_attend: SDPA's loss and gradients, in fp32
     and under bf16 autocast (value embeddings make v fp32 there, q and k bf16)."""

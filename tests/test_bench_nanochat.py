@@ -87,6 +87,7 @@ def test_the_commit_is_the_checkouts_own(tmp_path):
     assert commit_of(outer / "kit") == "92d63d4e8bb4df75c3b71618f31ddde2378b2bcd"
 
 
+@pytest.mark.heavy
 def test_parity_with_nanochats_own_code():
     """--parity against a real checkout: the forward loss, 20 steps, the d24 table and the sizes
     agree (its last line says so and it exits 0); every printed loss pair is within 1e-4."""
@@ -108,6 +109,7 @@ def test_parity_takes_no_shape_flags():
         main(["--parity", "--depth", "4"])
 
 
+@pytest.mark.heavy
 def test_a_symlink_loop_is_refused_in_one_line(tmp_path):
     """--nanochat through a symlink loop (the folder itself, or a path under it): one line naming
     the loop, no traceback."""

@@ -65,6 +65,7 @@ INTERRUPTED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_an_interrupt_inside_a_save_is_an_interrupt(base):
     """Ctrl-C during a save ends the run as Ctrl-C between steps does: rc 130 and the checkpoint to
     resume from, not 'cannot save step N' with rc 1; the half-written one is gone."""

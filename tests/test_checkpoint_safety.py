@@ -172,6 +172,7 @@ def run_main(*argv):
     return main([*GOOD, *argv])
 
 
+@pytest.mark.heavy
 def test_the_final_checkpoint_is_saved_before_the_final_eval(base, monkeypatch, capsys):
     """An eval that dies at the last step leaves the final checkpoint; resuming it runs only the eval, which
     is then recorded in the checkpoint and in the report. --keep-checkpoints prunes as it goes."""
@@ -276,6 +277,7 @@ def test_a_rewind_keeps_the_abandoned_steps_aside_and_prunes_only_its_own(base, 
     assert not (run_dir / "export_step_000006.pt").exists()
 
 
+@pytest.mark.heavy
 def test_a_resume_keeps_what_base_eval_wrote(base):
     """base_train resuming a finished run keeps base_eval's CORE keys in summary.json and its
     "> CORE:" headline in report.md."""

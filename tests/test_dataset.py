@@ -236,6 +236,7 @@ def test_download_survives_429_500_drops_cuts_and_truncated_transfers(hub, tmp_p
     assert len(gets(hub, b)) >= 3 and not hub.plan[a] and not hub.plan[b]
 
 
+@pytest.mark.heavy
 def test_download_rejects_a_corrupt_file_after_retries(hub, tmp_path):
     name = shard_name(MAX_SHARD)
     hub.files[HF_REPO][name] = b"<html>rate limited</html>" * 100

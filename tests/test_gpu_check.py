@@ -324,6 +324,7 @@ def test_a_failed_step_says_why_the_rest_run_and_the_estimate_heads_the_summary(
     assert p.stdout.splitlines()[-1] == "time to GPT-2 on 8xH100 = 1.73 h (the ratio of this run)"
 
 
+@pytest.mark.heavy
 def test_the_dry_run_parses_each_steps_command_with_the_modules_own_parser(tmp_path):
     """--dry-run fails in one line a step whose command names a module that does not exist or a
     flag its module does not take: by the script's own parse_args (bench_nanochat), else by the

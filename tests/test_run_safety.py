@@ -305,6 +305,7 @@ def test_a_dataset_path_with_a_newline_and_escapes_is_escaped_everywhere(base, t
     assert "base_eval's results" not in again.stdout and "\x1b" not in again.stdout, again.stdout
 
 
+@pytest.mark.heavy
 def test_a_file_size_limit_at_the_first_save_advises_starting_again(base):
     """EFBIG (ulimit -f) at the first save: one line that says so, and that there is nothing to
     resume from, not --resume-from-step latest."""

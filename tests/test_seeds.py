@@ -136,7 +136,7 @@ def attention_calls(graphs: list) -> list[tuple[str, int]]:
             if n.op == "call_function" and "attention" in str(n.target)]
 
 
-@pytest.mark.parametrize("arch", ["classic", "nanochat"])
+@pytest.mark.parametrize("arch", ["classic", pytest.param("nanochat", marks=pytest.mark.heavy)])
 def test_compiled_seeds_call_the_single_runs_kernel_once_on_every_seeds_rows(arch):
     """The compiled graph of 3 batched seeds holds, per layer, one call of seed_attention on the
     3 x 2 rows, forward and backward, and no attention traced through vmap's rules. Its kernel is
