@@ -29,7 +29,7 @@ from nanomuon.muon import (
     over_slices,
     scalars,
 )
-from nanomuon.owners import owner_buckets, update_cost
+from nanomuon.owners import bucket_by, owner_buckets, update_cost
 from nanomuon.param_groups import has_dtensors
 from nanomuon.stages import (
     CHAIN_KEYS,
@@ -246,15 +246,13 @@ def muon_step_sharded(group: dict, state: dict, owners: dict, muon_plans: dict,
                                      for i, g in out.items()}
 
     def direction_stage(full: dict) -> dict:
-        by_shape = {}
-        for i in full:
-            by_shape.setdefault(tuple(params[i].shape), []).append(i)
-        out = {}
-        for shape, idx in by_shape.items():
+        ids, out = list(full), {}
+        for bucket in bucket_by([tuple(params[i].shape) for i in ids]):  # stacked by shape
+            idx = [ids[k] for k in bucket]
             stacked, raw = torch.stack([full[i] for i in idx]), None
             if per > 1:
                 stacked, raw = stacked[:, 0], stacked[:, 1]
-            ours = plan_of(muon_plans, group, shape, params[idx[0]])
+            ours = plan_of(muon_plans, group, params[idx[0]].shape, params[idx[0]])
             h = scalars(muon_hparams(group, ours), compiled)
             slots = direction_slots(ours)
             for i in idx:  # on the owner, whole; made once, not every step
