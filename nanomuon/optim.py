@@ -377,11 +377,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf[row].zero_()
             for i, row in b["rows"]:
                 p = b["params"][i]
-                if p.grad is None:  # no grad on this rank counts as zeros (as in DDP)
-                    buf[row].zero_()
-                else:
-                    buf[row].copy_(p.grad)
-                    p.grad = None
+                buf[row].copy_(grad_or_zeros(p))  # no grad on this rank counts as zeros (as in DDP)
+                p.grad = None
             muon[bi] = (self._reduce(buf), buf)
         return dict(small=small, sharded=sharded, muon=muon)
 

@@ -29,7 +29,7 @@ from nanomuon.muon import (
     over_slices,
     scalars,
 )
-from nanomuon.owners import owner_buckets, update_cost
+from nanomuon.owners import bucket_by, owner_buckets, update_cost
 from nanomuon.param_groups import has_dtensors
 from nanomuon.stages import (
     CHAIN_KEYS,
@@ -195,12 +195,12 @@ def plan_of(plans: dict, group: dict, shape, p: DTensor) -> MuonPlan:
     return plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
 
 
-def _momentum_local(group: dict, state: dict, p: DTensor, plan: MuonPlan,
-                    compiled: bool) -> Tensor:
+def _momentum_local(group: dict, state: dict, p: DTensor, plans: dict, compiled: bool) -> Tensor:
     """Stage 1 on p's local shard; the momentum buffer is a DTensor sharded like p."""
     st = state[p]
     if "momentum_buffer" not in st:
         st["momentum_buffer"] = torch.zeros_like(p)
+    plan = plan_of(plans, group, p.shape, p)
     h = scalars(muon_hparams(group, plan), compiled)
     return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(
         st["momentum_buffer"], p), p.to_local(), h, plan)
@@ -241,22 +241,18 @@ def muon_step_sharded(group: dict, state: dict, owners: dict, muon_plans: dict,
     per = 2 if "grad" in first.needs else 1  # the raw gradient travels too
 
     def momentum_stage(wave):
-        out = {i: _momentum_local(group, state, params[i],
-                                  plan_of(muon_plans, group, params[i].shape, params[i]), compiled)
-               for i in wave}
+        out = {i: _momentum_local(group, state, params[i], muon_plans, compiled) for i in wave}
         return out if per == 1 else {i: torch.stack([g, local(params[i].grad, params[i])])
                                      for i, g in out.items()}
 
     def direction_stage(full: dict) -> dict:
-        by_shape = {}
-        for i in full:
-            by_shape.setdefault(tuple(params[i].shape), []).append(i)
-        out = {}
-        for shape, idx in by_shape.items():
+        ids, out = list(full), {}
+        for bucket in bucket_by([tuple(params[i].shape) for i in ids]):  # stacked by shape
+            idx = [ids[k] for k in bucket]
             stacked, raw = torch.stack([full[i] for i in idx]), None
             if per > 1:
                 stacked, raw = stacked[:, 0], stacked[:, 1]
-            ours = plan_of(muon_plans, group, shape, params[idx[0]])
+            ours = plan_of(muon_plans, group, params[idx[0]].shape, params[idx[0]])
             h = scalars(muon_hparams(group, ours), compiled)
             slots = direction_slots(ours)
             for i in idx:  # on the owner, whole; made once, not every step
@@ -309,9 +305,8 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
     for p in group["params"]:
         if not isinstance(p, DTensor) or p.grad is None:
             continue
-        whole = plan_of(plans, group, p.shape, p)
-        g = _momentum_local(group, state, p, whole, compiled)
-        raw = local(p.grad, p) if "grad" in whole.needs else None
+        g = _momentum_local(group, state, p, plans, compiled)
+        raw = local(p.grad, p) if "grad" in plan_of(plans, group, p.shape, p).needs else None
         slices, matrix_shape = contextlib.nullcontext(), p.shape
         if mode == "duplicated":
             g, raw = (None if t is None else DTensor.from_local(
