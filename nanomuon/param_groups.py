@@ -398,7 +398,6 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
     group its params are in, else from fresh[kind] (GPT.setup_optimizer's Muon group, or its AdamW
     for matrices); an nn.Embedding weight turned Muon is transposed=True (its logical matrix is
     (dim, vocab)). Its lr and decay are that group's times its factors."""
-    groups = table + matrices
     known = [*(g["name"] for g in table), *MATRIX_ROLES]
     if not isinstance(roles, dict) or set(roles) - set(known):  # a list would drop the settings
         raise ValueError(f"roles={shown(repr(roles), 80, quote=False)}: give a dict of role -> "
@@ -409,7 +408,7 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
                            for path in MATRIX_ROLES[role]} for role in MATRIX_ROLES})
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     out = []
-    for g in groups:
+    for g in table + matrices:
         parts = [(r, [p for p in g["params"] if id(p) in members[r]]) for r in roles]
         taken = {id(p) for _, params in parts for p in params}
         out += [dict(g, params=[p for p in g["params"] if id(p) not in taken])]
