@@ -240,7 +240,6 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
         raise ValueError(f"optimizer checkpoint has {len(saved_groups)} param groups "
                          f"but this optimizer has {len(param_groups)}; "
                          "it was saved from a different model or optimizer setup")
-    params = []
     for i, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(group["params"]) or saved.get("kind") != group["kind"]:
             raise ValueError(f"optimizer checkpoint group {i} has {len(saved['params'])} "
@@ -253,8 +252,7 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
-        params += [(i, j, p, group) for j, p in enumerate(group["params"])]
-    where = dict(zip([pid for g in saved_groups for pid in g["params"]], params))
+    where = _saved_places(param_groups, state_dict)
     for pid, st in state_dict["state"].items():
         if pid not in where:
             raise ValueError(f"optimizer checkpoint has state for param id {pid}, "
@@ -324,11 +322,9 @@ class DamagedState(ValueError):
 def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | None:
     """The first state value that would poison the next step (NaN or inf, a negative second
     moment, a step count that is not one), as a line; None if there is none."""
-    by_id = saved_params(param_groups, state_dict)
-    where = {p: (i, j, g) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    where = _saved_places(param_groups, state_dict)
     for pid, st in state_dict["state"].items():
-        p = by_id[pid]
-        i, j, group = where[p]
+        i, j, p, group = where[pid]
         slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
                  if group["kind"] == "muon" else {})
         for name, v in st.items():
@@ -343,10 +339,16 @@ def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | No
     return None
 
 
+def _saved_places(param_groups: list[dict], state_dict: dict) -> dict:
+    """Saved param id -> (group index, index in it, param, group) of this optimizer's param,
+    matched by position across the groups."""
+    places = [(i, j, p, g) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
+    return dict(zip([pid for g in state_dict["param_groups"] for pid in g["params"]], places))
+
+
 def saved_params(param_groups: list[dict], state_dict: dict) -> dict:
     """Saved param id -> this optimizer's param, matched by position across the groups."""
-    saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-    return dict(zip(saved_ids, (p for g in param_groups for p in g["params"])))
+    return {pid: p for pid, (_, _, p, _) in _saved_places(param_groups, state_dict).items()}
 
 
 # The GPT's groups by role: GPT.setup_optimizer builds its groups with these.
@@ -396,7 +398,6 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
     group its params are in, else from fresh[kind] (GPT.setup_optimizer's Muon group, or its AdamW
     for matrices); an nn.Embedding weight turned Muon is transposed=True (its logical matrix is
     (dim, vocab)). Its lr and decay are that group's times its factors."""
-    groups = table + matrices
     known = [*(g["name"] for g in table), *MATRIX_ROLES]
     if not isinstance(roles, dict) or set(roles) - set(known):  # a list would drop the settings
         raise ValueError(f"roles={shown(repr(roles), 80, quote=False)}: give a dict of role -> "
@@ -407,7 +408,7 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
                            for path in MATRIX_ROLES[role]} for role in MATRIX_ROLES})
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     out = []
-    for g in groups:
+    for g in table + matrices:
         parts = [(r, [p for p in g["params"] if id(p) in members[r]]) for r in roles]
         taken = {id(p) for _, params in parts for p in params}
         out += [dict(g, params=[p for p in g["params"] if id(p) not in taken])]

@@ -125,9 +125,7 @@ def equilibrate(g: Tensor, ctx: StageContext, mode: str) -> Tensor:
     1e-8)^-1/2 and c likewise, both from the same G. A new tensor: g may be the momentum buffer."""
     scales = [sq_sum(g, (-1,) if part == "row" else (-2,)).add_(1e-8).rsqrt_().to(g.dtype)
               for part in mode.split("_")]
-    for scale in scales:
-        g = g * scale
-    return g
+    return math.prod(scales, start=g)
 
 
 def equilibrate_to_mean(g: Tensor, ctx: StageContext) -> Tensor:
