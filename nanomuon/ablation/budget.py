@@ -279,7 +279,8 @@ class RunWatch:
     def ended(self) -> None:
         with self.tracker.lock:
             self.wall = time.monotonic() - self.began
-        self.tracker.ended(self)
+        if (cal := self.tracker.measured()) is not None:
+            self.tracker.finished(self, cal)
 
 
 class Tracker:
@@ -360,10 +361,6 @@ class Tracker:
             for p in self.procs:
                 p.terminate()
         self.refused(cal)
-
-    def ended(self, run: RunWatch) -> None:
-        if (cal := self.measured()) is not None:
-            self.finished(run, cal)
 
     def paced(self, cal: Calibration) -> None:
         """The runs' first pace (a subclass says it)."""
