@@ -217,7 +217,7 @@ def optimizer_step(model, variant: str, x, cast) -> float:
     seconds = 0.0
     for _ in range(2):
         t0 = time.perf_counter()
-        if getattr(opt, "wants_inputs", lambda: False)():
+        if opt.wants_inputs():
             with torch.no_grad(), cast:
                 stats = model(x, input_stats=True)[1]
             opt.give_inputs({p: stats[name] for p, name in named.items() if name in stats})
