@@ -175,19 +175,14 @@ class Refiner(Tracker):
         if self.design.total_s:
             write_json(self.keys.design, self.design._asdict())
 
-    def ends(self, cal: Calibration) -> tuple[float, bool]:
-        """(seconds after ablate began that the design ends at cal, whether it fits the budget)."""
-        p = self.design
-        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
-        return self.seconds + total, total <= (self.budget_s - self.seconds) * budget.HEADROOM
-
     def overrun(self, cal: Calibration, by: str = "") -> None:
         """Say the default's design that cannot fit at cal, or a --budget the prior finds short."""
-        end, fits = self.ends(cal)
         p = self.design
+        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]  # its runs at cal
         smallest = (budget.MIN_STEPS, self.args.seeds or budget.FIRST_SEEDS)
         which = "the smallest one" if (p.steps, p.seeds) == smallest else "its plan"
-        if self.args.budget_default and not fits:
+        if self.args.budget_default and total > (self.budget_s - self.seconds) * budget.HEADROOM:
+            end = self.seconds + total  # seconds after ablate began
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
                  f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
                  f"min{by}{self.detects(p)}; --budget or --num-iterations chooses another")
