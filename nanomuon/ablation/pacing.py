@@ -148,15 +148,12 @@ class Refiner(Tracker):
 
     def words(self, d: Design) -> str:
         runs_per_seed, jobs = self.layout[:2]
-        if d.total_s:
-            timed = (f"each run ~{d.run_s:.0f} s, ~{(self.seconds + d.total_s) / 60:.1f} "
-                     "min in all")
-        elif self.guess is not None:
+        run_s, total, by = d.run_s, d.total_s, ""
+        if not total and self.guess is not None:  # not timed yet: the prior's time
             run_s, total = modeled(self.guess, d.steps, d.seeds, *self.layout, d.groups)
-            timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all by "
-                     "the prior, until the runs' first steps time it")
-        else:
-            timed = "its time follows the runs' first steps"
+            by = " by the prior, until the runs' first steps time it"
+        timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all{by}"
+                 if total else "its time follows the runs' first steps")
         return (f"depth {self.train.depth}, {d.steps} steps of "
                 f"{self.train.total_batch_size:,} tokens, {d.seeds} seeds, {runs_per_seed} "
                 f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(d)}")
