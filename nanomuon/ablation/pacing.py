@@ -9,6 +9,7 @@ import functools
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -192,16 +193,14 @@ class Refiner(Tracker):
         running runs have left and the runs not started yet take. Not the whole plan redone at
         cal: the time already spent is spent, so the estimate closes in on the end."""
         p, (runs_per_seed, jobs, lengths, batched) = self.design, self.layout
-        queued = budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups)
+        planned = Counter(budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups))
         now = time.monotonic()
         with self.lock:
             started = [(r.seeds, r.at[0], r.steps or p.steps, now - r.began, r.wall)
                        for r in self.runs]
-        for k, *_ in started:
-            if k in queued:
-                queued.remove(k)
+        queued = planned - Counter(run[0] for run in started)  # the sizes of the runs not started
         running = [run[:4] for run in started if run[4] is None]
-        left = budget.left_s(cal, p.steps, queued, running, jobs)
+        left = budget.left_s(cal, p.steps, list(queued.elements()), running, jobs)
         return now - self.args.started + budget.WRITE_UP_S + left
 
     def end_words(self, cal: Calibration) -> str:
