@@ -40,9 +40,12 @@ MUON_MOMENTUM = 0.95
 
 
 def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float:
-    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat)."""
+    """The power law through (RULE_BATCH, at_rule) and (NANOCHAT_BATCH, at_nanochat): at_rule
+    below RULE_BATCH, the law up to NANOCHAT_BATCH, then times sqrt(B / NANOCHAT_BATCH)."""
+    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
     exponent = math.log(at_nanochat / at_rule) / math.log(NANOCHAT_BATCH / RULE_BATCH)
-    return at_rule * (total_batch_size / RULE_BATCH) ** exponent
+    return (at_rule * (between / RULE_BATCH) ** exponent
+            * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
 
 
 def rule_lrs(total_batch_size: int) -> dict[str, float]:
@@ -50,13 +53,12 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
     step: the CPU's below RULE_BATCH, the power law up to NANOCHAT_BATCH, sqrt scaling above."""
     if total_batch_size < 1:
         raise ValueError(f"the lr rule needs 1 or more tokens per step, got {total_batch_size}")
-    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
     below = min(total_batch_size / RULE_BATCH, 1.0)
-    above = max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5
     lrs = {}
     for key, lr in RULE_LRS.items():
         gpu = NANOCHAT_LRS.get(key, lr * (NANOCHAT_BATCH / RULE_BATCH) ** CPU_EXPONENTS[key])
-        lrs[key] = _between(lr, gpu, between) * below ** CPU_EXPONENTS[key] * above
+        # _between holds the CPU's lr below RULE_BATCH: the CPU's slope takes it down from there
+        lrs[key] = _between(lr, gpu, total_batch_size) * below ** CPU_EXPONENTS[key]
     return lrs
 
 
@@ -80,9 +82,7 @@ def peak_lrs(total_batch_size: int, multiplier: float = 1.0, **given: float | No
 def rule_weight_decay(total_batch_size: int) -> float:
     """Muon's weight decay before training_recipe's horizon scaling, by the lrs' rule: WEIGHT_DECAY
     up to RULE_BATCH, the power law to nanochat's, then sqrt(B / NANOCHAT_BATCH)."""
-    between = min(max(total_batch_size, RULE_BATCH), NANOCHAT_BATCH)
-    return (_between(WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, between)
-            * max(1.0, total_batch_size / NANOCHAT_BATCH) ** 0.5)
+    return _between(WEIGHT_DECAY, NANOCHAT_WEIGHT_DECAY, total_batch_size)
 
 
 # The CPU rule was tuned at RULE_STEPS steps; in shorter runs Muon's matrices do best at a higher

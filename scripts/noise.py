@@ -91,7 +91,7 @@ def table(found: dict, val: tuple, base_bpb: float, seeds: int) -> list[str]:
     rows = dict(found, **{f"which val documents ({val[1]} slices)": val[0],
                           "the eval's own sampling (one slice scored twice)": val[2] ** 2})
     for name, var in rows.items():
-        sd = math.sqrt(var) if var == var else math.nan
+        sd = math.sqrt(var)  # nan where a source could not be measured
         lines.append(f"| {name} | {sd:.4f} | {sd / base_bpb:.2%} | {var / var_total:.0%} |")
     d = detectable_factor(seeds) * math.sqrt(var_total)
     lines += ["", f"At {seeds} seeds a paired design detects (80% power) {d:.4f} bpb "

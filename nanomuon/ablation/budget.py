@@ -217,7 +217,7 @@ def optimizer_step(model, variant: str, x, cast) -> float:
     seconds = 0.0
     for _ in range(2):
         t0 = time.perf_counter()
-        if getattr(opt, "wants_inputs", lambda: False)():
+        if opt.wants_inputs():
             with torch.no_grad(), cast:
                 stats = model(x, input_stats=True)[1]
             opt.give_inputs({p: stats[name] for p, name in named.items() if name in stats})
@@ -279,7 +279,8 @@ class RunWatch:
     def ended(self) -> None:
         with self.tracker.lock:
             self.wall = time.monotonic() - self.began
-        self.tracker.ended(self)
+        if (cal := self.tracker.measured()) is not None:
+            self.tracker.finished(self, cal)
 
 
 class Tracker:
@@ -360,10 +361,6 @@ class Tracker:
             for p in self.procs:
                 p.terminate()
         self.refused(cal)
-
-    def ended(self, run: RunWatch) -> None:
-        if (cal := self.measured()) is not None:
-            self.finished(run, cal)
 
     def paced(self, cal: Calibration) -> None:
         """The runs' first pace (a subclass says it)."""

@@ -9,6 +9,7 @@ import functools
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -148,15 +149,12 @@ class Refiner(Tracker):
 
     def words(self, d: Design) -> str:
         runs_per_seed, jobs = self.layout[:2]
-        if d.total_s:
-            timed = (f"each run ~{d.run_s:.0f} s, ~{(self.seconds + d.total_s) / 60:.1f} "
-                     "min in all")
-        elif self.guess is not None:
+        run_s, total, by = d.run_s, d.total_s, ""
+        if not total and self.guess is not None:  # not timed yet: the prior's time
             run_s, total = modeled(self.guess, d.steps, d.seeds, *self.layout, d.groups)
-            timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all by "
-                     "the prior, until the runs' first steps time it")
-        else:
-            timed = "its time follows the runs' first steps"
+            by = " by the prior, until the runs' first steps time it"
+        timed = (f"each run ~{run_s:.0f} s, ~{(self.seconds + total) / 60:.1f} min in all{by}"
+                 if total else "its time follows the runs' first steps")
         return (f"depth {self.train.depth}, {d.steps} steps of "
                 f"{self.train.total_batch_size:,} tokens, {d.seeds} seeds, {runs_per_seed} "
                 f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(d)}")
@@ -175,19 +173,14 @@ class Refiner(Tracker):
         if self.design.total_s:
             write_json(self.keys.design, self.design._asdict())
 
-    def ends(self, cal: Calibration) -> tuple[float, bool]:
-        """(seconds after ablate began that the design ends at cal, whether it fits the budget)."""
-        p = self.design
-        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]
-        return self.seconds + total, total <= (self.budget_s - self.seconds) * budget.HEADROOM
-
     def overrun(self, cal: Calibration, by: str = "") -> None:
         """Say the default's design that cannot fit at cal, or a --budget the prior finds short."""
-        end, fits = self.ends(cal)
         p = self.design
+        total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]  # its runs at cal
         smallest = (budget.MIN_STEPS, self.args.seeds or budget.FIRST_SEEDS)
         which = "the smallest one" if (p.steps, p.seeds) == smallest else "its plan"
-        if self.args.budget_default and not fits:
+        if self.args.budget_default and total > (self.budget_s - self.seconds) * budget.HEADROOM:
+            end = self.seconds + total  # seconds after ablate began
             tell(f"== the default plan does not fit {self.budget_s / 60:.0f} minutes on this "
                  f"machine: {which} ({p.seeds} seeds of {p.steps} steps) takes ~{end / 60:.0f} "
                  f"min{by}{self.detects(p)}; --budget or --num-iterations chooses another")
@@ -200,16 +193,14 @@ class Refiner(Tracker):
         running runs have left and the runs not started yet take. Not the whole plan redone at
         cal: the time already spent is spent, so the estimate closes in on the end."""
         p, (runs_per_seed, jobs, lengths, batched) = self.design, self.layout
-        queued = budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups)
+        planned = Counter(budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups))
         now = time.monotonic()
         with self.lock:
             started = [(r.seeds, r.at[0], r.steps or p.steps, now - r.began, r.wall)
                        for r in self.runs]
-        for k, *_ in started:
-            if k in queued:
-                queued.remove(k)
+        queued = planned - Counter(run[0] for run in started)  # the sizes of the runs not started
         running = [run[:4] for run in started if run[4] is None]
-        left = budget.left_s(cal, p.steps, queued, running, jobs)
+        left = budget.left_s(cal, p.steps, list(queued.elements()), running, jobs)
         return now - self.args.started + budget.WRITE_UP_S + left
 
     def end_words(self, cal: Calibration) -> str:

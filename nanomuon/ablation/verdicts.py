@@ -203,9 +203,7 @@ def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict
     lengths = sorted(finals)
     slope = stats.bpb_per_log_step(finals)[0]
     own = own_steps(results, baseline, best[baseline], seeds)
-    series = {f"{baseline} at each length": (
-        lengths, [statistics.fmean(finals[n]) for n in lengths], [min(finals[n]) for n in lengths],
-        [max(finals[n]) for n in lengths])}
+    series = {f"{baseline} at each length": (lengths, *spread([finals[n] for n in lengths]))}
     colors, dashed = {f"{baseline} at each length": f"C{variants.index(baseline)}"}, []
     for v in (v for v in variants if v != baseline):
         diff = statistics.fmean(final_bpb(results[v, best[v], s]) -
@@ -227,15 +225,13 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
     for v in variants:
         runs = [results[v, best[v], s] for s in seeds]
         n = min(len(r["val_history"]) for r in runs)
-        bpb = [[r["val_history"][i][1] for r in runs] for i in range(n)]
-        band = ([statistics.fmean(b) for b in bpb], [min(b) for b in bpb], [max(b) for b in bpb])
+        band = spread([[r["val_history"][i][1] for r in runs] for i in range(n)])
         by_step[v] = ([runs[0]["val_history"][i][0] for i in range(n)], *band)
         by_time[v] = ([statistics.fmean(r["val_train_time"][i] for r in runs) for i in range(n)],
                       *band)
         if sweep.of(v) == sweep.values:
             finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
-            by_value[v] = (value_axis(sweep.values)[0], [statistics.fmean(f) for f in finals],
-                           [min(f) for f in finals], [max(f) for f in finals])
+            by_value[v] = (value_axis(sweep.values)[0], *spread(finals))
     panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
     finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
     if len(finals) > 1:
@@ -249,6 +245,12 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
                            ylabel="bits per byte", series=by_value,
                            **value_axis(sweep.values)[1]))
     return plot_curves(out / "val_bpb.png", panels, title=title)
+
+
+def spread(groups: list[list[float]]) -> tuple[list, list, list]:
+    """Each group's mean, min and max: a curve and its band."""
+    return ([statistics.fmean(g) for g in groups], [min(g) for g in groups],
+            [max(g) for g in groups])
 
 
 def value_axis(values: list[str]) -> tuple[list[float], dict]:
