@@ -95,8 +95,7 @@ class Resolved(NamedTuple):
 
 
 # What schedules edit, checked at every step; a change of any other key resolves the group again.
-NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
-           "initial_weight_decay", "initial_momentum")
+NUMBERS = stages.keys_with("scheduled")  # the rows that say so (stages.GROUP_KEYS, OPTIONS)
 
 
 def group_signature(group: dict) -> str:
@@ -140,8 +139,7 @@ class MuonAdamW(torch.optim.Optimizer):
     SMALL = 1024  # data parallel: params with fewer elements are all_reduced, updated everywhere
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
-    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups",
-                       "transposed")
+    STRUCTURAL_KEYS = stages.keys_with("structural")
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
