@@ -40,7 +40,7 @@ def _matches(parts: list[str], key: str) -> bool:
     return any(parts[i:i + n] == key_parts for i in range(len(parts) - n + 1))
 
 
-def _names(parts: list[str], key: str) -> bool:
+def _named_by(parts: list[str], key: str) -> bool:
     """key names the param itself or the module that owns it (its last components)."""
     key_parts = key.split(".")
     return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
@@ -57,7 +57,7 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
     parts = normalize_fqn(name).split(".")
     if embedding:
         return False, "an nn.Embedding weight"
-    if hit := next((k for k in skip_keys if _names(parts, k)), None):
+    if hit := next((k for k in skip_keys if _named_by(parts, k)), None):
         return False, f"matches skip key {hit!r} (embedding or output head)"
     if expert := next((k for k in expert_keys if _matches(parts, k)), None):
         if p.ndim >= 3:
