@@ -4,12 +4,14 @@ Everything a forker edits to try an idea on the Muon update, and what turns a gr
 muon.py runs the update; this file says what it may run. In reading order: the stage contract
 (Stage, StateSpec, Flags, Option); the alternative stages, each with its paper; the four
 registries a muon group names its stages from (precondition, orthogonalizer, post_process,
-apply); the coefficient sets; MUON_OPTIONS, every optional key of a muon group declared once
-(default, check, meaning, and the stage that reads it), and GROUP_KEYS, each kind's other keys,
-whose rows say what the optimizer's lists of keys hold; and the resolver, muon_plan, which
-resolves a checked group once per matrix shape into a muon.MuonPlan, with the state it keeps and
-the cost model that decides Gram Newton-Schulz and which rank owns a matrix. To add a stage:
-write f(x, ctx), register it, declare its options in MUON_OPTIONS (docs/optimizer.md, "Stages").
+apply); the values a few options take (NS_DTYPES, NS_METHODS, LR_SCALES, SHARDED_MODES);
+MUON_OPTIONS, every optional key of a muon group declared once (default, check, meaning, and the
+stage that reads it), and GROUP_KEYS, each kind's other keys, whose rows say what the optimizer's
+lists of keys hold; and the resolver, muon_plan, which resolves a checked group once per matrix
+shape into a muon.MuonPlan with the state it keeps. Elsewhere: the coefficient sets
+(coefficients.py) and the cost model that decides Gram Newton-Schulz and which rank owns a
+matrix (owners.py), which a plan and a Stage's cost feed. To add a stage: write f(x, ctx),
+register it, declare its options in MUON_OPTIONS (docs/optimizer.md, "Stages").
 """
 
 import functools
@@ -428,7 +430,8 @@ CHAIN_KEYS = ("precondition", "post_process")
 
 
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto': where gram_pays
+# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto': where
+# owners.gram_pays finds it cheaper
 NS_METHODS = ("standard", "gram", "auto")
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
 LR_SCALES = {
