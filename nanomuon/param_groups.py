@@ -102,16 +102,17 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 # Param group checks. Every message names the group, the parameter and the fix.
 
-# Read from the rows of stages.GROUP_KEYS and the options: what each kind's groups must give,
-# and the keys other code adds (LR schedulers' initial_lr, base_train's initial_weight_decay and
-# initial_momentum, 'name', a muon group's update count 'step'), which a group of either kind takes.
+# Read from the rows (stages.GROUP_KEYS, stages.OPTIONS): what each kind's groups must give, and
+# the bookkeeping other code adds (LR schedulers' initial_lr, base_train's initial_weight_decay
+# and initial_momentum, 'name', a muon group's update count 'step'), which either kind may carry.
 REQUIRED_KEYS = {kind: stages.keys_with("required", (kind,)) for kind in ("adamw", "muon")}
 PASSIVE_KEYS = set(stages.keys_with("passive"))
 
 
 def fill_defaults(group: dict) -> None:
-    """Give a group every optional key it lacks, at its default (state_dict() then records what
-    ran); the LEGACY_KEYS of older checkpoints become stage names."""
+    """Give a group every key it lacks that has a default in its row, its options and a muon
+    group's step (state_dict() then records what ran); the LEGACY_KEYS of older checkpoints
+    become stage names."""
     if group.get("kind") == "muon" and any(k in group for k in LEGACY_KEYS):
         eq, post = group.pop("equilibrate", None), group.pop("post_normalize", None)
         group.setdefault("precondition", (f"equilibrate_{eq}",) if eq else ())

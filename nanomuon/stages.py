@@ -566,49 +566,46 @@ OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
 # A kind's own keys, the rest of what its groups take: the numbers a group must give (checked at
 # every step by optim.check_numbers, as schedules edit most), the update count, older
 # checkpoints' names, and the bookkeeping any group may carry. docs/optimizer.md: keys_table().
+def _own(doc: str, default=NO_DEFAULT, **facts) -> Option:
+    """A row of GROUP_KEYS: no check of its own (optim.check_numbers, or its group's checks)."""
+    return Option(default, None, doc, **facts)
+
+
 BOOKKEEPING = {
-    "params": Option(NO_DEFAULT, None, "the tensors the group trains", passive=True),
-    "kind": Option(NO_DEFAULT, None, "`'muon'` or `'adamw'`: the update its params take",
-                   passive=True),
-    "name": Option(NO_DEFAULT, None, "a label, for messages and the run's header", passive=True),
-    "initial_lr": Option(NO_DEFAULT, None, "an LR scheduler's start, which it sets",
-                         passive=True, scheduled=True),
-    "initial_weight_decay": Option(NO_DEFAULT, None, "base_train's weight decay schedule's start",
-                                   passive=True, scheduled=True),
-    "initial_momentum": Option(NO_DEFAULT, None, "base_train's momentum schedule's start",
-                               passive=True, scheduled=True),
+    "params": _own("the tensors the group trains", passive=True),
+    "kind": _own("`'muon'` or `'adamw'`: the update its params take", passive=True),
+    "name": _own("a label, for messages and the run's header", passive=True),
+    "initial_lr": _own("an LR scheduler's start, which it sets", passive=True, scheduled=True),
+    "initial_weight_decay": _own("base_train's weight decay schedule's start", passive=True,
+                                 scheduled=True),
+    "initial_momentum": _own("base_train's momentum schedule's start", passive=True,
+                             scheduled=True),
 }
 GROUP_KEYS = {
     "muon": {
-        "lr": Option(NO_DEFAULT, None, "the step size, before `lr_scale`'s factor",
-                     required=True, scheduled=True),
-        "momentum": Option(NO_DEFAULT, None, "the momentum's EMA weight, in [0, 1)",
-                           required=True, scheduled=True),
-        "ns_steps": Option(NO_DEFAULT, None, "Newton-Schulz iterations (5 is standard), checked "
-                           "with `ns_coefficients`", required=True),
-        "beta2": Option(NO_DEFAULT, None, "variance reduction's EMA weight, in [0, 1); `None` "
-                        "turns it off", required=True, scheduled=True),
-        "weight_decay": Option(NO_DEFAULT, None, "the decay per unit of the lr `decay_lr` names",
-                               required=True, scheduled=True),
-        "step": Option(0, None, "the group's updates so far, which the optimizer counts",
-                       passive=True, scheduled=True),
-        "equilibrate": Option(NO_DEFAULT, None, "older checkpoints' key: `'row'` is "
-                              "`precondition=('equilibrate_row',)`", legacy=True),
-        "post_normalize": Option(NO_DEFAULT, None, "older checkpoints' key: `'col'` is "
-                                 "`post_process=('normalize_col', 'variance_reduction')`",
-                                 legacy=True),
-        "cautious_wd": Option(True, None, "older checkpoints' key: `False` is "
-                              "`apply='decoupled'`", legacy=True),
+        "lr": _own("the step size, before `lr_scale`'s factor", required=True, scheduled=True),
+        "momentum": _own("the momentum's EMA weight, in [0, 1)", required=True, scheduled=True),
+        "ns_steps": _own("Newton-Schulz iterations (5 is standard)", required=True),
+        "beta2": _own("variance reduction's EMA weight, in [0, 1); `None` turns it off",
+                      required=True, scheduled=True),
+        "weight_decay": _own("the decay per unit of the lr `decay_lr` names", required=True,
+                             scheduled=True),
+        "step": _own("the group's updates so far, which the optimizer counts", 0, passive=True,
+                     scheduled=True),
+        "equilibrate": _own("older checkpoints': `'row'` is `precondition=('equilibrate_row',)`",
+                            legacy=True),
+        "post_normalize": _own("older checkpoints': `'col'` is `post_process=('normalize_col', "
+                               "'variance_reduction')`", legacy=True),
+        "cautious_wd": _own("older checkpoints': `False` is `apply='decoupled'`", True,
+                            legacy=True),
         **BOOKKEEPING,
     },
     "adamw": {
-        "lr": Option(NO_DEFAULT, None, "the step size", required=True, scheduled=True),
-        "betas": Option(NO_DEFAULT, None, "`(beta1, beta2)`, the moments' EMA weights, each in "
-                        "[0, 1)", required=True, scheduled=True),
-        "eps": Option(NO_DEFAULT, None, "added to the second moment's root", required=True,
+        "lr": _own("the step size", required=True, scheduled=True),
+        "betas": _own("`(beta1, beta2)`: the moments' EMA weights, each in [0, 1)", required=True,
                       scheduled=True),
-        "weight_decay": Option(NO_DEFAULT, None, "decoupled decay, times the lr", required=True,
-                               scheduled=True),
+        "eps": _own("added to the second moment's root", required=True, scheduled=True),
+        "weight_decay": _own("decoupled decay, times the lr", required=True, scheduled=True),
         **BOOKKEEPING,
     },
 }
