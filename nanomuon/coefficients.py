@@ -1,8 +1,9 @@
 """
 Newton-Schulz's coefficient sets: the per-iteration (a, b, c) of the odd polynomial that pushes
 every singular value towards 1, by name, and how a group's ns_coefficients resolves to the
-triples muon.newton_schulz iterates (ns_coefficients). ns_growth refuses a set that would
-overflow: a typo in a hand-written triple must not reach the update. Plain Python, no torch.
+triples muon.newton_schulz iterates (ns_coefficients). ns_growth measures how far a set takes a
+singular value, and param_groups.check_group_values refuses one past NS_GROWTH_MAX: a typo in a
+hand-written triple must not reach the update. Plain Python, no torch.
 """
 
 import functools

@@ -10,6 +10,12 @@ stage, the registries, every group option and the resolver that turns a group in
 live in stages.py. A plan is made once per matrix shape, so a step derives
 nothing; the numbers schedules change travel as MuonScalars, 0-D tensors when compiled (scalars),
 so an LR schedule never recompiles. Imports only torch.
+
+The second half holds the helpers, in sections that say which of them the default step runs: a
+plain (out, in) matrix with the default options runs the reductions (whole_shape, summed,
+gram_matrix, sq_sum) and, on a param's first step, fresh_state. The rest serve other paths: the
+'distributed' sharded mode (over_slices), split and transposed layouts (_by_layout and its
+helpers), the alternative stages (fp32, frobenius) and compiled runs (kernel, scalars).
 """
 
 import math
@@ -50,7 +56,7 @@ class MuonPlan(NamedTuple):
     stages: tuple  # (group key, name, Stage) of all four, in the order they run
     ns: NewtonSchulz
     method: str  # the orthogonalizer's Newton-Schulz method: 'standard', 'gram' or 'auto'
-    gram: tuple  # the logical (rows, cols) on which Gram pays (stages.gram_pays): 'auto' runs it
+    gram: tuple  # the logical (rows, cols) on which Gram pays (owners.gram_pays): 'auto' runs it
     layout: Layout | None  # None: plain (out, in) matrices
     lr_factor: float | Tensor  # the lr's factor; per row of a split matrix, a tensor there
     options: dict  # the static options (stages.muon_options): what stages read as ctx.group
@@ -94,10 +100,18 @@ class StageContext(NamedTuple):
                                     if n in s.state or n in s.reads})
 
 
-def muon_update(grads, params, state: dict, h: MuonScalars, plan: "MuonPlan",
-                inputs: Tensor | None = None) -> None:
-    """One Muon step on K same-shape matrices (a stack or a list), in place on params and state
-    (MuonPlan.state): momentum, direction, apply. inputs: stacked input covariances, when due."""
+def muon_update(
+    grads: Tensor | list,  # (K, 768, 3072) - K same-shape grads (a list is stacked); overwritten
+    params: Tensor | list,  # (K, 768, 3072) - the stacked params, or a list of K; updated in place
+    state: dict,  # name -> (K, *its slot's shape): momentum_buffer (K, 768, 3072) and each
+    #               stage's state, second_momentum_buffer (K, 1, 3072) here (MuonPlan.state)
+    h: MuonScalars,  # this step's lr, momentum, decay...: floats, 0-D CPU tensors when compiled
+    plan: "MuonPlan",  # the group resolved for (768, 3072) matrices of this dtype and device
+    inputs: Tensor | None = None,  # (K, blocks, b, b) - input covariances, on the steps a stage
+    #                                reads them (Newton-Muon), else None
+) -> None:
+    """One Muon step on K same-shape matrices, in place on params and state: momentum,
+    direction, apply. A batched param (experts, out, in) stacks as (K, experts, out, in)."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory
     raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
     out_dtype = grads.dtype  # the params'
@@ -120,7 +134,10 @@ def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: Muon
     momentum_buffer.lerp_(grads, 1 - h.momentum)
     if opts["nesterov"]:
         return grads.lerp_(momentum_buffer, h.momentum)
-    return grads.copy_(momentum_buffer)  # a copy: inductor failed on the buffer read transposed
+    # plain momentum's step is a copy, not the buffer itself: inductor (torch 2.13) fails to
+    # compile the buffer, a mutated input, read through a transposed reduction (a transposed
+    # group's col_norm orthogonalizer)
+    return grads.copy_(momentum_buffer)
 
 
 def muon_direction(g: Tensor, ctx: StageContext, out_dtype: torch.dtype) -> Tensor:
@@ -248,12 +265,19 @@ def apply_decoupled(u: Tensor, ctx: StageContext, cautious: bool = False) -> Non
         p.add_(ui, alpha=-lr)
 
 
-def adamw_update(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 h: AdamWScalars) -> None:
-    """One AdamW step in place on p, as torch.optim.AdamW's single-tensor path (one temporary)."""
-    p.mul_(1 - h.lr * h.wd)
-    exp_avg.lerp_(grad, 1 - h.beta1)
+def adamw_update(
+    p: Tensor,  # (n,) - a param flat, e.g. (32768 * 768,); a rank's rows of it; a CPU slice
+    grad: Tensor,  # (n,) - its gradient, shaped as p
+    exp_avg: Tensor,  # (n,) - first moment, shaped as p
+    exp_avg_sq: Tensor,  # (n,) - second moment, shaped as p
+    h: AdamWScalars,  # step (this one counted), lr, beta1, beta2, eps, wd: floats or 0-D tensors
+) -> None:
+    """One AdamW step in place on p, as torch.optim.AdamW's single-tensor path (one temporary).
+    Elementwise, so any shape does: a param that is not contiguous comes whole, unflattened."""
+    p.mul_(1 - h.lr * h.wd)  # decoupled weight decay, before the step
+    exp_avg.lerp_(grad, 1 - h.beta1)  # the moments' EMAs
     exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    # bias corrections in torch's order: the second moment's inside the root, eps after it
     denom = exp_avg_sq.sqrt().div_((1 - h.beta2 ** h.step) ** 0.5).add_(h.eps)
     p.addcdiv_(exp_avg, denom, value=-h.lr / (1 - h.beta1 ** h.step))
 
@@ -267,6 +291,11 @@ def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
     return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay,
                        beta2=beta2, step=group.get("step", 0), group_lr=group["lr"])
 
+
+# -----------------------------------------------------------------------------------------------
+# Reductions: whole_shape, summed, gram_matrix and sq_sum, which the default step runs (Newton-
+# Schulz, variance reduction), are plain reductions on whole matrices. Over slices they add up
+# across ranks, so a stage written with them runs in the 'distributed' sharded mode unchanged.
 
 # Megatron's 'distributed' mode (sharded.py): each rank holds a slice of every matrix, cut along
 # `dim` (-2 or -1) of whole_shape; reduce(t) sums t in place over those ranks.
@@ -315,7 +344,10 @@ def sq_sum(x: Tensor, dims: tuple) -> Tensor:
     return summed(s, dims)
 
 
+# Casts and norms for the alternative stages (stages.py); the default step does not call them.
+
 def fp32(x: Tensor) -> Tensor:
+    """x in at least fp32 (fp64 stays fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -324,7 +356,14 @@ def frobenius(x: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(fp32(x), keepdim=True)
 
 
+# -----------------------------------------------------------------------------------------------
+# Layouts: a split or transposed group's matrices (Layout), updated as plain ones. The default
+# step's plain matrices skip all of this (plan.layout is None): muon_direction goes to
+# _by_layout, and muon_apply to block_state and logical_blocks, only for such groups.
+# block_shapes is also read once per plan (stages.muon_plan, the state's layout).
+
 def block_shapes(shape, layout: Layout | None) -> list[tuple[int, int]]:
+    """The logical (rows, cols) of each block of matrices of `shape`: one for a plain layout."""
     split, groups, transposed = layout or (None, 1, False)
     rows, cols = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     return [(n * groups, cols) for n in split] if split else [(rows, cols)]
@@ -390,6 +429,10 @@ def logical_blocks(t: Tensor, layout: Layout) -> list[Tensor]:
     return list(t.unflatten(-2, (groups, sum(split))).split(list(split), dim=-2))
 
 
+# -----------------------------------------------------------------------------------------------
+# State: what a Muon param keeps (stages.muon_state_layout's slots), made by fresh_state on the
+# param's first step; optim stacks it per shape and keeps it across steps.
+
 Diagonal = namedtuple("Diagonal", "value")  # a StateSpec init: value x I per matrix
 StateSlot = namedtuple("StateSlot", "shape dtype init nonnegative", defaults=(False,))
 
@@ -416,6 +459,10 @@ def fresh_state(slot: StateSlot, weight: Tensor) -> Tensor:
         return out
     return torch.full(slot.shape, slot.init, dtype=slot.dtype, device=weight.device)
 
+
+# -----------------------------------------------------------------------------------------------
+# Compiling: where the update runs through torch.compile (CUDA by default; compile=True
+# elsewhere), optim calls muon_update and adamw_update as kernel(fn, True) with scalars(h, True).
 
 _compiled: dict = {}
 _scalar_tensors: dict = {}

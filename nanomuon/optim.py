@@ -95,8 +95,7 @@ class Resolved(NamedTuple):
 
 
 # What schedules edit, checked at every step; a change of any other key resolves the group again.
-NUMBERS = ("lr", "momentum", "weight_decay", "beta2", "betas", "eps", "step", "initial_lr",
-           "initial_weight_decay", "initial_momentum")
+NUMBERS = stages.keys_with("scheduled")  # the rows that say so (stages.GROUP_KEYS, OPTIONS)
 
 
 def group_signature(group: dict) -> str:
@@ -138,10 +137,9 @@ class MuonAdamW(torch.optim.Optimizer):
     through torch.compile; None: on for CUDA params."""
 
     SMALL = 1024  # data parallel: params with fewer elements are all_reduced, updated everywhere
-    CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _slices)
+    CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _cpu_slices)
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
-    STRUCTURAL_KEYS = ("sharded_mode", "comm_precision", "qkv_split", "split", "split_groups",
-                       "transposed")
+    STRUCTURAL_KEYS = stages.keys_with("structural")
 
     def __init__(self, param_groups, compile: bool | None = None, process_group=None):
         if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
@@ -448,7 +446,7 @@ class MuonAdamW(torch.optim.Optimizer):
             update = muon.kernel(muon.muon_update, True) if compiled else muon.muon_update
             h = muon.scalars(h, True) if compiled else h
             inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
-            for sl in self._slices(len(idx), p0):
+            for sl in self._cpu_slices(len(idx), p0):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, plan,
                        None if inputs is None else inputs[sl])
             if not everyone:
@@ -491,10 +489,10 @@ class MuonAdamW(torch.optim.Optimizer):
                          group["weight_decay"])
         update = muon.kernel(muon.adamw_update, True) if self.compiled else muon.adamw_update
         h = muon.scalars(h, True) if self.compiled else h
-        for sl in self._slices(len(tensors[0]), tensors[0][0]):
+        for sl in self._cpu_slices(len(tensors[0]), tensors[0][0]):
             update(*(t[sl] for t in tensors), h)
 
-    def _slices(self, count: int, like: Tensor) -> list[slice]:
+    def _cpu_slices(self, count: int, like: Tensor) -> list[slice]:
         """The dim-0 slices an update of `count` tensors like `like` runs in: one on GPUs, of <=
         CPU_SLICE elements on CPU, as glibc page-faults temporaries over 32 MB on every call."""
         if like.is_cuda or count * like.numel() <= self.CPU_SLICE:

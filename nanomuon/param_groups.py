@@ -40,7 +40,7 @@ def _matches(parts: list[str], key: str) -> bool:
     return any(parts[i:i + n] == key_parts for i in range(len(parts) - n + 1))
 
 
-def _names(parts: list[str], key: str) -> bool:
+def _named_by(parts: list[str], key: str) -> bool:
     """key names the param itself or the module that owns it (its last components)."""
     key_parts = key.split(".")
     return key_parts in (parts[-len(key_parts):], parts[-len(key_parts) - 1:-1])
@@ -57,7 +57,7 @@ def classify(name: str, p: torch.Tensor, skip_keys=SKIP_KEYS, expert_keys=("expe
     parts = normalize_fqn(name).split(".")
     if embedding:
         return False, "an nn.Embedding weight"
-    if hit := next((k for k in skip_keys if _names(parts, k)), None):
+    if hit := next((k for k in skip_keys if _named_by(parts, k)), None):
         return False, f"matches skip key {hit!r} (embedding or output head)"
     if expert := next((k for k in expert_keys if _matches(parts, k)), None):
         if p.ndim >= 3:
@@ -102,31 +102,30 @@ def muon_param_groups(model: torch.nn.Module, muon: dict, adamw: dict, skip_keys
 
 # Param group checks. Every message names the group, the parameter and the fix.
 
-REQUIRED_KEYS = {"adamw": ("lr", "betas", "eps", "weight_decay"),
-                 "muon": ("lr", "momentum", "ns_steps", "beta2", "weight_decay")}
-# Keys other code adds to groups: LR schedulers' initial_lr (and base_train's schedules'
-# initial_weight_decay, initial_momentum); 'name'; a muon group's update count 'step'.
-PASSIVE_KEYS = {"params", "kind", "name", "initial_lr", "initial_weight_decay",
-                "initial_momentum", "step"}
+# Read from the rows (stages.GROUP_KEYS, stages.OPTIONS): what each kind's groups must give, and
+# the bookkeeping other code adds (LR schedulers' initial_lr, base_train's initial_weight_decay
+# and initial_momentum, 'name', a muon group's update count 'step'), which either kind may carry.
+REQUIRED_KEYS = {kind: stages.keys_with("required", (kind,)) for kind in ("adamw", "muon")}
+PASSIVE_KEYS = set(stages.keys_with("passive"))
 
 
 def fill_defaults(group: dict) -> None:
-    """Give a group every optional key it lacks, at its default (state_dict() then records what
-    ran); the LEGACY_KEYS of older checkpoints become stage names."""
+    """Give a group every key it lacks that has a default in its row, its options and a muon
+    group's step (state_dict() then records what ran); the LEGACY_KEYS of older checkpoints
+    become stage names."""
     if group.get("kind") == "muon" and any(k in group for k in LEGACY_KEYS):
         eq, post = group.pop("equilibrate", None), group.pop("post_normalize", None)
         group.setdefault("precondition", (f"equilibrate_{eq}",) if eq else ())
         group.setdefault("post_process", ((f"normalize_{post}",) if post else ())
                          + ("variance_reduction",))
-        group.setdefault("apply", "cautious" if group.pop("cautious_wd", True) else "decoupled")
-    for key, option in stages.group_options(group).items():
-        group.setdefault(key, option.default)
-    if group.get("kind") == "muon":
-        group.setdefault("step", 0)
+        cautious = group.pop("cautious_wd", stages.GROUP_KEYS["muon"]["cautious_wd"].default)
+        group.setdefault("apply", "cautious" if cautious else "decoupled")
+    for key, default in stages.group_defaults(group).items():
+        group.setdefault(key, default)
 
 
 # muon keys that stage names replaced: fill_defaults() converts them
-LEGACY_KEYS = ("equilibrate", "post_normalize", "cautious_wd")
+LEGACY_KEYS = stages.keys_with("legacy", ("muon",))
 
 
 def group_label(i: int, group: dict) -> str:
@@ -158,15 +157,15 @@ def check_group_values(i: int, group: dict) -> None:
         raise ValueError(f"{label}: give split or qkv_split, not both "
                          "(qkv_split=(q, k, v) is split's 3-block case)")
     whole = next((k for k in ("split", "qkv_split", "transposed") if group.get(k)), None)
-    if whole and group.get("sharded_mode", "owner") in ("distributed", "blockwise"):
+    if whole and stages.muon_option(group, "sharded_mode") in ("distributed", "blockwise"):
         raise ValueError(f"{label}: {whole} needs whole matrices: use sharded_mode 'owner' or "
                          "'duplicated'")
     steps = group["ns_steps"]
     if wrong := stages.a_count(steps, hi=1000):  # each step is a matmul chain: 1,000 is plenty
         raise ValueError(f"{label}: ns_steps={steps!r} {wrong} (5 is standard)")
-    spec = group.get("ns_coefficients", "polar_express")
+    spec = stages.muon_option(group, "ns_coefficients")
     try:
-        triples, safety, _ = ns_coefficients(spec, steps, group.get("ns_repeat_last", False))
+        triples, safety, _ = ns_coefficients(spec, steps, stages.muon_option(group, "ns_repeat_last"))
     except ValueError as e:
         raise ValueError(f"{label}: {e}") from None
     if (peak := ns_growth(triples, safety)) > NS_GROWTH_MAX:
@@ -209,7 +208,7 @@ def check_group(i: int, group: dict) -> None:
     if unknown:
         allowed = sorted(set(REQUIRED_KEYS[kind]) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
-    split, groups = group.get("split") or group.get("qkv_split"), group.get("split_groups", 1)
+    split, groups = group.get("split") or group.get("qkv_split"), stages.muon_option(group, "split_groups")
     dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
     for j, p in enumerate(group["params"]):
         where = f"{label}, param {j}"

@@ -70,7 +70,8 @@ def block_of(p: DTensor) -> tuple:
     return tuple(offset), tuple(shape), first
 
 
-def _slices(offset, shape):
+def _block_index(offset, shape):
+    """The index of the block at `offset` of this shape: one slice per dim."""
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
@@ -147,7 +148,7 @@ def _assemble(assigned, params, wave, recv, per: int = 1) -> dict:
             offset, shape, sends = blocks[src][i]
             n = per * math.prod(shape)
             if sends and n:
-                full[i][(..., *_slices(offset, shape))] = recv[at:at + n].view(*lead, *shape)
+                full[i][(..., *_block_index(offset, shape))] = recv[at:at + n].view(*lead, *shape)
                 at += n
     assert at == recv.numel()
     return full
@@ -162,7 +163,7 @@ def _scatter(assigned, params, wave, updates, comm_dtype):
         for i in mine:
             offset, shape, _ = blocks[dst][i]
             if math.prod(shape):
-                pieces[dst].append(updates[i][_slices(offset, shape)].reshape(-1))
+                pieces[dst].append(updates[i][_block_index(offset, shape)].reshape(-1))
     recv_counts = [sum(math.prod(blocks[rank][i][1]) for i in wave if owner[i] == src)
                    for src in range(world)]
     return _all_to_all(pieces, recv_counts, params[wave[0]].to_local().device, comm_dtype)
@@ -335,7 +336,7 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
         with slices:
             u = muon_direction(g, ctx, p.dtype)
         if mode == "duplicated":
-            u = u[_slices(*block_of(p)[:2])].clone()
+            u = u[_block_index(*block_of(p)[:2])].clone()
         _apply_local(group, p, u, matrix_shape, plans, compiled)
 
 
@@ -438,6 +439,6 @@ def state_piece(v, how, p: Tensor):
         return empty(how.stop - how.start) if v.is_meta else v.reshape(-1)[how].clone()
     mesh, placements = how  # p's own: its block of v
     offset, shape, _ = block_of(p)
-    block = empty(shape) if v.is_meta else v[_slices(offset, shape)].to(device).clone()
+    block = empty(shape) if v.is_meta else v[_block_index(offset, shape)].to(device).clone()
     return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(),
                               run_check=False)

@@ -209,7 +209,8 @@ def _local_files(spec: str) -> tuple[str, list[Path], list[Path]]:
     return str(root), files, other
 
 
-def _names(paths: list[Path]) -> str:
+def _first_names(paths: list[Path]) -> str:
+    """The first three files' names, for a message ('...' where there are more)."""
     return (", ".join(shown(p.name, 100, quote=False) for p in paths[:3])
             + (" ..." if len(paths) > 3 else ""))
 
@@ -325,7 +326,7 @@ def _read_files(files: list[Path], text_column: str | None, counts: dict) -> Ite
     for builder in dict.fromkeys(FORMATS[p.suffix.lower()] for p in files):
         group = [p for p in files if FORMATS[p.suffix.lower()] == builder]
         if builder != "text":
-            where = f"the {builder} files {_names(group)}"
+            where = f"the {builder} files {_first_names(group)}"
             error = lambda e, where=where: ValueError(f"cannot read {where}: {one_line(e)}")
             try:
                 options = dict(keep_default_na=False) if builder == "csv" else {}  # "NA" is text
@@ -357,9 +358,9 @@ def _read_texts(files: list[Path], counts: dict) -> Iterator[str]:
             counts["empty"] = counts.get("empty", 0) + 1
     for encoding, paths in guessed.items():
         print(f"nanomuon: {len(paths)} text file(s) not in UTF-8 read as {encoding} "
-              f"({_names(paths)}): re-save them as UTF-8 if that reads wrong", file=sys.stderr)
+              f"({_first_names(paths)}): re-save them as UTF-8 if that reads wrong", file=sys.stderr)
     if binary:
-        print(f"nanomuon: skipped {len(binary)} binary .txt file(s) ({_names(binary)}): they hold "
+        print(f"nanomuon: skipped {len(binary)} binary .txt file(s) ({_first_names(binary)}): they hold "
               "NUL or control bytes, not text", file=sys.stderr)
 
 
@@ -419,14 +420,14 @@ def _open_local_source(spec: str, source: tuple, text_column: str | None, counts
     if other:
         kinds = sorted({p.suffix.lower() or p.name for p in other})
         print(f"nanomuon: left out {len(other)} file(s) of other types ({', '.join(kinds[:5])}; "
-              f"{_names(other)}): only {', '.join(FORMATS)} files are read; rename text files to "
+              f"{_first_names(other)}): only {', '.join(FORMATS)} files are read; rename text files to "
               ".txt to train on them", file=sys.stderr)
     empty = [p for p in files if FORMATS[p.suffix.lower()] != "text" and _holds_nothing(p)]
     if empty and len(empty) == len(files):
         raise ValueError(f"--dataset {spec} holds no documents: every file is empty "
-                         f"({_names(empty)}); point it at files with text")
+                         f"({_first_names(empty)}); point it at files with text")
     if empty:
-        print(f"nanomuon: skipped {len(empty)} empty file(s) ({_names(empty)}): 0 bytes or 0 rows, "
+        print(f"nanomuon: skipped {len(empty)} empty file(s) ({_first_names(empty)}): 0 bytes or 0 rows, "
               "they hold no documents", file=sys.stderr)
         files = [p for p in files if p not in empty]
     # one file: no split

@@ -4,18 +4,20 @@ Everything a forker edits to try an idea on the Muon update, and what turns a gr
 muon.py runs the update; this file says what it may run. In reading order: the stage contract
 (Stage, StateSpec, Flags, Option); the alternative stages, each with its paper; the four
 registries a muon group names its stages from (precondition, orthogonalizer, post_process,
-apply); the coefficient sets; MUON_OPTIONS, every optional key of a muon group declared once
-(default, check, meaning, and the stage that reads it); and the resolver, muon_plan, which
-resolves a checked group once per matrix shape into a muon.MuonPlan, with the state it keeps and
-the cost model that decides Gram Newton-Schulz and which rank owns a matrix. To add a stage:
-write f(x, ctx), register it, declare its options in MUON_OPTIONS (docs/optimizer.md, "Stages").
+apply); the values a few options take (NS_DTYPES, NS_METHODS, LR_SCALES, SHARDED_MODES);
+MUON_OPTIONS, every optional key of a muon group declared once (default, check, meaning, and the
+stage that reads it), and GROUP_KEYS, each kind's other keys, whose rows say what the optimizer's
+lists of keys hold; and the resolver, muon_plan, which resolves a checked group once per matrix
+shape into a muon.MuonPlan with the state it keeps. Elsewhere: the coefficient sets
+(coefficients.py) and the cost model that decides Gram Newton-Schulz and which rank owns a
+matrix (owners.py), which a plan and a Stage's cost feed. To add a stage: write f(x, ctx),
+register it, declare its options in MUON_OPTIONS (docs/optimizer.md, "Stages").
 """
 
 import functools
 import math
-from collections import namedtuple
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,9 +45,34 @@ from nanomuon.muon import (
 )
 from nanomuon.owners import gram_pays
 
-# An optional group key: its default; check(value), None or what the value must be; its meaning
-# in one line; and (key, name) of the one stage that reads it, None for the group's own keys
-Option = namedtuple("Option", "default check doc stage", defaults=(None,))
+
+class _NoDefault:
+    """The default of a key never filled in: one a group must give, or bookkeeping."""
+
+    def __repr__(self):
+        return "NO_DEFAULT"
+
+
+NO_DEFAULT = _NoDefault()
+
+
+class Option(NamedTuple):
+    """One key of a param group, every fact of it in one row: an option of its kind
+    (MUON_OPTIONS, ADAMW_OPTIONS) or one of the kind's own keys (GROUP_KEYS). The lists the
+    optimizer asks (what a group must give, what schedules edit, what a load keeps, what the
+    math reads) are derived from these rows (keys_with), never written again."""
+    default: Any  # filled in where a group lacks the key; NO_DEFAULT: never filled in
+    check: Callable | None  # check(value): None or what the value must be; None: checked elsewhere
+    doc: str  # its meaning in one line (docs/optimizer.md's tables)
+    stage: tuple | None = None  # (key, name) of the one stage that reads it; None: the group's own
+    required: bool = False  # a group of its kind must give it: REQUIRED_KEYS
+    scheduled: bool = False  # schedules set or edit it between steps: checked at every step,
+    #                          it never resolves the group again (optim.NUMBERS)
+    structural: bool = False  # this run's layout and sharding: a loaded checkpoint's value gives
+    #                           way to this run's (MuonAdamW.STRUCTURAL_KEYS)
+    passive: bool = False  # bookkeeping other code adds (a label, a schedule's start): PASSIVE_KEYS
+    sharded_only: bool = False  # only sharded.py's communication reads it, never the update
+    legacy: bool = False  # an older checkpoint's key, read as stage names (fill_defaults)
 
 
 def one_of(*choices):
@@ -403,7 +430,8 @@ CHAIN_KEYS = ("precondition", "post_process")
 
 
 NS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto': where gram_pays
+# Stage.method values: Gram runs the same iterates on the Gram matrix; 'auto': where
+# owners.gram_pays finds it cheaper
 NS_METHODS = ("standard", "gram", "auto")
 # lr_scale modes: the factor on a Muon group's lr for a (rows, cols) matrix (the last two dims).
 LR_SCALES = {
@@ -461,8 +489,9 @@ def _an_optional(check):
 
 
 # Every optional key of a muon group, declared once: its default (late-2025 nanochat's Muon), its
-# check, its meaning (docs/optimizer.md's option table is options_table()) and, for a key only one
-# stage reads, that stage: a group takes the key only when it runs the stage.
+# check, its meaning (docs/optimizer.md's option table is options_table()), for a key only one
+# stage reads, that stage (a group takes the key only when it runs the stage), and whether it is
+# this run's layout (structural) or read by sharded.py alone.
 MUON_OPTIONS = {
     "nesterov": Option(True, a_bool, "Nesterov momentum; `False`: plain momentum"),
     "precondition": Option((), stage_names("precondition"), "stages run in order on the "
@@ -489,16 +518,19 @@ MUON_OPTIONS = {
     "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"), "`'l2'`: add "
                                 "`weight_decay * p` to the gradient before momentum"),
     "comm_precision": Option("fp32", one_of("bf16", "fp32"), "DTensor params: the dtype whole "
-                             "matrices travel in to their owner and back"),
+                             "matrices travel in to their owner and back",
+                             structural=True, sharded_only=True),
     "sharded_mode": Option("owner", one_of(*SHARDED_MODES), "DTensor params: `'owner'`, "
-                           "`'duplicated'`, `'distributed'` (all exact) or `'blockwise'`"),
-    "qkv_split": Option(None, _row_counts(3), "`(q, k, v)` row counts: split's 3-block case"),
+                           "`'duplicated'`, `'distributed'` (all exact) or `'blockwise'`",
+                           structural=True, sharded_only=True),
+    "qkv_split": Option(None, _row_counts(3), "`(q, k, v)` row counts: split's 3-block case",
+                        structural=True),
     "split": Option(None, _row_counts(None), "row counts of fused blocks, e.g. `(I, I)` for "
-                    "`[gate; up]`: each block updated as a param of its own"),
+                    "`[gate; up]`: each block updated as a param of its own", structural=True),
     "split_groups": Option(1, a_count, "the rows are this many repeats of the blocks (Megatron's "
-                           "per-query-group QKV)"),
+                           "per-query-group QKV)", structural=True),
     "transposed": Option(False, a_bool, "matrices stored `(in, out)`, as GPT-2's Conv1D: lr "
-                         "factor and statistics follow the logical `(out, in)`"),
+                         "factor and statistics follow the logical `(out, in)`", structural=True),
     "horizon": Option(None, _an_optional(a_count), "the steps the run plans, which stages read "
                       "as `ctx.horizon`; `GPT.setup_optimizer(horizon=)` and base_train set it"),
     "soap_beta": Option(0.9, lambda v: a_number(v, 1.0), "SOAP's EMA of the covariances and of "
@@ -527,9 +559,80 @@ MUON_OPTIONS = {
 }
 ADAMW_OPTIONS = {
     "momentum": Option(None, _any_value, "set (by OneCycleLR or CyclicLR, say), it becomes "
-                       "`betas[0]` at the next step"),
+                       "`betas[0]` at the next step", scheduled=True),
 }
 OPTIONS = {"muon": MUON_OPTIONS, "adamw": ADAMW_OPTIONS}
+
+# A kind's own keys, the rest of what its groups take: the numbers a group must give (checked at
+# every step by optim.check_numbers, as schedules edit most), the update count, older
+# checkpoints' names, and the bookkeeping any group may carry. docs/optimizer.md: keys_table().
+def _own(doc: str, default=NO_DEFAULT, **facts) -> Option:
+    """A row of GROUP_KEYS: no check of its own (optim.check_numbers, or its group's checks)."""
+    return Option(default, None, doc, **facts)
+
+
+BOOKKEEPING = {
+    "params": _own("the tensors the group trains", passive=True),
+    "kind": _own("`'muon'` or `'adamw'`: the update its params take", passive=True),
+    "name": _own("a label, for messages and the run's header", passive=True),
+    "initial_lr": _own("an LR scheduler's start, which it sets", passive=True, scheduled=True),
+    "initial_weight_decay": _own("base_train's weight decay schedule's start", passive=True,
+                                 scheduled=True),
+    "initial_momentum": _own("base_train's momentum schedule's start", passive=True,
+                             scheduled=True),
+}
+GROUP_KEYS = {
+    "muon": {
+        "lr": _own("the step size, before `lr_scale`'s factor", required=True, scheduled=True),
+        "momentum": _own("the momentum's EMA weight, in [0, 1)", required=True, scheduled=True),
+        "ns_steps": _own("Newton-Schulz iterations (5 is standard)", required=True),
+        "beta2": _own("variance reduction's EMA weight, in [0, 1); `None` turns it off",
+                      required=True, scheduled=True),
+        "weight_decay": _own("the decay per unit of the lr `decay_lr` names", required=True,
+                             scheduled=True),
+        "step": _own("the group's updates so far, which the optimizer counts", 0, passive=True,
+                     scheduled=True),
+        "equilibrate": _own("older checkpoints': `'row'` is `precondition=('equilibrate_row',)`",
+                            legacy=True),
+        "post_normalize": _own("older checkpoints': `'col'` is `post_process=('normalize_col', "
+                               "'variance_reduction')`", legacy=True),
+        "cautious_wd": _own("older checkpoints': `False` is `apply='decoupled'`", True,
+                            legacy=True),
+        **BOOKKEEPING,
+    },
+    "adamw": {
+        "lr": _own("the step size", required=True, scheduled=True),
+        "betas": _own("`(beta1, beta2)`: the moments' EMA weights, each in [0, 1)", required=True,
+                      scheduled=True),
+        "eps": _own("added to the second moment's root", required=True, scheduled=True),
+        "weight_decay": _own("decoupled decay, times the lr", required=True, scheduled=True),
+        **BOOKKEEPING,
+    },
+}
+
+
+def group_keys(kind: str) -> dict:
+    """key -> Option of every key a group of `kind` takes: its own keys, then its options."""
+    return {**GROUP_KEYS.get(kind, {}), **OPTIONS.get(kind, {})}
+
+
+def keys_with(fact: str, kinds=tuple(OPTIONS)) -> tuple:
+    """The keys whose row says `fact` ('required', 'scheduled', ...) in any of `kinds`' groups."""
+    return tuple(dict.fromkeys(k for kind in kinds for k, o in group_keys(kind).items()
+                               if getattr(o, fact)))
+
+
+def muon_option(group: dict, key: str):
+    """A muon group's value of an option, or its default where the group has not been filled."""
+    return group[key] if key in group else MUON_OPTIONS[key].default
+
+
+def group_defaults(group: dict) -> dict:
+    """key -> default of every key fill_defaults gives a group that lacks it: its options' and
+    its kind's own (a muon group's update count); older checkpoints' keys are read, not filled."""
+    own = {k: o.default for k, o in GROUP_KEYS.get(group.get("kind"), {}).items()
+           if o.default is not NO_DEFAULT and not o.legacy}
+    return {**{k: o.default for k, o in group_options(group).items()}, **own}
 
 
 def group_options(group: dict) -> dict:
@@ -549,9 +652,22 @@ def group_options(group: dict) -> dict:
 def options_table(kind: str = "muon") -> str:
     """The markdown table of a kind's optional keys (docs/optimizer.md holds it)."""
     rows = [f"| `{k}` | `{o.default!r}` | {o.doc}"
-            f"{f' ({o.stage[0]} `{o.stage[1]!r}` only)' if o.stage else ''} |"
+            f"{f' ({o.stage[0]} `{o.stage[1]!r}` only)' if o.stage else ''}"
+            f"{' (structural)' if o.structural else ''} |"
             for k, o in OPTIONS[kind].items()]
     return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
+
+
+def keys_table() -> str:
+    """The markdown table of GROUP_KEYS: each kind's own keys, then the bookkeeping of any."""
+    rows = [(k, kind, o) for kind, keys in GROUP_KEYS.items() for k, o in keys.items()
+            if k not in BOOKKEEPING] + [(k, "any", o) for k, o in BOOKKEEPING.items()]
+    facts = ("required", "scheduled", "passive", "legacy")
+    lines = [f"| `{k}` | {kind} | {', '.join(f for f in facts if getattr(o, f))} | "
+             f"{'' if o.default is NO_DEFAULT else f'`{o.default!r}`'} | {o.doc} |"
+             for k, kind, o in rows]
+    return "\n".join(["| key | kind | what it is | default | what it does |",
+                      "|---|---|---|---|---|", *lines])
 
 
 
@@ -573,10 +689,10 @@ def group_stages(group: dict) -> list[tuple[str, str, Stage]]:
     return [(key, name, _stage(key, name)) for key in STAGE_KEYS for name in _names(group[key])]
 
 
-# What the math does not read of a group (params, per-step numbers, labels, sharded-only
+# What the math does not read of a muon group (params, per-step numbers, labels, sharded-only
 # options), so groups that differ only in those share compiled graphs.
-NOT_MATH = ("params", "kind", "name", "initial_lr", "lr", "momentum", "weight_decay", "beta2",
-            "step", "sharded_mode", "comm_precision")
+NOT_MATH = tuple(k for k, o in group_keys("muon").items()
+                 if o.scheduled or o.passive or o.sharded_only)
 
 
 def resolve_ns_precision(precision: str, device) -> str:

@@ -13,7 +13,7 @@ Each (variant, swept value, seed) is a scripts.base_train run with --seed (the i
 variant's seeds on one order train as one batched model. Flags this script does not know go to
 base_train after the defaults below (GPU runs: docs/research.md). Finished runs are cached under
 everything that decides them. The baseline also runs at --baseline-lengths of the steps, which
-turn each verdict into steps saved. The runs are nanomuon/ablation/runs.py's, the --budget design
+turn each verdict into steps saved. The runs are nanomuon/ablation/runs.py's, the --budget plan
 nanomuon/ablation/pacing.py's, the write-up nanomuon/ablation/verdicts.py's.
 """
 
@@ -381,8 +381,8 @@ def ablation(args, flags: list[str], argv):
               "chooses)", flush=True)
     flags = default_budget(args, flags, cache)
     if args.budget is not None:
-        flags, refiner = design_for_budget(args, flags, runs_per_seed, jobs, threads, cache)
-        n_seeds = refiner.design.seeds
+        flags, refiner = plan_for_budget(args, flags, runs_per_seed, jobs, threads, cache)
+        n_seeds = refiner.plan.seeds
     seeds = list(range(1, n_seeds + 1))
     train = train_args(flags)
     steps = train.num_iterations
@@ -399,7 +399,7 @@ def ablation(args, flags: list[str], argv):
         return [Job(v, x, s, data_seed=data, group=group) for v in args.variants
                 for x in args.sweep.of(v) for s in seeds]
 
-    groups = (refiner.design.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
+    groups = (refiner.plan.groups if refiner else ()) or (n_seeds,)  # the seeds of each batch
     todo = [job for group, (n, end) in enumerate(zip(groups, accumulate(groups)))
             for job in main_jobs(list(range(end - n + 1, end + 1)), group)]
     if refiner:
@@ -416,7 +416,7 @@ def ablation(args, flags: list[str], argv):
     one_value = len(args.sweep.of(args.baseline)) == 1  # the baseline's lengths run at it now
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache,
                       refiner)
-    seeds = list(range(1, (refiner.design.seeds if refiner else n_seeds) + 1))  # with any added
+    seeds = list(range(1, (refiner.plan.seeds if refiner else n_seeds) + 1))  # with any added
     if not one_value and shorter:
         best = report(split_runs(results)[0], args.variants, args.sweep, seeds,
                       args.baseline)[1][args.baseline]
@@ -428,43 +428,43 @@ def ablation(args, flags: list[str], argv):
     return main_runs
 
 
-def design_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
+def plan_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
                       cache: dict) -> tuple[list[str], "Refiner"]:
-    """--budget: (flags with the design's steps and evals, the Refiner that follows the runs); the
-    design kept before, fitted to a calibration kept here, or the smallest, timed by its runs."""
+    """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs); the
+    plan kept before, fitted to a calibration kept here, or the smallest, timed by its runs."""
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
     keys = cache_keys(args, flags, jobs, threads, cache)
     # a GPU's steps do not wait on the CPU's other processes: no load to scale by
     used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
     estimate, about, how = kept_estimate(keys, used)
-    guess, design = None, budget.read_design(keys.design)
-    fresh = estimate is None and design is None
+    guess, plan = None, budget.read_plan(keys.plan)
+    fresh = estimate is None and plan is None
     if fresh:
         guess, how = prior_estimate(args, train, jobs, threads, cache)
     seconds = time.monotonic() - args.started + budget.WRITE_UP_S
     estimate = estimate and estimate._replace(seconds=seconds)
     guess = guess and guess._replace(seconds=seconds)
-    if design is not None:
-        how = f"planned before ({keys.design.name}); {how}"
+    if plan is not None:
+        how = f"planned before ({keys.plan.name}); {how}"
     elif fresh:
-        design = budget.smallest(args.seeds)
+        plan = budget.smallest(args.seeds)
     else:
-        design = budget.fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
+        plan = budget.fit(args.budget, estimate, runs_per_seed, jobs, args.seeds, *layout[2:],
                             at_least=args.budget_default)
-        if design is None:  # only a --budget given: the default plans its smallest instead
+        if plan is None:  # only a --budget given: the default plans its smallest instead
             raise SystemExit(f"error: --budget {args.budget:.0f}s fits fewer than "
                              f"{budget.MIN_STEPS} steps per run ({how}: {in_words(estimate)}; "
                              f"{jobs} at a time); raise --budget, or cut --variants, --sweep, "
                              "--seeds or --depth")
     shape = not args.preset and not given_flags(flags) and args.data_order == "fixed"
-    refiner = Refiner(args, train, design, layout, keys, about, estimate, seconds, shape, guess)
+    refiner = Refiner(args, train, plan, layout, keys, about, estimate, seconds, shape, guess)
     if fresh:
         refiner.refuse_kept()
     refiner.say(how + (f": {in_words(estimate)}; the runs' own steps correct it" if estimate
                        else ""))
-    return [*flags, "--num-iterations", str(design.steps), "--eval-every",
-            str(design.eval_every)], refiner
+    return [*flags, "--num-iterations", str(plan.steps), "--eval-every",
+            str(plan.eval_every)], refiner
 
 
 if __name__ == "__main__":

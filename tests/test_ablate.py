@@ -526,16 +526,16 @@ def test_a_budgeted_ablation_finishes_within_its_budget(base, capsys):
 @pytest.mark.parametrize("text", ["{", "[]", '{"steps": 5}', '{"steps": -1, "seeds": 3, "eval_every": 1, '
                                   '"run_s": 1.0, "total_s": 1.0}', '{"steps": "5", "seeds": 3, "eval_every": 1, '
                                   '"run_s": 1.0, "total_s": 1.0}'])
-def test_a_kept_design_that_is_not_one_is_planned_again(tmp_path, text, capsys):
+def test_a_kept_plan_that_is_not_one_is_planned_again(tmp_path, text, capsys):
     """The cache is a file like any other: a damaged plan is planned again, never trusted or a traceback."""
-    from nanomuon.ablation.budget import Design, read_design
+    from nanomuon.ablation.budget import Plan, read_plan
 
-    path = tmp_path / "design-x.json"
-    assert read_design(path) is None
+    path = tmp_path / "plan-x.json"
+    assert read_plan(path) is None
     path.write_text(text)
-    assert read_design(path) is None and "planning again" in capsys.readouterr().out
-    path.write_text(json.dumps(Design(200, 4, 50, 150.0, 600.0)._asdict()))
-    assert read_design(path) == Design(200, 4, 50, 150.0, 600.0)
+    assert read_plan(path) is None and "planning again" in capsys.readouterr().out
+    path.write_text(json.dumps(Plan(200, 4, 50, 150.0, 600.0)._asdict()))
+    assert read_plan(path) == Plan(200, 4, 50, 150.0, 600.0)
 
 
 def test_sweep_takes_any_base_train_flag_and_one_variant():
@@ -637,7 +637,7 @@ def test_a_local_dataset_trains_and_its_contents_key_the_cache(base, tmp_path, m
 
 
 def cache_at(tmp_path, code="c"):
-    """What design_for_budget reads of a run cache, in tmp_path."""
+    """What plan_for_budget reads of a run cache, in tmp_path."""
     return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t")
 
 
@@ -652,7 +652,7 @@ def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
 
 
 def planned(argv, cache, jobs=2, threads=1):
-    """design_for_budget on ablate argv, started now (no argv: the default's CPU budget): (flags, Refiner)."""
+    """plan_for_budget on ablate argv, started now (no argv: the default's CPU budget): (flags, Refiner)."""
     import time
 
     from scripts import ablate
@@ -661,10 +661,10 @@ def planned(argv, cache, jobs=2, threads=1):
     args.started = time.monotonic()
     if not argv:
         args.budget, args.budget_default = 900.0, True
-    return ablate.design_for_budget(args, flags, 2, jobs, threads, cache)
+    return ablate.plan_for_budget(args, flags, 2, jobs, threads, cache)
 
 
-def test_a_kept_design_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
+def test_a_kept_plan_answers_only_for_the_same_baseline_lengths(tmp_path, monkeypatch, capsys):
     """The baseline's other lengths cost runs, so a plan kept for --baseline-lengths none is not the
     plan for 0.8: that one is fitted again (from the kept calibration) to fewer seeds or steps."""
     monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
@@ -673,7 +673,7 @@ def test_a_kept_design_answers_only_for_the_same_baseline_lengths(tmp_path, monk
     for lengths in ("none", "0.8", "none"):
         argv = ["--budget", "20m", "--baseline-lengths", lengths]
         keep(cache_at(tmp_path), argv, cal)
-        plans.append(planned(argv, cache_at(tmp_path))[1].design)
+        plans.append(planned(argv, cache_at(tmp_path))[1].plan)
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("== plan for")]
     assert ["timed here before" in said[0], "planned before" in said[2]] == [True] * 2
     assert "planned before" not in said[1]
@@ -698,7 +698,7 @@ def test_runs_shorter_than_the_lrs_tuning_train_muons_matrices_higher(tmp_path, 
         keep(cache, ["--budget", "15m", *extra], planner.Calibration(step_s, 10.0, 0.1, 3.0))
         args, flags = ablate.parse_args(["--budget", "15m", *extra])
         args.started = time.monotonic()
-        got_flags, _ = ablate.design_for_budget(args, flags, 2, 2, 1, cache)
+        got_flags, _ = ablate.plan_for_budget(args, flags, 2, 2, 1, cache)
         steps = int(got_flags[got_flags.index("--num-iterations", len(ablate.DEFAULT_FLAGS)) + 1])
         got = ablate.short_run_lrs(args, got_flags, ablate.train_args(got_flags))
         out = capsys.readouterr().out

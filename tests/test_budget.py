@@ -171,14 +171,14 @@ def cache_at(tmp_path, code="c", **more):
 
 
 def planned(argv, cache, jobs=2, threads=1):
-    """design_for_budget on these ablate flags, ablate started now: (its flags, its Refiner)."""
+    """plan_for_budget on these ablate flags, ablate started now: (its flags, its Refiner)."""
     from scripts import ablate
 
     args, flags = ablate.parse_args(argv)
     args.started = time.monotonic()
     if not argv:  # the default: the CPU's budget
         args.budget, args.budget_default = 900.0, True
-    return ablate.design_for_budget(args, flags, 2, jobs, threads, cache)
+    return ablate.plan_for_budget(args, flags, 2, jobs, threads, cache)
 
 
 def keep(cache, argv, cal, load=0.0, jobs=2, threads=1):
@@ -208,7 +208,7 @@ def test_a_kept_calibration_from_another_load_is_scaled_and_called_an_estimate(t
         assert ("at a load of 0.0 (now 2.0: steps x2.00, an estimate)" in line) == (factor == 2), line
         scaled = planner.Calibration(*(v * factor for v in cal[:3]), refiner.seconds, cal.final_s * factor)
         want = planner.fit(1200, scaled, 2, 2, None, 1, True)
-        assert refiner.design[:2] == want[:2], (refiner.design, want)
+        assert refiner.plan[:2] == want[:2], (refiner.plan, want)
 
 
 def test_a_calibration_of_other_code_here_is_an_estimate_and_another_machines_is_none(tmp_path, monkeypatch, capsys):
@@ -219,11 +219,11 @@ def test_a_calibration_of_other_code_here_is_an_estimate_and_another_machines_is
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"))
     line = said_plan(capsys.readouterr().out.splitlines())[0]
     assert "an estimate: timed here by an ablate of other code, torch or variants" in line, line
-    assert refiner.design.total_s > 0 and refiner.estimate.step_s == 0.5
+    assert refiner.plan.total_s > 0 and refiner.estimate.step_s == 0.5
     _, refiner = planned(["--budget", "20m"], cache_at(tmp_path, code="new"), jobs=1, threads=2)
     line = said_plan(capsys.readouterr().out.splitlines())[0]
     assert "nothing has timed these runs here yet" in line and "its time follows the runs' first steps" in line
-    assert refiner.design[:2] == (planner.MIN_STEPS, 3) and refiner.estimate is None
+    assert refiner.plan[:2] == (planner.MIN_STEPS, 3) and refiner.estimate is None
 
 
 def projected(seeds, steps):
@@ -327,7 +327,7 @@ def test_a_budget_given_is_refused_from_the_runs_first_steps_and_then_at_once(tm
 
 
 def prior_said(monkeypatch, tmp_path, argv, probe_s=20.0, device="cpu"):
-    """design_for_budget of argv with nothing timed here, on 2 cores at load 0, its prior's eager step
+    """plan_for_budget of argv with nothing timed here, on 2 cores at load 0, its prior's eager step
     probe_s: (its flags, its Refiner, the probe's calls)."""
     from scripts import ablate
 
@@ -367,8 +367,8 @@ def test_the_first_default_that_cannot_fit_says_so_from_a_prior_before_any_run(b
                               f"estimate: one eager step of a seed timed now, 20.000 s, x{planner.PRIOR_STEP_RATIO:g} "
                               f"for a run's: {step:.3f} s a step of a seed, {start:.0f} s a run's start-up")
     assert f"~{minutes:.1f} min in all by the prior" in out[-1]
-    assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.design.total_s == 0
-    assert not list(tmp_path.glob("design-*.json"))  # a prior's plan is not kept as one timed
+    assert flags[-4:] == ["--num-iterations", "50", "--eval-every", "13"] and refiner.plan.total_s == 0
+    assert not list(tmp_path.glob("plan-*.json"))  # a prior's plan is not kept as one timed
 
 
 def test_a_budget_given_is_told_by_the_prior_and_refused_only_by_the_runs(base, tmp_path, monkeypatch, capsys):
@@ -380,7 +380,7 @@ def test_a_budget_given_is_told_by_the_prior_and_refused_only_by_the_runs(base, 
     out = capsys.readouterr().out
     assert "== by the prior, --budget 3.0m may not fit even the smallest plan's steps; the runs' first steps " \
            "decide, and refuse it then" in out
-    assert refiner.design[:2] == (planner.MIN_STEPS, 3) and refiner.floor is not None
+    assert refiner.plan[:2] == (planner.MIN_STEPS, 3) and refiner.floor is not None
     (tmp_path / "gpu").mkdir()
     _, refiner, calls = prior_said(monkeypatch, tmp_path / "gpu", ["--budget", "3m"], device="cuda")
     out = capsys.readouterr().out
@@ -430,7 +430,7 @@ def test_the_end_said_as_the_runs_go_stays_within_a_quarter_of_the_end(monkeypat
     args = SimpleNamespace(budget=1800.0, seeds=None, budget_default=True, started=clock(), batch_seeds=True)
     train = SimpleNamespace(eval_tokens=65536, final_eval_tokens=262144, total_batch_size=4096, depth=4)
     keys = pacing.Keys(tmp_path / "d.json", tmp_path / "c.json", tmp_path / "r.json", "m")
-    refiner = pacing.Refiner(args, train, planner.Design(50, 3, 13, 0.0, 0.0), (2, 2, 1, True), keys, {},
+    refiner = pacing.Refiner(args, train, planner.Plan(50, 3, 13, 0.0, 0.0), (2, 2, 1, True), keys, {},
                              None, 25.0, False)
     t0 = clock() + 20.0
     b_events, b_end = run_events(3, 50, t0, 0.8, [(t0, t0 + 360.0)], start_s=100.0)

@@ -1,6 +1,6 @@
 """
 The docs, checked against the tree they describe: every relative link (and #anchor) in README.md
-and docs/*.md resolves, the option table in docs/optimizer.md is the one param_groups declares, and
+and docs/*.md resolves, the tables of group keys in docs/optimizer.md are the ones stages declares, and
 every module.name the docs, docstrings and comments cite exists. The README keeps its shape (at
 most 250 lines, its sections in order, the test command CI reads, a link to every docs page). No
 page cites an internal issue number, and prose keeps nanochat's pace. Docs drift silently
@@ -89,6 +89,19 @@ def test_the_option_table_is_the_declared_one():
     table = page[page.index("\n", start) + 1:page.index("<!-- /muon-options -->")].strip()
     assert table == options_table()
     assert [line.split("`")[1] for line in table.splitlines()[2:]] == list(MUON_OPTIONS)
+
+
+def test_the_group_keys_table_is_the_declared_one():
+    """docs/optimizer.md's table of each kind's own keys is stages.keys_table(), made from
+    GROUP_KEYS: a row added, or a fact of one changed, fails this until the page follows."""
+    from nanomuon.stages import GROUP_KEYS, keys_table
+
+    page = (ROOT / "docs" / "optimizer.md").read_text()
+    start = page.index("<!-- group-keys")
+    table = page[page.index("\n", start) + 1:page.index("<!-- /group-keys -->")].strip()
+    assert table == keys_table()
+    listed = {line.split("`")[1] for line in table.splitlines()[2:]}
+    assert listed == {k for keys in GROUP_KEYS.values() for k in keys}
 
 
 def test_the_readme_keeps_its_shape():

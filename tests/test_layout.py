@@ -4,13 +4,15 @@ The layout claims of the README, checked on the source: no import cycles between
 layout, the update (muon.py) imports only torch, sharded.py and owners.py never reach
 optim.py, the model file imports no baseline, the plumbing (common.py) imports nothing from the
 optimizer, the recipe imports no other module, every file says why it exists, no function runs over
-80 lines, lines read at 100 columns, no comment cites an issue number, and every script prints its
---help.
+80 lines, muon.py and optim.py keep their code budgets (comments uncounted), lines read at 100
+columns, no comment cites an issue number, and every script prints its --help.
 """
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,41 @@ def functions(path: Path):
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def code_lines(source: str) -> set[int]:
+    """The numbers of source's code lines: not blank, not comment-only, not a docstring's (a
+    module's, class's or function's first string). Comments and docstrings count in no limit."""
+    docs = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                docs.update(range(first.lineno, first.end_lineno + 1))
+    prose = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+             tokenize.ENDMARKER}
+    return {line for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type not in prose for line in range(t.start[0], t.end[0] + 1)} - docs
+
+
+def test_the_code_count_skips_comments_and_docstrings():
+    source = ('"""A\ndocstring."""\n\n# a comment\nx = 1  # why\ndef f(a,  # a\'s shape\n'
+              '      b):\n    """Doc."""\n\n    return """not a\ndocstring"""\n')
+    assert sorted(code_lines(source)) == [5, 6, 7, 10, 11]
+
+
+# The code lines the update and the optimizer may hold: what their old caps on raw lines (muon.py
+# 450, optim.py 750) left for code; muon.py's 11 more carry muon_update's and adamw_update's
+# arguments one a line, each with its shape. Comments and docstrings count in no limit: a reason
+# beside a line costs nothing.
+CODE_BUDGET = {"nanomuon/muon.py": 322, "nanomuon/optim.py": 577}
+
+
+def test_the_update_and_the_optimizer_keep_their_code_budgets():
+    found = {f: len(code_lines((ROOT / f).read_text())) for f in CODE_BUDGET}
+    over = {f: f"{n} > {CODE_BUDGET[f]}" for f, n in found.items() if n > CODE_BUDGET[f]}
+    assert not over, f"code lines over budget (comments and docstrings uncounted): {over}"
+
+
 def test_functions_stay_short():
     """No function of the library or the scripts runs over 80 lines: size follows from clarity."""
     long = {f"{p.relative_to(ROOT)}:{name}": n for p in LIBRARY + SCRIPTS for name, n in functions(p) if n > 80}
@@ -244,8 +281,9 @@ def test_a_pass_of_the_training_loop_reads_in_six_files(base, monkeypatch):
 
 def test_a_model_and_optimizer_step_reads_in_40_functions():
     """Step 2 of a tiny GPT's forward, backward and optimizer step, as a reader follows it: at most
-    40 named functions of the library, 600 lines between them (nanochat's: 17 and 478). A group
-    resolved anew at every step, or a derivation per call, would pass both bounds."""
+    40 named functions of the library, 535 code lines between them (comments and docstrings
+    uncounted: nanochat's are 17 functions and 478 lines with theirs). A group resolved anew at
+    every step, or a derivation per call, would pass both bounds."""
     import ast
 
     from nanomuon.gpt import GPT, config_from_depth
@@ -266,13 +304,15 @@ def test_a_model_and_optimizer_step_reads_in_40_functions():
     named = {c for c in calls if not c[1].startswith("<")}
     sizes = {}
     for f in {f for f, _, _ in named}:
-        for node in ast.walk(ast.parse((ROOT / f).read_text())):
+        source = (ROOT / f).read_text()
+        code = code_lines(source)
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                size = node.end_lineno - node.lineno + 1
+                size = len(code & set(range(node.lineno, node.end_lineno + 1)))
                 sizes[(f, node.name, node.lineno)] = sizes[(f, node.name, first)] = size
     lines = sum(sizes[c] for c in named)
-    assert len(named) <= 40 and lines <= 600, (len(named), lines, sorted(named))
+    assert len(named) <= 40 and lines <= 535, (len(named), lines, sorted(named))
 
 
 def _dist_step_worker(rank, world_size):

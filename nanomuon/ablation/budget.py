@@ -1,10 +1,10 @@
 """
-How many seeds and steps of an ablation fit a wall time (ablate's --budget): its Design, refined
+How many seeds and steps of an ablation fit a wall time (ablate's --budget): its Plan, refined
 from the runs' own steps: no run is spent on calibration alone.
 
-The first design is fitted from a calibration kept here, or it is the smallest, timed by a prior
+The first plan is fitted from a calibration kept here, or it is the smallest, timed by a prior
 (probe_step). A Tracker then reads the runs' step records; the Calibration they measure is kept,
-sizes the seeds that join (grow), and refuses a budget not even the smallest design fits. fit()
+sizes the seeds that join (grow), and refuses a budget not even the smallest plan fits. fit()
 trades the seeds' t factor against the spread that longer runs shrink.
 """
 
@@ -32,13 +32,13 @@ MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the 
 # SPREAD_SCALE * steps ** -SPREAD_EXPONENT (fitted in log-log, weighted by degrees of freedom).
 SPREAD_EXPONENT, SPREAD_SCALE = 0.41, 0.0243
 MAX_SEEDS = 32  # then longer runs: a verdict from more training, at about the same resolution
-FIRST_SEEDS = 3  # the fewest a design takes: the smallest design's, unless --seeds says
+FIRST_SEEDS = 3  # the fewest a plan takes: the smallest plan's, unless --seeds says
 EVALS = 4  # val bpb evals after step 0: the points of the plot's curves
 # The baseline's other lengths run on the first LENGTH_SEEDS seeds only: its bpb per doubling of
 # the steps barely moves from seed to seed (0.319 +- 0.003 from 3 seeds at 79 steps), so the
 # budget buys more seeds of the paired differences instead, whose spread is what limits a verdict.
 LENGTH_SEEDS = 2
-HEADROOM = 0.9  # of the budget: the design models the wall time, it does not control it
+HEADROOM = 0.9  # of the budget: the plan models the wall time, it does not control it
 WRITE_UP_S = 5.0  # the table and the plot at the end
 WARM_UP_STEPS = 3  # a run's first steps compile: their time is its start-up, not a step's
 PACE_RECORDS = 3  # warm step records before the runs' own pace replaces an estimate
@@ -53,7 +53,7 @@ PRIOR_START_STEPS = {True: 80.0, False: 25.0}
 
 
 class Calibration(NamedTuple):
-    """What a design is fitted with, at `jobs` runs at once (their contention), in seconds. A run of
+    """What a plan is fitted with, at `jobs` runs at once (their contention), in seconds. A run of
     k seeds (batched; k = 1 alone) takes fixed_s + k (steps step_s + EVALS eval_s + final_s)."""
     step_s: float  # one training step of one seed
     fixed_s: float  # the rest of a run: start-up and compile, the save and the report (alone:
@@ -63,7 +63,7 @@ class Calibration(NamedTuple):
     final_s: float = 0.0  # a batched seed's last eval and final eval
 
 
-class Design(NamedTuple):
+class Plan(NamedTuple):
     """The seeds and steps of an ablation's runs, fitted to a budget, and their modeled time."""
     steps: int
     seeds: int
@@ -137,41 +137,41 @@ def left_s(cal: Calibration, steps: int, queued: list[int], running: list[tuple]
 
 
 def fit(budget_s: float, cal: Calibration, runs_per_seed: int, jobs: int, seeds: int | None,
-        lengths: int = 0, batched: bool = False, at_least: bool = False) -> Design | None:
-    """The design for budget_s seconds (less cal.seconds): the most steps that fit `seeds` seeds,
+        lengths: int = 0, batched: bool = False, at_least: bool = False) -> Plan | None:
+    """The plan for budget_s seconds (less cal.seconds): the most steps that fit `seeds` seeds,
     or if None the seeds (FIRST_SEEDS to MAX_SEEDS) whose most steps give the smallest projected
-    detectable effect. If not even MIN_STEPS fit: None, or with at_least the smallest design."""
+    detectable effect. If not even MIN_STEPS fit: None, or with at_least the smallest plan."""
     left = (budget_s - cal.seconds) * HEADROOM
     per_seed = EVALS * cal.eval_s + cal.final_s
 
-    def design(n: int, steps: int) -> Design:
+    def plan(n: int, steps: int) -> Plan:
         run_s, total = modeled(cal, steps, n, runs_per_seed, jobs, lengths, batched)
-        return Design(steps, n, math.ceil(steps / EVALS), run_s, total)
+        return Plan(steps, n, math.ceil(steps / EVALS), run_s, total)
 
-    designs = []
+    plans = []
     for n in [seeds] if seeds else range(FIRST_SEEDS, MAX_SEEDS + 1):
         loads = lanes(run_sizes(runs_per_seed, n, lengths, batched), jobs)
         steps = min(math.floor((left - runs * cal.fixed_s - k * per_seed) / (k * cal.step_s))
                     for runs, k in loads if runs)
         if steps >= MIN_STEPS:
-            designs.append(design(n, steps))
-    if not designs and at_least:
-        designs.append(design(seeds or FIRST_SEEDS, MIN_STEPS))
-    return min(designs, default=None, key=lambda p: projected_detectable(max(2, p.seeds), p.steps))
+            plans.append(plan(n, steps))
+    if not plans and at_least:
+        plans.append(plan(seeds or FIRST_SEEDS, MIN_STEPS))
+    return min(plans, default=None, key=lambda p: projected_detectable(max(2, p.seeds), p.steps))
 
 
-def smallest(seeds: int | None) -> Design:
-    """The smallest design, not yet timed."""
-    return Design(MIN_STEPS, seeds or FIRST_SEEDS, math.ceil(MIN_STEPS / EVALS), 0.0, 0.0)
+def smallest(seeds: int | None) -> Plan:
+    """The smallest plan, not yet timed."""
+    return Plan(MIN_STEPS, seeds or FIRST_SEEDS, math.ceil(MIN_STEPS / EVALS), 0.0, 0.0)
 
 
-def grow(budget_s: float, cal: Calibration, design: Design, runs_per_seed: int, jobs: int,
+def grow(budget_s: float, cal: Calibration, plan: Plan, runs_per_seed: int, jobs: int,
          lengths: int = 0, batched: bool = False) -> int:
-    """How many seeds can join `design` as a batch of their own within budget_s at cal; 0: none."""
+    """How many seeds can join `plan` as a batch of their own within budget_s at cal; 0: none."""
     left = (budget_s - cal.seconds) * HEADROOM
-    groups = design.groups or (design.seeds,)
-    return next((more for more in range(MAX_SEEDS - design.seeds, 0, -1)
-                 if modeled(cal, design.steps, design.seeds + more, runs_per_seed, jobs, lengths,
+    groups = plan.groups or (plan.seeds,)
+    return next((more for more in range(MAX_SEEDS - plan.seeds, 0, -1)
+                 if modeled(cal, plan.steps, plan.seeds + more, runs_per_seed, jobs, lengths,
                             batched, (*groups, more))[1] <= left), 0)
 
 
@@ -286,7 +286,7 @@ class RunWatch:
 class Tracker:
     """The planned runs' pace from their step records, from any lane's thread: the Calibration
     they measure, handed to paced() after PACE_RECORDS warm steps and to finished() as each run
-    ends, and the refusal of a budget not even the smallest design's steps fit (floor: None, no
+    ends, and the refusal of a budget not even the smallest plan's steps fit (floor: None, no
     refusal)."""
 
     def __init__(self, budget_s: float, seconds: float, evals, floor=None):
@@ -342,14 +342,14 @@ class Tracker:
         self.check(cal)
 
     def overruns(self, cal: Calibration) -> float | None:
-        """The smallest design's steps alone at cal (a lower bound) if they overrun, or None."""
+        """The smallest plan's steps alone at cal (a lower bound) if they overrun, or None."""
         if self.floor is None:
             return None
         floor = self.floor(cal._replace(fixed_s=0.0, eval_s=0.0, final_s=0.0))
         return floor if floor > (self.budget_s - self.seconds) * HEADROOM else None
 
     def check(self, cal: Calibration) -> None:
-        """Refuse the budget and end the runs once the smallest design's steps overrun it at cal."""
+        """Refuse the budget and end the runs once the smallest plan's steps overrun it at cal."""
         if (floor := self.overruns(cal)) is None:
             return
         with self.lock:
@@ -372,23 +372,23 @@ class Tracker:
         """The budget was refused at cal's pace (a subclass keeps it)."""
 
 
-def read_design(path: Path) -> Design | None:
-    """A kept design, or None when there is none or it is not one."""
+def read_plan(path: Path) -> Plan | None:
+    """A kept plan, or None when there is none or it is not one."""
     try:
         saved = load_json(path, 1 << 16, "a plan ablate wrote")
-        design = Design(**saved)._replace(groups=tuple(saved.get("groups", ())))
+        plan = Plan(**saved)._replace(groups=tuple(saved.get("groups", ())))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as e:
         print(f"== {path.name} is not a plan ({e}); planning again", flush=True)
         return None
-    ints = [design.steps, design.seeds, design.eval_every, *design.groups]
+    ints = [plan.steps, plan.seeds, plan.eval_every, *plan.groups]
     if not (all(type(v) is int and v >= 1 for v in ints)
-            and all(isinstance(v, (int, float)) and v > 0 for v in (design.run_s, design.total_s))
-            and (not design.groups or sum(design.groups) == design.seeds)):
+            and all(isinstance(v, (int, float)) and v > 0 for v in (plan.run_s, plan.total_s))
+            and (not plan.groups or sum(plan.groups) == plan.seeds)):
         print(f"== {path.name} holds a plan out of range ({saved}); planning again", flush=True)
         return None
-    return design
+    return plan
 
 
 def read_calibration(path: Path, complain: bool = True) -> tuple[Calibration, dict] | None:

@@ -1,5 +1,5 @@
 """
-An ablation's design to a --budget as its runs go: where it is kept, the calibration found for these
+An ablation's plan to a --budget as its runs go: where it is kept, the calibration found for these
 runs (or a prior from one probed step), and the Refiner, which follows the runs' pace and adds the
 seeds the budget has room for. budget.py holds the model of an ablation's time and the fit.
 """
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from nanomuon.ablation import budget
-from nanomuon.ablation.budget import Calibration, Design, Tracker, machine_load, modeled, probe_step
+from nanomuon.ablation.budget import Calibration, Plan, Tracker, machine_load, modeled, probe_step
 from nanomuon.ablation.runs import RECORD_BYTES, key_of, read_json, tell, variant_key, write_json
 from nanomuon.common import load_json, resolve_compile
 from nanomuon.gpt import config_from_depth
@@ -24,22 +24,22 @@ from nanomuon.tokenizer import tokenizer_dir
 
 
 class Keys(NamedTuple):
-    """Where a design, a calibration and a refusing pace are kept; `machine`: the machine's key."""
-    design: Path
+    """Where a plan, a calibration and a refusing pace are kept; `machine`: the machine's key."""
+    plan: Path
     calibration: Path
     refused: Path
     machine: str
 
 
 def cache_keys(args, flags: list[str], jobs: int, threads: int, cache: dict) -> Keys:
-    """The files design_for_budget reads and the Refiner keeps: a calibration keyed by all that
-    decides the runs' pace, a design by that and the budget, sweep, seeds and lengths it fits."""
+    """The files plan_for_budget reads and the Refiner keeps: a calibration keyed by all that
+    decides the runs' pace, a plan by that and the budget, sweep, seeds and lengths it fits."""
     machine = key_of([flags, jobs, threads, args.nproc, cache["device"], os.cpu_count(),
                       args.batch_seeds])
     exact = key_of([machine, args.variants, [variant_key(v) for v in args.variants],
                     cache["code"], cache["torch"]])
-    design = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
-    return Keys(cache["dir"] / f"design-{design}.json", cache["dir"] / f"calibration-{exact}.json",
+    plan = key_of([args.budget, args.sweep, args.seeds, args.baseline_lengths, exact])
+    return Keys(cache["dir"] / f"plan-{plan}.json", cache["dir"] / f"calibration-{exact}.json",
                 cache["dir"] / f"refused-{exact}.json", machine)
 
 
@@ -120,19 +120,19 @@ def in_words(cal: Calibration, spent: bool = True) -> str:
 
 
 class Refiner(Tracker):
-    """A budget's design as its runs go: it says their first pace and each run's end with the
-    design's end at that pace, keeps the calibration, the timed design and a refusing pace for the
+    """A budget's plan as its runs go: it says their first pace and each run's end with the
+    plan's end at that pace, keeps the calibration, the timed plan and a refusing pace for the
     next ablate, and at the first run's end adds the seeds the budget has room for (more())."""
 
-    def __init__(self, args, train, design: Design, layout: tuple, keys: Keys, about: dict,
+    def __init__(self, args, train, plan: Plan, layout: tuple, keys: Keys, about: dict,
                  estimate: Calibration | None, seconds: float, shape: bool,
                  guess: Calibration | None = None):
-        def floor(cal: Calibration) -> float:  # the smallest design, the fewest seconds at cal
+        def floor(cal: Calibration) -> float:  # the smallest plan, the fewest seconds at cal
             return modeled(cal, budget.MIN_STEPS, args.seeds or budget.FIRST_SEEDS, *layout)[1]
 
         super().__init__(args.budget, seconds, evals_of(args, train),
                          None if args.budget_default else floor)
-        self.args, self.train, self.design, self.layout = args, train, design, layout
+        self.args, self.train, self.plan, self.layout = args, train, plan, layout
         self.keys, self.about, self.estimate, self.shape = keys, about, estimate, shape
         self.guess = guess  # the prior (prior_estimate), where nothing has timed these runs
         self.make_jobs, self.grown = None, False  # make_jobs(seeds, group): ablation()'s Jobs
@@ -147,7 +147,7 @@ class Refiner(Tracker):
                         f"({self.keys.refused.name})")
                 raise SystemExit(budget.budget_refusal(self.budget_s, floor, self.seconds, seen))
 
-    def words(self, d: Design) -> str:
+    def words(self, d: Plan) -> str:
         runs_per_seed, jobs = self.layout[:2]
         run_s, total, by = d.run_s, d.total_s, ""
         if not total and self.guess is not None:  # not timed yet: the prior's time
@@ -159,23 +159,23 @@ class Refiner(Tracker):
                 f"{self.train.total_batch_size:,} tokens, {d.seeds} seeds, {runs_per_seed} "
                 f"variant-value pairs, {jobs} runs at a time; {timed}{self.detects(d)}")
 
-    def detects(self, design: Design) -> str:
-        """The effect the design detects, projected where the spread at its shape was measured."""
-        detects = budget.projected_detectable(max(2, design.seeds), design.steps)
+    def detects(self, plan: Plan) -> str:
+        """The effect the plan detects, projected where the spread at its shape was measured."""
+        detects = budget.projected_detectable(max(2, plan.seeds), plan.steps)
         return (f"; detects ~{detects:.2%} of bpb (projected from the spread measured at this "
                 "shape)" if self.shape else "")
 
     def say(self, how: str) -> None:
-        """The design, said before any run starts, after whether the default's fits."""
+        """The plan, said before any run starts, after whether the default's fits."""
         if self.estimate is not None or self.guess is not None:
             self.overrun(self.estimate or self.guess, "" if self.estimate else " by the prior")
-        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.design)}")
-        if self.design.total_s:
-            write_json(self.keys.design, self.design._asdict())
+        tell(f"== plan for --budget {self.budget_s / 60:.1f} min ({how}): {self.words(self.plan)}")
+        if self.plan.total_s:
+            write_json(self.keys.plan, self.plan._asdict())
 
     def overrun(self, cal: Calibration, by: str = "") -> None:
-        """Say the default's design that cannot fit at cal, or a --budget the prior finds short."""
-        p = self.design
+        """Say the default's plan that cannot fit at cal, or a --budget the prior finds short."""
+        p = self.plan
         total = modeled(cal, p.steps, p.seeds, *self.layout, p.groups)[1]  # its runs at cal
         smallest = (budget.MIN_STEPS, self.args.seeds or budget.FIRST_SEEDS)
         which = "the smallest one" if (p.steps, p.seeds) == smallest else "its plan"
@@ -192,7 +192,7 @@ class Refiner(Tracker):
         """Seconds after ablate began that its runs end, as they go: now, and at cal what the
         running runs have left and the runs not started yet take. Not the whole plan redone at
         cal: the time already spent is spent, so the estimate closes in on the end."""
-        p, (runs_per_seed, jobs, lengths, batched) = self.design, self.layout
+        p, (runs_per_seed, jobs, lengths, batched) = self.plan, self.layout
         planned = Counter(budget.run_sizes(runs_per_seed, p.seeds, lengths, batched, p.groups))
         now = time.monotonic()
         with self.lock:
@@ -226,16 +226,16 @@ class Refiner(Tracker):
         tell(f"== {run.label} took {run.wall:.0f} s; the runs so far: {in_words(cal)}; "
              f"{self.end_words(cal)}")
 
-    def retime(self, cal: Calibration, added: int = 0) -> Design:
-        """The design timed at cal, with `added` seeds as a batch of their own, kept under the lock
-        (a run's end and the seeds added come from two threads). Returns the design before."""
+    def retime(self, cal: Calibration, added: int = 0) -> Plan:
+        """The plan timed at cal, with `added` seeds as a batch of their own, kept under the lock
+        (a run's end and the seeds added come from two threads). Returns the plan before."""
         with self.lock:
-            p = self.design
+            p = self.plan
             groups = (*(p.groups or (p.seeds,)), added) if added else p.groups
             run_s, total = modeled(cal, p.steps, p.seeds + added, *self.layout, groups)
-            self.design = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
+            self.plan = p._replace(seeds=p.seeds + added, groups=groups, run_s=run_s,
                                      total_s=total)
-            write_json(self.keys.design, self.design._asdict())
+            write_json(self.keys.plan, self.plan._asdict())
         return p
 
     def refused(self, cal: Calibration) -> None:
@@ -248,11 +248,11 @@ class Refiner(Tracker):
         if self.grown or not ended:
             return []
         self.grown, cal = True, self.measured()
-        if self.args.seeds or cal is None or len(self.design.groups) > 1:
+        if self.args.seeds or cal is None or len(self.plan.groups) > 1:
             return []
-        if not (added := budget.grow(self.budget_s, cal, self.design, *self.layout)):
+        if not (added := budget.grow(self.budget_s, cal, self.plan, *self.layout)):
             return []
-        before, now = self.retime(cal, added), self.design
+        before, now = self.retime(cal, added), self.plan
         tell(f"== the budget has room at the runs' own pace: seeds {before.seeds + 1}-"
              f"{now.seeds} join, a batch of each variant's; the plan now: {self.words(now)}")
         return self.make_jobs(list(range(before.seeds + 1, now.seeds + 1)), len(now.groups) - 1)
