@@ -94,12 +94,12 @@ def test_the_update_and_the_owners_stand_alone():
             if m.startswith("nanomuon")} <= {"muon"}
     graph = library_graph()
 
-    for module in ("sharded", "owners", "muon", "stages", "coefficients", "param_groups"):
+    for module in ("sharded", "owners", "muon", "stages", "coefficients", "kinds", "param_groups"):
         assert "optim" not in reaches(graph, module), f"{module}.py depends on optim.py"
     assert "baselines" not in reaches(graph, "gpt"), "the model file imports an optimizer baseline"
 
 
-OPTIMIZER = {"optim", "muon", "stages", "coefficients", "sharded", "owners", "param_groups",
+OPTIMIZER = {"optim", "muon", "stages", "coefficients", "kinds", "sharded", "owners", "param_groups",
              "baselines", "variants", "reference"}
 
 
