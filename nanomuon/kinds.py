@@ -191,12 +191,10 @@ def check_kind_group(label: str, group: dict) -> None:
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
     per = sorted({s.per for s in kind.state.values()} - {"element"})
-    sharded = [p for p in group.get("params", ()) if isinstance(p, DTensor)
-               and any(not pl.is_replicate() for pl in p.placements)]
-    if per and sharded:
+    if per and any(isinstance(p, DTensor) for p in group.get("params", ())):
         raise ValueError(f"{label}: kind {group['kind']!r} keeps state per {per[0]}, which "
-                         "sharded DTensor params would cut; train them with a kind whose state "
-                         "is per element (lion, adamw), or give it replicated params")
+                         "DTensor params would cut; train them with a kind whose state is per "
+                         "element (lion, adamw), or give it plain params")
 
 
 def check_kind_numbers(label: str, group: dict, numbers: tuple) -> None:

@@ -495,6 +495,7 @@ class MuonAdamW(torch.optim.Optimizer):
         tensors = [p, grad, *(state[name] for name in kind.state)]
         if isinstance(p, DTensor):  # element-wise state only: run on the local shards
             tensors = [local(t, p) for t in tensors]
+            shape = tensors[0].shape
         if tensors[0].numel() == 0:
             return
         tensors, cut = kinds.as_rows(tensors, shape, kind.state)

@@ -8,6 +8,7 @@ to a kind keeping its own lr.
 
 import pytest
 import torch
+from test_ablate_ideas import registries  # noqa: F401  (the fixture: the registries restored after)
 
 from nanomuon import checkpoint, kinds
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
@@ -363,3 +364,91 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, kind):
         opt.step()
     for p, q in zip(torch.load(tmp_path / f"{kind}.pt"), ref):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+IDEAS = '''
+"""A kind of my own: signSGD with decoupled decay, on the embedding and the head."""
+from collections import namedtuple
+
+import torch
+
+from nanomuon.kinds import KINDS, Kind
+from nanomuon.stages import Option, a_number
+from nanomuon.variants import OPTIMIZER_VARIANTS
+
+Numbers = namedtuple("Numbers", "lr wd")
+
+
+def sign_sgd(p, grad, state, h):
+    p.mul_(1 - h.lr * h.wd)
+    p.sub_(torch.sign(grad) * h.lr)
+
+
+KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr"),
+                                              weight_decay=Option(0.0, a_number, "decay")),
+                         ("lr", "weight_decay"), lambda group, step: Numbers(group["lr"], group["weight_decay"]))
+OPTIMIZER_VARIANTS["muon-sign-sgd"] = dict(roles={"embedding": dict(kind="sign_sgd", lr_factor=0.1)})
+'''
+
+
+@pytest.mark.usefixtures("registries")
+def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
+    """An --ideas file registers a kind and a variant that puts the embedding on it, with no library edit: the
+    embedding then steps by its own lr x 0.1 along sign(grad), and the file owns that variant."""
+    from nanomuon import ideas
+    from nanomuon.variants import optimizer_kwargs
+
+    path = tmp_path / "my_ideas.py"
+    path.write_text(IDEAS)
+    assert ideas.load(str(path)).variants == {"muon-sign-sgd"}
+    model = _gpt("classic")
+    adamw_lr = next(g["lr"] for g in model.setup_optimizer().param_groups if g["name"] == "embedding")
+    opt = model.setup_optimizer(**optimizer_kwargs("muon-sign-sgd"))
+    embedding = next(g for g in opt.param_groups if g["name"] == "embedding")
+    assert embedding["kind"] == "sign_sgd" and embedding["lr"] == pytest.approx(0.1 * adamw_lr)
+    w = model.wte.weight.detach().clone()
+    x = torch.randint(0, 97, (2, 16))
+    model(x, x).backward()
+    g = model.wte.weight.grad.clone()
+    opt.step()
+    torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
+
+
+def _dtensor_worker(rank, world):
+    """Lion on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), replicated) runs on the local
+    shards as one device runs the whole; its state_dict() is whole and loads back into another run. Adam-mini's
+    per-row state would be cut by the shards: refused in one line."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    placements = [Shard(0), Shard(1), Shard(2), Shard(0), Replicate(), Shard(0)]
+    ref = _model()[:6]
+    params = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl]))
+              for p, pl in zip(ref, placements)]
+    opt, ref_opt = MuonAdamW(_groups(params, "lion")), MuonAdamW(_groups(ref, "lion"))
+    for step in range(5):
+        if step == 3:  # resume from the whole state, at this world size
+            params = [torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [pl]))
+                      for p, pl in zip(params, placements)]
+            whole = opt.state_dict()
+            opt = MuonAdamW(_groups(params, "lion"))
+            opt.load_state_dict(whole)
+        grads = _random_grads(step)[:6]
+        for p, q, g, pl in zip(params, ref, grads, placements):
+            p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
+        opt.step()
+        ref_opt.step()
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
+    whole = opt.state_dict()["state"]
+    for i, q in enumerate(ref):
+        torch.testing.assert_close(whole[i]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="keeps state per row, which DTensor params would cut"):
+        MuonAdamW(_groups(params, "adam_mini"))
+
+
+def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there():
+    from test_dist import spawn
+
+    spawn(_dtensor_worker, 2)
