@@ -93,25 +93,27 @@ def _positive(v):
     return None if a_number(v) is None and v > 0 else "must be a finite number > 0"
 
 
-def _options(betas: tuple, **more) -> dict:
+def _options(betas: tuple, what: str, **more) -> dict:
     """The keys of an Adam-like kind: lr, betas (the paper's default), weight_decay, then more."""
-    return {"lr": Option(None, a_number, "the step size (required)"),
-            "betas": Option(betas, a_pair_of_betas, "(beta1, beta2); required, a role takes the "
-                            "default"),
-            "weight_decay": Option(0.0, a_number, "decoupled: p *= 1 - lr weight_decay "
-                                   "(required)"),
+    return {"lr": Option(None, a_number, "the step size; a role keeps its group's"),
+            "betas": Option(betas, a_pair_of_betas, f"`(beta1, beta2)`: {what}"),
+            "weight_decay": Option(None, a_number, "decoupled, `p *= 1 - lr weight_decay`; a role "
+                                   "keeps its group's"),
             **more, "momentum": ADAMW_OPTIONS["momentum"]}
 
 
 KINDS = {
     "lion": Kind(lion_update, dict(exp_avg=KindState()),
-                 _options((0.9, 0.99)), ("lr", "betas", "weight_decay"), lion_numbers,
+                 _options((0.9, 0.99), "the sign's interpolation, the momentum's EMA"),
+                 ("lr", "betas", "weight_decay"), lion_numbers,
                  "Lion, Chen et al. 2023 (arXiv 2302.06675)"),
     "adam_mini": Kind(adam_mini_update,
                       dict(exp_avg=KindState(),
                            exp_avg_sq=KindState("row", torch.float32, nonnegative=True)),
-                      _options((0.9, 0.999), eps=Option(1e-8, _positive, "added to sqrt(v); "
-                                                        "required, a role takes the default")),
+                      _options((0.9, 0.999), "the EMAs of the gradient and of its per-row mean "
+                               "square; a role from AdamW keeps its group's",
+                               eps=Option(1e-8, _positive, "added to sqrt(v); a role from AdamW "
+                                          "keeps its group's")),
                       ("lr", "betas", "eps", "weight_decay"), adam_mini_numbers,
                       "Adam-mini, Zhang et al. 2024 (arXiv 2406.16793)",
                       keeps=("betas", "eps")),  # AdamW's with fewer second moments
@@ -215,8 +217,10 @@ def role_start(kind: str, source: dict) -> dict:
 
 
 def options_table(kind: str) -> str:
-    """The markdown table of a registered kind's keys (docs/optimizer.md holds them)."""
+    """The markdown table of a registered kind's keys (docs/optimizer.md holds them): the default
+    is what a group that may leave the key out gets, or a role turned this kind."""
     k = KINDS[kind]
-    rows = [f"| `{key}` | {'required' if key in k.required else ''} `{o.default!r}` | {o.doc} |"
+    rows = [f"| `{key}` | {'yes' if key in k.required else 'no'} | "
+            f"{'' if o.default is None and key in k.required else f'`{o.default!r}`'} | {o.doc} |"
             for key, o in k.options.items()]
-    return "\n".join(["| key | default | what it does |", "|---|---|---|", *rows])
+    return "\n".join(["| key | required | default | what it does |", "|---|---|---|---|", *rows])
