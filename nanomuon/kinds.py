@@ -30,8 +30,9 @@ from nanomuon.stages import ADAMW_OPTIONS, Option, a_number, a_pair_of_betas
 
 class KindState(NamedTuple):
     """State a kind keeps per param, zeros at the first step. per: 'element' (the param's shape),
-    'row' (one value per row of dim 0, shaped (rows, 1, ...), for params of 2 dims or more; one
-    value for fewer) or 'tensor' (one value). dtype: at least this, None for the param's."""
+    'row' (one value per row of a param of 2 dims or more, shaped (..., rows, 1): leading dims are
+    a batch, as Muon's and batched seeds' are; one value for fewer dims) or 'tensor' (one value).
+    dtype: at least this, None for the param's."""
     per: str = "element"
     dtype: torch.dtype | None = None
     nonnegative: bool = False  # a second moment: a loaded negative value is refused
@@ -82,7 +83,7 @@ def adam_mini_update(p: Tensor, grad: Tensor, state: dict, h: AdamMiniNumbers) -
     m, v = state["exp_avg"], state["exp_avg_sq"]
     p.mul_(1 - h.lr * h.wd)
     m.lerp_(grad, 1 - h.beta1)
-    dims = tuple(range(1 if v.dim() else 0, grad.dim()))
+    dims = (-1,) if v.dim() else tuple(range(grad.dim()))  # v: (..., rows, 1), or one value
     mean_sq = grad.square().mean(dim=dims, keepdim=v.dim() > 0, dtype=v.dtype)
     v.mul_(h.beta2).add_(mean_sq * (1 - h.beta2))
     denom = (v / (1 - h.beta2 ** h.step)).sqrt_().add_(h.eps)
@@ -135,7 +136,7 @@ def state_shape(spec: KindState, shape) -> tuple:
     if spec.per == "element":
         return shape
     if spec.per == "row" and len(shape) >= 2:
-        return (shape[0],) + (1,) * (len(shape) - 1)
+        return (*shape[:-1], 1)
     return ()
 
 

@@ -61,18 +61,21 @@ def lion_reference(w, grads, lrs, beta1, beta2, wd):
 
 def adam_mini_reference(w, grads, lrs, beta1, beta2, eps, wd):
     """Adam-mini, Zhang et al. 2024 (arXiv 2406.16793), Algorithm 1 with one block per row of a matrix
-    (per token of an embedding or head) and one block for a smaller tensor, in float64, row by row:
+    (per token of an embedding or head; leading dims a batch of matrices) and one block for a smaller
+    tensor, in float64, row by row:
     m = b1 m + (1 - b1) g;  v_b = b2 v_b + (1 - b2) mean(g_b^2);
     w = w - lr wd w - lr (m / (1 - b1^t)) / (sqrt(v_b / (1 - b2^t)) + eps)."""
     w = w.double()
     m = torch.zeros_like(w)
-    blocks = list(range(w.shape[0])) if w.dim() >= 2 else [...]
+    blocks = list(torch.cartesian_prod(*map(torch.arange, w.shape[:-1])).reshape(-1, w.dim() - 1).tolist()
+                  if w.dim() >= 2 else [[...]])
     v = {b: 0.0 for b in range(len(blocks))}
     for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
         g = g.double()
         m = beta1 * m + (1 - beta1) * g
         new = w.clone()
         for b, index in enumerate(blocks):
+            index = tuple(index)
             v[b] = beta2 * v[b] + (1 - beta2) * float((g[index] ** 2).mean())
             step = (m[index] / (1 - beta1 ** t)) / ((v[b] / (1 - beta2 ** t)) ** 0.5 + eps)
             new[index] = w[index] - lr * wd * w[index] - lr * step
@@ -107,7 +110,7 @@ def test_a_kind_equals_its_papers_step_in_float64(kind):
     assert {tuple(v.shape) for v in [opt.state[params[0]]["exp_avg"]]} == {SHAPES[0]}
     if kind == "adam_mini":  # one second moment per row, one per tensor below 2 dims
         assert [tuple(opt.state[p]["exp_avg_sq"].shape) for p in params] == [
-            (37, 1), (48, 1), (3, 1, 1), (), (5, 1), (), ()]
+            (37, 1), (48, 1), (3, 20, 1), (), (5, 1), (), ()]
 
 
 def test_the_reference_tells_the_kinds_apart():
@@ -414,9 +417,10 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
 
 
-def _dtensor_worker(rank, world):
+def _dtensor_worker(rank, world, path):
     """Lion on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), replicated) runs on the local
-    shards as one device runs the whole; its state_dict() is whole and loads back into another run. Adam-mini's
+    shards as one device runs the whole; its state_dict() is whole and loads back into another run, as does a
+    sharded checkpoint. Adam-mini's
     per-row state would be cut by the shards: refused in one line."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -444,11 +448,24 @@ def _dtensor_worker(rank, world):
     whole = opt.state_dict()["state"]
     for i, q in enumerate(ref):
         torch.testing.assert_close(whole[i]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=0, atol=1e-6)
+    # a sharded checkpoint: each rank writes its blocks; a new run reads them back and steps on alike
+    tensors, files = checkpoint.state_of(torch.nn.ParameterList(params), opt)
+    checkpoint.save_checkpoint(path, 5, tensors, dict(step=5), files)
+    again = [torch.nn.Parameter(distribute_tensor(torch.zeros(q.shape), mesh, [pl]))
+             for q, pl in zip(ref, placements)]
+    resumed = MuonAdamW(_groups(again, "lion"))
+    checkpoint.load_into(path, 5, torch.nn.ParameterList(again), resumed)
+    for p, q, g, pl in zip(again, ref, _random_grads(5)[:6], placements):
+        p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
+    resumed.step()
+    ref_opt.step()
+    for p, q in zip(again, ref):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="keeps state per row, which DTensor params would cut"):
         MuonAdamW(_groups(params, "adam_mini"))
 
 
-def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there():
+def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there(tmp_path):
     from test_dist import spawn
 
-    spawn(_dtensor_worker, 2)
+    spawn(_dtensor_worker, 2, tmp_path)
