@@ -286,7 +286,8 @@ def test_the_variants_put_the_embedding_head_and_scalars_on_the_kinds():
     from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
     for variant, kind, arch in (("muon-lion", "lion", "classic"), ("muon-adam-mini", "adam_mini", "classic"),
-                                ("muon-lion-nanochat", "lion", "nanochat")):
+                                ("muon-lion-nanochat", "lion", "nanochat"),
+                                ("muon-adam-mini-nanochat", "adam_mini", "nanochat")):
         opt = _gpt(arch).setup_optimizer(**optimizer_kwargs(variant))
         assert {g["name"] for g in opt.param_groups if g["kind"] == kind} == set(ROLES[arch]), variant
     with pytest.raises(ValueError, match="this model's roles are"):  # scalars the classic GPT lacks
