@@ -100,7 +100,7 @@ def _options(betas: tuple, what: str, **more) -> dict:
             "betas": Option(betas, a_pair_of_betas, f"`(beta1, beta2)`: {what}"),
             "weight_decay": Option(None, a_number, "decoupled, `p *= 1 - lr weight_decay`; a role "
                                    "keeps its group's"),
-            **more, "momentum": ADAMW_OPTIONS["momentum"]}
+            **more}
 
 
 KINDS = {
@@ -125,9 +125,12 @@ PERS = ("element", "row", "tensor")
 # What the optimizer asks of a kind: its keys, its state's shapes, whether rows shard it.
 
 def optional(kind: str) -> dict:
-    """key -> Option of the keys a group of this kind may leave out, filled at their defaults."""
+    """key -> Option of the keys a group of this kind may leave out, filled at their defaults;
+    every group may hold `momentum`, MuonAdamW's default, which OneCycleLR and CyclicLR cycle (it
+    becomes betas[0] where the kind has betas)."""
     k = KINDS[kind]
-    return {key: o for key, o in k.options.items() if key not in k.required}
+    return {"momentum": ADAMW_OPTIONS["momentum"],
+            **{key: o for key, o in k.options.items() if key not in k.required}}
 
 
 def state_shape(spec: KindState, shape) -> tuple:
@@ -223,5 +226,5 @@ def options_table(kind: str) -> str:
     k = KINDS[kind]
     rows = [f"| `{key}` | {'yes' if key in k.required else 'no'} | "
             f"{'' if o.default is None and key in k.required else f'`{o.default!r}`'} | {o.doc} |"
-            for key, o in k.options.items()]
+            for key, o in {**k.options, **optional(kind)}.items()]
     return "\n".join(["| key | required | default | what it does |", "|---|---|---|---|", *rows])

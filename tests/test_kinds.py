@@ -238,6 +238,10 @@ def test_a_kind_registered_from_outside_the_library_trains(monkeypatch):
             o.step()
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    again = MuonAdamW([dict(kind="sgd", params=_model(), lr=0.01)])
+    again.load_state_dict(opt.state_dict())  # its declared state, and the group's keys, load back
+    assert all(torch.equal(again.state[p]["momentum_buffer"], opt.state[q]["momentum_buffer"])
+               for p, q in zip(again.param_groups[0]["params"], ours))
 
 
 # -- a GPT's roles: a role turned to a kind keeps its own lr -----------------------------------------------------
