@@ -474,3 +474,15 @@ def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there(tmp_path):
     from test_dist import spawn
 
     spawn(_dtensor_worker, 2, tmp_path)
+
+
+def test_the_run_header_names_the_kind():
+    """base_train's header line of a group on a kind: its kind, peak lr, betas and decay (a Muon group's
+    momentum schedule would raise there: a kind has none)."""
+    from nanomuon.gpt import ARCHS
+    from scripts.base_train import group_words
+
+    opt = _gpt("classic").setup_optimizer(roles={"lm_head": dict(kind="lion")})
+    head = next(g for g in opt.param_groups if g["name"] == "lm_head")
+    assert group_words(head, ARCHS["classic"]) == (f"lm_head: lion, peak lr {head['lr']:.3g}, betas (0.9, 0.99), "
+                                                   "weight decay 0")
