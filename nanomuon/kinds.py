@@ -47,7 +47,6 @@ class Kind(NamedTuple):
     options: dict  # key -> stages.Option: every key its groups take, lr and weight_decay included
     required: tuple  # keys a group must give; a role turned this kind takes their defaults
     numbers: Callable
-    about: str = ""  # the paper, in a few words (docs/optimizer.md's table)
     keeps: tuple = ()  # keys a role turned this kind keeps from its group, where it has them
 
 
@@ -104,20 +103,20 @@ def _options(betas: tuple, what: str, **more) -> dict:
 
 
 KINDS = {
-    "lion": Kind(lion_update, dict(exp_avg=KindState()),
-                 _options((0.9, 0.99), "the sign's interpolation, the momentum's EMA"),
-                 ("lr", "betas", "weight_decay"), lion_numbers,
-                 "Lion, Chen et al. 2023 (arXiv 2302.06675)"),
-    "adam_mini": Kind(adam_mini_update,
-                      dict(exp_avg=KindState(),
-                           exp_avg_sq=KindState("row", torch.float32, nonnegative=True)),
-                      _options((0.9, 0.999), "the EMAs of the gradient and of its per-row mean "
-                               "square; a role from AdamW keeps its group's",
-                               eps=Option(1e-8, _positive, "added to sqrt(v); a role from AdamW "
-                                          "keeps its group's")),
-                      ("lr", "betas", "eps", "weight_decay"), adam_mini_numbers,
-                      "Adam-mini, Zhang et al. 2024 (arXiv 2406.16793)",
-                      keeps=("betas", "eps")),  # AdamW's with fewer second moments
+    "lion": Kind(
+        update=lion_update, state=dict(exp_avg=KindState()),
+        options=_options((0.9, 0.99), "the sign's interpolation, the momentum's EMA"),
+        required=("lr", "betas", "weight_decay"), numbers=lion_numbers),
+    "adam_mini": Kind(
+        update=adam_mini_update,
+        state=dict(exp_avg=KindState(),
+                   exp_avg_sq=KindState("row", torch.float32, nonnegative=True)),
+        options=_options((0.9, 0.999), "the EMAs of the gradient and of its per-row mean square; "
+                         "a role from AdamW keeps its group's",
+                         eps=Option(1e-8, _positive, "added to sqrt(v); a role from AdamW keeps "
+                                    "its group's")),
+        required=("lr", "betas", "eps", "weight_decay"), numbers=adam_mini_numbers,
+        keeps=("betas", "eps")),  # AdamW's, with fewer second moments
 }
 PERS = ("element", "row", "tensor")
 
@@ -190,6 +189,9 @@ def as_rows(tensors: list[Tensor], shape, names) -> tuple[list[Tensor], bool]:
 def check_kind_group(label: str, group: dict) -> None:
     """A registered kind's group: its required keys, each key's value, its DTensor params."""
     kind = KINDS[group["kind"]]
+    if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
+        raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
+                         f"{kind.state[bad[0]].per!r}; give KindState(per=) one of {PERS}")
     if missing := [k for k in kind.required if k not in group]:
         raise ValueError(f"{label}: missing {missing}; a {group['kind']} group needs "
                          f"{list(kind.required)}")

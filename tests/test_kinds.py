@@ -192,8 +192,11 @@ def test_a_checkpoint_of_another_kind_or_shape_is_refused_in_one_line():
         MuonAdamW(_groups(_model(), "adam_mini")).load_state_dict(sd)
 
 
-def test_bad_groups_are_refused_when_added():
+def test_bad_groups_are_refused_when_added(monkeypatch):
     p = torch.nn.Parameter(torch.randn(4, 4))
+    monkeypatch.setitem(kinds.KINDS, "odd", kinds.KINDS["lion"]._replace(state=dict(v=kinds.KindState("column"))))
+    with pytest.raises(ValueError, match=r"declares state 'v' per 'column'; give KindState\(per=\) one of"):
+        MuonAdamW([dict(kind="odd", params=[p], **HYPER["lion"])])
     with pytest.raises(ValueError, match=r"missing \['weight_decay'\]; a lion group needs"):
         MuonAdamW([dict(kind="lion", params=[p], lr=0.01, betas=(0.9, 0.99))])
     with pytest.raises(ValueError, match=r"unknown keys \['eps'\]; a lion group takes"):
