@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from nanomuon.common import DTensor
+from nanomuon.muon import kernel, scalars
 from nanomuon.stages import ADAMW_OPTIONS, Option, a_number, a_pair_of_betas
 
 
@@ -147,6 +148,14 @@ def state_shapes(kind: str, shape) -> dict:
     return {name: (state_shape(s, shape), s.nonnegative) for name, s in KINDS[kind].state.items()}
 
 
+def whole_shapes(kind: str, shape) -> dict:
+    """name -> whole shape of each state tensor a param of `shape` keeps under `kind`, AdamW's
+    included (Muon's stages declare theirs in stages.py)."""
+    if kind == "adamw":
+        return dict.fromkeys(("exp_avg", "exp_avg_sq"), tuple(shape))
+    return {name: s for name, (s, _) in state_shapes(kind, shape).items()}
+
+
 def by_rows(kind: str, shape) -> bool:
     """Whether a param of `shape` updates row by row under `kind`: each state has its rows, so
     ZeRO-1 may shard it by whole rows (AdamW's always does)."""
@@ -184,6 +193,22 @@ def as_rows(tensors: list[Tensor], shape, names) -> tuple[list[Tensor], bool]:
         whole = state_shape(spec, shape)
         out.append(t.view(rows, *whole[1:]) if whole else t)
     return out, all(t.dim() for t in out)
+
+
+def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, slices) -> None:
+    """One step of the group's kind on [p, grad, *state] (plain tensors: a param, its local
+    shard, or a flat shard of whole rows of a param of `shape`): compiled through muon.kernel,
+    its numbers muon.scalars; on CPU in slices(count, like) of whole rows where all cut by rows."""
+    kind = KINDS[group["kind"]]
+    if tensors[0].numel() == 0:
+        return
+    tensors, cut = as_rows(tensors, shape, kind.state)
+    h = kind.numbers(group, step)
+    update = kernel(kind.update, True) if compiled else kind.update
+    h = scalars(h, True) if compiled else h
+    for sl in slices(len(tensors[0]), tensors[0][0]) if cut else [None]:
+        p_rows, g_rows, *rest = (t if sl is None else t[sl] for t in tensors)
+        update(p_rows, g_rows, dict(zip(kind.state, rest)), h)
 
 
 def check_kind_group(label: str, group: dict) -> None:

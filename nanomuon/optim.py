@@ -488,23 +488,15 @@ class MuonAdamW(torch.optim.Optimizer):
     def _kind_step(self, group: dict, p: Tensor, grad: Tensor, state: dict, shape=None) -> None:
         """A registered kind's step (kinds.KINDS) on p: a whole param, a DTensor, or a flat shard
         of whole rows of a param of `shape`; its state made as declared at the first."""
-        kind, shape = kinds.KINDS[group["kind"]], p.shape if shape is None else shape
+        shape = p.shape if shape is None else shape
         if not state:
             state.update(kinds.fresh_state(group["kind"], p, shape), step=0)
         state["step"] += 1
-        tensors = [p, grad, *(state[name] for name in kind.state)]
+        tensors = [p, grad, *(state[name] for name in kinds.KINDS[group["kind"]].state)]
         if isinstance(p, DTensor):  # element-wise state only: run on the local shards
             tensors = [local(t, p) for t in tensors]
             shape = tensors[0].shape
-        if tensors[0].numel() == 0:
-            return
-        tensors, cut = kinds.as_rows(tensors, shape, kind.state)
-        h = kind.numbers(group, state["step"])
-        update = muon.kernel(kind.update, True) if self.compiled else kind.update
-        h = muon.scalars(h, True) if self.compiled else h
-        for sl in self._slices(len(tensors[0]), tensors[0][0]) if cut else [None]:
-            p_rows, g_rows, *rest = (t if sl is None else t[sl] for t in tensors)
-            update(p_rows, g_rows, dict(zip(kind.state, rest)), h)
+        kinds.run(group, tensors, shape, state["step"], self.compiled, self._slices)
 
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
         """AdamW on p (a whole param, or this rank's flat shard of one)."""
@@ -571,11 +563,6 @@ class MuonAdamW(torch.optim.Optimizer):
         row = numel // shape[0] if shape and shape[0] else 1
         return flat_shard(numel, self.rank if rank is None else rank, self.world_size, row)
 
-    def _state_shapes(self, p: Tensor, kind: str) -> dict:
-        """name -> whole shape of the state tensors a non-Muon param keeps."""
-        if kind == "adamw":
-            return {"exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
-        return {name: shape for name, (shape, _) in kinds.state_shapes(kind, p.shape).items()}
 
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
         """Start giving every rank each rank's piece of buf's first n elements (p's rows, or
@@ -629,10 +616,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _gather_state(self, params: list[Tensor]) -> dict:
         """Data parallel: param -> its whole state (DTensor params' as this rank holds it)."""
-        N, kinds = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
+        N, kind_of = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
-        for p, kind in zip(params, kinds):
+        for p, kind in zip(params, kind_of):
             if not has[p] or (kind == "muon" and not isinstance(p, DTensor)):
                 continue  # plain Muon params: gathered per bucket below
             st = self.state[p]
@@ -642,7 +629,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
             else:
                 full[p]["step"] = st["step"]
-                for name, shape in self._state_shapes(p, kind).items():  # every rank's rows
+                for name, shape in kinds.whole_shapes(kind, p.shape).items():  # every rank's rows
                     shard, lo, hi = self._rows(p, shape=shape)
                     out = st[name].new_empty(shard * N)  # every rank's shard, padded alike
                     dist.all_gather_into_tensor(out, torch.nn.functional.pad(
@@ -699,17 +686,17 @@ class MuonAdamW(torch.optim.Optimizer):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
         block (mesh, placements) or a slice of the flat param. A collective (DTensor owners)."""
         kept = kept_direction_state(self.param_groups, self._sharded_owners)
-        kinds = self._kinds()
+        kind_of = self._kind_of()
         owned = {b["params"][i] for b in self._owned_buckets() for i in b["mine"]}
 
         def where(p, name, shape):
             if isinstance(p, DTensor):
-                if kinds[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
+                if kind_of[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
                     return "whole" if id(p) in kept else None
                 return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
-            if kinds[p] == "muon":
+            if kind_of[p] == "muon":
                 return "whole" if p in owned else None
-            if (self._adamw_route(p, kinds[p]) == "sharded" and len(shape)
+            if (self._adamw_route(p, kind_of[p]) == "sharded" and len(shape)
                     and shape[0] == p.shape[0]):  # a state with p's rows: this rank's rows of it
                 return slice(*self._rows(p, shape=shape)[1:])
             return "whole"
@@ -728,12 +715,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 state[pid] = mine
         return dict(sd, state=state)
 
-    def _kinds(self) -> dict:
+    def _kind_of(self) -> dict:
         return {p: g["kind"] for g in self.param_groups for p in g["params"]}
 
     def _whole_shape(self, p: Tensor, kind: str, name: str) -> tuple:
         """The whole shape of state `name` of p: p's, or as another kind declares it."""
-        return tuple(p.shape) if kind == "muon" else self._state_shapes(p, kind).get(name, p.shape)
+        return tuple(p.shape) if kind == "muon" else kinds.whole_shapes(kind, p.shape)[name]
 
     def _dcp_form(self, v: Tensor, shape, how, device) -> Tensor:
         """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of the
@@ -750,13 +737,13 @@ class MuonAdamW(torch.optim.Optimizer):
         """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
         it holds, a DTensor block where so; the rest). A collective (DTensor owners)."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
-        params, kinds = [p for g in self.param_groups for p in g["params"]], self._kinds()
+        params, kind_of = [p for g in self.param_groups for p in g["params"]], self._kind_of()
         tensors, rest = {}, {}
         for idx, st in sd["state"].items():
             p = params[idx]
             for name, v in st.items():
                 if isinstance(v, Tensor):
-                    shape = self._whole_shape(p, kinds[p], name)
+                    shape = self._whole_shape(p, kind_of[p], name)
                     tensors[f"{idx}.{name}"] = self._dcp_form(v, shape, where(p, name, shape),
                                                               p.device)
                 else:
