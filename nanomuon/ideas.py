@@ -4,9 +4,10 @@ Ideas that live outside the library, and what a variant's settings are by value.
 A file of the user's own (`--ideas my_ideas.py`, for base_train and ablate) registers stages and
 variants by adding to the registries: `from nanomuon.variants import OPTIMIZER_VARIANTS`, then
 `OPTIMIZER_VARIANTS["mine"] = dict(...)` (stages: nanomuon.stages' PRECONDITIONERS, ... and
-MUON_OPTIONS). load() runs it as the user's code and records which variants it defined or changed:
-only their runs load the file and are keyed by its contents, so editing it re-runs those alone.
-A file that changes an existing stage or option changes every variant: each then counts as its.
+MUON_OPTIONS; kinds of update: nanomuon.kinds.KINDS). load() runs it as the user's code and
+records which variants it defined or changed: only their runs load the file and are keyed by its
+contents, so editing it re-runs those alone. A file that changes an existing stage, option or
+kind changes every variant: each then counts as its.
 
 settings_key() is a variant's settings by value (a function or class by its qualified name, source,
 defaults and closure), never by a memory address, so a cache can key runs by them.
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from nanomuon import stages
+from nanomuon import kinds, stages
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
@@ -76,8 +77,9 @@ def settings_key(obj):
 
 
 def registries() -> dict:
-    """What an ideas file may add to: the variants, each stage registry and the Muon options."""
-    return {"variants": OPTIMIZER_VARIANTS, "options": stages.MUON_OPTIONS,
+    """What an ideas file may add to: the variants, each stage registry, the Muon options and the
+    kinds of update (kinds.KINDS)."""
+    return {"variants": OPTIMIZER_VARIANTS, "options": stages.MUON_OPTIONS, "kinds": kinds.KINDS,
             **{f"stages {key}": reg for key, reg in stages.STAGE_KEYS.items()}}
 
 

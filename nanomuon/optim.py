@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from nanomuon import muon, stages
+from nanomuon import kinds, muon, stages
 from nanomuon.owners import owner_buckets, update_cost
 from nanomuon.param_groups import (
     DamagedState,
@@ -107,6 +107,8 @@ def group_signature(group: dict) -> str:
 
 def check_numbers(i: int, group: dict) -> None:
     """What schedules edit (lr, weight decay, momentum, beta2, betas, eps) and step."""
+    if group["kind"] in kinds.KINDS:
+        return kinds.check_kind_numbers(group_label(i, group), group, NUMBERS)
     adamw = group["kind"] == "adamw"
     betas = group["betas"] if adamw else (0.0, 0.0)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -248,7 +250,7 @@ class MuonAdamW(torch.optim.Optimizer):
         reductions = dict(muon={}) if single else self._launch_reductions(buckets, active)  # 1
         gathers = []  # 2: group by group, wait, update what this rank owns, start the gathers
         for gi, group in enumerate(self.param_groups):
-            if group["kind"] == "adamw":
+            if group["kind"] != "muon":  # AdamW's and the other kinds' routes
                 gathers += self._update_adamw_group(group, active, reductions)
                 continue
             for bi, b in enumerate(buckets):
@@ -271,7 +273,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             every = self._resolve(i, group).input_every
             check_numbers(i, group)
-            if group["kind"] == "adamw" and group.get("momentum") is not None:  # OneCycleLR's
+            if group.get("momentum") is not None and "betas" in group:  # OneCycleLR's
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 g = p.grad
@@ -342,25 +344,28 @@ class MuonAdamW(torch.optim.Optimizer):
                                 padding=padding))
         return buckets
 
-    def _adamw_route(self, p: Tensor) -> str:
-        """How an AdamW param's grad is reduced: 'dtensor', 'local', 'small' or 'sharded'."""
+    def _adamw_route(self, p: Tensor, kind: str = "adamw") -> str:
+        """How an AdamW (or other kind's) param's grad is reduced: 'dtensor', 'local', 'small' or
+        'sharded'; a param whose kind keeps a per-tensor state is updated whole, as a small one."""
         return ("dtensor" if isinstance(p, DTensor) else "local" if self.world_size == 1
-                else "small" if p.numel() < self.SMALL else "sharded")
+                else "small" if p.numel() < self.SMALL
+                or (kind != "adamw" and not kinds.by_rows(kind, p.shape))
+                else "sharded")
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
         """Phase 1: start every grad reduction, in place; a Muon bucket's into one buffer."""
         N = self.world_size
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
-        adamw = [p for g in self.param_groups if g["kind"] == "adamw"
-                 for p in g["params"] if active[p]]
+        adamw = [(p, g["kind"]) for g in self.param_groups if g["kind"] != "muon"
+                 for p in g["params"] if active[p]]  # AdamW's, and the other kinds'
         small, by_dtype = [], {}  # (params, flat buffer, work): one coalesced all_reduce per dtype
-        for p in (p for p in adamw if self._adamw_route(p) == "small"):
+        for p in (p for p, kind in adamw if self._adamw_route(p, kind) == "small"):
             by_dtype.setdefault(p.dtype, []).append(p)
         for ps in by_dtype.values():
             buf = torch.cat([grad_or_zeros(p).reshape(-1) for p in ps])
             small.append((ps, buf, self._all_reduce(buf)))
         sharded = {}  # param -> (work, flat grad: reduced in place)
-        for p in (p for p in adamw if self._adamw_route(p) == "sharded"):
+        for p in (p for p, kind in adamw if self._adamw_route(p, kind) == "sharded"):
             flat = grad_or_zeros(p).reshape(-1)
             # equal chunks: pad (a copy of this grad)
             if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):
@@ -381,13 +386,15 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(small=small, sharded=sharded, muon=muon)
 
     def _update_adamw_group(self, group: dict, active: dict, reductions: dict) -> list:
-        """AdamW on what this rank updates of the group's active params; returns the gathers, as
-        (works, target, buffer): target None (gathered in place) or a padded param."""
+        """AdamW (or a kind of kinds.py) on what this rank updates of the group's active params;
+        returns the gathers, as (works, target, buffer): target None (gathered in place) or a
+        padded param."""
         gathers = []
+        step = self._adamw_step if group["kind"] == "adamw" else self._kind_step
         for p in (p for p in group["params"] if active[p]):
-            route = "local" if self.world_size == 1 else self._adamw_route(p)
+            route = "local" if self.world_size == 1 else self._adamw_route(p, group["kind"])
             if route in ("dtensor", "local"):  # reduced already, or nothing to reduce
-                self._adamw_step(group, p, p.grad, self.state[p])
+                step(group, p, p.grad, self.state[p])
             elif route == "small":
                 if "small_grads" not in reductions:  # the first small param waits for all of them
                     reductions["small_grads"] = {}
@@ -396,7 +403,7 @@ class MuonAdamW(torch.optim.Optimizer):
                         self._finish_mean(buf)
                         reductions["small_grads"].update(
                             zip(ps, torch.split(buf, [q.numel() for q in ps])))
-                self._adamw_step(group, p, reductions["small_grads"][p].view_as(p), self.state[p])
+                step(group, p, reductions["small_grads"][p].view_as(p), self.state[p])
             else:
                 gathers.append(self._update_adamw_shard(group, p, *reductions["sharded"][p]))
         return gathers
@@ -407,7 +414,10 @@ class MuonAdamW(torch.optim.Optimizer):
         _, lo, hi = self._rows(p)
         self._finish_mean(flat[lo:hi])
         p_flat = p.view(-1)
-        self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
+        if group["kind"] == "adamw":
+            self._adamw_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p])
+        else:  # rows of p, flat: the kind's state flat too
+            self._kind_step(group, p_flat[lo:hi], flat[lo:hi], self.state[p], p.shape)
         if len(flat) == p.numel():  # gather straight into the param; our shard is in place
             return self._gather(p_flat, p.numel(), p), None, None
         flat[lo:hi].copy_(p_flat[lo:hi])  # through the padded buffer
@@ -473,6 +483,19 @@ class MuonAdamW(torch.optim.Optimizer):
         for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
             p.grad = None
 
+    def _kind_step(self, group: dict, p: Tensor, grad: Tensor, state: dict, shape=None) -> None:
+        """A registered kind's step (kinds.KINDS) on p: a whole param, a DTensor, or a flat shard
+        of whole rows of a param of `shape`; its state made as declared at the first."""
+        shape = p.shape if shape is None else shape
+        if not state:
+            state.update(kinds.fresh_state(group["kind"], p, shape), step=0)
+        state["step"] += 1
+        tensors = [p, grad, *(state[name] for name in kinds.KINDS[group["kind"]].state)]
+        if isinstance(p, DTensor):  # element-wise state only: run on the local shards
+            tensors = [local(t, p) for t in tensors]
+            shape = tensors[0].shape
+        kinds.run(group, tensors, shape, state["step"], self.compiled, self._cpu_slices)
+
     def _adamw_step(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
         """AdamW on p (a whole param, or this rank's flat shard of one)."""
         if not state:  # zeros_like of a DTensor param is a DTensor sharded like it
@@ -530,10 +553,14 @@ class MuonAdamW(torch.optim.Optimizer):
                                               group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
-    def _rows(self, p: Tensor, rank: int | None = None) -> tuple[int, int, int]:
-        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat."""
-        row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
-        return flat_shard(p.numel(), self.rank if rank is None else rank, self.world_size, row)
+    def _rows(self, p: Tensor, rank: int | None = None, shape=None) -> tuple[int, int, int]:
+        """flat_shard of an AdamW param: (shard size, lo, hi) of rank's whole rows of p, flat;
+        shape: of a state with p's rows (another kind's), its own piece of those rows."""
+        shape = tuple(p.shape if shape is None else shape)
+        numel = math.prod(shape)
+        row = numel // shape[0] if shape and shape[0] else 1
+        return flat_shard(numel, self.rank if rank is None else rank, self.world_size, row)
+
 
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
         """Start giving every rank each rank's piece of buf's first n elements (p's rows, or
@@ -587,25 +614,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _gather_state(self, params: list[Tensor]) -> dict:
         """Data parallel: param -> its whole state (DTensor params' as this rank holds it)."""
-        N, kinds = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
+        N, kind_of = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
-        for p, kind in zip(params, kinds):
+        for p, kind in zip(params, kind_of):
             if not has[p] or (kind == "muon" and not isinstance(p, DTensor)):
                 continue  # plain Muon params: gathered per bucket below
             st = self.state[p]
             if isinstance(p, DTensor):  # sharded.full_state gathers these
                 full[p] = dict(st)
-            elif self._adamw_route(p) == "small":  # whole on every rank
+            elif self._adamw_route(p, kind) == "small":  # whole on every rank
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
             else:
-                shard, lo, hi = self._rows(p)
                 full[p]["step"] = st["step"]
-                for name in ("exp_avg", "exp_avg_sq"):  # every rank's shard, padded alike
-                    out = p.new_empty(shard * N)
+                for name, shape in kinds.whole_shapes(kind, p.shape).items():  # every rank's rows
+                    shard, lo, hi = self._rows(p, shape=shape)
+                    out = st[name].new_empty(shard * N)  # every rank's shard, padded alike
                     dist.all_gather_into_tensor(out, torch.nn.functional.pad(
                         st[name], (0, shard - (hi - lo))), group=self.pg, async_op=True).wait()
-                    full[p][name] = out[:p.numel()].view_as(p).clone()
+                    full[p][name] = out[:math.prod(shape)].view(shape).clone()
         for b in self._owned_buckets():
             if not any(has[p] for p in b["params"]):
                 continue
@@ -635,11 +662,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 group.setdefault("orthogonalizer", stages.orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
-        muon = {p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]}
+        own_dtype = {p for g in self.param_groups if g["kind"] != "adamw" for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = by_id[pid]
             for name, v in st.items():  # the saved dtype (fp32), not torch's cast copy
-                if (p in muon and name != "momentum_buffer" and isinstance(v, Tensor)
+                if (p in own_dtype and name != "momentum_buffer" and isinstance(v, Tensor)
                         and v.dtype != p.dtype):
                     self.state[p][name] = v.to(p.device, v.dtype, copy=True)
         self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
@@ -657,18 +684,19 @@ class MuonAdamW(torch.optim.Optimizer):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
         block (mesh, placements) or a slice of the flat param. A collective (DTensor owners)."""
         kept = kept_direction_state(self.param_groups, self._sharded_owners)
-        kinds = {p: g["kind"] for g in self.param_groups for p in g["params"]}
+        kind_of = self._kind_of()
         owned = {b["params"][i] for b in self._owned_buckets() for i in b["mine"]}
 
         def where(p, name, shape):
             if isinstance(p, DTensor):
-                if kinds[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
+                if kind_of[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
                     return "whole" if id(p) in kept else None
                 return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
-            if kinds[p] == "muon":
+            if kind_of[p] == "muon":
                 return "whole" if p in owned else None
-            if self._adamw_route(p) == "sharded" and tuple(shape) == tuple(p.shape):
-                return slice(*self._rows(p)[1:])
+            if (self._adamw_route(p, kind_of[p]) == "sharded" and len(shape)
+                    and shape[0] == p.shape[0]):  # a state with p's rows: this rank's rows of it
+                return slice(*self._rows(p, shape=shape)[1:])
             return "whole"
         return where
 
@@ -685,26 +713,37 @@ class MuonAdamW(torch.optim.Optimizer):
                 state[pid] = mine
         return dict(sd, state=state)
 
-    def _dcp_form(self, v: Tensor, p: Tensor, how) -> Tensor:
-        """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of p."""
+    def _kind_of(self) -> dict:
+        return {p: g["kind"] for g in self.param_groups for p in g["params"]}
+
+    def _whole_shape(self, p: Tensor, kind: str, name: str) -> tuple:
+        """The whole shape of state `name` of p: p's, or as another kind declares it."""
+        return tuple(p.shape) if kind == "muon" else kinds.whole_shapes(kind, p.shape)[name]
+
+    def _dcp_form(self, v: Tensor, shape, how, device) -> Tensor:
+        """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of the
+        whole state, of `shape`."""
         if not isinstance(how, slice):
             return v
         if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
-            self._mesh = DeviceMesh.from_group(self.pg or dist.group.WORLD, p.device.type)
-        return DTensor.from_local(v.view(-1, *p.shape[1:]), self._mesh, (Shard(0),),
-                                  shape=p.shape, stride=p.stride(), run_check=False)
+            self._mesh = DeviceMesh.from_group(self.pg or dist.group.WORLD, device.type)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
+        return DTensor.from_local(v.view(-1, *shape[1:]), self._mesh, (Shard(0),),
+                                  shape=torch.Size(shape), stride=stride, run_check=False)
 
     def sharded_state_dict(self) -> tuple[dict, dict]:
         """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
         it holds, a DTensor block where so; the rest). A collective (DTensor owners)."""
         where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
-        params = [p for g in self.param_groups for p in g["params"]]
+        params, kind_of = [p for g in self.param_groups for p in g["params"]], self._kind_of()
         tensors, rest = {}, {}
         for idx, st in sd["state"].items():
             p = params[idx]
             for name, v in st.items():
                 if isinstance(v, Tensor):
-                    tensors[f"{idx}.{name}"] = self._dcp_form(v, p, where(p, name, p.shape))
+                    shape = self._whole_shape(p, kind_of[p], name)
+                    tensors[f"{idx}.{name}"] = self._dcp_form(v, shape, where(p, name, shape),
+                                                              p.device)
                 else:
                     rest.setdefault(idx, {})[name] = v
         return tensors, dict(sd, state=rest)
@@ -720,8 +759,9 @@ class MuonAdamW(torch.optim.Optimizer):
         check_state_dict(self.param_groups, like)
         where, by_id = self._state_layout(), saved_params(self.param_groups, like)
         cut = self._cut(like, where)
-        read({f"{pid}.{name}": self._dcp_form(v, by_id[pid],
-                                              where(by_id[pid], name, by_id[pid].shape))
+        read({f"{pid}.{name}": self._dcp_form(v, shapes[f"{pid}.{name}"][0],
+                                              where(by_id[pid], name, shapes[f"{pid}.{name}"][0]),
+                                              by_id[pid].device)
               for pid, st in cut["state"].items() for name, v in st.items()
               if isinstance(v, Tensor)})
         # each rank read its own pieces: one that finds a bad value stops them all

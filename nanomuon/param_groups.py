@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from nanomuon import stages
+from nanomuon import kinds, stages
 from nanomuon.coefficients import NS_GROWTH_MAX, ns_coefficients, ns_growth
 from nanomuon.common import DTensor, shown
 
@@ -120,12 +120,23 @@ def fill_defaults(group: dict) -> None:
                          + ("variance_reduction",))
         cautious = group.pop("cautious_wd", stages.GROUP_KEYS["muon"]["cautious_wd"].default)
         group.setdefault("apply", "cautious" if cautious else "decoupled")
-    for key, default in stages.group_defaults(group).items():
+    defaults = (stages.group_defaults(group) if group.get("kind") not in kinds.KINDS
+                else {k: o.default for k, o in kind_keys(group)[1].items()})
+    for key, default in defaults.items():
         group.setdefault(key, default)
 
 
 # muon keys that stage names replaced: fill_defaults() converts them
 LEGACY_KEYS = stages.keys_with("legacy", ("muon",))
+
+
+def kind_keys(group: dict) -> tuple[tuple, dict]:
+    """(the keys a group must give, key -> Option of those it may leave out) for its kind:
+    muon's and adamw's here and in stages.py, a registered kind's in its entry (kinds.KINDS)."""
+    kind = group.get("kind")
+    if kind in kinds.KINDS:
+        return kinds.KINDS[kind].required, kinds.optional(kind)
+    return REQUIRED_KEYS.get(kind, ()), stages.group_options(group)
 
 
 def group_label(i: int, group: dict) -> str:
@@ -137,9 +148,11 @@ def check_group_values(i: int, group: dict) -> None:
     """Every check of a group's keys and values but what schedules edit (optim.check_numbers):
     its kind and required keys, then a muon group's options, coefficients, layout and stages."""
     label, kind = group_label(i, group), group.get("kind")
+    if kind in kinds.KINDS:  # a registered kind: its entry declares and checks its keys
+        return kinds.check_kind_group(label, group)
     if kind not in REQUIRED_KEYS:
-        raise ValueError(f"{label}: kind must be 'adamw' or 'muon'; "
-                         "add kind='adamw' or kind='muon' to the group")
+        raise ValueError(f"{label}: kind must be 'adamw', 'muon' or one of kinds.KINDS "
+                         f"{list(kinds.KINDS)}; add kind='adamw' or kind='muon' to the group")
     if missing := [k for k in REQUIRED_KEYS[kind] if k not in group]:
         raise ValueError(f"{label}: missing {missing}; "
                          f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
@@ -194,8 +207,8 @@ def check_group(i: int, group: dict) -> None:
         raise ValueError(f"{label}: missing 'params'; "
                          "give the list of parameters this group trains")
     check_group_values(i, group)
-    kind, options = group["kind"], stages.group_options(group)
-    unknown = set(group) - PASSIVE_KEYS - set(REQUIRED_KEYS[kind]) - set(options)
+    kind, (required, options) = group["kind"], kind_keys(group)
+    unknown = set(group) - PASSIVE_KEYS - set(required) - set(options)
     if kind == "muon" and (legacy := sorted(unknown & set(LEGACY_KEYS))):
         raise ValueError(f"{label}: {legacy[0]} is now a stage name: equilibrate='row' is "
                          "precondition=('equilibrate_row',), post_normalize='col' is post_process="
@@ -206,7 +219,7 @@ def check_group(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key} is an option of {owner[0]} {owner[1]!r}, which this "
                              "group does not run; name the stage too, or drop the key")
     if unknown:
-        allowed = sorted(set(REQUIRED_KEYS[kind]) | set(options) | {"name"})
+        allowed = sorted(set(required) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
     split, groups = group.get("split") or group.get("qkv_split"), stages.muon_option(group, "split_groups")
     dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
@@ -246,8 +259,9 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                              f"{len(group['params'])} {group['kind']} params; "
                              "it was saved from a different model or optimizer setup")
         # keys its constructor would refuse (older checkpoints' keys load as what they meant)
-        known = PASSIVE_KEYS | set(REQUIRED_KEYS[group["kind"]]) | {*LEGACY_KEYS, "ns_method"}
-        if unknown := sorted(set(saved) - known - set(stages.group_options(saved))):
+        required, options = kind_keys(saved)
+        known = PASSIVE_KEYS | set(required) | {*LEGACY_KEYS, "ns_method"}
+        if unknown := sorted(set(saved) - known - set(options)):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
@@ -260,11 +274,30 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
         if group["kind"] == "muon":
             check_muon_state(f"optimizer checkpoint: group {i} param {j}", st, p, group)
             continue
+        if group["kind"] in kinds.KINDS:
+            check_kind_state(f"optimizer checkpoint: group {i} param {j}", st, p, group["kind"])
+            continue
         for name in ("exp_avg", "exp_avg_sq"):
             if name in st and tuple(st[name].shape) != tuple(p.shape):
                 raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape "
                                  f"{tuple(st[name].shape)}, the param has {tuple(p.shape)}; "
                                  "the checkpoint is from a different model size")
+
+
+def check_kind_state(where: str, st: dict, p: Tensor, kind: str) -> None:
+    """A registered kind's saved state against its declaration: a step, then each state tensor
+    of its shape (kinds.KINDS[kind].state), nothing else."""
+    shapes = {name: shape for name, (shape, _) in kinds.state_shapes(kind, p.shape).items()}
+    for name, v in st.items():
+        if name != "step" and (name not in shapes or not isinstance(v, Tensor)):
+            raise ValueError(f"{where} state {name!r} is not state a {kind} group keeps (step, "
+                             f"{', '.join(shapes)}); the checkpoint is from another optimizer setup")
+        if name != "step" and tuple(v.shape) != shapes[name]:
+            raise ValueError(f"{where} state {name!r} is {tuple(v.shape)}, a {kind} group keeps "
+                             f"{shapes[name]} for a param of {tuple(p.shape)}; the checkpoint is "
+                             "from another model or optimizer setup")
+    if st and (missing := sorted({"step", *shapes} - set(st))):
+        raise ValueError(f"{where} has state but no {missing}; corrupt file?")
 
 
 def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
@@ -326,12 +359,15 @@ def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | No
         i, j, p, group = where[pid]
         slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
                  if group["kind"] == "muon" else {})
+        nonnegative = {name for name, s in slots.items() if s.nonnegative} | {"exp_avg_sq"}
+        if group["kind"] in kinds.KINDS:
+            nonnegative = {name for name, (_, nonneg) in kinds.state_shapes(group["kind"],
+                                                                            p.shape).items() if nonneg}
         for name, v in st.items():
-            if group["kind"] == "adamw" and name == "step":
+            if group["kind"] != "muon" and name == "step":
                 wrong = _bad_step(v)
             else:
-                wrong = isinstance(v, Tensor) and _bad_values(v, name == "exp_avg_sq" or getattr(
-                    slots.get(name), "nonnegative", False))
+                wrong = isinstance(v, Tensor) and _bad_values(v, name in nonnegative)
             if wrong:
                 return (f"optimizer state: {group_label(i, group)}, param {j}: {name!r} {wrong}; "
                         "the saved state is damaged and would poison the next step")
@@ -419,10 +455,12 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
 def _role_group(role: str, spec, source: dict, params: list, fresh: dict, embedding: bool) -> dict:
     """Role `role`'s group of `params`, now in group `source`, as spec asks (role_groups)."""
     kind = spec.get("kind", source["kind"]) if isinstance(spec, dict) else None
-    if kind not in REQUIRED_KEYS:
+    if kind not in REQUIRED_KEYS and kind not in kinds.KINDS:
         raise ValueError(f"roles[{role!r}]={shown(repr(spec), 80, quote=False)}: give a dict "
-                         "with kind 'muon' or 'adamw' (default: the kind it trains with now)")
-    allowed = ({"kind", *ROLE_FACTORS, *REQUIRED_KEYS[kind], *stages.OPTIONS[kind]}
+                         f"with kind 'muon', 'adamw' or one of kinds.KINDS {list(kinds.KINDS)} "
+                         "(default: the kind it trains with now)")
+    options = kinds.KINDS[kind].options if kind in kinds.KINDS else stages.OPTIONS[kind]
+    allowed = ({"kind", *ROLE_FACTORS, *REQUIRED_KEYS.get(kind, ()), *options}
                - {"lr", "weight_decay"})
     if unknown := sorted(set(spec) - allowed):
         raise ValueError(f"roles[{role!r}]: {unknown} is not a key of kind {kind!r}: its roles "
@@ -432,7 +470,9 @@ def _role_group(role: str, spec, source: dict, params: list, fresh: dict, embedd
         raise ValueError(f"roles[{role!r}]: lr_factor and weight_decay_factor (times the group's "
                          f"it starts from) must be numbers, each in [0, 1000); got {factors}")
     base = source
-    if kind != source["kind"]:  # an embedding's logical matrix is (dim, vocab): Muon transposes
+    if kind != source["kind"] and kind in kinds.KINDS:  # its own lr and decay, not the matrices'
+        base = kinds.role_start(kind, source)
+    elif kind != source["kind"]:  # an embedding's logical matrix is (dim, vocab): Muon transposes
         base = dict(fresh[kind], transposed=embedding) if kind == "muon" else fresh[kind]
     name = role if source["name"] == role else f"{source['name']}, {role}"
     return dict(base, **{k: v for k, v in spec.items() if k not in ("kind", *ROLE_FACTORS)},

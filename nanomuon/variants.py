@@ -7,6 +7,14 @@ says so), and --lr-multiplier still scales it. Adding one: README.md, "Trying an
 
 from nanomuon.baselines import TorchMuonAdamW
 
+# A role turned to another kind (kinds.py) keeps its own lr and decay, times these factors.
+# Lion (Chen et al. 2023): an lr 3-10x below AdamW's, the decay as much above (lr x wd kept).
+# Adam-mini (Zhang et al. 2024): AdamW's lr, betas and eps, one second moment per token.
+LION = dict(kind="lion", lr_factor=0.3, weight_decay_factor=1 / 0.3)
+ADAM_MINI = dict(kind="adam_mini")
+# the nanochat arch's AdamW roles: the embeddings, the head and the scalars (classic: the first 2)
+NANOCHAT_ROLES = ("embedding", "lm_head", "value_embeds", "resid_lambdas", "x0_lambdas", "smear")
+
 OPTIMIZER_VARIANTS = {
     "muon": {},  # the default: Muon (Polar Express, variance reduction, cautious wd) + AdamW
     "adamw": dict(matrix_optimizer="adamw"),  # the baseline: AdamW everywhere
@@ -50,6 +58,12 @@ OPTIMIZER_VARIANTS = {
         extra_scale=3.0), roles={
         "embedding": dict(kind="muon", orthogonalizer="col_norm", lr_scale="one", extra_scale=1.0),
         "lm_head": dict(kind="muon", orthogonalizer="sign", lr_scale="one", extra_scale=10.0)}),
+    # the embedding and head on Lion or Adam-mini, each at its own lr times the factor
+    "muon-lion": dict(roles=dict.fromkeys(("embedding", "lm_head"), LION)),
+    "muon-adam-mini": dict(roles=dict.fromkeys(("embedding", "lm_head"), ADAM_MINI)),
+    # and the nanochat arch's value embeddings and scalars (--arch nanochat; classic lacks them)
+    "muon-lion-nanochat": dict(roles=dict.fromkeys(NANOCHAT_ROLES, LION)),
+    "muon-adam-mini-nanochat": dict(roles=dict.fromkeys(NANOCHAT_ROLES, ADAM_MINI)),
     # stock torch.optim.Muon + torch.optim.AdamW (baselines.py) on the same groups and lrs
     "torch-muon": dict(optimizer_class=TorchMuonAdamW,
                        muon_options=dict(beta2=None, precondition=(), post_process=())),

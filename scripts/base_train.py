@@ -483,8 +483,9 @@ def group_words(group: dict, arch: Arch) -> str:
     """A group's header line: its kind and peak lr and, for a Muon group, the momentum and weight
     decay that run (scheduled, kept, or not applied by its apply stage)."""
     words = f"{group.get('name', 'group')}: {group['kind']}, peak lr {group['initial_lr']:.3g}"
-    if group["kind"] == "adamw":
-        return f"{words}, betas {tuple(group['betas'])}, weight decay {group['weight_decay']:.3g}"
+    if group["kind"] != "muon":  # AdamW, or a kind of kinds.py
+        betas = f", betas {tuple(group['betas'])}" if "betas" in group else ""
+        return f"{words}{betas}, weight decay {group['weight_decay']:.3g}"
     momentum = ("the arch's schedule" if momentum_scheduled(group)
                 else f"{group['initial_momentum']:.3g}, kept")
     decay = group["initial_weight_decay"]

@@ -104,6 +104,18 @@ def test_the_group_keys_table_is_the_declared_one():
     assert listed == {k for keys in GROUP_KEYS.values() for k in keys}
 
 
+def test_each_kinds_table_is_the_declared_one():
+    """Each built-in kind of kinds.KINDS has its key table in docs/optimizer.md, as
+    kinds.options_table(kind) makes it from the entry's Option rows."""
+    from nanomuon.kinds import KINDS, options_table
+
+    page = (ROOT / "docs" / "optimizer.md").read_text()
+    for kind in KINDS:
+        start = page.index(f"<!-- kind-options {kind}:")
+        end = page.index("<!-- /kind-options -->", start)
+        assert page[page.index("\n", start) + 1:end].strip() == options_table(kind), kind
+
+
 def test_the_readme_keeps_its_shape():
     """A newcomer reads it in five minutes: at most 250 lines, the sections in this order, and a
     link to every docs page (the detail lives there)."""

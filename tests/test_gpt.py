@@ -16,9 +16,9 @@ from nanomuon.recipe import PeakLRs
 from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
 
 
-def small_model(seq_len=32, vocab=97, depth=2, seed=0):
+def small_model(seq_len=32, vocab=97, depth=2, seed=0, arch="classic"):
     torch.manual_seed(seed)
-    model = GPT(config_from_depth(depth, vocab, seq_len, aspect_ratio=32, head_dim=16))
+    model = GPT(config_from_depth(depth, vocab, seq_len, aspect_ratio=32, head_dim=16, arch=arch))
     model.init_weights()
     return model
 
@@ -399,7 +399,7 @@ def test_compiled_model_equals_eager():
 
 @pytest.mark.parametrize("variant", list(OPTIMIZER_VARIANTS))
 def test_every_optimizer_variant_builds_and_steps(variant):
-    model = small_model()
+    model = small_model(arch="nanochat" if variant.endswith("-nanochat") else "classic")  # its roles
     opt = model.setup_optimizer(**optimizer_kwargs(variant), horizon=10)  # Muown's schedule needs one
     matrices = next(g for g in opt.param_groups if g["name"] == "matrices")
     assert matrices["kind"] == ("adamw" if variant == "adamw" else "muon")

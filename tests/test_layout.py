@@ -96,12 +96,12 @@ def test_the_update_and_the_owners_stand_alone():
             if m.startswith("nanomuon")} <= {"muon"}
     graph = library_graph()
 
-    for module in ("sharded", "owners", "muon", "stages", "coefficients", "param_groups"):
+    for module in ("sharded", "owners", "muon", "stages", "coefficients", "kinds", "param_groups"):
         assert "optim" not in reaches(graph, module), f"{module}.py depends on optim.py"
     assert "baselines" not in reaches(graph, "gpt"), "the model file imports an optimizer baseline"
 
 
-OPTIMIZER = {"optim", "muon", "stages", "coefficients", "sharded", "owners", "param_groups",
+OPTIMIZER = {"optim", "muon", "stages", "coefficients", "kinds", "sharded", "owners", "param_groups",
              "baselines", "variants", "reference"}
 
 
@@ -167,9 +167,10 @@ def test_the_code_count_skips_comments_and_docstrings():
 
 # The code lines the update and the optimizer may hold: what their old caps on raw lines (muon.py
 # 450, optim.py 750) left for code; muon.py's 11 more carry muon_update's and adamw_update's
-# arguments one a line, each with its shape. Comments and docstrings count in no limit: a reason
-# beside a line costs nothing.
-CODE_BUDGET = {"nanomuon/muon.py": 322, "nanomuon/optim.py": 577}
+# arguments one a line, each with its shape; optim.py's 24 more run the kinds of kinds.py by
+# their declared state. Comments and docstrings count in no limit: a reason beside a line costs
+# nothing.
+CODE_BUDGET = {"nanomuon/muon.py": 322, "nanomuon/optim.py": 601}
 
 
 def test_the_update_and_the_optimizer_keep_their_code_budgets():

@@ -436,8 +436,8 @@ P2 = torch.nn.Parameter(torch.randn(4, 4))
 P1 = torch.nn.Parameter(torch.randn(4))
 
 BAD_GROUPS = [
-    ([dict(params=[P2], lr=0.1)], ValueError, "kind must be 'adamw' or 'muon'"),
-    ([dict(kind="sgd", params=[P2], lr=0.1)], ValueError, "kind must be 'adamw' or 'muon'"),
+    ([dict(params=[P2], lr=0.1)], ValueError, "kind must be 'adamw', 'muon' or one of kinds.KINDS"),
+    ([dict(kind="sgd", params=[P2], lr=0.1)], ValueError, "kind must be 'adamw', 'muon' or one of kinds.KINDS"),
     ([dict(kind="adamw", params=[P2], lr=0.1)], ValueError, "missing ['betas', 'eps', 'weight_decay']"),
     ([muon_group([P2], momentun=0.9)], ValueError, "unknown keys ['momentun']"),
     ([muon_group([P1])], ValueError, "param group 0 (kind='muon'), param 0: shape (4,) has 1 dim"),

@@ -1,0 +1,257 @@
+"""
+Kinds of update beyond Muon and AdamW, each one registry entry: its update, its state, its options.
+
+A group's `kind` names how its params train: 'muon' and 'adamw' (nanochat's convention, written
+in muon.py and run by optim.py's own paths), or a name in KINDS. An entry here is all a new kind
+needs: `update(p, grad, state, h)` in place, the state it keeps per param as KindState rows
+(per element, per row or per tensor), and its group keys as stages.Option rows, checked when a
+group is added. From the declaration alone MuonAdamW makes the state, runs the update compiled or
+eager, shards it ZeRO-1 by whole rows data parallel (as AdamW's large params; small params, and
+those with a per-tensor state, are updated on every rank), runs it on DTensor params' local
+shards, and saves and reshards the state in both checkpoint formats. Any role can name the kind
+(GPT.setup_optimizer's roles=: it keeps its own lr and decay), from the library or an --ideas file:
+`from nanomuon.kinds import KINDS, Kind, KindState`, then `KINDS["mine"] = Kind(...)`.
+
+Built in: Lion (Chen et al. 2023, arXiv 2302.06675) and Adam-mini (Zhang et al. 2024, arXiv
+2406.16793), each tested against a float64 re-derivation (tests/test_kinds.py).
+"""
+
+import math
+from collections import namedtuple
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from nanomuon.common import DTensor
+from nanomuon.muon import kernel, scalars
+from nanomuon.stages import ADAMW_OPTIONS, Option, a_number, a_pair_of_betas
+
+
+class KindState(NamedTuple):
+    """State a kind keeps per param, zeros at the first step. per: 'element' (the param's shape),
+    'row' (one value per row of a param of 2 dims or more, shaped (..., rows, 1): leading dims are
+    a batch, as Muon's and batched seeds' are; one value for fewer dims) or 'tensor' (one value).
+    dtype: at least this, None for the param's."""
+    per: str = "element"
+    dtype: torch.dtype | None = None
+    nonnegative: bool = False  # a second moment: a loaded negative value is refused
+
+
+class Kind(NamedTuple):
+    """A registry entry. update(p, grad, state, h) steps p (rows first: (rows, ...)) and its state
+    (name -> tensor, shaped as declared) in place; numbers(group, step) gives h, the step's numbers,
+    a NamedTuple of floats (0-D tensors when compiled, so schedules never recompile)."""
+    update: Callable
+    state: dict  # name -> KindState
+    options: dict  # key -> stages.Option: every key its groups take, lr and weight_decay included
+    required: tuple  # keys a group must give; a role turned this kind takes their defaults
+    numbers: Callable
+    keeps: tuple = ()  # keys a role turned this kind keeps from its group, where it has them
+
+
+# The built-in kinds: each its numbers, its update and its paper.
+
+LionNumbers = namedtuple("LionNumbers", "lr beta1 beta2 wd")
+
+
+def lion_numbers(group: dict, step: int) -> LionNumbers:
+    return LionNumbers(group["lr"], *group["betas"], group["weight_decay"])
+
+
+def lion_update(p: Tensor, grad: Tensor, state: dict, h: LionNumbers) -> None:
+    """Lion (Chen et al. 2023, arXiv 2302.06675, Algorithm 2), in place: decoupled decay p *= 1 -
+    lr wd; p -= lr sign(beta1 m + (1 - beta1) g); then m <- beta2 m + (1 - beta2) g."""
+    m = state["exp_avg"]
+    p.mul_(1 - h.lr * h.wd)
+    p.sub_(torch.sign(m.lerp(grad, 1 - h.beta1)) * h.lr)  # sign: a new tensor, m kept
+    m.lerp_(grad, 1 - h.beta2)
+
+
+AdamMiniNumbers = namedtuple("AdamMiniNumbers", "step lr beta1 beta2 eps wd")
+
+
+def adam_mini_numbers(group: dict, step: int) -> AdamMiniNumbers:
+    return AdamMiniNumbers(step, group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+
+
+def adam_mini_update(p: Tensor, grad: Tensor, state: dict, h: AdamMiniNumbers) -> None:
+    """Adam-mini (Zhang et al. 2024, arXiv 2406.16793), in place: AdamW whose second moment v is
+    one value per block, the mean of g^2 over each row of a param of 2 dims or more (a token of an
+    embedding or head, as the authors' code has it), over the whole of a smaller one."""
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    p.mul_(1 - h.lr * h.wd)
+    m.lerp_(grad, 1 - h.beta1)
+    dims = (-1,) if v.dim() else tuple(range(grad.dim()))  # v: (..., rows, 1), or one value
+    mean_sq = grad.square().mean(dim=dims, keepdim=v.dim() > 0, dtype=v.dtype)
+    v.mul_(h.beta2).add_(mean_sq * (1 - h.beta2))
+    denom = (v / (1 - h.beta2 ** h.step)).sqrt_().add_(h.eps)
+    p.sub_((m / denom * (h.lr / (1 - h.beta1 ** h.step))).to(p.dtype))
+
+
+def _positive(v):
+    return None if a_number(v) is None and v > 0 else "must be a finite number > 0"
+
+
+def _options(betas: tuple, what: str, **more) -> dict:
+    """The keys of an Adam-like kind: lr, betas (the paper's default), weight_decay, then more."""
+    return {"lr": Option(None, a_number, "the step size; a role keeps its group's"),
+            "betas": Option(betas, a_pair_of_betas, f"`(beta1, beta2)`: {what}"),
+            "weight_decay": Option(None, a_number, "decoupled, `p *= 1 - lr weight_decay`; a role "
+                                   "keeps its group's"),
+            **more}
+
+
+KINDS = {
+    "lion": Kind(
+        update=lion_update, state=dict(exp_avg=KindState()),
+        options=_options((0.9, 0.99), "the sign's interpolation, the momentum's EMA"),
+        required=("lr", "betas", "weight_decay"), numbers=lion_numbers),
+    "adam_mini": Kind(
+        update=adam_mini_update,
+        state=dict(exp_avg=KindState(),
+                   exp_avg_sq=KindState("row", torch.float32, nonnegative=True)),
+        options=_options((0.9, 0.999), "the EMAs of the gradient and of its per-row mean square; "
+                         "a role from AdamW keeps its group's",
+                         eps=Option(1e-8, _positive, "added to sqrt(v); a role from AdamW keeps "
+                                    "its group's")),
+        required=("lr", "betas", "eps", "weight_decay"), numbers=adam_mini_numbers,
+        keeps=("betas", "eps")),  # AdamW's, with fewer second moments
+}
+PERS = ("element", "row", "tensor")
+
+
+# What the optimizer asks of a kind: its keys, its state's shapes, whether rows shard it.
+
+def optional(kind: str) -> dict:
+    """key -> Option of the keys a group of this kind may leave out, filled at their defaults;
+    every group may hold `momentum`, MuonAdamW's default, which OneCycleLR and CyclicLR cycle (it
+    becomes betas[0] where the kind has betas)."""
+    k = KINDS[kind]
+    return {"momentum": ADAMW_OPTIONS["momentum"],
+            **{key: o for key, o in k.options.items() if key not in k.required}}
+
+
+def state_shape(spec: KindState, shape) -> tuple:
+    """The whole shape of a state of a param of `shape`."""
+    shape = tuple(shape)
+    if spec.per == "element":
+        return shape
+    if spec.per == "row" and len(shape) >= 2:
+        return (*shape[:-1], 1)
+    return ()
+
+
+def state_shapes(kind: str, shape) -> dict:
+    """name -> (whole shape, nonnegative) of every state a param of `shape` keeps under `kind`."""
+    return {name: (state_shape(s, shape), s.nonnegative) for name, s in KINDS[kind].state.items()}
+
+
+def whole_shapes(kind: str, shape) -> dict:
+    """name -> whole shape of each state tensor a param of `shape` keeps under `kind`, AdamW's
+    included (Muon's stages declare theirs in stages.py)."""
+    if kind == "adamw":
+        return dict.fromkeys(("exp_avg", "exp_avg_sq"), tuple(shape))
+    return {name: s for name, (s, _) in state_shapes(kind, shape).items()}
+
+
+def by_rows(kind: str, shape) -> bool:
+    """Whether a param of `shape` updates row by row under `kind`: each state has its rows, so
+    ZeRO-1 may shard it by whole rows (AdamW's always does)."""
+    return kind == "adamw" or (len(shape) >= 1 and all(
+        s[:1] == tuple(shape)[:1] for s, _ in state_shapes(kind, shape).values()))
+
+
+def fresh_state(kind: str, p: Tensor, shape) -> dict:
+    """A param's new state: p is whole, a DTensor, or a flat shard of whole rows of `shape`
+    (its state then flat too, as AdamW's shard is)."""
+    out = {}
+    for name, spec in KINDS[kind].state.items():
+        dtype = p.dtype if spec.dtype is None else torch.promote_types(p.dtype, spec.dtype)
+        whole = state_shape(spec, shape)
+        if isinstance(p, DTensor):  # element-wise only (check_kind_group): sharded like p
+            out[name] = torch.zeros_like(p, dtype=dtype)
+        elif tuple(p.shape) == tuple(shape):
+            out[name] = torch.zeros(whole, dtype=dtype, device=p.device)
+        else:
+            row = math.prod(shape[1:])
+            out[name] = torch.zeros(p.numel() // row * math.prod(whole[1:]), dtype=dtype,
+                                    device=p.device)
+    return out
+
+
+def as_rows(tensors: list[Tensor], shape, names) -> tuple[list[Tensor], bool]:
+    """p, grad and the states `names` of a kind (KINDS[...].state) as views with rows first, and
+    whether they can be cut by rows (CPU slices): p may be a flat shard of whole rows of `shape`."""
+    p, grad, *states = tensors
+    if len(shape) == 0:
+        return tensors, False
+    rows = p.numel() // max(1, math.prod(shape[1:]))
+    out = [p.view(rows, *shape[1:]), grad.view(rows, *shape[1:])]
+    for t, spec in zip(states, names.values()):
+        whole = state_shape(spec, shape)
+        out.append(t.view(rows, *whole[1:]) if whole else t)
+    return out, all(t.dim() for t in out)
+
+
+def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, slices) -> None:
+    """One step of the group's kind on [p, grad, *state] (plain tensors: a param, its local
+    shard, or a flat shard of whole rows of a param of `shape`): compiled through muon.kernel,
+    its numbers muon.scalars; on CPU in slices(count, like) of whole rows where all cut by rows."""
+    kind = KINDS[group["kind"]]
+    if tensors[0].numel() == 0:
+        return
+    tensors, cut = as_rows(tensors, shape, kind.state)
+    h = kind.numbers(group, step)
+    update = kernel(kind.update, True) if compiled else kind.update
+    h = scalars(h, True) if compiled else h
+    for sl in slices(len(tensors[0]), tensors[0][0]) if cut else [None]:
+        p_rows, g_rows, *rest = (t if sl is None else t[sl] for t in tensors)
+        update(p_rows, g_rows, dict(zip(kind.state, rest)), h)
+
+
+def check_kind_group(label: str, group: dict) -> None:
+    """A registered kind's group: its required keys, each key's value, its DTensor params."""
+    kind = KINDS[group["kind"]]
+    if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
+        raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
+                         f"{kind.state[bad[0]].per!r}; give KindState(per=) one of {PERS}")
+    if missing := [k for k in kind.required if k not in group]:
+        raise ValueError(f"{label}: missing {missing}; a {group['kind']} group needs "
+                         f"{list(kind.required)}")
+    for key, option in kind.options.items():
+        if key in group and (wrong := option.check(group[key])):
+            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
+    per = sorted({s.per for s in kind.state.values()} - {"element"})
+    if per and any(isinstance(p, DTensor) for p in group.get("params", ())):
+        raise ValueError(f"{label}: kind {group['kind']!r} keeps state per {per[0]}, which "
+                         "DTensor params would cut; train them with a kind whose state is per "
+                         "element (lion, adamw), or give it plain params")
+
+
+def check_kind_numbers(label: str, group: dict, numbers: tuple) -> None:
+    """What schedules edit, at every step: the kind's rows of those keys."""
+    for key, option in KINDS[group["kind"]].options.items():
+        if key in numbers and key in group and (wrong := option.check(group[key])):
+            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}; fix the value you pass (or "
+                             f"your LR schedule, if it sets {key})")
+
+
+def role_start(kind: str, source: dict) -> dict:
+    """A role turned to `kind`: its own lr and weight decay (those of the group it leaves) and the
+    keys the kind keeps (Kind.keeps) where that group has them, else the kind's defaults."""
+    k = KINDS[kind]
+    start = {key: source[key] if key in k.keeps and key in source else k.options[key].default
+             for key in k.required}
+    return dict(start, kind=kind, lr=source["lr"], weight_decay=source["weight_decay"])
+
+
+def options_table(kind: str) -> str:
+    """The markdown table of a registered kind's keys (docs/optimizer.md holds them): the default
+    is what a group that may leave the key out gets, or a role turned this kind."""
+    k = KINDS[kind]
+    rows = [f"| `{key}` | {'yes' if key in k.required else 'no'} | "
+            f"{'' if o.default is None and key in k.required else f'`{o.default!r}`'} | {o.doc} |"
+            for key, o in {**k.options, **optional(kind)}.items()]
+    return "\n".join(["| key | required | default | what it does |", "|---|---|---|---|", *rows])
