@@ -127,10 +127,8 @@ def check_numbers(i: int, group: dict) -> None:
     numbers += [(k, group[k], 1.0) for k in ("momentum", "beta2")
                 if group.get(k) is not None or (k == "momentum" and not adamw)]
     for key, value, hi in numbers:
-        if key == "lr" and isinstance(value, Tensor) and value.numel() == 1 and not (
-                value.is_floating_point() and value.device.type == "cpu"):
-            continue  # an accelerator's Tensor lr (torch.optim's): reading it back would sync
-        value = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+        if key == "lr" and isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()  # a Tensor lr, as torch.optim takes: the step reads it anyway
         if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value) and value >= 0 and (hi is None or value < hi)):
             raise ValueError(f"{group_label(i, group)}: {key}={value!r} must be a finite number "

@@ -590,6 +590,18 @@ def check_copies_over_another_process_group(make):
         pickle.dumps(opt)
 
 
+def check_unpickled_on_another_rank_is_refused(make):
+    """ZeRO-1 state is this rank's share: an unpickled DistMuonAdamW re-binds to the default
+    group only at the rank and world size it was pickled at, else refuses in one line."""
+    if name_of(make) != "DistMuonAdamW":
+        raise NotApplicable("no process group")
+    opt = make(Tiny())
+    state = pickle.loads(pickle.dumps(opt)).__getstate__()
+    elsewhere = type(opt).__new__(type(opt))
+    with pytest.raises(ValueError, match="load its state_dict"):
+        elsewhere.__setstate__(dict(state, world_size=state["world_size"] + 1))
+
+
 def check_keys_other_code_adds_survive_load(make):
     """OneCycleLR's, CyclicLR's and SWALR's keys are saved and loaded back, and a checkpoint
     whose group gained a key nothing added is refused, for ours, in one line."""
