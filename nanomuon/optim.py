@@ -686,12 +686,14 @@ class MuonAdamW(torch.optim.Optimizer):
         """torch's load_state_dict, keeping this run's structural options, filling defaults newer
         than the checkpoint, and stage state back in its own dtype (torch casts it)."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
-        hooks = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        pre, post = (self._optimizer_load_state_dict_pre_hooks,
+                     self._optimizer_load_state_dict_post_hooks)
         self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = {}
         try:  # the hooks run in load_state_dict(), around the checks
             torch.optim.Optimizer.load_state_dict(self, state_dict)
         finally:
-            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = hooks
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
         for group, kept in zip(self.param_groups, keep):
             group.pop(ADDED, None)
             group.update(kept)

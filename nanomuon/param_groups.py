@@ -301,7 +301,12 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> dict:
         # keys its constructor would refuse (older checkpoints' keys load as what they meant),
         # but those other code added (ADDED)
         known = PASSIVE_KEYS | set(REQUIRED_KEYS[group["kind"]]) | {*LEGACY_KEYS, "ns_method"}
-        known |= {NAMES, ADDED, *saved.get(ADDED, ())}
+        added = saved.get(ADDED, [])
+        if not (isinstance(added, list) and all(isinstance(k, str) for k in added)):
+            shown_added = shown(repr(added), 80, quote=False)
+            raise ValueError(f"optimizer checkpoint group {i}: {ADDED}={shown_added} is not a "
+                             "list of key names; the file is corrupt")
+        known |= {NAMES, ADDED, *added}
         if unknown := sorted(set(saved) - known - set(stages.group_options(saved))):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
