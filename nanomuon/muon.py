@@ -284,12 +284,13 @@ def adamw_update(
 
 def muon_hparams(group: dict, plan: MuonPlan) -> MuonScalars:
     """A muon group's per-step numbers under its plan ('l2' mode's decay is in the gradient)."""
-    lr, opts = group["lr"] * plan.lr_factor, plan.options
-    decay = (lr if opts["decay_lr"] == "adjusted" else group["lr"]) * group["weight_decay"]
+    group_lr = float(group["lr"])  # a Tensor lr too (torch.optim's)
+    lr, opts = group_lr * plan.lr_factor, plan.options
+    decay = (lr if opts["decay_lr"] == "adjusted" else group_lr) * group["weight_decay"]
     decay = 0.0 if opts["weight_decay_mode"] == "l2" else decay
     beta2 = group["beta2"] if group["beta2"] is not None else 0.0
     return MuonScalars(lr=lr, momentum=group["momentum"], wd=group["weight_decay"], decay=decay,
-                       beta2=beta2, step=group.get("step", 0), group_lr=group["lr"])
+                       beta2=beta2, step=group.get("step", 0), group_lr=group_lr)
 
 
 # -----------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ param by rows across the ranks, small ones everywhere; 3. every rank gathers eve
 back, bitwise identical. DTensor params (FSDP2, tensor parallel) go through sharded.py.
 """
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -52,14 +53,20 @@ from torch import Tensor
 from nanomuon import kinds, muon, stages
 from nanomuon.owners import owner_buckets, update_cost
 from nanomuon.param_groups import (
+    ADDED,
+    NAMES,
     DamagedState,
+    added_keys,
+    cast_state,
     check_group,
     check_group_values,
     check_state_dict,
     fill_defaults,
+    given_groups,
     group_label,
     has_dtensors,
     saved_params,
+    split_names,
     state_values_problem,
 )
 from nanomuon.sharded import (
@@ -101,7 +108,7 @@ NUMBERS = stages.keys_with("scheduled")  # the rows that say so (stages.GROUP_KE
 def group_signature(group: dict) -> str:
     """The group's keys, and their values but its params' and NUMBERS', and whether beta2 is set
     (it decides a state): groups of one signature resolve alike (options, stages, state)."""
-    static = sorted((k, v) for k, v in group.items() if k not in NUMBERS and k != "params")
+    static = sorted((k, v) for k, v in group.items() if k not in (*NUMBERS, "params", NAMES))
     return repr((static, sorted(k for k in group if k in NUMBERS), group.get("beta2") is None))
 
 
@@ -121,6 +128,8 @@ def check_numbers(i: int, group: dict) -> None:
     numbers += [(k, group[k], 1.0) for k in ("momentum", "beta2")
                 if group.get(k) is not None or (k == "momentum" and not adamw)]
     for key, value, hi in numbers:
+        if key == "lr" and isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()  # a Tensor lr, as torch.optim takes: the step reads it anyway
         if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                 and math.isfinite(value) and value >= 0 and (hi is None or value < hi)):
             raise ValueError(f"{group_label(i, group)}: {key}={value!r} must be a finite number "
@@ -143,25 +152,17 @@ class MuonAdamW(torch.optim.Optimizer):
     # How params are laid out and sharded is this run's choice, not the checkpoint's.
     STRUCTURAL_KEYS = stages.keys_with("structural")
 
-    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
-        if isinstance(param_groups, Tensor) or not isinstance(param_groups, (list, tuple)):
-            raise TypeError("MuonAdamW takes a list of param group dicts, each with kind='adamw' "
-                            "or kind='muon', e.g. [dict(kind='muon', params=..., lr=..., "
-                            "momentum=..., ns_steps=..., beta2=..., weight_decay=...), "
-                            "dict(kind='adamw', ...)]")
-        if len(param_groups) == 0:
-            raise ValueError("MuonAdamW got no param groups; pass at least one group")
+    def __init__(self, param_groups, compile: bool | None = None, process_group=None,
+                 **defaults):
+        groups = given_groups(param_groups, defaults)
         # a 'momentum' default lets OneCycleLR and CyclicLR cycle it (AdamW's beta1: _begin_step)
-        super().__init__(list(param_groups), defaults={"momentum": None})
+        super().__init__(groups, defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        self._stacks = {}  # param ids -> (group signature, name -> stacked state)
         self._sharded_owners = {}  # DTensor Muon params' owners and blocks (sharded.py)
         self._buckets = []  # per group: (param ids, buckets), plain Muon params' owners
-        self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
-        self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
-        self._resolved = {}  # group index -> Resolved, made again when its keys change
+        self._forget_caches()
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is None:
             return
@@ -178,12 +179,65 @@ class MuonAdamW(torch.optim.Optimizer):
         self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl, else broadcasts
 
+    def _forget_caches(self) -> None:
+        """Drop what is made again on use: stacked state, resolved groups, flags, the mesh."""
+        self._stacks = {}  # param ids -> (group signature, name -> stacked state)
+        self._resolved = {}  # group index -> Resolved, made again when its keys change
+        self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
+        self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
+
+    # Copies: deepcopy, pickle and torch.save of the optimizer. The caches are made again; the
+    # process group, a live handle, is shared by a copy in this process and re-bound on unpickle.
+    CACHES = ("_stacks", "_resolved", "_ones", "_mesh", "_sharded_owners", "pg", "_mean_op")
+
+    def _copied_state(self) -> dict:
+        """What a copy keeps: torch's (defaults, state, groups; hooks dropped, as torch does) and
+        this optimizer's settings and owners, with the owners' param ids noted by position."""
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in self.CACHES and not k.startswith("_optimizer_")}
+        return dict(state, _buckets=[bs for _, bs in self._buckets])
+
+    def __getstate__(self) -> dict:
+        if self.pg is not None and self.pg != dist.group.WORLD:
+            raise TypeError("a DistMuonAdamW over a process group other than the default one "
+                            "cannot be pickled (a live handle); save optimizer.state_dict() "
+                            "and load it into a new DistMuonAdamW instead")
+        return dict(self._copied_state(), pg="default" if self.pg is not None else None)
+
+    def __deepcopy__(self, memo: dict):
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(dict(copy.deepcopy(self._copied_state(), memo), pg=self.pg))
+        return copied
+
+    def __setstate__(self, state: dict) -> None:
+        if "pg" not in state:  # torch's load_state_dict, setting state and groups alone
+            super().__setstate__(state)
+            self.defaults.pop("differentiable", None)  # torch adds it; no group takes it
+            return
+        pg = state.pop("pg")
+        if pg == "default":  # unpickled: this process's default group, of the same rank and size
+            where = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+            if where != (state["rank"], state["world_size"]):
+                raise ValueError(f"this DistMuonAdamW was pickled on rank {state['rank']} of "
+                                 f"{state['world_size']}; unpickle it there (init_process_group "
+                                 "first), or load its state_dict() at any world size")
+            pg = dist.group.WORLD
+        self.__setstate__(state)  # torch's part, as on a load
+        self.pg, self._sharded_owners = pg, {}
+        self._buckets = [(tuple(id(p) for p in g["params"]), bs)
+                         for g, bs in zip(self.param_groups, self._buckets)]
+        self._forget_caches()
+        if pg is not None:
+            self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
         i = len(self.param_groups)
         if isinstance(group, dict) and "params" in group:
             params = group["params"]
             group["params"] = [params] if isinstance(params, Tensor) else list(params)
+            split_names(i, group)  # (name, tensor) pairs, as torch.optim takes them
         check_group(i, group)
         check_numbers(i, group)
         seen = {p: (gi, j) for gi, g in enumerate(self.param_groups)
@@ -508,7 +562,7 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
-        h = muon.AdamWScalars(state["step"], group["lr"], *group["betas"], group["eps"],
+        h = muon.AdamWScalars(state["step"], float(group["lr"]), *group["betas"], group["eps"],
                          group["weight_decay"])
         update = muon.kernel(muon.adamw_update, True) if self.compiled else muon.adamw_update
         h = muon.scalars(h, True) if self.compiled else h
@@ -604,11 +658,13 @@ class MuonAdamW(torch.optim.Optimizer):
         """The whole optimizer state in torch's format, on every rank, for load_state_dict() at
         any world size. Data parallel or with DTensor params, a collective: call it on all ranks.
         Training checkpoints use sharded_state_dict(), where each rank writes only its pieces."""
-        N, sd = self.world_size, super().state_dict()
+        N, sd = self.world_size, self._marked(super().state_dict())
         params = [p for g in self.param_groups for p in g["params"]]
         if N > 1:
             index = {id(p): k for k, p in enumerate(params)}
-            sd["state"] = {index[id(p)]: st for p, st in self._gather_state(params).items()}
+            others = {k: v for k, v in sd["state"].items() if not isinstance(k, int)}  # hooks'
+            sd["state"] = {**others, **{index[id(p)]: st
+                                        for p, st in self._gather_state(params).items()}}
         return (full_state(self.param_groups, self.state, self._sharded_owners, sd)
                 if has_dtensors(params) else sd)
 
@@ -655,8 +711,16 @@ class MuonAdamW(torch.optim.Optimizer):
         """torch's load_state_dict, keeping this run's structural options, filling defaults newer
         than the checkpoint, and stage state back in its own dtype (torch casts it)."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
-        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        pre, post = (self._optimizer_load_state_dict_pre_hooks,
+                     self._optimizer_load_state_dict_post_hooks)
+        self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = {}
+        try:  # the hooks run in load_state_dict(), around the checks
+            torch.optim.Optimizer.load_state_dict(self, state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
         for group, kept in zip(self.param_groups, keep):
+            group.pop(ADDED, None)
             group.update(kept)
             if (method := group.pop("ns_method", None)) is not None:  # before orthogonalizer
                 group.setdefault("orthogonalizer", stages.orthogonalizer_running(method))
@@ -674,11 +738,29 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
-        pieces. A collective where DTensor Muon params have owners."""
-        check_state_dict(self.param_groups, state_dict)
+        pieces. A collective where DTensor Muon params have owners. As torch's: the pre-hooks
+        first (they may adapt the checkpoint), floating state cast, the post-hooks last."""
+        state_dict = check_state_dict(self.param_groups, self._pre_hooked(state_dict))
         if problem := state_values_problem(self.param_groups, state_dict):  # alike on every rank
             raise DamagedState(problem)
         self._torch_load(self._cut(state_dict, self._state_layout()))
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _pre_hooked(self, state_dict: dict) -> dict:
+        """A shallow copy of state_dict through the load pre-hooks, as torch runs them."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            if (result := hook(self, state_dict)) is not None:
+                state_dict = result
+        return state_dict
+
+    def _marked(self, sd: dict) -> dict:
+        """A state_dict whose groups list the keys other code added to them (ADDED)."""
+        for saved, group in zip(sd["param_groups"], self.param_groups):
+            if keys := added_keys(group):
+                saved[ADDED] = keys
+        return sd
 
     def _state_layout(self):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
@@ -734,7 +816,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def sharded_state_dict(self) -> tuple[dict, dict]:
         """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
         it holds, a DTensor block where so; the rest). A collective (DTensor owners)."""
-        where, sd = self._state_layout(), torch.optim.Optimizer.state_dict(self)
+        where, sd = self._state_layout(), self._marked(torch.optim.Optimizer.state_dict(self))
         params, kind_of = [p for g in self.param_groups for p in g["params"]], self._kind_of()
         tensors, rest = {}, {}
         for idx, st in sd["state"].items():
@@ -755,15 +837,18 @@ class MuonAdamW(torch.optim.Optimizer):
         for key, (shape, dtype) in shapes.items():
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
-        like = dict(rest, state=state)
-        check_state_dict(self.param_groups, like)
+        like = self._pre_hooked(dict(rest, state=state))
+        check_state_dict(self.param_groups, like)  # read as saved, then cast below
         where, by_id = self._state_layout(), saved_params(self.param_groups, like)
         cut = self._cut(like, where)
-        read({f"{pid}.{name}": self._dcp_form(v, shapes[f"{pid}.{name}"][0],
-                                              where(by_id[pid], name, shapes[f"{pid}.{name}"][0]),
+        whole = {pid: {name: v.shape for name, v in st.items() if isinstance(v, Tensor)}
+                 for pid, st in like["state"].items()}  # as saved, after the hooks
+        read({f"{pid}.{name}": self._dcp_form(v, whole[pid][name],
+                                              where(by_id[pid], name, whole[pid][name]),
                                               by_id[pid].device)
               for pid, st in cut["state"].items() for name, v in st.items()
               if isinstance(v, Tensor)})
+        cut = cast_state(self.param_groups, cut)
         # each rank read its own pieces: one that finds a bad value stops them all
         problem = state_values_problem(self.param_groups, cut)
         shared = self.world_size > 1 or has_dtensors(by_id.values())
@@ -772,14 +857,17 @@ class MuonAdamW(torch.optim.Optimizer):
         if problem:
             raise DamagedState(problem)
         self._torch_load(cut)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 class DistMuonAdamW(MuonAdamW):
     """MuonAdamW, data parallel over the default process group (or process_group)."""
 
-    def __init__(self, param_groups, compile: bool | None = None, process_group=None):
+    def __init__(self, param_groups, compile: bool | None = None, process_group=None,
+                 **defaults):
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("DistMuonAdamW needs an initialized torch.distributed process group: "
                              "launch with torchrun and call torch.distributed.init_process_group() "
                              "first, or use MuonAdamW on a single device")
-        super().__init__(param_groups, compile, process_group or dist.group.WORLD)
+        super().__init__(param_groups, compile, process_group or dist.group.WORLD, **defaults)

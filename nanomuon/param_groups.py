@@ -197,6 +197,44 @@ def check_group_values(i: int, group: dict) -> None:
                              "use sharded_mode 'owner' or 'duplicated'")
 
 
+# A group's param names (torch's named params) and, in a saved group, the keys other code (LR
+# schedulers, SWA) added to it: the load keeps those, and refuses any other key no group takes.
+NAMES, ADDED = "param_names", "added_keys"
+
+
+def given_groups(param_groups, defaults: dict) -> list[dict]:
+    """The groups an optimizer was given, as a list of dicts. Bare params are refused: a tensor
+    cannot say whether it is an embedding or head (AdamW) or a hidden matrix (Muon), nor which
+    lr, as the two kinds' lrs differ a hundredfold; so are torch's keyword defaults (lr=...)."""
+    if isinstance(param_groups, (Tensor, dict)) or not hasattr(param_groups, "__iter__"):
+        raise TypeError("MuonAdamW takes a list of param group dicts (an iterable of dicts, "
+                        f"each with kind='muon' or 'adamw'), got {type(param_groups).__name__}")
+    groups = list(param_groups)
+    if len(groups) == 0:
+        raise ValueError("MuonAdamW got no param groups; pass at least one group")
+    if not all(isinstance(g, dict) for g in groups):
+        raise TypeError("MuonAdamW takes a list of param group dicts, not bare params: a tensor "
+                        "cannot say if it is an embedding or head (AdamW) or a matrix (Muon); "
+                        "build the groups with nanomuon.param_groups.muon_param_groups(model, "
+                        "muon=dict(lr=...), adamw=dict(lr=...))")
+    if defaults:
+        raise TypeError(f"MuonAdamW takes hyperparameters in each group, not as keywords "
+                        f"({', '.join(sorted(defaults))}): the kinds' lrs differ a hundredfold; "
+                        "give them to muon_param_groups(model, muon=dict(lr=...), adamw=dict(...))")
+    return groups
+
+
+def split_names(i: int, group: dict) -> None:
+    """(name, tensor) params, as torch's optimizers take them (named_parameters()), split into
+    params and param_names, in place."""
+    params = group["params"]
+    if any(isinstance(p, tuple) for p in params):
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+            raise ValueError(f"{group_label(i, group)}: give every param as a tensor or every "
+                             "one as a (name, tensor) pair (named_parameters()), not a mix")
+        group["param_names"], group["params"] = [n for n, _ in params], [p for _, p in params]
+
+
 def check_group(i: int, group: dict) -> None:
     """Full check of a new group: structure, keys, values and every parameter."""
     if not isinstance(group, dict):
@@ -208,7 +246,12 @@ def check_group(i: int, group: dict) -> None:
                          "give the list of parameters this group trains")
     check_group_values(i, group)
     kind, (required, options) = group["kind"], kind_keys(group)
-    unknown = set(group) - PASSIVE_KEYS - set(required) - set(options)
+    unknown = set(group) - PASSIVE_KEYS - set(required) - set(options) - {NAMES}
+    names = group.get(NAMES, [""] * len(group["params"]))
+    if not isinstance(names, list) or len(names) != len(group["params"]) or not all(
+            isinstance(n, str) for n in names):
+        raise ValueError(f"{label}: param_names={shown(repr(names), 80, quote=False)} must be "
+                         f"one name (str) per param, {len(group['params'])} of them")
     if kind == "muon" and (legacy := sorted(unknown & set(LEGACY_KEYS))):
         raise ValueError(f"{label}: {legacy[0]} is now a stage name: equilibrate='row' is "
                          "precondition=('equilibrate_row',), post_normalize='col' is post_process="
@@ -242,8 +285,18 @@ def check_group(i: int, group: dict) -> None:
                              "this group")
 
 
-def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
-    """Refuse a checkpoint whose groups or state shapes do not fit these params."""
+def added_keys(group: dict) -> list[str]:
+    """The keys of a live group that no group of its kind takes: other code's (OneCycleLR's
+    max_lr, SWALR's swa_lr, ...); state_dict() lists them in the saved group as ADDED."""
+    required, options = kind_keys(group)
+    own = PASSIVE_KEYS | set(required) | set(options)
+    return sorted(set(group) - own - {NAMES, ADDED})
+
+
+def check_state_dict(param_groups: list[dict], state_dict: dict) -> dict:
+    """Refuse a checkpoint whose groups or state shapes do not fit these params; return it with
+    floating state cast to the dtype each param's group keeps (torch casts to the param's), the
+    checks made after the cast."""
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
         raise ValueError("optimizer state_dict must have 'state' and 'param_groups'; "
@@ -258,13 +311,21 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                              f"{saved.get('kind')} params, this optimizer's has "
                              f"{len(group['params'])} {group['kind']} params; "
                              "it was saved from a different model or optimizer setup")
-        # keys its constructor would refuse (older checkpoints' keys load as what they meant)
+        # keys its constructor would refuse (older checkpoints' keys load as what they meant),
+        # but those other code added (ADDED)
         required, options = kind_keys(saved)
         known = PASSIVE_KEYS | set(required) | {*LEGACY_KEYS, "ns_method"}
+        added = saved.get(ADDED, [])
+        if not (isinstance(added, list) and all(isinstance(k, str) for k in added)):
+            shown_added = shown(repr(added), 80, quote=False)
+            raise ValueError(f"optimizer checkpoint group {i}: {ADDED}={shown_added} is not a "
+                             "list of key names; the file is corrupt")
+        known |= {NAMES, ADDED, *added}
         if unknown := sorted(set(saved) - known - set(options)):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
+    state_dict = cast_state(param_groups, state_dict)
     where = _saved_places(param_groups, state_dict)
     for pid, st in state_dict["state"].items():
         if pid not in where:
@@ -282,6 +343,31 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
                 raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape "
                                  f"{tuple(st[name].shape)}, the param has {tuple(p.shape)}; "
                                  "the checkpoint is from a different model size")
+    return state_dict
+
+
+def cast_state(param_groups: list[dict], state_dict: dict) -> dict:
+    """state_dict with each floating state tensor in the dtype its group keeps it: a Muon
+    stage's declared dtype (some fp32 on purpose), else the param's, as torch casts; step not."""
+    where, state = _saved_places(param_groups, state_dict), {}
+    for pid, st in state_dict["state"].items():
+        if pid not in where or not isinstance(st, dict):
+            state[pid] = st
+            continue
+        _, _, p, group = where[pid]
+        kind = group["kind"]
+        slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
+                 if kind == "muon" else {})
+        kept = {name: getattr(slots.get(name), "dtype", p.dtype) for name in st}
+        if kind in kinds.KINDS:  # a kind's declared dtype, at least (kinds.KindState)
+            kept |= {name: torch.promote_types(p.dtype, spec.dtype)
+                     for name, spec in kinds.KINDS[kind].state.items()
+                     if name in st and spec.dtype is not None}
+        state[pid] = {name: v.to(kept[name]) if (isinstance(v, Tensor) and v.is_floating_point()
+                                                 and kept[name].is_floating_point
+                                                 and name != "step") else v
+                      for name, v in st.items()}
+    return dict(state_dict, state=state)
 
 
 def check_kind_state(where: str, st: dict, p: Tensor, kind: str) -> None:

@@ -166,11 +166,12 @@ def test_the_code_count_skips_comments_and_docstrings():
 
 
 # The code lines the update and the optimizer may hold: what their old caps on raw lines (muon.py
-# 450, optim.py 750) left for code; muon.py's 11 more carry muon_update's and adamw_update's
-# arguments one a line, each with its shape; optim.py's 24 more run the kinds of kinds.py by
-# their declared state. Comments and docstrings count in no limit: a reason beside a line costs
-# nothing.
-CODE_BUDGET = {"nanomuon/muon.py": 322, "nanomuon/optim.py": 601}
+# 450, optim.py 750) left for code. muon.py's 12 more carry muon_update's and adamw_update's
+# arguments one a line, each with its shape, and read a Tensor lr as a number. optim.py's 24 more
+# run the kinds of kinds.py by their declared state, and its 72 more keep torch.optim's contract
+# (copies, load hooks first, the cast, other code's group keys, named params). Comments and
+# docstrings count in no limit: a reason beside a line costs nothing.
+CODE_BUDGET = {"nanomuon/muon.py": 323, "nanomuon/optim.py": 673}
 
 
 def test_the_update_and_the_optimizer_keep_their_code_budgets():

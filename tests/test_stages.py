@@ -774,17 +774,18 @@ def soap_optimizer():
 @pytest.mark.parametrize("change,says", [
     (lambda st: st.update(second_momentum_buffer=st["second_momentum_buffer"][:3]),
      "state 'second_momentum_buffer' is (3, 1) torch.float32, this group keeps (16, 1)"),
-    (lambda st: st.update(soap_row_cov=st["soap_row_cov"].double()),
-     "state 'soap_row_cov' is (16, 16) torch.float64"),
+    (lambda st: st.update(soap_row_cov=st["soap_row_cov"].long()),  # floats cast; ints not
+     "state 'soap_row_cov' is (16, 16) torch.int64"),
     (lambda st: st.update(soap_col_basis=st["soap_col_basis"].new_zeros(4, 4)),
      "state 'soap_col_basis' is (4, 4)"),
     (lambda st: st.update(mystery=torch.zeros(2)), "state 'mystery' is not state this group keeps"),
     (lambda st: st.update(momentum_buffer=0.5), "state 'momentum_buffer' is a float, not a tensor"),
 ])
 def test_load_state_dict_is_as_strict_as_the_constructor(change, says):
-    """Saved stage state of the wrong shape or dtype, state no stage keeps, or a number where a
-    tensor belongs: one line naming the param, the state and what was expected, not fresh state
-    at the next step, a silent cast, or an AttributeError."""
+    """Saved stage state of the wrong shape or kind (an integer tensor: floats are cast, as
+    torch casts them), state no stage keeps, or a number where a tensor belongs: one line naming
+    the param, the state and what was expected, not fresh state at the next step, a cast of
+    integers, or an AttributeError."""
     opt, p = soap_optimizer()
     saved = opt.state_dict()
     change(saved["state"][0])
