@@ -17,11 +17,11 @@ from test_seeds import each_seed_is_its_own_run, relative, summary
 from test_train import TINY, assert_bitwise_equal
 
 from nanomuon import reference, stages
-from nanomuon.arch import ARCHS, Variant
+from nanomuon.arch import ARCHS, Variant, param_groups
 from nanomuon.coefficients import COEFFICIENT_SETS, POLAR_EXPRESS
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth, sdpa, window_mask
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.recipe import PeakLRs
+from nanomuon.recipe import PeakLRs, peak_lrs
 from nanomuon.reference import muon_step
 from nanomuon.stages import equilibrate_to_mean
 
@@ -400,10 +400,13 @@ def nanochat_step(p, g, st, lr, wd, momentum, beta2):
 
 
 def test_a_muon_step_of_the_recipe_is_the_float64_reference():
-    """MuonAdamW with the nanochat recipe's Muon group (GPT._muon_recipe) on tall, wide and square
-    matrices (two of one shape: a stack) equals reference.muon_step over 3 steps; the reference
-    with that group is nanochat's step written out."""
-    recipe = GPT(GPTConfig(**TINY_CONFIG))._muon_recipe(0.02, 0.2)
+    """MuonAdamW with the nanochat recipe's Muon group (arch.param_groups' matrices) on tall, wide
+    and square matrices (two of one shape: a stack) equals reference.muon_step over 3 steps; the
+    reference with that group is nanochat's step written out."""
+    groups = param_groups(GPT(GPTConfig(**TINY_CONFIG)), Variant(weight_decay=0.2),
+                          peak_lrs(2 ** 19, matrix_lr=0.02))
+    recipe = {k: v for k, v in groups[-1].items() if k != "params"}
+    assert recipe["name"] == "matrices"
     gen = torch.Generator().manual_seed(0)
     shapes = [(24, 10), (24, 10), (10, 24), (16, 16)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3)
