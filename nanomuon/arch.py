@@ -148,7 +148,8 @@ class Variant(NamedTuple):
     per_head: bool = False  # True: attention orthogonalized head by head (per_head_groups)
     weight_decay: float | None = None  # Muon's peak decay; None: the run's (else WEIGHT_DECAY)
     # PeakLRs name -> lr at width 768 ('matrix_lr', 'embedding_lr', 'unembedding_lr',
-    # 'adamw_matrix_lr', 'scalar_lr'), over the run's (its flags', the lr rule's)
+    # 'adamw_matrix_lr', 'scalar_lr'), over param_groups' lrs (the lr rule's); base_train adds
+    # the lr flags a run gives where the variant sets none
     lrs: dict = {}
     # the betas of the arch's AdamW groups that set none (Arch.adamw); None: (0.8, 0.95)
     adam_betas: tuple[float, float] | None = None

@@ -155,20 +155,20 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
 
 
 def optimizer_options(args, compiled: bool) -> dict:
-    """GPT.setup_optimizer's arguments but the horizon: the --optimizer variant, its decay the
-    flags' where it sets none, and the lrs of the flags; the variant's own win in param_groups (it
-    is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
+    """GPT.setup_optimizer's arguments but the horizon: the --optimizer variant with the lrs and
+    decay its flags give where it sets none (it is tuned for its own; each flag overridden is
+    said), and the lr rule's PeakLRs at the run's batch and --lr-multiplier for the rest."""
     flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
     variant = with_options(args.optimizer, args.variant_option)
     own = dict(variant.lrs, weight_decay=variant.weight_decay, schedule=variant.schedule)
     for key in sorted(k for k in flags if flags[k] is not None and own.get(k) is not None):
         print0(f"--optimizer {args.optimizer} sets {key} {own[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier,
-                          **{k: getattr(args, k, None) for k in recipe.PeakLRs._fields[:-1]})
-    if variant.weight_decay is None:
-        variant = variant._replace(weight_decay=args.weight_decay)
-    return dict(variant=variant, lrs=lrs, compile=compiled)
+    given = {k: flags[k] for k in LR_FLAGS if flags[k] is not None}
+    decay = args.weight_decay if variant.weight_decay is None else variant.weight_decay
+    variant = variant._replace(lrs=given | variant.lrs, weight_decay=decay)
+    return dict(variant=variant, lrs=recipe.peak_lrs(args.total_batch_size, args.lr_multiplier),
+                compile=compiled)
 
 
 def schedule_name(args) -> str:
