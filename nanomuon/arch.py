@@ -179,8 +179,11 @@ def param_groups(model: torch.nn.Module, variant: Variant | None = None,
     scale = (model.config.n_embd / 768) ** -0.5
     betas = tuple(variant.adam_betas or (0.8, 0.95))
     tables = [dict(kind="adamw", name=g.name, params=module_params(model, g.params or (g.name,)),
-                   lr=table_lr(g, lrs, scale), betas=g.betas or betas, eps=1e-10,
-                   weight_decay=g.weight_decay) for g in arch.adamw]
+                   # a table's lr (the embeddings', lm_head's) scales with the width, a scalar's not
+                   lr=(g.factor if g.lr is None else getattr(lrs, g.lr) * g.factor)
+                   * (scale if g.lr in ("embedding_lr", "unembedding_lr") else 1.0),
+                   betas=g.betas or betas, eps=1e-10, weight_decay=g.weight_decay)
+              for g in arch.adamw]
     decay = WEIGHT_DECAY if variant.weight_decay is None else variant.weight_decay
     muon = (dict(kind="muon", lr=lrs.matrix_lr, momentum=MUON_MOMENTUM, ns_steps=5,
                  weight_decay=decay)
@@ -206,13 +209,6 @@ def param_groups(model: torch.nn.Module, variant: Variant | None = None,
         if g["kind"] == "muon":  # the peak a decay schedule scales; a momentum it may keep
             g["initial_weight_decay"], g["initial_momentum"] = g["weight_decay"], g["momentum"]
     return groups
-
-
-def table_lr(group: AdamWGroup, lrs: PeakLRs, scale: float) -> float:
-    """An arch AdamW group's lr: its PeakLRs lr times its factor, a table's (the embeddings',
-    lm_head's) times the width scale too; the scalars' not."""
-    rate = group.factor if group.lr is None else getattr(lrs, group.lr) * group.factor
-    return rate * scale if group.lr in ("embedding_lr", "unembedding_lr") else rate
 
 
 def module_params(model: torch.nn.Module, paths) -> list:
