@@ -2,133 +2,29 @@
 The GPT that nanomuon trains, small and modern: rotary positions, QK-norm, parameter-free RMSNorm,
 ReLU^2 MLP, untied lm_head, no biases, a tanh logit softcap, zero-initialized output projections,
 SDPA or the kernel use_attention() installs (nanomuon.attention). Its size follows from --depth
-(docs/training.md); setup_optimizer() builds its param groups by role, each lr given or the lr
-rule's (nanomuon.recipe).
+(docs/training.md); what it builds and how it trains are its arch's (nanomuon/arch.py), whose
+param_groups() setup_optimizer() hands to MuonAdamW.
 """
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanomuon.arch import ARCHS, Variant, param_groups
 from nanomuon.common import shown
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.param_groups import classify, per_head_groups, role_groups, table_groups
 from nanomuon.qk_clip import qk_clip_
-from nanomuon.recipe import MUON_MOMENTUM, WEIGHT_DECAY, PeakLRs, peak_lrs
+from nanomuon.recipe import PeakLRs
 from nanomuon.sharded import DTensor
 from nanomuon.stages import input_block, input_covariance
 
 VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels of a block's input
 SMEAR_CHANNELS = 24  # the smear gate reads the first 24 channels of the embedding
-
-
-# -- the schedules a run steps its groups through (base_train, at every step) --------------------
-def warmup_warmdown(step: int, steps: int, warmup_ratio: float, warmdown_ratio: float,
-                    final_lr_frac: float, power: float = 1.0) -> float:
-    """nanochat's lr multiplier: linear warmup, flat, then a linear decay to final_lr_frac; power
-    1.2 makes the decay PowerCool's (modded-nanogpt record 20): lr = min(lr0, c (T - step)^1.2)."""
-    warmup, warmdown = round(warmup_ratio * steps), round(warmdown_ratio * steps)
-    if step < warmup:
-        return (step + 1) / warmup
-    if step <= steps - warmdown:
-        return 1.0
-    progress = ((steps - step) / warmdown) ** power
-    return progress + (1 - progress) * final_lr_frac
-
-
-# --schedule NAME: every group's lr multiplier (step, steps, warmup ratio, warmdown ratio, final
-# lr fraction); a variant picks one with schedule='NAME' (nanomuon/variants.py)
-LR_SCHEDULES = {"warmup_warmdown": warmup_warmdown,
-                "powercool": functools.partial(warmup_warmdown, power=1.2)}
-
-
-def classic_momentum(step: int, steps: int, warmdown_ratio: float) -> float:
-    """Muon's momentum, classic: 0.85 -> 0.95 over 300 steps, then flat."""
-    frac = min(step / 300, 1.0)
-    return (1 - frac) * 0.85 + frac * 0.95
-
-
-def nanochat_momentum(step: int, steps: int, warmdown_ratio: float) -> float:
-    """Muon's momentum, nanochat 92d63d4's: 0.85 -> 0.97 over 400 steps, then down to 0.90 across
-    the lr warmdown (its last round(warmdown_ratio x steps) steps)."""
-    if step < 400:
-        frac = step / 400
-        return (1 - frac) * 0.85 + frac * 0.97
-    warmdown = round(warmdown_ratio * steps)
-    if step >= steps - warmdown:
-        progress = (step - (steps - warmdown)) / warmdown
-        return 0.97 * (1 - progress) + 0.90 * progress
-    return 0.97
-
-
-def cosine_decay(step: int, steps: int, peak: float) -> float:
-    """Muon's weight decay, nanochat 92d63d4's: a cosine from `peak` to 0 over the run."""
-    return peak * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
-# -- the archs: each one record of what it builds, how it trains and on what schedules -----------
-class AdamWGroup(NamedTuple):
-    """One of an arch's AdamW groups (param_groups.table_groups), a role of setup_optimizer."""
-    name: str
-    lr: str | None  # its PeakLRs lr, times `factor` (and, a table's, the width scale); None: factor
-    factor: float = 1.0
-    betas: tuple[float, float] | None = None  # None: setup_optimizer's adam_betas pair
-    weight_decay: float = 0.0
-    params: tuple[str, ...] = ()  # GPT's parameters or modules (all their parameters); (): `name`
-
-
-class Arch(NamedTuple):
-    """An arch: the model it builds (GPT reads these), its groups (setup_optimizer) and the
-    schedules of Muon's momentum and weight decay (base_train asks them at every step)."""
-    about: str  # what it is, in a few words, for base_train's line
-    rope_base: float
-    window_pattern: str  # config_from_depth's default
-    windows: bool  # sliding windows (S in window_pattern) allowed
-    extras: bool  # value embeddings, residual and x0 lambdas, smear, backout (_trunk_nanochat)
-    qk_scale: float  # q and k each scaled by it after QK-norm (above 1: sharper attention)
-    embedding_std: float  # wte's init
-    fc_init: float  # c_fc's init bound, as a fraction of the other matrices'
-    adamw: tuple[AdamWGroup, ...]
-    muon: dict  # the Muon group's settings beyond kind, lr, momentum, ns_steps and weight decay
-    momentum: Callable[[int, int, float], float]  # (step, steps, warmdown ratio) -> momentum
-    weight_decay: Callable[[int, int, float], float]  # (step, steps, peak) -> weight decay
-
-
-# Two generations of nanochat's GPT (docs/training.md): "nanochat" is 92d63d4's, what the GPU
-# speedrun trains; "classic" is the plain late-2025 transformer that the CPU miniature, ablate and
-# the lr rule were measured with.
-ARCHS = {
-    "nanochat": Arch(
-        about="nanochat 92d63d4's GPT and recipe", rope_base=100000.0, window_pattern="SSSL",
-        windows=True, extras=True, qk_scale=1.2, embedding_std=0.8, fc_init=0.4,
-        # nanochat 92d63d4's groups, each with its own betas and decay
-        adamw=(AdamWGroup("lm_head", "unembedding_lr", 1.0, (0.8, 0.96), 0.01),
-               AdamWGroup("embedding", "embedding_lr", 1.0, (0.8, 0.995), 0.001, ("wte",)),
-               AdamWGroup("value_embeds", "embedding_lr", 0.5, (0.8, 0.995), 0.01),
-               AdamWGroup("resid_lambdas", "scalar_lr", 0.01, (0.8, 0.95), 0.05),
-               AdamWGroup("x0_lambdas", "scalar_lr", 1.0, (0.96, 0.95)),
-               AdamWGroup("smear", None, 0.2, (0.8, 0.95), 0.0,
-                          ("smear_gate", "smear_lambda", "backout_lambda"))),
-        # rows equilibrated before Polar Express and rescaled after, variance reduction at 0.9
-        muon=dict(beta2=0.9, precondition=("equilibrate_row_mean",),
-                  post_process=("normalize_fro", "variance_reduction")),
-        momentum=nanochat_momentum, weight_decay=cosine_decay),
-    "classic": Arch(
-        about="the classic GPT (nanochat's of late 2025) and its recipe", rope_base=10000.0,
-        window_pattern="L", windows=False, extras=False, qk_scale=1.0, embedding_std=1.0,
-        fc_init=1.0,  # one betas pair (adam_betas), no decay
-        adamw=(AdamWGroup("lm_head", "unembedding_lr"),
-               AdamWGroup("embedding", "embedding_lr", params=("wte",))),
-        muon=dict(beta2=0.95), momentum=classic_momentum,
-        weight_decay=lambda step, steps, peak: peak),  # flat: the peak throughout
-}
 
 
 @dataclass
@@ -574,82 +470,18 @@ class GPT(nn.Module):
         keys = sum(c.sequence_len if w is None else w for w in c.window_sizes())
         return 6 * matmul + 12 * c.n_embd * keys
 
-    def setup_optimizer(self, embedding_lr: float | None = None,
-                        unembedding_lr: float | None = None, matrix_lr: float | None = None,
-                        adamw_matrix_lr: float | None = None, total_batch_size: int = 2 ** 19,
-                        scalar_lr: float | None = None, weight_decay: float = WEIGHT_DECAY,
-                        adam_betas=None, matrix_optimizer: str = "muon",
-                        muon_options: dict | None = None, optimizer_class=None,
-                        compile: bool | None = None, per_head: bool = False,
-                        horizon: int | None = None, lrs: PeakLRs | None = None,
-                        roles: dict | None = None):
-        """Muon for the block matrices, AdamW for the rest; DistMuonAdamW under torch.distributed.
-
-        Each lr is its role's at width 768 from `lrs`, else the one given, else the lr rule's at
-        total_batch_size tokens a step; AdamW's but the scalars' scale as 1/sqrt(width) (Muon's
-        update is orthogonalized, so needs none); lrs.multiplier then scales all, once.
-        matrix_optimizer='adamw' trains the matrices with AdamW at adamw_matrix_lr;
-        optimizer_class(groups) builds another optimizer on the groups. per_head orthogonalizes
-        attention head by head (head_dim rows of c_q, c_k, c_v; columns of c_proj). horizon: the
-        run's steps, which Muon's stages read. Betas, decay and Muon stages are the arch's (Arch);
-        adam_betas replaces the pair of groups that have none.
-
-        roles: role -> dict(kind=, lr_factor=, weight_decay_factor=, any key of that kind's
-        groups), that role's params a group of their own (param_groups.role_groups). The roles are
-        the arch's AdamW groups (Arch.adamw: 'lm_head', 'embedding', ...) and the matrix roles
-        (param_groups.MATRIX_ROLES). A role keeping its kind starts from its group; one turned
-        Muon starts from the matrix group's Muon (its lr the matrix lr, its stages muon_options'),
-        one turned AdamW from matrix_optimizer='adamw''s. lr_factor and weight_decay_factor scale
-        the lr and decay it starts from, e.g. roles={"lm_head": dict(kind="muon",
-        orthogonalizer="sign", lr_scale="one", extra_scale=10.0)}."""
-        if matrix_optimizer not in ("muon", "adamw"):
-            raise ValueError(f"matrix_optimizer must be 'muon' or 'adamw', got {matrix_optimizer!r}")
-        given = dict(embedding_lr=embedding_lr, unembedding_lr=unembedding_lr,
-                     matrix_lr=matrix_lr, adamw_matrix_lr=adamw_matrix_lr, scalar_lr=scalar_lr)
-        if lrs is not None and any(v is not None for v in given.values()):
-            raise ValueError("give the lrs either as lrs= or one by one, not both")
-        arch = ARCHS[self.config.arch]
-        if adam_betas is not None and all(g.betas for g in arch.adamw):
-            raise ValueError(f"adam_betas is the pair of AdamW groups without betas of their own: "
-                             f"arch {self.config.arch!r} sets each group's (Arch.adamw)")
-        if matrix_optimizer == "adamw" and (muon_options or per_head):
-            raise ValueError("muon_options and per_head need matrix_optimizer='muon': the "
-                             "matrices train with one optimizer")
-        lr = (lrs or peak_lrs(total_batch_size, **given))._asdict()
-        scale, betas = (self.config.n_embd / 768) ** -0.5, tuple(adam_betas or (0.8, 0.95))
-        table = table_groups(self, arch.adamw, lr, scale, betas)
-        matrices = [p for name, p in self.named_parameters()  # a seeded model's by one seed's
-                    if classify(name, p if self.seeds is None else p[0],
-                                embedding=p is self.wte.weight)[0]
-                    and not any(p is q for g in table for q in g["params"])]
-        fresh = dict(muon={**self._muon_recipe(lr["matrix_lr"], weight_decay),
-                           **({} if horizon is None else dict(horizon=horizon)),
-                           **(muon_options or {})},
-                     adamw=dict(kind="adamw", lr=lr["adamw_matrix_lr"] * scale, betas=betas,
-                                eps=1e-10, weight_decay=0.0))
-        matrix_group = dict(fresh[matrix_optimizer], name="matrices", params=matrices)
-        matrix_groups = per_head_groups(self, matrix_group) if per_head else [matrix_group]
-        groups = role_groups(self, table, matrix_groups, roles or {}, fresh)
-        groups = [g for g in groups if g["params"]]
-        if sum(len(g["params"]) for g in groups) != len(list(self.parameters())):
-            raise RuntimeError("a parameter is in no group or in two: Arch.adamw and classify "
-                               "must cover the model's own")
-        for g in groups:  # the one place the multiplier applies
-            g["lr"] = g["initial_lr"] = g["lr"] * lr["multiplier"]
-            if g["kind"] == "muon":  # the peak a decay schedule scales; a momentum it may keep
-                g["initial_weight_decay"], g["initial_momentum"] = g["weight_decay"], g["momentum"]
-        if optimizer_class is not None:
-            return optimizer_class(groups)
+    def setup_optimizer(self, variant: Variant | None = None, lrs: PeakLRs | None = None,
+                        horizon: int | None = None, compile: bool | None = None):
+        """MuonAdamW on arch.param_groups(self, variant, lrs, horizon), DistMuonAdamW under
+        torch.distributed, or the variant's optimizer_class on them."""
+        groups = param_groups(self, variant, lrs, horizon)
+        if variant is not None and variant.optimizer_class is not None:
+            return variant.optimizer_class(groups)
         # replicated params need DistMuonAdamW to average their grads; DTensors arrive reduced
         replicated = any(not isinstance(p, DTensor) for p in self.parameters())
         cls = (DistMuonAdamW if dist.is_available() and dist.is_initialized() and replicated
                else MuonAdamW)
         return cls(groups, compile=compile)
-
-    def _muon_recipe(self, matrix_lr: float, weight_decay: float) -> dict:
-        """The Muon group's settings: the arch's (Arch.muon) on these."""
-        return dict(kind="muon", lr=matrix_lr, momentum=MUON_MOMENTUM, ns_steps=5,
-                    weight_decay=weight_decay, **ARCHS[self.config.arch].muon)
 
     def use_attention(self, func: Callable | None) -> None:
         """Every layer's attention through `func` (attention.Attention.func) in sdpa's place."""

@@ -3,7 +3,7 @@ Ideas that live outside the library, and what a variant's settings are by value.
 
 A file of the user's own (`--ideas my_ideas.py`, for base_train and ablate) registers stages and
 variants by adding to the registries: `from nanomuon.variants import OPTIMIZER_VARIANTS`, then
-`OPTIMIZER_VARIANTS["mine"] = dict(...)` (stages: nanomuon.stages' PRECONDITIONERS, ... and
+`OPTIMIZER_VARIANTS["mine"] = Variant(...)` (stages: nanomuon.stages' PRECONDITIONERS, ... and
 MUON_OPTIONS; kinds of update: nanomuon.kinds.KINDS). load() runs it as the user's code and
 records which variants it defined or changed: only their runs load the file and are keyed by its
 contents, so editing it re-runs those alone. A file that changes an existing stage, option or
@@ -11,8 +11,8 @@ kind changes every variant: each then counts as its.
 
 settings_key() is a variant's settings by value (a function or class by its qualified name, source,
 defaults and closure), never by a memory address, so a cache can key runs by them.
-with_options() is a variant with options overridden (base_train --variant-option KEY=VALUE): what
-ablate sweeps to tune one variant's own settings.
+with_options() is a variant with fields set by their paths (base_train --variant-option KEY=VALUE):
+what ablate sweeps to tune one variant's own settings.
 """
 
 import ast
@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanomuon import kinds, stages
+from nanomuon.arch import Variant
 from nanomuon.gpt import GPT, config_from_depth
+from nanomuon.recipe import PeakLRs
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 
@@ -140,17 +142,16 @@ def ideas_of(variant: str) -> list[Ideas]:
     return [i for i in LOADED.values() if variant in i.variants]
 
 
-# a variant's own keys: setup_optimizer's, but those a run sets
-TOP_LEVEL = {*inspect.signature(GPT.setup_optimizer).parameters} - {
-    "self", "lrs", "compile", "horizon", "total_batch_size"}
-
-
-def with_options(name: str, options: list[str] | None) -> dict:
-    """Variant `name`'s settings with each KEY=VALUE of `options` set: a top-level key (matrix_lr,
-    per_head, ...), a Muon option by its name (precondition_frequency), or a dotted path into a
-    nested one (muon_options.beta2, roles.attn.proj.lr_factor: the role is what lies between).
-    VALUE is a Python literal (5, 0.5, True, None, 'soap'), else a string."""
-    settings = dict(OPTIMIZER_VARIANTS[name])
+def with_options(name: str, options: list[str] | None) -> Variant:
+    """Variant `name` with each KEY=VALUE of `options` set, by its field path: a field (per_head,
+    weight_decay), a Muon option by its name (precondition_frequency) or an lr (matrix_lr), or a
+    dotted path into a dict field (muon_options.beta2, lrs.matrix_lr, roles.attn.proj.lr_factor:
+    the role is what lies between). VALUE is a Python literal (5, 0.5, True, None, 'soap'), else
+    a string."""
+    variant = OPTIMIZER_VARIANTS[name]
+    if not isinstance(variant, Variant):
+        raise ValueError(f"OPTIMIZER_VARIANTS[{name!r}] is a {type(variant).__name__}: a variant "
+                         "is a record now, Variant(muon_options=dict(...)) (nanomuon.arch)")
     for option in options or []:
         key, eq, text = option.partition("=")
         if not eq or not key.strip():
@@ -160,29 +161,35 @@ def with_options(name: str, options: list[str] | None) -> dict:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):
             value = text.strip()
-        path = key.strip().split(".")
-        if path[0] == "schedule":  # the loop reads it from the registry, once a step
-            raise ValueError(f"--variant-option {option!r}: a variant's lr schedule is not an "
-                             "option; give base_train --schedule to a variant without one")
-        if len(path) == 1 and path[0] not in TOP_LEVEL:
-            path = ["muon_options", path[0]]
-        top, *rest = path
-        if not rest:
-            settings[top] = value
-            continue
-        inner = settings[top] = dict(settings.get(top) or {})
-        if len(rest) > 1:
-            role = ".".join(rest[:-1])
-            inner[role] = dict(inner.get(role) or {})
-            inner = inner[role]
-        inner[rest[-1]] = value
-    return settings
+        variant = _set(variant, key.strip(), value, option)
+    return variant
 
 
-def check_settings(settings: dict, arch: str) -> None:
-    """ValueError (or TypeError) where setup_optimizer refuses these settings, on a tiny GPT of
-    `arch`: a role, an option or a value a variant cannot take, said before a run builds."""
+def _set(variant: Variant, key: str, value, option: str) -> Variant:
+    """A new record with `value` at the field path `key` (a bare name: a field, an lr or a Muon
+    option); the dicts on the way are copied, so the registry's record stays as it was."""
+    top, *rest = key.split(".")
+    if top == "schedule":  # the loop reads it from the registry, once a step
+        raise ValueError(f"--variant-option {option!r}: a variant's lr schedule is not an "
+                         "option; give base_train --schedule to a variant without one")
+    if not rest and top not in Variant._fields:
+        top, rest = "lrs" if top in PeakLRs._fields[:-1] else "muon_options", [top]
+    if not rest:
+        return variant._replace(**{top: value})
+    if top not in ("muon_options", "lrs", "roles") or (len(rest) > 1) != (top == "roles"):
+        raise ValueError(f"--variant-option {option!r}: a path goes into muon_options, lrs or "
+                         "roles, one key deep; a role's key is roles.ROLE.KEY")
+    inner = outer = dict(getattr(variant, top) or {})
+    if top == "roles":  # a role's name holds dots: roles.attn.proj.lr_factor
+        role = ".".join(rest[:-1])
+        inner = outer[role] = dict(outer.get(role) or {})
+    inner[rest[-1]] = value
+    return variant._replace(**{top: outer})
+
+
+def check_settings(variant: Variant, arch: str) -> None:
+    """ValueError (or TypeError) where param_groups refuses this variant, on a tiny GPT of
+    `arch`: a role, an option or a value it cannot take, said before a run builds."""
     model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch=arch))
     model.init_weights()
-    model.setup_optimizer(**{k: v for k, v in settings.items() if k != "schedule"}, compile=False,
-                          horizon=50)
+    model.setup_optimizer(variant, horizon=50, compile=False)

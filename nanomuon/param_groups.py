@@ -2,9 +2,8 @@
 The param group convention of MuonAdamW and DistMuonAdamW: which parameters train with Muon
 (classify(), applied to any model by muon_param_groups()), and what a valid group holds:
 check_group() refuses a bad group when it is added, check_group_values() when its keys change,
-check_state_dict() an optimizer checkpoint that does not fit the groups. Last, the GPT's groups
-by role, which GPT.setup_optimizer builds with table_groups(), per_head_groups() and
-role_groups().
+check_state_dict() an optimizer checkpoint that does not fit the groups. It knows no model: the
+GPT's groups by role are its arch's (nanomuon/arch.py).
 """
 
 import logging
@@ -470,97 +469,3 @@ def _saved_places(param_groups: list[dict], state_dict: dict) -> dict:
 def saved_params(param_groups: list[dict], state_dict: dict) -> dict:
     """Saved param id -> this optimizer's param, matched by position across the groups."""
     return {pid: p for pid, (_, _, p, _) in _saved_places(param_groups, state_dict).items()}
-
-
-# The GPT's groups by role: GPT.setup_optimizer builds its groups with these.
-
-# each matrix role's modules within a block
-MATRIX_ROLES = {"attn.qkv": ("attn.c_q", "attn.c_k", "attn.c_v"), "attn.proj": ("attn.c_proj",),
-                "mlp.fc": ("mlp.c_fc",), "mlp.proj": ("mlp.c_proj",)}
-ROLE_FACTORS = ("lr_factor", "weight_decay_factor")  # what a role scales of the group it starts from
-
-
-def table_groups(model: torch.nn.Module, table, lr: dict, scale: float, betas) -> list[dict]:
-    """The arch's AdamW groups (gpt.Arch.adamw), each a role: a table's lr (the embeddings',
-    lm_head's) times `scale`, the scalars' not; each group's own betas, else the pair `betas`."""
-    named, groups = list(model.named_parameters()), []
-    for g in table:
-        rate = g.factor if g.lr is None else lr[g.lr] * g.factor
-        if g.lr in ("embedding_lr", "unembedding_lr"):
-            rate *= scale
-        params = [p for path in g.params or (g.name,) for name, p in named
-                  if name == path or name.startswith(path + ".")]
-        groups.append(dict(kind="adamw", eps=1e-10, name=g.name, params=params, lr=rate,
-                           betas=g.betas or betas, weight_decay=g.weight_decay))
-    return groups
-
-
-def per_head_groups(model: torch.nn.Module, matrix_group: dict) -> list[dict]:
-    """matrix_group split: one group per (heads, by columns) of attention matrices, the rest."""
-    heads, hd = {}, model.config.n_embd // model.config.n_head
-    for a in (block.attn for block in model.blocks):
-        for lin, n, cols in ((a.c_q, a.n_head, False), (a.c_k, a.n_kv_head, False),
-                             (a.c_v, a.n_kv_head, False), (a.c_proj, a.n_head, True)):
-            if n > 1:  # one head is the whole matrix
-                heads.setdefault((n, cols), []).append(lin.weight)
-    per = {id(w) for ws in heads.values() for w in ws}
-    whole = dict(matrix_group, params=[w for w in matrix_group["params"] if id(w) not in per])
-    return [whole] + [dict(matrix_group, name=f"matrices, {n} heads" + " by columns" * cols,
-                           params=ws, split=(hd,) * n, transposed=cols)
-                      for (n, cols), ws in heads.items()]
-
-
-def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict], roles: dict,
-                fresh: dict) -> list[dict]:
-    """table + matrices (the arch's groups, then the matrix groups), each role named in `roles`
-    moved to a group of its own. A role is a table group's name or a MATRIX_ROLES name; roles[role]
-    is a dict of kind (default: the kind its params train with now), lr_factor,
-    weight_decay_factor and any key of that kind's groups. Of its own kind it starts from the
-    group its params are in, else from fresh[kind] (GPT.setup_optimizer's Muon group, or its AdamW
-    for matrices); an nn.Embedding weight turned Muon is transposed=True (its logical matrix is
-    (dim, vocab)). Its lr and decay are that group's times its factors."""
-    known = [*(g["name"] for g in table), *MATRIX_ROLES]
-    if not isinstance(roles, dict) or set(roles) - set(known):  # a list would drop the settings
-        raise ValueError(f"roles={shown(repr(roles), 80, quote=False)}: give a dict of role -> "
-                         f"dict(kind=, lr_factor=, weight_decay_factor=, group keys); this model's "
-                         f"roles are {known}")
-    members = {g["name"]: {id(p) for p in g["params"]} for g in table}
-    members.update({role: {id(b.get_submodule(path).weight) for b in model.blocks
-                           for path in MATRIX_ROLES[role]} for role in MATRIX_ROLES})
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    out = []
-    for g in table + matrices:
-        parts = [(r, [p for p in g["params"] if id(p) in members[r]]) for r in roles]
-        taken = {id(p) for _, params in parts for p in params}
-        out += [dict(g, params=[p for p in g["params"] if id(p) not in taken])]
-        out += [_role_group(r, roles[r], g, params, fresh, all(id(p) in embeddings for p in params))
-                for r, params in parts if params]
-    return out
-
-
-def _role_group(role: str, spec, source: dict, params: list, fresh: dict, embedding: bool) -> dict:
-    """Role `role`'s group of `params`, now in group `source`, as spec asks (role_groups)."""
-    kind = spec.get("kind", source["kind"]) if isinstance(spec, dict) else None
-    if kind not in REQUIRED_KEYS and kind not in kinds.KINDS:
-        raise ValueError(f"roles[{role!r}]={shown(repr(spec), 80, quote=False)}: give a dict "
-                         f"with kind 'muon', 'adamw' or one of kinds.KINDS {list(kinds.KINDS)} "
-                         "(default: the kind it trains with now)")
-    options = kinds.KINDS[kind].options if kind in kinds.KINDS else stages.OPTIONS[kind]
-    allowed = ({"kind", *ROLE_FACTORS, *REQUIRED_KEYS.get(kind, ()), *options}
-               - {"lr", "weight_decay"})
-    if unknown := sorted(set(spec) - allowed):
-        raise ValueError(f"roles[{role!r}]: {unknown} is not a key of kind {kind!r}: its roles "
-                         f"take {sorted(allowed)} (lr and decay as factors)")
-    factors = [spec.get(k, 1.0) for k in ROLE_FACTORS]
-    if any(stages.a_number(v, 1e3) for v in factors):
-        raise ValueError(f"roles[{role!r}]: lr_factor and weight_decay_factor (times the group's "
-                         f"it starts from) must be numbers, each in [0, 1000); got {factors}")
-    base = source
-    if kind != source["kind"] and kind in kinds.KINDS:  # its own lr and decay, not the matrices'
-        base = kinds.role_start(kind, source)
-    elif kind != source["kind"]:  # an embedding's logical matrix is (dim, vocab): Muon transposes
-        base = dict(fresh[kind], transposed=embedding) if kind == "muon" else fresh[kind]
-    name = role if source["name"] == role else f"{source['name']}, {role}"
-    return dict(base, **{k: v for k, v in spec.items() if k not in ("kind", *ROLE_FACTORS)},
-                name=name, params=params, lr=base["lr"] * factors[0],
-                weight_decay=base["weight_decay"] * factors[1])

@@ -1,10 +1,9 @@
 """
 The training recipe, decided before the first step: the lr rule (rule_lrs: every default lr and
 Muon's weight decay, from the CPU's sweep to nanochat's GPU recipe as the batch grows), Muon's
-higher lr for short runs, nanochat's batch, weight decay and schedule for a horizon
-(training_recipe), and a step's memory (train_memory), which picks the micro-batch that fits
-(fit_device_batch). Pure functions of sizes and token counts, so the model takes its default lrs
-from here and base_train sizes a run before allocating anything.
+higher lr for short runs, and nanochat's batch, weight decay and schedule for a horizon
+(training_recipe). Pure functions of token counts, so the model takes its default lrs from here
+before anything is allocated (an arch's memory: nanomuon/arch.py's train_memory).
 """
 
 import math
@@ -17,7 +16,7 @@ from typing import NamedTuple
 # Above NANOCHAT_BATCH every lr grows as sqrt(B / NANOCHAT_BATCH), nanochat's rule (Muon's too, an
 # assumption nanochat states); below RULE_BATCH the rule keeps the slope the CPU's sweeps at 2x and
 # 4x its batch found (CPU_EXPONENTS). Muon's lr is 0.02 at both ends, but its best rises at 2-4x the
-# CPU's batch: sweep it there. AdamW's lrs scale as 1/sqrt(width / 768) (GPT.setup_optimizer);
+# CPU's batch: sweep it there. AdamW's lrs scale as 1/sqrt(width / 768) (arch.param_groups);
 # Muon's do not: its update is orthogonalized, so its size does not grow with the width.
 RULE_BATCH = 4096
 RULE_LRS = dict(embedding_lr=0.075, unembedding_lr=0.002, adamw_matrix_lr=0.001, matrix_lr=0.02,
@@ -35,7 +34,7 @@ POWER_LINES_EXPONENT = 0.383  # best batch grows as D^0.383 (Power Lines, arXiv 
 # D_ref; in between the same power law as the lrs
 WEIGHT_DECAY = 0.2
 NANOCHAT_WEIGHT_DECAY = 0.28
-# Muon's momentum as a group is built; an arch's schedule (gpt.Arch.momentum) stands in for it
+# Muon's momentum as a group is built; an arch's schedule (arch.Arch.momentum) stands in for it
 MUON_MOMENTUM = 0.95
 
 
@@ -49,7 +48,7 @@ def _between(at_rule: float, at_nanochat: float, total_batch_size: int) -> float
 
 
 def rule_lrs(total_batch_size: int) -> dict[str, float]:
-    """Each group's lr at width 768 (setup_optimizer's arguments) at total_batch_size tokens a
+    """Each group's lr at width 768 (the PeakLRs fields) at total_batch_size tokens a
     step: the CPU's below RULE_BATCH, the power law up to NANOCHAT_BATCH, sqrt scaling above."""
     if total_batch_size < 1:
         raise ValueError(f"the lr rule needs 1 or more tokens per step, got {total_batch_size}")
@@ -64,7 +63,7 @@ def rule_lrs(total_batch_size: int) -> dict[str, float]:
 
 class PeakLRs(NamedTuple):
     """Each group's peak lr, decided once before the optimizer is built: a group's initial_lr is
-    its lr here (at width 768) x setup_optimizer's width scale x `multiplier` (--lr-multiplier)."""
+    its lr here (at width 768) x param_groups' width scale x `multiplier` (--lr-multiplier)."""
     embedding_lr: float
     unembedding_lr: float
     matrix_lr: float
@@ -113,7 +112,7 @@ RECIPE_SCHEDULES = {False: dict(warmup_steps=0, warmdown_ratio=0.4, final_lr_fra
 class Recipe:
     """What training_recipe chose, and why (one line per choice, for base_train to print)."""
     total_batch_size: int
-    lrs: dict  # each group's lr at width 768, setup_optimizer's arguments
+    lrs: dict  # each group's lr at width 768, the PeakLRs fields
     weight_decay: float
     schedule: dict  # warmup_steps, warmdown_ratio, final_lr_frac
     why: tuple[str, ...]
@@ -162,63 +161,3 @@ def training_recipe(horizon: float, ref_horizon: float, total_batch_size: int | 
                          f"{total_batch_size:,}-token steps; give --weight-decay, a smaller batch "
                          "or a longer horizon")
     return Recipe(total_batch_size, lrs, weight_decay, dict(RECIPE_SCHEDULES[gpu]), tuple(why))
-
-
-# Bytes per token autograd keeps plus backward's largest temporaries, in bf16 autocast with fused
-# attention: per layer and unit of width, and per vocabulary entry (the logits). The classic GPT's
-# fit the peak RSS of CPU steps at d3 and d4 (d6 and d8 come out 1.2-1.3x over; tests/test_recipe.py
-# checks the bound). Arch 'nanochat' keeps more (an fp32 residual mixed with x0, value embeddings):
-# eager, 77 measured on the fake H100 at d24 (tests/test_fake_cuda.py); compiled, the classic's
-# scaled alike (36 x 80 / 50) until tests/test_cuda.py measures it on a GPU.
-# arch -> compiled -> (per layer x width, per vocab entry)
-ACTIVATION_BYTES = {"classic": {False: (50, 3), True: (36, 5)},
-                    "nanochat": {False: (80, 3), True: (58, 5)}}
-
-
-def param_counts(config) -> dict[str, int]:
-    """A GPT's parameters by how they train: Muon's matrices, AdamW's vocabulary tables, scalars."""
-    c = config
-    kv = c.n_kv_head * (c.n_embd // c.n_head)
-    matrices = c.n_layer * (2 * c.n_embd * c.n_embd + 2 * c.n_embd * kv + 8 * c.n_embd * c.n_embd)
-    tables, small = 2 * c.vocab_size * c.n_embd, 0
-    if getattr(c, "arch", "classic") == "nanochat":
-        with_ve = (c.n_layer + 1) // 2  # every other layer, the last included
-        matrices += with_ve * 12 * c.n_kv_head  # the value embeddings' gates
-        tables += with_ve * c.vocab_size * kv
-        small = 2 * c.n_layer + 24 + 2  # resid and x0 lambdas, the smear gate, two lambdas
-    return dict(matrices=matrices, tables=tables, small=small)
-
-
-def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) -> dict[str, int]:
-    """Estimated peak bytes of training a GPT of this GPTConfig (only its sizes and arch are read)
-    on one device, micro-batches of `rows` rows, by part: fp32 params and grads, optimizer state,
-    the bf16 copies autocast makes, and activations (twice as many in fp32, bf16=False)."""
-    c, n = config, param_counts(config)
-    every = n["matrices"] + n["tables"] + n["small"]
-    per_layer, per_vocab = ACTIVATION_BYTES[getattr(c, "arch", "classic")][compiled]
-    per_token = (per_layer * c.n_layer * c.n_embd + per_vocab * c.vocab_size) * (1 if bf16 else 2)
-    # Muon: momentum and a per-row second moment; AdamW: two moments of each table and scalar
-    optimizer = 4 * n["matrices"] + 4 * 12 * c.n_layer * c.n_embd + 8 * (n["tables"] + n["small"])
-    # autocast copies the matrices and lm_head to bf16; lookups are not copied
-    copies = 2 * (n["matrices"] + c.vocab_size * c.n_embd) if bf16 else 0
-    return dict(params=4 * every, grads=4 * every, optimizer=optimizer, bf16_copies=copies,
-                activations=rows * c.sequence_len * per_token)
-
-
-def fit_device_batch(config, free_bytes: int, rows_per_step: int, cap: int = 32,
-                     compiled: bool = True, bf16: bool = True) -> int:
-    """The most rows per micro-batch, a power of two up to cap dividing rows_per_step (a step's rows
-    per process), whose train_memory fits in free_bytes less 1 GiB and 15% (CUDA context, kernel
-    workspaces, fragmentation). A ValueError that says what to change when not even one row fits."""
-    budget = 0.85 * free_bytes - 2 ** 30
-    rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
-    while rows > 1 and (rows_per_step % rows
-                        or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
-        rows //= 2
-    need = sum(train_memory(config, rows, compiled, bf16).values())
-    if need > budget:
-        raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer "
-                         f"model needs about {need / 2 ** 30:.1f} GiB, and "
-                         f"{free_bytes / 2 ** 30:.1f} GiB are free: lower --depth or "
-                         "--max-seq-len, or use a GPU with more memory (or --fsdp over several)")
-    return rows

@@ -21,19 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint, common, recipe, report
+from nanomuon.arch import ARCHS, LR_SCHEDULES, Arch, fit_device_batch, train_memory
 from nanomuon.attention import choose_attention
 from nanomuon.common import evaluate_bpb, print0  # a test stands in for evaluate_bpb
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
 from nanomuon.fp8 import check_fp8, convert_to_fp8, plain_linears
-from nanomuon.gpt import (
-    ARCHS,
-    GPT,
-    LR_SCHEDULES,
-    Arch,
-    GPTConfig,
-    config_from_depth,
-    scaling_params,
-)
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth, scaling_params
 from nanomuon.hardware import peak_flops
 from nanomuon.ideas import with_options
 from nanomuon.run import (
@@ -60,14 +53,14 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
     with common.user_errors():  # batched seeds: each a whole model's memory
-        rows = recipe.fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
+        rows = fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
                                 compiled=compiled, bf16=bf16)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
     if world_size > 1:
         fewest = torch.tensor([rows], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         rows = int(fewest.item())
-    need = sum(recipe.train_memory(config, rows, compiled, bf16).values())
+    need = sum(train_memory(config, rows, compiled, bf16).values())
     print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for "
            f"training, {free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; "
            "--device-batch-size overrides)")
@@ -162,23 +155,25 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
 
 
 def optimizer_options(args, compiled: bool) -> dict:
-    """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
-    (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
+    """GPT.setup_optimizer's arguments but the horizon: the --optimizer variant with the lrs and
+    decay its flags give where it sets none (it is tuned for its own; each flag overridden is
+    said), and the lr rule's PeakLRs at the run's batch and --lr-multiplier for the rest."""
     flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
     variant = with_options(args.optimizer, args.variant_option)
-    for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
-        print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
+    own = dict(variant.lrs, weight_decay=variant.weight_decay, schedule=variant.schedule)
+    for key in sorted(k for k in flags if flags[k] is not None and own.get(k) is not None):
+        print0(f"--optimizer {args.optimizer} sets {key} {own[key]} "
                f"(--{key.replace('_', '-')} {flags[key]} is not used)")
-    own = {k: v for k, v in variant.items() if k not in (*recipe.PeakLRs._fields, "schedule")}
-    given = {k: variant.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
-    lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
-    decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
-    return dict(decay, lrs=lrs, compile=compiled, **own)
+    given = {k: flags[k] for k in LR_FLAGS if flags[k] is not None}
+    decay = args.weight_decay if variant.weight_decay is None else variant.weight_decay
+    variant = variant._replace(lrs=given | variant.lrs, weight_decay=decay)
+    return dict(variant=variant, lrs=recipe.peak_lrs(args.total_batch_size, args.lr_multiplier),
+                compile=compiled)
 
 
 def schedule_name(args) -> str:
     """The lr schedule this run follows: the --optimizer variant's, else --schedule."""
-    return OPTIMIZER_VARIANTS[args.optimizer].get("schedule", args.schedule)
+    return OPTIMIZER_VARIANTS[args.optimizer].schedule or args.schedule
 
 
 def horizon_steps(args, model: GPT) -> int:

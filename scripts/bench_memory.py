@@ -32,10 +32,11 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from nanomuon import checkpoint
+from nanomuon.arch import param_groups
 from nanomuon.common import process_status
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.sharded import DTensor
-from nanomuon.variants import optimizer_kwargs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 MiB = 2 ** 20
 SETUPS = {"DistMuonAdamW": "muon", "all_reduce + torch Muon + AdamW": "torch-muon"}
@@ -69,7 +70,7 @@ def model_and_optimizer(args, variant: str, fsdp: bool = False):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    return model, model.setup_optimizer(**optimizer_kwargs(variant))
+    return model, model.setup_optimizer(OPTIMIZER_VARIANTS[variant])
 
 
 def measure_save(args, fsdp: bool, whole: bool) -> tuple[int, int]:
@@ -153,8 +154,7 @@ def run_world(args, world: int) -> dict:
 def param_counts(args) -> tuple[int, int]:
     """(Muon, AdamW) param counts of the benchmark's GPT."""
     with torch.device("meta"):
-        groups = GPT(config_from_depth(args.depth, args.vocab_size, 256)).setup_optimizer(
-            optimizer_class=list)
+        groups = param_groups(GPT(config_from_depth(args.depth, args.vocab_size, 256)))
     return tuple(sum(p.numel() for g in groups if (g["kind"] == "muon") == m for p in g["params"])
                  for m in (1, 0))
 

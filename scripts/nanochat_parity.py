@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanomuon.gpt import ARCHS, GPT, config_from_depth
+from nanomuon.arch import ARCHS, Variant
+from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
 from scripts.base_train import horizon_steps, lr_multiplier, optimizer_options, schedule_group
 from scripts.train_args import parse_args
@@ -122,8 +123,8 @@ def our_optimizer(model: GPT):
     """nanomuon's optimizer with the given lrs (base_train's lr flags) and weight decay."""
     lrs = PeakLRs(adamw_matrix_lr=0.0, **TRAIN_LRS)
     # nanochat's Polar Express runs in its compute dtype, fp32; auto could pick bf16 on a CPU
-    return model.setup_optimizer(lrs=lrs, weight_decay=WEIGHT_DECAY, compile=False,
-                                 muon_options=dict(ns_precision="fp32"))
+    variant = Variant(weight_decay=WEIGHT_DECAY, muon_options=dict(ns_precision="fp32"))
+    return model.setup_optimizer(variant, lrs, compile=False)
 
 
 def train_side(model, optimizer, schedule, data) -> list[float]:

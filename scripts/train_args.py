@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from nanomuon import checkpoint, common, ideas, recipe
+from nanomuon.arch import ARCHS, LR_SCHEDULES, train_memory
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
-from nanomuon.gpt import ARCHS, LR_SCHEDULES, GPTConfig
+from nanomuon.gpt import GPTConfig
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
@@ -67,10 +68,10 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                    "code before the flags parse; nanomuon/ideas.py)")
     p.add_argument("--variant-option", action="append", default=None, metavar="KEY=VALUE",
                    help="set one of the --optimizer variant's settings: a Muon option "
-                   "(precondition_frequency=10), a key of its own, or a dotted path "
+                   "(precondition_frequency=10), a field of its record, or a dotted path "
                    "(roles.mlp.fc.lr_factor=2); repeatable (ideas.with_options)")
     p.add_argument("--schedule", choices=list(LR_SCHEDULES), default="warmup_warmdown",
-                   help="lr schedule (gpt.LR_SCHEDULES; the --optimizer variant may set its own)")
+                   help="lr schedule (arch.LR_SCHEDULES; the --optimizer variant may set its own)")
     recipe = "default: the recipe's, by batch: docs/lr_rule.md"
     p.add_argument("--warmup-ratio", type=float, default=None, help="fraction of steps with "
                    f"linear lr warmup ({recipe}; none below 2^19 tokens/step, 40 steps from there)")
@@ -242,8 +243,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
                 "runs replicated only")
     check_variant_options(p, args)
-    settings = ideas.with_options(args.optimizer, args.variant_option)  # checked just above
-    if args.fsdp and (options := settings.get("muon_options")):
+    variant = ideas.with_options(args.optimizer, args.variant_option)  # checked just above
+    if args.fsdp and (options := variant.muon_options):
         group = dict(kind="muon", **options)
         fill_defaults(group)
         try:
@@ -361,10 +362,10 @@ def process_memory() -> int:
 
 
 def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> dict[str, int]:
-    """One process's bytes of training on a CPU, by part: recipe.train_memory's; with --fsdp the
+    """One process's bytes of training on a CPU, by part: arch.train_memory's; with --fsdp the
     state's shard; with --seeds each seed's, as measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES),
     and the process's own (process_memory)."""
-    parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
     if not args.seeds:  # with --fsdp each process holds its shard of the state, its activations
         shards = world_size if args.fsdp else 1
         return {k: v // (1 if k == "activations" else shards) for k, v in parts.items()}

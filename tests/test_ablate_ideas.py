@@ -5,6 +5,7 @@ here, a missing file refused in one line, and (heavy) real ablate invocations th
 a function-valued variant and re-run only an edited ideas file's variants.
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -15,10 +16,12 @@ from test_ablate import TINY
 from test_train import REPO
 
 from nanomuon import ideas, stages
+from nanomuon.arch import Variant
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 IDEAS = '''
 """A function-valued variant and a stage of its own, as a user writes them."""
+from nanomuon.arch import Variant
 from nanomuon.optim import MuonAdamW
 from nanomuon.stages import POST_PROCESSORS, Stage
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -35,8 +38,8 @@ def shrink(u, ctx):
 
 
 POST_PROCESSORS["shrink"] = Stage(shrink)
-OPTIMIZER_VARIANTS["mine"] = dict(optimizer_class=plain_muon_adamw)
-OPTIMIZER_VARIANTS["muon-shrink"] = dict(muon_options=dict(post_process=("shrink",)))
+OPTIMIZER_VARIANTS["mine"] = Variant(optimizer_class=plain_muon_adamw)
+OPTIMIZER_VARIANTS["muon-shrink"] = Variant(muon_options=dict(post_process=("shrink",)))
 '''
 
 
@@ -108,20 +111,34 @@ def test_an_ideas_path_that_is_no_file_is_refused_in_one_line(tmp_path, path, sa
 
 
 def test_an_option_lands_where_its_path_says():
-    """A Muon option by its name, a key of the variant's own, a dotted path through a role (whose
-    name holds dots); the registry's entry stays as it was."""
-    newton = {k: dict(v) for k, v in OPTIMIZER_VARIANTS["muon-newton"].items()}
+    """A Muon option by its name, a field of the record, an lr by its name, a dotted path through
+    a role (whose name holds dots) or into the Muon options; the registry's record stays as it
+    was. A path into a field that is no dict is refused."""
+    newton = copy.deepcopy(OPTIMIZER_VARIANTS["muon-newton"])
     got = ideas.with_options("muon-newton", ["precondition_frequency=10", "per_head=True",
                                              "roles.attn.proj.lr_factor=2.5", "apply='cautious'",
-                                             "roles.attn.qkv.lr_factor=0.5", "nesterov=False"])
-    assert got == dict(
-        muon_options=dict(precondition="newton", input_interval=0.02, post_process=(),
-                          apply="cautious", precondition_frequency=10, nesterov=False),
+                                             "roles.attn.qkv.lr_factor=0.5", "nesterov=False",
+                                             "matrix_lr=0.04", "muon_options.momentum=0.9",
+                                             "muon_options.beta2=None", "weight_decay=0.1"])
+    assert got == Variant(
+        muon_options=dict(precondition="newton", input_interval=0.02, post_process=(), apply="cautious",
+                  precondition_frequency=10, nesterov=False, momentum=0.9, beta2=None),
         roles={"attn.proj": dict(lr_factor=2.5), "attn.qkv": dict(lr_factor=0.5),
                "mlp.fc": dict(lr_factor=1.5, weight_decay_factor=1.5),
                "mlp.proj": dict(lr_factor=1.5)},
-        per_head=True)
+        per_head=True, lrs=dict(matrix_lr=0.04), weight_decay=0.1)
     assert OPTIMIZER_VARIANTS["muon-newton"] == newton
+    for bad in ("per_head.x=1", "muon_options.nesterov.x=1", "roles.mlp=1"):
+        with pytest.raises(ValueError, match=r"a path goes into muon_options, lrs or roles, one key"):
+            ideas.with_options("muon", [bad])
+
+
+def test_a_variant_that_is_no_record_is_refused_in_one_line(monkeypatch):
+    """An ideas file of the old spelling (a dict) is told to write a Variant record."""
+    monkeypatch.setitem(OPTIMIZER_VARIANTS, "old", dict(muon_options=dict(beta2=None)))
+    with pytest.raises(ValueError, match=r"OPTIMIZER_VARIANTS\['old'\] is a dict: a variant is a "
+                                         r"record now, Variant\(muon_options=dict"):
+        ideas.with_options("old", None)
 
 
 def test_a_variant_sweep_runs_the_others_once_and_checks_each_value():

@@ -529,10 +529,11 @@ def test_sample_prints_its_text_as_it_comes(base, good, monkeypatch, capsys):
 def test_a_variant_that_sets_an_lr_wins_and_says_so(base, monkeypatch, capsys):
     """A variant's own lr is what it was tuned with: it overrides the flag's (no 'multiple values for
     keyword argument'), and the run says which flag it did not use."""
+    from nanomuon.arch import Variant
     from nanomuon.checkpoint import load_checkpoint
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
-    monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-lr", dict(matrix_lr=0.04))
+    monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-lr", Variant(lrs=dict(matrix_lr=0.04)))
     capsys.readouterr()
     train("--optimizer", "muon-lr", "--matrix-lr", "0.03", run="variant-lr")()
     assert "--optimizer muon-lr sets matrix_lr 0.04 (--matrix-lr 0.03 is not used)" in capsys.readouterr().out

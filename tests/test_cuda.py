@@ -168,7 +168,7 @@ def test_train_memory_estimate_bounds_a_real_step(depth, arch):
     """The estimate that --device-batch-size auto fits to the free memory, against torch's own peak count of a
     compiled bf16 training step (forward, backward, optimizer step) at d12 and d20 with 4 rows of 2048 tokens:
     at most the estimate, and not so far under it that the fit wastes most of the GPU."""
-    from nanomuon.recipe import train_memory
+    from nanomuon.arch import train_memory
 
     torch.manual_seed(0)
     config = config_from_depth(depth, 32768, 2048, arch=arch)

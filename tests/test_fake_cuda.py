@@ -573,8 +573,8 @@ def case_autofit(world: str, activations: str = "0"):
     autograd saves in the eager model's forward."""
     import torch
 
+    from nanomuon.arch import fit_device_batch, train_memory
     from nanomuon.common import autocast, resolve_dtype
-    from nanomuon.recipe import fit_device_batch, train_memory
     from scripts.base_train import auto_device_batch
     from scripts.train_args import parse_args
 

@@ -95,7 +95,9 @@ def _fp8_worker(rank, world_size, fsdp, steps, atol):
     reference, one process, accumulates the same rows' grads micro-batch by micro-batch."""
     from torch.distributed.fsdp import fully_shard
 
+    from nanomuon.arch import Variant
     from nanomuon.optim import DistMuonAdamW, MuonAdamW
+    from nanomuon.recipe import peak_lrs
 
     model, ref = fp8_model(), fp8_model()
     if fsdp:
@@ -104,11 +106,10 @@ def _fp8_worker(rank, world_size, fsdp, steps, atol):
         fully_shard(model)
     # fp32 Newton-Schulz: 'auto' is bf16 on CPUs with bf16 units, where a sum order's 1e-7 can
     # flip a bf16 rounding of the update (lr x 2^-8, ~8e-5), which is not what this test is about
-    fp32_ns = dict(ns_precision="fp32")
-    opt = model.setup_optimizer(total_batch_size=4096, muon_options=fp32_ns)
+    fp32_ns, lrs = Variant(muon_options=dict(ns_precision="fp32")), peak_lrs(4096)
+    opt = model.setup_optimizer(fp32_ns, lrs)
     assert isinstance(opt, MuonAdamW if fsdp else DistMuonAdamW)
-    ref_opt = ref.setup_optimizer(total_batch_size=4096, optimizer_class=MuonAdamW,
-                                  muon_options=fp32_ns)
+    ref_opt = ref.setup_optimizer(fp32_ns._replace(optimizer_class=MuonAdamW), lrs)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x = torch.randint(0, 97, (2 * world_size, 17), generator=g)

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from test_recipe import NANOCHAT_AT_2_19, TUNED_AT_4096
 from torch.utils.flop_counter import FlopCounterMode
 
+from nanomuon.arch import Variant
 from nanomuon.gpt import GPT, GPTConfig, apply_rotary, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.recipe import PeakLRs
-from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
+from nanomuon.recipe import PeakLRs, peak_lrs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 
 def small_model(seq_len=32, vocab=97, depth=2, seed=0, arch="classic"):
@@ -109,7 +110,8 @@ def test_estimate_flops_matches_torch_flop_counter(monkeypatch):
 
 def test_setup_optimizer_groups():
     model = small_model()
-    opt = model.setup_optimizer(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02)
+    opt = model.setup_optimizer(lrs=peak_lrs(2 ** 19, embedding_lr=0.2, unembedding_lr=0.004,
+                                             matrix_lr=0.02))
     assert isinstance(opt, MuonAdamW) and not isinstance(opt, DistMuonAdamW)
     groups = {g["name"]: g for g in opt.param_groups}
     muon = {id(p) for p in groups["matrices"]["params"]}
@@ -137,21 +139,20 @@ def test_setup_optimizer_groups():
 def test_setup_optimizer_applies_the_multiplier_once():
     """A PeakLRs is each group's lr at width 768 and one multiplier: every group's lr and
     initial_lr are its role's lr x width scale (AdamW's but the scalars') x the multiplier, once;
-    lrs= and lrs one by one are refused together."""
+    a variant's own lr wins over the PeakLRs' and takes the multiplier too."""
     model = small_model()
     lrs = PeakLRs(embedding_lr=0.2, unembedding_lr=0.004, matrix_lr=0.02, adamw_matrix_lr=0.001,
                   scalar_lr=0.5, multiplier=0.25)
     scale = (model.config.n_embd / 768) ** -0.5
     want = dict(embedding=0.2 * scale * 0.25, lm_head=0.004 * scale * 0.25, matrices=0.02 * 0.25,
                 scalars=0.5 * 0.25)
-    for options, matrices in (({}, want["matrices"]), (optimizer_kwargs("muon-per-head"), None),
-                              (optimizer_kwargs("adamw"), 0.001 * scale * 0.25)):
-        for g in model.setup_optimizer(lrs=lrs, **options).param_groups:
+    for variant, matrices in ((Variant(), want["matrices"]), (OPTIMIZER_VARIANTS["muon-per-head"], None),
+                              (OPTIMIZER_VARIANTS["adamw"], 0.001 * scale * 0.25),
+                              (Variant(lrs=dict(matrix_lr=0.03)), 0.03 * 0.25)):
+        for g in model.setup_optimizer(variant, lrs).param_groups:
             name = "matrices" if g["name"].startswith("matrices") else g["name"]
             expected = want[name] if matrices is None or name != "matrices" else matrices
             assert g["initial_lr"] == g["lr"] == pytest.approx(expected, rel=1e-12), g["name"]
-    with pytest.raises(ValueError, match="not both"):
-        model.setup_optimizer(lrs=lrs, matrix_lr=0.03)
 
 
 def test_roles_give_each_role_its_own_lr_and_decay():
@@ -164,7 +165,7 @@ def test_roles_give_each_role_its_own_lr_and_decay():
                   scalar_lr=0.5, multiplier=0.5)
     roles = {"mlp.fc": dict(lr_factor=0.0, weight_decay_factor=0.0),
              "attn.qkv": dict(lr_factor=2.0, weight_decay_factor=0.25)}
-    opt = model.setup_optimizer(lrs=lrs, weight_decay=0.2, roles=roles)
+    opt = model.setup_optimizer(Variant(weight_decay=0.2, roles=roles), lrs)
     groups = {g["name"]: g for g in opt.param_groups}
     attn, mlp = [b.attn for b in model.blocks], [b.mlp for b in model.blocks]
     members = {name: {id(p) for p in groups[name]["params"]} for name in groups}
@@ -185,7 +186,7 @@ def test_roles_give_each_role_its_own_lr_and_decay():
     for n, p in model.named_parameters():
         if n.startswith("blocks.") and p.ndim == 2:
             assert torch.equal(p, before[n]) == (".mlp.c_fc." in n), n
-    heads = {g["name"] for g in model.setup_optimizer(per_head=True, roles=roles).param_groups}
+    heads = {g["name"] for g in model.setup_optimizer(Variant(per_head=True, roles=roles)).param_groups}
     assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
     for bad, says in (({"attn.o": {}}, r"roles=\{'attn.o': \{\}\}: give a dict of role -> dict"
                                         r"\(kind=, .* this model's roles are \['lm_head', 'embedding', "
@@ -196,11 +197,11 @@ def test_roles_give_each_role_its_own_lr_and_decay():
                                                       r"its roles take \['betas', 'eps', 'kind', 'lr_factor', "
                                                       r"'momentum', 'weight_decay_factor'\]"),
                       ({"lm_head": dict(kind="sgd")}, r"roles\['lm_head'\]=\{'kind': 'sgd'\}: give a dict "
-                                                      r"with kind 'muon' or 'adamw'"),
+                                                      r"with kind 'muon', 'adamw' or one of kinds.KINDS \['lion', "),
                       ({"mlp.fc": dict(lr_factor=-1.0)}, r"must be numbers, each in \[0, 1000\); got \[-1.0, 1.0\]"),
                       (["mlp.fc"], r"roles=\['mlp.fc'\]: give a dict of role -> dict")):
         with pytest.raises(ValueError, match=says):
-            model.setup_optimizer(roles=bad)
+            model.setup_optimizer(Variant(roles=bad))
 
 
 def test_any_role_takes_any_update_by_its_name():
@@ -218,8 +219,8 @@ def test_any_role_takes_any_update_by_its_name():
                              lr_factor=2.0),
              "embedding": dict(kind="muon", orthogonalizer="col_norm", weight_decay_factor=0.5),
              "mlp.fc": dict(kind="adamw", betas=(0.9, 0.99), lr_factor=3.0)}
-    opt = model.setup_optimizer(lrs=lrs, weight_decay=0.2, roles=roles,
-                                muon_options=dict(nesterov=False, apply="decoupled"))
+    variant = Variant(weight_decay=0.2, roles=roles, muon_options=dict(nesterov=False, apply="decoupled"))
+    opt = model.setup_optimizer(variant, lrs)
     groups = {g["name"]: g for g in opt.param_groups}
     assert [g["name"] for g in opt.param_groups] == ["lm_head", "embedding", "matrices",
                                                      "matrices, mlp.fc"]
@@ -243,23 +244,24 @@ def test_any_role_takes_any_update_by_its_name():
         model(x, x).backward()
         opt.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    adamw = model.setup_optimizer(lrs=lrs, roles={"lm_head": dict(lr_factor=4.0)},
-                                  **optimizer_kwargs("adamw"))
+    adamw = model.setup_optimizer(OPTIMIZER_VARIANTS["adamw"]._replace(
+        roles={"lm_head": dict(lr_factor=4.0)}), lrs)
     head = next(g for g in adamw.param_groups if g["name"] == "lm_head")
     assert head["lr"] == pytest.approx(0.004 * scale * 4.0 * 0.5, rel=1e-12)
     torch.manual_seed(0)
     nanochat = GPT(config_from_depth(2, 97, 32, aspect_ratio=32, head_dim=16, arch="nanochat"))
-    ve = nanochat.setup_optimizer(roles={"value_embeds": dict(kind="muon")}).param_groups
+    ve = nanochat.setup_optimizer(Variant(roles={"value_embeds": dict(kind="muon")})).param_groups
     assert next(g for g in ve if g["name"] == "value_embeds")["transposed"] is True
     with pytest.raises(ValueError, match=r"param group \d 'resid_lambdas' \(kind='muon'\), param 0: "
                                          r"shape \(2,\) has 1 dim\(s\); Muon needs matrices"):
-        nanochat.setup_optimizer(roles={"resid_lambdas": dict(kind="muon")})
+        nanochat.setup_optimizer(Variant(roles={"resid_lambdas": dict(kind="muon")}))
     with pytest.raises(ValueError, match=r"this model's roles are \['lm_head', 'embedding', 'attn"):
-        model.setup_optimizer(roles={"value_embeds": dict(kind="muon")})
+        model.setup_optimizer(Variant(roles={"value_embeds": dict(kind="muon")}))
 
 
-def peak_lrs(model, **kwargs) -> dict:
-    return {g["name"]: g["lr"] for g in model.setup_optimizer(**kwargs).param_groups}
+def lrs_of(model, variant=None, total_batch_size=2 ** 19, **given) -> dict:
+    lrs = peak_lrs(total_batch_size, **given)
+    return {g["name"]: g["lr"] for g in model.setup_optimizer(variant, lrs).param_groups}
 
 
 @pytest.mark.parametrize("depth", [4, 6])  # widths 256 and 384, where the rule was checked
@@ -269,19 +271,20 @@ def test_default_lrs_follow_the_lr_rule(depth):
     1/sqrt(width / 768) and Muon's not; a given lr wins over the rule."""
     model = GPT(config_from_depth(depth, 97, 16))
     scale = (model.config.n_embd / 768) ** -0.5
-    at = {batch: peak_lrs(model, total_batch_size=batch) for batch in (4096, 8192, 2 ** 19)}
+    at = {batch: lrs_of(model, total_batch_size=batch) for batch in (4096, 8192, 2 ** 19)}
     assert at[4096] == pytest.approx({k: TUNED_AT_4096[k] * (1 if k == "matrices" else scale)
                                       for k in ("embedding", "lm_head", "matrices")})
-    adamw = peak_lrs(model, total_batch_size=4096, **optimizer_kwargs("adamw"))["matrices"]
+    adamw = lrs_of(model, OPTIMIZER_VARIANTS["adamw"], total_batch_size=4096)["matrices"]
     assert adamw == pytest.approx(TUNED_AT_4096["adamw_matrices"] * scale)
-    assert peak_lrs(model) == at[2 ** 19]  # setup_optimizer's default batch is the GPU's
+    default = {g["name"]: g["lr"] for g in model.setup_optimizer().param_groups}
+    assert default == at[2 ** 19]  # setup_optimizer's default batch is the GPU's
     for name in ("embedding", "lm_head", "matrices"):
         want = NANOCHAT_AT_2_19[name] * (1 if name == "matrices" else scale)
         assert at[2 ** 19][name] == pytest.approx(want, rel=1e-12), name
     for name in ("embedding", "lm_head"):
         assert at[4096][name] < at[8192][name] < at[2 ** 19][name]
     assert at[4096]["matrices"] == at[8192]["matrices"] == at[2 ** 19]["matrices"]
-    given = peak_lrs(model, embedding_lr=0.1, matrix_lr=0.03)
+    given = lrs_of(model, embedding_lr=0.1, matrix_lr=0.03)
     assert given["embedding"] == pytest.approx(0.1 * scale) and given["matrices"] == 0.03
     assert given["lm_head"] == at[2 ** 19]["lm_head"]
 
@@ -400,10 +403,10 @@ def test_compiled_model_equals_eager():
 @pytest.mark.parametrize("variant", list(OPTIMIZER_VARIANTS))
 def test_every_optimizer_variant_builds_and_steps(variant):
     model = small_model(arch="nanochat" if variant.endswith("-nanochat") else "classic")  # its roles
-    opt = model.setup_optimizer(**optimizer_kwargs(variant), horizon=10)  # Muown's schedule needs one
+    opt = model.setup_optimizer(OPTIMIZER_VARIANTS[variant], horizon=10)  # Muown's schedule needs one
     matrices = next(g for g in opt.param_groups if g["name"] == "matrices")
     assert matrices["kind"] == ("adamw" if variant == "adamw" else "muon")
-    for key, value in OPTIMIZER_VARIANTS[variant].get("muon_options", {}).items():
+    for key, value in OPTIMIZER_VARIANTS[variant].muon_options.items():
         assert matrices[key] == value
     before = [p.detach().clone() for p in matrices["params"]]
     x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
@@ -426,7 +429,7 @@ def test_per_head_updates_each_head_as_a_matrix_of_its_own():
     model.init_weights()
     attn = model.blocks[0].attn
     torch.nn.init.normal_(attn.c_proj.weight, std=0.05)  # not zero, so cautious decay has signs to compare
-    opt = model.setup_optimizer(per_head=True, muon_options=dict(ns_precision="fp32"))
+    opt = model.setup_optimizer(Variant(per_head=True, muon_options=dict(ns_precision="fp32")))
     x = torch.randint(0, 97, (2, 16))
     model(x, x).backward()
     heads = ((attn.c_q, 4, 0), (attn.c_k, 2, 0), (attn.c_v, 2, 0), (attn.c_proj, 4, 1))
@@ -447,7 +450,7 @@ def test_per_head_updates_each_head_as_a_matrix_of_its_own():
     assert {g["name"] for g in opt.param_groups} >= {"matrices", "matrices, 4 heads", "matrices, 2 heads",
                                                      "matrices, 4 heads by columns"}
     with pytest.raises(ValueError, match="need matrix_optimizer=.muon."):
-        model.setup_optimizer(per_head=True, matrix_optimizer="adamw")
+        model.setup_optimizer(Variant(per_head=True, matrix_optimizer="adamw"))
 
 
 def hand_max_logits(model, idx):

@@ -11,6 +11,7 @@ import torch
 from test_ablate_ideas import registries  # noqa: F401  (the fixture: the registries restored after)
 
 from nanomuon import checkpoint, kinds
+from nanomuon.arch import Variant
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
 
 # past MuonAdamW.SMALL (1024 elements): sharded by rows at 2 and 3 ranks, 37 and 1500 divide by neither;
@@ -272,7 +273,7 @@ def test_a_role_turned_to_a_kind_keeps_its_own_lr(arch, kind):
     model = _gpt(arch)
     before = {g["name"]: g for g in model.setup_optimizer().param_groups}
     roles = {r: dict(kind=kind, lr_factor=0.5, weight_decay_factor=2.0) for r in ROLES[arch]}
-    opt = model.setup_optimizer(roles=roles)
+    opt = model.setup_optimizer(Variant(roles=roles))
     after = {g["name"]: g for g in opt.param_groups}
     for role in ROLES[arch]:
         g, was = after[role], before[role]
@@ -290,16 +291,16 @@ def test_a_role_turned_to_a_kind_keeps_its_own_lr(arch, kind):
 
 
 def test_the_variants_put_the_embedding_head_and_scalars_on_the_kinds():
-    from nanomuon.variants import OPTIMIZER_VARIANTS, optimizer_kwargs
+    from nanomuon.variants import OPTIMIZER_VARIANTS
 
     for variant, kind, arch in (("muon-lion", "lion", "classic"), ("muon-adam-mini", "adam_mini", "classic"),
                                 ("muon-lion-nanochat", "lion", "nanochat"),
                                 ("muon-adam-mini-nanochat", "adam_mini", "nanochat")):
-        opt = _gpt(arch).setup_optimizer(**optimizer_kwargs(variant))
+        opt = _gpt(arch).setup_optimizer(OPTIMIZER_VARIANTS[variant])
         assert {g["name"] for g in opt.param_groups if g["kind"] == kind} == set(ROLES[arch]), variant
     with pytest.raises(ValueError, match="this model's roles are"):  # scalars the classic GPT lacks
-        _gpt("classic").setup_optimizer(**optimizer_kwargs("muon-lion-nanochat"))
-    assert set(OPTIMIZER_VARIANTS["muon-lion-nanochat"]["roles"]) == set(ROLES["nanochat"])
+        _gpt("classic").setup_optimizer(OPTIMIZER_VARIANTS["muon-lion-nanochat"])
+    assert set(OPTIMIZER_VARIANTS["muon-lion-nanochat"].roles) == set(ROLES["nanochat"])
 
 
 # -- distributed: DistMuonAdamW at 2 and 3 ranks, sharded checkpoints ------------------------------------------
@@ -383,6 +384,7 @@ from collections import namedtuple
 
 import torch
 
+from nanomuon.arch import Variant
 from nanomuon.kinds import KINDS, Kind
 from nanomuon.stages import Option, a_number
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -398,7 +400,7 @@ def sign_sgd(p, grad, state, h):
 KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr"),
                                               weight_decay=Option(0.0, a_number, "decay")),
                          ("lr", "weight_decay"), lambda group, step: Numbers(group["lr"], group["weight_decay"]))
-OPTIMIZER_VARIANTS["muon-sign-sgd"] = dict(roles={"embedding": dict(kind="sign_sgd", lr_factor=0.1)})
+OPTIMIZER_VARIANTS["muon-sign-sgd"] = Variant(roles={"embedding": dict(kind="sign_sgd", lr_factor=0.1)})
 '''
 
 
@@ -407,14 +409,14 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     """An --ideas file registers a kind and a variant that puts the embedding on it, with no library edit: the
     embedding then steps by its own lr x 0.1 along sign(grad), and the file owns that variant."""
     from nanomuon import ideas
-    from nanomuon.variants import optimizer_kwargs
+    from nanomuon.variants import OPTIMIZER_VARIANTS
 
     path = tmp_path / "my_ideas.py"
     path.write_text(IDEAS)
     assert ideas.load(str(path)).variants == {"muon-sign-sgd"}
     model = _gpt("classic")
     adamw_lr = next(g["lr"] for g in model.setup_optimizer().param_groups if g["name"] == "embedding")
-    opt = model.setup_optimizer(**optimizer_kwargs("muon-sign-sgd"))
+    opt = model.setup_optimizer(OPTIMIZER_VARIANTS["muon-sign-sgd"])
     embedding = next(g for g in opt.param_groups if g["name"] == "embedding")
     assert embedding["kind"] == "sign_sgd" and embedding["lr"] == pytest.approx(0.1 * adamw_lr)
     w = model.wte.weight.detach().clone()
@@ -482,10 +484,10 @@ def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there(tmp_path):
 def test_the_run_header_names_the_kind():
     """base_train's header line of a group on a kind: its kind, peak lr, betas and decay (a Muon group's
     momentum schedule would raise there: a kind has none)."""
-    from nanomuon.gpt import ARCHS
+    from nanomuon.arch import ARCHS
     from scripts.base_train import group_words
 
-    opt = _gpt("classic").setup_optimizer(roles={"lm_head": dict(kind="lion")})
+    opt = _gpt("classic").setup_optimizer(Variant(roles={"lm_head": dict(kind="lion")}))
     head = next(g for g in opt.param_groups if g["name"] == "lm_head")
     assert group_words(head, ARCHS["classic"]) == (f"lm_head: lion, peak lr {head['lr']:.3g}, betas (0.9, 0.99), "
                                                    "weight decay 0")

@@ -220,11 +220,11 @@ def test_every_script_prints_its_help():
 
 
 # What a reader opens to follow one pass of the training loop: the loop, the loader, the model,
-# the optimizer and the update math, and the print of the step's line (on one process and under
-# torchrun alike). The groups' convention and checks (param_groups.py) run when a group is
-# resolved, not at every step.
+# the arch's lr, momentum and decay schedules, the optimizer and the update math, and the print of
+# the step's line (on one process and under torchrun alike). The groups' convention and checks
+# (param_groups.py) run when a group is resolved, not at every step.
 STEP_FILES = {"scripts/base_train.py", "nanomuon/dataloader.py", "nanomuon/gpt.py",
-              "nanomuon/optim.py", "nanomuon/muon.py", "nanomuon/common.py"}
+              "nanomuon/arch.py", "nanomuon/optim.py", "nanomuon/muon.py", "nanomuon/common.py"}
 
 
 def calls_run(fn):
@@ -251,7 +251,7 @@ def files_run(fn):
     return out, {f for f, _, _ in calls}
 
 
-def test_a_pass_of_the_training_loop_reads_in_six_files(base, monkeypatch):
+def test_a_pass_of_the_training_loop_reads_in_seven_files(base, monkeypatch):
     """A pass of base_train's loop (train_step and record_step, past the first two steps, which
     compile and warm up) runs code of STEP_FILES only: no plumbing, hardware facts, attention
     choice, group checks or DTensor path on the way, and at most 62 functions of them."""
@@ -289,11 +289,12 @@ def test_a_model_and_optimizer_step_reads_in_40_functions():
     import ast
 
     from nanomuon.gpt import GPT, config_from_depth
+    from nanomuon.recipe import peak_lrs
 
     torch.manual_seed(0)
     model = GPT(config_from_depth(2, 97, 64, aspect_ratio=32, head_dim=32))
     model.init_weights()
-    opt = model.setup_optimizer(total_batch_size=512)
+    opt = model.setup_optimizer(lrs=peak_lrs(512))
     x = torch.randint(0, 97, (4, 64))
 
     def step():

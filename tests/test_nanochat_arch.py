@@ -17,10 +17,11 @@ from test_seeds import each_seed_is_its_own_run, relative, summary
 from test_train import TINY, assert_bitwise_equal
 
 from nanomuon import reference, stages
+from nanomuon.arch import ARCHS, Variant, param_groups
 from nanomuon.coefficients import COEFFICIENT_SETS, POLAR_EXPRESS
-from nanomuon.gpt import ARCHS, GPT, GPTConfig, config_from_depth, sdpa, window_mask
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth, sdpa, window_mask
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
-from nanomuon.recipe import PeakLRs
+from nanomuon.recipe import PeakLRs, peak_lrs
 from nanomuon.reference import muon_step
 from nanomuon.stages import equilibrate_to_mean
 
@@ -317,7 +318,7 @@ def test_optimizer_groups_are_nanochats():
     torch.manual_seed(0)
     model = GPT(config_from_depth(3, 97, 64, aspect_ratio=64, head_dim=64, arch="nanochat"))
     model.init_weights()
-    opt = model.setup_optimizer(lrs=LRS, weight_decay=0.28)
+    opt = model.setup_optimizer(Variant(weight_decay=0.28), LRS)
     assert type(opt) is MuonAdamW
     s = (model.config.n_embd / 768) ** -0.5
     assert model.config.n_embd == 192
@@ -354,7 +355,7 @@ def test_optimizer_groups_are_nanochats():
     seen = [id(p) for g in opt.param_groups for p in g["params"]]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
     with pytest.raises(ValueError, match="adam_betas"):
-        model.setup_optimizer(lrs=LRS, adam_betas=(0.9, 0.95))
+        model.setup_optimizer(Variant(adam_betas=(0.9, 0.95)), LRS)
 
 
 def test_equilibrate_row_mean_is_the_formula():
@@ -399,10 +400,13 @@ def nanochat_step(p, g, st, lr, wd, momentum, beta2):
 
 
 def test_a_muon_step_of_the_recipe_is_the_float64_reference():
-    """MuonAdamW with the nanochat recipe's Muon group (GPT._muon_recipe) on tall, wide and square
-    matrices (two of one shape: a stack) equals reference.muon_step over 3 steps; the reference
-    with that group is nanochat's step written out."""
-    recipe = GPT(GPTConfig(**TINY_CONFIG))._muon_recipe(0.02, 0.2)
+    """MuonAdamW with the nanochat recipe's Muon group (arch.param_groups' matrices) on tall, wide
+    and square matrices (two of one shape: a stack) equals reference.muon_step over 3 steps; the
+    reference with that group is nanochat's step written out."""
+    groups = param_groups(GPT(GPTConfig(**TINY_CONFIG)), Variant(weight_decay=0.2),
+                          peak_lrs(2 ** 19, matrix_lr=0.02))
+    recipe = {k: v for k, v in groups[-1].items() if k != "params"}
+    assert recipe["name"] == "matrices"
     gen = torch.Generator().manual_seed(0)
     shapes = [(24, 10), (24, 10), (10, 24), (16, 16)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64) * 0.3)
@@ -473,9 +477,9 @@ def dist_model():
 def _dist_worker(rank, world_size, steps, weight_decay, atol, rtol_fro):
     model = dist_model()
     ref = copy.deepcopy(model)
-    options = dict(lrs=LRS, weight_decay=weight_decay, muon_options=dict(ns_precision="fp32"))
-    opt = model.setup_optimizer(**options)
-    ref_opt = ref.setup_optimizer(**options, optimizer_class=MuonAdamW)
+    variant = Variant(weight_decay=weight_decay, muon_options=dict(ns_precision="fp32"))
+    opt = model.setup_optimizer(variant, LRS)
+    ref_opt = ref.setup_optimizer(variant._replace(optimizer_class=MuonAdamW), LRS)
     assert type(opt) is DistMuonAdamW and type(ref_opt) is MuonAdamW
     rows = 2
     start = [p.detach().clone() for p in model.parameters()]

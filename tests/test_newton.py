@@ -296,8 +296,8 @@ def test_base_train_collects_the_inputs_only_when_the_stage_asks(base, monkeypat
     from nanomuon.checkpoint import load_checkpoint
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
-    variant = dict(OPTIMIZER_VARIANTS["muon-newton"])
-    variant["muon_options"] = dict(variant["muon_options"], input_interval=3)
+    variant = OPTIMIZER_VARIANTS["muon-newton"]
+    variant = variant._replace(muon_options=dict(variant.muon_options, input_interval=3))
     monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-newton", variant)
     asked, given = [], []
     real_forward, real_give = GPT.forward, MuonAdamW.give_inputs

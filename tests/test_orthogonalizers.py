@@ -98,14 +98,15 @@ def test_an_unregistered_name_is_refused_with_the_registry_named():
 
 def test_a_variants_entry_names_it(monkeypatch):
     """One line in variants.py: the GPT's optimizer is built with it and steps."""
+    from nanomuon.arch import Variant
     from nanomuon.gpt import GPT, GPTConfig
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
     monkeypatch.setitem(stages.ORTHOGONALIZERS, "exact_polar", exact_polar)
-    monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-exact", dict(muon_options=dict(orthogonalizer="exact_polar")))
+    monkeypatch.setitem(OPTIMIZER_VARIANTS, "muon-exact", Variant(muon_options=dict(orthogonalizer="exact_polar")))
     model = GPT(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=32))
     model.init_weights()
-    opt = model.setup_optimizer(**OPTIMIZER_VARIANTS["muon-exact"])
+    opt = model.setup_optimizer(OPTIMIZER_VARIANTS["muon-exact"])
     assert {g.get("orthogonalizer") for g in opt.param_groups if g["kind"] == "muon"} == {"exact_polar"}
     idx = torch.randint(0, 64, (2, 16))
     model(idx, idx).backward()

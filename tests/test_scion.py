@@ -14,7 +14,7 @@ from nanomuon import checkpoint, stages
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import MuonAdamW
 from nanomuon.recipe import PeakLRs
-from nanomuon.variants import optimizer_kwargs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 LR = 0.02  # Scion's one lr: every group's (the matrix lr), its scale per layer
 LRS = PeakLRs(embedding_lr=0.3, unembedding_lr=0.004, matrix_lr=LR, adamw_matrix_lr=0.001,
@@ -75,11 +75,12 @@ def model64(seed=0):
     return model.double()
 
 
-def scion_kwargs(**extra) -> dict:
+def scion_kwargs(compile=None, optimizer_class=None) -> dict:
     """The variant's setup_optimizer arguments, Newton-Schulz in fp32 (none in float64)."""
-    kwargs = optimizer_kwargs("scion")
-    return dict(kwargs, lrs=LRS, muon_options=dict(kwargs["muon_options"], ns_precision="fp32"),
-                **extra)
+    scion = OPTIMIZER_VARIANTS["scion"]
+    variant = scion._replace(muon_options=dict(scion.muon_options, ns_precision="fp32"),
+                             optimizer_class=optimizer_class)
+    return dict(variant=variant, lrs=LRS, compile=compile)
 
 
 def test_every_group_steps_as_the_authors_scion_step_in_float64():

@@ -17,8 +17,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import nanomuon.sharded as sharded_module
+from nanomuon.arch import Variant
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.recipe import peak_lrs
 
 
 def specs(world_size):
@@ -277,8 +279,8 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
     # grads into near-sign steps (so keep its lrs small), and cautious decay's mask flips where the update is
     # near zero (so decay is off here; the placement tests above cover it with identical inputs).
     def optimizer(m):
-        return m.setup_optimizer(embedding_lr=0.01, unembedding_lr=0.004, weight_decay=0.0,
-                                 muon_options=dict(ns_precision="fp32"))
+        return m.setup_optimizer(Variant(weight_decay=0.0, muon_options=dict(ns_precision="fp32")),
+                                 peak_lrs(2 ** 19, embedding_lr=0.01, unembedding_lr=0.004))
 
     model = shard(model)
     opt, ref_opt = optimizer(model), optimizer(ref)

@@ -462,7 +462,7 @@ def test_checkpoints_from_before_the_stage_keys_load_as_what_ran():
 def test_powercool_is_min_lr0_c_t_minus_step_to_the_1_2():
     """base_train's powercool schedule equals the record's min(lr0, c (T - step)^1.2), with c putting the knee
     --warmdown-ratio of the steps before the end, and the --optimizer muon-powercool variant selects it."""
-    from nanomuon.gpt import LR_SCHEDULES
+    from nanomuon.arch import LR_SCHEDULES
     from scripts.base_train import schedule_name
     from scripts.train_args import parse_args
 
@@ -618,15 +618,17 @@ def test_state_declared_mid_run_is_saved_as_it_will_start():
 def test_the_readme_counts_hold():
     """Each technique is one function, one registry entry and one variants line: the entries exist and name
     their function, and the variants name them."""
+    from nanomuon.arch import Variant
     from nanomuon.variants import OPTIMIZER_VARIANTS
 
     assert stages.PRECONDITIONERS["soap"].fn is stages.soap
     assert stages.POST_PROCESSORS["uw_floor"].fn is stages.uw_floor
     assert stages.APPLIERS["hyperball"].fn is stages.hyperball
     assert stages.POST_PROCESSORS["contra"].fn is stages.contra
-    assert OPTIMIZER_VARIANTS["muon-contra"]["muon_options"] == dict(post_process=("contra", "variance_reduction"))
-    assert OPTIMIZER_VARIANTS["muon-soap"]["muon_options"] == dict(precondition="soap")
-    assert OPTIMIZER_VARIANTS["muon-powercool"] == dict(schedule="powercool")
+    contra = dict(post_process=("contra", "variance_reduction"))
+    assert OPTIMIZER_VARIANTS["muon-contra"] == Variant(muon_options=contra)
+    assert OPTIMIZER_VARIANTS["muon-soap"] == Variant(muon_options=dict(precondition="soap"))
+    assert OPTIMIZER_VARIANTS["muon-powercool"] == Variant(schedule="powercool")
     assert Path(stages.__file__).read_text().count("def soap(") == 1
 
 
@@ -649,7 +651,8 @@ def test_base_train_refuses_fsdp_with_a_stage_that_reads_whole_weights(capsys):
 def test_the_run_header_says_what_the_stages_use(variant, says):
     """base_train's header names the weight decay only where a stage applies it, and each muon group's
     stages, who keeps the momentum, and the horizon the stages see (the run's steps)."""
-    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from nanomuon.arch import ARCHS
+    from nanomuon.gpt import GPT, config_from_depth
     from scripts.base_train import group_words, optimizer_options
     from scripts.train_args import parse_args
 
@@ -718,6 +721,7 @@ def _fsdp_checkpoint_worker(rank, world, path, mode):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from nanomuon.arch import Variant
     from nanomuon.gpt import GPT, config_from_depth
 
     torch.manual_seed(0)
@@ -727,7 +731,7 @@ def _fsdp_checkpoint_worker(rank, world, path, mode):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = model.setup_optimizer(muon_options=dict(ns_precision="fp32", precondition="soap", **SOAP_EXACT))
+    opt = model.setup_optimizer(Variant(muon_options=dict(ns_precision="fp32", precondition="soap", **SOAP_EXACT)))
 
     def train(steps):
         for step in steps:

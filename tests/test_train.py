@@ -868,7 +868,8 @@ def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monk
     and its weight decay follows the cosine from its own peak (0 stays 0). The header and the step
     line say the values that run, per group."""
     from nanomuon import variants
-    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from nanomuon.arch import ARCHS, Variant
+    from nanomuon.gpt import GPT, config_from_depth
     from scripts.base_train import (
         group_words,
         horizon_steps,
@@ -878,7 +879,7 @@ def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monk
     )
     from scripts.train_args import parse_args
 
-    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", dict(
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", Variant(
         muon_options=dict(momentum=0.9), roles={"mlp.fc": dict(weight_decay_factor=0.0)}))
     args = parse_args(["--optimizer", "kept", "--arch", "nanochat", "--weight-decay", "0.2",
                        "--num-iterations", "1000", "--total-batch-size", "4096"])
@@ -898,7 +899,7 @@ def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monk
         assert muon["matrices"]["weight_decay"] == pytest.approx(cosine, rel=1e-12)
         assert muon["matrices, mlp.fc"]["weight_decay"] == 0.0
         assert muon_values(opt, [True, True]) == f"mom 0.9 | wd {cosine:.3g}/0"
-    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", {})
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", Variant())
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=1000)
     (group,) = [g for g in opt.param_groups if g["kind"] == "muon"]
     assert "momentum the arch's schedule" in group_words(group, ARCHS["nanochat"])

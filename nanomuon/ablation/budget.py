@@ -23,7 +23,7 @@ import torch
 from nanomuon.ablation.stats import detectable_factor
 from nanomuon.common import autocast, load_json
 from nanomuon.gpt import GPT
-from nanomuon.variants import optimizer_kwargs
+from nanomuon.variants import OPTIMIZER_VARIANTS
 
 CPU_BUDGETS = {"bf16": 15 * 60, "fp32": 30 * 60}  # the default's wall time, by training precision
 MIN_STEPS = 50  # fewer and every variant is still warming up: a verdict on the start, not training
@@ -212,7 +212,7 @@ def probe_step(config, variants: list[str], rows: int, micro_batches: int, dtype
 def optimizer_step(model, variant: str, x, cast) -> float:
     """Seconds of variant's second eager optimizer step (the first makes its state); a stage that
     reads its matrices' inputs (Newton-Muon) gets them from a forward of x, timed with the step."""
-    opt = model.setup_optimizer(**optimizer_kwargs(variant), compile=False, horizon=MIN_STEPS)
+    opt = model.setup_optimizer(OPTIMIZER_VARIANTS[variant], horizon=MIN_STEPS, compile=False)
     named = {p: name for name, p in model.named_parameters()}
     seconds = 0.0
     for _ in range(2):
