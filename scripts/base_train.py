@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon import checkpoint, common, recipe, report
+from nanomuon import checkpoint, common, reads, recipe, report
 from nanomuon.attention import choose_attention
 from nanomuon.common import evaluate_bpb, print0  # a test stands in for evaluate_bpb
 from nanomuon.dataloader import DataError, DataLoader, reshard_states, scored_tokens, val_rows
@@ -721,8 +721,8 @@ def report_on(run: Run) -> dict:
                if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp) else [])
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
-    if run.rank == 0:
-        report.write_report(run, summary, samples)
+    if run.rank == 0:  # with what the process read: ablate caches the run by it, or not at all
+        report.write_report(run, dict(summary, read=reads.record()), samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()

@@ -263,12 +263,21 @@ def value_axis(values: list[str]) -> tuple[list[float], dict]:
     return xs, dict(logx=all(x > 0 for x in xs))
 
 
+def not_cached(records: list[dict]) -> list[str]:
+    """A line for each variant and value whose runs read what no cache key holds (run_batch)."""
+    reads = {(r["variant"], r["value"]): r["uncached"] for r in records if r.get("uncached")}
+    return ["", *(f"Not cached: {v} at {x} read {'; '.join(why)}, which no cache key can hold; "
+                  "its runs train again each time" for (v, x), why in sorted(reads.items()))
+            ] if reads else []
+
+
 def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
                    seeds: list) -> None:
     """The table (printed too), the plot and ablation.md in ablations/<name>."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
     table, best = report(results, args.variants, args.sweep, seeds, args.baseline, lengths)
+    table += not_cached([*results.values(), *lengths.values()])
     first = next(iter(results.values()))
     png = plot(out, results, args.variants, args.sweep, seeds, best, args.baseline,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
