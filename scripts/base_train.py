@@ -83,20 +83,36 @@ def lr_multiplier(step: int, num_iterations: int, args) -> float:
 
 def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch) -> None:
     """A group's lr (initial_lr x lr_multiplier) and a Muon group's momentum and weight decay at
-    `step`: the arch's schedules, the decay's from the group's own peak; a momentum a variant set
-    (momentum_scheduled) is kept as given."""
+    `step`: the arch's schedules, the decay's from the group's own peak; a momentum the variant
+    sets (momentum_scheduled) is kept as given."""
     group["lr"] = group["initial_lr"] * lr_multiplier(step, num_iterations, args)
     if group["kind"] == "muon":
         group["momentum"] = (arch.momentum(step, num_iterations, args.warmdown_ratio)
-                             if momentum_scheduled(group) else group["initial_momentum"])
+                             if momentum_scheduled(group, args) else group["initial_momentum"])
         group["weight_decay"] = arch.weight_decay(step, num_iterations,
                                                   group["initial_weight_decay"])
 
 
-def momentum_scheduled(group: dict) -> bool:
-    """Whether the arch's schedule runs a Muon group's momentum: it stands in for the recipe's
-    (recipe.MUON_MOMENTUM); any other value is a variant's own choice, so it stays."""
-    return group["initial_momentum"] == recipe.MUON_MOMENTUM
+def momentum_scheduled(group: dict, args) -> bool:
+    """Whether the arch's schedule runs a Muon group's momentum: unless the --optimizer variant
+    (with its --variant-option) sets one for it, which then stays whatever its value, the
+    recipe's own 0.95 included. Asked at every step: decided once per variant entry."""
+    key = (args.optimizer, tuple(args.variant_option or ()), group.get("name", ""))
+    entry = OPTIMIZER_VARIANTS[args.optimizer]
+    if key not in SETS_MOMENTUM or SETS_MOMENTUM[key][0] is not entry:
+        SETS_MOMENTUM[key] = entry, variant_sets_momentum(*key)
+    return not SETS_MOMENTUM[key][1]
+
+
+SETS_MOMENTUM = {}  # (variant, options, group name) -> (its registry entry, the answer)
+
+
+def variant_sets_momentum(optimizer: str, options: tuple, group_name: str) -> bool:
+    """Whether the variant's settings give the group a momentum: its Muon options (every Muon
+    group starts from them) or its role's (a role group is named '<group>, <role>' or '<role>')."""
+    settings = with_options(optimizer, list(options))
+    role = (settings.get("roles") or {}).get(group_name.rpartition(", ")[2])
+    return any("momentum" in (where or {}) for where in (settings.get("muon_options"), role))
 
 
 @dataclass
@@ -479,13 +495,13 @@ def first_plan(group: dict):
     return muon_plan(group, p.shape, p.dtype, p.device)
 
 
-def group_words(group: dict, arch: Arch) -> str:
+def group_words(group: dict, arch: Arch, args) -> str:
     """A group's header line: its kind and peak lr and, for a Muon group, the momentum and weight
     decay that run (scheduled, kept, or not applied by its apply stage)."""
     words = f"{group.get('name', 'group')}: {group['kind']}, peak lr {group['initial_lr']:.3g}"
     if group["kind"] == "adamw":
         return f"{words}, betas {tuple(group['betas'])}, weight decay {group['weight_decay']:.3g}"
-    momentum = ("the arch's schedule" if momentum_scheduled(group)
+    momentum = ("the arch's schedule" if momentum_scheduled(group, args)
                 else f"{group['initial_momentum']:.3g}, kept")
     decay = group["initial_weight_decay"]
     if not decay_applied(group):
@@ -525,7 +541,7 @@ def announce(run: Run) -> None:
     print0(f"groups (each lr not given by a flag is the lr rule's at "
            f"{args.total_batch_size:,} tokens/step, nanomuon/recipe.py):")
     for group in run.optimizer.param_groups:
-        print0(f"  {group_words(group, ARCHS[args.arch])}")
+        print0(f"  {group_words(group, ARCHS[args.arch], args)}")
     run.decays_applied = [decay_applied(g) for g in run.optimizer.param_groups
                           if g["kind"] == "muon"]  # asked once: the step line shows them
     for group in (g for g in run.optimizer.param_groups if "apply" in g):
