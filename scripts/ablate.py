@@ -49,7 +49,7 @@ from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from scripts.train_args import load_ideas
+from scripts.train_args import LR_FLAGS, load_ideas
 from scripts.train_args import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
@@ -154,6 +154,7 @@ def lengths_arg(s: str) -> list[float]:
 
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
 DATA_FLAGS = ("dataset", "text-column", "val-fraction")  # base_train's flags that pick the data
+EVAL_FLAGS = ("eval-tokens", "final-eval-tokens")  # and those that pick the val set a run is read on
 
 
 def parse_args(argv):
@@ -237,15 +238,32 @@ def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, 
     if sweep.variant and (not re.fullmatch(r"[a-z][a-z0-9-]*", sweep.flag) or "has no --" in (
             sweep_value_problem(flags, sweep, sweep.values[0]) or "")):
         args.sweep = sweep = sweep._replace(option=True)  # not a base_train flag: a setting
-    elif sweep.flag in DATA_FLAGS:
+    elif sweep.flag in DATA_FLAGS + EVAL_FLAGS:
         p.error(f"--sweep {sweep.flag}: each value would be judged on its own val set, so "
-                "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
+                "their val bpb cannot name a winner; run one ablation per "
+                + ("dataset (--dataset X)" if sweep.flag in DATA_FLAGS else f"--{sweep.flag}"))
+    elif overrides := overridden(args.variants if sweep.variant is None else [sweep.variant],
+                                 sweep.flag):
+        variant, key = overrides[0]
+        p.error(f"--sweep {sweep.flag}: --optimizer {variant} sets {key} itself, so base_train "
+                f"does not use --{sweep.flag} in its runs and every value would train alike; "
+                + (f"sweep its own setting ({variant}:{key}=...)" if key != "schedule" else
+                   "sweep a variant without a schedule of its own") + " or another's alone")
     if not sweep.option and (sweep.flag in RESERVED or f"--{sweep.flag}" in given):
         p.error(f"--sweep {sweep.flag} sets --{sweep.flag} per run: "
                 + ("ablate sets it" if sweep.flag in RESERVED else "do not give it as well"))
     for value in sweep.values:
         if problem := sweep_value_problem(flags, sweep, value):
             p.error(problem)
+
+
+def overridden(variants: list[str], flag: str) -> list[tuple[str, str]]:
+    """(variant, setting) for each variant whose own setting base_train uses in --flag's place
+    (base_train.optimizer_options: an lr, the weight decay, the schedule)."""
+    key = flag.replace("-", "_")
+    if key not in (*LR_FLAGS, "weight_decay", "schedule"):
+        return []
+    return [(v, key) for v in variants if key in OPTIMIZER_VARIANTS[v]]
 
 
 def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | None:

@@ -180,16 +180,24 @@ SHARE = ("give every node the same base dir: NANOMUON_BASE_DIR on a filesystem t
 def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments: the flags, then the --optimizer variant's own, which win
     (it is tuned for them; each flag overridden is said). Every lr is decided here (PeakLRs)."""
-    flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
     variant = with_options(args.optimizer, args.variant_option)
-    for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None):
-        print0(f"--optimizer {args.optimizer} sets {key} {variant[key]} "
-               f"(--{key.replace('_', '-')} {flags[key]} is not used)")
+    for line in flags_not_used(args):
+        print0(line)
     own = {k: v for k, v in variant.items() if k not in (*recipe.PeakLRs._fields, "schedule")}
     given = {k: variant.get(k, getattr(args, k, None)) for k in recipe.PeakLRs._fields[:-1]}
     lrs = recipe.peak_lrs(args.total_batch_size, args.lr_multiplier, **given)
     decay = {} if args.weight_decay is None else dict(weight_decay=args.weight_decay)
     return dict(decay, lrs=lrs, compile=compiled, **own)
+
+
+def flags_not_used(args) -> list[str]:
+    """A line for each flag the --optimizer variant's own setting overrides (its report holds
+    them, and ablate echoes them)."""
+    flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
+    variant = with_options(args.optimizer, args.variant_option)
+    return [f"--optimizer {args.optimizer} sets {key} {variant[key]} "
+            f"(--{key.replace('_', '-')} {flags[key]} is not used)"
+            for key in sorted(k for k in flags.keys() & variant.keys() if flags[k] is not None)]
 
 
 def schedule_name(args) -> str:
@@ -738,7 +746,8 @@ def report_on(run: Run) -> dict:
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
     if run.rank == 0:  # with what the process read: ablate caches the run by it, or not at all
-        report.write_report(run, dict(summary, read=reads.record()), samples)
+        report.write_report(run, dict(summary, read=reads.record(),
+                                      not_used=flags_not_used(args)), samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()

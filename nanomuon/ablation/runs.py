@@ -116,7 +116,8 @@ def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
         step = steps.pop(line.rstrip("\n"), None)
         if step and step["step"] < step["steps"] and time.monotonic() - shown < PROGRESS_S:
             continue
-        if step or line.startswith(("step ", "error", "warning", "final val")):
+        if step or line.startswith(("step ", "error", "warning", "final val")) or line.endswith(
+                "is not used)\n"):  # a flag the variant overrides (base_train.flags_not_used)
             shown = time.monotonic() if step else shown
             tell(f"  [{label}] " + line.rstrip("\n"))
     return tail
