@@ -307,7 +307,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          "--device-batch-size x --max-seq-len x processes = "
                          f"{args.device_batch_size} x {args.max_seq_len} x {world_size} = "
                          f"{tokens_per_fwdbwd}; pick a total batch that is")
-    if device.type == "cpu":
+    if device.type in ("cpu", "mps"):  # MPS shares the machine's memory
         check_memory(args, config, world_size, compiled)
     model = init_model(args, model, device, attention)
 

@@ -148,6 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
                    help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU or MPS, refuse a run whose estimated memory is over what is "
+                   "free; --no-memory-check trains where free memory cannot be read")
     # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     add_data_args(p, "fineweb-edu")
     p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
@@ -375,13 +378,31 @@ def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> di
                 process=process_memory())
 
 
+def physical_memory() -> tuple[int, int] | None:
+    """Where free memory cannot be read (no /proc/meminfo: macOS, a sandbox), all of the machine's
+    as the bound, said in a line; None where that cannot be read either."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    print0(f"memory: free memory cannot be read here (/proc/meminfo), so training is checked "
+           f"against all {total / 2 ** 30:.1f} GiB of this machine's (--no-memory-check skips it)")
+    return total, 0
+
+
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
     """On a CPU, training's memory (memory_parts, this machine's processes) before any is
     allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap. Too
     many seeds: the most that fit."""
-    if (free := available_memory()) is None:
+    if not args.memory_check:
         return
     parts = memory_parts(args, config, world_size, compiled)
+    if (free := available_memory() or physical_memory()) is None:
+        common.exit_if_any_failed(
+            f"training this model takes about {sum(parts.values()) / 2 ** 30:.1f} GiB, and "
+            "neither the free memory (/proc/meminfo) nor the machine's can be read here to check "
+            "it; give --no-memory-check to train without the check")
+        return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
     need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
     what = (f"training this model takes about {need / gib:.1f} GiB of memory ("

@@ -322,3 +322,37 @@ def test_a_batched_run_stays_under_its_estimate(base, monkeypatch):
     process, peak = map(int, p.stdout.split("process")[-1].split(" peak "))
     assert memory_check(monkeypatch, peak / 2 ** 30, 512, *shape, seeds=seeds, process=process), (
         peak / 2 ** 30, process / 2 ** 30)
+
+
+def test_memory_that_cannot_be_read_is_said_and_never_skipped_silently(monkeypatch, capsys):
+    """No /proc/meminfo (macOS, a sandbox): the check says so in a line and bounds the run by the
+    machine's memory, so 3,000 seeds are refused; where that cannot be read either, the run stops
+    and names --no-memory-check, which alone trains without the check."""
+    import os
+
+    from nanomuon.gpt import config_from_depth
+    from scripts import train_args
+
+    def check(*flags, total=16 << 30):
+        def sysconf(name):
+            if total is None:
+                raise ValueError(name)
+            return {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": total // 4096}[name]
+
+        args = train_args.parse_args(["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+                                      "--max-seq-len", "64", "--device-batch-size", "4",
+                                      "--seeds", ",".join(map(str, range(1, 3001))), *flags])
+        with monkeypatch.context() as mp:
+            mp.setattr(train_args, "available_memory", lambda: None)
+            mp.setattr(os, "sysconf", sysconf)
+            try:
+                train_args.check_memory(args, config_from_depth(2, 4096, 64, 32, 32), 1, False)
+            except SystemExit as e:
+                return str(e.code)
+        return None
+
+    assert "train at most" in check() and "checked against all 16.0 GiB" in capsys.readouterr().out
+    said = check(total=None)
+    assert said.startswith("error: training this model takes about") and said.endswith(
+        "give --no-memory-check to train without the check"), said
+    assert check("--no-memory-check", total=None) is None
