@@ -206,16 +206,18 @@ def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) ->
 
 
 def fit_device_batch(config, free_bytes: int, rows_per_step: int, cap: int = 32,
-                     compiled: bool = True, bf16: bool = True) -> int:
+                     compiled: bool = True, bf16: bool = True, state: int = 0) -> int:
     """The most rows per micro-batch, a power of two up to cap dividing rows_per_step (a step's rows
     per process), whose train_memory fits in free_bytes less 1 GiB and 15% (CUDA context, kernel
-    workspaces, fragmentation). A ValueError that says what to change when not even one row fits."""
+    workspaces, fragmentation); state: optimizer bytes past its estimate (stages' own state). A
+    ValueError that says what to change when not even one row fits."""
     budget = 0.85 * free_bytes - 2 ** 30
     rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
     while rows > 1 and (rows_per_step % rows
-                        or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
+                        or sum(train_memory(config, rows, compiled, bf16).values()) + state
+                        > budget):
         rows //= 2
-    need = sum(train_memory(config, rows, compiled, bf16).values())
+    need = sum(train_memory(config, rows, compiled, bf16).values()) + state
     if need > budget:
         raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer "
                          f"model needs about {need / 2 ** 30:.1f} GiB, and "

@@ -48,7 +48,14 @@ from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from scripts.train_args import LR_FLAGS, MAX_STEPS, arch_on, check_memory, parse_args
+from scripts.train_args import (
+    LR_FLAGS,
+    MAX_STEPS,
+    arch_on,
+    check_memory,
+    optimizer_state,
+    parse_args,
+)
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
@@ -59,15 +66,18 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
         return 32
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
+    # the stages' state past the estimate's (a SOAP lm_head's vocab-sized factors, say)
+    state = max(0, optimizer_state(args, config)
+                - recipe.train_memory(config, 1, compiled, bf16)["optimizer"])
     with common.user_errors():  # batched seeds: each a whole model's memory
         rows = recipe.fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
-                                compiled=compiled, bf16=bf16)
+                                       compiled=compiled, bf16=bf16, state=state)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
     if world_size > 1:
         fewest = torch.tensor([rows], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         rows = int(fewest.item())
-    need = sum(recipe.train_memory(config, rows, compiled, bf16).values())
+    need = sum(recipe.train_memory(config, rows, compiled, bf16).values()) + state
     print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for "
            f"training, {free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; "
            "--device-batch-size overrides)")

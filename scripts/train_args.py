@@ -17,12 +17,13 @@ from nanomuon import checkpoint, common, ideas, recipe
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
-from nanomuon.gpt import ARCHS, LR_SCHEDULES, GPTConfig
+from nanomuon.gpt import ARCHS, GPT, LR_SCHEDULES, GPTConfig
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args
+from nanomuon.stages import muon_state_layout
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 # The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
@@ -363,11 +364,31 @@ def process_memory() -> int:
     return PROCESS_MEMORY if held is None else held + PROCESS_GROWTH
 
 
+def optimizer_state(args, config: GPTConfig) -> int:
+    """Bytes of this run's optimizer state, exactly: the --optimizer variant's groups built on a
+    meta-device model, each Muon param's slots as its stages declare them (StateSpec, at the
+    roles they run on: a SOAP lm_head keeps vocab-sized factors), AdamW's two moments."""
+    settings = {k: v for k, v in ideas.with_options(args.optimizer, args.variant_option).items()
+                if k not in (*recipe.PeakLRs._fields, "schedule")}
+    with torch.device("meta"):
+        groups = GPT(config).setup_optimizer(**settings, compile=False, horizon=1,
+                                             optimizer_class=list)
+    total = 0
+    for group in groups:
+        fill_defaults(group)
+        for p in group["params"]:
+            slots = (muon_state_layout(p.shape, torch.float32, group).values()
+                     if group["kind"] == "muon" else [(p.shape, torch.float32)] * 2)
+            total += sum(math.prod(shape) * dtype.itemsize for shape, dtype, *_ in slots)
+    return total
+
+
 def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> dict[str, int]:
-    """One process's bytes of training on a CPU, by part: recipe.train_memory's; with --fsdp the
-    state's shard; with --seeds each seed's, as measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES),
-    and the process's own (process_memory)."""
+    """One process's bytes of training on a CPU, by part: recipe.train_memory's, its optimizer
+    state at least optimizer_state's; with --fsdp the state's shard; with --seeds each seed's, as
+    measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES), and the process's own (process_memory)."""
     parts = recipe.train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    parts["optimizer"] = max(parts["optimizer"], optimizer_state(args, config))
     if not args.seeds:  # with --fsdp each process holds its shard of the state, its activations
         shards = world_size if args.fsdp else 1
         return {k: v // (1 if k == "activations" else shards) for k, v in parts.items()}

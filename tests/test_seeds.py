@@ -356,3 +356,39 @@ def test_memory_that_cannot_be_read_is_said_and_never_skipped_silently(monkeypat
     assert said.startswith("error: training this model takes about") and said.endswith(
         "give --no-memory-check to train without the check"), said
     assert check("--no-memory-check", total=None) is None
+
+
+SOAP_HEAD = ["--optimizer", "muon", "--variant-option", "roles.lm_head.kind=muon",
+             "--variant-option", "roles.lm_head.precondition=soap"]
+
+
+def test_the_memory_checks_count_each_stages_state_at_its_role(monkeypatch):
+    """optimizer_state is the bytes a real optimizer holds after a step (a SOAP lm_head's factors
+    included); at vocab 32,768 those are 8 GiB, so the CPU check refuses the run with 6 GiB free
+    (plain muon passes) and the GPU fit leaves no row for it in 10 GiB."""
+    from nanomuon import recipe
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts import train_args
+    from scripts.base_train import optimizer_options
+
+    shape = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+             "--device-batch-size", "4", "--num-iterations", "3", "--total-batch-size", "256"]
+    args = train_args.parse_args([*shape, *SOAP_HEAD])
+    config = config_from_depth(2, 512, 64, 32, 32)
+    model = GPT(config)
+    model.init_weights()
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=3)
+    model(torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values()
+               for k, t in state.items() if torch.is_tensor(t) and k != "step")
+    assert train_args.optimizer_state(args, config) == held
+    big = config_from_depth(2, 32768, 64, 32, 32)
+    monkeypatch.setattr(train_args, "available_memory", lambda: (6 << 30, 0))
+    with pytest.raises(SystemExit, match="optimizer 8.0"):
+        train_args.check_memory(args, big, 1, compiled=False)
+    train_args.check_memory(train_args.parse_args([*shape, "--optimizer", "muon"]), big, 1, False)
+    state = train_args.optimizer_state(args, big) - recipe.train_memory(big, 1)["optimizer"]
+    assert recipe.fit_device_batch(big, 10 << 30, 32) == 32
+    with pytest.raises(ValueError, match="needs about 8"):
+        recipe.fit_device_batch(big, 10 << 30, 32, state=state)
