@@ -1,9 +1,9 @@
 """
 What a process read: the source of every module it ran from outside Python's install, hashed as
 it ran (not as the tree stands before or after), and what user code read that no key can hold (a
-file it opened, an environment variable). scripts/__init__.py starts it before any other import,
-so a run's summary says which code produced it (ablate's cache keys runs by that) and whether
-anything else decided it (then the run is not cached).
+file it opened, an environment variable). scripts/__init__.py starts it before any other import
+in a run ablate launches (NANOMUON_RECORD_READS=1), so the run's summary says which code produced
+it (ablate's cache keys runs by that) and whether anything else decided it (then it is not cached).
 
 How, and its limits: a module counts when Python executes its code (the `exec` audit event; its
 file is hashed then, microseconds after import read it); one imported before start() is hashed at
@@ -115,9 +115,12 @@ def start() -> None:
     os.environ.__class__ = WatchedEnviron
 
 
-def record() -> dict:
+def record() -> dict | None:
     """What this process read so far: sources, file -> sha256; outside, 'what (read by FILE)' for
-    each read no key holds (a module's own file read again, a traceback's say, is not one)."""
+    each read no key holds (a module's own file read again, a traceback's say, is not one). None
+    where start() was not called."""
+    if not _started:
+        return None
     outside = [f"{what} (read by {who})" for what, who in OUTSIDE.items()
                if what.removeprefix("the file ") not in SOURCES]
     return dict(sources=dict(sorted(SOURCES.items())), outside=sorted(outside))

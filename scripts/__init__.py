@@ -1,5 +1,8 @@
-"""Each script runs as a process that records what it reads, from its first import on (reads.py)."""
+"""A script ablate runs records what it reads from its first import on (nanomuon/reads.py)."""
 
-from nanomuon import reads
+import os
 
-reads.start()
+if os.environ.get("NANOMUON_RECORD_READS") == "1":  # set by ablate's launch, for its runs alone
+    from nanomuon import reads
+
+    reads.start()

@@ -84,7 +84,8 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
                *(["--"] if nproc > 1 else []), *run_flags, "--log-every", "1",
                "--step-record", str(records.path)]
         tell(f"== {label}: {' '.join(cmd[1:])}")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        # the run records the code it ran and what user code read (nanomuon/reads.py)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), NANOMUON_RECORD_READS="1")
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               bufsize=1, env=env) as p:
             if watch:
