@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from nanomuon import stages
+from nanomuon.common import shown
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
@@ -102,8 +103,8 @@ def load(path: str) -> Ideas:
     p = Path(path)
     if not p.is_file():
         what = "not a regular file" if p.exists() else "no such file"
-        raise ValueError(f"--ideas {path}: {what}; name a Python file that registers your stages "
-                         "and variants")
+        raise ValueError(f"--ideas {shown(str(path), 300, quote=False)}: {what}; name a Python "
+                         "file that registers your stages and variants")
     if (resolved := p.resolve()) in LOADED:
         return LOADED[resolved]
     before, modules = snapshot(), set(sys.modules)

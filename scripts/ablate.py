@@ -44,7 +44,7 @@ from nanomuon.ablation.runs import (
 )
 from nanomuon.ablation.stats import MOST_SEEDS
 from nanomuon.ablation.verdicts import report, write_ablation
-from nanomuon.common import get_base_dir
+from nanomuon.common import get_base_dir, shown
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
@@ -213,7 +213,8 @@ def parse_args(argv):
     if unknown or len(args.variants) < fewest or len(set(args.variants)) != len(args.variants):
         p.error(f"--variants needs {'one' if fewest == 1 else 'two'} or more distinct names from "
                 f"{', '.join(OPTIMIZER_VARIANTS)}; got {spec!r}"
-                + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+                + (f" (unknown: {shown(', '.join(unknown), 300, quote=False)})" if unknown
+                   else ""))
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
@@ -233,7 +234,8 @@ def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, 
     refused in one line before any run starts."""
     sweep = args.sweep
     if sweep.variant not in (None, *args.variants):
-        p.error(f"--sweep {sweep.variant}:{sweep.flag}=...: {sweep.variant!r} is not among "
+        p.error(f"--sweep {shown(sweep.variant, 80, quote=False)}:{sweep.flag}=...: "
+                f"{shown(sweep.variant, 80)} is not among "
                 f"--variants {spec!r}")
     if sweep.variant and (not re.fullmatch(r"[a-z][a-z0-9-]*", sweep.flag) or "has no --" in (
             sweep_value_problem(flags, sweep, sweep.values[0]) or "")):
@@ -277,7 +279,8 @@ def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | Non
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
     if not why.startswith("unrecognized arguments"):
-        return f"--sweep {sweep.variant + ':' if sweep.variant else ''}{flag}={value}: {why}"
+        return shown(f"--sweep {sweep.variant + ':' if sweep.variant else ''}{flag}={value}: "
+                     f"{why}", 1000, quote=False)
     try:  # a switch (--fp8, --compile) parses given alone
         with contextlib.redirect_stderr(io.StringIO()):
             train_args([*flags, f"--{flag}"])

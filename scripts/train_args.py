@@ -9,11 +9,12 @@ import argparse
 import functools
 import math
 import os
+import traceback
 from pathlib import Path
 
 import torch
 
-from nanomuon import checkpoint, common, ideas, recipe
+from nanomuon import checkpoint, common, ideas, reads, recipe
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
@@ -135,8 +136,17 @@ def load_ideas(argv) -> None:
     for path in q.parse_known_args(argv)[0].ideas:
         try:
             ideas.load(path)
-        except ValueError as e:
-            q.error(str(e))
+        except ValueError as e:  # the file itself, or what it raised (then: where)
+            where = raised_at(e)
+            q.error(f"--ideas {common.shown(path, 300, quote=False)}: your file raised "
+                    f"{common.one_line(e)}{where}" if where else str(e))
+
+
+def raised_at(e: BaseException) -> str:
+    """' (at FILE:LINE)' of the innermost user code (an ideas file) e came through, else ''."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if reads.is_user(f.filename)]
+    return (f" (at {common.shown(frames[-1].filename, 300, quote=False)}:{frames[-1].lineno})"
+            if frames else "")
 
 
 def parse_args(argv=None):
@@ -300,7 +310,8 @@ def check_variant_options(p: argparse.ArgumentParser, args) -> None:
                              arch_on(args.arch, "cuda" if cuda else "cpu"))
     except (ValueError, TypeError) as e:
         p.error(f"--optimizer {args.optimizer} --variant-option "
-                f"{' '.join(args.variant_option)}: {e}")
+                f"{common.shown(' '.join(args.variant_option), 300, quote=False)}: "
+                f"{common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:

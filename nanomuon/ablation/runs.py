@@ -359,9 +359,10 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
 
 
 def tell(line: str) -> None:
-    """A line of ablate's own, whole among the runs' echoed lines."""
+    """A line of ablate's own, whole among the runs' echoed lines, escaped (a --dataset path, a
+    swept value or a run's own output may hold bytes that move the cursor)."""
     with _print_lock:
-        print(line, flush=True)
+        print(common.shown(line, 100_000, quote=False), flush=True)
 
 
 def write_json(path: Path, obj) -> None:

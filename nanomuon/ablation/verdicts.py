@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from nanomuon.ablation import stats
 from nanomuon.ablation.runs import Sweep, value_tag
-from nanomuon.common import get_base_dir, write_atomic
+from nanomuon.common import get_base_dir, shown, write_atomic
 from nanomuon.report import MISSING, plot_curves
 
 
@@ -310,6 +310,7 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
            "", *table,
            "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]
-    write_atomic(out / "ablation.md", "\n".join(doc))
-    print("\n".join(table))
+    # the command, the flags and the swept values are the user's text: escaped, as printed
+    write_atomic(out / "ablation.md", "\n".join(shown(line, 100_000, quote=False) for line in doc))
+    print("\n".join(shown(line, 100_000, quote=False) for line in table))
     print(f"table and plot in {out}")
