@@ -399,10 +399,13 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
     for matrices); an nn.Embedding weight turned Muon is transposed=True (its logical matrix is
     (dim, vocab)). Its lr and decay are that group's times its factors."""
     known = [*(g["name"] for g in table), *MATRIX_ROLES]
-    if not isinstance(roles, dict) or set(roles) - set(known):  # a list would drop the settings
+    if not isinstance(roles, dict):  # a list would drop the settings
         raise ValueError(f"roles={shown(repr(roles), 80, quote=False)}: give a dict of role -> "
                          f"dict(kind=, lr_factor=, weight_decay_factor=, group keys); this model's "
                          f"roles are {known}")
+    if unknown := sorted(set(roles) - set(known), key=str):
+        raise ValueError(f"roles: {shown(unknown, 300)} names no role here; this model's roles "
+                         f"are {known}")
     members = {g["name"]: {id(p) for p in g["params"]} for g in table}
     members.update({role: {id(b.get_submodule(path).weight) for b in model.blocks
                            for path in MATRIX_ROLES[role]} for role in MATRIX_ROLES})

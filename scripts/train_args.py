@@ -301,17 +301,17 @@ def arch_on(arch: str, device_type: str) -> str:
 
 
 def check_variant_options(p: argparse.ArgumentParser, args) -> None:
-    """--variant-option: the variant with them set, as a tiny model of the run's arch takes it."""
-    if not args.variant_option:
-        return
+    """The variant (an ideas file's too) with any --variant-option set, as a tiny model of the
+    run's arch takes it: a misspelt role or a bad value is one line now, not a traceback later."""
     cuda = args.device_type in ("auto", "cuda") and torch.cuda.is_available()
     try:
         ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option),
                              arch_on(args.arch, "cuda" if cuda else "cpu"))
     except (ValueError, TypeError) as e:
-        p.error(f"--optimizer {args.optimizer} --variant-option "
-                f"{common.shown(' '.join(args.variant_option), 300, quote=False)}: "
-                f"{common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
+        given = " ".join(args.variant_option or [])
+        p.error(f"--optimizer {args.optimizer}"
+                + (f" --variant-option {common.shown(given, 300, quote=False)}" if given else "")
+                + f": {common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:

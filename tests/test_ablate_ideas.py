@@ -333,3 +333,18 @@ def test_an_ideas_file_edited_and_put_back_while_its_run_trains_is_not_cached(
     with pytest.raises(SystemExit, match=f"{path.resolve()} changed while muon-shrink"):
         ablate.main(argv)
     assert set(cache.glob("*.json")) == before
+
+
+def test_a_misspelt_role_in_an_ideas_variant_is_one_line_naming_it(tmp_path, registries, capsys):
+    """A variant whose roles name no role of the model is refused when base_train starts, naming
+    the bad role, not by a traceback once the model is built."""
+    from scripts.train_args import parse_args
+
+    path = tmp_path / "typo.py"
+    path.write_text("from nanomuon.variants import OPTIMIZER_VARIANTS\nOPTIMIZER_VARIANTS['typo'] = "
+                    "dict(roles={'lm_haed': dict(lr_factor=2.0), 'mlp.fc': dict(lr_factor=1.5)})\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--ideas", str(path), "--optimizer", "typo", "--device-type", "cpu"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --optimizer typo: roles: ['lm_haed'] names no role here; this model's roles " \
+        "are ['lm_head'," in line, line
