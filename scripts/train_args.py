@@ -304,14 +304,19 @@ def check_variant_options(p: argparse.ArgumentParser, args) -> None:
     """The variant (an ideas file's too) with any --variant-option set, as a tiny model of the
     run's arch takes it: a misspelt role or a bad value is one line now, not a traceback later."""
     cuda = args.device_type in ("auto", "cuda") and torch.cuda.is_available()
+    given = " ".join(args.variant_option or [])
+    what = (f"--optimizer {args.optimizer}"
+            + (f" --variant-option {common.shown(given, 300, quote=False)}" if given else ""))
     try:
-        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option),
-                             arch_on(args.arch, "cuda" if cuda else "cpu"))
+        settings = ideas.with_options(args.optimizer, args.variant_option)
+        ideas.check_settings(settings, arch_on(args.arch, "cuda" if cuda else "cpu"))
     except (ValueError, TypeError) as e:
-        given = " ".join(args.variant_option or [])
-        p.error(f"--optimizer {args.optimizer}"
-                + (f" --variant-option {common.shown(given, 300, quote=False)}" if given else "")
-                + f": {common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
+        p.error(f"{what}: {common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
+    for name in recipe.PeakLRs._fields[:-1]:  # the lrs, bounded as their flags are (check_reach)
+        lr = settings.get(name)
+        if isinstance(lr, (int, float)) and not 0 <= lr * args.lr_multiplier <= MAX_LR:
+            p.error(f"{what}: {name} {lr:g} x --lr-multiplier {args.lr_multiplier:g} is not in "
+                    f"[0, {MAX_LR:,g}]: no lr that large trains (the tuned ones are below 1)")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:

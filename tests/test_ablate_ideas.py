@@ -348,3 +348,17 @@ def test_a_misspelt_role_in_an_ideas_variant_is_one_line_naming_it(tmp_path, reg
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "error: --optimizer typo: roles: ['lm_haed'] names no role here; this model's roles " \
         "are ['lm_head'," in line, line
+
+
+@pytest.mark.parametrize("option,says", [
+    ("matrix_lr=1e30", "matrix_lr 1e+30 x --lr-multiplier 1 is not in [0, 1,000]"),
+    ("embedding_lr=5000", "embedding_lr 5000 x --lr-multiplier 1 is not in [0, 1,000]"),
+    ("extra_scale=1e30", "extra_scale=1e+30 must be a finite number >= 0 and < 1000.0"),
+])
+def test_a_variant_options_lr_is_bounded_as_its_flag_is(option, says, capsys):
+    """--matrix-lr 1e30 is refused; so is the same lr given as --variant-option, and a scale."""
+    from scripts.train_args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device-type", "cpu", "--variant-option", option])
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
