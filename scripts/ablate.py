@@ -113,6 +113,9 @@ def seeds_arg(s: str) -> int:
                                      "(past that, more seeds is no answer: the spread must shrink)")
 
 
+MOST_VALUES = 64  # swept values: each is a run per variant and seed, checked by base_train's parser
+
+
 def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep [VARIANT:]FLAG=V1,V2,...: the values distinct, in numeric order;
     with VARIANT, its alone, and FLAG may name one of its settings (parse_args decides)."""
@@ -128,6 +131,9 @@ def sweep_arg(s: str) -> Sweep:
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02, or a "
                                          "variant's own: muon-soap:precondition_frequency=5,10")
+    if len(values) > MOST_VALUES:  # each value is a run per variant and seed: refused unlisted
+        raise argparse.ArgumentTypeError(f"{shown(s, 80)}: {len(values):,} values; give at most "
+                                         f"{MOST_VALUES} (an ablation per range, or a coarser grid)")
     if UNSWEPT in values:
         raise argparse.ArgumentTypeError(f"{s!r}: {UNSWEPT!r} stands for a variant's own "
                                          "settings here; give values")

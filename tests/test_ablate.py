@@ -1126,3 +1126,18 @@ def test_ablation_md_says_whether_each_verdict_agrees_with_the_published_sign():
     said = column("adamw")
     assert said["muon"].startswith("agrees; published: better (track 3: Adam 5625"), said["muon"]
     assert all(said[v] == "nothing published" for v in variants if v not in ("muon", "adamw")), said
+
+
+@pytest.mark.parametrize("script,argv,says", [
+    ("scripts.ablate", ["--sweep", "lr-multiplier=" + ",".join(map(str, range(1, 10001)))],
+     "10,000 values; give at most 64"),
+    ("scripts.noise", ["--val-slices", "-100000"], "give 0 (the whole val split) or a count"),
+    ("scripts.noise", ["--val-slices", "1"], "give 0 (the whole val split) or a count"),
+])
+def test_counts_that_cannot_finish_are_refused_before_any_run(script, argv, says, capsys):
+    """10,000 sweep values, or val slices below two, are one line when the script starts."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(script).main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
