@@ -894,6 +894,23 @@ def test_a_momentum_a_variant_gives_is_kept_even_at_the_recipes_value(monkeypatc
             assert muon["matrices, mlp.fc"]["momentum"] == 0.95, flags
 
 
+def test_the_header_shows_the_betas_an_adamw_role_runs(monkeypatch):
+    """A role's AdamW momentum runs as beta1: the header says (0.7, 0.95), as the step runs."""
+    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from scripts.base_train import group_words, optimizer_options
+    from scripts.train_args import parse_args
+
+    args = parse_args(["--optimizer", "muon", "--variant-option", "roles.lm_head.momentum=0.7",
+                       "--arch", "classic", "--weight-decay", "0.2", "--total-batch-size", "4096"])
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch="classic"))
+    model(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16))).backward()
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=10)
+    (head,) = [g for g in opt.param_groups if g["name"] == "lm_head"]
+    said = group_words(head, ARCHS["classic"], args)
+    opt.step()
+    assert f"betas {tuple(head['betas'])}," in said and head["betas"][0] == 0.7, said
+
+
 def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monkeypatch, capsys):
     """A Muon group at the recipe's momentum follows the arch's schedule (nanochat's: 0.85 -> 0.97
     over 400 steps, written out here); a role whose momentum a variant set keeps it at every step,
