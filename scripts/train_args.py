@@ -18,7 +18,7 @@ from nanomuon import checkpoint, common, ideas, reads, recipe
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
-from nanomuon.gpt import ARCHS, GPT, LR_SCHEDULES, GPTConfig
+from nanomuon.gpt import ARCHS, GPT, LR_SCHEDULES, GPTConfig, config_from_depth
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
@@ -256,14 +256,16 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
                 "runs replicated only")
     check_variant_options(p, args)
-    settings = ideas.with_options(args.optimizer, args.variant_option)  # checked just above
-    if args.fsdp and (options := settings.get("muon_options")):
-        group = dict(kind="muon", **options)
-        fill_defaults(group)
-        try:
-            check_sharded_stages(f"--optimizer {args.optimizer}", group)
-        except ValueError as e:
-            p.error(f"{e}: drop --fsdp")
+    if args.fsdp:  # each Muon group's stages, a role's included, as a tiny model takes them
+        config = config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch=arch_on(
+            args.arch, "cuda" if torch.cuda.is_available() else "cpu"))
+        for group in variant_groups(args, config):
+            role = "" if group["name"] == "matrices" else f" (its group {group['name']!r})"
+            try:
+                if group["kind"] == "muon":
+                    check_sharded_stages(f"--optimizer {args.optimizer}{role}", group)
+            except ValueError as e:
+                p.error(f"{e}: drop --fsdp")
     if args.seeds is not None and args.seed is not None:
         p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
@@ -382,18 +384,25 @@ def process_memory() -> int:
     return PROCESS_MEMORY if held is None else held + PROCESS_GROWTH
 
 
-def optimizer_state(args, config: GPTConfig) -> int:
-    """Bytes of this run's optimizer state, exactly: the --optimizer variant's groups built on a
-    meta-device model, each Muon param's slots as its stages declare them (StateSpec, at the
-    roles they run on: a SOAP lm_head keeps vocab-sized factors), AdamW's two moments."""
+def variant_groups(args, config: GPTConfig) -> list[dict]:
+    """The --optimizer variant's param groups (--variant-option set, defaults filled) on a
+    meta-device model of config: no memory, no init (its optimizer class builds no state)."""
     settings = {k: v for k, v in ideas.with_options(args.optimizer, args.variant_option).items()
-                if k not in (*recipe.PeakLRs._fields, "schedule")}
+                if k not in (*recipe.PeakLRs._fields, "schedule", "optimizer_class")}
     with torch.device("meta"):
         groups = GPT(config).setup_optimizer(**settings, compile=False, horizon=1,
                                              optimizer_class=list)
-    total = 0
     for group in groups:
         fill_defaults(group)
+    return groups
+
+
+def optimizer_state(args, config: GPTConfig) -> int:
+    """Bytes of this run's optimizer state, exactly: each Muon param's slots as its stages declare
+    them (StateSpec, at the roles they run on: a SOAP lm_head keeps vocab-sized factors), AdamW's
+    two moments."""
+    total = 0
+    for group in variant_groups(args, config):
         for p in group["params"]:
             slots = (muon_state_layout(p.shape, torch.float32, group).values()
                      if group["kind"] == "muon" else [(p.shape, torch.float32)] * 2)

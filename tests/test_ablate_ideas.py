@@ -362,3 +362,16 @@ def test_a_variant_options_lr_is_bounded_as_its_flag_is(option, says, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--device-type", "cpu", "--variant-option", option])
     assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_fsdp_is_refused_for_a_stage_a_role_runs_that_shards_cannot(capsys):
+    """A role's own apply stage is checked as the variant's is: one line naming the role's group,
+    not a traceback on every rank once the model is sharded."""
+    from scripts.train_args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--fsdp",
+                    "--optimizer", "muon", "--variant-option", "roles.mlp.fc.apply=hyperball"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("--optimizer muon (its group 'matrices, mlp.fc'): apply 'hyperball' reads whole "
+            "weight matrices") in line and line.endswith("drop --fsdp"), line
