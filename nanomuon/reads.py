@@ -121,6 +121,9 @@ def record() -> dict | None:
     where start() was not called."""
     if not _started:
         return None
+    for module in list(sys.modules.values()):  # not executed as Python code: an extension's
+        if (name := getattr(module, "__file__", None)) and real_file(name) not in SOURCES:
+            note_source(name)
     outside = [f"{what} (read by {who})" for what, who in OUTSIDE.items()
                if what.removeprefix("the file ") not in SOURCES]
     return dict(sources=dict(sorted(SOURCES.items())), outside=sorted(outside))
