@@ -156,6 +156,12 @@ class Variant(NamedTuple):
     schedule: str | None = None  # 'warmup_warmdown' | 'powercool' (LR_SCHEDULES); None: the run's
     optimizer_class: type | None = None  # None: MuonAdamW; a class: optimizer_class(groups)
 
+    def own_flags(self) -> dict:
+        """flag name -> value of base_train's flags this variant sets itself (an lr, the weight
+        decay, the schedule): its own wins over the flag, which base_train says."""
+        own = dict(self.lrs, weight_decay=self.weight_decay, schedule=self.schedule)
+        return {k: v for k, v in own.items() if v is not None}
+
 
 # -- the groups a run trains with ------------------------------------------------------------------
 def param_groups(model: torch.nn.Module, variant: Variant | None = None,
@@ -249,10 +255,13 @@ def role_groups(model: torch.nn.Module, table: list[dict], matrices: list[dict],
     matrices); an nn.Embedding weight turned Muon is transposed=True (its logical matrix is
     (dim, vocab)). Its lr and decay are that group's times its factors."""
     known = [*(g["name"] for g in table), *MATRIX_ROLES]
-    if not isinstance(roles, dict) or set(roles) - set(known):  # a list would drop the settings
+    if not isinstance(roles, dict):  # a list would drop the settings
         raise ValueError(f"roles={shown(repr(roles), 80, quote=False)}: give a dict of role -> "
                          f"dict(kind=, lr_factor=, weight_decay_factor=, group keys); this model's "
                          f"roles are {known}")
+    if unknown := sorted(set(roles) - set(known), key=str):
+        raise ValueError(f"roles: {shown(unknown, 300)} names no role here; this model's roles "
+                         f"are {known}")
     members = {g["name"]: {id(p) for p in g["params"]} for g in table}
     members.update({role: {id(b.get_submodule(path).weight) for b in model.blocks
                            for path in MATRIX_ROLES[role]} for role in MATRIX_ROLES})
@@ -327,16 +336,18 @@ def train_memory(config, rows: int, compiled: bool = True, bf16: bool = True) ->
 
 
 def fit_device_batch(config, free_bytes: int, rows_per_step: int, cap: int = 32,
-                     compiled: bool = True, bf16: bool = True) -> int:
+                     compiled: bool = True, bf16: bool = True, state: int = 0) -> int:
     """The most rows per micro-batch, a power of two up to cap dividing rows_per_step (a step's rows
     per process), whose train_memory fits in free_bytes less 1 GiB and 15% (CUDA context, kernel
-    workspaces, fragmentation). A ValueError that says what to change when not even one row fits."""
+    workspaces, fragmentation); state: optimizer bytes past its estimate (stages' own state). A
+    ValueError that says what to change when not even one row fits."""
     budget = 0.85 * free_bytes - 2 ** 30
     rows = 1 << (min(cap, rows_per_step).bit_length() - 1)
     while rows > 1 and (rows_per_step % rows
-                        or sum(train_memory(config, rows, compiled, bf16).values()) > budget):
+                        or sum(train_memory(config, rows, compiled, bf16).values()) + state
+                        > budget):
         rows //= 2
-    need = sum(train_memory(config, rows, compiled, bf16).values())
+    need = sum(train_memory(config, rows, compiled, bf16).values()) + state
     if need > budget:
         raise ValueError(f"one row of {config.sequence_len} tokens of this {config.n_layer}-layer "
                          f"model needs about {need / 2 ** 30:.1f} GiB, and "

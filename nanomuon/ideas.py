@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from nanomuon import kinds, stages
 from nanomuon.arch import Variant
+from nanomuon.common import shown
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
 from nanomuon.variants import OPTIMIZER_VARIANTS
@@ -106,8 +107,8 @@ def load(path: str) -> Ideas:
     p = Path(path)
     if not p.is_file():
         what = "not a regular file" if p.exists() else "no such file"
-        raise ValueError(f"--ideas {path}: {what}; name a Python file that registers your stages "
-                         "and variants")
+        raise ValueError(f"--ideas {shown(str(path), 300, quote=False)}: {what}; name a Python "
+                         "file that registers your stages and variants")
     if (resolved := p.resolve()) in LOADED:
         return LOADED[resolved]
     before, modules = snapshot(), set(sys.modules)

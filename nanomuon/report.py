@@ -190,6 +190,7 @@ def write_report(run, summary: dict, samples: list) -> None:
              f"{platform.python_version()}; {precision}, fp32 params; attention {args.attention}",
              f"- model: {json.dumps(config.to_dict())}, {num_params:,} params, "
              f"optimizer {args.optimizer}",
+             *(f"- {line}" for line in summary.get("not_used", [])),
              f"- data: {shown(args.dataset, 500, quote=False)}, {tokens:,} tokens in "
              f"{run.num_iterations} steps of {args.total_batch_size:,}; rank 0 packed "
              f"{summary['packing']}",

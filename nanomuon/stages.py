@@ -512,7 +512,7 @@ MUON_OPTIONS = {
                     "weight (`APPLIERS`): `'cautious'` decays only where update and weight agree"),
     "lr_scale": Option("shape", one_of(*LR_SCALES), "the lr's factor for a `(rows, cols)` "
                        "matrix (`LR_SCALES`): `'shape'` is sqrt(max(1, rows/cols))"),
-    "extra_scale": Option(1.0, a_number, "a further factor on the lr"),
+    "extra_scale": Option(1.0, lambda v: a_number(v, 1e3), "a further factor on the lr"),
     "decay_lr": Option("adjusted", one_of("adjusted", "group"), "`'adjusted'`: decay by the lr "
                        "with its factor (nanochat); `'group'`: by the group lr (torch.optim.Muon)"),
     "weight_decay_mode": Option("decoupled", one_of("decoupled", "l2"), "`'l2'`: add "

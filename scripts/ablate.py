@@ -44,12 +44,12 @@ from nanomuon.ablation.runs import (
 )
 from nanomuon.ablation.stats import MOST_SEEDS
 from nanomuon.ablation.verdicts import report, write_ablation
-from nanomuon.common import get_base_dir
+from nanomuon.common import get_base_dir, shown
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
 from nanomuon.tokenizer import tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from scripts.train_args import load_ideas
+from scripts.train_args import LR_FLAGS, load_ideas
 from scripts.train_args import parse_args as train_args
 
 # A tiny GPT (depth 4, 5M params) on the embedded corpus in speedrun.sh's CPU shape (200 steps of
@@ -113,6 +113,9 @@ def seeds_arg(s: str) -> int:
                                      "(past that, more seeds is no answer: the spread must shrink)")
 
 
+MOST_VALUES = 64  # swept values: each is a run per variant and seed, checked by base_train's parser
+
+
 def sweep_arg(s: str) -> Sweep:
     """argparse type for --sweep [VARIANT:]FLAG=V1,V2,...: the values distinct, in numeric order;
     with VARIANT, its alone, and FLAG may name one of its settings (parse_args decides)."""
@@ -128,6 +131,9 @@ def sweep_arg(s: str) -> Sweep:
         raise argparse.ArgumentTypeError(f"{s!r}: give a base_train flag and distinct values, "
                                          "like lr-multiplier=0.5,1,2 or matrix-lr=0.01,0.02, or a "
                                          "variant's own: muon-soap:precondition_frequency=5,10")
+    if len(values) > MOST_VALUES:  # each value is a run per variant and seed: refused unlisted
+        raise argparse.ArgumentTypeError(f"{shown(s, 80)}: {len(values):,} values; give at most "
+                                         f"{MOST_VALUES} (an ablation per range, or a coarser grid)")
     if UNSWEPT in values:
         raise argparse.ArgumentTypeError(f"{s!r}: {UNSWEPT!r} stands for a variant's own "
                                          "settings here; give values")
@@ -154,6 +160,7 @@ def lengths_arg(s: str) -> list[float]:
 
 RESERVED = ("run", "optimizer", "resume-from-step", "seed", "data-seed")  # set per run
 DATA_FLAGS = ("dataset", "text-column", "val-fraction")  # base_train's flags that pick the data
+EVAL_FLAGS = ("eval-tokens", "final-eval-tokens")  # and those that pick the val set a run is read on
 
 
 def parse_args(argv):
@@ -212,7 +219,8 @@ def parse_args(argv):
     if unknown or len(args.variants) < fewest or len(set(args.variants)) != len(args.variants):
         p.error(f"--variants needs {'one' if fewest == 1 else 'two'} or more distinct names from "
                 f"{', '.join(OPTIMIZER_VARIANTS)}; got {spec!r}"
-                + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+                + (f" (unknown: {shown(', '.join(unknown), 300, quote=False)})" if unknown
+                   else ""))
     args.baseline = args.baseline or ("adamw" if "adamw" in args.variants else args.variants[0])
     if args.baseline not in args.variants:
         p.error(f"--baseline {args.baseline!r} is not among --variants {spec!r}")
@@ -232,20 +240,38 @@ def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, 
     refused in one line before any run starts."""
     sweep = args.sweep
     if sweep.variant not in (None, *args.variants):
-        p.error(f"--sweep {sweep.variant}:{sweep.flag}=...: {sweep.variant!r} is not among "
+        p.error(f"--sweep {shown(sweep.variant, 80, quote=False)}:{sweep.flag}=...: "
+                f"{shown(sweep.variant, 80)} is not among "
                 f"--variants {spec!r}")
     if sweep.variant and (not re.fullmatch(r"[a-z][a-z0-9-]*", sweep.flag) or "has no --" in (
             sweep_value_problem(flags, sweep, sweep.values[0]) or "")):
         args.sweep = sweep = sweep._replace(option=True)  # not a base_train flag: a setting
-    elif sweep.flag in DATA_FLAGS:
+    elif sweep.flag in DATA_FLAGS + EVAL_FLAGS:
         p.error(f"--sweep {sweep.flag}: each value would be judged on its own val set, so "
-                "their val bpb cannot name a winner; run one ablation per dataset (--dataset X)")
+                "their val bpb cannot name a winner; run one ablation per "
+                + ("dataset (--dataset X)" if sweep.flag in DATA_FLAGS else f"--{sweep.flag}"))
+    elif overrides := overridden(args.variants if sweep.variant is None else [sweep.variant],
+                                 sweep.flag):
+        variant, key = overrides[0]
+        p.error(f"--sweep {sweep.flag}: --optimizer {variant} sets {key} itself, so base_train "
+                f"does not use --{sweep.flag} in its runs and every value would train alike; "
+                + (f"sweep its own setting ({variant}:{key}=...)" if key != "schedule" else
+                   "sweep a variant without a schedule of its own") + " or another's alone")
     if not sweep.option and (sweep.flag in RESERVED or f"--{sweep.flag}" in given):
         p.error(f"--sweep {sweep.flag} sets --{sweep.flag} per run: "
                 + ("ablate sets it" if sweep.flag in RESERVED else "do not give it as well"))
     for value in sweep.values:
         if problem := sweep_value_problem(flags, sweep, value):
             p.error(problem)
+
+
+def overridden(variants: list[str], flag: str) -> list[tuple[str, str]]:
+    """(variant, setting) for each variant whose own setting base_train uses in --flag's place
+    (base_train.optimizer_options: an lr, the weight decay, the schedule)."""
+    key = flag.replace("-", "_")
+    if key not in (*LR_FLAGS, "weight_decay", "schedule"):
+        return []
+    return [(v, key) for v in variants if key in OPTIMIZER_VARIANTS[v].own_flags()]
 
 
 def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | None:
@@ -259,7 +285,8 @@ def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | Non
     except SystemExit:
         why = said.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
     if not why.startswith("unrecognized arguments"):
-        return f"--sweep {sweep.variant + ':' if sweep.variant else ''}{flag}={value}: {why}"
+        return shown(f"--sweep {sweep.variant + ':' if sweep.variant else ''}{flag}={value}: "
+                     f"{why}", 1000, quote=False)
     try:  # a switch (--fp8, --compile) parses given alone
         with contextlib.redirect_stderr(io.StringIO()):
             train_args([*flags, f"--{flag}"])

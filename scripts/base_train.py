@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from nanomuon import checkpoint, common, recipe, report
+from nanomuon import checkpoint, common, reads, recipe, report
 from nanomuon.arch import ARCHS, LR_SCHEDULES, Arch, fit_device_batch, train_memory
 from nanomuon.attention import choose_attention
 from nanomuon.common import evaluate_bpb, print0  # a test stands in for evaluate_bpb
@@ -41,7 +41,14 @@ from nanomuon.sources import prepare
 from nanomuon.stages import muon_plan
 from nanomuon.tokenizer import Tokenizer, get_tokenizer
 from nanomuon.variants import OPTIMIZER_VARIANTS
-from scripts.train_args import LR_FLAGS, MAX_STEPS, arch_on, check_memory, parse_args
+from scripts.train_args import (
+    LR_FLAGS,
+    MAX_STEPS,
+    arch_on,
+    check_memory,
+    optimizer_state,
+    parse_args,
+)
 
 
 def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> int:
@@ -52,15 +59,18 @@ def auto_device_batch(args, config, device, world_size: int, compiled: bool) -> 
         return 32
     free = torch.cuda.mem_get_info(device)[0]
     bf16 = args.dtype == "bf16"  # resolved by build
+    # the stages' state past the estimate's (a SOAP lm_head's vocab-sized factors, say)
+    state = max(0, optimizer_state(args, config)
+                - train_memory(config, 1, compiled, bf16)["optimizer"])
     with common.user_errors():  # batched seeds: each a whole model's memory
         rows = fit_device_batch(config, free // len(args.seeds or [1]), rows_per_step,
-                                compiled=compiled, bf16=bf16)
+                                compiled=compiled, bf16=bf16, state=state)
     # every rank must take the same micro-batches: the GPU with the least free memory decides
     if world_size > 1:
         fewest = torch.tensor([rows], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         rows = int(fewest.item())
-    need = sum(train_memory(config, rows, compiled, bf16).values())
+    need = sum(train_memory(config, rows, compiled, bf16).values()) + state
     print0(f"device batch: {rows} rows (auto: about {need / 2 ** 30:.1f} GiB estimated for "
            f"training, {free / 2 ** 30:.1f} GiB free on {torch.cuda.get_device_name(device)}; "
            "--device-batch-size overrides)")
@@ -76,20 +86,37 @@ def lr_multiplier(step: int, num_iterations: int, args) -> float:
 
 def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch) -> None:
     """A group's lr (initial_lr x lr_multiplier) and a Muon group's momentum and weight decay at
-    `step`: the arch's schedules, the decay's from the group's own peak; a momentum a variant set
-    (momentum_scheduled) is kept as given."""
+    `step`: the arch's schedules, the decay's from the group's own peak; a momentum the variant
+    sets (momentum_scheduled) is kept as given."""
     group["lr"] = group["initial_lr"] * lr_multiplier(step, num_iterations, args)
     if group["kind"] == "muon":
         group["momentum"] = (arch.momentum(step, num_iterations, args.warmdown_ratio)
-                             if momentum_scheduled(group) else group["initial_momentum"])
+                             if momentum_scheduled(group, args) else group["initial_momentum"])
         group["weight_decay"] = arch.weight_decay(step, num_iterations,
                                                   group["initial_weight_decay"])
 
 
-def momentum_scheduled(group: dict) -> bool:
-    """Whether the arch's schedule runs a Muon group's momentum: it stands in for the recipe's
-    (recipe.MUON_MOMENTUM); any other value is a variant's own choice, so it stays."""
-    return group["initial_momentum"] == recipe.MUON_MOMENTUM
+def momentum_scheduled(group: dict, args) -> bool:
+    """Whether the arch's schedule runs a Muon group's momentum: unless the --optimizer variant
+    (with its --variant-option) sets one for it, which then stays whatever its value, the
+    recipe's own 0.95 included. Asked at every step: decided once per variant entry."""
+    key = (args.optimizer, tuple(args.variant_option or ()), group.get("name", ""))
+    entry = OPTIMIZER_VARIANTS[args.optimizer]
+    if key not in SETS_MOMENTUM or SETS_MOMENTUM[key][0] is not entry:
+        SETS_MOMENTUM[key] = entry, variant_sets_momentum(*key)
+    return not SETS_MOMENTUM[key][1]
+
+
+SETS_MOMENTUM = {}  # (variant, options, group name) -> (its registry entry, the answer)
+
+
+def variant_sets_momentum(optimizer: str, options: tuple, group_name: str) -> bool:
+    """Whether the variant's settings give the group a momentum: its Muon options (every Muon
+    group starts from them) or its role's (a role group is named '<group>, <role>' or '<role>')."""
+    variant = with_options(optimizer, list(options))
+    role = variant.roles.get(group_name.rpartition(", ")[2])
+    return any((where or {}).get("momentum") is not None  # None: the arch's schedule
+               for where in (variant.muon_options, role))
 
 
 @dataclass
@@ -158,17 +185,25 @@ def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments but the horizon: the --optimizer variant with the lrs and
     decay its flags give where it sets none (it is tuned for its own; each flag overridden is
     said), and the lr rule's PeakLRs at the run's batch and --lr-multiplier for the rest."""
-    flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
+    flags = {k: getattr(args, k) for k in LR_FLAGS}
     variant = with_options(args.optimizer, args.variant_option)
-    own = dict(variant.lrs, weight_decay=variant.weight_decay, schedule=variant.schedule)
-    for key in sorted(k for k in flags if flags[k] is not None and own.get(k) is not None):
-        print0(f"--optimizer {args.optimizer} sets {key} {own[key]} "
-               f"(--{key.replace('_', '-')} {flags[key]} is not used)")
+    for line in flags_not_used(args):
+        print0(line)
     given = {k: flags[k] for k in LR_FLAGS if flags[k] is not None}
     decay = args.weight_decay if variant.weight_decay is None else variant.weight_decay
     variant = variant._replace(lrs=given | variant.lrs, weight_decay=decay)
     return dict(variant=variant, lrs=recipe.peak_lrs(args.total_batch_size, args.lr_multiplier),
                 compile=compiled)
+
+
+def flags_not_used(args) -> list[str]:
+    """A line for each flag the --optimizer variant's own setting overrides (its report holds
+    them, and ablate echoes them)."""
+    flags = {k: getattr(args, k) for k in (*LR_FLAGS, "weight_decay", "schedule")}
+    own = with_options(args.optimizer, args.variant_option).own_flags()
+    return [f"--optimizer {args.optimizer} sets {key} {own[key]} "
+            f"(--{key.replace('_', '-')} {flags[key]} is not used)"
+            for key in sorted(flags.keys() & own.keys()) if flags[key] is not None]
 
 
 def schedule_name(args) -> str:
@@ -278,7 +313,7 @@ def build(args, held: contextlib.ExitStack) -> Run:
                          "--device-batch-size x --max-seq-len x processes = "
                          f"{args.device_batch_size} x {args.max_seq_len} x {world_size} = "
                          f"{tokens_per_fwdbwd}; pick a total batch that is")
-    if device.type == "cpu":
+    if device.type in ("cpu", "mps"):  # MPS shares the machine's memory
         check_memory(args, config, world_size, compiled)
     model = init_model(args, model, device, attention)
 
@@ -474,14 +509,18 @@ def first_plan(group: dict):
     return muon_plan(group, p.shape, p.dtype, p.device)
 
 
-def group_words(group: dict, arch: Arch) -> str:
+def group_words(group: dict, arch: Arch, args) -> str:
     """A group's header line: its kind and peak lr and, for a Muon group, the momentum and weight
     decay that run (scheduled, kept, or not applied by its apply stage)."""
     words = f"{group.get('name', 'group')}: {group['kind']}, peak lr {group['initial_lr']:.3g}"
-    if group["kind"] != "muon":  # AdamW, or a kind of kinds.py
+    if group["kind"] == "adamw":  # a momentum runs as beta1 (MuonAdamW, at every step)
+        betas = ((group["momentum"], group["betas"][1]) if group.get("momentum") is not None
+                 else tuple(group["betas"]))
+        return f"{words}, betas {betas}, weight decay {group['weight_decay']:.3g}"
+    if group["kind"] != "muon":  # a kind of kinds.py
         betas = f", betas {tuple(group['betas'])}" if "betas" in group else ""
         return f"{words}{betas}, weight decay {group['weight_decay']:.3g}"
-    momentum = ("the arch's schedule" if momentum_scheduled(group)
+    momentum = ("the arch's schedule" if momentum_scheduled(group, args)
                 else f"{group['initial_momentum']:.3g}, kept")
     decay = group["initial_weight_decay"]
     if not decay_applied(group):
@@ -521,7 +560,7 @@ def announce(run: Run) -> None:
     print0(f"groups (each lr not given by a flag is the lr rule's at "
            f"{args.total_batch_size:,} tokens/step, nanomuon/recipe.py):")
     for group in run.optimizer.param_groups:
-        print0(f"  {group_words(group, ARCHS[args.arch])}")
+        print0(f"  {group_words(group, ARCHS[args.arch], args)}")
     run.decays_applied = [decay_applied(g) for g in run.optimizer.param_groups
                           if g["kind"] == "muon"]  # asked once: the step line shows them
     for group in (g for g in run.optimizer.param_groups if "apply" in g):
@@ -717,8 +756,9 @@ def report_on(run: Run) -> dict:
                if args.sample_tokens > 0 and (run.rank == 0 or args.fsdp) else [])
     if run.wandb:  # so base_eval logs CORE into this run, not a new one
         summary["wandb_id"] = run.wandb.id
-    if run.rank == 0:
-        report.write_report(run, summary, samples)
+    if run.rank == 0:  # with what the process read: ablate caches the run by it, or not at all
+        report.write_report(run, dict(summary, read=reads.record(),
+                                      not_used=flags_not_used(args)), samples)
     if run.wandb:
         run.wandb.summary.update(summary)
         run.wandb.finish()

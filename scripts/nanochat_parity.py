@@ -20,11 +20,14 @@ import contextlib
 import copy
 import io
 import math
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from nanomuon.arch import ARCHS, Variant
+from nanomuon.common import one_line
 from nanomuon.gpt import GPT, config_from_depth
 from nanomuon.recipe import PeakLRs
 from scripts.base_train import horizon_steps, lr_multiplier, optimizer_options, schedule_group
@@ -287,8 +290,14 @@ def compare_rows(rows) -> list[str]:
 def run_parity(nc) -> int:
     """All four checks; the last line says parity or not. 0 when everything agrees."""
     torch.manual_seed(0)
-    with torch.compiler.set_stance("force_eager"):  # nanochat's fused steps run eager too
-        problems = check_training(nc) + check_table(nc) + check_sizes(nc)
+    try:
+        with torch.compiler.set_stance("force_eager"):  # nanochat's fused steps run eager too
+            problems = check_training(nc) + check_table(nc) + check_sizes(nc)
+    except (TypeError, AttributeError, KeyError) as e:  # another nanochat's calls and names
+        at = traceback.extract_tb(e.__traceback__)[-1]
+        raise SystemExit(f"error: parity could not run against this nanochat ({one_line(e)}, at "
+                         f"{Path(at.filename).name}:{at.lineno}): it compares with nanochat "
+                         "92d63d4's model and setup_optimizer; check that commit out") from None
     if problems:
         print(f"parity: FAILED, {len(problems)} differences: {'; '.join(problems[:5])}")
         return 1

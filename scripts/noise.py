@@ -11,6 +11,7 @@ order 2..N with init 1; seed 1 at other threads; then val slices. docs/research.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from nanomuon.ablation.runs import Sweep, run_one, write_json
 from nanomuon.ablation.stats import detectable_factor
 from nanomuon.checkpoint import load_model
-from nanomuon.common import evaluate_bpb, get_base_dir, user_errors, write_atomic
+from nanomuon.common import evaluate_bpb, get_base_dir, shown, user_errors, write_atomic
 from nanomuon.dataloader import val_rows
 from nanomuon.sources import prepare
 from nanomuon.tokenizer import get_tokenizer
@@ -100,6 +101,15 @@ def table(found: dict, val: tuple, base_bpb: float, seeds: int) -> list[str]:
     return lines
 
 
+def slices_arg(s: str) -> int:
+    """argparse type for --val-slices: 0 (all) or a count of 2 or more (a variance needs two)."""
+    with contextlib.suppress(ValueError):
+        if (n := int(s)) == 0 or 2 <= n <= 10 ** 9:
+            return n
+    raise argparse.ArgumentTypeError(f"{shown(s, 24)}: give 0 (the whole val split) or a count of "
+                                     "val slices from 2 up")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Where an ablation's noise comes from (other flags go "
                                 "to base_train, as in ablate)")
@@ -107,8 +117,9 @@ def main(argv=None):
     p.add_argument("--seeds", type=ablate.seeds_arg, default=3,
                    help=f"values per source (2 to {ablate.MOST_SEEDS:,})")
     p.add_argument("--name", default="noise", type=ablate.name_arg)
-    p.add_argument("--val-slices", type=int, default=0,
-                   help="score at most this many val slices (default 0: the whole val split)")
+    p.add_argument("--val-slices", type=slices_arg, default=0,
+                   help="score at most this many val slices, 2 or more (default 0: the whole val "
+                   "split)")
     args, extra = p.parse_known_args(argv)
     variants = [v.strip() for v in args.variants.split(",")]
     if len(variants) != 2 or any(v not in ablate.OPTIMIZER_VARIANTS for v in variants):

@@ -9,21 +9,23 @@ import argparse
 import functools
 import math
 import os
+import traceback
 from pathlib import Path
 
 import torch
 
-from nanomuon import checkpoint, common, ideas, recipe
-from nanomuon.arch import ARCHS, LR_SCHEDULES, train_memory
+from nanomuon import checkpoint, common, ideas, reads, recipe
+from nanomuon.arch import ARCHS, LR_SCHEDULES, param_groups, train_memory
 from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
-from nanomuon.gpt import GPTConfig
+from nanomuon.gpt import GPT, GPTConfig, config_from_depth
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
 from nanomuon.sharded import check_sharded_stages
 from nanomuon.sources import add_data_args
+from nanomuon.stages import muon_state_layout
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
 # The largest lr a flag may ask for: 1,000x the tuned ones, far past divergence, yet with the update
@@ -135,8 +137,17 @@ def load_ideas(argv) -> None:
     for path in q.parse_known_args(argv)[0].ideas:
         try:
             ideas.load(path)
-        except ValueError as e:
-            q.error(str(e))
+        except ValueError as e:  # the file itself, or what it raised (then: where)
+            where = raised_at(e)
+            q.error(f"--ideas {common.shown(path, 300, quote=False)}: your file raised "
+                    f"{common.one_line(e)}{where}" if where else str(e))
+
+
+def raised_at(e: BaseException) -> str:
+    """' (at FILE:LINE)' of the innermost user code (an ideas file) e came through, else ''."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if reads.is_user(f.filename)]
+    return (f" (at {common.shown(frames[-1].filename, 300, quote=False)}:{frames[-1].lineno})"
+            if frames else "")
 
 
 def parse_args(argv=None):
@@ -149,6 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--wandb", choices=["off", "online", "offline"], default="off",
                    help="log to Weights & Biases")
     p.add_argument("--device-type", choices=["auto", "cuda", "cpu", "mps"], default="auto")
+    p.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a CPU or MPS, refuse a run whose estimated memory is over what is "
+                   "free; --no-memory-check trains where free memory cannot be read")
     # fineweb-edu: download with python -m nanomuon.dataset; embedded: no network
     add_data_args(p, "fineweb-edu")
     p.add_argument("--seed", type=int, default=None, help="seed of the init (default 42)")
@@ -243,14 +257,16 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--fsdp needs a nanomuon optimizer variant; torch-muon (stock torch.optim.Muon) "
                 "runs replicated only")
     check_variant_options(p, args)
-    variant = ideas.with_options(args.optimizer, args.variant_option)  # checked just above
-    if args.fsdp and (options := variant.muon_options):
-        group = dict(kind="muon", **options)
-        fill_defaults(group)
-        try:
-            check_sharded_stages(f"--optimizer {args.optimizer}", group)
-        except ValueError as e:
-            p.error(f"{e}: drop --fsdp")
+    if args.fsdp:  # each Muon group's stages, a role's included, as a tiny model takes them
+        config = config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch=arch_on(
+            args.arch, "cuda" if torch.cuda.is_available() else "cpu"))
+        for group in variant_groups(args, config):
+            role = "" if group["name"] == "matrices" else f" (its group {group['name']!r})"
+            try:
+                if group["kind"] == "muon":
+                    check_sharded_stages(f"--optimizer {args.optimizer}{role}", group)
+            except ValueError as e:
+                p.error(f"{e}: drop --fsdp")
     if args.seeds is not None and args.seed is not None:
         p.error(f"--seed {args.seed} and --seeds: give one (--seeds trains each seed it lists)")
     if args.seeds is not None and len(args.seeds) == 1:  # one seed: a plain run of it
@@ -288,16 +304,24 @@ def arch_on(arch: str, device_type: str) -> str:
 
 
 def check_variant_options(p: argparse.ArgumentParser, args) -> None:
-    """--variant-option: the variant with them set, as a tiny model of the run's arch takes it."""
-    if not args.variant_option:
-        return
+    """The variant (an ideas file's too) with any --variant-option set, as a tiny model of the
+    run's arch takes it: a misspelt role or a bad value is one line now, not a traceback later."""
+    if not args.variant_option and not ideas.ideas_of(args.optimizer):
+        return  # the library's own variants: its tests check them
     cuda = args.device_type in ("auto", "cuda") and torch.cuda.is_available()
+    given = " ".join(args.variant_option or [])
+    what = (f"--optimizer {args.optimizer}"
+            + (f" --variant-option {common.shown(given, 300, quote=False)}" if given else ""))
     try:
-        ideas.check_settings(ideas.with_options(args.optimizer, args.variant_option),
-                             arch_on(args.arch, "cuda" if cuda else "cpu"))
+        settings = ideas.with_options(args.optimizer, args.variant_option)
+        ideas.check_settings(settings, arch_on(args.arch, "cuda" if cuda else "cpu"))
     except (ValueError, TypeError) as e:
-        p.error(f"--optimizer {args.optimizer} --variant-option "
-                f"{' '.join(args.variant_option)}: {e}")
+        p.error(f"{what}: {common.shown(str(e), 1000, quote=False)}{raised_at(e)}")
+    for name in recipe.PeakLRs._fields[:-1]:  # the lrs, bounded as their flags are (check_reach)
+        lr = settings.lrs.get(name)
+        if isinstance(lr, (int, float)) and not 0 <= lr * args.lr_multiplier <= MAX_LR:
+            p.error(f"{what}: {name} {lr:g} x --lr-multiplier {args.lr_multiplier:g} is not in "
+                    f"[0, {MAX_LR:,g}]: no lr that large trains (the tuned ones are below 1)")
 
 
 def check_reach(p: argparse.ArgumentParser, args) -> None:
@@ -344,8 +368,9 @@ def check_model_fits(p: argparse.ArgumentParser, args) -> None:
 # keeps fp32 copies of a bf16 step's operands: the logits' alone take 12.6 bytes an entry, not 3);
 # and the process itself (process_memory). Fitted to 2 steps' peak RSS at vocab 4,096 and 32,768,
 # widths 64 to 256, 256 to 2,048 tokens a micro-batch, 2 to 20 seeds, eager and compiled, bf16 and
-# fp32, on a CPU build of torch, with a margin for threads and the allocator
-SEEDS_STATE = 1.25
+# fp32, on a CPU build of torch, with a margin for threads and the allocator. At width 2,048 the
+# state dominates, and 2 seeds peaked at 5.51 GiB: 1.25 fell 10% short, 1.75 bounds it
+SEEDS_STATE = 1.75
 SEEDS_ACTIVATION_BYTES = (92, 16)
 # the process: what it holds at the check (Python, torch, the scripts: 0.33 GiB with a CPU build of
 # torch, 0.64 with a CUDA build, whose libraries load on import), then the tokenizer, the data and
@@ -361,11 +386,36 @@ def process_memory() -> int:
     return PROCESS_MEMORY if held is None else held + PROCESS_GROWTH
 
 
+def variant_groups(args, config: GPTConfig) -> list[dict]:
+    """The --optimizer variant's param groups (--variant-option set, defaults filled) on a
+    meta-device model of config: no memory, no init, no optimizer."""
+    variant = ideas.with_options(args.optimizer, args.variant_option)
+    with torch.device("meta"):
+        groups = param_groups(GPT(config), variant, horizon=1)
+    for group in groups:
+        fill_defaults(group)
+    return groups
+
+
+def optimizer_state(args, config: GPTConfig) -> int:
+    """Bytes of this run's optimizer state, exactly: each Muon param's slots as its stages declare
+    them (StateSpec, at the roles they run on: a SOAP lm_head keeps vocab-sized factors), AdamW's
+    two moments."""
+    total = 0
+    for group in variant_groups(args, config):
+        for p in group["params"]:
+            slots = (muon_state_layout(p.shape, torch.float32, group).values()
+                     if group["kind"] == "muon" else [(p.shape, torch.float32)] * 2)
+            total += sum(math.prod(shape) * dtype.itemsize for shape, dtype, *_ in slots)
+    return total
+
+
 def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> dict[str, int]:
-    """One process's bytes of training on a CPU, by part: arch.train_memory's; with --fsdp the
-    state's shard; with --seeds each seed's, as measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES),
-    and the process's own (process_memory)."""
+    """One process's bytes of training on a CPU, by part: arch.train_memory's, its optimizer
+    state at least optimizer_state's; with --fsdp the state's shard; with --seeds each seed's, as
+    measured (SEEDS_STATE, SEEDS_ACTIVATION_BYTES), and the process's own (process_memory)."""
     parts = train_memory(config, args.device_batch_size, compiled, args.dtype == "bf16")
+    parts["optimizer"] = max(parts["optimizer"], optimizer_state(args, config))
     if not args.seeds:  # with --fsdp each process holds its shard of the state, its activations
         shards = world_size if args.fsdp else 1
         return {k: v // (1 if k == "activations" else shards) for k, v in parts.items()}
@@ -376,13 +426,31 @@ def memory_parts(args, config: GPTConfig, world_size: int, compiled: bool) -> di
                 process=process_memory())
 
 
+def physical_memory() -> tuple[int, int] | None:
+    """Where free memory cannot be read (no /proc/meminfo: macOS, a sandbox), all of the machine's
+    as the bound, said in a line; None where that cannot be read either."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    print0(f"memory: free memory cannot be read here (/proc/meminfo), so training is checked "
+           f"against all {total / 2 ** 30:.1f} GiB of this machine's (--no-memory-check skips it)")
+    return total, 0
+
+
 def check_memory(args, config: GPTConfig, world_size: int, compiled: bool) -> None:
     """On a CPU, training's memory (memory_parts, this machine's processes) before any is
     allocated: stop when over free memory and swap (the OOM killer is silent); warn on swap. Too
     many seeds: the most that fit."""
-    if (free := available_memory()) is None:
+    if not args.memory_check:
         return
     parts = memory_parts(args, config, world_size, compiled)
+    if (free := available_memory() or physical_memory()) is None:
+        common.exit_if_any_failed(
+            f"training this model takes about {sum(parts.values()) / 2 ** 30:.1f} GiB, and "
+            "neither the free memory (/proc/meminfo) nor the machine's can be read here to check "
+            "it; give --no-memory-check to train without the check")
+        return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
     need, (mem, swap), gib = local * sum(parts.values()), free, 2 ** 30
     what = (f"training this model takes about {need / gib:.1f} GiB of memory ("

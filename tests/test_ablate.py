@@ -571,6 +571,49 @@ def test_every_sweep_value_is_checked_before_anything_runs(capsys, sweep, says):
     assert says in err[-1] and "usage: base_train" not in "\n".join(err), err
 
 
+@pytest.mark.parametrize("variants,sweep,says", [
+    ("muon,scion", "scion:weight-decay=0.05,0.2", "--sweep weight-decay: --optimizer scion sets "
+     "weight_decay itself, so base_train does not use --weight-decay in its runs"),
+    ("muon,scion", "weight-decay=0.05,0.2", "--optimizer scion sets weight_decay itself"),
+    ("muon,muon-powercool", "schedule=warmup_warmdown,powercool", "--sweep schedule: --optimizer "
+     "muon-powercool sets schedule itself"),
+    ("muon,adamw", "final-eval-tokens=1024,16384", "--sweep final-eval-tokens: each value would "
+     "be judged on its own val set"),
+    ("muon,adamw", "eval-tokens=1024,16384", "--sweep eval-tokens: each value would be judged"),
+])
+def test_a_sweep_whose_values_cannot_differ_or_change_the_val_set_is_refused(capsys, variants,
+                                                                              sweep, says):
+    """A flag a variant overrides would train its values alike, and an eval flag would judge each
+    value on its own val set: either is one line when ablate starts, before any run."""
+    from scripts.ablate import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--variants", variants, "--sweep", sweep])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and says in err[-1], err
+    args, _ = parse_args(["--variants", "muon,scion", "--sweep", "muon:weight-decay=0.05,0.2"])
+    assert args.sweep.run_flags("0.2") == ["--weight-decay", "0.2"]  # muon's own: it is used
+
+
+def test_a_flag_the_variant_overrides_is_said_by_ablate_and_in_the_report(base, capsys):
+    """base_train's 'is not used' line reaches ablate's output (echo) and the run's report.md."""
+    from nanomuon.ablation import runs as ablation_runs
+    from nanomuon.run import StepRecords
+    from scripts import base_train
+
+    base_train.main([*TINY, "--total-batch-size", "256", "--num-iterations", "2",
+                     "--eval-every", "-1", "--optimizer", "scion", "--weight-decay", "0.1",
+                     "--run", "not-used"])
+    said = "--optimizer scion sets weight_decay 0.0 (--weight-decay 0.1 is not used)"
+    out = capsys.readouterr().out
+    assert said in out
+    report = (base / "runs" / "not-used" / "report.md").read_text()
+    assert f"- {said}" in report
+    lines = [line + "\n" for line in out.splitlines()]
+    ablation_runs.echo("scion", lines, StepRecords(base / "none.jsonl"))
+    assert f"  [scion] {said}" in capsys.readouterr().out.splitlines()
+
+
 def test_a_wandb_sweep_without_a_key_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
     """wandb=off,online with no API key: refused when ablate starts, not by wandb's traceback after
     the first value has trained."""
@@ -1083,3 +1126,18 @@ def test_ablation_md_says_whether_each_verdict_agrees_with_the_published_sign():
     said = column("adamw")
     assert said["muon"].startswith("agrees; published: better (track 3: Adam 5625"), said["muon"]
     assert all(said[v] == "nothing published" for v in variants if v not in ("muon", "adamw")), said
+
+
+@pytest.mark.parametrize("script,argv,says", [
+    ("scripts.ablate", ["--sweep", "lr-multiplier=" + ",".join(map(str, range(1, 10001)))],
+     "10,000 values; give at most 64"),
+    ("scripts.noise", ["--val-slices", "-100000"], "give 0 (the whole val split) or a count"),
+    ("scripts.noise", ["--val-slices", "1"], "give 0 (the whole val split) or a count"),
+])
+def test_counts_that_cannot_finish_are_refused_before_any_run(script, argv, says, capsys):
+    """10,000 sweep values, or val slices below two, are one line when the script starts."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(script).main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]

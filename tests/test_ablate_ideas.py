@@ -215,3 +215,181 @@ def test_fsdp_is_refused_for_a_stage_an_option_sets_that_shards_cannot_run(capsy
         said = capsys.readouterr().err
         assert "apply 'hyperball' reads whole weight matrices" in said and "drop --fsdp" in said
     assert parse_args([*base, "--optimizer", "muon"]).fsdp
+
+
+USER_CODE = '''
+"""A user's module: imports a helper when it runs, reads a file and a variable."""
+import os
+
+
+def go(data):
+    import helper
+    with open(data) as f:
+        f.read()
+    return helper.SCALE, os.environ.get("NANOMUON_TEST_SCALE")
+'''
+
+
+def test_a_process_records_the_code_it_ran_and_what_user_code_read(tmp_path):
+    """A helper edited before it is imported and put back after is recorded as the edit (what ran),
+    so it no longer matches its file; a file and an environment variable that user code reads are
+    named, with the file that read them."""
+    import hashlib
+
+    from nanomuon import reads
+
+    (tmp_path / "user.py").write_text(USER_CODE)
+    helper, data = tmp_path / "helper.py", tmp_path / "data.txt"
+    helper.write_text("SCALE = 1.0\n")
+    data.write_text("x")
+    code = (f"import sys, json; sys.path.insert(0, {str(tmp_path)!r}); from nanomuon import reads; "
+            "reads.start(); import user; from pathlib import Path; h = Path(sys.argv[1]); "
+            "h.write_text('SCALE = 0.0\\n'); print(user.go(sys.argv[2])); "
+            "h.write_text('SCALE = 1.0\\n'); print(json.dumps(reads.record()))")
+    out = subprocess.run([sys.executable, "-c", code, str(helper), str(data)], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "(0.0, None)"
+    record = json.loads(out[1])
+    user = str((tmp_path / "user.py").resolve())
+    assert record["sources"][str(helper.resolve())] == hashlib.sha256(b"SCALE = 0.0\n").hexdigest()
+    assert reads.changed(record["sources"]) == [str(helper.resolve())]
+    assert str((REPO / "nanomuon" / "reads.py").resolve()) in record["sources"]
+    assert record["outside"] == [
+        f"the environment variable NANOMUON_TEST_SCALE (read by {user})",
+        f"the file {data.resolve()} (read by {user})"], record
+
+
+EARLY = '"""An ideas file that imports a helper and registers nothing."""\nimport shared_helper\n'
+SCALED = '''
+"""A stage that reads two helpers: one imported at load, one when the stage runs."""
+import os
+
+import shared_helper
+from nanomuon.stages import POST_PROCESSORS, Stage
+from nanomuon.variants import OPTIMIZER_VARIANTS
+
+
+def scaled(u, ctx):
+    import runtime_helper
+    return u.mul_(runtime_helper.SCALE * shared_helper.SCALE)
+
+
+def from_env(u, ctx):
+    return u.mul_(float(os.environ.get("NANOMUON_TEST_SCALE", "1")))
+
+
+POST_PROCESSORS["scaled"] = Stage(scaled)
+POST_PROCESSORS["from_env"] = Stage(from_env)
+OPTIMIZER_VARIANTS["scaled"] = dict(muon_options=dict(post_process=("scaled",)))
+OPTIMIZER_VARIANTS["from-env"] = dict(muon_options=dict(post_process=("from_env",)))
+'''
+
+
+@pytest.mark.heavy
+def test_a_helper_edit_reruns_and_an_environment_read_is_never_cached(base, tmp_path):
+    """A helper the stage imports as it runs, and one an earlier --ideas file imported first, each
+    re-runs the variant when edited; a stage that reads an environment variable is trained every
+    time, and the table says why."""
+    for name, text in (("early.py", EARLY), ("scaled.py", SCALED),
+                       ("runtime_helper.py", "SCALE = 1.0\n"), ("shared_helper.py", "SCALE = 1.0\n")):
+        (tmp_path / name).write_text(text)
+    small = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "2",
+             "--no-compile", "--baseline-lengths", "none", "--jobs", "2", "--seeds", "1",
+             "--name", "helpers", "--ideas", str(tmp_path / "early.py"),
+             "--ideas", str(tmp_path / "scaled.py")]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), NANOMUON_BASE_DIR=str(base))
+
+    def trained(*args) -> tuple[list[str], str]:
+        r = subprocess.run([sys.executable, "-m", "scripts.ablate", *small, *args], cwd=REPO,
+                           text=True, capture_output=True, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return sorted(line.split(":")[0][3:] for line in r.stdout.splitlines()
+                      if "scripts.base_train" in line), r.stdout
+
+    assert trained("--variants", "muon,scaled")[0] == ["muon lr-multiplier 1 seed 1", "scaled lr-multiplier 1 seed 1"]
+    assert trained("--variants", "muon,scaled")[0] == []
+    for helper in ("runtime_helper.py", "shared_helper.py"):
+        (tmp_path / helper).write_text("SCALE = 0.0\n")
+        assert trained("--variants", "muon,scaled")[0] == ["scaled lr-multiplier 1 seed 1"], helper
+    for _ in range(2):
+        runs, out = trained("--variants", "muon,from-env")
+        assert runs == ["from-env lr-multiplier 1 seed 1"] and "1 seed 1: not cached: it read the " \
+            "environment variable NANOMUON_TEST_SCALE (read by" in out, out
+    table = (base / "ablations" / "helpers" / "ablation.md").read_text()
+    assert "Not cached: from-env at 1 read the environment variable NANOMUON_TEST_SCALE" in table
+
+
+@pytest.mark.heavy
+def test_an_ideas_file_edited_and_put_back_while_its_run_trains_is_not_cached(
+        base, tmp_path, monkeypatch, registries):
+    """The run loads the edited file, which is put back before it ends: the tree is the same
+    before and after, but the run trained other code, so its result is not cached under the
+    original's key (the next ablate trains it again)."""
+    from nanomuon.ablation import runs
+    from scripts import ablate
+
+    path = tmp_path / "my_ideas.py"
+    path.write_text(IDEAS)
+    real = runs.launch
+
+    def edited_while_it_runs(label, flags, *args, **kw):
+        if label.startswith("muon-shrink"):
+            path.write_text(IDEAS.replace("SHRINK = 0.9", "SHRINK = 0.0"))
+        try:
+            return real(label, flags, *args, **kw)
+        finally:
+            path.write_text(IDEAS)
+
+    monkeypatch.setattr(runs, "launch", edited_while_it_runs)
+    argv = [*TINY, "--total-batch-size", "256", "--num-iterations", "2", "--eval-every", "2",
+            "--no-compile", "--baseline-lengths", "none", "--jobs", "1", "--seeds", "1",
+            "--name", "reverted", "--ideas", str(path), "--variants", "muon-shrink",
+            "--sweep", "muon-shrink:lr-multiplier=1,2"]
+    cache = base / "ablations" / "cache"
+    before = set(cache.glob("*.json")) if cache.exists() else set()
+    with pytest.raises(SystemExit, match=f"{path.resolve()} changed while muon-shrink"):
+        ablate.main(argv)
+    assert set(cache.glob("*.json")) == before
+
+
+def test_a_misspelt_role_in_an_ideas_variant_is_one_line_naming_it(tmp_path, registries, capsys):
+    """A variant whose roles name no role of the model is refused when base_train starts, naming
+    the bad role, not by a traceback once the model is built."""
+    from scripts.train_args import parse_args
+
+    path = tmp_path / "typo.py"
+    path.write_text("from nanomuon.arch import Variant\nfrom nanomuon.variants import OPTIMIZER_VARIANTS\n"
+                    "OPTIMIZER_VARIANTS['typo'] = "
+                    "Variant(roles={'lm_haed': dict(lr_factor=2.0), 'mlp.fc': dict(lr_factor=1.5)})\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--ideas", str(path), "--optimizer", "typo", "--device-type", "cpu"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --optimizer typo: roles: ['lm_haed'] names no role here; this model's roles " \
+        "are ['lm_head'," in line, line
+
+
+@pytest.mark.parametrize("option,says", [
+    ("matrix_lr=1e30", "matrix_lr 1e+30 x --lr-multiplier 1 is not in [0, 1,000]"),
+    ("embedding_lr=5000", "embedding_lr 5000 x --lr-multiplier 1 is not in [0, 1,000]"),
+    ("extra_scale=1e30", "extra_scale=1e+30 must be a finite number >= 0 and < 1000.0"),
+])
+def test_a_variant_options_lr_is_bounded_as_its_flag_is(option, says, capsys):
+    """--matrix-lr 1e30 is refused; so is the same lr given as --variant-option, and a scale."""
+    from scripts.train_args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device-type", "cpu", "--variant-option", option])
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_fsdp_is_refused_for_a_stage_a_role_runs_that_shards_cannot(capsys):
+    """A role's own apply stage is checked as the variant's is: one line naming the role's group,
+    not a traceback on every rank once the model is sharded."""
+    from scripts.train_args import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--dataset", "embedded", "--device-type", "cpu", "--depth", "2", "--fsdp",
+                    "--optimizer", "muon", "--variant-option", "roles.mlp.fc.apply=hyperball"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("--optimizer muon (its group 'matrices, mlp.fc'): apply 'hyperball' reads whole "
+            "weight matrices") in line and line.endswith("drop --fsdp"), line

@@ -161,3 +161,16 @@ def test_the_time_to_gpt2_is_nanochats_hours_scaled_by_the_d24_fp8_ratio():
     assert "\n" not in line
     assert gpt2_estimate(args, {"bf16": pair}, header) is None
     assert gpt2_estimate(parse_args(["--depth", "12"]), {"fp8": pair}, header) is None
+
+
+def test_parity_against_another_nanochats_api_is_one_line(tmp_path):
+    """An older nanochat whose GPTConfig takes other arguments: --parity says it cannot compare,
+    where and with which commit it does, not a TypeError's traceback."""
+    (tmp_path / "nanochat").mkdir()
+    (tmp_path / "nanochat" / "gpt.py").write_text(
+        "class GPTConfig:\n    def __init__(self, sequence_len):\n        pass\n\n\n"
+        "class GPT:\n    def __init__(self, config):\n        pass\n")
+    p = run("--parity", "--nanochat", str(tmp_path))
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("error: parity could not run against this nanochat (TypeError: ") \
+        and "check that commit out" in p.stderr, p.stderr

@@ -188,8 +188,8 @@ def test_roles_give_each_role_its_own_lr_and_decay():
             assert torch.equal(p, before[n]) == (".mlp.c_fc." in n), n
     heads = {g["name"] for g in model.setup_optimizer(Variant(per_head=True, roles=roles)).param_groups}
     assert "matrices, 4 heads, attn.qkv" in heads and "matrices, mlp.fc" in heads, heads
-    for bad, says in (({"attn.o": {}}, r"roles=\{'attn.o': \{\}\}: give a dict of role -> dict"
-                                        r"\(kind=, .* this model's roles are \['lm_head', 'embedding', "
+    for bad, says in (({"attn.o": {}}, r"roles: \['attn.o'\] names no role here; "
+                                        r"this model's roles are \['lm_head', 'embedding', "
                                         r"'attn.qkv', 'attn.proj', 'mlp.fc', 'mlp.proj'\]$"),
                       ({"mlp.fc": dict(weight_decay=0.1)}, r"roles\['mlp.fc'\]: \['weight_decay'\] is "
                                                            r"not a key of kind 'muon': its roles take \["),

@@ -486,8 +486,10 @@ def test_the_run_header_names_the_kind():
     momentum schedule would raise there: a kind has none)."""
     from nanomuon.arch import ARCHS
     from scripts.base_train import group_words
+    from scripts.train_args import parse_args
 
     opt = _gpt("classic").setup_optimizer(Variant(roles={"lm_head": dict(kind="lion")}))
     head = next(g for g in opt.param_groups if g["name"] == "lm_head")
-    assert group_words(head, ARCHS["classic"]) == (f"lm_head: lion, peak lr {head['lr']:.3g}, betas (0.9, 0.99), "
+    args = parse_args(["--optimizer", "muon", "--arch", "classic"])
+    assert group_words(head, ARCHS["classic"], args) == (f"lm_head: lion, peak lr {head['lr']:.3g}, betas (0.9, 0.99), "
                                                    "weight decay 0")

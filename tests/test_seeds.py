@@ -257,6 +257,7 @@ MEASURED = [
     (32768, 2, 32, 32, 64, 16, False, "bf16", 1, {2: 1.396, 8: 4.191}),
     (32768, 2, 128, 64, 64, 4, False, "bf16", 1, {2: 1.239, 5: 2.400}),
     (4096, 4, 64, 128, 256, 8, False, "bf16", 1, {2: 1.047, 5: 1.993}),
+    (4096, 2, 1024, 128, 64, 4, False, "bf16", 2, {2: 5.510}),  # width 2,048: the state dominates
 ]
 
 
@@ -322,3 +323,73 @@ def test_a_batched_run_stays_under_its_estimate(base, monkeypatch):
     process, peak = map(int, p.stdout.split("process")[-1].split(" peak "))
     assert memory_check(monkeypatch, peak / 2 ** 30, 512, *shape, seeds=seeds, process=process), (
         peak / 2 ** 30, process / 2 ** 30)
+
+
+def test_memory_that_cannot_be_read_is_said_and_never_skipped_silently(monkeypatch, capsys):
+    """No /proc/meminfo (macOS, a sandbox): the check says so in a line and bounds the run by the
+    machine's memory, so 3,000 seeds are refused; where that cannot be read either, the run stops
+    and names --no-memory-check, which alone trains without the check."""
+    import os
+
+    from nanomuon.gpt import config_from_depth
+    from scripts import train_args
+
+    def check(*flags, total=16 << 30):
+        def sysconf(name):
+            if total is None:
+                raise ValueError(name)
+            return {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": total // 4096}[name]
+
+        args = train_args.parse_args(["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
+                                      "--max-seq-len", "64", "--device-batch-size", "4",
+                                      "--seeds", ",".join(map(str, range(1, 3001))), *flags])
+        with monkeypatch.context() as mp:
+            mp.setattr(train_args, "available_memory", lambda: None)
+            mp.setattr(os, "sysconf", sysconf)
+            try:
+                train_args.check_memory(args, config_from_depth(2, 4096, 64, 32, 32), 1, False)
+            except SystemExit as e:
+                return str(e.code)
+        return None
+
+    assert "train at most" in check() and "checked against all 16.0 GiB" in capsys.readouterr().out
+    said = check(total=None)
+    assert said.startswith("error: training this model takes about") and said.endswith(
+        "give --no-memory-check to train without the check"), said
+    assert check("--no-memory-check", total=None) is None
+
+
+SOAP_HEAD = ["--optimizer", "muon", "--variant-option", "roles.lm_head.kind=muon",
+             "--variant-option", "roles.lm_head.precondition=soap"]
+
+
+def test_the_memory_checks_count_each_stages_state_at_its_role(monkeypatch):
+    """optimizer_state is the bytes a real optimizer holds after a step (a SOAP lm_head's factors
+    included); at vocab 32,768 those are 8 GiB, so the CPU check refuses the run with 6 GiB free
+    (plain muon passes) and the GPU fit leaves no row for it in 10 GiB."""
+    from nanomuon import arch
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts import train_args
+    from scripts.base_train import optimizer_options
+
+    shape = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+             "--device-batch-size", "4", "--num-iterations", "3", "--total-batch-size", "256"]
+    args = train_args.parse_args([*shape, *SOAP_HEAD])
+    config = config_from_depth(2, 512, 64, 32, 32)
+    model = GPT(config)
+    model.init_weights()
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=3)
+    model(torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for state in opt.state.values()
+               for k, t in state.items() if torch.is_tensor(t) and k != "step")
+    assert train_args.optimizer_state(args, config) == held
+    big = config_from_depth(2, 32768, 64, 32, 32)
+    monkeypatch.setattr(train_args, "available_memory", lambda: (6 << 30, 0))
+    with pytest.raises(SystemExit, match="optimizer 8.0"):
+        train_args.check_memory(args, big, 1, compiled=False)
+    train_args.check_memory(train_args.parse_args([*shape, "--optimizer", "muon"]), big, 1, False)
+    state = train_args.optimizer_state(args, big) - arch.train_memory(big, 1)["optimizer"]
+    assert arch.fit_device_batch(big, 10 << 30, 32) == 32
+    with pytest.raises(ValueError, match="needs about 8"):
+        arch.fit_device_batch(big, 10 << 30, 32, state=state)

@@ -660,7 +660,7 @@ def test_the_run_header_says_what_the_stages_use(variant, says):
                        "--total-batch-size", "4096"])
     model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16))
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=7)
-    lines = [group_words(g, ARCHS["classic"]) for g in opt.param_groups]
+    lines = [group_words(g, ARCHS["classic"], args) for g in opt.param_groups]
     assert any(says in line for line in lines), lines
     for group in (g for g in opt.param_groups if g.get("kind") == "muon" and "apply" in g):
         assert group["horizon"] == 7

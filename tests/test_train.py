@@ -862,6 +862,55 @@ def test_cpu_runs_reuse_the_memory_they_free():
     assert faults["default"] > 10_000 and faults["cpu-run"] < 500, faults
 
 
+def test_a_momentum_a_variant_gives_is_kept_even_at_the_recipes_value(monkeypatch):
+    """A sweep point at 0.95 (the recipe's momentum) trains at 0.95, as 0.9 and 0.99 train at
+    theirs: --variant-option momentum=0.95, a variant's own 0.95 and a role's 0.95 all stay flat,
+    where plain muon follows the arch's schedule (0.85 at step 0)."""
+    from nanomuon import variants
+    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from scripts.base_train import group_words, horizon_steps, optimizer_options, schedule_group
+    from scripts.train_args import parse_args
+
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "own-095", dict(muon_options=dict(
+        momentum=0.95)))
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "role-095", dict(roles={"mlp.fc": dict(
+        momentum=0.95)}))
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch="classic"))
+    for flags, kept in ((["--optimizer", "muon", "--variant-option", "momentum=0.95"], 1),
+                        (["--optimizer", "muon", "--variant-option", "momentum=0.9"], 1),
+                        (["--optimizer", "own-095"], 1), (["--optimizer", "role-095"], 0),
+                        (["--optimizer", "muon"], 0)):
+        args = parse_args([*flags, "--arch", "classic", "--num-iterations", "100",
+                           "--total-batch-size", "4096"])
+        assert horizon_steps(args, model) == 100
+        opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=100)
+        muon = {g["name"]: g for g in opt.param_groups if g["kind"] == "muon"}
+        for g in muon.values():
+            schedule_group(g, 0, 100, args, ARCHS["classic"])
+        given = muon["matrices"]["initial_momentum"]
+        assert muon["matrices"]["momentum"] == (given if kept else 0.85), flags
+        assert ("kept" in group_words(muon["matrices"], ARCHS["classic"], args)) == bool(kept)
+        if "matrices, mlp.fc" in muon:
+            assert muon["matrices, mlp.fc"]["momentum"] == 0.95, flags
+
+
+def test_the_header_shows_the_betas_an_adamw_role_runs(monkeypatch):
+    """A role's AdamW momentum runs as beta1: the header says (0.7, 0.95), as the step runs."""
+    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from scripts.base_train import group_words, optimizer_options
+    from scripts.train_args import parse_args
+
+    args = parse_args(["--optimizer", "muon", "--variant-option", "roles.lm_head.momentum=0.7",
+                       "--arch", "classic", "--weight-decay", "0.2", "--total-batch-size", "4096"])
+    model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch="classic"))
+    model(torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16))).backward()
+    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=10)
+    (head,) = [g for g in opt.param_groups if g["name"] == "lm_head"]
+    said = group_words(head, ARCHS["classic"], args)
+    opt.step()
+    assert f"betas {tuple(head['betas'])}," in said and head["betas"][0] == 0.7, said
+
+
 def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monkeypatch, capsys):
     """A Muon group at the recipe's momentum follows the arch's schedule (nanochat's: 0.85 -> 0.97
     over 400 steps, written out here); a role whose momentum a variant set keeps it at every step,
@@ -888,7 +937,7 @@ def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monk
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=1000)
     muon = {g["name"]: g for g in opt.param_groups if g["kind"] == "muon"}
     assert set(muon) == {"matrices", "matrices, mlp.fc"}
-    lines = [group_words(g, ARCHS["nanochat"]) for g in muon.values()]
+    lines = [group_words(g, ARCHS["nanochat"], args) for g in muon.values()]
     assert lines[0].endswith("momentum 0.9, kept, weight decay 0.2 on a cosine to 0"), lines
     assert lines[1].endswith("momentum 0.9, kept, weight decay 0"), lines
     for step in (0, 200, 999):
@@ -902,6 +951,6 @@ def test_schedules_keep_a_variants_own_momentum_and_decay_from_its_own_peak(monk
     monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "kept", Variant())
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=1000)
     (group,) = [g for g in opt.param_groups if g["kind"] == "muon"]
-    assert "momentum the arch's schedule" in group_words(group, ARCHS["nanochat"])
+    assert "momentum the arch's schedule" in group_words(group, ARCHS["nanochat"], args)
     schedule_group(group, 200, 1000, args, ARCHS["nanochat"])
     assert group["momentum"] == pytest.approx(0.85 + 0.5 * (0.97 - 0.85), rel=1e-12)

@@ -239,3 +239,45 @@ def test_base_eval_on_the_runs_own_built_in_data_is_unchanged(run, capsys):
     assert f"embedded val bpb {bpb:.4f}" in out
     trained = json.loads((run / "summary.json").read_text())["final_val_bpb"]
     assert bpb == pytest.approx(trained, abs=1e-6)
+
+
+ESC = "\x1b[2J"
+
+
+@pytest.mark.parametrize("argv", [
+    ["scripts.base_train", "--variant-option", f"x{ESC}"],
+    ["scripts.base_train", "--variant-option", f"roles.lm{ESC}.kind=muon"],
+    ["scripts.base_train", "--variant-option", f"precondition=so{ESC}ap"],
+    ["scripts.base_train", "--ideas", f"missing{ESC}.py"],
+    ["scripts.ablate", "--variants", f"muon,ad{ESC}amw"],
+    ["scripts.ablate", "--variants", "muon,adamw", "--sweep", f"muon:lr-multiplier=1,x{ESC}"],
+    ["scripts.ablate", "--variants", "muon,adamw", "--sweep", f"mu{ESC}on:lr-multiplier=1,2"],
+])
+def test_flag_text_reaches_the_terminal_escaped(argv, capsys):
+    """A refusal quotes the user's flag text with every control byte escaped: no ESC moves the
+    cursor or clears the screen."""
+    import importlib
+
+    main = importlib.import_module(argv[0]).main
+    with pytest.raises(SystemExit):
+        main(argv[1:])
+    said = capsys.readouterr()
+    assert "\x1b" not in said.err + said.out and "\\x1b" in said.err, said
+
+
+def test_ablates_own_lines_and_an_ideas_files_error_are_escaped_and_placed(tmp_path, capsys):
+    """ablate's launch lines (a --dataset folder's name) go out escaped; a ValueError an ideas file
+    raises names the file and line, not a flag."""
+    from nanomuon.ablation import runs
+    from scripts.train_args import load_ideas
+
+    runs.tell(f"== muon seed 1: python -m scripts.base_train --dataset data{ESC}")
+    assert capsys.readouterr().out == "== muon seed 1: python -m scripts.base_train --dataset " \
+        "data\\x1b[2J\n"
+    bad = tmp_path / "bad.py"
+    bad.write_text("X = 1\nraise ValueError('my own check failed')\n")
+    with pytest.raises(SystemExit):
+        load_ideas(["--ideas", str(bad)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith(f"--ideas {bad}: your file raised ValueError: my own check failed "
+                         f"(at {bad.resolve()}:2)"), line

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanomuon import common, ideas
+from nanomuon import common, ideas, reads
 from nanomuon.ablation.budget import Tracker
 from nanomuon.dataset import SPLITS, list_shards
 from nanomuon.run import StepRecords
@@ -84,7 +84,8 @@ def launch(label: str, run_flags: list[str], nproc: int, threads: int, watch=Non
                *(["--"] if nproc > 1 else []), *run_flags, "--log-every", "1",
                "--step-record", str(records.path)]
         tell(f"== {label}: {' '.join(cmd[1:])}")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        # the run records the code it ran and what user code read (nanomuon/reads.py)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), NANOMUON_RECORD_READS="1")
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               bufsize=1, env=env) as p:
             if watch:
@@ -116,7 +117,8 @@ def echo(label: str, lines, records: StepRecords, watch=None) -> list[str]:
         step = steps.pop(line.rstrip("\n"), None)
         if step and step["step"] < step["steps"] and time.monotonic() - shown < PROGRESS_S:
             continue
-        if step or line.startswith(("step ", "error", "warning", "final val")):
+        if step or line.startswith(("step ", "error", "warning", "final val")) or line.endswith(
+                "is not used)\n"):  # a flag the variant overrides (base_train.flags_not_used)
             shown = time.monotonic() if step else shown
             tell(f"  [{label}] " + line.rstrip("\n"))
     return tail
@@ -237,39 +239,66 @@ def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, thr
              given and sweep.flag, value, seed if alone else seeds, data_seed, flags, nproc,
              threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
-    path = cache["dir"] / f"{key_of(parts)}.json"
+    key = key_of(parts)
     who = (f"seed {seed}" + (f" data {data_seed}" if data_seed != seed else "") if alone
            else f"seeds {seeds[0]}-{seeds[-1]} batched")
     label = (f"{variant} " + (f"{sweep.flag} {value} " if given else "") + who
              + (f" at {steps} steps" if steps else ""))
-    if path.exists():
-        tell(f"== {label}: cached ({path.name})")  # whole among other threads' lines
-        records = read_json(path, "a record ablate cached")
-        return {job: records[str(job.seed)] for job in jobs}
+    if hit := cached(cache["dir"], key):
+        tell(f"== {label}: cached ({hit[0].name})")  # whole among other threads' lines
+        return {job: hit[1][str(job.seed)] for job in jobs}
     run = first.name(name, sweep.flag, None if alone else seeds[-1])
     seed_flags = ["--seed", str(seed)] if alone else ["--seeds", ",".join(map(str, seeds))]
     # --start-over: what an uncached run of this name left (other code, say) is moved aside, kept
     launch(label, [*flags, *(f for i in used for f in ("--ideas", str(i.path))), "--run", run,
                    "--optimizer", variant, *given, *seed_flags, "--data-seed", str(data_seed),
                    "--start-over"], nproc, threads, refiner and refiner.watch(len(seeds), label))
-    if code_hash() != cache["code"]:  # the run may have imported other code than its key says
+    if code_hash() != cache["code"]:  # the ablation's runs after this one would read other code
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
-    if changed := [str(i.path) for i in used if ideas.digest(i.files) != i.digest]:
-        raise SystemExit(f"error: {', '.join(changed)} changed since ablate read it, so {label} is "
-                         "not cached; run ablate again")
     summary = read_json(common.get_base_dir() / "runs" / run / "summary.json",
                         "the summary base_train wrote")
+    read = summary.get("read") or dict(sources={}, outside=["code it did not record"])
+    if changed := reads.changed(read["sources"]):  # edited, even if put back: it ran the edit
+        raise SystemExit(f"error: {', '.join(changed)} changed while {label} ran, so it is not "
+                         "cached; run ablate again")
+    records = seed_results(summary, seeds, variant, value)
+    if read["outside"]:  # an input no key holds: the result answers for this run alone
+        tell(f"== {label}: not cached: it read {'; '.join(read['outside'])}, which no cache "
+             "key can hold")
+        for record in records.values():
+            record["uncached"] = read["outside"]
+    else:
+        write_json(cache["dir"] / f"{key}-{key_of([read['sources']])}.json",
+                   dict(read=read["sources"], records=records))
+    return {job: records[str(job.seed)] for job in jobs}
+
+
+def seed_results(summary: dict, seeds: list[int], variant: str, value: str) -> dict:
+    """seed -> what ablate keeps of a run's summary, a batched seed's with the run's throughput
+    and training time divided by the seeds."""
     shared = {k: summary[k] for k in KEPT if k in summary}
     if "tok_per_s" in shared:
         shared["tok_per_s"] /= len(seeds)
     shared["val_train_time"] = [t / len(seeds) for t in shared["val_train_time"]]
-    per_seed = {str(seed): {}} if alone else summary["per_seed"]  # a single run's is its own
-    records = {str(s): dict(shared, **{k: v for k, v in per_seed[str(s)].items() if k in KEPT},
-                            variant=variant, value=value, seed=s)
-               for s in seeds}
-    write_json(path, records)
-    return {job: records[str(job.seed)] for job in jobs}
+    per_seed = summary["per_seed"] if len(seeds) > 1 else {str(seeds[0]): {}}
+    return {str(s): dict(shared, **{k: v for k, v in per_seed[str(s)].items() if k in KEPT},
+                         variant=variant, value=value, seed=s)
+            for s in seeds}
+
+
+def cached(folder: Path, key: str) -> tuple[Path, dict] | None:
+    """(file, seed -> record) of the run cached under key whose code is the files' now, or None.
+    A key's files differ in the code their runs read: each lists those files with their hashes."""
+    for path in sorted(folder.glob(f"{key}-*.json")):
+        entry = read_json(path, "a record ablate cached")
+        if not (isinstance(entry, dict) and isinstance(entry.get("read"), dict)
+                and isinstance(entry.get("records"), dict)):
+            raise SystemExit(f"error: {path} is not a record ablate cached; remove it, and "
+                             "ablate runs it again")
+        if not reads.changed(entry["read"]):
+            return path, entry["records"]
+    return None
 
 
 def cache_of(flags: list[str]) -> dict:
@@ -330,9 +359,10 @@ def run_all(todo: list, flags: list[str], args, jobs: int, threads: int, cache: 
 
 
 def tell(line: str) -> None:
-    """A line of ablate's own, whole among the runs' echoed lines."""
+    """A line of ablate's own, whole among the runs' echoed lines, escaped (a --dataset path, a
+    swept value or a run's own output may hold bytes that move the cursor)."""
     with _print_lock:
-        print(line, flush=True)
+        print(common.shown(line, 100_000, quote=False), flush=True)
 
 
 def write_json(path: Path, obj) -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from nanomuon.ablation import stats
 from nanomuon.ablation.runs import Sweep, value_tag
-from nanomuon.common import get_base_dir, write_atomic
+from nanomuon.common import get_base_dir, shown, write_atomic
 from nanomuon.report import MISSING, plot_curves
 
 
@@ -263,12 +263,21 @@ def value_axis(values: list[str]) -> tuple[list[float], dict]:
     return xs, dict(logx=all(x > 0 for x in xs))
 
 
+def not_cached(records: list[dict]) -> list[str]:
+    """A line for each variant and value whose runs read what no cache key holds (run_batch)."""
+    reads = {(r["variant"], r["value"]): r["uncached"] for r in records if r.get("uncached")}
+    return ["", *(f"Not cached: {v} at {x} read {'; '.join(why)}, which no cache key can hold; "
+                  "its runs train again each time" for (v, x), why in sorted(reads.items()))
+            ] if reads else []
+
+
 def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
                    seeds: list) -> None:
     """The table (printed too), the plot and ablation.md in ablations/<name>."""
     out = get_base_dir() / "ablations" / args.name
     out.mkdir(parents=True, exist_ok=True)
     table, best = report(results, args.variants, args.sweep, seeds, args.baseline, lengths)
+    table += not_cached([*results.values(), *lengths.values()])
     first = next(iter(results.values()))
     png = plot(out, results, args.variants, args.sweep, seeds, best, args.baseline,
                f"{args.name}: {first['num_params'] / 1e6:.1f}M params, "
@@ -301,6 +310,7 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
            "", *table,
            "", "![val bpb by step, by training time and by swept value](val_bpb.png)" if png
            else f"({MISSING})", ""]
-    write_atomic(out / "ablation.md", "\n".join(doc))
-    print("\n".join(table))
+    # the command, the flags and the swept values are the user's text: escaped, as printed
+    write_atomic(out / "ablation.md", "\n".join(shown(line, 100_000, quote=False) for line in doc))
+    print("\n".join(shown(line, 100_000, quote=False) for line in table))
     print(f"table and plot in {out}")
