@@ -1083,3 +1083,38 @@ def test_ablation_md_says_whether_each_verdict_agrees_with_the_published_sign():
     said = column("adamw")
     assert said["muon"].startswith("agrees; published: better (track 3: Adam 5625"), said["muon"]
     assert all(said[v] == "nothing published" for v in variants if v not in ("muon", "adamw")), said
+
+
+def test_published_plans_every_ported_technique_at_three_lrs_against_muon_once(tmp_path, monkeypatch, capsys):
+    """--published: muon against adamw and the seven techniques ported from track 3, each at lr-multiplier
+    0.5, 1 and 2, muon once; the baseline's shorter runs at 0.8 of the steps on 2 seeds. Its plan names each
+    run, cached or to train, and the time of those to train at a kept calibration, summed by hand here:
+    runs of 5 seeds, 2 at a time, the largest first to the freest lane. Given with --variants, it is refused."""
+    from scripts import ablate
+
+    ported = {"adamw", "muon-soap", "muon-uw-floor", "muon-hyperball", "muon-powercool", "muon-contra",
+              "muon-muown", "muon-newton"}
+    args, flags = ablate.parse_args(["--published", "--preset", "regime"])
+    assert args.variants[0] == "muon" and set(args.variants) == {"muon", *ported} and args.baseline == "muon"
+    assert args.sweep.of("muon") == ["-"] and args.sweep.flag == "lr-multiplier"
+    assert all(args.sweep.of(v) == ["0.5", "1", "2"] for v in ported)
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--published", "--variants", "muon,adamw"])
+    assert "--published chooses --variants itself" in capsys.readouterr().err
+
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
+    cache = dict(cache_at(tmp_path), tokenizer="k", dtype="bf16", data=["d", "f"])
+    keep(cache, ["--published", "--preset", "regime"], planner.Calibration(1.0, 10.0, 0.1, 3.0))
+    steps = ablate.train_args(flags).num_iterations
+    todo = [ablate.Job(v, x, s, data_seed=1) for v in args.variants for x in args.sweep.of(v) for s in range(1, 6)]
+    todo += [ablate.Job("muon", "-", s, round(0.8 * steps), 1) for s in (1, 2)]
+    ablate.batch_key(todo[:5], flags, args.sweep, 1, 1, cache)[0].write_text("{}")  # muon's: cached
+    ablate.say_plan(args, todo, flags, 2, 1, cache)
+    out = capsys.readouterr().out
+    assert "==   muon seeds 1-5 batched: cached" in out
+    assert "==   muon-newton lr-multiplier 0.5 seeds 1-5 batched: to train" in out
+    assert f"==   muon seeds 1-2 batched at {round(0.8 * steps)} steps: to train" in out
+    assert len(re.findall(r"^==   .*: to train$", out, re.M)) == 8 * 3 + 1
+    five, two = 10 + 5 * (0.4 + steps), 10 + 2 * (0.4 + round(0.8 * steps))
+    minutes = (12 * five + two) / 60
+    assert f"== plan: 25 of 26 runs to train, 122 seeds in all, 2 at a time: about {minutes:.0f} min" in out
