@@ -908,7 +908,8 @@ def test_the_default_is_planned_to_the_cpus_budget(capsys):
         assert args.budget == budget
 
 
-def test_the_regime_preset_is_in_the_published_regime():
+@pytest.mark.parametrize("name", ["regime", "regime-v1"])
+def test_the_regime_preset_is_in_the_published_regime(name):
     """The preset's model, built from its flags as base_train builds it: at least 75% of its params in Muon
     matrices and at least 10 training tokens per param, as its description says."""
     import torch
@@ -916,7 +917,7 @@ def test_the_regime_preset_is_in_the_published_regime():
     from nanomuon.gpt import GPT, config_from_depth
     from scripts.ablate import DEFAULT_FLAGS, PRESETS, train_args
 
-    preset = PRESETS["regime"]
+    preset = PRESETS[name]
     args = train_args([*DEFAULT_FLAGS, *preset.flags])
     with torch.device("meta"):
         model = GPT(config_from_depth(args.depth, preset.vocab, args.max_seq_len, args.aspect_ratio, args.head_dim))
