@@ -1119,3 +1119,26 @@ def test_published_plans_every_ported_technique_at_three_lrs_against_muon_once(t
     five, two = 10 + 5 * (0.4 + steps), 10 + 2 * (0.4 + round(0.8 * steps))
     minutes = (12 * five + two) / 60
     assert f"== plan: 25 of 26 runs to train, 122 seeds in all, 2 at a time: about {minutes:.0f} min" in out
+
+
+def test_a_technique_swept_alone_trains_the_runs_published_reads(tmp_path):
+    """The GPU kit's regime steps sweep one technique at a time (--sweep T:lr-multiplier=0.5,1,2, muon once);
+    their runs must be the very runs --published reads from the cache: the same keys, muon's too. A sweep of
+    every variant would run muon at lr-multiplier 1 instead: another run, another key."""
+    from scripts import ablate
+
+    cache = dict(cache_at(tmp_path), tokenizer="k", dtype="bf16", data=["d", "f"])
+    args, flags = ablate.parse_args(["--published", "--preset", "regime"])
+    alone, _ = ablate.parse_args(["--preset", "regime", "--variants", "muon,muon-soap", "--baseline", "muon",
+                                  "--sweep", "muon-soap:lr-multiplier=0.5,1,2"])
+    everyone, _ = ablate.parse_args(["--preset", "regime", "--variants", "muon,muon-soap",
+                                     "--sweep", "lr-multiplier=0.5,1,2"])
+
+    def key(sweep, variant, value):
+        jobs = [ablate.Job(variant, value, s, data_seed=1) for s in range(1, 6)]
+        return ablate.batch_key(jobs, flags, sweep, 1, 1, cache)[0]
+
+    for value in ("0.5", "1", "2"):
+        assert key(args.sweep, "muon-soap", value) == key(alone.sweep, "muon-soap", value)
+    assert key(args.sweep, "muon", "-") == key(alone.sweep, "muon", "-") != key(everyone.sweep, "muon", "1")
+    assert alone.sweep.of("muon") == args.sweep.of("muon") == ["-"]
