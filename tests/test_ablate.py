@@ -908,7 +908,7 @@ def test_the_default_is_planned_to_the_cpus_budget(capsys):
         assert args.budget == budget
 
 
-@pytest.mark.parametrize("name", ["regime", "regime-v1"])
+@pytest.mark.parametrize("name", ["regime", "regime-h4"])
 def test_the_regime_preset_is_in_the_published_regime(name):
     """The preset's model, built from its flags as base_train builds it: at least 75% of its params in Muon
     matrices and at least 10 training tokens per param, as its description says."""
