@@ -37,13 +37,15 @@ from nanomuon.ablation.runs import (
     UNSWEPT,
     Job,
     Sweep,
+    batch_key,
     batches,
     cache_of,
+    cached,
     run_all,
     split_runs,
 )
 from nanomuon.ablation.stats import MOST_SEEDS
-from nanomuon.ablation.verdicts import report, write_ablation
+from nanomuon.ablation.verdicts import PUBLISHED, report, write_ablation
 from nanomuon.common import get_base_dir, shown
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
@@ -67,6 +69,8 @@ GPU_SEEDS = 64
 # training one). So the verdicts read 65,536 tokens and the curves 16,384: 11 steps, the rest seeds
 SHORT_RUN_EVALS = {"--eval-tokens": "16384", "--final-eval-tokens": "65536"}
 DEFAULT_SWEEP, DEFAULT_LENGTHS = "lr-multiplier=1", "0.8"
+# --published: each technique at its best of these, muon once at its own lrs (research.md's table)
+PUBLISHED_SWEEP = Sweep("lr-multiplier", ["0.5", "1", "2"], fixed=("muon",))
 # --arch classic: the model ablate's defaults and the lr rule were measured on, on a GPU too
 # (base_train's auto would train arch 'nanochat' there); give --arch nanochat to ablate that one
 DEFAULT_FLAGS = ["--arch", "classic", "--dataset", "embedded", "--depth", "4",
@@ -83,16 +87,20 @@ class Preset(NamedTuple):
     about: str
 
 
+REGIME_FLAGS = ["--depth", "2", "--aspect-ratio", "64", "--max-seq-len", "256",
+                "--device-batch-size", "16", "--total-batch-size", "8192", "--num-iterations", "640",
+                "--eval-every", "160", "--final-eval-tokens", "0"]  # a larger val set did not help
 PRESETS = {
     # The regime the published optimizer results come from (track 3 trains ~20 tokens per param,
     # most in matrices): 524,288 params, 75% in Muon's block matrices (a 512-token vocab keeps the
-    # embedding and head small), 640 steps of 8,192 tokens = 10.0 tokens per param.
-    "regime": Preset(["--depth", "2", "--aspect-ratio", "64", "--head-dim", "64",
-                      "--max-seq-len", "256", "--device-batch-size", "16", "--total-batch-size", "8192",
-                      "--num-iterations", "640", "--eval-every", "160",
-                      "--final-eval-tokens", "0"], 512,  # a larger val set did not help here
-                     "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon matrices, "
-                     "10.0 tokens per param"),
+    # embedding and head small), 640 steps of 8,192 tokens = 10.0 tokens per param
+    "regime": Preset([*REGIME_FLAGS, "--head-dim", "64"], 512,
+                     "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon "
+                     "matrices, 10.0 tokens per param"),
+    # tried for Muon's seeds, which end far apart at regime: as far apart here (docs/research.md)
+    "regime-h4": Preset([*REGIME_FLAGS, "--head-dim", "32"], 512,
+                        "regime with 4 heads of 32: 524,288 params, 75% in Muon matrices, "
+                        "10.0 tokens per param"),
 }
 
 
@@ -200,6 +208,10 @@ def parse_args(argv):
     p.add_argument("--baseline-lengths", type=lengths_arg, default=lengths_arg(DEFAULT_LENGTHS),
                    help="the baseline also runs these fractions of the steps, to turn each "
                    f"verdict into steps saved (default {DEFAULT_LENGTHS}; 'none' skips them)")
+    p.add_argument("--published", action="store_true",
+                   help="muon against adamw and every technique ported from track 3 (verdicts."
+                   "PUBLISHED), each at its best of lr-multiplier 0.5, 1 and 2, muon once; its "
+                   "own --variants, --baseline and --sweep")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="a named shape with a tokenizer of its own, in a base dir of its own "
                    "(<base>/presets/NAME): " + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items())
@@ -213,6 +225,8 @@ def parse_args(argv):
     p.add_argument("--nproc", type=int, default=1, help="processes per run (torchrun when > 1)")
     args, extra = p.parse_known_args(argv)
     args.budget_default = False  # default_budget's: a budget that plans but never refuses
+    if args.published:
+        published_plan(p, args, sys.argv[1:] if argv is None else argv)
     spec, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in OPTIMIZER_VARIANTS]
     fewest = 1 if len(args.sweep.values) > 1 else 2
@@ -233,6 +247,15 @@ def parse_args(argv):
     flags = [*DEFAULT_FLAGS, *(PRESETS[args.preset].flags if args.preset else []), *extra]
     check_sweep(p, args, flags, given, spec)
     return args, flags
+
+
+def published_plan(p: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """--published: args' variants, baseline and sweep become muon and every published one's."""
+    if clash := sorted({a.split("=")[0] for a in argv} & {"--variants", "--baseline", "--sweep"}):
+        p.error(f"--published chooses {', '.join(clash)} itself (muon against every technique of "
+                "verdicts.PUBLISHED, each at lr-multiplier 0.5, 1, 2); give one or the other")
+    args.variants, args.baseline = ",".join(["muon", *PUBLISHED]), "muon"
+    args.sweep = PUBLISHED_SWEEP
 
 
 def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, spec: str) -> None:
@@ -435,6 +458,8 @@ def ablation(args, flags: list[str], argv):
     shorter = [Job(args.baseline, args.sweep.of(args.baseline)[0], s, n, data) for n in others
                for s in seeds[:budget.LENGTH_SEEDS]]
     processes = len(batches(todo + shorter, args.batch_seeds))
+    if args.published:
+        say_plan(args, todo + shorter, flags, jobs, threads, cache)
     print(f"== {len(todo)} runs ({runs_per_seed} variant-value pairs x {len(seeds)} seeds) and "
           f"{len(shorter)} of the baseline at other lengths"
           + (f", each variant's seeds batched: {processes} processes" if args.batch_seeds else "")
@@ -453,6 +478,31 @@ def ablation(args, flags: list[str], argv):
     write_ablation(args, argv, flags, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return main_runs
+
+
+def say_plan(args, todo: list[Job], flags: list[str], jobs: int, threads: int,
+             cache: dict) -> None:
+    """Each run of the plan, cached or to train, and the time those to train take, `jobs` at a
+    time: from the runs' times kept here, else a prior timed now (pacing), else unknown."""
+    runs = [(len(b), b[0].steps or train_args(flags).num_iterations,
+             *batch_key(b, flags, args.sweep, args.nproc, threads, cache)[:2])
+            for b in batches(todo, args.batch_seeds)]
+    hits = [cached(cache["dir"], key) is not None for *_, key, _ in runs]
+    for (*_, label), hit in zip(runs, hits):
+        print(f"==   {label}: {'cached' if hit else 'to train'}", flush=True)
+    left = [(seeds, steps) for (seeds, steps, *_), hit in zip(runs, hits) if not hit]
+    used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
+    cal, _, how = kept_estimate(cache_keys(args, flags, jobs, threads, cache), used)
+    if cal is None and left:
+        cal, how = prior_estimate(args, train_args(flags), jobs, threads, cache)
+    lanes = [0.0] * jobs
+    for seeds, steps in sorted(left, reverse=True):  # the largest first, to the freest lane
+        if cal:
+            seed_s = budget.EVALS * cal.eval_s + cal.final_s + steps * cal.step_s
+            lanes[lanes.index(min(lanes))] += cal.fixed_s + seeds * seed_s
+    took = f"about {max(lanes) / 60:.0f} min" if cal else "a time not known here yet"
+    print(f"== plan: {len(left)} of {len(runs)} runs to train, {sum(s for s, _ in left)} seeds in "
+          f"all, {jobs} at a time: {took if left else 'none'} ({how})", flush=True)
 
 
 def plan_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,

@@ -42,11 +42,12 @@
 #                    and fp16 (standard vs Gram)
 #   base_train_d20   the same as base_train_d12 at d20
 #   speedrun         speedrun.sh in GPU mode on the embedded corpus (DATASET=embedded NPROC=1)
-#   regime_*         the published-regime table: scripts.ablate --preset regime, 64 seeds batched,
-#                    each technique swept over lr-multiplier 0.5,1,2 and judged at its best against
-#                    muon, with whether it agrees with track 3's published sign. One step a
-#                    technique (regime_muon first: the baseline), each reading the runs the others
-#                    cached; regime_table writes the whole table from them (ablation.md). It needs
+#   regime_*         the published-regime table: scripts.ablate --preset regime --published, 64
+#                    seeds batched, each technique swept over lr-multiplier 0.5,1,2 and judged at
+#                    its best against muon, with whether it agrees with track 3's published sign.
+#                    One step a technique (regime_adamw first, with muon: the baseline), each
+#                    reading the runs the others cached; regime_table writes the whole table
+#                    from them (ablation.md), the same command as on a CPU. It needs
 #                    more than one 15-minute budget (--plan --only regime says how much): each
 #                    step returns the run cache in $OUT/regime-cache, and a later machine of the
 #                    same GPU and code reads it back from .gpu_check/regime-cache
@@ -259,7 +260,7 @@ REGIME_IN="NANOMUON_BASE_DIR=$REGIME_BASE python -m nanomuon.dataset --embedded 
 && mkdir -p $REGIME_BASE/ablations/cache && { [ ! -d $KIT/regime-cache ] \
 || cp -n $KIT/regime-cache/*.json $REGIME_BASE/ablations/cache/ 2>/dev/null || true; }"
 REGIME="NANOMUON_BASE_DIR=$KIT/ablate python -m scripts.ablate --preset regime --device-type cuda \
---seeds 64 --sweep lr-multiplier=0.5,1,2 --baseline muon"
+--seeds 64"
 REGIME_OUT="mkdir -p $OUTDIR/regime-cache && cp $REGIME_BASE/ablations/cache/*.json \
 $OUTDIR/regime-cache/"
 TECHNIQUES="adamw muon-soap muon-uw-floor muon-hyperball muon-powercool muon-contra muon-muown \
@@ -313,19 +314,19 @@ bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-siz
 )
 # never run on a GPU: every regime limit is a guess, 1.5x its estimate. A run trains 64 seeds of
 # the preset (0.5M params) as one batched model, 640 steps of 8,192 tokens each: about 30 s of steps
-# (the d4 speedrun stepped 27 ms for 65,536 tokens), and a compile. regime_muon: 3 runs and muon's
-# at 0.8 of the steps, one cold compile (the model's and the optimizer's); a technique: 3 runs,
-# its optimizer compiled anew, muon read from the cache (on a fresh machine without it, muon runs
-# first: rerun the step); the table: every run cached, the write-up alone
-STEPS+=("regime_muon|450|300|est.|$REGIME_IN && $REGIME --name gpu-regime-muon --variants muon; \
-rc=\$?; $REGIME_OUT; exit \$rc")
+# (the d4 speedrun stepped 27 ms for 65,536 tokens), and a compile. The table is ablate's
+# --published, in steps that fit a call: regime_adamw: muon and its runs at 0.8 of the steps, adamw
+# at its 3 lr-multipliers, one cold compile each; a technique: its 3 runs, its optimizer compiled
+# anew, muon read from the cache (on a fresh machine without it, muon runs first: rerun the step).
+# Each step's runs are the table's own (the same keys); the table: every run cached, the write-up
+REGIME_SWEEP="lr-multiplier=0.5,1,2"  # ablate's PUBLISHED_SWEEP
 for t in $TECHNIQUES; do
-    STEPS+=("regime_$(echo "${t#muon-}" | tr - _)|300|200|est.|$REGIME_IN && $REGIME \
---name gpu-regime-${t#muon-} --variants muon,$t; rc=\$?; $REGIME_OUT; exit \$rc")
+    STEPS+=("regime_$(echo "${t#muon-}" | tr - _)|$([ $t = adamw ] && echo 450 || echo 300)|\
+$([ $t = adamw ] && echo 300 || echo 200)|est.|$REGIME_IN && $REGIME --name gpu-regime-${t#muon-} \
+--variants muon,$t --baseline muon --sweep $t:$REGIME_SWEEP; rc=\$?; $REGIME_OUT; exit \$rc")
 done
-STEPS+=("regime_table|120|60|est.|$REGIME_IN && $REGIME --name gpu-regime --variants \
-muon,$(echo $TECHNIQUES | tr ' ' ,); rc=\$?; $REGIME_OUT; \
-cp $REGIME_BASE/ablations/gpu-regime/ablation.md $OUTDIR/regime.md; exit \$rc")
+STEPS+=("regime_table|120|60|est.|$REGIME_IN && $REGIME --name gpu-regime --published; rc=\$?; \
+$REGIME_OUT; cp $REGIME_BASE/ablations/gpu-regime/ablation.md $OUTDIR/regime.md; exit \$rc")
 
 # --only: the steps named, exactly or by a prefix before _ (bench_optim: both), in the kit's order
 if [ -n "$ONLY" ]; then

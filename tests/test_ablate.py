@@ -951,7 +951,8 @@ def test_the_default_is_planned_to_the_cpus_budget(capsys):
         assert args.budget == budget
 
 
-def test_the_regime_preset_is_in_the_published_regime():
+@pytest.mark.parametrize("name", ["regime", "regime-h4"])
+def test_the_regime_preset_is_in_the_published_regime(name):
     """The preset's model, built from its flags as base_train builds it: at least 75% of its params in Muon
     matrices and at least 10 training tokens per param, as its description says."""
     import torch
@@ -959,7 +960,7 @@ def test_the_regime_preset_is_in_the_published_regime():
     from nanomuon.gpt import GPT, config_from_depth
     from scripts.ablate import DEFAULT_FLAGS, PRESETS, train_args
 
-    preset = PRESETS["regime"]
+    preset = PRESETS[name]
     args = train_args([*DEFAULT_FLAGS, *preset.flags])
     with torch.device("meta"):
         model = GPT(config_from_depth(args.depth, preset.vocab, args.max_seq_len, args.aspect_ratio, args.head_dim))
@@ -1141,3 +1142,62 @@ def test_counts_that_cannot_finish_are_refused_before_any_run(script, argv, says
     with pytest.raises(SystemExit) as e:
         importlib.import_module(script).main(argv)
     assert e.value.code == 2 and says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_published_plans_every_ported_technique_at_three_lrs_against_muon_once(tmp_path, monkeypatch, capsys):
+    """--published: muon against adamw and the seven techniques ported from track 3, each at lr-multiplier
+    0.5, 1 and 2, muon once; the baseline's shorter runs at 0.8 of the steps on 2 seeds. Its plan names each
+    run, cached or to train, and the time of those to train at a kept calibration, summed by hand here:
+    runs of 5 seeds, 2 at a time, the largest first to the freest lane. Given with --variants, it is refused."""
+    from scripts import ablate
+
+    ported = {"adamw", "muon-soap", "muon-uw-floor", "muon-hyperball", "muon-powercool", "muon-contra",
+              "muon-muown", "muon-newton"}
+    args, flags = ablate.parse_args(["--published", "--preset", "regime"])
+    assert args.variants[0] == "muon" and set(args.variants) == {"muon", *ported} and args.baseline == "muon"
+    assert args.sweep.of("muon") == ["-"] and args.sweep.flag == "lr-multiplier"
+    assert all(args.sweep.of(v) == ["0.5", "1", "2"] for v in ported)
+    with pytest.raises(SystemExit):
+        ablate.parse_args(["--published", "--variants", "muon,adamw"])
+    assert "--published chooses --variants itself" in capsys.readouterr().err
+
+    monkeypatch.setattr("nanomuon.ablation.pacing.machine_load", lambda: 0.0)
+    cache = dict(cache_at(tmp_path), tokenizer="k", dtype="bf16", data=["d", "f"])
+    keep(cache, ["--published", "--preset", "regime"], planner.Calibration(1.0, 10.0, 0.1, 3.0))
+    steps = ablate.train_args(flags).num_iterations
+    todo = [ablate.Job(v, x, s, data_seed=1) for v in args.variants for x in args.sweep.of(v) for s in range(1, 6)]
+    todo += [ablate.Job("muon", "-", s, round(0.8 * steps), 1) for s in (1, 2)]
+    key = ablate.batch_key(todo[:5], flags, args.sweep, 1, 1, cache)[0]  # muon's: cached, no file read
+    (cache["dir"] / f"{key}-x.json").write_text(json.dumps(dict(read={}, records={})))
+    ablate.say_plan(args, todo, flags, 2, 1, cache)
+    out = capsys.readouterr().out
+    assert "==   muon seeds 1-5 batched: cached" in out
+    assert "==   muon-newton lr-multiplier 0.5 seeds 1-5 batched: to train" in out
+    assert f"==   muon seeds 1-2 batched at {round(0.8 * steps)} steps: to train" in out
+    assert len(re.findall(r"^==   .*: to train$", out, re.M)) == 8 * 3 + 1
+    five, two = 10 + 5 * (0.4 + steps), 10 + 2 * (0.4 + round(0.8 * steps))
+    minutes = (12 * five + two) / 60
+    assert f"== plan: 25 of 26 runs to train, 122 seeds in all, 2 at a time: about {minutes:.0f} min" in out
+
+
+def test_a_technique_swept_alone_trains_the_runs_published_reads(tmp_path):
+    """The GPU kit's regime steps sweep one technique at a time (--sweep T:lr-multiplier=0.5,1,2, muon once);
+    their runs must be the very runs --published reads from the cache: the same keys, muon's too. A sweep of
+    every variant would run muon at lr-multiplier 1 instead: another run, another key."""
+    from scripts import ablate
+
+    cache = dict(cache_at(tmp_path), tokenizer="k", dtype="bf16", data=["d", "f"])
+    args, flags = ablate.parse_args(["--published", "--preset", "regime"])
+    alone, _ = ablate.parse_args(["--preset", "regime", "--variants", "muon,muon-soap", "--baseline", "muon",
+                                  "--sweep", "muon-soap:lr-multiplier=0.5,1,2"])
+    everyone, _ = ablate.parse_args(["--preset", "regime", "--variants", "muon,muon-soap",
+                                     "--sweep", "lr-multiplier=0.5,1,2"])
+
+    def key(sweep, variant, value):
+        jobs = [ablate.Job(variant, value, s, data_seed=1) for s in range(1, 6)]
+        return ablate.batch_key(jobs, flags, sweep, 1, 1, cache)[0]
+
+    for value in ("0.5", "1", "2"):
+        assert key(args.sweep, "muon-soap", value) == key(alone.sweep, "muon-soap", value)
+    assert key(args.sweep, "muon", "-") == key(alone.sweep, "muon", "-") != key(everyone.sweep, "muon", "1")
+    assert alone.sweep.of("muon") == args.sweep.of("muon") == ["-"]

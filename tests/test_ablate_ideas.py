@@ -146,7 +146,7 @@ def test_a_variant_sweep_runs_the_others_once_and_checks_each_value():
 
     args, _ = parse_args(["--variants", "muon,muon-soap", "--sweep",
                           "muon-soap:precondition_frequency=20,5,10"])
-    assert args.sweep == ("precondition_frequency", ["5", "10", "20"], "muon-soap", True)
+    assert args.sweep == ("precondition_frequency", ["5", "10", "20"], "muon-soap", True, ())
     assert [args.sweep.of(v) for v in args.variants] == [["-"], ["5", "10", "20"]]
     assert args.sweep.run_flags("5") == ["--variant-option", "precondition_frequency=5"]
     args, _ = parse_args(["--variants", "muon,adamw", "--sweep", "adamw:lr-multiplier=1,4"])

@@ -147,10 +147,12 @@ class Sweep(NamedTuple):
     values: list[str]
     variant: str | None = None
     option: bool = False
+    fixed: tuple = ()  # variants that run once at their own settings (--published: muon)
 
     def of(self, variant: str) -> list[str]:
         """The values `variant` runs at."""
-        return self.values if self.variant in (None, variant) else [UNSWEPT]
+        swept = self.variant in (None, variant) and variant not in self.fixed
+        return self.values if swept else [UNSWEPT]
 
     def options(self, value: str) -> list[str]:
         """The variant's settings a run at `value` overrides (KEY=VALUE): none but an option's."""
@@ -222,28 +224,41 @@ def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
     return list(groups.values())
 
 
-def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
-              name: str, cache: dict, refiner: Tracker | None = None) -> dict:
-    """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
-    its cached records, a batched seed's with the run's throughput and training time divided by the
-    seeds. The key holds the thread count: it decides the order of floating-point sums; the
-    variant's settings by value, and the ideas files that define it (and only those)."""
+def batch_key(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
+              cache: dict) -> tuple[str, str, list[str]]:
+    """(the key the cache keeps the record of one base_train run of the jobs' seeds under (cached
+    finds it), its label in words, its flags). The key holds the thread count: it decides the
+    order of floating-point sums; the variant's settings by value, and the ideas files that define
+    it (and only those)."""
     first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
     variant, value, seed, steps, data_seed = first[:5]
     threads = first.threads or threads
     if steps is not None:
         flags = [*flags, "--num-iterations", str(steps)]
     data_seed = seed if data_seed is None else data_seed
-    given, used = sweep.run_flags(value), ideas.ideas_of(variant)
+    given = sweep.run_flags(value)
     parts = [*([] if alone else ["batched"]), variant, variant_key(variant, sweep.options(value)),
              given and sweep.flag, value, seed if alone else seeds, data_seed, flags, nproc,
              threads,
              *(cache[k] for k in ("tokenizer", "device", "dtype", "data", "code", "torch"))]
-    key = key_of(parts)
     who = (f"seed {seed}" + (f" data {data_seed}" if data_seed != seed else "") if alone
            else f"seeds {seeds[0]}-{seeds[-1]} batched")
     label = (f"{variant} " + (f"{sweep.flag} {value} " if given else "") + who
              + (f" at {steps} steps" if steps else ""))
+    return key_of(parts), label, flags
+
+
+def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
+              name: str, cache: dict, refiner: Tracker | None = None) -> dict:
+    """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
+    its cached records (batch_key, cached), a batched seed's with the run's throughput and
+    training time divided by the seeds."""
+    first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
+    variant, value, seed, _, data_seed = first[:5]
+    threads = first.threads or threads
+    data_seed = seed if data_seed is None else data_seed
+    given, used = sweep.run_flags(value), ideas.ideas_of(variant)
+    key, label, flags = batch_key(jobs, flags, sweep, nproc, threads, cache)
     if hit := cached(cache["dir"], key):
         tell(f"== {label}: cached ({hit[0].name})")  # whole among other threads' lines
         return {job: hit[1][str(job.seed)] for job in jobs}

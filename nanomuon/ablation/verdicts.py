@@ -288,7 +288,9 @@ def write_ablation(args, argv, flags: list[str], results: dict, lengths: dict,
     sweep = args.sweep
     swept = (f"{'--variant-option ' if sweep.option else '--'}{sweep.flag}"
              + (f" ({sweep.variant} alone: the others run at their own settings, named without "
-                "it)" if sweep.variant else ""))
+                "it)" if sweep.variant else "")
+             + (f" (but {', '.join(sweep.fixed)}: once, at its own settings, named without it)"
+                if sweep.fixed else ""))
     doc = [f"# Ablation: {args.name}", "", f"- command: `{cmd}`",
            f"- runs: {len(results)}, named {args.name}-<variant>-{args.sweep.flag}<value>-s<seed> "
            "(each has a report.md)" + (f", and {len(lengths)} of the baseline at other lengths "
