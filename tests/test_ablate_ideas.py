@@ -265,6 +265,7 @@ SCALED = '''
 import os
 
 import shared_helper
+from nanomuon.arch import Variant
 from nanomuon.stages import POST_PROCESSORS, Stage
 from nanomuon.variants import OPTIMIZER_VARIANTS
 
@@ -280,8 +281,8 @@ def from_env(u, ctx):
 
 POST_PROCESSORS["scaled"] = Stage(scaled)
 POST_PROCESSORS["from_env"] = Stage(from_env)
-OPTIMIZER_VARIANTS["scaled"] = dict(muon_options=dict(post_process=("scaled",)))
-OPTIMIZER_VARIANTS["from-env"] = dict(muon_options=dict(post_process=("from_env",)))
+OPTIMIZER_VARIANTS["scaled"] = Variant(muon_options=dict(post_process=("scaled",)))
+OPTIMIZER_VARIANTS["from-env"] = Variant(muon_options=dict(post_process=("from_env",)))
 '''
 
 

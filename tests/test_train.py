@@ -867,13 +867,14 @@ def test_a_momentum_a_variant_gives_is_kept_even_at_the_recipes_value(monkeypatc
     theirs: --variant-option momentum=0.95, a variant's own 0.95 and a role's 0.95 all stay flat,
     where plain muon follows the arch's schedule (0.85 at step 0)."""
     from nanomuon import variants
-    from nanomuon.gpt import ARCHS, GPT, config_from_depth
+    from nanomuon.arch import ARCHS, Variant
+    from nanomuon.gpt import GPT, config_from_depth
     from scripts.base_train import group_words, horizon_steps, optimizer_options, schedule_group
     from scripts.train_args import parse_args
 
-    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "own-095", dict(muon_options=dict(
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "own-095", Variant(muon_options=dict(
         momentum=0.95)))
-    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "role-095", dict(roles={"mlp.fc": dict(
+    monkeypatch.setitem(variants.OPTIMIZER_VARIANTS, "role-095", Variant(roles={"mlp.fc": dict(
         momentum=0.95)}))
     model = GPT(config_from_depth(2, 64, 16, aspect_ratio=32, head_dim=16, arch="classic"))
     for flags, kept in ((["--optimizer", "muon", "--variant-option", "momentum=0.95"], 1),
