@@ -751,13 +751,12 @@ def resume_check(make, scheduler: str, fmt: str, tmp: Path) -> None:
                                 else sc.step())
     for s in range(6):
         step(model, opt, sched, s)
+    sched_state = copy.deepcopy(sched.state_dict())  # torch 2.9 SWALR: a function, not a file
     if fmt == "torch":
         buf = io.BytesIO()
-        torch.save(dict(model=model.state_dict(), optim=opt.state_dict(),
-                        sched=sched.state_dict()), buf)
+        torch.save(dict(model=model.state_dict(), optim=opt.state_dict()), buf)
     else:  # base_train's: model and optimizer pieces through DCP (checkpoint.py)
         tensors, files = checkpoint.state_of(model, opt)
-        sched_state = sched.state_dict()
         tmp.mkdir(parents=True, exist_ok=True)
         checkpoint.save_checkpoint(tmp, 6, tensors, dict(step=6), files)
     for s in range(6, 10):
@@ -770,7 +769,6 @@ def resume_check(make, scheduler: str, fmt: str, tmp: Path) -> None:
         saved = torch.load(buf, weights_only=True)
         model_r.load_state_dict(saved["model"])
         opt_r.load_state_dict(saved["optim"])
-        sched_state = saved["sched"]
     else:
         checkpoint.load_into(tmp, 6, model_r, opt_r)
     sched_r.load_state_dict(sched_state)
