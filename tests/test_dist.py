@@ -179,6 +179,41 @@ def spawn(fn, world_size, *args):
 # -- workers -------------------------------------------------------------------------------------
 
 
+def _resume_worker(rank, world, path, mode, model_fn, groups_fn, setting, grads_fn):
+    """'save': 3 steps, then a sharded checkpoint; 'load': read it at this world size, 3 more steps."""
+    model = model_fn()
+    module = torch.nn.ParameterList(model)
+    opt = DistMuonAdamW(groups_fn(model, setting))
+    if mode == "load":
+        checkpoint.load_into(path, 3, module, opt)
+    for step in range(3) if mode == "save" else range(3, 6):
+        for p, g in zip(model, grads_fn(step, rank, world)):
+            p.grad = g
+        opt.step()
+    if mode == "save":
+        tensors, files = checkpoint.state_of(module, opt)
+        checkpoint.save_checkpoint(path, 3, tensors, dict(step=3), files)
+    elif rank == 0:
+        torch.save([p.detach() for p in model], path / "resumed.pt")
+
+
+def resumes_at_another_world_size(path, model_fn, groups_fn, setting, grads_fn, mean_grads_fn,
+                                  atol):
+    """Groups groups_fn(model, setting) of model_fn()'s params, saved at 2 ranks (each its own
+    pieces of the state), resumed at 3: the run equals an uninterrupted one on one device, fed
+    mean_grads_fn(step, world), the mean of the ranks' grads_fn(step, rank, world)."""
+    spawn(_resume_worker, 2, path, "save", model_fn, groups_fn, setting, grads_fn)
+    spawn(_resume_worker, 3, path, "load", model_fn, groups_fn, setting, grads_fn)
+    ref = model_fn()
+    opt = MuonAdamW(groups_fn(ref, setting))
+    for step in range(6):
+        for p, g in zip(ref, mean_grads_fn(step, 2 if step < 3 else 3)):
+            p.grad = g
+        opt.step()
+    for p, q in zip(torch.load(path / "resumed.pt"), ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
 def _equivalence_worker(rank, world_size, steps, scatter=None):
     model, ref = make_model(), make_model()
     opt, ref_opt = DistMuonAdamW(groups(model)), MuonAdamW(groups(ref))

@@ -342,40 +342,13 @@ def test_dist_equals_single_device(kind, world):
     spawn(_dist_worker, world, kind)
 
 
-def _resume_worker(rank, world, kind, path, mode):
-    """'save': 3 steps, then a sharded checkpoint; 'load': read it at this world size, 3 more steps."""
-    model = _model()
-    module = torch.nn.ParameterList(model)
-    opt = DistMuonAdamW(_groups(model, kind))
-    if mode == "load":
-        checkpoint.load_into(path, 3, module, opt)
-    for step in range(3) if mode == "save" else range(3, 6):
-        for p, g in zip(model, _grads(step, rank, world)):
-            p.grad = g
-        opt.step()
-    if mode == "save":
-        tensors, files = checkpoint.state_of(module, opt)
-        checkpoint.save_checkpoint(path, 3, tensors, dict(step=3), files)
-    elif rank == 0:
-        torch.save([p.detach() for p in model], path / f"{kind}.pt")
-
-
 @pytest.mark.parametrize("kind", ["lion", "adam_mini"])
 def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, kind):
     """Saved at 2 ranks (each its rows of the large params' state), resumed at 3: the run equals an
     uninterrupted one on one device."""
-    from test_dist import spawn
+    from test_dist import resumes_at_another_world_size
 
-    spawn(_resume_worker, 2, kind, tmp_path, "save")
-    spawn(_resume_worker, 3, kind, tmp_path, "load")
-    ref = _model()
-    opt = MuonAdamW(_groups(ref, kind))
-    for step in range(6):
-        for p, g in zip(ref, _mean_grads(step, 2 if step < 3 else 3)):
-            p.grad = g
-        opt.step()
-    for p, q in zip(torch.load(tmp_path / f"{kind}.pt"), ref):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    resumes_at_another_world_size(tmp_path, _model, _groups, kind, _grads, _mean_grads, 1e-6)
 
 
 IDEAS = '''

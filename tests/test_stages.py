@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dist import assert_replicated_tensors, spawn
+from test_dist import assert_replicated_tensors, resumes_at_another_world_size, spawn
 from test_optim import ns_context
 from test_optim_edges import f64_run, run_ours
 
@@ -530,40 +530,13 @@ def test_dist_equals_single_device(technique, world):
     spawn(_dist_worker, world, technique)
 
 
-def _resume_worker(rank, world, technique, path, mode):
-    """'save': 3 steps, then a sharded checkpoint; 'load': read it at this world size, 3 more steps."""
-    model = _model()
-    module = torch.nn.ParameterList(model)
-    opt = DistMuonAdamW(_groups(model, technique))
-    if mode == "load":
-        checkpoint.load_into(path, 3, module, opt)
-    for step in range(3) if mode == "save" else range(3, 6):
-        for p, g in zip(model, _grads(step, rank, world)):
-            p.grad = g
-        opt.step()
-    if mode == "save":
-        tensors, files = checkpoint.state_of(module, opt)
-        checkpoint.save_checkpoint(path, 3, tensors, dict(step=3), files)
-    elif rank == 0:
-        torch.save([p.detach() for p in model], path / f"{technique}.pt")
-
-
 @pytest.mark.parametrize("technique", [  # a stage with state, one owning momentum
     t if t == "soap" else pytest.param(t, marks=pytest.mark.heavy if t == "muown" else pytest.mark.slow)
     for t in TECHNIQUES])
 def test_a_checkpoint_resumes_at_another_world_size(tmp_path, technique):
     """Saved at 2 ranks (each its own pieces of the stage state), resumed at 3: the run equals an
     uninterrupted one on one device."""
-    spawn(_resume_worker, 2, technique, tmp_path, "save")
-    spawn(_resume_worker, 3, technique, tmp_path, "load")
-    ref = _model()
-    opt = MuonAdamW(_groups(ref, technique))
-    for step in range(6):
-        for p, g in zip(ref, _mean_grads(step, 2 if step < 3 else 3)):
-            p.grad = g
-        opt.step()
-    for p, q in zip(torch.load(tmp_path / f"{technique}.pt"), ref):
-        torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+    resumes_at_another_world_size(tmp_path, _model, _groups, technique, _grads, _mean_grads, 2e-5)
 
 
 @pytest.mark.heavy
