@@ -179,6 +179,26 @@ def spawn(fn, world_size, *args):
 # -- workers -------------------------------------------------------------------------------------
 
 
+def steps_beside_one_device(rank, world, model_fn, groups_fn, setting, grads_fn, mean_grads_fn,
+                            steps, atol):
+    """DistMuonAdamW on this rank's grads_fn(step, rank, world) beside MuonAdamW in one process on
+    their mean, mean_grads_fn(step, world): after every step the ranks bitwise alike and each
+    param within atol of one device's. Returns (model, ref, opt, ref_opt) for further checks."""
+    model, ref = model_fn(), model_fn()
+    opt, ref_opt = DistMuonAdamW(groups_fn(model, setting)), MuonAdamW(groups_fn(ref, setting))
+    for step in range(steps):
+        for p, g in zip(model, grads_fn(step, rank, world)):
+            p.grad = g
+        for p, g in zip(ref, mean_grads_fn(step, world)):
+            p.grad = g
+        opt.step()
+        ref_opt.step()
+        assert_replicated_tensors(model)
+        for p, q in zip(model, ref):
+            torch.testing.assert_close(p, q, rtol=0, atol=atol)
+    return model, ref, opt, ref_opt
+
+
 def _resume_worker(rank, world, path, mode, model_fn, groups_fn, setting, grads_fn):
     """'save': 3 steps, then a sharded checkpoint; 'load': read it at this world size, 3 more steps."""
     model = model_fn()

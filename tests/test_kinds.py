@@ -12,7 +12,7 @@ from test_ablate_ideas import registries  # noqa: F401  (the fixture: the regist
 
 from nanomuon import checkpoint, kinds
 from nanomuon.arch import Variant
-from nanomuon.optim import DistMuonAdamW, MuonAdamW
+from nanomuon.optim import MuonAdamW
 
 # past MuonAdamW.SMALL (1024 elements): sharded by rows at 2 and 3 ranks, 37 and 1500 divide by neither;
 # (1500,) under Adam-mini keeps one second moment, so it is updated whole on every rank
@@ -311,20 +311,10 @@ def _mean_grads(step, world):
 
 
 def _dist_worker(rank, world, kind):
-    from test_dist import assert_replicated_tensors
+    from test_dist import steps_beside_one_device
 
-    model, ref = _model(), _model()
-    opt, ref_opt = DistMuonAdamW(_groups(model, kind)), MuonAdamW(_groups(ref, kind))
-    for step in range(4):
-        for p, g in zip(model, _grads(step, rank, world)):
-            p.grad = g
-        for p, g in zip(ref, _mean_grads(step, world)):
-            p.grad = g
-        opt.step()
-        ref_opt.step()
-        assert_replicated_tensors(model)
-        for p, q in zip(model, ref):
-            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    model, ref, opt, ref_opt = steps_beside_one_device(rank, world, _model, _groups, kind, _grads,
+                                                       _mean_grads, 4, 1e-6)
     # the large params' state is this rank's rows only; state_dict() gathers it whole, as one device's
     rows = opt.state[model[0]]["exp_avg"].numel()
     assert rows < 37 * 41, rows

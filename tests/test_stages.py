@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dist import assert_replicated_tensors, resumes_at_another_world_size, spawn
+from test_dist import (
+    resumes_at_another_world_size,
+    spawn,
+    steps_beside_one_device,
+)
 from test_optim import ns_context
 from test_optim_edges import f64_run, run_ours
 
@@ -510,18 +514,7 @@ def _mean_grads(step, world):
 
 
 def _dist_worker(rank, world, technique):
-    model, ref = _model(), _model()
-    opt, ref_opt = DistMuonAdamW(_groups(model, technique)), MuonAdamW(_groups(ref, technique))
-    for step in range(6):
-        for p, g in zip(model, _grads(step, rank, world)):
-            p.grad = g
-        for p, g in zip(ref, _mean_grads(step, world)):
-            p.grad = g
-        opt.step()
-        ref_opt.step()
-        assert_replicated_tensors(model)
-        for p, q in zip(model, ref):
-            torch.testing.assert_close(p, q, rtol=0, atol=2e-5)
+    steps_beside_one_device(rank, world, _model, _groups, technique, _grads, _mean_grads, 6, 2e-5)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
