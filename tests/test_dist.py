@@ -179,6 +179,24 @@ def spawn(fn, world_size, *args):
 # -- workers -------------------------------------------------------------------------------------
 
 
+def integer_grads(shapes, step, rank=0, world=1):
+    """Rank r's grads of params of these shapes: G + (r - (N-1)/2) E, whose mean over the ranks is G
+    at any world size; integers (and halves), so the mean is G exactly however it is taken (SOAP's
+    eigenbases and Adam's normalizations amplify any rounding)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for s in shapes:
+        G, E = (torch.randint(-4, 5, s, generator=gen).float() for _ in range(2))
+        out.append(G + (rank - (world - 1) / 2) * E)
+    return out
+
+
+def integer_mean_grads(shapes, step, world):
+    """The mean over the ranks of integer_grads: G, exactly."""
+    return [sum(gs) / world
+            for gs in zip(*(integer_grads(shapes, step, r, world) for r in range(world)))]
+
+
 def steps_beside_one_device(rank, world, model_fn, groups_fn, setting, grads_fn, mean_grads_fn,
                             steps, atol):
     """DistMuonAdamW on this rank's grads_fn(step, rank, world) beside MuonAdamW in one process on

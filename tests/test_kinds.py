@@ -9,6 +9,7 @@ to a kind keeping its own lr.
 import pytest
 import torch
 from test_ablate_ideas import registries  # noqa: F401  (the fixture: the registries restored after)
+from test_dist import integer_grads, integer_mean_grads
 
 from nanomuon import checkpoint, kinds
 from nanomuon.arch import Variant
@@ -31,13 +32,7 @@ def _groups(params, kind):
 
 
 def _grads(step, rank=0, world=1):
-    """Rank r's: G + (r - (N-1)/2) E, integers and halves, whose mean over the ranks is G exactly."""
-    gen = torch.Generator().manual_seed(100 + step)
-    out = []
-    for s in SHAPES:
-        G, E = (torch.randint(-4, 5, s, generator=gen).float() for _ in range(2))
-        out.append(G + (rank - (world - 1) / 2) * E)
-    return out
+    return integer_grads(SHAPES, step, rank, world)
 
 
 def _random_grads(step):
@@ -307,7 +302,7 @@ def test_the_variants_put_the_embedding_head_and_scalars_on_the_kinds():
 
 
 def _mean_grads(step, world):
-    return [sum(gs) / world for gs in zip(*(_grads(step, r, world) for r in range(world)))]
+    return integer_mean_grads(SHAPES, step, world)
 
 
 def _dist_worker(rank, world, kind):

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_dist import (
+    integer_grads,
+    integer_mean_grads,
     resumes_at_another_world_size,
     spawn,
     steps_beside_one_device,
@@ -498,19 +500,12 @@ def _groups(params, technique):
                  **(SOAP_EXACT if technique == "soap" else {}))]
 
 
-def _grads(step, rank, world):
-    """Rank r's: G + (r - (N-1)/2) E, whose mean over the ranks is G at any world size; integers (and
-    halves), so the mean is G exactly however it is taken (grads_for says why SOAP needs that)."""
-    gen = torch.Generator().manual_seed(100 + step)
-    out = []
-    for s in SHAPES:
-        G, E = (torch.randint(-4, 5, s, generator=gen).float() for _ in range(2))
-        out.append(G + (rank - (world - 1) / 2) * E)
-    return out
+def _grads(step, rank=0, world=1):
+    return integer_grads(SHAPES, step, rank, world)
 
 
 def _mean_grads(step, world):
-    return [sum(gs) / world for gs in zip(*(_grads(step, r, world) for r in range(world)))]
+    return integer_mean_grads(SHAPES, step, world)
 
 
 def _dist_worker(rank, world, technique):
