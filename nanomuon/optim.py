@@ -615,7 +615,6 @@ class MuonAdamW(torch.optim.Optimizer):
         row = numel // shape[0] if shape and shape[0] else 1
         return flat_shard(numel, self.rank if rank is None else rank, self.world_size, row)
 
-
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
         """Start giving every rank each rank's piece of buf's first n elements (p's rows, or
         single elements), in place: an all_gather on nccl, elsewhere one broadcast per rank."""
