@@ -225,11 +225,11 @@ def batches(todo: list[Job], batched: bool = True) -> list[list[Job]]:
 
 
 def batch_key(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
-              cache: dict) -> tuple[str, str, list[str]]:
+              cache: dict) -> tuple[str, str, list[str], list[str]]:
     """(the key the cache keeps the record of one base_train run of the jobs' seeds under (cached
-    finds it), its label in words, its flags). The key holds the thread count: it decides the
-    order of floating-point sums; the variant's settings by value, and the ideas files that define
-    it (and only those)."""
+    finds it), its label in words, its flags, the flags that pick its variant, value and seeds).
+    The key holds the thread count: it decides the order of floating-point sums; the variant's
+    settings by value, and the ideas files that define it (and only those)."""
     first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
     variant, value, seed, steps, data_seed = first[:5]
     threads = first.threads or threads
@@ -245,7 +245,9 @@ def batch_key(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, thr
            else f"seeds {seeds[0]}-{seeds[-1]} batched")
     label = (f"{variant} " + (f"{sweep.flag} {value} " if given else "") + who
              + (f" at {steps} steps" if steps else ""))
-    return key_of(parts), label, flags
+    seed_flags = ["--seed", str(seed)] if alone else ["--seeds", ",".join(map(str, seeds))]
+    return key_of(parts), label, flags, ["--optimizer", variant, *given, *seed_flags,
+                                         "--data-seed", str(data_seed)]
 
 
 def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, threads: int,
@@ -253,21 +255,17 @@ def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, thr
     """job -> record of one base_train run of the jobs' seeds (batched when there are several), or
     its cached records (batch_key, cached), a batched seed's with the run's throughput and
     training time divided by the seeds."""
-    first, seeds, alone = jobs[0], [job.seed for job in jobs], len(jobs) == 1
-    variant, value, seed, _, data_seed = first[:5]
-    threads = first.threads or threads
-    data_seed = seed if data_seed is None else data_seed
-    given, used = sweep.run_flags(value), ideas.ideas_of(variant)
-    key, label, flags = batch_key(jobs, flags, sweep, nproc, threads, cache)
+    first, seeds = jobs[0], [job.seed for job in jobs]
+    key, label, flags, picks = batch_key(jobs, flags, sweep, nproc, threads, cache)
     if hit := cached(cache["dir"], key):
         tell(f"== {label}: cached ({hit[0].name})")  # whole among other threads' lines
         return {job: hit[1][str(job.seed)] for job in jobs}
-    run = first.name(name, sweep.flag, None if alone else seeds[-1])
-    seed_flags = ["--seed", str(seed)] if alone else ["--seeds", ",".join(map(str, seeds))]
+    run = first.name(name, sweep.flag, None if len(jobs) == 1 else seeds[-1])
     # --start-over: what an uncached run of this name left (other code, say) is moved aside, kept
+    used = ideas.ideas_of(first.variant)
     launch(label, [*flags, *(f for i in used for f in ("--ideas", str(i.path))), "--run", run,
-                   "--optimizer", variant, *given, *seed_flags, "--data-seed", str(data_seed),
-                   "--start-over"], nproc, threads, refiner and refiner.watch(len(seeds), label))
+                   *picks, "--start-over"], nproc, first.threads or threads,
+           refiner and refiner.watch(len(seeds), label))
     if code_hash() != cache["code"]:  # the ablation's runs after this one would read other code
         raise SystemExit(f"error: nanomuon/ or scripts/ changed while {label} ran, so it is not "
                          "cached; run ablate again")
@@ -277,7 +275,7 @@ def run_batch(jobs: list[Job], flags: list[str], sweep: "Sweep", nproc: int, thr
     if changed := reads.changed(read["sources"]):  # edited, even if put back: it ran the edit
         raise SystemExit(f"error: {', '.join(changed)} changed while {label} ran, so it is not "
                          "cached; run ablate again")
-    records = seed_results(summary, seeds, variant, value)
+    records = seed_results(summary, seeds, first.variant, first.value)
     if read["outside"]:  # an input no key holds: the result answers for this run alone
         tell(f"== {label}: not cached: it read {'; '.join(read['outside'])}, which no cache "
              "key can hold")
