@@ -174,11 +174,10 @@ def optimizer_options(args, compiled: bool) -> dict:
     """GPT.setup_optimizer's arguments but the horizon: the --optimizer variant with the lrs and
     decay its flags give where it sets none (it is tuned for its own; each flag overridden is
     said), and the lr rule's PeakLRs at the run's batch and --lr-multiplier for the rest."""
-    flags = {k: getattr(args, k) for k in LR_FLAGS}
     variant = with_options(args.optimizer, args.variant_option)
     for line in flags_not_used(args):
         print0(line)
-    given = {k: flags[k] for k in LR_FLAGS if flags[k] is not None}
+    given = {k: getattr(args, k) for k in LR_FLAGS if getattr(args, k) is not None}
     decay = args.weight_decay if variant.weight_decay is None else variant.weight_decay
     variant = variant._replace(lrs=given | variant.lrs, weight_decay=decay)
     return dict(variant=variant, lrs=recipe.peak_lrs(args.total_batch_size, args.lr_multiplier),
