@@ -501,13 +501,12 @@ def group_words(group: dict, arch: Arch, args) -> str:
     """A group's header line: its kind and peak lr and, for a Muon group, the momentum and weight
     decay that run (scheduled, kept, or not applied by its apply stage)."""
     words = f"{group.get('name', 'group')}: {group['kind']}, peak lr {group['initial_lr']:.3g}"
-    if group["kind"] == "adamw":  # a momentum runs as beta1 (MuonAdamW, at every step)
-        betas = ((group["momentum"], group["betas"][1]) if group.get("momentum") is not None
-                 else tuple(group["betas"]))
-        return f"{words}, betas {betas}, weight decay {group['weight_decay']:.3g}"
-    if group["kind"] != "muon":  # a kind of kinds.py
-        betas = f", betas {tuple(group['betas'])}" if "betas" in group else ""
-        return f"{words}{betas}, weight decay {group['weight_decay']:.3g}"
+    if group["kind"] != "muon":  # AdamW or a kind of kinds.py: a momentum runs as beta1 (MuonAdamW)
+        betas = tuple(group.get("betas", ()))
+        if betas and group.get("momentum") is not None:
+            betas = (group["momentum"], betas[1])
+        words += f", betas {betas}" * bool(betas)
+        return f"{words}, weight decay {group['weight_decay']:.3g}"
     momentum = ("the arch's schedule" if momentum_scheduled(group, args)
                 else f"{group['initial_momentum']:.3g}, kept")
     decay = group["initial_weight_decay"]
