@@ -119,10 +119,10 @@ def fill_defaults(group: dict) -> None:
                          + ("variance_reduction",))
         cautious = group.pop("cautious_wd", stages.GROUP_KEYS["muon"]["cautious_wd"].default)
         group.setdefault("apply", "cautious" if cautious else "decoupled")
-    defaults = (stages.group_defaults(group) if group.get("kind") not in kinds.KINDS
-                else {k: o.default for k, o in kind_keys(group)[1].items()})
-    for key, default in defaults.items():
-        group.setdefault(key, default)
+    own = stages.GROUP_KEYS.get(group.get("kind"), {})  # a muon group's step; older keys are read
+    for key, o in {**kind_keys(group)[1], **own}.items():
+        if o.default is not stages.NO_DEFAULT and not o.legacy:
+            group.setdefault(key, o.default)
 
 
 # muon keys that stage names replaced: fill_defaults() converts them

@@ -627,14 +627,6 @@ def muon_option(group: dict, key: str):
     return group[key] if key in group else MUON_OPTIONS[key].default
 
 
-def group_defaults(group: dict) -> dict:
-    """key -> default of every key fill_defaults gives a group that lacks it: its options' and
-    its kind's own (a muon group's update count); older checkpoints' keys are read, not filled."""
-    own = {k: o.default for k, o in GROUP_KEYS.get(group.get("kind"), {}).items()
-           if o.default is not NO_DEFAULT and not o.legacy}
-    return {**{k: o.default for k, o in group_options(group).items()}, **own}
-
-
 def group_options(group: dict) -> dict:
     """key -> Option of a group's optional keys: its kind's, less those of stages it does not
     run (a muon group whose stage keys are wrong takes none: its check says so first)."""
