@@ -291,10 +291,9 @@ def check_sweep(p: argparse.ArgumentParser, args, flags: list[str], given: set, 
 def overridden(variants: list[str], flag: str) -> list[tuple[str, str]]:
     """(variant, setting) for each variant whose own setting base_train uses in --flag's place
     (base_train.optimizer_options: an lr, the weight decay, the schedule)."""
-    key = flag.replace("-", "_")
-    if key not in (*LR_FLAGS, "weight_decay", "schedule"):
-        return []
-    return [(v, key) for v in variants if key in OPTIMIZER_VARIANTS[v].own_flags()]
+    key = flag.replace("-", "_")  # own_flags may hold scalar_lr, which no flag sets
+    return [(v, key) for v in variants if key in (*LR_FLAGS, "weight_decay", "schedule")
+            and key in OPTIMIZER_VARIANTS[v].own_flags()]
 
 
 def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | None:
