@@ -98,13 +98,24 @@ def schedule_group(group: dict, step: int, num_iterations: int, args, arch: Arch
 
 def momentum_scheduled(group: dict, args) -> bool:
     """Whether the arch's schedule runs a Muon group's momentum: unless the --optimizer variant
-    (with its --variant-option) sets one for it, in its Muon options (every Muon group starts
-    from them) or its role's (a role group is named '<group>, <role>' or '<role>'), which then
-    stays whatever its value, the recipe's own 0.95 included. Asked at every step: reading the
-    variant takes microseconds (ideas.with_options), so nothing is cached."""
-    variant = with_options(args.optimizer, args.variant_option)
-    role = variant.roles.get(group.get("name", "").rpartition(", ")[2])
-    return all((where or {}).get("momentum") is None  # None: the arch's schedule
+    (with its --variant-option) sets one for it, which then stays whatever its value, the
+    recipe's own 0.95 included. Asked at every step: decided once per variant entry."""
+    key = (args.optimizer, tuple(args.variant_option or ()), group.get("name", ""))
+    entry = OPTIMIZER_VARIANTS[args.optimizer]
+    if key not in SETS_MOMENTUM or SETS_MOMENTUM[key][0] is not entry:
+        SETS_MOMENTUM[key] = entry, variant_sets_momentum(*key)
+    return not SETS_MOMENTUM[key][1]
+
+
+SETS_MOMENTUM = {}  # (variant, options, group name) -> (its registry entry, the answer)
+
+
+def variant_sets_momentum(optimizer: str, options: tuple, group_name: str) -> bool:
+    """Whether the variant's settings give the group a momentum: its Muon options (every Muon
+    group starts from them) or its role's (a role group is named '<group>, <role>' or '<role>')."""
+    variant = with_options(optimizer, list(options))
+    role = variant.roles.get(group_name.rpartition(", ")[2])
+    return any((where or {}).get("momentum") is not None  # None: the arch's schedule
                for where in (variant.muon_options, role))
 
 
