@@ -385,58 +385,62 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
 
 
-def _dtensor_worker(rank, world, path):
-    """Lion on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), replicated) runs on the local
-    shards as one device runs the whole; its state_dict() is whole and loads back into another run, as does a
-    sharded checkpoint. Adam-mini's
-    per-row state would be cut by the shards: refused in one line."""
+def _dtensor_worker(rank, world, kind, path, mode):
+    """A kind on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), a 3-D param cut across its rows,
+    a vector cut in pieces, a replicated one) steps as one device steps the whole: Lion on the local shards,
+    Adam-mini's second moment (a row's mean g^2, or the tensor's) summed across the ranks that hold pieces of
+    it. Its state_dict() is whole and loads back at this world size; mode 'save' then writes a sharded
+    checkpoint, which mode 'load' (at another world size) reads into fresh params and steps on from."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     placements = [Shard(0), Shard(1), Shard(2), Shard(0), Replicate(), Shard(0)]
+    placed = lambda ts: [torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh, [pl]))
+                         for t, pl in zip(ts, placements)]
     ref = _model()[:6]
-    params = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl]))
-              for p, pl in zip(ref, placements)]
-    opt, ref_opt = MuonAdamW(_groups(params, "lion")), MuonAdamW(_groups(ref, "lion"))
-    for step in range(5):
-        if step == 3:  # resume from the whole state, at this world size
-            params = [torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [pl]))
-                      for p, pl in zip(params, placements)]
-            whole = opt.state_dict()
-            opt = MuonAdamW(_groups(params, "lion"))
-            opt.load_state_dict(whole)
-        grads = _random_grads(step)[:6]
-        for p, q, g, pl in zip(params, ref, grads, placements):
+    params, ref_opt = placed(ref), MuonAdamW(_groups(ref, kind))
+    opt = MuonAdamW(_groups(params, kind))
+
+    def step(params, opt, step):
+        for p, q, g, pl in zip(params, ref, _grads(step)[:6], placements):
             p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
         opt.step()
         ref_opt.step()
-        for p, q in zip(params, ref):
-            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
+        for i, (p, q) in enumerate(zip(params, ref)):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6,
+                                       msg=lambda m, i=i: f"{SHAPES[i]} at step {step}: {m}")
+
+    for s in range(5):
+        if s == 3:  # resume from the whole state, at this world size
+            params, whole = placed([p.full_tensor() for p in params]), opt.state_dict()
+            opt = MuonAdamW(_groups(params, kind))
+            opt.load_state_dict(whole)
+        step(params, opt, s)
     whole = opt.state_dict()["state"]
     for i, q in enumerate(ref):
-        torch.testing.assert_close(whole[i]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=0, atol=1e-6)
-    # a sharded checkpoint: each rank writes its blocks; a new run reads them back and steps on alike
-    tensors, files = checkpoint.state_of(torch.nn.ParameterList(params), opt)
-    checkpoint.save_checkpoint(path, 5, tensors, dict(step=5), files)
-    again = [torch.nn.Parameter(distribute_tensor(torch.zeros(q.shape), mesh, [pl]))
-             for q, pl in zip(ref, placements)]
-    resumed = MuonAdamW(_groups(again, "lion"))
+        for name in kinds.KINDS[kind].state:
+            torch.testing.assert_close(whole[i][name], ref_opt.state[q][name], rtol=0, atol=1e-6)
+    if kind == "adam_mini":  # a row's value where the rows are cut, whole where a row or the tensor is
+        assert [opt.state[p]["exp_avg_sq"].placements for p in params] == [
+            (Shard(0),), *[(Replicate(),)] * 5]
+        assert opt.state[params[0]]["exp_avg_sq"].to_local().shape == (len(params[0].to_local()), 1)
+    if mode == "save":  # each rank writes its blocks
+        tensors, files = checkpoint.state_of(torch.nn.ParameterList(params), opt)
+        checkpoint.save_checkpoint(path, 5, tensors, dict(step=5), files)
+        return
+    again = placed([torch.zeros(q.shape) for q in ref])
+    resumed = MuonAdamW(_groups(again, kind))
     checkpoint.load_into(path, 5, torch.nn.ParameterList(again), resumed)
-    for p, q, g, pl in zip(again, ref, _random_grads(5)[:6], placements):
-        p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
-    resumed.step()
-    ref_opt.step()
-    for p, q in zip(again, ref):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="keeps state per row, which DTensor params would cut"):
-        MuonAdamW(_groups(params, "adam_mini"))
+    step(again, resumed, 5)
 
 
-def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there(tmp_path):
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_runs_on_dtensor_params_and_resumes_at_another_world_size(tmp_path, kind):
     from test_dist import spawn
 
-    spawn(_dtensor_worker, 2, tmp_path)
+    spawn(_dtensor_worker, 2, kind, tmp_path, "save")
+    spawn(_dtensor_worker, 3, kind, tmp_path, "load")
 
 
 def test_the_run_header_names_the_kind():
