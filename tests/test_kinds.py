@@ -1,9 +1,9 @@
 """
 The kinds of update beyond Muon and AdamW (nanomuon/kinds.py): Lion and Adam-mini against float64
 re-derivations of their papers' steps, compiled against eager, DistMuonAdamW at 2 and 3 ranks against one
-device (rows sharded, small and per-tensor params whole, ranks bitwise equal), checkpoints in both formats
-resumed bitwise and at another world size, a kind registered from outside the library, and a GPT role turned
-to a kind keeping its own lr.
+device (rows sharded, small and per-tensor params whole, ranks bitwise equal), on DTensor params (Shard(0),
+Shard(1), FSDP2's GPT) against one device, checkpoints in both formats resumed bitwise and at another world
+size, a kind registered from outside the library, and a GPT role turned to a kind keeping its own lr.
 """
 
 import pytest
@@ -441,6 +441,19 @@ def test_a_kind_runs_on_dtensor_params_and_resumes_at_another_world_size(tmp_pat
 
     spawn(_dtensor_worker, 2, kind, tmp_path, "save")
     spawn(_dtensor_worker, 3, kind, tmp_path, "load")
+
+
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_trains_a_gpt_under_fsdp2_as_one_device(kind):
+    """FSDP2 (fully_shard, every param a DTensor cut by rows) on the GPT whose embedding and head are on the
+    kind, trained from each rank's batch: equal to the unsharded model on every rank's batches, also after its
+    whole state resumes in a fresh sharded model. (The nanochat arch's backout_lambda has a grad of rounding
+    noise in this miniature, which Adam's normalization makes a step of lr, AdamW's too: its scalars' state
+    per tensor is checked on DTensors above.)"""
+    from test_dist import spawn
+    from test_sharded import _fsdp_gpt_worker
+
+    spawn(_fsdp_gpt_worker, 2, True, "classic", dict.fromkeys(ROLES["classic"], dict(kind=kind)))
 
 
 def test_the_run_header_names_the_kind():
