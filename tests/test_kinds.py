@@ -223,12 +223,15 @@ def test_a_kind_registered_from_outside_the_library_trains(monkeypatch):
         p.sub_(buf * h.lr)
 
     entry = kinds.Kind(sgd, dict(momentum_buffer=kinds.KindState()),
-                       dict(lr=Option(None, a_number, "lr"), sgd_momentum=Option(0.9, a_number, "momentum")),
-                       ("lr",), lambda group, step: Numbers(group["lr"], group["sgd_momentum"]))
+                       dict(lr=Option(None, a_number, "lr", required=True),
+                            sgd_momentum=Option(0.9, a_number, "momentum")),
+                       lambda group, step: Numbers(group["lr"], group["sgd_momentum"]))
     monkeypatch.setitem(kinds.KINDS, "sgd", entry)
     ours, theirs = _model(), _model()
     opt = MuonAdamW([dict(kind="sgd", params=ours, lr=0.01)])
     assert opt.param_groups[0]["sgd_momentum"] == 0.9  # filled at its default
+    with pytest.raises(ValueError, match=r"missing \['lr'\]; a sgd group needs \['lr'\]"):  # its row's fact
+        MuonAdamW([dict(kind="sgd", params=_model())])
     ref = torch.optim.SGD(theirs, lr=0.01, momentum=0.9)
     for step in range(3):
         for ps, o in ((ours, opt), (theirs, ref)):
@@ -355,9 +358,9 @@ def sign_sgd(p, grad, state, h):
     p.sub_(torch.sign(grad) * h.lr)
 
 
-KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr"),
-                                              weight_decay=Option(0.0, a_number, "decay")),
-                         ("lr", "weight_decay"), lambda group, step: Numbers(group["lr"], group["weight_decay"]))
+KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr", required=True),
+                                              weight_decay=Option(0.0, a_number, "decay", required=True)),
+                         lambda group, step: Numbers(group["lr"], group["weight_decay"]))
 OPTIMIZER_VARIANTS["muon-sign-sgd"] = Variant(roles={"embedding": dict(kind="sign_sgd", lr_factor=0.1)})
 '''
 
@@ -383,6 +386,22 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     g = model.wte.weight.grad.clone()
     opt.step()
     torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
+
+
+def test_a_kind_that_lists_its_required_keys_apart_is_refused_in_one_line():
+    """The keys a group must give are facts of their Option rows: an entry written with a separate tuple of
+    them (positionally or by name) is refused where it is made, naming the fix."""
+    from nanomuon.stages import Option, a_number
+
+    lion = kinds.KINDS["lion"]
+    options = dict(lr=Option(None, a_number, "lr"))
+    for made in (lambda: kinds.Kind(lion.update, {}, options, ("lr",), lion.numbers),
+                 lambda: kinds.Kind(lion.update, {}, options, required=("lr",), numbers=lion.numbers)):
+        with pytest.raises(TypeError, match=r"takes no list of required keys: give each such key's Option row "
+                                            r"required=True instead"):
+            made()
+    assert lion.required == ("lr", "betas", "weight_decay")
+    assert kinds.Kind(lion.update, {}, options, lion.numbers).required == ()
 
 
 def _dtensor_worker(rank, world, kind, path, mode):
