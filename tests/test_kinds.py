@@ -404,18 +404,22 @@ def test_a_kind_that_lists_its_required_keys_apart_is_refused_in_one_line():
     assert kinds.Kind(lion.update, {}, options, lion.numbers).required == ()
 
 
-def _dtensor_worker(rank, world, kind, path, mode):
+def _dtensor_worker(rank, world, kind, path, mode, two_dims=False):
     """A kind on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), a 3-D param cut across its rows,
-    a vector cut in pieces, a replicated one) steps as one device steps the whole: Lion on the local shards,
-    Adam-mini's second moment (a row's mean g^2, or the tensor's) summed across the ranks that hold pieces of
-    it. Its state_dict() is whole and loads back at this world size; mode 'save' then writes a sharded
-    checkpoint, which mode 'load' (at another world size) reads into fresh params and steps on from."""
+    a vector cut in pieces, a replicated one; two_dims: FSDP2 x TP on a 2-D mesh) steps as one device steps
+    the whole: Lion on the local shards, Adam-mini's second moment (a row's mean g^2, or the tensor's) summed
+    across the ranks that hold pieces of it. Its state_dict() is whole and loads back at this world size;
+    mode 'save' then writes a sharded checkpoint, which mode 'load' (at another world size) reads into fresh
+    params and steps on from."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    placements = [Shard(0), Shard(1), Shard(2), Shard(0), Replicate(), Shard(0)]
-    placed = lambda ts: [torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh, [pl]))
+    mesh = init_device_mesh("cpu", (2, world // 2) if two_dims else (world,))
+    placements = [[Shard(0)], [Shard(1)], [Shard(2)], [Shard(0)], [Replicate()], [Shard(0)]]
+    if two_dims:  # each param cut along both mesh dims, or along one and replicated along the other
+        placements = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(2)], [Shard(0), Shard(0)],
+                      [Replicate(), Shard(1)], [Shard(0), Replicate()]]
+    placed = lambda ts: [torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh, pl))
                          for t, pl in zip(ts, placements)]
     ref = _model()[:6]
     params, ref_opt = placed(ref), MuonAdamW(_groups(ref, kind))
@@ -423,7 +427,7 @@ def _dtensor_worker(rank, world, kind, path, mode):
 
     def step(params, opt, step):
         for p, q, g, pl in zip(params, ref, _grads(step)[:6], placements):
-            p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
+            p.grad, q.grad = distribute_tensor(g, mesh, pl), g
         opt.step()
         ref_opt.step()
         for i, (p, q) in enumerate(zip(params, ref)):
@@ -440,7 +444,10 @@ def _dtensor_worker(rank, world, kind, path, mode):
     for i, q in enumerate(ref):
         for name in kinds.KINDS[kind].state:
             torch.testing.assert_close(whole[i][name], ref_opt.state[q][name], rtol=0, atol=1e-6)
-    if kind == "adam_mini":  # a row's value where the rows are cut, whole where a row or the tensor is
+    if kind == "adam_mini" and two_dims:  # cut as p on each mesh dim where p's rows are cut
+        assert [opt.state[p]["exp_avg_sq"].placements for p in params[:3]] == [
+            (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), Replicate())]
+    elif kind == "adam_mini":  # a row's value where the rows are cut, whole where a row or the tensor is
         assert [opt.state[p]["exp_avg_sq"].placements for p in params] == [
             (Shard(0),), *[(Replicate(),)] * 5]
         assert opt.state[params[0]]["exp_avg_sq"].to_local().shape == (len(params[0].to_local()), 1)
@@ -460,6 +467,16 @@ def test_a_kind_runs_on_dtensor_params_and_resumes_at_another_world_size(tmp_pat
 
     spawn(_dtensor_worker, 2, kind, tmp_path, "save")
     spawn(_dtensor_worker, 3, kind, tmp_path, "load")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_runs_on_a_2d_mesh_and_resumes_on_a_1d_one(tmp_path, kind):
+    """FSDP2 x tensor parallel: 4 ranks on a 2 x 2 mesh, then its sharded checkpoint read at 2 ranks."""
+    from test_dist import spawn
+
+    spawn(_dtensor_worker, 4, kind, tmp_path, "save", True)
+    spawn(_dtensor_worker, 2, kind, tmp_path, "load")
 
 
 @pytest.mark.parametrize("kind", ["lion", "adam_mini"])
