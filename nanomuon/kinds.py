@@ -3,14 +3,19 @@ Kinds of update beyond Muon and AdamW, each one registry entry: its update, its 
 
 A group's `kind` names how its params train: 'muon' and 'adamw' (nanochat's convention, written
 in muon.py and run by optim.py's own paths), or a name in KINDS. An entry here is all a new kind
-needs: `update(p, grad, state, h)` in place, the state it keeps per param as KindState rows
-(per element, per row or per tensor), and its group keys as stages.Option rows, checked when a
-group is added. From the declaration alone MuonAdamW makes the state, runs the update compiled or
-eager, shards it ZeRO-1 by whole rows data parallel (as AdamW's large params; small params, and
-those with a per-tensor state, are updated on every rank), runs it on DTensor params' local
-shards, and saves and reshards the state in both checkpoint formats. Any role can name the kind
-(GPT.setup_optimizer's roles=: it keeps its own lr and decay), from the library or an --ideas file:
-`from nanomuon.kinds import KINDS, Kind, KindState`, then `KINDS["mine"] = Kind(...)`.
+needs: `update(p, grad, state, h)` in place, the state it keeps per param as KindState rows (per
+element, per row or per tensor), and its group keys as stages.Option rows (required=True where a
+group must give the key), checked when a group is added. From the declaration alone MuonAdamW
+makes the state, runs the update compiled or eager, shards it ZeRO-1 by whole rows data parallel
+(as AdamW's large params; small params, and those with a per-tensor state, are updated on every
+rank), runs it on DTensor params (FSDP2, tensor parallel), and saves and reshards the state in
+both checkpoint formats. On a DTensor param, state per element is cut as the param and the
+update runs on the local shards; state per row or per tensor is a DTensor too, cut where the
+param's rows are (FSDP2's Shard(0)) and whole elsewhere, and the update runs eager on the
+DTensors, whose ops sum a row's or the tensor's g^2 across the ranks that hold its pieces. Any
+role can name the kind (arch.Variant's roles: it keeps its own lr and decay), from the
+library or an --ideas file: `from nanomuon.kinds import KINDS, Kind, KindState`, then
+`KINDS["mine"] = Kind(...)`.
 
 Built in: Lion (Chen et al. 2023, arXiv 2302.06675) and Adam-mini (Zhang et al. 2024, arXiv
 2406.16793), each tested against a float64 re-derivation (tests/test_kinds.py).
@@ -39,16 +44,32 @@ class KindState(NamedTuple):
     nonnegative: bool = False  # a second moment: a loaded negative value is refused
 
 
-class Kind(NamedTuple):
+class _KindFields(NamedTuple):
+    update: Callable
+    state: dict  # name -> KindState
+    # key -> stages.Option: every key its groups take, lr and weight_decay included; a row with
+    # required=True is a key a group must give (a role turned this kind takes its default)
+    options: dict
+    numbers: Callable
+    keeps: tuple = ()  # keys a role turned this kind keeps from its group, where it has them
+
+
+class Kind(_KindFields):
     """A registry entry. update(p, grad, state, h) steps p (rows first: (rows, ...)) and its state
     (name -> tensor, shaped as declared) in place; numbers(group, step) gives h, the step's numbers,
     a NamedTuple of floats (0-D tensors when compiled, so schedules never recompile)."""
-    update: Callable
-    state: dict  # name -> KindState
-    options: dict  # key -> stages.Option: every key its groups take, lr and weight_decay included
-    required: tuple  # keys a group must give; a role turned this kind takes their defaults
-    numbers: Callable
-    keeps: tuple = ()  # keys a role turned this kind keeps from its group, where it has them
+    __slots__ = ()
+
+    def __new__(cls, *args, **fields):
+        if "required" in fields or (len(args) > 3 and isinstance(args[3], (tuple, list))):
+            raise TypeError("Kind(update, state, options, numbers, keeps) takes no list of required "
+                            "keys: give each such key's Option row required=True instead")
+        return super().__new__(cls, *args, **fields)
+
+    @property
+    def required(self) -> tuple:
+        """The keys a group must give: those whose Option row says required=True."""
+        return tuple(key for key, o in self.options.items() if o.required)
 
 
 # The built-in kinds: each its numbers, its update and its paper.
@@ -84,7 +105,10 @@ def adam_mini_update(p: Tensor, grad: Tensor, state: dict, h: AdamMiniNumbers) -
     p.mul_(1 - h.lr * h.wd)
     m.lerp_(grad, 1 - h.beta1)
     dims = (-1,) if v.dim() else tuple(range(grad.dim()))  # v: (..., rows, 1), or one value
-    mean_sq = grad.square().mean(dim=dims, keepdim=v.dim() > 0, dtype=v.dtype)
+    count = grad.shape[-1] if v.dim() else grad.numel()
+    # a sum, then / count: on a DTensor cut across a row, one all_reduce of v's size (a mean of
+    # uneven shards would gather the whole grad)
+    mean_sq = grad.square().sum(dim=dims, keepdim=v.dim() > 0, dtype=v.dtype) / count
     v.mul_(h.beta2).add_(mean_sq * (1 - h.beta2))
     denom = (v / (1 - h.beta2 ** h.step)).sqrt_().add_(h.eps)
     p.sub_((m / denom * (h.lr / (1 - h.beta1 ** h.step))).to(p.dtype))
@@ -96,10 +120,10 @@ def _positive(v):
 
 def _options(betas: tuple, what: str, **more) -> dict:
     """The keys of an Adam-like kind: lr, betas (the paper's default), weight_decay, then more."""
-    return {"lr": Option(None, a_number, "the step size; a role keeps its group's"),
-            "betas": Option(betas, a_pair_of_betas, f"`(beta1, beta2)`: {what}"),
+    return {"lr": Option(None, a_number, "the step size; a role keeps its group's", required=True),
+            "betas": Option(betas, a_pair_of_betas, f"`(beta1, beta2)`: {what}", required=True),
             "weight_decay": Option(None, a_number, "decoupled, `p *= 1 - lr weight_decay`; a role "
-                                   "keeps its group's"),
+                                   "keeps its group's", required=True),
             **more}
 
 
@@ -107,7 +131,7 @@ KINDS = {
     "lion": Kind(
         update=lion_update, state=dict(exp_avg=KindState()),
         options=_options((0.9, 0.99), "the sign's interpolation, the momentum's EMA"),
-        required=("lr", "betas", "weight_decay"), numbers=lion_numbers),
+        numbers=lion_numbers),
     "adam_mini": Kind(
         update=adam_mini_update,
         state=dict(exp_avg=KindState(),
@@ -115,8 +139,8 @@ KINDS = {
         options=_options((0.9, 0.999), "the EMAs of the gradient and of its per-row mean square; "
                          "a role from AdamW keeps its group's",
                          eps=Option(1e-8, _positive, "added to sqrt(v); a role from AdamW keeps "
-                                    "its group's")),
-        required=("lr", "betas", "eps", "weight_decay"), numbers=adam_mini_numbers,
+                                    "its group's", required=True)),
+        numbers=adam_mini_numbers,
         keeps=("betas", "eps")),  # AdamW's, with fewer second moments
 }
 PERS = ("element", "row", "tensor")
@@ -128,9 +152,8 @@ def optional(kind: str) -> dict:
     """key -> Option of the keys a group of this kind may leave out, filled at their defaults;
     every group may hold `momentum`, MuonAdamW's default, which OneCycleLR and CyclicLR cycle (it
     becomes betas[0] where the kind has betas)."""
-    k = KINDS[kind]
     return {"momentum": ADAMW_OPTIONS["momentum"],
-            **{key: o for key, o in k.options.items() if key not in k.required}}
+            **{key: o for key, o in KINDS[kind].options.items() if not o.required}}
 
 
 def state_shape(spec: KindState, shape) -> tuple:
@@ -163,6 +186,22 @@ def by_rows(kind: str, shape) -> bool:
         s[:1] == tuple(shape)[:1] for s, _ in state_shapes(kind, shape).values()))
 
 
+def per_element(kind: str) -> bool:
+    """Whether every state of `kind` is per element: on a DTensor param it then runs on the local
+    shards alone (compiled where asked), as AdamW does."""
+    return all(s.per == "element" for s in KINDS[kind].state.values())
+
+
+def placements(p: DTensor, shape) -> tuple:
+    """How a state of `shape` of DTensor param p is placed: cut as p on each dim it shares with p
+    (a row's value where p's rows are cut: FSDP2's Shard(0)), else whole on every rank (a row's
+    value where p's columns are cut, one value per tensor)."""
+    from torch.distributed.tensor import Replicate  # only met with DTensor params
+
+    return tuple(pl if pl.is_shard() and pl.dim < len(shape) and shape[pl.dim] == p.shape[pl.dim]
+                 else Replicate() for pl in p.placements)
+
+
 def fresh_state(kind: str, p: Tensor, shape) -> dict:
     """A param's new state: p is whole, a DTensor, or a flat shard of whole rows of `shape`
     (its state then flat too, as AdamW's shard is)."""
@@ -170,8 +209,9 @@ def fresh_state(kind: str, p: Tensor, shape) -> dict:
     for name, spec in KINDS[kind].state.items():
         dtype = p.dtype if spec.dtype is None else torch.promote_types(p.dtype, spec.dtype)
         whole = state_shape(spec, shape)
-        if isinstance(p, DTensor):  # element-wise only (check_kind_group): sharded like p
-            out[name] = torch.zeros_like(p, dtype=dtype)
+        if isinstance(p, DTensor):  # a DTensor too, placed as placements() says
+            out[name] = torch.distributed.tensor.zeros(
+                whole, dtype=dtype, device_mesh=p.device_mesh, placements=placements(p, whole))
         elif tuple(p.shape) == tuple(shape):
             out[name] = torch.zeros(whole, dtype=dtype, device=p.device)
         else:
@@ -196,12 +236,17 @@ def as_rows(tensors: list[Tensor], shape, names) -> tuple[list[Tensor], bool]:
 
 
 def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, slices) -> None:
-    """One step of the group's kind on [p, grad, *state] (plain tensors: a param, its local
-    shard, or a flat shard of whole rows of a param of `shape`): compiled through muon.kernel,
-    its numbers muon.scalars; on CPU in slices(count, like) of whole rows where all cut by rows."""
+    """One step of the group's kind on [p, grad, *state]: plain tensors (a param, its local
+    shard, or a flat shard of whole rows of a param of `shape`) compiled through muon.kernel, its
+    numbers muon.scalars, on CPU in slices(count, like) of whole rows where all cut by rows; or
+    DTensors (a kind with a row or tensor state), eager."""
     kind = KINDS[group["kind"]]
     if tensors[0].numel() == 0:
         return
+    if isinstance(tensors[0], DTensor):  # a row or tensor state: DTensor ops sum g^2 across the
+        # ranks that hold pieces of it (eager: a compiled graph would hold the collectives)
+        p, grad, *rest = tensors
+        return kind.update(p, grad, dict(zip(kind.state, rest)), kind.numbers(group, step))
     tensors, cut = as_rows(tensors, shape, kind.state)
     h = kind.numbers(group, step)
     update = kernel(kind.update, True) if compiled else kind.update
@@ -212,7 +257,8 @@ def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, sl
 
 
 def check_kind_group(label: str, group: dict) -> None:
-    """A registered kind's group: its required keys, each key's value, its DTensor params."""
+    """A registered kind's group: its state's declaration, its required keys, each key's
+    value."""
     kind = KINDS[group["kind"]]
     if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
         raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
@@ -223,11 +269,6 @@ def check_kind_group(label: str, group: dict) -> None:
     for key, option in kind.options.items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
-    per = sorted({s.per for s in kind.state.values()} - {"element"})
-    if per and any(isinstance(p, DTensor) for p in group.get("params", ())):
-        raise ValueError(f"{label}: kind {group['kind']!r} keeps state per {per[0]}, which "
-                         "DTensor params would cut; train them with a kind whose state is per "
-                         "element (lion, adamw), or give it plain params")
 
 
 def check_kind_numbers(label: str, group: dict, numbers: tuple) -> None:
@@ -250,8 +291,7 @@ def role_start(kind: str, source: dict) -> dict:
 def options_table(kind: str) -> str:
     """The markdown table of a registered kind's keys (docs/optimizer.md holds them): the default
     is what a group that may leave the key out gets, or a role turned this kind."""
-    k = KINDS[kind]
-    rows = [f"| `{key}` | {'yes' if key in k.required else 'no'} | "
-            f"{'' if o.default is None and key in k.required else f'`{o.default!r}`'} | {o.doc} |"
-            for key, o in {**k.options, **optional(kind)}.items()]
+    rows = [f"| `{key}` | {'yes' if o.required else 'no'} | "
+            f"{'' if o.default is None and o.required else f'`{o.default!r}`'} | {o.doc} |"
+            for key, o in {**KINDS[kind].options, **optional(kind)}.items()]
     return "\n".join(["| key | required | default | what it does |", "|---|---|---|---|", *rows])

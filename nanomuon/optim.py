@@ -545,7 +545,7 @@ class MuonAdamW(torch.optim.Optimizer):
             state.update(kinds.fresh_state(group["kind"], p, shape), step=0)
         state["step"] += 1
         tensors = [p, grad, *(state[name] for name in kinds.KINDS[group["kind"]].state)]
-        if isinstance(p, DTensor):  # element-wise state only: run on the local shards
+        if isinstance(p, DTensor) and kinds.per_element(group["kind"]):  # on the local shards
             tensors = [local(t, p) for t in tensors]
             shape = tensors[0].shape
         kinds.run(group, tensors, shape, state["step"], self.compiled, self._cpu_slices)
@@ -772,7 +772,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if isinstance(p, DTensor):
                 if kind_of[p] == "muon" and name != "momentum_buffer":  # whole, on p's owner
                     return "whole" if id(p) in kept else None
-                return (p.device_mesh, p.placements) if tuple(shape) == tuple(p.shape) else "whole"
+                return p.device_mesh, kinds.placements(p, shape)  # p's, or a row's or tensor's
             if kind_of[p] == "muon":
                 return "whole" if p in owned else None
             if (self._adamw_route(p, kind_of[p]) == "sharded" and len(shape)

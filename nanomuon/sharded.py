@@ -437,8 +437,9 @@ def state_piece(v, how, p: Tensor):
         return empty(v.shape) if v.is_meta else v
     if isinstance(how, slice):
         return empty(how.stop - how.start) if v.is_meta else v.reshape(-1)[how].clone()
-    mesh, placements = how  # p's own: its block of v
-    offset, shape, _ = block_of(p)
+    mesh, placements = how  # p's, or a kind's state's (kinds.placements): its block of v
+    shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, placements)
     block = empty(shape) if v.is_meta else v[_block_index(offset, shape)].to(device).clone()
-    return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=p.stride(),
+    stride = p.stride() if v.shape == p.shape else torch.empty(v.shape, device="meta").stride()
+    return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=stride,
                               run_check=False)

@@ -65,7 +65,7 @@ class Option(NamedTuple):
     check: Callable | None  # check(value): None or what the value must be; None: checked elsewhere
     doc: str  # its meaning in one line (docs/optimizer.md's tables)
     stage: tuple | None = None  # (key, name) of the one stage that reads it; None: the group's own
-    required: bool = False  # a group of its kind must give it: REQUIRED_KEYS
+    required: bool = False  # a group of its kind must give it: REQUIRED_KEYS, Kind.required
     scheduled: bool = False  # schedules set or edit it between steps: checked at every step,
     #                          it never resolves the group again (optim.NUMBERS)
     structural: bool = False  # this run's layout and sharding: a loaded checkpoint's value gives

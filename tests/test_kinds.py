@@ -1,9 +1,9 @@
 """
 The kinds of update beyond Muon and AdamW (nanomuon/kinds.py): Lion and Adam-mini against float64
 re-derivations of their papers' steps, compiled against eager, DistMuonAdamW at 2 and 3 ranks against one
-device (rows sharded, small and per-tensor params whole, ranks bitwise equal), checkpoints in both formats
-resumed bitwise and at another world size, a kind registered from outside the library, and a GPT role turned
-to a kind keeping its own lr.
+device (rows sharded, small and per-tensor params whole, ranks bitwise equal), on DTensor params (Shard(0),
+Shard(1), FSDP2's GPT) against one device, checkpoints in both formats resumed bitwise and at another world
+size, a kind registered from outside the library, and a GPT role turned to a kind keeping its own lr.
 """
 
 import pytest
@@ -223,12 +223,15 @@ def test_a_kind_registered_from_outside_the_library_trains(monkeypatch):
         p.sub_(buf * h.lr)
 
     entry = kinds.Kind(sgd, dict(momentum_buffer=kinds.KindState()),
-                       dict(lr=Option(None, a_number, "lr"), sgd_momentum=Option(0.9, a_number, "momentum")),
-                       ("lr",), lambda group, step: Numbers(group["lr"], group["sgd_momentum"]))
+                       dict(lr=Option(None, a_number, "lr", required=True),
+                            sgd_momentum=Option(0.9, a_number, "momentum")),
+                       lambda group, step: Numbers(group["lr"], group["sgd_momentum"]))
     monkeypatch.setitem(kinds.KINDS, "sgd", entry)
     ours, theirs = _model(), _model()
     opt = MuonAdamW([dict(kind="sgd", params=ours, lr=0.01)])
     assert opt.param_groups[0]["sgd_momentum"] == 0.9  # filled at its default
+    with pytest.raises(ValueError, match=r"missing \['lr'\]; a sgd group needs \['lr'\]"):  # its row's fact
+        MuonAdamW([dict(kind="sgd", params=_model())])
     ref = torch.optim.SGD(theirs, lr=0.01, momentum=0.9)
     for step in range(3):
         for ps, o in ((ours, opt), (theirs, ref)):
@@ -355,9 +358,9 @@ def sign_sgd(p, grad, state, h):
     p.sub_(torch.sign(grad) * h.lr)
 
 
-KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr"),
-                                              weight_decay=Option(0.0, a_number, "decay")),
-                         ("lr", "weight_decay"), lambda group, step: Numbers(group["lr"], group["weight_decay"]))
+KINDS["sign_sgd"] = Kind(sign_sgd, {}, dict(lr=Option(None, a_number, "lr", required=True),
+                                              weight_decay=Option(0.0, a_number, "decay", required=True)),
+                         lambda group, step: Numbers(group["lr"], group["weight_decay"]))
 OPTIMIZER_VARIANTS["muon-sign-sgd"] = Variant(roles={"embedding": dict(kind="sign_sgd", lr_factor=0.1)})
 '''
 
@@ -385,58 +388,108 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
 
 
-def _dtensor_worker(rank, world, path):
-    """Lion on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), replicated) runs on the local
-    shards as one device runs the whole; its state_dict() is whole and loads back into another run, as does a
-    sharded checkpoint. Adam-mini's
-    per-row state would be cut by the shards: refused in one line."""
+def test_a_kind_that_lists_its_required_keys_apart_is_refused_in_one_line():
+    """The keys a group must give are facts of their Option rows: an entry written with a separate tuple of
+    them (positionally or by name) is refused where it is made, naming the fix."""
+    from nanomuon.stages import Option, a_number
+
+    lion = kinds.KINDS["lion"]
+    options = dict(lr=Option(None, a_number, "lr"))
+    for made in (lambda: kinds.Kind(lion.update, {}, options, ("lr",), lion.numbers),
+                 lambda: kinds.Kind(lion.update, {}, options, required=("lr",), numbers=lion.numbers)):
+        with pytest.raises(TypeError, match=r"takes no list of required keys: give each such key's Option row "
+                                            r"required=True instead"):
+            made()
+    assert lion.required == ("lr", "betas", "weight_decay")
+    assert kinds.Kind(lion.update, {}, options, lion.numbers).required == ()
+
+
+def _dtensor_worker(rank, world, kind, path, mode, two_dims=False):
+    """A kind on DTensor params (FSDP2's Shard(0), tensor parallel's Shard(1), a 3-D param cut across its rows,
+    a vector cut in pieces, a replicated one; two_dims: FSDP2 x TP on a 2-D mesh) steps as one device steps
+    the whole: Lion on the local shards, Adam-mini's second moment (a row's mean g^2, or the tensor's) summed
+    across the ranks that hold pieces of it. Its state_dict() is whole and loads back at this world size;
+    mode 'save' then writes a sharded checkpoint, which mode 'load' (at another world size) reads into fresh
+    params and steps on from."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    placements = [Shard(0), Shard(1), Shard(2), Shard(0), Replicate(), Shard(0)]
+    mesh = init_device_mesh("cpu", (2, world // 2) if two_dims else (world,))
+    placements = [[Shard(0)], [Shard(1)], [Shard(2)], [Shard(0)], [Replicate()], [Shard(0)]]
+    if two_dims:  # each param cut along both mesh dims, or along one and replicated along the other
+        placements = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(2)], [Shard(0), Shard(0)],
+                      [Replicate(), Shard(1)], [Shard(0), Replicate()]]
+    placed = lambda ts: [torch.nn.Parameter(distribute_tensor(t.detach().clone(), mesh, pl))
+                         for t, pl in zip(ts, placements)]
     ref = _model()[:6]
-    params = [torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl]))
-              for p, pl in zip(ref, placements)]
-    opt, ref_opt = MuonAdamW(_groups(params, "lion")), MuonAdamW(_groups(ref, "lion"))
-    for step in range(5):
-        if step == 3:  # resume from the whole state, at this world size
-            params = [torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [pl]))
-                      for p, pl in zip(params, placements)]
-            whole = opt.state_dict()
-            opt = MuonAdamW(_groups(params, "lion"))
-            opt.load_state_dict(whole)
-        grads = _random_grads(step)[:6]
-        for p, q, g, pl in zip(params, ref, grads, placements):
-            p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
+    params, ref_opt = placed(ref), MuonAdamW(_groups(ref, kind))
+    opt = MuonAdamW(_groups(params, kind))
+
+    def step(params, opt, step):
+        for p, q, g, pl in zip(params, ref, _grads(step)[:6], placements):
+            p.grad, q.grad = distribute_tensor(g, mesh, pl), g
         opt.step()
         ref_opt.step()
-        for p, q in zip(params, ref):
-            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
+        for i, (p, q) in enumerate(zip(params, ref)):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6,
+                                       msg=lambda m, i=i: f"{SHAPES[i]} at step {step}: {m}")
+
+    for s in range(5):
+        if s == 3:  # resume from the whole state, at this world size
+            params, whole = placed([p.full_tensor() for p in params]), opt.state_dict()
+            opt = MuonAdamW(_groups(params, kind))
+            opt.load_state_dict(whole)
+        step(params, opt, s)
     whole = opt.state_dict()["state"]
     for i, q in enumerate(ref):
-        torch.testing.assert_close(whole[i]["exp_avg"], ref_opt.state[q]["exp_avg"], rtol=0, atol=1e-6)
-    # a sharded checkpoint: each rank writes its blocks; a new run reads them back and steps on alike
-    tensors, files = checkpoint.state_of(torch.nn.ParameterList(params), opt)
-    checkpoint.save_checkpoint(path, 5, tensors, dict(step=5), files)
-    again = [torch.nn.Parameter(distribute_tensor(torch.zeros(q.shape), mesh, [pl]))
-             for q, pl in zip(ref, placements)]
-    resumed = MuonAdamW(_groups(again, "lion"))
+        for name in kinds.KINDS[kind].state:
+            torch.testing.assert_close(whole[i][name], ref_opt.state[q][name], rtol=0, atol=1e-6)
+    if kind == "adam_mini" and two_dims:  # cut as p on each mesh dim where p's rows are cut
+        assert [opt.state[p]["exp_avg_sq"].placements for p in params[:3]] == [
+            (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), Replicate())]
+    elif kind == "adam_mini":  # a row's value where the rows are cut, whole where a row or the tensor is
+        assert [opt.state[p]["exp_avg_sq"].placements for p in params] == [
+            (Shard(0),), *[(Replicate(),)] * 5]
+        assert opt.state[params[0]]["exp_avg_sq"].to_local().shape == (len(params[0].to_local()), 1)
+    if mode == "save":  # each rank writes its blocks
+        tensors, files = checkpoint.state_of(torch.nn.ParameterList(params), opt)
+        checkpoint.save_checkpoint(path, 5, tensors, dict(step=5), files)
+        return
+    again = placed([torch.zeros(q.shape) for q in ref])
+    resumed = MuonAdamW(_groups(again, kind))
     checkpoint.load_into(path, 5, torch.nn.ParameterList(again), resumed)
-    for p, q, g, pl in zip(again, ref, _random_grads(5)[:6], placements):
-        p.grad, q.grad = distribute_tensor(g, mesh, [pl]), g
-    resumed.step()
-    ref_opt.step()
-    for p, q in zip(again, ref):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="keeps state per row, which DTensor params would cut"):
-        MuonAdamW(_groups(params, "adam_mini"))
+    step(again, resumed, 5)
 
 
-def test_lion_runs_on_dtensor_params_and_adam_mini_is_refused_there(tmp_path):
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_runs_on_dtensor_params_and_resumes_at_another_world_size(tmp_path, kind):
     from test_dist import spawn
 
-    spawn(_dtensor_worker, 2, tmp_path)
+    spawn(_dtensor_worker, 2, kind, tmp_path, "save")
+    spawn(_dtensor_worker, 3, kind, tmp_path, "load")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_runs_on_a_2d_mesh_and_resumes_on_a_1d_one(tmp_path, kind):
+    """FSDP2 x tensor parallel: 4 ranks on a 2 x 2 mesh, then its sharded checkpoint read at 2 ranks."""
+    from test_dist import spawn
+
+    spawn(_dtensor_worker, 4, kind, tmp_path, "save", True)
+    spawn(_dtensor_worker, 2, kind, tmp_path, "load")
+
+
+@pytest.mark.parametrize("kind", ["lion", "adam_mini"])
+def test_a_kind_trains_a_gpt_under_fsdp2_as_one_device(kind):
+    """FSDP2 (fully_shard, every param a DTensor cut by rows) on the GPT whose embedding and head are on the
+    kind, trained from each rank's batch: equal to the unsharded model on every rank's batches, also after its
+    whole state resumes in a fresh sharded model. (The nanochat arch's backout_lambda has a grad of rounding
+    noise in this miniature, which Adam's normalization makes a step of lr, AdamW's too: its scalars' state
+    per tensor is checked on DTensors above.)"""
+    from test_dist import spawn
+    from test_sharded import _fsdp_gpt_worker
+
+    spawn(_fsdp_gpt_worker, 2, True, "classic", dict.fromkeys(ROLES["classic"], dict(kind=kind)))
 
 
 def test_the_run_header_names_the_kind():

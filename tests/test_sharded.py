@@ -255,11 +255,12 @@ def rank_batch(rank, vocab, seq):
     return torch.randint(0, vocab, (2, seq), generator=g), torch.randint(0, vocab, (2, seq), generator=g)
 
 
-def _fsdp_gpt_worker(rank, world_size, shard_root):
+def _fsdp_gpt_worker(rank, world_size, shard_root, arch="classic", roles=None):
     """shard_root: every param is a DTensor (MuonAdamW); else the blocks are FSDP2 DTensors next to a
-    replicated embedding and head whose per-rank grads DistMuonAdamW must average."""
+    replicated embedding and head whose per-rank grads DistMuonAdamW must average. roles: the variant's
+    (tests/test_kinds.py puts the embedding, head and scalars on a kind)."""
     vocab, seq = 64, 16
-    config = config_from_depth(2, vocab, seq, aspect_ratio=32, head_dim=16)
+    config = config_from_depth(2, vocab, seq, aspect_ratio=32, head_dim=16, arch=arch)
     torch.manual_seed(0)
     model, ref = GPT(config), GPT(config)
     model.init_weights()
@@ -279,7 +280,8 @@ def _fsdp_gpt_worker(rank, world_size, shard_root):
     # grads into near-sign steps (so keep its lrs small), and cautious decay's mask flips where the update is
     # near zero (so decay is off here; the placement tests above cover it with identical inputs).
     def optimizer(m):
-        return m.setup_optimizer(Variant(weight_decay=0.0, muon_options=dict(ns_precision="fp32")),
+        return m.setup_optimizer(Variant(weight_decay=0.0, muon_options=dict(ns_precision="fp32"),
+                                         roles=roles or {}),
                                  peak_lrs(2 ** 19, embedding_lr=0.01, unembedding_lr=0.004))
 
     model = shard(model)
