@@ -44,7 +44,10 @@ class KindState(NamedTuple):
     nonnegative: bool = False  # a second moment: a loaded negative value is refused
 
 
-class _KindFields(NamedTuple):
+class Kind(NamedTuple):
+    """A registry entry. update(p, grad, state, h) steps p (rows first: (rows, ...)) and its state
+    (name -> tensor, shaped as declared) in place; numbers(group, step) gives h, the step's numbers,
+    a NamedTuple of floats (0-D tensors when compiled, so schedules never recompile)."""
     update: Callable
     state: dict  # name -> KindState
     # key -> stages.Option: every key its groups take, lr and weight_decay included; a row with
@@ -52,19 +55,6 @@ class _KindFields(NamedTuple):
     options: dict
     numbers: Callable
     keeps: tuple = ()  # keys a role turned this kind keeps from its group, where it has them
-
-
-class Kind(_KindFields):
-    """A registry entry. update(p, grad, state, h) steps p (rows first: (rows, ...)) and its state
-    (name -> tensor, shaped as declared) in place; numbers(group, step) gives h, the step's numbers,
-    a NamedTuple of floats (0-D tensors when compiled, so schedules never recompile)."""
-    __slots__ = ()
-
-    def __new__(cls, *args, **fields):
-        if "required" in fields or (len(args) > 3 and isinstance(args[3], (tuple, list))):
-            raise TypeError("Kind(update, state, options, numbers, keeps) takes no list of required "
-                            "keys: give each such key's Option row required=True instead")
-        return super().__new__(cls, *args, **fields)
 
     @property
     def required(self) -> tuple:
@@ -260,6 +250,10 @@ def check_kind_group(label: str, group: dict) -> None:
     """A registered kind's group: its state's declaration, its required keys, each key's
     value."""
     kind = KINDS[group["kind"]]
+    if not callable(kind.numbers):  # an entry written with a tuple of required keys before it
+        raise ValueError(f"{label}: kind {group['kind']!r} has numbers={kind.numbers!r}, not a "
+                         "function: write Kind(update, state, options, numbers, keeps), and "
+                         "mark each key a group must give required=True in its Option row")
     if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
         raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
                          f"{kind.state[bad[0]].per!r}; give KindState(per=) one of {PERS}")

@@ -388,20 +388,22 @@ def test_an_ideas_file_adds_a_kind_that_a_variant_names(tmp_path):
     torch.testing.assert_close(model.wte.weight.detach(), w - embedding["lr"] * torch.sign(g))
 
 
-def test_a_kind_that_lists_its_required_keys_apart_is_refused_in_one_line():
-    """The keys a group must give are facts of their Option rows: an entry written with a separate tuple of
-    them (positionally or by name) is refused where it is made, naming the fix."""
+def test_a_kind_that_lists_its_required_keys_apart_is_refused_in_one_line(monkeypatch):
+    """The keys a group must give are facts of their Option rows: an entry written with a separate
+    tuple of them is refused, by name where it is made, by position where a group first names it."""
     from nanomuon.stages import Option, a_number
 
     lion = kinds.KINDS["lion"]
-    options = dict(lr=Option(None, a_number, "lr"))
-    for made in (lambda: kinds.Kind(lion.update, {}, options, ("lr",), lion.numbers),
-                 lambda: kinds.Kind(lion.update, {}, options, required=("lr",), numbers=lion.numbers)):
-        with pytest.raises(TypeError, match=r"takes no list of required keys: give each such key's Option row "
-                                            r"required=True instead"):
-            made()
+    options = dict(lr=Option(None, a_number, "lr", required=True))
+    with pytest.raises(TypeError, match="required"):
+        kinds.Kind(lion.update, {}, options, required=("lr",), numbers=lion.numbers)
+    monkeypatch.setitem(kinds.KINDS, "old", kinds.Kind(lion.update, {}, options, ("lr",),
+                                                       lion.numbers))
+    with pytest.raises(ValueError, match=r"kind 'old' has numbers=\('lr',\), not a function: "
+                                         r"write Kind\(update, state, options, numbers, keeps\)"):
+        MuonAdamW([dict(kind="old", params=[torch.nn.Parameter(torch.ones(2))], lr=0.1)])
     assert lion.required == ("lr", "betas", "weight_decay")
-    assert kinds.Kind(lion.update, {}, options, lion.numbers).required == ()
+    assert kinds.Kind(lion.update, {}, options, lion.numbers).required == ("lr",)
 
 
 def _dtensor_worker(rank, world, kind, path, mode, two_dims=False):
