@@ -15,8 +15,9 @@ Muon: an embedding is a lookup table, not a map between hidden states, and the h
 better with AdamW there.
 
 The defaults are those of nanochat's late-2025 Muon (Andrej Karpathy,
-https://github.com/karpathy/nanochat), one muon-group key each (stages.MUON_OPTIONS has them
-all); GPT.setup_optimizer's arch 'nanochat' adds what nanochat 92d63d4 runs on top of them:
+https://github.com/karpathy/nanochat), one muon-group key each: stages.MUON_OPTIONS holds the
+options' defaults, while momentum, ns_steps and beta2 have none and come from the caller
+(arch.param_groups gives them). arch.ARCHS['nanochat'] adds what nanochat 92d63d4 runs on top:
 MuonEq's rows scaled to their mean norm before orthogonalizing ('equilibrate_row_mean'), Muon+'s
 Frobenius rescale after it ('normalize_fro') and beta2=0.9:
 - nesterov=True: Nesterov momentum (momentum=0.95 in nanochat's groups), as in Jordan's Muon.
@@ -32,7 +33,8 @@ The update runs in stages (precondition, orthogonalize, post-process, apply): mu
 update a step runs once for every path, with the default stages; stages.py holds the registries
 a group picks the alternatives from by name (docs/optimizer.md has their sources) and resolves a
 group into the MuonPlan a step runs. reference.py defines the update in float64; this file runs
-it: phases, communication and state.
+it: phases, communication and state. MuonAdamW's docstring maps its methods: the step's, in the
+order they run, and the copy and checkpoint contract's.
 
 Groups follow nanochat's `kind` convention ('muon' for matrices, 'adamw' for the rest), checked
 whole when added and when a key changes; a step checks only what schedules edit (check_numbers).
@@ -84,16 +86,21 @@ from nanomuon.sharded import (
 
 def flat_shard(numel: int, rank: int, world_size: int, row: int = 1) -> tuple[int, int, int]:
     """(shard size, lo, hi): rank's piece [lo, hi) of a flat tensor of rows of `row` elements, cut
-    in equal shards of whole rows as DTensor's Shard(0) cuts dim 0; the last may be short."""
-    shard = -(-(numel // row) // world_size) * row
+    in equal shards of whole rows as DTensor's Shard(0) cuts dim 0; the last may be short. Whole
+    rows, so a rank's piece of a large AdamW param is one block of a sharded checkpoint. Called by
+    MuonAdamW._rows and _gather."""
+    shard = -(-(numel // row) // world_size) * row  # ceil(rows / N) rows: only the tail is short
     lo = min(numel, rank * shard)
     return shard, lo, min(numel, lo + shard)
 
 
 class Resolved(NamedTuple):
-    """What a param group's static keys (all but params and NUMBERS) resolve to."""
+    """What a param group's static keys (all but params and NUMBERS) resolve to: made by
+    MuonAdamW._resolve, kept per group index until the group's signature changes."""
     signature: str  # group_signature at the time
-    plans: dict  # (shape, dtype, device) -> muon.MuonPlan, made on first use
+    # (shape, dtype, device) -> muon.MuonPlan, made on first use: each decides part of a plan (the
+    # lr factor and Gram by shape, the state's dtype by dtype, ns_precision 'auto' by device)
+    plans: dict
     input_every: int | None  # steps between reads of its matrices' inputs; None: never
     sharded: bool  # it holds DTensor params (sharded.py)
 
@@ -107,24 +114,31 @@ NUMBERS = stages.keys_with("scheduled")  # the rows that say so (stages.GROUP_KE
 
 def group_signature(group: dict) -> str:
     """The group's keys, and their values but its params' and NUMBERS', and whether beta2 is set
-    (it decides a state): groups of one signature resolve alike (options, stages, state)."""
+    (it decides a state): groups of one signature resolve alike (options, stages, state). NUMBERS'
+    values change every step and stay out; which of them a group has stays in. A repr, as values
+    may be unhashable lists. _resolve compares it at every step, _muon_stacks keys stacks by it."""
     static = sorted((k, v) for k, v in group.items() if k not in (*NUMBERS, "params", NAMES))
     return repr((static, sorted(k for k in group if k in NUMBERS), group.get("beta2") is None))
 
 
 def check_numbers(i: int, group: dict) -> None:
-    """What schedules edit (lr, weight decay, momentum, beta2, betas, eps) and step."""
+    """What schedules edit (lr, weight decay, momentum, beta2, betas, eps) and step. Run when a
+    group is added and at every step (_begin_step): a schedule may write any of them between
+    steps, and a bad value must stop the step before any param moves."""
     if group["kind"] in kinds.KINDS:
         return kinds.check_kind_numbers(group_label(i, group), group, NUMBERS)
     adamw = group["kind"] == "adamw"
-    betas = group["betas"] if adamw else (0.0, 0.0)
+    betas = group["betas"] if adamw else (0.0, 0.0)  # a muon group has none: a pair that passes
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{group_label(i, group)}: betas={betas!r} must be a pair (beta1, beta2), "
                          "e.g. betas=(0.9, 0.95)")
+    # (key, value, exclusive upper bound or None)
     numbers = [("lr", group["lr"], None), ("weight_decay", group["weight_decay"], None)]
     if adamw:
         numbers += [("betas[0]", betas[0], 1.0), ("betas[1]", betas[1], 1.0),
                     ("eps", group["eps"], None)]
+    # None is allowed where it means off (beta2: no variance reduction) or unset (AdamW's
+    # momentum, which only a scheduler sets); a muon group's momentum is always checked
     numbers += [(k, group[k], 1.0) for k in ("momentum", "beta2")
                 if group.get(k) is not None or (k == "momentum" and not adamw)]
     for key, value, hi in numbers:
@@ -144,8 +158,27 @@ def check_numbers(i: int, group: dict) -> None:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for matrices, AdamW for the rest (docs/optimizer.md); with process_group, data
     parallel with no DDP wrapper: step() reduces the grads itself and frees them (None on return).
-    Muon state per shape is one stacked buffer that per-param state views. compile: run the update
-    through torch.compile; None: on for CUDA params."""
+    Muon state is one stacked buffer per bucket (the same-shape matrices a rank updates), which
+    each param's state views (_muon_stacks). compile: run the update through torch.compile; None:
+    on for CUDA params.
+
+    The methods, in file order:
+    - Making and copying: __init__, _forget_caches; the copy contract (deepcopy, pickle,
+      torch.save): __getstate__, __deepcopy__ and __setstate__ over _copied_state; then
+      add_param_group, which checks a group whole before torch takes it.
+    - Stages that read a layer's inputs: wants_inputs, give_inputs (before step()).
+    - The step. On one device, step() runs: _begin_step (check_numbers, and _resolve with _plan,
+      which call stages.muon_plan once per group and shape), _owned_buckets (_group_buckets on
+      the first step), then group by group _update_adamw_group (_adamw_step into
+      muon.adamw_update, or _kind_step into kinds.run) or _update_muon_bucket (_muon_stacks, then
+      muon.muon_update once per _cpu_slices slice). Data parallel adds _has_grad,
+      _launch_reductions (phase 1), _update_adamw_shard, _write_back (phase 3) and the
+      communication helpers after _muon_stacks; DTensor Muon params go to
+      sharded.muon_step_sharded.
+    - The checkpoint contract, last: state_dict (_gather_state) and load_state_dict
+      (_pre_hooked, _state_layout, _cut, _torch_load) in torch's whole format, any world size;
+      sharded_state_dict and load_sharded_state_dict (_dcp_form) for torch.distributed.checkpoint,
+      each rank its own pieces."""
 
     SMALL = 1024  # data parallel: params with fewer elements are all_reduced, updated everywhere
     CPU_SLICE = 4 * 1024 * 1024  # elements per fused kernel call on CPU (see _cpu_slices)
