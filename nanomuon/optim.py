@@ -193,13 +193,16 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
         self._sharded_owners = {}  # DTensor Muon params' owners and blocks (sharded.py)
-        self._buckets = []  # per group: (param ids, buckets), plain Muon params' owners
+        # per group: (param ids, buckets), plain Muon params' owners; the ids tell
+        # _owned_buckets that a group's params changed
+        self._buckets = []
         self._inputs = {}  # param -> its input covariance, for this step only (give_inputs)
         self._forget_caches()
         self.pg, self.rank, self.world_size = process_group, 0, 1
         if process_group is None:
             return
-        for i, group in enumerate(self.param_groups):  # flat sharding needs contiguous params
+        # flat sharding views each param as p.view(-1): refused here, not midway through a step
+        for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 if not isinstance(p, DTensor) and not p.is_contiguous():
                     raise ValueError(f"{group_label(i, group)}, param {j}: DistMuonAdamW shards "
@@ -213,8 +216,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl, else broadcasts
 
     def _forget_caches(self) -> None:
-        """Drop what is made again on use: stacked state, resolved groups, flags, the mesh."""
-        self._stacks = {}  # param ids -> (group signature, name -> stacked state)
+        """Drop what is made again on use: stacked state, resolved groups, flags, the mesh. At
+        construction and after a copy or unpickle, whose params are new tensors with new ids."""
+        # a bucket's owned params' ids, in order -> (group signature, name -> (K, *slot) stack)
+        self._stacks = {}
         self._resolved = {}  # group index -> Resolved, made again when its keys change
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
@@ -231,6 +236,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(state, _buckets=[bs for _, bs in self._buckets])
 
     def __getstate__(self) -> dict:
+        """pickle's and torch.save's: the copied state, the process group by name, as a live
+        handle cannot travel; only the default group can be found again on unpickle."""
         if self.pg is not None and self.pg != dist.group.WORLD:
             raise TypeError("a DistMuonAdamW over a process group other than the default one "
                             "cannot be pickled (a live handle); save optimizer.state_dict() "
@@ -238,15 +245,21 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(self._copied_state(), pg="default" if self.pg is not None else None)
 
     def __deepcopy__(self, memo: dict):
+        """copy.deepcopy's: state, groups and owners copied, the process group shared."""
         copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
+        memo[id(self)] = copied  # before copying: a reference back to self resolves to the copy
         copied.__setstate__(dict(copy.deepcopy(self._copied_state(), memo), pg=self.pg))
         return copied
 
     def __setstate__(self, state: dict) -> None:
+        """Two callers: torch's load_state_dict, with state and groups alone, and unpickle or
+        __deepcopy__, with a whole _copied_state. The owners' param ids are re-keyed by
+        position: a copy's params are new tensors."""
         if "pg" not in state:  # torch's load_state_dict, setting state and groups alone
             super().__setstate__(state)
-            self.defaults.pop("differentiable", None)  # torch adds it; no group takes it
+            # torch adds it, and its add_param_group would copy it into a new group, which
+            # refuses keys no group takes
+            self.defaults.pop("differentiable", None)
             return
         pg = state.pop("pg")
         if pg == "default":  # unpickled: this process's default group, of the same rank and size
@@ -269,13 +282,14 @@ class MuonAdamW(torch.optim.Optimizer):
         i = len(self.param_groups)
         if isinstance(group, dict) and "params" in group:
             params = group["params"]
+            # listed once: a generator would be spent by the checks before torch reads it
             group["params"] = [params] if isinstance(params, Tensor) else list(params)
             split_names(i, group)  # (name, tensor) pairs, as torch.optim takes them
         check_group(i, group)
         check_numbers(i, group)
         seen = {p: (gi, j) for gi, g in enumerate(self.param_groups)
                 for j, p in enumerate(g["params"])}
-        for j, p in enumerate(group["params"]):
+        for j, p in enumerate(group["params"]):  # torch refuses these too, naming neither
             if p in seen:
                 where = (f"param group {seen[p][0]} (param {seen[p][1]})" if seen[p][0] != i
                          else f"param {seen[p][1]}")
@@ -284,7 +298,7 @@ class MuonAdamW(torch.optim.Optimizer):
             seen[p] = (i, j)
         super().add_param_group(group)
         fill_defaults(self.param_groups[-1])  # state_dict() records what actually ran
-        if group["kind"] == "muon" and has_dtensors(group["params"]):
+        if group["kind"] == "muon" and has_dtensors(group["params"]):  # here, not at step 1
             check_sharded_stages(group_label(i, group), self.param_groups[-1])
 
     def wants_inputs(self) -> bool:
@@ -307,13 +321,14 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"give_inputs: a {tuple(p.shape)} matrix's inputs are "
                                  f"{tuple(inputs[p].shape)}, not {want} "
                                  "(stages.input_covariance of this model's own inputs)")
-        stats = [inputs[p].detach().float() for p in params]
-        if self.world_size > 1:
+        stats = [inputs[p].detach().float() for p in params]  # fp32: the stage inverts them
+        if self.world_size > 1:  # one all_reduce for all of them
             flat = torch.cat([t.flatten() for t in stats])
             self._all_reduce(flat).wait()
             self._finish_mean(flat)
             stats = [t.view_as(s) for t, s in zip(flat.split([s.numel() for s in stats]), stats)]
-        # a covariance's trace bounds its entries: finite traces keep the stage's damping finite
+        # a covariance's trace bounds its entries: finite traces keep the stage's damping finite.
+        # Checked after the mean, so every rank sees the same values and refuses alike
         if bad := sum(not bool(t.diagonal(dim1=-2, dim2=-1).sum(-1).isfinite().all()) for t in stats):
             raise ValueError(f"give_inputs: {bad} of the {len(stats)} input covariances hold NaN, "
                              "inf or values whose trace overflows fp32; skip this step's refresh "
@@ -322,16 +337,22 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every param with a grad (on any rank), in three phases."""
+        """One step of every param with a grad (on any rank), in three phases: 1. start every
+        grad reduction; 2. group by group, wait for its grads, update what this rank updates and
+        start its gathers, so earlier groups' gathers travel while later groups compute; 3. wait
+        for the gathers and copy in what arrived. One device runs phase 2 alone."""
         inputs, self._inputs = self._inputs, {}  # this step's alone, used or not
         loss = self._begin_step(closure, inputs)
-        buckets = self._owned_buckets()
+        buckets = self._owned_buckets()  # planned at the first step, then kept with the state
         params = [p for g in self.param_groups for p in g["params"]]
         # a grad on any rank makes a param active; a missing grad elsewhere counts as zeros (as DDP)
         single = self.world_size == 1
         active = dict(zip(params, [p.grad is not None for p in params] if single
                           else self._has_grad(params)))
-        for group in self.param_groups:  # StageContext.step: the same on every rank
+        # counted before the update, as stages read this step's count (StageContext.step), and
+        # over all ranks' grads, so it is the same on every rank. AdamW and the other kinds count
+        # per param, as torch.optim.AdamW does
+        for group in self.param_groups:
             if group["kind"] == "muon" and any(active[p] for p in group["params"]):
                 group["step"] += 1
         reductions = dict(muon={}) if single else self._launch_reductions(buckets, active)  # 1
@@ -341,6 +362,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 gathers += self._update_adamw_group(group, active, reductions)
                 continue
             for bi, b in enumerate(buckets):
+                # a bucket with no grad on any rank started no reduction and takes no step
                 if b["group"] == gi and (bi in reductions["muon"] or single):
                     gathers.append(self._update_muon_bucket(group, b, active,
                                                             reductions["muon"].get(bi), inputs))
@@ -360,7 +382,8 @@ class MuonAdamW(torch.optim.Optimizer):
         for i, group in enumerate(self.param_groups):
             every = self._resolve(i, group).input_every
             check_numbers(i, group)
-            if group.get("momentum") is not None and "betas" in group:  # OneCycleLR's
+            # a scheduler that cycles momentum (OneCycleLR, CyclicLR) sets AdamW's beta1 through it
+            if group.get("momentum") is not None and "betas" in group:
                 group["betas"] = (group["momentum"], group["betas"][1])
             for j, p in enumerate(group["params"]):
                 g = p.grad
@@ -379,14 +402,17 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _resolve(self, i: int, group: dict) -> Resolved:
-        """The group's Resolved, made again (the group checked whole) when a static key changed."""
+        """The group's Resolved, made again (the group checked whole) when a static key changed.
+        Called at every step (_begin_step): the signature's compare is all a step pays."""
         kept = self._resolved.get(i)
         if kept is None or kept.signature != group_signature(group):
+            # edited since add_param_group (a stage switched on, a key deleted): its defaults
             fill_defaults(group)
             check_group_values(i, group)
             kept = self._resolved[i] = Resolved(group_signature(group), {}, None,
                                                 has_dtensors(group["params"]))
             if group["kind"] == "muon" and group["params"]:
+                # input_interval is a group option, alike for every shape: one plan answers
                 every = self._plan(i, group, group["params"][0]).input_every
                 kept = self._resolved[i] = kept._replace(input_every=every)
         return kept
@@ -394,12 +420,13 @@ class MuonAdamW(torch.optim.Optimizer):
     def _plan(self, i: int, group: dict, p: Tensor) -> muon.MuonPlan:
         """The group's MuonPlan for matrices like p, made on first use."""
         plans, key = self._resolve(i, group).plans, (tuple(p.shape), p.dtype, p.device)
+        # not setdefault alone: its argument, a whole plan, would be made at every call
         return plans.get(key) or plans.setdefault(key, stages.muon_plan(group, *key))
 
     def _owned_buckets(self) -> list[dict]:
         """The Muon buckets of plain (non-DTensor) params with their owners, planned group by group
         and kept: a group added later leaves the others' owners, and their state, in place."""
-        loads = [0.0] * self.world_size
+        loads = [0.0] * self.world_size  # each rank's cost so far, over all groups' buckets
         for gi, group in enumerate(self.param_groups):
             ids = tuple(id(p) for p in group["params"])
             if gi == len(self._buckets) or self._buckets[gi][0] != ids:
@@ -414,9 +441,13 @@ class MuonAdamW(torch.optim.Optimizer):
         return [b for _, buckets in self._buckets for b in buckets]
 
     def _group_buckets(self, gi: int, group: dict, loads: list[float]) -> list[dict]:
-        """One group's buckets, with owners balanced against `loads` (what each rank owns)."""
+        """One group's buckets, with owners balanced against `loads` (what each rank owns). Each
+        is owner_buckets' dict plus: group, params (its members), mine (this rank's positions in
+        them), rows ((position, row) in the (N * per_rank, *shape) buffer of the reductions),
+        theirs (the rows other ranks update) and padding (the rows no matrix fills)."""
         matrices = ([p for p in group["params"] if not isinstance(p, DTensor)]
-                    if group["kind"] == "muon" else [])
+                    if group["kind"] == "muon" else [])  # DTensors: sharded.py's owners
+        # a bucket is one stacked tensor: one shape, dtype and device
         keys = [(tuple(p.shape), p.dtype, p.device) for p in matrices]
         costs = [update_cost(self._plan(gi, group, p), p.shape) for p in matrices]
         buckets = []
@@ -433,7 +464,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_route(self, p: Tensor, kind: str = "adamw") -> str:
         """How an AdamW (or other kind's) param's grad is reduced: 'dtensor', 'local', 'small' or
-        'sharded'; a param whose kind keeps a per-tensor state is updated whole, as a small one."""
+        'sharded'; a param whose kind keeps a per-tensor state is updated whole, as a small one.
+        The step, _gather_state and _state_layout all ask here, so state lives where each looks."""
         return ("dtensor" if isinstance(p, DTensor) else "local" if self.world_size == 1
                 else "small" if p.numel() < self.SMALL
                 or (kind != "adamw" and not kinds.by_rows(kind, p.shape))
