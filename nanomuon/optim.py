@@ -472,8 +472,11 @@ class MuonAdamW(torch.optim.Optimizer):
                 else "sharded")
 
     def _launch_reductions(self, buckets: list[dict], active: dict) -> dict:
-        """Phase 1: start every grad reduction, in place; a Muon bucket's into one buffer."""
+        """Phase 1: start every grad reduction, in place; a Muon bucket's into one buffer.
+        Returns small [(params, flat buffer, work)], sharded {param: (work, flat grad)} and muon
+        {bucket index: (work, (N * per_rank, *shape) buffer)}, for phase 2 to wait on."""
         N = self.world_size
+        # active on another rank but without a grad here: zeros, so every rank joins (as DDP)
         grad_or_zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)
         adamw = [(p, g["kind"]) for g in self.param_groups if g["kind"] != "muon"
                  for p in g["params"] if active[p]]  # AdamW's, and the other kinds'
@@ -486,7 +489,7 @@ class MuonAdamW(torch.optim.Optimizer):
         sharded = {}  # param -> (work, flat grad: reduced in place)
         for p in (p for p, kind in adamw if self._adamw_route(p, kind) == "sharded"):
             flat = grad_or_zeros(p).reshape(-1)
-            # equal chunks: pad (a copy of this grad)
+            # reduce_scatter_tensor cuts N equal chunks: pad (a copy of this grad)
             if self._scatter and (pad := N * self._rows(p)[0] - p.numel()):
                 flat = torch.cat([flat, flat.new_zeros(pad)])
             sharded[p] = (self._reduce(flat), flat)
@@ -494,13 +497,15 @@ class MuonAdamW(torch.optim.Optimizer):
         for bi, b in enumerate(buckets):
             if not any(active[p] for p in b["params"]):
                 continue
+            # rank r's matrices at rows r * per_rank on: the reduce-scatter leaves each owner
+            # exactly its own grads, and the same buffer takes the gathered params back
             buf = b["params"][0].new_empty((N * b["per_rank"], *b["params"][0].shape))
-            for row in b["padding"]:
+            for row in b["padding"]:  # new_empty's garbage would be reduced and gathered
                 buf[row].zero_()
             for i, row in b["rows"]:
                 p = b["params"][i]
                 buf[row].copy_(grad_or_zeros(p))  # no grad on this rank counts as zeros (as in DDP)
-                p.grad = None
+                p.grad = None  # freed as packed: the buffer takes the memory it gives back
             muon[bi] = (self._reduce(buf), buf)
         return dict(small=small, sharded=sharded, muon=muon)
 
@@ -544,25 +549,27 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _update_muon_bucket(self, group: dict, b: dict, active: dict, reduced,
                             inputs: dict) -> tuple | None:
-        """Muon on the bucket's matrices this rank owns, in place. reduced: None on one rank, else
-        (work, buffer) of the reduction: the new values go into this rank's chunk, then gathered."""
+        """Muon on the bucket's matrices this rank owns, in place. b: a bucket of _group_buckets.
+        reduced: None on one rank, else (work, buffer) of the reduction: the new values go into
+        this rank's chunk, then gathered. Returns None or (gather works, b, buffer)."""
         mine = [b["params"][i] for i in b["mine"]]
-        idx = [k for k, p in enumerate(mine) if active[p]]
+        idx = [k for k, p in enumerate(mine) if active[p]]  # those with a grad on some rank
         if reduced is not None:
             work, buf = reduced
-            work.wait()
+            work.wait()  # even with nothing to update: the gather below reuses buf
         if idx:
+            # _begin_step resolved the group: read its plans with no signature compare (_plan's)
             p0, plans = mine[0], self._resolved[b["group"]].plans
             key = (tuple(p0.shape), p0.dtype, p0.device)
             plan = plans.get(key) or plans.setdefault(key, stages.muon_plan(group, *key))
-            compiled = self.compiled and not plan.eager
+            compiled = self.compiled and not plan.eager  # eager: a stage branches on state values
             if reduced is None:  # eager: a list, stacked slice by slice in small memory
                 grads = [mine[k].grad for k in idx]
                 grads = torch.stack(grads) if compiled else grads
             else:
-                rows = self._own_chunk(buf)[:len(mine)]
+                rows = self._own_chunk(buf)[:len(mine)]  # our chunk: our matrices, then padding
                 self._finish_mean(rows)
-                grads = rows if len(idx) == len(mine) else rows[idx]
+                grads = rows if len(idx) == len(mine) else rows[idx]  # rows[idx]: a copy
             params = [mine[k] for k in idx]
             # compiled: a stack (a list would recompile per length), copied back below
             stacked = torch.stack(params) if compiled else params
@@ -573,17 +580,19 @@ class MuonAdamW(torch.optim.Optimizer):
                 whole, state = state, {name: t[sel] for name, t in state.items()}
             h = muon.muon_hparams(group, plan)
             update = muon.kernel(muon.muon_update, True) if compiled else muon.muon_update
-            h = muon.scalars(h, True) if compiled else h
+            h = muon.scalars(h, True) if compiled else h  # 0-D tensors: a new lr keeps the graph
+            # Newton-Muon's covariances, stacked like the params; None on the steps between reads
             inputs = torch.stack([inputs[p] for p in params]) if params[0] in inputs else None
+            # on CPU, slices keep the update's temporaries small (_cpu_slices); on GPUs, one call
             for sl in self._cpu_slices(len(idx), p0):
                 update(grads[sl], stacked[sl], {name: t[sl] for name, t in state.items()}, h, plan,
                        None if inputs is None else inputs[sl])
             if not everyone:
                 for name, t in state.items():
                     whole[name][sel] = t
-            if compiled:
+            if compiled:  # the stack was a copy
                 torch._foreach_copy_(params, list(stacked.unbind(0)))
-            if reduced is not None:
+            if reduced is not None:  # into our chunk, which the in-place gather sends everyone
                 torch._foreach_copy_([rows[k] for k in idx], params)
         return None if reduced is None else (self._gather(buf, len(buf)), b, buf)
 
@@ -599,6 +608,7 @@ class MuonAdamW(torch.optim.Optimizer):
                         if active[target["params"][i]]]
                 if rows:
                     torch._foreach_copy_([p for p, _ in rows], [buf[row] for _, row in rows])
+        # step() consumes the grads it reduced: None, as after zero_grad()
         for p in (p for g in self.param_groups for p in g["params"] if not isinstance(p, DTensor)):
             p.grad = None
 
@@ -623,10 +633,11 @@ class MuonAdamW(torch.optim.Optimizer):
         tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
         if isinstance(p, DTensor):  # elementwise: run on the local shards
             tensors = tuple(local(t, p) for t in tensors)
-        if tensors[0].numel() == 0:
+        if tensors[0].numel() == 0:  # an empty shard: a rank past a short param's last row
             return
         if all(t.is_contiguous() for t in tensors):  # elementwise: flat views slice exactly
             tensors = tuple(t.view(-1) for t in tensors)
+        # float(): a Tensor lr too, as torch.optim takes one
         h = muon.AdamWScalars(state["step"], float(group["lr"]), *group["betas"], group["eps"],
                          group["weight_decay"])
         update = muon.kernel(muon.adamw_update, True) if self.compiled else muon.adamw_update
@@ -644,8 +655,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_stacks(self, plan, params: list[Tensor], signature: str) -> dict:
         """name -> one stacked buffer per state these same-shape params keep, as the group's
-        signature now asks; per-param state views them. A state of another shape starts afresh."""
-        key = tuple(id(p) for p in params)
+        signature now asks; per-param state views them. A state of another shape starts afresh.
+        Stacked so the update runs one batched call with no stack or unstack of state per step,
+        while self.state[p][name] stays a tensor of p's own (a view), as torch's state_dict()
+        and load_state_dict() expect. Kept until the group's signature or the params change."""
+        key = tuple(id(p) for p in params)  # this rank's matrices of the bucket, in order
         if key in self._stacks and self._stacks[key][0] == signature:
             return self._stacks[key][1]
         p0, stacks = params[0], {}
@@ -653,6 +667,8 @@ class MuonAdamW(torch.optim.Optimizer):
             out = torch.empty((len(params), *slot.shape), dtype=slot.dtype, device=p0.device)
             for i, p in enumerate(params):
                 old = self.state[p].get(name)
+                # a loaded or unstacked tensor's values move into the stack; then p's state
+                # becomes the stack's row
                 out[i].copy_(old if old is not None and tuple(old.shape) == slot.shape
                              else muon.fresh_state(slot, p))
                 self.state[p][name] = out[i]
@@ -692,15 +708,19 @@ class MuonAdamW(torch.optim.Optimizer):
                 for r, (lo, hi) in enumerate(cuts) if hi > lo]
 
     def _all_reduce(self, t, op=None):
+        """Start an all_reduce of t in place: the mean over the ranks (on gloo their sum, which
+        _finish_mean divides), or op's."""
         return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg,
                                async_op=True)
 
     def _finish_mean(self, t: Tensor) -> None:
+        """The mean of a reduced t, in place: a division where the backend summed (gloo)."""
         if not self._use_avg:
             t.mul_(1.0 / self.world_size)
 
     def _any_rank(self, flags: list[bool]) -> list[bool]:
-        """flags OR-ed over the ranks."""
+        """flags OR-ed over the ranks (a MAX all_reduce): a collective, so every rank must call
+        it with as many flags, and reads the result back to the host."""
         device = next(p for g in self.param_groups for p in g["params"]).device
         t = torch.tensor(flags, dtype=torch.int32, device=device)
         self._all_reduce(t, op=dist.ReduceOp.MAX).wait()
