@@ -746,15 +746,19 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         if N > 1:
             index = {id(p): k for k, p in enumerate(params)}
-            others = {k: v for k, v in sd["state"].items() if not isinstance(k, int)}  # hooks'
+            # keys a state_dict hook added beside the params' indices, kept as they are
+            others = {k: v for k, v in sd["state"].items() if not isinstance(k, int)}
             sd["state"] = {**others, **{index[id(p)]: st
                                         for p, st in self._gather_state(params).items()}}
         return (full_state(self.param_groups, self.state, self._sharded_owners, sd)
                 if has_dtensors(params) else sd)
 
     def _gather_state(self, params: list[Tensor]) -> dict:
-        """Data parallel: param -> its whole state (DTensor params' as this rank holds it)."""
+        """Data parallel: param -> its whole state (DTensor params' as this rank holds it). Every
+        rank runs every collective here in the same order, so the loops follow params and
+        buckets, which all ranks list alike, never what this rank happens to hold."""
         N, kind_of = self.world_size, [g["kind"] for g in self.param_groups for _ in g["params"]]
+        # a param has state if any rank made it: its holder may be another rank
         has = dict(zip(params, self._any_rank([bool(self.state.get(p)) for p in params])))
         full = {p: {} for p in params if has[p]}
         for p, kind in zip(params, kind_of):
@@ -793,23 +797,28 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _torch_load(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping this run's structural options, filling defaults newer
-        than the checkpoint, and stage state back in its own dtype (torch casts it)."""
+        than the checkpoint, and stage state back in its own dtype (torch casts it). The last
+        part of both loads, given a state already cut to this rank's pieces."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
         pre, post = (self._optimizer_load_state_dict_pre_hooks,
                      self._optimizer_load_state_dict_post_hooks)
         self._optimizer_load_state_dict_pre_hooks = self._optimizer_load_state_dict_post_hooks = {}
-        try:  # the hooks run in load_state_dict(), around the checks
+        # the hooks run in our load_state_dict(), around the checks: torch's must not run them
+        # again, so they are set aside for its call
+        try:
             torch.optim.Optimizer.load_state_dict(self, state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks = pre
             self._optimizer_load_state_dict_post_hooks = post
         for group, kept in zip(self.param_groups, keep):
-            group.pop(ADDED, None)
+            group.pop(ADDED, None)  # the saved list of other code's keys, not a key itself
             group.update(kept)
             if (method := group.pop("ns_method", None)) is not None:  # before orthogonalizer
                 group.setdefault("orthogonalizer", stages.orthogonalizer_running(method))
             fill_defaults(group)
         by_id = saved_params(self.param_groups, state_dict)
+        # torch casts floating state to the param's dtype: right for AdamW's moments and Muon's
+        # momentum, which are kept in it, wrong for a stage's or kind's state kept in its own
         own_dtype = {p for g in self.param_groups if g["kind"] != "adamw" for p in g["params"]}
         for pid, st in state_dict["state"].items():
             p = by_id[pid]
@@ -817,7 +826,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 if (p in own_dtype and name != "momentum_buffer" and isinstance(v, Tensor)
                         and v.dtype != p.dtype):
                     self.state[p][name] = v.to(p.device, v.dtype, copy=True)
-        self._stacks.clear()  # per-param states are fresh tensors now; re-stack on next use
+        # per-param states are fresh tensors now, views of no stack: re-stack on next use
+        self._stacks.clear()
         self._resolved.clear()  # the groups are the checkpoint's now: check them whole
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -825,7 +835,9 @@ class MuonAdamW(torch.optim.Optimizer):
         pieces. A collective where DTensor Muon params have owners. As torch's: the pre-hooks
         first (they may adapt the checkpoint), floating state cast, the post-hooks last."""
         state_dict = check_state_dict(self.param_groups, self._pre_hooked(state_dict))
-        if problem := state_values_problem(self.param_groups, state_dict):  # alike on every rank
+        # every rank holds the whole state: all find the same problem, and none waits in a
+        # collective for one that raised
+        if problem := state_values_problem(self.param_groups, state_dict):
             raise DamagedState(problem)
         self._torch_load(self._cut(state_dict, self._state_layout()))
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -840,7 +852,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return state_dict
 
     def _marked(self, sd: dict) -> dict:
-        """A state_dict whose groups list the keys other code added to them (ADDED)."""
+        """A state_dict whose groups list the keys other code added to them (ADDED), so a load
+        keeps them while refusing keys no group takes."""
         for saved, group in zip(sd["param_groups"], self.param_groups):
             if keys := added_keys(group):
                 saved[ADDED] = keys
@@ -848,7 +861,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _state_layout(self):
         """where(p, name, shape): how this rank holds state `name` of p: None, 'whole', a DTensor
-        block (mesh, placements) or a slice of the flat param. A collective (DTensor owners)."""
+        block (mesh, placements) or a slice of the flat param. A collective (DTensor owners).
+        The one rule for both loads and sharded_state_dict: what a rank saves is what it reads."""
         kept = kept_direction_state(self.param_groups, self._sharded_owners)
         kind_of = self._kind_of()
         owned = {b["params"][i] for b in self._owned_buckets() for i in b["mine"]}
@@ -880,6 +894,7 @@ class MuonAdamW(torch.optim.Optimizer):
         return dict(sd, state=state)
 
     def _kind_of(self) -> dict:
+        """param -> its group's kind."""
         return {p: g["kind"] for g in self.param_groups for p in g["params"]}
 
     def _whole_shape(self, p: Tensor, kind: str, name: str) -> tuple:
@@ -888,7 +903,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _dcp_form(self, v: Tensor, shape, how, device) -> Tensor:
         """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of the
-        whole state, of `shape`."""
+        whole state, of `shape`, so torch.distributed.checkpoint can reshard it to any world
+        size on load; other pieces are stored as they are."""
         if not isinstance(how, slice):
             return v
         if self._mesh is None:  # over this optimizer's ranks; made only for checkpoints
@@ -900,6 +916,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def sharded_state_dict(self) -> tuple[dict, dict]:
         """This rank's state for a sharded checkpoint: (tensors['<index>.<name>'], each state tensor
         it holds, a DTensor block where so; the rest). A collective (DTensor owners)."""
+        # torch's state_dict, not ours: no gather, each rank saves what it holds
         where, sd = self._state_layout(), self._marked(torch.optim.Optimizer.state_dict(self))
         params, kind_of = [p for g in self.param_groups for p in g["params"]], self._kind_of()
         tensors, rest = {}, {}
@@ -920,6 +937,7 @@ class MuonAdamW(torch.optim.Optimizer):
         state = {idx: dict(st) for idx, st in rest.get("state", {}).items()}
         for key, (shape, dtype) in shapes.items():
             idx, name = key.split(".", 1)
+            # meta: shapes and dtypes for the hooks, the checks and the cut, with no memory
             state.setdefault(int(idx), {})[name] = torch.empty(shape, dtype=dtype, device="meta")
         like = self._pre_hooked(dict(rest, state=state))
         check_state_dict(self.param_groups, like)  # read as saved, then cast below
