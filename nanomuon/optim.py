@@ -698,7 +698,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _gather(self, buf: Tensor, n: int, p: Tensor | None = None) -> list:
         """Start giving every rank each rank's piece of buf's first n elements (p's rows, or
-        single elements), in place: an all_gather on nccl, elsewhere one broadcast per rank."""
+        single elements), in place: an all_gather on nccl, elsewhere one broadcast per rank, as
+        gloo's all_gather copies its whole input and runs slower (docs/optimizer.md)."""
         if self._scatter:
             return [dist.all_gather_into_tensor(buf, self._own_chunk(buf), group=self.pg,
                                                 async_op=True)]
