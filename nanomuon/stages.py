@@ -664,6 +664,9 @@ def keys_table() -> str:
 
 
 # The resolver: a checked group, once per matrix shape, into the muon.MuonPlan a step runs.
+# Callers: MuonAdamW._plan and sharded.plan_of, which keep plans by (shape, dtype, device), and
+# stage_context, for tests. The checkpoint checks of param_groups.py read muon_state_layout for
+# the state a param may carry. A step reads the plans made here and calls none of it.
 
 def _names(value) -> tuple:
     """A stage key's value as a tuple of names: one name, or a chain's sequence."""
@@ -677,7 +680,8 @@ def _stage(key: str, name: str) -> Stage:
 
 
 def group_stages(group: dict) -> list[tuple[str, str, Stage]]:
-    """(key, name, Stage) of every stage a muon group runs, in order."""
+    """(key, name, Stage) of every stage a muon group runs, in order: STAGE_KEYS' order is the
+    order they run, and a chain's names run as listed."""
     return [(key, name, _stage(key, name)) for key in STAGE_KEYS for name in _names(group[key])]
 
 
@@ -714,20 +718,29 @@ def newton_schulz_settings(group: dict) -> NewtonSchulz:
 
 
 def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
-    """The plan of a checked muon group for matrices of `shape` in `dtype` on `device`."""
+    """The plan of a checked muon group for matrices of `shape` in `dtype` on `device`. The
+    group must have passed check_group_values, filled (fill_defaults): nothing is checked again.
+    Everything a step asks is settled here, once per group and key, so a step derives nothing:
+    stages, Newton-Schulz settings, the lr factor, the state to keep, what the direction reads."""
     opts = muon_options(group, device)
     ns, layout, chosen = newton_schulz_settings(opts), muon_layout(group), group_stages(group)
-    blocks = block_shapes(shape, layout)
+    blocks = block_shapes(shape, layout)  # logical (rows, cols): one, or a split's blocks
+    # each block's own shape sets its lr factor: a fused q, k, v matrix's blocks step as three
     factors = [LR_SCALES[group["lr_scale"]](*b) * group["extra_scale"] for b in blocks]
-    lr_factor = factors[0]
+    lr_factor = factors[0]  # one block: a float
     if len(factors) > 1:
+        # one factor per stored row: each block's rows within a group of blocks, tiled over the
+        # groups; laid along the columns where storage is transposed (in, out)
         rows = (torch.tensor(factors).repeat_interleave(torch.tensor(layout.split))
                 .repeat(layout.groups).to(device))
         lr_factor = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
+    # what the precondition and post-process stages read beyond their input: the step gives
+    # them the raw grad, the weights or the inputs only where one asks
     direction = [s for key, _, s in chosen if key in CHAIN_KEYS]
     needs = tuple(sorted({need for s in direction for need in s.needs}))
     apply = _stage("apply", group["apply"])
     decays = group["weight_decay_mode"] == "l2" or apply.flags.weight_decay
+    # get: a group is filled only with the options of stages it runs (group_options)
     every = group.get("input_interval", MUON_OPTIONS["input_interval"].default)
     return MuonPlan(
         precondition=tuple(s for key, _, s in chosen if key == "precondition"),
@@ -767,6 +780,7 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
     (blocks flat) for direction and logical apply stages, else per stored one. declared: also
     state the group does not keep now (a checkpoint may carry it)."""
     shape, stages = tuple(shape), group_stages(group)
+    # state is laid out only here: a plan and the checkpoint checks alike meet the refusal
     check_shared_state(stages)
     owned = any(s.flags.owns_momentum for _, _, s in stages)  # by a precondition
     out = {} if owned else {"momentum_buffer": StateSlot(shape, dtype, 0.0)}
@@ -774,36 +788,46 @@ def muon_state_layout(shape, dtype: torch.dtype, group: dict, declared: bool = F
     blocks = block_shapes(shape, layout)
     for key, stage_name, s in stages:
         for name, spec in s.state.items():
+            # turned off by an option (variance reduction's with beta2=None): not kept, though
+            # a checkpoint of a run that kept it may carry it (declared)
             if spec.kept is not None and not spec.kept(group) and not declared:
                 continue
             if name in out:
                 raise ValueError(f"stage {stage_name!r} keeps state {name!r}, as another stage of "
                                  "this group does; give one of them another name")
             init = spec.init
-            if key not in CHAIN_KEYS and not s.flags.logical:
+            if key not in CHAIN_KEYS and not s.flags.logical:  # an apply stage on stored ones
                 per = spec.shape(*shape[-2:])
+            # direction stages see logical blocks, never W's stored form: W cannot init them
             elif callable(spec.init) and key in CHAIN_KEYS:
                 raise ValueError(f"stage {stage_name!r}: only apply stages may initialize state "
                                  "from the weights; give its StateSpec a number as init")
-            else:
+            else:  # per logical matrix; a split's blocks flat, end to end in one dim
                 per = ((sum(math.prod(spec.shape(*b)) for b in blocks),) if len(blocks) > 1
                        else spec.shape(*blocks[0]))
                 init = LogicalInit(init, layout) if callable(init) and layout else init
+            # at least the spec's dtype (fp32 state for a bf16 param), the param's where wider
             precision = dtype if spec.dtype is None else torch.promote_types(dtype, spec.dtype)
+            # a batched param's leading dims (experts) lead its state too
             out[name] = StateSlot((*shape[:-2], *per), precision, init, spec.nonnegative)
     return out
 
 
 def check_shared_state(stages: list) -> None:
     """Refuse stages that read state no other stage declares, or declares in the other layout
-    (stored against logical), and momentum owned by anything but the first precondition."""
+    (stored against logical), and momentum owned by anything but the first precondition. Why:
+    a stage reads another's state by name from the one dict the step passes (StageContext.only),
+    so a name no stage keeps would fail mid-step, and a state shaped per stored matrix does not
+    fit a stage that sees logical blocks. Momentum: only the first precondition's input is the
+    gradient; every later stage's is the momentum step's output. Called by muon_state_layout."""
+    # state name -> (the stage that keeps it, whether per logical matrix)
     keeper = {name: (stage_name, key in CHAIN_KEYS or s.flags.logical)
               for key, stage_name, s in stages for name in s.state}
     for i, (key, stage_name, s) in enumerate(stages):
         if s.flags.owns_momentum and (key != "precondition" or i != 0):
             raise ValueError(f"{key} {stage_name!r} owns the momentum, which only the first "
                              "precondition may: its input is the gradient")
-        for name in s.reads:
+        for name in s.reads:  # reads names another stage's state; its own is in s.state
             if name not in keeper or name in s.state:
                 raise ValueError(f"{key} {stage_name!r} reads state {name!r}, which no other "
                                  "stage of this group declares; name the stage that keeps it")
