@@ -7,6 +7,12 @@ matrices on their owner, which orthogonalizes them stacked by shape; a second re
 block for the elementwise update. muon_step_modes() has Megatron's alternatives. The momentum
 buffer is sharded like its param; the direction stages' state lives on the owner only. full_state()
 gathers the whole state_dict() format; state_piece() and kept_direction_state() cut it back.
+
+Where optim.py calls in: MuonAdamW.step runs muon_step_sharded for a group with DTensor params
+(after the plain params' buckets), add_param_group runs check_sharded_stages (train_args runs it
+on base_train's flags too, before a run starts), state_dict runs full_state, _state_layout runs
+kept_direction_state and the loads' _cut runs state_piece. group_owners, full_state and
+kept_direction_state are collectives: every rank calls them, in the same order.
 """
 
 import contextlib
@@ -80,12 +86,13 @@ def group_owners(group: dict, owners: dict, muon_plans=None) -> tuple[list[DTens
     and the waves), assigned once (a collective) and kept in `owners` so they stay put; costs
     from the group's MuonPlans (`muon_plans`, the optimizer's cache, else made here)."""
     params = [p for p in group["params"] if isinstance(p, DTensor)]
-    key = (id(group), tuple(id(p) for p in params))
+    key = (id(group), tuple(id(p) for p in params))  # other params: owners planned anew
     if key in owners:
         return params, owners[key]
     muon_plans = {} if muon_plans is None else muon_plans
     world = dist.get_world_size()
     for p in params:
+        # owners are ranks of the default group, where the all_to_alls run
         ranks = sorted(p.device_mesh.mesh.flatten().tolist())
         if ranks != list(range(world)):
             raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} lives on a mesh of "
@@ -95,7 +102,9 @@ def group_owners(group: dict, owners: dict, muon_plans=None) -> tuple[list[DTens
         if any(pl.is_partial() for pl in p.placements):
             raise ValueError(f"a DTensor Muon param of shape {tuple(p.shape)} has a Partial "
                              f"placement {p.placements}; params must be Shard or Replicate")
-    blocks = [None] * world  # blocks[r][i]: rank r's block of params[i]
+    # blocks[r][i]: rank r's block of params[i]; known to all, every rank sizes each all_to_all's
+    # receives from them, with no exchange of counts at a step
+    blocks = [None] * world
     dist.all_gather_object(blocks, [block_of(p) for p in params])
     costs = [update_cost(plan_of(muon_plans, group, p.shape, p), p.shape) for p in params]
     buckets = owner_buckets([(tuple(p.shape), p.dtype) for p in params], costs, world)
@@ -114,7 +123,7 @@ def _all_to_all(pieces: list[list[Tensor]], recv_counts: list[int], device, comm
     (work, receive buffer, send buffer); the send buffer must live until the work is done."""
     send_counts = [sum(t.numel() for t in ps) for ps in pieces]
     flat = [t for ps in pieces for t in ps]
-    send = (torch.cat(flat).to(comm_dtype) if flat
+    send = (torch.cat(flat).to(comm_dtype) if flat  # comm_precision='bf16' halves the traffic
             else torch.empty(0, dtype=comm_dtype, device=device))
     recv = torch.empty(sum(recv_counts), dtype=comm_dtype, device=device)
     return dist.all_to_all_single(recv, send, recv_counts, send_counts, async_op=True), recv, send
@@ -127,7 +136,7 @@ def _gather(assigned, params, wave, g_local, comm_dtype, per: int = 1):
     pieces = [[] for _ in range(world)]
     for i in wave:
         offset, shape, sends = blocks[rank][i]
-        if sends and math.prod(shape):
+        if sends and math.prod(shape):  # one replica sends; an empty block sends nothing
             pieces[owner[i]].append(g_local[i].reshape(-1))
     recv_counts = [sum(per * math.prod(blocks[src][i][1]) for i in wave
                        if owner[i] == rank and blocks[src][i][2])
@@ -143,14 +152,14 @@ def _assemble(assigned, params, wave, recv, per: int = 1) -> dict:
     full = {i: torch.empty((*lead, *params[i].shape), dtype=params[i].dtype, device=recv.device)
             for i in mine}
     at = 0
-    for src in range(world):
+    for src in range(world):  # as the senders packed: by rank, then in wave order
         for i in mine:
             offset, shape, sends = blocks[src][i]
             n = per * math.prod(shape)
             if sends and n:
                 full[i][(..., *_block_index(offset, shape))] = recv[at:at + n].view(*lead, *shape)
                 at += n
-    assert at == recv.numel()
+    assert at == recv.numel()  # every rank derived the same layout from `assigned`
     return full
 
 
@@ -191,7 +200,9 @@ def cut_of(p: DTensor):
 
 
 def plan_of(plans: dict, group: dict, shape, p: DTensor) -> MuonPlan:
-    """The group's plan for matrices of `shape` like p's, kept in the optimizer's `plans`."""
+    """The group's plan for matrices of `shape` like p's, kept in the optimizer's `plans`
+    (Resolved.plans at a step, shared with the group's plain params), keyed as MuonAdamW._plan
+    keys them, by the local shard's device, where the math runs."""
     key = (tuple(shape), p.dtype, p.to_local().device)
     return plans.get(key) or plans.setdefault(key, muon_plan(group, *key))
 
@@ -203,6 +214,7 @@ def _momentum_local(group: dict, state: dict, p: DTensor, plans: dict, compiled:
         st["momentum_buffer"] = torch.zeros_like(p)
     plan = plan_of(plans, group, p.shape, p)
     h = scalars(muon_hparams(group, plan), compiled)
+    # clone: muon_momentum overwrites its input, and the DTensor grad is the caller's
     return kernel(muon_momentum, compiled)(local(p.grad, p).clone(), local(
         st["momentum_buffer"], p), p.to_local(), h, plan)
 
@@ -215,13 +227,14 @@ def _apply_local(group: dict, p: DTensor, u: Tensor, matrix_shape, plans: dict,
         return
     plan = plan_of(plans, group, matrix_shape, p)
     h = scalars(muon_hparams(group, plan), compiled)
+    # a whole matrix's per-row factors; 'blockwise' plans for the block, already its size
     if isinstance(h.lr, Tensor) and tuple(matrix_shape) == tuple(p.shape):
         offset, shape, _ = block_of(p)
         crop = tuple(slice(o, o + n) if full > 1 else slice(None)
                      for o, n, full in zip(offset[-2:], shape[-2:], h.lr.shape))
         h = h._replace(**{k: getattr(h, k)[crop] for k in ("lr", "decay")
                           if isinstance(getattr(h, k), Tensor)})
-    ctx = StageContext({}, h, plan)  # apply stages keep no state here
+    ctx = StageContext({}, h, plan)  # apply stages keep no state here (check_sharded_stages)
     kernel(muon_apply, compiled)(p.to_local(), u, ctx)
 
 
@@ -229,7 +242,7 @@ def muon_step_sharded(group: dict, state: dict, owners: dict, muon_plans: dict,
                       compiled: bool) -> None:
     """One Muon step of `group`'s DTensor params with a grad (DTensor grads are collective
     results, so every rank skips the same ones), given the optimizer's state, owners and plans."""
-    check_sharded_stages(group.get("name", "a muon group"), group)
+    check_sharded_stages(group.get("name", "a muon group"), group)  # stages may change after add
     if group["sharded_mode"] != "owner":
         return muon_step_modes(group, state, muon_plans, compiled)
     params, assigned = group_owners(group, owners, muon_plans)
@@ -336,7 +349,7 @@ def muon_step_modes(group: dict, state: dict, plans: dict, compiled: bool) -> No
         with slices:
             u = muon_direction(g, ctx, p.dtype)
         if mode == "duplicated":
-            u = u[_block_index(*block_of(p)[:2])].clone()
+            u = u[_block_index(*block_of(p)[:2])].clone()  # our block alone: the whole is freed
         _apply_local(group, p, u, matrix_shape, plans, compiled)
 
 
@@ -347,7 +360,8 @@ def direction_slots(plan: MuonPlan) -> dict:
 
 def check_sharded_stages(label: str, group: dict) -> None:
     """Refuse the stages the sharded path cannot run, as weights, momentum and apply stages stay
-    in blocks: a stage that reads whole weights, owns the momentum or (apply) keeps state."""
+    in blocks: a stage that reads whole weights, owns the momentum or (apply) keeps state. Run
+    by add_param_group, the earliest point, and at each sharded step, as a group may change."""
     for key, name, s in group_stages(group):
         why = ("reads whole weight matrices, which sharded (FSDP2, tensor parallel) params keep in "
                "blocks" if "weight" in s.needs
@@ -387,7 +401,8 @@ def full_state(param_groups: list[dict], state: dict, owners: dict, sd: dict) ->
             if not every[holder][i]:  # none there yet
                 continue
             st, mine = out.setdefault(index[id(p)], {}), dist.get_rank() == holder
-            # what the holder has (stages named since, or switched off, may differ from the group)
+            # what the holder has (stages named since, or switched off, may differ from the group),
+            # sent first so the others can make the tensors the broadcasts fill
             held = [[(n, tuple(v.shape), v.dtype) for n, v in st.items()
                      if n != "momentum_buffer" and isinstance(v, Tensor)] if mine else None]
             dist.broadcast_object_list(held, src=holder)
@@ -400,6 +415,9 @@ def full_state(param_groups: list[dict], state: dict, owners: dict, sd: dict) ->
 
 
 def _check_whole_state_mode(group: dict) -> None:
+    """Refuse to gather or cut a group's state where its direction state lives per slice or per
+    block ('distributed', 'blockwise'): it has no whole form. A (2, 2) matrix stands in for every
+    shape, as only which states the group keeps matters."""
     if (group["kind"] == "muon" and group["sharded_mode"] in ("blockwise", "distributed")
             and (kept := [n for n in muon_state_layout((2, 2), torch.float32, group)
                           if n != "momentum_buffer"])):
@@ -440,6 +458,7 @@ def state_piece(v, how, p: Tensor):
     mesh, placements = how  # p's, or a kind's state's (kinds.placements): its block of v
     shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, placements)
     block = empty(shape) if v.is_meta else v[_block_index(offset, shape)].to(device).clone()
+    # p's stride where the state is shaped like p (momentum, AdamW's moments); else contiguous
     stride = p.stride() if v.shape == p.shape else torch.empty(v.shape, device="meta").stride()
     return DTensor.from_local(block, mesh, placements, shape=v.shape, stride=stride,
                               run_check=False)
