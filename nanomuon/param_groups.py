@@ -263,6 +263,12 @@ def check_group(i: int, group: dict) -> None:
     if unknown:
         allowed = sorted(set(required) | set(options) | {"name"})
         raise ValueError(f"{label}: unknown keys {sorted(unknown)}; a {kind} group takes {allowed}")
+    if kind == "muon":  # stages that share state wrongly: refused here, not at the first step
+        try:
+            stages.check_shared_state(stages.group_stages(
+                {key: stages.muon_option(group, key) for key in stages.STAGE_KEYS}))
+        except ValueError as e:
+            raise ValueError(f"{label}: {e}") from None
     split, groups = group.get("split") or group.get("qkv_split"), stages.muon_option(group, "split_groups")
     dim, n = ("columns", -1) if group.get("transposed") else ("rows", -2)
     for j, p in enumerate(group["params"]):

@@ -819,7 +819,8 @@ def check_shared_state(stages: list) -> None:
     a stage reads another's state by name from the one dict the step passes (StageContext.only),
     so a name no stage keeps would fail mid-step, and a state shaped per stored matrix does not
     fit a stage that sees logical blocks. Momentum: only the first precondition's input is the
-    gradient; every later stage's is the momentum step's output. Called by muon_state_layout."""
+    gradient; every later stage's is the momentum step's output. Called by check_group, as a group
+    is given, and by muon_state_layout."""
     # state name -> (the stage that keeps it, whether per logical matrix)
     keeper = {name: (stage_name, key in CHAIN_KEYS or s.flags.logical)
               for key, stage_name, s in stages for name in s.state}

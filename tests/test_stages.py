@@ -340,16 +340,15 @@ def test_the_step_is_the_same_on_every_rank():
 ])
 def test_shared_state_and_owned_momentum_are_checked(monkeypatch, chosen, says):
     """A stage that reads state no other stage declares, a direction stage that reads state an apply stage
-    keeps per stored matrix, and momentum owned by a precondition after another: one line each."""
+    keeps per stored matrix, and momentum owned by a precondition after another: one line each,
+    naming the group, where the group is given (not at its first step)."""
     monkeypatch.setitem(stages.POST_PROCESSORS, "reader", stages.Stage(lambda u, ctx: u,
                                                                                  reads=("nowhere",)))
     monkeypatch.setitem(stages.POST_PROCESSORS, "radius_reader", stages.Stage(
         lambda u, ctx: u, reads=("hyperball_radius",)))
     p = torch.nn.Parameter(torch.randn(8, 8))
-    opt = MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, horizon=4), **chosen)])
-    p.grad = torch.randn(8, 8)
-    with pytest.raises(ValueError, match=says):
-        opt.step()
+    with pytest.raises(ValueError, match=r"param group 0 \(kind='muon'\): " + says):
+        MuonAdamW([dict(kind="muon", params=[p], **dict(BASE, horizon=4), **chosen)])
 
 
 @pytest.mark.parametrize("key,value", [("precondition_frequency", 2 ** 70), ("input_interval", 2 ** 70),
