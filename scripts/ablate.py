@@ -49,7 +49,7 @@ from nanomuon.ablation.verdicts import PUBLISHED, report, write_ablation
 from nanomuon.common import get_base_dir, shown
 from nanomuon.recipe import short_run_matrix_lr
 from nanomuon.run import lock_run_dir, run_arg, unlock_run_dir
-from nanomuon.tokenizer import tokenizer_dir
+from nanomuon.tokenizer import Tokenizer, tokenizer_dir
 from nanomuon.variants import OPTIMIZER_VARIANTS
 from scripts.train_args import LR_FLAGS, load_ideas
 from scripts.train_args import parse_args as train_args
@@ -87,20 +87,24 @@ class Preset(NamedTuple):
     about: str
 
 
-REGIME_FLAGS = ["--depth", "2", "--aspect-ratio", "64", "--max-seq-len", "256",
-                "--device-batch-size", "16", "--total-batch-size", "8192", "--num-iterations", "640",
-                "--eval-every", "160", "--final-eval-tokens", "0"]  # a larger val set did not help
+REGIME_FLAGS = ["--max-seq-len", "256", "--device-batch-size", "16", "--total-batch-size", "8192",
+                "--head-dim", "64", "--eval-every", "160",
+                "--final-eval-tokens", "0"]  # a larger val set did not help
 PRESETS = {
     # The regime the published optimizer results come from (track 3 trains ~20 tokens per param,
-    # most in matrices): 524,288 params, 75% in Muon's block matrices (a 512-token vocab keeps the
-    # embedding and head small), 640 steps of 8,192 tokens = 10.0 tokens per param
-    "regime": Preset([*REGIME_FLAGS, "--head-dim", "64"], 512,
-                     "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon "
-                     "matrices, 10.0 tokens per param"),
-    # tried for Muon's seeds, which end far apart at regime: as far apart here (docs/research.md)
-    "regime-h4": Preset([*REGIME_FLAGS, "--head-dim", "32"], 512,
-                        "regime with 4 heads of 32: 524,288 params, 75% in Muon matrices, "
-                        "10.0 tokens per param"),
+    # most in matrices), in one layer: at depth 2 a seed's loss falls 0.3-0.4 nats at a step its
+    # init decides (400 to past 1,000), so Muon's seeds ended bimodal (docs/research.md). Width
+    # 192 (3 heads of 64), a 320-token vocab: 565,248 params, 78% in Muon's block matrices, 700
+    # steps of 8,192 tokens = 10.1 tokens per param
+    "regime": Preset([*REGIME_FLAGS, "--depth", "1", "--aspect-ratio", "192",
+                      "--num-iterations", "700"], 320,
+                     "depth 1, width 192 (3 heads), vocab 320: 565,248 params, 78% in Muon "
+                     "matrices, 10.1 tokens per param"),
+    # the earlier preset, for its measurements: Muon's seeds end bimodal there (docs/research.md)
+    "regime-d2": Preset([*REGIME_FLAGS, "--depth", "2", "--aspect-ratio", "64",
+                         "--num-iterations", "640"], 512,
+                        "depth 2, width 128 (2 heads), vocab 512: 524,288 params, 75% in Muon "
+                        "matrices, 10.0 tokens per param"),
 }
 
 
@@ -319,9 +323,15 @@ def sweep_value_problem(flags: list[str], sweep: Sweep, value: str) -> str | Non
             f"with --{flag} and one without it")
 
 
-def ensure_tokenizer(flags: list[str], vocab: int = 4096) -> None:
-    """The base dir's tokenizer, or a BPE of `vocab` tokens trained now on the embedded corpus."""
+def ensure_tokenizer(flags: list[str], vocab: int = 4096, exact: bool = False) -> None:
+    """The base dir's tokenizer, or a BPE of `vocab` tokens trained now on the embedded corpus;
+    exact (a preset's base dir, its shape fixed): one of another vocab is refused."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
+        held = Tokenizer.load(tokenizer_dir()).vocab_size
+        if exact and held != vocab:  # a preset whose shape changed: its runs would read the wrong vocab
+            raise SystemExit(f"error: {tokenizer_dir()} holds a {held}-token tokenizer, and "
+                             f"this shape trains a {vocab}-token one: move that folder away "
+                             "(its runs stay in their cache) or give another NANOMUON_BASE_DIR")
         return
     if "fineweb-edu" in flags[len(DEFAULT_FLAGS):]:
         raise SystemExit("error: no tokenizer; train one with `python -m scripts.tok_train "
@@ -413,7 +423,10 @@ def main(argv=None):
 
 def ablation(args, flags: list[str], argv):
     """The ablation's runs planned (--budget), run (cached) and written up."""
-    ensure_tokenizer(flags, PRESETS[args.preset].vocab if args.preset else 4096)
+    if args.preset:
+        ensure_tokenizer(flags, PRESETS[args.preset].vocab, exact=True)
+    else:
+        ensure_tokenizer(flags)
     cores = os.cpu_count() or 1
     cache = cache_of(flags)
     jobs = args.jobs or (max(1, cores // args.nproc) if cache["device_type"] == "cpu" else 1)

@@ -207,9 +207,9 @@ if [ "$MODE" = prepare ]; then
     NANOMUON_BASE_DIR="$KIT/ablate" python -m scripts.tok_train --keep-existing --dataset \
         embedded --vocab-size 4096 --max-chars 8000000
     rm -rf "$KIT/ablate/data"
-    # the regime preset's 512-token vocab, in the base dir ablate gives the preset
+    # the regime preset's 320-token vocab, in the base dir ablate gives the preset
     NANOMUON_BASE_DIR="$KIT/ablate/presets/regime" python -m scripts.tok_train --keep-existing \
-        --dataset embedded --vocab-size 512 --max-chars 8000000
+        --dataset embedded --vocab-size 320 --max-chars 8000000
     rm -rf "$KIT/ablate/presets/regime/data"
     # torchao for the fp8 steps, in case the GPU machine has no network (3 MB)
     rm -f "$KIT"/wheels/torchao-*.whl
@@ -313,7 +313,7 @@ bash speedrun.sh --num-iterations 20 --total-batch-size 65536 --device-batch-siz
 --max-seq-len 1024 --eval-tokens 65536"
 )
 # never run on a GPU: every regime limit is a guess, 1.5x its estimate. A run trains 64 seeds of
-# the preset (0.5M params) as one batched model, 640 steps of 8,192 tokens each: about 30 s of steps
+# the preset (0.57M params) as one batched model, 700 steps of 8,192 tokens each: about 30 s of steps
 # (the d4 speedrun stepped 27 ms for 65,536 tokens), and a compile. The table is ablate's
 # --published, in steps that fit a call: regime_adamw: muon and its runs at 0.8 of the steps, adamw
 # at its 3 lr-multipliers, one cold compile each; a technique: its 3 runs, its optimizer compiled

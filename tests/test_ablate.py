@@ -951,7 +951,23 @@ def test_the_default_is_planned_to_the_cpus_budget(capsys):
         assert args.budget == budget
 
 
-@pytest.mark.parametrize("name", ["regime", "regime-h4"])
+def test_a_presets_base_dir_with_a_tokenizer_of_another_vocab_is_refused(tmp_path, monkeypatch):
+    """A preset's shape fixes its vocab: a tokenizer an earlier shape left in its base dir is named and
+    refused, never read (its runs would train the wrong embedding); one of the right vocab is used."""
+    from nanomuon.tokenizer import Tokenizer
+    from scripts.ablate import DEFAULT_FLAGS, ensure_tokenizer
+
+    monkeypatch.setenv("NANOMUON_BASE_DIR", str(tmp_path))
+    held = Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], 300)  # a small text: fewer merges
+    held.save(tmp_path / "tokenizer")
+    with pytest.raises(SystemExit, match=rf"holds a {held.vocab_size}-token tokenizer, and this shape "
+                                         rf"trains a {held.vocab_size + 1}-token one: move that folder away"):
+        ensure_tokenizer(DEFAULT_FLAGS, held.vocab_size + 1, exact=True)
+    ensure_tokenizer(DEFAULT_FLAGS, held.vocab_size, exact=True)
+    ensure_tokenizer(DEFAULT_FLAGS)  # no preset: the base dir's own, whatever its vocab
+
+
+@pytest.mark.parametrize("name", ["regime", "regime-d2"])
 def test_the_regime_preset_is_in_the_published_regime(name):
     """The preset's model, built from its flags as base_train builds it: at least 75% of its params in Muon
     matrices and at least 10 training tokens per param, as its description says."""

@@ -230,13 +230,13 @@ def test_the_regime_table_is_a_kit_step_the_plan_sizes(tmp_path):
 
 
 def test_prepare_makes_the_regime_presets_tokenizer(tmp_path):
-    """--prepare trains the preset's 512-token vocab on the CPU machine (the GPU may lack rustbpe);
+    """--prepare trains the preset's 320-token vocab on the CPU machine (the GPU may lack rustbpe);
     a first one makes the kit's folder itself (the fake python makes none of it)."""
     root = kit(tmp_path)
     assert not (root / ".gpu_check").exists()
     p = gpu_check(root, "--prepare")
     assert p.returncode == 0 and (root / ".gpu_check" / "commit").is_file(), p.stderr
-    assert "-m scripts.tok_train --keep-existing --dataset embedded --vocab-size 512" in modules_run(root)
+    assert "-m scripts.tok_train --keep-existing --dataset embedded --vocab-size 320" in modules_run(root)
 
 
 def test_prepare_takes_a_downloaded_nanochat_as_an_unknown_commit(tmp_path):
