@@ -7,22 +7,43 @@ it (ablate's cache keys runs by that) and whether anything else decided it (then
 
 How, and its limits: a module counts when Python executes its code (the `exec` audit event; its
 file is hashed then, microseconds after import read it); one imported before start() is hashed at
-start(). User code is a frame of a file outside the library (nanomuon/, scripts/) and outside
-sys.prefix (stdlib, site-packages): an ideas file and the modules it reaches. Its reads are the
-`open` audit events (reading) and os.environ lookups made while such a frame is on the stack, an
-import's own opens aside. Not seen: reads in C (an extension's getenv or fopen), os.environb.
+start(). User code is a frame of a file outside the library (nanomuon/, scripts/), sys.prefix
+(stdlib, site-packages) and torch.compile's caches (compile_caches): an ideas file and the
+modules it reaches. Its reads are the `open` audit events (reading) and os.environ lookups made
+while such a frame is on the stack, an import's own opens aside. Not seen: reads in C (an
+extension's getenv or fopen), os.environb.
 """
 
 import functools
+import getpass
 import hashlib
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
 INSTALLED = tuple({os.path.realpath(p) + os.sep
                    for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
 LIBRARY = tuple(os.path.realpath(p) + os.sep
                 for p in (Path(__file__).parent, Path(__file__).parents[1] / "scripts"))
+
+
+def compile_caches() -> tuple[str, ...]:
+    """torch.compile's caches, as torch names them (inductor's runtime.cache_dir_utils, Triton's):
+    the code torch writes there is made from the library's own, hashed as it runs, and torch's
+    version, which a cache key holds; it is not user code, whatever it reads."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    triton = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton")
+    return tuple(os.path.realpath(p) + os.sep for p in (inductor, triton))
+
+
+GENERATED = compile_caches()
 SOURCES: dict[str, str] = {}  # a module's file -> sha256 of its contents as the process ran it
 OUTSIDE: dict[str, str] = {}  # what user code read that no key holds -> the user file that read it
 _started = []
@@ -47,13 +68,13 @@ def real_file(name: str) -> str | None:
 def is_user(name: str) -> bool:
     """Whether a code object's file is user code: a file outside the library and the install."""
     real = real_file(name)
-    return real is not None and not real.startswith(INSTALLED + LIBRARY)
+    return real is not None and not real.startswith(INSTALLED + LIBRARY + GENERATED)
 
 
 def note_source(name: str | None) -> None:
     """Hash a module's file as it runs; one that runs again with other contents is said."""
     real = real_file(name) if isinstance(name, str) else None
-    if real is None or real.startswith(INSTALLED):
+    if real is None or real.startswith(INSTALLED + GENERATED):
         return
     digest = file_hash(real)
     if SOURCES.setdefault(real, digest) != digest:

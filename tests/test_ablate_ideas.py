@@ -259,6 +259,42 @@ def test_a_process_records_the_code_it_ran_and_what_user_code_read(tmp_path):
         f"the file {data.resolve()} (read by {user})"], record
 
 
+GENERATED_READER = "import os\nSEEN = os.environ.get('NANOMUON_TEST_SCALE')\n"
+
+
+def test_code_torch_compile_writes_is_not_user_code(tmp_path):
+    """A module in torch.compile's cache (TORCHINDUCTOR_CACHE_DIR: inductor writes it from the
+    library's code) that reads the environment is neither a source nor a read no key holds; the
+    same module elsewhere is user code, and its read is named."""
+    cache, elsewhere = tmp_path / "inductor" / "ab", tmp_path / "mine"
+    for d in (cache, elsewhere):
+        d.mkdir(parents=True)
+        (d / f"gen_{d.name}.py").write_text(GENERATED_READER)
+    code = (f"import sys, json; from nanomuon import reads; reads.start(); "
+            f"sys.path[:0] = [{str(cache)!r}, {str(elsewhere)!r}]; import gen_ab, gen_mine; "
+            "print(json.dumps(reads.record()))")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    record = json.loads(out)
+    mine = str((elsewhere / "gen_mine.py").resolve())
+    assert record["outside"] == [f"the environment variable NANOMUON_TEST_SCALE (read by {mine})"]
+    assert mine in record["sources"] and not any("inductor" in f for f in record["sources"])
+
+
+@pytest.mark.heavy
+def test_a_compiled_step_on_a_cpu_reads_nothing_a_key_misses(tmp_path):
+    """torch.compile on a CPU: inductor's generated module reads the environment (its C++ build's)
+    as it runs; a compiled run is still cached (nothing outside the key)."""
+    code = ("import json, torch; from nanomuon import reads; reads.start(); "
+            "f = torch.compile(lambda x: (x * 2).sin()); f(torch.ones(3)); "
+            "print(json.dumps(reads.record()['outside']))")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == []
+
+
 EARLY = '"""An ideas file that imports a helper and registers nothing."""\nimport shared_helper\n'
 SCALED = '''
 """A stage that reads two helpers: one imported at load, one when the stage runs."""
