@@ -328,8 +328,8 @@ def ensure_tokenizer(flags: list[str], vocab: int = 4096, exact: bool = False) -
     """The base dir's tokenizer, or a BPE of `vocab` tokens trained now on the embedded corpus;
     exact (a preset's base dir, its shape fixed): one of another vocab is refused."""
     if os.path.isfile(tokenizer_dir() / "tokenizer.json"):
-        held = Tokenizer.load(tokenizer_dir()).vocab_size
-        if exact and held != vocab:  # a preset whose shape changed: its runs would read the wrong vocab
+        held = Tokenizer.load(tokenizer_dir()).vocab_size if exact else vocab
+        if held != vocab:  # a preset whose shape changed: its runs would read the wrong vocab
             raise SystemExit(f"error: {tokenizer_dir()} holds a {held}-token tokenizer, and "
                              f"this shape trains a {vocab}-token one: move that folder away "
                              "(its runs stay in their cache) or give another NANOMUON_BASE_DIR")
