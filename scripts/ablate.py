@@ -31,7 +31,14 @@ from typing import NamedTuple
 
 from nanomuon import recipe
 from nanomuon.ablation import budget
-from nanomuon.ablation.pacing import Refiner, cache_keys, in_words, kept_estimate, prior_estimate
+from nanomuon.ablation.pacing import (
+    Refiner,
+    Timer,
+    cache_keys,
+    in_words,
+    kept_estimate,
+    prior_estimate,
+)
 from nanomuon.ablation.runs import (
     RUNNING,
     UNSWEPT,
@@ -479,14 +486,16 @@ def ablation(args, flags: list[str], argv):
           + f", {jobs} at a time, {threads} thread(s) each", flush=True)
     started = time.monotonic()
     one_value = len(args.sweep.of(args.baseline)) == 1  # the baseline's lengths run at it now
+    pace = refiner or Timer(args, train, cache_keys(args, flags, jobs, threads, cache),
+                            cpu_used(args, jobs, threads, cache))  # timed for the next plan
     results = run_all(todo + shorter if one_value else todo, flags, args, jobs, threads, cache,
-                      refiner)
+                      pace)
     seeds = list(range(1, (refiner.plan.seeds if refiner else n_seeds) + 1))  # with any added
     if not one_value and shorter:
         best = report(split_runs(results)[0], args.variants, args.sweep, seeds,
                       args.baseline)[1][args.baseline]
         results |= run_all([job._replace(value=best) for job in shorter], flags, args, jobs,
-                           threads, cache, refiner)
+                           threads, cache, pace)
     main_runs, lengths = split_runs(results)
     write_ablation(args, argv, flags, main_runs, lengths, seeds)
     print(f"== {len(results)} runs took {(time.monotonic() - started) / 60:.1f} min", flush=True)
@@ -504,8 +513,8 @@ def say_plan(args, todo: list[Job], flags: list[str], jobs: int, threads: int,
     for (*_, label), hit in zip(runs, hits):
         print(f"==   {label}: {'cached' if hit else 'to train'}", flush=True)
     left = [(seeds, steps) for (seeds, steps, *_), hit in zip(runs, hits) if not hit]
-    used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
-    cal, _, how = kept_estimate(cache_keys(args, flags, jobs, threads, cache), used)
+    cal, _, how = kept_estimate(cache_keys(args, flags, jobs, threads, cache),
+                                cpu_used(args, jobs, threads, cache))
     if cal is None and left:
         cal, how = prior_estimate(args, train_args(flags), jobs, threads, cache)
     lanes = [0.0] * jobs
@@ -518,6 +527,12 @@ def say_plan(args, todo: list[Job], flags: list[str], jobs: int, threads: int,
           f"all, {jobs} at a time: {took if left else 'none'} ({how})", flush=True)
 
 
+def cpu_used(args, jobs: int, threads: int, cache: dict) -> int:
+    """The cores the runs keep busy, by which a kept pace scales to the load now (0 on a GPU,
+    whose steps do not wait on the CPU's other processes)."""
+    return jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
+
+
 def plan_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threads: int,
                       cache: dict) -> tuple[list[str], "Refiner"]:
     """--budget: (flags with the plan's steps and evals, the Refiner that follows the runs); the
@@ -525,9 +540,7 @@ def plan_for_budget(args, flags: list[str], runs_per_seed: int, jobs: int, threa
     train, layout = train_args(flags), (runs_per_seed, jobs, len(args.baseline_lengths),
                                         args.batch_seeds)
     keys = cache_keys(args, flags, jobs, threads, cache)
-    # a GPU's steps do not wait on the CPU's other processes: no load to scale by
-    used = jobs * threads * args.nproc if cache["device"].startswith("cpu") else 0
-    estimate, about, how = kept_estimate(keys, used)
+    estimate, about, how = kept_estimate(keys, cpu_used(args, jobs, threads, cache))
     guess, plan = None, budget.read_plan(keys.plan)
     fresh = estimate is None and plan is None
     if fresh:

@@ -166,6 +166,23 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
     assert "1.000 s a step of a seed" in said_plan(again)[0]
 
 
+def test_runs_without_a_budget_are_timed_for_the_next_plan(base, fake):
+    """An ablation given its steps plans no budget, yet its runs' step records are kept as a calibration
+    (a --published table resumed says its time as measured here, not by the prior): a seed's step at the
+    fake's STEP_S, and the start-up, evals and save what is left of the runs' walls."""
+    from scripts import ablate
+
+    calibrations = lambda: set((base / "ablations" / "cache").glob("calibration-*.json"))
+    before = calibrations()
+    ablate.main([*FLAGS, "--num-iterations", "50", "--seeds", "3", "--name", "unbudgeted"])
+    kept = calibrations() - before
+    assert len(kept) == 1
+    cal, about = planner.read_calibration(kept.pop())
+    assert cal.step_s == STEP_S and about["load"] == 0.0
+    per_seed = planner.EVALS * cal.eval_s + cal.final_s
+    assert cal.fixed_s + 3 * (per_seed + 50 * cal.step_s) == pytest.approx(START_S + 3 * 50 * STEP_S + REST_S)
+
+
 def cache_at(tmp_path, code="c", **more):
     return dict(dir=tmp_path, device="cpu a CPU", code=code, torch="t", **more)
 

@@ -371,6 +371,10 @@ class Tracker:
     def refused(self, cal: Calibration) -> None:
         """The budget was refused at cal's pace (a subclass keeps it)."""
 
+    def more(self) -> list:
+        """The Jobs of seeds to add as runs end: none, but where a budget has room (Refiner)."""
+        return []
+
 
 def read_plan(path: Path) -> Plan | None:
     """A kept plan, or None when there is none or it is not one."""

@@ -119,6 +119,20 @@ def in_words(cal: Calibration, spent: bool = True) -> str:
                         else ""))
 
 
+class Timer(Tracker):
+    """Runs not planned to a budget, timed all the same: their calibration is kept as each ends,
+    so the next ablate of these runs (--published resumed) says its plan's time as measured here,
+    not by the prior."""
+
+    def __init__(self, args, train, keys: Keys, used: int):
+        super().__init__(math.inf, 0.0, evals_of(args, train))
+        self.keys, self.about = keys, kept_estimate(keys, used)[1]  # the load the runs start at
+
+    def finished(self, run, cal: Calibration) -> None:
+        write_json(self.keys.calibration, dict(calibration=cal._asdict(),
+                                               about=dict(self.about, when=time.time())))
+
+
 class Refiner(Tracker):
     """A budget's plan as its runs go: it says their first pace and each run's end with the
     plan's end at that pace, keeps the calibration, the timed plan and a refusing pace for the
