@@ -798,8 +798,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _torch_load(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping this run's structural options, filling defaults newer
-        than the checkpoint, and stage state back in its own dtype (torch casts it). The last
-        part of both loads, given a state already cut to this rank's pieces."""
+        than the checkpoint, and stage state back in its own dtype (torch casts it), then the
+        post-hooks. The last part of both loads, given a state already cut to this rank's pieces."""
         keep = [{k: g[k] for k in self.STRUCTURAL_KEYS if k in g} for g in self.param_groups]
         pre, post = (self._optimizer_load_state_dict_pre_hooks,
                      self._optimizer_load_state_dict_post_hooks)
@@ -830,6 +830,8 @@ class MuonAdamW(torch.optim.Optimizer):
         # per-param states are fresh tensors now, views of no stack: re-stack on next use
         self._stacks.clear()
         self._resolved.clear()  # the groups are the checkpoint's now: check them whole
+        for hook in self._optimizer_load_state_dict_post_hooks.values():  # as torch's, last
+            hook(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (state_dict(), saved at any world size): each rank keeps its own
@@ -841,8 +843,6 @@ class MuonAdamW(torch.optim.Optimizer):
         if problem := state_values_problem(self.param_groups, state_dict):
             raise DamagedState(problem)
         self._torch_load(self._cut(state_dict, self._state_layout()))
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     def _pre_hooked(self, state_dict: dict) -> dict:
         """A shallow copy of state_dict through the load pre-hooks, as torch runs them."""
@@ -960,8 +960,6 @@ class MuonAdamW(torch.optim.Optimizer):
         if problem:
             raise DamagedState(problem)
         self._torch_load(cut)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
 
 class DistMuonAdamW(MuonAdamW):
