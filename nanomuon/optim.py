@@ -192,7 +192,6 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults={"momentum": None})
         params = [p for g in self.param_groups for p in g["params"]]
         self.compiled = any(p.is_cuda for p in params) if compile is None else bool(compile)
-        self._sharded_owners = {}  # DTensor Muon params' owners and blocks (sharded.py)
         # per group: (param ids, buckets), plain Muon params' owners; the ids tell
         # _owned_buckets that a group's params changed
         self._buckets = []
@@ -212,21 +211,22 @@ class MuonAdamW(torch.optim.Optimizer):
                                       dist.get_world_size(process_group))
         # gloo in older torch lacks ReduceOp.AVG: there the sum is taken, the reduced shard scaled
         self._use_avg = dist.get_backend(process_group) == "nccl"
-        self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         self._scatter = self._use_avg  # reduce-scatter and all_gather on nccl, else broadcasts
 
     def _forget_caches(self) -> None:
-        """Drop what is made again on use: stacked state, resolved groups, flags, the mesh. At
-        construction and after a copy or unpickle, whose params are new tensors with new ids."""
+        """Drop what is made again on use: stacked state, resolved groups, flags, the mesh, the
+        DTensor params' owners. At construction and after a copy or unpickle, whose params are
+        new tensors with new ids."""
         # a bucket's owned params' ids, in order -> (group signature, name -> (K, *slot) stack)
         self._stacks = {}
         self._resolved = {}  # group index -> Resolved, made again when its keys change
         self._ones = None  # grad-presence flags of a rank that has every grad (_has_grad)
         self._mesh = None  # a DeviceMesh of the process group, for sharded checkpoints (_dcp_form)
+        self._sharded_owners = {}  # DTensor Muon params' owners and blocks (sharded.py)
 
     # Copies: deepcopy, pickle and torch.save of the optimizer. The caches are made again; the
     # process group, a live handle, is shared by a copy in this process and re-bound on unpickle.
-    CACHES = ("_stacks", "_resolved", "_ones", "_mesh", "_sharded_owners", "pg", "_mean_op")
+    CACHES = ("_stacks", "_resolved", "_ones", "_mesh", "_sharded_owners", "pg")
 
     def _copied_state(self) -> dict:
         """What a copy keeps: torch's (defaults, state, groups; hooks dropped, as torch does) and
@@ -270,12 +270,10 @@ class MuonAdamW(torch.optim.Optimizer):
                                  "first), or load its state_dict() at any world size")
             pg = dist.group.WORLD
         self.__setstate__(state)  # torch's part, as on a load
-        self.pg, self._sharded_owners = pg, {}
+        self.pg = pg
         self._buckets = [(tuple(id(p) for p in g["params"]), bs)
                          for g, bs in zip(self.param_groups, self._buckets)]
         self._forget_caches()
-        if pg is not None:
-            self._mean_op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
 
     def add_param_group(self, group: dict) -> None:
         """Check the group completely (structure, keys, values, params) before torch sees it."""
@@ -683,8 +681,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _reduce(self, buf: Tensor):
         """Start the mean over the ranks of buf, in place, at least of _own_chunk(buf): a
         reduce-scatter on nccl; elsewhere an all_reduce, faster than gloo's reduce-scatter."""
-        if self._scatter:
-            return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=self._mean_op,
+        if self._scatter:  # on nccl, which averages (_use_avg)
+            return dist.reduce_scatter_tensor(self._own_chunk(buf), buf, op=dist.ReduceOp.AVG,
                                               group=self.pg, async_op=True)
         return self._all_reduce(buf)
 
@@ -711,8 +709,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _all_reduce(self, t, op=None):
         """Start an all_reduce of t in place: the mean over the ranks (on gloo their sum, which
         _finish_mean divides), or op's."""
-        return dist.all_reduce(t, op=self._mean_op if op is None else op, group=self.pg,
-                               async_op=True)
+        mean = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        return dist.all_reduce(t, op=mean if op is None else op, group=self.pg, async_op=True)
 
     def _finish_mean(self, t: Tensor) -> None:
         """The mean of a reduced t, in place: a division where the backend summed (gloo)."""
