@@ -896,10 +896,6 @@ class MuonAdamW(torch.optim.Optimizer):
         """param -> its group's kind."""
         return {p: g["kind"] for g in self.param_groups for p in g["params"]}
 
-    def _whole_shape(self, p: Tensor, kind: str, name: str) -> tuple:
-        """The whole shape of state `name` of p: p's, or as another kind declares it."""
-        return tuple(p.shape) if kind == "muon" else kinds.whole_shapes(kind, p.shape)[name]
-
     def _dcp_form(self, v: Tensor, shape, how, device) -> Tensor:
         """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of the
         whole state, of `shape`, so torch.distributed.checkpoint can reshard it to any world
@@ -923,7 +919,9 @@ class MuonAdamW(torch.optim.Optimizer):
             p = params[idx]
             for name, v in st.items():
                 if isinstance(v, Tensor):
-                    shape = self._whole_shape(p, kind_of[p], name)
+                    # the whole state's shape: p's, or as another kind declares it
+                    shape = (tuple(p.shape) if kind_of[p] == "muon"
+                             else kinds.whole_shapes(kind_of[p], p.shape)[name])
                     tensors[f"{idx}.{name}"] = self._dcp_form(v, shape, where(p, name, shape),
                                                               p.device)
                 else:
