@@ -736,8 +736,7 @@ def muon_plan(group: dict, shape, dtype: torch.dtype, device) -> MuonPlan:
         lr_factor = rows.view(1, -1) if layout.transposed else rows.view(-1, 1)
     # what the precondition and post-process stages read beyond their input: the step gives
     # them the raw grad, the weights or the inputs only where one asks
-    direction = [s for key, _, s in chosen if key in CHAIN_KEYS]
-    needs = tuple(sorted({need for s in direction for need in s.needs}))
+    needs = tuple(sorted({need for key, _, s in chosen if key in CHAIN_KEYS for need in s.needs}))
     apply = _stage("apply", group["apply"])
     decays = group["weight_decay_mode"] == "l2" or apply.flags.weight_decay
     # get: a group is filled only with the options of stages it runs (group_options)
