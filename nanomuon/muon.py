@@ -114,12 +114,11 @@ def muon_update(
     direction, apply. A batched param (experts, out, in) stacks as (K, experts, out, in)."""
     grads = torch.stack(grads) if isinstance(grads, list) else grads  # a slice: small memory
     raw = grads.clone() if "grad" in plan.needs else None  # the momentum step overwrites grads
-    out_dtype = grads.dtype  # the params'
     g = muon_momentum(grads, state.get("momentum_buffer"), params, h, plan)
     weight = (params if isinstance(params, Tensor) else torch.stack(params)) \
         if "weight" in plan.needs else None  # apply stages have the params themselves
     ctx = StageContext(state, h, plan, raw, weight, inputs=inputs)
-    muon_apply(params, muon_direction(g, ctx, out_dtype), ctx)
+    muon_apply(params, muon_direction(g, ctx, grads.dtype), ctx)  # in the params' dtype
 
 
 def muon_momentum(grads: Tensor, momentum_buffer: Tensor | None, params, h: MuonScalars,
