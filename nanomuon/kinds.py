@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from nanomuon.common import DTensor
-from nanomuon.muon import kernel, scalars
+from nanomuon.muon import StateSlot, kernel, scalars
 from nanomuon.stages import ADAMW_OPTIONS, Option, a_number, a_pair_of_betas
 
 
@@ -134,6 +134,7 @@ KINDS = {
         keeps=("betas", "eps")),  # AdamW's, with fewer second moments
 }
 PERS = ("element", "row", "tensor")
+ADAMW_STATE = dict(exp_avg=KindState(), exp_avg_sq=KindState(nonnegative=True))  # optim.py's
 
 
 # What the optimizer asks of a kind: its keys, its state's shapes, whether rows shard it.
@@ -156,24 +157,20 @@ def state_shape(spec: KindState, shape) -> tuple:
     return ()
 
 
-def state_shapes(kind: str, shape) -> dict:
-    """name -> (whole shape, nonnegative) of every state a param of `shape` keeps under `kind`."""
-    return {name: (state_shape(s, shape), s.nonnegative) for name, s in KINDS[kind].state.items()}
-
-
-def whole_shapes(kind: str, shape) -> dict:
-    """name -> whole shape of each state tensor a param of `shape` keeps under `kind`, AdamW's
-    included (Muon's stages declare theirs in stages.py)."""
-    if kind == "adamw":
-        return dict.fromkeys(("exp_avg", "exp_avg_sq"), tuple(shape))
-    return {name: s for name, (s, _) in state_shapes(kind, shape).items()}
+def state_slots(kind: str, shape, dtype: torch.dtype) -> dict:
+    """name -> muon.StateSlot (zeros) of each state a param of `shape` and `dtype` keeps under
+    `kind`, AdamW's included (Muon's stages declare theirs in stages.py): at least its dtype."""
+    specs = ADAMW_STATE if kind == "adamw" else KINDS[kind].state
+    return {name: StateSlot(state_shape(s, shape), dtype if s.dtype is None
+                            else torch.promote_types(dtype, s.dtype), 0.0, s.nonnegative)
+            for name, s in specs.items()}
 
 
 def by_rows(kind: str, shape) -> bool:
     """Whether a param of `shape` updates row by row under `kind`: each state has its rows, so
     ZeRO-1 may shard it by whole rows (AdamW's always does)."""
     return kind == "adamw" or (len(shape) >= 1 and all(
-        s[:1] == tuple(shape)[:1] for s, _ in state_shapes(kind, shape).values()))
+        state_shape(s, shape)[:1] == tuple(shape)[:1] for s in KINDS[kind].state.values()))
 
 
 def per_element(kind: str) -> bool:
@@ -196,9 +193,7 @@ def fresh_state(kind: str, p: Tensor, shape) -> dict:
     """A param's new state: p is whole, a DTensor, or a flat shard of whole rows of `shape`
     (its state then flat too, as AdamW's shard is)."""
     out = {}
-    for name, spec in KINDS[kind].state.items():
-        dtype = p.dtype if spec.dtype is None else torch.promote_types(p.dtype, spec.dtype)
-        whole = state_shape(spec, shape)
+    for name, (whole, dtype, *_) in state_slots(kind, shape, p.dtype).items():
         if isinstance(p, DTensor):  # a DTensor too, placed as placements() says
             out[name] = torch.distributed.tensor.zeros(
                 whole, dtype=dtype, device_mesh=p.device_mesh, placements=placements(p, whole))

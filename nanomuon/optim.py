@@ -772,7 +772,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
             else:
                 full[p]["step"] = st["step"]
-                for name, shape in kinds.whole_shapes(kind, p.shape).items():  # every rank's rows
+                # every rank's rows of each state
+                for name, (shape, *_) in kinds.state_slots(kind, p.shape, p.dtype).items():
                     shard, lo, hi = self._rows(p, shape=shape)
                     out = st[name].new_empty(shard * N)  # every rank's shard, padded alike
                     dist.all_gather_into_tensor(out, torch.nn.functional.pad(
@@ -900,7 +901,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _whole_shape(self, p: Tensor, kind: str, name: str) -> tuple:
         """The whole shape of state `name` of p: p's, or as another kind declares it."""
-        return tuple(p.shape) if kind == "muon" else kinds.whole_shapes(kind, p.shape)[name]
+        return kinds.state_slots(kind, p.shape, p.dtype)[name].shape if kind != "muon" else p.shape
 
     def _dcp_form(self, v: Tensor, shape, how, device) -> Tensor:
         """v as a sharded checkpoint stores it: a flat shard of rows as a DTensor block of the
