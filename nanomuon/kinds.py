@@ -241,23 +241,17 @@ def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, sl
         update(p_rows, g_rows, dict(zip(kind.state, rest)), h)
 
 
-def check_kind_group(label: str, group: dict) -> None:
-    """A registered kind's group: its state's declaration, its required keys, each key's
-    value."""
-    kind = KINDS[group["kind"]]
+def check_entry(label: str, name: str) -> None:
+    """A registered kind's entry as a group names it: numbers a function, each state per one of
+    PERS (param_groups.check_group_values checks the group's keys against its options)."""
+    kind = KINDS[name]
     if not callable(kind.numbers):  # an entry written with a tuple of required keys before it
-        raise ValueError(f"{label}: kind {group['kind']!r} has numbers={kind.numbers!r}, not a "
+        raise ValueError(f"{label}: kind {name!r} has numbers={kind.numbers!r}, not a "
                          "function: write Kind(update, state, options, numbers, keeps), and "
                          "mark each key a group must give required=True in its Option row")
-    if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
-        raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
+    if bad := [n for n, s in kind.state.items() if s.per not in PERS]:
+        raise ValueError(f"{label}: kind {name!r} declares state {bad[0]!r} per "
                          f"{kind.state[bad[0]].per!r}; give KindState(per=) one of {PERS}")
-    if missing := [k for k in kind.required if k not in group]:
-        raise ValueError(f"{label}: missing {missing}; a {group['kind']} group needs "
-                         f"{list(kind.required)}")
-    for key, option in kind.options.items():
-        if key in group and (wrong := option.check(group[key])):
-            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
 
 
 def check_kind_numbers(label: str, group: dict, numbers: tuple) -> None:

@@ -145,19 +145,20 @@ def group_label(i: int, group: dict) -> str:
 
 def check_group_values(i: int, group: dict) -> None:
     """Every check of a group's keys and values but what schedules edit (optim.check_numbers):
-    its kind and required keys, then a muon group's options, coefficients, layout and stages."""
+    its kind, required keys and options (a registered kind's as its entry declares them), then a
+    muon group's coefficients, layout and stages."""
     label, kind = group_label(i, group), group.get("kind")
-    if kind in kinds.KINDS:  # a registered kind: its entry declares and checks its keys
-        return kinds.check_kind_group(label, group)
-    if kind not in REQUIRED_KEYS:
+    if kind in kinds.KINDS:  # a registered kind: its entry declares its keys
+        kinds.check_entry(label, kind)
+    elif kind not in REQUIRED_KEYS:
         raise ValueError(f"{label}: kind must be 'adamw', 'muon' or one of kinds.KINDS "
                          f"{list(kinds.KINDS)}; add kind='adamw' or kind='muon' to the group")
-    if missing := [k for k in REQUIRED_KEYS[kind] if k not in group]:
+    if missing := [k for k in kind_keys(group)[0] if k not in group]:
         raise ValueError(f"{label}: missing {missing}; "
-                         f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
-    if kind == "adamw":
-        return
-    for key, option in stages.group_options(group).items():
+                         f"a {kind} group needs {list(kind_keys(group)[0])}")
+    # a kind's every key, required ones too; Muon's and AdamW's required ones: optim.check_numbers
+    for key, option in (kinds.KINDS[kind].options if kind in kinds.KINDS
+                        else stages.group_options(group)).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
         if (option.check is stages.an_interval and isinstance(group.get(key), float)
@@ -165,6 +166,8 @@ def check_group_values(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
                              "this group does not know: give it horizon= (GPT.setup_optimizer's "
                              "horizon; base_train sets it), or the interval in steps")
+    if kind != "muon":
+        return
     if group.get("qkv_split") is not None and group.get("split") is not None:
         raise ValueError(f"{label}: give split or qkv_split, not both "
                          "(qkv_split=(q, k, v) is split's 3-block case)")
