@@ -319,17 +319,14 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> dict:
                              f"{saved.get('kind')} params, this optimizer's has "
                              f"{len(group['params'])} {group['kind']} params; "
                              "it was saved from a different model or optimizer setup")
-        # keys its constructor would refuse (older checkpoints' keys load as what they meant),
-        # but those other code added (ADDED)
-        required, options = kind_keys(saved)
-        known = PASSIVE_KEYS | set(required) | {*LEGACY_KEYS, "ns_method"}
         added = saved.get(ADDED, [])
         if not (isinstance(added, list) and all(isinstance(k, str) for k in added)):
             shown_added = shown(repr(added), 80, quote=False)
             raise ValueError(f"optimizer checkpoint group {i}: {ADDED}={shown_added} is not a "
                              "list of key names; the file is corrupt")
-        known |= {NAMES, ADDED, *added}
-        if unknown := sorted(set(saved) - known - set(options)):
+        # keys its constructor would refuse (older checkpoints' keys load as what they meant),
+        # but those other code added (ADDED)
+        if unknown := sorted(set(added_keys(saved)) - {*LEGACY_KEYS, "ns_method", *added}):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
