@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from nanomuon.common import DTensor
-from nanomuon.muon import kernel, scalars
+from nanomuon.muon import StateSlot, kernel, scalars
 from nanomuon.stages import ADAMW_OPTIONS, Option, a_number, a_pair_of_betas
 
 
@@ -134,6 +134,7 @@ KINDS = {
         keeps=("betas", "eps")),  # AdamW's, with fewer second moments
 }
 PERS = ("element", "row", "tensor")
+ADAMW_STATE = dict(exp_avg=KindState(), exp_avg_sq=KindState(nonnegative=True))  # optim.py's
 
 
 # What the optimizer asks of a kind: its keys, its state's shapes, whether rows shard it.
@@ -156,24 +157,20 @@ def state_shape(spec: KindState, shape) -> tuple:
     return ()
 
 
-def state_shapes(kind: str, shape) -> dict:
-    """name -> (whole shape, nonnegative) of every state a param of `shape` keeps under `kind`."""
-    return {name: (state_shape(s, shape), s.nonnegative) for name, s in KINDS[kind].state.items()}
-
-
-def whole_shapes(kind: str, shape) -> dict:
-    """name -> whole shape of each state tensor a param of `shape` keeps under `kind`, AdamW's
-    included (Muon's stages declare theirs in stages.py)."""
-    if kind == "adamw":
-        return dict.fromkeys(("exp_avg", "exp_avg_sq"), tuple(shape))
-    return {name: s for name, (s, _) in state_shapes(kind, shape).items()}
+def state_slots(kind: str, shape, dtype: torch.dtype) -> dict:
+    """name -> muon.StateSlot (zeros) of each state a param of `shape` and `dtype` keeps under
+    `kind`, AdamW's included (Muon's stages declare theirs in stages.py): at least its dtype."""
+    specs = ADAMW_STATE if kind == "adamw" else KINDS[kind].state
+    return {name: StateSlot(state_shape(s, shape), dtype if s.dtype is None
+                            else torch.promote_types(dtype, s.dtype), 0.0, s.nonnegative)
+            for name, s in specs.items()}
 
 
 def by_rows(kind: str, shape) -> bool:
     """Whether a param of `shape` updates row by row under `kind`: each state has its rows, so
     ZeRO-1 may shard it by whole rows (AdamW's always does)."""
     return kind == "adamw" or (len(shape) >= 1 and all(
-        s[:1] == tuple(shape)[:1] for s, _ in state_shapes(kind, shape).values()))
+        state_shape(s, shape)[:1] == tuple(shape)[:1] for s in KINDS[kind].state.values()))
 
 
 def per_element(kind: str) -> bool:
@@ -196,9 +193,7 @@ def fresh_state(kind: str, p: Tensor, shape) -> dict:
     """A param's new state: p is whole, a DTensor, or a flat shard of whole rows of `shape`
     (its state then flat too, as AdamW's shard is)."""
     out = {}
-    for name, spec in KINDS[kind].state.items():
-        dtype = p.dtype if spec.dtype is None else torch.promote_types(p.dtype, spec.dtype)
-        whole = state_shape(spec, shape)
+    for name, (whole, dtype, *_) in state_slots(kind, shape, p.dtype).items():
         if isinstance(p, DTensor):  # a DTensor too, placed as placements() says
             out[name] = torch.distributed.tensor.zeros(
                 whole, dtype=dtype, device_mesh=p.device_mesh, placements=placements(p, whole))
@@ -246,23 +241,17 @@ def run(group: dict, tensors: list[Tensor], shape, step: int, compiled: bool, sl
         update(p_rows, g_rows, dict(zip(kind.state, rest)), h)
 
 
-def check_kind_group(label: str, group: dict) -> None:
-    """A registered kind's group: its state's declaration, its required keys, each key's
-    value."""
-    kind = KINDS[group["kind"]]
+def check_entry(label: str, name: str) -> None:
+    """A registered kind's entry as a group names it: numbers a function, each state per one of
+    PERS (param_groups.check_group_values checks the group's keys against its options)."""
+    kind = KINDS[name]
     if not callable(kind.numbers):  # an entry written with a tuple of required keys before it
-        raise ValueError(f"{label}: kind {group['kind']!r} has numbers={kind.numbers!r}, not a "
+        raise ValueError(f"{label}: kind {name!r} has numbers={kind.numbers!r}, not a "
                          "function: write Kind(update, state, options, numbers, keeps), and "
                          "mark each key a group must give required=True in its Option row")
-    if bad := [name for name, s in kind.state.items() if s.per not in PERS]:
-        raise ValueError(f"{label}: kind {group['kind']!r} declares state {bad[0]!r} per "
+    if bad := [n for n, s in kind.state.items() if s.per not in PERS]:
+        raise ValueError(f"{label}: kind {name!r} declares state {bad[0]!r} per "
                          f"{kind.state[bad[0]].per!r}; give KindState(per=) one of {PERS}")
-    if missing := [k for k in kind.required if k not in group]:
-        raise ValueError(f"{label}: missing {missing}; a {group['kind']} group needs "
-                         f"{list(kind.required)}")
-    for key, option in kind.options.items():
-        if key in group and (wrong := option.check(group[key])):
-            raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
 
 
 def check_kind_numbers(label: str, group: dict, numbers: tuple) -> None:

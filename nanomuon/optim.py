@@ -770,7 +770,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 full[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
             else:
                 full[p]["step"] = st["step"]
-                for name, shape in kinds.whole_shapes(kind, p.shape).items():  # every rank's rows
+                # every rank's rows of each state
+                for name, (shape, *_) in kinds.state_slots(kind, p.shape, p.dtype).items():
                     shard, lo, hi = self._rows(p, shape=shape)
                     out = st[name].new_empty(shard * N)  # every rank's shard, padded alike
                     dist.all_gather_into_tensor(out, torch.nn.functional.pad(
@@ -921,7 +922,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 if isinstance(v, Tensor):
                     # the whole state's shape: p's, or as another kind declares it
                     shape = (tuple(p.shape) if kind_of[p] == "muon"
-                             else kinds.whole_shapes(kind_of[p], p.shape)[name])
+                             else kinds.state_slots(kind_of[p], p.shape, p.dtype)[name].shape)
                     tensors[f"{idx}.{name}"] = self._dcp_form(v, shape, where(p, name, shape),
                                                               p.device)
                 else:

@@ -145,19 +145,20 @@ def group_label(i: int, group: dict) -> str:
 
 def check_group_values(i: int, group: dict) -> None:
     """Every check of a group's keys and values but what schedules edit (optim.check_numbers):
-    its kind and required keys, then a muon group's options, coefficients, layout and stages."""
+    its kind, required keys and options (a registered kind's as its entry declares them), then a
+    muon group's coefficients, layout and stages."""
     label, kind = group_label(i, group), group.get("kind")
-    if kind in kinds.KINDS:  # a registered kind: its entry declares and checks its keys
-        return kinds.check_kind_group(label, group)
-    if kind not in REQUIRED_KEYS:
+    if kind in kinds.KINDS:  # a registered kind: its entry declares its keys
+        kinds.check_entry(label, kind)
+    elif kind not in REQUIRED_KEYS:
         raise ValueError(f"{label}: kind must be 'adamw', 'muon' or one of kinds.KINDS "
                          f"{list(kinds.KINDS)}; add kind='adamw' or kind='muon' to the group")
-    if missing := [k for k in REQUIRED_KEYS[kind] if k not in group]:
+    if missing := [k for k in kind_keys(group)[0] if k not in group]:
         raise ValueError(f"{label}: missing {missing}; "
-                         f"a {kind} group needs {list(REQUIRED_KEYS[kind])}")
-    if kind == "adamw":
-        return
-    for key, option in stages.group_options(group).items():
+                         f"a {kind} group needs {list(kind_keys(group)[0])}")
+    # a kind's every key, required ones too; Muon's and AdamW's required ones: optim.check_numbers
+    for key, option in (kinds.KINDS[kind].options if kind in kinds.KINDS
+                        else stages.group_options(group)).items():
         if key in group and (wrong := option.check(group[key])):
             raise ValueError(f"{label}: {key}={group[key]!r} {wrong}")
         if (option.check is stages.an_interval and isinstance(group.get(key), float)
@@ -165,6 +166,8 @@ def check_group_values(i: int, group: dict) -> None:
             raise ValueError(f"{label}: {key}={group[key]!r} is a fraction of the run, which "
                              "this group does not know: give it horizon= (GPT.setup_optimizer's "
                              "horizon; base_train sets it), or the interval in steps")
+    if kind != "muon":
+        return
     if group.get("qkv_split") is not None and group.get("split") is not None:
         raise ValueError(f"{label}: give split or qkv_split, not both "
                          "(qkv_split=(q, k, v) is split's 3-block case)")
@@ -316,17 +319,14 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> dict:
                              f"{saved.get('kind')} params, this optimizer's has "
                              f"{len(group['params'])} {group['kind']} params; "
                              "it was saved from a different model or optimizer setup")
-        # keys its constructor would refuse (older checkpoints' keys load as what they meant),
-        # but those other code added (ADDED)
-        required, options = kind_keys(saved)
-        known = PASSIVE_KEYS | set(required) | {*LEGACY_KEYS, "ns_method"}
         added = saved.get(ADDED, [])
         if not (isinstance(added, list) and all(isinstance(k, str) for k in added)):
             shown_added = shown(repr(added), 80, quote=False)
             raise ValueError(f"optimizer checkpoint group {i}: {ADDED}={shown_added} is not a "
                              "list of key names; the file is corrupt")
-        known |= {NAMES, ADDED, *added}
-        if unknown := sorted(set(saved) - known - set(options)):
+        # keys its constructor would refuse (older checkpoints' keys load as what they meant),
+        # but those other code added (ADDED)
+        if unknown := sorted(set(added_keys(saved)) - {*LEGACY_KEYS, "ns_method", *added}):
             raise ValueError(f"optimizer checkpoint group {i} has unknown keys {unknown}, which "
                              f"no {group['kind']} group takes; the file is corrupt or from "
                              "another optimizer")
@@ -337,37 +337,30 @@ def check_state_dict(param_groups: list[dict], state_dict: dict) -> dict:
             raise ValueError(f"optimizer checkpoint has state for param id {pid}, "
                              "which no group lists; corrupt file?")
         i, j, p, group = where[pid]
-        if group["kind"] == "muon":
-            check_muon_state(f"optimizer checkpoint: group {i} param {j}", st, p, group)
-            continue
-        if group["kind"] in kinds.KINDS:
-            check_kind_state(f"optimizer checkpoint: group {i} param {j}", st, p, group["kind"])
-            continue
-        for name in ("exp_avg", "exp_avg_sq"):
-            if name in st and tuple(st[name].shape) != tuple(p.shape):
-                raise ValueError(f"optimizer checkpoint: group {i} param {j} {name} has shape "
-                                 f"{tuple(st[name].shape)}, the param has {tuple(p.shape)}; "
-                                 "the checkpoint is from a different model size")
+        check_param_state(f"optimizer checkpoint: group {i} param {j}", st, p, group)
     return state_dict
 
 
+def state_slots(p: Tensor, group: dict) -> dict:
+    """name -> muon.StateSlot of each state p may carry in its group's checkpoint: Muon's as its
+    stages declare it (stages.muon_state_layout; with state an option turns off now), a registered
+    kind's or AdamW's as kinds.state_slots."""
+    if group["kind"] == "muon":
+        return stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
+    return kinds.state_slots(group["kind"], p.shape, p.dtype)
+
+
 def cast_state(param_groups: list[dict], state_dict: dict) -> dict:
-    """state_dict with each floating state tensor in the dtype its group keeps it: a Muon
-    stage's declared dtype (some fp32 on purpose), else the param's, as torch casts; step not."""
+    """state_dict with each floating state tensor in the dtype its group keeps it (state_slots:
+    some fp32 on purpose), else the param's, as torch casts; step not."""
     where, state = _saved_places(param_groups, state_dict), {}
     for pid, st in state_dict["state"].items():
         if pid not in where or not isinstance(st, dict):
             state[pid] = st
             continue
         _, _, p, group = where[pid]
-        kind = group["kind"]
-        slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
-                 if kind == "muon" else {})
+        slots = state_slots(p, group)
         kept = {name: getattr(slots.get(name), "dtype", p.dtype) for name in st}
-        if kind in kinds.KINDS:  # a kind's declared dtype, at least (kinds.KindState)
-            kept |= {name: torch.promote_types(p.dtype, spec.dtype)
-                     for name, spec in kinds.KINDS[kind].state.items()
-                     if name in st and spec.dtype is not None}
         state[pid] = {name: v.to(kept[name]) if (isinstance(v, Tensor) and v.is_floating_point()
                                                  and kept[name].is_floating_point
                                                  and name != "step") else v
@@ -375,42 +368,39 @@ def cast_state(param_groups: list[dict], state_dict: dict) -> dict:
     return dict(state_dict, state=state)
 
 
-def check_kind_state(where: str, st: dict, p: Tensor, kind: str) -> None:
-    """A registered kind's saved state against its declaration: a step, then each state tensor
-    of its shape (kinds.KINDS[kind].state), nothing else."""
-    shapes = {name: shape for name, (shape, _) in kinds.state_shapes(kind, p.shape).items()}
+def check_param_state(where: str, st: dict, p: Tensor, group: dict) -> None:
+    """A param's saved state against what its group keeps (state_slots): each a tensor of the
+    declared shape and dtype, nothing else but the step count of a kind that keeps one (all but
+    Muon, whose group counts); a Muon stage's state missing (a stage added on resume) is made
+    afresh, noted."""
+    kind, slots = group["kind"], state_slots(p, group)
+    counted = kind != "muon"  # a step per param
+    keeper = f"a {kind} group" if counted else "this group"  # Muon's: as its stages say
     for name, v in st.items():
-        if name != "step" and (name not in shapes or not isinstance(v, Tensor)):
-            raise ValueError(f"{where} state {name!r} is not state a {kind} group keeps (step, "
-                             f"{', '.join(shapes)}); the checkpoint is from another optimizer setup")
-        if name != "step" and tuple(v.shape) != shapes[name]:
-            raise ValueError(f"{where} state {name!r} is {tuple(v.shape)}, a {kind} group keeps "
-                             f"{shapes[name]} for a param of {tuple(p.shape)}; the checkpoint is "
-                             "from another model or optimizer setup")
-    if st and (missing := sorted({"step", *shapes} - set(st))):
-        raise ValueError(f"{where} has state but no {missing}; corrupt file?")
-
-
-def check_muon_state(where: str, st: dict, p: Tensor, group: dict) -> None:
-    """A Muon param's saved state against what this group keeps: every tensor of the declared
-    shape and dtype; a stage's state missing (a stage added on resume) is made afresh, noted."""
-    layout = stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
-    kept = stages.muon_state_layout(p.shape, p.dtype, group)
-    for name, v in st.items():
-        slot = layout.get(name)
-        what = f"{where} state {name!r}"
+        slot, what = slots.get(name), f"{where} state {name!r}"
+        if counted and name == "step":  # checked with the values (state_values_problem)
+            continue
         if slot is None:
-            raise ValueError(f"{what} is not state this group keeps ({', '.join(layout)}); the "
-                             "checkpoint is from another optimizer setup")
+            raise ValueError(f"{what} is not state {keeper} keeps "
+                             f"({', '.join(['step'] * counted + [*slots])}); the checkpoint is "
+                             "from another optimizer setup")
         if not isinstance(v, Tensor):
             raise ValueError(f"{what} is a {type(v).__name__}, not a tensor; corrupt file?")
         if tuple(v.shape) != tuple(slot.shape) or v.dtype != slot.dtype:
-            raise ValueError(f"{what} is {tuple(v.shape)} {v.dtype}, this group keeps "
-                             f"{tuple(slot.shape)} {slot.dtype}; the checkpoint is from another "
-                             "model or optimizer setup")
-    if st and "momentum_buffer" in layout and "momentum_buffer" not in st:
-        raise ValueError(f"{where} has state but no momentum_buffer; corrupt file?")
-    if st and (missing := [name for name in kept if name not in st]):
+            # Muon's stages keep dtypes of their own; other state was cast (cast_state), so its
+            # dtype is wrong only where not a float
+            dtypes = not counted or v.dtype != slot.dtype
+            saved, kept = (f"{tuple(t.shape)}" + f" {t.dtype}" * dtypes for t in (v, slot))
+            said = (f"{where} {name} has shape {saved}, the param has {kept}" if kind == "adamw"
+                    else f"{what} is {saved}, {keeper} keeps {kept} for a param of "
+                    f"{tuple(p.shape)}")  # AdamW's: shaped as its param
+            raise ValueError(f"{said}; the checkpoint is from another model or optimizer setup")
+    # a Muon stage's state may be new on resume; momentum and a kind's state exist from step 1
+    needed = ["step", *slots] if counted else ["momentum_buffer"] * ("momentum_buffer" in slots)
+    if st and (missing := [name for name in needed if name not in st]):
+        raise ValueError(f"{where} has state but no {', '.join(missing)}; corrupt file?")
+    if st and not counted and (missing := [name for name in stages.muon_state_layout(
+            p.shape, p.dtype, group) if name not in st]):
         logger.warning("%s: no saved %s; the stage starts it afresh at the next step", where,
                        ", ".join(missing))
 
@@ -448,12 +438,7 @@ def state_values_problem(param_groups: list[dict], state_dict: dict) -> str | No
     where = _saved_places(param_groups, state_dict)
     for pid, st in state_dict["state"].items():
         i, j, p, group = where[pid]
-        slots = (stages.muon_state_layout(p.shape, p.dtype, group, declared=True)
-                 if group["kind"] == "muon" else {})
-        nonnegative = {name for name, s in slots.items() if s.nonnegative} | {"exp_avg_sq"}
-        if group["kind"] in kinds.KINDS:
-            nonnegative = {name for name, (_, nonneg) in kinds.state_shapes(group["kind"],
-                                                                            p.shape).items() if nonneg}
+        nonnegative = {name for name, s in state_slots(p, group).items() if s.nonnegative}
         for name, v in st.items():
             if group["kind"] != "muon" and name == "step":
                 wrong = _bad_step(v)

@@ -20,6 +20,7 @@ from nanomuon.attention import CHOICES as ATTENTION_CHOICES
 from nanomuon.common import available_memory, print0  # tests stand in for available_memory
 from nanomuon.fp8 import RECIPES
 from nanomuon.gpt import GPT, GPTConfig, config_from_depth
+from nanomuon.kinds import state_slots
 from nanomuon.param_groups import fill_defaults
 from nanomuon.run import run_arg
 from nanomuon.seeds import check_seeds, parse_seeds
@@ -400,12 +401,12 @@ def variant_groups(args, config: GPTConfig) -> list[dict]:
 def optimizer_state(args, config: GPTConfig) -> int:
     """Bytes of this run's optimizer state, exactly: each Muon param's slots as its stages declare
     them (StateSpec, at the roles they run on: a SOAP lm_head keeps vocab-sized factors), AdamW's
-    two moments."""
+    two moments, a registered kind's as it declares them (kinds.KindState: Lion's one moment)."""
     total = 0
     for group in variant_groups(args, config):
         for p in group["params"]:
-            slots = (muon_state_layout(p.shape, torch.float32, group).values()
-                     if group["kind"] == "muon" else [(p.shape, torch.float32)] * 2)
+            slots = (muon_state_layout(p.shape, torch.float32, group) if group["kind"] == "muon"
+                     else state_slots(group["kind"], p.shape, torch.float32)).values()
             total += sum(math.prod(shape) * dtype.itemsize for shape, dtype, *_ in slots)
     return total
 

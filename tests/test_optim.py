@@ -515,6 +515,35 @@ def test_mismatched_checkpoint_is_refused():
         MuonAdamW([adamw_group(make_params([(3,)]))]).load_state_dict(opt_other.state_dict())
 
 
+# An AdamW param's saved state (build: param 3, of shape (7,)), edited as a corrupt file might be
+BAD_ADAMW_STATE = {
+    "unknown state": (lambda st: st.update(mystery=torch.zeros(7)),
+                      r"group 1 param 0 state 'mystery' is not state a adamw group keeps "
+                      r"\(step, exp_avg, exp_avg_sq\)"),
+    "no step": (lambda st: st.pop("step"), r"group 1 param 0 has state but no step; corrupt"),
+    "no exp_avg": (lambda st: st.pop("exp_avg"), r"has state but no exp_avg; corrupt"),
+    "a number": (lambda st: st.update(exp_avg=0.5), r"state 'exp_avg' is a float, not a tensor"),
+    "integers": (lambda st: st.update(exp_avg_sq=st["exp_avg_sq"].long()),  # floats are cast
+                 r"group 1 param 0 exp_avg_sq has shape \(7,\) torch.int64, the param has "
+                 r"\(7,\) torch.float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ADAMW_STATE))
+def test_adamw_state_is_checked_as_every_kind_s(name):
+    """AdamW's saved state, as Muon's and the registered kinds', holds exactly its step and two
+    moment tensors: anything else is refused in one line at load, not loaded to fail in the math
+    (a KeyError, an integer lerp) or to ride along unread."""
+    params = make_params([(16, 24), (16, 24), (24, 8), (7,)])
+    opt = build(params)
+    run_steps(opt, params, 1)
+    saved = opt.state_dict()
+    edit, says = BAD_ADAMW_STATE[name]
+    edit(saved["state"][3])
+    with pytest.raises(ValueError, match=says):
+        build(clone_params(params)).load_state_dict(saved)
+
+
 def test_distributed_optimizer_without_process_group():
     from nanomuon.optim import DistMuonAdamW
 
