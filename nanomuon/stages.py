@@ -365,8 +365,8 @@ def _muown_check(group: dict) -> str | None:
                 "GPT.setup_optimizer(horizon=), base_train sets it), or muown_v_norm_target=None")
 
 
-def _row_spec(init=0.0):
-    return StateSpec(lambda rows, cols: (rows, 1), init=init)
+def _row_spec(init=0.0, nonnegative=False):
+    return StateSpec(lambda rows, cols: (rows, 1), init=init, nonnegative=nonnegative)
 
 
 # The registries a group names its stages from (docs/optimizer.md, "Stages").
@@ -420,7 +420,7 @@ APPLIERS = {
     "muown": Stage(muown_apply, state=dict(
         muown_gain=_row_spec(muown_row_norms), muown_v_norm=_row_spec(muown_row_norms),
         muown_v_norm_start=_row_spec(muown_row_norms), muown_gain_exp_avg=_row_spec(),
-        muown_gain_exp_avg_sq=_row_spec()), reads=("muown_gain_grad",),
+        muown_gain_exp_avg_sq=_row_spec(nonnegative=True)), reads=("muown_gain_grad",),
         check=_muown_check, flags=Flags(logical=True, weight_decay=False)),
 }
 # group key -> its registry; precondition and post_process take a sequence of names

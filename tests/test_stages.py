@@ -273,6 +273,21 @@ def test_muown_keeps_no_momentum_buffer_and_applies_no_weight_decay():
     assert stages.muon_plan(dict(group, precondition=(), apply="cautious"), p.shape, p.dtype, p.device).decays
 
 
+def test_a_negative_muown_second_moment_is_refused_at_load():
+    """Muown's gain steps by Adam, whose second moment's square root is taken: a saved negative one would
+    make the gain NaN at the next step, so the load refuses it in one line, as it does AdamW's."""
+    p = torch.nn.Parameter(torch.randn(24, 16, generator=torch.Generator().manual_seed(0)))
+    group = lambda q: dict(kind="muon", params=[q], **BASE, **TECHNIQUES["muown"])
+    opt = MuonAdamW([group(p)])
+    p.grad = grads_for((24, 16), 1, 1)[0]
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["muown_gain_exp_avg_sq"] = saved["state"][0]["muown_gain_exp_avg_sq"].clone().fill_(-1.0)
+    fresh = MuonAdamW([group(torch.nn.Parameter(p.detach().clone()))])
+    with pytest.raises(ValueError, match=r"'muown_gain_exp_avg_sq' holds negative values \(down to -1\)"):
+        fresh.load_state_dict(saved)
+
+
 def test_muowns_schedule_needs_a_horizon():
     p = torch.nn.Parameter(torch.randn(8, 8))
     options = dict(TECHNIQUES["muown"], horizon=None)
