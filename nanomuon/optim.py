@@ -709,8 +709,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def _all_reduce(self, t, op=None):
         """Start an all_reduce of t in place: the mean over the ranks (on gloo their sum, which
         _finish_mean divides), or op's."""
-        mean = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-        return dist.all_reduce(t, op=mean if op is None else op, group=self.pg, async_op=True)
+        if op is None:  # a MuonAdamW over DTensors asks only op's: it has no _use_avg
+            op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        return dist.all_reduce(t, op=op, group=self.pg, async_op=True)
 
     def _finish_mean(self, t: Tensor) -> None:
         """The mean of a reduced t, in place: a division where the backend summed (gloo)."""
