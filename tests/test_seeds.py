@@ -367,22 +367,29 @@ SOAP_HEAD = ["--optimizer", "muon", "--variant-option", "roles.lm_head.kind=muon
 def test_optimizer_state_counts_a_registered_kind_s_state_as_declared(kind):
     """A role turned a registered kind keeps the state the kind declares (Lion one moment,
     Adam-mini a per-row second one), not AdamW's two: optimizer_state is what a step holds."""
-    from nanomuon.gpt import GPT, config_from_depth
     from scripts import train_args
-    from scripts.base_train import optimizer_options
 
     args = train_args.parse_args(["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32",
                                   "--max-seq-len", "64", "--total-batch-size", "256",
                                   "--optimizer", "muon",
                                   "--variant-option", f"roles.lm_head.kind={kind}"])
+    config, held = held_after_a_step(args)
+    assert train_args.optimizer_state(args, config) == held
+
+
+def held_after_a_step(args):
+    """(The depth-2 test model's config, the bytes of state its real optimizer holds after a step
+    with args' variant), the reference optimizer_state is held to."""
+    from nanomuon.gpt import GPT, config_from_depth
+    from scripts.base_train import optimizer_options
+
     model = GPT(config_from_depth(2, 512, 64, 32, 32))
     model.init_weights()
     opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=3)
     model(torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))).backward()
     opt.step()
-    held = sum(t.numel() * t.element_size() for state in opt.state.values()
-               for k, t in state.items() if torch.is_tensor(t) and k != "step")
-    assert train_args.optimizer_state(args, model.config) == held
+    return model.config, sum(t.numel() * t.element_size() for state in opt.state.values()
+                             for k, t in state.items() if torch.is_tensor(t) and k != "step")
 
 
 def test_the_memory_checks_count_each_stages_state_at_its_role(monkeypatch):
@@ -390,21 +397,13 @@ def test_the_memory_checks_count_each_stages_state_at_its_role(monkeypatch):
     included); at vocab 32,768 those are 8 GiB, so the CPU check refuses the run with 6 GiB free
     (plain muon passes) and the GPU fit leaves no row for it in 10 GiB."""
     from nanomuon import arch
-    from nanomuon.gpt import GPT, config_from_depth
+    from nanomuon.gpt import config_from_depth
     from scripts import train_args
-    from scripts.base_train import optimizer_options
 
     shape = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
              "--device-batch-size", "4", "--num-iterations", "3", "--total-batch-size", "256"]
     args = train_args.parse_args([*shape, *SOAP_HEAD])
-    config = config_from_depth(2, 512, 64, 32, 32)
-    model = GPT(config)
-    model.init_weights()
-    opt = model.setup_optimizer(**optimizer_options(args, compiled=False), horizon=3)
-    model(torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))).backward()
-    opt.step()
-    held = sum(t.numel() * t.element_size() for state in opt.state.values()
-               for k, t in state.items() if torch.is_tensor(t) and k != "step")
+    config, held = held_after_a_step(args)
     assert train_args.optimizer_state(args, config) == held
     big = config_from_depth(2, 32768, 64, 32, 32)
     monkeypatch.setattr(train_args, "available_memory", lambda: (6 << 30, 0))
