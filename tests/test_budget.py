@@ -168,13 +168,16 @@ def test_a_first_budget_runs_its_plan_at_once_and_its_runs_time_it(base, fake, c
 
 def test_runs_without_a_budget_are_timed_for_the_next_plan(base, fake):
     """An ablation given its steps plans no budget, yet its runs' step records are kept as a calibration
-    (a --published table resumed says its time as measured here, not by the prior): a seed's step at the
-    fake's STEP_S, and the start-up, evals and save what is left of the runs' walls."""
+    (a --published table resumed says its time as measured here, not by the prior), and each run's wall is
+    said as it ends: a seed's step at the fake's STEP_S, the start-up, evals and save what is left."""
     from scripts import ablate
 
     calibrations = lambda: set((base / "ablations" / "cache").glob("calibration-*.json"))
     before = calibrations()
     ablate.main([*FLAGS, "--num-iterations", "50", "--seeds", "3", "--name", "unbudgeted"])
+    took = f"took {(START_S + 3 * 50 * STEP_S + REST_S) / 60:.1f} min; the runs so far: 1.000 s a step of a seed"
+    assert sum(line.startswith("== muon lr-multiplier 1 seeds 1-3 batched " + took) for line in fake.said()) == 1, [
+        line for line in fake.said() if "took" in line]
     kept = calibrations() - before
     assert len(kept) == 1
     cal, about = planner.read_calibration(kept.pop())

@@ -131,6 +131,7 @@ class Timer(Tracker):
     def finished(self, run, cal: Calibration) -> None:
         write_json(self.keys.calibration, dict(calibration=cal._asdict(),
                                                about=dict(self.about, when=time.time())))
+        tell(f"== {run.label} took {run.wall / 60:.1f} min; the runs so far: {in_words(cal)}")
 
 
 class Refiner(Tracker):
