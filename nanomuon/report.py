@@ -46,8 +46,12 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    cols = min(len(panels), 3)  # rows of three: a wide row of five shrinks every panel
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
         for label, (xs, ys, *band) in panel["series"].items():
             points = [pt for pt in zip(xs, ys, *band) if all(math.isfinite(v) for v in pt[1:])]
             if not points:
@@ -67,9 +71,11 @@ def plot_curves(path: Path, panels: list[dict], title: str = "") -> Path | None:
                xscale="log" if panel.get("logx") else "linear",
                yscale="log" if panel.get("logy") else "linear")
         if "xticks" in panel:
-            ax.set_xticks(*panel["xticks"])
+            ax.set_xticks(*panel["xticks"], rotation=20, ha="right")  # long names must not overlap
         ax.grid(alpha=0.3)
-        if len(panel["series"]) > 1:
+        if len(panel["series"]) > 6:  # a table's many runs: beside the axes, not over the curves
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small")
+        elif len(panel["series"]) > 1:
             ax.legend()
     if title:
         fig.suptitle(title)

@@ -1029,6 +1029,36 @@ def test_the_difference_panel_shows_the_verdicts_own_interval(tmp_path):
     assert plot_curves(tmp_path / "p.png", [panel]).stat().st_size > 0
 
 
+def test_the_verdict_panel_draws_each_variant_at_its_best_in_percent(tmp_path):
+    """The verdicts at a glance: each variant's final bpb minus the baseline's, paired by seed, at its
+    own best swept value, in % of the baseline's mean, with the t interval worked out here (t_0.975 at
+    2 df); a five-panel plot lays them out as two rows of three, not one row of five."""
+    import struct
+
+    from nanomuon.ablation.runs import Sweep
+    from nanomuon.ablation.verdicts import verdict_panel
+    from nanomuon.report import plot_curves
+
+    finals = {("muon", "-"): [2.00, 2.02, 2.01], ("adamw", "1"): [2.05, 2.06, 2.08],
+              ("adamw", "2"): [2.10, 2.11, 2.12]}
+    results = {(v, x, s): dict(final_eval_bpb=f[s - 1], final_val_bpb=f[s - 1])
+               for (v, x), f in finals.items() for s in (1, 2, 3)}
+    sweep = Sweep("lr-multiplier", ["1", "2"], fixed=("muon",))
+    panel = verdict_panel(results, ["muon", "adamw"], sweep, [1, 2, 3], {"muon": "-", "adamw": "1"},
+                          "muon")
+    diffs = [a - b for a, b in zip(finals["adamw", "1"], finals["muon", "-"])]
+    m, base = sum(diffs) / 3, sum(finals["muon", "-"]) / 3
+    hw = T975[2] * math.sqrt(sum((d - m) ** 2 for d in diffs) / 2 / 3)
+    xs, ys, lo, hi = panel["series"]["adamw at 1"]  # its best of 1 and 2
+    assert xs == [0] and ys == [pytest.approx(100 * m / base)]
+    for half_width in (ys[0] - lo[0], hi[0] - ys[0]):  # a 4-digit t
+        assert half_width == pytest.approx(100 * hw / base, rel=1e-3)
+    assert panel["xticks"] == ([0], ["adamw at 1"])
+    png = plot_curves(tmp_path / "p.png", [panel] * 5).read_bytes()
+    width, height = struct.unpack(">II", png[16:24])  # the PNG's IHDR
+    assert 1.5 < width / height < 3, (width, height)  # one row of five would be about 7
+
+
 def children_of(pid):
     """The pids of pid's child processes (Linux /proc)."""
     from pathlib import Path

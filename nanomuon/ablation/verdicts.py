@@ -196,6 +196,27 @@ def difference_panel(results: dict, variants: list[str], seeds: list[int], best:
                 dashed=dashed)
 
 
+def verdict_panel(results: dict, variants: list[str], sweep: Sweep, seeds: list[int],
+                  best: dict, baseline: str) -> dict:
+    """Each variant's verdict at a glance, as the table reads it: its final bpb minus the
+    baseline's, paired by seed, in % of the baseline's, with the 95% interval as an error bar."""
+    others = [v for v in variants if v != baseline]
+    base = statistics.fmean(final_bpb(results[baseline, best[baseline], s]) for s in seeds)
+    series = {"no difference": ([-0.5, len(others) - 0.5], [0.0, 0.0])}
+    colors, labels = {"no difference": "gray"}, []
+    for i, v in enumerate(others):
+        c = stats.paired([final_bpb(results[v, best[v], s]) -
+                          final_bpb(results[baseline, best[baseline], s]) for s in seeds])
+        label = f"{v} at {best[v]}" if len(sweep.of(v)) > 1 else v  # at its best swept value
+        series[label] = ([i], *([100 * c[k] / base] for k in ("mean", "lo", "hi")))
+        colors[label] = f"C{variants.index(v)}"
+        labels.append(label)
+    return dict(title=f"the verdicts: final val bpb minus {baseline}'s (95% CI)",
+                xlabel=f"each at its best {sweep.flag}" if len(sweep.values) > 1 else "",
+                ylabel=f"% of {baseline}'s bpb (< 0: better)", series=series, colors=colors,
+                dashed=["no difference"], xticks=(list(range(len(others))), labels))
+
+
 def steps_panel(results: dict, variants: list[str], seeds: list[int], best: dict, baseline: str,
                 finals: dict) -> dict:
     """The baseline's final bpb by its length, and each variant's mean final bpb drawn back to
@@ -232,7 +253,9 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         if sweep.of(v) == sweep.values:
             finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
             by_value[v] = (value_axis(sweep.values)[0], *spread(finals))
-    panels = [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
+    panels = ([verdict_panel(results, variants, sweep, seeds, best, baseline),
+               difference_panel(results, variants, seeds, best, baseline)]
+              if len(seeds) > 1 else [])
     finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
     if len(finals) > 1:
         panels.append(steps_panel(results, variants, seeds, best, baseline, finals))
@@ -243,6 +266,7 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
     if len(sweep.values) > 1:
         panels.append(dict(title=f"final val bpb by {sweep.flag}", xlabel=sweep.flag,
                            ylabel="bits per byte", series=by_value,
+                           colors={v: f"C{variants.index(v)}" for v in by_value},  # as above
                            **value_axis(sweep.values)[1]))
     return plot_curves(out / "val_bpb.png", panels, title=title)
 
