@@ -318,7 +318,9 @@ def test_the_stages_table_lists_every_registered_stage():
 
 # a variant's name as the docs write it; `muon-mine` is research.md's example of one to add
 VARIANT = re.compile(r"(?:muon|adamw|torch-muon|scion)(?:-[a-z0-9]+)*")
-EXAMPLES = {"muon-mine"}
+# names an example defines: README's own variant, research.md's Newton-Muon controls (an ideas file)
+EXAMPLES = {"muon-mine", "muon-newton-control", "muon-newton-muon-lrs",
+            "muon-newton-muon-lrs-control"}
 
 
 def test_every_variant_the_docs_name_exists_and_the_list_is_whole():
