@@ -253,9 +253,11 @@ def plot(out, results: dict, variants: list[str], sweep: Sweep, seeds: list[int]
         if sweep.of(v) == sweep.values:
             finals = [[final_bpb(results[v, x, s]) for s in seeds] for x in sweep.values]
             by_value[v] = (value_axis(sweep.values)[0], *spread(finals))
-    panels = ([verdict_panel(results, variants, sweep, seeds, best, baseline)]
-              if len(seeds) > 1 and len(variants) > 1 else [])  # a sweep of one: nothing to judge
-    panels += [difference_panel(results, variants, seeds, best, baseline)] if len(seeds) > 1 else []
+    panels = []
+    if len(seeds) > 1:  # a paired verdict needs seeds; a sweep of one variant has none to judge
+        if len(variants) > 1:
+            panels.append(verdict_panel(results, variants, sweep, seeds, best, baseline))
+        panels.append(difference_panel(results, variants, seeds, best, baseline))
     finals = baseline_finals(results, lengths, seeds, baseline, best[baseline])
     if len(finals) > 1:
         panels.append(steps_panel(results, variants, seeds, best, baseline, finals))
